@@ -1,0 +1,112 @@
+//! The one error type of the reference crate.
+//!
+//! Every variant names the offending field (as the JSON interface spells it,
+//! e.g. `lengths`, `cu_seqlens`, `targets`) and, where there is one, the index,
+//! so that a caller can find the bad value without a debugger. The variants map
+//! one-to-one onto the `kind` strings of the `packshard eval` error contract
+//! (`shared/docs/INTERFACE.md`) through [`Error::kind`].
+
+use thiserror::Error;
+
+/// Result alias used throughout the reference crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// A typed error: bad input never panics and never loses data silently.
+#[derive(Debug, Clone, PartialEq, Error)]
+pub enum Error {
+    /// A sequence is longer than the pack and the overlong policy is `error`.
+    #[error("{field}[{index}]: sequence of length {length} is longer than max_seq_len {max_seq_len}")]
+    SequenceTooLong {
+        /// The input field (`lengths`, `sequences`, `histogram`).
+        field: String,
+        /// Index of the sequence (for a histogram: its length).
+        index: usize,
+        /// Its length in tokens.
+        length: usize,
+        /// The pack length it does not fit.
+        max_seq_len: usize,
+    },
+    /// An index (token id, target, offset) outside its valid range.
+    #[error("{field}[{index}] = {value} is out of range {lo}..{hi}")]
+    IndexOutOfRange {
+        /// The input field.
+        field: String,
+        /// Position of the bad value.
+        index: usize,
+        /// The bad value.
+        value: i64,
+        /// Inclusive lower end of the valid range.
+        lo: i64,
+        /// Exclusive upper end of the valid range.
+        hi: i64,
+    },
+    /// A tensor whose shape does not match what the operation needs.
+    #[error("{field}: shape {actual:?} does not match the expected {expected}")]
+    ShapeMismatch {
+        /// The input field.
+        field: String,
+        /// The expected shape, in the crate's shape legend (e.g. `[n_tok, h, d]`).
+        expected: String,
+        /// The shape that was given.
+        actual: Vec<usize>,
+    },
+    /// A NaN or infinity where only finite values are allowed.
+    #[error("{field}[{index}] is not finite ({value})")]
+    NonFiniteInput {
+        /// The input field.
+        field: String,
+        /// Flat (row-major) index of the first non-finite value.
+        index: usize,
+        /// The value itself.
+        value: f64,
+    },
+    /// Any other argument outside its domain.
+    #[error("{field}: {message}")]
+    InvalidArgument {
+        /// The input field or option.
+        field: String,
+        /// What is wrong with it.
+        message: String,
+    },
+    /// A malformed line in a text input (CSV histograms, length lists).
+    #[error("{source_name} line {line}: {message}")]
+    Parse {
+        /// File name or `<inline>`.
+        source_name: String,
+        /// 1-based line number.
+        line: usize,
+        /// What is wrong with it.
+        message: String,
+    },
+}
+
+impl Error {
+    /// The snake_case kind string of the `packshard eval` error contract.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Error::SequenceTooLong { .. } => "sequence_too_long",
+            Error::IndexOutOfRange { .. } => "index_out_of_range",
+            Error::ShapeMismatch { .. } => "shape_mismatch",
+            Error::NonFiniteInput { .. } => "non_finite_input",
+            Error::InvalidArgument { .. } => "invalid_argument",
+            Error::Parse { .. } => "invalid_argument",
+        }
+    }
+
+    /// Shorthand for [`Error::InvalidArgument`].
+    pub fn invalid(field: impl Into<String>, message: impl Into<String>) -> Self {
+        Error::InvalidArgument { field: field.into(), message: message.into() }
+    }
+}
+
+/// Returns the first non-finite value of `values` as an [`Error::NonFiniteInput`].
+///
+/// `field` names the tensor; the index in the error is the flat row-major index.
+pub fn check_finite<'a>(field: &str, values: impl IntoIterator<Item = &'a f64>) -> Result<()> {
+    for (index, &value) in values.into_iter().enumerate() {
+        if !value.is_finite() {
+            return Err(Error::NonFiniteInput { field: field.to_string(), index, value });
+        }
+    }
+    Ok(())
+}

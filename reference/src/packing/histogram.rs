@@ -1,0 +1,223 @@
+//! Sequence-length histograms: the input of histogram packing (Krell et al., §3).
+
+use crate::error::{Error, Result};
+
+/// A histogram of sequence lengths.
+///
+/// `counts[l]` is the number of sequences of exactly `l` tokens, for `l` in
+/// `0..=max_length()`. `counts[0]` counts empty sequences: they are carried so
+/// that nothing is lost silently, but no packer places them (they are reported
+/// as `empty_sequences`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Histogram {
+    counts: Vec<u64>,
+}
+
+/// A real histogram embedded in the binary, with its source.
+#[derive(Debug, Clone, Copy)]
+pub struct EmbeddedHistogram {
+    /// Name used on the command line (`--dataset`) and in `eval`.
+    pub name: &'static str,
+    /// What the data is.
+    pub description: &'static str,
+    /// The pack length the data was truncated to (the natural `max_seq_len`).
+    pub max_seq_len: usize,
+    /// The `length,count` CSV text.
+    pub csv: &'static str,
+}
+
+/// Attribution of the embedded histograms.
+pub const EMBEDDED_SOURCE: &str = "graphcore/examples, tutorials/blogs_code/packedBERT/histograms.py \
+(commit 2d8b565326ef6ba730492ad8badd984b067645bc, MIT license), published with Krell et al., \
+\"Efficient Sequence Packing without Cross-contamination\", arXiv:2107.02027";
+
+/// The real histograms shipped with packshard (see `reference/data/SOURCES.md`).
+pub const EMBEDDED: [EmbeddedHistogram; 2] = [
+    EmbeddedHistogram {
+        name: "wikipedia-512",
+        description: "English Wikipedia, BERT pre-training phase 2 (16,279,552 sequences)",
+        max_seq_len: 512,
+        csv: include_str!("../../data/wikipedia_512_histogram.csv"),
+    },
+    EmbeddedHistogram {
+        name: "squad-384",
+        description: "SQuAD 1.1 training features after doc-stride (88,641 sequences)",
+        max_seq_len: 384,
+        csv: include_str!("../../data/squad_1_1_384_histogram.csv"),
+    },
+];
+
+impl Histogram {
+    /// Builds a histogram from `counts[l]` = number of sequences of length `l`.
+    pub fn from_counts(counts: Vec<u64>) -> Self {
+        let mut counts = counts;
+        if counts.is_empty() {
+            counts.push(0);
+        }
+        Histogram { counts }
+    }
+
+    /// Builds the histogram of explicit sequence lengths (`lengths: [n]`, tokens).
+    pub fn from_lengths(lengths: &[usize]) -> Self {
+        let max = lengths.iter().copied().max().unwrap_or(0);
+        let mut counts = vec![0u64; max + 1];
+        for &l in lengths {
+            counts[l] += 1;
+        }
+        Histogram { counts }
+    }
+
+    /// Parses `length,count` CSV (a header line is optional; blank lines and
+    /// `#` comments are skipped). Lengths may repeat: their counts add up.
+    ///
+    /// # Errors
+    /// [`Error::Parse`] naming `source_name` and the 1-based line for a line that
+    /// is not two non-negative integers.
+    pub fn from_csv(source_name: &str, text: &str) -> Result<Self> {
+        let mut reader = csv::ReaderBuilder::new()
+            .has_headers(false)
+            .comment(Some(b'#'))
+            .trim(csv::Trim::All)
+            .flexible(true)
+            .from_reader(text.as_bytes());
+        let mut pairs: Vec<(usize, u64)> = Vec::new();
+        for (i, record) in reader.records().enumerate() {
+            let record = record.map_err(|e| Error::Parse {
+                source_name: source_name.to_string(),
+                line: e.position().map_or(i + 1, |p| p.line() as usize),
+                message: e.to_string(),
+            })?;
+            let line = record.position().map_or(i + 1, |p| p.line() as usize);
+            let parse_err = |message: String| Error::Parse { source_name: source_name.to_string(), line, message };
+            if record.len() == 1 && record[0].is_empty() {
+                continue;
+            }
+            if record.len() != 2 {
+                return Err(parse_err(format!("expected `length,count`, found {} fields", record.len())));
+            }
+            let (a, b) = (&record[0], &record[1]);
+            if i == 0 && a.parse::<u64>().is_err() {
+                // A header line such as `length,count`.
+                continue;
+            }
+            let length: usize = a.parse().map_err(|_| parse_err(format!("length {a:?} is not a non-negative integer")))?;
+            let count: u64 = b.parse().map_err(|_| parse_err(format!("count {b:?} is not a non-negative integer")))?;
+            if length > 1 << 24 {
+                return Err(parse_err(format!("length {length} is implausibly large (over 2^24 tokens)")));
+            }
+            pairs.push((length, count));
+        }
+        let max = pairs.iter().map(|p| p.0).max().unwrap_or(0);
+        let mut counts = vec![0u64; max + 1];
+        for (length, count) in pairs {
+            counts[length] = counts[length].checked_add(count).ok_or_else(|| Error::Parse {
+                source_name: source_name.to_string(),
+                line: 0,
+                message: format!("count of length {length} overflows u64"),
+            })?;
+        }
+        Ok(Histogram { counts })
+    }
+
+    /// One of the [`EMBEDDED`] histograms by name (`wikipedia-512`, `squad-384`).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] on field `dataset` for an unknown name.
+    pub fn embedded(name: &str) -> Result<Self> {
+        let entry = EMBEDDED.iter().find(|e| e.name == name).ok_or_else(|| {
+            let names: Vec<_> = EMBEDDED.iter().map(|e| e.name).collect();
+            Error::invalid("dataset", format!("unknown dataset {name:?}; known: {}", names.join(", ")))
+        })?;
+        Histogram::from_csv(entry.name, entry.csv)
+    }
+
+    /// `counts[l]` = number of sequences of length `l`, for `l` in `0..=max_length()`.
+    pub fn counts(&self) -> &[u64] {
+        &self.counts
+    }
+
+    /// Number of sequences of length `l` (0 beyond the maximum).
+    pub fn count(&self, l: usize) -> u64 {
+        self.counts.get(l).copied().unwrap_or(0)
+    }
+
+    /// The longest length the histogram can hold (its last index).
+    pub fn max_length(&self) -> usize {
+        self.counts.len() - 1
+    }
+
+    /// The longest length with a non-zero count (0 if none).
+    pub fn longest(&self) -> usize {
+        self.counts.iter().rposition(|&c| c > 0).unwrap_or(0)
+    }
+
+    /// Number of non-empty sequences.
+    pub fn num_sequences(&self) -> u64 {
+        self.counts.iter().skip(1).sum()
+    }
+
+    /// Number of empty (length 0) sequences.
+    pub fn empty_sequences(&self) -> u64 {
+        self.counts[0]
+    }
+
+    /// Total tokens, `sum_l l * counts[l]`.
+    pub fn real_tokens(&self) -> u64 {
+        self.counts.iter().enumerate().map(|(l, &c)| l as u64 * c).sum()
+    }
+
+    /// Fraction of padding when every sequence is padded to `max_seq_len`.
+    pub fn padding_fraction(&self, max_seq_len: usize) -> f64 {
+        let n = self.num_sequences();
+        if n == 0 {
+            return 0.0;
+        }
+        1.0 - self.real_tokens() as f64 / (n as f64 * max_seq_len as f64)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn embedded_wikipedia_matches_published_totals() {
+        let h = Histogram::embedded("wikipedia-512").unwrap();
+        assert_eq!(h.max_length(), 512);
+        assert_eq!(h.num_sequences(), 16_279_552);
+        assert_eq!(h.real_tokens(), 4_164_796_173);
+        assert!((h.padding_fraction(512) - 0.50033).abs() < 5e-6);
+    }
+
+    #[test]
+    fn embedded_squad_matches_published_totals() {
+        let h = Histogram::embedded("squad-384").unwrap();
+        assert_eq!(h.max_length(), 384);
+        assert_eq!(h.num_sequences(), 88_641);
+        assert_eq!(h.real_tokens(), 15_249_479);
+    }
+
+    #[test]
+    fn csv_errors_name_the_line() {
+        let err = Histogram::from_csv("x.csv", "length,count\n1,2\n3,-4\n").unwrap_err();
+        assert_eq!(
+            err,
+            Error::Parse { source_name: "x.csv".into(), line: 3, message: "count \"-4\" is not a non-negative integer".into() }
+        );
+        let err = Histogram::from_csv("x.csv", "1,2,3\n").unwrap_err();
+        assert!(matches!(err, Error::Parse { line: 1, .. }), "{err:?}");
+    }
+
+    #[test]
+    fn csv_repeated_lengths_add_up_and_zero_is_empty() {
+        let h = Histogram::from_csv("<inline>", "0,2\n3,1\n3,4\n").unwrap();
+        assert_eq!(h.counts(), &[2, 0, 0, 5]);
+        assert_eq!(h.empty_sequences(), 2);
+        assert_eq!(h.num_sequences(), 5);
+    }
+
+    #[test]
+    fn unknown_dataset_is_an_error() {
+        assert_eq!(Histogram::embedded("c4").unwrap_err().kind(), "invalid_argument");
+    }
+}

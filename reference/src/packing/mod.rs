@@ -1,0 +1,528 @@
+//! Sequence packing without cross-contamination (Krell et al., arXiv:2107.02027).
+//!
+//! Shapes and units: lengths and `max_seq_len` are in tokens; a *pack* is one
+//! row of `max_seq_len` tokens holding one or more sequences; a *strategy* is a
+//! multiset of lengths that share a pack, with a *repeat count* (how many packs
+//! use it). Every algorithm works on a length [`Histogram`] and returns
+//! strategies with exact integer bookkeeping: each sequence of the histogram is
+//! in exactly one pack ([`check_strategies`] proves it for any result).
+//!
+//! | algorithm | what it does | source |
+//! |---|---|---|
+//! | `none` | one sequence per row: the padding baseline | — |
+//! | `spfhp` | shortest-pack-first histogram packing | Krell et al. §3.2, App. Alg. 1 |
+//! | `lpfhp` | longest-pack-first (best fit, distributed repeats) | Krell et al. App. Alg. 2 |
+//! | `nnlshp` | weighted NNLS over all exact-fill packs of `depth` sequences | Krell et al. §3.3 |
+//! | `ffd` | first-fit decreasing | Johnson 1973 |
+//! | `bfd` | best-fit decreasing | Johnson 1973 |
+//!
+//! On explicit lengths, [`pack_lengths`] maps every input sequence (or, when
+//! split, each piece and its offset) to a pack; [`batch::PackedBatch`] turns
+//! token sequences and a plan into model inputs (`input_ids`, `position_ids`,
+//! `sequence_ids`, `cu_seqlens`).
+//!
+//! **Empty sequences** (length 0) are never placed in a pack: they are counted
+//! (`empty_sequences`) and skipped, so they cannot create zero-length segments
+//! or shift any later index.
+//!
+//! **Overlong sequences** follow [`Overlong`]: an error by default, naming the
+//! sequence and its length; `split` keeps every token; `truncate` and `drop`
+//! report the tokens (and sequences) lost.
+
+pub mod batch;
+mod heuristics;
+pub mod histogram;
+mod nnls;
+pub mod nnlshp;
+
+use std::fmt;
+use std::str::FromStr;
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+
+pub use batch::PackedBatch;
+pub use histogram::{EmbeddedHistogram, Histogram, EMBEDDED, EMBEDDED_SOURCE};
+
+use crate::error::{Error, Result};
+
+/// The packing algorithms.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Algorithm {
+    /// One sequence per row (the padding baseline).
+    None,
+    /// Shortest-pack-first histogram packing.
+    Spfhp,
+    /// Longest-pack-first histogram packing.
+    Lpfhp,
+    /// Non-negative least-squares histogram packing.
+    Nnlshp,
+    /// First-fit decreasing.
+    Ffd,
+    /// Best-fit decreasing.
+    Bfd,
+}
+
+impl Algorithm {
+    /// Every algorithm, in the order reports list them.
+    pub const ALL: [Algorithm; 6] =
+        [Algorithm::None, Algorithm::Spfhp, Algorithm::Lpfhp, Algorithm::Nnlshp, Algorithm::Ffd, Algorithm::Bfd];
+
+    /// The lowercase name used on the command line and in JSON.
+    pub fn name(self) -> &'static str {
+        match self {
+            Algorithm::None => "none",
+            Algorithm::Spfhp => "spfhp",
+            Algorithm::Lpfhp => "lpfhp",
+            Algorithm::Nnlshp => "nnlshp",
+            Algorithm::Ffd => "ffd",
+            Algorithm::Bfd => "bfd",
+        }
+    }
+
+    /// The `max_sequences_per_pack` used when none is given: 3 (the depth) for
+    /// NNLSHP, unlimited for the others.
+    pub fn default_max_sequences_per_pack(self) -> Option<usize> {
+        match self {
+            Algorithm::Nnlshp => Some(3),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for Algorithm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Algorithm {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        Algorithm::ALL.into_iter().find(|a| a.name() == s).ok_or_else(|| {
+            let names: Vec<_> = Algorithm::ALL.iter().map(|a| a.name()).collect();
+            Error::invalid("algorithm", format!("unknown algorithm {s:?}; known: {}", names.join(", ")))
+        })
+    }
+}
+
+/// What to do with a sequence longer than `max_seq_len`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Overlong {
+    /// Refuse: [`Error::SequenceTooLong`] names the sequence and its length.
+    #[default]
+    Error,
+    /// Cut into pieces of `max_seq_len` tokens (the last one shorter); no token is lost.
+    Split,
+    /// Keep the first `max_seq_len` tokens; the rest are counted in `dropped_tokens`.
+    Truncate,
+    /// Leave the whole sequence out; counted in `dropped_sequences` and `dropped_tokens`.
+    Drop,
+}
+
+impl FromStr for Overlong {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "error" => Ok(Overlong::Error),
+            "split" => Ok(Overlong::Split),
+            "truncate" => Ok(Overlong::Truncate),
+            "drop" => Ok(Overlong::Drop),
+            _ => Err(Error::invalid("overlong", format!("unknown policy {s:?}; known: error, split, truncate, drop"))),
+        }
+    }
+}
+
+/// How to pack.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PackingConfig {
+    /// Tokens per pack (the row length), at least 1.
+    pub max_seq_len: usize,
+    /// The algorithm.
+    pub algorithm: Algorithm,
+    /// At most this many sequences in one pack (`None`: unlimited, or the
+    /// algorithm's default, see [`Algorithm::default_max_sequences_per_pack`]).
+    /// For `nnlshp` this is the depth.
+    pub max_sequences_per_pack: Option<usize>,
+    /// Policy for sequences longer than `max_seq_len`.
+    pub overlong: Overlong,
+}
+
+impl PackingConfig {
+    /// A config with the algorithm's default limit and overlong = error.
+    pub fn new(algorithm: Algorithm, max_seq_len: usize) -> Self {
+        PackingConfig { max_seq_len, algorithm, max_sequences_per_pack: None, overlong: Overlong::Error }
+    }
+
+    /// Sets `max_sequences_per_pack`.
+    pub fn with_max_sequences_per_pack(mut self, limit: Option<usize>) -> Self {
+        self.max_sequences_per_pack = limit;
+        self
+    }
+
+    /// Sets the overlong policy.
+    pub fn with_overlong(mut self, overlong: Overlong) -> Self {
+        self.overlong = overlong;
+        self
+    }
+
+    /// The effective limit on sequences per pack (`max_seq_len` when unlimited,
+    /// since no pack can hold more non-empty sequences than tokens).
+    pub fn limit(&self) -> usize {
+        let limit = self.max_sequences_per_pack.or(self.algorithm.default_max_sequences_per_pack());
+        match self.algorithm {
+            Algorithm::None => 1,
+            _ => limit.unwrap_or(self.max_seq_len).min(self.max_seq_len),
+        }
+    }
+
+    /// A short human description of the setting, e.g. `max 12/pack` or `depth 3`.
+    pub fn setting(&self) -> String {
+        match (self.algorithm, self.max_sequences_per_pack.or(self.algorithm.default_max_sequences_per_pack())) {
+            (Algorithm::None, _) => "1/pack".to_string(),
+            (Algorithm::Nnlshp, Some(d)) => format!("depth {d}"),
+            (_, Some(k)) => format!("max {k}/pack"),
+            (_, None) => "unlimited".to_string(),
+        }
+    }
+
+    fn validate(&self) -> Result<()> {
+        if self.max_seq_len == 0 {
+            return Err(Error::invalid("max_seq_len", "must be at least 1"));
+        }
+        if self.max_sequences_per_pack == Some(0) {
+            return Err(Error::invalid("max_sequences_per_pack", "must be at least 1"));
+        }
+        Ok(())
+    }
+}
+
+/// A strategy: the lengths that share one pack (descending) and how many packs use it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Strategy {
+    /// Sequence lengths in the pack, in tokens, longest first.
+    pub lengths: Vec<usize>,
+    /// Repeat count: number of packs with exactly these lengths.
+    pub count: u64,
+}
+
+impl Strategy {
+    /// Tokens used by one pack of this strategy.
+    pub fn tokens(&self) -> usize {
+        self.lengths.iter().sum()
+    }
+}
+
+/// Sorts lengths within strategies (descending), merges identical strategies,
+/// drops empty ones and orders them by descending lengths: one canonical form
+/// for every algorithm, so plans and snapshots are deterministic.
+pub fn canonicalize(strategies: Vec<Strategy>) -> Vec<Strategy> {
+    let mut merged: std::collections::BTreeMap<Vec<usize>, u64> = std::collections::BTreeMap::new();
+    for mut s in strategies {
+        if s.count == 0 || s.lengths.is_empty() {
+            continue;
+        }
+        s.lengths.sort_unstable_by(|a, b| b.cmp(a));
+        *merged.entry(s.lengths).or_default() += s.count;
+    }
+    let mut out: Vec<Strategy> = merged.into_iter().map(|(lengths, count)| Strategy { lengths, count }).collect();
+    out.sort_by(|a, b| b.lengths.cmp(&a.lengths));
+    out
+}
+
+/// Verifies that `strategies` pack `histogram` (lengths `1..`) exactly: every
+/// sequence in exactly one pack, no pack over `max_seq_len` tokens or over
+/// `limit` sequences, no empty pack.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] on field `strategies` describing the first violation.
+pub fn check_strategies(histogram: &Histogram, strategies: &[Strategy], max_seq_len: usize, limit: usize) -> Result<()> {
+    let mut placed = vec![0u64; histogram.max_length().max(max_seq_len) + 1];
+    for (i, s) in strategies.iter().enumerate() {
+        let bad = |m: String| Err(Error::invalid("strategies", format!("strategy {i} {:?}: {m}", s.lengths)));
+        if s.lengths.is_empty() {
+            return bad("is empty".into());
+        }
+        if s.tokens() > max_seq_len {
+            return bad(format!("holds {} tokens, over max_seq_len {max_seq_len}", s.tokens()));
+        }
+        if s.lengths.len() > limit {
+            return bad(format!("holds {} sequences, over the limit {limit}", s.lengths.len()));
+        }
+        for &l in &s.lengths {
+            if l == 0 || l >= placed.len() {
+                return bad(format!("has a length {l} that is not in the histogram"));
+            }
+            placed[l] += s.count;
+        }
+    }
+    for (l, &p) in placed.iter().enumerate().skip(1) {
+        if p != histogram.count(l) {
+            return Err(Error::invalid(
+                "strategies",
+                format!("length {l}: {p} sequences placed, histogram has {}", histogram.count(l)),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Figures that describe a packing. Token counts are exact integers.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PackingMetrics {
+    /// Algorithm name.
+    pub algorithm: String,
+    /// Human description of the setting (`max 12/pack`, `depth 3`).
+    pub setting: String,
+    /// Tokens per pack.
+    pub max_seq_len: usize,
+    /// Packs (rows) used.
+    pub num_packs: u64,
+    /// Non-empty input sequences.
+    pub num_sequences: u64,
+    /// Segments placed in packs (sequences, or pieces of split sequences).
+    pub num_segments: u64,
+    /// Tokens placed in packs.
+    pub real_tokens: u64,
+    /// Padding tokens: `num_packs * max_seq_len - real_tokens`.
+    pub padding_tokens: u64,
+    /// Packing efficiency: `real_tokens / (num_packs * max_seq_len)` (0 with no packs).
+    pub efficiency: f64,
+    /// Speed-up over one segment per row: `num_segments / num_packs` (1 with no packs).
+    pub speedup: f64,
+    /// The speed-up with zero padding: `num_segments * max_seq_len / real_tokens`.
+    pub speedup_limit: f64,
+    /// Mean segments per pack.
+    pub sequences_per_pack: f64,
+    /// Tokens lost by `truncate` or `drop`.
+    pub dropped_tokens: u64,
+    /// Sequences left out by `drop`.
+    pub dropped_sequences: u64,
+    /// Sequences shortened by `truncate`.
+    pub truncated_sequences: u64,
+    /// Sequences cut into pieces by `split`.
+    pub split_sequences: u64,
+    /// Empty input sequences (counted, never packed).
+    pub empty_sequences: u64,
+    /// Wall time of the packing algorithm, in seconds.
+    pub seconds: f64,
+}
+
+/// What the overlong policy did to a histogram.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct OverlongReport {
+    dropped_tokens: u64,
+    dropped_sequences: u64,
+    truncated_sequences: u64,
+    split_sequences: u64,
+}
+
+/// Applies the overlong policy to a histogram: returns the histogram of what
+/// is packed (lengths `0..=max_seq_len`) and what was lost.
+fn fit_histogram(histogram: &Histogram, config: &PackingConfig) -> Result<(Histogram, OverlongReport)> {
+    let msl = config.max_seq_len;
+    let mut counts = vec![0u64; msl + 1];
+    let mut report = OverlongReport::default();
+    for (l, &c) in histogram.counts().iter().enumerate() {
+        if c == 0 {
+            continue;
+        }
+        if l <= msl {
+            counts[l] += c;
+            continue;
+        }
+        match config.overlong {
+            Overlong::Error => {
+                return Err(Error::SequenceTooLong { field: "histogram".into(), index: l, length: l, max_seq_len: msl })
+            }
+            Overlong::Split => {
+                counts[msl] += c * (l / msl) as u64;
+                if l % msl > 0 {
+                    counts[l % msl] += c;
+                }
+                report.split_sequences += c;
+            }
+            Overlong::Truncate => {
+                counts[msl] += c;
+                report.truncated_sequences += c;
+                report.dropped_tokens += c * (l - msl) as u64;
+            }
+            Overlong::Drop => {
+                report.dropped_sequences += c;
+                report.dropped_tokens += c * l as u64;
+            }
+        }
+    }
+    Ok((Histogram::from_counts(counts), report))
+}
+
+/// The result of packing a histogram.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct HistogramPacking {
+    /// Canonical strategies (see [`canonicalize`]) with repeat counts.
+    pub strategies: Vec<Strategy>,
+    /// Figures of the packing.
+    pub metrics: PackingMetrics,
+}
+
+/// Packs a histogram.
+///
+/// `histogram` may hold lengths over `config.max_seq_len`; they follow
+/// `config.overlong`. Empty sequences are counted and skipped.
+///
+/// # Errors
+/// [`Error::SequenceTooLong`] (field `histogram`, index = the length) under
+/// `overlong = error`; [`Error::InvalidArgument`] for `max_seq_len == 0`,
+/// `max_sequences_per_pack == 0`, or an NNLSHP depth with too many strategies.
+pub fn pack_histogram(histogram: &Histogram, config: &PackingConfig) -> Result<HistogramPacking> {
+    config.validate()?;
+    let (fitted, report) = fit_histogram(histogram, config)?;
+    let msl = config.max_seq_len;
+    let limit = config.limit();
+    let counts = fitted.counts();
+    let start = Instant::now();
+    let strategies = match config.algorithm {
+        Algorithm::None => (1..=msl).map(|l| Strategy { lengths: vec![l], count: counts[l] }).collect(),
+        Algorithm::Spfhp => heuristics::spfhp(counts, msl, limit),
+        Algorithm::Lpfhp => heuristics::lpfhp(counts, msl, limit),
+        Algorithm::Nnlshp => nnlshp::nnlshp(counts, msl, limit)?,
+        Algorithm::Ffd => heuristics::fit_decreasing(counts, msl, limit, heuristics::Fit::First),
+        Algorithm::Bfd => heuristics::fit_decreasing(counts, msl, limit, heuristics::Fit::Best),
+    };
+    let strategies = canonicalize(strategies);
+    let seconds = start.elapsed().as_secs_f64();
+    debug_assert_eq!(check_strategies(&fitted, &strategies, msl, limit), Ok(()));
+    let metrics = metrics(config, histogram, &strategies, report, seconds);
+    Ok(HistogramPacking { strategies, metrics })
+}
+
+fn metrics(
+    config: &PackingConfig,
+    input: &Histogram,
+    strategies: &[Strategy],
+    report: OverlongReport,
+    seconds: f64,
+) -> PackingMetrics {
+    let msl = config.max_seq_len as u64;
+    let num_packs: u64 = strategies.iter().map(|s| s.count).sum();
+    let num_segments: u64 = strategies.iter().map(|s| s.count * s.lengths.len() as u64).sum();
+    let real_tokens: u64 = strategies.iter().map(|s| s.count * s.tokens() as u64).sum();
+    let ratio = |a: f64, b: f64, empty: f64| if b > 0.0 { a / b } else { empty };
+    PackingMetrics {
+        algorithm: config.algorithm.name().to_string(),
+        setting: config.setting(),
+        max_seq_len: config.max_seq_len,
+        num_packs,
+        num_sequences: input.num_sequences(),
+        num_segments,
+        real_tokens,
+        padding_tokens: num_packs * msl - real_tokens,
+        efficiency: ratio(real_tokens as f64, (num_packs * msl) as f64, 0.0),
+        speedup: ratio(num_segments as f64, num_packs as f64, 1.0),
+        speedup_limit: ratio((num_segments * msl) as f64, real_tokens as f64, 1.0),
+        sequences_per_pack: ratio(num_segments as f64, num_packs as f64, 0.0),
+        dropped_tokens: report.dropped_tokens,
+        dropped_sequences: report.dropped_sequences,
+        truncated_sequences: report.truncated_sequences,
+        split_sequences: report.split_sequences,
+        empty_sequences: input.empty_sequences(),
+        seconds,
+    }
+}
+
+/// One segment of a pack: tokens `offset..offset + length` of input `sequence`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Segment {
+    /// Index of the input sequence.
+    pub sequence: usize,
+    /// First token of the segment within that sequence (non-zero only for
+    /// later pieces of a split sequence).
+    pub offset: usize,
+    /// Tokens in the segment (1..=max_seq_len).
+    pub length: usize,
+}
+
+/// A packing of explicit sequences: which segments go in which pack.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PackingPlan {
+    /// `packs[p]` lists the segments of pack `p` in order.
+    pub packs: Vec<Vec<Segment>>,
+    /// The strategies the packs were drawn from.
+    pub strategies: Vec<Strategy>,
+    /// Indices of the empty input sequences (never packed).
+    pub empty_sequences: Vec<usize>,
+    /// Indices of sequences left out by `overlong = drop`.
+    pub dropped_sequences: Vec<usize>,
+    /// Figures of the packing.
+    pub metrics: PackingMetrics,
+}
+
+/// Packs explicit sequence lengths (`lengths: [n]`, tokens each).
+///
+/// The histogram of the (fitted) lengths is packed with `config.algorithm`,
+/// then the strategies' slots are filled with the input segments of matching
+/// length in input order, so the plan is deterministic. A split sequence's
+/// pieces are separate segments with increasing `offset`.
+///
+/// # Errors
+/// [`Error::SequenceTooLong`] (field `lengths`, the index and length of the
+/// first overlong sequence) under `overlong = error`; the config errors of
+/// [`pack_histogram`].
+pub fn pack_lengths(lengths: &[usize], config: &PackingConfig) -> Result<PackingPlan> {
+    config.validate()?;
+    let msl = config.max_seq_len;
+    let mut segments: Vec<Segment> = Vec::with_capacity(lengths.len());
+    let mut empty = Vec::new();
+    let mut dropped = Vec::new();
+    for (i, &l) in lengths.iter().enumerate() {
+        if l == 0 {
+            empty.push(i);
+        } else if l <= msl {
+            segments.push(Segment { sequence: i, offset: 0, length: l });
+        } else {
+            match config.overlong {
+                Overlong::Error => {
+                    return Err(Error::SequenceTooLong { field: "lengths".into(), index: i, length: l, max_seq_len: msl })
+                }
+                Overlong::Split => {
+                    for offset in (0..l).step_by(msl) {
+                        segments.push(Segment { sequence: i, offset, length: msl.min(l - offset) });
+                    }
+                }
+                Overlong::Truncate => segments.push(Segment { sequence: i, offset: 0, length: msl }),
+                Overlong::Drop => dropped.push(i),
+            }
+        }
+    }
+    let packing = pack_histogram(&Histogram::from_lengths(lengths), config)?;
+
+    // Queues of segments by length, in input order.
+    let mut by_length: Vec<std::collections::VecDeque<Segment>> = vec![Default::default(); msl + 1];
+    for s in segments {
+        by_length[s.length].push_back(s);
+    }
+    let mut packs = Vec::with_capacity(packing.metrics.num_packs as usize);
+    for strategy in &packing.strategies {
+        for _ in 0..strategy.count {
+            let pack: Vec<Segment> = strategy
+                .lengths
+                .iter()
+                .map(|&l| by_length[l].pop_front().expect("strategies place exactly the fitted segments"))
+                .collect();
+            packs.push(pack);
+        }
+    }
+    debug_assert!(by_length.iter().all(|q| q.is_empty()));
+    Ok(PackingPlan {
+        packs,
+        strategies: packing.strategies,
+        empty_sequences: empty,
+        dropped_sequences: dropped,
+        metrics: packing.metrics,
+    })
+}
+
+#[cfg(test)]
+mod tests;
