@@ -1,1 +1,23 @@
+//! # packshard
+//!
+//! A correctness oracle for two exact speed-ups of transformer training:
+//! sequence packing without cross-contamination (Krell et al.,
+//! arXiv:2107.02027) and vocabulary parallelism (Yeung et al.,
+//! arXiv:2411.05288).
+//!
+//! This crate is the facade and the `packshard` command line; the work is in
+//! the members:
+//!
+//! - [`reference`] (`packshard-reference`): the f64 ground truth;
+//! - [`optimized`] (`packshard-optimized`): the fast kernels;
+//! - [`equivalence`] (`packshard-equivalence`): the reusable suites.
+//!
+//! [`eval`] is the JSON oracle interface (`packshard eval`) and [`report`]
+//! the comparison tables the CLI prints.
 
+pub use packshard_equivalence as equivalence;
+pub use packshard_optimized as optimized;
+pub use packshard_reference as reference;
+
+pub mod eval;
+pub mod report;

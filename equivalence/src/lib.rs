@@ -1,1 +1,22 @@
+//! # packshard-equivalence
+//!
+//! The reusable suites: checks that prove *packed == unpacked* and *sharded ==
+//! unsharded*, for outputs and gradients, written against traits so that the
+//! same suite runs for the reference, our optimized kernels, and a framework
+//! author's implementation. Every check has a negative control in this crate's
+//! tests: a deliberately broken implementation that the check must reject.
+//!
+//! - [`compare`]: tensor comparison under a named [`compare::Tolerance`], with
+//!   failures that name the tensor, the index and both values.
+//! - [`packing`]: plans and packed batches (FAULTS.md P1, P3–P6).
+//!
+//! Shape legend as in `packshard-reference`: `n_tok` tokens, `b` segments,
+//! `h` heads, `d` head dim, `v` vocabulary, `p` shards.
 
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+pub mod compare;
+pub mod packing;
+
+pub use compare::{Mismatch, Tolerance};

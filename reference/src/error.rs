@@ -15,7 +15,9 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 #[derive(Debug, Clone, PartialEq, Error)]
 pub enum Error {
     /// A sequence is longer than the pack and the overlong policy is `error`.
-    #[error("{field}[{index}]: sequence of length {length} is longer than max_seq_len {max_seq_len}")]
+    #[error(
+        "{field}[{index}]: sequence of length {length} is longer than max_seq_len {max_seq_len}"
+    )]
     SequenceTooLong {
         /// The input field (`lengths`, `sequences`, `histogram`).
         field: String,
@@ -95,7 +97,10 @@ impl Error {
 
     /// Shorthand for [`Error::InvalidArgument`].
     pub fn invalid(field: impl Into<String>, message: impl Into<String>) -> Self {
-        Error::InvalidArgument { field: field.into(), message: message.into() }
+        Error::InvalidArgument {
+            field: field.into(),
+            message: message.into(),
+        }
     }
 }
 
@@ -105,7 +110,11 @@ impl Error {
 pub fn check_finite<'a>(field: &str, values: impl IntoIterator<Item = &'a f64>) -> Result<()> {
     for (index, &value) in values.into_iter().enumerate() {
         if !value.is_finite() {
-            return Err(Error::NonFiniteInput { field: field.to_string(), index, value });
+            return Err(Error::NonFiniteInput {
+                field: field.to_string(),
+                index,
+                value,
+            });
         }
     }
     Ok(())

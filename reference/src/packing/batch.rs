@@ -11,6 +11,10 @@ use ndarray::Array2;
 use super::{pack_lengths, PackingConfig, PackingPlan};
 use crate::error::{Error, Result};
 
+/// The most token slots (`num_packs * max_seq_len`) one batch may hold (2^24,
+/// 400 MB of ids): a training batch, not a dataset.
+pub const MAX_BATCH_SLOTS: usize = 1 << 24;
+
 /// A packed batch. Shapes: `input_ids`, `position_ids`, `sequence_ids` are
 /// `[num_packs, max_seq_len]`; `cu_seqlens[p]` is `[segments_in_pack_p + 1]`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -46,6 +50,12 @@ impl PackedBatch {
         position_offset: i64,
     ) -> Result<Self> {
         let num_packs = plan.packs.len();
+        if num_packs.saturating_mul(max_seq_len) > MAX_BATCH_SLOTS {
+            return Err(Error::invalid(
+                "max_seq_len",
+                format!("{num_packs} packs x {max_seq_len} tokens is over the {MAX_BATCH_SLOTS} token slots a batch may hold"),
+            ));
+        }
         let mut input_ids = Array2::from_elem((num_packs, max_seq_len), pad_token_id);
         let mut position_ids = Array2::zeros((num_packs, max_seq_len));
         let mut sequence_ids = Array2::zeros((num_packs, max_seq_len));
@@ -94,7 +104,15 @@ impl PackedBatch {
             cu_seqlens.push(cu);
             sequence_index.push(index);
         }
-        Ok(PackedBatch { max_seq_len, input_ids, position_ids, sequence_ids, cu_seqlens, max_seqlen, sequence_index })
+        Ok(PackedBatch {
+            max_seq_len,
+            input_ids,
+            position_ids,
+            sequence_ids,
+            cu_seqlens,
+            max_seqlen,
+            sequence_index,
+        })
     }
 
     /// Packs `sequences` with `config` and builds the batch: the `batch` op of
@@ -110,7 +128,13 @@ impl PackedBatch {
     ) -> Result<(PackingPlan, PackedBatch)> {
         let lengths: Vec<usize> = sequences.iter().map(Vec::len).collect();
         let plan = pack_lengths(&lengths, config)?;
-        let batch = PackedBatch::new(sequences, &plan, config.max_seq_len, pad_token_id, position_offset)?;
+        let batch = PackedBatch::new(
+            sequences,
+            &plan,
+            config.max_seq_len,
+            pad_token_id,
+            position_offset,
+        )?;
         Ok((plan, batch))
     }
 
@@ -125,7 +149,9 @@ impl PackedBatch {
     /// all false (a padding query attends to nothing; its output is 0).
     pub fn attention_mask(&self, p: usize) -> Array2<bool> {
         let ids = self.sequence_ids.row(p);
-        Array2::from_shape_fn((self.max_seq_len, self.max_seq_len), |(q, k)| ids[q] != 0 && ids[q] == ids[k])
+        Array2::from_shape_fn((self.max_seq_len, self.max_seq_len), |(q, k)| {
+            ids[q] != 0 && ids[q] == ids[k]
+        })
     }
 
     /// `cu_seqlens` of the whole batch with the padding removed, the form

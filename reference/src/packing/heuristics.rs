@@ -18,7 +18,11 @@ struct OpenPacks {
 
 impl OpenPacks {
     fn new(max_seq_len: usize, limit: usize) -> Self {
-        OpenPacks { by_space: vec![Vec::new(); max_seq_len + 1], done: Vec::new(), limit }
+        OpenPacks {
+            by_space: vec![Vec::new(); max_seq_len + 1],
+            done: Vec::new(),
+            limit,
+        }
     }
 
     /// Files `count` copies of `pack` with `space` tokens left: packs that are
@@ -133,7 +137,11 @@ pub(crate) fn lpfhp(counts: &[u64], max_seq_len: usize, limit: usize) -> Vec<Str
                     repeat -= 1;
                 }
                 let packs = n / repeat;
-                open.add(vec![length; repeat as usize], packs, max_seq_len - length * repeat as usize);
+                open.add(
+                    vec![length; repeat as usize],
+                    packs,
+                    max_seq_len - length * repeat as usize,
+                );
                 n -= packs * repeat;
             }
         }
@@ -163,7 +171,12 @@ pub(crate) enum Fit {
 /// O(distinct lengths x runs) rather than O(sequences x bins), and the result
 /// is exactly that of the per-sequence algorithm with sequences of equal
 /// length in any order.
-pub(crate) fn fit_decreasing(counts: &[u64], max_seq_len: usize, limit: usize, fit: Fit) -> Vec<Strategy> {
+pub(crate) fn fit_decreasing(
+    counts: &[u64],
+    max_seq_len: usize,
+    limit: usize,
+    fit: Fit,
+) -> Vec<Strategy> {
     let mut runs: Vec<Run> = Vec::new();
     for length in (1..=max_seq_len).rev() {
         let mut n = counts[length];
@@ -181,7 +194,8 @@ pub(crate) fn fit_decreasing(counts: &[u64], max_seq_len: usize, limit: usize, f
             match chosen {
                 Some(i) => {
                     // Every bin of the run takes as many copies as fit, in order.
-                    let per_bin = (runs[i].space / length).min(limit - runs[i].lengths.len()) as u64;
+                    let per_bin =
+                        (runs[i].space / length).min(limit - runs[i].lengths.len()) as u64;
                     let full = runs[i].bins.min(n / per_bin);
                     let mut inserted = Vec::new();
                     if full > 0 {
@@ -227,11 +241,20 @@ pub(crate) fn fit_decreasing(counts: &[u64], max_seq_len: usize, limit: usize, f
             }
         }
     }
-    runs.into_iter().map(|r| Strategy { lengths: r.lengths, count: r.bins }).collect()
+    runs.into_iter()
+        .map(|r| Strategy {
+            lengths: r.lengths,
+            count: r.bins,
+        })
+        .collect()
 }
 
 fn grown(run: &Run, length: usize, copies: u64, bins: u64) -> Run {
     let mut lengths = run.lengths.clone();
     lengths.extend(std::iter::repeat_n(length, copies as usize));
-    Run { space: run.space - copies as usize * length, lengths, bins }
+    Run {
+        space: run.space - copies as usize * length,
+        lengths,
+        bins,
+    }
 }

@@ -13,6 +13,9 @@ pub struct Histogram {
     counts: Vec<u64>,
 }
 
+/// The longest length a histogram holds (2^24 tokens): it keeps one counter per length.
+pub const MAX_HISTOGRAM_LENGTH: usize = 1 << 24;
+
 /// A real histogram embedded in the binary, with its source.
 #[derive(Debug, Clone, Copy)]
 pub struct EmbeddedHistogram {
@@ -27,7 +30,8 @@ pub struct EmbeddedHistogram {
 }
 
 /// Attribution of the embedded histograms.
-pub const EMBEDDED_SOURCE: &str = "graphcore/examples, tutorials/blogs_code/packedBERT/histograms.py \
+pub const EMBEDDED_SOURCE: &str =
+    "graphcore/examples, tutorials/blogs_code/packedBERT/histograms.py \
 (commit 2d8b565326ef6ba730492ad8badd984b067645bc, MIT license), published with Krell et al., \
 \"Efficient Sequence Packing without Cross-contamination\", arXiv:2107.02027";
 
@@ -58,13 +62,26 @@ impl Histogram {
     }
 
     /// Builds the histogram of explicit sequence lengths (`lengths: [n]`, tokens).
-    pub fn from_lengths(lengths: &[usize]) -> Self {
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] naming `lengths[i]` for a length over
+    /// [`MAX_HISTOGRAM_LENGTH`] (a histogram holds one counter per length).
+    pub fn from_lengths(lengths: &[usize]) -> Result<Self> {
+        if let Some(i) = lengths.iter().position(|&l| l > MAX_HISTOGRAM_LENGTH) {
+            return Err(Error::invalid(
+                format!("lengths[{i}]"),
+                format!(
+                    "{} tokens is over the {MAX_HISTOGRAM_LENGTH} a histogram can hold",
+                    lengths[i]
+                ),
+            ));
+        }
         let max = lengths.iter().copied().max().unwrap_or(0);
         let mut counts = vec![0u64; max + 1];
         for &l in lengths {
             counts[l] += 1;
         }
-        Histogram { counts }
+        Ok(Histogram { counts })
     }
 
     /// Parses `length,count` CSV (a header line is optional; blank lines and
@@ -88,33 +105,48 @@ impl Histogram {
                 message: e.to_string(),
             })?;
             let line = record.position().map_or(i + 1, |p| p.line() as usize);
-            let parse_err = |message: String| Error::Parse { source_name: source_name.to_string(), line, message };
+            let parse_err = |message: String| Error::Parse {
+                source_name: source_name.to_string(),
+                line,
+                message,
+            };
             if record.len() == 1 && record[0].is_empty() {
                 continue;
             }
             if record.len() != 2 {
-                return Err(parse_err(format!("expected `length,count`, found {} fields", record.len())));
+                return Err(parse_err(format!(
+                    "expected `length,count`, found {} fields",
+                    record.len()
+                )));
             }
             let (a, b) = (&record[0], &record[1]);
             if i == 0 && a.parse::<u64>().is_err() {
                 // A header line such as `length,count`.
                 continue;
             }
-            let length: usize = a.parse().map_err(|_| parse_err(format!("length {a:?} is not a non-negative integer")))?;
-            let count: u64 = b.parse().map_err(|_| parse_err(format!("count {b:?} is not a non-negative integer")))?;
-            if length > 1 << 24 {
-                return Err(parse_err(format!("length {length} is implausibly large (over 2^24 tokens)")));
+            let length: usize = a
+                .parse()
+                .map_err(|_| parse_err(format!("length {a:?} is not a non-negative integer")))?;
+            let count: u64 = b
+                .parse()
+                .map_err(|_| parse_err(format!("count {b:?} is not a non-negative integer")))?;
+            if length > MAX_HISTOGRAM_LENGTH {
+                return Err(parse_err(format!(
+                    "length {length} is over the {MAX_HISTOGRAM_LENGTH} a histogram can hold"
+                )));
             }
             pairs.push((length, count));
         }
         let max = pairs.iter().map(|p| p.0).max().unwrap_or(0);
         let mut counts = vec![0u64; max + 1];
         for (length, count) in pairs {
-            counts[length] = counts[length].checked_add(count).ok_or_else(|| Error::Parse {
-                source_name: source_name.to_string(),
-                line: 0,
-                message: format!("count of length {length} overflows u64"),
-            })?;
+            counts[length] = counts[length]
+                .checked_add(count)
+                .ok_or_else(|| Error::Parse {
+                    source_name: source_name.to_string(),
+                    line: 0,
+                    message: format!("count of length {length} overflows u64"),
+                })?;
         }
         Ok(Histogram { counts })
     }
@@ -126,7 +158,10 @@ impl Histogram {
     pub fn embedded(name: &str) -> Result<Self> {
         let entry = EMBEDDED.iter().find(|e| e.name == name).ok_or_else(|| {
             let names: Vec<_> = EMBEDDED.iter().map(|e| e.name).collect();
-            Error::invalid("dataset", format!("unknown dataset {name:?}; known: {}", names.join(", ")))
+            Error::invalid(
+                "dataset",
+                format!("unknown dataset {name:?}; known: {}", names.join(", ")),
+            )
         })?;
         Histogram::from_csv(entry.name, entry.csv)
     }
@@ -151,9 +186,12 @@ impl Histogram {
         self.counts.iter().rposition(|&c| c > 0).unwrap_or(0)
     }
 
-    /// Number of non-empty sequences.
+    /// Number of non-empty sequences (saturating at `u64::MAX`).
     pub fn num_sequences(&self) -> u64 {
-        self.counts.iter().skip(1).sum()
+        self.counts
+            .iter()
+            .skip(1)
+            .fold(0u64, |a, &c| a.saturating_add(c))
     }
 
     /// Number of empty (length 0) sequences.
@@ -161,9 +199,11 @@ impl Histogram {
         self.counts[0]
     }
 
-    /// Total tokens, `sum_l l * counts[l]`.
+    /// Total tokens, `sum_l l * counts[l]` (saturating at `u64::MAX`).
     pub fn real_tokens(&self) -> u64 {
-        self.counts.iter().enumerate().map(|(l, &c)| l as u64 * c).sum()
+        self.counts.iter().enumerate().fold(0u64, |a, (l, &c)| {
+            a.saturating_add((l as u64).saturating_mul(c))
+        })
     }
 
     /// Fraction of padding when every sequence is padded to `max_seq_len`.
@@ -202,7 +242,11 @@ mod tests {
         let err = Histogram::from_csv("x.csv", "length,count\n1,2\n3,-4\n").unwrap_err();
         assert_eq!(
             err,
-            Error::Parse { source_name: "x.csv".into(), line: 3, message: "count \"-4\" is not a non-negative integer".into() }
+            Error::Parse {
+                source_name: "x.csv".into(),
+                line: 3,
+                message: "count \"-4\" is not a non-negative integer".into()
+            }
         );
         let err = Histogram::from_csv("x.csv", "1,2,3\n").unwrap_err();
         assert!(matches!(err, Error::Parse { line: 1, .. }), "{err:?}");
@@ -218,6 +262,9 @@ mod tests {
 
     #[test]
     fn unknown_dataset_is_an_error() {
-        assert_eq!(Histogram::embedded("c4").unwrap_err().kind(), "invalid_argument");
+        assert_eq!(
+            Histogram::embedded("c4").unwrap_err().kind(),
+            "invalid_argument"
+        );
     }
 }

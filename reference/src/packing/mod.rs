@@ -66,8 +66,14 @@ pub enum Algorithm {
 
 impl Algorithm {
     /// Every algorithm, in the order reports list them.
-    pub const ALL: [Algorithm; 6] =
-        [Algorithm::None, Algorithm::Spfhp, Algorithm::Lpfhp, Algorithm::Nnlshp, Algorithm::Ffd, Algorithm::Bfd];
+    pub const ALL: [Algorithm; 6] = [
+        Algorithm::None,
+        Algorithm::Spfhp,
+        Algorithm::Lpfhp,
+        Algorithm::Nnlshp,
+        Algorithm::Ffd,
+        Algorithm::Bfd,
+    ];
 
     /// The lowercase name used on the command line and in JSON.
     pub fn name(self) -> &'static str {
@@ -100,10 +106,16 @@ impl fmt::Display for Algorithm {
 impl FromStr for Algorithm {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {
-        Algorithm::ALL.into_iter().find(|a| a.name() == s).ok_or_else(|| {
-            let names: Vec<_> = Algorithm::ALL.iter().map(|a| a.name()).collect();
-            Error::invalid("algorithm", format!("unknown algorithm {s:?}; known: {}", names.join(", ")))
-        })
+        Algorithm::ALL
+            .into_iter()
+            .find(|a| a.name() == s)
+            .ok_or_else(|| {
+                let names: Vec<_> = Algorithm::ALL.iter().map(|a| a.name()).collect();
+                Error::invalid(
+                    "algorithm",
+                    format!("unknown algorithm {s:?}; known: {}", names.join(", ")),
+                )
+            })
     }
 }
 
@@ -130,10 +142,23 @@ impl FromStr for Overlong {
             "split" => Ok(Overlong::Split),
             "truncate" => Ok(Overlong::Truncate),
             "drop" => Ok(Overlong::Drop),
-            _ => Err(Error::invalid("overlong", format!("unknown policy {s:?}; known: error, split, truncate, drop"))),
+            _ => Err(Error::invalid(
+                "overlong",
+                format!("unknown policy {s:?}; known: error, split, truncate, drop"),
+            )),
         }
     }
 }
+
+/// The largest `max_seq_len` accepted (2^24 tokens): far beyond any model,
+/// small enough that per-length tables always fit in memory.
+pub const MAX_SEQ_LEN_LIMIT: usize = 1 << 24;
+
+/// The longest explicit sequence [`pack_lengths`] accepts (2^40 tokens).
+pub const MAX_SEQUENCE_TOKENS: usize = 1 << 40;
+
+/// The most segments one explicit plan may hold (2^26): a plan lists each one.
+pub const MAX_PLAN_SEGMENTS: usize = 1 << 26;
 
 /// How to pack.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -153,7 +178,12 @@ pub struct PackingConfig {
 impl PackingConfig {
     /// A config with the algorithm's default limit and overlong = error.
     pub fn new(algorithm: Algorithm, max_seq_len: usize) -> Self {
-        PackingConfig { max_seq_len, algorithm, max_sequences_per_pack: None, overlong: Overlong::Error }
+        PackingConfig {
+            max_seq_len,
+            algorithm,
+            max_sequences_per_pack: None,
+            overlong: Overlong::Error,
+        }
     }
 
     /// Sets `max_sequences_per_pack`.
@@ -171,7 +201,9 @@ impl PackingConfig {
     /// The effective limit on sequences per pack (`max_seq_len` when unlimited,
     /// since no pack can hold more non-empty sequences than tokens).
     pub fn limit(&self) -> usize {
-        let limit = self.max_sequences_per_pack.or(self.algorithm.default_max_sequences_per_pack());
+        let limit = self
+            .max_sequences_per_pack
+            .or(self.algorithm.default_max_sequences_per_pack());
         match self.algorithm {
             Algorithm::None => 1,
             _ => limit.unwrap_or(self.max_seq_len).min(self.max_seq_len),
@@ -180,7 +212,11 @@ impl PackingConfig {
 
     /// A short human description of the setting, e.g. `max 12/pack` or `depth 3`.
     pub fn setting(&self) -> String {
-        match (self.algorithm, self.max_sequences_per_pack.or(self.algorithm.default_max_sequences_per_pack())) {
+        match (
+            self.algorithm,
+            self.max_sequences_per_pack
+                .or(self.algorithm.default_max_sequences_per_pack()),
+        ) {
             (Algorithm::None, _) => "1/pack".to_string(),
             (Algorithm::Nnlshp, Some(d)) => format!("depth {d}"),
             (_, Some(k)) => format!("max {k}/pack"),
@@ -192,8 +228,20 @@ impl PackingConfig {
         if self.max_seq_len == 0 {
             return Err(Error::invalid("max_seq_len", "must be at least 1"));
         }
+        if self.max_seq_len > MAX_SEQ_LEN_LIMIT {
+            return Err(Error::invalid(
+                "max_seq_len",
+                format!(
+                    "{} is over the supported {MAX_SEQ_LEN_LIMIT} tokens per pack",
+                    self.max_seq_len
+                ),
+            ));
+        }
         if self.max_sequences_per_pack == Some(0) {
-            return Err(Error::invalid("max_sequences_per_pack", "must be at least 1"));
+            return Err(Error::invalid(
+                "max_sequences_per_pack",
+                "must be at least 1",
+            ));
         }
         Ok(())
     }
@@ -227,7 +275,10 @@ pub fn canonicalize(strategies: Vec<Strategy>) -> Vec<Strategy> {
         s.lengths.sort_unstable_by(|a, b| b.cmp(a));
         *merged.entry(s.lengths).or_default() += s.count;
     }
-    let mut out: Vec<Strategy> = merged.into_iter().map(|(lengths, count)| Strategy { lengths, count }).collect();
+    let mut out: Vec<Strategy> = merged
+        .into_iter()
+        .map(|(lengths, count)| Strategy { lengths, count })
+        .collect();
     out.sort_by(|a, b| b.lengths.cmp(&a.lengths));
     out
 }
@@ -238,18 +289,34 @@ pub fn canonicalize(strategies: Vec<Strategy>) -> Vec<Strategy> {
 ///
 /// # Errors
 /// [`Error::InvalidArgument`] on field `strategies` describing the first violation.
-pub fn check_strategies(histogram: &Histogram, strategies: &[Strategy], max_seq_len: usize, limit: usize) -> Result<()> {
+pub fn check_strategies(
+    histogram: &Histogram,
+    strategies: &[Strategy],
+    max_seq_len: usize,
+    limit: usize,
+) -> Result<()> {
     let mut placed = vec![0u64; histogram.max_length().max(max_seq_len) + 1];
     for (i, s) in strategies.iter().enumerate() {
-        let bad = |m: String| Err(Error::invalid("strategies", format!("strategy {i} {:?}: {m}", s.lengths)));
+        let bad = |m: String| {
+            Err(Error::invalid(
+                "strategies",
+                format!("strategy {i} {:?}: {m}", s.lengths),
+            ))
+        };
         if s.lengths.is_empty() {
             return bad("is empty".into());
         }
         if s.tokens() > max_seq_len {
-            return bad(format!("holds {} tokens, over max_seq_len {max_seq_len}", s.tokens()));
+            return bad(format!(
+                "holds {} tokens, over max_seq_len {max_seq_len}",
+                s.tokens()
+            ));
         }
         if s.lengths.len() > limit {
-            return bad(format!("holds {} sequences, over the limit {limit}", s.lengths.len()));
+            return bad(format!(
+                "holds {} sequences, over the limit {limit}",
+                s.lengths.len()
+            ));
         }
         for &l in &s.lengths {
             if l == 0 || l >= placed.len() {
@@ -262,7 +329,10 @@ pub fn check_strategies(histogram: &Histogram, strategies: &[Strategy], max_seq_
         if p != histogram.count(l) {
             return Err(Error::invalid(
                 "strategies",
-                format!("length {l}: {p} sequences placed, histogram has {}", histogram.count(l)),
+                format!(
+                    "length {l}: {p} sequences placed, histogram has {}",
+                    histogram.count(l)
+                ),
             ));
         }
     }
@@ -276,6 +346,8 @@ pub struct PackingMetrics {
     pub algorithm: String,
     /// Human description of the setting (`max 12/pack`, `depth 3`).
     pub setting: String,
+    /// The limit on sequences per pack in force (`None`: unlimited).
+    pub max_sequences_per_pack: Option<usize>,
     /// Tokens per pack.
     pub max_seq_len: usize,
     /// Packs (rows) used.
@@ -321,37 +393,74 @@ struct OverlongReport {
 
 /// Applies the overlong policy to a histogram: returns the histogram of what
 /// is packed (lengths `0..=max_seq_len`) and what was lost.
-fn fit_histogram(histogram: &Histogram, config: &PackingConfig) -> Result<(Histogram, OverlongReport)> {
+fn fit_histogram(
+    histogram: &Histogram,
+    config: &PackingConfig,
+) -> Result<(Histogram, OverlongReport)> {
     let msl = config.max_seq_len;
     let mut counts = vec![0u64; msl + 1];
     let mut report = OverlongReport::default();
+    let too_large = || {
+        Error::invalid(
+            "histogram",
+            format!(
+                "too large: the padded baseline would need over 2^63 token slots of {msl} tokens"
+            ),
+        )
+    };
+    // Every product below is bounded by `segments * max_seq_len`; keep it in u64.
+    let mut slots: u64 = 0;
+    let mut add = |counts: &mut Vec<u64>, length: usize, count: u64| -> Result<()> {
+        counts[length] = counts[length].checked_add(count).ok_or_else(too_large)?;
+        slots = count
+            .checked_mul(msl as u64)
+            .and_then(|s| slots.checked_add(s))
+            .filter(|&s| s <= i64::MAX as u64)
+            .ok_or_else(too_large)?;
+        Ok(())
+    };
     for (l, &c) in histogram.counts().iter().enumerate() {
         if c == 0 {
             continue;
         }
         if l <= msl {
-            counts[l] += c;
+            add(&mut counts, l, c)?;
             continue;
         }
         match config.overlong {
             Overlong::Error => {
-                return Err(Error::SequenceTooLong { field: "histogram".into(), index: l, length: l, max_seq_len: msl })
+                return Err(Error::SequenceTooLong {
+                    field: "histogram".into(),
+                    index: l,
+                    length: l,
+                    max_seq_len: msl,
+                })
             }
             Overlong::Split => {
-                counts[msl] += c * (l / msl) as u64;
+                add(
+                    &mut counts,
+                    msl,
+                    c.checked_mul((l / msl) as u64).ok_or_else(too_large)?,
+                )?;
                 if l % msl > 0 {
-                    counts[l % msl] += c;
+                    add(&mut counts, l % msl, c)?;
                 }
-                report.split_sequences += c;
+                report.split_sequences = report.split_sequences.saturating_add(c);
             }
             Overlong::Truncate => {
-                counts[msl] += c;
-                report.truncated_sequences += c;
-                report.dropped_tokens += c * (l - msl) as u64;
+                add(&mut counts, msl, c)?;
+                report.truncated_sequences = report.truncated_sequences.saturating_add(c);
+                report.dropped_tokens = c
+                    .checked_mul((l - msl) as u64)
+                    .and_then(|d| report.dropped_tokens.checked_add(d))
+                    .ok_or_else(too_large)?;
             }
             Overlong::Drop => {
-                report.dropped_sequences += c;
-                report.dropped_tokens += c * l as u64;
+                report.dropped_sequences = report.dropped_sequences.saturating_add(c);
+                report.dropped_tokens = c
+                    .checked_mul(l as u64)
+                    .and_then(|d| report.dropped_tokens.checked_add(d))
+                    .ok_or_else(too_large)?;
             }
         }
     }
@@ -384,7 +493,12 @@ pub fn pack_histogram(histogram: &Histogram, config: &PackingConfig) -> Result<H
     let counts = fitted.counts();
     let start = Instant::now();
     let strategies = match config.algorithm {
-        Algorithm::None => (1..=msl).map(|l| Strategy { lengths: vec![l], count: counts[l] }).collect(),
+        Algorithm::None => (1..=msl)
+            .map(|l| Strategy {
+                lengths: vec![l],
+                count: counts[l],
+            })
+            .collect(),
         Algorithm::Spfhp => heuristics::spfhp(counts, msl, limit),
         Algorithm::Lpfhp => heuristics::lpfhp(counts, msl, limit),
         Algorithm::Nnlshp => nnlshp::nnlshp(counts, msl, limit)?,
@@ -395,7 +509,10 @@ pub fn pack_histogram(histogram: &Histogram, config: &PackingConfig) -> Result<H
     let seconds = start.elapsed().as_secs_f64();
     debug_assert_eq!(check_strategies(&fitted, &strategies, msl, limit), Ok(()));
     let metrics = metrics(config, histogram, &strategies, report, seconds);
-    Ok(HistogramPacking { strategies, metrics })
+    Ok(HistogramPacking {
+        strategies,
+        metrics,
+    })
 }
 
 fn metrics(
@@ -407,12 +524,21 @@ fn metrics(
 ) -> PackingMetrics {
     let msl = config.max_seq_len as u64;
     let num_packs: u64 = strategies.iter().map(|s| s.count).sum();
-    let num_segments: u64 = strategies.iter().map(|s| s.count * s.lengths.len() as u64).sum();
+    let num_segments: u64 = strategies
+        .iter()
+        .map(|s| s.count * s.lengths.len() as u64)
+        .sum();
     let real_tokens: u64 = strategies.iter().map(|s| s.count * s.tokens() as u64).sum();
     let ratio = |a: f64, b: f64, empty: f64| if b > 0.0 { a / b } else { empty };
     PackingMetrics {
         algorithm: config.algorithm.name().to_string(),
         setting: config.setting(),
+        max_sequences_per_pack: match config.algorithm {
+            Algorithm::None => Some(1),
+            a => config
+                .max_sequences_per_pack
+                .or(a.default_max_sequences_per_pack()),
+        },
         max_seq_len: config.max_seq_len,
         num_packs,
         num_sequences: input.num_sequences(),
@@ -468,35 +594,96 @@ pub struct PackingPlan {
 ///
 /// # Errors
 /// [`Error::SequenceTooLong`] (field `lengths`, the index and length of the
-/// first overlong sequence) under `overlong = error`; the config errors of
-/// [`pack_histogram`].
+/// first overlong sequence) under `overlong = error`; [`Error::InvalidArgument`]
+/// for a sequence over [`MAX_SEQUENCE_TOKENS`] or a plan over
+/// [`MAX_PLAN_SEGMENTS`]; the config errors of [`pack_histogram`].
 pub fn pack_lengths(lengths: &[usize], config: &PackingConfig) -> Result<PackingPlan> {
     config.validate()?;
     let msl = config.max_seq_len;
     let mut segments: Vec<Segment> = Vec::with_capacity(lengths.len());
     let mut empty = Vec::new();
     let mut dropped = Vec::new();
+    let mut report = OverlongReport::default();
+    let too_many = || {
+        Error::invalid(
+            "lengths",
+            format!(
+                "the plan would hold over {MAX_PLAN_SEGMENTS} segments; pack in smaller batches"
+            ),
+        )
+    };
     for (i, &l) in lengths.iter().enumerate() {
+        if l > MAX_SEQUENCE_TOKENS {
+            return Err(Error::invalid(
+                format!("lengths[{i}]"),
+                format!("{l} tokens is over the supported {MAX_SEQUENCE_TOKENS}"),
+            ));
+        }
         if l == 0 {
             empty.push(i);
         } else if l <= msl {
-            segments.push(Segment { sequence: i, offset: 0, length: l });
+            segments.push(Segment {
+                sequence: i,
+                offset: 0,
+                length: l,
+            });
         } else {
             match config.overlong {
                 Overlong::Error => {
-                    return Err(Error::SequenceTooLong { field: "lengths".into(), index: i, length: l, max_seq_len: msl })
+                    return Err(Error::SequenceTooLong {
+                        field: "lengths".into(),
+                        index: i,
+                        length: l,
+                        max_seq_len: msl,
+                    })
                 }
                 Overlong::Split => {
-                    for offset in (0..l).step_by(msl) {
-                        segments.push(Segment { sequence: i, offset, length: msl.min(l - offset) });
+                    if segments.len() + l.div_ceil(msl) > MAX_PLAN_SEGMENTS {
+                        return Err(too_many());
                     }
+                    for offset in (0..l).step_by(msl) {
+                        segments.push(Segment {
+                            sequence: i,
+                            offset,
+                            length: msl.min(l - offset),
+                        });
+                    }
+                    report.split_sequences += 1;
                 }
-                Overlong::Truncate => segments.push(Segment { sequence: i, offset: 0, length: msl }),
-                Overlong::Drop => dropped.push(i),
+                Overlong::Truncate => {
+                    segments.push(Segment {
+                        sequence: i,
+                        offset: 0,
+                        length: msl,
+                    });
+                    report.truncated_sequences += 1;
+                    report.dropped_tokens += (l - msl) as u64;
+                }
+                Overlong::Drop => {
+                    dropped.push(i);
+                    report.dropped_sequences += 1;
+                    report.dropped_tokens += l as u64;
+                }
             }
         }
+        if segments.len() > MAX_PLAN_SEGMENTS {
+            return Err(too_many());
+        }
     }
-    let packing = pack_histogram(&Histogram::from_lengths(lengths), config)?;
+    // Every segment fits now: pack their histogram.
+    let mut counts = vec![0u64; msl + 1];
+    for s in &segments {
+        counts[s.length] += 1;
+    }
+    let fitted = Histogram::from_counts(counts);
+    let mut packing = pack_histogram(&fitted, config)?;
+    let m = &mut packing.metrics;
+    m.num_sequences = (lengths.len() - empty.len()) as u64;
+    m.empty_sequences = empty.len() as u64;
+    m.dropped_tokens = report.dropped_tokens;
+    m.dropped_sequences = report.dropped_sequences;
+    m.truncated_sequences = report.truncated_sequences;
+    m.split_sequences = report.split_sequences;
 
     // Queues of segments by length, in input order.
     let mut by_length: Vec<std::collections::VecDeque<Segment>> = vec![Default::default(); msl + 1];
@@ -509,7 +696,11 @@ pub fn pack_lengths(lengths: &[usize], config: &PackingConfig) -> Result<Packing
             let pack: Vec<Segment> = strategy
                 .lengths
                 .iter()
-                .map(|&l| by_length[l].pop_front().expect("strategies place exactly the fitted segments"))
+                .map(|&l| {
+                    by_length[l]
+                        .pop_front()
+                        .expect("strategies place exactly the fitted segments")
+                })
                 .collect();
             packs.push(pack);
         }

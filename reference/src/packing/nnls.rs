@@ -23,7 +23,11 @@ pub(crate) struct SparseColumns {
 
 impl SparseColumns {
     pub fn new(rows: usize) -> Self {
-        SparseColumns { rows, starts: vec![0], entries: Vec::new() }
+        SparseColumns {
+            rows,
+            starts: vec![0],
+            entries: Vec::new(),
+        }
     }
 
     /// Appends a column; `entries` must be sorted by row, rows unique.
@@ -71,7 +75,10 @@ struct GrowingCholesky {
 
 impl GrowingCholesky {
     fn new(capacity: usize) -> Self {
-        GrowingCholesky { l: DMatrix::zeros(capacity, capacity), k: 0 }
+        GrowingCholesky {
+            l: DMatrix::zeros(capacity, capacity),
+            k: 0,
+        }
     }
 
     /// Appends a column whose inner products with the passive columns are
@@ -83,7 +90,12 @@ impl GrowingCholesky {
             return false;
         }
         let mut row = cross.clone();
-        if k > 0 && !self.l.view((0, 0), (k, k)).solve_lower_triangular_mut(&mut row) {
+        if k > 0
+            && !self
+                .l
+                .view((0, 0), (k, k))
+                .solve_lower_triangular_mut(&mut row)
+        {
             return false;
         }
         let d2 = diag - row.norm_squared();
@@ -177,7 +189,8 @@ pub(crate) fn nnls(a: &SparseColumns, b: &[f64]) -> Vec<f64> {
         }
         let Some((jstar, _)) = best else { break };
 
-        let cross = DVector::from_iterator(passive.len(), passive.iter().map(|&p| a.dot_cols(p, jstar)));
+        let cross =
+            DVector::from_iterator(passive.len(), passive.iter().map(|&p| a.dot_cols(p, jstar)));
         if !chol.push(&cross, a.dot_cols(jstar, jstar)) {
             rejected[jstar] = true;
             continue;
@@ -250,6 +263,7 @@ mod tests {
     use super::*;
     use approx::assert_relative_eq;
 
+    #[allow(clippy::needless_range_loop)]
     fn dense(a: &[&[f64]]) -> SparseColumns {
         let rows = a.len();
         let mut s = SparseColumns::new(rows);
@@ -267,7 +281,12 @@ mod tests {
         assert_relative_eq!(x[0], 1.5, epsilon = 1e-12);
         assert_relative_eq!(x[1], 1.0, epsilon = 1e-12);
 
-        let a = dense(&[&[1.0, 0.5, 0.0], &[1.0, 0.6, 0.0], &[0.9, 0.5, 0.1], &[0.0, 0.0, 1.0]]);
+        let a = dense(&[
+            &[1.0, 0.5, 0.0],
+            &[1.0, 0.6, 0.0],
+            &[0.9, 0.5, 0.1],
+            &[0.0, 0.0, 1.0],
+        ]);
         let x = nnls(&a, &[2.0, 1.0, 1.0, 0.5]);
         assert_relative_eq!(x[0], 1.37279152, epsilon = 1e-7);
         assert_relative_eq!(x[1], 0.0, epsilon = 1e-12);

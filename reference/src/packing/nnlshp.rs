@@ -35,7 +35,14 @@ pub const MAX_STRATEGIES: usize = 2_000_000;
 /// [`Error::InvalidArgument`] on `max_sequences_per_pack` when there would be
 /// more than [`MAX_STRATEGIES`].
 pub fn exact_fill_strategies(max_seq_len: usize, depth: usize) -> Result<Vec<Vec<usize>>> {
-    fn rec(remaining: usize, max_part: usize, depth: usize, prefix: &mut Vec<usize>, out: &mut Vec<Vec<usize>>, cap: usize) -> bool {
+    fn rec(
+        remaining: usize,
+        max_part: usize,
+        depth: usize,
+        prefix: &mut Vec<usize>,
+        out: &mut Vec<Vec<usize>>,
+        cap: usize,
+    ) -> bool {
         if remaining == 0 {
             out.push(prefix.clone());
             return out.len() <= cap;
@@ -57,7 +64,14 @@ pub fn exact_fill_strategies(max_seq_len: usize, depth: usize) -> Result<Vec<Vec
         true
     }
     let mut out = Vec::new();
-    if !rec(max_seq_len, max_seq_len, depth, &mut Vec::new(), &mut out, MAX_STRATEGIES) {
+    if !rec(
+        max_seq_len,
+        max_seq_len,
+        depth,
+        &mut Vec::new(),
+        &mut out,
+        MAX_STRATEGIES,
+    ) {
         return Err(Error::invalid(
             "max_sequences_per_pack",
             format!("depth {depth} at max_seq_len {max_seq_len} gives over {MAX_STRATEGIES} strategies; use a smaller depth"),
@@ -69,7 +83,13 @@ pub fn exact_fill_strategies(max_seq_len: usize, depth: usize) -> Result<Vec<Vec
 /// NNLSHP on `counts[l]`, `l` in `1..=max_seq_len`, at most `depth` sequences per pack.
 pub(crate) fn nnlshp(counts: &[u64], max_seq_len: usize, depth: usize) -> Result<Vec<Strategy>> {
     let strategies = exact_fill_strategies(max_seq_len, depth)?;
-    let weight = |l: usize| if l <= PENALIZATION_CUTOFF { SHORT_WEIGHT } else { 1.0 };
+    let weight = |l: usize| {
+        if l <= PENALIZATION_CUTOFF {
+            SHORT_WEIGHT
+        } else {
+            1.0
+        }
+    };
 
     let mut a = SparseColumns::new(max_seq_len);
     for s in &strategies {
@@ -83,10 +103,15 @@ pub(crate) fn nnlshp(counts: &[u64], max_seq_len: usize, depth: usize) -> Result
         }
         a.push(entries);
     }
-    let b: Vec<f64> = (1..=max_seq_len).map(|l| weight(l) * counts[l] as f64).collect();
+    let b: Vec<f64> = (1..=max_seq_len)
+        .map(|l| weight(l) * counts[l] as f64)
+        .collect();
     let x = nnls(&a, &b);
 
-    let mut repeat: Vec<u64> = x.iter().map(|&v| v.round_ties_even().max(0.0) as u64).collect();
+    let mut repeat: Vec<u64> = x
+        .iter()
+        .map(|&v| v.round_ties_even().max(0.0) as u64)
+        .collect();
     // Residual h - A x in whole sequences.
     let mut covered = vec![0u64; max_seq_len + 1];
     for (s, &r) in strategies.iter().zip(&repeat) {
@@ -98,15 +123,23 @@ pub(crate) fn nnlshp(counts: &[u64], max_seq_len: usize, depth: usize) -> Result
     for l in 1..=max_seq_len {
         if counts[l] > covered[l] {
             // Uncovered sequences: one pack each (the paper's residual handling).
-            out.push(Strategy { lengths: vec![l], count: counts[l] - covered[l] });
+            out.push(Strategy {
+                lengths: vec![l],
+                count: counts[l] - covered[l],
+            });
         }
     }
     // Take the phantom slots (covered > count) out of the strategies.
-    let mut phantom: Vec<u64> = (0..=max_seq_len).map(|l| covered[l].saturating_sub(counts[l])).collect();
+    let mut phantom: Vec<u64> = (0..=max_seq_len)
+        .map(|l| covered[l].saturating_sub(counts[l]))
+        .collect();
     let mut work: Vec<Strategy> = Vec::new();
     for (s, r) in strategies.into_iter().zip(repeat.drain(..)) {
         if r > 0 {
-            work.push(Strategy { lengths: s, count: r });
+            work.push(Strategy {
+                lengths: s,
+                count: r,
+            });
         }
     }
     while let Some(mut s) = work.pop() {
@@ -120,7 +153,10 @@ pub(crate) fn nnlshp(counts: &[u64], max_seq_len: usize, depth: usize) -> Result
         let mut reduced = s.lengths.clone();
         reduced.remove(pos);
         if !reduced.is_empty() {
-            work.push(Strategy { lengths: reduced, count: take });
+            work.push(Strategy {
+                lengths: reduced,
+                count: take,
+            });
         }
         s.count -= take;
         if s.count > 0 {
@@ -140,7 +176,10 @@ mod tests {
         // Partitions of 512 into at most 3 parts: 1 + 256 + round(512^2 / 12).
         assert_eq!(exact_fill_strategies(512, 1).unwrap().len(), 1);
         assert_eq!(exact_fill_strategies(512, 2).unwrap().len(), 257);
-        assert_eq!(exact_fill_strategies(512, 3).unwrap().len(), 1 + 256 + 21845);
+        assert_eq!(
+            exact_fill_strategies(512, 3).unwrap().len(),
+            1 + 256 + 21845
+        );
         // Partitions of 8 into at most 8 parts = p(8) = 22.
         assert_eq!(exact_fill_strategies(8, 8).unwrap().len(), 22);
         for s in exact_fill_strategies(30, 4).unwrap() {

@@ -1,4 +1,6 @@
-use proptest::prelude::{prop, prop_assert, prop_assert_eq, proptest, Just, ProptestConfig, Strategy as PropStrategy};
+use proptest::prelude::{
+    prop, prop_assert, prop_assert_eq, proptest, Just, ProptestConfig, Strategy as PropStrategy,
+};
 
 use super::*;
 
@@ -41,18 +43,31 @@ fn padding_baseline_is_half_padding_on_wikipedia() {
     let m = run(&wiki(), Algorithm::None, 512, None).metrics;
     assert_eq!(m.num_packs, 16_279_552);
     assert_eq!(m.speedup, 1.0);
-    assert!((m.efficiency - (1.0 - 0.50033)).abs() < 5e-6, "{}", m.efficiency);
+    assert!(
+        (m.efficiency - (1.0 - 0.50033)).abs() < 5e-6,
+        "{}",
+        m.efficiency
+    );
 }
 
 #[test]
 fn every_algorithm_packs_squad_exactly() {
     let h = Histogram::embedded("squad-384").unwrap();
     for algorithm in Algorithm::ALL {
-        let p = run(&h, algorithm, 384, algorithm.default_max_sequences_per_pack().or(Some(3)));
+        let p = run(
+            &h,
+            algorithm,
+            384,
+            algorithm.default_max_sequences_per_pack().or(Some(3)),
+        );
         assert_eq!(p.metrics.real_tokens, h.real_tokens(), "{algorithm}");
         assert!(p.metrics.efficiency <= 1.0);
         if algorithm != Algorithm::None {
-            assert!(p.metrics.speedup > 1.7, "{algorithm}: {}", p.metrics.speedup);
+            assert!(
+                p.metrics.speedup > 1.7,
+                "{algorithm}: {}",
+                p.metrics.speedup
+            );
         }
     }
 }
@@ -62,49 +77,103 @@ fn every_algorithm_packs_squad_exactly() {
 #[test]
 fn spfhp_puts_short_sequences_into_the_emptiest_pack() {
     // msl 10: [7], [6] open; a 3 goes to the pack with most room (the 6), the next 3 to the 7.
-    let h = Histogram::from_lengths(&[7, 6, 3, 3]);
+    let h = Histogram::from_lengths(&[7, 6, 3, 3]).unwrap();
     let p = run(&h, Algorithm::Spfhp, 10, None);
-    assert_eq!(p.strategies, vec![Strategy { lengths: vec![7, 3], count: 1 }, Strategy { lengths: vec![6, 3], count: 1 }]);
+    assert_eq!(
+        p.strategies,
+        vec![
+            Strategy {
+                lengths: vec![7, 3],
+                count: 1
+            },
+            Strategy {
+                lengths: vec![6, 3],
+                count: 1
+            }
+        ]
+    );
     // LPFHP best-fits: the first 3 goes to the 7 (perfect fit), the second to the 6.
     let p = run(&h, Algorithm::Lpfhp, 10, None);
-    assert_eq!(p.strategies, vec![Strategy { lengths: vec![7, 3], count: 1 }, Strategy { lengths: vec![6, 3], count: 1 }]);
+    assert_eq!(
+        p.strategies,
+        vec![
+            Strategy {
+                lengths: vec![7, 3],
+                count: 1
+            },
+            Strategy {
+                lengths: vec![6, 3],
+                count: 1
+            }
+        ]
+    );
 }
 
 #[test]
 fn spfhp_and_lpfhp_differ_where_the_paper_says() {
     // msl 10, lengths 6, 5, 3: SPFHP puts the 3 into the shortest pack (the 5,
     // 5 free), LPFHP into the best fit (the 6, 4 free).
-    let h = Histogram::from_lengths(&[6, 5, 3]);
-    let s = |l: &[usize]| Strategy { lengths: l.to_vec(), count: 1 };
-    assert_eq!(run(&h, Algorithm::Spfhp, 10, None).strategies, vec![s(&[6]), s(&[5, 3])]);
-    assert_eq!(run(&h, Algorithm::Lpfhp, 10, None).strategies, vec![s(&[6, 3]), s(&[5])]);
+    let h = Histogram::from_lengths(&[6, 5, 3]).unwrap();
+    let s = |l: &[usize]| Strategy {
+        lengths: l.to_vec(),
+        count: 1,
+    };
+    assert_eq!(
+        run(&h, Algorithm::Spfhp, 10, None).strategies,
+        vec![s(&[6]), s(&[5, 3])]
+    );
+    assert_eq!(
+        run(&h, Algorithm::Lpfhp, 10, None).strategies,
+        vec![s(&[6, 3]), s(&[5])]
+    );
 }
 
 #[test]
 fn lpfhp_distributes_repeats_into_one_pack() {
     // 4 sequences of length 2 in packs of 8: one pack [2, 2, 2, 2].
-    let h = Histogram::from_lengths(&[2, 2, 2, 2]);
+    let h = Histogram::from_lengths(&[2, 2, 2, 2]).unwrap();
     let p = run(&h, Algorithm::Lpfhp, 8, None);
-    assert_eq!(p.strategies, vec![Strategy { lengths: vec![2, 2, 2, 2], count: 1 }]);
+    assert_eq!(
+        p.strategies,
+        vec![Strategy {
+            lengths: vec![2, 2, 2, 2],
+            count: 1
+        }]
+    );
     // ... or two packs of two under a limit of 2.
     let p = run(&h, Algorithm::Lpfhp, 8, Some(2));
-    assert_eq!(p.strategies, vec![Strategy { lengths: vec![2, 2], count: 2 }]);
+    assert_eq!(
+        p.strategies,
+        vec![Strategy {
+            lengths: vec![2, 2],
+            count: 2
+        }]
+    );
 }
 
 #[test]
 fn ffd_and_bfd_differ_where_an_earlier_bin_is_looser() {
     // msl 10, lengths 7 5 4 1: bins A=[7] (3 left), B=[5,4] (1 left); the 1 goes
     // to A under first fit and to B (the tighter) under best fit.
-    let h = Histogram::from_lengths(&[7, 5, 4, 1]);
-    let s = |l: &[usize]| Strategy { lengths: l.to_vec(), count: 1 };
-    assert_eq!(run(&h, Algorithm::Ffd, 10, None).strategies, vec![s(&[7, 1]), s(&[5, 4])]);
-    assert_eq!(run(&h, Algorithm::Bfd, 10, None).strategies, vec![s(&[7]), s(&[5, 4, 1])]);
+    let h = Histogram::from_lengths(&[7, 5, 4, 1]).unwrap();
+    let s = |l: &[usize]| Strategy {
+        lengths: l.to_vec(),
+        count: 1,
+    };
+    assert_eq!(
+        run(&h, Algorithm::Ffd, 10, None).strategies,
+        vec![s(&[7, 1]), s(&[5, 4])]
+    );
+    assert_eq!(
+        run(&h, Algorithm::Bfd, 10, None).strategies,
+        vec![s(&[7]), s(&[5, 4, 1])]
+    );
 }
 
 #[test]
 fn fit_baselines_match_per_sequence_ffd_and_bfd() {
     let lengths = [8, 7, 3, 3, 2, 2, 2];
-    let h = Histogram::from_lengths(&lengths);
+    let h = Histogram::from_lengths(&lengths).unwrap();
     for fit in [Algorithm::Ffd, Algorithm::Bfd] {
         let got = run(&h, fit, 10, None).strategies;
         let want = canonicalize(naive_fit(&lengths, 10, usize::MAX, fit == Algorithm::Bfd));
@@ -119,21 +188,29 @@ fn naive_fit(lengths: &[usize], msl: usize, limit: usize, best: bool) -> Vec<Str
     let mut bins: Vec<Vec<usize>> = Vec::new();
     for l in sorted.into_iter().filter(|&l| l > 0) {
         let room = |b: &Vec<usize>| msl - b.iter().sum::<usize>();
-        let fits: Vec<usize> = (0..bins.len()).filter(|&i| room(&bins[i]) >= l && bins[i].len() < limit).collect();
-        let choice = if best { fits.iter().copied().min_by_key(|&i| (room(&bins[i]), i)) } else { fits.first().copied() };
+        let fits: Vec<usize> = (0..bins.len())
+            .filter(|&i| room(&bins[i]) >= l && bins[i].len() < limit)
+            .collect();
+        let choice = if best {
+            fits.iter().copied().min_by_key(|&i| (room(&bins[i]), i))
+        } else {
+            fits.first().copied()
+        };
         match choice {
             Some(i) => bins[i].push(l),
             None => bins.push(vec![l]),
         }
     }
-    bins.into_iter().map(|lengths| Strategy { lengths, count: 1 }).collect()
+    bins.into_iter()
+        .map(|lengths| Strategy { lengths, count: 1 })
+        .collect()
 }
 
 // NNLSHP where the public reference code fails.
 
 #[test]
 fn nnlshp_depth_one_and_two_work() {
-    let h = Histogram::from_lengths(&[3, 5, 8, 8, 2, 6, 1]);
+    let h = Histogram::from_lengths(&[3, 5, 8, 8, 2, 6, 1]).unwrap();
     for depth in [1, 2] {
         let p = run(&h, Algorithm::Nnlshp, 8, Some(depth));
         assert!(p.strategies.iter().all(|s| s.lengths.len() <= depth));
@@ -147,10 +224,14 @@ fn nnlshp_residual_at_max_seq_len_works() {
     // Lots of full-length sequences plus a few that round away.
     let mut lengths = vec![16usize; 7];
     lengths.extend([9, 9, 9, 1, 15]);
-    let h = Histogram::from_lengths(&lengths);
+    let h = Histogram::from_lengths(&lengths).unwrap();
     for depth in 1..=4 {
         let p = run(&h, Algorithm::Nnlshp, 16, Some(depth));
-        assert!(p.metrics.num_packs >= 7 + 2, "depth {depth}: {:?}", p.strategies);
+        assert!(
+            p.metrics.num_packs >= 7 + 2,
+            "depth {depth}: {:?}",
+            p.strategies
+        );
     }
 }
 
@@ -159,7 +240,15 @@ fn nnlshp_residual_at_max_seq_len_works() {
 #[test]
 fn p3_overlong_is_an_error_naming_the_sequence() {
     let err = pack_lengths(&[4, 2, 3, 1], &PackingConfig::new(Algorithm::Spfhp, 3)).unwrap_err();
-    assert_eq!(err, Error::SequenceTooLong { field: "lengths".into(), index: 0, length: 4, max_seq_len: 3 });
+    assert_eq!(
+        err,
+        Error::SequenceTooLong {
+            field: "lengths".into(),
+            index: 0,
+            length: 4,
+            max_seq_len: 3
+        }
+    );
 }
 
 #[test]
@@ -169,18 +258,59 @@ fn p3_split_keeps_every_token() {
     assert_eq!(plan.metrics.real_tokens, 10);
     assert_eq!(plan.metrics.dropped_tokens, 0);
     assert_eq!(plan.metrics.split_sequences, 1);
-    let mut pieces: Vec<Segment> = plan.packs.iter().flatten().copied().filter(|s| s.sequence == 0).collect();
+    let mut pieces: Vec<Segment> = plan
+        .packs
+        .iter()
+        .flatten()
+        .copied()
+        .filter(|s| s.sequence == 0)
+        .collect();
     pieces.sort_by_key(|s| s.offset);
-    assert_eq!(pieces, vec![Segment { sequence: 0, offset: 0, length: 3 }, Segment { sequence: 0, offset: 3, length: 1 }]);
+    assert_eq!(
+        pieces,
+        vec![
+            Segment {
+                sequence: 0,
+                offset: 0,
+                length: 3
+            },
+            Segment {
+                sequence: 0,
+                offset: 3,
+                length: 1
+            }
+        ]
+    );
 }
 
 #[test]
 fn p3_truncate_and_drop_report_what_they_lose() {
-    let plan =
-        pack_lengths(&[4, 2, 3, 1], &PackingConfig::new(Algorithm::Ffd, 3).with_overlong(Overlong::Truncate)).unwrap();
-    assert_eq!((plan.metrics.real_tokens, plan.metrics.dropped_tokens, plan.metrics.truncated_sequences), (9, 1, 1));
-    let plan = pack_lengths(&[4, 2, 3, 1], &PackingConfig::new(Algorithm::Ffd, 3).with_overlong(Overlong::Drop)).unwrap();
-    assert_eq!((plan.metrics.real_tokens, plan.metrics.dropped_tokens, plan.metrics.dropped_sequences), (6, 4, 1));
+    let plan = pack_lengths(
+        &[4, 2, 3, 1],
+        &PackingConfig::new(Algorithm::Ffd, 3).with_overlong(Overlong::Truncate),
+    )
+    .unwrap();
+    assert_eq!(
+        (
+            plan.metrics.real_tokens,
+            plan.metrics.dropped_tokens,
+            plan.metrics.truncated_sequences
+        ),
+        (9, 1, 1)
+    );
+    let plan = pack_lengths(
+        &[4, 2, 3, 1],
+        &PackingConfig::new(Algorithm::Ffd, 3).with_overlong(Overlong::Drop),
+    )
+    .unwrap();
+    assert_eq!(
+        (
+            plan.metrics.real_tokens,
+            plan.metrics.dropped_tokens,
+            plan.metrics.dropped_sequences
+        ),
+        (6, 4, 1)
+    );
     assert_eq!(plan.dropped_sequences, vec![0]);
 }
 
@@ -192,7 +322,10 @@ fn p4_empty_sequences_are_counted_and_skipped() {
         assert_eq!(plan.metrics.empty_sequences, 1);
         assert_eq!(plan.metrics.num_sequences, 2);
         let placed: Vec<usize> = plan.packs.iter().flatten().map(|s| s.sequence).collect();
-        assert!(placed.contains(&0) && placed.contains(&2) && !placed.contains(&1), "{algorithm}: {placed:?}");
+        assert!(
+            placed.contains(&0) && placed.contains(&2) && !placed.contains(&1),
+            "{algorithm}: {placed:?}"
+        );
     }
 }
 
@@ -201,15 +334,30 @@ fn nothing_to_pack_gives_no_packs_and_finite_metrics() {
     for algorithm in Algorithm::ALL {
         let plan = pack_lengths(&[0, 0], &PackingConfig::new(algorithm, 4)).unwrap();
         assert!(plan.packs.is_empty());
-        assert_eq!((plan.metrics.efficiency, plan.metrics.speedup, plan.metrics.speedup_limit), (0.0, 1.0, 1.0));
+        assert_eq!(
+            (
+                plan.metrics.efficiency,
+                plan.metrics.speedup,
+                plan.metrics.speedup_limit
+            ),
+            (0.0, 1.0, 1.0)
+        );
     }
 }
 
 #[test]
 fn zero_limits_are_errors() {
-    assert_eq!(pack_lengths(&[1], &PackingConfig::new(Algorithm::Spfhp, 0)).unwrap_err().kind(), "invalid_argument");
+    assert_eq!(
+        pack_lengths(&[1], &PackingConfig::new(Algorithm::Spfhp, 0))
+            .unwrap_err()
+            .kind(),
+        "invalid_argument"
+    );
     let c = PackingConfig::new(Algorithm::Spfhp, 4).with_max_sequences_per_pack(Some(0));
-    assert_eq!(pack_lengths(&[1], &c).unwrap_err().kind(), "invalid_argument");
+    assert_eq!(
+        pack_lengths(&[1], &c).unwrap_err().kind(),
+        "invalid_argument"
+    );
 }
 
 // Properties over random inputs.
@@ -220,7 +368,11 @@ fn any_algorithm() -> impl PropStrategy<Value = Algorithm> {
 
 fn histogram_case() -> impl PropStrategy<Value = (usize, Vec<u64>, Option<usize>)> {
     (1usize..=40).prop_flat_map(|msl| {
-        (Just(msl), prop::collection::vec(0u64..30, msl + 1), prop::option::of(1usize..=5))
+        (
+            Just(msl),
+            prop::collection::vec(0u64..30, msl + 1),
+            prop::option::of(1usize..=5),
+        )
     })
 }
 
@@ -250,7 +402,7 @@ proptest! {
     ) {
         for (algorithm, best) in [(Algorithm::Ffd, false), (Algorithm::Bfd, true)] {
             let config = PackingConfig::new(algorithm, 12).with_max_sequences_per_pack(limit);
-            let got = pack_histogram(&Histogram::from_lengths(&lengths), &config).unwrap().strategies;
+            let got = pack_histogram(&Histogram::from_lengths(&lengths).unwrap(), &config).unwrap().strategies;
             let want = canonicalize(naive_fit(&lengths, 12, limit.unwrap_or(usize::MAX), best));
             prop_assert_eq!(got, want, "{}", algorithm);
         }
@@ -291,4 +443,48 @@ proptest! {
         prop_assert_eq!(plan.metrics.num_packs as usize, plan.packs.len());
         prop_assert_eq!(plan.metrics.empty_sequences as usize, lengths.iter().filter(|&&l| l == 0).count());
     }
+}
+
+#[test]
+fn absurd_histograms_are_errors_not_overflows() {
+    let h = Histogram::from_counts(vec![0, u64::MAX, 5]);
+    for algorithm in Algorithm::ALL {
+        let err = pack_histogram(&h, &PackingConfig::new(algorithm, 4)).unwrap_err();
+        assert_eq!(err.kind(), "invalid_argument", "{algorithm}");
+    }
+    let h = Histogram::from_counts(vec![0, 0, 0, 0, 0, 0, 0, 0, 0, 1 << 62]);
+    let config = PackingConfig::new(Algorithm::Ffd, 2).with_overlong(Overlong::Split);
+    assert_eq!(
+        pack_histogram(&h, &config).unwrap_err().kind(),
+        "invalid_argument"
+    );
+}
+
+#[test]
+fn absurd_lengths_are_errors_not_allocations() {
+    // Found by fuzzing `eval`: a split into 8e16 pieces.
+    let c = PackingConfig::new(Algorithm::Spfhp, 1).with_overlong(Overlong::Split);
+    assert_eq!(
+        pack_lengths(&[4, 83_333_333_333_333_881], &c)
+            .unwrap_err()
+            .kind(),
+        "invalid_argument"
+    );
+    let c = PackingConfig::new(Algorithm::Spfhp, 4).with_overlong(Overlong::Split);
+    let err = pack_lengths(
+        &[1, 1 << 30],
+        &PackingConfig::new(Algorithm::Spfhp, 1).with_overlong(Overlong::Split),
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("segments"), "{err}");
+    assert_eq!(
+        pack_lengths(&[usize::MAX], &c).unwrap_err().kind(),
+        "invalid_argument"
+    );
+    assert_eq!(
+        Histogram::from_lengths(&[1, usize::MAX])
+            .unwrap_err()
+            .kind(),
+        "invalid_argument"
+    );
 }

@@ -1,0 +1,130 @@
+//! The `pack` and `batch` ops.
+
+use packshard_reference::packing::histogram::MAX_HISTOGRAM_LENGTH;
+use packshard_reference::packing::{
+    pack_histogram, pack_lengths, Algorithm, Histogram, Overlong, PackedBatch, PackingConfig,
+    PackingMetrics,
+};
+use serde_json::{json, Value};
+
+use super::{Case, EvalError};
+
+const CONFIG_FIELDS: [&str; 4] = [
+    "max_seq_len",
+    "algorithm",
+    "max_sequences_per_pack",
+    "overlong",
+];
+
+fn config(case: &Case) -> Result<PackingConfig, EvalError> {
+    let algorithm = case
+        .opt_parse::<Algorithm>("algorithm")?
+        .unwrap_or(Algorithm::Spfhp);
+    Ok(PackingConfig::new(algorithm, case.usize("max_seq_len")?)
+        .with_max_sequences_per_pack(case.opt_usize("max_sequences_per_pack")?)
+        .with_overlong(case.opt_parse::<Overlong>("overlong")?.unwrap_or_default()))
+}
+
+/// The metrics fields of a `pack` result (everything but the wall time, so
+/// results are reproducible).
+pub(crate) fn metrics_json(m: &PackingMetrics) -> serde_json::Map<String, Value> {
+    let mut v = serde_json::to_value(m).expect("metrics serialize");
+    let obj = v.as_object_mut().expect("metrics are an object");
+    obj.remove("seconds");
+    obj.clone()
+}
+
+/// `pack`: `lengths` ([n]) or `histogram` ([[length, count], ...]), `max_seq_len`,
+/// `algorithm` (default `spfhp`), `max_sequences_per_pack`, `overlong`.
+pub(super) fn pack(value: &Value) -> Result<Value, EvalError> {
+    let mut allowed = CONFIG_FIELDS.to_vec();
+    allowed.extend(["lengths", "histogram"]);
+    let case = Case::new(value, &allowed)?;
+    let config = config(&case)?;
+    let mut out = match (case.has("lengths"), case.has("histogram")) {
+        (true, true) => {
+            return Err(EvalError::invalid(
+                "histogram",
+                "give either lengths or histogram, not both",
+            ))
+        }
+        (false, false) => {
+            return Err(EvalError::new(
+                "missing_field",
+                "lengths: required field is missing (or give histogram)",
+            ))
+        }
+        (true, false) => {
+            let plan = pack_lengths(&case.usize_list("lengths")?, &config)?;
+            let mut out = metrics_json(&plan.metrics);
+            out.insert(
+                "strategies".into(),
+                serde_json::to_value(&plan.strategies).expect("serialize"),
+            );
+            out.insert(
+                "packs".into(),
+                serde_json::to_value(&plan.packs).expect("serialize"),
+            );
+            out.insert("empty_sequence_indices".into(), json!(plan.empty_sequences));
+            out.insert(
+                "dropped_sequence_indices".into(),
+                json!(plan.dropped_sequences),
+            );
+            out
+        }
+        (false, true) => {
+            let pairs = case.pairs("histogram")?;
+            let max = pairs.iter().map(|p| p.0).max().unwrap_or(0);
+            if max > MAX_HISTOGRAM_LENGTH {
+                return Err(EvalError::invalid(
+                    "histogram",
+                    format!("length {max} is over the {MAX_HISTOGRAM_LENGTH} a histogram can hold"),
+                ));
+            }
+            let mut counts = vec![0u64; max + 1];
+            for (i, (length, count)) in pairs.into_iter().enumerate() {
+                counts[length] = counts[length].checked_add(count).ok_or_else(|| {
+                    EvalError::invalid(&format!("histogram[{i}]"), "count overflows")
+                })?;
+            }
+            let packing = pack_histogram(&Histogram::from_counts(counts), &config)?;
+            let mut out = metrics_json(&packing.metrics);
+            out.insert(
+                "strategies".into(),
+                serde_json::to_value(&packing.strategies).expect("serialize"),
+            );
+            out
+        }
+    };
+    out.insert("op".into(), json!("pack"));
+    Ok(Value::Object(out))
+}
+
+/// `batch`: `sequences` ([[token ids], ...]), `max_seq_len`, `algorithm`,
+/// `max_sequences_per_pack`, `overlong`, `pad_token_id` (0), `position_offset` (0).
+pub(super) fn batch(value: &Value) -> Result<Value, EvalError> {
+    let mut allowed = CONFIG_FIELDS.to_vec();
+    allowed.extend(["sequences", "pad_token_id", "position_offset"]);
+    let case = Case::new(value, &allowed)?;
+    let config = config(&case)?;
+    let sequences = case.i64_lists("sequences")?;
+    let pad = case.opt_i64("pad_token_id")?.unwrap_or(0);
+    let offset = case.opt_i64("position_offset")?.unwrap_or(0);
+    let (plan, batch) = PackedBatch::from_sequences(&sequences, &config, pad, offset)?;
+    let rows =
+        |a: &ndarray::Array2<i64>| -> Value { a.rows().into_iter().map(|r| r.to_vec()).collect() };
+    Ok(json!({
+        "op": "batch",
+        "input_ids": rows(&batch.input_ids),
+        "position_ids": rows(&batch.position_ids),
+        "sequence_ids": rows(&batch.sequence_ids),
+        "cu_seqlens": batch.cu_seqlens,
+        "max_seqlen": batch.max_seqlen,
+        "sequence_index": batch.sequence_index,
+        "packs": plan.packs,
+        "num_packs": batch.num_packs(),
+        "empty_sequence_indices": plan.empty_sequences,
+        "dropped_sequence_indices": plan.dropped_sequences,
+        "dropped_tokens": plan.metrics.dropped_tokens,
+    }))
+}
