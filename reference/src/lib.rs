@@ -23,6 +23,9 @@
 //!
 //! - [`packing`]: length histograms, SPFHP / LPFHP / NNLSHP (Krell et al.,
 //!   arXiv:2107.02027), FFD / BFD, plans on explicit lengths, packed batches.
+//! - [`vocab`]: vocabulary-parallel softmax, cross-entropy and input
+//!   embedding (Yeung et al., arXiv:2411.05288): the unsharded reference, the
+//!   [`vocab::Collective`] trait and the `naive`, `alg1`, `alg2` algorithms.
 //! - [`error`]: the one typed error, mapped onto the `eval` error kinds.
 
 #![forbid(unsafe_code)]
@@ -30,5 +33,6 @@
 
 pub mod error;
 pub mod packing;
+pub mod vocab;
 
 pub use error::{Error, Result};

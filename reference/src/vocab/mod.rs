@@ -1,0 +1,322 @@
+//! Vocabulary-parallel softmax, cross-entropy and input embedding (Yeung et
+//! al., *Balancing Pipeline Parallelism with Vocabulary Parallelism*,
+//! arXiv:2411.05288, §4; Megatron-LM's `VocabParallelCrossEntropy` and
+//! `VocabParallelEmbedding`).
+//!
+//! The output layer `logits = hidden @ weight^T` and its softmax /
+//! cross-entropy are split by vocabulary over `p` shards (ranks); the result —
+//! loss, per-token loss, gradients of the logits, hidden states and weights —
+//! is that of the unsharded layer.
+//!
+//! ## Shapes and notation
+//!
+//! | name | meaning |
+//! |---|---|
+//! | `n` | tokens (rows) |
+//! | `h` | hidden size |
+//! | `v` | vocabulary size (real entries) |
+//! | `p` | shards (ranks) |
+//! | `w_r` | columns held by shard `r` (real entries plus padding) |
+//! | `z_ij` | logit of token `i` for vocabulary entry `j` |
+//! | `m_i` (per shard), `m` (global) | maximum logit of a row (paper: local and global max) |
+//! | `s_i = Σ_j exp(z_j - m_i)` | local sum of a shard (paper: `s_i`) |
+//! | `S = Σ_i s_i exp(m_i - m)` | global sum; `logsumexp = m + ln S` |
+//! | `softmax'_i = exp(z - m_i) / s_i` | the local softmax of shard `i` |
+//! | `alpha_i = s_i exp(m_i - m) / S` | the factor that turns the local softmax into the global one |
+//! | `q_j` | target distribution (one-hot, or label-smoothed) |
+//!
+//! ## What is where
+//!
+//! - [`cross_entropy`]: the unsharded reference (logits, log-softmax,
+//!   cross-entropy with `ignore_index`, label smoothing in PyTorch's or
+//!   Megatron's convention, z-loss, reductions; forward and backward), and the
+//!   mergeable per-row [`SoftmaxStats`] every algorithm is built from.
+//! - [`collective`]: the [`Collective`] trait (all-reduce max / sum / merge,
+//!   broadcast, counted) and the in-process implementation that runs `p`
+//!   ranks.
+//! - [`sharded`]: the [`ShardMap`] (uneven or padded shards) and the three
+//!   algorithms `naive`, `alg1`, `alg2`, written as per-rank (SPMD) code over
+//!   `&dyn Collective`.
+//! - [`embedding`]: the vocabulary-parallel input embedding.
+
+pub mod collective;
+pub mod cross_entropy;
+pub mod embedding;
+pub mod sharded;
+
+#[cfg(test)]
+mod tests;
+
+use std::fmt;
+use std::str::FromStr;
+
+pub use collective::{run_ranks, Collective, CollectiveCounts, InProcess, Reduce};
+pub use cross_entropy::{cross_entropy, linear_cross_entropy, CrossEntropy, SoftmaxStats};
+pub use embedding::{embedding_backward, embedding_forward};
+pub use sharded::{ShardLayout, ShardMap, ShardedAlgorithm};
+
+use crate::error::{Error, Result};
+
+/// How per-token losses become the loss (PyTorch's `reduction`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Reduction {
+    /// Mean over the tokens whose target is not `ignore_index`. With no such
+    /// token the loss is 0 and every gradient is 0 (PyTorch returns NaN; a
+    /// micro-batch of padding must not poison a sum of losses).
+    #[default]
+    Mean,
+    /// Sum over all tokens (ignored ones contribute 0).
+    Sum,
+    /// No reduction: `per_token_loss` is the result; the scalar `loss`
+    /// reported beside it is their sum, and gradients are those of that sum
+    /// (an upstream gradient of 1 for every token).
+    None,
+}
+
+impl Reduction {
+    /// The name used in JSON and on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Reduction::Mean => "mean",
+            Reduction::Sum => "sum",
+            Reduction::None => "none",
+        }
+    }
+}
+
+impl FromStr for Reduction {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "mean" => Ok(Reduction::Mean),
+            "sum" => Ok(Reduction::Sum),
+            "none" => Ok(Reduction::None),
+            _ => Err(Error::invalid(
+                "reduction",
+                format!("unknown reduction {s:?}; expected mean, sum or none"),
+            )),
+        }
+    }
+}
+
+impl fmt::Display for Reduction {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Where label smoothing puts the mass `a` it takes from the target.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum SmoothingConvention {
+    /// PyTorch `CrossEntropyLoss(label_smoothing=a)`: target distribution
+    /// `(1 - a) * onehot + a / v`, so the target keeps `1 - a + a / v`.
+    #[default]
+    PyTorch,
+    /// Megatron-LM `VocabParallelCrossEntropy`: the target keeps `1 - a` and
+    /// the other `v - 1` classes get `a / (v - 1)` each (with the *global* `v`;
+    /// using the shard's size instead is FAULTS.md V1).
+    Megatron,
+}
+
+impl SmoothingConvention {
+    /// The name used in JSON and on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            SmoothingConvention::PyTorch => "pytorch",
+            SmoothingConvention::Megatron => "megatron",
+        }
+    }
+}
+
+impl FromStr for SmoothingConvention {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "pytorch" => Ok(SmoothingConvention::PyTorch),
+            "megatron" => Ok(SmoothingConvention::Megatron),
+            _ => Err(Error::invalid(
+                "smoothing",
+                format!("unknown label-smoothing convention {s:?}; expected pytorch or megatron"),
+            )),
+        }
+    }
+}
+
+/// The options of the cross-entropy loss, shared by every implementation.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LossConfig {
+    /// Targets equal to this are ignored: loss 0, gradient 0, not counted by
+    /// the mean (PyTorch's default -100).
+    pub ignore_index: i64,
+    /// Label smoothing `a` in `[0, 1]`.
+    pub label_smoothing: f64,
+    /// Where the smoothing mass goes.
+    pub smoothing: SmoothingConvention,
+    /// z-loss coefficient `c >= 0`: each non-ignored token adds
+    /// `c * logsumexp^2` (PaLM, Chowdhery et al. 2022, §5; 1e-4 there).
+    pub z_loss: f64,
+    /// How per-token losses are reduced.
+    pub reduction: Reduction,
+}
+
+impl Default for LossConfig {
+    fn default() -> Self {
+        LossConfig {
+            ignore_index: -100,
+            label_smoothing: 0.0,
+            smoothing: SmoothingConvention::PyTorch,
+            z_loss: 0.0,
+            reduction: Reduction::Mean,
+        }
+    }
+}
+
+impl LossConfig {
+    /// Builder: label smoothing `a` in `convention`.
+    pub fn with_smoothing(mut self, a: f64, convention: SmoothingConvention) -> Self {
+        self.label_smoothing = a;
+        self.smoothing = convention;
+        self
+    }
+
+    /// Builder: z-loss coefficient.
+    pub fn with_z_loss(mut self, c: f64) -> Self {
+        self.z_loss = c;
+        self
+    }
+
+    /// Builder: reduction.
+    pub fn with_reduction(mut self, r: Reduction) -> Self {
+        self.reduction = r;
+        self
+    }
+
+    /// Builder: ignore index.
+    pub fn with_ignore_index(mut self, i: i64) -> Self {
+        self.ignore_index = i;
+        self
+    }
+
+    /// Checks the options for a vocabulary of `v` entries.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for smoothing outside `[0, 1]`, a negative or
+    /// non-finite z-loss, or Megatron smoothing with `v = 1` (no other class
+    /// to spread the mass over).
+    pub fn validate(&self, v: usize) -> Result<()> {
+        let a = self.label_smoothing;
+        if !(0.0..=1.0).contains(&a) {
+            return Err(Error::invalid(
+                "label_smoothing",
+                format!("{a} is outside [0, 1]"),
+            ));
+        }
+        if !(self.z_loss.is_finite() && self.z_loss >= 0.0) {
+            return Err(Error::invalid(
+                "z_loss",
+                format!("{} must be finite and >= 0", self.z_loss),
+            ));
+        }
+        if a > 0.0 && self.smoothing == SmoothingConvention::Megatron && v < 2 {
+            return Err(Error::invalid(
+                "label_smoothing",
+                "Megatron's convention spreads the mass over v - 1 other classes; v = 1 has none",
+            ));
+        }
+        Ok(())
+    }
+
+    /// The target distribution of a non-ignored token over `v` classes:
+    /// `(q_target, q_other)`, the mass on the target and on each other class.
+    /// They sum to 1: `q_target + (v - 1) * q_other == 1` (up to rounding).
+    pub fn target_distribution(&self, v: usize) -> (f64, f64) {
+        let a = self.label_smoothing;
+        if a == 0.0 {
+            return (1.0, 0.0);
+        }
+        match self.smoothing {
+            SmoothingConvention::PyTorch => (1.0 - a + a / v as f64, a / v as f64),
+            SmoothingConvention::Megatron => (1.0 - a, a / (v as f64 - 1.0)),
+        }
+    }
+
+    /// The target of token `index`: `None` if ignored, else the class.
+    ///
+    /// # Errors
+    /// [`Error::IndexOutOfRange`] (field `targets`) for a target that is
+    /// neither `ignore_index` nor in `0..v`.
+    pub fn target(&self, targets: &[i64], index: usize, v: usize) -> Result<Option<usize>> {
+        let t = targets[index];
+        if t == self.ignore_index {
+            return Ok(None);
+        }
+        if t < 0 || t >= v as i64 {
+            return Err(Error::IndexOutOfRange {
+                field: "targets".into(),
+                index,
+                value: t,
+                lo: 0,
+                hi: v as i64,
+            });
+        }
+        Ok(Some(t as usize))
+    }
+
+    /// Every target checked against `v` (see [`LossConfig::target`]).
+    ///
+    /// # Errors
+    /// The first bad target.
+    pub fn targets(&self, targets: &[i64], v: usize) -> Result<Vec<Option<usize>>> {
+        (0..targets.len())
+            .map(|i| self.target(targets, i, v))
+            .collect()
+    }
+
+    /// `d loss / d per_token_loss_i` for each token: 0 for ignored tokens,
+    /// otherwise `1 / num_tokens` (mean) or 1 (sum, none).
+    pub fn token_weights(&self, targets: &[Option<usize>]) -> Vec<f64> {
+        let valid = targets.iter().filter(|t| t.is_some()).count();
+        let w = match self.reduction {
+            Reduction::Mean if valid > 0 => 1.0 / valid as f64,
+            Reduction::Mean => 0.0,
+            Reduction::Sum | Reduction::None => 1.0,
+        };
+        targets
+            .iter()
+            .map(|t| if t.is_some() { w } else { 0.0 })
+            .collect()
+    }
+
+    /// Reduces per-token losses (ignored tokens hold 0) as configured.
+    pub fn reduce(&self, per_token: &[f64], targets: &[Option<usize>]) -> f64 {
+        let sum: f64 = per_token.iter().sum();
+        match self.reduction {
+            Reduction::Mean => {
+                let valid = targets.iter().filter(|t| t.is_some()).count();
+                if valid == 0 {
+                    0.0
+                } else {
+                    sum / valid as f64
+                }
+            }
+            Reduction::Sum | Reduction::None => sum,
+        }
+    }
+}
+
+/// The most logits (`n * v`) one call may materialise: 2^26 f64 (512 MiB).
+pub const MAX_LOGITS: usize = 1 << 26;
+
+/// Checks that `n * v` logits fit under [`MAX_LOGITS`] before allocating them.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] naming `field`.
+pub fn check_logits_size(field: &str, n: usize, v: usize) -> Result<()> {
+    match n.checked_mul(v) {
+        Some(x) if x <= MAX_LOGITS => Ok(()),
+        _ => Err(Error::invalid(
+            field,
+            format!("{n} tokens x {v} vocabulary entries is over the {MAX_LOGITS} logits one call may hold"),
+        )),
+    }
+}
