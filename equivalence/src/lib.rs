@@ -9,6 +9,8 @@
 //! - [`compare`]: tensor comparison under a named [`compare::Tolerance`], with
 //!   failures that name the tensor, the index and both values.
 //! - [`packing`]: plans and packed batches (FAULTS.md P1, P3–P6).
+//! - [`vocab`]: vocabulary-parallel cross-entropy and embedding, sharded ==
+//!   unsharded (FAULTS.md V1–V6).
 //!
 //! Shape legend as in `packshard-reference`: `n_tok` tokens, `b` segments,
 //! `h` heads, `d` head dim, `v` vocabulary, `p` shards.
@@ -18,5 +20,6 @@
 
 pub mod compare;
 pub mod packing;
+pub mod vocab;
 
 pub use compare::{Mismatch, Tolerance};

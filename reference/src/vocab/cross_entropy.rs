@@ -16,13 +16,15 @@
 //! exp(z_j - m)` with `C >= 1` the number of logits equal to the maximum. So a
 //! confident prediction's loss (say `1e-14`) keeps its relative precision
 //! instead of being the difference of two numbers near `logsumexp`. For the
-//! same reason the gradient `p_j - q_j` at a logit equal to the maximum is
-//! computed as `(1 - q_j) - (s - 1) / s` (all other `p_j - q_j` are direct).
+//! same reason the gradient `p_j - q_j` of a confident target (`q_j > 1/2`
+//! at the maximum) is computed as `(1 - q_j) - (s - 1) / s` (all other `p_j -
+//! q_j` directly); see [`SoftmaxStats::delta`].
 //! The sharded algorithms use the same rules, so sharded and unsharded agree
 //! to a few ulp *relative* even for losses of 1e-14.
 
 use ndarray::{Array1, Array2, ArrayView2, Axis, Slice};
 
+use super::sum::{self, Neumaier};
 use super::{check_logits_size, LossConfig};
 use crate::error::{check_finite, Error, Result};
 
@@ -172,11 +174,13 @@ impl SoftmaxStats {
         }
     }
 
-    /// `p - q` for a logit `z` with target weight `q`; at the maximum computed
-    /// as `(1 - q) - (s - 1) / s`, which keeps its relative precision when
-    /// `p` is within an ulp of 1.
+    /// `p - q` for a logit `z` with target weight `q`. At the maximum, where
+    /// `p = 1 / s`, the form with the smaller terms is used: `(1 - q) - (s -
+    /// 1) / s` when `q > 1/2` (a confident target: `p` within an ulp of 1,
+    /// both terms tiny), else `1 / s - q` (with many ties at the maximum `s`
+    /// is large and `(s - 1) / s` close to 1, so the first form would cancel).
     pub fn delta(&self, z: f64, q: f64) -> f64 {
-        if z == self.max {
+        if z == self.max && q > 0.5 {
             (1.0 - q) - self.rest / self.sum_exp()
         } else {
             self.probability(z) - q
@@ -196,38 +200,39 @@ impl SoftmaxStats {
 }
 
 /// `(C, Σ_{z_j < max} exp(z_j - max))` where `C` counts the `z_j == max`:
-/// the sum `s = Σ_j exp(z_j - max)` split so that its exact integer part
+/// the (compensated) sum `s = Σ_j exp(z_j - max)` split so that its exact integer part
 /// stays apart from the small terms. `max` must be finite.
 pub fn count_and_sum(z: &[f64], max: f64) -> (f64, f64) {
     let mut at_max = 0.0;
-    let mut below = 0.0;
+    let mut below = Neumaier::default();
     for &zj in z {
         if zj == max {
             at_max += 1.0;
         } else {
-            below += (zj - max).exp();
+            below.add((zj - max).exp());
         }
     }
-    (at_max, below)
+    (at_max, below.value())
 }
 
 /// `(Σ_j q_j (max - z_j), Σ_j q_j)` over the `j` with `q_j > 0`; a `-inf`
 /// logit with `q_j > 0` makes the first `+inf` (its probability is 0).
+/// Both sums are compensated.
 pub fn target_term(z: &[f64], q: impl Fn(usize) -> f64, max: f64) -> (f64, f64) {
-    let mut target = 0.0;
-    let mut mass = 0.0;
+    let mut target = Neumaier::default();
+    let mut mass = Neumaier::default();
     for (j, &zj) in z.iter().enumerate() {
         let qj = q(j);
         if qj > 0.0 {
-            mass += qj;
-            target += if zj == f64::NEG_INFINITY {
+            mass.add(qj);
+            target.add(if zj == f64::NEG_INFINITY {
                 f64::INFINITY
             } else {
                 qj * (max - zj)
-            };
+            });
         }
     }
-    (target, mass)
+    (target.value(), mass.value())
 }
 
 /// The loss of one token from its row's summary: cross-entropy plus `c *
@@ -482,7 +487,10 @@ pub fn linear_cross_entropy(
     let logits = logits(hidden, weight)?;
     let ce = cross_entropy(logits.view(), targets, config, want_grad)?;
     let (grad_hidden, grad_weight) = match &ce.grad_logits {
-        Some(g) => (Some(g.dot(&weight)), Some(g.t().dot(&hidden))),
+        Some(g) => (
+            Some(sum::matmul(g.view(), weight)),
+            Some(g.t().dot(&hidden)),
+        ),
         None => (None, None),
     };
     Ok(LinearCrossEntropy {

@@ -129,7 +129,7 @@ pub fn embedding_rank(
     check_weight(weight, shard.real, shard.start)?;
     let h = weight.ncols();
     check_logits_size("ids", ids.len(), h)?;
-    let mut meter = Meter::default();
+    let meter = Meter::default();
     meter.hold(ids.len() * h);
     // Masked local lookup: rows of ids this shard does not own stay 0.
     let mut out = Array2::zeros((ids.len(), h));

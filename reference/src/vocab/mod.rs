@@ -38,11 +38,13 @@
 //!   algorithms `naive`, `alg1`, `alg2`, written as per-rank (SPMD) code over
 //!   `&dyn Collective`.
 //! - [`embedding`]: the vocabulary-parallel input embedding.
+//! - [`sum`]: compensated sums for the reductions over the vocabulary.
 
 pub mod collective;
 pub mod cross_entropy;
 pub mod embedding;
 pub mod sharded;
+pub mod sum;
 
 #[cfg(test)]
 mod tests;
@@ -289,7 +291,7 @@ impl LossConfig {
 
     /// Reduces per-token losses (ignored tokens hold 0) as configured.
     pub fn reduce(&self, per_token: &[f64], targets: &[Option<usize>]) -> f64 {
-        let sum: f64 = per_token.iter().sum();
+        let sum = sum::sum(per_token.iter().copied());
         match self.reduction {
             Reduction::Mean => {
                 let valid = targets.iter().filter(|t| t.is_some()).count();

@@ -56,6 +56,7 @@ use super::cross_entropy::{
     check_linear, check_logits, check_row, count_and_sum, target_term, token_loss, SoftmaxStats,
     STATS_WIDTH,
 };
+use super::sum;
 use super::{check_logits_size, LossConfig};
 use crate::error::{Error, Result};
 
@@ -430,27 +431,27 @@ pub struct RankLoss {
 /// collective buffers, the input-gradient partials `[n, h]`, the
 /// weight-gradient shard `[w_r, h]` and the per-token vectors. Inputs
 /// (hidden states, the weight shard, given logits) are not counted.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct Meter {
-    live: usize,
-    peak: usize,
+    live: std::cell::Cell<usize>,
+    peak: std::cell::Cell<usize>,
 }
 
 impl Meter {
     /// A buffer of `elements` f64 is allocated.
-    pub fn hold(&mut self, elements: usize) {
-        self.live += 8 * elements;
-        self.peak = self.peak.max(self.live);
+    pub fn hold(&self, elements: usize) {
+        self.live.set(self.live.get() + 8 * elements);
+        self.peak.set(self.peak.get().max(self.live.get()));
     }
 
     /// A buffer of `elements` f64 is freed.
-    pub fn free(&mut self, elements: usize) {
-        self.live = self.live.saturating_sub(8 * elements);
+    pub fn free(&self, elements: usize) {
+        self.live.set(self.live.get().saturating_sub(8 * elements));
     }
 
     /// The peak so far, in bytes.
     pub fn peak(&self) -> usize {
-        self.peak
+        self.peak.get()
     }
 }
 
@@ -477,7 +478,7 @@ pub fn linear_cross_entropy_rank(
     config: &LossConfig,
     want_grad: bool,
 ) -> Result<RankLoss> {
-    let mut rank = RankRun::new(comm, algorithm, map, hidden.nrows(), targets, config)?;
+    let rank = RankRun::new(comm, algorithm, map, hidden.nrows(), targets, config)?;
     let shard = rank.shard;
     if weight.nrows() != shard.width {
         return Err(Error::ShapeMismatch {
@@ -516,7 +517,7 @@ pub fn cross_entropy_rank(
     want_grad: bool,
 ) -> Result<RankLoss> {
     let n = logits.nrows();
-    let mut rank = RankRun::new(comm, algorithm, map, n, targets, config)?;
+    let rank = RankRun::new(comm, algorithm, map, n, targets, config)?;
     let shard = rank.shard;
     if logits.ncols() != shard.width {
         return Err(Error::ShapeMismatch {
@@ -602,7 +603,9 @@ impl<'a> RankRun<'a> {
     /// q_other) W_t` when the target is here. `[n, h]`.
     fn target_rows(&self, w_real: ArrayView2<f64>) -> Array2<f64> {
         let n = self.targets.len();
-        let colsum = w_real.sum_axis(Axis(0));
+        let colsum: Array1<f64> = (0..w_real.ncols())
+            .map(|k| sum::sum(w_real.column(k).iter().copied()))
+            .collect();
         let mut b = Array2::zeros((n, w_real.ncols()));
         for (i, t) in self.targets.iter().enumerate() {
             let Some(t) = *t else { continue };
@@ -619,7 +622,7 @@ impl<'a> RankRun<'a> {
 
     /// Per-token losses and the loss from the global statistics; the
     /// all-`-inf` row error (identical on every rank).
-    fn finish(&mut self, global: &[SoftmaxStats]) -> Result<(Array1<f64>, f64)> {
+    fn finish(&self, global: &[SoftmaxStats]) -> Result<(Array1<f64>, f64)> {
         for (i, g) in global.iter().enumerate() {
             check_row(i, g, self.targets[i])?;
         }
@@ -635,7 +638,7 @@ impl<'a> RankRun<'a> {
         Ok((per_token, loss))
     }
 
-    fn run(mut self, z: Array2<f64>, lin: Linear<'_>, want_grad: bool) -> Result<RankLoss> {
+    fn run(self, z: Array2<f64>, lin: Linear<'_>, want_grad: bool) -> Result<RankLoss> {
         match self.algorithm {
             ShardedAlgorithm::Naive => self.naive(z, lin, want_grad),
             ShardedAlgorithm::Alg1 => self.alg1(z, lin, want_grad),
@@ -646,7 +649,7 @@ impl<'a> RankRun<'a> {
     /// `∂L/∂x` partial and `∂L/∂W_i` from the gradient `g: [n, w_r]`; the
     /// partial is all-reduced when `all_reduce` (naive, alg1).
     fn linear_grads(
-        &mut self,
+        &self,
         g: &Array2<f64>,
         lin: Linear<'_>,
         all_reduce: bool,
@@ -659,7 +662,7 @@ impl<'a> RankRun<'a> {
         let mut gx = None;
         if all_reduce {
             self.meter.hold(x.len());
-            let mut partial = g_real.dot(&w_real);
+            let mut partial = sum::matmul(g_real, w_real);
             self.comm.all_reduce_sum(
                 partial
                     .as_slice_mut()
@@ -701,7 +704,7 @@ impl<'a> RankRun<'a> {
 
     /// naive: `m = allreduce_max(m_i)`; `S = allreduce_sum(s_i against m)`;
     /// backward `∂L/∂x = allreduce_sum(∂L/∂z_i W_i)`.
-    fn naive(&mut self, mut z: Array2<f64>, lin: Linear<'_>, want_grad: bool) -> Result<RankLoss> {
+    fn naive(&self, mut z: Array2<f64>, lin: Linear<'_>, want_grad: bool) -> Result<RankLoss> {
         let n = z.nrows();
         // Barrier 1: the global max m.
         self.meter.hold(n);
@@ -766,7 +769,7 @@ impl<'a> RankRun<'a> {
     /// alg1: S pass (local `m_i`, `s_i`, target term) → one merged barrier →
     /// T pass (rescale the local softmax by `alpha_i`) → the input-gradient
     /// barrier.
-    fn alg1(&mut self, mut z: Array2<f64>, lin: Linear<'_>, want_grad: bool) -> Result<RankLoss> {
+    fn alg1(&self, mut z: Array2<f64>, lin: Linear<'_>, want_grad: bool) -> Result<RankLoss> {
         let n = z.nrows();
         // S pass.
         let local: Vec<SoftmaxStats> = z
@@ -808,11 +811,7 @@ impl<'a> RankRun<'a> {
                     let alpha = l.sum_exp() * l.scale_to(g.max) / g.sum_exp();
                     alpha * ((zij - l.max).exp() / l.sum_exp())
                 };
-                let delta = if zij == g.max {
-                    (1.0 - q) - g.rest / g.sum_exp()
-                } else {
-                    p - q
-                };
+                let delta = if zij == g.max { g.delta(zij, q) } else { p - q };
                 weights[i] * (delta + 2.0 * c * g.logsumexp() * p)
             };
         }
@@ -821,58 +820,78 @@ impl<'a> RankRun<'a> {
         Ok(self.output(forward, local, global, (Some(z), gx, gw)))
     }
 
-    /// alg2: S pass forms `softmax'_i - q_i` and the input-gradient partials
-    /// against the local softmax → one merged barrier → T pass with no
-    /// communication.
-    fn alg2(&mut self, mut z: Array2<f64>, lin: Linear<'_>, want_grad: bool) -> Result<RankLoss> {
+    /// alg2: S pass forms the input-gradient partials against the local
+    /// softmax → one merged barrier → T pass with no communication. The rank
+    /// keeps its logits and recomputes `softmax'_i` in T (as alg1 does; the
+    /// paper keeps `softmax'_i` itself — the same memory).
+    fn alg2(&self, mut z: Array2<f64>, lin: Linear<'_>, want_grad: bool) -> Result<RankLoss> {
         let n = z.nrows();
         let real = self.shard.real;
-        // S pass: local statistics, then z := softmax'_i - q_i in place (the
-        // stable form at the local maximum, -q for an all -inf shard).
+        let c = self.config.z_loss;
+        // S pass: local statistics.
         let local: Vec<SoftmaxStats> = z
             .rows()
             .into_iter()
             .enumerate()
             .map(|(i, row)| SoftmaxStats::of(&row.to_vec(), |j| self.q(i, j)))
             .collect();
-        for ((i, j), x) in z.indexed_iter_mut() {
+        // softmax'_i - q_i (the stable form for a confident target; -q for an
+        // all -inf shard) and softmax'_i.
+        let delta = |i: usize, j: usize, zij: f64| {
             let q = self.q(i, j);
-            *x = if local[i].sum_exp() == 0.0 {
+            if local[i].sum_exp() == 0.0 {
                 -q
             } else {
-                local[i].delta(*x, q)
-            };
-        }
+                local[i].delta(zij, q)
+            }
+        };
+        let prob = |i: usize, zij: f64| {
+            if local[i].sum_exp() == 0.0 {
+                0.0
+            } else {
+                local[i].probability(zij)
+            }
+        };
         let input_grad = want_grad && lin.is_some();
         let h = lin.map_or(0, |(x, _)| x.ncols());
-        let width = if input_grad {
-            STATS_WIDTH + 2 * h
-        } else {
-            STATS_WIDTH
+        // Blocks per token after the statistics: s_i D_i and B_i, plus s_i A_i
+        // with the z-loss (A_i = softmax'_i W_i, its gradient is 2 c lse p W).
+        let blocks = match (input_grad, c > 0.0) {
+            (false, _) => 0,
+            (true, false) => 2,
+            (true, true) => 3,
         };
-        // Record per token: [m_i, s_i - 1, target, mass, s_i D_i (h), B_i (h)]
-        // with D_i = (softmax'_i - q_i) W_i and B_i = q_i W_i.
+        let width = STATS_WIDTH + blocks * h;
         self.meter.hold(width * n);
         let mut record = vec![0.0; width * n];
         for (i, l) in local.iter().enumerate() {
             record[i * width..i * width + STATS_WIDTH].copy_from_slice(&l.to_record());
         }
         if let (true, Some((_, w_real))) = (input_grad, lin) {
-            self.meter.hold(2 * n * h);
-            let d = z.slice_axis(Axis(1), Slice::from(..real)).dot(&w_real);
+            // D_i = (softmax'_i - q_i) W_i, B_i = q_i W_i, A_i = softmax'_i W_i.
+            self.meter.hold(blocks * n * h);
+            let d = sum::matmul_with(n, |i, j| delta(i, j, z[[i, j]]), w_real);
             let b = self.target_rows(w_real);
+            let a = (blocks == 3).then(|| sum::matmul_with(n, |i, j| prob(i, z[[i, j]]), w_real));
             for i in 0..n {
                 let at = i * width + STATS_WIDTH;
                 let s_i = local[i].sum_exp();
                 for k in 0..h {
                     record[at + k] = s_i * d[[i, k]];
                     record[at + h + k] = b[[i, k]];
+                    if let Some(a) = &a {
+                        record[at + 2 * h + k] = s_i * a[[i, k]];
+                    }
                 }
             }
-            self.meter.free(2 * n * h);
+            self.meter.free(blocks * n * h);
         }
         // The one barrier.
-        let op: super::collective::MergeFn = if input_grad { merge_alg2 } else { merge_stats };
+        let op: super::collective::MergeFn = match blocks {
+            0 => merge_stats,
+            2 => merge_alg2,
+            _ => merge_alg2_z_loss,
+        };
         self.comm.all_reduce(&mut [Reduce::Merge {
             data: &mut record,
             width,
@@ -887,8 +906,8 @@ impl<'a> RankRun<'a> {
             return Ok(self.output(forward, local, global, (None, None, None)));
         }
         let weights = self.config.token_weights(&self.targets);
-        let c = self.config.z_loss;
-        // ∂L/∂x = w_i ((1 + 2 c lse) Y / S + 2 c lse Z): no more communication.
+        // ∂L/∂x = w_i (Y / S + 2 c lse U / S), Y / S = Σ_j (p_j - q_j) W_j and
+        // U / S = Σ_j p_j W_j: no more communication.
         let gx = input_grad.then(|| {
             self.meter.hold(n * h);
             Array2::from_shape_fn((n, h), |(i, k)| {
@@ -896,17 +915,19 @@ impl<'a> RankRun<'a> {
                     return 0.0;
                 }
                 let g = &global[i];
-                let (y, zz) = (
-                    record[i * width + STATS_WIDTH + k],
-                    record[i * width + STATS_WIDTH + h + k],
-                );
-                let lse = g.logsumexp();
-                let soft = y / g.sum_exp();
-                weights[i] * ((1.0 + 2.0 * c * lse) * soft + 2.0 * c * lse * zz)
+                let at = i * width + STATS_WIDTH;
+                let y = record[at + k] / g.sum_exp();
+                let z_part = if blocks == 3 {
+                    2.0 * c * g.logsumexp() * (record[at + 2 * h + k] / g.sum_exp())
+                } else {
+                    0.0
+                };
+                weights[i] * (y + z_part)
             })
         });
-        // T pass: ∂L/∂z = alpha_i (softmax' - q) + (alpha_i - 1) q, with
-        // alpha_i - 1 = (s_i - S) / S exactly when m_i = m.
+        // T pass: p = alpha_i softmax'_i and p - q = alpha_i (softmax'_i - q)
+        // + (alpha_i - 1) q, with alpha_i - 1 = (s_i - S) / S exactly when
+        // m_i = m.
         for ((i, j), x) in z.indexed_iter_mut() {
             let (g, l) = (&global[i], &local[i]);
             *x = if weights[i] == 0.0 || j >= real {
@@ -919,9 +940,9 @@ impl<'a> RankRun<'a> {
                 } else {
                     alpha - 1.0
                 };
-                let delta = alpha * *x + alpha_minus_1 * q;
-                let p = alpha * (*x + q);
-                weights[i] * (delta + 2.0 * c * g.logsumexp() * p)
+                let d = alpha * delta(i, j, *x) + alpha_minus_1 * q;
+                let p = alpha * prob(i, *x);
+                weights[i] * (d + 2.0 * c * g.logsumexp() * p)
             };
         }
         let (_, gw) = self.linear_grads(&z, lin, false)?;
@@ -958,6 +979,22 @@ pub fn merge_alg2(acc: &mut [f64], next: &[f64]) {
         z_a[k] += z_b[k];
     }
     acc[..STATS_WIDTH].copy_from_slice(&a.merge(b).to_record());
+}
+
+/// [`merge_alg2`] with a third block `U` (`h` values) merged like the
+/// softmax-weighted sum it is: `U = e_K U_K + e_L U_L`, so that `U / S =
+/// Σ_i alpha_i A_i = Σ_j p_j W_j` (the z-loss part of `∂L/∂x`).
+pub fn merge_alg2_z_loss(acc: &mut [f64], next: &[f64]) {
+    let h = (acc.len() - STATS_WIDTH) / 3;
+    let a = SoftmaxStats::from_record(acc);
+    let b = SoftmaxStats::from_record(next);
+    let m = a.max.max(b.max);
+    let (ea, eb) = (a.scale_to(m), b.scale_to(m));
+    let at = STATS_WIDTH + 2 * h;
+    for k in 0..h {
+        acc[at + k] = ea * acc[at + k] + eb * next[at + k];
+    }
+    merge_alg2(&mut acc[..at], &next[..at]);
 }
 
 /// The result of a sharded run: every rank's [`RankLoss`].
