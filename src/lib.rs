@@ -13,7 +13,8 @@
 //! - [`equivalence`] (`packshard-equivalence`): the reusable suites.
 //!
 //! [`eval`] is the JSON oracle interface (`packshard eval`) and [`report`]
-//! the comparison tables the CLI prints.
+//! the comparison tables the CLI prints; [`vocab_report`] measures the
+//! vocabulary-parallel algorithms for `packshard vocab`.
 
 pub use packshard_equivalence as equivalence;
 pub use packshard_optimized as optimized;
@@ -22,3 +23,4 @@ pub use packshard_reference as reference;
 pub mod assets;
 pub mod eval;
 pub mod report;
+pub mod vocab_report;

@@ -20,6 +20,8 @@ enum Command {
     Pack(cli::pack::PackArgs),
     /// Evaluate JSON cases through the oracle interface (docs/INTERFACE.md).
     Eval(cli::eval::EvalArgs),
+    /// Compare the vocabulary-parallel algorithms on one output layer (default: MiniLM's 30522 x 384).
+    Vocab(cli::vocab::VocabArgs),
 }
 
 fn main() -> ExitCode {
@@ -63,6 +65,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Pack(args) => cli::pack::run(args),
         Command::Eval(args) => cli::eval::run(args),
+        Command::Vocab(args) => cli::vocab::run(args),
     };
     match result {
         Ok(code) => code,

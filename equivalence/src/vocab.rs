@@ -300,7 +300,7 @@ pub fn assert_close_terms(
     for (i, ((&e, &a), &t)) in expected.iter().zip(actual).zip(terms).enumerate() {
         let ok = if e.is_finite() && a.is_finite() {
             let scale = e.abs() + t;
-            if scale > 0.0 {
+            if scale > UNDERFLOW {
                 let ulps = (a - e).abs() / (f64::EPSILON * scale);
                 WORST_ULPS.with(|w| w.set(w.get().max(ulps)));
             }

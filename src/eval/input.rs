@@ -128,6 +128,23 @@ impl<'a> Case<'a> {
             .collect()
     }
 
+    /// A required list of integers (`[n]`, negative allowed).
+    pub fn i64_list(&self, name: &str) -> Result<Vec<i64>, EvalError> {
+        let items = as_array(self.require(name)?, name)?;
+        items
+            .iter()
+            .enumerate()
+            .map(|(i, v)| {
+                v.as_i64().ok_or_else(|| {
+                    EvalError::invalid(
+                        &format!("{name}[{i}]"),
+                        format!("expected an integer, found {v}"),
+                    )
+                })
+            })
+            .collect()
+    }
+
     /// A required list of lists of integers (`[[...], ...]`, ragged allowed).
     pub fn i64_lists(&self, name: &str) -> Result<Vec<Vec<i64>>, EvalError> {
         let items = as_array(self.require(name)?, name)?;

@@ -9,6 +9,7 @@
 
 pub mod input;
 mod pack;
+mod vocab;
 
 use serde_json::{json, Value};
 
@@ -76,6 +77,24 @@ pub fn ops() -> Vec<Op> {
             summary: "pack token sequences into input_ids, position_ids, sequence_ids, cu_seqlens",
             impls: &["reference"],
             run: pack::batch,
+        },
+        Op {
+            name: "cross_entropy",
+            summary: "cross-entropy of logits, unsharded or vocabulary-parallel (naive, alg1, alg2)",
+            impls: &["reference"],
+            run: vocab::cross_entropy_op,
+        },
+        Op {
+            name: "linear_cross_entropy",
+            summary: "output layer hidden @ weight^T and its cross-entropy, unsharded or vocabulary-parallel",
+            impls: &["reference"],
+            run: vocab::linear_cross_entropy_op,
+        },
+        Op {
+            name: "embedding",
+            summary: "input embedding lookup and its weight gradient, unsharded or vocabulary-parallel",
+            impls: &["reference"],
+            run: vocab::embedding_op,
         },
     ]
 }

@@ -426,11 +426,12 @@ pub struct RankLoss {
     pub peak_bytes: usize,
 }
 
-/// Counts the bytes of the f64 buffers a rank allocates and keeps alive: the
-/// logits / softmax / gradient buffer `[n, w_r]` (one, updated in place),
-/// collective buffers, the input-gradient partials `[n, h]`, the
-/// weight-gradient shard `[w_r, h]` and the per-token vectors. Inputs
-/// (hidden states, the weight shard, given logits) are not counted.
+/// Counts the bytes of the working f64 buffers a rank allocates and keeps
+/// alive: the logits / gradient buffer `[n, w_r]` (one, updated in place),
+/// collective buffers, the input-gradient partials `[n, h]` and the per-token
+/// vectors. Not counted: inputs (hidden states, the weight shard, given
+/// logits) and the weight-gradient shard `[w_r, h]` (parameter-sized, the
+/// same for every algorithm).
 #[derive(Debug, Clone, Default)]
 pub struct Meter {
     live: std::cell::Cell<usize>,
@@ -670,7 +671,8 @@ impl<'a> RankRun<'a> {
             )?;
             gx = Some(partial);
         }
-        self.meter.hold(self.shard.width * x.ncols());
+        // The weight-gradient shard is parameter-sized and the same for every
+        // algorithm: not counted.
         let mut gw = Array2::zeros((self.shard.width, x.ncols()));
         gw.slice_axis_mut(Axis(0), Slice::from(..real))
             .assign(&g_real.t().dot(&x));

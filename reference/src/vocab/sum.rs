@@ -4,30 +4,36 @@
 //! `sqrt(k)` ulp (random walk; `k` ulp at worst): over a 250,682-entry
 //! vocabulary (FAULTS.md V4) that is hundreds of ulp, and two summation
 //! orders (one row vs eight shards) then disagree by as much. Neumaier's
-//! compensated sum (Neumaier 1974, the improved Kahan–Babuška sum) keeps the
+//! compensated sum (Neumaier 1974, the improved Kahan–Babuška sum, with
+//! Knuth's error-free TwoSum) keeps the
 //! error of each sum near one ulp of the result whatever `k`, so the
 //! reference is more precise than what it judges and sharded == unsharded
 //! holds to a few ulp for any vocabulary size.
 
 use ndarray::{Array2, ArrayView2};
 
-/// A running compensated sum.
+/// A running compensated sum: each addition's rounding error, found exactly
+/// by Knuth's TwoSum, is accumulated apart and added back at the end.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Neumaier {
     sum: f64,
     compensation: f64,
 }
 
+/// `(s + x, e)` with `s + x = fl(s + x) + e` exactly (Knuth's TwoSum).
+#[inline]
+fn two_sum(s: f64, x: f64) -> (f64, f64) {
+    let t = s + x;
+    let z = t - s;
+    (t, (s - (t - z)) + (x - z))
+}
+
 impl Neumaier {
     /// Adds `x`.
     pub fn add(&mut self, x: f64) {
-        let t = self.sum + x;
-        if self.sum.abs() >= x.abs() {
-            self.compensation += (self.sum - t) + x;
-        } else {
-            self.compensation += (x - t) + self.sum;
-        }
+        let (t, e) = two_sum(self.sum, x);
         self.sum = t;
+        self.compensation += e;
     }
 
     /// The sum (`+inf` stays `+inf`: the compensation of an infinite sum is
@@ -62,20 +68,33 @@ pub fn matmul(a: ArrayView2<f64>, b: ArrayView2<f64>) -> Array2<f64> {
 pub fn matmul_with(n: usize, a: impl Fn(usize, usize) -> f64, b: ArrayView2<f64>) -> Array2<f64> {
     let (k, m) = b.dim();
     let mut out = Array2::zeros((n, m));
-    let mut acc = vec![Neumaier::default(); m];
+    let mut sums = vec![0.0; m];
+    let mut compensations = vec![0.0; m];
     for i in 0..n {
-        acc.iter_mut().for_each(|s| *s = Neumaier::default());
+        sums.fill(0.0);
+        compensations.fill(0.0);
         for j in 0..k {
             let x = a(i, j);
             if x == 0.0 {
                 continue;
             }
-            for (s, &y) in acc.iter_mut().zip(b.row(j)) {
-                s.add(x * y);
+            let row = b.row(j);
+            let owned;
+            let row = match row.as_slice() {
+                Some(r) => r,
+                None => {
+                    owned = row.to_vec();
+                    &owned
+                }
+            };
+            for ((s, c), &y) in sums.iter_mut().zip(compensations.iter_mut()).zip(row) {
+                let (t, e) = two_sum(*s, x * y);
+                *s = t;
+                *c += e;
             }
         }
-        for (o, s) in out.row_mut(i).iter_mut().zip(&acc) {
-            *o = s.value();
+        for ((o, &s), &c) in out.row_mut(i).iter_mut().zip(&sums).zip(&compensations) {
+            *o = if s.is_finite() { s + c } else { s };
         }
     }
     out

@@ -1,0 +1,120 @@
+//! `packshard vocab`: the vocabulary-parallel algorithms compared on one
+//! output layer (default: the MiniLM vocabulary, 30522 x 384).
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::Args;
+use packshard::reference::vocab::{
+    LossConfig, Reduction, ShardLayout, ShardedAlgorithm, SmoothingConvention,
+};
+use packshard::vocab_report::{self, Errors, VocabReportConfig, WORD_EMBEDDINGS};
+
+use super::CliError;
+
+#[derive(Args)]
+pub struct VocabArgs {
+    /// Vocabulary size `v` of the random weights (default: MiniLM's 30522).
+    #[arg(long, default_value_t = vocab_report::MINILM_VOCAB)]
+    vocab_size: usize,
+    /// Hidden size `h` of the random weights (default: MiniLM's 384).
+    #[arg(long, default_value_t = vocab_report::MINILM_HIDDEN)]
+    hidden: usize,
+    /// Tokens `n` in the batch.
+    #[arg(long, default_value_t = 16)]
+    tokens: usize,
+    /// Shard counts, comma-separated.
+    #[arg(long, default_value = "1,2,4,8", value_delimiter = ',')]
+    shards: Vec<usize>,
+    /// Algorithms, comma-separated (`naive`, `alg1`, `alg2`).
+    #[arg(long, default_value = "naive,alg1,alg2", value_delimiter = ',')]
+    algorithms: Vec<String>,
+    /// `uneven` (default) or `padded` shards when `p` does not divide `v`.
+    #[arg(long, default_value = "uneven")]
+    layout: String,
+    /// Seed of the random weights, hidden states and targets.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Label smoothing `a` in [0, 1].
+    #[arg(long, default_value_t = 0.0)]
+    label_smoothing: f64,
+    /// `pytorch` (default) or `megatron` label-smoothing convention.
+    #[arg(long, default_value = "pytorch")]
+    smoothing: String,
+    /// z-loss coefficient.
+    #[arg(long, default_value_t = 0.0)]
+    z_loss: f64,
+    /// Use a checkpoint's word embeddings as the tied output layer instead of
+    /// random weights: a directory with `model.safetensors` (e.g. the fetched
+    /// MiniLM) or the file itself.
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Print JSON instead of the table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// The most tokens `vocab` accepts (the reference is f64 and single-threaded per rank).
+const MAX_TOKENS: usize = 4096;
+
+/// Runs `vocab`.
+pub fn run(args: VocabArgs) -> Result<ExitCode, CliError> {
+    if args.tokens == 0 || args.tokens > MAX_TOKENS {
+        return Err(CliError::input(format!(
+            "--tokens: {} is outside 1..={MAX_TOKENS}",
+            args.tokens
+        )));
+    }
+    let algorithms = args
+        .algorithms
+        .iter()
+        .map(|a| a.parse::<ShardedAlgorithm>())
+        .collect::<Result<Vec<_>, _>>()?;
+    let loss = LossConfig {
+        label_smoothing: args.label_smoothing,
+        smoothing: args.smoothing.parse::<SmoothingConvention>()?,
+        z_loss: args.z_loss,
+        reduction: Reduction::Mean,
+        ..LossConfig::default()
+    };
+    let weight = match &args.model {
+        None => None,
+        Some(path) => {
+            let file = if path.is_dir() {
+                path.join("model.safetensors")
+            } else {
+                path.clone()
+            };
+            Some(vocab_report::load_tensor(&file, WORD_EMBEDDINGS).map_err(CliError::input)?)
+        }
+    };
+    if weight.is_none() {
+        packshard::reference::vocab::check_logits_size(
+            "--vocab-size",
+            args.tokens,
+            args.vocab_size,
+        )?;
+        packshard::reference::vocab::check_logits_size("--hidden", args.vocab_size, args.hidden)?;
+    }
+    let config = VocabReportConfig {
+        weight,
+        vocab_size: args.vocab_size,
+        hidden: args.hidden,
+        tokens: args.tokens,
+        shards: args.shards,
+        algorithms,
+        layout: args.layout.parse::<ShardLayout>()?,
+        loss,
+        seed: args.seed,
+    };
+    let report = vocab_report::measure(&config)?;
+    if args.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&report).expect("the report serializes")
+        );
+    } else {
+        print!("{}", vocab_report::table(&report, Errors::Measured));
+    }
+    Ok(ExitCode::SUCCESS)
+}
