@@ -43,6 +43,7 @@ use std::cell::RefCell;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use ndarray::{Array2, ArrayView2, Axis, Slice};
+use packshard_reference::vocab::cross_entropy::LinearCrossEntropy;
 use packshard_reference::vocab::embedding::{
     embedding_backward, embedding_forward, sharded_embedding, ShardedEmbedding,
 };
@@ -611,6 +612,26 @@ pub fn check_linear(
     let Some((expected, actual)) = same_outcome(expected, actual)? else {
         return Ok(());
     };
+    compare_linear(algorithm, case, &expected, &actual, want_grad)
+}
+
+/// Compares a sharded output-layer run `actual` on `case` with the unsharded
+/// `expected` (as [`check_linear`] does after running both), so that one
+/// unsharded run can serve several sharded ones.
+///
+/// # Errors
+/// The first difference, as a [`Mismatch`].
+pub fn compare_linear(
+    algorithm: ShardedAlgorithm,
+    case: &LinearCase,
+    expected: &LinearCrossEntropy,
+    actual: &ShardedLoss,
+    want_grad: bool,
+) -> Result<(), Mismatch> {
+    let v = case.map.vocab_size();
+    let real = case
+        .weight
+        .slice_axis(Axis(0), Slice::from(..v.min(case.weight.nrows())));
     let terms = Terms::new(
         expected.logits.view(),
         &case.targets,
@@ -661,7 +682,7 @@ pub fn check_linear(
         &case.map,
         &expected.ce,
         &terms,
-        &actual,
+        actual,
         true,
         want_grad,
     )
