@@ -548,6 +548,10 @@ struct RankRun<'a> {
 }
 
 type Linear<'x> = Option<(ArrayView2<'x, f64>, ArrayView2<'x, f64>)>;
+/// `(∂L/∂x, ∂L/∂W_i)`.
+type LinearGrads = (Option<Array2<f64>>, Option<Array2<f64>>);
+/// `(∂L/∂z_i, ∂L/∂x, ∂L/∂W_i)`.
+type Grads = (Option<Array2<f64>>, Option<Array2<f64>>, Option<Array2<f64>>);
 
 impl<'a> RankRun<'a> {
     fn new(
@@ -654,7 +658,7 @@ impl<'a> RankRun<'a> {
         g: &Array2<f64>,
         lin: Linear<'_>,
         all_reduce: bool,
-    ) -> Result<(Option<Array2<f64>>, Option<Array2<f64>>)> {
+    ) -> Result<LinearGrads> {
         let Some((x, w_real)) = lin else {
             return Ok((None, None));
         };
@@ -684,11 +688,7 @@ impl<'a> RankRun<'a> {
         (per_token_loss, loss): (Array1<f64>, f64),
         local: Vec<SoftmaxStats>,
         global: Vec<SoftmaxStats>,
-        grads: (
-            Option<Array2<f64>>,
-            Option<Array2<f64>>,
-            Option<Array2<f64>>,
-        ),
+        grads: Grads,
     ) -> RankLoss {
         RankLoss {
             rank: self.shard.rank,
@@ -958,15 +958,27 @@ pub fn merge_stats(acc: &mut [f64], next: &[f64]) {
     acc[..STATS_WIDTH].copy_from_slice(&merged.to_record());
 }
 
-/// alg2's merge of records `[stats (4), Y (h), Z (h)]`, where for a set `K`
-/// of shards (relative to its maximum `m_K`, sum `S_K`, weights `w_i = s_i
-/// exp(m_i - m_K)`): `Y_K = Σ_{i in K} w_i D_i + Σ_{i in K} (w_i - S_K) B_i`
-/// and `Z_K = Σ_{i in K} B_i`. Then `Y / S = Σ_i alpha_i D_i + Σ_i (alpha_i -
-/// 1) B_i`, the part of `∂L/∂x` that is `Σ_j (p_j - q_j) W_j`. A single
-/// shard has `Y = s_i D_i`; merging `K` and `L` under `m = max(m_K, m_L)`
-/// with `e_K = exp(m_K - m)`: `Y = e_K Y_K + e_L Y_L - S_L e_L Z_K - S_K e_K
-/// Z_L` — every term small when the target is predicted with probability
-/// close to 1, so no cancellation.
+/// alg2's merge of records `[stats (4), Y (h), Z (h)]`.
+///
+/// For a set `K` of shards, relative to its maximum `m_K` and sum `S_K`, with
+/// weights `w_i = s_i exp(m_i - m_K)`:
+///
+/// ```text
+/// Y_K = Σ_{i in K} w_i D_i + Σ_{i in K} (w_i - S_K) B_i
+/// Z_K = Σ_{i in K} B_i
+/// ```
+///
+/// so that over all shards `Y / S = Σ_i alpha_i D_i + Σ_i (alpha_i - 1) B_i`,
+/// the part of `∂L/∂x` that is `Σ_j (p_j - q_j) W_j`. A single shard has `Y =
+/// s_i D_i`; merging `K` and `L` under `m = max(m_K, m_L)`, `e_K = exp(m_K -
+/// m)`:
+///
+/// ```text
+/// Y = e_K Y_K + e_L Y_L - S_L e_L Z_K - S_K e_K Z_L
+/// ```
+///
+/// Every term is small when the target is predicted with probability close
+/// to 1, so nothing cancels.
 pub fn merge_alg2(acc: &mut [f64], next: &[f64]) {
     let h = (acc.len() - STATS_WIDTH) / 2;
     let a = SoftmaxStats::from_record(acc);
