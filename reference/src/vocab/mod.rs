@@ -27,7 +27,7 @@
 //!
 //! ## What is where
 //!
-//! - [`cross_entropy`]: the unsharded reference (logits, log-softmax,
+//! - [`mod@cross_entropy`]: the unsharded reference (logits, log-softmax,
 //!   cross-entropy with `ignore_index`, label smoothing in PyTorch's or
 //!   Megatron's convention, z-loss, reductions; forward and backward), and the
 //!   mergeable per-row [`SoftmaxStats`] every algorithm is built from.

@@ -506,7 +506,7 @@ pub fn linear_cross_entropy_rank(
 ///
 /// # Errors
 /// As [`linear_cross_entropy_rank`], for the logits as the unsharded
-/// [`super::cross_entropy`] checks them (flat indices are global).
+/// [`super::cross_entropy()`] checks them (flat indices are global).
 #[allow(clippy::too_many_arguments)]
 pub fn cross_entropy_rank(
     comm: &dyn Collective,
@@ -551,7 +551,11 @@ type Linear<'x> = Option<(ArrayView2<'x, f64>, ArrayView2<'x, f64>)>;
 /// `(∂L/∂x, ∂L/∂W_i)`.
 type LinearGrads = (Option<Array2<f64>>, Option<Array2<f64>>);
 /// `(∂L/∂z_i, ∂L/∂x, ∂L/∂W_i)`.
-type Grads = (Option<Array2<f64>>, Option<Array2<f64>>, Option<Array2<f64>>);
+type Grads = (
+    Option<Array2<f64>>,
+    Option<Array2<f64>>,
+    Option<Array2<f64>>,
+);
 
 impl<'a> RankRun<'a> {
     fn new(
@@ -1100,7 +1104,7 @@ impl ShardedLoss {
 /// w]` (`w >= v`; columns `v..` are padding values, masked) and `targets: [n]`.
 ///
 /// # Errors
-/// As [`super::cross_entropy`]; [`Error::ShapeMismatch`] for `w < v`.
+/// As [`super::cross_entropy()`]; [`Error::ShapeMismatch`] for `w < v`.
 pub fn sharded_cross_entropy(
     algorithm: ShardedAlgorithm,
     map: &ShardMap,
