@@ -157,8 +157,9 @@ pub const MAX_SEQ_LEN_LIMIT: usize = 1 << 24;
 /// The longest explicit sequence [`pack_lengths`] accepts (2^40 tokens).
 pub const MAX_SEQUENCE_TOKENS: usize = 1 << 40;
 
-/// The most segments one explicit plan may hold (2^26): a plan lists each one.
-pub const MAX_PLAN_SEGMENTS: usize = 1 << 26;
+/// The most segments one explicit plan may hold (2^20): a plan lists each one,
+/// and `eval` prints it. Pack larger datasets as a histogram.
+pub const MAX_PLAN_SEGMENTS: usize = 1 << 20;
 
 /// How to pack.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
