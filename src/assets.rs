@@ -24,15 +24,23 @@ pub struct Assets {
 pub fn dir() -> PathBuf {
     match std::env::var_os("PACKSHARD_ASSETS") {
         Some(p) => PathBuf::from(p),
-        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".cache").join("assets"),
+        None => PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join(".cache")
+            .join("assets"),
     }
 }
 
 /// The assets if they have been fetched.
 pub fn find() -> Option<Assets> {
     let root = dir();
-    let assets = Assets { minilm: root.join("minilm"), shakespeare: root.join("shakespeare"), root };
-    let ok = ["config.json", "model.safetensors", "tokenizer.json"].iter().all(|f| assets.minilm.join(f).is_file())
+    let assets = Assets {
+        minilm: root.join("minilm"),
+        shakespeare: root.join("shakespeare"),
+        root,
+    };
+    let ok = ["config.json", "model.safetensors", "tokenizer.json"]
+        .iter()
+        .all(|f| assets.minilm.join(f).is_file())
         && assets.shakespeare.is_dir();
     ok.then_some(assets)
 }
@@ -43,7 +51,10 @@ pub fn require(test: &str) -> Option<Assets> {
     if let Some(a) = find() {
         return Some(a);
     }
-    let msg = format!("{test}: assets not found in {} (run scripts/fetch_assets.sh)", dir().display());
+    let msg = format!(
+        "{test}: assets not found in {} (run scripts/fetch_assets.sh)",
+        dir().display()
+    );
     if std::env::var("PACKSHARD_REQUIRE_ASSETS").as_deref() == Ok("1") {
         panic!("{msg}; PACKSHARD_REQUIRE_ASSETS=1 makes this a failure");
     }

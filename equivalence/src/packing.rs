@@ -150,22 +150,23 @@ pub fn check_plan(
     }
     let mut lost = 0u64;
     for (i, &l) in lengths.iter().enumerate() {
-        let want =
-            if l <= msl {
-                l
-            } else {
-                match config.overlong {
-                    Overlong::Split => l,
-                    Overlong::Truncate => msl,
-                    Overlong::Drop => 0,
-                    Overlong::Error => return fail(
+        let want = if l <= msl {
+            l
+        } else {
+            match config.overlong {
+                Overlong::Split => l,
+                Overlong::Truncate => msl,
+                Overlong::Drop => 0,
+                Overlong::Error => {
+                    return fail(
                         "lengths",
                         format!(
                             "sequence {i} of length {l} > {msl} was packed under overlong = error"
                         ),
-                    ),
+                    )
                 }
-            };
+            }
+        };
         if covered[i] != want {
             return fail(
                 "packs",

@@ -488,3 +488,46 @@ fn absurd_lengths_are_errors_not_allocations() {
         "invalid_argument"
     );
 }
+
+// LPHP (issue #8): the LP bound and its rounded plan.
+
+#[test]
+fn lphp_wikipedia_depth3_beats_nnlshp_and_nearly_meets_its_bound() {
+    let h = wiki();
+    let lp = run(&h, Algorithm::Lphp, 512, Some(3)).metrics;
+    let nn = run(&h, Algorithm::Nnlshp, 512, Some(3)).metrics;
+    eprintln!("{lp:?}");
+    assert!(lp.efficiency >= 0.9988, "{}", lp.efficiency);
+    assert!(
+        lp.num_packs < nn.num_packs,
+        "{} vs nnlshp {}",
+        lp.num_packs,
+        nn.num_packs
+    );
+    let bound = lp.bound_packs.unwrap();
+    assert!(lp.num_packs >= bound);
+    assert_eq!(lp.gap_packs, Some(lp.num_packs - bound));
+    assert_eq!(lp.bound_depth, Some(3));
+    // The LP optimum is ~8,143,828.86 packs (bound efficiency ~99.884%).
+    assert_eq!(
+        format!("{:.3}", 100.0 * lp.bound_efficiency.unwrap()),
+        "99.884"
+    );
+    assert!(nn.num_packs >= bound);
+}
+
+#[test]
+fn lphp_squad_depth3_is_within_a_few_packs_of_its_bound() {
+    let h = Histogram::embedded("squad-384").unwrap();
+    let lp = run(&h, Algorithm::Lphp, 384, Some(3)).metrics;
+    eprintln!("{lp:?}");
+    assert!(lp.efficiency >= 0.9879, "{}", lp.efficiency);
+    let best_published = run(&h, Algorithm::Lpfhp, 384, Some(3)).metrics;
+    assert!(lp.num_packs < best_published.num_packs);
+    let bound = lp.bound_packs.unwrap();
+    assert!(
+        lp.num_packs >= bound && lp.num_packs - bound <= 2,
+        "{} vs bound {bound}",
+        lp.num_packs
+    );
+}
