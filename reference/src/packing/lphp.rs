@@ -48,7 +48,9 @@
 //! Work is bounded before anything is allocated: the pricing table holds at
 //! most [`MAX_PRICING_CELLS`] entries and one pricing pass at most
 //! [`MAX_PRICING_WORK`] steps (an [`Error::InvalidArgument`] beyond them), the
-//! rounds are capped by [`MAX_ROUNDS`] and [`MAX_PLAN_ROUNDS`].
+//! rounds are capped by [`MAX_ROUNDS`], [`MAX_TOTAL_PRICING_WORK`] and
+//! [`MAX_PLAN_ROUNDS`] (column generation then stops with a valid, possibly
+//! weaker bound).
 
 use std::collections::HashSet;
 
@@ -66,7 +68,10 @@ pub const MAX_PRICING_CELLS: u64 = 1 << 24;
 pub const MAX_PRICING_WORK: u64 = 1 << 28;
 /// Column-generation rounds of one LP before it stops unconverged (its bound
 /// is still valid, see [`PackBound::converged`]).
-pub const MAX_ROUNDS: usize = 200;
+pub const MAX_ROUNDS: usize = 100;
+/// Pricing steps of one LP, all rounds together, before it stops unconverged
+/// (Wikipedia at depth 3 takes ~3e7).
+pub const MAX_TOTAL_PRICING_WORK: u64 = 1 << 31;
 /// Re-solves of the LP on the residual histogram before the greedy repair.
 pub const MAX_PLAN_ROUNDS: usize = 8;
 /// The deepest limit at which [`bound`] solves the LP; above it the bound is
@@ -170,8 +175,9 @@ struct Priced {
 }
 
 impl Pricer<'_> {
-    /// The size of the table for `caps` (all rows), checked against the caps.
-    fn check(&self, caps: &[u64]) -> Result<()> {
+    /// The size of the table for `caps` (all rows), checked against the caps;
+    /// returns the steps of one pricing pass (an upper bound).
+    fn check(&self, caps: &[u64]) -> Result<u64> {
         let min_len = self.lengths.first().copied().unwrap_or(1);
         let counted = self.depth < self.max_seq_len / min_len;
         let kdim = if counted { self.depth as u64 + 1 } else { 1 };
@@ -203,7 +209,7 @@ impl Pricer<'_> {
                 ),
             ));
         }
-        Ok(())
+        Ok(steps.max(1))
     }
 
     /// Most copies of a length-`l` sequence in one pack.
@@ -431,7 +437,7 @@ fn column_generation(
         max_seq_len,
         depth,
     };
-    pricer.check(h)?;
+    let pass_work = pricer.check(h)?;
     let sequences = rows.sequences();
     let tokens = rows.tokens();
     let trivial = sequences
@@ -521,7 +527,8 @@ fn column_generation(
     let mut duals: Vec<f64> = vec![0.0; m];
     let mut misprices = 0;
     let mut upper = f64::INFINITY;
-    while rounds < MAX_ROUNDS {
+    let mut work = pass_work;
+    while rounds < MAX_ROUNDS && work < MAX_TOTAL_PRICING_WORK {
         rounds += 1;
         let columns: Vec<Column> = active.iter().map(|c| c.0.clone()).collect();
         let Some((y, objective)) = solve_master(&hs, &columns) else {
@@ -549,6 +556,7 @@ fn column_generation(
                 .map(|(r, c)| alpha * c + (1.0 - alpha) * r)
                 .collect();
             let priced = pricer.price(&ys, h, 1.0 + PRICING_TOL);
+            work = work.saturating_add(pass_work);
             let f = farley(&ys, priced.best);
             if f > lower {
                 lower = f;

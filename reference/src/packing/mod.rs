@@ -641,14 +641,21 @@ pub fn with_bound(
     histogram: &Histogram,
     config: &PackingConfig,
 ) -> Result<PackingMetrics> {
-    if metrics.bound_packs.is_some() {
-        return Ok(metrics);
+    if metrics.bound_packs.is_none() {
+        metrics.set_bound(&bound_for(histogram, config)?);
     }
+    Ok(metrics)
+}
+
+/// The lower bound on packs for `config`'s limit ([`lphp::bound`]) on
+/// `histogram` after the overlong policy: what [`with_bound`] adds.
+///
+/// # Errors
+/// As [`with_bound`].
+pub fn bound_for(histogram: &Histogram, config: &PackingConfig) -> Result<PackBound> {
     config.validate()?;
     let (fitted, _) = fit_histogram(histogram, config)?;
-    let bound = lphp::bound(fitted.counts(), config.max_seq_len, config.limit())?;
-    metrics.set_bound(&bound);
-    Ok(metrics)
+    lphp::bound(fitted.counts(), config.max_seq_len, config.limit())
 }
 
 /// One segment of a pack: tokens `offset..offset + length` of input `sequence`.
