@@ -23,7 +23,7 @@ pub fn default_rows(max_seq_len: usize) -> Vec<PackingConfig> {
         ] {
             if matches!(algorithm, Algorithm::Nnlshp | Algorithm::Lphp) && limit > 3 {
                 // NNLSHP at depth 12 has billions of strategies; LPHP's column
-                // generation takes ~70 rounds (seconds) there.
+                // generation takes ~20 rounds (seconds) on Wikipedia there.
                 continue;
             }
             rows.push(
@@ -37,8 +37,7 @@ pub fn default_rows(max_seq_len: usize) -> Vec<PackingConfig> {
 /// Adds to each row (`rows[i]` packed `histogram` under `configs[i]`) the
 /// lower bound for its limit ([`bound_for`]): each distinct bound is computed
 /// once, and one an `lphp` row already carries is reused. A bound that cannot
-/// be computed (pricing over the size caps) is left out, not an error: the
-/// packing itself stands.
+/// be computed is left out, not an error: the packing itself stands.
 pub fn attach_bounds(
     histogram: &Histogram,
     configs: &[PackingConfig],
@@ -129,7 +128,7 @@ pub fn table(rows: &[PackingMetrics], show_time: bool) -> String {
 }
 
 /// What the `bound` and `gap` columns mean, printed under the table.
-pub const BOUND_NOTE: &str = "bound: the most efficiency any plan within the row's limit can reach (the LP optimum at that depth,\n  rounded up to whole packs; * above depth 3: tokens / max_seq_len, valid at any depth). gap: packs over it.";
+pub const BOUND_NOTE: &str = "bound: the most efficiency any plan within the row's limit can reach (the LP optimum at that depth,\n  rounded up to whole packs; * where the LP is too large to price: tokens / max_seq_len). gap: packs over it.";
 
 /// The `bound` cell: the bound efficiency in percent to 3 places, with `*`
 /// for the depth-free token bound; `-` where none was computed.
@@ -222,8 +221,29 @@ pub fn recommendation(rows: &[PackingMetrics]) -> String {
         );
     }
     if let Some(b) = best(&|_| true) {
-        if shallow.is_some_and(|s| s.efficiency >= b.efficiency) {
-            let _ = writeln!(out, "More sequences per pack buys nothing more here.");
+        if let Some(s) = shallow.filter(|s| s.efficiency >= b.efficiency) {
+            // Nothing deeper does better; say whether the bound leaves room.
+            let deeper = rows
+                .iter()
+                .filter(|m| m.max_sequences_per_pack.is_none_or(|k| k > 3))
+                .filter_map(|m| m.bound_efficiency.map(|e| (e, m)))
+                .fold(None::<(f64, &PackingMetrics)>, |acc, x| match acc {
+                    Some(a) if a.0 >= x.0 => Some(a),
+                    _ => Some(x),
+                });
+            match deeper {
+                Some((e, m)) if e > s.efficiency + 5e-6 => {
+                    let _ = writeln!(
+                        out,
+                        "No algorithm here does better with more sequences per pack, though the bound at {} allows {:.3}%.",
+                        m.setting,
+                        100.0 * e
+                    );
+                }
+                _ => {
+                    let _ = writeln!(out, "More sequences per pack buys nothing more here.");
+                }
+            }
         } else {
             let _ = writeln!(out, "Best overall: {}.", describe(b));
         }

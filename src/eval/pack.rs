@@ -35,8 +35,9 @@ pub(crate) fn metrics_json(m: &PackingMetrics) -> serde_json::Map<String, Value>
 }
 
 /// The metrics with the lower bound for the config's limit
-/// ([`with_bound`]); where it cannot be computed (pricing over the size caps)
-/// the bound fields stay `null` — the packing itself stands.
+/// ([`with_bound`]); where it cannot be computed (a `lengths` input over the
+/// histogram's length limit) the bound fields stay `null` — the packing
+/// itself stands.
 fn bounded(
     metrics: PackingMetrics,
     histogram: packshard_reference::Result<Histogram>,

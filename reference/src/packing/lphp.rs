@@ -48,9 +48,9 @@
 //! Work is bounded before anything is allocated: the pricing table holds at
 //! most [`MAX_PRICING_CELLS`] entries and one pricing pass at most
 //! [`MAX_PRICING_WORK`] steps (an [`Error::InvalidArgument`] beyond them), the
-//! rounds are capped by [`MAX_ROUNDS`], [`MAX_TOTAL_PRICING_WORK`] and
-//! [`MAX_PLAN_ROUNDS`] (column generation then stops with a valid, possibly
-//! weaker bound).
+//! rounds are capped by [`MAX_ROUNDS`], [`MAX_TOTAL_PRICING_WORK`],
+//! [`MAX_TOTAL_LP_SIZE`] and [`MAX_PLAN_ROUNDS`] (column generation then
+//! stops with a valid, possibly weaker bound).
 
 use std::collections::HashSet;
 
@@ -74,10 +74,9 @@ pub const MAX_ROUNDS: usize = 100;
 pub const MAX_TOTAL_PRICING_WORK: u64 = 1 << 31;
 /// Re-solves of the LP on the residual histogram before the greedy repair.
 pub const MAX_PLAN_ROUNDS: usize = 8;
-/// The deepest limit at which [`bound`] solves the LP; above it the bound is
-/// `ceil(real_tokens / max_seq_len)`, valid at any depth. Column generation at
-/// depth 12 on Wikipedia takes ~70 rounds (seconds), at depth 3 about 8.
-pub const LP_BOUND_MAX_DEPTH: usize = 3;
+/// Simplex size of one LP, all rounds together: the sum over master solves of
+/// (columns + rows) x rows. Wikipedia at depth 3 takes ~3e6, at depth 12 ~3e7.
+pub const MAX_TOTAL_LP_SIZE: u64 = 1 << 27;
 
 /// A pack enters the master when its dual value exceeds 1 by more than this:
 /// `microlp` holds each constraint to 1e-7 (its default feasibility tolerance),
@@ -528,9 +527,11 @@ fn column_generation(
     let mut misprices = 0;
     let mut upper = f64::INFINITY;
     let mut work = pass_work;
-    while rounds < MAX_ROUNDS && work < MAX_TOTAL_PRICING_WORK {
+    let mut lp_size = 0u64;
+    while rounds < MAX_ROUNDS && work < MAX_TOTAL_PRICING_WORK && lp_size < MAX_TOTAL_LP_SIZE {
         rounds += 1;
         let columns: Vec<Column> = active.iter().map(|c| c.0.clone()).collect();
+        lp_size = lp_size.saturating_add(((columns.len() + m) as u64).saturating_mul(m as u64));
         let Some((y, objective)) = solve_master(&hs, &columns) else {
             break; // numerical trouble: keep the bound proven so far
         };
@@ -647,17 +648,11 @@ pub fn token_bound(counts: &[u64], max_seq_len: usize) -> PackBound {
 }
 
 /// The bound reported beside a plan with at most `limit` sequences per pack:
-/// the LP bound at `limit` when `limit <= LP_BOUND_MAX_DEPTH` (at depth 1 it
-/// is the sequence count), otherwise [`token_bound`].
-///
-/// # Errors
-/// As [`lp_bound`].
-pub fn bound(counts: &[u64], max_seq_len: usize, limit: usize) -> Result<PackBound> {
-    if limit <= LP_BOUND_MAX_DEPTH {
-        lp_bound(counts, max_seq_len, limit)
-    } else {
-        Ok(token_bound(counts, max_seq_len))
-    }
+/// the LP bound at `limit` ([`lp_bound`]; at depth 1 the sequence count), or
+/// [`token_bound`] where the LP is too large to price. Never an error: every
+/// answer is a valid bound.
+pub fn bound(counts: &[u64], max_seq_len: usize, limit: usize) -> PackBound {
+    lp_bound(counts, max_seq_len, limit).unwrap_or_else(|_| token_bound(counts, max_seq_len))
 }
 
 /// What LPHP did besides the plan.

@@ -395,7 +395,8 @@ pub struct PackingMetrics {
     /// A lower bound on the packs of any plan for this input within the
     /// limit: the ceiling of the LP optimum at depth `bound_depth` (see
     /// [`lphp::bound`]); `None` where none was computed (only `lphp` computes
-    /// it itself; [`with_bound`] adds it).
+    /// it itself; [`with_bound`] adds it). Where column generation stopped
+    /// at its caps before converging, a smaller but still valid bound.
     #[serde(default)]
     pub bound_packs: Option<u64>,
     /// `real_tokens / (bound_packs * max_seq_len)`: the efficiency no plan
@@ -629,13 +630,12 @@ fn metrics(
 }
 
 /// Adds the lower bound for `config`'s limit ([`lphp::bound`]: the LP at
-/// that depth up to [`lphp::LP_BOUND_MAX_DEPTH`], the token bound above) to
+/// that depth, or the token bound where the LP is too large to price) to
 /// `metrics`, computed on `histogram` after the overlong policy. Metrics that
 /// already carry a bound (those of `lphp`) are left as they are.
 ///
 /// # Errors
-/// The config errors of [`pack_histogram`], and those of [`lphp::lp_bound`]
-/// when pricing would be too large.
+/// The config and histogram errors of [`pack_histogram`].
 pub fn with_bound(
     mut metrics: PackingMetrics,
     histogram: &Histogram,
@@ -655,7 +655,11 @@ pub fn with_bound(
 pub fn bound_for(histogram: &Histogram, config: &PackingConfig) -> Result<PackBound> {
     config.validate()?;
     let (fitted, _) = fit_histogram(histogram, config)?;
-    lphp::bound(fitted.counts(), config.max_seq_len, config.limit())
+    Ok(lphp::bound(
+        fitted.counts(),
+        config.max_seq_len,
+        config.limit(),
+    ))
 }
 
 /// One segment of a pack: tokens `offset..offset + length` of input `sequence`.

@@ -555,9 +555,10 @@ fn lphp_too_large_to_price_is_an_error_naming_the_field() {
             .starts_with("max_sequences_per_pack: lphp: pricing"),
         "{err}"
     );
-    // The bound of another algorithm is then simply not computed.
+    // Another algorithm's bound falls back to tokens / max_seq_len.
     let spfhp = PackingConfig::new(Algorithm::Spfhp, msl).with_max_sequences_per_pack(Some(3));
-    assert!(bound_for(&h, &spfhp).is_err());
+    let bound = bound_for(&h, &spfhp).unwrap();
+    assert_eq!((bound.packs, bound.depth), (1, None));
 }
 
 /// The fewest packs of at most `depth` sequences and `msl` tokens that hold
