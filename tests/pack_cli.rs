@@ -235,6 +235,10 @@ fn eval_errors_follow_the_contract() {
             r#"{"op": "batch", "sequences": [[1], 2], "max_seq_len": 4}"#,
             "invalid_argument",
         ),
+        (
+            r#"{"op": "pack", "lengths": [221, 3, 8333881], "max_seq_len": 1, "overlong": "split"}"#,
+            "invalid_argument",
+        ),
     ];
     let mut messages = String::new();
     for (case, kind) in cases {

@@ -34,6 +34,33 @@ pub(crate) fn metrics_json(m: &PackingMetrics) -> serde_json::Map<String, Value>
     obj.clone()
 }
 
+/// The most segments a `pack` result lists (2^20, ~45 MB of JSON and
+/// ~0.75 GB while it is built): a larger plan is refused before packing, so
+/// that a short case cannot ask for gigabytes (found by fuzzing `eval`: 8.3
+/// million length-1 pieces of one split sequence).
+pub const MAX_RESULT_SEGMENTS: u64 = 1 << 20;
+
+/// Refuses a `lengths` case whose plan would list over [`MAX_RESULT_SEGMENTS`].
+fn check_plan_size(lengths: &[usize], config: &PackingConfig) -> Result<(), EvalError> {
+    let msl = config.max_seq_len.max(1);
+    let segments = lengths.iter().fold(0u64, |n, &l| {
+        let pieces = match config.overlong {
+            Overlong::Split if l > msl => l.div_ceil(msl) as u64,
+            _ => u64::from(l > 0),
+        };
+        n.saturating_add(pieces)
+    });
+    if segments > MAX_RESULT_SEGMENTS {
+        return Err(EvalError::invalid(
+            "lengths",
+            format!(
+                "the plan would list {segments} segments, over the {MAX_RESULT_SEGMENTS} a result holds; pack the histogram instead, or in smaller batches"
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// The metrics with the lower bound for the config's limit
 /// ([`with_bound`]); where it cannot be computed (a `lengths` input over the
 /// histogram's length limit) the bound fields stay `null` — the packing
@@ -71,6 +98,7 @@ pub(super) fn pack(value: &Value) -> Result<Value, EvalError> {
         }
         (true, false) => {
             let lengths = case.usize_list("lengths")?;
+            check_plan_size(&lengths, &config)?;
             let plan = pack_lengths(&lengths, &config)?;
             let metrics = bounded(
                 plan.metrics.clone(),

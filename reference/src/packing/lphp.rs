@@ -36,7 +36,11 @@
 //!    on the LP (Farley 1990), so the bound stays valid even where the solver
 //!    is inexact or the rounds run out; at convergence it is the LP optimum.
 //!    [`PackBound::packs`] is its ceiling, taken after subtracting a relative
-//!    round-off margin of 1e-9 so that round-off can only weaken it.
+//!    round-off margin of 1e-9 so that round-off can only weaken it. With the
+//!    dual-optimal inequalities the converged value is the optimum of the LP
+//!    in which a slot may also hold a shorter sequence; it equals the LP above
+//!    unless a length's count caps how often it can repeat in a pack, and is
+//!    never above it, so it is a lower bound either way.
 //! 3. **The integer plan.** The LP's primal solution (over the binding packs,
 //!    single-sequence packs and the slot transfers) is rounded down; each
 //!    pack's slots are filled with real sequences, longest first into the
@@ -619,40 +623,65 @@ fn column_generation(
     Ok(LpSolution { bound, columns, x })
 }
 
+/// Refuses a histogram with a sequence longer than `max_seq_len` (the bounds
+/// hold for what is packed: apply the overlong policy first).
+fn check_counts(counts: &[u64], max_seq_len: usize) -> Result<()> {
+    match (max_seq_len + 1..counts.len()).find(|&l| counts[l] > 0) {
+        Some(l) => Err(Error::SequenceTooLong {
+            field: "histogram".into(),
+            index: l,
+            length: l,
+            max_seq_len,
+        }),
+        None => Ok(()),
+    }
+}
+
 /// The LP lower bound on the packs of any plan for `counts` (`counts[l]`
-/// sequences of length `l`, `l` in `1..=max_seq_len`) with at most `depth`
-/// sequences per pack.
+/// sequences of length `l`, `l` in `1..=max_seq_len`; `counts[0]`, empty
+/// sequences, is ignored) with at most `depth` sequences per pack.
 ///
 /// # Errors
+/// [`Error::SequenceTooLong`] for a length over `max_seq_len`;
 /// [`Error::InvalidArgument`] (field `max_sequences_per_pack` or
 /// `max_seq_len`) when pricing would exceed [`MAX_PRICING_CELLS`] or
 /// [`MAX_PRICING_WORK`].
 pub fn lp_bound(counts: &[u64], max_seq_len: usize, depth: usize) -> Result<PackBound> {
+    check_counts(counts, max_seq_len)?;
     let rows = Rows::new(counts, max_seq_len);
     Ok(column_generation(&rows, max_seq_len, depth.max(1), &[], false)?.bound)
 }
 
 /// The depth-free bound `ceil(real_tokens / max_seq_len)`: no plan can put
 /// more than `max_seq_len` tokens in a pack.
-pub fn token_bound(counts: &[u64], max_seq_len: usize) -> PackBound {
+///
+/// # Errors
+/// [`Error::SequenceTooLong`] for a length over `max_seq_len`.
+pub fn token_bound(counts: &[u64], max_seq_len: usize) -> Result<PackBound> {
+    check_counts(counts, max_seq_len)?;
     let rows = Rows::new(counts, max_seq_len);
     let tokens = rows.tokens();
-    PackBound {
+    Ok(PackBound {
         packs: tokens.div_ceil(max_seq_len.max(1) as u64),
         value: tokens as f64 / max_seq_len.max(1) as f64,
         depth: None,
         iterations: 0,
         columns: 0,
         converged: true,
-    }
+    })
 }
 
 /// The bound reported beside a plan with at most `limit` sequences per pack:
 /// the LP bound at `limit` ([`lp_bound`]; at depth 1 the sequence count), or
-/// [`token_bound`] where the LP is too large to price. Never an error: every
-/// answer is a valid bound.
-pub fn bound(counts: &[u64], max_seq_len: usize, limit: usize) -> PackBound {
-    lp_bound(counts, max_seq_len, limit).unwrap_or_else(|_| token_bound(counts, max_seq_len))
+/// [`token_bound`] where the LP is too large to price.
+///
+/// # Errors
+/// [`Error::SequenceTooLong`] for a length over `max_seq_len`.
+pub fn bound(counts: &[u64], max_seq_len: usize, limit: usize) -> Result<PackBound> {
+    match lp_bound(counts, max_seq_len, limit) {
+        Err(Error::InvalidArgument { .. }) => token_bound(counts, max_seq_len),
+        other => other,
+    }
 }
 
 /// What LPHP did besides the plan.

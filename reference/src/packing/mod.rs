@@ -655,11 +655,7 @@ pub fn with_bound(
 pub fn bound_for(histogram: &Histogram, config: &PackingConfig) -> Result<PackBound> {
     config.validate()?;
     let (fitted, _) = fit_histogram(histogram, config)?;
-    Ok(lphp::bound(
-        fitted.counts(),
-        config.max_seq_len,
-        config.limit(),
-    ))
+    lphp::bound(fitted.counts(), config.max_seq_len, config.limit())
 }
 
 /// One segment of a pack: tokens `offset..offset + length` of input `sequence`.

@@ -559,6 +559,10 @@ fn lphp_too_large_to_price_is_an_error_naming_the_field() {
     let spfhp = PackingConfig::new(Algorithm::Spfhp, msl).with_max_sequences_per_pack(Some(3));
     let bound = bound_for(&h, &spfhp).unwrap();
     assert_eq!((bound.packs, bound.depth), (1, None));
+    // The bounds refuse what does not fit instead of ignoring it.
+    let err = lphp::lp_bound(&[0, 2, 0, 1], 2, 3).unwrap_err();
+    assert_eq!(err.kind(), "sequence_too_long");
+    assert!(lphp::token_bound(&[0, 2, 0, 1], 2).is_err());
 }
 
 /// The fewest packs of at most `depth` sequences and `msl` tokens that hold
