@@ -79,7 +79,8 @@ pub const MAX_TOTAL_PRICING_WORK: u64 = 1 << 31;
 /// Re-solves of the LP on the residual histogram before the greedy repair.
 pub const MAX_PLAN_ROUNDS: usize = 8;
 /// Simplex size of one LP, all rounds together: the sum over master solves of
-/// (columns + rows) x rows. Wikipedia at depth 3 takes ~3e6, at depth 12 ~3e7.
+/// (columns + rows) x rows (Wikipedia at depth 3 takes a few million, at
+/// depth 12 some tens of millions).
 pub const MAX_TOTAL_LP_SIZE: u64 = 1 << 27;
 
 /// A pack enters the master when its dual value exceeds 1 by more than this:
