@@ -22,7 +22,8 @@
 //! ## Modules
 //!
 //! - [`packing`]: length histograms, SPFHP / LPFHP / NNLSHP (Krell et al.,
-//!   arXiv:2107.02027), FFD / BFD, plans on explicit lengths, packed batches.
+//!   arXiv:2107.02027), FFD / BFD, LPHP and the LP lower bound on packs
+//!   (column generation, [`packing::lphp`]), plans on explicit lengths, packed batches.
 //! - [`error`]: the one typed error, mapped onto the `eval` error kinds.
 
 #![forbid(unsafe_code)]
