@@ -181,10 +181,12 @@ pub fn run(args: PackArgs) -> Result<ExitCode, CliError> {
     bar.set_message("lower bounds");
     report::attach_bounds(&histogram, &rows, &mut results);
     bar.finish_and_clear();
+    // Metrics first in each result, as before the bounds were attached.
     for (plan, metrics) in plans.iter_mut().zip(&results) {
-        plan.as_object_mut()
-            .expect("object")
-            .insert("metrics".into(), json!(metrics));
+        let mut object = serde_json::Map::new();
+        object.insert("metrics".into(), json!(metrics));
+        object.extend(plan.as_object().expect("object").clone());
+        *plan = serde_json::Value::Object(object);
     }
 
     let document = json!({
