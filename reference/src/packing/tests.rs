@@ -496,7 +496,6 @@ fn lphp_wikipedia_depth3_beats_nnlshp_and_nearly_meets_its_bound() {
     let h = wiki();
     let lp = run(&h, Algorithm::Lphp, 512, Some(3)).metrics;
     let nn = run(&h, Algorithm::Nnlshp, 512, Some(3)).metrics;
-    eprintln!("{lp:?}");
     assert!(lp.efficiency >= 0.9988, "{}", lp.efficiency);
     assert!(
         lp.num_packs < nn.num_packs,
@@ -520,7 +519,6 @@ fn lphp_wikipedia_depth3_beats_nnlshp_and_nearly_meets_its_bound() {
 fn lphp_squad_depth3_is_within_a_few_packs_of_its_bound() {
     let h = Histogram::embedded("squad-384").unwrap();
     let lp = run(&h, Algorithm::Lphp, 384, Some(3)).metrics;
-    eprintln!("{lp:?}");
     assert!(lp.efficiency >= 0.9879, "{}", lp.efficiency);
     let best_published = run(&h, Algorithm::Lpfhp, 384, Some(3)).metrics;
     assert!(lp.num_packs < best_published.num_packs);
