@@ -2,11 +2,12 @@
 //!
 //! Targets (issue #2): SPFHP and LPFHP under 1 ms, NNLSHP at depth 3 under
 //! 1 s (the public Python reference: ~8 ms for SPFHP, ~11-20 s for NNLSHP).
-//! Each plan is checked before it is timed.
+//! Issue #8: LPHP (column-generation LP, rounded) at depth 3 under 1 s, and
+//! the LP bound alone. Each plan is checked before it is timed.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use packshard::reference::packing::{
-    check_strategies, pack_histogram, Algorithm, Histogram, PackingConfig,
+    check_strategies, lphp, pack_histogram, Algorithm, Histogram, PackingConfig,
 };
 
 fn packing(c: &mut Criterion) {
@@ -20,12 +21,13 @@ fn packing(c: &mut Criterion) {
             (Algorithm::Ffd, 12),
             (Algorithm::Bfd, 12),
             (Algorithm::Nnlshp, 3),
+            (Algorithm::Lphp, 3),
         ] {
             let config =
                 PackingConfig::new(algorithm, msl).with_max_sequences_per_pack(Some(limit));
             let packing = pack_histogram(&h, &config).unwrap();
             check_strategies(&h, &packing.strategies, msl, limit).unwrap();
-            if algorithm == Algorithm::Nnlshp {
+            if matches!(algorithm, Algorithm::Nnlshp | Algorithm::Lphp) {
                 group.sample_size(10);
             }
             group.bench_with_input(
@@ -34,6 +36,13 @@ fn packing(c: &mut Criterion) {
                 |b, config| b.iter(|| pack_histogram(&h, config).unwrap()),
             );
         }
+        // The LP bound alone (what `packshard pack` adds to the other rows).
+        let counts = h.counts();
+        let bound = lphp::lp_bound(counts, msl, 3).unwrap();
+        assert!(bound.converged && bound.packs > 0, "{bound:?}");
+        group.bench_function(BenchmarkId::new("lp_bound", "depth 3"), |b| {
+            b.iter(|| lphp::lp_bound(counts, msl, 3).unwrap())
+        });
         group.finish();
     }
 }

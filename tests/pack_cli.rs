@@ -33,10 +33,25 @@ fn stdout(o: &Output) -> String {
 
 fn comparison(dataset: &str, msl: usize) -> String {
     let h = Histogram::embedded(dataset).unwrap();
-    let rows: Vec<_> = report::default_rows(msl)
+    let configs = report::default_rows(msl);
+    let mut rows: Vec<_> = configs
         .iter()
         .map(|c| pack_histogram(&h, c).unwrap().metrics)
         .collect();
+    report::attach_bounds(&h, &configs, &mut rows);
+    // Every row has a bound, and no row beats it.
+    for m in &rows {
+        let bound = m
+            .bound_packs
+            .unwrap_or_else(|| panic!("{}: no bound", m.algorithm));
+        assert!(
+            m.num_packs >= bound,
+            "{} {}: {} < {bound}",
+            m.algorithm,
+            m.setting,
+            m.num_packs
+        );
+    }
     report::table(&rows, false)
 }
 
@@ -60,9 +75,12 @@ fn pack_without_arguments_prints_the_wikipedia_table() {
         "{out}"
     );
     for needle in [
-        "spfhp     max 12/pack     8166708     99.604%   1.9934x  2.0013x",
-        "nnlshp    depth 3",
-        "Best with at most 3",
+        "spfhp     max 12/pack     8166708     99.604%   99.983%    30981   1.9934x  2.0013x",
+        "nnlshp    depth 3         8155052     99.746%   99.884",
+        "lphp      depth 3",
+        "Best with at most 3 sequences per pack (the paper's choice): lphp (depth 3): 99.884% efficiency (bound 99.884%",
+        "No plan with at most 3 sequences per pack uses fewer than 8143829 packs",
+        "No algorithm here does better with more sequences per pack, though the bound at max 12/pack allows 99.983%.",
     ] {
         assert!(out.contains(needle), "missing {needle:?} in\n{out}");
     }
@@ -147,6 +165,16 @@ fn eval_pack_small_plans() {
         r#"{"op": "pack", "histogram": [[3, 2], [5, 1], [8, 1]], "max_seq_len": 8, "algorithm": "nnlshp"}"#,
     );
     insta::assert_json_snapshot!("eval_pack_histogram_nnlshp", v);
+    // LPHP on the same histogram: the LP optimum 2.5 rounds up to 3 packs.
+    let (code, v) = eval(
+        r#"{"op": "pack", "histogram": [[3, 2], [5, 1], [8, 1]], "max_seq_len": 8, "algorithm": "lphp"}"#,
+    );
+    assert_eq!(code, 0);
+    assert_eq!(
+        (v["num_packs"].as_u64(), v["bound_packs"].as_u64()),
+        (Some(3), Some(3))
+    );
+    insta::assert_json_snapshot!("eval_pack_histogram_lphp", v);
 }
 
 #[test]
@@ -205,6 +233,10 @@ fn eval_errors_follow_the_contract() {
         ),
         (
             r#"{"op": "batch", "sequences": [[1], 2], "max_seq_len": 4}"#,
+            "invalid_argument",
+        ),
+        (
+            r#"{"op": "pack", "lengths": [221, 3, 8333881], "max_seq_len": 1, "overlong": "split"}"#,
             "invalid_argument",
         ),
     ];

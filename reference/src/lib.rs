@@ -22,7 +22,8 @@
 //! ## Modules
 //!
 //! - [`packing`]: length histograms, SPFHP / LPFHP / NNLSHP (Krell et al.,
-//!   arXiv:2107.02027), FFD / BFD, plans on explicit lengths, packed batches.
+//!   arXiv:2107.02027), FFD / BFD, LPHP and the LP lower bound on packs
+//!   (column generation, [`packing::lphp`]), plans on explicit lengths, packed batches.
 //! - [`vocab`]: vocabulary-parallel softmax, cross-entropy and input
 //!   embedding (Yeung et al., arXiv:2411.05288): the unsharded reference, the
 //!   [`vocab::Collective`] trait and the `naive`, `alg1`, `alg2` algorithms.

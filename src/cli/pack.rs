@@ -26,13 +26,13 @@ pub struct PackArgs {
     /// the plan then maps every sequence to a pack.
     #[arg(long)]
     lengths: Option<PathBuf>,
-    /// `none`, `spfhp`, `lpfhp`, `nnlshp`, `ffd`, `bfd`, or `all` (default: all, compared in one table).
+    /// `none`, `spfhp`, `lpfhp`, `nnlshp`, `lphp`, `ffd`, `bfd`, or `all` (default: all, compared in one table).
     #[arg(long, short)]
     algorithm: Option<String>,
     /// Tokens per pack (default: the dataset's length, or the longest sequence).
     #[arg(long)]
     max_seq_len: Option<usize>,
-    /// At most this many sequences per pack (the depth for `nnlshp`).
+    /// At most this many sequences per pack (the depth for `nnlshp` and `lphp`).
     #[arg(long)]
     max_sequences_per_pack: Option<usize>,
     /// Sequences over `--max-seq-len`: `error` (default), `split`, `truncate`, `drop`.
@@ -162,13 +162,12 @@ pub fn run(args: PackArgs) -> Result<ExitCode, CliError> {
         match &input {
             Input::Histogram { .. } => {
                 let packing = pack_histogram(&histogram, config)?;
-                plans.push(json!({"metrics": packing.metrics, "strategies": packing.strategies}));
+                plans.push(json!({"strategies": packing.strategies}));
                 results.push(packing.metrics);
             }
             Input::Lengths { lengths, .. } => {
                 let plan = pack_lengths(lengths, config)?;
                 plans.push(json!({
-                    "metrics": plan.metrics,
                     "strategies": plan.strategies,
                     "packs": plan.packs,
                     "empty_sequence_indices": plan.empty_sequences,
@@ -179,7 +178,16 @@ pub fn run(args: PackArgs) -> Result<ExitCode, CliError> {
         }
         bar.inc(1);
     }
+    bar.set_message("lower bounds");
+    report::attach_bounds(&histogram, &rows, &mut results);
     bar.finish_and_clear();
+    // Metrics first in each result, as before the bounds were attached.
+    for (plan, metrics) in plans.iter_mut().zip(&results) {
+        let mut object = serde_json::Map::new();
+        object.insert("metrics".into(), json!(metrics));
+        object.extend(plan.as_object().expect("object").clone());
+        *plan = serde_json::Value::Object(object);
+    }
 
     let document = json!({
         "input": name,

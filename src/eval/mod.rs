@@ -68,7 +68,7 @@ pub fn ops() -> Vec<Op> {
     vec![
         Op {
             name: "pack",
-            summary: "pack lengths or a length histogram (SPFHP, LPFHP, NNLSHP, FFD, BFD)",
+            summary: "pack lengths or a length histogram (SPFHP, LPFHP, NNLSHP, LPHP, FFD, BFD), with the LP lower bound on packs",
             impls: &["reference"],
             run: pack::pack,
         },

@@ -2,8 +2,8 @@
 
 use packshard_reference::packing::histogram::MAX_HISTOGRAM_LENGTH;
 use packshard_reference::packing::{
-    pack_histogram, pack_lengths, Algorithm, Histogram, Overlong, PackedBatch, PackingConfig,
-    PackingMetrics,
+    pack_histogram, pack_lengths, with_bound, Algorithm, Histogram, Overlong, PackedBatch,
+    PackingConfig, PackingMetrics,
 };
 use serde_json::{json, Value};
 
@@ -30,12 +30,27 @@ fn config(case: &Case) -> Result<PackingConfig, EvalError> {
 pub(crate) fn metrics_json(m: &PackingMetrics) -> serde_json::Map<String, Value> {
     let mut v = serde_json::to_value(m).expect("metrics serialize");
     let obj = v.as_object_mut().expect("metrics are an object");
-    obj.remove("seconds");
+    obj.shift_remove("seconds");
     obj.clone()
 }
 
+/// The metrics with the lower bound for the config's limit
+/// ([`with_bound`]); where it cannot be computed (a `lengths` input over the
+/// histogram's length limit) the bound fields stay `null` — the packing
+/// itself stands.
+fn bounded(
+    metrics: PackingMetrics,
+    histogram: packshard_reference::Result<Histogram>,
+    config: &PackingConfig,
+) -> PackingMetrics {
+    histogram
+        .and_then(|h| with_bound(metrics.clone(), &h, config))
+        .unwrap_or(metrics)
+}
+
 /// `pack`: `lengths` ([n]) or `histogram` ([[length, count], ...]), `max_seq_len`,
-/// `algorithm` (default `spfhp`), `max_sequences_per_pack`, `overlong`.
+/// `algorithm` (default `spfhp`), `max_sequences_per_pack`, `overlong`. The
+/// result carries `bound_packs`, `bound_efficiency` and `bound_depth`.
 pub(super) fn pack(value: &Value) -> Result<Value, EvalError> {
     let mut allowed = CONFIG_FIELDS.to_vec();
     allowed.extend(["lengths", "histogram"]);
@@ -55,8 +70,14 @@ pub(super) fn pack(value: &Value) -> Result<Value, EvalError> {
             ))
         }
         (true, false) => {
-            let plan = pack_lengths(&case.usize_list("lengths")?, &config)?;
-            let mut out = metrics_json(&plan.metrics);
+            let lengths = case.usize_list("lengths")?;
+            let plan = pack_lengths(&lengths, &config)?;
+            let metrics = bounded(
+                plan.metrics.clone(),
+                Histogram::from_lengths(&lengths),
+                &config,
+            );
+            let mut out = metrics_json(&metrics);
             out.insert(
                 "strategies".into(),
                 serde_json::to_value(&plan.strategies).expect("serialize"),
@@ -87,8 +108,10 @@ pub(super) fn pack(value: &Value) -> Result<Value, EvalError> {
                     EvalError::invalid(&format!("histogram[{i}]"), "count overflows")
                 })?;
             }
-            let packing = pack_histogram(&Histogram::from_counts(counts), &config)?;
-            let mut out = metrics_json(&packing.metrics);
+            let histogram = Histogram::from_counts(counts);
+            let packing = pack_histogram(&histogram, &config)?;
+            let metrics = bounded(packing.metrics.clone(), Ok(histogram), &config);
+            let mut out = metrics_json(&metrics);
             out.insert(
                 "strategies".into(),
                 serde_json::to_value(&packing.strategies).expect("serialize"),

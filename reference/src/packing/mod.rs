@@ -13,8 +13,14 @@
 //! | `spfhp` | shortest-pack-first histogram packing | Krell et al. §3.2, App. Alg. 1 |
 //! | `lpfhp` | longest-pack-first (best fit, distributed repeats) | Krell et al. App. Alg. 2 |
 //! | `nnlshp` | weighted NNLS over all exact-fill packs of `depth` sequences | Krell et al. §3.3 |
+//! | `lphp` | the covering LP over all packs of at most `depth` sequences, by column generation, rounded | Gilmore & Gomory 1961; see [`lphp`] |
 //! | `ffd` | first-fit decreasing | Johnson 1973 |
 //! | `bfd` | best-fit decreasing | Johnson 1973 |
+//!
+//! **The bound.** The LP optimum at depth `d` is a lower bound on the packs of
+//! any plan with at most `d` sequences per pack ([`lphp::bound`]);
+//! `lphp` reports it in its [`PackingMetrics`], [`with_bound`] adds it to any
+//! algorithm's.
 //!
 //! On explicit lengths, [`pack_lengths`] maps every input sequence (or, when
 //! split, each piece and its offset) to a pack; [`batch::PackedBatch`] turns
@@ -32,6 +38,7 @@
 pub mod batch;
 mod heuristics;
 pub mod histogram;
+pub mod lphp;
 mod nnls;
 pub mod nnlshp;
 
@@ -43,6 +50,7 @@ use serde::{Deserialize, Serialize};
 
 pub use batch::PackedBatch;
 pub use histogram::{EmbeddedHistogram, Histogram, EMBEDDED, EMBEDDED_SOURCE};
+pub use lphp::PackBound;
 
 use crate::error::{Error, Result};
 
@@ -62,17 +70,20 @@ pub enum Algorithm {
     Ffd,
     /// Best-fit decreasing.
     Bfd,
+    /// Linear-programming histogram packing (column generation, rounded).
+    Lphp,
 }
 
 impl Algorithm {
     /// Every algorithm, in the order reports list them.
-    pub const ALL: [Algorithm; 6] = [
+    pub const ALL: [Algorithm; 7] = [
         Algorithm::None,
         Algorithm::Spfhp,
         Algorithm::Lpfhp,
         Algorithm::Nnlshp,
         Algorithm::Ffd,
         Algorithm::Bfd,
+        Algorithm::Lphp,
     ];
 
     /// The lowercase name used on the command line and in JSON.
@@ -84,14 +95,15 @@ impl Algorithm {
             Algorithm::Nnlshp => "nnlshp",
             Algorithm::Ffd => "ffd",
             Algorithm::Bfd => "bfd",
+            Algorithm::Lphp => "lphp",
         }
     }
 
     /// The `max_sequences_per_pack` used when none is given: 3 (the depth) for
-    /// NNLSHP, unlimited for the others.
+    /// NNLSHP and LPHP, unlimited for the others.
     pub fn default_max_sequences_per_pack(self) -> Option<usize> {
         match self {
-            Algorithm::Nnlshp => Some(3),
+            Algorithm::Nnlshp | Algorithm::Lphp => Some(3),
             _ => None,
         }
     }
@@ -170,7 +182,7 @@ pub struct PackingConfig {
     pub algorithm: Algorithm,
     /// At most this many sequences in one pack (`None`: unlimited, or the
     /// algorithm's default, see [`Algorithm::default_max_sequences_per_pack`]).
-    /// For `nnlshp` this is the depth.
+    /// For `nnlshp` and `lphp` this is the depth.
     pub max_sequences_per_pack: Option<usize>,
     /// Policy for sequences longer than `max_seq_len`.
     pub overlong: Overlong,
@@ -219,7 +231,7 @@ impl PackingConfig {
                 .or(self.algorithm.default_max_sequences_per_pack()),
         ) {
             (Algorithm::None, _) => "1/pack".to_string(),
-            (Algorithm::Nnlshp, Some(d)) => format!("depth {d}"),
+            (Algorithm::Nnlshp | Algorithm::Lphp, Some(d)) => format!("depth {d}"),
             (_, Some(k)) => format!("max {k}/pack"),
             (_, None) => "unlimited".to_string(),
         }
@@ -381,6 +393,50 @@ pub struct PackingMetrics {
     pub empty_sequences: u64,
     /// Wall time of the packing algorithm, in seconds.
     pub seconds: f64,
+    /// A lower bound on the packs of any plan for this input within the
+    /// limit: the ceiling of the LP optimum at depth `bound_depth` (see
+    /// [`lphp::bound`]); `None` where none was computed (only `lphp` computes
+    /// it itself; [`with_bound`] adds it). Where column generation stopped
+    /// at its caps before converging, a smaller but still valid bound.
+    #[serde(default)]
+    pub bound_packs: Option<u64>,
+    /// `real_tokens / (bound_packs * max_seq_len)`: the efficiency no plan
+    /// within the limit can beat.
+    #[serde(default)]
+    pub bound_efficiency: Option<f64>,
+    /// The depth the bound holds at: `Some(d)` for the LP at depth `d` (it
+    /// bounds plans with at most `d` sequences per pack); `None` with a bound
+    /// present means `ceil(real_tokens / max_seq_len)`, valid at any depth.
+    #[serde(default)]
+    pub bound_depth: Option<usize>,
+    /// `num_packs - bound_packs`: how far the plan is from the bound, in packs
+    /// (for `lphp`, the rounding slack).
+    #[serde(default)]
+    pub gap_packs: Option<u64>,
+    /// The LP optimum in fractional packs (or the best proven lower bound on
+    /// it, if column generation did not converge), where the bound is an LP bound.
+    #[serde(default)]
+    pub lp_value: Option<f64>,
+    /// Column-generation rounds (LP solves) of that LP.
+    #[serde(default)]
+    pub lp_iterations: Option<usize>,
+}
+
+impl PackingMetrics {
+    /// Adds `bound` (computed on the same packed histogram) to the metrics.
+    pub fn set_bound(&mut self, bound: &PackBound) {
+        let slots = bound.packs.saturating_mul(self.max_seq_len as u64);
+        self.bound_packs = Some(bound.packs);
+        self.bound_efficiency = Some(if slots > 0 {
+            self.real_tokens as f64 / slots as f64
+        } else {
+            0.0
+        });
+        self.bound_depth = bound.depth;
+        self.gap_packs = Some(self.num_packs.saturating_sub(bound.packs));
+        self.lp_value = bound.depth.map(|_| bound.value);
+        self.lp_iterations = bound.depth.map(|_| bound.iterations);
+    }
 }
 
 /// What the overlong policy did to a histogram.
@@ -493,6 +549,7 @@ pub fn pack_histogram(histogram: &Histogram, config: &PackingConfig) -> Result<H
     let limit = config.limit();
     let counts = fitted.counts();
     let start = Instant::now();
+    let mut bound = None;
     let strategies = match config.algorithm {
         Algorithm::None => (1..=msl)
             .map(|l| Strategy {
@@ -505,11 +562,19 @@ pub fn pack_histogram(histogram: &Histogram, config: &PackingConfig) -> Result<H
         Algorithm::Nnlshp => nnlshp::nnlshp(counts, msl, limit)?,
         Algorithm::Ffd => heuristics::fit_decreasing(counts, msl, limit, heuristics::Fit::First),
         Algorithm::Bfd => heuristics::fit_decreasing(counts, msl, limit, heuristics::Fit::Best),
+        Algorithm::Lphp => {
+            let (strategies, report) = lphp::lphp(counts, msl, limit)?;
+            bound = Some(report.bound);
+            strategies
+        }
     };
     let strategies = canonicalize(strategies);
     let seconds = start.elapsed().as_secs_f64();
     debug_assert_eq!(check_strategies(&fitted, &strategies, msl, limit), Ok(()));
-    let metrics = metrics(config, histogram, &strategies, report, seconds);
+    let mut metrics = metrics(config, histogram, &strategies, report, seconds);
+    if let Some(bound) = &bound {
+        metrics.set_bound(bound);
+    }
     Ok(HistogramPacking {
         strategies,
         metrics,
@@ -556,7 +621,42 @@ fn metrics(
         split_sequences: report.split_sequences,
         empty_sequences: input.empty_sequences(),
         seconds,
+        bound_packs: None,
+        bound_efficiency: None,
+        bound_depth: None,
+        gap_packs: None,
+        lp_value: None,
+        lp_iterations: None,
     }
+}
+
+/// Adds the lower bound for `config`'s limit ([`lphp::bound`]: the LP at
+/// that depth, or the token bound where the LP is too large to price) to
+/// `metrics`, computed on `histogram` after the overlong policy. Metrics that
+/// already carry a bound (those of `lphp`) are left as they are.
+///
+/// # Errors
+/// The config and histogram errors of [`pack_histogram`].
+pub fn with_bound(
+    mut metrics: PackingMetrics,
+    histogram: &Histogram,
+    config: &PackingConfig,
+) -> Result<PackingMetrics> {
+    if metrics.bound_packs.is_none() {
+        metrics.set_bound(&bound_for(histogram, config)?);
+    }
+    Ok(metrics)
+}
+
+/// The lower bound on packs for `config`'s limit ([`lphp::bound`]) on
+/// `histogram` after the overlong policy: what [`with_bound`] adds.
+///
+/// # Errors
+/// As [`with_bound`].
+pub fn bound_for(histogram: &Histogram, config: &PackingConfig) -> Result<PackBound> {
+    config.validate()?;
+    let (fitted, _) = fit_histogram(histogram, config)?;
+    lphp::bound(fitted.counts(), config.max_seq_len, config.limit())
 }
 
 /// One segment of a pack: tokens `offset..offset + length` of input `sequence`.
@@ -609,7 +709,7 @@ pub fn pack_lengths(lengths: &[usize], config: &PackingConfig) -> Result<Packing
         Error::invalid(
             "lengths",
             format!(
-                "the plan would hold over {MAX_PLAN_SEGMENTS} segments; pack in smaller batches"
+                "the plan would hold over {MAX_PLAN_SEGMENTS} segments; pack the histogram instead, or in smaller batches"
             ),
         )
     };
