@@ -23,10 +23,8 @@ pub struct Assets {
 /// The assets directory (it may not exist).
 pub fn dir() -> PathBuf {
     match std::env::var_os("PACKSHARD_ASSETS") {
-        Some(p) => PathBuf::from(p),
-        None => PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-            .join(".cache")
-            .join("assets"),
+        Some(p) if !p.is_empty() => PathBuf::from(p),
+        _ => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".cache").join("assets"),
     }
 }
 
