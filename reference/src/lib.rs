@@ -23,11 +23,14 @@
 //!
 //! - [`packing`]: length histograms, SPFHP / LPFHP / NNLSHP (Krell et al.,
 //!   arXiv:2107.02027), FFD / BFD, plans on explicit lengths, packed batches.
+//! - [`bert`]: a plain f64 BERT with hand-written backward passes, dense and
+//!   varlen attention, padded and packed batches, MLM/NSP losses.
 //! - [`error`]: the one typed error, mapped onto the `eval` error kinds.
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod bert;
 pub mod error;
 pub mod packing;
 
