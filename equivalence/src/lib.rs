@@ -9,6 +9,9 @@
 //! - [`compare`]: tensor comparison under a named [`compare::Tolerance`], with
 //!   failures that name the tensor, the index and both values.
 //! - [`packing`]: plans and packed batches (FAULTS.md P1, P3–P6).
+//! - [`attention`]: varlen attention == padded attention (P2, P4, P8).
+//! - [`bert`]: BERT layer and whole model with losses and gradients, packed ==
+//!   padded (P1, P2, P4, P5, P7, P8).
 //!
 //! Shape legend as in `packshard-reference`: `n_tok` tokens, `b` segments,
 //! `h` heads, `d` head dim, `v` vocabulary, `p` shards.
@@ -16,6 +19,8 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod attention;
+pub mod bert;
 pub mod compare;
 pub mod packing;
 
