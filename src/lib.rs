@@ -13,7 +13,8 @@
 //! - [`equivalence`] (`packshard-equivalence`): the reusable suites.
 //!
 //! [`eval`] is the JSON oracle interface (`packshard eval`) and [`report`]
-//! the comparison tables the CLI prints.
+//! the comparison tables the CLI prints; [`realtext`] reads and tokenizes real
+//! text and [`verify`] runs the reference BERT packed against padded on it.
 
 pub use packshard_equivalence as equivalence;
 pub use packshard_optimized as optimized;
@@ -21,4 +22,6 @@ pub use packshard_reference as reference;
 
 pub mod assets;
 pub mod eval;
+pub mod realtext;
 pub mod report;
+pub mod verify;

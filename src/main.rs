@@ -20,6 +20,8 @@ enum Command {
     Pack(cli::pack::PackArgs),
     /// Evaluate JSON cases through the oracle interface (docs/INTERFACE.md).
     Eval(cli::eval::EvalArgs),
+    /// Check packed == padded on a real model and real text (`verify bert`).
+    Verify(cli::verify::VerifyArgs),
 }
 
 fn main() -> ExitCode {
@@ -63,6 +65,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Pack(args) => cli::pack::run(args),
         Command::Eval(args) => cli::eval::run(args),
+        Command::Verify(args) => cli::verify::run(args),
     };
     match result {
         Ok(code) => code,

@@ -312,7 +312,13 @@ impl BertCase {
     }
 }
 
-fn compare_outputs(
+/// Compares a packed run with the padded one (see the module docs): per
+/// sequence outputs, losses, input-embedding gradients, then every parameter
+/// gradient; all finite, all within [`Tolerance::F64_REWRITE`].
+///
+/// # Errors
+/// The first [`Mismatch`].
+pub fn compare_outputs(
     padded: &BertOutput,
     packed: &BertOutput,
     seen: &mut Observed,
