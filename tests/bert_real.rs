@@ -146,7 +146,9 @@ fn bert_eval_op_packed_equals_padded_on_texts() {
             "max_seq_len": 24,
         })
     };
-    let p = packshard::eval::evaluate(&case(true)).unwrap();
+    let mut pc = case(true);
+    pc["algorithm"] = serde_json::json!("ffd");
+    let p = packshard::eval::evaluate(&pc).unwrap();
     let mut c = case(false);
     c.as_object_mut().unwrap().remove("max_seq_len");
     let u = packshard::eval::evaluate(&c).unwrap();
