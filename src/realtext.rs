@@ -15,8 +15,7 @@ pub const MAX_LINES: usize = 1 << 20;
 /// # Errors
 /// A message naming the file.
 pub fn load_tokenizer(path: &Path) -> Result<Tokenizer, String> {
-    let mut tok =
-        Tokenizer::from_file(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let mut tok = Tokenizer::from_file(path).map_err(|e| format!("{}: {e}", path.display()))?;
     tok.with_padding(None);
     tok.with_truncation(None)
         .map_err(|e| format!("{}: {e}", path.display()))?;

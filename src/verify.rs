@@ -12,9 +12,9 @@
 
 use std::time::Instant;
 
+use packshard_equivalence::attention::Observed;
 use packshard_equivalence::bert::compare_outputs;
 use packshard_equivalence::compare::{error_stats, Mismatch, Tolerance};
-use packshard_equivalence::attention::Observed;
 use packshard_reference::bert::{
     BertModel, BertOutput, LossWeights, PackedAttention, Reduction, Targets, TokenBatch,
     IGNORE_INDEX,
@@ -67,7 +67,11 @@ pub fn mask_sample(tokenized: &[Vec<i64>], mask_id: i64, opts: &VerifyOptions) -
         }
         sequences.push(input);
         mlm_labels.push(labels);
-        nsp_labels.push(if ids.is_empty() { IGNORE_INDEX } else { rng.random_range(0..2) });
+        nsp_labels.push(if ids.is_empty() {
+            IGNORE_INDEX
+        } else {
+            rng.random_range(0..2)
+        });
     }
     Sample {
         sequences,
@@ -98,7 +102,11 @@ fn diff(name: &str, expected: &[f64], actual: &[f64]) -> Diff {
         name: name.to_string(),
         values: expected.len(),
         max_abs: s.max_abs,
-        max_rel: if scale > 0.0 { s.max_abs / scale } else { s.max_abs },
+        max_rel: if scale > 0.0 {
+            s.max_abs / scale
+        } else {
+            s.max_abs
+        },
     }
 }
 
@@ -152,7 +160,13 @@ pub fn verify(
 
     progress("padded forward + backward");
     let t0 = Instant::now();
-    let padded_tb = TokenBatch::padded(&sample.sequences, None, opts.max_seq_len, model.config.pad_token_id, 0)?;
+    let padded_tb = TokenBatch::padded(
+        &sample.sequences,
+        None,
+        opts.max_seq_len,
+        model.config.pad_token_id,
+        0,
+    )?;
     let padded = model.run(&padded_tb, &sample.targets, &weights, true)?;
     let padded_seconds = t0.elapsed().as_secs_f64();
     drop(padded_tb);
@@ -177,8 +191,14 @@ pub fn verify(
         padded_seconds,
         packed_seconds,
         mlm_loss: [
-            (Reduction::PerToken, padded.mlm_loss_under(Reduction::PerToken)),
-            (Reduction::PerSequence, padded.mlm_loss_under(Reduction::PerSequence)),
+            (
+                Reduction::PerToken,
+                padded.mlm_loss_under(Reduction::PerToken),
+            ),
+            (
+                Reduction::PerSequence,
+                padded.mlm_loss_under(Reduction::PerSequence),
+            ),
         ],
         nsp_loss: padded.nsp_loss,
         diffs,
@@ -187,27 +207,48 @@ pub fn verify(
 }
 
 fn diffs(padded: &BertOutput, packed: &BertOutput) -> Vec<Diff> {
-    let gather = |o: &BertOutput, f: &dyn Fn(&packshard_reference::bert::SequenceOutput) -> Vec<f64>| {
-        o.sequences.iter().flat_map(f).collect::<Vec<f64>>()
-    };
+    let gather =
+        |o: &BertOutput, f: &dyn Fn(&packshard_reference::bert::SequenceOutput) -> Vec<f64>| {
+            o.sequences.iter().flat_map(f).collect::<Vec<f64>>()
+        };
     let hidden = |s: &packshard_reference::bert::SequenceOutput| s.hidden.iter().copied().collect();
     let pooled = |s: &packshard_reference::bert::SequenceOutput| {
         s.pooled.as_ref().map(|p| p.to_vec()).unwrap_or_default()
     };
     let mlm_tok = |s: &packshard_reference::bert::SequenceOutput| s.mlm_losses.clone();
     let gie = |s: &packshard_reference::bert::SequenceOutput| {
-        s.grad_inputs_embeds.as_ref().map(|g| g.iter().copied().collect()).unwrap_or_default()
+        s.grad_inputs_embeds
+            .as_ref()
+            .map(|g| g.iter().copied().collect())
+            .unwrap_or_default()
     };
     let grads = |o: &BertOutput| -> Vec<f64> {
         o.grads
             .as_ref()
-            .map(|g| g.named().iter().flat_map(|(_, t)| t.iter().copied().collect::<Vec<_>>()).collect())
+            .map(|g| {
+                g.named()
+                    .iter()
+                    .flat_map(|(_, t)| t.iter().copied().collect::<Vec<_>>())
+                    .collect()
+            })
             .unwrap_or_default()
     };
     let mut out = vec![
-        diff("hidden states", &gather(padded, &hidden), &gather(packed, &hidden)),
-        diff("pooled outputs", &gather(padded, &pooled), &gather(packed, &pooled)),
-        diff("MLM token losses", &gather(padded, &mlm_tok), &gather(packed, &mlm_tok)),
+        diff(
+            "hidden states",
+            &gather(padded, &hidden),
+            &gather(packed, &hidden),
+        ),
+        diff(
+            "pooled outputs",
+            &gather(padded, &pooled),
+            &gather(packed, &pooled),
+        ),
+        diff(
+            "MLM token losses",
+            &gather(padded, &mlm_tok),
+            &gather(packed, &mlm_tok),
+        ),
     ];
     for r in Reduction::ALL {
         out.push(diff(
@@ -218,7 +259,11 @@ fn diffs(padded: &BertOutput, packed: &BertOutput) -> Vec<Diff> {
     }
     out.push(diff("NSP loss", &[padded.nsp_loss], &[packed.nsp_loss]));
     out.push(diff("parameter gradients", &grads(padded), &grads(packed)));
-    out.push(diff("input-embedding gradients", &gather(padded, &gie), &gather(packed, &gie)));
+    out.push(diff(
+        "input-embedding gradients",
+        &gather(padded, &gie),
+        &gather(packed, &gie),
+    ));
     out
 }
 

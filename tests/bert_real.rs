@@ -15,7 +15,12 @@ use packshard::reference::bert::{BertModel, Reduction, TokenBatch};
 use packshard::reference::packing::Algorithm;
 use packshard::verify::{mask_sample, verify, VerifyOptions};
 
-fn sample_lines(dir: &std::path::Path, n: usize, tok: &tokenizers::Tokenizer, max_len: usize) -> Vec<Vec<i64>> {
+fn sample_lines(
+    dir: &std::path::Path,
+    n: usize,
+    tok: &tokenizers::Tokenizer,
+    max_len: usize,
+) -> Vec<Vec<i64>> {
     realtext::read_lines(dir, 4 * n)
         .unwrap()
         .iter()
@@ -27,7 +32,9 @@ fn sample_lines(dir: &std::path::Path, n: usize, tok: &tokenizers::Tokenizer, ma
 
 #[test]
 fn real_weights_packed_equals_padded() {
-    let Some(a) = assets::require("real_weights_packed_equals_padded") else { return };
+    let Some(a) = assets::require("real_weights_packed_equals_padded") else {
+        return;
+    };
     let (model, initialised) = BertModel::load(&a.minilm).unwrap();
     // MiniLM is a BertModel checkpoint: only the pre-training heads are seeded.
     assert_eq!(initialised.len(), 7, "{initialised:?}");
@@ -35,7 +42,11 @@ fn real_weights_packed_equals_padded() {
     let tok = realtext::load_tokenizer(&a.minilm.join("tokenizer.json")).unwrap();
     let seqs = sample_lines(&a.shakespeare, 16, &tok, 20);
     assert_eq!(seqs.len(), 16);
-    assert!(seqs.iter().all(|s| s[0] == 101 && *s.last().unwrap() == 102), "[CLS] ... [SEP]");
+    assert!(
+        seqs.iter()
+            .all(|s| s[0] == 101 && *s.last().unwrap() == 102),
+        "[CLS] ... [SEP]"
+    );
     for reduction in Reduction::ALL {
         let opts = VerifyOptions {
             max_seq_len: 20,
@@ -48,7 +59,11 @@ fn real_weights_packed_equals_padded() {
         let sample = mask_sample(&seqs, 103, &opts);
         let report = verify(&model, &sample, &opts, &|_| {}).unwrap();
         // Non-degenerate: sequences share packs, tokens are predicted, the loss is real.
-        assert!(report.metrics.num_packs < seqs.len() as u64, "{:?}", report.metrics);
+        assert!(
+            report.metrics.num_packs < seqs.len() as u64,
+            "{:?}",
+            report.metrics
+        );
         assert!(report.predicted_tokens >= 8);
         assert!(report.mlm_loss[0].1 > 1.0 && report.mlm_loss[0].1.is_finite());
         let observed = report.verdict.as_ref().unwrap_or_else(|m| panic!("{m}"));
@@ -72,44 +87,66 @@ const CANDLE_TOL: f64 = 1e-5;
 #[test]
 fn candle_transformers_bert_agrees_on_real_sentences() {
     use candle_core::{DType, Device, Tensor};
-    let Some(a) = assets::require("candle_transformers_bert_agrees_on_real_sentences") else { return };
+    let Some(a) = assets::require("candle_transformers_bert_agrees_on_real_sentences") else {
+        return;
+    };
     let (model, _) = BertModel::load(&a.minilm).unwrap();
     let tok = realtext::load_tokenizer(&a.minilm.join("tokenizer.json")).unwrap();
     let config: candle_transformers::models::bert::Config =
-        serde_json::from_str(&std::fs::read_to_string(a.minilm.join("config.json")).unwrap()).unwrap();
+        serde_json::from_str(&std::fs::read_to_string(a.minilm.join("config.json")).unwrap())
+            .unwrap();
     let bytes = std::fs::read(a.minilm.join("model.safetensors")).unwrap();
-    let vb = candle_nn::VarBuilder::from_buffered_safetensors(bytes, DType::F32, &Device::Cpu).unwrap();
+    let vb =
+        candle_nn::VarBuilder::from_buffered_safetensors(bytes, DType::F32, &Device::Cpu).unwrap();
     let candle = candle_transformers::models::bert::BertModel::load(vb, &config).unwrap();
     let sentences = sample_lines(&a.shakespeare, 4, &tok, 40);
     let mut worst = 0.0f64;
     for ids in &sentences {
         // Reference: one unpadded sequence.
-        let ours = model.encode(&TokenBatch::padded(std::slice::from_ref(ids), None, ids.len(), 0, 0).unwrap()).unwrap();
+        let ours = model
+            .encode(&TokenBatch::padded(std::slice::from_ref(ids), None, ids.len(), 0, 0).unwrap())
+            .unwrap();
         let ours = &ours.sequences[0].hidden;
         // candle: [1, len] ids, token types 0, no mask.
         let u: Vec<u32> = ids.iter().map(|&i| i as u32).collect();
-        let input = Tensor::new(u.as_slice(), &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+        let input = Tensor::new(u.as_slice(), &Device::Cpu)
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap();
         let types = input.zeros_like().unwrap();
-        let theirs: Vec<Vec<Vec<f32>>> = candle.forward(&input, &types, None).unwrap().to_vec3().unwrap();
+        let theirs: Vec<Vec<Vec<f32>>> = candle
+            .forward(&input, &types, None)
+            .unwrap()
+            .to_vec3()
+            .unwrap();
         let theirs = &theirs[0];
         assert_eq!((theirs.len(), theirs[0].len()), ours.dim());
         let scale = ours.iter().fold(0.0f64, |m, v| m.max(v.abs()));
         for (t, row) in theirs.iter().enumerate() {
             for (j, &v) in row.iter().enumerate() {
                 let err = (f64::from(v) - ours[[t, j]]).abs();
-                assert!(err <= CANDLE_TOL * scale, "token {t} dim {j}: reference {} candle {v} (scale {scale})", ours[[t, j]]);
+                assert!(
+                    err <= CANDLE_TOL * scale,
+                    "token {t} dim {j}: reference {} candle {v} (scale {scale})",
+                    ours[[t, j]]
+                );
                 worst = worst.max(err / scale);
             }
         }
     }
-    eprintln!("candle vs reference on {} real sentences: max |diff| / max |hidden| = {worst:e}", sentences.len());
+    eprintln!(
+        "candle vs reference on {} real sentences: max |diff| / max |hidden| = {worst:e}",
+        sentences.len()
+    );
     // The cross-check is not vacuous: it compared non-trivial states.
     assert!(worst > 0.0, "f32 and f64 cannot agree bit for bit");
 }
 
 #[test]
 fn verify_bert_command_passes_on_a_small_real_sample() {
-    let Some(a) = assets::require("verify_bert_command_passes_on_a_small_real_sample") else { return };
+    let Some(a) = assets::require("verify_bert_command_passes_on_a_small_real_sample") else {
+        return;
+    };
     let o = Command::new(env!("CARGO_BIN_EXE_packshard"))
         .args(["verify", "bert", "--model"])
         .arg(&a.minilm)
@@ -119,8 +156,21 @@ fn verify_bert_command_passes_on_a_small_real_sample() {
         .output()
         .unwrap();
     let out = String::from_utf8_lossy(&o.stdout);
-    assert!(o.status.success(), "{out}\n{}", String::from_utf8_lossy(&o.stderr));
-    for want in ["sequences", "efficiency", "speed-up", "hidden states", "pooled outputs", "MLM loss (per-sequence)", "parameter gradients", "PASS"] {
+    assert!(
+        o.status.success(),
+        "{out}\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    for want in [
+        "sequences",
+        "efficiency",
+        "speed-up",
+        "hidden states",
+        "pooled outputs",
+        "MLM loss (per-sequence)",
+        "parameter gradients",
+        "PASS",
+    ] {
         assert!(out.contains(want), "missing {want:?} in\n{out}");
     }
     // Bad input: exit 2 with one line.
@@ -131,12 +181,17 @@ fn verify_bert_command_passes_on_a_small_real_sample() {
         .unwrap();
     assert_eq!(o.status.code(), Some(2));
     let err = String::from_utf8_lossy(&o.stderr);
-    assert!(err.contains("/nonexistent/config.json") && err.lines().count() == 1, "{err}");
+    assert!(
+        err.contains("/nonexistent/config.json") && err.lines().count() == 1,
+        "{err}"
+    );
 }
 
 #[test]
 fn bert_eval_op_packed_equals_padded_on_texts() {
-    let Some(a) = assets::require("bert_eval_op_packed_equals_padded_on_texts") else { return };
+    let Some(a) = assets::require("bert_eval_op_packed_equals_padded_on_texts") else {
+        return;
+    };
     let case = |packed: bool| {
         serde_json::json!({
             "op": "bert",
@@ -156,10 +211,20 @@ fn bert_eval_op_packed_equals_padded_on_texts() {
     assert_eq!(p["token_ids"][1], serde_json::json!([101, 102]));
     assert_eq!(p["num_packs"], serde_json::json!(1));
     assert_eq!(p["hidden"].as_array().unwrap().len(), 3);
-    assert_eq!(p["hidden"][0].as_array().unwrap().len(), p["token_ids"][0].as_array().unwrap().len());
-    assert_eq!(p["hidden"], u["hidden"], "the varlen packed run reproduces the padded one bit for bit");
+    assert_eq!(
+        p["hidden"][0].as_array().unwrap().len(),
+        p["token_ids"][0].as_array().unwrap().len()
+    );
+    assert_eq!(
+        p["hidden"], u["hidden"],
+        "the varlen packed run reproduces the padded one bit for bit"
+    );
     assert_eq!(p["pooled"], u["pooled"]);
     let e = packshard::eval::evaluate(&serde_json::json!({"op": "bert", "model": a.minilm.to_str().unwrap(), "sequences": [[101, 30522]]})).unwrap_err();
     assert_eq!(e.kind, "index_out_of_range");
-    assert!(e.message.contains("input_ids") && e.message.contains("30522"), "{}", e.message);
+    assert!(
+        e.message.contains("input_ids") && e.message.contains("30522"),
+        "{}",
+        e.message
+    );
 }

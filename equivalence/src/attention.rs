@@ -397,13 +397,25 @@ pub fn check_attention(
             .flat_map(|a| (0..len).map(move |i| (a, i)))
             .map(|(a, i)| fwd.lse[[a, at + i]])
             .collect();
-        seen.close(&format!("sequence {s}: lse"), &lse_p, &lse_v, &[h, len], tol)?;
+        seen.close(
+            &format!("sequence {s}: lse"),
+            &lse_p,
+            &lse_v,
+            &[h, len],
+            tol,
+        )?;
         for (name, p, v) in [
             ("grad_q", &pgr.grad_q, &grads.grad_q),
             ("grad_k", &pgr.grad_k, &grads.grad_k),
             ("grad_v", &pgr.grad_v, &grads.grad_v),
         ] {
-            seen.close(&format!("sequence {s}: {name}"), &pick(p), &mine(v), &shape, tol)?;
+            seen.close(
+                &format!("sequence {s}: {name}"),
+                &pick(p),
+                &mine(v),
+                &shape,
+                tol,
+            )?;
         }
     }
     // P2: change the first non-empty sequence; no other output may move.

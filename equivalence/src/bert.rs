@@ -19,9 +19,8 @@
 use ndarray::{Array2, ArrayView2};
 use packshard_reference::bert::layer::{layer_backward, layer_forward};
 use packshard_reference::bert::{
-    AttentionKernel, AttentionLayout, BertConfig, BertModel, BertOutput, LayerParams,
-    LossWeights, PackedAttention, Reduction, ReferenceAttention, Targets, TokenBatch,
-    IGNORE_INDEX,
+    AttentionKernel, AttentionLayout, BertConfig, BertModel, BertOutput, LayerParams, LossWeights,
+    PackedAttention, Reduction, ReferenceAttention, Targets, TokenBatch, IGNORE_INDEX,
 };
 use packshard_reference::packing::{Algorithm, PackedBatch, PackingConfig};
 use packshard_reference::Error;
@@ -75,7 +74,15 @@ impl EncoderLayer for ReferenceLayer<'_> {
         for (_, mut t) in layer_tensors_mut(&mut g) {
             t.fill(0.0);
         }
-        let dx = layer_backward(params, &mut g, num_heads, self.0, &cache, layout, grad_output)?;
+        let dx = layer_backward(
+            params,
+            &mut g,
+            num_heads,
+            self.0,
+            &cache,
+            layout,
+            grad_output,
+        )?;
         Ok((out, dx, g))
     }
 }
@@ -111,10 +118,22 @@ fn layer_tensors_mut(p: &mut LayerParams) -> Vec<(&'static str, ndarray::ArrayVi
         ("key.bias", p.key_b.view_mut().into_dyn()),
         ("value.weight", p.value_w.view_mut().into_dyn()),
         ("value.bias", p.value_b.view_mut().into_dyn()),
-        ("attention.output.dense.weight", p.attn_out_w.view_mut().into_dyn()),
-        ("attention.output.dense.bias", p.attn_out_b.view_mut().into_dyn()),
-        ("attention.output.LayerNorm.weight", p.attn_ln_g.view_mut().into_dyn()),
-        ("attention.output.LayerNorm.bias", p.attn_ln_b.view_mut().into_dyn()),
+        (
+            "attention.output.dense.weight",
+            p.attn_out_w.view_mut().into_dyn(),
+        ),
+        (
+            "attention.output.dense.bias",
+            p.attn_out_b.view_mut().into_dyn(),
+        ),
+        (
+            "attention.output.LayerNorm.weight",
+            p.attn_ln_g.view_mut().into_dyn(),
+        ),
+        (
+            "attention.output.LayerNorm.bias",
+            p.attn_ln_b.view_mut().into_dyn(),
+        ),
         ("intermediate.dense.weight", p.inter_w.view_mut().into_dyn()),
         ("intermediate.dense.bias", p.inter_b.view_mut().into_dyn()),
         ("output.dense.weight", p.out_w.view_mut().into_dyn()),
@@ -208,7 +227,12 @@ impl BertImpl for ReferenceBert {
         targets: &Targets,
         reduction: Reduction,
     ) -> Result<BertOutput, Error> {
-        let tb = TokenBatch::packed(batch, targets.nsp_labels.len(), Some(token_type_ids), self.0)?;
+        let tb = TokenBatch::packed(
+            batch,
+            targets.nsp_labels.len(),
+            Some(token_type_ids),
+            self.0,
+        )?;
         model.run(&tb, targets, &LossWeights::new(targets, reduction), true)
     }
 }
@@ -279,7 +303,13 @@ impl BertCase {
             .collect();
         let nsp_labels = lengths
             .iter()
-            .map(|&l| if l > 0 { rng.random_range(0..2) } else { IGNORE_INDEX })
+            .map(|&l| {
+                if l > 0 {
+                    rng.random_range(0..2)
+                } else {
+                    IGNORE_INDEX
+                }
+            })
             .collect();
         BertCase {
             model,
@@ -336,31 +366,65 @@ pub fn compare_outputs(
     }
     for (name, out) in [("padded", padded), ("packed", packed)] {
         for (s, so) in out.sequences.iter().enumerate() {
-            finite(&format!("{name} sequence {s}: hidden"), so.hidden.as_slice().unwrap_or(&[]))?;
+            finite(
+                &format!("{name} sequence {s}: hidden"),
+                so.hidden.as_slice().unwrap_or(&[]),
+            )?;
             if let Some(g) = &so.grad_inputs_embeds {
-                finite(&format!("{name} sequence {s}: grad_inputs_embeds"), &g.iter().copied().collect::<Vec<_>>())?;
+                finite(
+                    &format!("{name} sequence {s}: grad_inputs_embeds"),
+                    &g.iter().copied().collect::<Vec<_>>(),
+                )?;
             }
         }
         if let Some(g) = &out.grads {
             for (t, v) in g.named() {
-                finite(&format!("{name} grad {t}"), &v.iter().copied().collect::<Vec<_>>())?;
+                finite(
+                    &format!("{name} grad {t}"),
+                    &v.iter().copied().collect::<Vec<_>>(),
+                )?;
             }
         }
-        finite(&format!("{name} loss"), &[out.mlm_loss, out.nsp_loss, out.loss])?;
+        finite(
+            &format!("{name} loss"),
+            &[out.mlm_loss, out.nsp_loss, out.loss],
+        )?;
     }
     for (s, (a, b)) in padded.sequences.iter().zip(&packed.sequences).enumerate() {
         let v = |x: &Array2<f64>| x.iter().copied().collect::<Vec<f64>>();
         if a.hidden.dim() != b.hidden.dim() {
             return Err(Mismatch::new(
                 format!("sequence {s}: hidden"),
-                format!("packed shape {:?}, padded {:?}", b.hidden.shape(), a.hidden.shape()),
+                format!(
+                    "packed shape {:?}, padded {:?}",
+                    b.hidden.shape(),
+                    a.hidden.shape()
+                ),
             ));
         }
-        seen.close(&format!("sequence {s}: hidden"), &v(&a.hidden), &v(&b.hidden), a.hidden.shape(), tol)?;
+        seen.close(
+            &format!("sequence {s}: hidden"),
+            &v(&a.hidden),
+            &v(&b.hidden),
+            a.hidden.shape(),
+            tol,
+        )?;
         match (&a.pooled, &b.pooled, &a.nsp_logits, &b.nsp_logits) {
             (Some(pa), Some(pb), Some(na), Some(nb)) => {
-                seen.close(&format!("sequence {s}: pooled"), &pa.to_vec(), &pb.to_vec(), pa.shape(), tol)?;
-                seen.close(&format!("sequence {s}: nsp_logits"), &na.to_vec(), &nb.to_vec(), &[2], tol)?;
+                seen.close(
+                    &format!("sequence {s}: pooled"),
+                    &pa.to_vec(),
+                    &pb.to_vec(),
+                    pa.shape(),
+                    tol,
+                )?;
+                seen.close(
+                    &format!("sequence {s}: nsp_logits"),
+                    &na.to_vec(),
+                    &nb.to_vec(),
+                    &[2],
+                    tol,
+                )?;
             }
             (None, None, None, None) => {}
             _ => {
@@ -379,8 +443,20 @@ pub fn compare_outputs(
         )?;
     }
     // Losses before gradients, so a wrong loss is reported as such.
-    seen.close("mlm_loss", &[padded.mlm_loss], &[packed.mlm_loss], &[1], tol)?;
-    seen.close("nsp_loss", &[padded.nsp_loss], &[packed.nsp_loss], &[1], tol)?;
+    seen.close(
+        "mlm_loss",
+        &[padded.mlm_loss],
+        &[packed.mlm_loss],
+        &[1],
+        tol,
+    )?;
+    seen.close(
+        "nsp_loss",
+        &[padded.nsp_loss],
+        &[packed.nsp_loss],
+        &[1],
+        tol,
+    )?;
     seen.close("loss", &[padded.loss], &[packed.loss], &[1], tol)?;
     for (s, (a, b)) in padded.sequences.iter().zip(&packed.sequences).enumerate() {
         match (&a.grad_inputs_embeds, &b.grad_inputs_embeds) {
@@ -414,7 +490,14 @@ pub fn compare_outputs(
     for ((name, a), (_, b)) in ga.named().into_iter().zip(gb.named()) {
         let va: Vec<f64> = a.iter().copied().collect();
         let vb: Vec<f64> = b.iter().copied().collect();
-        seen.close_scaled(&format!("grad {name}"), &va, &vb, a.shape(), tol, Some(global))?;
+        seen.close_scaled(
+            &format!("grad {name}"),
+            &va,
+            &vb,
+            a.shape(),
+            tol,
+            Some(global),
+        )?;
     }
     Ok(())
 }
@@ -497,7 +580,9 @@ pub fn check_layer(
             .map(|&l| Array2::from_shape_fn((row_len, row_len), |(_, j)| j < l))
             .collect(),
     };
-    let varlen = AttentionLayout::Varlen { cu_seqlens: cu.clone() };
+    let varlen = AttentionLayout::Varlen {
+        cu_seqlens: cu.clone(),
+    };
     let heads = config.num_attention_heads;
     let eps = config.layer_norm_eps;
     let e = |w: &str, e: Error| Mismatch::new(w, format!("{}: {e}", imp.name()));
@@ -512,8 +597,20 @@ pub fn check_layer(
     for (s, &l) in lengths.iter().enumerate() {
         for t in 0..l {
             let (i, j) = (s * row_len + t, cu[s] + t);
-            seen.close(&format!("sequence {s} token {t}: output"), &op.row(i).to_vec(), &ov.row(j).to_vec(), &[width], tol)?;
-            seen.close(&format!("sequence {s} token {t}: grad_x"), &dxp.row(i).to_vec(), &dxv.row(j).to_vec(), &[width], tol)?;
+            seen.close(
+                &format!("sequence {s} token {t}: output"),
+                &op.row(i).to_vec(),
+                &ov.row(j).to_vec(),
+                &[width],
+                tol,
+            )?;
+            seen.close(
+                &format!("sequence {s} token {t}: grad_x"),
+                &dxp.row(i).to_vec(),
+                &dxv.row(j).to_vec(),
+                &[width],
+                tol,
+            )?;
         }
     }
     let (gp_all, gv_all) = (layer_tensors(&gpp), layer_tensors(&gpv));
@@ -567,7 +664,11 @@ pub fn bert_cases() -> impl Strategy<Value = BertCase> {
 /// The FAULTS.md examples as model cases: `(name, lengths, max_seq_len)`.
 pub fn fault_cases() -> Vec<(&'static str, Vec<usize>, usize)> {
     vec![
-        ("P1 positions reset: [4, 7] in one pack of 11", vec![4, 7], 11),
+        (
+            "P1 positions reset: [4, 7] in one pack of 11",
+            vec![4, 7],
+            11,
+        ),
         ("P2 lengths [3, 5] in a pack of 8", vec![3, 5], 8),
         ("P4 zero-length: [1, 0, 1]", vec![1, 0, 1], 4),
         ("P5 padding is not a sequence: [3] in 8", vec![3], 8),
@@ -601,7 +702,9 @@ pub fn run_bert_suite(imp: &dyn BertImpl, cases: u32) -> Result<SuiteReport, Mis
     let report = std::cell::RefCell::new(SuiteReport::default());
     let run = |case: &BertCase| -> Result<(), Mismatch> {
         let o = check_bert(imp, case)?;
-        let batch = case.packed_batch().map_err(|e| Mismatch::new("pack", e.to_string()))?;
+        let batch = case
+            .packed_batch()
+            .map_err(|e| Mismatch::new("pack", e.to_string()))?;
         let mut r = report.borrow_mut();
         r.observed.merge(o);
         r.cases += 1;
@@ -609,7 +712,10 @@ pub fn run_bert_suite(imp: &dyn BertImpl, cases: u32) -> Result<SuiteReport, Mis
             r.shared_packs += 1;
         }
         if case.sequences.iter().any(Vec::is_empty)
-            || batch.cu_seqlens.iter().any(|c| *c.last().unwrap() < batch.max_seq_len)
+            || batch
+                .cu_seqlens
+                .iter()
+                .any(|c| *c.last().unwrap() < batch.max_seq_len)
         {
             r.padding_or_empty += 1;
         }
@@ -618,8 +724,21 @@ pub fn run_bert_suite(imp: &dyn BertImpl, cases: u32) -> Result<SuiteReport, Mis
     for (i, (name, lengths, msl)) in fault_cases().into_iter().enumerate() {
         for reduction in Reduction::ALL {
             let config = BertConfig::tiny(13, 6, 2, 2, 7, msl + 2);
-            let case = BertCase::seeded(config, &lengths, msl, Algorithm::Spfhp, reduction, 0, i as u64);
-            run(&case).map_err(|m| Mismatch::new(format!("{name} ({}): {}", reduction.name(), m.what), m.detail))?;
+            let case = BertCase::seeded(
+                config,
+                &lengths,
+                msl,
+                Algorithm::Spfhp,
+                reduction,
+                0,
+                i as u64,
+            );
+            run(&case).map_err(|m| {
+                Mismatch::new(
+                    format!("{name} ({}): {}", reduction.name(), m.what),
+                    m.detail,
+                )
+            })?;
         }
     }
     let mut runner = TestRunner::new_with_rng(
@@ -633,7 +752,9 @@ pub fn run_bert_suite(imp: &dyn BertImpl, cases: u32) -> Result<SuiteReport, Mis
         ),
     );
     runner
-        .run(&bert_cases(), |case| run(&case).map_err(|m| TestCaseError::fail(m.to_string())))
+        .run(&bert_cases(), |case| {
+            run(&case).map_err(|m| TestCaseError::fail(m.to_string()))
+        })
         .map_err(|e| Mismatch::new(format!("{} BERT suite", imp.name()), e.to_string()))?;
     Ok(report.into_inner())
 }

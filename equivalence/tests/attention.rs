@@ -19,17 +19,49 @@ fn reference_passes_the_attention_suite() {
         fn name(&self) -> String {
             "counting reference".into()
         }
-        fn varlen_forward(&self, q: ArrayView3<f64>, k: ArrayView3<f64>, v: ArrayView3<f64>, cu: &[usize], s: f64) -> Result<AttentionOutput, Error> {
+        fn varlen_forward(
+            &self,
+            q: ArrayView3<f64>,
+            k: ArrayView3<f64>,
+            v: ArrayView3<f64>,
+            cu: &[usize],
+            s: f64,
+        ) -> Result<AttentionOutput, Error> {
             CALLS.fetch_add(1, Ordering::Relaxed);
             Reference.varlen_forward(q, k, v, cu, s)
         }
-        fn varlen_backward(&self, q: ArrayView3<f64>, k: ArrayView3<f64>, v: ArrayView3<f64>, cu: &[usize], s: f64, f: &AttentionOutput, g: ArrayView3<f64>) -> Result<AttentionGrads, Error> {
+        fn varlen_backward(
+            &self,
+            q: ArrayView3<f64>,
+            k: ArrayView3<f64>,
+            v: ArrayView3<f64>,
+            cu: &[usize],
+            s: f64,
+            f: &AttentionOutput,
+            g: ArrayView3<f64>,
+        ) -> Result<AttentionGrads, Error> {
             Reference.varlen_backward(q, k, v, cu, s, f, g)
         }
-        fn masked_forward(&self, q: ArrayView3<f64>, k: ArrayView3<f64>, v: ArrayView3<f64>, m: ArrayView2<bool>, s: f64) -> Result<AttentionOutput, Error> {
+        fn masked_forward(
+            &self,
+            q: ArrayView3<f64>,
+            k: ArrayView3<f64>,
+            v: ArrayView3<f64>,
+            m: ArrayView2<bool>,
+            s: f64,
+        ) -> Result<AttentionOutput, Error> {
             Reference.masked_forward(q, k, v, m, s)
         }
-        fn masked_backward(&self, q: ArrayView3<f64>, k: ArrayView3<f64>, v: ArrayView3<f64>, m: ArrayView2<bool>, s: f64, f: &AttentionOutput, g: ArrayView3<f64>) -> Result<AttentionGrads, Error> {
+        fn masked_backward(
+            &self,
+            q: ArrayView3<f64>,
+            k: ArrayView3<f64>,
+            v: ArrayView3<f64>,
+            m: ArrayView2<bool>,
+            s: f64,
+            f: &AttentionOutput,
+            g: ArrayView3<f64>,
+        ) -> Result<AttentionGrads, Error> {
             Reference.masked_backward(q, k, v, m, s, f, g)
         }
     }
@@ -40,7 +72,10 @@ fn reference_passes_the_attention_suite() {
     assert!(seen.values > 10_000, "compared only {} values", seen.values);
     // Packed and padded perform the same operations in the same order: we
     // measure bit-for-bit equality, well inside F64_REWRITE.
-    eprintln!("attention packed vs padded: max abs {:e}, max rel {:e} over {} values", seen.max_abs, seen.max_rel, seen.values);
+    eprintln!(
+        "attention packed vs padded: max abs {:e}, max rel {:e} over {} values",
+        seen.max_abs, seen.max_rel, seen.values
+    );
     assert!(seen.max_rel <= Tolerance::F64_REWRITE.rel);
 }
 
@@ -56,15 +91,46 @@ impl VarlenAttention for Broken {
     fn name(&self) -> String {
         "broken".into()
     }
-    fn varlen_forward(&self, q: ArrayView3<f64>, k: ArrayView3<f64>, v: ArrayView3<f64>, cu: &[usize], s: f64) -> Result<AttentionOutput, Error> {
+    fn varlen_forward(
+        &self,
+        q: ArrayView3<f64>,
+        k: ArrayView3<f64>,
+        v: ArrayView3<f64>,
+        cu: &[usize],
+        s: f64,
+    ) -> Result<AttentionOutput, Error> {
         let whole = [0, q.dim().0];
         Reference.varlen_forward(q, k, v, if self.ignore_cu_seqlens { &whole } else { cu }, s)
     }
-    fn varlen_backward(&self, q: ArrayView3<f64>, k: ArrayView3<f64>, v: ArrayView3<f64>, cu: &[usize], s: f64, f: &AttentionOutput, g: ArrayView3<f64>) -> Result<AttentionGrads, Error> {
+    fn varlen_backward(
+        &self,
+        q: ArrayView3<f64>,
+        k: ArrayView3<f64>,
+        v: ArrayView3<f64>,
+        cu: &[usize],
+        s: f64,
+        f: &AttentionOutput,
+        g: ArrayView3<f64>,
+    ) -> Result<AttentionGrads, Error> {
         let whole = [0, q.dim().0];
-        Reference.varlen_backward(q, k, v, if self.ignore_cu_seqlens { &whole } else { cu }, s, f, g)
+        Reference.varlen_backward(
+            q,
+            k,
+            v,
+            if self.ignore_cu_seqlens { &whole } else { cu },
+            s,
+            f,
+            g,
+        )
     }
-    fn masked_forward(&self, q: ArrayView3<f64>, k: ArrayView3<f64>, v: ArrayView3<f64>, m: ArrayView2<bool>, s: f64) -> Result<AttentionOutput, Error> {
+    fn masked_forward(
+        &self,
+        q: ArrayView3<f64>,
+        k: ArrayView3<f64>,
+        v: ArrayView3<f64>,
+        m: ArrayView2<bool>,
+        s: f64,
+    ) -> Result<AttentionOutput, Error> {
         let mut out = Reference.masked_forward(q, k, v, m, s)?;
         if self.nan_on_empty_rows {
             for i in 0..m.nrows() {
@@ -76,21 +142,39 @@ impl VarlenAttention for Broken {
         }
         Ok(out)
     }
-    fn masked_backward(&self, q: ArrayView3<f64>, k: ArrayView3<f64>, v: ArrayView3<f64>, m: ArrayView2<bool>, s: f64, f: &AttentionOutput, g: ArrayView3<f64>) -> Result<AttentionGrads, Error> {
+    fn masked_backward(
+        &self,
+        q: ArrayView3<f64>,
+        k: ArrayView3<f64>,
+        v: ArrayView3<f64>,
+        m: ArrayView2<bool>,
+        s: f64,
+        f: &AttentionOutput,
+        g: ArrayView3<f64>,
+    ) -> Result<AttentionGrads, Error> {
         Reference.masked_backward(q, k, v, m, s, f, g)
     }
 }
 
 fn fault_case(prefix: &str) -> AttentionCase {
-    let (_, lengths, pad) = fault_cases().into_iter().find(|c| c.0.starts_with(prefix)).unwrap();
+    let (_, lengths, pad) = fault_cases()
+        .into_iter()
+        .find(|c| c.0.starts_with(prefix))
+        .unwrap();
     AttentionCase::seeded(&lengths, 2, 3, pad, 1)
 }
 
 #[test]
 fn p2_negative_control_attention_across_sequences() {
-    let broken = Broken { ignore_cu_seqlens: true, nan_on_empty_rows: false };
+    let broken = Broken {
+        ignore_cu_seqlens: true,
+        nan_on_empty_rows: false,
+    };
     let err = check_attention(&broken, &fault_case("P2")).expect_err("a leak must be caught");
-    assert!(err.what.contains("sequence 0: output"), "caught, but as {err}");
+    assert!(
+        err.what.contains("sequence 0: output"),
+        "caught, but as {err}"
+    );
     assert!(run_attention_suite(&broken, 16).is_err());
     // The reference on the same case passes: the check is not failing for another reason.
     check_attention(&Reference, &fault_case("P2")).unwrap();
@@ -98,10 +182,16 @@ fn p2_negative_control_attention_across_sequences() {
 
 #[test]
 fn p8_negative_control_nan_on_fully_masked_rows() {
-    let broken = Broken { ignore_cu_seqlens: false, nan_on_empty_rows: true };
+    let broken = Broken {
+        ignore_cu_seqlens: false,
+        nan_on_empty_rows: true,
+    };
     let err = check_attention(&broken, &fault_case("P8")).expect_err("NaN rows must be caught");
     assert!(err.what.contains("padded output"), "caught, but as {err}");
-    assert!(err.detail.contains("P8") && err.detail.contains("NaN"), "{err}");
+    assert!(
+        err.detail.contains("P8") && err.detail.contains("NaN"),
+        "{err}"
+    );
     assert!(run_attention_suite(&broken, 16).is_err());
     check_attention(&Reference, &fault_case("P8")).unwrap();
 }

@@ -10,8 +10,8 @@ use packshard_equivalence::bert::{
 use packshard_equivalence::Tolerance;
 use packshard_reference::bert::{
     AttentionGrads, AttentionKernel, AttentionLayout, AttentionOutput, BertConfig, BertModel,
-    BertOutput, LossWeights, PackedAttention, Reduction, ReferenceAttention, Targets,
-    TokenBatch, IGNORE_INDEX,
+    BertOutput, LossWeights, PackedAttention, Reduction, ReferenceAttention, Targets, TokenBatch,
+    IGNORE_INDEX,
 };
 use packshard_reference::packing::{Algorithm, PackedBatch};
 use packshard_reference::Error;
@@ -37,7 +37,10 @@ fn reference_passes_the_bert_suite_in_both_packed_forms() {
 fn reference_passes_the_layer_suite() {
     let seen = run_layer_suite(&ReferenceLayer(&REFERENCE_KERNEL), 48).unwrap();
     assert!(seen.values > 5_000, "{seen:?}");
-    eprintln!("layer packed vs padded: max abs {:e}, max rel {:e}", seen.max_abs, seen.max_rel);
+    eprintln!(
+        "layer packed vs padded: max abs {:e}, max rel {:e}",
+        seen.max_abs, seen.max_rel
+    );
 }
 
 // ---- negative controls -------------------------------------------------------
@@ -63,18 +66,36 @@ impl AttentionKernel for NanKernel {
     fn name(&self) -> String {
         "NaN on empty rows".into()
     }
-    fn forward(&self, q: ArrayView3<f64>, k: ArrayView3<f64>, v: ArrayView3<f64>, layout: &AttentionLayout, scale: f64) -> Result<AttentionOutput, Error> {
+    fn forward(
+        &self,
+        q: ArrayView3<f64>,
+        k: ArrayView3<f64>,
+        v: ArrayView3<f64>,
+        layout: &AttentionLayout,
+        scale: f64,
+    ) -> Result<AttentionOutput, Error> {
         let mut out = ReferenceAttention.forward(q, k, v, layout, scale)?;
         // A naive softmax over an all -inf row: exp(-inf - -inf) = NaN.
         for i in 0..out.lse.ncols() {
             if out.lse[[0, i]] == f64::NEG_INFINITY {
-                out.output.index_axis_mut(ndarray::Axis(0), i).fill(f64::NAN);
+                out.output
+                    .index_axis_mut(ndarray::Axis(0), i)
+                    .fill(f64::NAN);
                 out.lse.column_mut(i).fill(f64::NAN);
             }
         }
         Ok(out)
     }
-    fn backward(&self, q: ArrayView3<f64>, k: ArrayView3<f64>, v: ArrayView3<f64>, layout: &AttentionLayout, scale: f64, fwd: &AttentionOutput, g: ArrayView3<f64>) -> Result<AttentionGrads, Error> {
+    fn backward(
+        &self,
+        q: ArrayView3<f64>,
+        k: ArrayView3<f64>,
+        v: ArrayView3<f64>,
+        layout: &AttentionLayout,
+        scale: f64,
+        fwd: &AttentionOutput,
+        g: ArrayView3<f64>,
+    ) -> Result<AttentionGrads, Error> {
         ReferenceAttention.backward(q, k, v, layout, scale, fwd, g)
     }
 }
@@ -85,7 +106,16 @@ impl BertImpl for Broken {
     fn name(&self) -> String {
         "broken".into()
     }
-    fn padded(&self, model: &BertModel, seqs: &[Vec<i64>], tt: &[Vec<i64>], t: &Targets, r: Reduction, row_len: usize, offset: usize) -> Result<BertOutput, Error> {
+    fn padded(
+        &self,
+        model: &BertModel,
+        seqs: &[Vec<i64>],
+        tt: &[Vec<i64>],
+        t: &Targets,
+        r: Reduction,
+        row_len: usize,
+        offset: usize,
+    ) -> Result<BertOutput, Error> {
         let batch = TokenBatch::padded(seqs, Some(tt), row_len, model.config.pad_token_id, offset)?;
         let kernel: &dyn AttentionKernel = match self.0 {
             Fault::NanOnEmptyRows => &NanKernel,
@@ -93,7 +123,14 @@ impl BertImpl for Broken {
         };
         model.run_with(kernel, &batch, t, &LossWeights::new(t, r), true, None)
     }
-    fn packed(&self, model: &BertModel, batch: &PackedBatch, tt: &[Vec<i64>], t: &Targets, r: Reduction) -> Result<BertOutput, Error> {
+    fn packed(
+        &self,
+        model: &BertModel,
+        batch: &PackedBatch,
+        tt: &[Vec<i64>],
+        t: &Targets,
+        r: Reduction,
+    ) -> Result<BertOutput, Error> {
         let b = t.nsp_labels.len();
         let mut batch = batch.clone();
         if let Fault::PositionsRunOn = self.0 {
@@ -138,7 +175,11 @@ impl BertImpl for Broken {
                 for (p, row) in batch.sequence_index.iter().enumerate() {
                     for &s in row {
                         for (w, &l) in weights.mlm[s].iter_mut().zip(&t.mlm_labels[s]) {
-                            *w = if l == IGNORE_INDEX { 0.0 } else { 1.0 / (rows_with_any * counts[p] as f64) };
+                            *w = if l == IGNORE_INDEX {
+                                0.0
+                            } else {
+                                1.0 / (rows_with_any * counts[p] as f64)
+                            };
                         }
                     }
                 }
@@ -161,7 +202,15 @@ fn fault_case(prefix: &str, reduction: Reduction) -> BertCase {
         .enumerate()
         .find(|(_, c)| c.0.starts_with(prefix))
         .unwrap();
-    BertCase::seeded(BertConfig::tiny(13, 6, 2, 2, 7, msl + 2), &lengths, msl, Algorithm::Spfhp, reduction, 0, i as u64)
+    BertCase::seeded(
+        BertConfig::tiny(13, 6, 2, 2, 7, msl + 2),
+        &lengths,
+        msl,
+        Algorithm::Spfhp,
+        reduction,
+        0,
+        i as u64,
+    )
 }
 
 /// The fault must be caught on its FAULTS.md case as `what` (and the whole
@@ -171,7 +220,10 @@ fn caught(fault: Fault, prefix: &str, reduction: Reduction, what: &str) {
     check_bert(&ReferenceBert(PackedAttention::BlockDiagonal), &case).unwrap();
     let err = check_bert(&Broken(fault), &case).expect_err("the planted fault must be caught");
     assert!(err.what.contains(what), "caught, but as {err}");
-    assert!(run_bert_suite(&Broken(fault), 8).is_err(), "the suite must catch it too");
+    assert!(
+        run_bert_suite(&Broken(fault), 8).is_err(),
+        "the suite must catch it too"
+    );
 }
 
 #[test]
@@ -186,7 +238,12 @@ fn p2_negative_control_all_ones_mask() {
 
 #[test]
 fn p5_negative_control_padding_as_a_sequence() {
-    caught(Fault::PaddingAsSequence, "P5", Reduction::PerSequence, "nsp_loss");
+    caught(
+        Fault::PaddingAsSequence,
+        "P5",
+        Reduction::PerSequence,
+        "nsp_loss",
+    );
 }
 
 #[test]
@@ -200,7 +257,10 @@ fn p7_negative_control_per_row_averaging() {
 fn p8_negative_control_nan_on_empty_rows() {
     let case = fault_case("P8", Reduction::PerToken);
     let err = check_bert(&Broken(Fault::NanOnEmptyRows), &case).expect_err("NaN must be caught");
-    assert!(err.what.starts_with("packed grad") && err.detail.contains("P8"), "caught, but as {err}");
+    assert!(
+        err.what.starts_with("packed grad") && err.detail.contains("P8"),
+        "caught, but as {err}"
+    );
     assert!(run_bert_suite(&Broken(Fault::NanOnEmptyRows), 8).is_err());
 }
 

@@ -64,10 +64,16 @@ pub fn run(args: VerifyArgs) -> Result<ExitCode, CliError> {
 
 fn bert(a: BertArgs) -> Result<ExitCode, CliError> {
     if !(0.0..=1.0).contains(&a.mask_prob) {
-        return Err(CliError::input(format!("--mask-prob {} is not in [0, 1]", a.mask_prob)));
+        return Err(CliError::input(format!(
+            "--mask-prob {} is not in [0, 1]",
+            a.mask_prob
+        )));
     }
     if a.max_lines == 0 || a.max_lines > realtext::MAX_LINES {
-        return Err(CliError::input(format!("--max-lines must be in 1..={}", realtext::MAX_LINES)));
+        return Err(CliError::input(format!(
+            "--max-lines must be in 1..={}",
+            realtext::MAX_LINES
+        )));
     }
     let opts = VerifyOptions {
         max_seq_len: a.max_seq_len,
@@ -78,7 +84,9 @@ fn bert(a: BertArgs) -> Result<ExitCode, CliError> {
         seed: a.seed,
     };
     let bar = ProgressBar::new_spinner();
-    bar.set_style(ProgressStyle::with_template("{spinner} {msg} {elapsed}").expect("valid template"));
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} {msg} {elapsed}").expect("valid template"),
+    );
     bar.enable_steady_tick(std::time::Duration::from_millis(120));
     bar.set_message("loading the model");
     let (model, initialised) = BertModel::load(&a.model)?;
@@ -163,14 +171,23 @@ fn bert(a: BertArgs) -> Result<ExitCode, CliError> {
         opts.reduction.name()
     );
     println!("packed vs padded:");
-    println!("  {:<28} {:>10} {:>12} {:>12}", "", "values", "max abs", "max rel");
+    println!(
+        "  {:<28} {:>10} {:>12} {:>12}",
+        "", "values", "max abs", "max rel"
+    );
     for d in &report.diffs {
-        println!("  {:<28} {:>10} {:>12.3e} {:>12.3e}", d.name, d.values, d.max_abs, d.max_rel);
+        println!(
+            "  {:<28} {:>10} {:>12.3e} {:>12.3e}",
+            d.name, d.values, d.max_abs, d.max_rel
+        );
     }
     println!("  (max rel = max abs / the largest magnitude of the padded values)");
     match &report.verdict {
         Ok(_) => {
-            println!("PASS: packed == padded within {} (rel {:.1e})", TOLERANCE.name, TOLERANCE.rel);
+            println!(
+                "PASS: packed == padded within {} (rel {:.1e})",
+                TOLERANCE.name, TOLERANCE.rel
+            );
             Ok(ExitCode::SUCCESS)
         }
         Err(mismatch) => {
@@ -183,11 +200,15 @@ fn bert(a: BertArgs) -> Result<ExitCode, CliError> {
 /// Up to 8 buckets of the length range, `lo-hi: count` with a bar.
 fn histogram_lines(lengths: &[usize], max_len: usize) -> String {
     let h = Histogram::from_lengths(lengths).unwrap_or_else(|_| Histogram::from_counts(vec![0]));
-    let width = max_len.div_ceil(8).max(1);
+    let width = (max_len + 1).div_ceil(8).max(1);
     let mut out = String::new();
     let counts = h.counts();
     let most = (0..8)
-        .map(|b| (b * width..((b + 1) * width).min(max_len + 1)).map(|l| counts.get(l).copied().unwrap_or(0)).sum::<u64>())
+        .map(|b| {
+            (b * width..((b + 1) * width).min(max_len + 1))
+                .map(|l| counts.get(l).copied().unwrap_or(0))
+                .sum::<u64>()
+        })
         .max()
         .unwrap_or(1)
         .max(1);

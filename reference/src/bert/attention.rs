@@ -73,7 +73,10 @@ pub fn check_cu_seqlens(cu_seqlens: &[usize], n_tok: usize) -> Result<()> {
     match cu_seqlens.first() {
         None => return Err(Error::invalid("cu_seqlens", "must hold at least [0]")),
         Some(&c) if c != 0 => {
-            return Err(Error::invalid("cu_seqlens[0]", format!("is {c}, must be 0")))
+            return Err(Error::invalid(
+                "cu_seqlens[0]",
+                format!("is {c}, must be 0"),
+            ))
         }
         _ => {}
     }
@@ -370,6 +373,7 @@ pub fn varlen_attention(
 ///
 /// # Errors
 /// As [`varlen_attention`], and [`Error::ShapeMismatch`] for `grad_output`.
+#[allow(clippy::too_many_arguments)] // the argument list of flash-attention's varlen backward
 pub fn varlen_attention_backward(
     q: ArrayView3<f64>,
     k: ArrayView3<f64>,
@@ -559,8 +563,11 @@ impl AttentionKernel for ReferenceAttention {
                         mask.view(),
                         scale,
                     )?;
-                    output.slice_axis_mut(Axis(0), Slice::from(rows.clone())).assign(&f.output);
-                    lse.slice_axis_mut(Axis(1), Slice::from(rows)).assign(&f.lse);
+                    output
+                        .slice_axis_mut(Axis(0), Slice::from(rows.clone()))
+                        .assign(&f.output);
+                    lse.slice_axis_mut(Axis(1), Slice::from(rows))
+                        .assign(&f.lse);
                 }
                 Ok(AttentionOutput { output, lse })
             }
@@ -590,8 +597,14 @@ impl AttentionKernel for ReferenceAttention {
                 for (r, mask) in allowed.iter().enumerate() {
                     let rows = r * row_len..(r + 1) * row_len;
                     let sub = AttentionOutput {
-                        output: fwd.output.slice_axis(Axis(0), Slice::from(rows.clone())).to_owned(),
-                        lse: fwd.lse.slice_axis(Axis(1), Slice::from(rows.clone())).to_owned(),
+                        output: fwd
+                            .output
+                            .slice_axis(Axis(0), Slice::from(rows.clone()))
+                            .to_owned(),
+                        lse: fwd
+                            .lse
+                            .slice_axis(Axis(1), Slice::from(rows.clone()))
+                            .to_owned(),
                     };
                     let g = masked_attention_backward(
                         q.slice_axis(Axis(0), Slice::from(rows.clone())),
@@ -602,9 +615,18 @@ impl AttentionKernel for ReferenceAttention {
                         &sub,
                         grad_output.slice_axis(Axis(0), Slice::from(rows.clone())),
                     )?;
-                    grads.grad_q.slice_axis_mut(Axis(0), Slice::from(rows.clone())).assign(&g.grad_q);
-                    grads.grad_k.slice_axis_mut(Axis(0), Slice::from(rows.clone())).assign(&g.grad_k);
-                    grads.grad_v.slice_axis_mut(Axis(0), Slice::from(rows)).assign(&g.grad_v);
+                    grads
+                        .grad_q
+                        .slice_axis_mut(Axis(0), Slice::from(rows.clone()))
+                        .assign(&g.grad_q);
+                    grads
+                        .grad_k
+                        .slice_axis_mut(Axis(0), Slice::from(rows.clone()))
+                        .assign(&g.grad_k);
+                    grads
+                        .grad_v
+                        .slice_axis_mut(Axis(0), Slice::from(rows))
+                        .assign(&g.grad_v);
                 }
                 Ok(grads)
             }

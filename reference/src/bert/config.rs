@@ -157,7 +157,10 @@ impl BertConfig {
         if self.pad_token_id >= self.vocab_size {
             return Err(Error::invalid(
                 "pad_token_id",
-                format!("{} is not below vocab_size {}", self.pad_token_id, self.vocab_size),
+                format!(
+                    "{} is not below vocab_size {}",
+                    self.pad_token_id, self.vocab_size
+                ),
             ));
         }
         if !(self.layer_norm_eps.is_finite() && self.layer_norm_eps > 0.0) {
@@ -178,7 +181,10 @@ impl BertConfig {
         if self.position_embedding_type != "absolute" {
             return Err(Error::invalid(
                 "position_embedding_type",
-                format!("{:?} is not supported (only \"absolute\")", self.position_embedding_type),
+                format!(
+                    "{:?} is not supported (only \"absolute\")",
+                    self.position_embedding_type
+                ),
             ));
         }
         Ok(())

@@ -18,7 +18,9 @@ use ndarray::{Array1, Array2, ArrayView2};
 use super::attention::{AttentionKernel, AttentionLayout, ReferenceAttention};
 use super::config::BertConfig;
 use super::layer::{layer_backward, layer_forward, LayerCache};
-use super::loss::{cross_entropy, cross_entropy_backward, reduction_weights, Reduction, IGNORE_INDEX};
+use super::loss::{
+    cross_entropy, cross_entropy_backward, reduction_weights, Reduction, IGNORE_INDEX,
+};
 use super::ops::{
     gelu_backward, gelu_map, layer_norm, layer_norm_backward, linear, linear_backward,
 };
@@ -273,7 +275,11 @@ impl TokenBatch {
                 &self.position_ids,
                 config.max_position_embeddings,
             ),
-            ("token_type_ids", &self.token_type_ids, config.type_vocab_size),
+            (
+                "token_type_ids",
+                &self.token_type_ids,
+                config.type_vocab_size,
+            ),
         ] {
             if values.len() != n {
                 return Err(Error::ShapeMismatch {
@@ -474,10 +480,7 @@ impl BertModel {
                 .map_err(|e| Error::invalid("model", format!("{}: {e}", path.display())))
         };
         let config_text = read("config.json")?;
-        let config = BertConfig::from_json(
-            "config.json",
-            &String::from_utf8_lossy(&config_text),
-        )?;
+        let config = BertConfig::from_json("config.json", &String::from_utf8_lossy(&config_text))?;
         let bytes = read("model.safetensors")?;
         let (params, initialised) = BertParams::from_safetensors(&config, &bytes, HEAD_INIT_SEED)?;
         Ok((BertModel { config, params }, initialised))
@@ -540,7 +543,14 @@ impl BertModel {
         weights: &LossWeights,
         want_grad: bool,
     ) -> Result<BertOutput> {
-        self.run_with(&ReferenceAttention, batch, targets, weights, want_grad, None)
+        self.run_with(
+            &ReferenceAttention,
+            batch,
+            targets,
+            weights,
+            want_grad,
+            None,
+        )
     }
 
     /// Forward (and, if `want_grad`, backward) of embeddings, encoder, pooler,
@@ -652,9 +662,7 @@ impl BertModel {
             .sequences
             .iter()
             .map(|slots| SequenceOutput {
-                hidden: Array2::from_shape_fn((slots.len(), width), |(t, j)| {
-                    hidden[[slots[t], j]]
-                }),
+                hidden: Array2::from_shape_fn((slots.len(), width), |(t, j)| hidden[[slots[t], j]]),
                 pooled: None,
                 nsp_logits: None,
                 mlm_losses: Vec::new(),

@@ -119,6 +119,8 @@ pub fn gelu_map(x: ArrayView2<f64>) -> Array2<f64> {
 /// Backward of [`gelu_map`]: `dx = dy * gelu'(x)` where `x` is the GELU's input.
 pub fn gelu_backward(x: ArrayView2<f64>, dy: ArrayView2<f64>) -> Array2<f64> {
     let mut dx = dy.to_owned();
-    Zip::from(&mut dx).and(x).for_each(|d, &v| *d *= gelu_grad(v));
+    Zip::from(&mut dx)
+        .and(x)
+        .for_each(|d, &v| *d *= gelu_grad(v));
     dx
 }

@@ -57,8 +57,13 @@ fn batches() -> Vec<(&'static str, TokenBatch)> {
         ),
         (
             "packed block-diagonal",
-            TokenBatch::packed(&packed, seqs.len(), Some(&tt), PackedAttention::BlockDiagonal)
-                .unwrap(),
+            TokenBatch::packed(
+                &packed,
+                seqs.len(),
+                Some(&tt),
+                PackedAttention::BlockDiagonal,
+            )
+            .unwrap(),
         ),
     ]
 }
@@ -73,7 +78,7 @@ fn fd_check(
 ) -> f64 {
     assert_eq!(x.len(), grad.len(), "{what}");
     let mut worst = 0.0f64;
-    for i in 0..x.len() {
+    for (i, &analytic) in grad.iter().enumerate() {
         let orig = *x.iter().nth(i).unwrap();
         *x.iter_mut().nth(i).unwrap() = orig + FD_EPS;
         let up = f(&x);
@@ -81,11 +86,10 @@ fn fd_check(
         let down = f(&x);
         *x.iter_mut().nth(i).unwrap() = orig;
         let fd = (up - down) / (2.0 * FD_EPS);
-        let err = (fd - grad[i]).abs();
+        let err = (fd - analytic).abs();
         assert!(
-            err <= FD_TOL.0 + FD_TOL.1 * grad[i].abs(),
-            "{what}[{i}]: analytic {:e}, finite difference {fd:e} (error {err:e})",
-            grad[i]
+            err <= FD_TOL.0 + FD_TOL.1 * analytic.abs(),
+            "{what}[{i}]: analytic {analytic:e}, finite difference {fd:e} (error {err:e})"
         );
         worst = worst.max(err);
     }
@@ -102,7 +106,10 @@ fn every_parameter_gradient_matches_finite_differences() {
         let w = LossWeights::new(&t, reduction);
         for (name, batch) in batches() {
             let out = model.run(&batch, &t, &w, true).unwrap();
-            assert!(out.mlm_loss > 0.1 && out.nsp_loss > 0.1, "non-degenerate losses");
+            assert!(
+                out.mlm_loss > 0.1 && out.nsp_loss > 0.1,
+                "non-degenerate losses"
+            );
             let grads = out.grads.unwrap();
             let g_named = grads.named();
             let mut perturbed = model.clone();
@@ -144,7 +151,9 @@ fn input_embedding_gradient_matches_finite_differences() {
         let mut e = Array2::from_shape_fn((batch.num_tokens(), 8), |(i, j)| {
             model.params.word_embeddings[[batch.input_ids[i], j]]
         });
-        let out = model.run_with(&ReferenceAttention, &batch, &t, &w, true, Some(&e)).unwrap();
+        let out = model
+            .run_with(&ReferenceAttention, &batch, &t, &w, true, Some(&e))
+            .unwrap();
         // Scatter the per-sequence gradients back onto the slots (padding: 0).
         let mut g = Array2::<f64>::zeros(e.dim());
         for (s, slots) in batch.sequences.iter().enumerate() {
@@ -174,6 +183,9 @@ fn random3(n: usize, h: usize, d: usize, seed: u64) -> Array3<f64> {
     Array3::from_shape_fn((n, h, d), |_| 2.0 * rng.random::<f64>() - 1.0)
 }
 
+/// An attention forward on `(q, k, v)`.
+type AttentionFn<'a> = dyn Fn(&Array3<f64>, &Array3<f64>, &Array3<f64>) -> AttentionOutput + 'a;
+
 /// FD check of an attention op through `L = sum(grad_output * output)`.
 fn attention_fd(
     name: &str,
@@ -181,11 +193,16 @@ fn attention_fd(
     k: &Array3<f64>,
     v: &Array3<f64>,
     go: &Array3<f64>,
-    fwd: &dyn Fn(&Array3<f64>, &Array3<f64>, &Array3<f64>) -> AttentionOutput,
+    fwd: &AttentionFn,
     grads: &AttentionGrads,
 ) {
-    let loss = |q: &Array3<f64>, k: &Array3<f64>, v: &Array3<f64>| (&fwd(q, k, v).output * go).sum();
-    for (which, g) in [("q", &grads.grad_q), ("k", &grads.grad_k), ("v", &grads.grad_v)] {
+    let loss =
+        |q: &Array3<f64>, k: &Array3<f64>, v: &Array3<f64>| (&fwd(q, k, v).output * go).sum();
+    for (which, g) in [
+        ("q", &grads.grad_q),
+        ("k", &grads.grad_k),
+        ("v", &grads.grad_v),
+    ] {
         let mut x = match which {
             "q" => q.clone(),
             "k" => k.clone(),
@@ -200,7 +217,12 @@ fn attention_fd(
                 _ => loss(q, k, &x3),
             }
         };
-        fd_check(&format!("{name} grad_{which}"), x.view_mut().into_dyn(), &gv, &mut f);
+        fd_check(
+            &format!("{name} grad_{which}"),
+            x.view_mut().into_dyn(),
+            &gv,
+            &mut f,
+        );
     }
 }
 
@@ -231,7 +253,15 @@ fn varlen_attention_gradients_match_finite_differences() {
             go.view(),
         )
         .unwrap();
-        attention_fd(&format!("varlen causal={causal}"), &q, &k, &v, &go, &fwd, &grads);
+        attention_fd(
+            &format!("varlen causal={causal}"),
+            &q,
+            &k,
+            &v,
+            &go,
+            &fwd,
+            &grads,
+        );
         // A one-token segment attends to itself only: output = v, lse = score.
         for a in 0..3 {
             for c in 0..5 {
@@ -259,9 +289,16 @@ fn masked_attention_gradients_match_finite_differences_and_empty_rows_are_zero()
         masked_attention(q.view(), k.view(), v.view(), mask.view(), 0.5).unwrap()
     };
     let out = fwd(&q, &k, &v);
-    let grads =
-        masked_attention_backward(q.view(), k.view(), v.view(), mask.view(), 0.5, &out, go.view())
-            .unwrap();
+    let grads = masked_attention_backward(
+        q.view(),
+        k.view(),
+        v.view(),
+        mask.view(),
+        0.5,
+        &out,
+        go.view(),
+    )
+    .unwrap();
     attention_fd("masked", &q, &k, &v, &go, &fwd, &grads);
     for a in 0..2 {
         assert_eq!(out.lse[[a, 3]], f64::NEG_INFINITY);
@@ -280,9 +317,15 @@ fn masked_attention_gradients_match_finite_differences_and_empty_rows_are_zero()
     v2.index_axis_mut(ndarray::Axis(0), 1).fill(-2.0);
     let out2 = fwd(&q2, &k, &v2);
     for i in [2, 4] {
-        assert_eq!(out2.output.index_axis(ndarray::Axis(0), i), out.output.index_axis(ndarray::Axis(0), i));
+        assert_eq!(
+            out2.output.index_axis(ndarray::Axis(0), i),
+            out.output.index_axis(ndarray::Axis(0), i)
+        );
     }
-    assert_ne!(out2.output.index_axis(ndarray::Axis(0), 0), out.output.index_axis(ndarray::Axis(0), 0));
+    assert_ne!(
+        out2.output.index_axis(ndarray::Axis(0), 0),
+        out.output.index_axis(ndarray::Axis(0), 0)
+    );
     // The probabilities (an exposed intermediate) are rows of a softmax or all 0.
     let p = masked_attention_probs(q.view(), k.view(), mask.view(), 0.5).unwrap();
     for a in 0..2 {
@@ -297,22 +340,39 @@ fn masked_attention_gradients_match_finite_differences_and_empty_rows_are_zero()
 #[test]
 fn dense_and_varlen_attention_agree_bit_for_bit() {
     // Segments of 2 and 3 tokens padded into rows of 4: the same sums in the same order.
-    let (q, k, v) = (random3(5, 2, 3, 9), random3(5, 2, 3, 10), random3(5, 2, 3, 11));
+    let (q, k, v) = (
+        random3(5, 2, 3, 9),
+        random3(5, 2, 3, 10),
+        random3(5, 2, 3, 11),
+    );
     let var = varlen_attention(q.view(), k.view(), v.view(), &[0, 2, 5], false, 0.6).unwrap();
     for (seg, range) in [(0usize, 0..2usize), (1, 2..5)] {
         let len = range.len();
         let pad = |x: &Array3<f64>| {
             Array3::from_shape_fn((4, 2, 3), |(i, a, c)| {
-                if i < len { x[[range.start + i, a, c]] } else { 9.0 }
+                if i < len {
+                    x[[range.start + i, a, c]]
+                } else {
+                    9.0
+                }
             })
         };
         let mask = Array2::from_shape_fn((4, 4), |(_, j)| j < len);
-        let dense =
-            masked_attention(pad(&q).view(), pad(&k).view(), pad(&v).view(), mask.view(), 0.6)
-                .unwrap();
+        let dense = masked_attention(
+            pad(&q).view(),
+            pad(&k).view(),
+            pad(&v).view(),
+            mask.view(),
+            0.6,
+        )
+        .unwrap();
         for i in 0..len {
             for a in 0..2 {
-                assert_eq!(dense.lse[[a, i]], var.lse[[a, range.start + i]], "segment {seg}");
+                assert_eq!(
+                    dense.lse[[a, i]],
+                    var.lse[[a, range.start + i]],
+                    "segment {seg}"
+                );
                 for c in 0..3 {
                     assert_eq!(dense.output[[i, a, c]], var.output[[range.start + i, a, c]]);
                 }
@@ -359,10 +419,15 @@ fn padded_and_packed_model_agree_and_losses_follow_the_reduction() {
     assert_eq!(counts, vec![2, 0, 1, 3]);
     for reduction in Reduction::ALL {
         let w = LossWeights::new(&t, reduction);
-        let outs: Vec<BertOutput> =
-            batches().iter().map(|(_, b)| model.run(b, &t, &w, true).unwrap()).collect();
-        let per_token: Vec<Vec<f64>> =
-            outs[0].sequences.iter().map(|s| s.mlm_losses.clone()).collect();
+        let outs: Vec<BertOutput> = batches()
+            .iter()
+            .map(|(_, b)| model.run(b, &t, &w, true).unwrap())
+            .collect();
+        let per_token: Vec<Vec<f64>> = outs[0]
+            .sequences
+            .iter()
+            .map(|s| s.mlm_losses.clone())
+            .collect();
         // Per-token mean over 6 tokens, or mean over 3 sequences of their means.
         let flat: Vec<f64> = per_token.iter().flatten().copied().collect();
         let want = match reduction {
@@ -408,22 +473,36 @@ fn bad_model_inputs_are_typed_errors() {
     assert!(e.to_string().contains("position_ids[2] = 12"), "{e}");
     // A label on an empty sequence's NSP, or a label outside the vocabulary.
     let b = TokenBatch::padded(&[vec![1], vec![]], None, 2, 0, 0).unwrap();
-    let t = Targets { mlm_labels: vec![vec![-100], vec![]], nsp_labels: vec![0, 1] };
-    let e = model.run(&b, &t, &LossWeights::new(&t, Reduction::PerToken), false).unwrap_err();
+    let t = Targets {
+        mlm_labels: vec![vec![-100], vec![]],
+        nsp_labels: vec![0, 1],
+    };
+    let e = model
+        .run(&b, &t, &LossWeights::new(&t, Reduction::PerToken), false)
+        .unwrap_err();
     assert!(e.to_string().contains("nsp_labels[1]"), "{e}");
-    let t = Targets { mlm_labels: vec![vec![11], vec![]], nsp_labels: vec![0, -100] };
-    let e = model.run(&b, &t, &LossWeights::new(&t, Reduction::PerToken), false).unwrap_err();
+    let t = Targets {
+        mlm_labels: vec![vec![11], vec![]],
+        nsp_labels: vec![0, -100],
+    };
+    let e = model
+        .run(&b, &t, &LossWeights::new(&t, Reduction::PerToken), false)
+        .unwrap_err();
     assert!(e.to_string().contains("mlm_labels[0][0] = 11"), "{e}");
     // Split sequences cannot be run as BERT sequences.
-    let config = PackingConfig::new(Algorithm::Spfhp, 2)
-        .with_overlong(crate::packing::Overlong::Split);
+    let config =
+        PackingConfig::new(Algorithm::Spfhp, 2).with_overlong(crate::packing::Overlong::Split);
     let (_, packed) = PackedBatch::from_sequences(&[vec![1, 2, 3]], &config, 0, 0).unwrap();
     let e = TokenBatch::packed(&packed, 1, None, PackedAttention::Varlen).unwrap_err();
     assert!(e.to_string().contains("more than one segment"), "{e}");
     // Configs.
     let mut c = tiny();
     c.num_attention_heads = 3;
-    assert!(c.validate().unwrap_err().to_string().contains("num_attention_heads"));
+    assert!(c
+        .validate()
+        .unwrap_err()
+        .to_string()
+        .contains("num_attention_heads"));
     let e = BertConfig::from_json("config.json", r#"{"vocab_size": 5}"#).unwrap_err();
     assert_eq!(e.kind(), "invalid_argument");
 }
@@ -444,17 +523,28 @@ fn safetensors_round_trip_and_missing_heads_are_seeded() {
     }
     let views: Vec<(String, TensorView)> = bufs
         .iter()
-        .map(|(n, s, b)| (n.clone(), TensorView::new(safetensors::Dtype::F32, s.clone(), b).unwrap()))
+        .map(|(n, s, b)| {
+            (
+                n.clone(),
+                TensorView::new(safetensors::Dtype::F32, s.clone(), b).unwrap(),
+            )
+        })
         .collect();
     let bytes = serialize(views, None).unwrap();
     let (p, init) = BertParams::from_safetensors(&config, &bytes, 42).unwrap();
     assert_eq!(init.len(), 7, "{init:?}");
     assert!(init.iter().all(|n| n.starts_with("cls.")));
-    assert_eq!(p.word_embeddings[[3, 2]], src.word_embeddings[[3, 2]] as f32 as f64);
+    assert_eq!(
+        p.word_embeddings[[3, 2]],
+        src.word_embeddings[[3, 2]] as f32 as f64
+    );
     assert_eq!(p.pooler_w, src.pooler_w.mapv(|v| v as f32 as f64));
     assert!(p.mlm_ln_g.iter().all(|&g| g == 1.0) && p.mlm_bias.iter().all(|&b| b == 0.0));
     let std = (p.mlm_dense_w.iter().map(|x| x * x).sum::<f64>() / 64.0).sqrt();
-    assert!(std > 0.01 && std < 0.03, "initializer_range 0.02, got {std}");
+    assert!(
+        std > 0.01 && std < 0.03,
+        "initializer_range 0.02, got {std}"
+    );
     // Deterministic in the seed.
     let (p2, _) = BertParams::from_safetensors(&config, &bytes, 42).unwrap();
     assert_eq!(p, p2);
@@ -465,7 +555,11 @@ fn safetensors_round_trip_and_missing_heads_are_seeded() {
     c2.intermediate_size = 17;
     let e = BertParams::from_safetensors(&c2, &bytes, 42).unwrap_err();
     assert_eq!(e.kind(), "shape_mismatch");
-    assert!(e.to_string().contains("encoder.layer.0.intermediate.dense.weight"), "{e}");
+    assert!(
+        e.to_string()
+            .contains("encoder.layer.0.intermediate.dense.weight"),
+        "{e}"
+    );
     let e = BertParams::from_safetensors(&config, b"not a file", 42).unwrap_err();
     assert_eq!(e.kind(), "invalid_argument");
 }

@@ -114,32 +114,104 @@ macro_rules! named_tensors {
         ];
         for (i, l) in $s.layers.$iter().enumerate() {
             let p = format!("encoder.layer.{i}.");
-            out.push((format!("{p}attention.self.query.weight"), l.query_w.$view().into_dyn()));
-            out.push((format!("{p}attention.self.query.bias"), l.query_b.$view().into_dyn()));
-            out.push((format!("{p}attention.self.key.weight"), l.key_w.$view().into_dyn()));
-            out.push((format!("{p}attention.self.key.bias"), l.key_b.$view().into_dyn()));
-            out.push((format!("{p}attention.self.value.weight"), l.value_w.$view().into_dyn()));
-            out.push((format!("{p}attention.self.value.bias"), l.value_b.$view().into_dyn()));
-            out.push((format!("{p}attention.output.dense.weight"), l.attn_out_w.$view().into_dyn()));
-            out.push((format!("{p}attention.output.dense.bias"), l.attn_out_b.$view().into_dyn()));
-            out.push((format!("{p}attention.output.LayerNorm.weight"), l.attn_ln_g.$view().into_dyn()));
-            out.push((format!("{p}attention.output.LayerNorm.bias"), l.attn_ln_b.$view().into_dyn()));
-            out.push((format!("{p}intermediate.dense.weight"), l.inter_w.$view().into_dyn()));
-            out.push((format!("{p}intermediate.dense.bias"), l.inter_b.$view().into_dyn()));
-            out.push((format!("{p}output.dense.weight"), l.out_w.$view().into_dyn()));
+            out.push((
+                format!("{p}attention.self.query.weight"),
+                l.query_w.$view().into_dyn(),
+            ));
+            out.push((
+                format!("{p}attention.self.query.bias"),
+                l.query_b.$view().into_dyn(),
+            ));
+            out.push((
+                format!("{p}attention.self.key.weight"),
+                l.key_w.$view().into_dyn(),
+            ));
+            out.push((
+                format!("{p}attention.self.key.bias"),
+                l.key_b.$view().into_dyn(),
+            ));
+            out.push((
+                format!("{p}attention.self.value.weight"),
+                l.value_w.$view().into_dyn(),
+            ));
+            out.push((
+                format!("{p}attention.self.value.bias"),
+                l.value_b.$view().into_dyn(),
+            ));
+            out.push((
+                format!("{p}attention.output.dense.weight"),
+                l.attn_out_w.$view().into_dyn(),
+            ));
+            out.push((
+                format!("{p}attention.output.dense.bias"),
+                l.attn_out_b.$view().into_dyn(),
+            ));
+            out.push((
+                format!("{p}attention.output.LayerNorm.weight"),
+                l.attn_ln_g.$view().into_dyn(),
+            ));
+            out.push((
+                format!("{p}attention.output.LayerNorm.bias"),
+                l.attn_ln_b.$view().into_dyn(),
+            ));
+            out.push((
+                format!("{p}intermediate.dense.weight"),
+                l.inter_w.$view().into_dyn(),
+            ));
+            out.push((
+                format!("{p}intermediate.dense.bias"),
+                l.inter_b.$view().into_dyn(),
+            ));
+            out.push((
+                format!("{p}output.dense.weight"),
+                l.out_w.$view().into_dyn(),
+            ));
             out.push((format!("{p}output.dense.bias"), l.out_b.$view().into_dyn()));
-            out.push((format!("{p}output.LayerNorm.weight"), l.out_ln_g.$view().into_dyn()));
-            out.push((format!("{p}output.LayerNorm.bias"), l.out_ln_b.$view().into_dyn()));
+            out.push((
+                format!("{p}output.LayerNorm.weight"),
+                l.out_ln_g.$view().into_dyn(),
+            ));
+            out.push((
+                format!("{p}output.LayerNorm.bias"),
+                l.out_ln_b.$view().into_dyn(),
+            ));
         }
-        out.push(("pooler.dense.weight".to_string(), $s.pooler_w.$view().into_dyn()));
-        out.push(("pooler.dense.bias".to_string(), $s.pooler_b.$view().into_dyn()));
-        out.push(("cls.predictions.transform.dense.weight".to_string(), $s.mlm_dense_w.$view().into_dyn()));
-        out.push(("cls.predictions.transform.dense.bias".to_string(), $s.mlm_dense_b.$view().into_dyn()));
-        out.push(("cls.predictions.transform.LayerNorm.weight".to_string(), $s.mlm_ln_g.$view().into_dyn()));
-        out.push(("cls.predictions.transform.LayerNorm.bias".to_string(), $s.mlm_ln_b.$view().into_dyn()));
-        out.push(("cls.predictions.bias".to_string(), $s.mlm_bias.$view().into_dyn()));
-        out.push(("cls.seq_relationship.weight".to_string(), $s.nsp_w.$view().into_dyn()));
-        out.push(("cls.seq_relationship.bias".to_string(), $s.nsp_b.$view().into_dyn()));
+        out.push((
+            "pooler.dense.weight".to_string(),
+            $s.pooler_w.$view().into_dyn(),
+        ));
+        out.push((
+            "pooler.dense.bias".to_string(),
+            $s.pooler_b.$view().into_dyn(),
+        ));
+        out.push((
+            "cls.predictions.transform.dense.weight".to_string(),
+            $s.mlm_dense_w.$view().into_dyn(),
+        ));
+        out.push((
+            "cls.predictions.transform.dense.bias".to_string(),
+            $s.mlm_dense_b.$view().into_dyn(),
+        ));
+        out.push((
+            "cls.predictions.transform.LayerNorm.weight".to_string(),
+            $s.mlm_ln_g.$view().into_dyn(),
+        ));
+        out.push((
+            "cls.predictions.transform.LayerNorm.bias".to_string(),
+            $s.mlm_ln_b.$view().into_dyn(),
+        ));
+        out.push((
+            "cls.predictions.bias".to_string(),
+            $s.mlm_bias.$view().into_dyn(),
+        ));
+        out.push((
+            "cls.seq_relationship.weight".to_string(),
+            $s.nsp_w.$view().into_dyn(),
+        ));
+        out.push((
+            "cls.seq_relationship.bias".to_string(),
+            $s.nsp_b.$view().into_dyn(),
+        ));
         out
     }};
 }
