@@ -13,6 +13,9 @@ pub const MAX_WIDTH: usize = 1 << 16;
 pub const MAX_LAYERS: usize = 256;
 /// Most positions accepted (2^20).
 pub const MAX_POSITIONS: usize = 1 << 20;
+/// Most parameters accepted (2^29 = 537M, above BERT-large's 340M): the
+/// reference holds them, and their gradients, in f64.
+pub const MAX_PARAMETERS: usize = 1 << 29;
 
 /// The hyper-parameters of a BERT model, with the field names of Hugging Face's
 /// `BertConfig` (`config.json`).
@@ -112,6 +115,23 @@ impl BertConfig {
         Ok(config)
     }
 
+    /// Number of scalar parameters of BERT with its pre-training heads
+    /// (saturating, so it can be checked against [`MAX_PARAMETERS`] before
+    /// anything is allocated).
+    pub fn num_parameters(&self) -> usize {
+        let h = self.hidden_size;
+        let i = self.intermediate_size;
+        let layer = (4 * h * h + 4 * h)
+            .saturating_add(i.saturating_mul(h).saturating_mul(2))
+            .saturating_add(i + 5 * h);
+        self.vocab_size
+            .saturating_mul(h + 1)
+            .saturating_add(self.max_position_embeddings.saturating_mul(h))
+            .saturating_add(self.type_vocab_size.saturating_mul(h))
+            .saturating_add(layer.saturating_mul(self.num_hidden_layers))
+            .saturating_add(2 * h * h + 8 * h + 2)
+    }
+
     /// `d`: the head dimension, `hidden_size / num_attention_heads`.
     pub fn head_dim(&self) -> usize {
         self.hidden_size / self.num_attention_heads.max(1)
@@ -144,6 +164,15 @@ impl BertConfig {
                     format!("{value} is outside the supported 1..={max}"),
                 ));
             }
+        }
+        if self.num_parameters() > MAX_PARAMETERS {
+            return Err(Error::invalid(
+                "vocab_size",
+                format!(
+                    "the configuration has {} parameters, over the supported {MAX_PARAMETERS}",
+                    self.num_parameters()
+                ),
+            ));
         }
         if self.hidden_size % self.num_attention_heads != 0 {
             return Err(Error::invalid(

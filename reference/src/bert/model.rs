@@ -32,6 +32,10 @@ use crate::packing::PackedBatch;
 /// The most mask entries (`rows * row_len^2`) a dense layout may hold (2^30).
 pub const MAX_MASK_ENTRIES: usize = 1 << 30;
 
+/// The most MLM logits (`predicted tokens * v`) one run may hold (2^30, 8 GB
+/// in f64): bounds the decoder's allocation before it is made.
+pub const MAX_MLM_LOGITS: usize = 1 << 30;
+
 /// How the packed model runs attention.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum PackedAttention {
@@ -647,6 +651,16 @@ impl BertModel {
                     picks.push((s, slot, l as usize, weights.mlm[s][t]));
                 }
             }
+        }
+        if picks.len().saturating_mul(c.vocab_size) > MAX_MLM_LOGITS {
+            return Err(Error::invalid(
+                "mlm_labels",
+                format!(
+                    "{} predicted tokens x {} vocabulary entries is over the {MAX_MLM_LOGITS} logits one run may hold",
+                    picks.len(),
+                    c.vocab_size
+                ),
+            ));
         }
         let sel = Array2::from_shape_fn((picks.len(), width), |(r, j)| hidden[[picks[r].1, j]]);
         let t_pre = linear(sel.view(), p.mlm_dense_w.view(), p.mlm_dense_b.view());

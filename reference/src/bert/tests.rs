@@ -503,6 +503,20 @@ fn bad_model_inputs_are_typed_errors() {
         .unwrap_err()
         .to_string()
         .contains("num_attention_heads"));
+    // The parameter count is exact and bounded before anything is allocated.
+    assert_eq!(
+        tiny().num_parameters(),
+        BertParams::zeros(&tiny()).num_values()
+    );
+    let mut huge = tiny();
+    huge.vocab_size = 1 << 22;
+    huge.hidden_size = 1 << 16;
+    huge.num_attention_heads = 1;
+    assert!(huge
+        .validate()
+        .unwrap_err()
+        .to_string()
+        .contains("parameters"));
     let e = BertConfig::from_json("config.json", r#"{"vocab_size": 5}"#).unwrap_err();
     assert_eq!(e.kind(), "invalid_argument");
 }
