@@ -88,6 +88,12 @@ fn bert(a: BertArgs) -> Result<ExitCode, CliError> {
         ProgressStyle::with_template("{spinner} {msg} {elapsed}").expect("valid template"),
     );
     bar.enable_steady_tick(std::time::Duration::from_millis(120));
+    let result = bert_with(a, opts, &bar);
+    bar.finish_and_clear();
+    result
+}
+
+fn bert_with(a: BertArgs, opts: VerifyOptions, bar: &ProgressBar) -> Result<ExitCode, CliError> {
     bar.set_message("loading the model");
     let (model, initialised) = BertModel::load(&a.model)?;
     if opts.max_seq_len == 0 || opts.max_seq_len > model.config.max_position_embeddings {
