@@ -24,7 +24,9 @@ pub struct Assets {
 pub fn dir() -> PathBuf {
     match std::env::var_os("PACKSHARD_ASSETS") {
         Some(p) if !p.is_empty() => PathBuf::from(p),
-        _ => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".cache").join("assets"),
+        _ => PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join(".cache")
+            .join("assets"),
     }
 }
 

@@ -15,6 +15,8 @@
 //! [`eval`] is the JSON oracle interface (`packshard eval`) and [`report`]
 //! the comparison tables the CLI prints; [`vocab_report`] measures the
 //! vocabulary-parallel algorithms for `packshard vocab`.
+//! the comparison tables the CLI prints; [`realtext`] reads and tokenizes real
+//! text and [`verify`] runs the reference BERT packed against padded on it.
 
 pub use packshard_equivalence as equivalence;
 pub use packshard_optimized as optimized;
@@ -22,5 +24,7 @@ pub use packshard_reference as reference;
 
 pub mod assets;
 pub mod eval;
+pub mod realtext;
 pub mod report;
+pub mod verify;
 pub mod vocab_report;

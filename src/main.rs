@@ -22,6 +22,8 @@ enum Command {
     Eval(cli::eval::EvalArgs),
     /// Compare the vocabulary-parallel algorithms on one output layer (default: MiniLM's 30522 x 384).
     Vocab(cli::vocab::VocabArgs),
+    /// Check packed == padded on a real model and real text (`verify bert`).
+    Verify(cli::verify::VerifyArgs),
 }
 
 fn main() -> ExitCode {
@@ -66,6 +68,7 @@ fn main() -> ExitCode {
         Command::Pack(args) => cli::pack::run(args),
         Command::Eval(args) => cli::eval::run(args),
         Command::Vocab(args) => cli::vocab::run(args),
+        Command::Verify(args) => cli::verify::run(args),
     };
     match result {
         Ok(code) => code,

@@ -129,6 +129,26 @@ pub fn assert_close(
     shape: &[usize],
     tol: Tolerance,
 ) -> Result<(), Mismatch> {
+    assert_close_with_scale(what, expected, actual, shape, tol, None)
+}
+
+/// As [`assert_close`], with the absolute floor relative to `scale` (when
+/// given, at least the tensor's own largest magnitude) instead of the tensor's
+/// own largest magnitude: for tensors that are parts of one larger vector and
+/// may be zero by symmetry (a key bias's gradient is 0 in exact arithmetic
+/// because softmax is shift-invariant; computed, it is round-off of terms as
+/// large as the other gradients).
+///
+/// # Errors
+/// As [`assert_close`].
+pub fn assert_close_with_scale(
+    what: &str,
+    expected: &[f64],
+    actual: &[f64],
+    shape: &[usize],
+    tol: Tolerance,
+    scale: Option<f64>,
+) -> Result<(), Mismatch> {
     if expected.len() != actual.len() {
         return Err(Mismatch::new(
             what,
@@ -142,7 +162,7 @@ pub fn assert_close(
     let scale = expected
         .iter()
         .filter(|v| v.is_finite())
-        .fold(1e-300f64, |m, v| m.max(v.abs()));
+        .fold(scale.unwrap_or(1e-300).max(1e-300), |m, v| m.max(v.abs()));
     let mut first = None;
     let mut failures = 0usize;
     for (i, (&e, &a)) in expected.iter().zip(actual).enumerate() {

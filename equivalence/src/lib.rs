@@ -11,6 +11,9 @@
 //! - [`packing`]: plans and packed batches (FAULTS.md P1, P3–P6).
 //! - [`vocab`]: vocabulary-parallel cross-entropy and embedding, sharded ==
 //!   unsharded (FAULTS.md V1–V6).
+//! - [`attention`]: varlen attention == padded attention (P2, P4, P8).
+//! - [`bert`]: BERT layer and whole model with losses and gradients, packed ==
+//!   padded (P1, P2, P4, P5, P7, P8).
 //!
 //! Shape legend as in `packshard-reference`: `n_tok` tokens, `b` segments,
 //! `h` heads, `d` head dim, `v` vocabulary, `p` shards.
@@ -18,6 +21,8 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod attention;
+pub mod bert;
 pub mod compare;
 pub mod packing;
 pub mod vocab;

@@ -27,11 +27,14 @@
 //! - [`vocab`]: vocabulary-parallel softmax, cross-entropy and input
 //!   embedding (Yeung et al., arXiv:2411.05288): the unsharded reference, the
 //!   [`vocab::Collective`] trait and the `naive`, `alg1`, `alg2` algorithms.
+//! - [`bert`]: a plain f64 BERT with hand-written backward passes, dense and
+//!   varlen attention, padded and packed batches, MLM/NSP losses.
 //! - [`error`]: the one typed error, mapped onto the `eval` error kinds.
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod bert;
 pub mod error;
 pub mod packing;
 pub mod vocab;

@@ -2,6 +2,7 @@
 
 pub mod eval;
 pub mod pack;
+pub mod verify;
 pub mod vocab;
 
 /// A command-line failure: a one-line message and the exit status (2 for bad

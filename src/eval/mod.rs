@@ -7,6 +7,8 @@
 //! `unknown_op`, `missing_field`, `shape_mismatch`, `sequence_too_long`,
 //! `index_out_of_range`, `non_finite_input`, `invalid_argument`; never a panic.
 
+mod attention;
+mod bert;
 pub mod input;
 mod pack;
 mod vocab;
@@ -77,6 +79,18 @@ pub fn ops() -> Vec<Op> {
             summary: "pack token sequences into input_ids, position_ids, sequence_ids, cu_seqlens",
             impls: &["reference"],
             run: pack::batch,
+        },
+        Op {
+            name: "attention",
+            summary: "varlen attention over cu_seqlens (flash_attn_varlen_func form): output, lse, gradients",
+            impls: &["reference"],
+            run: attention::attention,
+        },
+        Op {
+            name: "bert",
+            summary: "the reference BERT encoder on a real checkpoint: hidden states and pooled outputs, packed or padded",
+            impls: &["reference"],
+            run: bert::bert,
         },
         Op {
             name: "cross_entropy",

@@ -1,0 +1,798 @@
+//! BERT packed == padded: encoder layer and whole model with losses and
+//! every gradient (FAULTS.md P1, P2, P4, P5, P7, P8).
+//!
+//! A [`BertImpl`] runs a model on a padded batch (one sequence per row, key
+//! padding mask) and on a packed batch from [`packshard_reference::packing`].
+//! [`check_bert`] requires that, for every input sequence, the last hidden
+//! state, pooled output, NSP logits and MLM token losses agree; that the MLM,
+//! NSP and total losses agree under the declared reduction; and that every
+//! parameter gradient (tied decoder included) and the gradient of the input
+//! embeddings agree — all under [`Tolerance::F64_REWRITE`]: both sides do the
+//! same f64 operations per token, and only reductions over tokens
+//! (parameter gradients, the loss sums) add the same terms in another order
+//! (and padding adds exact zeros), which moves a result by a few ulp of its
+//! largest term. Every value must also be finite (a NaN from a fully masked
+//! row fails, P8).
+//!
+//! [`EncoderLayer`] is the same property for one layer.
+
+use ndarray::{Array2, ArrayView2};
+use packshard_reference::bert::layer::{layer_backward, layer_forward};
+use packshard_reference::bert::{
+    AttentionKernel, AttentionLayout, BertConfig, BertModel, BertOutput, LayerParams, LossWeights,
+    PackedAttention, Reduction, ReferenceAttention, Targets, TokenBatch, IGNORE_INDEX,
+};
+use packshard_reference::packing::{Algorithm, PackedBatch, PackingConfig};
+use packshard_reference::Error;
+use proptest::prelude::*;
+use proptest::test_runner::{Config, TestCaseError, TestRunner};
+use rand::{Rng, SeedableRng};
+
+pub use crate::attention::Observed;
+use crate::compare::{Mismatch, Tolerance};
+
+/// One encoder layer in some layout.
+pub trait EncoderLayer {
+    /// A short name for reports.
+    fn name(&self) -> String;
+    /// Forward and backward of one layer: `x: [n, hidden]` over `layout`,
+    /// `grad_output: [n, hidden]`; returns `(output [n, hidden], grad_x [n,
+    /// hidden], parameter gradients)`.
+    ///
+    /// # Errors
+    /// Shape or layout errors.
+    #[allow(clippy::too_many_arguments)]
+    fn forward_backward(
+        &self,
+        params: &LayerParams,
+        num_heads: usize,
+        eps: f64,
+        x: ArrayView2<f64>,
+        layout: &AttentionLayout,
+        grad_output: ArrayView2<f64>,
+    ) -> Result<(Array2<f64>, Array2<f64>, LayerParams), Error>;
+}
+
+/// The reference layer with a replaceable attention kernel.
+pub struct ReferenceLayer<'a>(pub &'a dyn AttentionKernel);
+
+impl EncoderLayer for ReferenceLayer<'_> {
+    fn name(&self) -> String {
+        format!("reference layer ({})", self.0.name())
+    }
+    fn forward_backward(
+        &self,
+        params: &LayerParams,
+        num_heads: usize,
+        eps: f64,
+        x: ArrayView2<f64>,
+        layout: &AttentionLayout,
+        grad_output: ArrayView2<f64>,
+    ) -> Result<(Array2<f64>, Array2<f64>, LayerParams), Error> {
+        let (out, cache) = layer_forward(params, num_heads, eps, self.0, x, layout)?;
+        let mut g = params.clone();
+        for (_, mut t) in layer_tensors_mut(&mut g) {
+            t.fill(0.0);
+        }
+        let dx = layer_backward(
+            params,
+            &mut g,
+            num_heads,
+            self.0,
+            &cache,
+            layout,
+            grad_output,
+        )?;
+        Ok((out, dx, g))
+    }
+}
+
+fn layer_tensors(p: &LayerParams) -> Vec<(&'static str, Vec<f64>, Vec<usize>)> {
+    let t2 = |n, a: &ndarray::Array2<f64>| (n, a.iter().copied().collect(), a.shape().to_vec());
+    let t1 = |n, a: &ndarray::Array1<f64>| (n, a.to_vec(), a.shape().to_vec());
+    vec![
+        t2("query.weight", &p.query_w),
+        t1("query.bias", &p.query_b),
+        t2("key.weight", &p.key_w),
+        t1("key.bias", &p.key_b),
+        t2("value.weight", &p.value_w),
+        t1("value.bias", &p.value_b),
+        t2("attention.output.dense.weight", &p.attn_out_w),
+        t1("attention.output.dense.bias", &p.attn_out_b),
+        t1("attention.output.LayerNorm.weight", &p.attn_ln_g),
+        t1("attention.output.LayerNorm.bias", &p.attn_ln_b),
+        t2("intermediate.dense.weight", &p.inter_w),
+        t1("intermediate.dense.bias", &p.inter_b),
+        t2("output.dense.weight", &p.out_w),
+        t1("output.dense.bias", &p.out_b),
+        t1("output.LayerNorm.weight", &p.out_ln_g),
+        t1("output.LayerNorm.bias", &p.out_ln_b),
+    ]
+}
+
+fn layer_tensors_mut(p: &mut LayerParams) -> Vec<(&'static str, ndarray::ArrayViewMutD<'_, f64>)> {
+    vec![
+        ("query.weight", p.query_w.view_mut().into_dyn()),
+        ("query.bias", p.query_b.view_mut().into_dyn()),
+        ("key.weight", p.key_w.view_mut().into_dyn()),
+        ("key.bias", p.key_b.view_mut().into_dyn()),
+        ("value.weight", p.value_w.view_mut().into_dyn()),
+        ("value.bias", p.value_b.view_mut().into_dyn()),
+        (
+            "attention.output.dense.weight",
+            p.attn_out_w.view_mut().into_dyn(),
+        ),
+        (
+            "attention.output.dense.bias",
+            p.attn_out_b.view_mut().into_dyn(),
+        ),
+        (
+            "attention.output.LayerNorm.weight",
+            p.attn_ln_g.view_mut().into_dyn(),
+        ),
+        (
+            "attention.output.LayerNorm.bias",
+            p.attn_ln_b.view_mut().into_dyn(),
+        ),
+        ("intermediate.dense.weight", p.inter_w.view_mut().into_dyn()),
+        ("intermediate.dense.bias", p.inter_b.view_mut().into_dyn()),
+        ("output.dense.weight", p.out_w.view_mut().into_dyn()),
+        ("output.dense.bias", p.out_b.view_mut().into_dyn()),
+        ("output.LayerNorm.weight", p.out_ln_g.view_mut().into_dyn()),
+        ("output.LayerNorm.bias", p.out_ln_b.view_mut().into_dyn()),
+    ]
+}
+
+fn finite(what: &str, values: &[f64]) -> Result<(), Mismatch> {
+    match values.iter().position(|v| !v.is_finite()) {
+        None => Ok(()),
+        Some(i) => Err(Mismatch::new(
+            what,
+            format!(
+                "element {i} is {} (a fully masked row must give 0, never NaN: FAULTS.md P8)",
+                values[i]
+            ),
+        )),
+    }
+}
+
+/// A whole BERT (embeddings, encoder, pooler, MLM and NSP heads and losses,
+/// backward) on padded and packed batches.
+pub trait BertImpl {
+    /// A short name for reports.
+    fn name(&self) -> String;
+    /// The padded batch: sequence `s` in row `s` of `row_len` tokens,
+    /// positions from `position_offset`, with gradients.
+    ///
+    /// # Errors
+    /// Input errors.
+    #[allow(clippy::too_many_arguments)]
+    fn padded(
+        &self,
+        model: &BertModel,
+        sequences: &[Vec<i64>],
+        token_type_ids: &[Vec<i64>],
+        targets: &Targets,
+        reduction: Reduction,
+        row_len: usize,
+        position_offset: usize,
+    ) -> Result<BertOutput, Error>;
+    /// The packed batch (built by the reference packer from the same
+    /// sequences), with gradients.
+    ///
+    /// # Errors
+    /// Input errors.
+    fn packed(
+        &self,
+        model: &BertModel,
+        batch: &PackedBatch,
+        token_type_ids: &[Vec<i64>],
+        targets: &Targets,
+        reduction: Reduction,
+    ) -> Result<BertOutput, Error>;
+}
+
+/// The reference model, packed with the given attention form.
+#[derive(Debug, Clone, Copy)]
+pub struct ReferenceBert(pub PackedAttention);
+
+impl BertImpl for ReferenceBert {
+    fn name(&self) -> String {
+        format!("reference ({:?})", self.0)
+    }
+    fn padded(
+        &self,
+        model: &BertModel,
+        sequences: &[Vec<i64>],
+        token_type_ids: &[Vec<i64>],
+        targets: &Targets,
+        reduction: Reduction,
+        row_len: usize,
+        position_offset: usize,
+    ) -> Result<BertOutput, Error> {
+        let batch = TokenBatch::padded(
+            sequences,
+            Some(token_type_ids),
+            row_len,
+            model.config.pad_token_id,
+            position_offset,
+        )?;
+        model.run(&batch, targets, &LossWeights::new(targets, reduction), true)
+    }
+    fn packed(
+        &self,
+        model: &BertModel,
+        batch: &PackedBatch,
+        token_type_ids: &[Vec<i64>],
+        targets: &Targets,
+        reduction: Reduction,
+    ) -> Result<BertOutput, Error> {
+        let tb = TokenBatch::packed(
+            batch,
+            targets.nsp_labels.len(),
+            Some(token_type_ids),
+            self.0,
+        )?;
+        model.run(&tb, targets, &LossWeights::new(targets, reduction), true)
+    }
+}
+
+/// One model case: a configuration, parameters, sequences, targets, how to pack.
+#[derive(Debug, Clone)]
+pub struct BertCase {
+    /// The model (small, random parameters).
+    pub model: BertModel,
+    /// Token ids per sequence (empty ones allowed).
+    pub sequences: Vec<Vec<i64>>,
+    /// Token types per sequence.
+    pub token_type_ids: Vec<Vec<i64>>,
+    /// MLM and NSP targets.
+    pub targets: Targets,
+    /// The declared reduction.
+    pub reduction: Reduction,
+    /// Pack length (also the padded row length).
+    pub max_seq_len: usize,
+    /// The packing algorithm.
+    pub algorithm: Algorithm,
+    /// Position offset (0 for BERT; 2 for RoBERTa-style models).
+    pub position_offset: usize,
+}
+
+impl BertCase {
+    /// A deterministic case: `lengths` of random tokens, about a third of the
+    /// tokens predicted (at least one per non-empty sequence when
+    /// `every_sequence_predicts`), NSP labels on every non-empty sequence.
+    #[allow(clippy::too_many_arguments)]
+    pub fn seeded(
+        config: BertConfig,
+        lengths: &[usize],
+        max_seq_len: usize,
+        algorithm: Algorithm,
+        reduction: Reduction,
+        position_offset: usize,
+        seed: u64,
+    ) -> Self {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let v = config.vocab_size as i64;
+        let model = BertModel::random(config, seed ^ 0x9e37_79b9).expect("valid config");
+        let sequences: Vec<Vec<i64>> = lengths
+            .iter()
+            .map(|&l| (0..l).map(|_| rng.random_range(1..v)).collect())
+            .collect();
+        let token_type_ids = lengths
+            .iter()
+            .map(|&l| {
+                let cut = rng.random_range(0..=l);
+                (0..l).map(|t| i64::from(t >= cut)).collect()
+            })
+            .collect();
+        let mlm_labels = lengths
+            .iter()
+            .map(|&l| {
+                let forced = if l > 0 { rng.random_range(0..l) } else { 0 };
+                (0..l)
+                    .map(|t| {
+                        if t == forced || rng.random_range(0..3) == 0 {
+                            rng.random_range(0..v)
+                        } else {
+                            IGNORE_INDEX
+                        }
+                    })
+                    .collect()
+            })
+            .collect();
+        let nsp_labels = lengths
+            .iter()
+            .map(|&l| {
+                if l > 0 {
+                    rng.random_range(0..2)
+                } else {
+                    IGNORE_INDEX
+                }
+            })
+            .collect();
+        BertCase {
+            model,
+            sequences,
+            token_type_ids,
+            targets: Targets {
+                mlm_labels,
+                nsp_labels,
+            },
+            reduction,
+            max_seq_len,
+            algorithm,
+            position_offset,
+        }
+    }
+
+    /// The packed batch of the case (reference packer, `overlong = error`).
+    ///
+    /// # Errors
+    /// Packing errors.
+    pub fn packed_batch(&self) -> Result<PackedBatch, Error> {
+        let config = PackingConfig::new(self.algorithm, self.max_seq_len);
+        Ok(PackedBatch::from_sequences(
+            &self.sequences,
+            &config,
+            self.model.config.pad_token_id as i64,
+            self.position_offset as i64,
+        )?
+        .1)
+    }
+}
+
+/// Compares a packed run with the padded one (see the module docs): per
+/// sequence outputs, losses, input-embedding gradients, then every parameter
+/// gradient; all finite, all within [`Tolerance::F64_REWRITE`].
+///
+/// # Errors
+/// The first [`Mismatch`].
+pub fn compare_outputs(
+    padded: &BertOutput,
+    packed: &BertOutput,
+    seen: &mut Observed,
+) -> Result<(), Mismatch> {
+    let tol = Tolerance::F64_REWRITE;
+    if padded.sequences.len() != packed.sequences.len() {
+        return Err(Mismatch::new(
+            "sequences",
+            format!(
+                "packed gave {} sequences, padded {}",
+                packed.sequences.len(),
+                padded.sequences.len()
+            ),
+        ));
+    }
+    for (name, out) in [("padded", padded), ("packed", packed)] {
+        for (s, so) in out.sequences.iter().enumerate() {
+            finite(
+                &format!("{name} sequence {s}: hidden"),
+                so.hidden.as_slice().unwrap_or(&[]),
+            )?;
+            if let Some(g) = &so.grad_inputs_embeds {
+                finite(
+                    &format!("{name} sequence {s}: grad_inputs_embeds"),
+                    &g.iter().copied().collect::<Vec<_>>(),
+                )?;
+            }
+        }
+        if let Some(g) = &out.grads {
+            for (t, v) in g.named() {
+                finite(
+                    &format!("{name} grad {t}"),
+                    &v.iter().copied().collect::<Vec<_>>(),
+                )?;
+            }
+        }
+        finite(
+            &format!("{name} loss"),
+            &[out.mlm_loss, out.nsp_loss, out.loss],
+        )?;
+    }
+    for (s, (a, b)) in padded.sequences.iter().zip(&packed.sequences).enumerate() {
+        let v = |x: &Array2<f64>| x.iter().copied().collect::<Vec<f64>>();
+        if a.hidden.dim() != b.hidden.dim() {
+            return Err(Mismatch::new(
+                format!("sequence {s}: hidden"),
+                format!(
+                    "packed shape {:?}, padded {:?}",
+                    b.hidden.shape(),
+                    a.hidden.shape()
+                ),
+            ));
+        }
+        seen.close(
+            &format!("sequence {s}: hidden"),
+            &v(&a.hidden),
+            &v(&b.hidden),
+            a.hidden.shape(),
+            tol,
+        )?;
+        match (&a.pooled, &b.pooled, &a.nsp_logits, &b.nsp_logits) {
+            (Some(pa), Some(pb), Some(na), Some(nb)) => {
+                seen.close(
+                    &format!("sequence {s}: pooled"),
+                    &pa.to_vec(),
+                    &pb.to_vec(),
+                    pa.shape(),
+                    tol,
+                )?;
+                seen.close(
+                    &format!("sequence {s}: nsp_logits"),
+                    &na.to_vec(),
+                    &nb.to_vec(),
+                    &[2],
+                    tol,
+                )?;
+            }
+            (None, None, None, None) => {}
+            _ => {
+                return Err(Mismatch::new(
+                    format!("sequence {s}: pooled"),
+                    "present on one side only (empty sequences have none)",
+                ))
+            }
+        }
+        seen.close(
+            &format!("sequence {s}: mlm token losses"),
+            &a.mlm_losses,
+            &b.mlm_losses,
+            &[a.mlm_losses.len()],
+            tol,
+        )?;
+    }
+    // Losses before gradients, so a wrong loss is reported as such.
+    seen.close(
+        "mlm_loss",
+        &[padded.mlm_loss],
+        &[packed.mlm_loss],
+        &[1],
+        tol,
+    )?;
+    seen.close(
+        "nsp_loss",
+        &[padded.nsp_loss],
+        &[packed.nsp_loss],
+        &[1],
+        tol,
+    )?;
+    seen.close("loss", &[padded.loss], &[packed.loss], &[1], tol)?;
+    for (s, (a, b)) in padded.sequences.iter().zip(&packed.sequences).enumerate() {
+        match (&a.grad_inputs_embeds, &b.grad_inputs_embeds) {
+            (Some(ga), Some(gb)) => seen.close(
+                &format!("sequence {s}: grad_inputs_embeds"),
+                &ga.iter().copied().collect::<Vec<_>>(),
+                &gb.iter().copied().collect::<Vec<_>>(),
+                ga.shape(),
+                tol,
+            )?,
+            _ => {
+                return Err(Mismatch::new(
+                    format!("sequence {s}: grad_inputs_embeds"),
+                    "missing",
+                ))
+            }
+        }
+    }
+    let (Some(ga), Some(gb)) = (&padded.grads, &packed.grads) else {
+        return Err(Mismatch::new("grads", "gradients missing"));
+    };
+    // The parameter gradients are one vector: the absolute floor is relative
+    // to its largest element, because some parts are zero by symmetry (the
+    // key biases: softmax is shift-invariant, so their gradient is pure
+    // round-off of terms as large as the other gradients).
+    let global = ga
+        .named()
+        .iter()
+        .flat_map(|(_, t)| t.iter().copied().collect::<Vec<_>>())
+        .fold(0.0f64, |m, v| m.max(v.abs()));
+    for ((name, a), (_, b)) in ga.named().into_iter().zip(gb.named()) {
+        let va: Vec<f64> = a.iter().copied().collect();
+        let vb: Vec<f64> = b.iter().copied().collect();
+        seen.close_scaled(
+            &format!("grad {name}"),
+            &va,
+            &vb,
+            a.shape(),
+            tol,
+            Some(global),
+        )?;
+    }
+    Ok(())
+}
+
+/// Checks `imp` on one case: packed (built by the reference packer) against
+/// padded (rows of `max_seq_len`), see the module docs.
+///
+/// # Errors
+/// The first [`Mismatch`], naming the sequence or tensor and index.
+pub fn check_bert(imp: &dyn BertImpl, case: &BertCase) -> Result<Observed, Mismatch> {
+    let err = |what: &str, e: Error| Mismatch::new(what, format!("{}: {e}", imp.name()));
+    let batch = case.packed_batch().map_err(|e| err("pack", e))?;
+    let padded = imp
+        .padded(
+            &case.model,
+            &case.sequences,
+            &case.token_type_ids,
+            &case.targets,
+            case.reduction,
+            case.max_seq_len,
+            case.position_offset,
+        )
+        .map_err(|e| err("padded", e))?;
+    let packed = imp
+        .packed(
+            &case.model,
+            &batch,
+            &case.token_type_ids,
+            &case.targets,
+            case.reduction,
+        )
+        .map_err(|e| err("packed", e))?;
+    let mut seen = Observed::default();
+    compare_outputs(&padded, &packed, &mut seen)?;
+    Ok(seen)
+}
+
+/// Checks one encoder layer: the tokens of `lengths` (random `x`,
+/// `grad_output`) run padded (rows of `row_len`, key padding mask) and
+/// varlen; outputs, `grad_x` of real tokens and every parameter gradient must
+/// agree under [`Tolerance::F64_REWRITE`].
+///
+/// # Errors
+/// The first [`Mismatch`].
+pub fn check_layer(
+    imp: &dyn EncoderLayer,
+    config: &BertConfig,
+    lengths: &[usize],
+    row_len: usize,
+    seed: u64,
+) -> Result<Observed, Mismatch> {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let width = config.hidden_size;
+    let params = BertModel::random(config.clone(), seed)
+        .map_err(|e| Mismatch::new("config", e.to_string()))?
+        .params
+        .layers
+        .remove(0);
+    let n: usize = lengths.iter().sum();
+    let x = Array2::from_shape_fn((n, width), |_| 2.0 * rng.random::<f64>() - 1.0);
+    let go = Array2::from_shape_fn((n, width), |_| 2.0 * rng.random::<f64>() - 1.0);
+    let mut cu = vec![0usize];
+    for l in lengths {
+        cu.push(cu.last().unwrap() + l);
+    }
+    // Padded: real tokens, then padding rows of garbage with zero grad_output.
+    let b = lengths.len();
+    let mut xp = Array2::from_elem((b * row_len, width), 7.5);
+    let mut gp = Array2::zeros((b * row_len, width));
+    for (s, &l) in lengths.iter().enumerate() {
+        for t in 0..l {
+            xp.row_mut(s * row_len + t).assign(&x.row(cu[s] + t));
+            gp.row_mut(s * row_len + t).assign(&go.row(cu[s] + t));
+        }
+    }
+    let dense = AttentionLayout::Dense {
+        row_len,
+        allowed: lengths
+            .iter()
+            .map(|&l| Array2::from_shape_fn((row_len, row_len), |(_, j)| j < l))
+            .collect(),
+    };
+    let varlen = AttentionLayout::Varlen {
+        cu_seqlens: cu.clone(),
+    };
+    let heads = config.num_attention_heads;
+    let eps = config.layer_norm_eps;
+    let e = |w: &str, e: Error| Mismatch::new(w, format!("{}: {e}", imp.name()));
+    let (op, dxp, gpp) = imp
+        .forward_backward(&params, heads, eps, xp.view(), &dense, gp.view())
+        .map_err(|x| e("padded layer", x))?;
+    let (ov, dxv, gpv) = imp
+        .forward_backward(&params, heads, eps, x.view(), &varlen, go.view())
+        .map_err(|x| e("varlen layer", x))?;
+    let tol = Tolerance::F64_REWRITE;
+    let mut seen = Observed::default();
+    for (s, &l) in lengths.iter().enumerate() {
+        for t in 0..l {
+            let (i, j) = (s * row_len + t, cu[s] + t);
+            seen.close(
+                &format!("sequence {s} token {t}: output"),
+                &op.row(i).to_vec(),
+                &ov.row(j).to_vec(),
+                &[width],
+                tol,
+            )?;
+            seen.close(
+                &format!("sequence {s} token {t}: grad_x"),
+                &dxp.row(i).to_vec(),
+                &dxv.row(j).to_vec(),
+                &[width],
+                tol,
+            )?;
+        }
+    }
+    let (gp_all, gv_all) = (layer_tensors(&gpp), layer_tensors(&gpv));
+    let global = gp_all
+        .iter()
+        .flat_map(|(_, a, _)| a.iter())
+        .fold(0.0f64, |m, v| m.max(v.abs()));
+    for ((name, a, shape), (_, b, _)) in gp_all.into_iter().zip(gv_all) {
+        finite(&format!("padded grad {name}"), &a)?;
+        seen.close_scaled(&format!("grad {name}"), &a, &b, &shape, tol, Some(global))?;
+    }
+    Ok(seen)
+}
+
+/// A small random configuration: heads 1..=3, head dim 1..=4, 1..=2 layers,
+/// intermediate 1..=12, vocabulary 5..=23, positions for `max_seq_len + 2`.
+pub fn configs(max_seq_len: usize) -> impl Strategy<Value = BertConfig> {
+    (1usize..=3, 1usize..=4, 1usize..=2, 1usize..=12, 5usize..=23).prop_map(
+        move |(heads, d, layers, inter, vocab)| {
+            BertConfig::tiny(vocab, heads * d, heads, layers, inter, max_seq_len + 2)
+        },
+    )
+}
+
+/// Most tokens in a random pack.
+pub const MAX_SEQ_LEN: usize = 11;
+
+/// Random model cases: sizes first (pack length, lengths with empty ones and
+/// ones that fill the pack, config), then the seeded values.
+pub fn bert_cases() -> impl Strategy<Value = BertCase> {
+    (1usize..=MAX_SEQ_LEN)
+        .prop_flat_map(|msl| {
+            (
+                Just(msl),
+                prop::collection::vec(
+                    prop_oneof![1 => Just(0usize), 1 => Just(msl), 1 => Just(1usize), 4 => 0usize..=msl],
+                    1..=7,
+                ),
+                configs(msl),
+                prop::sample::select(vec![Algorithm::Spfhp, Algorithm::Lpfhp, Algorithm::Ffd]),
+                prop::sample::select(Reduction::ALL.to_vec()),
+                0usize..=2,
+                any::<u64>(),
+            )
+        })
+        .prop_map(|(msl, lengths, config, alg, red, offset, seed)| {
+            BertCase::seeded(config, &lengths, msl, alg, red, offset, seed)
+        })
+}
+
+/// The FAULTS.md examples as model cases: `(name, lengths, max_seq_len)`.
+pub fn fault_cases() -> Vec<(&'static str, Vec<usize>, usize)> {
+    vec![
+        (
+            "P1 positions reset: [4, 7] in one pack of 11",
+            vec![4, 7],
+            11,
+        ),
+        ("P2 lengths [3, 5] in a pack of 8", vec![3, 5], 8),
+        ("P4 zero-length: [1, 0, 1]", vec![1, 0, 1], 4),
+        ("P5 padding is not a sequence: [3] in 8", vec![3], 8),
+        ("P7 two sequences, 2 and 6 tokens", vec![2, 6, 2, 6], 8),
+        ("P8 sequence ids [1, 1, 2, 0]", vec![2, 1], 4),
+        ("one sequence filling the pack", vec![6], 6),
+        ("many tiny sequences", vec![1, 1, 1, 1, 1, 1, 1], 4),
+    ]
+}
+
+/// What a model suite run covered.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct SuiteReport {
+    /// Worst errors seen.
+    pub observed: Observed,
+    /// Cases run.
+    pub cases: usize,
+    /// Cases with a pack holding two or more sequences (where P1, P2, P7 show).
+    pub shared_packs: usize,
+    /// Cases with an empty sequence or a padded pack (where P4, P5, P8 show).
+    pub padding_or_empty: usize,
+}
+
+/// The whole model suite for one implementation: the fault cases (both
+/// reductions, a fixed small config) and `cases` random ones (a fixed
+/// proptest seed).
+///
+/// # Errors
+/// The first failure with its case.
+pub fn run_bert_suite(imp: &dyn BertImpl, cases: u32) -> Result<SuiteReport, Mismatch> {
+    let report = std::cell::RefCell::new(SuiteReport::default());
+    let run = |case: &BertCase| -> Result<(), Mismatch> {
+        let o = check_bert(imp, case)?;
+        let batch = case
+            .packed_batch()
+            .map_err(|e| Mismatch::new("pack", e.to_string()))?;
+        let mut r = report.borrow_mut();
+        r.observed.merge(o);
+        r.cases += 1;
+        if batch.cu_seqlens.iter().any(|c| c.len() > 2) {
+            r.shared_packs += 1;
+        }
+        if case.sequences.iter().any(Vec::is_empty)
+            || batch
+                .cu_seqlens
+                .iter()
+                .any(|c| *c.last().unwrap() < batch.max_seq_len)
+        {
+            r.padding_or_empty += 1;
+        }
+        Ok(())
+    };
+    for (i, (name, lengths, msl)) in fault_cases().into_iter().enumerate() {
+        for reduction in Reduction::ALL {
+            let config = BertConfig::tiny(13, 6, 2, 2, 7, msl + 2);
+            let case = BertCase::seeded(
+                config,
+                &lengths,
+                msl,
+                Algorithm::Spfhp,
+                reduction,
+                0,
+                i as u64,
+            );
+            run(&case).map_err(|m| {
+                Mismatch::new(
+                    format!("{name} ({}): {}", reduction.name(), m.what),
+                    m.detail,
+                )
+            })?;
+        }
+    }
+    let mut runner = TestRunner::new_with_rng(
+        Config {
+            cases,
+            failure_persistence: None,
+            ..Config::default()
+        },
+        proptest::test_runner::TestRng::deterministic_rng(
+            proptest::test_runner::RngAlgorithm::ChaCha,
+        ),
+    );
+    runner
+        .run(&bert_cases(), |case| {
+            run(&case).map_err(|m| TestCaseError::fail(m.to_string()))
+        })
+        .map_err(|e| Mismatch::new(format!("{} BERT suite", imp.name()), e.to_string()))?;
+    Ok(report.into_inner())
+}
+
+/// The encoder-layer suite: random lengths (empty ones included), configs
+/// and padding, `cases` of them.
+///
+/// # Errors
+/// The first failure.
+pub fn run_layer_suite(imp: &dyn EncoderLayer, cases: u32) -> Result<Observed, Mismatch> {
+    let seen = std::cell::RefCell::new(Observed::default());
+    let mut runner = TestRunner::new_with_rng(
+        Config {
+            cases,
+            failure_persistence: None,
+            ..Config::default()
+        },
+        proptest::test_runner::TestRng::deterministic_rng(
+            proptest::test_runner::RngAlgorithm::ChaCha,
+        ),
+    );
+    let strategy = (
+        prop::collection::vec(0usize..=7, 1..=5),
+        0usize..=3,
+        configs(10),
+        any::<u64>(),
+    );
+    runner
+        .run(&strategy, |(lengths, pad, config, seed)| {
+            let row_len = lengths.iter().copied().max().unwrap_or(0) + pad;
+            let o = check_layer(imp, &config, &lengths, row_len, seed)
+                .map_err(|m| TestCaseError::fail(m.to_string()))?;
+            seen.borrow_mut().merge(o);
+            Ok(())
+        })
+        .map_err(|e| Mismatch::new(format!("{} layer suite", imp.name()), e.to_string()))?;
+    Ok(seen.into_inner())
+}
+
+/// The reference kernel, for building [`ReferenceLayer`]s.
+pub static REFERENCE_KERNEL: ReferenceAttention = ReferenceAttention;

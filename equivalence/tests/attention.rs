@@ -1,0 +1,197 @@
+//! The attention suite on the reference, and negative controls: an attention
+//! that ignores `cu_seqlens` (P2) and one whose fully masked rows give NaN
+//! (P8) must both be rejected, for the right reason.
+
+use ndarray::{ArrayView2, ArrayView3, Axis};
+use packshard_equivalence::attention::{
+    check_attention, fault_cases, run_attention_suite, AttentionCase, Reference, VarlenAttention,
+};
+use packshard_equivalence::Tolerance;
+use packshard_reference::bert::{AttentionGrads, AttentionOutput};
+use packshard_reference::Error;
+
+#[test]
+fn reference_passes_the_attention_suite() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    static CALLS: AtomicUsize = AtomicUsize::new(0);
+    struct Counting;
+    impl VarlenAttention for Counting {
+        fn name(&self) -> String {
+            "counting reference".into()
+        }
+        fn varlen_forward(
+            &self,
+            q: ArrayView3<f64>,
+            k: ArrayView3<f64>,
+            v: ArrayView3<f64>,
+            cu: &[usize],
+            s: f64,
+        ) -> Result<AttentionOutput, Error> {
+            CALLS.fetch_add(1, Ordering::Relaxed);
+            Reference.varlen_forward(q, k, v, cu, s)
+        }
+        fn varlen_backward(
+            &self,
+            q: ArrayView3<f64>,
+            k: ArrayView3<f64>,
+            v: ArrayView3<f64>,
+            cu: &[usize],
+            s: f64,
+            f: &AttentionOutput,
+            g: ArrayView3<f64>,
+        ) -> Result<AttentionGrads, Error> {
+            Reference.varlen_backward(q, k, v, cu, s, f, g)
+        }
+        fn masked_forward(
+            &self,
+            q: ArrayView3<f64>,
+            k: ArrayView3<f64>,
+            v: ArrayView3<f64>,
+            m: ArrayView2<bool>,
+            s: f64,
+        ) -> Result<AttentionOutput, Error> {
+            Reference.masked_forward(q, k, v, m, s)
+        }
+        fn masked_backward(
+            &self,
+            q: ArrayView3<f64>,
+            k: ArrayView3<f64>,
+            v: ArrayView3<f64>,
+            m: ArrayView2<bool>,
+            s: f64,
+            f: &AttentionOutput,
+            g: ArrayView3<f64>,
+        ) -> Result<AttentionGrads, Error> {
+            Reference.masked_backward(q, k, v, m, s, f, g)
+        }
+    }
+    let seen = run_attention_suite(&Counting, 256).unwrap();
+    // Fault cases twice (two head shapes) and 256 random cases, each run
+    // once plus once more for the P2 perturbation when it has tokens.
+    assert!(CALLS.load(Ordering::Relaxed) >= fault_cases().len() * 2 + 256);
+    assert!(seen.values > 10_000, "compared only {} values", seen.values);
+    // Packed and padded perform the same operations in the same order: we
+    // measure bit-for-bit equality, well inside F64_REWRITE.
+    eprintln!(
+        "attention packed vs padded: max abs {:e}, max rel {:e} over {} values",
+        seen.max_abs, seen.max_rel, seen.values
+    );
+    assert!(seen.max_rel <= Tolerance::F64_REWRITE.rel);
+}
+
+/// The reference with one fault planted.
+struct Broken {
+    /// P2: run the whole batch as one segment (an all-ones mask).
+    ignore_cu_seqlens: bool,
+    /// P8: rows with no allowed key get the NaN of a naive `exp(-inf - -inf)`.
+    nan_on_empty_rows: bool,
+}
+
+impl VarlenAttention for Broken {
+    fn name(&self) -> String {
+        "broken".into()
+    }
+    fn varlen_forward(
+        &self,
+        q: ArrayView3<f64>,
+        k: ArrayView3<f64>,
+        v: ArrayView3<f64>,
+        cu: &[usize],
+        s: f64,
+    ) -> Result<AttentionOutput, Error> {
+        let whole = [0, q.dim().0];
+        Reference.varlen_forward(q, k, v, if self.ignore_cu_seqlens { &whole } else { cu }, s)
+    }
+    fn varlen_backward(
+        &self,
+        q: ArrayView3<f64>,
+        k: ArrayView3<f64>,
+        v: ArrayView3<f64>,
+        cu: &[usize],
+        s: f64,
+        f: &AttentionOutput,
+        g: ArrayView3<f64>,
+    ) -> Result<AttentionGrads, Error> {
+        let whole = [0, q.dim().0];
+        Reference.varlen_backward(
+            q,
+            k,
+            v,
+            if self.ignore_cu_seqlens { &whole } else { cu },
+            s,
+            f,
+            g,
+        )
+    }
+    fn masked_forward(
+        &self,
+        q: ArrayView3<f64>,
+        k: ArrayView3<f64>,
+        v: ArrayView3<f64>,
+        m: ArrayView2<bool>,
+        s: f64,
+    ) -> Result<AttentionOutput, Error> {
+        let mut out = Reference.masked_forward(q, k, v, m, s)?;
+        if self.nan_on_empty_rows {
+            for i in 0..m.nrows() {
+                if !m.row(i).iter().any(|&a| a) {
+                    out.output.index_axis_mut(Axis(0), i).fill(f64::NAN);
+                    out.lse.column_mut(i).fill(f64::NAN);
+                }
+            }
+        }
+        Ok(out)
+    }
+    fn masked_backward(
+        &self,
+        q: ArrayView3<f64>,
+        k: ArrayView3<f64>,
+        v: ArrayView3<f64>,
+        m: ArrayView2<bool>,
+        s: f64,
+        f: &AttentionOutput,
+        g: ArrayView3<f64>,
+    ) -> Result<AttentionGrads, Error> {
+        Reference.masked_backward(q, k, v, m, s, f, g)
+    }
+}
+
+fn fault_case(prefix: &str) -> AttentionCase {
+    let (_, lengths, pad) = fault_cases()
+        .into_iter()
+        .find(|c| c.0.starts_with(prefix))
+        .unwrap();
+    AttentionCase::seeded(&lengths, 2, 3, pad, 1)
+}
+
+#[test]
+fn p2_negative_control_attention_across_sequences() {
+    let broken = Broken {
+        ignore_cu_seqlens: true,
+        nan_on_empty_rows: false,
+    };
+    let err = check_attention(&broken, &fault_case("P2")).expect_err("a leak must be caught");
+    assert!(
+        err.what.contains("sequence 0: output"),
+        "caught, but as {err}"
+    );
+    assert!(run_attention_suite(&broken, 16).is_err());
+    // The reference on the same case passes: the check is not failing for another reason.
+    check_attention(&Reference, &fault_case("P2")).unwrap();
+}
+
+#[test]
+fn p8_negative_control_nan_on_fully_masked_rows() {
+    let broken = Broken {
+        ignore_cu_seqlens: false,
+        nan_on_empty_rows: true,
+    };
+    let err = check_attention(&broken, &fault_case("P8")).expect_err("NaN rows must be caught");
+    assert!(err.what.contains("padded output"), "caught, but as {err}");
+    assert!(
+        err.detail.contains("P8") && err.detail.contains("NaN"),
+        "{err}"
+    );
+    assert!(run_attention_suite(&broken, 16).is_err());
+    check_attention(&Reference, &fault_case("P8")).unwrap();
+}

@@ -1,0 +1,198 @@
+//! One post-LayerNorm BERT encoder layer (Devlin et al. 2019; Hugging Face
+//! `BertLayer`), forward and backward.
+//!
+//! ```text
+//! q, k, v = x Wq^T + bq, x Wk^T + bk, x Wv^T + bv      [n, hidden] -> [n, h, d]
+//! a       = attention(q, k, v, layout)                  [n, h, d] -> [n, hidden]
+//! h1      = LayerNorm(a Wo^T + bo + x)                  (attention.output)
+//! f       = gelu(h1 W1^T + b1)                          (intermediate)
+//! out     = LayerNorm(f W2^T + b2 + h1)                 (output)
+//! ```
+//!
+//! Dropout is off (evaluation mode, as every equivalence check needs).
+
+use ndarray::{Array2, Array3, ArrayView2};
+
+use super::attention::{AttentionKernel, AttentionLayout, AttentionOutput};
+use super::ops::{
+    gelu_backward, gelu_map, layer_norm, layer_norm_backward, linear, linear_backward,
+    LayerNormCache,
+};
+use super::weights::LayerParams;
+use crate::error::{Error, Result};
+
+/// What the backward of one layer needs.
+#[derive(Debug, Clone)]
+pub struct LayerCache {
+    /// The layer input `x: [n, hidden]`.
+    pub input: Array2<f64>,
+    /// `q, k, v: [n, h, d]`.
+    pub q: Array3<f64>,
+    /// Keys.
+    pub k: Array3<f64>,
+    /// Values.
+    pub v: Array3<f64>,
+    /// The attention output and its log-sum-exp.
+    pub attention: AttentionOutput,
+    /// Attention LayerNorm intermediates.
+    pub ln1: LayerNormCache,
+    /// `h1: [n, hidden]`.
+    pub h1: Array2<f64>,
+    /// The feed-forward pre-activation `h1 W1^T + b1: [n, inter]`.
+    pub pre_gelu: Array2<f64>,
+    /// `gelu(pre_gelu)`.
+    pub act: Array2<f64>,
+    /// Output LayerNorm intermediates.
+    pub ln2: LayerNormCache,
+}
+
+fn heads(x: Array2<f64>, h: usize) -> Result<Array3<f64>> {
+    let (n, width) = x.dim();
+    x.into_shape_with_order((n, h, width / h))
+        .map_err(|e| Error::invalid("hidden", e.to_string()))
+}
+
+fn flat(x: &Array3<f64>) -> Array2<f64> {
+    let (n, h, d) = x.dim();
+    x.to_owned()
+        .into_shape_with_order((n, h * d))
+        .expect("a standard-layout [n, h, d] array reshapes to [n, h * d]")
+}
+
+/// Forward of one layer: `x: [n, hidden]` over `layout`; returns
+/// `[n, hidden]` and the cache.
+///
+/// # Errors
+/// Shape errors from the attention kernel.
+pub fn layer_forward(
+    p: &LayerParams,
+    num_heads: usize,
+    eps: f64,
+    kernel: &dyn AttentionKernel,
+    x: ArrayView2<f64>,
+    layout: &AttentionLayout,
+) -> Result<(Array2<f64>, LayerCache)> {
+    let width = x.ncols();
+    let scale = super::attention::default_scale(width / num_heads);
+    let q = heads(linear(x, p.query_w.view(), p.query_b.view()), num_heads)?;
+    let k = heads(linear(x, p.key_w.view(), p.key_b.view()), num_heads)?;
+    let v = heads(linear(x, p.value_w.view(), p.value_b.view()), num_heads)?;
+    let attention = kernel.forward(q.view(), k.view(), v.view(), layout, scale)?;
+    let a = flat(&attention.output);
+    let mut r1 = linear(a.view(), p.attn_out_w.view(), p.attn_out_b.view());
+    r1 += &x;
+    let (h1, ln1) = layer_norm(r1.view(), p.attn_ln_g.view(), p.attn_ln_b.view(), eps);
+    let pre_gelu = linear(h1.view(), p.inter_w.view(), p.inter_b.view());
+    let act = gelu_map(pre_gelu.view());
+    let mut r2 = linear(act.view(), p.out_w.view(), p.out_b.view());
+    r2 += &h1;
+    let (out, ln2) = layer_norm(r2.view(), p.out_ln_g.view(), p.out_ln_b.view(), eps);
+    Ok((
+        out,
+        LayerCache {
+            input: x.to_owned(),
+            q,
+            k,
+            v,
+            attention,
+            ln1,
+            h1,
+            pre_gelu,
+            act,
+            ln2,
+        },
+    ))
+}
+
+/// Backward of one layer: `dout: [n, hidden]`; adds the parameter gradients
+/// to `g` and returns `dx: [n, hidden]`.
+///
+/// # Errors
+/// Shape errors from the attention kernel.
+#[allow(clippy::too_many_arguments)]
+pub fn layer_backward(
+    p: &LayerParams,
+    g: &mut LayerParams,
+    num_heads: usize,
+    kernel: &dyn AttentionKernel,
+    cache: &LayerCache,
+    layout: &AttentionLayout,
+    dout: ArrayView2<f64>,
+) -> Result<Array2<f64>> {
+    let width = dout.ncols();
+    let scale = super::attention::default_scale(width / num_heads);
+    // out = LN2(r2), r2 = act W2^T + b2 + h1
+    let dr2 = layer_norm_backward(
+        &cache.ln2,
+        p.out_ln_g.view(),
+        dout,
+        g.out_ln_g.view_mut(),
+        g.out_ln_b.view_mut(),
+    );
+    let dact = linear_backward(
+        cache.act.view(),
+        p.out_w.view(),
+        dr2.view(),
+        g.out_w.view_mut(),
+        g.out_b.view_mut(),
+    );
+    let dpre = gelu_backward(cache.pre_gelu.view(), dact.view());
+    let mut dh1 = linear_backward(
+        cache.h1.view(),
+        p.inter_w.view(),
+        dpre.view(),
+        g.inter_w.view_mut(),
+        g.inter_b.view_mut(),
+    );
+    dh1 += &dr2;
+    // h1 = LN1(r1), r1 = a Wo^T + bo + x
+    let dr1 = layer_norm_backward(
+        &cache.ln1,
+        p.attn_ln_g.view(),
+        dh1.view(),
+        g.attn_ln_g.view_mut(),
+        g.attn_ln_b.view_mut(),
+    );
+    let a = flat(&cache.attention.output);
+    let da = linear_backward(
+        a.view(),
+        p.attn_out_w.view(),
+        dr1.view(),
+        g.attn_out_w.view_mut(),
+        g.attn_out_b.view_mut(),
+    );
+    let da = heads(da, num_heads)?;
+    let ag = kernel.backward(
+        cache.q.view(),
+        cache.k.view(),
+        cache.v.view(),
+        layout,
+        scale,
+        &cache.attention,
+        da.view(),
+    )?;
+    let x = cache.input.view();
+    let mut dx = dr1;
+    dx += &linear_backward(
+        x,
+        p.query_w.view(),
+        flat(&ag.grad_q).view(),
+        g.query_w.view_mut(),
+        g.query_b.view_mut(),
+    );
+    dx += &linear_backward(
+        x,
+        p.key_w.view(),
+        flat(&ag.grad_k).view(),
+        g.key_w.view_mut(),
+        g.key_b.view_mut(),
+    );
+    dx += &linear_backward(
+        x,
+        p.value_w.view(),
+        flat(&ag.grad_v).view(),
+        g.value_w.view_mut(),
+        g.value_b.view_mut(),
+    );
+    Ok(dx)
+}

@@ -1,0 +1,47 @@
+//! A plain f64 BERT with hand-written gradients: the reference that packed
+//! and padded implementations are checked against.
+//!
+//! BERT as in Devlin et al. (2019) with the conventions of Hugging Face's
+//! `BertModel` / `BertForPreTraining`: word + position + token-type
+//! embeddings and LayerNorm; post-LayerNorm encoder layers of multi-head
+//! scaled dot-product attention and an exact (erf) GELU feed-forward; a tanh
+//! pooler over the first token; the MLM head (dense, GELU, LayerNorm, decoder
+//! tied to the word embeddings, bias) and the NSP head; cross-entropy losses
+//! with per-token or per-sequence reduction (Krell et al., arXiv:2107.02027).
+//! Dropout is off.
+//!
+//! | module | what |
+//! |---|---|
+//! | [`config`] | `config.json` fields and limits |
+//! | [`weights`] | parameters, HF names, `model.safetensors` loading, seeded init |
+//! | [`ops`] | linear, LayerNorm, GELU, forward and backward |
+//! | [`attention`] | dense masked and varlen (`cu_seqlens`) attention with `lse`, forward and backward |
+//! | [`layer`] | one encoder layer |
+//! | [`loss`] | cross-entropy and the two reductions |
+//! | [`model`] | embeddings to losses on padded and packed batches, and the full backward |
+//!
+//! Shapes: `n` token slots, `hidden` = `hidden_size`, `h` heads, `d` head dim,
+//! `v` vocabulary, `b` sequences. Every backward pass is checked against
+//! central finite differences in this module's tests.
+
+pub mod attention;
+pub mod config;
+pub mod layer;
+pub mod loss;
+pub mod model;
+pub mod ops;
+pub mod weights;
+
+pub use attention::{
+    masked_attention, masked_attention_backward, varlen_attention, varlen_attention_backward,
+    AttentionGrads, AttentionKernel, AttentionLayout, AttentionOutput, ReferenceAttention,
+};
+pub use config::BertConfig;
+pub use loss::{Reduction, IGNORE_INDEX};
+pub use model::{
+    BertModel, BertOutput, LossWeights, PackedAttention, SequenceOutput, Targets, TokenBatch,
+};
+pub use weights::{BertParams, LayerParams};
+
+#[cfg(test)]
+mod tests;

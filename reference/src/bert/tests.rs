@@ -1,0 +1,579 @@
+//! Gradient checks by central finite differences, P8 rows, and small facts.
+//!
+//! Finite differences: `(L(x + eps) - L(x - eps)) / 2 eps` with `eps = 1e-5`
+//! in f64 has truncation error `eps^2 / 6 * |L'''|` (~1e-11 here) and
+//! round-off `~ 1e-16 * |L| / eps` (~1e-11 for |L| ~ 5). [`FD_TOL`] allows
+//! 1e-7 absolute + 1e-6 relative: 10^4 x above both, and far below the size
+//! of any real gradient bug (a missing term is O(1e-3..1) here).
+
+use ndarray::{Array2, Array3, ArrayViewMutD};
+
+use super::attention::*;
+use super::ops::{gelu, gelu_grad};
+use super::*;
+use crate::packing::{Algorithm, PackedBatch, PackingConfig};
+
+const FD_EPS: f64 = 1e-5;
+/// (absolute, relative) tolerance of a finite-difference gradient check.
+const FD_TOL: (f64, f64) = (1e-7, 1e-6);
+
+fn tiny() -> BertConfig {
+    BertConfig::tiny(11, 8, 2, 2, 16, 12)
+}
+
+fn sequences() -> Vec<Vec<i64>> {
+    vec![vec![1, 2, 3, 4], vec![], vec![5, 6], vec![7, 8, 9, 10, 2]]
+}
+
+fn targets() -> Targets {
+    Targets {
+        mlm_labels: vec![
+            vec![-100, 7, -100, 3],
+            vec![],
+            vec![4, -100],
+            vec![-100, 1, 2, -100, 9],
+        ],
+        nsp_labels: vec![1, -100, 0, 1],
+    }
+}
+
+fn token_types() -> Vec<Vec<i64>> {
+    vec![vec![0, 0, 1, 1], vec![], vec![0, 1], vec![0, 0, 0, 1, 1]]
+}
+
+fn batches() -> Vec<(&'static str, TokenBatch)> {
+    let seqs = sequences();
+    let tt = token_types();
+    let config = PackingConfig::new(Algorithm::Spfhp, 6);
+    let (_, packed) = PackedBatch::from_sequences(&seqs, &config, 0, 1).unwrap();
+    vec![
+        (
+            "padded",
+            TokenBatch::padded(&seqs, Some(&tt), 6, 0, 1).unwrap(),
+        ),
+        (
+            "packed varlen",
+            TokenBatch::packed(&packed, seqs.len(), Some(&tt), PackedAttention::Varlen).unwrap(),
+        ),
+        (
+            "packed block-diagonal",
+            TokenBatch::packed(
+                &packed,
+                seqs.len(),
+                Some(&tt),
+                PackedAttention::BlockDiagonal,
+            )
+            .unwrap(),
+        ),
+    ]
+}
+
+/// Central differences of `f` at every element of `x`, compared with `grad`.
+/// Returns the worst (abs error, |grad|) pair.
+fn fd_check(
+    what: &str,
+    mut x: ArrayViewMutD<f64>,
+    grad: &[f64],
+    f: &mut dyn FnMut(&ArrayViewMutD<f64>) -> f64,
+) -> f64 {
+    assert_eq!(x.len(), grad.len(), "{what}");
+    let mut worst = 0.0f64;
+    for (i, &analytic) in grad.iter().enumerate() {
+        let orig = *x.iter().nth(i).unwrap();
+        *x.iter_mut().nth(i).unwrap() = orig + FD_EPS;
+        let up = f(&x);
+        *x.iter_mut().nth(i).unwrap() = orig - FD_EPS;
+        let down = f(&x);
+        *x.iter_mut().nth(i).unwrap() = orig;
+        let fd = (up - down) / (2.0 * FD_EPS);
+        let err = (fd - analytic).abs();
+        assert!(
+            err <= FD_TOL.0 + FD_TOL.1 * analytic.abs(),
+            "{what}[{i}]: analytic {analytic:e}, finite difference {fd:e} (error {err:e})"
+        );
+        worst = worst.max(err);
+    }
+    worst
+}
+
+#[test]
+fn every_parameter_gradient_matches_finite_differences() {
+    let model = BertModel::random(tiny(), 7).unwrap();
+    let t = targets();
+    let mut checked = 0;
+    let mut worst = 0.0f64;
+    for reduction in Reduction::ALL {
+        let w = LossWeights::new(&t, reduction);
+        for (name, batch) in batches() {
+            let out = model.run(&batch, &t, &w, true).unwrap();
+            assert!(
+                out.mlm_loss > 0.1 && out.nsp_loss > 0.1,
+                "non-degenerate losses"
+            );
+            let grads = out.grads.unwrap();
+            let g_named = grads.named();
+            let mut perturbed = model.clone();
+            let names: Vec<String> = model.params.named().into_iter().map(|(n, _)| n).collect();
+            for (k, pname) in names.iter().enumerate() {
+                let g: Vec<f64> = g_named[k].1.iter().copied().collect();
+                assert!(
+                    g.iter().any(|v| *v != 0.0),
+                    "{name}: gradient of {pname} is all zero: the check would be vacuous"
+                );
+                let base = perturbed.clone();
+                let mut f = |x: &ArrayViewMutD<f64>| {
+                    let mut m = base.clone();
+                    m.params.named_mut()[k].1.assign(x);
+                    m.run(&batch, &t, &w, false).unwrap().loss
+                };
+                let mut view = perturbed.params.named_mut().remove(k).1;
+                worst = worst.max(fd_check(
+                    &format!("{name} {} {pname}", reduction.name()),
+                    view.view_mut(),
+                    &g,
+                    &mut f,
+                ));
+                checked += 1;
+            }
+        }
+    }
+    // 5 embedding tensors + 16 per layer x 2 + 9 head tensors, 3 layouts, 2 reductions.
+    assert_eq!(checked, (5 + 16 * 2 + 9) * 3 * 2);
+    eprintln!("parameter gradients: worst |fd - analytic| = {worst:e}");
+}
+
+#[test]
+fn input_embedding_gradient_matches_finite_differences() {
+    let model = BertModel::random(tiny(), 11).unwrap();
+    let t = targets();
+    let w = LossWeights::new(&t, Reduction::PerSequence);
+    for (name, batch) in batches() {
+        let mut e = Array2::from_shape_fn((batch.num_tokens(), 8), |(i, j)| {
+            model.params.word_embeddings[[batch.input_ids[i], j]]
+        });
+        let out = model
+            .run_with(&ReferenceAttention, &batch, &t, &w, true, Some(&e))
+            .unwrap();
+        // Scatter the per-sequence gradients back onto the slots (padding: 0).
+        let mut g = Array2::<f64>::zeros(e.dim());
+        for (s, slots) in batch.sequences.iter().enumerate() {
+            let gs = out.sequences[s].grad_inputs_embeds.as_ref().unwrap();
+            for (t, &i) in slots.iter().enumerate() {
+                g.row_mut(i).assign(&gs.row(t));
+            }
+        }
+        let gv: Vec<f64> = g.iter().copied().collect();
+        let e0 = e.clone();
+        let mut f = |x: &ArrayViewMutD<f64>| {
+            let x2 = x.to_owned().into_dimensionality().unwrap();
+            model
+                .run_with(&ReferenceAttention, &batch, &t, &w, false, Some(&x2))
+                .unwrap()
+                .loss
+        };
+        let mut ev = e.view_mut().into_dyn();
+        fd_check(&format!("{name} inputs_embeds"), ev.view_mut(), &gv, &mut f);
+        assert_eq!(e, e0);
+    }
+}
+
+fn random3(n: usize, h: usize, d: usize, seed: u64) -> Array3<f64> {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    Array3::from_shape_fn((n, h, d), |_| 2.0 * rng.random::<f64>() - 1.0)
+}
+
+/// An attention forward on `(q, k, v)`.
+type AttentionFn<'a> = dyn Fn(&Array3<f64>, &Array3<f64>, &Array3<f64>) -> AttentionOutput + 'a;
+
+/// FD check of an attention op through `L = sum(grad_output * output)`.
+fn attention_fd(
+    name: &str,
+    q: &Array3<f64>,
+    k: &Array3<f64>,
+    v: &Array3<f64>,
+    go: &Array3<f64>,
+    fwd: &AttentionFn,
+    grads: &AttentionGrads,
+) {
+    let loss =
+        |q: &Array3<f64>, k: &Array3<f64>, v: &Array3<f64>| (&fwd(q, k, v).output * go).sum();
+    for (which, g) in [
+        ("q", &grads.grad_q),
+        ("k", &grads.grad_k),
+        ("v", &grads.grad_v),
+    ] {
+        let mut x = match which {
+            "q" => q.clone(),
+            "k" => k.clone(),
+            _ => v.clone(),
+        };
+        let gv: Vec<f64> = g.iter().copied().collect();
+        let mut f = |x: &ArrayViewMutD<f64>| {
+            let x3: Array3<f64> = x.to_owned().into_dimensionality().unwrap();
+            match which {
+                "q" => loss(&x3, k, v),
+                "k" => loss(q, &x3, v),
+                _ => loss(q, k, &x3),
+            }
+        };
+        fd_check(
+            &format!("{name} grad_{which}"),
+            x.view_mut().into_dyn(),
+            &gv,
+            &mut f,
+        );
+    }
+}
+
+#[test]
+fn varlen_attention_gradients_match_finite_differences() {
+    // Segments 3, 0 (empty), 1, 4: non-power-of-two sizes, an empty segment.
+    let cu = [0usize, 3, 3, 4, 8];
+    let (q, k, v, go) = (
+        random3(8, 3, 5, 1),
+        random3(8, 3, 5, 2),
+        random3(8, 3, 5, 3),
+        random3(8, 3, 5, 4),
+    );
+    for causal in [false, true] {
+        let scale = 0.7;
+        let fwd = |q: &Array3<f64>, k: &Array3<f64>, v: &Array3<f64>| {
+            varlen_attention(q.view(), k.view(), v.view(), &cu, causal, scale).unwrap()
+        };
+        let out = fwd(&q, &k, &v);
+        let grads = varlen_attention_backward(
+            q.view(),
+            k.view(),
+            v.view(),
+            &cu,
+            causal,
+            scale,
+            &out,
+            go.view(),
+        )
+        .unwrap();
+        attention_fd(
+            &format!("varlen causal={causal}"),
+            &q,
+            &k,
+            &v,
+            &go,
+            &fwd,
+            &grads,
+        );
+        // A one-token segment attends to itself only: output = v, lse = score.
+        for a in 0..3 {
+            for c in 0..5 {
+                assert_eq!(out.output[[3, a, c]], v[[3, a, c]]);
+            }
+            let s: f64 = (0..5).map(|c| q[[3, a, c]] * k[[3, a, c]]).sum::<f64>() * scale;
+            assert!((out.lse[[a, 3]] - s).abs() <= 1e-15 * s.abs().max(1.0));
+        }
+    }
+}
+
+#[test]
+fn masked_attention_gradients_match_finite_differences_and_empty_rows_are_zero() {
+    // Sequence ids [1, 1, 2, 0, 2]: block-diagonal mask, the padding query 3
+    // has no key (FAULTS.md P8).
+    let ids = [1, 1, 2, 0, 2];
+    let mask = Array2::from_shape_fn((5, 5), |(i, j)| ids[i] != 0 && ids[i] == ids[j]);
+    let (q, k, v, go) = (
+        random3(5, 2, 3, 5),
+        random3(5, 2, 3, 6),
+        random3(5, 2, 3, 7),
+        random3(5, 2, 3, 8),
+    );
+    let fwd = |q: &Array3<f64>, k: &Array3<f64>, v: &Array3<f64>| {
+        masked_attention(q.view(), k.view(), v.view(), mask.view(), 0.5).unwrap()
+    };
+    let out = fwd(&q, &k, &v);
+    let grads = masked_attention_backward(
+        q.view(),
+        k.view(),
+        v.view(),
+        mask.view(),
+        0.5,
+        &out,
+        go.view(),
+    )
+    .unwrap();
+    attention_fd("masked", &q, &k, &v, &go, &fwd, &grads);
+    for a in 0..2 {
+        assert_eq!(out.lse[[a, 3]], f64::NEG_INFINITY);
+        for c in 0..3 {
+            assert_eq!(out.output[[3, a, c]], 0.0, "P8: padding row output");
+            assert_eq!(grads.grad_q[[3, a, c]], 0.0, "P8: padding row grad_q");
+            assert_eq!(grads.grad_k[[3, a, c]], 0.0, "masked key grad_k");
+            assert_eq!(grads.grad_v[[3, a, c]], 0.0, "masked key grad_v");
+        }
+    }
+    assert!(out.output.iter().all(|x| x.is_finite()));
+    // P2: changing the tokens of sequence 1 leaves sequence 2's outputs unchanged.
+    let mut q2 = q.clone();
+    let mut v2 = v.clone();
+    q2.index_axis_mut(ndarray::Axis(0), 0).fill(3.0);
+    v2.index_axis_mut(ndarray::Axis(0), 1).fill(-2.0);
+    let out2 = fwd(&q2, &k, &v2);
+    for i in [2, 4] {
+        assert_eq!(
+            out2.output.index_axis(ndarray::Axis(0), i),
+            out.output.index_axis(ndarray::Axis(0), i)
+        );
+    }
+    assert_ne!(
+        out2.output.index_axis(ndarray::Axis(0), 0),
+        out.output.index_axis(ndarray::Axis(0), 0)
+    );
+    // The probabilities (an exposed intermediate) are rows of a softmax or all 0.
+    let p = masked_attention_probs(q.view(), k.view(), mask.view(), 0.5).unwrap();
+    for a in 0..2 {
+        for i in 0..5 {
+            let sum: f64 = (0..5).map(|j| p[[a, i, j]]).sum();
+            let want = if ids[i] == 0 { 0.0 } else { 1.0 };
+            assert!((sum - want).abs() < 1e-14, "row {i} sums to {sum}");
+        }
+    }
+}
+
+#[test]
+fn dense_and_varlen_attention_agree_bit_for_bit() {
+    // Segments of 2 and 3 tokens padded into rows of 4: the same sums in the same order.
+    let (q, k, v) = (
+        random3(5, 2, 3, 9),
+        random3(5, 2, 3, 10),
+        random3(5, 2, 3, 11),
+    );
+    let var = varlen_attention(q.view(), k.view(), v.view(), &[0, 2, 5], false, 0.6).unwrap();
+    for (seg, range) in [(0usize, 0..2usize), (1, 2..5)] {
+        let len = range.len();
+        let pad = |x: &Array3<f64>| {
+            Array3::from_shape_fn((4, 2, 3), |(i, a, c)| {
+                if i < len {
+                    x[[range.start + i, a, c]]
+                } else {
+                    9.0
+                }
+            })
+        };
+        let mask = Array2::from_shape_fn((4, 4), |(_, j)| j < len);
+        let dense = masked_attention(
+            pad(&q).view(),
+            pad(&k).view(),
+            pad(&v).view(),
+            mask.view(),
+            0.6,
+        )
+        .unwrap();
+        for i in 0..len {
+            for a in 0..2 {
+                assert_eq!(
+                    dense.lse[[a, i]],
+                    var.lse[[a, range.start + i]],
+                    "segment {seg}"
+                );
+                for c in 0..3 {
+                    assert_eq!(dense.output[[i, a, c]], var.output[[range.start + i, a, c]]);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn bad_attention_inputs_are_typed_errors() {
+    let q = random3(4, 1, 2, 1);
+    let e = varlen_attention(q.view(), q.view(), q.view(), &[0, 3, 2, 4], false, 1.0).unwrap_err();
+    assert_eq!(e.kind(), "invalid_argument");
+    assert!(e.to_string().contains("cu_seqlens[2]"), "{e}");
+    let e = varlen_attention(q.view(), q.view(), q.view(), &[0, 3], false, 1.0).unwrap_err();
+    assert!(e.to_string().contains("cu_seqlens[1]"), "{e}");
+    let e = varlen_attention(q.view(), q.view(), q.view(), &[1, 4], false, 1.0).unwrap_err();
+    assert!(e.to_string().contains("cu_seqlens[0]"), "{e}");
+    let k = random3(3, 1, 2, 2);
+    let e = varlen_attention(q.view(), k.view(), q.view(), &[0, 4], false, 1.0).unwrap_err();
+    assert_eq!(e.kind(), "shape_mismatch");
+}
+
+#[test]
+fn gelu_is_the_exact_erf_form() {
+    // x * Phi(x) with Phi(1) = 0.841344746068542948..., Phi(-1) = 1 - Phi(1).
+    assert!((gelu(1.0) - 0.841_344_746_068_543).abs() < 1e-15);
+    assert!((gelu(-1.0) + 0.158_655_253_931_457).abs() < 1e-15);
+    assert_eq!(gelu(0.0), 0.0);
+    // The tanh approximation differs at x = 1 by ~1.6e-4: not what we compute.
+    let tanh_form = 0.5 * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (1.0 + 0.044715)).tanh());
+    assert!((gelu(1.0) - tanh_form).abs() > 1e-5);
+    for x in [-3.0, -0.5, 0.3, 2.0] {
+        let fd = (gelu(x + 1e-6) - gelu(x - 1e-6)) / 2e-6;
+        assert!((fd - gelu_grad(x)).abs() < 1e-8, "gelu'({x})");
+    }
+}
+
+#[test]
+fn padded_and_packed_model_agree_and_losses_follow_the_reduction() {
+    let model = BertModel::random(tiny(), 3).unwrap();
+    let t = targets();
+    let counts = t.mlm_counts();
+    assert_eq!(counts, vec![2, 0, 1, 3]);
+    for reduction in Reduction::ALL {
+        let w = LossWeights::new(&t, reduction);
+        let outs: Vec<BertOutput> = batches()
+            .iter()
+            .map(|(_, b)| model.run(b, &t, &w, true).unwrap())
+            .collect();
+        let per_token: Vec<Vec<f64>> = outs[0]
+            .sequences
+            .iter()
+            .map(|s| s.mlm_losses.clone())
+            .collect();
+        // Per-token mean over 6 tokens, or mean over 3 sequences of their means.
+        let flat: Vec<f64> = per_token.iter().flatten().copied().collect();
+        let want = match reduction {
+            Reduction::PerToken => flat.iter().sum::<f64>() / 6.0,
+            Reduction::PerSequence => {
+                ((per_token[0][0] + per_token[0][1]) / 2.0
+                    + per_token[2][0]
+                    + (per_token[3][0] + per_token[3][1] + per_token[3][2]) / 3.0)
+                    / 3.0
+            }
+        };
+        assert!((outs[0].mlm_loss - want).abs() < 1e-14);
+        assert!((outs[0].mlm_loss_under(reduction) - want).abs() < 1e-14);
+        for o in &outs[1..] {
+            assert!((o.loss - outs[0].loss).abs() <= 1e-13 * outs[0].loss.abs());
+            for (a, b) in o.sequences.iter().zip(&outs[0].sequences) {
+                assert_eq!(a.hidden.dim(), b.hidden.dim());
+                for (x, y) in a.hidden.iter().zip(&b.hidden) {
+                    assert!((x - y).abs() < 1e-12);
+                }
+            }
+        }
+    }
+    // The empty sequence has no rows and no pooled output.
+    let o = model.encode(&batches()[0].1).unwrap();
+    assert_eq!(o.sequences[1].hidden.dim(), (0, 8));
+    assert!(o.sequences[1].pooled.is_none());
+    assert!(o.sequences[0].pooled.is_some());
+}
+
+#[test]
+fn bad_model_inputs_are_typed_errors() {
+    let model = BertModel::random(tiny(), 3).unwrap();
+    let b = TokenBatch::padded(&[vec![1, 11]], None, 4, 0, 0).unwrap();
+    let e = model.encode(&b).unwrap_err();
+    assert_eq!(e.kind(), "index_out_of_range");
+    assert!(e.to_string().contains("input_ids[1] = 11"), "{e}");
+    let e = TokenBatch::padded(&[vec![1, 2, 3]], None, 2, 0, 0).unwrap_err();
+    assert_eq!(e.kind(), "sequence_too_long");
+    // Positions past max_position_embeddings (12).
+    let b = TokenBatch::padded(&[vec![1]], None, 4, 0, 10).unwrap();
+    let e = model.encode(&b).unwrap_err();
+    assert!(e.to_string().contains("position_ids[2] = 12"), "{e}");
+    // A label on an empty sequence's NSP, or a label outside the vocabulary.
+    let b = TokenBatch::padded(&[vec![1], vec![]], None, 2, 0, 0).unwrap();
+    let t = Targets {
+        mlm_labels: vec![vec![-100], vec![]],
+        nsp_labels: vec![0, 1],
+    };
+    let e = model
+        .run(&b, &t, &LossWeights::new(&t, Reduction::PerToken), false)
+        .unwrap_err();
+    assert!(e.to_string().contains("nsp_labels[1]"), "{e}");
+    let t = Targets {
+        mlm_labels: vec![vec![11], vec![]],
+        nsp_labels: vec![0, -100],
+    };
+    let e = model
+        .run(&b, &t, &LossWeights::new(&t, Reduction::PerToken), false)
+        .unwrap_err();
+    assert!(e.to_string().contains("mlm_labels[0][0] = 11"), "{e}");
+    // Split sequences cannot be run as BERT sequences.
+    let config =
+        PackingConfig::new(Algorithm::Spfhp, 2).with_overlong(crate::packing::Overlong::Split);
+    let (_, packed) = PackedBatch::from_sequences(&[vec![1, 2, 3]], &config, 0, 0).unwrap();
+    let e = TokenBatch::packed(&packed, 1, None, PackedAttention::Varlen).unwrap_err();
+    assert!(e.to_string().contains("more than one segment"), "{e}");
+    // Configs.
+    let mut c = tiny();
+    c.num_attention_heads = 3;
+    assert!(c
+        .validate()
+        .unwrap_err()
+        .to_string()
+        .contains("num_attention_heads"));
+    // The parameter count is exact and bounded before anything is allocated.
+    assert_eq!(
+        tiny().num_parameters(),
+        BertParams::zeros(&tiny()).num_values()
+    );
+    let mut huge = tiny();
+    huge.vocab_size = 1 << 22;
+    huge.hidden_size = 1 << 16;
+    huge.num_attention_heads = 1;
+    assert!(huge
+        .validate()
+        .unwrap_err()
+        .to_string()
+        .contains("parameters"));
+    let e = BertConfig::from_json("config.json", r#"{"vocab_size": 5}"#).unwrap_err();
+    assert_eq!(e.kind(), "invalid_argument");
+}
+
+#[test]
+fn safetensors_round_trip_and_missing_heads_are_seeded() {
+    use safetensors::tensor::{serialize, TensorView};
+    let config = tiny();
+    let src = BertParams::random(&config, 5);
+    // Store the encoder (not the heads) as f32, with HF names, like MiniLM.
+    let mut bufs: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    for (name, t) in src.named() {
+        if weights::is_pretraining_head(&name) {
+            continue;
+        }
+        let bytes: Vec<u8> = t.iter().flat_map(|&v| (v as f32).to_le_bytes()).collect();
+        bufs.push((name, t.shape().to_vec(), bytes));
+    }
+    let views: Vec<(String, TensorView)> = bufs
+        .iter()
+        .map(|(n, s, b)| {
+            (
+                n.clone(),
+                TensorView::new(safetensors::Dtype::F32, s.clone(), b).unwrap(),
+            )
+        })
+        .collect();
+    let bytes = serialize(views, None).unwrap();
+    let (p, init) = BertParams::from_safetensors(&config, &bytes, 42).unwrap();
+    assert_eq!(init.len(), 7, "{init:?}");
+    assert!(init.iter().all(|n| n.starts_with("cls.")));
+    assert_eq!(
+        p.word_embeddings[[3, 2]],
+        src.word_embeddings[[3, 2]] as f32 as f64
+    );
+    assert_eq!(p.pooler_w, src.pooler_w.mapv(|v| v as f32 as f64));
+    assert!(p.mlm_ln_g.iter().all(|&g| g == 1.0) && p.mlm_bias.iter().all(|&b| b == 0.0));
+    let std = (p.mlm_dense_w.iter().map(|x| x * x).sum::<f64>() / 64.0).sqrt();
+    assert!(
+        std > 0.01 && std < 0.03,
+        "initializer_range 0.02, got {std}"
+    );
+    // Deterministic in the seed.
+    let (p2, _) = BertParams::from_safetensors(&config, &bytes, 42).unwrap();
+    assert_eq!(p, p2);
+    let (p3, _) = BertParams::from_safetensors(&config, &bytes, 43).unwrap();
+    assert_ne!(p.nsp_w, p3.nsp_w);
+    // A wrong shape names the tensor.
+    let mut c2 = config.clone();
+    c2.intermediate_size = 17;
+    let e = BertParams::from_safetensors(&c2, &bytes, 42).unwrap_err();
+    assert_eq!(e.kind(), "shape_mismatch");
+    assert!(
+        e.to_string()
+            .contains("encoder.layer.0.intermediate.dense.weight"),
+        "{e}"
+    );
+    let e = BertParams::from_safetensors(&config, b"not a file", 42).unwrap_err();
+    assert_eq!(e.kind(), "invalid_argument");
+}

@@ -1,0 +1,426 @@
+//! BERT parameters: the tensors, their Hugging Face names, loading from
+//! `model.safetensors`, and seeded initialisation.
+//!
+//! Weights follow `torch.nn.Linear` (`[out, in]`); names are those of
+//! Hugging Face's `BertForPreTraining` without the `bert.` prefix (which the
+//! loader also accepts). The MLM decoder weight is tied to
+//! `embeddings.word_embeddings.weight` and has no tensor of its own.
+
+use ndarray::{Array1, Array2, ArrayViewD, ArrayViewMutD};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use safetensors::{Dtype, SafeTensors};
+
+use super::config::BertConfig;
+use crate::error::{Error, Result};
+
+/// The parameters of one encoder layer. `hidden` = `hidden_size`, `inter` =
+/// `intermediate_size`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LayerParams {
+    /// `attention.self.query.weight: [hidden, hidden]`.
+    pub query_w: Array2<f64>,
+    /// `attention.self.query.bias: [hidden]`.
+    pub query_b: Array1<f64>,
+    /// `attention.self.key.weight: [hidden, hidden]`.
+    pub key_w: Array2<f64>,
+    /// `attention.self.key.bias: [hidden]`.
+    pub key_b: Array1<f64>,
+    /// `attention.self.value.weight: [hidden, hidden]`.
+    pub value_w: Array2<f64>,
+    /// `attention.self.value.bias: [hidden]`.
+    pub value_b: Array1<f64>,
+    /// `attention.output.dense.weight: [hidden, hidden]`.
+    pub attn_out_w: Array2<f64>,
+    /// `attention.output.dense.bias: [hidden]`.
+    pub attn_out_b: Array1<f64>,
+    /// `attention.output.LayerNorm.weight: [hidden]`.
+    pub attn_ln_g: Array1<f64>,
+    /// `attention.output.LayerNorm.bias: [hidden]`.
+    pub attn_ln_b: Array1<f64>,
+    /// `intermediate.dense.weight: [inter, hidden]`.
+    pub inter_w: Array2<f64>,
+    /// `intermediate.dense.bias: [inter]`.
+    pub inter_b: Array1<f64>,
+    /// `output.dense.weight: [hidden, inter]`.
+    pub out_w: Array2<f64>,
+    /// `output.dense.bias: [hidden]`.
+    pub out_b: Array1<f64>,
+    /// `output.LayerNorm.weight: [hidden]`.
+    pub out_ln_g: Array1<f64>,
+    /// `output.LayerNorm.bias: [hidden]`.
+    pub out_ln_b: Array1<f64>,
+}
+
+/// All parameters of BERT with its pre-training heads (also used, with the
+/// same shapes, to hold their gradients).
+#[derive(Debug, Clone, PartialEq)]
+pub struct BertParams {
+    /// `embeddings.word_embeddings.weight: [v, hidden]` (also the MLM decoder weight).
+    pub word_embeddings: Array2<f64>,
+    /// `embeddings.position_embeddings.weight: [max_position_embeddings, hidden]`.
+    pub position_embeddings: Array2<f64>,
+    /// `embeddings.token_type_embeddings.weight: [type_vocab_size, hidden]`.
+    pub token_type_embeddings: Array2<f64>,
+    /// `embeddings.LayerNorm.weight: [hidden]`.
+    pub emb_ln_g: Array1<f64>,
+    /// `embeddings.LayerNorm.bias: [hidden]`.
+    pub emb_ln_b: Array1<f64>,
+    /// `encoder.layer.{i}.*`.
+    pub layers: Vec<LayerParams>,
+    /// `pooler.dense.weight: [hidden, hidden]`.
+    pub pooler_w: Array2<f64>,
+    /// `pooler.dense.bias: [hidden]`.
+    pub pooler_b: Array1<f64>,
+    /// `cls.predictions.transform.dense.weight: [hidden, hidden]`.
+    pub mlm_dense_w: Array2<f64>,
+    /// `cls.predictions.transform.dense.bias: [hidden]`.
+    pub mlm_dense_b: Array1<f64>,
+    /// `cls.predictions.transform.LayerNorm.weight: [hidden]`.
+    pub mlm_ln_g: Array1<f64>,
+    /// `cls.predictions.transform.LayerNorm.bias: [hidden]`.
+    pub mlm_ln_b: Array1<f64>,
+    /// `cls.predictions.bias: [v]`, the decoder bias.
+    pub mlm_bias: Array1<f64>,
+    /// `cls.seq_relationship.weight: [2, hidden]`.
+    pub nsp_w: Array2<f64>,
+    /// `cls.seq_relationship.bias: [2]`.
+    pub nsp_b: Array1<f64>,
+}
+
+macro_rules! named_tensors {
+    ($s:expr, $view:ident, $iter:ident) => {{
+        let mut out = vec![
+            (
+                "embeddings.word_embeddings.weight".to_string(),
+                $s.word_embeddings.$view().into_dyn(),
+            ),
+            (
+                "embeddings.position_embeddings.weight".to_string(),
+                $s.position_embeddings.$view().into_dyn(),
+            ),
+            (
+                "embeddings.token_type_embeddings.weight".to_string(),
+                $s.token_type_embeddings.$view().into_dyn(),
+            ),
+            (
+                "embeddings.LayerNorm.weight".to_string(),
+                $s.emb_ln_g.$view().into_dyn(),
+            ),
+            (
+                "embeddings.LayerNorm.bias".to_string(),
+                $s.emb_ln_b.$view().into_dyn(),
+            ),
+        ];
+        for (i, l) in $s.layers.$iter().enumerate() {
+            let p = format!("encoder.layer.{i}.");
+            out.push((
+                format!("{p}attention.self.query.weight"),
+                l.query_w.$view().into_dyn(),
+            ));
+            out.push((
+                format!("{p}attention.self.query.bias"),
+                l.query_b.$view().into_dyn(),
+            ));
+            out.push((
+                format!("{p}attention.self.key.weight"),
+                l.key_w.$view().into_dyn(),
+            ));
+            out.push((
+                format!("{p}attention.self.key.bias"),
+                l.key_b.$view().into_dyn(),
+            ));
+            out.push((
+                format!("{p}attention.self.value.weight"),
+                l.value_w.$view().into_dyn(),
+            ));
+            out.push((
+                format!("{p}attention.self.value.bias"),
+                l.value_b.$view().into_dyn(),
+            ));
+            out.push((
+                format!("{p}attention.output.dense.weight"),
+                l.attn_out_w.$view().into_dyn(),
+            ));
+            out.push((
+                format!("{p}attention.output.dense.bias"),
+                l.attn_out_b.$view().into_dyn(),
+            ));
+            out.push((
+                format!("{p}attention.output.LayerNorm.weight"),
+                l.attn_ln_g.$view().into_dyn(),
+            ));
+            out.push((
+                format!("{p}attention.output.LayerNorm.bias"),
+                l.attn_ln_b.$view().into_dyn(),
+            ));
+            out.push((
+                format!("{p}intermediate.dense.weight"),
+                l.inter_w.$view().into_dyn(),
+            ));
+            out.push((
+                format!("{p}intermediate.dense.bias"),
+                l.inter_b.$view().into_dyn(),
+            ));
+            out.push((
+                format!("{p}output.dense.weight"),
+                l.out_w.$view().into_dyn(),
+            ));
+            out.push((format!("{p}output.dense.bias"), l.out_b.$view().into_dyn()));
+            out.push((
+                format!("{p}output.LayerNorm.weight"),
+                l.out_ln_g.$view().into_dyn(),
+            ));
+            out.push((
+                format!("{p}output.LayerNorm.bias"),
+                l.out_ln_b.$view().into_dyn(),
+            ));
+        }
+        out.push((
+            "pooler.dense.weight".to_string(),
+            $s.pooler_w.$view().into_dyn(),
+        ));
+        out.push((
+            "pooler.dense.bias".to_string(),
+            $s.pooler_b.$view().into_dyn(),
+        ));
+        out.push((
+            "cls.predictions.transform.dense.weight".to_string(),
+            $s.mlm_dense_w.$view().into_dyn(),
+        ));
+        out.push((
+            "cls.predictions.transform.dense.bias".to_string(),
+            $s.mlm_dense_b.$view().into_dyn(),
+        ));
+        out.push((
+            "cls.predictions.transform.LayerNorm.weight".to_string(),
+            $s.mlm_ln_g.$view().into_dyn(),
+        ));
+        out.push((
+            "cls.predictions.transform.LayerNorm.bias".to_string(),
+            $s.mlm_ln_b.$view().into_dyn(),
+        ));
+        out.push((
+            "cls.predictions.bias".to_string(),
+            $s.mlm_bias.$view().into_dyn(),
+        ));
+        out.push((
+            "cls.seq_relationship.weight".to_string(),
+            $s.nsp_w.$view().into_dyn(),
+        ));
+        out.push((
+            "cls.seq_relationship.bias".to_string(),
+            $s.nsp_b.$view().into_dyn(),
+        ));
+        out
+    }};
+}
+
+/// How [`BertParams::init`] fills a tensor.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Fill {
+    /// Uniform in `[-a, a]`.
+    Uniform(f64),
+    /// `c + Uniform[-a, a]`.
+    Around(f64, f64),
+}
+
+impl LayerParams {
+    fn zeros(c: &BertConfig) -> Self {
+        let (h, i) = (c.hidden_size, c.intermediate_size);
+        LayerParams {
+            query_w: Array2::zeros((h, h)),
+            query_b: Array1::zeros(h),
+            key_w: Array2::zeros((h, h)),
+            key_b: Array1::zeros(h),
+            value_w: Array2::zeros((h, h)),
+            value_b: Array1::zeros(h),
+            attn_out_w: Array2::zeros((h, h)),
+            attn_out_b: Array1::zeros(h),
+            attn_ln_g: Array1::zeros(h),
+            attn_ln_b: Array1::zeros(h),
+            inter_w: Array2::zeros((i, h)),
+            inter_b: Array1::zeros(i),
+            out_w: Array2::zeros((h, i)),
+            out_b: Array1::zeros(h),
+            out_ln_g: Array1::zeros(h),
+            out_ln_b: Array1::zeros(h),
+        }
+    }
+}
+
+/// Whether a tensor name belongs to a head that `BertModel` checkpoints lack
+/// (MLM transform and bias, NSP).
+pub fn is_pretraining_head(name: &str) -> bool {
+    name.starts_with("cls.")
+}
+
+impl BertParams {
+    /// All-zero parameters of `config`'s shapes (also a zero gradient).
+    ///
+    /// The caller bounds the sizes with [`BertConfig::validate`].
+    pub fn zeros(config: &BertConfig) -> Self {
+        let h = config.hidden_size;
+        BertParams {
+            word_embeddings: Array2::zeros((config.vocab_size, h)),
+            position_embeddings: Array2::zeros((config.max_position_embeddings, h)),
+            token_type_embeddings: Array2::zeros((config.type_vocab_size, h)),
+            emb_ln_g: Array1::zeros(h),
+            emb_ln_b: Array1::zeros(h),
+            layers: (0..config.num_hidden_layers)
+                .map(|_| LayerParams::zeros(config))
+                .collect(),
+            pooler_w: Array2::zeros((h, h)),
+            pooler_b: Array1::zeros(h),
+            mlm_dense_w: Array2::zeros((h, h)),
+            mlm_dense_b: Array1::zeros(h),
+            mlm_ln_g: Array1::zeros(h),
+            mlm_ln_b: Array1::zeros(h),
+            mlm_bias: Array1::zeros(config.vocab_size),
+            nsp_w: Array2::zeros((2, h)),
+            nsp_b: Array1::zeros(2),
+        }
+    }
+
+    /// Every tensor with its Hugging Face name, in a fixed order.
+    pub fn named(&self) -> Vec<(String, ArrayViewD<'_, f64>)> {
+        named_tensors!(self, view, iter)
+    }
+
+    /// Every tensor, mutable, in the order of [`BertParams::named`].
+    pub fn named_mut(&mut self) -> Vec<(String, ArrayViewMutD<'_, f64>)> {
+        named_tensors!(self, view_mut, iter_mut)
+    }
+
+    /// Random parameters for tests, deterministic in `seed` (ChaCha8): matrices
+    /// uniform with variance `1 / fan_in` (embeddings: uniform in [-1, 1]),
+    /// biases in [-0.1, 0.1], LayerNorm gains in [0.8, 1.2]. Every tensor is
+    /// non-zero, so every gradient path is exercised.
+    pub fn random(config: &BertConfig, seed: u64) -> Self {
+        let mut p = BertParams::zeros(config);
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        for (name, mut t) in p.named_mut() {
+            let fill = if name.contains("embeddings.") && name.ends_with(".weight") && t.ndim() == 2
+            {
+                Fill::Uniform(1.0)
+            } else if name.contains("LayerNorm.weight") {
+                Fill::Around(1.0, 0.2)
+            } else if t.ndim() == 2 {
+                Fill::Uniform((3.0 / t.shape()[1] as f64).sqrt())
+            } else {
+                Fill::Uniform(0.1)
+            };
+            fill_tensor(&mut t, fill, &mut rng);
+        }
+        p
+    }
+
+    /// Loads a `model.safetensors` image (`bytes`) for `config`.
+    ///
+    /// Tensors are read by name (with or without the `bert.` prefix), must
+    /// have the shapes of `config`, and may be F32 or F64 (converted to f64).
+    /// The pre-training heads that `BertModel` checkpoints lack (`cls.*`: MLM
+    /// transform, decoder bias, NSP) are initialised as Hugging Face's
+    /// `_init_weights` does, from a ChaCha8 RNG seeded with `seed`: weights
+    /// uniform with standard deviation `initializer_range` (uniform rather than
+    /// normal so the reference needs no distribution crate), biases 0,
+    /// LayerNorm gains 1. The decoder weight is tied to the word embeddings,
+    /// so MLM logits use the real embedding matrix. Returns the parameters and
+    /// the names that were initialised.
+    ///
+    /// # Errors
+    /// [`Error::Parse`] for an unreadable file; [`Error::InvalidArgument`]
+    /// naming the tensor for a missing encoder tensor or an unsupported dtype;
+    /// [`Error::ShapeMismatch`] naming the tensor for a wrong shape.
+    pub fn from_safetensors(
+        config: &BertConfig,
+        bytes: &[u8],
+        seed: u64,
+    ) -> Result<(Self, Vec<String>)> {
+        config.validate()?;
+        let st = SafeTensors::deserialize(bytes).map_err(|e| Error::Parse {
+            source_name: "model.safetensors".into(),
+            line: 0,
+            message: e.to_string(),
+        })?;
+        let mut p = BertParams::zeros(config);
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let mut initialised = Vec::new();
+        for (name, mut t) in p.named_mut() {
+            let view = st
+                .tensor(&name)
+                .or_else(|_| st.tensor(&format!("bert.{name}")));
+            let view = match view {
+                Ok(v) => v,
+                Err(_) if is_pretraining_head(&name) => {
+                    let fill = if name.ends_with("LayerNorm.weight") {
+                        Fill::Around(1.0, 0.0)
+                    } else if t.ndim() == 2 {
+                        Fill::Uniform(config.initializer_range * 3f64.sqrt())
+                    } else {
+                        Fill::Around(0.0, 0.0)
+                    };
+                    fill_tensor(&mut t, fill, &mut rng);
+                    initialised.push(name);
+                    continue;
+                }
+                Err(_) => {
+                    return Err(Error::invalid(
+                        name,
+                        "tensor missing from model.safetensors",
+                    ))
+                }
+            };
+            if view.shape() != t.shape() {
+                return Err(Error::ShapeMismatch {
+                    field: name,
+                    expected: format!("{:?} (from config.json)", t.shape()),
+                    actual: view.shape().to_vec(),
+                });
+            }
+            let data = view.data();
+            match view.dtype() {
+                Dtype::F32 => {
+                    for (dst, chunk) in t.iter_mut().zip(data.chunks_exact(4)) {
+                        *dst = f32::from_le_bytes([chunk[0], chunk[1], chunk[2], chunk[3]]) as f64;
+                    }
+                }
+                Dtype::F64 => {
+                    for (dst, chunk) in t.iter_mut().zip(data.chunks_exact(8)) {
+                        let mut b = [0u8; 8];
+                        b.copy_from_slice(chunk);
+                        *dst = f64::from_le_bytes(b);
+                    }
+                }
+                other => {
+                    return Err(Error::invalid(
+                        name,
+                        format!("dtype {other:?} is not supported (F32 or F64)"),
+                    ))
+                }
+            }
+            if let Some(index) = t.iter().position(|v| !v.is_finite()) {
+                return Err(Error::NonFiniteInput {
+                    field: name,
+                    index,
+                    value: t.iter().nth(index).copied().unwrap_or(f64::NAN),
+                });
+            }
+        }
+        Ok((p, initialised))
+    }
+
+    /// Total number of scalars.
+    pub fn num_values(&self) -> usize {
+        self.named().iter().map(|(_, t)| t.len()).sum()
+    }
+}
+
+fn fill_tensor(t: &mut ArrayViewMutD<f64>, fill: Fill, rng: &mut ChaCha8Rng) {
+    for v in t.iter_mut() {
+        *v = match fill {
+            Fill::Uniform(a) => a * (2.0 * rng.random::<f64>() - 1.0),
+            Fill::Around(c, a) => c + a * (2.0 * rng.random::<f64>() - 1.0),
+        };
+    }
+}
