@@ -45,34 +45,32 @@ pub const MAX_HEADS: usize = 4;
 pub const MAX_HEAD_DIM: usize = 8;
 
 /// The tolerance rule of the attention comparison, in words (see
-/// [`AttentionTerms`]): element `x` of a segment's tensor passes when
-/// `|actual - expected| <= tol.rel |expected| + tol.abs T`, `T` the magnitude
-/// of the terms that tensor is made of in that segment (at least its own
-/// largest value).
-pub const ATTENTION_TERMS: &str = "|actual - expected| <= rel |expected| + abs T, T the magnitude of the terms of the tensor in its segment (output: V A; lse: A; grad_v: L G A; grad_q: 2 c d L G V K A; grad_k: 2 c d L G V Q A; A = 1 + 2 S + L, S = c d Q K)";
+/// [`AttentionTerms`]).
+pub const ATTENTION_TERMS: &str = "|actual - expected| <= rel |expected| + abs T, T the largest running error bound (in ulp) of the tensor in its segment: the terms of every sum, each probability weighted by its own rounding";
 
-/// The magnitude of the terms of each attention output in one segment, from
-/// the segment's inputs: `Q, K, V, G` the largest `|q|, |k|, |v|,
-/// |grad_output|`, `L` its length, `d` the head dim, `c = |scale|`.
+/// The magnitude of the terms of each attention output of one segment: a
+/// running error bound, in units of the f64 epsilon, of the softmax
+/// attention computed from the segment's inputs (its largest element per
+/// tensor). A tolerance `64 x eps x T` (the project's 64 ulp of the terms)
+/// then holds any f64 implementation that rounds differently — another
+/// summation order, the scale applied before or after the dot product, an
+/// online softmax — and nothing that computes something else.
 ///
-/// A score `s = c q.k` is bounded by `S = c d Q K` and is rounded
-/// relative to that bound, and so is the row maximum subtracted from it;
-/// each probability `exp(s - m) / l` therefore carries a relative error of
-/// about `2 S + L` ulp (the two roundings and the sum of `L` terms in `l`):
-/// its amplification `A = 1 + 2 S + L`. From there, as for any sum:
+/// Per query `i` (one head), with `a_j = |scale| d sum_c |q_ic k_jc|` the
+/// rounding of score `s_j` and `p_j` its probability:
 ///
-/// - `output = sum_j p_j v_j`: `V A`;
-/// - `lse = m + ln l`: `A` (plus `|lse|`, covered by the relative part);
-/// - `grad_v_j = sum_i p_ij dO_i`: `L G A`;
-/// - `grad_q_i = c sum_j p_ij (dO_i.v_j - D_i) k_j` with `|dO.v|, |D| <= d G V`:
-///   `2 c d L G V K A`; `grad_k` the same with `Q`.
+/// - a probability moves by `b_j = p_j ((1 - p_j) a_j + sum_{k != j} p_k a_k
+///   + L + 3)` (a shift common to every score cancels; `L` for the sum `l`);
+/// - `output_c`: `sum_j ((L + 1) p_j + b_j) |v_jc|`;
+/// - `lse`: `|lse| + sum_j p_j a_j + L`;
+/// - `dS_j = p_j (dO.v_j - D)`, with `D = dO.O`: `b_j |dO.v_j - D| + p_j (d
+///   sum_c |dO_c v_jc| + D's terms + (L + 1) |dO.v_j - D|)`;
+/// - `grad_q_c = scale sum_j dS_j k_jc`: `|scale| sum_j (dS_j's terms)
+///   |k_jc|`; `grad_k` the same with `|q_ic|` summed over queries;
+///   `grad_v_jc`: `sum_i ((L + 1) p_ij + b_ij) |dO_ic|`.
 ///
-/// These are upper bounds for an f64 implementation that rounds differently
-/// (another summation order, scale applied before or after the dot
-/// product); the same bounds scaled by a lower precision's tolerance hold a
-/// lower-precision kernel. A planted fault (a leak across segments, a
-/// missing scale) moves values by their own size, far above them.
-#[derive(Debug, Clone, Copy, PartialEq)]
+/// Empty segments have no terms (and no rows).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct AttentionTerms {
     /// Of `output: [L, h, d]`.
     pub output: f64,
@@ -87,28 +85,79 @@ pub struct AttentionTerms {
 }
 
 impl AttentionTerms {
-    /// The terms of one segment: `q, k, v, grad_output: [L, h, d]`.
+    /// The terms of one segment: `q, k, v, grad_output: [L, h, d]`, keys after
+    /// the query masked when `causal`.
     pub fn of(
         q: ArrayView3<f64>,
         k: ArrayView3<f64>,
         v: ArrayView3<f64>,
         grad_output: ArrayView3<f64>,
         scale: f64,
+        causal: bool,
     ) -> Self {
-        let max = |x: &ArrayView3<f64>| x.iter().fold(0.0f64, |m, v| m.max(v.abs()));
-        let (len, _, d) = q.dim();
-        let (qm, km, vm, gm) = (max(&q), max(&k), max(&v), max(&grad_output));
-        let (c, d, l) = (scale.abs(), d as f64, len as f64);
-        let s = c * d * qm * km;
-        let a = 1.0 + 2.0 * s + l;
-        let dv = 2.0 * c * d * l * gm * vm * a;
-        AttentionTerms {
-            output: vm * a,
-            lse: a,
-            grad_q: dv * km,
-            grad_k: dv * qm,
-            grad_v: l * gm * a,
+        let (len, h, d) = q.dim();
+        let (c, df, lf) = (scale.abs(), d as f64, len as f64);
+        let mut t = AttentionTerms::default();
+        let mut gk = Array3::<f64>::zeros((len, h, d));
+        let mut gv = Array3::<f64>::zeros((len, h, d));
+        for head in 0..h {
+            for i in 0..len {
+                let keys = if causal { i + 1 } else { len };
+                let dot = |x: &ArrayView3<f64>, y: &ArrayView3<f64>, j: usize, abs: bool| {
+                    (0..d)
+                        .map(|x_| {
+                            let v = x[[i, head, x_]] * y[[j, head, x_]];
+                            if abs {
+                                v.abs()
+                            } else {
+                                v
+                            }
+                        })
+                        .sum::<f64>()
+                };
+                let s: Vec<f64> = (0..keys).map(|j| scale * dot(&q, &k, j, false)).collect();
+                let a: Vec<f64> = (0..keys).map(|j| c * df * dot(&q, &k, j, true)).collect();
+                let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
+                let l: f64 = e.iter().sum();
+                let p: Vec<f64> = e.iter().map(|x| x / l).collect();
+                let mean_a: f64 = p.iter().zip(&a).map(|(p, a)| p * a).sum();
+                let b: Vec<f64> = (0..keys)
+                    .map(|j| p[j] * ((1.0 - p[j]) * a[j] + (mean_a - p[j] * a[j]) + lf + 3.0))
+                    .collect();
+                t.lse = t.lse.max((m + l.ln()).abs() + mean_a + lf);
+                let mut o = vec![0.0; d];
+                let mut o_terms = vec![0.0; d];
+                for x in 0..d {
+                    for j in 0..keys {
+                        o[x] += p[j] * v[[j, head, x]];
+                        o_terms[x] += ((lf + 1.0) * p[j] + b[j]) * v[[j, head, x]].abs();
+                    }
+                    t.output = t.output.max(o_terms[x]);
+                }
+                let go = |x: usize| grad_output[[i, head, x]];
+                let dd: f64 = (0..d).map(|x| go(x) * o[x]).sum();
+                let dd_terms: f64 = (0..d)
+                    .map(|x| df * (go(x) * o[x]).abs() + go(x).abs() * o_terms[x])
+                    .sum();
+                let mut gq = vec![0.0; d];
+                for j in 0..keys {
+                    let dp: f64 = (0..d).map(|x| go(x) * v[[j, head, x]]).sum();
+                    let dp_terms: f64 = (0..d).map(|x| df * (go(x) * v[[j, head, x]]).abs()).sum();
+                    let diff = (dp - dd).abs();
+                    let ds = b[j] * diff + p[j] * (dp_terms + dd_terms + (lf + 1.0) * diff);
+                    for x in 0..d {
+                        gq[x] += c * ds * k[[j, head, x]].abs();
+                        gk[[j, head, x]] += c * ds * q[[i, head, x]].abs();
+                        gv[[j, head, x]] += ((lf + 1.0) * p[j] + b[j]) * go(x).abs();
+                    }
+                }
+                t.grad_q = gq.iter().fold(t.grad_q, |m, x| m.max(*x));
+            }
         }
+        t.grad_k = gk.iter().fold(0.0, |m, x| m.max(*x));
+        t.grad_v = gv.iter().fold(0.0, |m, x| m.max(*x));
+        t
     }
 }
 
@@ -527,6 +576,7 @@ fn check_padded(
             rows(&c.v, a, b),
             rows(&c.grad_output, a, b),
             c.scale,
+            false,
         );
         let mine = |x: &Array3<f64>| flat(rows(x, 0, len));
         let theirs = |x: &Array3<f64>| flat(rows(x, a, b));
@@ -666,6 +716,7 @@ fn compare_segments(
             rows(&c.v, a, b),
             rows(&c.grad_output, a, b),
             c.scale,
+            false,
         );
         let shape = [len, h, d];
         let seg = |x: &Array3<f64>| flat(rows(x, a, b));
