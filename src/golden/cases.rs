@@ -63,13 +63,17 @@ fn float_output(
     what: &str,
     lowp: &[f64],
 ) -> Output {
-    let rule = match dtype {
-        Dtype::F64 => Rule::f64_terms(terms.max(max_abs(&expected)), what),
-        _ => Rule::lowp(dtype, max_diff(&expected, lowp), max_abs(&expected)),
+    let (rule, in_dtype) = match dtype {
+        Dtype::F64 => (Rule::f64_terms(terms.max(max_abs(&expected)), what), None),
+        _ => (
+            Rule::lowp(dtype, max_diff(&expected, lowp), max_abs(&expected)),
+            Some(lowp.to_vec()),
+        ),
     };
     Output {
         tensor: Tensor::float(name, shape, expected, Dtype::F64),
         rule,
+        in_dtype,
     }
 }
 
@@ -77,6 +81,7 @@ fn int_output(name: &str, shape: &[usize], values: Vec<i64>, why: &str) -> Outpu
     Output {
         tensor: Tensor::int(name, shape, values),
         rule: Rule::exact(why),
+        in_dtype: None,
     }
 }
 
@@ -123,12 +128,6 @@ pub fn all(dtype: Dtype) -> Result<Vec<GoldenCase>, GoldenError> {
     cases.extend(linear_cases(dtype)?);
     cases.extend(embedding_cases(dtype)?);
     Ok(cases)
-}
-
-/// Cases left out at `dtype`, with why (none yet: every op has a
-/// low-precision reference).
-pub fn omitted(_dtype: Dtype) -> Vec<(&'static str, &'static str)> {
-    Vec::new()
 }
 
 /// `n` seeded lengths in `0..=max` (every seventh empty).
@@ -810,6 +809,7 @@ fn embedding_case(
             Output {
                 tensor: Tensor::float("output", &[n, h], flat(&out), Dtype::F64),
                 rule: Rule::exact("a lookup copies the stored weights"),
+                in_dtype: (dtype != Dtype::F64).then(|| flat(&out)),
             },
             float_output(
                 "grad_weight",

@@ -161,6 +161,9 @@ pub struct Output {
     pub tensor: Tensor,
     /// What it must meet.
     pub rule: Rule,
+    /// For an f32 or bf16 set: the same output computed by the reference in
+    /// that precision ([`lowp`]), whose error the rule is derived from.
+    pub in_dtype: Option<Vec<f64>>,
 }
 
 /// One canonical case of an op.
@@ -218,12 +221,8 @@ impl GoldenCase {
 }
 
 /// The manifest of a golden set: the format, the dtype, the conventions in
-/// words, every case, and the cases left out at this dtype (with why).
+/// words, and every case.
 pub fn manifest(dtype: Dtype, cases: &[GoldenCase]) -> Value {
-    let omitted: Vec<Value> = cases::omitted(dtype)
-        .into_iter()
-        .map(|(name, why)| json!({"name": name, "why": why}))
-        .collect();
     json!({
         "format": FORMAT,
         "generator": format!("packshard {}", env!("CARGO_PKG_VERSION")),
@@ -236,8 +235,53 @@ pub fn manifest(dtype: Dtype, cases: &[GoldenCase]) -> Value {
             "shapes": "n_tok tokens, b segments, h heads, d head dim, n rows, v vocabulary, w >= v columns (padding never read), hidden the hidden size",
         },
         "cases": cases.iter().map(GoldenCase::manifest_entry).collect::<Vec<_>>(),
-        "omitted": omitted,
     })
+}
+
+/// The manifest as written: pretty JSON with lists of numbers on one line.
+pub fn manifest_text(dtype: Dtype, cases: &[GoldenCase]) -> String {
+    let pretty = serde_json::to_string_pretty(&manifest(dtype, cases)).expect("JSON values");
+    compact_lists(&pretty) + "\n"
+}
+
+/// Puts every JSON list without strings, lists or objects in it on one line.
+fn compact_lists(pretty: &str) -> String {
+    let mut out = String::with_capacity(pretty.len());
+    let mut rest = pretty;
+    while let Some(open) = rest.find(['[', '"']) {
+        out.push_str(&rest[..open]);
+        rest = &rest[open..];
+        if rest.starts_with('"') {
+            // Copy a string whole (it may hold brackets).
+            let mut end = 1;
+            let bytes = rest.as_bytes();
+            while end < bytes.len() && bytes[end] != b'"' {
+                end += if bytes[end] == b'\\' { 2 } else { 1 };
+            }
+            let end = (end + 1).min(rest.len());
+            out.push_str(&rest[..end]);
+            rest = &rest[end..];
+            continue;
+        }
+        let close = rest.find(']').unwrap_or(rest.len() - 1);
+        let inner = &rest[1..close];
+        if inner.contains(['[', '{', '"']) {
+            out.push('[');
+            rest = &rest[1..];
+        } else {
+            let items: Vec<&str> = inner
+                .split(',')
+                .map(str::trim)
+                .filter(|x| !x.is_empty())
+                .collect();
+            out.push('[');
+            out.push_str(&items.join(", "));
+            out.push(']');
+            rest = &rest[close + 1..];
+        }
+    }
+    out.push_str(rest);
+    out
 }
 
 /// What [`write`] wrote.
@@ -322,7 +366,7 @@ pub fn write(dir: &Path, dtype: Dtype) -> Result<Written, GoldenError> {
         written.inputs += case.inputs.len();
         written.outputs += case.outputs.len();
     }
-    let text = serde_json::to_string_pretty(&manifest(dtype, &cases)).expect("JSON") + "\n";
+    let text = manifest_text(dtype, &cases);
     written.bytes += write_bytes(&dir.join("manifest.json"), text.as_bytes())?;
     Ok(written)
 }
