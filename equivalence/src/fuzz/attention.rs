@@ -57,12 +57,18 @@ pub const ATTENTION_TERMS: &str = "|actual - expected| <= rel |expected| + abs T
 /// online softmax — and nothing that computes something else.
 ///
 /// Per query `i` (one head), with `a_j = |scale| d sum_c |q_ic k_jc|` the
-/// rounding of score `s_j` and `p_j` its probability:
+/// rounding of score `s_j`, `m` the row maximum, `l` its `lse` and `p_j` the
+/// probabilities:
 ///
-/// - a probability moves by `b_j = p_j ((1 - p_j) a_j + sum_{k != j} p_k a_k
-///   + L + 3)` (a shift common to every score cancels; `L` for the sum `l`);
+/// - a probability carries a relative error of `r_j = a_j + max_k a_k + |l|
+///   + |s_j - l| + L + 3` ulp: its score's rounding and the maximum's, `lse`
+///   rounded relative to its own size and the `L` terms of its sum, and the
+///   subtraction in `exp(s_j - lse)` — the form flash-attention and the
+///   reference use, in which nothing renormalises the probabilities, so a
+///   score of 5000 really does move them by thousands of ulp;
+///   `b_j = p_j r_j`;
 /// - `output_c`: `sum_j ((L + 1) p_j + b_j) |v_jc|`;
-/// - `lse`: `|lse| + sum_j p_j a_j + L`;
+/// - `lse`: `|l| + max_k a_k + L`;
 /// - `dS_j = p_j (dO.v_j - D)`, with `D = dO.O`: `b_j |dO.v_j - D| + p_j (d
 ///   sum_c |dO_c v_jc| + D's terms + (L + 1) |dO.v_j - D|)`;
 /// - `grad_q_c = scale sum_j dS_j k_jc`: `|scale| sum_j (dS_j's terms)
@@ -121,11 +127,12 @@ impl AttentionTerms {
                 let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
                 let l: f64 = e.iter().sum();
                 let p: Vec<f64> = e.iter().map(|x| x / l).collect();
-                let mean_a: f64 = p.iter().zip(&a).map(|(p, a)| p * a).sum();
+                let lse = m + l.ln();
+                let max_a = a.iter().copied().fold(0.0, f64::max);
                 let b: Vec<f64> = (0..keys)
-                    .map(|j| p[j] * ((1.0 - p[j]) * a[j] + (mean_a - p[j] * a[j]) + lf + 3.0))
+                    .map(|j| p[j] * (a[j] + max_a + lse.abs() + (s[j] - lse).abs() + lf + 3.0))
                     .collect();
-                t.lse = t.lse.max((m + l.ln()).abs() + mean_a + lf);
+                t.lse = t.lse.max(lse.abs() + max_a + lf);
                 let mut o = vec![0.0; d];
                 let mut o_terms = vec![0.0; d];
                 for x in 0..d {
