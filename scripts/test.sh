@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up everything the tests need on a fresh machine, then runs them.
 #
-#   scripts/test.sh            # full run: cargo test + short fuzz runs
+#   scripts/test.sh            # full run: cargo test, the example crate, the golden
+#                              # vectors with the numpy example, short fuzz runs
 #   FUZZ_SECONDS=0 scripts/test.sh   # skip the fuzz runs
 #
 # CI (.ci/run) runs exactly this. It installs what it needs itself (Rust
@@ -32,14 +33,50 @@ export PACKSHARD_REQUIRE_ASSETS=1
 step "cargo test (workspace default members)"
 cargo test --workspace --no-fail-fast
 
+step "example crate: fuzz your own kernel (examples/fuzz-your-kernel)"
+# Its own workspace; the shared target directory reuses the compiled dependencies.
+CARGO_TARGET_DIR="$ROOT/target" cargo test --manifest-path examples/fuzz-your-kernel/Cargo.toml
+
+step "golden vectors: packshard golden, the numpy example, packshard check"
+VENV="$ROOT/.cache/venv"
+if [ ! -x "$VENV/bin/python" ]; then
+    "${PYTHON:-python3}" -m venv "$VENV"
+fi
+"$VENV/bin/pip" install --quiet --disable-pip-version-check -r examples/python/requirements.txt
+GOLDEN="$ROOT/.cache/golden"
+rm -rf "$GOLDEN"
+mkdir -p "$GOLDEN"
+cargo build --quiet --bin packshard
+PACKSHARD="$ROOT/target/debug/packshard"
+for dtype in f64 f32; do
+    "$PACKSHARD" golden --out "$GOLDEN/$dtype" --dtype "$dtype"
+    "$VENV/bin/python" examples/python/check_numpy.py "$GOLDEN/$dtype" "$GOLDEN/results-$dtype.safetensors"
+    "$PACKSHARD" check "$GOLDEN/$dtype" "$GOLDEN/results-$dtype.safetensors" | tail -n 1
+done
+# A planted fault must fail the check with exit status 1.
+for bug in leak ignore_index; do
+    "$VENV/bin/python" examples/python/check_numpy.py "$GOLDEN/f64" "$GOLDEN/results-bug.safetensors" --bug "$bug" >/dev/null
+    rc=0
+    "$PACKSHARD" check "$GOLDEN/f64" "$GOLDEN/results-bug.safetensors" > "$GOLDEN/bug.txt" || rc=$?
+    if [ "$rc" != 1 ]; then
+        cat "$GOLDEN/bug.txt"
+        echo "packshard check exited $rc on the numpy example with --bug $bug; expected 1"
+        exit 1
+    fi
+    echo "--bug $bug: $(tail -n 1 "$GOLDEN/bug.txt") (exit 1, as it must)"
+done
+
 if [ "$FUZZ_SECONDS" != "0" ]; then
     step "fuzz smoke runs (${FUZZ_SECONDS}s per target, stable, --sanitizer none)"
     if ! cargo fuzz --version >/dev/null 2>&1; then
         cargo install cargo-fuzz --locked
     fi
     for target in $(cargo fuzz list --fuzz-dir fuzz); do
-        mkdir -p "fuzz/corpus/$target" "fuzz/seeds/$target"
-        cargo fuzz run --fuzz-dir fuzz --sanitizer none "$target" "fuzz/corpus/$target" "fuzz/seeds/$target" -- \
+        # Corpora: the working one (ignored), the committed seeds, and the
+        # committed inputs that ever failed (fuzz/regressions/, also replayed by cargo test).
+        mkdir -p "fuzz/corpus/$target" "fuzz/seeds/$target" "fuzz/regressions/$target"
+        cargo fuzz run --fuzz-dir fuzz --sanitizer none "$target" \
+            "fuzz/corpus/$target" "fuzz/seeds/$target" "fuzz/regressions/$target" -- \
             -max_total_time="$FUZZ_SECONDS" -rss_limit_mb=2048 -timeout=10 2>&1 | tail -n 3
     done
 fi

@@ -17,6 +17,8 @@
 //! vocabulary-parallel algorithms for `packshard vocab`.
 //! the comparison tables the CLI prints; [`realtext`] reads and tokenizes real
 //! text and [`verify`] runs the reference BERT packed against padded on it.
+//! [`fuzzing`] names the fuzz targets and their bodies; [`golden`] writes
+//! and checks the golden test vectors.
 
 pub use packshard_equivalence as equivalence;
 pub use packshard_optimized as optimized;
@@ -24,6 +26,8 @@ pub use packshard_reference as reference;
 
 pub mod assets;
 pub mod eval;
+pub mod fuzzing;
+pub mod golden;
 pub mod realtext;
 pub mod report;
 pub mod verify;

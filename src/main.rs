@@ -24,6 +24,10 @@ enum Command {
     Vocab(cli::vocab::VocabArgs),
     /// Check packed == padded on a real model and real text (`verify bert`).
     Verify(cli::verify::VerifyArgs),
+    /// Write golden test vectors: inputs, expected outputs and tolerances for every op.
+    Golden(cli::golden::GoldenArgs),
+    /// Check a framework's outputs (RESULTS.safetensors) against golden vectors.
+    Check(cli::check::CheckArgs),
 }
 
 fn main() -> ExitCode {
@@ -69,6 +73,8 @@ fn main() -> ExitCode {
         Command::Eval(args) => cli::eval::run(args),
         Command::Vocab(args) => cli::vocab::run(args),
         Command::Verify(args) => cli::verify::run(args),
+        Command::Golden(args) => cli::golden::run(args),
+        Command::Check(args) => cli::check::run(args),
     };
     match result {
         Ok(code) => code,

@@ -24,6 +24,7 @@
 pub mod attention;
 pub mod bert;
 pub mod compare;
+pub mod fuzz;
 pub mod packing;
 pub mod vocab;
 

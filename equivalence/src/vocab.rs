@@ -1333,3 +1333,11 @@ pub fn run_suite(imp: &dyn VocabParallel, cases: u32) -> Result<Coverage, Mismat
     coverage.require(2)?;
     Ok(coverage)
 }
+
+/// The largest difference this thread's [`TERMS`] comparisons have seen since
+/// the last call, in ulp of `|expected| + terms` (the tolerance is 64), and
+/// resets it. The fuzz bodies report it per case
+/// ([`crate::fuzz::Outcome::worst`]).
+pub fn take_worst_ulps() -> f64 {
+    WORST_ULPS.with(|w| w.replace(0.0))
+}

@@ -1,6 +1,8 @@
 //! Subcommands of the `packshard` binary.
 
+pub mod check;
 pub mod eval;
+pub mod golden;
 pub mod pack;
 pub mod verify;
 pub mod vocab;

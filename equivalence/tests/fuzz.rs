@@ -1,0 +1,561 @@
+//! The differential fuzz harness: the references pass thousands of arbitrary
+//! cases (and the cases cover what they claim to), and negative controls —
+//! each a planted fault in an otherwise correct implementation — are found by
+//! the harness from random bytes and reported readably: the tensor, the
+//! index, both values and the tolerance.
+
+use std::cell::Cell;
+
+use ndarray::{Array2, ArrayView2, ArrayView3};
+use packshard_equivalence::attention::{Reference as RefAttention, VarlenAttention};
+use packshard_equivalence::fuzz::attention::{self as fa, AttentionFuzzCase};
+use packshard_equivalence::fuzz::packing::{self as fp, PackFuzzCase};
+use packshard_equivalence::fuzz::vocab as fv;
+use packshard_equivalence::fuzz::{fuzz_random, replay_dirs, Failure, Outcome, ReplayError};
+use packshard_equivalence::packing::{Batcher, Packer, Reference as RefPacking};
+use packshard_equivalence::vocab::{Reference as RefVocab, VocabParallel};
+use packshard_equivalence::Tolerance;
+use packshard_reference::bert::{AttentionGrads, AttentionOutput};
+use packshard_reference::packing::{Overlong, PackedBatch, PackingConfig, PackingPlan};
+use packshard_reference::vocab::embedding::ShardedEmbedding;
+use packshard_reference::vocab::sharded::ShardedLoss;
+use packshard_reference::vocab::{LossConfig, ShardMap, ShardedAlgorithm};
+use packshard_reference::Error;
+
+const TOL: Tolerance = Tolerance::F64_REWRITE;
+
+// ---- the references pass, and the cases cover what they claim ----------------
+
+#[test]
+fn reference_attention_passes_arbitrary_cases() {
+    let mut malformed = 0;
+    let mut empty_segments = 0;
+    let mut planted = 0;
+    let seen = fuzz_random(3000, 1, |data| {
+        let case = AttentionFuzzCase::from_bytes(data).unwrap();
+        malformed += usize::from(!case.well_formed());
+        empty_segments += usize::from(case.case.lengths.contains(&0));
+        planted += usize::from(case.values.contains("planted"));
+        fa::run(&RefAttention, TOL, data)
+    })
+    .unwrap_or_else(|f| panic!("{f}"));
+    eprintln!("attention: {seen:?}; {malformed} malformed cu_seqlens, {empty_segments} with an empty segment, {planted} with planted extremes");
+    assert_eq!(seen.cases, 3000);
+    // Malformed cu_seqlens are refused by both sides alike; the rest compared.
+    assert_eq!(seen.errors_alike, malformed);
+    assert!(malformed >= 100, "{malformed}");
+    assert_eq!(seen.compared, 3000 - malformed);
+    assert!(
+        empty_segments >= 500 && planted >= 1000,
+        "{empty_segments} {planted}"
+    );
+    // The reference against itself: bit-for-bit.
+    assert_eq!(seen.worst, 0.0);
+    assert!(seen.values > 1_000_000, "{seen:?}");
+}
+
+#[test]
+fn reference_vocab_passes_arbitrary_cases() {
+    for (name, body, inputs) in [
+        (
+            "cross_entropy",
+            fv::run_cross_entropy as fn(&dyn VocabParallel, &[u8]) -> Result<Outcome, Failure>,
+            1500,
+        ),
+        ("linear_cross_entropy", fv::run_linear, 1500),
+        ("embedding", fv::run_embedding, 1500),
+    ] {
+        let seen = fuzz_random(inputs, 2, |d| body(&RefVocab, d)).unwrap_or_else(|f| panic!("{f}"));
+        eprintln!("{name}: {seen:?}");
+        assert_eq!(seen.cases, inputs);
+        // Mostly compared value by value, some bad inputs refused alike.
+        assert!(seen.compared >= inputs * 3 / 5, "{name}: {seen:?}");
+        assert!(seen.errors_alike >= 20, "{name}: {seen:?}");
+        // Sharded against unsharded: a few ulp of the terms (the tolerance is 64).
+        assert!(seen.worst < 0.5, "{name}: {seen:?}");
+        if name != "embedding" {
+            assert!(
+                seen.worst > 0.0,
+                "{name}: sharded and unsharded never differed? {seen:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn reference_packing_passes_arbitrary_cases() {
+    let seen = fuzz_random(3000, 3, |d| fp::run(&RefPacking, d)).unwrap_or_else(|f| panic!("{f}"));
+    eprintln!("packing: {seen:?}");
+    assert!(
+        seen.compared >= 1000 && seen.errors_alike >= 100,
+        "{seen:?}"
+    );
+}
+
+// ---- negative controls: attention ---------------------------------------------
+
+/// The reference attention with one planted fault.
+#[derive(Clone, Copy, PartialEq)]
+enum AttentionFault {
+    /// P2: the whole batch is one segment.
+    LeakAcrossSegments,
+    /// P4: indexing the first token of every segment, empty ones included.
+    PanicOnEmptySegment,
+    /// A softmax without the max subtracted: `exp` overflows on large scores.
+    NoMaxSubtraction,
+    /// The backward forgets the softmax scale in `grad_k`.
+    UnscaledGradK,
+    /// No validation of `cu_seqlens`: a malformed one gives a result.
+    AcceptsMalformedCuSeqlens,
+}
+
+struct BrokenAttention(AttentionFault);
+
+fn naive_forward(
+    q: ArrayView3<f64>,
+    k: ArrayView3<f64>,
+    v: ArrayView3<f64>,
+    cu: &[usize],
+    scale: f64,
+) -> AttentionOutput {
+    let (n, h, d) = q.dim();
+    let mut output = ndarray::Array3::zeros((n, h, d));
+    let mut lse = Array2::zeros((h, n));
+    for w in cu.windows(2) {
+        for a in 0..h {
+            for i in w[0]..w[1] {
+                let s: Vec<f64> = (w[0]..w[1])
+                    .map(|j| scale * (0..d).map(|c| q[[i, a, c]] * k[[j, a, c]]).sum::<f64>())
+                    .collect();
+                let e: Vec<f64> = s.iter().map(|x| x.exp()).collect();
+                let l: f64 = e.iter().sum();
+                lse[[a, i]] = l.ln();
+                for c in 0..d {
+                    output[[i, a, c]] = (w[0]..w[1])
+                        .map(|j| e[j - w[0]] / l * v[[j, a, c]])
+                        .sum::<f64>();
+                }
+            }
+        }
+    }
+    AttentionOutput { output, lse }
+}
+
+impl VarlenAttention for BrokenAttention {
+    fn name(&self) -> String {
+        "broken attention".into()
+    }
+    fn varlen_forward(
+        &self,
+        q: ArrayView3<f64>,
+        k: ArrayView3<f64>,
+        v: ArrayView3<f64>,
+        cu: &[usize],
+        s: f64,
+    ) -> Result<AttentionOutput, Error> {
+        let whole = [0, q.dim().0];
+        match self.0 {
+            AttentionFault::LeakAcrossSegments => RefAttention.varlen_forward(q, k, v, &whole, s),
+            AttentionFault::PanicOnEmptySegment => {
+                for w in cu.windows(2) {
+                    assert!(
+                        w[1] > w[0],
+                        "segment starting at {} has no first token",
+                        w[0]
+                    );
+                }
+                RefAttention.varlen_forward(q, k, v, cu, s)
+            }
+            AttentionFault::NoMaxSubtraction => {
+                RefAttention.varlen_forward(q, k, v, cu, s)?;
+                Ok(naive_forward(q, k, v, cu, s))
+            }
+            AttentionFault::AcceptsMalformedCuSeqlens => {
+                // "Repairs" cu_seqlens instead of refusing it.
+                let n = q.dim().0;
+                let mut fixed: Vec<usize> = cu.iter().map(|&c| c.min(n)).collect();
+                fixed.insert(0, 0);
+                for i in 1..fixed.len() {
+                    fixed[i] = fixed[i].max(fixed[i - 1]);
+                }
+                fixed.push(n);
+                fixed.dedup();
+                if fixed.len() == 1 {
+                    fixed.push(n);
+                }
+                RefAttention.varlen_forward(q, k, v, &fixed, s)
+            }
+            AttentionFault::UnscaledGradK => RefAttention.varlen_forward(q, k, v, cu, s),
+        }
+    }
+    fn varlen_backward(
+        &self,
+        q: ArrayView3<f64>,
+        k: ArrayView3<f64>,
+        v: ArrayView3<f64>,
+        cu: &[usize],
+        s: f64,
+        f: &AttentionOutput,
+        g: ArrayView3<f64>,
+    ) -> Result<AttentionGrads, Error> {
+        let whole = [0, q.dim().0];
+        match self.0 {
+            AttentionFault::LeakAcrossSegments => {
+                RefAttention.varlen_backward(q, k, v, &whole, s, f, g)
+            }
+            AttentionFault::UnscaledGradK => {
+                let mut grads = RefAttention.varlen_backward(q, k, v, cu, s, f, g)?;
+                grads.grad_k.mapv_inplace(|x| x / s);
+                Ok(grads)
+            }
+            _ => {
+                // Consistent with this forward: the reference's own forward.
+                let f = RefAttention.varlen_forward(q, k, v, cu, s)?;
+                RefAttention.varlen_backward(q, k, v, cu, s, &f, g)
+            }
+        }
+    }
+    fn masked_forward(
+        &self,
+        q: ArrayView3<f64>,
+        k: ArrayView3<f64>,
+        v: ArrayView3<f64>,
+        m: ArrayView2<bool>,
+        s: f64,
+    ) -> Result<AttentionOutput, Error> {
+        RefAttention.masked_forward(q, k, v, m, s)
+    }
+    fn masked_backward(
+        &self,
+        q: ArrayView3<f64>,
+        k: ArrayView3<f64>,
+        v: ArrayView3<f64>,
+        m: ArrayView2<bool>,
+        s: f64,
+        f: &AttentionOutput,
+        g: ArrayView3<f64>,
+    ) -> Result<AttentionGrads, Error> {
+        RefAttention.masked_backward(q, k, v, m, s, f, g)
+    }
+}
+
+/// Fuzzes `imp` from random bytes until the harness reports a failure.
+fn find(body: impl FnMut(&[u8]) -> Result<Outcome, Failure>) -> Failure {
+    match fuzz_random(3000, 11, body) {
+        Ok(seen) => panic!("the planted fault was not found in {seen:?}"),
+        Err(f) => {
+            eprintln!("{f}\n");
+            f
+        }
+    }
+}
+
+/// A numeric failure reads well: the tensor, an index, both values, the tolerance.
+fn assert_readable(f: &Failure, tensor: &str) {
+    let text = f.to_string();
+    assert!(f.mismatch.what.starts_with(tensor), "{text}");
+    for part in ["first at [", "expected ", "got ", "tolerance ", "case: "] {
+        assert!(text.contains(part), "missing {part:?} in\n{text}");
+    }
+    assert!(f.source.starts_with("random input "), "{text}");
+}
+
+#[test]
+fn attention_leak_across_segments_is_found() {
+    let f = find(|d| fa::run(&BrokenAttention(AttentionFault::LeakAcrossSegments), TOL, d));
+    assert_readable(&f, "output (sequence ");
+}
+
+#[test]
+fn attention_panic_on_an_empty_segment_is_found() {
+    let f = find(|d| {
+        fa::run(
+            &BrokenAttention(AttentionFault::PanicOnEmptySegment),
+            TOL,
+            d,
+        )
+    });
+    assert_eq!(f.mismatch.what, "varlen_forward");
+    assert!(
+        f.mismatch.detail.contains("panicked: segment starting at"),
+        "{f}"
+    );
+    assert!(f.case.contains(", 0"), "the case has an empty segment: {f}");
+}
+
+#[test]
+fn attention_overflow_without_max_subtraction_is_found() {
+    let f = find(|d| fa::run(&BrokenAttention(AttentionFault::NoMaxSubtraction), TOL, d));
+    // exp overflows to inf on a large score: NaN or inf where a finite value is expected.
+    assert!(
+        f.mismatch.what.starts_with("output (sequence ")
+            || f.mismatch.what.starts_with("lse (sequence "),
+        "{f}"
+    );
+    assert!(
+        f.mismatch.detail.contains("got NaN") || f.mismatch.detail.contains("got inf"),
+        "{f}"
+    );
+}
+
+#[test]
+fn attention_unscaled_grad_k_is_found() {
+    let f = find(|d| fa::run(&BrokenAttention(AttentionFault::UnscaledGradK), TOL, d));
+    assert_readable(&f, "grad_k (sequence ");
+}
+
+#[test]
+fn attention_accepting_malformed_cu_seqlens_is_found() {
+    let f = find(|d| {
+        fa::run(
+            &BrokenAttention(AttentionFault::AcceptsMalformedCuSeqlens),
+            TOL,
+            d,
+        )
+    });
+    assert_eq!(f.mismatch.what, "varlen_forward", "{f}");
+    assert!(
+        f.mismatch.detail.contains("must be refused")
+            && f.mismatch.detail.contains("invalid_argument"),
+        "{f}"
+    );
+    assert!(f.case.contains("malformed cu_seqlens"), "{f}");
+}
+
+// ---- negative controls: vocabulary parallelism --------------------------------
+
+#[derive(Clone, Copy, PartialEq)]
+enum VocabFault {
+    /// Cross-entropy that ignores `ignore_index`: ignored targets are scored as class 0.
+    IgnoresIgnoreIndex,
+    /// The embedding gradient overwrites instead of accumulating repeated ids.
+    OverwritesRepeatedIds,
+}
+
+struct BrokenVocab(VocabFault);
+
+impl VocabParallel for BrokenVocab {
+    fn name(&self) -> String {
+        "broken vocab".into()
+    }
+    fn cross_entropy(
+        &self,
+        algorithm: ShardedAlgorithm,
+        map: &ShardMap,
+        logits: ArrayView2<f64>,
+        targets: &[i64],
+        config: &LossConfig,
+        want_grad: bool,
+    ) -> Result<ShardedLoss, Error> {
+        if self.0 == VocabFault::IgnoresIgnoreIndex {
+            let t: Vec<i64> = targets
+                .iter()
+                .map(|&t| if t == config.ignore_index { 0 } else { t })
+                .collect();
+            let c = config.with_ignore_index(i64::MIN);
+            return RefVocab.cross_entropy(algorithm, map, logits, &t, &c, want_grad);
+        }
+        RefVocab.cross_entropy(algorithm, map, logits, targets, config, want_grad)
+    }
+    fn linear_cross_entropy(
+        &self,
+        algorithm: ShardedAlgorithm,
+        map: &ShardMap,
+        hidden: ArrayView2<f64>,
+        weight: ArrayView2<f64>,
+        targets: &[i64],
+        config: &LossConfig,
+        want_grad: bool,
+    ) -> Result<ShardedLoss, Error> {
+        RefVocab.linear_cross_entropy(algorithm, map, hidden, weight, targets, config, want_grad)
+    }
+    fn embedding(
+        &self,
+        map: &ShardMap,
+        ids: &[i64],
+        weight: ArrayView2<f64>,
+        grad_output: Option<ArrayView2<f64>>,
+    ) -> Result<ShardedEmbedding, Error> {
+        let mut out = RefVocab.embedding(map, ids, weight, grad_output)?;
+        if let (VocabFault::OverwritesRepeatedIds, Some(g), Some(parts)) =
+            (self.0, grad_output, out.grad_weights.as_mut())
+        {
+            // Each row holds the gradient of the last token with that id.
+            for (i, &id) in ids.iter().enumerate() {
+                let (rank, local) = map.owner(id as usize).expect("ids were checked");
+                parts[rank].row_mut(local).assign(&g.row(i));
+            }
+        }
+        Ok(out)
+    }
+}
+
+#[test]
+fn cross_entropy_ignoring_ignore_index_is_found() {
+    // Scoring an ignored token can also make an error out of a case the
+    // reference accepts (an all -inf row that was ignored); those are found
+    // too, but skipped here to show a numeric mismatch.
+    let mut errors = 0;
+    let f =
+        find(
+            |d| match fv::run_cross_entropy(&BrokenVocab(VocabFault::IgnoresIgnoreIndex), d) {
+                Err(f) if f.mismatch.what == "error" => {
+                    errors += 1;
+                    Ok(Outcome::default())
+                }
+                other => other,
+            },
+        );
+    eprintln!("{errors} cases failed as an unexpected error");
+    let text = f.to_string();
+    assert!(
+        ["loss (rank", "per_token_loss (rank", "grad_logits"]
+            .iter()
+            .any(|t| f.mismatch.what.starts_with(t)),
+        "{text}"
+    );
+    assert!(
+        text.contains("expected ") && text.contains("got ") && text.contains("tolerance "),
+        "{text}"
+    );
+    assert!(
+        f.implementation.contains("broken vocab ("),
+        "names the algorithm: {text}"
+    );
+}
+
+#[test]
+fn embedding_overwriting_repeated_ids_is_found() {
+    let f = find(|d| fv::run_embedding(&BrokenVocab(VocabFault::OverwritesRepeatedIds), d));
+    assert_readable(&f, "grad_weight");
+}
+
+// ---- negative controls: packing -----------------------------------------------
+
+#[derive(Clone, Copy, PartialEq)]
+enum PackFault {
+    /// P1: positions run on across the segments of a pack.
+    PositionsRunOn,
+    /// P3: truncated tokens are not reported.
+    SilentTruncation,
+}
+
+struct BrokenPacking(PackFault);
+
+impl Packer for BrokenPacking {
+    fn name(&self) -> String {
+        "broken packer".into()
+    }
+    fn pack(&self, lengths: &[usize], config: &PackingConfig) -> Result<PackingPlan, Error> {
+        let mut plan = RefPacking.pack(lengths, config)?;
+        if self.0 == PackFault::SilentTruncation && config.overlong == Overlong::Truncate {
+            plan.metrics.dropped_tokens = 0;
+        }
+        Ok(plan)
+    }
+}
+
+impl Batcher for BrokenPacking {
+    fn name(&self) -> String {
+        "broken batcher".into()
+    }
+    fn batch(
+        &self,
+        sequences: &[Vec<i64>],
+        config: &PackingConfig,
+        pad: i64,
+        offset: i64,
+    ) -> Result<(PackingPlan, PackedBatch), Error> {
+        let (plan, mut batch) = RefPacking.batch(sequences, config, pad, offset)?;
+        if self.0 == PackFault::PositionsRunOn {
+            for (p, pack) in plan.packs.iter().enumerate() {
+                let mut col = 0;
+                for seg in pack {
+                    for _ in 0..seg.length {
+                        batch.position_ids[[p, col]] = offset + col as i64;
+                        col += 1;
+                    }
+                }
+            }
+        }
+        Ok((plan, batch))
+    }
+}
+
+#[test]
+fn packing_positions_running_on_are_found() {
+    let f = find(|d| fp::run(&BrokenPacking(PackFault::PositionsRunOn), d));
+    assert_eq!(f.mismatch.what, "position_ids", "{f}");
+    assert!(
+        f.mismatch.detail.contains("got ") && f.mismatch.detail.contains("expected "),
+        "{f}"
+    );
+}
+
+#[test]
+fn packing_silent_truncation_is_found() {
+    let f = find(|d| fp::run(&BrokenPacking(PackFault::SilentTruncation), d));
+    assert_eq!(f.mismatch.what, "metrics.dropped_tokens", "{f}");
+    assert!(f.case.contains("Truncate"), "{f}");
+}
+
+// ---- replaying committed inputs ----------------------------------------------
+
+#[test]
+fn replay_runs_every_file_and_names_the_failing_one() {
+    let dir = std::env::temp_dir().join(format!("packshard-replay-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    // An input the leak is visible on: two non-empty segments, found by the fuzzer.
+    let bad = Cell::new(None::<Vec<u8>>);
+    let _ = fuzz_random(3000, 11, |d| {
+        let r = fa::run(&BrokenAttention(AttentionFault::LeakAcrossSegments), TOL, d);
+        if r.is_err() {
+            bad.set(Some(d.to_vec()));
+        }
+        r
+    });
+    let bad = bad.take().expect("the leak is found");
+    std::fs::write(dir.join("a-passes"), [0u8; 3]).unwrap();
+    std::fs::write(dir.join("b-leak"), &bad).unwrap();
+    std::fs::write(dir.join(".hidden"), &bad).unwrap();
+    std::fs::write(dir.join("README.md"), &bad).unwrap();
+    let missing = dir.join("no-such-dir");
+    // The reference passes both files (the hidden one and the README are skipped).
+    let seen = replay_dirs(&[&dir, &missing], |d| fa::run(&RefAttention, TOL, d)).unwrap();
+    assert_eq!(seen.cases, 2);
+    let err = replay_dirs(&[&dir], |d| {
+        fa::run(&BrokenAttention(AttentionFault::LeakAcrossSegments), TOL, d)
+    })
+    .unwrap_err();
+    let ReplayError::Failed(f) = &err else {
+        panic!("{err}")
+    };
+    assert!(f.source.ends_with("b-leak"), "{err}");
+    assert!(err.to_string().contains("input: "), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn arbitrary_cases_are_deterministic_and_bounded() {
+    let mut sizes = Vec::new();
+    let _ = fuzz_random(500, 5, |d| {
+        let a = AttentionFuzzCase::from_bytes(d).unwrap();
+        assert_eq!(a, AttentionFuzzCase::from_bytes(d).unwrap());
+        let (n, h, dim) = a.case.q.dim();
+        assert!(n <= fa::MAX_TOKENS && h <= fa::MAX_HEADS && dim <= fa::MAX_HEAD_DIM);
+        assert_eq!(a.case.lengths.iter().sum::<usize>(), n);
+        let p = PackFuzzCase::from_bytes(d).unwrap();
+        assert!(p.lengths().len() <= fp::MAX_SEQUENCES);
+        sizes.push(n);
+        Ok(Outcome::default())
+    });
+    // Not all alike: sizes vary over the range.
+    assert!(
+        sizes.contains(&0) && sizes.iter().any(|&n| n > 30),
+        "{sizes:?}"
+    );
+    // Empty input: a valid (tiny) case, never an error.
+    let empty = AttentionFuzzCase::from_bytes(&[]).unwrap();
+    assert_eq!(empty.case.lengths, vec![0]);
+}

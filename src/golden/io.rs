@@ -1,0 +1,315 @@
+//! Tensors of the golden vectors: values, their stored dtype and bytes,
+//! hashes and summaries, and reading any numeric safetensors dtype back as
+//! f64.
+
+use safetensors::tensor::{Dtype as StDtype, SafeTensors, TensorView};
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+
+use super::GoldenError;
+
+/// The float dtype golden inputs are stored in (`--dtype`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Dtype {
+    /// IEEE binary64 (the default: inputs exactly as the reference sees them).
+    F64,
+    /// IEEE binary32: inputs rounded to nearest.
+    F32,
+    /// bfloat16 (8 bits of precision): inputs rounded to nearest even.
+    Bf16,
+}
+
+impl Dtype {
+    /// Every dtype, in `--dtype` order.
+    pub const ALL: [Dtype; 3] = [Dtype::F64, Dtype::F32, Dtype::Bf16];
+
+    /// The `--dtype` and manifest name: `f64`, `f32`, `bf16`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Dtype::F64 => "f64",
+            Dtype::F32 => "f32",
+            Dtype::Bf16 => "bf16",
+        }
+    }
+
+    /// The safetensors dtype name: `F64`, `F32`, `BF16`.
+    pub fn safetensors_name(self) -> &'static str {
+        match self {
+            Dtype::F64 => "F64",
+            Dtype::F32 => "F32",
+            Dtype::Bf16 => "BF16",
+        }
+    }
+
+    /// The unit roundoff `u = 2^-p` (half an ulp of 1): `2^-53`, `2^-24`,
+    /// `2^-8`.
+    pub fn unit_roundoff(self) -> f64 {
+        match self {
+            Dtype::F64 => f64::EPSILON / 2.0,
+            Dtype::F32 => f64::from(f32::EPSILON) / 2.0,
+            Dtype::Bf16 => 2f64.powi(-8),
+        }
+    }
+
+    /// `x` rounded to this dtype (to nearest, ties to even), as f64.
+    /// Non-finite values stay as they are.
+    pub fn round(self, x: f64) -> f64 {
+        match self {
+            Dtype::F64 => x,
+            Dtype::F32 => x as f32 as f64,
+            Dtype::Bf16 => half::bf16::from_f64(x).to_f64(),
+        }
+    }
+
+    fn bytes(self, values: &[f64]) -> Vec<u8> {
+        match self {
+            Dtype::F64 => values.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            Dtype::F32 => values
+                .iter()
+                .flat_map(|&x| (x as f32).to_le_bytes())
+                .collect(),
+            Dtype::Bf16 => values
+                .iter()
+                .flat_map(|&x| half::bf16::from_f64(x).to_bits().to_le_bytes())
+                .collect(),
+        }
+    }
+}
+
+impl std::str::FromStr for Dtype {
+    type Err = GoldenError;
+    fn from_str(s: &str) -> Result<Self, GoldenError> {
+        Dtype::ALL
+            .into_iter()
+            .find(|d| d.name() == s)
+            .ok_or_else(|| {
+                GoldenError::new(format!("dtype: unknown {s:?}; expected f64, f32 or bf16"))
+            })
+    }
+}
+
+/// The values of a tensor: floats (stored in a [`Dtype`]) or integers
+/// (stored as `I64`).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Values {
+    /// Float values, already rounded to the dtype they are stored in.
+    F(Vec<f64>, Dtype),
+    /// Integer values (token ids, targets, `cu_seqlens`, plans).
+    I(Vec<i64>),
+}
+
+/// A named tensor, row-major.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Tensor {
+    /// Its name within the case (`q`, `grad_logits`, ...).
+    pub name: String,
+    /// Extent of each dimension (`[]` for a scalar).
+    pub shape: Vec<usize>,
+    /// The values.
+    pub values: Values,
+}
+
+impl Tensor {
+    /// Floats stored as `dtype` (rounded to it here).
+    pub fn float(name: &str, shape: &[usize], values: Vec<f64>, dtype: Dtype) -> Self {
+        debug_assert_eq!(values.len(), shape.iter().product::<usize>());
+        Tensor {
+            name: name.into(),
+            shape: shape.to_vec(),
+            values: Values::F(values.into_iter().map(|x| dtype.round(x)).collect(), dtype),
+        }
+    }
+
+    /// Integers (stored as `I64`).
+    pub fn int(name: &str, shape: &[usize], values: Vec<i64>) -> Self {
+        debug_assert_eq!(values.len(), shape.iter().product::<usize>());
+        Tensor {
+            name: name.into(),
+            shape: shape.to_vec(),
+            values: Values::I(values),
+        }
+    }
+
+    /// The values as f64 (integers converted).
+    pub fn as_f64(&self) -> Vec<f64> {
+        match &self.values {
+            Values::F(v, _) => v.clone(),
+            Values::I(v) => v.iter().map(|&x| x as f64).collect(),
+        }
+    }
+
+    /// The safetensors dtype name it is stored as.
+    pub fn dtype_name(&self) -> &'static str {
+        match &self.values {
+            Values::F(_, d) => d.safetensors_name(),
+            Values::I(_) => "I64",
+        }
+    }
+
+    /// The stored bytes (little-endian, as in the file).
+    pub fn bytes(&self) -> Vec<u8> {
+        match &self.values {
+            Values::F(v, d) => d.bytes(v),
+            Values::I(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        }
+    }
+
+    fn st_dtype(&self) -> StDtype {
+        match &self.values {
+            Values::F(_, Dtype::F64) => StDtype::F64,
+            Values::F(_, Dtype::F32) => StDtype::F32,
+            Values::F(_, Dtype::Bf16) => StDtype::BF16,
+            Values::I(_) => StDtype::I64,
+        }
+    }
+
+    /// The manifest entry: dtype, shape, sha256 of the stored bytes, and a
+    /// rounded summary.
+    pub fn describe(&self) -> serde_json::Map<String, Value> {
+        let mut m = serde_json::Map::new();
+        m.insert("dtype".into(), json!(self.dtype_name()));
+        m.insert("shape".into(), json!(self.shape));
+        m.insert("sha256".into(), json!(sha256_hex(&self.bytes())));
+        m.insert("summary".into(), summary(&self.as_f64()));
+        m
+    }
+}
+
+/// The hex sha256 of `bytes`.
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// `x` rounded to 6 significant digits (for summaries that stay stable
+/// under round-off yet show a changed value).
+pub fn round_sig(x: f64) -> f64 {
+    format!("{x:.5e}").parse().unwrap_or(x)
+}
+
+/// `x` rounded *up* to 3 significant digits (for tolerances: never tighter
+/// than derived).
+pub fn round_up_sig(x: f64) -> f64 {
+    if x <= 0.0 || !x.is_finite() {
+        return x;
+    }
+    let e = x.log10().floor() as i32 - 2;
+    let scale = 10f64.powi(e);
+    let r = (x / scale).ceil() * scale;
+    // Re-round the printed form so it reads as 3 digits, and stays >= x.
+    let s: f64 = format!("{r:.2e}").parse().unwrap_or(r);
+    if s >= x {
+        s
+    } else {
+        r
+    }
+}
+
+/// `{min, max, mean}` of the finite values, rounded to 6 significant
+/// digits, and the count of non-finite ones when there are any.
+pub fn summary(values: &[f64]) -> Value {
+    let finite: Vec<f64> = values.iter().copied().filter(|x| x.is_finite()).collect();
+    let mut m = serde_json::Map::new();
+    if !finite.is_empty() {
+        let min = finite.iter().copied().fold(f64::INFINITY, f64::min);
+        let max = finite.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let mean = finite.iter().sum::<f64>() / finite.len() as f64;
+        m.insert("min".into(), json!(round_sig(min)));
+        m.insert("max".into(), json!(round_sig(max)));
+        m.insert("mean".into(), json!(round_sig(mean)));
+    }
+    let nonfinite = values.len() - finite.len();
+    if nonfinite > 0 {
+        m.insert("nonfinite".into(), json!(nonfinite));
+    }
+    Value::Object(m)
+}
+
+/// A safetensors image of `tensors` (names as given).
+///
+/// # Errors
+/// A [`GoldenError`] from the serializer (duplicate names).
+pub fn serialize(tensors: &[Tensor]) -> Result<Vec<u8>, GoldenError> {
+    let bytes: Vec<Vec<u8>> = tensors.iter().map(Tensor::bytes).collect();
+    let views = tensors
+        .iter()
+        .zip(&bytes)
+        .map(|(t, b)| {
+            TensorView::new(t.st_dtype(), t.shape.clone(), b)
+                .map(|v| (t.name.clone(), v))
+                .map_err(|e| GoldenError::new(format!("tensor {}: {e}", t.name)))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    safetensors::serialize(views, None).map_err(|e| GoldenError::new(e.to_string()))
+}
+
+/// A tensor read back: its stored dtype name, shape, raw bytes as f64
+/// values, and whether the dtype is an integer one.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Loaded {
+    /// The safetensors dtype name (`F32`, `I64`, ...).
+    pub dtype: String,
+    /// Its shape.
+    pub shape: Vec<usize>,
+    /// The values converted to f64 (exact for every float dtype and for
+    /// integers up to 2^53).
+    pub values: Vec<f64>,
+    /// The sha256 of the stored bytes.
+    pub sha256: String,
+}
+
+/// Reads every tensor of a safetensors image, converting numeric dtypes to
+/// f64. `source` names the file in errors.
+///
+/// # Errors
+/// A [`GoldenError`] naming the file (unreadable header) or the tensor (an
+/// unsupported dtype).
+pub fn load(source: &str, bytes: &[u8]) -> Result<Vec<(String, Loaded)>, GoldenError> {
+    let st = SafeTensors::deserialize(bytes)
+        .map_err(|e| GoldenError::new(format!("{source}: not a safetensors file: {e}")))?;
+    let mut out = Vec::new();
+    for (name, view) in st.tensors() {
+        let values = to_f64(view.dtype(), view.data()).ok_or_else(|| {
+            GoldenError::new(format!(
+                "{source}: tensor {name} has dtype {:?}; expected a float (F64, F32, F16, BF16) or integer dtype",
+                view.dtype()
+            ))
+        })?;
+        out.push((
+            name,
+            Loaded {
+                dtype: format!("{:?}", view.dtype()),
+                shape: view.shape().to_vec(),
+                values,
+                sha256: sha256_hex(view.data()),
+            },
+        ));
+    }
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok(out)
+}
+
+fn to_f64(dtype: StDtype, data: &[u8]) -> Option<Vec<f64>> {
+    fn chunks<const N: usize>(data: &[u8], f: impl Fn([u8; N]) -> f64) -> Vec<f64> {
+        data.chunks_exact(N)
+            .map(|c| f(c.try_into().expect("chunks of N bytes")))
+            .collect()
+    }
+    Some(match dtype {
+        StDtype::F64 => chunks::<8>(data, f64::from_le_bytes),
+        StDtype::F32 => chunks::<4>(data, |b| f32::from_le_bytes(b) as f64),
+        StDtype::F16 => chunks::<2>(data, |b| half::f16::from_le_bytes(b).to_f64()),
+        StDtype::BF16 => chunks::<2>(data, |b| half::bf16::from_le_bytes(b).to_f64()),
+        StDtype::I64 => chunks::<8>(data, |b| i64::from_le_bytes(b) as f64),
+        StDtype::I32 => chunks::<4>(data, |b| i32::from_le_bytes(b) as f64),
+        StDtype::I16 => chunks::<2>(data, |b| i16::from_le_bytes(b) as f64),
+        StDtype::I8 => chunks::<1>(data, |b| i8::from_le_bytes(b) as f64),
+        StDtype::U64 => chunks::<8>(data, |b| u64::from_le_bytes(b) as f64),
+        StDtype::U32 => chunks::<4>(data, |b| u32::from_le_bytes(b) as f64),
+        StDtype::U16 => chunks::<2>(data, |b| u16::from_le_bytes(b) as f64),
+        StDtype::U8 | StDtype::BOOL => data.iter().map(|&b| f64::from(b)).collect(),
+        _ => return None,
+    })
+}

@@ -1,0 +1,114 @@
+//! Every committed fuzz input — the seeds in `fuzz/seeds/<target>/` and the
+//! inputs that ever failed in `fuzz/regressions/<target>/` — replayed through
+//! the body its libFuzzer target runs (`packshard::fuzzing`), so a failure
+//! once fixed stays fixed. Also: the registry, the target files and
+//! `fuzz/Cargo.toml` name the same targets, and every target has seeds.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+use packshard::equivalence::fuzz::{replay_dirs, Outcome};
+use packshard::fuzzing::targets;
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn names_in(dir: &Path) -> BTreeSet<String> {
+    std::fs::read_dir(dir)
+        .map(|entries| {
+            entries
+                .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+#[test]
+fn every_committed_fuzz_input_passes() {
+    let mut total = Outcome::default();
+    for t in targets() {
+        let seeds = root().join("fuzz/seeds").join(t.name);
+        let regressions = root().join("fuzz/regressions").join(t.name);
+        let seen = replay_dirs(&[&seeds, &regressions], t.run).unwrap_or_else(|e| panic!("{e}"));
+        eprintln!("{}: {seen:?}", t.name);
+        // Every target starts its fuzzing from real cases, and replays them here.
+        assert!(
+            seen.cases >= 2,
+            "{}: only {} committed inputs",
+            t.name,
+            seen.cases
+        );
+        assert!(
+            seen.compared >= 1,
+            "{}: no committed input is compared: {seen:?}",
+            t.name
+        );
+        total.merge(seen);
+    }
+    eprintln!("all targets: {total:?}");
+}
+
+#[test]
+fn regressions_are_replayed_and_named_for_their_target() {
+    // The inputs that once failed (an 8M-piece split that ran out of memory,
+    // ...) are in the regression corpus, and each corpus directory belongs
+    // to a target.
+    let known: BTreeSet<String> = targets().iter().map(|t| t.name.to_string()).collect();
+    for kind in ["seeds", "regressions"] {
+        for dir in names_in(&root().join("fuzz").join(kind)) {
+            assert!(
+                known.contains(&dir),
+                "fuzz/{kind}/{dir} belongs to no fuzz target ({known:?})"
+            );
+        }
+    }
+    let eval = names_in(&root().join("fuzz/regressions/eval_json"));
+    assert!(
+        eval.iter().filter(|n| n.starts_with("regression-")).count() >= 3,
+        "{eval:?}"
+    );
+}
+
+#[test]
+fn registry_target_files_and_fuzz_manifest_agree() {
+    let known: BTreeSet<String> = targets().iter().map(|t| t.name.to_string()).collect();
+    let files: BTreeSet<String> = names_in(&root().join("fuzz/fuzz_targets"))
+        .into_iter()
+        .filter_map(|f| f.strip_suffix(".rs").map(str::to_string))
+        .collect();
+    assert_eq!(
+        files, known,
+        "fuzz/fuzz_targets/*.rs vs packshard::fuzzing::targets()"
+    );
+    let manifest = std::fs::read_to_string(root().join("fuzz/Cargo.toml")).unwrap();
+    let bins: BTreeSet<String> = manifest
+        .lines()
+        .filter_map(|l| l.strip_prefix("name = \""))
+        .filter_map(|l| l.strip_suffix('"'))
+        .filter(|n| *n != "packshard-fuzz")
+        .map(str::to_string)
+        .collect();
+    assert_eq!(bins, known, "[[bin]] entries of fuzz/Cargo.toml");
+    for name in &known {
+        let text =
+            std::fs::read_to_string(root().join(format!("fuzz/fuzz_targets/{name}.rs"))).unwrap();
+        assert!(
+            text.contains(&format!("packshard::fuzzing::fuzz(\"{name}\", data)")),
+            "fuzz/fuzz_targets/{name}.rs must run the body registered as {name:?}"
+        );
+    }
+}
+
+#[test]
+fn the_libfuzzer_entry_panics_with_a_readable_failure() {
+    // An eval case that passes, and the entry for an unknown target.
+    packshard::fuzzing::fuzz(
+        "eval_json",
+        br#"{"op": "pack", "lengths": [1, 2], "max_seq_len": 4}"#,
+    );
+    let err = std::panic::catch_unwind(|| packshard::fuzzing::fuzz("no_such_target", b""))
+        .expect_err("an unknown target panics");
+    let msg = err.downcast_ref::<String>().cloned().unwrap_or_default();
+    assert!(msg.contains("no fuzz target \"no_such_target\""), "{msg}");
+}
