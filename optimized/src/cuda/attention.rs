@@ -12,7 +12,7 @@
 //! deterministic and a sequence gives bitwise the same values packed or
 //! padded.
 
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
 use super::{check_finite32, check_len, driver, to_i32, CudaError, Gpu, Result, MAX_HEAD_DIM};
 use packshard_reference::Error;
@@ -184,7 +184,7 @@ impl Gpu {
             return Err(Error::invalid("scale", format!("{scale} is not finite")).into());
         }
         let (tiles, segments, _) = grid(form, shape)?;
-        let (n, h, d) = (shape.n_tok, shape.h, shape.d);
+        let (n, h) = (shape.n_tok, shape.h);
         if n == 0 {
             return Ok(AttnForward {
                 output: vec![],
@@ -199,25 +199,13 @@ impl Gpu {
         // Rows of empty segments are never visited: their lse stays -inf.
         let mut lse = driver("copy lse", s.clone_htod(&vec![f32::NEG_INFINITY; h * n]))?;
         let (cu_dev, allowed_dev) = upload_form(self, form)?;
-        let f = self.function("attention", "attn_fwd")?;
-        let (ni, hi, di) = (to_i32("n_tok", n)?, h as i32, d as i32);
-        let row_len = ni;
-        let null: u64 = 0;
-        let cfg = LaunchConfig {
-            grid_dim: (tiles.max(1), segments.max(1), h as u32),
-            block_dim: (TILE_Q as u32, 1, 1),
-            shared_mem_bytes: (2 * TILE_K * d * 4) as u32,
+        let dev = DeviceForm {
+            cu: &cu_dev,
+            allowed: &allowed_dev,
+            tiles,
+            segments,
         };
-        if tiles > 0 && segments > 0 {
-            let mut b = s.launch_builder(&f);
-            b.arg(&dq).arg(&dk).arg(&dv);
-            push_form(&mut b, &cu_dev, &allowed_dev, &null);
-            b.arg(&row_len).arg(&ni).arg(&hi).arg(&di).arg(&scale);
-            b.arg(&mut out).arg(&mut lse);
-            // SAFETY: argument list matches `attn_fwd` in attention.cu; every
-            // buffer has the length its legend says (checked above).
-            driver("launch attn_fwd", unsafe { b.launch(cfg) })?;
-        }
+        self.launch_forward(&dq, &dk, &dv, shape, &dev, scale, &mut out, &mut lse)?;
         Ok(AttnForward {
             output: driver("copy output back", s.clone_dtoh(&out))?,
             lse: driver("copy lse back", s.clone_dtoh(&lse))?,
@@ -325,6 +313,98 @@ impl Gpu {
 }
 
 type DevBuf<T> = Option<cudarc::driver::CudaSlice<T>>;
+
+/// A [`Form`] uploaded, with its launch grid.
+struct DeviceForm<'a> {
+    cu: &'a DevBuf<i64>,
+    allowed: &'a DevBuf<u8>,
+    tiles: u32,
+    segments: u32,
+}
+
+impl Gpu {
+    #[allow(clippy::too_many_arguments)]
+    fn launch_forward(
+        &self,
+        dq: &CudaSlice<f32>,
+        dk: &CudaSlice<f32>,
+        dv: &CudaSlice<f32>,
+        shape: AttnShape,
+        form: &DeviceForm<'_>,
+        scale: f32,
+        out: &mut CudaSlice<f32>,
+        lse: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        if form.tiles == 0 || form.segments == 0 || shape.n_tok == 0 {
+            return Ok(());
+        }
+        let f = self.function("attention", "attn_fwd")?;
+        let (ni, hi, di) = (to_i32("n_tok", shape.n_tok)?, shape.h as i32, shape.d as i32);
+        let row_len = ni;
+        let null: u64 = 0;
+        let cfg = LaunchConfig {
+            grid_dim: (form.tiles, form.segments, shape.h as u32),
+            block_dim: (TILE_Q as u32, 1, 1),
+            shared_mem_bytes: (2 * TILE_K * shape.d * 4) as u32,
+        };
+        let mut b = self.stream().launch_builder(&f);
+        b.arg(dq).arg(dk).arg(dv);
+        push_form(&mut b, form.cu, form.allowed, &null);
+        b.arg(&row_len).arg(&ni).arg(&hi).arg(&di).arg(&scale);
+        b.arg(out).arg(lse);
+        // SAFETY: argument list matches `attn_fwd` in attention.cu; every
+        // buffer has the length its legend says (checked by the callers).
+        driver("launch attn_fwd", unsafe { b.launch(cfg) })?;
+        Ok(())
+    }
+
+    /// Times the packed forward on device-resident inputs: uploads once,
+    /// launches `reps` times after one warm-up, and returns seconds per
+    /// launch (kernel time, no copies). For the GPU bench.
+    ///
+    /// # Errors
+    /// As [`Gpu::attention_forward`].
+    pub fn time_varlen_forward(
+        &self,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        shape: AttnShape,
+        cu_seqlens: &[usize],
+        scale: f32,
+        reps: usize,
+    ) -> Result<f64> {
+        check_shape(shape)?;
+        let dims = [shape.n_tok, shape.h, shape.d];
+        for (f, x) in [("q", q), ("k", k), ("v", v)] {
+            check_len(f, x, &dims, "[n_tok, h, d]")?;
+        }
+        let form = Form::Packed(cu_seqlens);
+        check_form(form, shape)?;
+        let (tiles, segments, _) = grid(form, shape)?;
+        let s = self.stream();
+        let dq = driver("copy q", s.clone_htod(q))?;
+        let dk = driver("copy k", s.clone_htod(k))?;
+        let dv = driver("copy v", s.clone_htod(v))?;
+        let mut out = driver("alloc output", s.alloc_zeros::<f32>(shape.values().max(1)))?;
+        let mut lse = driver("alloc lse", s.alloc_zeros::<f32>((shape.h * shape.n_tok).max(1)))?;
+        let (cu_dev, allowed_dev) = upload_form(self, form)?;
+        let dev = DeviceForm {
+            cu: &cu_dev,
+            allowed: &allowed_dev,
+            tiles,
+            segments,
+        };
+        self.launch_forward(&dq, &dk, &dv, shape, &dev, scale, &mut out, &mut lse)?;
+        driver("synchronize", s.synchronize())?;
+        let t0 = std::time::Instant::now();
+        for _ in 0..reps.max(1) {
+            self.launch_forward(&dq, &dk, &dv, shape, &dev, scale, &mut out, &mut lse)?;
+        }
+        driver("synchronize", s.synchronize())?;
+        Ok(t0.elapsed().as_secs_f64() / reps.max(1) as f64)
+    }
+}
 
 fn upload_form(gpu: &Gpu, form: Form<'_>) -> Result<(DevBuf<i64>, DevBuf<u8>)> {
     let s = gpu.stream();

@@ -1,0 +1,844 @@
+//! GPU kernels (feature `cuda`, issue #7).
+//!
+//! - The CI check: every kernel source compiles to PTX for sm_90 with NVRTC
+//!   (no GPU needed; NVRTC from `scripts/fetch_nvrtc.sh`). It skips when
+//!   NVRTC is absent and fails instead when `PACKSHARD_REQUIRE_NVRTC=1`.
+//! - The host side of `alg2` checked against the unsharded f64 reference
+//!   with a CPU stand-in for the three shard kernels (runs everywhere).
+//! - The equivalence suites of #3 / #4 instantiated for the GPU kernels:
+//!   the attention suite (`packshard_equivalence::attention`, packed ==
+//!   padded, P2/P4/P8) plus GPU vs f64 reference, and the `alg2` vocab check
+//!   for the GPU shard kernels. They print `skipped: no CUDA device ...`
+//!   where there is no device.
+//! - `gpu_attention_bench` (`--ignored`): tokens/s and TFLOP/s of the
+//!   attention forward on `wikipedia-512`-drawn batches, packed vs padded.
+#![cfg(feature = "cuda")]
+
+use std::path::PathBuf;
+
+use ndarray::{Array2, Array3, ArrayView2, ArrayView3};
+use packshard_equivalence::attention::{
+    fault_cases, run_attention_suite, AttentionCase, VarlenAttention,
+};
+use packshard_equivalence::compare::{assert_close, assert_close_with_scale, Mismatch, Tolerance};
+use packshard_optimized::cuda::attention::{check_cu_seqlens, AttnForward, AttnShape, Form};
+use packshard_optimized::cuda::vocab::{
+    alg2_linear_cross_entropy, Alg2Output, ShardInput, ShardKernels, ShardStats,
+};
+use packshard_optimized::cuda::{self, CudaError, Gpu, CI_ARCH, KERNELS};
+use packshard_reference::bert::attention::{
+    varlen_attention, varlen_attention_backward, AttentionGrads, AttentionOutput,
+};
+use packshard_reference::vocab::{linear_cross_entropy, LossConfig, ShardLayout, ShardMap};
+use packshard_reference::Error;
+
+/// The NVRTC folder: `PACKSHARD_NVRTC_DIR`, else the one
+/// `scripts/fetch_nvrtc.sh` fills.
+fn nvrtc_dir() -> PathBuf {
+    match std::env::var_os("PACKSHARD_NVRTC_DIR") {
+        Some(d) if !d.is_empty() => PathBuf::from(d),
+        _ => PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../.cache/nvrtc/nvidia/cuda_nvrtc/lib"),
+    }
+}
+
+/// Makes NVRTC loadable (preloading it from [`nvrtc_dir`] when it is not
+/// on the loader path already); whether it is.
+fn nvrtc_ready() -> bool {
+    if cuda::nvrtc_present() {
+        return true;
+    }
+    match cuda::preload_nvrtc(&nvrtc_dir()) {
+        Ok(true) => cuda::nvrtc_present(),
+        _ => false,
+    }
+}
+
+fn require_nvrtc() -> bool {
+    std::env::var("PACKSHARD_REQUIRE_NVRTC").is_ok_and(|v| v == "1")
+}
+
+/// The device, or `None` after printing why the test skips. Any error other
+/// than "no NVRTC" / "no device" fails the test.
+fn gpu_or_skip(test: &str) -> Option<Gpu> {
+    nvrtc_ready();
+    match Gpu::new(0) {
+        Ok(g) => {
+            eprintln!("{test}: running on {} ({})", g.name(), g.arch());
+            Some(g)
+        }
+        Err(e) if e.is_unavailable() => {
+            eprintln!("{test}: skipped: {e}");
+            None
+        }
+        Err(e) => panic!("{test}: the GPU is there but failed: {e}"),
+    }
+}
+
+// ---------------------------------------------------------------- CI check
+
+#[test]
+fn every_kernel_compiles_to_ptx_for_sm_90() {
+    if !nvrtc_ready() {
+        let msg = format!(
+            "{} (looked in {})",
+            CudaError::NoNvrtc,
+            nvrtc_dir().display()
+        );
+        if require_nvrtc() {
+            panic!("PACKSHARD_REQUIRE_NVRTC=1 but {msg}");
+        }
+        eprintln!("every_kernel_compiles_to_ptx_for_sm_90: skipped: {msg}");
+        return;
+    }
+    let (major, minor) = cuda::nvrtc_version().expect("NVRTC version");
+    assert!(!KERNELS.is_empty());
+    for k in KERNELS {
+        let ptx = cuda::compile(k, CI_ARCH).unwrap_or_else(|e| panic!("{e}"));
+        let text = cuda::ptx_text(&ptx);
+        assert!(
+            text.contains(".target sm_90"),
+            "{}: PTX is not for sm_90:\n{}",
+            k.name,
+            &text[..text.len().min(400)]
+        );
+        for entry in k.entry_points {
+            assert!(
+                text.contains(&format!(".entry {entry}(")),
+                "{}: PTX has no entry point {entry}",
+                k.name
+            );
+        }
+        eprintln!(
+            "NVRTC {major}.{minor}: {} -> PTX for {CI_ARCH}, {} bytes, entries {:?}",
+            k.name,
+            text.len(),
+            k.entry_points
+        );
+    }
+}
+
+/// Negative control: the check must reject a kernel that does not compile,
+/// with NVRTC's log in a typed error.
+#[test]
+fn a_broken_kernel_is_a_compile_error_with_the_log() {
+    if !nvrtc_ready() {
+        eprintln!("a_broken_kernel_is_a_compile_error_with_the_log: skipped: no NVRTC");
+        return;
+    }
+    let broken = cuda::KernelSource {
+        name: "broken",
+        summary: "does not compile",
+        source: "extern \"C\" __global__ void f(float* x) { x[0] = undeclared_name; }",
+        entry_points: &["f"],
+    };
+    match cuda::compile(&broken, CI_ARCH) {
+        Err(CudaError::Compile { kernel, log, .. }) => {
+            assert_eq!(kernel, "broken");
+            assert!(log.contains("undeclared_name"), "log: {log}");
+        }
+        other => panic!("expected a compile error, got {other:?}"),
+    }
+}
+
+#[test]
+fn no_device_is_a_typed_error_never_a_panic() {
+    nvrtc_ready();
+    match Gpu::new(0) {
+        Ok(g) => eprintln!("device present: {g:?}"),
+        Err(e) => {
+            assert!(e.is_unavailable(), "unexpected error without a GPU: {e}");
+            eprintln!("as expected on a machine without a GPU: {e}");
+        }
+    }
+    // An ordinal past the last device is "no device" too.
+    if let Err(e) = Gpu::new(1 << 20) {
+        assert!(e.is_unavailable(), "{e}");
+    }
+}
+
+#[test]
+fn cu_seqlens_errors_name_the_index() {
+    assert!(check_cu_seqlens(&[0, 3, 3, 8], 8).is_ok());
+    assert!(check_cu_seqlens(&[0], 0).is_ok());
+    let idx = |r: Result<(), CudaError>| match r {
+        Err(CudaError::Input(Error::IndexOutOfRange { field, index, .. })) => {
+            assert_eq!(field, "cu_seqlens");
+            index
+        }
+        other => panic!("expected IndexOutOfRange, got {other:?}"),
+    };
+    assert_eq!(idx(check_cu_seqlens(&[1, 3], 3)), 0);
+    assert_eq!(idx(check_cu_seqlens(&[0, 3, 2], 4)), 2);
+    assert_eq!(idx(check_cu_seqlens(&[0, 5, 4], 4)), 1);
+    assert_eq!(idx(check_cu_seqlens(&[0, 2, 9], 8)), 2);
+    assert_eq!(idx(check_cu_seqlens(&[0, 2, 7], 8)), 2);
+    assert!(matches!(
+        check_cu_seqlens(&[], 0),
+        Err(CudaError::Input(Error::ShapeMismatch { .. }))
+    ));
+}
+
+// ------------------------------------------------------- attention suites
+
+/// The GPU kernels behind the suite's trait: f64 in, f32 on the device, f64 out.
+struct GpuAttention(Gpu);
+
+fn to32(field: &str, x: ArrayView3<f64>) -> Result<Vec<f32>, Error> {
+    x.iter()
+        .enumerate()
+        .map(|(index, &v)| {
+            let f = v as f32;
+            if f.is_finite() {
+                Ok(f)
+            } else {
+                Err(Error::NonFiniteInput {
+                    field: field.into(),
+                    index,
+                    value: v,
+                })
+            }
+        })
+        .collect()
+}
+
+fn back(e: CudaError) -> Error {
+    match e {
+        CudaError::Input(e) => e,
+        other => Error::invalid("gpu", other.to_string()),
+    }
+}
+
+fn shape_of(q: &ArrayView3<f64>) -> AttnShape {
+    let (n_tok, h, d) = q.dim();
+    AttnShape { n_tok, h, d }
+}
+
+fn out64(f: &AttnForward, s: AttnShape) -> AttentionOutput {
+    AttentionOutput {
+        output: Array3::from_shape_fn((s.n_tok, s.h, s.d), |(i, a, c)| {
+            f.output[(i * s.h + a) * s.d + c] as f64
+        }),
+        lse: Array2::from_shape_fn((s.h, s.n_tok), |(a, i)| f.lse[a * s.n_tok + i] as f64),
+    }
+}
+
+fn fwd32(f: &AttentionOutput) -> AttnForward {
+    AttnForward {
+        output: f.output.iter().map(|&x| x as f32).collect(),
+        lse: f.lse.iter().map(|&x| x as f32).collect(),
+    }
+}
+
+impl GpuAttention {
+    fn forward(
+        &self,
+        q: ArrayView3<f64>,
+        k: ArrayView3<f64>,
+        v: ArrayView3<f64>,
+        form: Form<'_>,
+        scale: f64,
+    ) -> Result<AttentionOutput, Error> {
+        let s = shape_of(&q);
+        let f = self
+            .0
+            .attention_forward(
+                &to32("q", q)?,
+                &to32("k", k)?,
+                &to32("v", v)?,
+                s,
+                form,
+                scale as f32,
+            )
+            .map_err(back)?;
+        Ok(out64(&f, s))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn backward(
+        &self,
+        q: ArrayView3<f64>,
+        k: ArrayView3<f64>,
+        v: ArrayView3<f64>,
+        form: Form<'_>,
+        scale: f64,
+        fwd: &AttentionOutput,
+        go: ArrayView3<f64>,
+    ) -> Result<AttentionGrads, Error> {
+        let s = shape_of(&q);
+        let g = self
+            .0
+            .attention_backward(
+                &to32("q", q)?,
+                &to32("k", k)?,
+                &to32("v", v)?,
+                s,
+                form,
+                scale as f32,
+                &fwd32(fwd),
+                &to32("grad_output", go)?,
+            )
+            .map_err(back)?;
+        let a = |x: &[f32]| {
+            Array3::from_shape_fn((s.n_tok, s.h, s.d), |(i, h, c)| {
+                x[(i * s.h + h) * s.d + c] as f64
+            })
+        };
+        Ok(AttentionGrads {
+            grad_q: a(&g.grad_q),
+            grad_k: a(&g.grad_k),
+            grad_v: a(&g.grad_v),
+        })
+    }
+}
+
+impl VarlenAttention for GpuAttention {
+    fn name(&self) -> String {
+        format!("cuda f32 ({})", self.0.name())
+    }
+    fn varlen_forward(
+        &self,
+        q: ArrayView3<f64>,
+        k: ArrayView3<f64>,
+        v: ArrayView3<f64>,
+        cu_seqlens: &[usize],
+        scale: f64,
+    ) -> Result<AttentionOutput, Error> {
+        self.forward(q, k, v, Form::Packed(cu_seqlens), scale)
+    }
+    fn varlen_backward(
+        &self,
+        q: ArrayView3<f64>,
+        k: ArrayView3<f64>,
+        v: ArrayView3<f64>,
+        cu_seqlens: &[usize],
+        scale: f64,
+        fwd: &AttentionOutput,
+        grad_output: ArrayView3<f64>,
+    ) -> Result<AttentionGrads, Error> {
+        self.backward(q, k, v, Form::Packed(cu_seqlens), scale, fwd, grad_output)
+    }
+    fn masked_forward(
+        &self,
+        q: ArrayView3<f64>,
+        k: ArrayView3<f64>,
+        v: ArrayView3<f64>,
+        allowed: ArrayView2<bool>,
+        scale: f64,
+    ) -> Result<AttentionOutput, Error> {
+        let a: Vec<bool> = allowed.iter().copied().collect();
+        self.forward(q, k, v, Form::Masked(&a), scale)
+    }
+    fn masked_backward(
+        &self,
+        q: ArrayView3<f64>,
+        k: ArrayView3<f64>,
+        v: ArrayView3<f64>,
+        allowed: ArrayView2<bool>,
+        scale: f64,
+        fwd: &AttentionOutput,
+        grad_output: ArrayView3<f64>,
+    ) -> Result<AttentionGrads, Error> {
+        let a: Vec<bool> = allowed.iter().copied().collect();
+        self.backward(q, k, v, Form::Masked(&a), scale, fwd, grad_output)
+    }
+}
+
+/// f32 kernel against the f64 reference. Scores reach about 500 with the
+/// suite's planted outliers (|q|, |k| <= 16, d <= 64 after the scale), so
+/// one f32 rounding of a score moves `exp` by 500 x 6e-8 = 3e-5 relative;
+/// sums of <= 97 such terms stay under 1e-4 of the tensor's scale. The
+/// rule is 10x that; a real bug (a wrong key, a missing rescale) moves
+/// values by O(1).
+const F32_VS_F64: Tolerance = Tolerance::new("f32 GPU vs f64 reference", 1e-3, 1e-3);
+
+fn check_against_reference(gpu: &GpuAttention, case: &AttentionCase) -> Result<(), Mismatch> {
+    let cu = case.cu_seqlens();
+    let name = format!("lengths {:?}", case.lengths);
+    let reference = varlen_attention(
+        case.q.view(),
+        case.k.view(),
+        case.v.view(),
+        &cu,
+        false,
+        case.scale,
+    )
+    .map_err(|e| Mismatch::new(&name, e.to_string()))?;
+    let rgrads = varlen_attention_backward(
+        case.q.view(),
+        case.k.view(),
+        case.v.view(),
+        &cu,
+        false,
+        case.scale,
+        &reference,
+        case.grad_output.view(),
+    )
+    .map_err(|e| Mismatch::new(&name, e.to_string()))?;
+    let f = gpu
+        .varlen_forward(case.q.view(), case.k.view(), case.v.view(), &cu, case.scale)
+        .map_err(|e| Mismatch::new(&name, e.to_string()))?;
+    let g = gpu
+        .varlen_backward(
+            case.q.view(),
+            case.k.view(),
+            case.v.view(),
+            &cu,
+            case.scale,
+            &f,
+            case.grad_output.view(),
+        )
+        .map_err(|e| Mismatch::new(&name, e.to_string()))?;
+    let sh = case.q.shape().to_vec();
+    let flat = |x: &Array3<f64>| x.iter().copied().collect::<Vec<_>>();
+    assert_close(
+        &format!("{name}: output"),
+        &flat(&reference.output),
+        &flat(&f.output),
+        &sh,
+        F32_VS_F64,
+    )?;
+    let lse_r: Vec<f64> = reference.lse.iter().copied().collect();
+    let lse_g: Vec<f64> = f.lse.iter().copied().collect();
+    assert_close(
+        &format!("{name}: lse"),
+        &lse_r,
+        &lse_g,
+        reference.lse.shape(),
+        F32_VS_F64,
+    )?;
+    for (t, r, x) in [
+        ("grad_q", &rgrads.grad_q, &g.grad_q),
+        ("grad_k", &rgrads.grad_k, &g.grad_k),
+        ("grad_v", &rgrads.grad_v, &g.grad_v),
+    ] {
+        assert_close(&format!("{name}: {t}"), &flat(r), &flat(x), &sh, F32_VS_F64)?;
+    }
+    Ok(())
+}
+
+#[test]
+fn gpu_attention_suite_packed_equals_padded() {
+    let Some(gpu) = gpu_or_skip("gpu_attention_suite_packed_equals_padded") else {
+        return;
+    };
+    let imp = GpuAttention(gpu);
+    let seen = run_attention_suite(&imp, 64).unwrap_or_else(|m| panic!("{m}"));
+    eprintln!(
+        "{}: packed == padded over {} values, max |diff| {:e}",
+        imp.name(),
+        seen.values,
+        seen.max_abs
+    );
+}
+
+#[test]
+fn gpu_attention_matches_the_f64_reference() {
+    let Some(gpu) = gpu_or_skip("gpu_attention_matches_the_f64_reference") else {
+        return;
+    };
+    let imp = GpuAttention(gpu);
+    let mut cases = Vec::new();
+    for (i, (_, lengths, pad)) in fault_cases().into_iter().enumerate() {
+        cases.push(AttentionCase::seeded(&lengths, 2, 3, pad, 100 + i as u64));
+    }
+    // Sizes across tile edges (32-key tiles, 64-query blocks), head dims up to 128.
+    for (s, (lengths, h, d)) in [
+        (vec![1, 7, 59, 97], 3, 64),
+        (vec![65, 0, 33, 128], 2, 128),
+        (vec![200], 1, 16),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        cases.push(AttentionCase::seeded(&lengths, h, d, 0, 7 + s as u64));
+    }
+    for c in &cases {
+        check_against_reference(&imp, c).unwrap_or_else(|m| panic!("{m}"));
+    }
+    eprintln!("{}: {} cases within {}", imp.name(), cases.len(), F32_VS_F64.name);
+}
+
+#[test]
+fn gpu_attention_rejects_bad_input() {
+    let Some(gpu) = gpu_or_skip("gpu_attention_rejects_bad_input") else {
+        return;
+    };
+    let s = AttnShape {
+        n_tok: 4,
+        h: 1,
+        d: 2,
+    };
+    let x = vec![0.5f32; 8];
+    let mut bad = x.clone();
+    bad[5] = f32::NAN;
+    match gpu.attention_forward(&x, &bad, &x, s, Form::Packed(&[0, 4]), 1.0) {
+        Err(CudaError::Input(Error::NonFiniteInput { field, index, .. })) => {
+            assert_eq!((field.as_str(), index), ("k", 5))
+        }
+        other => panic!("{other:?}"),
+    }
+    match gpu.attention_forward(&x, &x[..6], &x, s, Form::Packed(&[0, 4]), 1.0) {
+        Err(CudaError::Input(Error::ShapeMismatch { field, .. })) => assert_eq!(field, "k"),
+        other => panic!("{other:?}"),
+    }
+    let s129 = AttnShape {
+        n_tok: 1,
+        h: 1,
+        d: 129,
+    };
+    let y = vec![0.0f32; 129];
+    assert!(matches!(
+        gpu.attention_forward(&y, &y, &y, s129, Form::Packed(&[0, 1]), 1.0),
+        Err(CudaError::Input(Error::InvalidArgument { .. }))
+    ));
+}
+
+// ------------------------------------------------------------ vocab (alg2)
+
+/// The three shard kernels as plain f64 loops rounded to f32: the CPU
+/// stand-in that lets the host half of `alg2` (target mapping, the f64
+/// merge, `alpha_i`, gathering the weight gradient) be checked here.
+struct CpuShard;
+
+fn z(x: &ShardInput<'_>, i: usize, j: usize) -> f64 {
+    (0..x.hd)
+        .map(|c| x.hidden[i * x.hd + c] as f64 * x.weight[j * x.hd + c] as f64)
+        .sum()
+}
+
+impl ShardKernels for CpuShard {
+    fn stats(&self, x: &ShardInput<'_>) -> cuda::Result<ShardStats> {
+        let mut st = ShardStats {
+            local_max: vec![f32::NEG_INFINITY; x.n],
+            local_sum: vec![0.0; x.n],
+            target_logit: vec![0.0; x.n],
+        };
+        for i in 0..x.n {
+            let zs: Vec<f64> = (0..x.w).map(|j| z(x, i, j)).collect();
+            let m = zs.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            if x.w > 0 {
+                st.local_max[i] = m as f32;
+                st.local_sum[i] = zs.iter().map(|&v| (v - m).exp()).sum::<f64>() as f32;
+            }
+            if x.target[i] >= 0 {
+                st.target_logit[i] = zs[x.target[i] as usize] as f32;
+            }
+        }
+        Ok(st)
+    }
+    fn input_partials(
+        &self,
+        x: &ShardInput<'_>,
+        lse: &[f32],
+        row_scale: &[f32],
+    ) -> cuda::Result<(Vec<f32>, Vec<f32>)> {
+        let mut d = vec![0.0f32; x.n * x.hd];
+        let mut b = vec![0.0f32; x.n * x.hd];
+        for i in 0..x.n {
+            let sc = row_scale[i] as f64;
+            for c in 0..x.hd {
+                let mut acc = 0.0f64;
+                for j in 0..x.w {
+                    let p = if lse[i] == f32::NEG_INFINITY {
+                        0.0
+                    } else {
+                        (z(x, i, j) - lse[i] as f64).exp()
+                    };
+                    let q = if x.target[i] == j as i32 { 1.0 } else { 0.0 };
+                    acc += sc * (p - q) * x.weight[j * x.hd + c] as f64;
+                }
+                d[i * x.hd + c] = acc as f32;
+                if x.target[i] >= 0 {
+                    b[i * x.hd + c] = (sc * x.weight[x.target[i] as usize * x.hd + c] as f64) as f32;
+                }
+            }
+        }
+        Ok((d, b))
+    }
+    fn weight_grad(
+        &self,
+        x: &ShardInput<'_>,
+        lse: &[f32],
+        row_scale: &[f32],
+    ) -> cuda::Result<Vec<f32>> {
+        let mut g = vec![0.0f32; x.w * x.hd];
+        for j in 0..x.w {
+            for c in 0..x.hd {
+                let mut acc = 0.0f64;
+                for i in 0..x.n {
+                    let p = (z(x, i, j) - lse[i] as f64).exp();
+                    let q = if x.target[i] == j as i32 { 1.0 } else { 0.0 };
+                    acc += row_scale[i] as f64 * (p - q) * x.hidden[i * x.hd + c] as f64;
+                }
+                g[j * x.hd + c] = acc as f32;
+            }
+        }
+        Ok(g)
+    }
+}
+
+/// A seeded output-layer case: `hidden: [n, hd]`, `weight: [v, hd]` with
+/// planted outliers, targets on every shard, every 5th ignored.
+struct LinearCase {
+    n: usize,
+    hd: usize,
+    /// Vocabulary size.
+    v: usize,
+    hidden: Vec<f32>,
+    weight: Vec<f32>,
+    targets: Vec<i64>,
+}
+
+fn splitmix(state: &mut u64) -> f64 {
+    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
+}
+
+fn linear_case(n: usize, hd: usize, v: usize, seed: u64) -> LinearCase {
+    let mut s = seed;
+    let mut gen = |k: usize| -> Vec<f32> {
+        (0..k)
+            .map(|i| {
+                let x = 2.0 * splitmix(&mut s) - 1.0;
+                (if i % 11 == 3 { 6.0 * x } else { x }) as f32
+            })
+            .collect()
+    };
+    let hidden = gen(n * hd);
+    let weight = gen(v * hd);
+    let targets = (0..n)
+        .map(|i| {
+            if i % 5 == 4 {
+                -100
+            } else {
+                ((i * 7919 + seed as usize) % v) as i64
+            }
+        })
+        .collect();
+    LinearCase {
+        n,
+        hd,
+        v,
+        hidden,
+        weight,
+        targets,
+    }
+}
+
+/// `alg2` on `kernels` against the unsharded f64 reference on the same
+/// (f32-representable) inputs: loss, per-token loss, logsumexp, both gradients.
+fn check_alg2(kernels: &dyn ShardKernels, tol: Tolerance) -> Result<usize, Mismatch> {
+    let mut checked = 0;
+    for (n, hd, v, seed) in [(1, 1, 1, 1), (7, 5, 13, 2), (33, 16, 97, 3), (59, 64, 1025, 4)] {
+        let c = linear_case(n, hd, v, seed);
+        let h64 = Array2::from_shape_fn((n, hd), |(i, j)| c.hidden[i * hd + j] as f64);
+        let w64 = Array2::from_shape_fn((v, hd), |(i, j)| c.weight[i * hd + j] as f64);
+        let cfg = LossConfig::default();
+        let r = linear_cross_entropy(h64.view(), w64.view(), &c.targets, &cfg, true)
+            .map_err(|e| Mismatch::new("reference", e.to_string()))?;
+        for p in [1usize, 2, 3, 5] {
+            for layout in [ShardLayout::Uneven, ShardLayout::Padded] {
+                if p > v {
+                    continue;
+                }
+                let map = ShardMap::new(v, p, layout).map_err(|e| Mismatch::new("map", e.to_string()))?;
+                let what = format!("n {n} hd {hd} v {v}, {}", map.describe());
+                let g: Alg2Output = alg2_linear_cross_entropy(
+                    kernels, &map, &c.hidden, c.n, c.hd, &c.weight, &c.targets, -100,
+                )
+                .map_err(|e| Mismatch::new(&what, e.to_string()))?;
+                assert_eq!(g.num_tokens, r.ce.num_tokens, "{what}: counted tokens");
+                assert_close(&format!("{what}: loss"), &[r.ce.loss], &[g.loss], &[1], tol)?;
+                assert_close(
+                    &format!("{what}: per_token_loss"),
+                    r.ce.per_token_loss.as_slice().unwrap(),
+                    &g.per_token_loss,
+                    &[n],
+                    tol,
+                )?;
+                assert_close(
+                    &format!("{what}: logsumexp"),
+                    r.ce.logsumexp().as_slice().unwrap(),
+                    &g.logsumexp,
+                    &[n],
+                    tol,
+                )?;
+                // Gradients may cancel to 0 (v = 1: p - q = 1 - 1); judge
+                // them against the size of their terms, `|W|` or `|x|` per
+                // counted token.
+                let per_token = 1.0 / r.ce.num_tokens.max(1) as f64;
+                let max_abs = |x: &[f32]| x.iter().fold(0.0f64, |m, &v| m.max(v.abs() as f64));
+                let gh: Vec<f64> = r.grad_hidden.as_ref().unwrap().iter().copied().collect();
+                assert_close_with_scale(
+                    &format!("{what}: grad_hidden"),
+                    &gh,
+                    &g.grad_hidden,
+                    &[n, hd],
+                    tol,
+                    Some(per_token * max_abs(&c.weight)),
+                )?;
+                let gw: Vec<f64> = r.grad_weight.as_ref().unwrap().iter().copied().collect();
+                assert_close_with_scale(
+                    &format!("{what}: grad_weight"),
+                    &gw,
+                    &g.grad_weight,
+                    &[v, hd],
+                    tol,
+                    Some(per_token * max_abs(&c.hidden)),
+                )?;
+                assert_eq!(g.local.len(), p);
+                checked += 1;
+            }
+        }
+    }
+    Ok(checked)
+}
+
+/// The stand-in rounds each kernel output to f32 once (relative 6e-8) and
+/// the merge is f64: 1e-5 relative leaves ~100x headroom and is still far
+/// below any wrong `alpha_i` (O(1)) or a missing `B_i` term.
+const F32_ROUNDED: Tolerance = Tolerance::new("f32-rounded shard outputs", 1e-5, 1e-5);
+
+/// f32 kernels (sums of up to 64 products with |x| <= 6, `exp` of logits up
+/// to ~100) vs f64: 1e-3 relative of the tensor scale, as for attention.
+const GPU_F32: Tolerance = Tolerance::new("f32 GPU vs f64 reference", 1e-3, 1e-3);
+
+#[test]
+fn alg2_host_merge_matches_the_reference_with_cpu_shard_kernels() {
+    let n = check_alg2(&CpuShard, F32_ROUNDED).unwrap_or_else(|m| panic!("{m}"));
+    assert!(n >= 20, "only {n} configurations checked");
+}
+
+/// Negative control: a merge fed wrong statistics must fail the check.
+#[test]
+fn alg2_check_rejects_a_shard_with_a_wrong_sum() {
+    struct Broken;
+    impl ShardKernels for Broken {
+        fn stats(&self, x: &ShardInput<'_>) -> cuda::Result<ShardStats> {
+            let mut s = CpuShard.stats(x)?;
+            for v in &mut s.local_sum {
+                *v *= 1.5;
+            }
+            Ok(s)
+        }
+        fn input_partials(
+            &self,
+            x: &ShardInput<'_>,
+            lse: &[f32],
+            rs: &[f32],
+        ) -> cuda::Result<(Vec<f32>, Vec<f32>)> {
+            CpuShard.input_partials(x, lse, rs)
+        }
+        fn weight_grad(&self, x: &ShardInput<'_>, lse: &[f32], rs: &[f32]) -> cuda::Result<Vec<f32>> {
+            CpuShard.weight_grad(x, lse, rs)
+        }
+    }
+    assert!(check_alg2(&Broken, F32_ROUNDED).is_err());
+}
+
+#[test]
+fn alg2_rejects_bad_targets_and_shapes() {
+    let c = linear_case(4, 3, 10, 9);
+    let map = ShardMap::new(10, 2, ShardLayout::Uneven).unwrap();
+    let mut t = c.targets.clone();
+    t[2] = 10;
+    match alg2_linear_cross_entropy(&CpuShard, &map, &c.hidden, 4, 3, &c.weight, &t, -100) {
+        Err(CudaError::Input(Error::IndexOutOfRange { field, index, value, .. })) => {
+            assert_eq!((field.as_str(), index, value), ("targets", 2, 10))
+        }
+        other => panic!("{other:?}"),
+    }
+    match alg2_linear_cross_entropy(&CpuShard, &map, &c.hidden[1..], 4, 3, &c.weight, &c.targets, -100)
+    {
+        Err(CudaError::Input(Error::ShapeMismatch { field, .. })) => assert_eq!(field, "hidden"),
+        other => panic!("{other:?}"),
+    }
+    let mut w = c.weight.clone();
+    w[7] = f32::INFINITY;
+    match alg2_linear_cross_entropy(&CpuShard, &map, &c.hidden, 4, 3, &w, &c.targets, -100) {
+        Err(CudaError::Input(Error::NonFiniteInput { field, index, .. })) => {
+            assert_eq!((field.as_str(), index), ("weight", 7))
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn gpu_alg2_matches_the_reference() {
+    let Some(gpu) = gpu_or_skip("gpu_alg2_matches_the_reference") else {
+        return;
+    };
+    let n = check_alg2(&gpu, GPU_F32).unwrap_or_else(|m| panic!("{m}"));
+    eprintln!("{}: alg2 over {n} shard maps within {}", gpu.name(), GPU_F32.name);
+}
+
+// ------------------------------------------------------------------ bench
+
+/// Draws `count` lengths from the `wikipedia-512` histogram (inverse CDF).
+fn wikipedia_lengths(count: usize, seed: u64) -> Vec<usize> {
+    let h = packshard_reference::packing::Histogram::embedded("wikipedia-512").unwrap();
+    let counts = h.counts();
+    let total: u64 = counts.iter().skip(1).sum();
+    let mut s = seed;
+    (0..count)
+        .map(|_| {
+            let mut r = (splitmix(&mut s) * total as f64) as u64;
+            for (l, &c) in counts.iter().enumerate().skip(1) {
+                if r < c {
+                    return l;
+                }
+                r -= c;
+            }
+            h.longest()
+        })
+        .collect()
+}
+
+/// Attention forward on `wikipedia-512`-drawn batches, BERT-base heads
+/// (h 12, d 64): packed (segments of the real lengths) vs padded (every
+/// sequence padded to 512, the same kernel over 512-token segments).
+/// Tokens/s counts real tokens; TFLOP/s counts the useful work `4 d h Σ l^2`
+/// (padded also shows the work it executes). Kernel time only, inputs
+/// resident on the device. Run: `scripts/gpu_check.sh`.
+#[test]
+#[ignore = "GPU benchmark: scripts/gpu_check.sh"]
+fn gpu_attention_bench() {
+    let Some(gpu) = gpu_or_skip("gpu_attention_bench") else {
+        return;
+    };
+    let (h, d, max_len) = (12usize, 64usize, 512usize);
+    for &batch in &[256usize, 1024] {
+        let lengths = wikipedia_lengths(batch, 42 + batch as u64);
+        let real: usize = lengths.iter().sum();
+        let mut cu = vec![0usize];
+        for l in &lengths {
+            cu.push(cu.last().unwrap() + l);
+        }
+        let padded_cu: Vec<usize> = (0..=batch).map(|i| i * max_len).collect();
+        let useful = cuda::attention::attention_flops(&cu, h, d, false);
+        for (name, cu_used) in [("packed", &cu), ("padded", &padded_cu)] {
+            let n_tok = *cu_used.last().unwrap();
+            let mut s = 7u64;
+            let x: Vec<f32> = (0..n_tok * h * d)
+                .map(|_| (2.0 * splitmix(&mut s) - 1.0) as f32)
+                .collect();
+            let shape = AttnShape { n_tok, h, d };
+            let secs = gpu
+                .time_varlen_forward(&x, &x, &x, shape, cu_used, 0.125, 10)
+                .unwrap_or_else(|e| panic!("{e}"));
+            let executed = cuda::attention::attention_flops(cu_used, h, d, false);
+            println!(
+                "attention fwd {name:>6} batch {batch:>5} ({real} real tokens, {n_tok} computed): \
+                 {:.3} ms, {:.3e} tokens/s, {:.2} useful TFLOP/s ({:.2} executed)",
+                secs * 1e3,
+                real as f64 / secs,
+                useful / secs / 1e12,
+                executed / secs / 1e12
+            );
+        }
+    }
+}
