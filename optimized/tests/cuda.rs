@@ -583,8 +583,6 @@ impl ShardKernels for CpuShard {
 struct LinearCase {
     n: usize,
     hd: usize,
-    /// Vocabulary size.
-    v: usize,
     hidden: Vec<f32>,
     weight: Vec<f32>,
     targets: Vec<i64>,
@@ -622,7 +620,6 @@ fn linear_case(n: usize, hd: usize, v: usize, seed: u64) -> LinearCase {
     LinearCase {
         n,
         hd,
-        v,
         hidden,
         weight,
         targets,
