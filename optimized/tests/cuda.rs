@@ -37,8 +37,9 @@ use packshard_reference::Error;
 fn nvrtc_dir() -> PathBuf {
     match std::env::var_os("PACKSHARD_NVRTC_DIR") {
         Some(d) if !d.is_empty() => PathBuf::from(d),
-        _ => PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-            .join("../.cache/nvrtc/nvidia/cuda_nvrtc/lib"),
+        _ => {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.cache/nvrtc/nvidia/cuda_nvrtc/lib")
+        }
     }
 }
 
@@ -352,7 +353,10 @@ impl VarlenAttention for GpuAttention {
 /// values by O(1).
 const F32_VS_F64: Tolerance = Tolerance::new("f32 GPU vs f64 reference", 1e-3, 1e-3);
 
-fn check_against_reference(gpu: &GpuAttention, case: &AttentionCase) -> Result<(), Mismatch> {
+fn check_against_reference_with(
+    gpu: &dyn VarlenAttention,
+    case: &AttentionCase,
+) -> Result<(), Mismatch> {
     let cu = case.cu_seqlens();
     let name = format!("lengths {:?}", case.lengths);
     let reference = varlen_attention(
@@ -454,9 +458,14 @@ fn gpu_attention_matches_the_f64_reference() {
         cases.push(AttentionCase::seeded(&lengths, h, d, 0, 7 + s as u64));
     }
     for c in &cases {
-        check_against_reference(&imp, c).unwrap_or_else(|m| panic!("{m}"));
+        check_against_reference_with(&imp, c).unwrap_or_else(|m| panic!("{m}"));
     }
-    eprintln!("{}: {} cases within {}", imp.name(), cases.len(), F32_VS_F64.name);
+    eprintln!(
+        "{}: {} cases within {}",
+        imp.name(),
+        cases.len(),
+        F32_VS_F64.name
+    );
 }
 
 #[test]
@@ -550,7 +559,8 @@ impl ShardKernels for CpuShard {
                 }
                 d[i * x.hd + c] = acc as f32;
                 if x.target[i] >= 0 {
-                    b[i * x.hd + c] = (sc * x.weight[x.target[i] as usize * x.hd + c] as f64) as f32;
+                    b[i * x.hd + c] =
+                        (sc * x.weight[x.target[i] as usize * x.hd + c] as f64) as f32;
                 }
             }
         }
@@ -630,7 +640,12 @@ fn linear_case(n: usize, hd: usize, v: usize, seed: u64) -> LinearCase {
 /// (f32-representable) inputs: loss, per-token loss, logsumexp, both gradients.
 fn check_alg2(kernels: &dyn ShardKernels, tol: Tolerance) -> Result<usize, Mismatch> {
     let mut checked = 0;
-    for (n, hd, v, seed) in [(1, 1, 1, 1), (7, 5, 13, 2), (33, 16, 97, 3), (59, 64, 1025, 4)] {
+    for (n, hd, v, seed) in [
+        (1, 1, 1, 1),
+        (7, 5, 13, 2),
+        (33, 16, 97, 3),
+        (59, 64, 1025, 4),
+    ] {
         let c = linear_case(n, hd, v, seed);
         let h64 = Array2::from_shape_fn((n, hd), |(i, j)| c.hidden[i * hd + j] as f64);
         let w64 = Array2::from_shape_fn((v, hd), |(i, j)| c.weight[i * hd + j] as f64);
@@ -642,7 +657,8 @@ fn check_alg2(kernels: &dyn ShardKernels, tol: Tolerance) -> Result<usize, Misma
                 if p > v {
                     continue;
                 }
-                let map = ShardMap::new(v, p, layout).map_err(|e| Mismatch::new("map", e.to_string()))?;
+                let map =
+                    ShardMap::new(v, p, layout).map_err(|e| Mismatch::new("map", e.to_string()))?;
                 let what = format!("n {n} hd {hd} v {v}, {}", map.describe());
                 let g: Alg2Output = alg2_linear_cross_entropy(
                     kernels, &map, &c.hidden, c.n, c.hd, &c.weight, &c.targets, -100,
@@ -730,7 +746,12 @@ fn alg2_check_rejects_a_shard_with_a_wrong_sum() {
         ) -> cuda::Result<(Vec<f32>, Vec<f32>)> {
             CpuShard.input_partials(x, lse, rs)
         }
-        fn weight_grad(&self, x: &ShardInput<'_>, lse: &[f32], rs: &[f32]) -> cuda::Result<Vec<f32>> {
+        fn weight_grad(
+            &self,
+            x: &ShardInput<'_>,
+            lse: &[f32],
+            rs: &[f32],
+        ) -> cuda::Result<Vec<f32>> {
             CpuShard.weight_grad(x, lse, rs)
         }
     }
@@ -744,13 +765,26 @@ fn alg2_rejects_bad_targets_and_shapes() {
     let mut t = c.targets.clone();
     t[2] = 10;
     match alg2_linear_cross_entropy(&CpuShard, &map, &c.hidden, 4, 3, &c.weight, &t, -100) {
-        Err(CudaError::Input(Error::IndexOutOfRange { field, index, value, .. })) => {
+        Err(CudaError::Input(Error::IndexOutOfRange {
+            field,
+            index,
+            value,
+            ..
+        })) => {
             assert_eq!((field.as_str(), index, value), ("targets", 2, 10))
         }
         other => panic!("{other:?}"),
     }
-    match alg2_linear_cross_entropy(&CpuShard, &map, &c.hidden[1..], 4, 3, &c.weight, &c.targets, -100)
-    {
+    match alg2_linear_cross_entropy(
+        &CpuShard,
+        &map,
+        &c.hidden[1..],
+        4,
+        3,
+        &c.weight,
+        &c.targets,
+        -100,
+    ) {
         Err(CudaError::Input(Error::ShapeMismatch { field, .. })) => assert_eq!(field, "hidden"),
         other => panic!("{other:?}"),
     }
@@ -770,7 +804,587 @@ fn gpu_alg2_matches_the_reference() {
         return;
     };
     let n = check_alg2(&gpu, GPU_F32).unwrap_or_else(|m| panic!("{m}"));
-    eprintln!("{}: alg2 over {n} shard maps within {}", gpu.name(), GPU_F32.name);
+    eprintln!(
+        "{}: alg2 over {n} shard maps within {}",
+        gpu.name(),
+        GPU_F32.name
+    );
+}
+
+// ------------------------------------------------- CPU emulation of CUDA
+
+/// The kernel sources run unchanged on the CPU: `tests/cuda_emu/shim.cpp`
+/// (threads per block, a barrier for `__syncthreads`, one shared buffer)
+/// built with g++ into a shared library and called with cuLaunchKernel's
+/// argument layout. The launch geometry below mirrors `cuda::attention` and
+/// `cuda::vocab`. Where there is no g++ the emulated suites skip.
+mod emu {
+    use std::ffi::{c_char, c_int, c_uint, c_void, CString};
+    use std::path::PathBuf;
+    use std::process::Command;
+    use std::sync::OnceLock;
+
+    pub enum Arg {
+        P(*const c_void),
+        I(i32),
+        F(f32),
+    }
+
+    type LaunchFn = unsafe extern "C" fn(
+        *const c_char,
+        c_uint,
+        c_uint,
+        c_uint,
+        c_uint,
+        c_uint,
+        *mut *mut c_void,
+    ) -> c_int;
+
+    pub struct Emu {
+        _lib: libloading::Library,
+        launch: LaunchFn,
+    }
+
+    // SAFETY: the library's only entry point takes everything by argument;
+    // launches are serialised by LOCK below.
+    unsafe impl Sync for Emu {}
+    unsafe impl Send for Emu {}
+
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+    /// Builds and loads the emulator once; `Err` says why not (no g++).
+    pub fn get() -> Result<&'static Emu, String> {
+        static EMU: OnceLock<Result<Emu, String>> = OnceLock::new();
+        EMU.get_or_init(build).as_ref().map_err(Clone::clone)
+    }
+
+    fn build() -> Result<Emu, String> {
+        let manifest = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+        let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("packshard_cuda_emu.so");
+        let status = Command::new(std::env::var("CXX").unwrap_or_else(|_| "g++".into()))
+            .args(["-std=c++20", "-O2", "-shared", "-fPIC", "-pthread", "-I"])
+            .arg(manifest.join("src/cuda"))
+            .arg(manifest.join("tests/cuda_emu/shim.cpp"))
+            .arg("-o")
+            .arg(&out)
+            .status()
+            .map_err(|e| format!("no C++ compiler (g++): {e}"))?;
+        if !status.success() {
+            return Err(format!("g++ failed on the kernel sources: {status}"));
+        }
+        // SAFETY: our own library, built just now.
+        let lib = unsafe { libloading::Library::new(&out) }.map_err(|e| e.to_string())?;
+        // SAFETY: the signature of `emu_launch` in shim.cpp.
+        let launch = unsafe {
+            *lib.get::<LaunchFn>(b"emu_launch\0")
+                .map_err(|e| e.to_string())?
+        };
+        Ok(Emu { _lib: lib, launch })
+    }
+
+    impl Emu {
+        pub fn launch(
+            &self,
+            name: &str,
+            grid: (u32, u32, u32),
+            block: u32,
+            shared: usize,
+            args: &mut [Arg],
+        ) {
+            let mut ptrs: Vec<*mut c_void> = args
+                .iter_mut()
+                .map(|a| match a {
+                    Arg::P(p) => p as *mut *const c_void as *mut c_void,
+                    Arg::I(i) => i as *mut i32 as *mut c_void,
+                    Arg::F(f) => f as *mut f32 as *mut c_void,
+                })
+                .collect();
+            let cname = CString::new(name).unwrap();
+            let _guard = LOCK.lock().unwrap();
+            // SAFETY: the argument list matches the kernel `name` (the
+            // callers mirror the host code of `cuda::attention` / `cuda::vocab`),
+            // and every pointer is to a live buffer of the legend's size.
+            let rc = unsafe {
+                (self.launch)(
+                    cname.as_ptr(),
+                    grid.0,
+                    grid.1,
+                    grid.2,
+                    block,
+                    shared as c_uint,
+                    ptrs.as_mut_ptr(),
+                )
+            };
+            assert_eq!(rc, 0, "emu_launch {name}: {rc}");
+        }
+    }
+
+    pub fn p<T>(x: &[T]) -> Arg {
+        Arg::P(x.as_ptr() as *const c_void)
+    }
+    pub fn pm<T>(x: &mut [T]) -> Arg {
+        Arg::P(x.as_mut_ptr() as *const c_void)
+    }
+    pub fn null() -> Arg {
+        Arg::P(std::ptr::null())
+    }
+}
+
+use emu::{null, p, pm, Arg};
+
+const TILE_Q: usize = 64;
+const TILE_K: usize = 32;
+
+/// The attention kernels on the emulator, behind the suite's trait.
+struct EmuAttention(&'static emu::Emu);
+
+impl EmuAttention {
+    fn geometry(form: &Form<'_>, n: usize) -> (u32, u32) {
+        match form {
+            Form::Packed(cu) => {
+                let longest = cu.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0);
+                (longest.div_ceil(TILE_Q) as u32, (cu.len() - 1) as u32)
+            }
+            Form::Masked(_) => (n.div_ceil(TILE_Q) as u32, 1),
+        }
+    }
+
+    fn form_args(form: &Form<'_>, cu: &[i64], allowed: &[u8]) -> [Arg; 2] {
+        match form {
+            Form::Packed(_) => [p(cu), null()],
+            Form::Masked(_) => [null(), p(allowed)],
+        }
+    }
+
+    fn forward(
+        &self,
+        q: ArrayView3<f64>,
+        k: ArrayView3<f64>,
+        v: ArrayView3<f64>,
+        form: Form<'_>,
+        scale: f64,
+    ) -> Result<AttentionOutput, Error> {
+        let s = shape_of(&q);
+        if let Form::Packed(cu) = form {
+            check_cu_seqlens(cu, s.n_tok).map_err(back)?;
+        }
+        let (q32, k32, v32) = (to32("q", q)?, to32("k", k)?, to32("v", v)?);
+        let mut out = vec![0.0f32; s.n_tok * s.h * s.d];
+        let mut lse = vec![f32::NEG_INFINITY; s.h * s.n_tok];
+        let (tiles, segs) = Self::geometry(&form, s.n_tok);
+        let cu: Vec<i64> = match form {
+            Form::Packed(c) => c.iter().map(|&x| x as i64).collect(),
+            _ => vec![],
+        };
+        let allowed: Vec<u8> = match form {
+            Form::Masked(a) => a.iter().map(|&x| x as u8).collect(),
+            _ => vec![],
+        };
+        if tiles > 0 && segs > 0 && s.n_tok > 0 {
+            let [a0, a1] = Self::form_args(&form, &cu, &allowed);
+            let n = s.n_tok as i32;
+            let mut args = vec![
+                p(&q32),
+                p(&k32),
+                p(&v32),
+                a0,
+                a1,
+                Arg::I(n),
+                Arg::I(n),
+                Arg::I(s.h as i32),
+                Arg::I(s.d as i32),
+                Arg::F(scale as f32),
+                pm(&mut out),
+                pm(&mut lse),
+            ];
+            self.0.launch(
+                "attn_fwd",
+                (tiles, segs, s.h as u32),
+                TILE_Q as u32,
+                2 * TILE_K * s.d * 4,
+                &mut args,
+            );
+        }
+        Ok(out64(&AttnForward { output: out, lse }, s))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn backward(
+        &self,
+        q: ArrayView3<f64>,
+        k: ArrayView3<f64>,
+        v: ArrayView3<f64>,
+        form: Form<'_>,
+        scale: f64,
+        fwd: &AttentionOutput,
+        go: ArrayView3<f64>,
+    ) -> Result<AttentionGrads, Error> {
+        let s = shape_of(&q);
+        let (q32, k32, v32, g32) = (
+            to32("q", q)?,
+            to32("k", k)?,
+            to32("v", v)?,
+            to32("grad_output", go)?,
+        );
+        let f = fwd32(fwd);
+        let vals = s.n_tok * s.h * s.d;
+        let (mut gq, mut gk, mut gv) = (vec![0.0f32; vals], vec![0.0f32; vals], vec![0.0f32; vals]);
+        let mut delta = vec![0.0f32; s.h * s.n_tok];
+        let (tiles, segs) = Self::geometry(&form, s.n_tok);
+        let cu: Vec<i64> = match form {
+            Form::Packed(c) => c.iter().map(|&x| x as i64).collect(),
+            _ => vec![],
+        };
+        let allowed: Vec<u8> = match form {
+            Form::Masked(a) => a.iter().map(|&x| x as u8).collect(),
+            _ => vec![],
+        };
+        if tiles > 0 && segs > 0 && s.n_tok > 0 {
+            let n = s.n_tok as i32;
+            let (h, d) = (s.h as i32, s.d as i32);
+            let mut args = vec![
+                p(&f.output),
+                p(&g32),
+                Arg::I(n),
+                Arg::I(h),
+                Arg::I(d),
+                pm(&mut delta),
+            ];
+            self.0.launch(
+                "attn_bwd_delta",
+                ((s.n_tok * s.h).div_ceil(256) as u32, 1, 1),
+                256,
+                0,
+                &mut args,
+            );
+            let [a0, a1] = Self::form_args(&form, &cu, &allowed);
+            let mut args = vec![
+                p(&q32),
+                p(&k32),
+                p(&v32),
+                a0,
+                a1,
+                Arg::I(n),
+                Arg::I(n),
+                Arg::I(h),
+                Arg::I(d),
+                Arg::F(scale as f32),
+                p(&f.lse),
+                p(&delta),
+                p(&g32),
+                pm(&mut gq),
+            ];
+            self.0.launch(
+                "attn_bwd_dq",
+                (tiles, segs, s.h as u32),
+                TILE_Q as u32,
+                2 * TILE_K * s.d * 4,
+                &mut args,
+            );
+            let [a0, a1] = Self::form_args(&form, &cu, &allowed);
+            let mut args = vec![
+                p(&q32),
+                p(&k32),
+                p(&v32),
+                a0,
+                a1,
+                Arg::I(n),
+                Arg::I(n),
+                Arg::I(h),
+                Arg::I(d),
+                Arg::F(scale as f32),
+                p(&f.lse),
+                p(&delta),
+                p(&g32),
+                pm(&mut gk),
+                pm(&mut gv),
+            ];
+            self.0.launch(
+                "attn_bwd_dkv",
+                (tiles, segs, s.h as u32),
+                TILE_Q as u32,
+                (2 * TILE_K * s.d + 2 * TILE_K) * 4,
+                &mut args,
+            );
+        }
+        let a = |x: &[f32]| {
+            Array3::from_shape_fn((s.n_tok, s.h, s.d), |(i, h, c)| {
+                x[(i * s.h + h) * s.d + c] as f64
+            })
+        };
+        Ok(AttentionGrads {
+            grad_q: a(&gq),
+            grad_k: a(&gk),
+            grad_v: a(&gv),
+        })
+    }
+}
+
+impl VarlenAttention for EmuAttention {
+    fn name(&self) -> String {
+        "cuda kernels on the CPU emulator".into()
+    }
+    fn varlen_forward(
+        &self,
+        q: ArrayView3<f64>,
+        k: ArrayView3<f64>,
+        v: ArrayView3<f64>,
+        cu_seqlens: &[usize],
+        scale: f64,
+    ) -> Result<AttentionOutput, Error> {
+        self.forward(q, k, v, Form::Packed(cu_seqlens), scale)
+    }
+    fn varlen_backward(
+        &self,
+        q: ArrayView3<f64>,
+        k: ArrayView3<f64>,
+        v: ArrayView3<f64>,
+        cu_seqlens: &[usize],
+        scale: f64,
+        fwd: &AttentionOutput,
+        grad_output: ArrayView3<f64>,
+    ) -> Result<AttentionGrads, Error> {
+        self.backward(q, k, v, Form::Packed(cu_seqlens), scale, fwd, grad_output)
+    }
+    fn masked_forward(
+        &self,
+        q: ArrayView3<f64>,
+        k: ArrayView3<f64>,
+        v: ArrayView3<f64>,
+        allowed: ArrayView2<bool>,
+        scale: f64,
+    ) -> Result<AttentionOutput, Error> {
+        let a: Vec<bool> = allowed.iter().copied().collect();
+        self.forward(q, k, v, Form::Masked(&a), scale)
+    }
+    fn masked_backward(
+        &self,
+        q: ArrayView3<f64>,
+        k: ArrayView3<f64>,
+        v: ArrayView3<f64>,
+        allowed: ArrayView2<bool>,
+        scale: f64,
+        fwd: &AttentionOutput,
+        grad_output: ArrayView3<f64>,
+    ) -> Result<AttentionGrads, Error> {
+        let a: Vec<bool> = allowed.iter().copied().collect();
+        self.backward(q, k, v, Form::Masked(&a), scale, fwd, grad_output)
+    }
+}
+
+/// The vocab kernels on the emulator.
+struct EmuShard(&'static emu::Emu);
+
+impl ShardKernels for EmuShard {
+    fn stats(&self, x: &ShardInput<'_>) -> cuda::Result<ShardStats> {
+        let mut st = ShardStats {
+            local_max: vec![0.0; x.n],
+            local_sum: vec![0.0; x.n],
+            target_logit: vec![0.0; x.n],
+        };
+        if x.n > 0 {
+            let mut args = vec![
+                p(x.hidden),
+                p(x.weight),
+                p(x.target),
+                Arg::I(x.n as i32),
+                Arg::I(x.hd as i32),
+                Arg::I(x.w as i32),
+                pm(&mut st.local_max),
+                pm(&mut st.local_sum),
+                pm(&mut st.target_logit),
+            ];
+            self.0.launch(
+                "lce_stats",
+                (x.n as u32, 1, 1),
+                256,
+                (x.hd + 512) * 4,
+                &mut args,
+            );
+        }
+        Ok(st)
+    }
+    fn input_partials(
+        &self,
+        x: &ShardInput<'_>,
+        lse: &[f32],
+        row_scale: &[f32],
+    ) -> cuda::Result<(Vec<f32>, Vec<f32>)> {
+        let mut d = vec![0.0f32; x.n * x.hd];
+        let mut b = vec![0.0f32; x.n * x.hd];
+        if x.n > 0 {
+            let mut args = vec![
+                p(x.hidden),
+                p(x.weight),
+                p(x.target),
+                p(lse),
+                p(row_scale),
+                Arg::I(x.n as i32),
+                Arg::I(x.hd as i32),
+                Arg::I(x.w as i32),
+                pm(&mut d),
+                pm(&mut b),
+            ];
+            self.0.launch(
+                "lce_dx",
+                (x.n as u32, 1, 1),
+                256,
+                (x.hd + 256) * 4,
+                &mut args,
+            );
+        }
+        Ok((d, b))
+    }
+    fn weight_grad(
+        &self,
+        x: &ShardInput<'_>,
+        lse: &[f32],
+        row_scale: &[f32],
+    ) -> cuda::Result<Vec<f32>> {
+        let mut g = vec![0.0f32; x.w * x.hd];
+        if x.w > 0 && x.n > 0 && x.hd > 0 {
+            let mut args = vec![
+                p(x.hidden),
+                p(x.weight),
+                p(x.target),
+                p(lse),
+                p(row_scale),
+                Arg::I(x.n as i32),
+                Arg::I(x.hd as i32),
+                Arg::I(x.w as i32),
+                pm(&mut g),
+            ];
+            self.0.launch(
+                "lce_dw",
+                (x.w as u32, 1, 1),
+                256,
+                (x.hd + 256) * 4,
+                &mut args,
+            );
+        }
+        Ok(g)
+    }
+}
+
+fn emu_or_skip(test: &str) -> Option<&'static emu::Emu> {
+    match emu::get() {
+        Ok(e) => Some(e),
+        Err(why) => {
+            eprintln!("{test}: skipped: {why}");
+            None
+        }
+    }
+}
+
+#[test]
+fn emulated_attention_suite_packed_equals_padded() {
+    let Some(e) = emu_or_skip("emulated_attention_suite_packed_equals_padded") else {
+        return;
+    };
+    let imp = EmuAttention(e);
+    let seen = run_attention_suite(&imp, 24).unwrap_or_else(|m| panic!("{m}"));
+    eprintln!(
+        "{}: packed == padded over {} values, max |diff| {:e}",
+        imp.name(),
+        seen.values,
+        seen.max_abs
+    );
+}
+
+#[test]
+fn emulated_attention_matches_the_f64_reference() {
+    let Some(e) = emu_or_skip("emulated_attention_matches_the_f64_reference") else {
+        return;
+    };
+    let imp = EmuAttention(e);
+    let mut cases = Vec::new();
+    for (i, (_, lengths, pad)) in fault_cases().into_iter().enumerate() {
+        cases.push(AttentionCase::seeded(&lengths, 2, 3, pad, 100 + i as u64));
+    }
+    for (s, (lengths, h, d)) in [(vec![1, 7, 59, 97], 2, 16), (vec![65, 0, 33], 1, 128)]
+        .into_iter()
+        .enumerate()
+    {
+        cases.push(AttentionCase::seeded(&lengths, h, d, 0, 7 + s as u64));
+    }
+    for c in &cases {
+        check_against_reference_with(&imp, c).unwrap_or_else(|m| panic!("{m}"));
+    }
+}
+
+/// Negative control for the reference comparison: the emulated kernels with
+/// the keys of one sequence perturbed must fail it.
+#[test]
+fn emulated_reference_check_rejects_a_wrong_result() {
+    let Some(e) = emu_or_skip("emulated_reference_check_rejects_a_wrong_result") else {
+        return;
+    };
+    struct Shifted(EmuAttention);
+    impl VarlenAttention for Shifted {
+        fn name(&self) -> String {
+            "shifted".into()
+        }
+        fn varlen_forward(
+            &self,
+            q: ArrayView3<f64>,
+            k: ArrayView3<f64>,
+            v: ArrayView3<f64>,
+            cu: &[usize],
+            scale: f64,
+        ) -> Result<AttentionOutput, Error> {
+            let mut k2 = k.to_owned();
+            k2[[0, 0, 0]] += 0.5;
+            self.0.varlen_forward(q, k2.view(), v, cu, scale)
+        }
+        fn varlen_backward(
+            &self,
+            q: ArrayView3<f64>,
+            k: ArrayView3<f64>,
+            v: ArrayView3<f64>,
+            cu: &[usize],
+            scale: f64,
+            fwd: &AttentionOutput,
+            go: ArrayView3<f64>,
+        ) -> Result<AttentionGrads, Error> {
+            self.0.varlen_backward(q, k, v, cu, scale, fwd, go)
+        }
+        fn masked_forward(
+            &self,
+            q: ArrayView3<f64>,
+            k: ArrayView3<f64>,
+            v: ArrayView3<f64>,
+            a: ArrayView2<bool>,
+            scale: f64,
+        ) -> Result<AttentionOutput, Error> {
+            self.0.masked_forward(q, k, v, a, scale)
+        }
+        fn masked_backward(
+            &self,
+            q: ArrayView3<f64>,
+            k: ArrayView3<f64>,
+            v: ArrayView3<f64>,
+            a: ArrayView2<bool>,
+            scale: f64,
+            fwd: &AttentionOutput,
+            go: ArrayView3<f64>,
+        ) -> Result<AttentionGrads, Error> {
+            self.0.masked_backward(q, k, v, a, scale, fwd, go)
+        }
+    }
+    let case = AttentionCase::seeded(&[5, 3], 1, 4, 0, 3);
+    assert!(check_against_reference_with(&Shifted(EmuAttention(e)), &case).is_err());
+}
+
+#[test]
+fn emulated_alg2_matches_the_reference() {
+    let Some(e) = emu_or_skip("emulated_alg2_matches_the_reference") else {
+        return;
+    };
+    let n = check_alg2(&EmuShard(e), GPU_F32).unwrap_or_else(|m| panic!("{m}"));
+    eprintln!(
+        "emulated vocab kernels: alg2 over {n} shard maps within {}",
+        GPU_F32.name
+    );
 }
 
 // ------------------------------------------------------------------ bench

@@ -148,12 +148,9 @@ fn grid(form: Form<'_>, shape: AttnShape) -> Result<(u32, u32, usize)> {
 fn check_form(form: Form<'_>, shape: AttnShape) -> Result<()> {
     match form {
         Form::Packed(cu) => check_cu_seqlens(cu, shape.n_tok),
-        Form::Masked(allowed) => check_len(
-            "allowed",
-            allowed,
-            &[shape.n_tok, shape.n_tok],
-            "[L, L]",
-        ),
+        Form::Masked(allowed) => {
+            check_len("allowed", allowed, &[shape.n_tok, shape.n_tok], "[L, L]")
+        }
     }
 }
 
@@ -273,7 +270,12 @@ impl Gpu {
             shared_mem_bytes: 0,
         };
         let mut b = s.launch_builder(&f);
-        b.arg(&d_out).arg(&d_go).arg(&ni).arg(&hi).arg(&di).arg(&mut delta);
+        b.arg(&d_out)
+            .arg(&d_go)
+            .arg(&ni)
+            .arg(&hi)
+            .arg(&di)
+            .arg(&mut delta);
         // SAFETY: matches `attn_bwd_delta`; buffers sized [n, h, d] and [h, n].
         driver("launch attn_bwd_delta", unsafe { b.launch(cfg) })?;
 
@@ -296,7 +298,11 @@ impl Gpu {
         b.arg(&dq_in).arg(&dk_in).arg(&dv_in);
         push_form(&mut b, &cu_dev, &allowed_dev, &null);
         b.arg(&row_len).arg(&ni).arg(&hi).arg(&di).arg(&scale);
-        b.arg(&d_lse).arg(&delta).arg(&d_go).arg(&mut gk).arg(&mut gv);
+        b.arg(&d_lse)
+            .arg(&delta)
+            .arg(&d_go)
+            .arg(&mut gk)
+            .arg(&mut gv);
         let cfg = LaunchConfig {
             shared_mem_bytes: ((2 * TILE_K * d + 2 * TILE_K) * 4) as u32,
             ..tiled
@@ -339,7 +345,11 @@ impl Gpu {
             return Ok(());
         }
         let f = self.function("attention", "attn_fwd")?;
-        let (ni, hi, di) = (to_i32("n_tok", shape.n_tok)?, shape.h as i32, shape.d as i32);
+        let (ni, hi, di) = (
+            to_i32("n_tok", shape.n_tok)?,
+            shape.h as i32,
+            shape.d as i32,
+        );
         let row_len = ni;
         let null: u64 = 0;
         let cfg = LaunchConfig {
@@ -387,7 +397,10 @@ impl Gpu {
         let dk = driver("copy k", s.clone_htod(k))?;
         let dv = driver("copy v", s.clone_htod(v))?;
         let mut out = driver("alloc output", s.alloc_zeros::<f32>(shape.values().max(1)))?;
-        let mut lse = driver("alloc lse", s.alloc_zeros::<f32>((shape.h * shape.n_tok).max(1)))?;
+        let mut lse = driver(
+            "alloc lse",
+            s.alloc_zeros::<f32>((shape.h * shape.n_tok).max(1)),
+        )?;
         let (cu_dev, allowed_dev) = upload_form(self, form)?;
         let dev = DeviceForm {
             cu: &cu_dev,

@@ -57,7 +57,8 @@ pub const ATTENTION: KernelSource = KernelSource {
 /// Fused linear cross-entropy of one vocabulary shard.
 pub const VOCAB: KernelSource = KernelSource {
     name: "vocab",
-    summary: "fused linear cross-entropy of one vocab shard, f32: alg2 local max / sum-exp / \
+    summary:
+        "fused linear cross-entropy of one vocab shard, f32: alg2 local max / sum-exp / \
               target logit, input-gradient partials D_i and B_i, weight gradient; logits recomputed",
     source: include_str!("vocab.cu"),
     entry_points: &["lce_stats", "lce_dx", "lce_dw"],

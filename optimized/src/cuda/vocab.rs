@@ -98,7 +98,9 @@ fn check_input(x: &ShardInput<'_>) -> Result<()> {
     to_i32("hd", x.hd)?;
     to_i32("w", x.w)?;
     if (x.hd + 2 * THREADS as usize) * 4 > 48 * 1024 {
-        return Err(Error::invalid("hd", "hidden size over 10240 (48 KiB of shared memory)").into());
+        return Err(
+            Error::invalid("hd", "hidden size over 10240 (48 KiB of shared memory)").into(),
+        );
     }
     Ok(())
 }
@@ -317,7 +319,13 @@ pub fn alg2_linear_cross_entropy(
             .local_max
             .iter()
             .zip(&st.local_sum)
-            .map(|(&m, &s)| if s > 0.0 { m + s.ln() } else { f32::NEG_INFINITY })
+            .map(|(&m, &s)| {
+                if s > 0.0 {
+                    m + s.ln()
+                } else {
+                    f32::NEG_INFINITY
+                }
+            })
             .collect();
         partials.push(kernels.input_partials(&inp(r), &lse_local, &row_scale)?);
         stats.push(st);
