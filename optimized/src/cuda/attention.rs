@@ -374,6 +374,7 @@ impl Gpu {
     ///
     /// # Errors
     /// As [`Gpu::attention_forward`].
+    #[allow(clippy::too_many_arguments)]
     pub fn time_varlen_forward(
         &self,
         q: &[f32],
