@@ -346,17 +346,19 @@ impl VarlenAttention for GpuAttention {
 }
 
 /// f32 kernel against the f64 reference. Scores reach about 500 with the
-/// suite's planted outliers (|q|, |k| <= 16, d <= 64 after the scale), so
-/// one f32 rounding of a score moves `exp` by 500 x 6e-8 = 3e-5 relative;
-/// sums of <= 97 such terms stay under 1e-4 of the tensor's scale. The
-/// rule is 10x that; a real bug (a wrong key, a missing rescale) moves
-/// values by O(1).
-const F32_VS_F64: Tolerance = Tolerance::new("f32 GPU vs f64 reference", 1e-3, 1e-3);
+/// suite's planted outliers (|q|, |k| <= 16 after the scale), so one f32
+/// rounding of a score moves `exp` by up to 500 x 6e-8 = 3e-5 relative;
+/// the kernels on the CPU emulator stay within 5.7e-6 of each tensor's
+/// scale over these cases. The rule, 1e-4 of the scale, leaves ~17x room
+/// for the GPU's own `expf` and FMA contraction; a real bug (a wrong key, a
+/// missing rescale) moves values by O(1).
+const F32_VS_F64: Tolerance = Tolerance::new("f32 kernel vs f64 reference", 1e-4, 1e-4);
 
 fn check_against_reference_with(
     gpu: &dyn VarlenAttention,
     case: &AttentionCase,
-) -> Result<(), Mismatch> {
+) -> Result<f64, Mismatch> {
+    let mut worst = 0.0f64;
     let cu = case.cu_seqlens();
     let name = format!("lengths {:?}", case.lengths);
     let reference = varlen_attention(
@@ -395,7 +397,8 @@ fn check_against_reference_with(
         .map_err(|e| Mismatch::new(&name, e.to_string()))?;
     let sh = case.q.shape().to_vec();
     let flat = |x: &Array3<f64>| x.iter().copied().collect::<Vec<_>>();
-    assert_close(
+    close(
+        &mut worst,
         &format!("{name}: output"),
         &flat(&reference.output),
         &flat(&f.output),
@@ -404,7 +407,8 @@ fn check_against_reference_with(
     )?;
     let lse_r: Vec<f64> = reference.lse.iter().copied().collect();
     let lse_g: Vec<f64> = f.lse.iter().copied().collect();
-    assert_close(
+    close(
+        &mut worst,
         &format!("{name}: lse"),
         &lse_r,
         &lse_g,
@@ -416,7 +420,32 @@ fn check_against_reference_with(
         ("grad_k", &rgrads.grad_k, &g.grad_k),
         ("grad_v", &rgrads.grad_v, &g.grad_v),
     ] {
-        assert_close(&format!("{name}: {t}"), &flat(r), &flat(x), &sh, F32_VS_F64)?;
+        close(
+            &mut worst,
+            &format!("{name}: {t}"),
+            &flat(r),
+            &flat(x),
+            &sh,
+            F32_VS_F64,
+        )?;
+    }
+    Ok(worst)
+}
+
+/// [`assert_close`], recording the largest `max |diff| / max |expected|`.
+fn close(
+    worst: &mut f64,
+    what: &str,
+    expected: &[f64],
+    actual: &[f64],
+    shape: &[usize],
+    tol: Tolerance,
+) -> Result<(), Mismatch> {
+    assert_close(what, expected, actual, shape, tol)?;
+    let scale = expected.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+    let e = packshard_equivalence::compare::error_stats(expected, actual).max_abs;
+    if scale > 0.0 {
+        *worst = worst.max(e / scale);
     }
     Ok(())
 }
@@ -1330,9 +1359,16 @@ fn emulated_attention_matches_the_f64_reference() {
     {
         cases.push(AttentionCase::seeded(&lengths, h, d, 0, 7 + s as u64));
     }
+    let mut worst = 0.0f64;
     for c in &cases {
-        check_against_reference_with(&imp, c).unwrap_or_else(|m| panic!("{m}"));
+        worst = worst.max(check_against_reference_with(&imp, c).unwrap_or_else(|m| panic!("{m}")));
     }
+    eprintln!(
+        "{}: {} cases within {}; largest error {worst:.2e} of the tensor's scale",
+        imp.name(),
+        cases.len(),
+        F32_VS_F64.name
+    );
 }
 
 /// Negative control for the reference comparison: the emulated kernels with
