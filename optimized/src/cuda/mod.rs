@@ -276,7 +276,14 @@ impl Gpu {
                 reason: format!("device {ordinal} asked for, {count} present"),
             });
         }
-        let ctx = driver("cuCtx (primary context)", CudaContext::new(ordinal))?;
+        // As above: a missing symbol is cudarc's panic; make it an error.
+        let ctx = std::panic::catch_unwind(|| CudaContext::new(ordinal)).map_err(|_| {
+            CudaError::NoDevice {
+                reason: "creating the context hit a symbol the driver lacks (driver too old?)"
+                    .into(),
+            }
+        })?;
+        let ctx = driver("cuCtx (primary context)", ctx)?;
         let (major, minor) = driver("compute capability", ctx.compute_capability())?;
         let name = ctx.name().unwrap_or_else(|_| "unknown".into());
         // NVRTC takes the virtual architecture as a static string; leaking
