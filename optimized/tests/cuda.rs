@@ -760,6 +760,7 @@ const F32_ROUNDED: Tolerance = Tolerance::new("f32-rounded shard outputs", 1e-5,
 const ALG2_SIZES: &[(usize, usize, usize, u64)] = &[
     (1, 1, 1, 1),
     (7, 5, 13, 2),
+    (5, 3, 6, 6),
     (33, 16, 97, 3),
     (59, 64, 1025, 4),
 ];
@@ -1439,8 +1440,16 @@ fn emulated_alg2_matches_the_reference() {
     let Some(e) = emu_or_skip("emulated_alg2_matches_the_reference") else {
         return;
     };
-    let n = check_alg2(&EmuShard(e), GPU_F32, ALG2_SIZES_EMU, &[2, 3])
+    let mut n = check_alg2(&EmuShard(e), GPU_F32, ALG2_SIZES_EMU, &[2, 3])
         .unwrap_or_else(|m| panic!("{m}"));
+    // v = 6 over 5 padded shards: 2, 2, 2, 0, 0 real rows (empty shards).
+    let map = ShardMap::new(6, 5, ShardLayout::Padded).unwrap();
+    assert!(
+        map.shards().iter().any(|s| s.real == 0),
+        "{}",
+        map.describe()
+    );
+    n += check_alg2(&EmuShard(e), GPU_F32, &[(5, 3, 6, 6)], &[5]).unwrap_or_else(|m| panic!("{m}"));
     eprintln!(
         "emulated vocab kernels: alg2 over {n} shard maps within {}",
         GPU_F32.name

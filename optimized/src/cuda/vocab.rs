@@ -97,6 +97,9 @@ fn check_input(x: &ShardInput<'_>) -> Result<()> {
     to_i32("n", x.n)?;
     to_i32("hd", x.hd)?;
     to_i32("w", x.w)?;
+    if x.hd == 0 {
+        return Err(Error::invalid("hd", "the hidden size is 0").into());
+    }
     if (x.hd + 2 * THREADS as usize) * 4 > 48 * 1024 {
         return Err(
             Error::invalid("hd", "hidden size over 10240 (48 KiB of shared memory)").into(),
@@ -109,11 +112,14 @@ impl ShardKernels for Gpu {
     fn stats(&self, x: &ShardInput<'_>) -> Result<ShardStats> {
         check_input(x)?;
         let n = x.n;
-        if n == 0 {
+        if n == 0 || x.w == 0 {
+            // No rows (a padded layout's all-padding shard): m_i = -inf,
+            // s_i = 0, it contributes nothing (FAULTS.md V6). No launch, as
+            // the driver refuses zero-byte buffers.
             return Ok(ShardStats {
-                local_max: vec![],
-                local_sum: vec![],
-                target_logit: vec![],
+                local_max: vec![f32::NEG_INFINITY; n],
+                local_sum: vec![0.0; n],
+                target_logit: vec![0.0; n],
             });
         }
         let s = self.stream();
@@ -151,8 +157,8 @@ impl ShardKernels for Gpu {
         check_input(x)?;
         check_len("lse", lse, &[x.n], "[n]")?;
         check_len("row_scale", row_scale, &[x.n], "[n]")?;
-        if x.n == 0 {
-            return Ok((vec![], vec![]));
+        if x.n == 0 || x.w == 0 {
+            return Ok((vec![0.0; x.n * x.hd], vec![0.0; x.n * x.hd]));
         }
         let s = self.stream();
         let h = driver("copy hidden", s.clone_htod(x.hidden))?;
@@ -254,6 +260,9 @@ pub fn alg2_linear_cross_entropy(
     check_len("hidden", hidden, &[n, hd], "[n, hd]")?;
     check_len("weight", weight, &[v, hd], "[v, hd]")?;
     check_len("targets", targets, &[n], "[n]")?;
+    if hd == 0 {
+        return Err(Error::invalid("hd", "the hidden size is 0").into());
+    }
     check_finite32("hidden", hidden)?;
     check_finite32("weight", weight)?;
     for (index, &t) in targets.iter().enumerate() {
