@@ -1478,7 +1478,7 @@ fn wikipedia_lengths(count: usize, seed: u64) -> Vec<usize> {
         .collect()
 }
 
-/// Attention forward on `wikipedia-512`-drawn batches, BERT-base heads
+/// Attention forward, and forward + backward, on `wikipedia-512`-drawn batches, BERT-base heads
 /// (h 12, d 64): packed (segments of the real lengths) vs padded (every
 /// sequence padded to 512, the same kernel over 512-token segments).
 /// Tokens/s counts real tokens; TFLOP/s counts the useful work `4 d h Σ l^2`
@@ -1512,12 +1512,25 @@ fn gpu_attention_bench() {
                 .unwrap_or_else(|e| panic!("{e}"));
             let executed = cuda::attention::attention_flops(cu_used, h, d, false);
             println!(
-                "attention fwd {name:>6} batch {batch:>5} ({real} real tokens, {n_tok} computed): \
+                "attention fwd     {name:>6} batch {batch:>5} ({real} real tokens, {n_tok} computed): \
                  {:.3} ms, {:.3e} tokens/s, {:.2} useful TFLOP/s ({:.2} executed)",
                 secs * 1e3,
                 real as f64 / secs,
                 useful / secs / 1e12,
                 executed / secs / 1e12
+            );
+            let secs = gpu
+                .time_varlen_forward_backward(&x, &x, &x, shape, cu_used, 0.125, 5)
+                .unwrap_or_else(|e| panic!("{e}"));
+            let useful_fb = useful + cuda::attention::attention_flops(&cu, h, d, true);
+            let executed_fb = executed + cuda::attention::attention_flops(cu_used, h, d, true);
+            println!(
+                "attention fwd+bwd {name:>6} batch {batch:>5} ({real} real tokens, {n_tok} computed): \
+                 {:.3} ms, {:.3e} tokens/s, {:.2} useful TFLOP/s ({:.2} executed)",
+                secs * 1e3,
+                real as f64 / secs,
+                useful_fb / secs / 1e12,
+                executed_fb / secs / 1e12
             );
         }
     }

@@ -237,7 +237,7 @@ impl Gpu {
         check_len("lse", &fwd.lse, &[shape.h, shape.n_tok], "[h, n_tok]")?;
         check_form(form, shape)?;
         let (tiles, segments, _) = grid(form, shape)?;
-        let (n, h, d) = (shape.n_tok, shape.h, shape.d);
+        let (n, h) = (shape.n_tok, shape.h);
         let zeros = || vec![0.0f32; shape.values()];
         if n == 0 || tiles == 0 || segments == 0 {
             return Ok(AttnGrads {
@@ -247,73 +247,31 @@ impl Gpu {
             });
         }
         let s = self.stream();
-        let dq_in = driver("copy q", s.clone_htod(q))?;
-        let dk_in = driver("copy k", s.clone_htod(k))?;
-        let dv_in = driver("copy v", s.clone_htod(v))?;
-        let d_out = driver("copy output", s.clone_htod(&fwd.output))?;
-        let d_go = driver("copy grad_output", s.clone_htod(grad_output))?;
-        let d_lse = driver("copy lse", s.clone_htod(&fwd.lse))?;
-        let mut delta = driver("alloc delta", s.alloc_zeros::<f32>(h * n))?;
-        let mut gq = driver("alloc grad_q", s.alloc_zeros::<f32>(shape.values()))?;
-        let mut gk = driver("alloc grad_k", s.alloc_zeros::<f32>(shape.values()))?;
-        let mut gv = driver("alloc grad_v", s.alloc_zeros::<f32>(shape.values()))?;
+        let mut bufs = BwdBuffers {
+            q: driver("copy q", s.clone_htod(q))?,
+            k: driver("copy k", s.clone_htod(k))?,
+            v: driver("copy v", s.clone_htod(v))?,
+            out: driver("copy output", s.clone_htod(&fwd.output))?,
+            grad_out: driver("copy grad_output", s.clone_htod(grad_output))?,
+            lse: driver("copy lse", s.clone_htod(&fwd.lse))?,
+            delta: driver("alloc delta", s.alloc_zeros::<f32>(h * n))?,
+            gq: driver("alloc grad_q", s.alloc_zeros::<f32>(shape.values()))?,
+            gk: driver("alloc grad_k", s.alloc_zeros::<f32>(shape.values()))?,
+            gv: driver("alloc grad_v", s.alloc_zeros::<f32>(shape.values()))?,
+        };
         let (cu_dev, allowed_dev) = upload_form(self, form)?;
-        let (ni, hi, di) = (to_i32("n_tok", n)?, h as i32, d as i32);
-        let row_len = ni;
-        let null: u64 = 0;
-
-        let f = self.function("attention", "attn_bwd_delta")?;
-        let rows = (n * h) as u32;
-        let cfg = LaunchConfig {
-            grid_dim: (rows.div_ceil(256), 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
+        let dev = DeviceForm {
+            cu: &cu_dev,
+            allowed: &allowed_dev,
+            tiles,
+            segments,
         };
-        let mut b = s.launch_builder(&f);
-        b.arg(&d_out)
-            .arg(&d_go)
-            .arg(&ni)
-            .arg(&hi)
-            .arg(&di)
-            .arg(&mut delta);
-        // SAFETY: matches `attn_bwd_delta`; buffers sized [n, h, d] and [h, n].
-        driver("launch attn_bwd_delta", unsafe { b.launch(cfg) })?;
-
-        let tiled = LaunchConfig {
-            grid_dim: (tiles, segments, h as u32),
-            block_dim: (TILE_Q as u32, 1, 1),
-            shared_mem_bytes: (2 * TILE_K * d * 4) as u32,
-        };
-        let f = self.function("attention", "attn_bwd_dq")?;
-        let mut b = s.launch_builder(&f);
-        b.arg(&dq_in).arg(&dk_in).arg(&dv_in);
-        push_form(&mut b, &cu_dev, &allowed_dev, &null);
-        b.arg(&row_len).arg(&ni).arg(&hi).arg(&di).arg(&scale);
-        b.arg(&d_lse).arg(&delta).arg(&d_go).arg(&mut gq);
-        // SAFETY: matches `attn_bwd_dq`.
-        driver("launch attn_bwd_dq", unsafe { b.launch(tiled) })?;
-
-        let f = self.function("attention", "attn_bwd_dkv")?;
-        let mut b = s.launch_builder(&f);
-        b.arg(&dq_in).arg(&dk_in).arg(&dv_in);
-        push_form(&mut b, &cu_dev, &allowed_dev, &null);
-        b.arg(&row_len).arg(&ni).arg(&hi).arg(&di).arg(&scale);
-        b.arg(&d_lse)
-            .arg(&delta)
-            .arg(&d_go)
-            .arg(&mut gk)
-            .arg(&mut gv);
-        let cfg = LaunchConfig {
-            shared_mem_bytes: ((2 * TILE_K * d + 2 * TILE_K) * 4) as u32,
-            ..tiled
-        };
-        // SAFETY: matches `attn_bwd_dkv`.
-        driver("launch attn_bwd_dkv", unsafe { b.launch(cfg) })?;
-
+        self.launch_backward(&mut bufs, shape, &dev, scale)?;
+        let (gq, gk, gv) = (&bufs.gq, &bufs.gk, &bufs.gv);
         Ok(AttnGrads {
-            grad_q: driver("copy grad_q back", s.clone_dtoh(&gq))?,
-            grad_k: driver("copy grad_k back", s.clone_dtoh(&gk))?,
-            grad_v: driver("copy grad_v back", s.clone_dtoh(&gv))?,
+            grad_q: driver("copy grad_q back", s.clone_dtoh(gq))?,
+            grad_k: driver("copy grad_k back", s.clone_dtoh(gk))?,
+            grad_v: driver("copy grad_v back", s.clone_dtoh(gv))?,
         })
     }
 }
@@ -414,6 +372,146 @@ impl Gpu {
         let t0 = std::time::Instant::now();
         for _ in 0..reps.max(1) {
             self.launch_forward(&dq, &dk, &dv, shape, &dev, scale, &mut out, &mut lse)?;
+        }
+        driver("synchronize", s.synchronize())?;
+        Ok(t0.elapsed().as_secs_f64() / reps.max(1) as f64)
+    }
+}
+
+/// Device buffers of a backward pass (each `[n_tok, h, d]`, `lse` and
+/// `delta` `[h, n_tok]`).
+struct BwdBuffers {
+    q: CudaSlice<f32>,
+    k: CudaSlice<f32>,
+    v: CudaSlice<f32>,
+    out: CudaSlice<f32>,
+    grad_out: CudaSlice<f32>,
+    lse: CudaSlice<f32>,
+    delta: CudaSlice<f32>,
+    gq: CudaSlice<f32>,
+    gk: CudaSlice<f32>,
+    gv: CudaSlice<f32>,
+}
+
+impl Gpu {
+    /// The three backward launches (`delta`, `dQ`, `dK`/`dV`).
+    fn launch_backward(
+        &self,
+        bufs: &mut BwdBuffers,
+        shape: AttnShape,
+        form: &DeviceForm<'_>,
+        scale: f32,
+    ) -> Result<()> {
+        if form.tiles == 0 || form.segments == 0 || shape.n_tok == 0 {
+            return Ok(());
+        }
+        let s = self.stream();
+        let (n, h, d) = (shape.n_tok, shape.h, shape.d);
+        let (ni, hi, di) = (to_i32("n_tok", n)?, h as i32, d as i32);
+        let row_len = ni;
+        let null: u64 = 0;
+
+        let f = self.function("attention", "attn_bwd_delta")?;
+        let rows = (n * h) as u32;
+        let cfg = LaunchConfig {
+            grid_dim: (rows.div_ceil(256), 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = s.launch_builder(&f);
+        b.arg(&bufs.out).arg(&bufs.grad_out);
+        b.arg(&ni).arg(&hi).arg(&di).arg(&mut bufs.delta);
+        // SAFETY: matches `attn_bwd_delta`; buffers sized [n, h, d] and [h, n].
+        driver("launch attn_bwd_delta", unsafe { b.launch(cfg) })?;
+
+        let tiled = LaunchConfig {
+            grid_dim: (form.tiles, form.segments, h as u32),
+            block_dim: (TILE_Q as u32, 1, 1),
+            shared_mem_bytes: (2 * TILE_K * d * 4) as u32,
+        };
+        let f = self.function("attention", "attn_bwd_dq")?;
+        let mut b = s.launch_builder(&f);
+        b.arg(&bufs.q).arg(&bufs.k).arg(&bufs.v);
+        push_form(&mut b, form.cu, form.allowed, &null);
+        b.arg(&row_len).arg(&ni).arg(&hi).arg(&di).arg(&scale);
+        b.arg(&bufs.lse).arg(&bufs.delta).arg(&bufs.grad_out);
+        b.arg(&mut bufs.gq);
+        // SAFETY: matches `attn_bwd_dq`.
+        driver("launch attn_bwd_dq", unsafe { b.launch(tiled) })?;
+
+        let f = self.function("attention", "attn_bwd_dkv")?;
+        let mut b = s.launch_builder(&f);
+        b.arg(&bufs.q).arg(&bufs.k).arg(&bufs.v);
+        push_form(&mut b, form.cu, form.allowed, &null);
+        b.arg(&row_len).arg(&ni).arg(&hi).arg(&di).arg(&scale);
+        b.arg(&bufs.lse).arg(&bufs.delta).arg(&bufs.grad_out);
+        b.arg(&mut bufs.gk).arg(&mut bufs.gv);
+        let cfg = LaunchConfig {
+            shared_mem_bytes: ((2 * TILE_K * d + 2 * TILE_K) * 4) as u32,
+            ..tiled
+        };
+        // SAFETY: matches `attn_bwd_dkv`.
+        driver("launch attn_bwd_dkv", unsafe { b.launch(cfg) })?;
+        Ok(())
+    }
+
+    /// Times the packed forward plus backward on device-resident inputs
+    /// (`grad_output = v`): one warm-up, then `reps` passes; seconds per
+    /// pass (kernel time, no copies). For the GPU bench.
+    ///
+    /// # Errors
+    /// As [`Gpu::attention_forward`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn time_varlen_forward_backward(
+        &self,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        shape: AttnShape,
+        cu_seqlens: &[usize],
+        scale: f32,
+        reps: usize,
+    ) -> Result<f64> {
+        check_shape(shape)?;
+        let dims = [shape.n_tok, shape.h, shape.d];
+        for (f, x) in [("q", q), ("k", k), ("v", v)] {
+            check_len(f, x, &dims, "[n_tok, h, d]")?;
+        }
+        let form = Form::Packed(cu_seqlens);
+        check_form(form, shape)?;
+        let (tiles, segments, _) = grid(form, shape)?;
+        let s = self.stream();
+        let vals = shape.values().max(1);
+        let rows = (shape.h * shape.n_tok).max(1);
+        let mut bufs = BwdBuffers {
+            q: driver("copy q", s.clone_htod(q))?,
+            k: driver("copy k", s.clone_htod(k))?,
+            v: driver("copy v", s.clone_htod(v))?,
+            out: driver("alloc output", s.alloc_zeros::<f32>(vals))?,
+            grad_out: driver("copy grad_output", s.clone_htod(v))?,
+            lse: driver("alloc lse", s.alloc_zeros::<f32>(rows))?,
+            delta: driver("alloc delta", s.alloc_zeros::<f32>(rows))?,
+            gq: driver("alloc grad_q", s.alloc_zeros::<f32>(vals))?,
+            gk: driver("alloc grad_k", s.alloc_zeros::<f32>(vals))?,
+            gv: driver("alloc grad_v", s.alloc_zeros::<f32>(vals))?,
+        };
+        let (cu_dev, allowed_dev) = upload_form(self, form)?;
+        let dev = DeviceForm {
+            cu: &cu_dev,
+            allowed: &allowed_dev,
+            tiles,
+            segments,
+        };
+        let pass = |bufs: &mut BwdBuffers| -> Result<()> {
+            let (q, k, v) = (&bufs.q, &bufs.k, &bufs.v);
+            self.launch_forward(q, k, v, shape, &dev, scale, &mut bufs.out, &mut bufs.lse)?;
+            self.launch_backward(bufs, shape, &dev, scale)
+        };
+        pass(&mut bufs)?;
+        driver("synchronize", s.synchronize())?;
+        let t0 = std::time::Instant::now();
+        for _ in 0..reps.max(1) {
+            pass(&mut bufs)?;
         }
         driver("synchronize", s.synchronize())?;
         Ok(t0.elapsed().as_secs_f64() / reps.max(1) as f64)
