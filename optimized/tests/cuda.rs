@@ -680,8 +680,9 @@ fn check_alg2(
     tol: Tolerance,
     sizes: &[(usize, usize, usize, u64)],
     shard_counts: &[usize],
-) -> Result<usize, Mismatch> {
+) -> Result<(usize, f64), Mismatch> {
     let mut checked = 0;
+    let mut worst = 0.0f64;
     for &(n, hd, v, seed) in sizes {
         let c = linear_case(n, hd, v, seed);
         let h64 = Array2::from_shape_fn((n, hd), |(i, j)| c.hidden[i * hd + j] as f64);
@@ -702,15 +703,24 @@ fn check_alg2(
                 )
                 .map_err(|e| Mismatch::new(&what, e.to_string()))?;
                 assert_eq!(g.num_tokens, r.ce.num_tokens, "{what}: counted tokens");
-                assert_close(&format!("{what}: loss"), &[r.ce.loss], &[g.loss], &[1], tol)?;
-                assert_close(
+                close(
+                    &mut worst,
+                    &format!("{what}: loss"),
+                    &[r.ce.loss],
+                    &[g.loss],
+                    &[1],
+                    tol,
+                )?;
+                close(
+                    &mut worst,
                     &format!("{what}: per_token_loss"),
                     r.ce.per_token_loss.as_slice().unwrap(),
                     &g.per_token_loss,
                     &[n],
                     tol,
                 )?;
-                assert_close(
+                close(
+                    &mut worst,
                     &format!("{what}: logsumexp"),
                     r.ce.logsumexp().as_slice().unwrap(),
                     &g.logsumexp,
@@ -723,7 +733,8 @@ fn check_alg2(
                 let per_token = 1.0 / r.ce.num_tokens.max(1) as f64;
                 let max_abs = |x: &[f32]| x.iter().fold(0.0f64, |m, &v| m.max(v.abs() as f64));
                 let gh: Vec<f64> = r.grad_hidden.as_ref().unwrap().iter().copied().collect();
-                assert_close_with_scale(
+                close_scaled(
+                    &mut worst,
                     &format!("{what}: grad_hidden"),
                     &gh,
                     &g.grad_hidden,
@@ -732,7 +743,8 @@ fn check_alg2(
                     Some(per_token * max_abs(&c.weight)),
                 )?;
                 let gw: Vec<f64> = r.grad_weight.as_ref().unwrap().iter().copied().collect();
-                assert_close_with_scale(
+                close_scaled(
+                    &mut worst,
                     &format!("{what}: grad_weight"),
                     &gw,
                     &g.grad_weight,
@@ -745,13 +757,37 @@ fn check_alg2(
             }
         }
     }
-    Ok(checked)
+    Ok((checked, worst))
 }
 
-/// The stand-in rounds each kernel output to f32 once (relative 6e-8) and
-/// the merge is f64: 1e-5 relative leaves ~100x headroom and is still far
-/// below any wrong `alpha_i` (O(1)) or a missing `B_i` term.
-const F32_ROUNDED: Tolerance = Tolerance::new("f32-rounded shard outputs", 1e-5, 1e-5);
+/// [`assert_close_with_scale`], recording the largest `max |diff| / scale`.
+fn close_scaled(
+    worst: &mut f64,
+    what: &str,
+    expected: &[f64],
+    actual: &[f64],
+    shape: &[usize],
+    tol: Tolerance,
+    scale: Option<f64>,
+) -> Result<(), Mismatch> {
+    assert_close_with_scale(what, expected, actual, shape, tol, scale)?;
+    let scale = expected
+        .iter()
+        .fold(scale.unwrap_or(0.0), |m, v| m.max(v.abs()));
+    let e = packshard_equivalence::compare::error_stats(expected, actual).max_abs;
+    if scale > 0.0 {
+        *worst = worst.max(e / scale);
+    }
+    Ok(())
+}
+
+/// The stand-in rounds each kernel output to f32 once and the merge is f64.
+/// Logits reach |z| ~ 100 here (hd 64, planted x6 values), so one f32
+/// rounding of `m_i` or `z_t` is ~6e-6 absolute, and the per-token loss
+/// `lse - z_t` (of order 1..10) keeps it: 4.2e-6 of the scale is observed.
+/// The rule 5e-5 leaves 12x and is still far below any wrong `alpha_i`
+/// (O(1)) or a missing `B_i` term (the negative control below).
+const F32_ROUNDED: Tolerance = Tolerance::new("f32-rounded shard outputs", 5e-5, 5e-5);
 
 /// f32 kernels (sums of up to 64 products with |x| <= 6, `exp` of logits up
 /// to ~100) vs f64: 1e-3 relative of the tensor scale, as for attention.
@@ -770,13 +806,20 @@ const ALG2_SIZES: &[(usize, usize, usize, u64)] = &[
 const ALG2_SIZES_EMU: &[(usize, usize, usize, u64)] =
     &[(1, 1, 1, 1), (7, 5, 13, 2), (33, 16, 97, 3), (4, 8, 270, 5)];
 
-const GPU_F32: Tolerance = Tolerance::new("f32 GPU vs f64 reference", 1e-3, 1e-3);
+/// f32 kernels (dot products of up to 64 terms, f32 sums of up to 1025
+/// `exp`) vs the f64 reference: on top of the rounding of the statistics
+/// above (4.2e-6), f32 accumulation of `k` terms adds up to ~k x 6e-8. The
+/// emulated kernels stay within 1.5e-6 of the scale at their sizes; the
+/// rule 1e-3 is loose for a device never run here, and still 1000x below an
+/// O(1) bug.
+const GPU_F32: Tolerance = Tolerance::new("f32 kernels vs f64 reference", 1e-3, 1e-3);
 
 #[test]
 fn alg2_host_merge_matches_the_reference_with_cpu_shard_kernels() {
-    let n = check_alg2(&CpuShard, F32_ROUNDED, ALG2_SIZES, &[1, 2, 3, 5])
+    let (n, worst) = check_alg2(&CpuShard, F32_ROUNDED, ALG2_SIZES, &[1, 2, 3, 5])
         .unwrap_or_else(|m| panic!("{m}"));
     assert!(n >= 20, "only {n} configurations checked");
+    eprintln!("CPU stand-in: alg2 over {n} shard maps, largest error {worst:.2e} of scale");
 }
 
 /// Negative control: a merge fed wrong statistics must fail the check.
@@ -856,9 +899,10 @@ fn gpu_alg2_matches_the_reference() {
     let Some(gpu) = gpu_or_skip("gpu_alg2_matches_the_reference") else {
         return;
     };
-    let n = check_alg2(&gpu, GPU_F32, ALG2_SIZES, &[1, 2, 3, 5]).unwrap_or_else(|m| panic!("{m}"));
+    let (n, worst) =
+        check_alg2(&gpu, GPU_F32, ALG2_SIZES, &[1, 2, 3, 5]).unwrap_or_else(|m| panic!("{m}"));
     eprintln!(
-        "{}: alg2 over {n} shard maps within {}",
+        "{}: alg2 over {n} shard maps within {}; largest error {worst:.2e} of scale",
         gpu.name(),
         GPU_F32.name
     );
@@ -1440,7 +1484,7 @@ fn emulated_alg2_matches_the_reference() {
     let Some(e) = emu_or_skip("emulated_alg2_matches_the_reference") else {
         return;
     };
-    let mut n = check_alg2(&EmuShard(e), GPU_F32, ALG2_SIZES_EMU, &[2, 3])
+    let (mut n, mut worst) = check_alg2(&EmuShard(e), GPU_F32, ALG2_SIZES_EMU, &[2, 3])
         .unwrap_or_else(|m| panic!("{m}"));
     // v = 6 over 5 padded shards: 2, 2, 2, 0, 0 real rows (empty shards).
     let map = ShardMap::new(6, 5, ShardLayout::Padded).unwrap();
@@ -1449,9 +1493,12 @@ fn emulated_alg2_matches_the_reference() {
         "{}",
         map.describe()
     );
-    n += check_alg2(&EmuShard(e), GPU_F32, &[(5, 3, 6, 6)], &[5]).unwrap_or_else(|m| panic!("{m}"));
+    let (n2, w2) =
+        check_alg2(&EmuShard(e), GPU_F32, &[(5, 3, 6, 6)], &[5]).unwrap_or_else(|m| panic!("{m}"));
+    n += n2;
+    worst = worst.max(w2);
     eprintln!(
-        "emulated vocab kernels: alg2 over {n} shard maps within {}",
+        "emulated vocab kernels: alg2 over {n} shard maps within {}; largest error {worst:.2e} of scale",
         GPU_F32.name
     );
 }
