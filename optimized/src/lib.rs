@@ -1,1 +1,2 @@
-
+#[cfg(feature = "cuda")]
+pub mod cuda;

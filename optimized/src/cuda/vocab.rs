@@ -1,0 +1,424 @@
+//! Host side of the vocabulary-shard kernels (`vocab.cu`) and the `alg2`
+//! driver over a [`ShardMap`] (Yeung et al., "Vocabulary Parallelism",
+//! arXiv:2411.05288, Algorithm 2).
+//!
+//! Shapes: `hidden: [n, hd]` (replicated), `weight: [v, hd]` (the real rows
+//! of the whole output weight; shard `r` holds rows `start_r ..
+//! start_r + real_r`), `targets: [n]` global ids or `ignore_index`.
+//!
+//! One shard's work ([`ShardKernels`], run on the GPU by [`Gpu`]):
+//! 1. S pass statistics: `m_i = max_j z_j`, `s_i = Σ_j exp(z_j - m_i)`, the
+//!    target logit where the target is local ([`ShardStats`]).
+//! 2. S pass partials against the local softmax (`lse_i = m_i + ln s_i`):
+//!    `D_i = w (softmax'_i - q_i) W_i`, `B_i = w q_i W_i` (`w` the token's
+//!    loss weight).
+//! 3. The one all-reduce: the merge here in f64, `m = max m_i`, `S = Σ s_i
+//!    exp(m_i - m)`, `alpha_i = s_i exp(m_i - m) / S`, `∂L/∂x = Σ alpha_i D_i
+//!    + Σ (alpha_i - 1) B_i`.
+//! 4. T pass, no communication: `∂L/∂W_i` from `∂L/∂z_i = w (softmax - q)`
+//!    with the global `lse`.
+//!
+//! Supported options: `ignore_index` and the `mean` reduction over the
+//! non-ignored tokens (the common training setting); label smoothing and
+//! z-loss are not implemented on the GPU.
+
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+use packshard_reference::vocab::ShardMap;
+use packshard_reference::Error;
+
+use super::{check_finite32, check_len, driver, to_i32, Gpu, Result};
+
+/// Threads per block of every vocab kernel (`THREADS` of the source).
+const THREADS: u32 = 256;
+/// Vocabulary rows staged per step of `lce_dx` (`TILE_V`).
+const TILE_V: usize = 256;
+/// Tokens staged per step of `lce_dw` (`TILE_N`).
+const TILE_N: usize = 256;
+
+/// The S pass statistics of one shard, each `[n]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ShardStats {
+    /// `m_i`: the largest local logit (`-inf` for an empty shard).
+    pub local_max: Vec<f32>,
+    /// `s_i = Σ_j exp(z_j - m_i)` (0 for an empty shard).
+    pub local_sum: Vec<f32>,
+    /// `z_t` where the target is in this shard, else 0 (unused).
+    pub target_logit: Vec<f32>,
+}
+
+/// One shard's inputs: `hidden: [n, hd]`, `weight: [w, hd]` (this shard's
+/// real rows), `target: [n]` (row in the shard, or -1).
+#[derive(Debug, Clone, Copy)]
+pub struct ShardInput<'a> {
+    /// `[n, hd]`.
+    pub hidden: &'a [f32],
+    /// `[w, hd]`.
+    pub weight: &'a [f32],
+    /// `[n]`.
+    pub target: &'a [i32],
+    /// Tokens.
+    pub n: usize,
+    /// Hidden size.
+    pub hd: usize,
+    /// Rows of the shard.
+    pub w: usize,
+}
+
+/// The three per-shard kernels, so the `alg2` driver runs on the GPU
+/// ([`Gpu`]) or on a CPU stand-in in tests.
+pub trait ShardKernels {
+    /// S pass statistics.
+    ///
+    /// # Errors
+    /// Driver errors.
+    fn stats(&self, x: &ShardInput<'_>) -> Result<ShardStats>;
+    /// S pass partials `(D_i, B_i)`, each `[n, hd]`, against `lse: [n]`
+    /// with loss weights `row_scale: [n]`.
+    ///
+    /// # Errors
+    /// Driver errors.
+    fn input_partials(
+        &self,
+        x: &ShardInput<'_>,
+        lse: &[f32],
+        row_scale: &[f32],
+    ) -> Result<(Vec<f32>, Vec<f32>)>;
+    /// T pass weight gradient `[w, hd]` against the global `lse: [n]`.
+    ///
+    /// # Errors
+    /// Driver errors.
+    fn weight_grad(&self, x: &ShardInput<'_>, lse: &[f32], row_scale: &[f32]) -> Result<Vec<f32>>;
+}
+
+fn check_input(x: &ShardInput<'_>) -> Result<()> {
+    check_len("hidden", x.hidden, &[x.n, x.hd], "[n, hd]")?;
+    check_len("weight", x.weight, &[x.w, x.hd], "[w, hd]")?;
+    check_len("targets", x.target, &[x.n], "[n]")?;
+    to_i32("n", x.n)?;
+    to_i32("hd", x.hd)?;
+    to_i32("w", x.w)?;
+    if x.hd == 0 {
+        return Err(Error::invalid("hd", "the hidden size is 0").into());
+    }
+    if (x.hd + 2 * THREADS as usize) * 4 > 48 * 1024 {
+        return Err(
+            Error::invalid("hd", "hidden size over 10240 (48 KiB of shared memory)").into(),
+        );
+    }
+    Ok(())
+}
+
+impl ShardKernels for Gpu {
+    fn stats(&self, x: &ShardInput<'_>) -> Result<ShardStats> {
+        check_input(x)?;
+        let n = x.n;
+        if n == 0 || x.w == 0 {
+            // No rows (a padded layout's all-padding shard): m_i = -inf,
+            // s_i = 0, it contributes nothing (FAULTS.md V6). No launch, as
+            // the driver refuses zero-byte buffers.
+            return Ok(ShardStats {
+                local_max: vec![f32::NEG_INFINITY; n],
+                local_sum: vec![0.0; n],
+                target_logit: vec![0.0; n],
+            });
+        }
+        let s = self.stream();
+        let h = driver("copy hidden", s.clone_htod(x.hidden))?;
+        let w = driver("copy weight", s.clone_htod(x.weight))?;
+        let t = driver("copy targets", s.clone_htod(x.target))?;
+        let mut m = driver("alloc local_max", s.alloc_zeros::<f32>(n))?;
+        let mut l = driver("alloc local_sum", s.alloc_zeros::<f32>(n))?;
+        let mut z = driver("alloc target_logit", s.alloc_zeros::<f32>(n))?;
+        let (ni, hi, wi) = (x.n as i32, x.hd as i32, x.w as i32);
+        let f = self.function("vocab", "lce_stats")?;
+        let mut b = s.launch_builder(&f);
+        b.arg(&h).arg(&w).arg(&t).arg(&ni).arg(&hi).arg(&wi);
+        b.arg(&mut m).arg(&mut l).arg(&mut z);
+        let cfg = LaunchConfig {
+            grid_dim: (n as u32, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: ((x.hd + 2 * THREADS as usize) * 4) as u32,
+        };
+        // SAFETY: matches `lce_stats`; sizes checked by `check_input`.
+        driver("launch lce_stats", unsafe { b.launch(cfg) })?;
+        Ok(ShardStats {
+            local_max: driver("copy local_max back", s.clone_dtoh(&m))?,
+            local_sum: driver("copy local_sum back", s.clone_dtoh(&l))?,
+            target_logit: driver("copy target_logit back", s.clone_dtoh(&z))?,
+        })
+    }
+
+    fn input_partials(
+        &self,
+        x: &ShardInput<'_>,
+        lse: &[f32],
+        row_scale: &[f32],
+    ) -> Result<(Vec<f32>, Vec<f32>)> {
+        check_input(x)?;
+        check_len("lse", lse, &[x.n], "[n]")?;
+        check_len("row_scale", row_scale, &[x.n], "[n]")?;
+        if x.n == 0 || x.w == 0 {
+            return Ok((vec![0.0; x.n * x.hd], vec![0.0; x.n * x.hd]));
+        }
+        let s = self.stream();
+        let h = driver("copy hidden", s.clone_htod(x.hidden))?;
+        let w = driver("copy weight", s.clone_htod(x.weight))?;
+        let t = driver("copy targets", s.clone_htod(x.target))?;
+        let dl = driver("copy lse", s.clone_htod(lse))?;
+        let rs = driver("copy row_scale", s.clone_htod(row_scale))?;
+        let mut dp = driver("alloc dpart", s.alloc_zeros::<f32>(x.n * x.hd))?;
+        let mut bp = driver("alloc bpart", s.alloc_zeros::<f32>(x.n * x.hd))?;
+        let (ni, hi, wi) = (x.n as i32, x.hd as i32, x.w as i32);
+        let f = self.function("vocab", "lce_dx")?;
+        let mut b = s.launch_builder(&f);
+        b.arg(&h).arg(&w).arg(&t).arg(&dl).arg(&rs);
+        b.arg(&ni).arg(&hi).arg(&wi).arg(&mut dp).arg(&mut bp);
+        let cfg = LaunchConfig {
+            grid_dim: (x.n as u32, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: ((x.hd + TILE_V) * 4) as u32,
+        };
+        // SAFETY: matches `lce_dx`.
+        driver("launch lce_dx", unsafe { b.launch(cfg) })?;
+        Ok((
+            driver("copy dpart back", s.clone_dtoh(&dp))?,
+            driver("copy bpart back", s.clone_dtoh(&bp))?,
+        ))
+    }
+
+    fn weight_grad(&self, x: &ShardInput<'_>, lse: &[f32], row_scale: &[f32]) -> Result<Vec<f32>> {
+        check_input(x)?;
+        check_len("lse", lse, &[x.n], "[n]")?;
+        check_len("row_scale", row_scale, &[x.n], "[n]")?;
+        if x.w == 0 || x.hd == 0 || x.n == 0 {
+            return Ok(vec![0.0; x.w * x.hd]);
+        }
+        let s = self.stream();
+        let h = driver("copy hidden", s.clone_htod(x.hidden))?;
+        let w = driver("copy weight", s.clone_htod(x.weight))?;
+        let t = driver("copy targets", s.clone_htod(x.target))?;
+        let dl = driver("copy lse", s.clone_htod(lse))?;
+        let rs = driver("copy row_scale", s.clone_htod(row_scale))?;
+        let mut gw = driver("alloc grad_weight", s.alloc_zeros::<f32>(x.w * x.hd))?;
+        let (ni, hi, wi) = (x.n as i32, x.hd as i32, x.w as i32);
+        let f = self.function("vocab", "lce_dw")?;
+        let mut b = s.launch_builder(&f);
+        b.arg(&h).arg(&w).arg(&t).arg(&dl).arg(&rs);
+        b.arg(&ni).arg(&hi).arg(&wi).arg(&mut gw);
+        let cfg = LaunchConfig {
+            grid_dim: (x.w as u32, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: ((x.hd + TILE_N) * 4) as u32,
+        };
+        // SAFETY: matches `lce_dw`.
+        driver("launch lce_dw", unsafe { b.launch(cfg) })?;
+        driver("copy grad_weight back", s.clone_dtoh(&gw))
+    }
+}
+
+/// What `alg2` returns; `f64` after the f64 merge.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Alg2Output {
+    /// Mean loss over the non-ignored tokens (0 when there are none).
+    pub loss: f64,
+    /// `[n]`: per-token loss `lse - z_t` (0 for ignored tokens).
+    pub per_token_loss: Vec<f64>,
+    /// `[n]`: global `logsumexp`.
+    pub logsumexp: Vec<f64>,
+    /// `[p][n]`: each shard's `(m_i, s_i)` as it entered the all-reduce.
+    pub local: Vec<Vec<(f64, f64)>>,
+    /// `[n, hd]`: `∂L/∂hidden`.
+    pub grad_hidden: Vec<f64>,
+    /// `[v, hd]`: `∂L/∂W`, the shards' rows in vocabulary order.
+    pub grad_weight: Vec<f64>,
+    /// Tokens counted by the mean.
+    pub num_tokens: usize,
+}
+
+/// Runs `alg2` over the shards of `map` with `kernels` for each shard's
+/// work and the merge (the one all-reduce) in f64 on the host.
+///
+/// `hidden: [n, hd]`, `weight: [v, hd]`, `targets: [n]`.
+///
+/// # Errors
+/// Shape errors naming the field, [`Error::IndexOutOfRange`] for a target
+/// outside `0..v` that is not `ignore_index`, non-finite inputs
+/// ([`Error::NonFiniteInput`]), a target whose logit is not finite in f32,
+/// and the kernels' errors.
+#[allow(clippy::too_many_arguments)]
+pub fn alg2_linear_cross_entropy(
+    kernels: &dyn ShardKernels,
+    map: &ShardMap,
+    hidden: &[f32],
+    n: usize,
+    hd: usize,
+    weight: &[f32],
+    targets: &[i64],
+    ignore_index: i64,
+) -> Result<Alg2Output> {
+    let v = map.vocab_size();
+    check_len("hidden", hidden, &[n, hd], "[n, hd]")?;
+    check_len("weight", weight, &[v, hd], "[v, hd]")?;
+    check_len("targets", targets, &[n], "[n]")?;
+    if hd == 0 {
+        return Err(Error::invalid("hd", "the hidden size is 0").into());
+    }
+    check_finite32("hidden", hidden)?;
+    check_finite32("weight", weight)?;
+    for (index, &t) in targets.iter().enumerate() {
+        if t != ignore_index && !(0..v as i64).contains(&t) {
+            return Err(Error::IndexOutOfRange {
+                field: "targets".into(),
+                index,
+                value: t,
+                lo: 0,
+                hi: v as i64,
+            }
+            .into());
+        }
+    }
+    let count = targets.iter().filter(|&&t| t != ignore_index).count();
+    let scale = if count > 0 { 1.0 / count as f64 } else { 0.0 };
+    let row_scale: Vec<f32> = targets
+        .iter()
+        .map(|&t| if t == ignore_index { 0.0 } else { scale as f32 })
+        .collect();
+    let shards = map.shards();
+    let p = shards.len();
+
+    // S pass on every shard.
+    let mut inputs = Vec::with_capacity(p);
+    for sh in &shards {
+        let rows = &weight[sh.start.min(v) * hd..(sh.start + sh.real).min(v) * hd];
+        let target: Vec<i32> = targets
+            .iter()
+            .map(|&t| {
+                let t = t as i128 - sh.start as i128;
+                if t >= 0 && (t as usize) < sh.real {
+                    t as i32
+                } else {
+                    -1
+                }
+            })
+            .collect();
+        inputs.push((rows, target, sh.real));
+    }
+    // Ignored targets must never match a row: `ignore_index` may lie in 0..v
+    // only if the caller chose so, and then it is still ignored.
+    for (_, target, _) in inputs.iter_mut() {
+        for (i, &t) in targets.iter().enumerate() {
+            if t == ignore_index {
+                target[i] = -1;
+            }
+        }
+    }
+    let inp = |r: usize| ShardInput {
+        hidden,
+        weight: inputs[r].0,
+        target: &inputs[r].1,
+        n,
+        hd,
+        w: inputs[r].2,
+    };
+    let mut stats = Vec::with_capacity(p);
+    let mut partials = Vec::with_capacity(p);
+    for r in 0..p {
+        let st = kernels.stats(&inp(r))?;
+        let lse_local: Vec<f32> = st
+            .local_max
+            .iter()
+            .zip(&st.local_sum)
+            .map(|(&m, &s)| {
+                if s > 0.0 {
+                    m + s.ln()
+                } else {
+                    f32::NEG_INFINITY
+                }
+            })
+            .collect();
+        partials.push(kernels.input_partials(&inp(r), &lse_local, &row_scale)?);
+        stats.push(st);
+    }
+
+    // The all-reduce of (m_i, s_i, z_t, D_i, B_i), merged in f64.
+    let mut lse = vec![0.0f64; n];
+    let mut per_token_loss = vec![0.0f64; n];
+    let mut grad_hidden = vec![0.0f64; n * hd];
+    for i in 0..n {
+        let m = stats
+            .iter()
+            .map(|s| s.local_max[i] as f64)
+            .fold(f64::NEG_INFINITY, f64::max);
+        let big_s: f64 = stats
+            .iter()
+            .filter(|s| s.local_sum[i] > 0.0)
+            .map(|s| s.local_sum[i] as f64 * (s.local_max[i] as f64 - m).exp())
+            .sum();
+        lse[i] = m + big_s.ln();
+        let t = targets[i];
+        if t != ignore_index {
+            let owner = shards
+                .iter()
+                .position(|sh| (sh.start as i64..(sh.start + sh.real) as i64).contains(&t))
+                .ok_or_else(|| Error::IndexOutOfRange {
+                    field: "targets".into(),
+                    index: i,
+                    value: t,
+                    lo: 0,
+                    hi: v as i64,
+                })?;
+            let zt = stats[owner].target_logit[i] as f64;
+            if !zt.is_finite() || !lse[i].is_finite() {
+                return Err(Error::NonFiniteInput {
+                    field: "logits".into(),
+                    index: i,
+                    value: zt,
+                }
+                .into());
+            }
+            per_token_loss[i] = lse[i] - zt;
+        }
+        for (r, st) in stats.iter().enumerate() {
+            let alpha = if st.local_sum[i] > 0.0 {
+                st.local_sum[i] as f64 * (st.local_max[i] as f64 - m).exp() / big_s
+            } else {
+                0.0
+            };
+            let (dp, bp) = &partials[r];
+            for c in 0..hd {
+                grad_hidden[i * hd + c] +=
+                    alpha * dp[i * hd + c] as f64 + (alpha - 1.0) * bp[i * hd + c] as f64;
+            }
+        }
+    }
+    let loss = per_token_loss.iter().sum::<f64>() * scale;
+
+    // T pass: each shard's weight gradient against the global lse.
+    let lse32: Vec<f32> = lse.iter().map(|&x| x as f32).collect();
+    let mut grad_weight = vec![0.0f64; v * hd];
+    for (r, sh) in shards.iter().enumerate() {
+        let g = kernels.weight_grad(&inp(r), &lse32, &row_scale)?;
+        for (k, &x) in g.iter().enumerate() {
+            grad_weight[sh.start * hd + k] = x as f64;
+        }
+    }
+    let local = stats
+        .iter()
+        .map(|s| {
+            s.local_max
+                .iter()
+                .zip(&s.local_sum)
+                .map(|(&m, &l)| (m as f64, l as f64))
+                .collect()
+        })
+        .collect();
+    Ok(Alg2Output {
+        loss,
+        per_token_loss,
+        logsumexp: lse,
+        local,
+        grad_hidden,
+        grad_weight,
+        num_tokens: count,
+    })
+}
