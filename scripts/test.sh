@@ -33,6 +33,13 @@ export PACKSHARD_REQUIRE_ASSETS=1
 step "cargo test (workspace default members)"
 cargo test --workspace --no-fail-fast
 
+step "GPU kernels: PTX compile check for sm_90 with NVRTC from PyPI (no GPU needed)"
+PACKSHARD_NVRTC_DIR=$(scripts/fetch_nvrtc.sh | tail -n 1)
+export PACKSHARD_NVRTC_DIR
+export LD_LIBRARY_PATH="$PACKSHARD_NVRTC_DIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export PACKSHARD_REQUIRE_NVRTC=1
+cargo test -p packshard-optimized --features cuda --no-fail-fast
+
 step "example crate: fuzz your own kernel (examples/fuzz-your-kernel)"
 # Its own workspace; the shared target directory reuses the compiled dependencies.
 CARGO_TARGET_DIR="$ROOT/target" cargo test --manifest-path examples/fuzz-your-kernel/Cargo.toml
