@@ -1,0 +1,3 @@
+//! A multi-process pipeline of the BERT-style reference model over MPI.
+pub mod model;
+pub mod schedule;
