@@ -381,6 +381,25 @@ pub struct Costs {
     pub comm: f64,
 }
 
+impl Costs {
+    /// Estimated from the sizes of `config` over `p` stages, in units of one
+    /// encoder layer's forward (about `12 hidden^2` multiply-adds per
+    /// token): a stage's forward `L / p`, its backward twice that, the output
+    /// layer forward and backward `3 v hidden / (12 hidden^2) = v / (4
+    /// hidden)`; the embedding lookups and the messages are cheap next to
+    /// them (0). Only the leads of [`leads`] depend on it.
+    pub fn for_model(config: &crate::model::ModelConfig, p: usize) -> Self {
+        let stage = config.layers as f64 / p as f64;
+        Costs {
+            forward: stage,
+            backward: 2.0 * stage,
+            output: config.vocab as f64 / (4.0 * config.hidden as f64),
+            embedding: 0.0,
+            comm: 0.0,
+        }
+    }
+}
+
 impl Default for Costs {
     /// The units of the timelines in the docs: F 2, B 4, output layer 8
     /// (about the six encoder layers of MiniLM over 2 stages), embedding 0,
