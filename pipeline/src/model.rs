@@ -250,7 +250,8 @@ pub fn microbatches(config: &ModelConfig) -> Vec<Microbatch> {
                 for t in 0..len {
                     mb.ids.push(ids[t]);
                     mb.positions.push(t);
-                    mb.targets.push(ids.get(t + 1).copied().unwrap_or(IGNORE_INDEX));
+                    mb.targets
+                        .push(ids.get(t + 1).copied().unwrap_or(IGNORE_INDEX));
                 }
                 if let AttentionLayout::Varlen { cu_seqlens } = &mut mb.layout {
                     cu_seqlens.push(mb.ids.len());
@@ -286,9 +287,8 @@ impl Params {
         let bert = BertParams::random(&config.bert_config(), config.seed);
         let mut rng = ChaCha8Rng::seed_from_u64(config.seed ^ 0x0077);
         let a = (3.0 / config.hidden as f64).sqrt();
-        let output = Array2::from_shape_simple_fn((config.vocab, config.hidden), || {
-            rng.random_range(-a..a)
-        });
+        let output =
+            Array2::from_shape_simple_fn((config.vocab, config.hidden), || rng.random_range(-a..a));
         Params {
             word: bert.word_embeddings,
             position: bert.position_embeddings,
@@ -399,11 +399,17 @@ pub fn zeros_layer(p: &LayerParams) -> LayerParams {
 pub fn layer_named(l: usize, p: &LayerParams) -> Vec<(String, ArrayViewD<'_, f64>)> {
     let n = |s: &str| format!("encoder.layer.{l}.{s}");
     vec![
-        (n("attention.self.query.weight"), p.query_w.view().into_dyn()),
+        (
+            n("attention.self.query.weight"),
+            p.query_w.view().into_dyn(),
+        ),
         (n("attention.self.query.bias"), p.query_b.view().into_dyn()),
         (n("attention.self.key.weight"), p.key_w.view().into_dyn()),
         (n("attention.self.key.bias"), p.key_b.view().into_dyn()),
-        (n("attention.self.value.weight"), p.value_w.view().into_dyn()),
+        (
+            n("attention.self.value.weight"),
+            p.value_w.view().into_dyn(),
+        ),
         (n("attention.self.value.bias"), p.value_b.view().into_dyn()),
         (
             n("attention.output.dense.weight"),
@@ -737,7 +743,11 @@ mod tests {
         assert!(e.to_string().starts_with("layers:"), "{e}");
         let mut bad = c.clone();
         bad.microbatches = 0;
-        assert!(bad.validate(1).unwrap_err().to_string().starts_with("microbatches:"));
+        assert!(bad
+            .validate(1)
+            .unwrap_err()
+            .to_string()
+            .starts_with("microbatches:"));
     }
 
     /// The reference step's gradients against central finite differences of

@@ -283,7 +283,10 @@ mod tests {
         let mut b = a.clone();
         b.output[[2, 1]] += 1e-3;
         let errs = compare(&a, &b);
-        assert!(errs.iter().filter(|e| e.name != "output.weight").all(|e| e.max_abs == 0.0 && e.passes()));
+        assert!(errs
+            .iter()
+            .filter(|e| e.name != "output.weight")
+            .all(|e| e.max_abs == 0.0 && e.passes()));
         let out = errs.iter().find(|e| e.name == "output.weight").unwrap();
         assert!((out.max_abs - 1e-3).abs() < 1e-12 && !out.passes());
     }

@@ -91,18 +91,14 @@ impl RankParams {
     /// Rank `r`'s share of `full`.
     pub fn from_full(full: &Params, plan: &Plan, r: usize) -> Self {
         let v = full.word.nrows();
-        let rows = |a: &Array2<f64>, range: Range<usize>| a.slice(ndarray::s![range, ..]).to_owned();
+        let rows =
+            |a: &Array2<f64>, range: Range<usize>| a.slice(ndarray::s![range, ..]).to_owned();
         RankParams {
             rank: r,
             layers: full.layers[plan.stages[r].clone()].to_vec(),
             word: plan.vocab_rows(r, v, true).map(|g| rows(&full.word, g)),
-            embedding_tail: (r == 0).then(|| {
-                (
-                    full.position.clone(),
-                    full.ln_g.clone(),
-                    full.ln_b.clone(),
-                )
-            }),
+            embedding_tail: (r == 0)
+                .then(|| (full.position.clone(), full.ln_g.clone(), full.ln_b.clone())),
             output: plan.vocab_rows(r, v, false).map(|g| rows(&full.output, g)),
         }
     }
@@ -135,7 +131,11 @@ impl RankParams {
             out.push(w.view().into_dyn());
         }
         if let Some((p, g, b)) = &self.embedding_tail {
-            out.extend([p.view().into_dyn(), g.view().into_dyn(), b.view().into_dyn()]);
+            out.extend([
+                p.view().into_dyn(),
+                g.view().into_dyn(),
+                b.view().into_dyn(),
+            ]);
         }
         if let Some(o) = &self.output {
             out.push(o.view().into_dyn());
@@ -705,11 +705,10 @@ impl Exec<'_> {
                 self.coll
                     .broadcast(0, buf.as_slice_mut().expect("contiguous"))?;
                 let start = self.plan.map.shard(self.rank).start;
-                let grad = self
-                    .grads
-                    .word
-                    .as_mut()
-                    .ok_or_else(|| Error::invalid("schedule", "this rank holds no word shard"))?;
+                let grad =
+                    self.grads.word.as_mut().ok_or_else(|| {
+                        Error::invalid("schedule", "this rank holds no word shard")
+                    })?;
                 word_grad_accumulate(&self.mbs[m].ids, config.vocab, buf.view(), grad, start)?;
             }
         }

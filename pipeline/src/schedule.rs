@@ -638,9 +638,8 @@ mod tests {
             for m_count in 1..=12 {
                 for placement in PLACEMENTS {
                     let sched = schedules(p, m_count, placement, &Costs::default());
-                    let sim = simulate(&sched, placement, &Costs::default()).unwrap_or_else(|e| {
-                        panic!("p {p} M {m_count} {placement}: {e}")
-                    });
+                    let sim = simulate(&sched, placement, &Costs::default())
+                        .unwrap_or_else(|e| panic!("p {p} M {m_count} {placement}: {e}"));
                     assert!(sim.makespan() > 0.0);
                     for (s, ops) in sched.iter().enumerate() {
                         let pos = |want: Op| {
@@ -717,8 +716,14 @@ mod tests {
         let e = simulate(&sched, placement, &Costs::default()).unwrap_err();
         assert!(e.0.contains("deadlock") || e.0.contains("reaches"), "{e}");
         let mut sched = schedules(2, 3, placement, &Costs::default());
-        let a = sched[0].iter().position(|o| *o == Op::EmbedGrad(0)).unwrap();
-        let b = sched[0].iter().position(|o| *o == Op::BroadcastHidden(1)).unwrap();
+        let a = sched[0]
+            .iter()
+            .position(|o| *o == Op::EmbedGrad(0))
+            .unwrap();
+        let b = sched[0]
+            .iter()
+            .position(|o| *o == Op::BroadcastHidden(1))
+            .unwrap();
         sched[0].swap(a, b);
         let e = simulate(&sched, placement, &Costs::default()).unwrap_err();
         assert!(e.0.contains("reaches") || e.0.contains("deadlock"), "{e}");

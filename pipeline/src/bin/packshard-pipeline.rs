@@ -20,9 +20,7 @@ use packshard_pipeline::model::{microbatches, reference_step, ModelConfig, Param
 use packshard_pipeline::report::{
     analyse, bytes, compare, compare_loss, decode, encode, PIPELINE_TOLERANCE,
 };
-use packshard_pipeline::runtime::{
-    run_iteration, Fault, FaultPlan, Plan, PlantedBug, RankParams,
-};
+use packshard_pipeline::runtime::{run_iteration, Fault, FaultPlan, Plan, PlantedBug, RankParams};
 use packshard_pipeline::schedule::{simulate, Costs, Placement};
 use packshard_reference::vocab::ShardedAlgorithm;
 
@@ -127,7 +125,20 @@ fn main() -> ExitCode {
     // A panic anywhere: say which rank and why, then take the whole job down
     // (the other ranks are blocked in MPI and would wait forever).
     std::panic::set_hook(Box::new(move |info| {
-        eprintln!("packshard-pipeline: rank {rank}: {info}");
+        let payload = info.payload();
+        let msg = payload
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "(no message)".into());
+        let at = info
+            .location()
+            .map(|l| format!(" at {}:{}", l.file(), l.line()))
+            .unwrap_or_default();
+        eprintln!(
+            "packshard-pipeline: rank {rank}: panicked{at}: {}",
+            msg.replace('\n', " ")
+        );
         SimpleCommunicator::world().abort(101);
     }));
     let args = match Args::try_parse() {
@@ -196,7 +207,10 @@ fn placements(args: &Args) -> Vec<Placement> {
     if matches!(args.placement, PlacementArg::Baseline | PlacementArg::All) {
         out.push(Placement::Baseline);
     }
-    if matches!(args.placement, PlacementArg::VocabParallel | PlacementArg::All) {
+    if matches!(
+        args.placement,
+        PlacementArg::VocabParallel | PlacementArg::All
+    ) {
         if matches!(args.algorithm, AlgorithmArg::Alg1 | AlgorithmArg::All) {
             out.push(Placement::VocabParallel(ShardedAlgorithm::Alg1));
         }
@@ -268,8 +282,7 @@ fn run(world: &SimpleCommunicator, args: &Args) -> Result<u8, Failure> {
     fault.corrupt(rank, &mut mbs);
     let mut outcomes = Vec::new();
     for &placement in &placements {
-        let plan =
-            Plan::new(&config, p, placement).map_err(|e| Failure::Input(e.to_string()))?;
+        let plan = Plan::new(&config, p, placement).map_err(|e| Failure::Input(e.to_string()))?;
         let params = RankParams::from_full(&full, &plan, rank);
         let mut best: Option<Outcome> = None;
         for _ in 0..args.iterations {
@@ -425,7 +438,11 @@ fn print_check(
             errs.len(),
             values,
             worst.relative(),
-            if worst.max_abs == 0.0 { "(all bit-identical)" } else { worst.name.as_str() },
+            if worst.max_abs == 0.0 {
+                "(all bit-identical)"
+            } else {
+                worst.name.as_str()
+            },
             if ok { "PASS" } else { "FAIL" }
         );
         if !ok {
@@ -453,7 +470,15 @@ fn print_report(outcomes: &[Outcome], p: usize) {
     println!("balance report, p = {p} (fastest of the iterations run; times in seconds):");
     println!(
         "  {:<22} {:>4} {:>10} {:>10} {:>10} {:>8} {:>8} {:>8} {:>9}",
-        "placement", "rank", "params", "peak act", "param+act", "compute", "comm", "idle", "iteration"
+        "placement",
+        "rank",
+        "params",
+        "peak act",
+        "param+act",
+        "compute",
+        "comm",
+        "idle",
+        "iteration"
     );
     for o in outcomes {
         let mut totals = Vec::new();
@@ -488,7 +513,10 @@ fn print_report(outcomes: &[Outcome], p: usize) {
         );
     }
     if let Some(base) = outcomes.iter().find(|o| o.placement == Placement::Baseline) {
-        for o in outcomes.iter().filter(|o| o.placement != Placement::Baseline) {
+        for o in outcomes
+            .iter()
+            .filter(|o| o.placement != Placement::Baseline)
+        {
             println!(
                 "  {} vs baseline: iteration {:.3} s vs {:.3} s ({:.2}x)",
                 o.placement.name(),
