@@ -24,6 +24,8 @@ enum Command {
     Vocab(cli::vocab::VocabArgs),
     /// Check packed == padded on a real model and real text (`verify bert`).
     Verify(cli::verify::VerifyArgs),
+    /// Run the vocabulary-parallel 1F1B pipeline under mpirun: equivalence check and balance report.
+    Pipeline(cli::pipeline::PipelineArgs),
 }
 
 fn main() -> ExitCode {
@@ -69,6 +71,7 @@ fn main() -> ExitCode {
         Command::Eval(args) => cli::eval::run(args),
         Command::Vocab(args) => cli::vocab::run(args),
         Command::Verify(args) => cli::verify::run(args),
+        Command::Pipeline(args) => cli::pipeline::run(args),
     };
     match result {
         Ok(code) => code,

@@ -2,6 +2,7 @@
 
 pub mod eval;
 pub mod pack;
+pub mod pipeline;
 pub mod verify;
 pub mod vocab;
 
