@@ -148,6 +148,8 @@ pub fn decode(flat: &[f64]) -> Vec<(u8, usize, f64, f64)> {
 /// Returns the timings and the iteration time (first op start to last op
 /// end over all ranks). Timestamps are compared across ranks: one node, one
 /// clock.
+// `colls[r][k]`: the k-th collective of every rank r, a two-index walk.
+#[allow(clippy::needless_range_loop)]
 pub fn analyse(ranks: &[Vec<(u8, usize, f64, f64)>]) -> (Vec<RankTiming>, f64) {
     let p = ranks.len();
     let ops = |r: usize| ranks[r].iter().filter(|e| e.0 == 0);

@@ -199,6 +199,9 @@ enum Unit {
 
 /// The schedule of rank `s` of `p` for `m_count` microbatches with the
 /// output-block `leads` of [`leads`] (see the module docs).
+// The microbatch index `j` names ops and offsets (`j + warm`, `j + lead`)
+// besides indexing `grad_sent`: a range loop reads best.
+#[allow(clippy::needless_range_loop)]
 pub fn rank_schedule(
     p: usize,
     s: usize,
