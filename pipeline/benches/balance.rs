@@ -85,6 +85,10 @@ fn job(p: usize, args: &[&str]) -> Option<String> {
     }
 }
 
+/// A placement over the rounds: name, memory spread, each round's fastest
+/// iteration (s).
+type Timed = (String, f64, Vec<f64>);
+
 fn env_usize(name: &str, default: usize) -> usize {
     std::env::var(name)
         .ok()
@@ -101,14 +105,13 @@ fn main() -> ExitCode {
         .collect();
     let iterations = env_usize("PACKSHARD_BENCH_ITERATIONS", 2).to_string();
     let rounds = env_usize("PACKSHARD_BENCH_ROUNDS", 3);
-    // (p, placement) -> (spread, iteration of each round)
-    let mut summary: Vec<(usize, Vec<(String, f64, Vec<f64>)>)> = Vec::new();
+    let mut summary: Vec<(usize, Vec<Timed>)> = Vec::new();
     for &p in &ranks {
         println!("== p = {p}: check at the MiniLM shape");
         if job(p, &["--check", "--model", "minilm", "--iterations", "1"]).is_none() {
             return ExitCode::from(1);
         }
-        let mut rows: Vec<(String, f64, Vec<f64>)> = Vec::new();
+        let mut rows: Vec<Timed> = Vec::new();
         for round in 1..=rounds {
             println!("== p = {p}: round {round} of {rounds}");
             let Some(report) = job(
