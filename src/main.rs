@@ -28,6 +28,8 @@ enum Command {
     Golden(cli::golden::GoldenArgs),
     /// Check a framework's outputs (RESULTS.safetensors) against golden vectors.
     Check(cli::check::CheckArgs),
+    /// Run the vocabulary-parallel 1F1B pipeline under mpirun: equivalence check and balance report.
+    Pipeline(cli::pipeline::PipelineArgs),
 }
 
 fn main() -> ExitCode {
@@ -75,6 +77,7 @@ fn main() -> ExitCode {
         Command::Verify(args) => cli::verify::run(args),
         Command::Golden(args) => cli::golden::run(args),
         Command::Check(args) => cli::check::run(args),
+        Command::Pipeline(args) => cli::pipeline::run(args),
     };
     match result {
         Ok(code) => code,

@@ -4,6 +4,7 @@ pub mod check;
 pub mod eval;
 pub mod golden;
 pub mod pack;
+pub mod pipeline;
 pub mod verify;
 pub mod vocab;
 

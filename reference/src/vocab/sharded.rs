@@ -479,6 +479,22 @@ pub fn linear_cross_entropy_rank(
     config: &LossConfig,
     want_grad: bool,
 ) -> Result<RankLoss> {
+    let (rank, z) = output_rank_setup(comm, algorithm, map, hidden, weight, targets, config)?;
+    let w_real = weight.slice_axis(Axis(0), Slice::from(..rank.shard.real));
+    rank.run(z, Some((hidden, w_real)), want_grad)
+}
+
+/// Checks one rank's output-layer inputs and computes its logits `[n, w_r]`
+/// (padding columns `-inf`).
+fn output_rank_setup<'a>(
+    comm: &'a dyn Collective,
+    algorithm: ShardedAlgorithm,
+    map: &ShardMap,
+    hidden: ArrayView2<f64>,
+    weight: ArrayView2<f64>,
+    targets: &[i64],
+    config: &LossConfig,
+) -> Result<(RankRun<'a>, Array2<f64>)> {
     let rank = RankRun::new(comm, algorithm, map, hidden.nrows(), targets, config)?;
     let shard = rank.shard;
     if weight.nrows() != shard.width {
@@ -496,7 +512,142 @@ pub fn linear_cross_entropy_rank(
     let w_real = weight.slice_axis(Axis(0), Slice::from(..shard.real));
     z.slice_axis_mut(Axis(1), Slice::from(..shard.real))
         .assign(&hidden.dot(&w_real.t()));
-    rank.run(z, Some((hidden, w_real)), want_grad)
+    Ok((rank, z))
+}
+
+/// The output layer on one rank, split into its S and T passes so that a
+/// pipeline schedule can put other work between them (arXiv:2411.05288 §5:
+/// the S and T passes are inserted into 1F1B). Returned by
+/// [`linear_cross_entropy_rank_s`]; [`OutputSPass::t_pass`] finishes it.
+///
+/// What each algorithm does where (the barriers each pass issues):
+///
+/// | algorithm | S pass | T pass |
+/// |---|---|---|
+/// | naive | logits, max (barrier), sum (barrier), loss | `∂L/∂z_i`, `∂L/∂x` (barrier), `∂L/∂W_i` |
+/// | alg1 | logits, `m_i`, `s_i` (one merged barrier), loss | `∂L/∂z_i`, `∂L/∂x` (barrier), `∂L/∂W_i` |
+/// | alg2 | logits, `m_i`, `s_i` and the `∂L/∂x` partials (one merged barrier), loss, `∂L/∂x` | `∂L/∂z_i`, `∂L/∂W_i` (no communication) |
+///
+/// `S` then `T` computes bit for bit what [`linear_cross_entropy_rank`] does.
+#[derive(Debug, Clone)]
+pub struct OutputSPass {
+    algorithm: ShardedAlgorithm,
+    shard: Shard,
+    config: LossConfig,
+    targets: Vec<Option<usize>>,
+    q: (f64, f64),
+    meter: Meter,
+    state: SState,
+}
+
+impl OutputSPass {
+    /// The reduced loss (replicated on every rank).
+    pub fn loss(&self) -> f64 {
+        self.state.forward.1
+    }
+
+    /// `[n]`: the per-token losses.
+    pub fn per_token_loss(&self) -> &Array1<f64> {
+        &self.state.forward.0
+    }
+
+    /// `[n, h]`: `∂L/∂hidden` when the S pass formed it (alg2 with
+    /// gradients; replicated on every rank), else `None` (naive and alg1 form
+    /// it in the T pass).
+    pub fn grad_hidden(&self) -> Option<&Array2<f64>> {
+        self.state.grad_hidden.as_ref()
+    }
+
+    /// The algorithm.
+    pub fn algorithm(&self) -> ShardedAlgorithm {
+        self.algorithm
+    }
+
+    /// Bytes of the working buffers held between the passes (the `[n, w_r]`
+    /// logits, the statistics and, for alg2, `∂L/∂x`).
+    pub fn held_bytes(&self) -> usize {
+        let s = &self.state;
+        8 * (s.z.len()
+            + (s.local.len() + s.global.len()) * STATS_WIDTH
+            + s.forward.0.len()
+            + s.grad_hidden.as_ref().map_or(0, |g| g.len()))
+    }
+
+    /// The T pass, on the same rank with the same `hidden: [n, h]` and
+    /// `weight: [w_r, h]` as the S pass (the T pass of naive and alg1 issues
+    /// the input-gradient barrier, so every rank calls it in the same order).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for another rank's collective;
+    /// [`Error::ShapeMismatch`] for inputs of other shapes than the S pass
+    /// had; collective failures.
+    pub fn t_pass(
+        self,
+        comm: &dyn Collective,
+        hidden: ArrayView2<f64>,
+        weight: ArrayView2<f64>,
+    ) -> Result<RankLoss> {
+        if comm.rank() != self.shard.rank {
+            return Err(Error::invalid(
+                "collective",
+                format!(
+                    "the S pass ran on rank {}, the T pass on rank {}",
+                    self.shard.rank,
+                    comm.rank()
+                ),
+            ));
+        }
+        let (n, w) = self.state.z.dim();
+        if hidden.nrows() != n || weight.nrows() != w || weight.ncols() != hidden.ncols() {
+            return Err(Error::ShapeMismatch {
+                field: "weight".into(),
+                expected: format!("hidden [n, h] with n = {n} and weight [w_r, h] with w_r = {w}, as in the S pass"),
+                actual: weight.shape().to_vec(),
+            });
+        }
+        let run = RankRun {
+            comm,
+            algorithm: self.algorithm,
+            shard: self.shard,
+            config: self.config,
+            targets: self.targets,
+            q: self.q,
+            meter: self.meter,
+        };
+        let w_real = weight.slice_axis(Axis(0), Slice::from(..self.shard.real));
+        run.t_pass(self.state, Some((hidden, w_real)))
+    }
+}
+
+/// The S pass of the output layer on one rank (see [`OutputSPass`]); the
+/// arguments and checks are those of [`linear_cross_entropy_rank`].
+///
+/// # Errors
+/// As [`linear_cross_entropy_rank`].
+#[allow(clippy::too_many_arguments)]
+pub fn linear_cross_entropy_rank_s(
+    comm: &dyn Collective,
+    algorithm: ShardedAlgorithm,
+    map: &ShardMap,
+    hidden: ArrayView2<f64>,
+    weight: ArrayView2<f64>,
+    targets: &[i64],
+    config: &LossConfig,
+    want_grad: bool,
+) -> Result<OutputSPass> {
+    let (rank, z) = output_rank_setup(comm, algorithm, map, hidden, weight, targets, config)?;
+    let shard = rank.shard;
+    let w_real = weight.slice_axis(Axis(0), Slice::from(..shard.real));
+    let state = rank.s_pass(z, Some((hidden, w_real)), want_grad)?;
+    Ok(OutputSPass {
+        algorithm,
+        shard,
+        config: rank.config,
+        targets: rank.targets,
+        q: rank.q,
+        meter: rank.meter,
+        state,
+    })
 }
 
 /// Cross-entropy on one rank, from its shard of the logits `logits: [n, w_r]`
@@ -540,7 +691,7 @@ struct RankRun<'a> {
     comm: &'a dyn Collective,
     algorithm: ShardedAlgorithm,
     shard: Shard,
-    config: &'a LossConfig,
+    config: LossConfig,
     targets: Vec<Option<usize>>,
     /// `(q_target, q_other)`.
     q: (f64, f64),
@@ -548,6 +699,21 @@ struct RankRun<'a> {
 }
 
 type Linear<'x> = Option<(ArrayView2<'x, f64>, ArrayView2<'x, f64>)>;
+
+/// What an S pass leaves for its T pass on one rank.
+#[derive(Debug, Clone)]
+struct SState {
+    /// `[n, w_r]`: the logits (turned into `∂L/∂z_i` in place by T).
+    z: Array2<f64>,
+    local: Vec<SoftmaxStats>,
+    global: Vec<SoftmaxStats>,
+    /// Per-token losses and the loss.
+    forward: (Array1<f64>, f64),
+    want_grad: bool,
+    /// `∂L/∂x`, when S forms it (alg2).
+    grad_hidden: Option<Array2<f64>>,
+}
+
 /// `(∂L/∂x, ∂L/∂W_i)`.
 type LinearGrads = (Option<Array2<f64>>, Option<Array2<f64>>);
 /// `(∂L/∂z_i, ∂L/∂x, ∂L/∂W_i)`.
@@ -564,7 +730,7 @@ impl<'a> RankRun<'a> {
         map: &ShardMap,
         n: usize,
         targets: &[i64],
-        config: &'a LossConfig,
+        config: &LossConfig,
     ) -> Result<Self> {
         if comm.size() != map.num_shards() {
             return Err(Error::invalid(
@@ -589,7 +755,7 @@ impl<'a> RankRun<'a> {
             comm,
             algorithm,
             shard: map.shard(comm.rank()),
-            config,
+            config: *config,
             targets: config.targets(targets, v)?,
             q: config.target_distribution(v),
             meter: Meter::default(),
@@ -639,7 +805,7 @@ impl<'a> RankRun<'a> {
         let per_token: Array1<f64> = global
             .iter()
             .zip(&self.targets)
-            .map(|(g, &t)| token_loss(g, t, self.config))
+            .map(|(g, &t)| token_loss(g, t, &self.config))
             .collect();
         let loss = self
             .config
@@ -648,10 +814,30 @@ impl<'a> RankRun<'a> {
     }
 
     fn run(self, z: Array2<f64>, lin: Linear<'_>, want_grad: bool) -> Result<RankLoss> {
+        let state = self.s_pass(z, lin, want_grad)?;
+        self.t_pass(state, lin)
+    }
+
+    /// The S pass of the algorithm: everything up to (and including) the
+    /// barriers the forward needs; alg2 also forms `∂L/∂x`.
+    fn s_pass(&self, z: Array2<f64>, lin: Linear<'_>, want_grad: bool) -> Result<SState> {
         match self.algorithm {
-            ShardedAlgorithm::Naive => self.naive(z, lin, want_grad),
-            ShardedAlgorithm::Alg1 => self.alg1(z, lin, want_grad),
-            ShardedAlgorithm::Alg2 => self.alg2(z, lin, want_grad),
+            ShardedAlgorithm::Naive => self.naive_s(z, want_grad),
+            ShardedAlgorithm::Alg1 => self.alg1_s(z, want_grad),
+            ShardedAlgorithm::Alg2 => self.alg2_s(z, lin, want_grad),
+        }
+    }
+
+    /// The T pass: `∂L/∂z` and `∂L/∂W_i` (naive and alg1 also all-reduce
+    /// `∂L/∂x` here; alg2 communicates no more).
+    fn t_pass(&self, s: SState, lin: Linear<'_>) -> Result<RankLoss> {
+        if !s.want_grad {
+            return Ok(self.output(s.forward, s.local, s.global, (None, None, None)));
+        }
+        match self.algorithm {
+            ShardedAlgorithm::Naive => self.naive_t(s, lin),
+            ShardedAlgorithm::Alg1 => self.alg1_t(s, lin),
+            ShardedAlgorithm::Alg2 => self.alg2_t(s, lin),
         }
     }
 
@@ -708,9 +894,8 @@ impl<'a> RankRun<'a> {
         }
     }
 
-    /// naive: `m = allreduce_max(m_i)`; `S = allreduce_sum(s_i against m)`;
-    /// backward `∂L/∂x = allreduce_sum(∂L/∂z_i W_i)`.
-    fn naive(&self, mut z: Array2<f64>, lin: Linear<'_>, want_grad: bool) -> Result<RankLoss> {
+    /// naive S: `m = allreduce_max(m_i)`; `S = allreduce_sum(s_i against m)`.
+    fn naive_s(&self, z: Array2<f64>, want_grad: bool) -> Result<SState> {
         let n = z.nrows();
         // Barrier 1: the global max m.
         self.meter.hold(n);
@@ -755,9 +940,26 @@ impl<'a> RankRun<'a> {
             })
             .collect();
         let forward = self.finish(&global)?;
-        if !want_grad {
-            return Ok(self.output(forward, local, global, (None, None, None)));
-        }
+        Ok(SState {
+            z,
+            local,
+            global,
+            forward,
+            want_grad,
+            grad_hidden: None,
+        })
+    }
+
+    /// naive T: `∂L/∂z` from the global statistics, then `∂L/∂x =
+    /// allreduce_sum(∂L/∂z_i W_i)`.
+    fn naive_t(&self, s: SState, lin: Linear<'_>) -> Result<RankLoss> {
+        let SState {
+            mut z,
+            local,
+            global,
+            forward,
+            ..
+        } = s;
         // Backward: ∂L/∂z = w_i (softmax - q + 2 c lse softmax), in place.
         let weights = self.config.token_weights(&self.targets);
         for ((i, j), x) in z.indexed_iter_mut() {
@@ -775,7 +977,7 @@ impl<'a> RankRun<'a> {
     /// alg1: S pass (local `m_i`, `s_i`, target term) → one merged barrier →
     /// T pass (rescale the local softmax by `alpha_i`) → the input-gradient
     /// barrier.
-    fn alg1(&self, mut z: Array2<f64>, lin: Linear<'_>, want_grad: bool) -> Result<RankLoss> {
+    fn alg1_s(&self, z: Array2<f64>, want_grad: bool) -> Result<SState> {
         let n = z.nrows();
         // S pass.
         let local: Vec<SoftmaxStats> = z
@@ -797,9 +999,26 @@ impl<'a> RankRun<'a> {
             .map(SoftmaxStats::from_record)
             .collect();
         let forward = self.finish(&global)?;
-        if !want_grad {
-            return Ok(self.output(forward, local, global, (None, None, None)));
-        }
+        Ok(SState {
+            z,
+            local,
+            global,
+            forward,
+            want_grad,
+            grad_hidden: None,
+        })
+    }
+
+    /// alg1 T: rescale the local softmax, `∂L/∂z_i`, the input-gradient
+    /// barrier, `∂L/∂W_i`.
+    fn alg1_t(&self, s: SState, lin: Linear<'_>) -> Result<RankLoss> {
+        let SState {
+            mut z,
+            local,
+            global,
+            forward,
+            ..
+        } = s;
         // T pass: softmax = alpha_i softmax'_i, alpha_i = s_i exp(m_i - m) / S.
         let weights = self.config.token_weights(&self.targets);
         let c = self.config.z_loss;
@@ -830,9 +1049,8 @@ impl<'a> RankRun<'a> {
     /// softmax → one merged barrier → T pass with no communication. The rank
     /// keeps its logits and recomputes `softmax'_i` in T (as alg1 does; the
     /// paper keeps `softmax'_i` itself — the same memory).
-    fn alg2(&self, mut z: Array2<f64>, lin: Linear<'_>, want_grad: bool) -> Result<RankLoss> {
+    fn alg2_s(&self, z: Array2<f64>, lin: Linear<'_>, want_grad: bool) -> Result<SState> {
         let n = z.nrows();
-        let real = self.shard.real;
         let c = self.config.z_loss;
         // S pass: local statistics.
         let local: Vec<SoftmaxStats> = z
@@ -909,7 +1127,14 @@ impl<'a> RankRun<'a> {
             .collect();
         let forward = self.finish(&global)?;
         if !want_grad {
-            return Ok(self.output(forward, local, global, (None, None, None)));
+            return Ok(SState {
+                z,
+                local,
+                global,
+                forward,
+                want_grad,
+                grad_hidden: None,
+            });
         }
         let weights = self.config.token_weights(&self.targets);
         // ∂L/∂x = w_i (Y / S + 2 c lse U / S), Y / S = Σ_j (p_j - q_j) W_j and
@@ -931,6 +1156,45 @@ impl<'a> RankRun<'a> {
                 weights[i] * (y + z_part)
             })
         });
+        Ok(SState {
+            z,
+            local,
+            global,
+            forward,
+            want_grad,
+            grad_hidden: gx,
+        })
+    }
+
+    /// alg2 T: `∂L/∂z_i` from the local softmax rescaled by `alpha_i`, and
+    /// `∂L/∂W_i` — no communication.
+    fn alg2_t(&self, s: SState, lin: Linear<'_>) -> Result<RankLoss> {
+        let SState {
+            mut z,
+            local,
+            global,
+            forward,
+            grad_hidden: gx,
+            ..
+        } = s;
+        let real = self.shard.real;
+        let c = self.config.z_loss;
+        let weights = self.config.token_weights(&self.targets);
+        let delta = |i: usize, j: usize, zij: f64| {
+            let q = self.q(i, j);
+            if local[i].sum_exp() == 0.0 {
+                -q
+            } else {
+                local[i].delta(zij, q)
+            }
+        };
+        let prob = |i: usize, zij: f64| {
+            if local[i].sum_exp() == 0.0 {
+                0.0
+            } else {
+                local[i].probability(zij)
+            }
+        };
         // T pass: p = alpha_i softmax'_i and p - q = alpha_i (softmax'_i - q)
         // + (alpha_i - 1) q, with alpha_i - 1 = (s_i - S) / S exactly when
         // m_i = m.

@@ -570,3 +570,101 @@ fn collective_counts_per_algorithm() {
         );
     }
 }
+
+/// The S/T split (for pipeline schedules): two output layers run as S(a),
+/// S(b), T(a), T(b) on every rank give bit for bit what the monolithic
+/// per-rank code gives for each; alg2's T pass issues no collective and its
+/// S pass already holds `∂L/∂x`; naive's and alg1's T pass issue the
+/// input-gradient barrier.
+#[test]
+fn s_and_t_passes_split_by_other_work_equal_the_monolithic_rank_code() {
+    use super::sharded::{linear_cross_entropy_rank, linear_cross_entropy_rank_s};
+    let (n, h, v) = (5, 3, 11);
+    let hidden_a = Array2::from_shape_fn((n, h), |(i, k)| ((i * 5 + k * 3) % 7) as f64 / 3.0 - 1.0);
+    let hidden_b = Array2::from_shape_fn((n, h), |(i, k)| ((i * 2 + k * 7) % 5) as f64 / 2.0 - 0.7);
+    let weight = Array2::from_shape_fn((v, h), |(j, k)| ((j * 3 + k * 5) % 13) as f64 / 6.0 - 1.0);
+    let targets_a = [0, 10, -100, 4, 7];
+    let targets_b = [3, 3, 9, -100, 1];
+    let config = LossConfig::default().with_smoothing(0.05, SmoothingConvention::PyTorch);
+    for p in [1, 2, 3, 4] {
+        let map = ShardMap::new(v, p, ShardLayout::Padded).unwrap();
+        let parts = map.split_rows(weight.view(), "weight").unwrap();
+        for alg in ShardedAlgorithm::ALL {
+            let out = run_ranks(p, |comm| {
+                let w = parts[comm.rank()].view();
+                let whole_a = linear_cross_entropy_rank(
+                    comm,
+                    alg,
+                    &map,
+                    hidden_a.view(),
+                    w,
+                    &targets_a,
+                    &config,
+                    true,
+                )?;
+                let whole_b = linear_cross_entropy_rank(
+                    comm,
+                    alg,
+                    &map,
+                    hidden_b.view(),
+                    w,
+                    &targets_b,
+                    &config,
+                    true,
+                )?;
+                let before = comm.counts().barriers;
+                let s_a = linear_cross_entropy_rank_s(
+                    comm,
+                    alg,
+                    &map,
+                    hidden_a.view(),
+                    w,
+                    &targets_a,
+                    &config,
+                    true,
+                )?;
+                let s_b = linear_cross_entropy_rank_s(
+                    comm,
+                    alg,
+                    &map,
+                    hidden_b.view(),
+                    w,
+                    &targets_b,
+                    &config,
+                    true,
+                )?;
+                let s_barriers = comm.counts().barriers - before;
+                assert_eq!(s_a.loss().to_bits(), whole_a.loss.to_bits());
+                assert_eq!(
+                    s_a.grad_hidden().is_some(),
+                    alg == ShardedAlgorithm::Alg2,
+                    "{alg}: only alg2 forms dL/dx in S"
+                );
+                if let Some(g) = s_a.grad_hidden() {
+                    assert_eq!(Some(g), whole_a.grad_hidden.as_ref());
+                }
+                let t_a = s_a.t_pass(comm, hidden_a.view(), w)?;
+                let t_b = s_b.t_pass(comm, hidden_b.view(), w)?;
+                let t_barriers = comm.counts().barriers - before - s_barriers;
+                Ok((whole_a, whole_b, t_a, t_b, s_barriers, t_barriers))
+            })
+            .unwrap();
+            for r in out {
+                let (whole_a, whole_b, t_a, t_b, s_barriers, t_barriers) = r.output;
+                for (whole, split) in [(&whole_a, &t_a), (&whole_b, &t_b)] {
+                    assert_eq!(whole.loss.to_bits(), split.loss.to_bits(), "{alg} p {p}");
+                    assert_eq!(whole.grad_logits, split.grad_logits, "{alg} p {p}");
+                    assert_eq!(whole.grad_hidden, split.grad_hidden, "{alg} p {p}");
+                    assert_eq!(whole.grad_weight, split.grad_weight, "{alg} p {p}");
+                    assert!(split.grad_weight.is_some() && split.grad_hidden.is_some());
+                }
+                let (s_want, t_want) = match alg {
+                    ShardedAlgorithm::Naive => (4, 2),
+                    ShardedAlgorithm::Alg1 => (2, 2),
+                    ShardedAlgorithm::Alg2 => (2, 0),
+                };
+                assert_eq!((s_barriers, t_barriers), (s_want, t_want), "{alg}");
+            }
+        }
+    }
+}

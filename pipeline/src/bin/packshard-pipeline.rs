@@ -1,0 +1,529 @@
+//! `packshard-pipeline`: one rank of the vocabulary-parallel pipeline. Run it
+//! under `mpirun -n P` (or through `packshard pipeline --ranks P`).
+//!
+//! `--check` compares the loss and every parameter gradient with the
+//! single-process reference (gathered to rank 0); `--report` prints each
+//! rank's parameter and peak activation bytes and its compute,
+//! communication and idle time. Exit status: 0, 1 when a check failed, 2 for
+//! bad arguments; a rank that fails mid-run (an error, a panic, a killed
+//! process) aborts the whole job (`MPI_Abort`) after printing `rank R:` and
+//! its message.
+
+use std::process::ExitCode;
+
+use clap::{Parser, ValueEnum};
+use mpi::topology::{Communicator, SimpleCommunicator};
+use mpi::traits::*;
+use packshard_pipeline::alloc::CountingAlloc;
+use packshard_pipeline::collective::Trace;
+use packshard_pipeline::model::{microbatches, reference_step, ModelConfig, Params};
+use packshard_pipeline::report::{
+    analyse, bytes, compare, compare_loss, decode, encode, PIPELINE_TOLERANCE,
+};
+use packshard_pipeline::runtime::{run_iteration, Fault, FaultPlan, Plan, PlantedBug, RankParams};
+use packshard_pipeline::schedule::{simulate, Costs, Placement};
+use packshard_reference::vocab::ShardedAlgorithm;
+
+#[global_allocator]
+static ALLOC: CountingAlloc = CountingAlloc;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum PlacementArg {
+    Baseline,
+    VocabParallel,
+    All,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum AlgorithmArg {
+    Alg1,
+    Alg2,
+    All,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum ModelArg {
+    Tiny,
+    Minilm,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum FaultArg {
+    None,
+    BadInput,
+    Panic,
+    Kill,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum BugArg {
+    None,
+    DropOutputGrad,
+}
+
+/// One rank of the vocabulary-parallel 1F1B pipeline (run under `mpirun -n P`).
+#[derive(Parser, Debug)]
+#[command(name = "packshard-pipeline", version)]
+struct Args {
+    /// Vocabulary placement: baseline, vocab-parallel, or all.
+    #[arg(long, value_enum, default_value = "all")]
+    placement: PlacementArg,
+    /// Vocabulary-parallel algorithm: alg1, alg2, or all.
+    #[arg(long, value_enum, default_value = "all")]
+    algorithm: AlgorithmArg,
+    /// Model preset: tiny (the tests' model) or minilm (vocab 30522, hidden 384, 6 layers).
+    #[arg(long, value_enum, default_value = "tiny")]
+    model: ModelArg,
+    /// Microbatches per iteration (default: the preset's).
+    #[arg(long)]
+    microbatches: Option<usize>,
+    /// Sequences per microbatch (default: the preset's).
+    #[arg(long)]
+    sequences: Option<usize>,
+    /// Longest sequence (default: the preset's).
+    #[arg(long)]
+    seq_len: Option<usize>,
+    /// Encoder layers (default: the preset's).
+    #[arg(long)]
+    layers: Option<usize>,
+    /// Seed of the parameters and data.
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Compare loss and gradients with the single-process reference.
+    #[arg(long)]
+    check: bool,
+    /// Print the per-rank balance report.
+    #[arg(long)]
+    report: bool,
+    /// Iterations per placement (the report shows the fastest).
+    #[arg(long, default_value_t = 1)]
+    iterations: usize,
+    /// Print the simulated schedule of every rank (no MPI work).
+    #[arg(long)]
+    schedule: bool,
+    /// Inject a fault: bad-input, panic or kill (fault tests).
+    #[arg(long, value_enum, default_value = "none")]
+    fault: FaultArg,
+    /// The rank that fails.
+    #[arg(long, default_value_t = 1)]
+    fault_rank: usize,
+    /// The microbatch in whose forward it fails.
+    #[arg(long, default_value_t = 1)]
+    fault_microbatch: usize,
+    /// Plant a bug the check must catch (negative control).
+    #[arg(long, value_enum, default_value = "none")]
+    plant_bug: BugArg,
+}
+
+fn main() -> ExitCode {
+    let Some(universe) = mpi::initialize() else {
+        eprintln!("packshard-pipeline: MPI could not be initialised");
+        return ExitCode::from(2);
+    };
+    let world = universe.world();
+    let rank = world.rank() as usize;
+    // A panic anywhere: say which rank and why, then take the whole job down
+    // (the other ranks are blocked in MPI and would wait forever).
+    std::panic::set_hook(Box::new(move |info| {
+        let payload = info.payload();
+        let msg = payload
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "(no message)".into());
+        let at = info
+            .location()
+            .map(|l| format!(" at {}:{}", l.file(), l.line()))
+            .unwrap_or_default();
+        eprintln!(
+            "packshard-pipeline: rank {rank}: panicked{at}: {}",
+            msg.replace('\n', " ")
+        );
+        SimpleCommunicator::world().abort(101);
+    }));
+    let args = match Args::try_parse() {
+        Ok(a) => a,
+        Err(e) => {
+            if rank == 0 {
+                let _ = e.print();
+            }
+            let code = if e.use_stderr() { 2 } else { 0 };
+            drop(universe);
+            return ExitCode::from(code);
+        }
+    };
+    match run(&world, &args) {
+        Ok(code) => {
+            drop(universe);
+            ExitCode::from(code)
+        }
+        Err(Failure::Input(msg)) => {
+            // Every rank sees the same arguments and fails alike: no abort.
+            if rank == 0 {
+                eprintln!("packshard-pipeline: {msg}");
+            }
+            drop(universe);
+            ExitCode::from(2)
+        }
+        Err(Failure::Rank(msg)) => {
+            eprintln!("packshard-pipeline: rank {rank}: {msg}");
+            world.abort(2)
+        }
+    }
+}
+
+enum Failure {
+    /// Bad arguments, seen alike by every rank.
+    Input(String),
+    /// A failure of this rank alone, mid-run.
+    Rank(String),
+}
+
+fn config(args: &Args) -> ModelConfig {
+    let mut c = match args.model {
+        ModelArg::Tiny => ModelConfig::tiny(),
+        ModelArg::Minilm => ModelConfig::minilm(),
+    };
+    if let Some(m) = args.microbatches {
+        c.microbatches = m;
+    }
+    if let Some(s) = args.sequences {
+        c.sequences = s;
+    }
+    if let Some(s) = args.seq_len {
+        c.seq_len = s;
+    }
+    if let Some(l) = args.layers {
+        c.layers = l;
+    }
+    if let Some(s) = args.seed {
+        c.seed = s;
+    }
+    c
+}
+
+fn placements(args: &Args) -> Vec<Placement> {
+    let mut out = Vec::new();
+    if matches!(args.placement, PlacementArg::Baseline | PlacementArg::All) {
+        out.push(Placement::Baseline);
+    }
+    if matches!(
+        args.placement,
+        PlacementArg::VocabParallel | PlacementArg::All
+    ) {
+        if matches!(args.algorithm, AlgorithmArg::Alg1 | AlgorithmArg::All) {
+            out.push(Placement::VocabParallel(ShardedAlgorithm::Alg1));
+        }
+        if matches!(args.algorithm, AlgorithmArg::Alg2 | AlgorithmArg::All) {
+            out.push(Placement::VocabParallel(ShardedAlgorithm::Alg2));
+        }
+    }
+    out
+}
+
+/// What rank 0 learns of one placement's run.
+struct Outcome {
+    placement: Placement,
+    loss: f64,
+    grads: Params,
+    params_bytes: Vec<usize>,
+    peak_bytes: Vec<usize>,
+    timings: Vec<packshard_pipeline::report::RankTiming>,
+    iteration: f64,
+}
+
+fn run(world: &SimpleCommunicator, args: &Args) -> Result<u8, Failure> {
+    let rank = world.rank() as usize;
+    let p = world.size() as usize;
+    let config = config(args);
+    config
+        .validate(p)
+        .map_err(|e| Failure::Input(e.to_string()))?;
+    if args.fault_rank >= p && args.fault != FaultArg::None {
+        return Err(Failure::Input(format!(
+            "fault_rank: {} is not a rank of {p}",
+            args.fault_rank
+        )));
+    }
+    if args.iterations == 0 {
+        return Err(Failure::Input("iterations: must be at least 1".into()));
+    }
+    let placements = placements(args);
+    if args.schedule {
+        if rank == 0 {
+            for &pl in &placements {
+                let plan = Plan::new(&config, p, pl).map_err(|e| Failure::Input(e.to_string()))?;
+                let costs = Costs::for_model(&config, p);
+                let sim = simulate(&plan.schedules, pl, &costs)
+                    .map_err(|e| Failure::Input(e.to_string()))?;
+                println!("{pl}, p {p}, M {}:", config.microbatches);
+                print!("{}", sim.render(4.0));
+            }
+        }
+        return Ok(0);
+    }
+    let full = Params::random(&config);
+    let fault = FaultPlan {
+        fault: match args.fault {
+            FaultArg::None => Fault::None,
+            FaultArg::BadInput => Fault::BadInput,
+            FaultArg::Panic => Fault::Panic,
+            FaultArg::Kill => Fault::Kill,
+        },
+        rank: args.fault_rank,
+        microbatch: args.fault_microbatch,
+    };
+    let bug = match args.plant_bug {
+        BugArg::None => PlantedBug::None,
+        BugArg::DropOutputGrad => PlantedBug::DropOutputGrad,
+    };
+    let reference = microbatches(&config);
+    let mut mbs = reference.clone();
+    fault.corrupt(rank, &mut mbs);
+    let mut outcomes = Vec::new();
+    for &placement in &placements {
+        let plan = Plan::new(&config, p, placement).map_err(|e| Failure::Input(e.to_string()))?;
+        let params = RankParams::from_full(&full, &plan, rank);
+        let mut best: Option<Outcome> = None;
+        for _ in 0..args.iterations {
+            let mut grads = params.zeros_like();
+            let trace = Trace::default();
+            world.barrier();
+            let out = run_iteration(
+                world, &config, &plan, &params, &mut grads, &mbs, fault, bug, &trace,
+            )
+            .map_err(|e| Failure::Rank(e.to_string()))?;
+            // Gather: events, losses, gradients, bytes.
+            let events = encode(&trace.events());
+            let losses: Vec<f64> = out.losses.iter().map(|l| l.unwrap_or(f64::NAN)).collect();
+            let mut head = vec![
+                params.bytes() as f64,
+                out.peak_activation_bytes as f64,
+                events.len() as f64,
+            ];
+            head.extend(&losses);
+            head.extend(&events);
+            head.extend(grads.flatten());
+            let gathered = gather_to_root(world, &head);
+            if rank != 0 {
+                continue;
+            }
+            let mut all_events = Vec::new();
+            let mut assembled = full.zeros_like();
+            let mut params_bytes = Vec::new();
+            let mut peak_bytes = Vec::new();
+            let mut losses_by_rank = Vec::new();
+            for (r, v) in gathered.iter().enumerate() {
+                params_bytes.push(v[0] as usize);
+                peak_bytes.push(v[1] as usize);
+                let ne = v[2] as usize;
+                let m = config.microbatches;
+                losses_by_rank.push(v[3..3 + m].to_vec());
+                all_events.push(decode(&v[3 + m..3 + m + ne]));
+                let mut g = RankParams::from_full(&full, &plan, r).zeros_like();
+                g.fill(&v[3 + m + ne..])
+                    .map_err(|e| Failure::Rank(e.to_string()))?;
+                g.place_into(&mut assembled, &plan);
+            }
+            // The loss: the last rank computed every microbatch's loss.
+            let inv_m = 1.0 / config.microbatches as f64;
+            let mut loss = 0.0;
+            for l in &losses_by_rank[p - 1] {
+                loss += l * inv_m;
+            }
+            let (timings, iteration) = analyse(&all_events);
+            let o = Outcome {
+                placement,
+                loss,
+                grads: assembled,
+                params_bytes,
+                peak_bytes,
+                timings,
+                iteration,
+            };
+            if best.as_ref().is_none_or(|b| o.iteration < b.iteration) {
+                best = Some(o);
+            }
+        }
+        if let Some(b) = best {
+            outcomes.push(b);
+        }
+    }
+    let mut failed = false;
+    if rank == 0 {
+        let n = cores();
+        println!(
+            "model: {}\n{p} ranks on {n} cores{}",
+            config.describe(),
+            if p > n {
+                " (oversubscribed: ranks share cores, times are not per-core)"
+            } else {
+                ""
+            }
+        );
+        if args.check {
+            failed = !print_check(&config, &full, &reference, &outcomes, p);
+        }
+        if args.report {
+            print_report(&outcomes, p);
+        }
+    }
+    let mut status = [u8::from(failed) as f64];
+    world.process_at_rank(0).broadcast_into(&mut status[..]);
+    Ok(if status[0] != 0.0 { 1 } else { 0 })
+}
+
+/// Online cores of the machine (not this process's affinity mask, which
+/// `mpirun` narrows to the rank's binding).
+fn cores() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    let n = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
+    usize::try_from(n).unwrap_or(1).max(1)
+}
+
+/// Every rank's vector at rank 0 (others get an empty list).
+fn gather_to_root(world: &SimpleCommunicator, mine: &[f64]) -> Vec<Vec<f64>> {
+    let rank = world.rank();
+    let p = world.size();
+    if rank == 0 {
+        let mut out = vec![mine.to_vec()];
+        for r in 1..p {
+            let (v, _) = world.process_at_rank(r).receive_vec::<f64>();
+            out.push(v);
+        }
+        out
+    } else {
+        world.process_at_rank(0).send(mine);
+        Vec::new()
+    }
+}
+
+fn print_check(
+    config: &ModelConfig,
+    full: &Params,
+    mbs: &[packshard_pipeline::model::Microbatch],
+    outcomes: &[Outcome],
+    p: usize,
+) -> bool {
+    let reference = match reference_step(config, full, mbs) {
+        Ok(r) => r,
+        Err(e) => {
+            println!("reference failed: {e}");
+            return false;
+        }
+    };
+    println!(
+        "equivalence with the single-process reference, p = {p} (loss and every gradient; tolerance {PIPELINE_TOLERANCE:.1e} x each tensor's largest value):"
+    );
+    println!(
+        "  {:<22} {:>20} {:>9} {:>8} {:>10} {:>10}  {:<40} result",
+        "placement", "loss", "|dloss|", "tensors", "values", "max rel", "worst tensor"
+    );
+    let mut all_ok = true;
+    for o in outcomes {
+        let mut errs = compare(&reference.grads, &o.grads);
+        errs.push(compare_loss(reference.loss, o.loss));
+        let ok = errs.iter().all(|e| e.passes());
+        all_ok &= ok;
+        let worst = errs
+            .iter()
+            .max_by(|a, b| a.relative().total_cmp(&b.relative()))
+            .expect("tensors");
+        let values: usize = errs.iter().map(|e| e.values).sum();
+        println!(
+            "  {:<22} {:>20.15} {:>9.1e} {:>8} {:>10} {:>10.1e}  {:<40} {}",
+            o.placement.name(),
+            o.loss,
+            (o.loss - reference.loss).abs(),
+            errs.len(),
+            values,
+            worst.relative(),
+            if worst.max_abs == 0.0 {
+                "(all bit-identical)"
+            } else {
+                worst.name.as_str()
+            },
+            if ok { "PASS" } else { "FAIL" }
+        );
+        if !ok {
+            for e in errs.iter().filter(|e| !e.passes()) {
+                println!(
+                    "    {}: max |diff| {:e}, largest value {:e} (relative {:.1e} > {PIPELINE_TOLERANCE:.1e})",
+                    e.name,
+                    e.max_abs,
+                    e.scale,
+                    e.relative()
+                );
+            }
+        }
+    }
+    println!(
+        "reference loss {:.15} over {} microbatches; {}",
+        reference.loss,
+        mbs.len(),
+        if all_ok { "PASS" } else { "FAIL" }
+    );
+    all_ok
+}
+
+fn print_report(outcomes: &[Outcome], p: usize) {
+    println!("balance report, p = {p} (fastest of the iterations run; times in seconds):");
+    println!(
+        "  {:<22} {:>4} {:>10} {:>10} {:>10} {:>8} {:>8} {:>8} {:>9}",
+        "placement",
+        "rank",
+        "params",
+        "peak act",
+        "param+act",
+        "compute",
+        "comm",
+        "idle",
+        "iteration"
+    );
+    for o in outcomes {
+        let mut totals = Vec::new();
+        for r in 0..p {
+            let t = o.timings[r];
+            let total = o.params_bytes[r] + o.peak_bytes[r];
+            totals.push(total);
+            println!(
+                "  {:<22} {:>4} {:>10} {:>10} {:>10} {:>8.3} {:>8.3} {:>8.3} {:>9.3}",
+                o.placement.name(),
+                r,
+                bytes(o.params_bytes[r]),
+                bytes(o.peak_bytes[r]),
+                bytes(total),
+                t.compute,
+                t.comm,
+                t.idle,
+                o.iteration
+            );
+        }
+        let (lo, hi) = (
+            *totals.iter().min().expect("ranks"),
+            *totals.iter().max().expect("ranks"),
+        );
+        println!(
+            "  {:<22} memory: largest rank {} = {:.1}% above the smallest ({}); iteration {:.3} s",
+            o.placement.name(),
+            bytes(hi),
+            100.0 * (hi as f64 / lo.max(1) as f64 - 1.0),
+            bytes(lo),
+            o.iteration
+        );
+    }
+    if let Some(base) = outcomes.iter().find(|o| o.placement == Placement::Baseline) {
+        for o in outcomes
+            .iter()
+            .filter(|o| o.placement != Placement::Baseline)
+        {
+            println!(
+                "  {} vs baseline: iteration {:.3} s vs {:.3} s ({:.2}x)",
+                o.placement.name(),
+                o.iteration,
+                base.iteration,
+                base.iteration / o.iteration
+            );
+        }
+    }
+}

@@ -1,0 +1,7 @@
+//! A multi-process pipeline of the BERT-style reference model over MPI.
+pub mod alloc;
+pub mod collective;
+pub mod model;
+pub mod report;
+pub mod runtime;
+pub mod schedule;

@@ -1,0 +1,802 @@
+//! The model the pipeline runs, its data, and the single-process reference.
+//!
+//! A BERT-style encoder built from the reference layers of
+//! `packshard-reference` (`bert::layer`, `bert::ops`, `vocab`):
+//!
+//! ```text
+//! e      = word[ids] + position[positions]              [n, hidden]  (input embedding)
+//! x_0    = LayerNorm(e)                                 (embedding LayerNorm, BERT)
+//! x_l    = encoder layer l (post-LN, varlen attention)  l = 1..L
+//! logits = x_L W_out^T                                  [n, v]  (output layer, untied)
+//! loss_m = mean over the non-ignored tokens of cross-entropy(logits, targets)
+//! loss   = (1 / M) Σ_m loss_m                           (M microbatches)
+//! ```
+//!
+//! The output layer `W_out: [v, hidden]` is separate from the word embedding
+//! (the paper's setting, arXiv:2411.05288 §2: an input layer and an output
+//! layer, each `v x hidden`), with no bias. Targets are next-token ids within
+//! each sequence, `ignore_index` (-100) at a sequence's last token, so the
+//! output layer runs on every token as in language-model training (with
+//! MLM-style targets at 15% of the tokens the output layer would cost 7x
+//! less and the vocabulary layers would not matter). The reduction over
+//! microbatches is Megatron-LM's gradient accumulation: each microbatch's
+//! mean loss (and so its gradients) is scaled by `1 / M`.
+//!
+//! Shapes: `n` tokens of a microbatch (its sequences packed back to back,
+//! `cu_seqlens: [b + 1]`), `hidden`, `v`, `L` layers, `M` microbatches.
+
+use std::ops::Range;
+
+use ndarray::{Array1, Array2, ArrayView2, ArrayViewD, ArrayViewMutD};
+use packshard_reference::bert::attention::{AttentionLayout, ReferenceAttention};
+use packshard_reference::bert::layer::{layer_backward, layer_forward, LayerCache};
+use packshard_reference::bert::ops::{layer_norm, layer_norm_backward, LayerNormCache};
+use packshard_reference::bert::{BertConfig, BertParams, LayerParams};
+use packshard_reference::vocab::embedding::{check_ids, embedding_forward};
+use packshard_reference::vocab::{linear_cross_entropy, LossConfig};
+use packshard_reference::{Error, Result};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+/// The ignore index of the targets (PyTorch's default).
+pub const IGNORE_INDEX: i64 = -100;
+
+/// The sizes of the model and of the data of one iteration.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelConfig {
+    /// `v`: vocabulary entries (rows of the word embedding and of `W_out`).
+    pub vocab: usize,
+    /// `hidden`: width of every token vector.
+    pub hidden: usize,
+    /// Attention heads (`hidden / heads` is the head dimension).
+    pub heads: usize,
+    /// `L`: encoder layers.
+    pub layers: usize,
+    /// Width of the feed-forward layer.
+    pub intermediate: usize,
+    /// The longest sequence (and rows of the position embedding).
+    pub seq_len: usize,
+    /// Sequences per microbatch.
+    pub sequences: usize,
+    /// `M`: microbatches per iteration.
+    pub microbatches: usize,
+    /// Seed of the parameters and the data.
+    pub seed: u64,
+}
+
+impl ModelConfig {
+    /// The small model of the equivalence tests: `v` 97 (prime, so no shard
+    /// count divides it evenly except 1), `hidden` 24, 4 heads, 5 layers (an
+    /// uneven split over 2, 3 and 4 stages), feed-forward 40, sequences of
+    /// 4..=7 tokens, 2 per microbatch, 5 microbatches (more than the stages,
+    /// so 1F1B reaches its steady state at `p = 4`).
+    pub fn tiny() -> Self {
+        ModelConfig {
+            vocab: 97,
+            hidden: 24,
+            heads: 4,
+            layers: 5,
+            intermediate: 40,
+            seq_len: 7,
+            sequences: 2,
+            microbatches: 5,
+            seed: 5,
+        }
+    }
+
+    /// The shape of all-MiniLM-L6-v2 (`v` 30522, `hidden` 384, 12 heads, 6
+    /// layers, feed-forward 1536), where the output layer costs about as
+    /// much as the six encoder layers together (`v hidden` = 11.7M
+    /// multiply-adds per token against `12 hidden^2` = 1.8M per layer). Short
+    /// sequences (2 of at most 16 tokens per microbatch, 8 microbatches) keep
+    /// an iteration in f64 on a 2-core machine to seconds.
+    pub fn minilm() -> Self {
+        ModelConfig {
+            vocab: 30522,
+            hidden: 384,
+            heads: 12,
+            layers: 6,
+            intermediate: 1536,
+            seq_len: 16,
+            sequences: 2,
+            microbatches: 8,
+            seed: 5,
+        }
+    }
+
+    /// The reference BERT configuration with these sizes (for its limits).
+    pub fn bert_config(&self) -> BertConfig {
+        BertConfig::tiny(
+            self.vocab,
+            self.hidden,
+            self.heads,
+            self.layers,
+            self.intermediate,
+            self.seq_len,
+        )
+    }
+
+    /// Checks the sizes for a pipeline of `p` ranks.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] naming the field: the reference BERT's
+    /// limits ([`BertConfig::validate`]); fewer layers than stages (every
+    /// stage holds at least one layer); fewer vocabulary entries than ranks;
+    /// no microbatch, sequence or token; more than [`MAX_MICROBATCHES`]
+    /// microbatches or [`MAX_TOKENS`] tokens per microbatch.
+    pub fn validate(&self, p: usize) -> Result<()> {
+        self.bert_config().validate()?;
+        if self.layers < p {
+            return Err(Error::invalid(
+                "layers",
+                format!(
+                    "{} layers for {p} pipeline stages: every stage needs one",
+                    self.layers
+                ),
+            ));
+        }
+        if self.vocab < p {
+            return Err(Error::invalid(
+                "vocab",
+                format!("{} vocabulary entries for {p} shards", self.vocab),
+            ));
+        }
+        for (field, value, max) in [
+            ("microbatches", self.microbatches, MAX_MICROBATCHES),
+            ("sequences", self.sequences, MAX_TOKENS),
+            ("seq_len", self.seq_len, MAX_TOKENS),
+        ] {
+            if value == 0 || value > max {
+                return Err(Error::invalid(
+                    field,
+                    format!("{value} is outside the supported 1..={max}"),
+                ));
+            }
+        }
+        if self.sequences * self.seq_len > MAX_TOKENS {
+            return Err(Error::invalid(
+                "sequences",
+                format!(
+                    "{} sequences of {} tokens is over the {MAX_TOKENS} tokens a microbatch may hold",
+                    self.sequences, self.seq_len
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// One line: the sizes.
+    pub fn describe(&self) -> String {
+        format!(
+            "v {}, hidden {}, {} heads, {} layers, feed-forward {}; {} microbatches of {} sequences of <= {} tokens",
+            self.vocab,
+            self.hidden,
+            self.heads,
+            self.layers,
+            self.intermediate,
+            self.microbatches,
+            self.sequences,
+            self.seq_len
+        )
+    }
+
+    /// The loss options: mean over a microbatch's non-ignored tokens.
+    pub fn loss_config(&self) -> LossConfig {
+        LossConfig::default().with_ignore_index(IGNORE_INDEX)
+    }
+
+    /// LayerNorm epsilon (BERT's).
+    pub fn eps(&self) -> f64 {
+        1e-12
+    }
+}
+
+/// The most microbatches per iteration.
+pub const MAX_MICROBATCHES: usize = 1 << 12;
+/// The most tokens per microbatch.
+pub const MAX_TOKENS: usize = 1 << 14;
+
+/// One microbatch: `b` sequences packed back to back (no padding).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Microbatch {
+    /// `[n]` token ids.
+    pub ids: Vec<i64>,
+    /// `[n]` position ids, restarting at 0 in every sequence.
+    pub positions: Vec<usize>,
+    /// `[n]` next-token targets, [`IGNORE_INDEX`] at each sequence's last token.
+    pub targets: Vec<i64>,
+    /// `cu_seqlens: [b + 1]` of the varlen attention.
+    pub layout: AttentionLayout,
+}
+
+impl Microbatch {
+    /// `n`: tokens.
+    pub fn len(&self) -> usize {
+        self.ids.len()
+    }
+
+    /// Whether it holds no token.
+    pub fn is_empty(&self) -> bool {
+        self.ids.is_empty()
+    }
+}
+
+/// The microbatches of one iteration, deterministic in `config.seed`
+/// (ChaCha8): sequence lengths uniform in `ceil(seq_len / 2)..=seq_len` (the
+/// first sequence of microbatch 0 is `seq_len` long, so every position row is
+/// used), ids uniform in `0..v`.
+pub fn microbatches(config: &ModelConfig) -> Vec<Microbatch> {
+    let mut rng = ChaCha8Rng::seed_from_u64(config.seed ^ 0xda7a);
+    let lo = config.seq_len.div_ceil(2);
+    (0..config.microbatches)
+        .map(|m| {
+            let mut mb = Microbatch {
+                ids: Vec::new(),
+                positions: Vec::new(),
+                targets: Vec::new(),
+                layout: AttentionLayout::Varlen {
+                    cu_seqlens: vec![0],
+                },
+            };
+            for s in 0..config.sequences {
+                let len = if m == 0 && s == 0 {
+                    config.seq_len
+                } else {
+                    rng.random_range(lo..=config.seq_len)
+                };
+                let ids: Vec<i64> = (0..len)
+                    .map(|_| rng.random_range(0..config.vocab as i64))
+                    .collect();
+                for t in 0..len {
+                    mb.ids.push(ids[t]);
+                    mb.positions.push(t);
+                    mb.targets
+                        .push(ids.get(t + 1).copied().unwrap_or(IGNORE_INDEX));
+                }
+                if let AttentionLayout::Varlen { cu_seqlens } = &mut mb.layout {
+                    cu_seqlens.push(mb.ids.len());
+                }
+            }
+            mb
+        })
+        .collect()
+}
+
+/// All parameters of the model (also used for their gradients).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Params {
+    /// `embeddings.word_embeddings.weight: [v, hidden]`.
+    pub word: Array2<f64>,
+    /// `embeddings.position_embeddings.weight: [seq_len, hidden]`.
+    pub position: Array2<f64>,
+    /// `embeddings.LayerNorm.weight: [hidden]`.
+    pub ln_g: Array1<f64>,
+    /// `embeddings.LayerNorm.bias: [hidden]`.
+    pub ln_b: Array1<f64>,
+    /// `encoder.layer.{l}.*`.
+    pub layers: Vec<LayerParams>,
+    /// `output.weight: [v, hidden]` (untied from `word`).
+    pub output: Array2<f64>,
+}
+
+impl Params {
+    /// Seeded parameters: the embeddings, LayerNorm and layers of
+    /// [`BertParams::random`] (uniform, every tensor non-zero); `W_out`
+    /// uniform with variance `1 / hidden` from its own ChaCha8 stream.
+    pub fn random(config: &ModelConfig) -> Self {
+        let bert = BertParams::random(&config.bert_config(), config.seed);
+        let mut rng = ChaCha8Rng::seed_from_u64(config.seed ^ 0x0077);
+        let a = (3.0 / config.hidden as f64).sqrt();
+        let output =
+            Array2::from_shape_simple_fn((config.vocab, config.hidden), || rng.random_range(-a..a));
+        Params {
+            word: bert.word_embeddings,
+            position: bert.position_embeddings,
+            ln_g: bert.emb_ln_g,
+            ln_b: bert.emb_ln_b,
+            layers: bert.layers,
+            output,
+        }
+    }
+
+    /// Zeros of the same shapes (a gradient).
+    pub fn zeros_like(&self) -> Self {
+        Params {
+            word: Array2::zeros(self.word.dim()),
+            position: Array2::zeros(self.position.dim()),
+            ln_g: Array1::zeros(self.ln_g.len()),
+            ln_b: Array1::zeros(self.ln_b.len()),
+            layers: self.layers.iter().map(zeros_layer).collect(),
+            output: Array2::zeros(self.output.dim()),
+        }
+    }
+
+    /// Every tensor, mutable, in the order of [`Params::named`].
+    pub fn tensors_mut(&mut self) -> Vec<ArrayViewMutD<'_, f64>> {
+        let mut out = vec![
+            self.word.view_mut().into_dyn(),
+            self.position.view_mut().into_dyn(),
+            self.ln_g.view_mut().into_dyn(),
+            self.ln_b.view_mut().into_dyn(),
+        ];
+        for p in &mut self.layers {
+            out.extend([
+                p.query_w.view_mut().into_dyn(),
+                p.query_b.view_mut().into_dyn(),
+                p.key_w.view_mut().into_dyn(),
+                p.key_b.view_mut().into_dyn(),
+                p.value_w.view_mut().into_dyn(),
+                p.value_b.view_mut().into_dyn(),
+                p.attn_out_w.view_mut().into_dyn(),
+                p.attn_out_b.view_mut().into_dyn(),
+                p.attn_ln_g.view_mut().into_dyn(),
+                p.attn_ln_b.view_mut().into_dyn(),
+                p.inter_w.view_mut().into_dyn(),
+                p.inter_b.view_mut().into_dyn(),
+                p.out_w.view_mut().into_dyn(),
+                p.out_b.view_mut().into_dyn(),
+                p.out_ln_g.view_mut().into_dyn(),
+                p.out_ln_b.view_mut().into_dyn(),
+            ]);
+        }
+        out.push(self.output.view_mut().into_dyn());
+        out
+    }
+
+    /// Every tensor with its name, in a fixed order.
+    pub fn named(&self) -> Vec<(String, ArrayViewD<'_, f64>)> {
+        let mut out = vec![
+            (
+                "embeddings.word_embeddings.weight".to_string(),
+                self.word.view().into_dyn(),
+            ),
+            (
+                "embeddings.position_embeddings.weight".to_string(),
+                self.position.view().into_dyn(),
+            ),
+            (
+                "embeddings.LayerNorm.weight".to_string(),
+                self.ln_g.view().into_dyn(),
+            ),
+            (
+                "embeddings.LayerNorm.bias".to_string(),
+                self.ln_b.view().into_dyn(),
+            ),
+        ];
+        for (l, p) in self.layers.iter().enumerate() {
+            out.extend(layer_named(l, p));
+        }
+        out.push(("output.weight".to_string(), self.output.view().into_dyn()));
+        out
+    }
+}
+
+/// A zero gradient for a layer.
+pub fn zeros_layer(p: &LayerParams) -> LayerParams {
+    let z2 = |a: &Array2<f64>| Array2::zeros(a.dim());
+    let z1 = |a: &Array1<f64>| Array1::zeros(a.len());
+    LayerParams {
+        query_w: z2(&p.query_w),
+        query_b: z1(&p.query_b),
+        key_w: z2(&p.key_w),
+        key_b: z1(&p.key_b),
+        value_w: z2(&p.value_w),
+        value_b: z1(&p.value_b),
+        attn_out_w: z2(&p.attn_out_w),
+        attn_out_b: z1(&p.attn_out_b),
+        attn_ln_g: z1(&p.attn_ln_g),
+        attn_ln_b: z1(&p.attn_ln_b),
+        inter_w: z2(&p.inter_w),
+        inter_b: z1(&p.inter_b),
+        out_w: z2(&p.out_w),
+        out_b: z1(&p.out_b),
+        out_ln_g: z1(&p.out_ln_g),
+        out_ln_b: z1(&p.out_ln_b),
+    }
+}
+
+/// The tensors of layer `l` with their Hugging Face names.
+pub fn layer_named(l: usize, p: &LayerParams) -> Vec<(String, ArrayViewD<'_, f64>)> {
+    let n = |s: &str| format!("encoder.layer.{l}.{s}");
+    vec![
+        (
+            n("attention.self.query.weight"),
+            p.query_w.view().into_dyn(),
+        ),
+        (n("attention.self.query.bias"), p.query_b.view().into_dyn()),
+        (n("attention.self.key.weight"), p.key_w.view().into_dyn()),
+        (n("attention.self.key.bias"), p.key_b.view().into_dyn()),
+        (
+            n("attention.self.value.weight"),
+            p.value_w.view().into_dyn(),
+        ),
+        (n("attention.self.value.bias"), p.value_b.view().into_dyn()),
+        (
+            n("attention.output.dense.weight"),
+            p.attn_out_w.view().into_dyn(),
+        ),
+        (
+            n("attention.output.dense.bias"),
+            p.attn_out_b.view().into_dyn(),
+        ),
+        (
+            n("attention.output.LayerNorm.weight"),
+            p.attn_ln_g.view().into_dyn(),
+        ),
+        (
+            n("attention.output.LayerNorm.bias"),
+            p.attn_ln_b.view().into_dyn(),
+        ),
+        (n("intermediate.dense.weight"), p.inter_w.view().into_dyn()),
+        (n("intermediate.dense.bias"), p.inter_b.view().into_dyn()),
+        (n("output.dense.weight"), p.out_w.view().into_dyn()),
+        (n("output.dense.bias"), p.out_b.view().into_dyn()),
+        (n("output.LayerNorm.weight"), p.out_ln_g.view().into_dyn()),
+        (n("output.LayerNorm.bias"), p.out_ln_b.view().into_dyn()),
+    ]
+}
+
+/// Values in a layer.
+pub fn layer_values(p: &LayerParams) -> usize {
+    layer_named(0, p).iter().map(|(_, t)| t.len()).sum()
+}
+
+// ---- the pieces every placement runs ------------------------------------------
+
+/// What stage 0 keeps of the embedding for its backward.
+#[derive(Debug, Clone)]
+pub struct EmbeddingCache {
+    /// The embedding LayerNorm's intermediates.
+    pub ln: LayerNormCache,
+}
+
+/// The end of the input embedding: `word_rows: [n, hidden]` (the looked-up
+/// word rows, from a local lookup or the vocabulary-parallel all-reduce)
+/// plus the position rows, then the embedding LayerNorm. Returns `x_0: [n,
+/// hidden]`.
+///
+/// # Errors
+/// [`Error::IndexOutOfRange`] (field `positions`) for a position past the
+/// table; [`Error::ShapeMismatch`] for rows of the wrong shape.
+pub fn embedding_finish(
+    mut word_rows: Array2<f64>,
+    positions: &[usize],
+    position: ArrayView2<f64>,
+    ln_g: &Array1<f64>,
+    ln_b: &Array1<f64>,
+    eps: f64,
+) -> Result<(Array2<f64>, EmbeddingCache)> {
+    if word_rows.dim() != (positions.len(), position.ncols()) {
+        return Err(Error::ShapeMismatch {
+            field: "word_rows".into(),
+            expected: format!("[n, hidden] = [{}, {}]", positions.len(), position.ncols()),
+            actual: word_rows.shape().to_vec(),
+        });
+    }
+    for (i, &pos) in positions.iter().enumerate() {
+        if pos >= position.nrows() {
+            return Err(Error::IndexOutOfRange {
+                field: "positions".into(),
+                index: i,
+                value: pos as i64,
+                lo: 0,
+                hi: position.nrows() as i64,
+            });
+        }
+        let mut row = word_rows.row_mut(i);
+        row += &position.row(pos);
+    }
+    let (x, ln) = layer_norm(word_rows.view(), ln_g.view(), ln_b.view(), eps);
+    Ok((x, EmbeddingCache { ln }))
+}
+
+/// Backward of [`embedding_finish`]: adds the LayerNorm and position
+/// gradients and returns `∂L/∂word_rows: [n, hidden]`.
+pub fn embedding_finish_backward(
+    cache: &EmbeddingCache,
+    positions: &[usize],
+    ln_g: &Array1<f64>,
+    dx: ArrayView2<f64>,
+    grad_position: &mut Array2<f64>,
+    grad_ln_g: &mut Array1<f64>,
+    grad_ln_b: &mut Array1<f64>,
+) -> Array2<f64> {
+    let de = layer_norm_backward(
+        &cache.ln,
+        ln_g.view(),
+        dx,
+        grad_ln_g.view_mut(),
+        grad_ln_b.view_mut(),
+    );
+    for (i, &pos) in positions.iter().enumerate() {
+        let mut row = grad_position.row_mut(pos);
+        row += &de.row(i);
+    }
+    de
+}
+
+/// The backward of the word lookup, accumulated in place: `grad[id - start]
+/// += d_word_rows[i]` for the ids in `start..start + rows` (a shard's rows;
+/// the whole table with `start = 0`). Token by token, as
+/// `vocab::embedding::embedding_backward` sums, but into the running
+/// gradient (no `[v, hidden]` buffer per microbatch).
+///
+/// # Errors
+/// [`Error::IndexOutOfRange`] (field `ids`) for an id outside `0..v`.
+pub fn word_grad_accumulate(
+    ids: &[i64],
+    v: usize,
+    d_word_rows: ArrayView2<f64>,
+    grad: &mut Array2<f64>,
+    start: usize,
+) -> Result<()> {
+    let ids = check_ids(ids, v)?;
+    let rows = grad.nrows();
+    for (i, &id) in ids.iter().enumerate() {
+        if id >= start && id < start + rows {
+            let mut row = grad.row_mut(id - start);
+            row += &d_word_rows.row(i);
+        }
+    }
+    Ok(())
+}
+
+/// Forward of `layers` (a stage's contiguous encoder layers): `x: [n,
+/// hidden]` → `[n, hidden]` and the caches their backward needs.
+///
+/// # Errors
+/// Layout errors of the attention (a bad `cu_seqlens`).
+pub fn layers_forward(
+    layers: &[LayerParams],
+    heads: usize,
+    eps: f64,
+    mut x: Array2<f64>,
+    layout: &AttentionLayout,
+) -> Result<(Array2<f64>, Vec<LayerCache>)> {
+    let mut caches = Vec::with_capacity(layers.len());
+    for lp in layers {
+        let (y, cache) = layer_forward(lp, heads, eps, &ReferenceAttention, x.view(), layout)?;
+        caches.push(cache);
+        x = y;
+    }
+    Ok((x, caches))
+}
+
+/// Backward of [`layers_forward`]: `dy: [n, hidden]` → `∂L/∂x`, adding the
+/// parameter gradients to `grads` (one per layer).
+///
+/// # Errors
+/// As [`layers_forward`].
+pub fn layers_backward(
+    layers: &[LayerParams],
+    grads: &mut [LayerParams],
+    heads: usize,
+    caches: &[LayerCache],
+    layout: &AttentionLayout,
+    mut dy: Array2<f64>,
+) -> Result<Array2<f64>> {
+    for l in (0..layers.len()).rev() {
+        dy = layer_backward(
+            &layers[l],
+            &mut grads[l],
+            heads,
+            &ReferenceAttention,
+            &caches[l],
+            layout,
+            dy.view(),
+        )?;
+    }
+    Ok(dy)
+}
+
+/// The result of one iteration: the loss and every parameter gradient.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepResult {
+    /// `(1 / M) Σ_m loss_m`, summed in microbatch order.
+    pub loss: f64,
+    /// `[M]`: each microbatch's mean loss.
+    pub microbatch_losses: Vec<f64>,
+    /// The gradients of `loss`.
+    pub grads: Params,
+}
+
+/// The single-process reference: the same math on the same microbatches in
+/// one process, no pipeline, no sharding — the unsharded reference ops
+/// (`vocab::embedding_forward`, `bert::layer`, `vocab::linear_cross_entropy`)
+/// one microbatch after the other, gradients accumulated in microbatch
+/// order.
+///
+/// # Errors
+/// Bad ids, targets or layouts, as the reference ops name them.
+pub fn reference_step(
+    config: &ModelConfig,
+    params: &Params,
+    microbatches: &[Microbatch],
+) -> Result<StepResult> {
+    let mut grads = params.zeros_like();
+    let inv_m = 1.0 / microbatches.len() as f64;
+    let loss_config = config.loss_config();
+    let mut loss = 0.0;
+    let mut losses = Vec::with_capacity(microbatches.len());
+    for mb in microbatches {
+        let rows = embedding_forward(&mb.ids, params.word.view())?;
+        let (x, emb) = embedding_finish(
+            rows,
+            &mb.positions,
+            params.position.view(),
+            &params.ln_g,
+            &params.ln_b,
+            config.eps(),
+        )?;
+        let (hidden, caches) =
+            layers_forward(&params.layers, config.heads, config.eps(), x, &mb.layout)?;
+        let out = linear_cross_entropy(
+            hidden.view(),
+            params.output.view(),
+            &mb.targets,
+            &loss_config,
+            true,
+        )?;
+        losses.push(out.ce.loss);
+        loss += out.ce.loss * inv_m;
+        let (gx, gw) = scaled_output_grads(out.grad_hidden, out.grad_weight, inv_m)?;
+        grads.output += &gw;
+        let dx = layers_backward(
+            &params.layers,
+            &mut grads.layers,
+            config.heads,
+            &caches,
+            &mb.layout,
+            gx,
+        )?;
+        let d_rows = embedding_finish_backward(
+            &emb,
+            &mb.positions,
+            &params.ln_g,
+            dx.view(),
+            &mut grads.position,
+            &mut grads.ln_g,
+            &mut grads.ln_b,
+        );
+        word_grad_accumulate(&mb.ids, config.vocab, d_rows.view(), &mut grads.word, 0)?;
+    }
+    Ok(StepResult {
+        loss,
+        microbatch_losses: losses,
+        grads,
+    })
+}
+
+/// The output layer's gradients of one microbatch scaled by `1 / M` (the
+/// accumulation over microbatches), as every placement applies them.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] when a gradient is missing.
+pub fn scaled_output_grads(
+    grad_hidden: Option<Array2<f64>>,
+    grad_weight: Option<Array2<f64>>,
+    inv_m: f64,
+) -> Result<(Array2<f64>, Array2<f64>)> {
+    let missing = || Error::invalid("output", "the output layer returned no gradient");
+    let mut gx = grad_hidden.ok_or_else(missing)?;
+    let mut gw = grad_weight.ok_or_else(missing)?;
+    gx.mapv_inplace(|x| x * inv_m);
+    gw.mapv_inplace(|x| x * inv_m);
+    Ok((gx, gw))
+}
+
+/// The contiguous layers of each of `p` stages: `L / p` each, the first
+/// `L % p` stages one more.
+pub fn stage_layers(layers: usize, p: usize) -> Vec<Range<usize>> {
+    let (base, extra) = (layers / p, layers % p);
+    let mut start = 0;
+    (0..p)
+        .map(|s| {
+            let len = base + usize::from(s < extra);
+            let r = start..start + len;
+            start += len;
+            r
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn microbatches_are_deterministic_with_next_token_targets() {
+        let c = ModelConfig::tiny();
+        let a = microbatches(&c);
+        assert_eq!(a, microbatches(&c));
+        assert_eq!(a.len(), c.microbatches);
+        for mb in &a {
+            let AttentionLayout::Varlen { cu_seqlens } = &mb.layout else {
+                panic!("varlen")
+            };
+            assert_eq!(cu_seqlens.len(), c.sequences + 1);
+            assert_eq!(*cu_seqlens.last().unwrap(), mb.len());
+            for w in cu_seqlens.windows(2) {
+                assert!(w[1] - w[0] >= c.seq_len.div_ceil(2) && w[1] - w[0] <= c.seq_len);
+                assert_eq!(mb.targets[w[1] - 1], IGNORE_INDEX);
+                for t in w[0]..w[1] - 1 {
+                    assert_eq!(mb.targets[t], mb.ids[t + 1]);
+                    assert_eq!(mb.positions[t], t - w[0]);
+                }
+            }
+        }
+        assert_eq!(a[0].positions.iter().max(), Some(&(c.seq_len - 1)));
+    }
+
+    #[test]
+    fn stages_are_contiguous_and_cover_every_layer() {
+        assert_eq!(stage_layers(5, 2), vec![0..3, 3..5]);
+        assert_eq!(stage_layers(5, 4), vec![0..2, 2..3, 3..4, 4..5]);
+        assert_eq!(stage_layers(6, 1), vec![0..6]);
+    }
+
+    #[test]
+    fn validate_names_the_field() {
+        let c = ModelConfig::tiny();
+        c.validate(5).unwrap();
+        let e = c.validate(6).unwrap_err();
+        assert!(e.to_string().starts_with("layers:"), "{e}");
+        let mut bad = c.clone();
+        bad.microbatches = 0;
+        assert!(bad
+            .validate(1)
+            .unwrap_err()
+            .to_string()
+            .starts_with("microbatches:"));
+    }
+
+    /// The reference step's gradients against central finite differences of
+    /// its loss, on a few entries of every kind of tensor (so the accumulation
+    /// over microbatches and the `1 / M` scaling are right).
+    #[test]
+    fn reference_gradients_match_finite_differences() {
+        let c = ModelConfig {
+            vocab: 11,
+            hidden: 8,
+            heads: 2,
+            layers: 2,
+            intermediate: 12,
+            seq_len: 5,
+            sequences: 2,
+            microbatches: 3,
+            seed: 9,
+        };
+        let params = Params::random(&c);
+        let mbs = microbatches(&c);
+        let base = reference_step(&c, &params, &mbs).unwrap();
+        let h = 1e-5;
+        let names: Vec<String> = params.named().into_iter().map(|(n, _)| n).collect();
+        let mut checked = 0;
+        for (t, name) in names.iter().enumerate() {
+            for k in [0usize, 3] {
+                let mut plus = params.clone();
+                let mut minus = params.clone();
+                let len = plus.named()[t].1.len();
+                let k = k % len;
+                bump(&mut plus, t, k, h);
+                bump(&mut minus, t, k, -h);
+                let lp = reference_step(&c, &plus, &mbs).unwrap().loss;
+                let lm = reference_step(&c, &minus, &mbs).unwrap().loss;
+                let numeric = (lp - lm) / (2.0 * h);
+                let analytic = base.grads.named()[t].1.iter().nth(k).copied().unwrap();
+                assert!(
+                    (numeric - analytic).abs() <= 1e-7 + 1e-5 * analytic.abs(),
+                    "{name}[{k}]: numeric {numeric}, analytic {analytic}"
+                );
+                checked += 1;
+            }
+        }
+        assert_eq!(checked, 2 * names.len());
+        assert!(base.loss > 1.0, "non-degenerate loss {}", base.loss);
+    }
+
+    fn bump(p: &mut Params, tensor: usize, k: usize, h: f64) {
+        let mut tensors = p.tensors_mut();
+        *tensors[tensor].iter_mut().nth(k).unwrap() += h;
+    }
+}

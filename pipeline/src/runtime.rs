@@ -1,0 +1,717 @@
+//! One rank of the pipeline: its share of the parameters, and the execution
+//! of its [`schedule`](crate::schedule) over MPI.
+
+use std::collections::HashMap;
+use std::ops::Range;
+
+use mpi::point_to_point::send_receive_into_with_tags;
+use mpi::topology::{Communicator, SimpleCommunicator};
+use mpi::traits::*;
+use ndarray::{Array1, Array2, ArrayViewD, ArrayViewMutD};
+use packshard_reference::bert::layer::LayerCache;
+use packshard_reference::bert::LayerParams;
+use packshard_reference::vocab::collective::Collective;
+use packshard_reference::vocab::embedding::{embedding_forward, embedding_rank};
+use packshard_reference::vocab::sharded::{linear_cross_entropy_rank_s, OutputSPass};
+use packshard_reference::vocab::{linear_cross_entropy, ShardLayout, ShardMap};
+use packshard_reference::{Error, Result};
+
+use crate::collective::{EventClass, MpiCollective, Trace};
+use crate::model::{
+    embedding_finish, embedding_finish_backward, layer_named, layers_backward, layers_forward,
+    scaled_output_grads, stage_layers, word_grad_accumulate, zeros_layer, EmbeddingCache,
+    Microbatch, ModelConfig, Params,
+};
+use crate::schedule::{schedules, Costs, Op, Placement};
+
+/// How the model is laid over `p` ranks.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Plan {
+    /// Ranks (= stages).
+    pub p: usize,
+    /// Where the vocabulary layers live.
+    pub placement: Placement,
+    /// Each stage's contiguous layers.
+    pub stages: Vec<Range<usize>>,
+    /// The vocabulary split (uneven contiguous shards; used when
+    /// vocabulary-parallel).
+    pub map: ShardMap,
+    /// Every rank's schedule.
+    pub schedules: Vec<Vec<Op>>,
+}
+
+impl Plan {
+    /// The plan of `config` over `p` ranks.
+    ///
+    /// # Errors
+    /// The errors of [`ModelConfig::validate`] and [`ShardMap::new`].
+    pub fn new(config: &ModelConfig, p: usize, placement: Placement) -> Result<Self> {
+        config.validate(p)?;
+        let costs = Costs::for_model(config, p);
+        Ok(Plan {
+            p,
+            placement,
+            stages: stage_layers(config.layers, p),
+            map: ShardMap::new(config.vocab, p, ShardLayout::Uneven)?,
+            schedules: schedules(p, config.microbatches, placement, &costs),
+        })
+    }
+
+    /// The rows `[start, start + len)` of the word embedding / output layer
+    /// rank `r` holds, if any.
+    pub fn vocab_rows(&self, r: usize, v: usize, input: bool) -> Option<Range<usize>> {
+        if self.placement.is_vocab_parallel() {
+            let s = self.map.shard(r);
+            Some(s.start..s.start + s.real)
+        } else if (input && r == 0) || (!input && r == self.p - 1) {
+            Some(0..v)
+        } else {
+            None
+        }
+    }
+}
+
+/// The parameters (or gradients) one rank holds.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RankParams {
+    /// The rank.
+    pub rank: usize,
+    /// Its stage's layers.
+    pub layers: Vec<LayerParams>,
+    /// `[w, hidden]`: its rows of the word embedding (all `v` on stage 0 in
+    /// the baseline, its shard when vocabulary-parallel).
+    pub word: Option<Array2<f64>>,
+    /// Stage 0: the position embedding and the embedding LayerNorm.
+    pub embedding_tail: Option<(Array2<f64>, Array1<f64>, Array1<f64>)>,
+    /// `[w, hidden]`: its rows of the output layer.
+    pub output: Option<Array2<f64>>,
+}
+
+impl RankParams {
+    /// Rank `r`'s share of `full`.
+    pub fn from_full(full: &Params, plan: &Plan, r: usize) -> Self {
+        let v = full.word.nrows();
+        let rows =
+            |a: &Array2<f64>, range: Range<usize>| a.slice(ndarray::s![range, ..]).to_owned();
+        RankParams {
+            rank: r,
+            layers: full.layers[plan.stages[r].clone()].to_vec(),
+            word: plan.vocab_rows(r, v, true).map(|g| rows(&full.word, g)),
+            embedding_tail: (r == 0)
+                .then(|| (full.position.clone(), full.ln_g.clone(), full.ln_b.clone())),
+            output: plan.vocab_rows(r, v, false).map(|g| rows(&full.output, g)),
+        }
+    }
+
+    /// Zeros of the same shapes (a gradient).
+    pub fn zeros_like(&self) -> Self {
+        RankParams {
+            rank: self.rank,
+            layers: self.layers.iter().map(zeros_layer).collect(),
+            word: self.word.as_ref().map(|a| Array2::zeros(a.dim())),
+            embedding_tail: self.embedding_tail.as_ref().map(|(p, g, b)| {
+                (
+                    Array2::zeros(p.dim()),
+                    Array1::zeros(g.len()),
+                    Array1::zeros(b.len()),
+                )
+            }),
+            output: self.output.as_ref().map(|a| Array2::zeros(a.dim())),
+        }
+    }
+
+    /// Every tensor, in a fixed order.
+    pub fn tensors(&self) -> Vec<ArrayViewD<'_, f64>> {
+        let mut out: Vec<ArrayViewD<'_, f64>> = self
+            .layers
+            .iter()
+            .flat_map(|l| layer_named(0, l).into_iter().map(|(_, t)| t))
+            .collect();
+        if let Some(w) = &self.word {
+            out.push(w.view().into_dyn());
+        }
+        if let Some((p, g, b)) = &self.embedding_tail {
+            out.extend([
+                p.view().into_dyn(),
+                g.view().into_dyn(),
+                b.view().into_dyn(),
+            ]);
+        }
+        if let Some(o) = &self.output {
+            out.push(o.view().into_dyn());
+        }
+        out
+    }
+
+    /// Every tensor, mutable, in the order of [`RankParams::tensors`].
+    pub fn tensors_mut(&mut self) -> Vec<ArrayViewMutD<'_, f64>> {
+        let mut out: Vec<ArrayViewMutD<'_, f64>> = Vec::new();
+        for l in &mut self.layers {
+            out.extend([
+                l.query_w.view_mut().into_dyn(),
+                l.query_b.view_mut().into_dyn(),
+                l.key_w.view_mut().into_dyn(),
+                l.key_b.view_mut().into_dyn(),
+                l.value_w.view_mut().into_dyn(),
+                l.value_b.view_mut().into_dyn(),
+                l.attn_out_w.view_mut().into_dyn(),
+                l.attn_out_b.view_mut().into_dyn(),
+                l.attn_ln_g.view_mut().into_dyn(),
+                l.attn_ln_b.view_mut().into_dyn(),
+                l.inter_w.view_mut().into_dyn(),
+                l.inter_b.view_mut().into_dyn(),
+                l.out_w.view_mut().into_dyn(),
+                l.out_b.view_mut().into_dyn(),
+                l.out_ln_g.view_mut().into_dyn(),
+                l.out_ln_b.view_mut().into_dyn(),
+            ]);
+        }
+        if let Some(w) = &mut self.word {
+            out.push(w.view_mut().into_dyn());
+        }
+        if let Some((p, g, b)) = &mut self.embedding_tail {
+            out.extend([
+                p.view_mut().into_dyn(),
+                g.view_mut().into_dyn(),
+                b.view_mut().into_dyn(),
+            ]);
+        }
+        if let Some(o) = &mut self.output {
+            out.push(o.view_mut().into_dyn());
+        }
+        out
+    }
+
+    /// Values held.
+    pub fn num_values(&self) -> usize {
+        self.tensors().iter().map(|t| t.len()).sum()
+    }
+
+    /// Bytes of the parameters (f64).
+    pub fn bytes(&self) -> usize {
+        8 * self.num_values()
+    }
+
+    /// All values, flat, in the order of [`RankParams::tensors`].
+    pub fn flatten(&self) -> Vec<f64> {
+        let mut out = Vec::with_capacity(self.num_values());
+        for t in self.tensors() {
+            out.extend(t.iter().copied());
+        }
+        out
+    }
+
+    /// Fills the tensors from `flat` (as [`RankParams::flatten`] made it).
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] when the lengths differ.
+    pub fn fill(&mut self, flat: &[f64]) -> Result<()> {
+        if flat.len() != self.num_values() {
+            return Err(Error::ShapeMismatch {
+                field: format!("gradients of rank {}", self.rank),
+                expected: format!("{} values", self.num_values()),
+                actual: vec![flat.len()],
+            });
+        }
+        let mut at = 0;
+        for mut t in self.tensors_mut() {
+            for x in t.iter_mut() {
+                *x = flat[at];
+                at += 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// Copies this rank's tensors into their places in `full`.
+    pub fn place_into(&self, full: &mut Params, plan: &Plan) {
+        let v = full.word.nrows();
+        let r = self.rank;
+        for (l, lp) in plan.stages[r].clone().zip(&self.layers) {
+            full.layers[l] = lp.clone();
+        }
+        if let (Some(w), Some(g)) = (&self.word, plan.vocab_rows(r, v, true)) {
+            full.word.slice_mut(ndarray::s![g, ..]).assign(w);
+        }
+        if let Some((p, g, b)) = &self.embedding_tail {
+            full.position.assign(p);
+            full.ln_g.assign(g);
+            full.ln_b.assign(b);
+        }
+        if let (Some(o), Some(g)) = (&self.output, plan.vocab_rows(r, v, false)) {
+            full.output.slice_mut(ndarray::s![g, ..]).assign(o);
+        }
+    }
+}
+
+/// A fault to inject on one rank (the fault tests' `--fault` options).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// No fault.
+    None,
+    /// The rank's copy of the microbatch's `cu_seqlens` is corrupted (its
+    /// last entry one past the tokens): the attention of its forward rejects
+    /// it with a typed error.
+    BadInput,
+    /// The rank panics in its forward of the microbatch.
+    Panic,
+    /// The rank kills its own process with `SIGKILL` in its forward of the
+    /// microbatch.
+    Kill,
+}
+
+/// Where a fault strikes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FaultPlan {
+    /// What.
+    pub fault: Fault,
+    /// On which rank.
+    pub rank: usize,
+    /// In which microbatch's forward.
+    pub microbatch: usize,
+}
+
+impl FaultPlan {
+    /// No fault.
+    pub const NONE: FaultPlan = FaultPlan {
+        fault: Fault::None,
+        rank: 0,
+        microbatch: 0,
+    };
+
+    /// Corrupts `microbatches` if this is the faulty rank with bad input.
+    pub fn corrupt(&self, rank: usize, microbatches: &mut [Microbatch]) {
+        if self.fault == Fault::BadInput && rank == self.rank {
+            if let Some(mb) = microbatches.get_mut(self.microbatch) {
+                if let packshard_reference::bert::attention::AttentionLayout::Varlen {
+                    cu_seqlens,
+                } = &mut mb.layout
+                {
+                    if let Some(last) = cu_seqlens.last_mut() {
+                        *last += 1;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A deliberately planted bug (negative control of the equivalence check).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PlantedBug {
+    /// None.
+    None,
+    /// The last rank drops microbatch 0's contribution to its output-layer
+    /// weight gradient.
+    DropOutputGrad,
+}
+
+/// What one rank returns from an iteration.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RankOutcome {
+    /// Each microbatch's loss, where this rank computed it.
+    pub losses: Vec<Option<f64>>,
+    /// Heap bytes live when the iteration started.
+    pub start_bytes: usize,
+    /// Peak heap bytes during the iteration, above `start_bytes`.
+    pub peak_activation_bytes: usize,
+}
+
+/// Executes rank `comm.rank()`'s schedule of `plan` for one iteration:
+/// gradients accumulate into `grads` (zeroed by the caller). `trace` gets
+/// every op and every communication.
+///
+/// # Errors
+/// The errors of the reference ops (bad ids, targets, layouts) and of the
+/// collectives. A rank that fails leaves its peers blocked in MPI: the caller
+/// aborts the job (`MPI_Abort`).
+#[allow(clippy::too_many_arguments)]
+pub fn run_iteration(
+    comm: &SimpleCommunicator,
+    config: &ModelConfig,
+    plan: &Plan,
+    params: &RankParams,
+    grads: &mut RankParams,
+    microbatches: &[Microbatch],
+    fault: FaultPlan,
+    bug: PlantedBug,
+    trace: &Trace,
+) -> Result<RankOutcome> {
+    let coll = MpiCollective::new(comm, trace);
+    let rank = comm.rank() as usize;
+    let start_bytes = crate::alloc::live_bytes();
+    crate::alloc::reset_peak();
+    let mut ex = Exec {
+        comm,
+        coll: &coll,
+        config,
+        plan,
+        rank,
+        params,
+        grads,
+        mbs: microbatches,
+        inv_m: 1.0 / microbatches.len() as f64,
+        word_rows: HashMap::new(),
+        act_in: HashMap::new(),
+        caches: HashMap::new(),
+        act_out: HashMap::new(),
+        grad_out: HashMap::new(),
+        grad_in: HashMap::new(),
+        word_grad: HashMap::new(),
+        hidden: HashMap::new(),
+        s_passes: HashMap::new(),
+        losses: vec![None; microbatches.len()],
+        fault,
+        bug,
+    };
+    for &op in &plan.schedules[rank] {
+        trace.set_op(op);
+        let start = Trace::now();
+        ex.run(op, trace)?;
+        trace.record(EventClass::Op, start, Trace::now());
+    }
+    Ok(RankOutcome {
+        losses: ex.losses,
+        start_bytes,
+        peak_activation_bytes: crate::alloc::peak_bytes().saturating_sub(start_bytes),
+    })
+}
+
+/// The message tag of microbatch `m`'s activation (gradient: + 1).
+fn tag(m: usize, grad: bool) -> i32 {
+    (2 * m + usize::from(grad)) as i32
+}
+
+struct Exec<'a> {
+    comm: &'a SimpleCommunicator,
+    coll: &'a MpiCollective<'a>,
+    config: &'a ModelConfig,
+    plan: &'a Plan,
+    rank: usize,
+    params: &'a RankParams,
+    grads: &'a mut RankParams,
+    mbs: &'a [Microbatch],
+    inv_m: f64,
+    /// Stage 0, vocabulary-parallel: the all-reduced word rows of `I(m)`.
+    word_rows: HashMap<usize, Array2<f64>>,
+    /// `x_in(m)` received.
+    act_in: HashMap<usize, Array2<f64>>,
+    /// What the backward of `m` needs.
+    caches: HashMap<usize, (Option<EmbeddingCache>, Vec<LayerCache>)>,
+    /// `x_out(m)` to send (the last stage: `x_L(m)`).
+    act_out: HashMap<usize, Array2<f64>>,
+    /// `∂L/∂x_out(m)`.
+    grad_out: HashMap<usize, Array2<f64>>,
+    /// `∂L/∂x_in(m)` to send.
+    grad_in: HashMap<usize, Array2<f64>>,
+    /// Stage 0, vocabulary-parallel: `∂L/∂(word rows)(m)` until `E(m)`.
+    word_grad: HashMap<usize, Array2<f64>>,
+    /// Vocabulary-parallel: the broadcast `x_L(m)` until `T(m)`.
+    hidden: HashMap<usize, Array2<f64>>,
+    /// Vocabulary-parallel: S passes waiting for their T pass.
+    s_passes: HashMap<usize, OutputSPass>,
+    losses: Vec<Option<f64>>,
+    fault: FaultPlan,
+    bug: PlantedBug,
+}
+
+fn take<T>(map: &mut HashMap<usize, T>, m: usize, what: &str) -> Result<T> {
+    map.remove(&m)
+        .ok_or_else(|| Error::invalid("schedule", format!("{what} of microbatch {m} is missing")))
+}
+
+impl Exec<'_> {
+    fn h(&self) -> usize {
+        self.config.hidden
+    }
+
+    fn zeros(&self, m: usize) -> Array2<f64> {
+        Array2::zeros((self.mbs[m].len(), self.h()))
+    }
+
+    fn peer(&self, up: bool) -> mpi::topology::Process<'_> {
+        let r = if up { self.rank - 1 } else { self.rank + 1 };
+        self.comm.process_at_rank(r as i32)
+    }
+
+    fn traced_p2p<T>(&self, peer: usize, trace: &Trace, f: impl FnOnce() -> T) -> T {
+        let start = Trace::now();
+        let out = f();
+        trace.record(EventClass::P2p { peer }, start, Trace::now());
+        out
+    }
+
+    fn algorithm(&self) -> packshard_reference::vocab::ShardedAlgorithm {
+        match self.plan.placement {
+            Placement::VocabParallel(a) => a,
+            Placement::Baseline => packshard_reference::vocab::ShardedAlgorithm::Alg1,
+        }
+    }
+
+    fn word(&self) -> Result<&Array2<f64>> {
+        self.params
+            .word
+            .as_ref()
+            .ok_or_else(|| Error::invalid("schedule", "this rank holds no word embedding"))
+    }
+
+    fn output(&self) -> Result<&Array2<f64>> {
+        self.params
+            .output
+            .as_ref()
+            .ok_or_else(|| Error::invalid("schedule", "this rank holds no output layer"))
+    }
+
+    fn add_output_grad(&mut self, m: usize, gw: &Array2<f64>) -> Result<()> {
+        if self.bug == PlantedBug::DropOutputGrad && m == 0 && self.rank == self.plan.p - 1 {
+            return Ok(());
+        }
+        let g = self
+            .grads
+            .output
+            .as_mut()
+            .ok_or_else(|| Error::invalid("schedule", "this rank holds no output layer"))?;
+        *g += gw;
+        Ok(())
+    }
+
+    fn inject(&self, m: usize) {
+        if self.fault.rank != self.rank || self.fault.microbatch != m {
+            return;
+        }
+        match self.fault.fault {
+            Fault::Panic => panic!(
+                "fault injection: rank {} panics in the forward of microbatch {m}",
+                self.rank
+            ),
+            Fault::Kill => {
+                eprintln!(
+                    "packshard-pipeline: rank {}: fault injection: killing this process (SIGKILL) in the forward of microbatch {m}",
+                    self.rank
+                );
+                // SAFETY: getpid and kill have no preconditions.
+                unsafe {
+                    libc::kill(libc::getpid(), libc::SIGKILL);
+                }
+            }
+            Fault::None | Fault::BadInput => {}
+        }
+    }
+
+    fn run(&mut self, op: Op, trace: &Trace) -> Result<()> {
+        let last = self.plan.p - 1;
+        let config = self.config;
+        match op {
+            Op::Embed(m) => {
+                let mb = &self.mbs[m];
+                let (rows, _, _) =
+                    embedding_rank(self.coll, &self.plan.map, &mb.ids, self.word()?.view())?;
+                if self.rank == 0 {
+                    self.word_rows.insert(m, rows);
+                }
+            }
+            Op::RecvAct(m) => {
+                let mut buf = self.zeros(m);
+                let slice = buf.as_slice_mut().expect("fresh arrays are contiguous");
+                self.traced_p2p(self.rank - 1, trace, || {
+                    self.peer(true).receive_into_with_tag(slice, tag(m, false))
+                });
+                self.act_in.insert(m, buf);
+            }
+            Op::Forward(m) => {
+                self.inject(m);
+                let mb = &self.mbs[m];
+                let (x, emb) = if self.rank == 0 {
+                    let rows = if self.plan.placement.is_vocab_parallel() {
+                        take(&mut self.word_rows, m, "the word rows")?
+                    } else {
+                        embedding_forward(&mb.ids, self.word()?.view())?
+                    };
+                    let (pos, g, b) = self.params.embedding_tail.as_ref().ok_or_else(|| {
+                        Error::invalid("schedule", "stage 0 holds no position embedding")
+                    })?;
+                    let (x, cache) =
+                        embedding_finish(rows, &mb.positions, pos.view(), g, b, config.eps())?;
+                    (x, Some(cache))
+                } else {
+                    (take(&mut self.act_in, m, "the input activation")?, None)
+                };
+                let (y, caches) = layers_forward(
+                    &self.params.layers,
+                    config.heads,
+                    config.eps(),
+                    x,
+                    &mb.layout,
+                )?;
+                self.caches.insert(m, (emb, caches));
+                self.act_out.insert(m, y);
+            }
+            Op::SendAct(m) => {
+                let y = take(&mut self.act_out, m, "the output activation")?;
+                let slice = y.as_slice().expect("contiguous");
+                self.traced_p2p(self.rank + 1, trace, || {
+                    self.peer(false).send_with_tag(slice, tag(m, false))
+                });
+            }
+            Op::SendActRecvGrad { send, recv } => {
+                let y = take(&mut self.act_out, send, "the output activation")?;
+                let mut buf = self.zeros(recv);
+                let out = buf.as_slice_mut().expect("contiguous");
+                self.traced_p2p(self.rank + 1, trace, || {
+                    let peer = self.peer(false);
+                    send_receive_into_with_tags(
+                        y.as_slice().expect("contiguous"),
+                        &peer,
+                        tag(send, false),
+                        out,
+                        &peer,
+                        tag(recv, true),
+                    )
+                });
+                self.grad_out.insert(recv, buf);
+            }
+            Op::RecvGrad(m) => {
+                let mut buf = self.zeros(m);
+                let slice = buf.as_slice_mut().expect("contiguous");
+                self.traced_p2p(self.rank + 1, trace, || {
+                    self.peer(false).receive_into_with_tag(slice, tag(m, true))
+                });
+                self.grad_out.insert(m, buf);
+            }
+            Op::Loss(m) => {
+                let hidden = take(&mut self.act_out, m, "the last hidden state")?;
+                let mb = &self.mbs[m];
+                let out = linear_cross_entropy(
+                    hidden.view(),
+                    self.output()?.view(),
+                    &mb.targets,
+                    &config.loss_config(),
+                    true,
+                )?;
+                self.losses[m] = Some(out.ce.loss);
+                let (gx, gw) = scaled_output_grads(out.grad_hidden, out.grad_weight, self.inv_m)?;
+                self.add_output_grad(m, &gw)?;
+                self.grad_out.insert(m, gx);
+            }
+            Op::BroadcastHidden(m) => {
+                let mut buf = if self.rank == last {
+                    take(&mut self.act_out, m, "the last hidden state")?
+                } else {
+                    self.zeros(m)
+                };
+                self.coll.broadcast(
+                    last,
+                    buf.as_slice_mut().expect("fresh arrays are contiguous"),
+                )?;
+                self.hidden.insert(m, buf);
+            }
+            Op::OutputS(m) => {
+                let hidden = self
+                    .hidden
+                    .get(&m)
+                    .ok_or_else(|| Error::invalid("schedule", format!("no hidden state of {m}")))?;
+                let s = linear_cross_entropy_rank_s(
+                    self.coll,
+                    self.algorithm(),
+                    &self.plan.map,
+                    hidden.view(),
+                    self.output()?.view(),
+                    &self.mbs[m].targets,
+                    &config.loss_config(),
+                    true,
+                )?;
+                self.losses[m] = Some(s.loss());
+                if self.rank == last {
+                    if let Some(gx) = s.grad_hidden() {
+                        self.grad_out.insert(m, gx.mapv(|x| x * self.inv_m));
+                    }
+                }
+                self.s_passes.insert(m, s);
+            }
+            Op::OutputT(m) => {
+                let s = take(&mut self.s_passes, m, "the S pass")?;
+                let hidden = take(&mut self.hidden, m, "the hidden state")?;
+                let out = s.t_pass(self.coll, hidden.view(), self.output()?.view())?;
+                let (gx, gw) = scaled_output_grads(out.grad_hidden, out.grad_weight, self.inv_m)?;
+                self.add_output_grad(m, &gw)?;
+                if self.rank == last && !self.grad_out.contains_key(&m) {
+                    self.grad_out.insert(m, gx);
+                }
+            }
+            Op::Backward(m) => {
+                let dy = take(&mut self.grad_out, m, "the output gradient")?;
+                let (emb, caches) = take(&mut self.caches, m, "the forward caches")?;
+                let mb = &self.mbs[m];
+                let dx = layers_backward(
+                    &self.params.layers,
+                    &mut self.grads.layers,
+                    config.heads,
+                    &caches,
+                    &mb.layout,
+                    dy,
+                )?;
+                drop(caches);
+                if let Some(emb) = emb {
+                    let (_, g, _) = self.params.embedding_tail.as_ref().ok_or_else(|| {
+                        Error::invalid("schedule", "stage 0 holds no position embedding")
+                    })?;
+                    let (gp, gg, gb) = self.grads.embedding_tail.as_mut().ok_or_else(|| {
+                        Error::invalid("schedule", "stage 0 holds no position embedding")
+                    })?;
+                    let d_rows =
+                        embedding_finish_backward(&emb, &mb.positions, g, dx.view(), gp, gg, gb);
+                    if self.plan.placement.is_vocab_parallel() {
+                        self.word_grad.insert(m, d_rows);
+                    } else {
+                        let grad = self.grads.word.as_mut().ok_or_else(|| {
+                            Error::invalid("schedule", "stage 0 holds no word embedding")
+                        })?;
+                        word_grad_accumulate(&mb.ids, config.vocab, d_rows.view(), grad, 0)?;
+                    }
+                } else {
+                    self.grad_in.insert(m, dx);
+                }
+            }
+            Op::SendGrad(m) => {
+                let dx = take(&mut self.grad_in, m, "the input gradient")?;
+                let slice = dx.as_slice().expect("contiguous");
+                self.traced_p2p(self.rank - 1, trace, || {
+                    self.peer(true).send_with_tag(slice, tag(m, true))
+                });
+            }
+            Op::SendGradRecvAct { send, recv } => {
+                let dx = take(&mut self.grad_in, send, "the input gradient")?;
+                let mut buf = self.zeros(recv);
+                let out = buf.as_slice_mut().expect("contiguous");
+                self.traced_p2p(self.rank - 1, trace, || {
+                    let peer = self.peer(true);
+                    send_receive_into_with_tags(
+                        dx.as_slice().expect("contiguous"),
+                        &peer,
+                        tag(send, true),
+                        out,
+                        &peer,
+                        tag(recv, false),
+                    )
+                });
+                self.act_in.insert(recv, buf);
+            }
+            Op::EmbedGrad(m) => {
+                let mut buf = if self.rank == 0 {
+                    take(&mut self.word_grad, m, "the word-row gradient")?
+                } else {
+                    self.zeros(m)
+                };
+                self.coll
+                    .broadcast(0, buf.as_slice_mut().expect("contiguous"))?;
+                let start = self.plan.map.shard(self.rank).start;
+                let grad =
+                    self.grads.word.as_mut().ok_or_else(|| {
+                        Error::invalid("schedule", "this rank holds no word shard")
+                    })?;
+                word_grad_accumulate(&self.mbs[m].ids, config.vocab, buf.view(), grad, start)?;
+            }
+        }
+        Ok(())
+    }
+}
