@@ -568,7 +568,8 @@ pub fn run_attention_suite_with(
 pub struct RelativeReport {
     /// The suite tier (see [`RelativeRule`]).
     pub totals: RelativeTotals,
-    /// Largest `error / baseline error` over the tensors (0 if all exact).
+    /// Largest `error / baseline error` over the tensors whose error is
+    /// above the rule's floor (0 if none).
     pub worst_ratio: f64,
     /// The tensor where it occurred.
     pub worst: String,
@@ -590,7 +591,7 @@ impl RelativeReport {
         self.values += e.values;
         if e.baseline > 0.0 {
             self.nonzero_baseline += 1;
-            if e.ratio() > self.worst_ratio {
+            if e.error > e.floor && e.ratio() > self.worst_ratio {
                 self.worst_ratio = e.ratio();
                 self.worst = what.to_string();
             }

@@ -373,8 +373,10 @@ pub struct RelativeError {
     pub error: f64,
     /// `max |baseline - expected|`.
     pub baseline: f64,
-    /// `max |expected|` (finite values).
+    /// `max |expected|` (finite values), or the larger scale given.
     pub scale: f64,
+    /// The absolute floor the tensor was allowed (`floor * eps * scale`).
+    pub floor: f64,
     /// Values compared.
     pub values: usize,
 }
@@ -466,9 +468,10 @@ fn relative_core(
         error,
         baseline: baseline_error,
         scale,
+        floor: rule.floor * rule.eps * scale,
         values: expected.len(),
     };
-    let allowed = rule.k_tensor * baseline_error + rule.floor * rule.eps * scale;
+    let allowed = rule.k_tensor * baseline_error + seen.floor;
     if error <= allowed {
         return Ok(seen);
     }
@@ -638,6 +641,7 @@ mod tests {
             error,
             baseline,
             scale,
+            floor: 0.0,
             values: 1,
         };
         assert!(t.check("t", rule).is_err(), "no comparison: vacuous");

@@ -8,3 +8,4 @@ pub mod attention;
 pub mod matmul;
 pub mod simd;
 pub mod adapt;
+pub mod layer;
