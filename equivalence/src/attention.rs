@@ -675,14 +675,8 @@ pub fn check_attention_relative(
         baseline32::to_f32(&c.grad_output.view()),
     );
     let scale32 = c.scale as f32;
-    let (bo, bl) = baseline32::varlen_attention(
-        q32.view(),
-        k32.view(),
-        v32.view(),
-        &cu,
-        false,
-        scale32,
-    );
+    let (bo, bl) =
+        baseline32::varlen_attention(q32.view(), k32.view(), v32.view(), &cu, false, scale32);
     let bg = baseline32::varlen_attention_backward(
         q32.view(),
         k32.view(),
@@ -721,9 +715,27 @@ pub fn check_attention_relative(
         .fold(0.0f64, |m, v| m.max(v.abs()));
     for (name, e, b, a, scale) in [
         ("output", &want.output, &bo, &fwd.output, None),
-        ("grad_q", &want_g.grad_q, &bg[0], &grads.grad_q, Some(grad_scale)),
-        ("grad_k", &want_g.grad_k, &bg[1], &grads.grad_k, Some(grad_scale)),
-        ("grad_v", &want_g.grad_v, &bg[2], &grads.grad_v, Some(grad_scale)),
+        (
+            "grad_q",
+            &want_g.grad_q,
+            &bg[0],
+            &grads.grad_q,
+            Some(grad_scale),
+        ),
+        (
+            "grad_k",
+            &want_g.grad_k,
+            &bg[1],
+            &grads.grad_k,
+            Some(grad_scale),
+        ),
+        (
+            "grad_v",
+            &want_g.grad_v,
+            &bg[2],
+            &grads.grad_v,
+            Some(grad_scale),
+        ),
     ] {
         if a.dim() != (n, h, d) {
             return Err(Mismatch::new(
@@ -731,15 +743,8 @@ pub fn check_attention_relative(
                 format!("shape {:?}, expected {shape:?}", a.shape()),
             ));
         }
-        let r = assert_within_k_with_scale(
-            name,
-            &flat3(e),
-            &to64(b),
-            &flat3(a),
-            &shape,
-            rule,
-            scale,
-        )?;
+        let r =
+            assert_within_k_with_scale(name, &flat3(e), &to64(b), &flat3(a), &shape, rule, scale)?;
         report.note(name, r);
     }
     let lse_b: Vec<f64> = bl.iter().map(|&v| f64::from(v)).collect();
@@ -755,8 +760,18 @@ pub fn check_attention_relative(
 /// head dim)`.
 pub fn tile_cases() -> Vec<(&'static str, Vec<usize>, usize, usize)> {
     vec![
-        ("segments of 130, 3, 0 and 70 tokens", vec![130, 3, 0, 70], 2, 16),
-        ("one segment of exactly 64 and one of 65", vec![64, 65], 3, 7),
+        (
+            "segments of 130, 3, 0 and 70 tokens",
+            vec![130, 3, 0, 70],
+            2,
+            16,
+        ),
+        (
+            "one segment of exactly 64 and one of 65",
+            vec![64, 65],
+            3,
+            7,
+        ),
         ("a segment of 200, head dim 64", vec![200, 1], 2, 64),
     ]
 }
@@ -778,12 +793,15 @@ pub fn run_attention_relative_suite(
     for (i, (name, lengths, pad)) in fault_cases().into_iter().enumerate() {
         for (h, d) in [(1, 1), (2, 3)] {
             let case = AttentionCase::seeded(&lengths, h, d, pad, i as u64);
-            report.merge(check_attention_relative(imp, &case, rule, round).map_err(|m| named(name, m))?);
+            report.merge(
+                check_attention_relative(imp, &case, rule, round).map_err(|m| named(name, m))?,
+            );
         }
     }
     for (i, (name, lengths, h, d)) in tile_cases().into_iter().enumerate() {
         let case = AttentionCase::seeded(&lengths, h, d, 0, 100 + i as u64);
-        report.merge(check_attention_relative(imp, &case, rule, round).map_err(|m| named(name, m))?);
+        report
+            .merge(check_attention_relative(imp, &case, rule, round).map_err(|m| named(name, m))?);
     }
     let mut runner = TestRunner::new_with_rng(
         Config {
@@ -803,7 +821,12 @@ pub fn run_attention_relative_suite(
             acc.borrow_mut().merge(r);
             Ok(())
         })
-        .map_err(|e| Mismatch::new(format!("{} relative attention suite", imp.name()), e.to_string()))?;
+        .map_err(|e| {
+            Mismatch::new(
+                format!("{} relative attention suite", imp.name()),
+                e.to_string(),
+            )
+        })?;
     let report = acc.into_inner();
     report.require_nonvacuous(10)?;
     report

@@ -278,7 +278,10 @@ pub fn layer_forward_backward(
     let (n, width) = x.dim();
     let d = width / num_heads;
     let scale = 1.0 / (d as f32).sqrt();
-    let heads = |a: Array2<f32>| a.into_shape_with_order((n, num_heads, d)).expect("[n, h, d]");
+    let heads = |a: Array2<f32>| {
+        a.into_shape_with_order((n, num_heads, d))
+            .expect("[n, h, d]")
+    };
     let q = heads(linear(x, &p.w[0], &p.b[0]));
     let k = heads(linear(x, &p.w[1], &p.b[1]));
     let v = heads(linear(x, &p.w[2], &p.b[2]));
@@ -332,7 +335,13 @@ pub fn layer_forward_backward(
     let dact = linear_backward(act.view(), &p.w[5], dr2.view(), &mut g.out_w, &mut g.out_b);
     let mut dpre = dact;
     dpre.zip_mut_with(&pre, |d, &x| *d *= gelu_grad(x));
-    let mut dh1 = linear_backward(h1.view(), &p.w[4], dpre.view(), &mut g.inter_w, &mut g.inter_b);
+    let mut dh1 = linear_backward(
+        h1.view(),
+        &p.w[4],
+        dpre.view(),
+        &mut g.inter_w,
+        &mut g.inter_b,
+    );
     dh1 += &dr2;
     let dr1 = layer_norm_backward(
         &xh1,
@@ -342,7 +351,13 @@ pub fn layer_forward_backward(
         &mut g.attn_ln_g,
         &mut g.attn_ln_b,
     );
-    let da = linear_backward(a.view(), &p.w[3], dr1.view(), &mut g.attn_out_w, &mut g.attn_out_b);
+    let da = linear_backward(
+        a.view(),
+        &p.w[3],
+        dr1.view(),
+        &mut g.attn_out_w,
+        &mut g.attn_out_b,
+    );
     let da = heads(da);
     let [dq, dk, dv] = varlen_attention_backward(
         q.view(),
@@ -452,7 +467,9 @@ pub fn cross_entropy(
         Some(_) => qo,
     };
     let c = config.z_loss as f32;
-    let stats: Vec<Stats> = (0..n).map(|i| row_stats(logits.row(i), |j| q(i, j))).collect();
+    let stats: Vec<Stats> = (0..n)
+        .map(|i| row_stats(logits.row(i), |j| q(i, j)))
+        .collect();
     let lse: Vec<f32> = stats.iter().map(|s| s.max + s.rest.ln_1p()).collect();
     let per_token_loss: Vec<f32> = (0..n)
         .map(|i| {

@@ -891,7 +891,11 @@ pub fn check_layer_relative(
     let mut report = RelativeReport::default();
     let v64 = |a: &Array2<f64>| a.iter().copied().collect::<Vec<f64>>();
     let v32 = |a: &Array2<f32>| a.iter().map(|&v| f64::from(v)).collect::<Vec<f64>>();
-    let (we, be, ae) = (layer_tensors(&want_g), layer_tensors(&b_g), layer_tensors(&g));
+    let (we, be, ae) = (
+        layer_tensors(&want_g),
+        layer_tensors(&b_g),
+        layer_tensors(&g),
+    );
     // grad_x and the parameter gradients are one gradient vector; where a
     // part vanishes by symmetry (a LayerNorm over 2 values passes no gradient
     // back; key biases get none), its computed value is round-off of terms as
@@ -911,7 +915,8 @@ pub fn check_layer_relative(
                 format!("shape {:?}, expected {:?}", a.shape(), w.shape()),
             ));
         }
-        let r = assert_within_k_with_scale(name, &v64(w), &v32(b), &v64(a), w.shape(), rule, scale)?;
+        let r =
+            assert_within_k_with_scale(name, &v64(w), &v32(b), &v64(a), w.shape(), rule, scale)?;
         report.note(name, r);
     }
     for (((name, w, shape), (_, b, _)), (_, a, _)) in we.into_iter().zip(be).zip(ae) {

@@ -125,14 +125,7 @@ fn round_up(x: usize, to: usize) -> usize {
 }
 
 /// `[rows, dp]` tile of head `head` rows `start..start + len` (zero-padded).
-fn gather<T: Element>(
-    x: &[T],
-    h: usize,
-    d: usize,
-    it: &Item,
-    rows: usize,
-    dp: usize,
-) -> Vec<f32> {
+fn gather<T: Element>(x: &[T], h: usize, d: usize, it: &Item, rows: usize, dp: usize) -> Vec<f32> {
     let mut out = vec![0.0f32; rows * dp];
     for i in 0..it.len {
         let src = &x[((it.start + i) * h + it.head) * d..][..d];
@@ -235,11 +228,7 @@ fn scores<S: Simd>(
 /// the accumulator `acc = sum exp(S - m) V` rescaled when `m` grows; at the
 /// end `o = acc / l`, `lse = m + ln l`.
 #[inline(always)]
-fn forward_item<S: Simd, T: Element>(
-    simd: S,
-    pb: &Problem<T>,
-    it: &Item,
-) -> (Vec<f32>, Vec<f32>) {
+fn forward_item<S: Simd, T: Element>(simd: S, pb: &Problem<T>, it: &Item) -> (Vec<f32>, Vec<f32>) {
     let (h, d, len) = (pb.h, pb.d, it.len);
     let dp = round_up(d.max(1), mm_col_multiple::<S>());
     let lp = round_up(len, BLOCK_K);
@@ -274,9 +263,7 @@ fn forward_item<S: Simd, T: Element>(
                     continue;
                 }
                 let shift = simd.splat_f32s(m_new);
-                simd::map_in_place(simd, row, 0.0, |x| {
-                    simd::exp(simd, simd.sub_f32s(x, shift))
-                });
+                simd::map_in_place(simd, row, 0.0, |x| simd::exp(simd, simd.sub_f32s(x, shift)));
                 let corr = if m[r] == m_new {
                     1.0
                 } else {
@@ -360,16 +347,16 @@ fn backward_item<S: Simd, T: Element>(
     let doh = gather(dout, h, d, it, lp, dp);
     let oh = gather(out, h, d, it, lp, dp);
     let n = lse.len() / h;
-    let row_lse: Vec<f32> = (0..len)
-        .map(|i| lse[it.head * n + it.start + i])
-        .collect();
+    let row_lse: Vec<f32> = (0..len).map(|i| lse[it.head * n + it.start + i]).collect();
     // delta_i = dO_i . O_i, summed in the order (and with the fused
     // multiply-adds) of the dP tile product, so that a one-key segment,
     // where O = V exactly, gets dP - delta = 0 exactly (as the reference).
     let delta: Vec<f32> = (0..lp)
         .map(|i| {
             let (g, o) = (&doh[i * dp..(i + 1) * dp], &oh[i * dp..(i + 1) * dp]);
-            g.iter().zip(o).fold(0.0f32, |acc, (&g, &o)| g.mul_add(o, acc))
+            g.iter()
+                .zip(o)
+                .fold(0.0f32, |acc, (&g, &o)| g.mul_add(o, acc))
         })
         .collect();
     let mut dq = vec![0.0f32; lp * dp];
@@ -594,11 +581,7 @@ fn standard<'a, T: Element>(x: &'a ArrayView3<'a, T>) -> CowArray<'a, T, Ix3> {
     x.as_standard_layout()
 }
 
-fn check_inputs<T: Element>(
-    q: &ArrayView3<T>,
-    k: &ArrayView3<T>,
-    v: &ArrayView3<T>,
-) -> Result<()> {
+fn check_inputs<T: Element>(q: &ArrayView3<T>, k: &ArrayView3<T>, v: &ArrayView3<T>) -> Result<()> {
     check_qkv_shapes(q.shape(), k.shape(), v.shape())?;
     check_finite("q", q)?;
     check_finite("k", k)?;
@@ -716,11 +699,7 @@ pub fn varlen_attention_backward<T: Element>(
     ))
 }
 
-fn dense_items<'a>(
-    masks: &'a [ArrayView2<'a, bool>],
-    row_len: usize,
-    h: usize,
-) -> Vec<Item<'a>> {
+fn dense_items<'a>(masks: &'a [ArrayView2<'a, bool>], row_len: usize, h: usize) -> Vec<Item<'a>> {
     let mut items = Vec::with_capacity(masks.len() * h);
     for (r, mask) in masks.iter().enumerate() {
         if row_len == 0 {

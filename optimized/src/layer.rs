@@ -370,7 +370,8 @@ fn layer_norm(
                 }
                 let s = 1.0 / (var / w as f32 + self.eps).sqrt();
                 *inv = s;
-                for (((y, h), &g), &b) in row.iter_mut().zip(xh.iter_mut()).zip(self.g).zip(self.b) {
+                for (((y, h), &g), &b) in row.iter_mut().zip(xh.iter_mut()).zip(self.g).zip(self.b)
+                {
                     *h = (*y - mean) * s;
                     *y = h.mul_add(g, b);
                 }
@@ -489,7 +490,12 @@ fn heads(x: &Array2<f32>, h: usize) -> ArrayView3<'_, f32> {
         .expect("a standard [n, hidden] array reshapes to [n, h, d]")
 }
 
-fn check_input(p: &LayerParams32, num_heads: usize, x: &ArrayView2<f32>, layout: &AttentionLayout) -> Result<()> {
+fn check_input(
+    p: &LayerParams32,
+    num_heads: usize,
+    x: &ArrayView2<f32>,
+    layout: &AttentionLayout,
+) -> Result<()> {
     p.check()?;
     let hidden = p.hidden();
     if num_heads == 0 || hidden % num_heads != 0 {
@@ -535,7 +541,11 @@ pub fn layer_forward(
     let q = linear(x.view(), &p.query_w, &p.query_b, None);
     let k = linear(x.view(), &p.key_w, &p.key_b, None);
     let v = linear(x.view(), &p.value_w, &p.value_b, None);
-    let (qh, kh, vh) = (heads(&q, num_heads), heads(&k, num_heads), heads(&v, num_heads));
+    let (qh, kh, vh) = (
+        heads(&q, num_heads),
+        heads(&k, num_heads),
+        heads(&v, num_heads),
+    );
     let attention = match layout {
         AttentionLayout::Varlen { cu_seqlens } => {
             varlen_attention(qh, kh, vh, cu_seqlens, false, scale)?
@@ -667,16 +677,9 @@ pub fn layer_backward(
     );
     let dah = heads(&da, num_heads);
     let ag = match layout {
-        AttentionLayout::Varlen { cu_seqlens } => varlen_attention_backward(
-            qh,
-            kh,
-            vh,
-            cu_seqlens,
-            false,
-            scale,
-            &cache.attention,
-            dah,
-        )?,
+        AttentionLayout::Varlen { cu_seqlens } => {
+            varlen_attention_backward(qh, kh, vh, cu_seqlens, false, scale, &cache.attention, dah)?
+        }
         AttentionLayout::Dense { row_len, allowed } => {
             let masks: Vec<ArrayView2<bool>> = allowed.iter().map(|a| a.view()).collect();
             dense_masked_attention_backward(
@@ -734,5 +737,8 @@ pub fn layer_backward(
 pub fn layer_flops(n: usize, hidden: usize, inter: usize, pairs: u64) -> (f64, f64) {
     let (n, hd, it, pairs) = (n as f64, hidden as f64, inter as f64, pairs as f64);
     let products = 2.0 * n * (4.0 * hd * hd + 2.0 * hd * it);
-    (products + 4.0 * pairs * hd, 2.0 * products + 10.0 * pairs * hd)
+    (
+        products + 4.0 * pairs * hd,
+        2.0 * products + 10.0 * pairs * hd,
+    )
 }

@@ -4,8 +4,9 @@
 //! through [`rayon`], matrix products through [`gemm`]. Each kernel passes the
 //! same equivalence suites as the f64 reference (see `optimized/tests/`).
 
+pub mod adapt;
 pub mod attention;
+pub mod layer;
 pub mod matmul;
 pub mod simd;
-pub mod adapt;
-pub mod layer;
+pub mod vocab;

@@ -111,7 +111,10 @@ pub fn exp<S: Simd>(simd: S, x: S::f32s) -> S::f32s {
 /// clamped to `[-4, 4]` (outside, `erf` is `±1` in f32).
 #[inline(always)]
 pub fn erf<S: Simd>(simd: S, x: S::f32s) -> S::f32s {
-    let x = simd.min_f32s(simd.max_f32s(x, simd.splat_f32s(-4.0)), simd.splat_f32s(4.0));
+    let x = simd.min_f32s(
+        simd.max_f32s(x, simd.splat_f32s(-4.0)),
+        simd.splat_f32s(4.0),
+    );
     let x2 = simd.mul_f32s(x, x);
     let mut p = simd.splat_f32s(-2.726_142_3e-10);
     for c in [
@@ -224,11 +227,7 @@ pub fn dot<S: Simd>(simd: S, a: &[f32], b: &[f32]) -> f32 {
         acc = simd.mul_add_f32s(x, y, acc);
     }
     if !ta.is_empty() {
-        acc = simd.mul_add_f32s(
-            load_tail(simd, ta, 0.0),
-            load_tail(simd, tb, 0.0),
-            acc,
-        );
+        acc = simd.mul_add_f32s(load_tail(simd, ta, 0.0), load_tail(simd, tb, 0.0), acc);
     }
     simd.reduce_sum_f32s(acc)
 }
@@ -446,7 +445,10 @@ mod tests {
             }
         }
         assert!(worst <= 2.0, "worst exp error {worst} ulp");
-        assert!(worst > 0.0, "a polynomial exp that matches libm everywhere is suspicious");
+        assert!(
+            worst > 0.0,
+            "a polynomial exp that matches libm everywhere is suspicious"
+        );
         let mut low = vec![-87.5f32, -100.0, -1e30, f32::NEG_INFINITY, -87.000_01];
         exp_slice(&mut low);
         assert_eq!(low, vec![0.0; 5]);
@@ -457,7 +459,9 @@ mod tests {
 
     #[test]
     fn erf_and_gelu_are_close_to_libm() {
-        let xs: Vec<f32> = (0..80_001).map(|i| -8.0 + 16.0 * i as f32 / 80_000.0).collect();
+        let xs: Vec<f32> = (0..80_001)
+            .map(|i| -8.0 + 16.0 * i as f32 / 80_000.0)
+            .collect();
         let mut e = xs.clone();
         erf_slice(&mut e);
         let mut g = xs.clone();
@@ -482,7 +486,10 @@ mod tests {
             let f = |t: f64| 0.5 * t * (1.0 + libm::erf(t / std::f64::consts::SQRT_2));
             let h = 1e-5;
             let want = (f(x + h) - f(x - h)) / (2.0 * h);
-            assert!((d as f64 - want).abs() <= 1e-6 * want.abs().max(1.0), "gelu'({x}) = {d}, want {want}");
+            assert!(
+                (d as f64 - want).abs() <= 1e-6 * want.abs().max(1.0),
+                "gelu'({x}) = {d}, want {want}"
+            );
         }
     }
 
@@ -500,14 +507,20 @@ mod tests {
             type Output = usize;
             #[inline(always)]
             fn with_simd<S: Simd>(self, simd: S) -> usize {
-                mm_acc(simd, self.m, self.n, self.k, self.a, self.k, self.b, self.n, self.c, self.n);
+                mm_acc(
+                    simd, self.m, self.n, self.k, self.a, self.k, self.b, self.n, self.c, self.n,
+                );
                 mm_col_multiple::<S>()
             }
         }
         let w = 4 * lanes();
         for (m, n, k) in [(4, w, 3), (8, 2 * w, 17), (12, w, 64)] {
-            let a: Vec<f32> = (0..m * k).map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0).collect();
-            let b: Vec<f32> = (0..k * n).map(|i| ((i * 53 % 89) as f32 - 44.0) / 3.0).collect();
+            let a: Vec<f32> = (0..m * k)
+                .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
+                .collect();
+            let b: Vec<f32> = (0..k * n)
+                .map(|i| ((i * 53 % 89) as f32 - 44.0) / 3.0)
+                .collect();
             let mut c: Vec<f32> = (0..m * n).map(|i| i as f32 * 0.25).collect();
             let want: Vec<f32> = (0..m * n)
                 .map(|idx| {
@@ -515,7 +528,14 @@ mod tests {
                     (0..k).fold(c[idx], |acc, p| a[i * k + p].mul_add(b[p * n + j], acc))
                 })
                 .collect();
-            arch().dispatch(Op { m, n, k, a: &a, b: &b, c: &mut c });
+            arch().dispatch(Op {
+                m,
+                n,
+                k,
+                a: &a,
+                b: &b,
+                c: &mut c,
+            });
             assert_eq!(c, want, "m {m} n {n} k {k}");
         }
     }

@@ -7,8 +7,8 @@
 
 use ndarray::{Array2, ArrayView2, ArrayView3};
 use packshard_equivalence::attention::{
-    check_attention, run_attention_relative_suite, run_attention_suite, tile_cases,
-    AttentionCase, RelativeReport, VarlenAttention,
+    check_attention, run_attention_relative_suite, run_attention_suite, tile_cases, AttentionCase,
+    RelativeReport, VarlenAttention,
 };
 use packshard_equivalence::baseline32::{round_bf16, round_f32};
 use packshard_equivalence::compare::RelativeRule;
@@ -135,7 +135,15 @@ impl VarlenAttention for DenseAsVarlen {
         fwd: &AttentionOutput,
         grad_output: ArrayView3<f64>,
     ) -> Result<AttentionGrads, Error> {
-        Suite(OptimizedAttention::F32, "").masked_backward(q, k, v, allowed, scale, fwd, grad_output)
+        Suite(OptimizedAttention::F32, "").masked_backward(
+            q,
+            k,
+            v,
+            allowed,
+            scale,
+            fwd,
+            grad_output,
+        )
     }
 }
 
@@ -147,7 +155,11 @@ fn packed_equals_padded_bitwise_for_the_f32_and_bf16_variants() {
     for imp in [&F32, &BF16] {
         let seen = run_attention_suite(imp, 48).unwrap_or_else(|m| panic!("{}: {m}", imp.1));
         assert!(seen.values > 1000, "{seen:?}");
-        assert_eq!(seen.max_abs, 0.0, "{}: packed and padded differ: {seen:?}", imp.1);
+        assert_eq!(
+            seen.max_abs, 0.0,
+            "{}: packed and padded differ: {seen:?}",
+            imp.1
+        );
         for (i, (name, lengths, h, d)) in tile_cases().into_iter().enumerate() {
             let case = AttentionCase::seeded(&lengths, h, d, 7, 50 + i as u64);
             let seen = check_attention(imp, &case).unwrap_or_else(|m| panic!("{name}: {m}"));
@@ -169,7 +181,10 @@ fn relative(imp: &dyn VarlenAttention, cases: u32, round: fn(f64) -> f64) -> Rel
         r.worst_ratio,
         r.worst
     );
-    assert!(r.totals.max_ratio() > 0.0 && r.totals.max_ratio() <= 4.0, "{r:?}");
+    assert!(
+        r.totals.max_ratio() > 0.0 && r.totals.max_ratio() <= 4.0,
+        "{r:?}"
+    );
     assert!(r.nonzero_baseline > 100, "{r:?}");
     r
 }
@@ -202,12 +217,7 @@ fn two_legitimate_f32_baselines_differ_by_over_8x_on_single_small_tensors() {
     use proptest::test_runner::TestRunner;
 
     /// `grad_q` of varlen attention in f32, with or without FMA.
-    fn grad_q(
-        x: [&Array3<f32>; 4],
-        cu: &[usize],
-        scale: f32,
-        fma: bool,
-    ) -> Array3<f32> {
+    fn grad_q(x: [&Array3<f32>; 4], cu: &[usize], scale: f32, fma: bool) -> Array3<f32> {
         let [q, k, v, go] = x;
         let (n, h, d) = q.dim();
         let madd = |a: f32, b: f32, c: f32| if fma { a.mul_add(b, c) } else { c + a * b };
@@ -253,8 +263,15 @@ fn two_legitimate_f32_baselines_differ_by_over_8x_on_single_small_tensors() {
             .current()
             .rounded(round_f32);
         let cu = case.cu_seqlens();
-        let want = varlen_attention(case.q.view(), case.k.view(), case.v.view(), &cu, false, case.scale)
-            .unwrap();
+        let want = varlen_attention(
+            case.q.view(),
+            case.k.view(),
+            case.v.view(),
+            &cu,
+            false,
+            case.scale,
+        )
+        .unwrap();
         let wg = varlen_attention_backward(
             case.q.view(),
             case.k.view(),

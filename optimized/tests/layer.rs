@@ -4,9 +4,7 @@
 //! the f64 reference layer under `RelativeRule::F32`.
 
 use ndarray::{Array2, ArrayView2};
-use packshard_equivalence::bert::{
-    run_layer_relative_suite, run_layer_suite_with, EncoderLayer,
-};
+use packshard_equivalence::bert::{run_layer_relative_suite, run_layer_suite_with, EncoderLayer};
 use packshard_equivalence::compare::{RelativeRule, Tolerance};
 use packshard_optimized::adapt::to_f32;
 use packshard_optimized::layer::{layer_backward, layer_forward, LayerParams32};
@@ -59,5 +57,8 @@ fn the_layer_is_within_4x_the_f32_reference_error() {
         r.worst_ratio,
         r.worst
     );
-    assert!(r.totals.max_ratio() > 0.0 && r.totals.max_ratio() <= 4.0, "{r:?}");
+    assert!(
+        r.totals.max_ratio() > 0.0 && r.totals.max_ratio() <= 4.0,
+        "{r:?}"
+    );
 }
