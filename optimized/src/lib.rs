@@ -9,4 +9,5 @@ pub mod attention;
 pub mod layer;
 pub mod matmul;
 pub mod simd;
+pub mod variants;
 pub mod vocab;
