@@ -6,6 +6,10 @@ use clap::{Parser, Subcommand};
 
 mod cli;
 
+/// Counts heap bytes so that `packshard bench` can report peak memory.
+#[global_allocator]
+static ALLOC: packshard::bench::CountingAlloc = packshard::bench::CountingAlloc;
+
 /// Correctness oracle for sequence packing and vocabulary parallelism.
 #[derive(Parser)]
 #[command(name = "packshard", version, about, long_about = None)]
@@ -24,6 +28,8 @@ enum Command {
     Vocab(cli::vocab::VocabArgs),
     /// Check packed == padded on a real model and real text (`verify bert`).
     Verify(cli::verify::VerifyArgs),
+    /// Time the optimized kernels against their baselines in one run (--quick for CI sizes).
+    Bench(cli::bench::BenchArgs),
 }
 
 fn main() -> ExitCode {
@@ -69,6 +75,7 @@ fn main() -> ExitCode {
         Command::Eval(args) => cli::eval::run(args),
         Command::Vocab(args) => cli::vocab::run(args),
         Command::Verify(args) => cli::verify::run(args),
+        Command::Bench(args) => cli::bench::run(args),
     };
     match result {
         Ok(code) => code,

@@ -1,5 +1,6 @@
 //! Subcommands of the `packshard` binary.
 
+pub mod bench;
 pub mod eval;
 pub mod pack;
 pub mod verify;
