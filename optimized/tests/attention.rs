@@ -307,3 +307,21 @@ fn two_legitimate_f32_baselines_differ_by_over_8x_on_single_small_tensors() {
     assert!(worst > 8.0, "{worst}");
     assert!(suite < 2.0, "{suite}");
 }
+
+/// Every attention variant of the one list has a suite here, and passes it.
+#[test]
+fn every_attention_variant_in_the_list_passes_the_relative_suite() {
+    use packshard_optimized::variants::{of, Kernel};
+    let mut seen = 0;
+    for variant in of(Kernel::Attention) {
+        let (imp, round): (&dyn VarlenAttention, fn(f64) -> f64) = match variant.name {
+            "attention_varlen_tiled" => (&F32, round_f32),
+            "attention_varlen_tiled_bf16" => (&BF16, round_bf16),
+            "attention_dense_masked" => (&DenseAsVarlen, round_f32),
+            other => panic!("variant {other} has no attention suite"),
+        };
+        relative(imp, 16, round);
+        seen += 1;
+    }
+    assert_eq!(seen, 3);
+}

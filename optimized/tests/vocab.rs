@@ -312,3 +312,31 @@ fn bad_input_gets_the_reference_errors() {
         theirs,
     );
 }
+
+/// Every cross-entropy variant of the one list has a check here.
+#[test]
+fn every_vocab_variant_in_the_list_is_checked() {
+    use packshard_optimized::variants::{of, Kernel};
+    let mut seen = 0;
+    for variant in of(Kernel::CrossEntropy).chain(of(Kernel::LinearCrossEntropy)) {
+        match variant.name {
+            // The sharded form is alg2 through the suite; the unsharded one
+            // against the reference.
+            "cross_entropy_f32" => {
+                run(SMALL);
+                cross_entropy_on_logits_matches_the_reference();
+            }
+            "linear_ce_fused" => {
+                run(Chunks {
+                    tokens: 2,
+                    vocab: 3,
+                });
+                fused_equals_materialized_and_the_reference();
+            }
+            "linear_ce_materialized" => fused_equals_materialized_and_the_reference(),
+            other => panic!("variant {other} has no vocab check"),
+        }
+        seen += 1;
+    }
+    assert_eq!(seen, 3);
+}
