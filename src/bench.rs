@@ -187,7 +187,7 @@ impl BenchConfig {
                 return Err(Error::invalid(field, "must be at least 1"));
             }
         }
-        if self.hidden % self.heads != 0 {
+        if !self.hidden.is_multiple_of(self.heads) {
             return Err(Error::invalid(
                 "heads",
                 format!("{} heads do not divide hidden {}", self.heads, self.hidden),

@@ -528,6 +528,9 @@ pub fn cross_entropy(
     }
 }
 
+/// `(grad_hidden [n, h], grad_weight [v, h])` in f32.
+pub type LinearGrads32 = (Array2<f32>, Array2<f32>);
+
 /// The output layer in f32: `logits = hidden @ weight^T` (`hidden: [n, h]`,
 /// `weight: [v, h]`), [`cross_entropy`], and with `want_grad` `(grad_hidden
 /// [n, h], grad_weight [v, h])`.
@@ -537,7 +540,7 @@ pub fn linear_cross_entropy(
     targets: &[i64],
     config: &LossConfig,
     want_grad: bool,
-) -> (CrossEntropy32, Option<(Array2<f32>, Array2<f32>)>) {
+) -> (CrossEntropy32, Option<LinearGrads32>) {
     let logits = hidden.dot(&weight.t());
     let ce = cross_entropy(logits.view(), targets, config, want_grad);
     let grads = ce

@@ -498,7 +498,7 @@ fn check_input(
 ) -> Result<()> {
     p.check()?;
     let hidden = p.hidden();
-    if num_heads == 0 || hidden % num_heads != 0 {
+    if num_heads == 0 || !hidden.is_multiple_of(num_heads) {
         return Err(Error::invalid(
             "num_attention_heads",
             format!("{num_heads} heads do not divide hidden_size {hidden}"),

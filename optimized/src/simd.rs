@@ -91,7 +91,7 @@ pub fn exp<S: Simd>(simd: S, x: S::f32s) -> S::f32s {
     p = simd.mul_add_f32s(p, r, simd.splat_f32s(8.333_452e-3));
     p = simd.mul_add_f32s(p, r, simd.splat_f32s(4.166_579_6e-2));
     p = simd.mul_add_f32s(p, r, simd.splat_f32s(1.666_666_5e-1));
-    p = simd.mul_add_f32s(p, r, simd.splat_f32s(5.000_000_1e-1));
+    p = simd.mul_add_f32s(p, r, simd.splat_f32s(5e-1));
     let r2 = simd.mul_f32s(r, r);
     let y = simd.mul_add_f32s(p, r2, simd.add_f32s(r, simd.splat_f32s(1.0)));
     // 2^n from the integer in t's low bits: ((n + 127) << 23) as f32 bits.
@@ -122,7 +122,7 @@ pub fn erf<S: Simd>(simd: S, x: S::f32s) -> S::f32s {
         -2.101_024e-6,
         -5.692_506_4e-5,
         -7.349_906_3e-4,
-        -2.954_600e-3,
+        -2.954_6e-3,
         -1.609_603_3e-2,
     ] {
         p = simd.mul_add_f32s(x2, p, simd.splat_f32s(c));
@@ -290,7 +290,7 @@ pub fn mm_acc<S: Simd>(
     c: &mut [f32],
     ldc: usize,
 ) {
-    debug_assert!(m % 4 == 0 && n % mm_col_multiple::<S>() == 0);
+    debug_assert!(m.is_multiple_of(4) && n.is_multiple_of(mm_col_multiple::<S>()));
     if block_rows::<S>() == 4 {
         mm_block::<S, 4>(simd, m, n, k, a, lda, b, ldb, c, ldc);
     } else {
