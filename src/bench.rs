@@ -21,7 +21,7 @@
 //!   peak heap bytes (through [`CountingAlloc`], when the binary installs it).
 //!
 //! Every pair is checked to agree before it is timed. Times are the minimum
-//! over `reps` runs after one warm-up run.
+//! over `reps` runs after one warm-up run (the check run is the warm-up).
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -128,6 +128,8 @@ pub struct BenchConfig {
     pub ce_sizes: Vec<(usize, usize)>,
     /// Tokens of the cross-entropy runs.
     pub ce_tokens: usize,
+    /// Chunks of the fused cross-entropy.
+    pub ce_chunks: Chunks,
     /// Timed runs per measurement (after one warm-up).
     pub reps: usize,
     /// Seed of every random input.
@@ -148,6 +150,7 @@ impl BenchConfig {
             reference_sequences: 2,
             ce_sizes: vec![(30522, 384), (256_000, 1024)],
             ce_tokens: 4096,
+            ce_chunks: Chunks::default(),
             reps: 3,
             seed: 0,
         }
@@ -165,6 +168,7 @@ impl BenchConfig {
             reference_sequences: 2,
             ce_sizes: vec![(3001, 64)],
             ce_tokens: 512,
+            ce_chunks: Chunks::default(),
             reps: 2,
             seed: 0,
         }
@@ -181,6 +185,8 @@ impl BenchConfig {
             ("intermediate", self.intermediate),
             ("max_len", self.max_len),
             ("ce_tokens", self.ce_tokens),
+            ("ce_chunk_tokens", self.ce_chunks.tokens),
+            ("ce_chunk_vocab", self.ce_chunks.vocab),
             ("reps", self.reps),
         ] {
             if x == 0 {
@@ -207,6 +213,11 @@ impl BenchConfig {
 
 fn time<T>(reps: usize, mut f: impl FnMut() -> T) -> f64 {
     std::hint::black_box(f());
+    time_warm(reps, f)
+}
+
+/// As [`time`] where the check before it already ran `f` once (the warm-up).
+fn time_warm<T>(reps: usize, mut f: impl FnMut() -> T) -> f64 {
     (0..reps.max(1))
         .map(|_| {
             let t = Instant::now();
@@ -477,8 +488,8 @@ pub fn layer(cfg: &BenchConfig) -> Result<LayerReport> {
             format!("packed and padded outputs differ by {worst:e} (relative): not timing"),
         ));
     }
-    let packed_s = time(cfg.reps, || run(&xp, &gp, &packed));
-    let padded_s = time(cfg.reps, || run(&xd, &gd, &padded));
+    let packed_s = time_warm(cfg.reps, || run(&xp, &gp, &packed));
+    let padded_s = time_warm(cfg.reps, || run(&xd, &gd, &padded));
     let (f, b) = layer_flops(batch.packed_slots(), hd, inter, layout_pairs(&packed));
     let gemm_gflops = gemm_rate(
         batch.packed_slots().min(4096),
@@ -598,10 +609,10 @@ pub fn attention(cfg: &BenchConfig) -> Result<AttentionReport> {
             format!("varlen and dense masked differ by {diff}: not timing"),
         ));
     }
-    let varlen_s = time(cfg.reps, || {
+    let varlen_s = time_warm(cfg.reps, || {
         varlen_attention(q.view(), k.view(), v.view(), cu, false, scale)
     });
-    let dense_s = time(cfg.reps, || {
+    let dense_s = time_warm(cfg.reps, || {
         dense_masked_attention(q.view(), k.view(), v.view(), msl, &mviews, scale)
     });
     let (candle_s, candle_max_abs) =
@@ -662,7 +673,7 @@ fn candle_peer(
             format!("flash_attn_varlen_cpu differs from ours by {max_abs}: not timing"),
         ));
     }
-    let s = time(reps, || call().map(|_| ()));
+    let s = time_warm(reps, || call().map(|_| ()));
     Ok((Some(s), Some(max_abs)))
 }
 
@@ -721,11 +732,11 @@ pub fn cross_entropy(cfg: &BenchConfig) -> Result<Vec<CeReport>> {
         let w = uniform2(&mut rng, (v, hd), 0.1);
         let t: Vec<i64> = (0..n).map(|_| rng.random_range(0..v as i64)).collect();
         let config = LossConfig::default();
-        let chunks = Chunks::default();
+        let chunks = cfg.ce_chunks;
         let fused = || linear_cross_entropy_fused(x.view(), w.view(), &t, &config, true, chunks);
         let (f, fused_peak) = peak_since(fused);
         let f = f?;
-        let fused_s = time(cfg.reps, fused);
+        let fused_s = time_warm(cfg.reps, fused);
         let (mut materialized_s, mut materialized_peak) = (None, None);
         if n * v <= MAX_MATERIALIZED_LOGITS {
             let mat = || linear_cross_entropy_materialized(x.view(), w.view(), &t, &config, true);
@@ -740,7 +751,7 @@ pub fn cross_entropy(cfg: &BenchConfig) -> Result<Vec<CeReport>> {
             }
             drop(m);
             materialized_peak = peak;
-            materialized_s = Some(time(cfg.reps, mat));
+            materialized_s = Some(time_warm(cfg.reps, mat));
         }
         out.push(CeReport {
             vocab: v,

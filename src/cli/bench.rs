@@ -28,6 +28,9 @@ pub struct BenchArgs {
     /// Cross-entropy tokens.
     #[arg(long)]
     ce_tokens: Option<usize>,
+    /// Tokens per chunk of the fused cross-entropy (default 256).
+    #[arg(long)]
+    ce_chunk_tokens: Option<usize>,
     /// Timed runs per measurement (the minimum is reported).
     #[arg(long)]
     reps: Option<usize>,
@@ -69,6 +72,9 @@ pub fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
     }
     if let Some(t) = args.ce_tokens {
         cfg.ce_tokens = t;
+    }
+    if let Some(t) = args.ce_chunk_tokens {
+        cfg.ce_chunks.tokens = t;
     }
     if let Some(r) = args.reps {
         cfg.reps = r;
@@ -198,10 +204,12 @@ pub fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
         for r in &rs {
             if !args.json {
                 println!(
-                    "\nlinear cross-entropy fwd+bwd, vocab {} x hidden {}, {} tokens (logits [n, v] f32: {} MiB; gradients returned: {} MiB)",
+                    "\nlinear cross-entropy fwd+bwd, vocab {} x hidden {}, {} tokens, fused in chunks of {} x {} (logits [n, v] f32: {} MiB; gradients returned: {} MiB)",
                     r.vocab,
                     r.hidden,
                     r.tokens,
+                    cfg.ce_chunks.tokens,
+                    cfg.ce_chunks.vocab,
                     mib(Some(r.logits_bytes)),
                     mib(Some(r.output_bytes))
                 );
