@@ -620,11 +620,12 @@ mod tests {
         // An exact baseline leaves only the floor: 4 x 2^-23 x 4 = 1.9e-6.
         assert!(assert_within_k("t", &e, &e, &[1.0, 2.0, -4.0 + 1.5e-6], &[3], rule).is_ok());
         assert!(assert_within_k("t", &e, &e, &[1.0, 2.0, -4.0 + 2.5e-6], &[3], rule).is_err());
-        // A larger scale widens the floor.
+        // A larger scale widens the floor: 4 x 2^-23 x 4 = 1.9e-6 >= 1e-6
+        // (at scale 1 the floor is 4.8e-7).
         let z = [0.0, 0.0];
         assert!(assert_within_k("t", &z, &z, &[1e-6, 0.0], &[2], rule).is_err());
         assert!(
-            assert_within_k_with_scale("t", &z, &z, &[1e-6, 0.0], &[2], rule, Some(1.0)).is_ok()
+            assert_within_k_with_scale("t", &z, &z, &[1e-6, 0.0], &[2], rule, Some(4.0)).is_ok()
         );
         // Non-finite values must agree.
         let inf = [f64::NEG_INFINITY, 1.0];
