@@ -62,3 +62,24 @@ fn the_layer_is_within_4x_the_f32_reference_error() {
         "{r:?}"
     );
 }
+
+/// Every encoder-layer variant of the one list has a suite here.
+#[test]
+fn every_layer_variant_in_the_list_passes_the_relative_suite() {
+    use packshard_optimized::variants::{of, Kernel};
+    let mut seen = 0;
+    for variant in of(Kernel::EncoderLayer) {
+        let imp: &dyn EncoderLayer = match variant.name {
+            "encoder_layer" => &Optimized,
+            other => panic!("variant {other} has no layer suite"),
+        };
+        let r =
+            run_layer_relative_suite(imp, 8, RelativeRule::F32).unwrap_or_else(|m| panic!("{m}"));
+        assert!(
+            r.totals.max_ratio() > 0.0 && r.totals.max_ratio() <= 4.0,
+            "{r:?}"
+        );
+        seen += 1;
+    }
+    assert_eq!(seen, 1);
+}
