@@ -25,6 +25,7 @@ pub use packshard_optimized as optimized;
 pub use packshard_reference as reference;
 
 pub mod assets;
+pub mod bench;
 pub mod eval;
 pub mod fuzzing;
 pub mod golden;

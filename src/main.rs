@@ -6,6 +6,10 @@ use clap::{Parser, Subcommand};
 
 mod cli;
 
+/// Counts heap bytes so that `packshard bench` can report peak memory.
+#[global_allocator]
+static ALLOC: packshard::bench::CountingAlloc = packshard::bench::CountingAlloc;
+
 /// Correctness oracle for sequence packing and vocabulary parallelism.
 #[derive(Parser)]
 #[command(name = "packshard", version, about, long_about = None)]
@@ -30,6 +34,8 @@ enum Command {
     Check(cli::check::CheckArgs),
     /// Run the vocabulary-parallel 1F1B pipeline under mpirun: equivalence check and balance report.
     Pipeline(cli::pipeline::PipelineArgs),
+    /// Time the optimized kernels against their baselines in one run (--quick for CI sizes).
+    Bench(cli::bench::BenchArgs),
 }
 
 fn main() -> ExitCode {
@@ -78,6 +84,7 @@ fn main() -> ExitCode {
         Command::Golden(args) => cli::golden::run(args),
         Command::Check(args) => cli::check::run(args),
         Command::Pipeline(args) => cli::pipeline::run(args),
+        Command::Bench(args) => cli::bench::run(args),
     };
     match result {
         Ok(code) => code,

@@ -25,7 +25,11 @@ use packshard_reference::Error;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
 
-use crate::compare::{assert_close_with_scale, error_stats, Mismatch, Tolerance};
+use crate::baseline32;
+use crate::compare::{
+    assert_close_with_scale, assert_within_k_with_scale, error_stats, Mismatch, RelativeError,
+    RelativeRule, RelativeTotals, Tolerance,
+};
 
 /// An attention implementation in its packed and padded forms.
 pub trait VarlenAttention {
@@ -202,6 +206,21 @@ impl AttentionCase {
     }
 }
 
+impl AttentionCase {
+    /// The case with every tensor rounded by `round` (to f32, or bf16), so
+    /// that a lower-precision kernel receives exactly the inputs the f64
+    /// reference sees.
+    pub fn rounded(&self, round: fn(f64) -> f64) -> Self {
+        AttentionCase {
+            q: self.q.mapv(round),
+            k: self.k.mapv(round),
+            v: self.v.mapv(round),
+            grad_output: self.grad_output.mapv(round),
+            ..self.clone()
+        }
+    }
+}
+
 /// What a passing run saw.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Observed {
@@ -289,7 +308,21 @@ pub fn check_attention(
     imp: &dyn VarlenAttention,
     case: &AttentionCase,
 ) -> Result<Observed, Mismatch> {
-    let tol = Tolerance::F64_REWRITE;
+    check_attention_with(imp, case, Tolerance::F64_REWRITE)
+}
+
+/// As [`check_attention`] with packed == padded judged under `tol` (an f32
+/// kernel that is not bitwise equal in both forms passes
+/// [`Tolerance::F32_REWRITE`]); padding rows must still be exactly 0 and
+/// other sequences bitwise unchanged.
+///
+/// # Errors
+/// As [`check_attention`].
+pub fn check_attention_with(
+    imp: &dyn VarlenAttention,
+    case: &AttentionCase,
+    tol: Tolerance,
+) -> Result<Observed, Mismatch> {
     let cu = case.cu_seqlens();
     let (n, h, d) = case.q.dim();
     let err = |what: &str, e: Error| Mismatch::new(what, format!("{}: {e}", imp.name()));
@@ -484,11 +517,23 @@ pub fn fault_cases() -> Vec<(&'static str, Vec<usize>, usize)> {
 /// # Errors
 /// The first failure with its case.
 pub fn run_attention_suite(imp: &dyn VarlenAttention, cases: u32) -> Result<Observed, Mismatch> {
+    run_attention_suite_with(imp, cases, Tolerance::F64_REWRITE)
+}
+
+/// As [`run_attention_suite`] with packed == padded judged under `tol`.
+///
+/// # Errors
+/// The first failure with its case.
+pub fn run_attention_suite_with(
+    imp: &dyn VarlenAttention,
+    cases: u32,
+    tol: Tolerance,
+) -> Result<Observed, Mismatch> {
     let mut seen = Observed::default();
     for (i, (name, lengths, pad)) in fault_cases().into_iter().enumerate() {
         for (h, d) in [(1, 1), (2, 3)] {
             let case = AttentionCase::seeded(&lengths, h, d, pad, i as u64);
-            let o = check_attention(imp, &case)
+            let o = check_attention_with(imp, &case, tol)
                 .map_err(|m| Mismatch::new(format!("{name}: {}", m.what), m.detail))?;
             seen.merge(o);
         }
@@ -506,10 +551,286 @@ pub fn run_attention_suite(imp: &dyn VarlenAttention, cases: u32) -> Result<Obse
     let acc = std::cell::RefCell::new(seen);
     runner
         .run(&attention_cases(), |case| {
-            let o = check_attention(imp, &case).map_err(|m| TestCaseError::fail(m.to_string()))?;
+            let o = check_attention_with(imp, &case, tol)
+                .map_err(|m| TestCaseError::fail(m.to_string()))?;
             acc.borrow_mut().merge(o);
             Ok(())
         })
         .map_err(|e| Mismatch::new(format!("{} attention suite", imp.name()), e.to_string()))?;
     Ok(acc.into_inner())
+}
+
+// ---- lower-precision kernels against the f64 reference --------------------------
+
+/// What a run under a [`RelativeRule`] saw: the worst per-tensor ratio of
+/// the kernel's error to the baseline's, and the suite tier's totals.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RelativeReport {
+    /// The suite tier (see [`RelativeRule`]).
+    pub totals: RelativeTotals,
+    /// Largest `error / baseline error` over the tensors whose error is
+    /// above the rule's floor (0 if none).
+    pub worst_ratio: f64,
+    /// The tensor where it occurred.
+    pub worst: String,
+    /// Tensors compared.
+    pub tensors: usize,
+    /// Of which the baseline was not exact (the rule was not vacuous).
+    pub nonzero_baseline: usize,
+    /// Values compared.
+    pub values: usize,
+    /// Largest error of the kernel relative to the tensor's scale.
+    pub worst_relative_error: f64,
+}
+
+impl RelativeReport {
+    /// Records one comparison.
+    pub fn note(&mut self, what: &str, e: RelativeError) {
+        self.totals.add(&e);
+        self.tensors += 1;
+        self.values += e.values;
+        if e.baseline > 0.0 {
+            self.nonzero_baseline += 1;
+            if e.error > e.floor && e.ratio() > self.worst_ratio {
+                self.worst_ratio = e.ratio();
+                self.worst = what.to_string();
+            }
+        }
+        if e.scale > 0.0 {
+            self.worst_relative_error = self.worst_relative_error.max(e.error / e.scale);
+        }
+    }
+
+    /// Merges another run's figures.
+    pub fn merge(&mut self, other: RelativeReport) {
+        self.totals.merge(&other.totals);
+        if other.worst_ratio > self.worst_ratio {
+            self.worst_ratio = other.worst_ratio;
+            self.worst = other.worst;
+        }
+        self.tensors += other.tensors;
+        self.nonzero_baseline += other.nonzero_baseline;
+        self.values += other.values;
+        self.worst_relative_error = self.worst_relative_error.max(other.worst_relative_error);
+    }
+
+    /// Fails unless at least `min` comparisons had an inexact baseline (a
+    /// run where the f32 baseline is always exact checks nothing but the floor).
+    ///
+    /// # Errors
+    /// A [`Mismatch`] saying how many there were.
+    pub fn require_nonvacuous(&self, min: usize) -> Result<(), Mismatch> {
+        if self.nonzero_baseline < min {
+            return Err(Mismatch::new(
+                "relative suite",
+                format!(
+                    "only {} of {} comparisons had an inexact f32 baseline (at least {min} needed): the rule would be vacuous",
+                    self.nonzero_baseline, self.tensors
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+fn flat3(x: &Array3<f64>) -> Vec<f64> {
+    x.iter().copied().collect()
+}
+
+/// Checks a lower-precision `imp` on `case` against the f64 reference under
+/// `rule`: the case is rounded with `round` first (f32 or bf16 inputs, as the
+/// kernel receives them); `output`, `lse`, `grad_q`, `grad_k`, `grad_v` of
+/// the varlen form must each be within `k` times the error of
+/// [`baseline32`] (the reference math in f32 on the same inputs).
+///
+/// # Errors
+/// The first tensor outside the rule, as a [`Mismatch`].
+pub fn check_attention_relative(
+    imp: &dyn VarlenAttention,
+    case: &AttentionCase,
+    rule: RelativeRule,
+    round: fn(f64) -> f64,
+) -> Result<RelativeReport, Mismatch> {
+    let c = case.rounded(round);
+    let cu = c.cu_seqlens();
+    let (n, h, d) = c.q.dim();
+    let err = |what: &str, e: Error| Mismatch::new(what, format!("{}: {e}", imp.name()));
+    let want = varlen_attention(c.q.view(), c.k.view(), c.v.view(), &cu, false, c.scale)
+        .map_err(|e| err("reference", e))?;
+    let want_g = varlen_attention_backward(
+        c.q.view(),
+        c.k.view(),
+        c.v.view(),
+        &cu,
+        false,
+        c.scale,
+        &want,
+        c.grad_output.view(),
+    )
+    .map_err(|e| err("reference", e))?;
+    let (q32, k32, v32, g32) = (
+        baseline32::to_f32(&c.q.view()),
+        baseline32::to_f32(&c.k.view()),
+        baseline32::to_f32(&c.v.view()),
+        baseline32::to_f32(&c.grad_output.view()),
+    );
+    let scale32 = c.scale as f32;
+    let (bo, bl) =
+        baseline32::varlen_attention(q32.view(), k32.view(), v32.view(), &cu, false, scale32);
+    let bg = baseline32::varlen_attention_backward(
+        q32.view(),
+        k32.view(),
+        v32.view(),
+        &cu,
+        false,
+        scale32,
+        bo.view(),
+        bl.view(),
+        g32.view(),
+    );
+    let fwd = imp
+        .varlen_forward(c.q.view(), c.k.view(), c.v.view(), &cu, c.scale)
+        .map_err(|e| err("varlen_forward", e))?;
+    let grads = imp
+        .varlen_backward(
+            c.q.view(),
+            c.k.view(),
+            c.v.view(),
+            &cu,
+            c.scale,
+            &fwd,
+            c.grad_output.view(),
+        )
+        .map_err(|e| err("varlen_backward", e))?;
+    let mut report = RelativeReport::default();
+    let shape = [n, h, d];
+    let to64 = |x: &Array3<f32>| x.iter().map(|&v| f64::from(v)).collect::<Vec<f64>>();
+    // The three gradients are one gradient vector: those of q and k are zero
+    // by symmetry for a one-token segment (dP = delta), and then computed as
+    // round-off of terms as large as v's gradient; their floor is relative
+    // to the largest gradient.
+    let grad_scale = [&want_g.grad_q, &want_g.grad_k, &want_g.grad_v]
+        .iter()
+        .flat_map(|t| t.iter())
+        .fold(0.0f64, |m, v| m.max(v.abs()));
+    for (name, e, b, a, scale) in [
+        ("output", &want.output, &bo, &fwd.output, None),
+        (
+            "grad_q",
+            &want_g.grad_q,
+            &bg[0],
+            &grads.grad_q,
+            Some(grad_scale),
+        ),
+        (
+            "grad_k",
+            &want_g.grad_k,
+            &bg[1],
+            &grads.grad_k,
+            Some(grad_scale),
+        ),
+        (
+            "grad_v",
+            &want_g.grad_v,
+            &bg[2],
+            &grads.grad_v,
+            Some(grad_scale),
+        ),
+    ] {
+        if a.dim() != (n, h, d) {
+            return Err(Mismatch::new(
+                name,
+                format!("shape {:?}, expected {shape:?}", a.shape()),
+            ));
+        }
+        let r =
+            assert_within_k_with_scale(name, &flat3(e), &to64(b), &flat3(a), &shape, rule, scale)?;
+        report.note(name, r);
+    }
+    let lse_b: Vec<f64> = bl.iter().map(|&v| f64::from(v)).collect();
+    let lse_e: Vec<f64> = want.lse.iter().copied().collect();
+    let lse_a: Vec<f64> = fwd.lse.iter().copied().collect();
+    let r = assert_within_k_with_scale("lse", &lse_e, &lse_b, &lse_a, &[h, n], rule, None)?;
+    report.note("lse", r);
+    Ok(report)
+}
+
+/// Cases that cross the tiles of a blocked kernel (segments longer than 64
+/// and 128 tokens, one exactly 64, empty ones), as `(name, lengths, heads,
+/// head dim)`.
+pub fn tile_cases() -> Vec<(&'static str, Vec<usize>, usize, usize)> {
+    vec![
+        (
+            "segments of 130, 3, 0 and 70 tokens",
+            vec![130, 3, 0, 70],
+            2,
+            16,
+        ),
+        (
+            "one segment of exactly 64 and one of 65",
+            vec![64, 65],
+            3,
+            7,
+        ),
+        ("a segment of 200, head dim 64", vec![200, 1], 2, 64),
+    ]
+}
+
+/// The suite for a lower-precision kernel: the fault cases and
+/// [`tile_cases`], then `cases` random ones (fixed seed), each checked by
+/// [`check_attention_relative`]; fails if the rule was vacuous.
+///
+/// # Errors
+/// The first failure with its case.
+pub fn run_attention_relative_suite(
+    imp: &dyn VarlenAttention,
+    cases: u32,
+    rule: RelativeRule,
+    round: fn(f64) -> f64,
+) -> Result<RelativeReport, Mismatch> {
+    let mut report = RelativeReport::default();
+    let named = |name: &str, m: Mismatch| Mismatch::new(format!("{name}: {}", m.what), m.detail);
+    for (i, (name, lengths, pad)) in fault_cases().into_iter().enumerate() {
+        for (h, d) in [(1, 1), (2, 3)] {
+            let case = AttentionCase::seeded(&lengths, h, d, pad, i as u64);
+            report.merge(
+                check_attention_relative(imp, &case, rule, round).map_err(|m| named(name, m))?,
+            );
+        }
+    }
+    for (i, (name, lengths, h, d)) in tile_cases().into_iter().enumerate() {
+        let case = AttentionCase::seeded(&lengths, h, d, 0, 100 + i as u64);
+        report
+            .merge(check_attention_relative(imp, &case, rule, round).map_err(|m| named(name, m))?);
+    }
+    let mut runner = TestRunner::new_with_rng(
+        Config {
+            cases,
+            failure_persistence: None,
+            ..Config::default()
+        },
+        proptest::test_runner::TestRng::deterministic_rng(
+            proptest::test_runner::RngAlgorithm::ChaCha,
+        ),
+    );
+    let acc = std::cell::RefCell::new(report);
+    runner
+        .run(&attention_cases(), |case| {
+            let r = check_attention_relative(imp, &case, rule, round)
+                .map_err(|m| TestCaseError::fail(m.to_string()))?;
+            acc.borrow_mut().merge(r);
+            Ok(())
+        })
+        .map_err(|e| {
+            Mismatch::new(
+                format!("{} relative attention suite", imp.name()),
+                e.to_string(),
+            )
+        })?;
+    let report = acc.into_inner();
+    report.require_nonvacuous(10)?;
+    report
+        .totals
+        .check(&format!("{} relative attention suite", imp.name()), rule)?;
+    Ok(report)
 }

@@ -7,7 +7,9 @@
 //! tests: a deliberately broken implementation that the check must reject.
 //!
 //! - [`compare`]: tensor comparison under a named [`compare::Tolerance`], with
-//!   failures that name the tensor, the index and both values.
+//!   failures that name the tensor, the index and both values; for kernels in
+//!   lower precision the [`compare::RelativeRule`] (at most `k` times the error
+//!   of the reference math run in that precision, [`baseline32`]).
 //! - [`packing`]: plans and packed batches (FAULTS.md P1, P3–P6).
 //! - [`vocab`]: vocabulary-parallel cross-entropy and embedding, sharded ==
 //!   unsharded (FAULTS.md V1–V6).
@@ -22,10 +24,11 @@
 #![warn(missing_docs)]
 
 pub mod attention;
+pub mod baseline32;
 pub mod bert;
 pub mod compare;
 pub mod fuzz;
 pub mod packing;
 pub mod vocab;
 
-pub use compare::{Mismatch, Tolerance};
+pub use compare::{Mismatch, RelativeRule, RelativeTotals, Tolerance};

@@ -58,7 +58,9 @@ use packshard_reference::Error;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
 
-use crate::compare::{assert_close, Mismatch, Tolerance};
+pub use crate::attention::RelativeReport;
+use crate::baseline32;
+use crate::compare::{assert_close, assert_within_k_with_scale, Mismatch, RelativeRule, Tolerance};
 
 /// A vocabulary-parallel implementation: the sharded cross-entropy on given
 /// logits, the sharded output layer, and the sharded input embedding.
@@ -551,6 +553,23 @@ pub fn check_cross_entropy(
     case: &CeCase,
     want_grad: bool,
 ) -> Result<(), Mismatch> {
+    check_cross_entropy_with(imp, algorithm, case, want_grad, Rule::Terms)
+}
+
+/// As [`check_cross_entropy`] under `rule` (see [`Rule`]).
+///
+/// # Errors
+/// The first difference, as a [`Mismatch`] naming the tensor, rank and index.
+pub fn check_cross_entropy_with(
+    imp: &dyn VocabParallel,
+    algorithm: ShardedAlgorithm,
+    case: &CeCase,
+    want_grad: bool,
+    rule: Rule,
+) -> Result<(), Mismatch> {
+    if let Rule::Relative(rule) = rule {
+        return check_cross_entropy_relative(imp, algorithm, case, want_grad, rule);
+    }
     let v = case.map.vocab_size();
     let real = case
         .logits
@@ -587,6 +606,23 @@ pub fn check_linear(
     case: &LinearCase,
     want_grad: bool,
 ) -> Result<(), Mismatch> {
+    check_linear_with(imp, algorithm, case, want_grad, Rule::Terms)
+}
+
+/// As [`check_linear`] under `rule` (see [`Rule`]).
+///
+/// # Errors
+/// The first difference, as a [`Mismatch`].
+pub fn check_linear_with(
+    imp: &dyn VocabParallel,
+    algorithm: ShardedAlgorithm,
+    case: &LinearCase,
+    want_grad: bool,
+    rule: Rule,
+) -> Result<(), Mismatch> {
+    if let Rule::Relative(rule) = rule {
+        return check_linear_relative(imp, algorithm, case, want_grad, rule);
+    }
     let v = case.map.vocab_size();
     let real = case
         .weight
@@ -695,6 +731,31 @@ pub fn compare_linear(
 /// # Errors
 /// The first difference, as a [`Mismatch`].
 pub fn check_embedding(imp: &dyn VocabParallel, case: &EmbeddingCase) -> Result<(), Mismatch> {
+    check_embedding_with(imp, case, Rule::Terms)
+}
+
+/// As [`check_embedding`]; under [`Rule::Relative`] the weight and
+/// `grad_output` are rounded to f32 first (a lookup is exact in any
+/// precision, so the comparison stays [`Tolerance::EXACT`]).
+///
+/// # Errors
+/// The first difference, as a [`Mismatch`].
+pub fn check_embedding_with(
+    imp: &dyn VocabParallel,
+    case: &EmbeddingCase,
+    rule: Rule,
+) -> Result<(), Mismatch> {
+    let rounded;
+    let case = if let Rule::Relative(_) = rule {
+        rounded = EmbeddingCase {
+            weight: case.weight.mapv(baseline32::round_f32),
+            grad_output: case.grad_output.mapv(baseline32::round_f32),
+            ..case.clone()
+        };
+        &rounded
+    } else {
+        case
+    };
     let v = case.map.vocab_size();
     let real = case
         .weight
@@ -748,6 +809,288 @@ pub fn check_embedding(imp: &dyn VocabParallel, case: &EmbeddingCase) -> Result<
     Ok(())
 }
 
+// ---- lower-precision implementations ------------------------------------------
+
+/// How a check judges the values of an implementation.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Rule {
+    /// f64 implementations: [`TERMS`] (64 ulp of the terms).
+    Terms,
+    /// Lower-precision implementations: every input is rounded to f32 first
+    /// (so the f64 reference and the implementation see the same numbers),
+    /// and each loss, per-token loss, `logsumexp` and gradient, on every
+    /// rank, is held to the [`RelativeRule`] against the same reference math
+    /// run in f32 ([`baseline32`]); padding columns and rows must still be
+    /// exactly 0 and the collective counts those of the algorithm.
+    Relative(RelativeRule),
+}
+
+thread_local! {
+    /// The comparisons under [`Rule::Relative`] this thread has made since
+    /// [`run_suite_with`] started.
+    static RELATIVE: RefCell<RelativeReport> = RefCell::new(RelativeReport::default());
+}
+
+fn relative(
+    what: &str,
+    expected: &[f64],
+    baseline: &[f64],
+    actual: &[f64],
+    shape: &[usize],
+    rule: RelativeRule,
+) -> Result<(), Mismatch> {
+    let r = assert_within_k_with_scale(what, expected, baseline, actual, shape, rule, None)?;
+    RELATIVE.with(|rep| rep.borrow_mut().note(what, r));
+    Ok(())
+}
+
+fn flat64(a: &Array2<f64>) -> Vec<f64> {
+    a.iter().copied().collect()
+}
+
+fn flat32(a: &Array2<f32>) -> Vec<f64> {
+    a.iter().map(|&x| f64::from(x)).collect()
+}
+
+/// [`check_loss`] under a [`RelativeRule`], with the f32 baseline `base`.
+#[allow(clippy::too_many_arguments)]
+fn check_loss_relative(
+    algorithm: ShardedAlgorithm,
+    map: &ShardMap,
+    expected: &CrossEntropy,
+    base: &baseline32::CrossEntropy32,
+    actual: &ShardedLoss,
+    linear: bool,
+    want_grad: bool,
+    rule: RelativeRule,
+) -> Result<(), Mismatch> {
+    let p = map.num_shards();
+    if actual.ranks.len() != p {
+        return fail(
+            "ranks",
+            format!("{} ranks answered, {p} expected", actual.ranks.len()),
+        );
+    }
+    let n = expected.per_token_loss.len();
+    let lse = expected.logsumexp();
+    let b_lse: Vec<f64> = base.logsumexp.iter().map(|&x| f64::from(x)).collect();
+    let b_tok: Vec<f64> = base.per_token_loss.iter().map(|&x| f64::from(x)).collect();
+    for r in &actual.ranks {
+        let at = |what: &str| format!("{what} (rank {})", r.rank);
+        relative(
+            &at("loss"),
+            &[expected.loss],
+            &[f64::from(base.loss)],
+            &[r.loss],
+            &[1],
+            rule,
+        )?;
+        relative(
+            &at("per_token_loss"),
+            expected.per_token_loss.as_slice().unwrap_or(&[]),
+            &b_tok,
+            &r.per_token_loss.to_vec(),
+            &[n],
+            rule,
+        )?;
+        let got_lse: Vec<f64> = r.global.iter().map(|g| g.logsumexp()).collect();
+        if got_lse.len() == n {
+            relative(
+                &at("logsumexp"),
+                lse.as_slice().unwrap_or(&[]),
+                &b_lse,
+                &got_lse,
+                &[n],
+                rule,
+            )?;
+        } else if !got_lse.is_empty() {
+            return fail(
+                at("logsumexp"),
+                format!("{} rows, {n} expected", got_lse.len()),
+            );
+        }
+    }
+    if let Some(want) = &expected.grad_logits {
+        let Some(got) = actual.grad_logits() else {
+            return fail("grad_logits", "missing");
+        };
+        let Some(b) = &base.grad_logits else {
+            return fail("grad_logits", "the baseline has none");
+        };
+        if got.shape() != want.shape() {
+            return fail(
+                "grad_logits",
+                format!("shape {:?}, expected {:?}", got.shape(), want.shape()),
+            );
+        }
+        relative(
+            "grad_logits",
+            &flat64(want),
+            &flat32(b),
+            &flat64(&got),
+            want.shape(),
+            rule,
+        )?;
+        for (s, r) in map.shards().iter().zip(&actual.ranks) {
+            let g = r.grad_logits.as_ref().expect("gathered above");
+            let padding = g.slice_axis(Axis(1), Slice::from(s.real..));
+            if let Some(x) = padding.iter().find(|x| **x != 0.0) {
+                return fail(
+                    "grad_logits",
+                    format!("rank {}: a padding column has gradient {x}, not 0", r.rank),
+                );
+            }
+        }
+    }
+    check_counts(algorithm, actual, linear, want_grad)
+}
+
+fn check_cross_entropy_relative(
+    imp: &dyn VocabParallel,
+    algorithm: ShardedAlgorithm,
+    case: &CeCase,
+    want_grad: bool,
+    rule: RelativeRule,
+) -> Result<(), Mismatch> {
+    let case = CeCase {
+        logits: case.logits.mapv(baseline32::round_f32),
+        ..case.clone()
+    };
+    let v = case.map.vocab_size();
+    let real = case
+        .logits
+        .slice_axis(Axis(1), Slice::from(..v.min(case.logits.ncols())));
+    let expected = cross_entropy(real, &case.targets, &case.config, want_grad);
+    let actual = no_panic(&imp.name(), || {
+        imp.cross_entropy(
+            algorithm,
+            &case.map,
+            case.logits.view(),
+            &case.targets,
+            &case.config,
+            want_grad,
+        )
+    })?;
+    let Some((expected, actual)) = same_outcome(expected, actual)? else {
+        return Ok(());
+    };
+    let real32 = real.mapv(|x| x as f32);
+    let base = baseline32::cross_entropy(real32.view(), &case.targets, &case.config, want_grad);
+    check_loss_relative(
+        algorithm, &case.map, &expected, &base, &actual, false, want_grad, rule,
+    )
+}
+
+fn check_linear_relative(
+    imp: &dyn VocabParallel,
+    algorithm: ShardedAlgorithm,
+    case: &LinearCase,
+    want_grad: bool,
+    rule: RelativeRule,
+) -> Result<(), Mismatch> {
+    let case = LinearCase {
+        hidden: case.hidden.mapv(baseline32::round_f32),
+        weight: case.weight.mapv(baseline32::round_f32),
+        ..case.clone()
+    };
+    let v = case.map.vocab_size();
+    let real = case
+        .weight
+        .slice_axis(Axis(0), Slice::from(..v.min(case.weight.nrows())));
+    let expected = linear_cross_entropy(
+        case.hidden.view(),
+        real,
+        &case.targets,
+        &case.config,
+        want_grad,
+    );
+    let actual = no_panic(&imp.name(), || {
+        imp.linear_cross_entropy(
+            algorithm,
+            &case.map,
+            case.hidden.view(),
+            case.weight.view(),
+            &case.targets,
+            &case.config,
+            want_grad,
+        )
+    })?;
+    let Some((expected, actual)) = same_outcome(expected, actual)? else {
+        return Ok(());
+    };
+    let (h32, w32) = (case.hidden.mapv(|x| x as f32), real.mapv(|x| x as f32));
+    let (base, base_grads) = baseline32::linear_cross_entropy(
+        h32.view(),
+        w32.view(),
+        &case.targets,
+        &case.config,
+        want_grad,
+    );
+    if let (Some(want), Some((bh, _))) = (&expected.grad_hidden, &base_grads) {
+        for r in &actual.ranks {
+            let Some(got) = &r.grad_hidden else {
+                return fail("grad_hidden", format!("rank {}: missing", r.rank));
+            };
+            if got.shape() != want.shape() {
+                return fail(
+                    "grad_hidden",
+                    format!("shape {:?}, expected {:?}", got.shape(), want.shape()),
+                );
+            }
+            relative(
+                &format!("grad_hidden (rank {})", r.rank),
+                &flat64(want),
+                &flat32(bh),
+                &flat64(got),
+                want.shape(),
+                rule,
+            )?;
+        }
+    }
+    if let (Some(want), Some((_, bw))) = (&expected.grad_weight, &base_grads) {
+        let Some(got) = actual.grad_weight() else {
+            return fail("grad_weight", "missing");
+        };
+        if got.shape() != want.shape() {
+            return fail(
+                "grad_weight",
+                format!("shape {:?}, expected {:?}", got.shape(), want.shape()),
+            );
+        }
+        relative(
+            "grad_weight",
+            &flat64(want),
+            &flat32(bw),
+            &flat64(&got),
+            want.shape(),
+            rule,
+        )?;
+        for (s, r) in case.map.shards().iter().zip(&actual.ranks) {
+            let g = r.grad_weight.as_ref().expect("gathered above");
+            if let Some(x) = g
+                .slice_axis(Axis(0), Slice::from(s.real..))
+                .iter()
+                .find(|x| **x != 0.0)
+            {
+                return fail(
+                    "grad_weight",
+                    format!("rank {}: a padding row has gradient {x}, not 0", r.rank),
+                );
+            }
+        }
+    }
+    check_loss_relative(
+        algorithm,
+        &case.map,
+        &expected.ce,
+        &base,
+        &actual,
+        true,
+        want_grad,
+        rule,
+    )
+}
+
 // ---- the FAULTS.md examples --------------------------------------------------
 
 /// FAULTS.md V1 logits (`V = 8`, target 4).
@@ -775,6 +1118,14 @@ const LAYOUTS: [ShardLayout; 2] = [ShardLayout::Uneven, ShardLayout::Padded];
 /// # Errors
 /// The first failure, named by its FAULTS.md entry.
 pub fn check_fault_values(imp: &dyn VocabParallel) -> Result<(), Mismatch> {
+    check_fault_values_with(imp, Rule::Terms)
+}
+
+/// As [`check_fault_values`], every comparison under `rule`.
+///
+/// # Errors
+/// The first failure, named by its FAULTS.md entry.
+pub fn check_fault_values_with(imp: &dyn VocabParallel, rule: Rule) -> Result<(), Mismatch> {
     let named = |name: &str, m: Mismatch| Mismatch::new(format!("{name}: {}", m.what), m.detail);
     for algorithm in imp.algorithms() {
         // V1: label smoothing with the global vocabulary size.
@@ -796,7 +1147,7 @@ pub fn check_fault_values(imp: &dyn VocabParallel) -> Result<(), Mismatch> {
                         convention.name(),
                         layout.name()
                     );
-                    check_cross_entropy(imp, algorithm, &case, true)
+                    check_cross_entropy_with(imp, algorithm, &case, true, rule)
                         .map_err(|m| named(&name, m))?;
                     let out = imp
                         .cross_entropy(
@@ -838,7 +1189,8 @@ pub fn check_fault_values(imp: &dyn VocabParallel) -> Result<(), Mismatch> {
                 config: LossConfig::default(),
             };
             let name = format!("V2 {algorithm} padding {padding:?}");
-            check_cross_entropy(imp, algorithm, &case, true).map_err(|m| named(&name, m))?;
+            check_cross_entropy_with(imp, algorithm, &case, true, rule)
+                .map_err(|m| named(&name, m))?;
             let out = imp
                 .cross_entropy(
                     algorithm,
@@ -866,7 +1218,7 @@ pub fn check_fault_values(imp: &dyn VocabParallel) -> Result<(), Mismatch> {
             config: LossConfig::default(),
         };
         let name = format!("V3 {algorithm}");
-        check_linear(imp, algorithm, &case, true).map_err(|m| named(&name, m))?;
+        check_linear_with(imp, algorithm, &case, true, rule).map_err(|m| named(&name, m))?;
         let out = imp
             .linear_cross_entropy(
                 algorithm,
@@ -905,7 +1257,7 @@ pub fn check_fault_values(imp: &dyn VocabParallel) -> Result<(), Mismatch> {
                 targets: vec![0, v as i64 - 1],
                 config: LossConfig::default().with_smoothing(0.1, SmoothingConvention::PyTorch),
             };
-            check_cross_entropy(imp, algorithm, &case, true)
+            check_cross_entropy_with(imp, algorithm, &case, true, rule)
                 .map_err(|m| named(&format!("V4 {algorithm} {}", layout.name()), m))?;
             let hidden = Array2::from_shape_fn((3, 2), |(i, k)| i as f64 * 0.5 - k as f64);
             let weight =
@@ -917,7 +1269,7 @@ pub fn check_fault_values(imp: &dyn VocabParallel) -> Result<(), Mismatch> {
                 targets: vec![125_000, -100, 31_336],
                 config: LossConfig::default(),
             };
-            check_linear(imp, algorithm, &case, true)
+            check_linear_with(imp, algorithm, &case, true, rule)
                 .map_err(|m| named(&format!("V4 linear {algorithm} {}", layout.name()), m))?;
         }
         // V6: a shard whose logits are all -inf, and a shard that is all padding.
@@ -928,7 +1280,7 @@ pub fn check_fault_values(imp: &dyn VocabParallel) -> Result<(), Mismatch> {
             targets: vec![1],
             config: LossConfig::default(),
         };
-        check_cross_entropy(imp, algorithm, &case, true)
+        check_cross_entropy_with(imp, algorithm, &case, true, rule)
             .map_err(|m| named(&format!("V6 {algorithm} all -inf shard"), m))?;
         let case = CeCase {
             map: map(9, 4, ShardLayout::Padded),
@@ -936,7 +1288,7 @@ pub fn check_fault_values(imp: &dyn VocabParallel) -> Result<(), Mismatch> {
             targets: vec![5],
             config: LossConfig::default(),
         };
-        check_cross_entropy(imp, algorithm, &case, true)
+        check_cross_entropy_with(imp, algorithm, &case, true, rule)
             .map_err(|m| named(&format!("V6 {algorithm} all-padding shard"), m))?;
     }
     // V5: id == V or negative is an error in both layers.
@@ -951,7 +1303,7 @@ pub fn check_fault_values(imp: &dyn VocabParallel) -> Result<(), Mismatch> {
                     grad_output: Array2::ones((3, 3)),
                 };
                 let name = format!("V5 id {bad} p {p} {}", layout.name());
-                check_embedding(imp, &case).map_err(|m| named(&name, m))?;
+                check_embedding_with(imp, &case, rule).map_err(|m| named(&name, m))?;
                 if imp
                     .embedding(&case.map, &case.ids, weight.view(), None)
                     .is_ok()
@@ -1200,6 +1552,8 @@ pub struct Coverage {
     /// The largest difference seen over the whole run (FAULTS.md cases and
     /// random ones), in ulp of `|expected| + terms` (the tolerance is 64).
     pub worst_ulps: f64,
+    /// Under [`Rule::Relative`]: the comparisons of the whole run.
+    pub relative: RelativeReport,
 }
 
 impl Coverage {
@@ -1292,8 +1646,23 @@ fn runner(cases: u32) -> TestRunner {
 /// # Errors
 /// The first failure, with the (shrunk) case that produced it.
 pub fn run_suite(imp: &dyn VocabParallel, cases: u32) -> Result<Coverage, Mismatch> {
+    run_suite_with(imp, cases, Rule::Terms)
+}
+
+/// As [`run_suite`] with every comparison under `rule`; with
+/// [`Rule::Relative`] also the suite tier of the [`RelativeRule`] over all
+/// comparisons of the run (in [`Coverage::relative`]).
+///
+/// # Errors
+/// The first failure, with the (shrunk) case that produced it.
+pub fn run_suite_with(
+    imp: &dyn VocabParallel,
+    cases: u32,
+    rule: Rule,
+) -> Result<Coverage, Mismatch> {
     WORST_ULPS.with(|w| w.set(0.0));
-    check_fault_values(imp)?;
+    RELATIVE.with(|r| *r.borrow_mut() = RelativeReport::default());
+    check_fault_values_with(imp, rule)?;
     let coverage = RefCell::new(Coverage::default());
     let to_case_error = |m: Mismatch| TestCaseError::fail(m.to_string());
     let suite =
@@ -1301,7 +1670,8 @@ pub fn run_suite(imp: &dyn VocabParallel, cases: u32) -> Result<Coverage, Mismat
     runner(cases)
         .run(&(ce_cases(), any::<bool>()), |(case, want_grad)| {
             for algorithm in imp.algorithms() {
-                check_cross_entropy(imp, algorithm, &case, want_grad).map_err(to_case_error)?;
+                check_cross_entropy_with(imp, algorithm, &case, want_grad, rule)
+                    .map_err(to_case_error)?;
             }
             let mut c = coverage.borrow_mut();
             c.cases += 1;
@@ -1318,19 +1688,27 @@ pub fn run_suite(imp: &dyn VocabParallel, cases: u32) -> Result<Coverage, Mismat
     runner(cases)
         .run(&(linear_cases(), any::<bool>()), |(case, want_grad)| {
             for algorithm in imp.algorithms() {
-                check_linear(imp, algorithm, &case, want_grad).map_err(to_case_error)?;
+                check_linear_with(imp, algorithm, &case, want_grad, rule).map_err(to_case_error)?;
             }
             Ok(())
         })
         .map_err(|e| suite("linear_cross_entropy", e.to_string()))?;
     runner(cases)
         .run(&embedding_cases(), |case| {
-            check_embedding(imp, &case).map_err(to_case_error)
+            check_embedding_with(imp, &case, rule).map_err(to_case_error)
         })
         .map_err(|e| suite("embedding", e.to_string()))?;
     let mut coverage = coverage.into_inner();
     coverage.worst_ulps = WORST_ULPS.with(|w| w.get());
+    coverage.relative = RELATIVE.with(|r| r.borrow().clone());
     coverage.require(2)?;
+    if let Rule::Relative(rule) = rule {
+        coverage.relative.require_nonvacuous(100)?;
+        coverage
+            .relative
+            .totals
+            .check(&format!("{} relative vocab suite", imp.name()), rule)?;
+    }
     Ok(coverage)
 }
 

@@ -60,9 +60,17 @@ pub struct Op {
     pub name: &'static str,
     /// One line on what it computes.
     pub summary: &'static str,
-    /// The `impl` values it accepts (the first is the default).
-    pub impls: &'static [&'static str],
-    run: fn(&Value) -> Result<Value, EvalError>,
+    /// The `impl` values it accepts: `reference` (the default) and the
+    /// optimized variants of `packshard_optimized::variants` for this op.
+    pub impls: Vec<&'static str>,
+    run: fn(&Value, &str) -> Result<Value, EvalError>,
+}
+
+/// `reference` and the optimized variants `packshard eval` accepts for `op`.
+fn impls(op: &str) -> Vec<&'static str> {
+    let mut all = vec!["reference"];
+    all.extend(packshard_optimized::variants::eval_impls(op));
+    all
 }
 
 /// Every op the build has, in the order `--list` prints them.
@@ -71,44 +79,44 @@ pub fn ops() -> Vec<Op> {
         Op {
             name: "pack",
             summary: "pack lengths or a length histogram (SPFHP, LPFHP, NNLSHP, LPHP, FFD, BFD), with the LP lower bound on packs",
-            impls: &["reference"],
-            run: pack::pack,
+            impls: impls("pack"),
+            run: |v, _| pack::pack(v),
         },
         Op {
             name: "batch",
             summary: "pack token sequences into input_ids, position_ids, sequence_ids, cu_seqlens",
-            impls: &["reference"],
-            run: pack::batch,
+            impls: impls("batch"),
+            run: |v, _| pack::batch(v),
         },
         Op {
             name: "attention",
             summary: "varlen attention over cu_seqlens (flash_attn_varlen_func form): output, lse, gradients",
-            impls: &["reference"],
+            impls: impls("attention"),
             run: attention::attention,
         },
         Op {
             name: "bert",
             summary: "the reference BERT encoder on a real checkpoint: hidden states and pooled outputs, packed or padded",
-            impls: &["reference"],
-            run: bert::bert,
+            impls: impls("bert"),
+            run: |v, _| bert::bert(v),
         },
         Op {
             name: "cross_entropy",
             summary: "cross-entropy of logits, unsharded or vocabulary-parallel (naive, alg1, alg2)",
-            impls: &["reference"],
+            impls: impls("cross_entropy"),
             run: vocab::cross_entropy_op,
         },
         Op {
             name: "linear_cross_entropy",
             summary: "output layer hidden @ weight^T and its cross-entropy, unsharded or vocabulary-parallel",
-            impls: &["reference"],
+            impls: impls("linear_cross_entropy"),
             run: vocab::linear_cross_entropy_op,
         },
         Op {
             name: "embedding",
             summary: "input embedding lookup and its weight gradient, unsharded or vocabulary-parallel",
-            impls: &["reference"],
-            run: vocab::embedding_op,
+            impls: impls("embedding"),
+            run: |v, _| vocab::embedding_op(v),
         },
     ]
 }
@@ -153,11 +161,13 @@ pub fn evaluate(case: &Value) -> Result<Value, EvalError> {
             format!("op: unknown op {name:?}; known: {}", names.join(", ")),
         )
     })?;
+    let mut chosen = "reference";
     if let Some(imp) = obj.get("impl") {
         let imp = imp
             .as_str()
             .ok_or_else(|| EvalError::invalid("impl", format!("expected a string, found {imp}")))?;
-        if !op.impls.contains(&imp) {
+        chosen = op.impls.iter().copied().find(|i| *i == imp).unwrap_or("");
+        if chosen.is_empty() {
             return Err(EvalError::invalid(
                 "impl",
                 format!(
@@ -167,7 +177,7 @@ pub fn evaluate(case: &Value) -> Result<Value, EvalError> {
             ));
         }
     }
-    (op.run)(case)
+    (op.run)(case, chosen)
 }
 
 /// Parses and evaluates one case given as text.

@@ -3,6 +3,8 @@
 //! on `num_shards` in-process ranks (docs/INTERFACE.md).
 
 use ndarray::{Array2, Axis, Slice};
+use packshard_optimized::adapt::to_f32;
+use packshard_optimized::vocab as opt;
 use packshard_reference::vocab::embedding::{
     embedding_backward, embedding_forward, sharded_embedding,
 };
@@ -207,9 +209,99 @@ fn sharded_json(
     out
 }
 
+/// The optimized variants run the unsharded form or `alg2` only.
+fn alg2_only(imp: &str, algorithm: ShardedAlgorithm) -> Result<(), EvalError> {
+    if algorithm == ShardedAlgorithm::Alg2 {
+        Ok(())
+    } else {
+        Err(EvalError::invalid(
+            "algorithm",
+            format!("impl {imp} implements unsharded and alg2 only, not {algorithm}"),
+        ))
+    }
+}
+
+/// `[n, w]` as f32: the real columns `..v` through [`to_f32`] (values beyond
+/// the f32 range refused, naming `field[i]`), padding columns cast (never read).
+fn narrow_columns(field: &str, a: &Array2<f64>, v: usize) -> Result<Array2<f32>, EvalError> {
+    to_f32(field, a.slice_axis(Axis(1), Slice::from(..v)))?;
+    Ok(a.mapv(|x| x as f32))
+}
+
+/// As [`narrow_columns`] for the rows `..v` of `[w, h]`.
+fn narrow_rows(field: &str, a: &Array2<f64>, v: usize) -> Result<Array2<f32>, EvalError> {
+    to_f32(field, a.slice_axis(Axis(0), Slice::from(..v)))?;
+    Ok(a.mapv(|x| x as f32))
+}
+
+fn f32_json(op: &str, ce: &opt::CrossEntropy32, imp: &str) -> Map<String, Value> {
+    let lse = ce.logsumexp();
+    let mut out = loss_result(
+        op,
+        ce.loss,
+        ce.per_token_loss.as_slice().unwrap_or(&[]),
+        lse.as_slice().unwrap_or(&[]),
+        ce.num_tokens,
+        "unsharded",
+    );
+    out.insert("impl".into(), json!(imp));
+    out
+}
+
+fn widen32(a: &Array2<f32>) -> Array2<f64> {
+    a.mapv(f64::from)
+}
+
+/// `cross_entropy` under an optimized `imp` (`cross_entropy_f32`).
+fn cross_entropy_optimized(
+    imp: &str,
+    logits: &Array2<f64>,
+    targets: &[i64],
+    config: &LossConfig,
+    v: usize,
+    run: Run,
+    want_grad: bool,
+) -> Result<Map<String, Value>, EvalError> {
+    let width = logits.ncols();
+    let z = narrow_columns("logits", logits, v)?;
+    Ok(match run {
+        Run::Unsharded => {
+            let ce = opt::cross_entropy(
+                z.slice_axis(Axis(1), Slice::from(..v)),
+                targets,
+                config,
+                want_grad,
+            )?;
+            let mut out = f32_json("cross_entropy", &ce, imp);
+            if let Some(g) = &ce.grad_logits {
+                out.insert(
+                    "grad_logits".into(),
+                    matrix(&widen_columns(&widen32(g), width)),
+                );
+            }
+            out
+        }
+        Run::Sharded(algorithm, map) => {
+            alg2_only(imp, algorithm)?;
+            let s = opt::alg2::sharded_cross_entropy(&map, z.view(), targets, config, want_grad)?;
+            let tokens = targets
+                .iter()
+                .filter(|&&t| t != config.ignore_index)
+                .count();
+            let mut out = sharded_json("cross_entropy", algorithm, &s, tokens);
+            out.insert("impl".into(), json!(imp));
+            if let Some(g) = s.grad_logits() {
+                out.insert("grad_logits".into(), matrix(&widen_columns(&g, width)));
+            }
+            out
+        }
+    })
+}
+
 /// `cross_entropy`: `logits` ([n, w]; `-inf` allowed; columns `vocab_size..`
 /// are padding values, never read), `targets` ([n]) and the loss options.
-pub(super) fn cross_entropy_op(value: &Value) -> Result<Value, EvalError> {
+/// `imp`: `reference` or `cross_entropy_f32` (unsharded or `alg2`).
+pub(super) fn cross_entropy_op(value: &Value, imp: &str) -> Result<Value, EvalError> {
     let mut allowed = LOSS_FIELDS.to_vec();
     allowed.push("logits");
     let case = Case::new(value, &allowed)?;
@@ -218,6 +310,10 @@ pub(super) fn cross_entropy_op(value: &Value) -> Result<Value, EvalError> {
     let targets = case.i64_list("targets")?;
     let width = logits.ncols();
     let (config, v, run) = loss_options(&case, width)?;
+    if imp != "reference" {
+        let out = cross_entropy_optimized(imp, &logits, &targets, &config, v, run, want_grad)?;
+        return Ok(Value::Object(out));
+    }
     let real = logits.slice_axis(Axis(1), Slice::from(..v));
     let out = match run {
         Run::Unsharded => {
@@ -251,9 +347,83 @@ pub(super) fn cross_entropy_op(value: &Value) -> Result<Value, EvalError> {
     Ok(Value::Object(out))
 }
 
+/// `linear_cross_entropy` under an optimized `imp`: `linear_ce_materialized`
+/// (unsharded) or `linear_ce_fused` (unsharded, or `alg2` with the fused
+/// shard kernel), default chunks.
+#[allow(clippy::too_many_arguments)]
+fn linear_optimized(
+    imp: &str,
+    hidden: &Array2<f64>,
+    weight: &Array2<f64>,
+    targets: &[i64],
+    config: &LossConfig,
+    v: usize,
+    run: Run,
+    want_grad: bool,
+) -> Result<Map<String, Value>, EvalError> {
+    let rows = weight.nrows();
+    let x = to_f32("hidden", hidden.view())?;
+    let w = narrow_rows("weight", weight, v)?;
+    let chunks = opt::Chunks::default();
+    Ok(match run {
+        Run::Unsharded => {
+            let real = w.slice_axis(Axis(0), Slice::from(..v));
+            let l = if imp == "linear_ce_materialized" {
+                opt::linear_cross_entropy_materialized(x.view(), real, targets, config, want_grad)?
+            } else {
+                opt::linear_cross_entropy_fused(x.view(), real, targets, config, want_grad, chunks)?
+            };
+            let mut out = f32_json("linear_cross_entropy", &l.ce, imp);
+            out.insert("logits_buffer_bytes".into(), json!(l.logits_buffer_bytes));
+            grads(
+                &mut out,
+                None,
+                l.grad_hidden.map(|g| widen32(&g)).as_ref(),
+                l.grad_weight.map(|g| widen32(&g)).as_ref(),
+                rows,
+            );
+            out
+        }
+        Run::Sharded(algorithm, map) => {
+            if imp == "linear_ce_materialized" {
+                return Err(EvalError::invalid(
+                    "num_shards",
+                    "impl linear_ce_materialized is unsharded only; linear_ce_fused runs alg2",
+                ));
+            }
+            alg2_only(imp, algorithm)?;
+            let s = opt::alg2::sharded_linear_cross_entropy(
+                &map,
+                x.view(),
+                w.view(),
+                targets,
+                config,
+                want_grad,
+                chunks,
+                false,
+            )?;
+            let tokens = targets
+                .iter()
+                .filter(|&&t| t != config.ignore_index)
+                .count();
+            let mut out = sharded_json("linear_cross_entropy", algorithm, &s, tokens);
+            out.insert("impl".into(), json!(imp));
+            grads(
+                &mut out,
+                None,
+                s.grad_hidden(),
+                s.grad_weight().as_ref(),
+                rows,
+            );
+            out
+        }
+    })
+}
+
 /// `linear_cross_entropy`: `hidden` ([n, h]), `weight` ([w, h]; rows
-/// `vocab_size..` are padding rows, never read), `targets` and the loss options.
-pub(super) fn linear_cross_entropy_op(value: &Value) -> Result<Value, EvalError> {
+/// `vocab_size..` are padding rows, never read), `targets` and the loss
+/// options. `imp`: `reference`, `linear_ce_materialized` or `linear_ce_fused`.
+pub(super) fn linear_cross_entropy_op(value: &Value, imp: &str) -> Result<Value, EvalError> {
     let mut allowed = LOSS_FIELDS.to_vec();
     allowed.extend(["hidden", "weight"]);
     let case = Case::new(value, &allowed)?;
@@ -263,6 +433,12 @@ pub(super) fn linear_cross_entropy_op(value: &Value) -> Result<Value, EvalError>
     let targets = case.i64_list("targets")?;
     let rows = weight.nrows();
     let (config, v, run) = loss_options(&case, rows)?;
+    if imp != "reference" {
+        let mut out =
+            linear_optimized(imp, &hidden, &weight, &targets, &config, v, run, want_grad)?;
+        out.insert("vocab_size".into(), json!(v));
+        return Ok(Value::Object(out));
+    }
     let real = weight.slice_axis(Axis(0), Slice::from(..v));
     let mut out = match run {
         Run::Unsharded => {

@@ -51,13 +51,22 @@ pub fn default_scale(head_dim: usize) -> f64 {
 }
 
 fn check_qkv(q: &ArrayView3<f64>, k: &ArrayView3<f64>, v: &ArrayView3<f64>) -> Result<()> {
-    let (n, h, d) = q.dim();
+    check_qkv_shapes(q.shape(), k.shape(), v.shape())
+}
+
+/// Checks that `k` and `v` have the shape `[n_tok, h, d]` of `q` (shapes as
+/// slices, so that kernels of any element type report the same error).
+///
+/// # Errors
+/// [`Error::ShapeMismatch`] naming `k` or `v`.
+pub fn check_qkv_shapes(q: &[usize], k: &[usize], v: &[usize]) -> Result<()> {
+    let (n, h, d) = (q[0], q[1], q[2]);
     for (name, t) in [("k", k), ("v", v)] {
-        if t.dim() != (n, h, d) {
+        if t != q {
             return Err(Error::ShapeMismatch {
                 field: name.into(),
                 expected: format!("[n_tok, h, d] = [{n}, {h}, {d}] (the shape of q)"),
-                actual: t.shape().to_vec(),
+                actual: t.to_vec(),
             });
         }
     }
@@ -242,11 +251,19 @@ pub fn masked_attention(
 }
 
 fn check_mask(allowed: &ArrayView2<bool>, n: usize) -> Result<()> {
-    if allowed.dim() != (n, n) {
+    check_mask_shape(allowed.shape(), n)
+}
+
+/// Checks that a dense mask is `[n, n]`.
+///
+/// # Errors
+/// [`Error::ShapeMismatch`] naming `mask`.
+pub fn check_mask_shape(allowed: &[usize], n: usize) -> Result<()> {
+    if allowed != [n, n] {
         return Err(Error::ShapeMismatch {
             field: "mask".into(),
             expected: format!("[n, n] = [{n}, {n}]"),
-            actual: allowed.shape().to_vec(),
+            actual: allowed.to_vec(),
         });
     }
     Ok(())
@@ -304,19 +321,39 @@ fn check_grad(
     fwd: &AttentionOutput,
     dim: (usize, usize, usize),
 ) -> Result<()> {
+    check_grad_shapes(
+        grad_output.shape(),
+        fwd.output.shape(),
+        fwd.lse.shape(),
+        dim,
+    )
+}
+
+/// Checks the backward's inputs against `dim = (n_tok, h, d)`:
+/// `grad_output: [n_tok, h, d]`, the forward's `output: [n_tok, h, d]` and
+/// `lse: [h, n_tok]`.
+///
+/// # Errors
+/// [`Error::ShapeMismatch`] naming `grad_output` or `lse`.
+pub fn check_grad_shapes(
+    grad_output: &[usize],
+    output: &[usize],
+    lse: &[usize],
+    dim: (usize, usize, usize),
+) -> Result<()> {
     let (n, h, d) = dim;
-    if grad_output.dim() != dim {
+    if grad_output != [n, h, d] {
         return Err(Error::ShapeMismatch {
             field: "grad_output".into(),
             expected: format!("[n_tok, h, d] = [{n}, {h}, {d}]"),
-            actual: grad_output.shape().to_vec(),
+            actual: grad_output.to_vec(),
         });
     }
-    if fwd.output.dim() != dim || fwd.lse.dim() != (h, n) {
+    if output != [n, h, d] || lse != [h, n] {
         return Err(Error::ShapeMismatch {
             field: "lse".into(),
             expected: format!("[h, n_tok] = [{h}, {n}] with output [{n}, {h}, {d}]"),
-            actual: fwd.lse.shape().to_vec(),
+            actual: lse.to_vec(),
         });
     }
     Ok(())
@@ -518,7 +555,12 @@ pub trait AttentionKernel {
 #[derive(Debug, Clone, Copy, Default)]
 pub struct ReferenceAttention;
 
-fn check_layout(layout: &AttentionLayout, n: usize) -> Result<()> {
+/// Checks that a layout covers `n` token slots (dense rows: `rows * row_len
+/// == n`; varlen layouts are checked by [`check_cu_seqlens`]).
+///
+/// # Errors
+/// [`Error::ShapeMismatch`] naming `q`.
+pub fn check_layout(layout: &AttentionLayout, n: usize) -> Result<()> {
     if let AttentionLayout::Dense { row_len, allowed } = layout {
         if row_len * allowed.len() != n {
             return Err(Error::ShapeMismatch {

@@ -298,7 +298,12 @@ impl ShardMap {
             .collect())
     }
 
-    fn check_width(&self, field: &str, w: usize, actual: &[usize], legend: &str) -> Result<()> {
+    /// Checks that `w` columns (rows) cover the `v` real entries: `field`
+    /// of shape `actual` (`legend` its shape in the legend, e.g. `[n, v]`).
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] naming `field` when `w < v`.
+    pub fn check_width(&self, field: &str, w: usize, actual: &[usize], legend: &str) -> Result<()> {
         if w < self.vocab_size {
             return Err(Error::ShapeMismatch {
                 field: field.into(),

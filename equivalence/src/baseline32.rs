@@ -1,0 +1,566 @@
+//! The reference's math run in `f32`: the yardstick of
+//! [`crate::compare::RelativeRule`].
+//!
+//! Each function here is the f64 reference of `packshard-reference`
+//! transcribed to `f32` as a straightforward implementation would write it:
+//! the same formulas in the same order, plain sequential `f32` sums (no
+//! compensation, no tiling, no SIMD, no threads), `f32::exp`/`ln` and
+//! `libm::erff`. A kernel under test is judged by how its error against the
+//! f64 reference compares with this baseline's error on the same inputs
+//! (rounded to `f32`, or to `bf16`, first).
+//!
+//! - [`varlen_attention`], [`varlen_attention_backward`]: `reference::bert::attention`;
+//! - [`layer_forward_backward`]: one encoder layer, `reference::bert::layer`;
+//! - [`cross_entropy`], [`linear_cross_entropy`]: `reference::vocab::cross_entropy`
+//!   (unsharded; the `rest = s - 1`, `ln_1p` and confident-target forms kept).
+
+use ndarray::{Array1, Array2, Array3, ArrayView1, ArrayView2, ArrayView3, Axis};
+use packshard_reference::bert::attention::AttentionLayout;
+use packshard_reference::bert::LayerParams;
+use packshard_reference::vocab::{LossConfig, Reduction};
+
+/// `x` rounded to the nearest `f32`.
+pub fn round_f32(x: f64) -> f64 {
+    x as f32 as f64
+}
+
+/// `x` rounded to the nearest `bf16` (8 significant bits, ties to even),
+/// through `f32`; non-finite values are kept.
+pub fn round_bf16(x: f64) -> f64 {
+    let f = x as f32;
+    if !f.is_finite() {
+        return f as f64;
+    }
+    let b = f.to_bits();
+    let rounded = b.wrapping_add(0x7FFF + ((b >> 16) & 1)) & 0xFFFF_0000;
+    f32::from_bits(rounded) as f64
+}
+
+/// An f64 tensor as f32 (callers round first, so this is exact).
+pub fn to_f32<D: ndarray::Dimension>(x: &ndarray::ArrayView<f64, D>) -> ndarray::Array<f32, D> {
+    x.mapv(|v| v as f32)
+}
+
+/// An f32 tensor as f64.
+pub fn to_f64<D: ndarray::Dimension>(x: &ndarray::ArrayView<f32, D>) -> ndarray::Array<f64, D> {
+    x.mapv(f64::from)
+}
+
+// ---- attention ----------------------------------------------------------------
+
+/// `reference::bert::attention::varlen_attention` in f32: returns `output:
+/// [n_tok, h, d]` and `lse: [h, n_tok]`. Inputs are assumed valid.
+pub fn varlen_attention(
+    q: ArrayView3<f32>,
+    k: ArrayView3<f32>,
+    v: ArrayView3<f32>,
+    cu_seqlens: &[usize],
+    causal: bool,
+    scale: f32,
+) -> (Array3<f32>, Array2<f32>) {
+    let (n, h, d) = q.dim();
+    let mut output = Array3::zeros((n, h, d));
+    let mut lse = Array2::from_elem((h, n), f32::NEG_INFINITY);
+    for w in cu_seqlens.windows(2) {
+        for a in 0..h {
+            for i in w[0]..w[1] {
+                let keys = w[0]..if causal { i + 1 } else { w[1] };
+                let mut scores = Vec::with_capacity(keys.len());
+                let mut m = f32::NEG_INFINITY;
+                for j in keys {
+                    let mut dot = 0.0f32;
+                    for c in 0..d {
+                        dot += q[[i, a, c]] * k[[j, a, c]];
+                    }
+                    let s = scale * dot;
+                    m = m.max(s);
+                    scores.push((j, s));
+                }
+                if scores.is_empty() {
+                    continue;
+                }
+                let sum: f32 = scores.iter().map(|&(_, s)| (s - m).exp()).sum();
+                let l = m + sum.ln();
+                lse[[a, i]] = l;
+                for &(j, s) in &scores {
+                    let p = (s - l).exp();
+                    for c in 0..d {
+                        output[[i, a, c]] += p * v[[j, a, c]];
+                    }
+                }
+            }
+        }
+    }
+    (output, lse)
+}
+
+/// `reference::bert::attention::varlen_attention_backward` in f32: returns
+/// `(grad_q, grad_k, grad_v)`, each `[n_tok, h, d]`.
+#[allow(clippy::too_many_arguments)]
+pub fn varlen_attention_backward(
+    q: ArrayView3<f32>,
+    k: ArrayView3<f32>,
+    v: ArrayView3<f32>,
+    cu_seqlens: &[usize],
+    causal: bool,
+    scale: f32,
+    output: ArrayView3<f32>,
+    lse: ArrayView2<f32>,
+    grad_output: ArrayView3<f32>,
+) -> [Array3<f32>; 3] {
+    let (n, h, d) = q.dim();
+    let mut g = [
+        Array3::zeros((n, h, d)),
+        Array3::zeros((n, h, d)),
+        Array3::zeros((n, h, d)),
+    ];
+    for w in cu_seqlens.windows(2) {
+        for a in 0..h {
+            for i in w[0]..w[1] {
+                let l = lse[[a, i]];
+                if l == f32::NEG_INFINITY {
+                    continue;
+                }
+                let mut delta = 0.0f32;
+                for c in 0..d {
+                    delta += grad_output[[i, a, c]] * output[[i, a, c]];
+                }
+                for j in w[0]..if causal { i + 1 } else { w[1] } {
+                    let mut dot = 0.0f32;
+                    for c in 0..d {
+                        dot += q[[i, a, c]] * k[[j, a, c]];
+                    }
+                    let p = (scale * dot - l).exp();
+                    let mut dp = 0.0f32;
+                    for c in 0..d {
+                        dp += grad_output[[i, a, c]] * v[[j, a, c]];
+                        g[2][[j, a, c]] += p * grad_output[[i, a, c]];
+                    }
+                    let ds = p * (dp - delta) * scale;
+                    for c in 0..d {
+                        g[0][[i, a, c]] += ds * k[[j, a, c]];
+                        g[1][[j, a, c]] += ds * q[[i, a, c]];
+                    }
+                }
+            }
+        }
+    }
+    g
+}
+
+// ---- encoder layer ------------------------------------------------------------
+
+fn linear(x: ArrayView2<f32>, w: &Array2<f32>, b: &Array1<f32>) -> Array2<f32> {
+    let mut y = x.dot(&w.t());
+    y += b;
+    y
+}
+
+fn linear_backward(
+    x: ArrayView2<f32>,
+    w: &Array2<f32>,
+    dy: ArrayView2<f32>,
+    gw: &mut Array2<f64>,
+    gb: &mut Array1<f64>,
+) -> Array2<f32> {
+    *gw += &dy.t().dot(&x).mapv(f64::from);
+    *gb += &dy.sum_axis(Axis(0)).mapv(f64::from);
+    dy.dot(w)
+}
+
+fn layer_norm(
+    x: ArrayView2<f32>,
+    g: &Array1<f32>,
+    b: &Array1<f32>,
+    eps: f32,
+) -> (Array2<f32>, Array2<f32>, Array1<f32>) {
+    let (n, width) = x.dim();
+    let mut x_hat = Array2::zeros((n, width));
+    let mut inv_std = Array1::zeros(n);
+    for (i, row) in x.rows().into_iter().enumerate() {
+        let mean = row.sum() / width as f32;
+        let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / width as f32;
+        let s = 1.0 / (var + eps).sqrt();
+        inv_std[i] = s;
+        for (h, &v) in x_hat.row_mut(i).iter_mut().zip(row) {
+            *h = (v - mean) * s;
+        }
+    }
+    let mut y = &x_hat * g;
+    y += b;
+    (y, x_hat, inv_std)
+}
+
+fn layer_norm_backward(
+    x_hat: &Array2<f32>,
+    inv_std: &Array1<f32>,
+    gamma: &Array1<f32>,
+    dy: ArrayView2<f32>,
+    gg: &mut Array1<f64>,
+    gb: &mut Array1<f64>,
+) -> Array2<f32> {
+    *gg += &(&dy * x_hat).sum_axis(Axis(0)).mapv(f64::from);
+    *gb += &dy.sum_axis(Axis(0)).mapv(f64::from);
+    let (n, width) = dy.dim();
+    let mut dx = Array2::zeros((n, width));
+    for i in 0..n {
+        let g: Array1<f32> = &dy.row(i) * gamma;
+        let xh = x_hat.row(i);
+        let mean_g = g.sum() / width as f32;
+        let mean_gx = g.iter().zip(xh).map(|(a, b)| a * b).sum::<f32>() / width as f32;
+        let s = inv_std[i];
+        for ((d, &gv), &x) in dx.row_mut(i).iter_mut().zip(&g).zip(xh) {
+            *d = s * (gv - mean_g - x * mean_gx);
+        }
+    }
+    dx
+}
+
+fn gelu(x: f32) -> f32 {
+    0.5 * x * (1.0 + libm::erff(x * std::f32::consts::FRAC_1_SQRT_2))
+}
+
+fn gelu_grad(x: f32) -> f32 {
+    let cdf = 0.5 * (1.0 + libm::erff(x * std::f32::consts::FRAC_1_SQRT_2));
+    let pdf = (-0.5 * x * x).exp() / (2.0 * std::f32::consts::PI).sqrt();
+    cdf + x * pdf
+}
+
+struct Params32 {
+    w: [Array2<f32>; 6],
+    b: [Array1<f32>; 10],
+}
+
+fn params32(p: &LayerParams) -> Params32 {
+    let m = |a: &Array2<f64>| a.mapv(|v| v as f32);
+    let v = |a: &Array1<f64>| a.mapv(|v| v as f32);
+    Params32 {
+        w: [
+            m(&p.query_w),
+            m(&p.key_w),
+            m(&p.value_w),
+            m(&p.attn_out_w),
+            m(&p.inter_w),
+            m(&p.out_w),
+        ],
+        b: [
+            v(&p.query_b),
+            v(&p.key_b),
+            v(&p.value_b),
+            v(&p.attn_out_b),
+            v(&p.attn_ln_g),
+            v(&p.attn_ln_b),
+            v(&p.inter_b),
+            v(&p.out_b),
+            v(&p.out_ln_g),
+            v(&p.out_ln_b),
+        ],
+    }
+}
+
+/// One encoder layer (`reference::bert::layer`) forward and backward in f32
+/// over a varlen layout `cu_seqlens`: `x, grad_output: [n, hidden]`,
+/// parameters rounded to f32. Returns `(output, grad_x)` and the parameter
+/// gradients (f32 values held in f64).
+///
+/// # Panics
+/// On inconsistent shapes (a test helper; inputs come from the suites).
+pub fn layer_forward_backward(
+    params: &LayerParams,
+    num_heads: usize,
+    eps: f64,
+    x: ArrayView2<f32>,
+    cu_seqlens: &[usize],
+    grad_output: ArrayView2<f32>,
+) -> (Array2<f32>, Array2<f32>, LayerParams) {
+    let p = params32(params);
+    let eps = eps as f32;
+    let (n, width) = x.dim();
+    let d = width / num_heads;
+    let scale = 1.0 / (d as f32).sqrt();
+    let heads = |a: Array2<f32>| {
+        a.into_shape_with_order((n, num_heads, d))
+            .expect("[n, h, d]")
+    };
+    let q = heads(linear(x, &p.w[0], &p.b[0]));
+    let k = heads(linear(x, &p.w[1], &p.b[1]));
+    let v = heads(linear(x, &p.w[2], &p.b[2]));
+    let (att, lse) = varlen_attention(q.view(), k.view(), v.view(), cu_seqlens, false, scale);
+    let a = att
+        .clone()
+        .into_shape_with_order((n, width))
+        .expect("[n, hidden]");
+    let mut r1 = linear(a.view(), &p.w[3], &p.b[3]);
+    r1 += &x;
+    let (h1, xh1, is1) = layer_norm(r1.view(), &p.b[4], &p.b[5], eps);
+    let pre = linear(h1.view(), &p.w[4], &p.b[6]);
+    let act = pre.mapv(gelu);
+    let mut r2 = linear(act.view(), &p.w[5], &p.b[7]);
+    r2 += &h1;
+    let (out, xh2, is2) = layer_norm(r2.view(), &p.b[8], &p.b[9], eps);
+
+    let mut g = params.clone();
+    for t in [
+        &mut g.query_w,
+        &mut g.key_w,
+        &mut g.value_w,
+        &mut g.attn_out_w,
+        &mut g.inter_w,
+        &mut g.out_w,
+    ] {
+        t.fill(0.0);
+    }
+    for t in [
+        &mut g.query_b,
+        &mut g.key_b,
+        &mut g.value_b,
+        &mut g.attn_out_b,
+        &mut g.attn_ln_g,
+        &mut g.attn_ln_b,
+        &mut g.inter_b,
+        &mut g.out_b,
+        &mut g.out_ln_g,
+        &mut g.out_ln_b,
+    ] {
+        t.fill(0.0);
+    }
+    let dr2 = layer_norm_backward(
+        &xh2,
+        &is2,
+        &p.b[8],
+        grad_output,
+        &mut g.out_ln_g,
+        &mut g.out_ln_b,
+    );
+    let dact = linear_backward(act.view(), &p.w[5], dr2.view(), &mut g.out_w, &mut g.out_b);
+    let mut dpre = dact;
+    dpre.zip_mut_with(&pre, |d, &x| *d *= gelu_grad(x));
+    let mut dh1 = linear_backward(
+        h1.view(),
+        &p.w[4],
+        dpre.view(),
+        &mut g.inter_w,
+        &mut g.inter_b,
+    );
+    dh1 += &dr2;
+    let dr1 = layer_norm_backward(
+        &xh1,
+        &is1,
+        &p.b[4],
+        dh1.view(),
+        &mut g.attn_ln_g,
+        &mut g.attn_ln_b,
+    );
+    let da = linear_backward(
+        a.view(),
+        &p.w[3],
+        dr1.view(),
+        &mut g.attn_out_w,
+        &mut g.attn_out_b,
+    );
+    let da = heads(da);
+    let [dq, dk, dv] = varlen_attention_backward(
+        q.view(),
+        k.view(),
+        v.view(),
+        cu_seqlens,
+        false,
+        scale,
+        att.view(),
+        lse.view(),
+        da.view(),
+    );
+    let flat = |t: Array3<f32>| t.into_shape_with_order((n, width)).expect("[n, hidden]");
+    let mut dx = dr1;
+    dx += &linear_backward(x, &p.w[0], flat(dq).view(), &mut g.query_w, &mut g.query_b);
+    dx += &linear_backward(x, &p.w[1], flat(dk).view(), &mut g.key_w, &mut g.key_b);
+    dx += &linear_backward(x, &p.w[2], flat(dv).view(), &mut g.value_w, &mut g.value_b);
+    (out, dx, g)
+}
+
+/// Whether `layout` is varlen (the only layout [`layer_forward_backward`] takes).
+pub fn varlen_cu_seqlens(layout: &AttentionLayout) -> Option<&[usize]> {
+    match layout {
+        AttentionLayout::Varlen { cu_seqlens } => Some(cu_seqlens),
+        AttentionLayout::Dense { .. } => None,
+    }
+}
+
+// ---- cross-entropy -------------------------------------------------------------
+
+/// The unsharded cross-entropy in f32 (`reference::vocab::cross_entropy`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct CrossEntropy32 {
+    /// The reduced loss.
+    pub loss: f32,
+    /// `[n]`.
+    pub per_token_loss: Vec<f32>,
+    /// `[n]`, natural log.
+    pub logsumexp: Vec<f32>,
+    /// `[n, v]` with gradients.
+    pub grad_logits: Option<Array2<f32>>,
+}
+
+/// Per-row summary, as `SoftmaxStats` (`rest = s - 1`).
+#[derive(Debug, Clone, Copy)]
+struct Stats {
+    max: f32,
+    rest: f32,
+    target: f32,
+}
+
+fn row_stats(z: ArrayView1<f32>, q: impl Fn(usize) -> f32) -> Stats {
+    let max = z.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+    let mut target = 0.0f32;
+    for (j, &zj) in z.iter().enumerate() {
+        let qj = q(j);
+        if qj > 0.0 {
+            target += if zj == f32::NEG_INFINITY {
+                f32::INFINITY
+            } else {
+                qj * (max - zj)
+            };
+        }
+    }
+    if max == f32::NEG_INFINITY {
+        return Stats {
+            max,
+            rest: -1.0,
+            target,
+        };
+    }
+    let (mut at_max, mut below) = (0.0f32, 0.0f32);
+    for &zj in z {
+        if zj == max {
+            at_max += 1.0;
+        } else {
+            below += (zj - max).exp();
+        }
+    }
+    Stats {
+        max,
+        rest: (at_max - 1.0) + below,
+        target,
+    }
+}
+
+/// Cross-entropy of `logits: [n, v]` (finite or `-inf`) against `targets:
+/// [n]` under `config`, in f32, with `grad_logits` when `want_grad`.
+/// Targets are assumed valid (in range or `ignore_index`), rows of `-inf`
+/// only where ignored: run it after the reference accepted the input.
+pub fn cross_entropy(
+    logits: ArrayView2<f32>,
+    targets: &[i64],
+    config: &LossConfig,
+    want_grad: bool,
+) -> CrossEntropy32 {
+    let (n, v) = logits.dim();
+    let parsed: Vec<Option<usize>> = targets
+        .iter()
+        .map(|&t| (t != config.ignore_index).then_some(t as usize))
+        .collect();
+    let (qt, qo) = config.target_distribution(v);
+    let (qt, qo) = (qt as f32, qo as f32);
+    let q = |i: usize, j: usize| match parsed[i] {
+        None => 0.0,
+        Some(t) if t == j => qt,
+        Some(_) => qo,
+    };
+    let c = config.z_loss as f32;
+    let stats: Vec<Stats> = (0..n)
+        .map(|i| row_stats(logits.row(i), |j| q(i, j)))
+        .collect();
+    let lse: Vec<f32> = stats.iter().map(|s| s.max + s.rest.ln_1p()).collect();
+    let per_token_loss: Vec<f32> = (0..n)
+        .map(|i| {
+            if parsed[i].is_none() {
+                return 0.0;
+            }
+            let ce = stats[i].target + stats[i].rest.ln_1p();
+            if c == 0.0 {
+                ce
+            } else {
+                ce + c * lse[i] * lse[i]
+            }
+        })
+        .collect();
+    let valid = parsed.iter().filter(|t| t.is_some()).count();
+    let sum: f32 = per_token_loss.iter().sum();
+    let (loss, w) = match config.reduction {
+        Reduction::Mean if valid > 0 => (sum / valid as f32, 1.0 / valid as f32),
+        Reduction::Mean => (0.0, 0.0),
+        Reduction::Sum | Reduction::None => (sum, 1.0),
+    };
+    let grad_logits = want_grad.then(|| {
+        Array2::from_shape_fn((n, v), |(i, j)| {
+            if parsed[i].is_none() || w == 0.0 {
+                return 0.0;
+            }
+            let s = &stats[i];
+            let z = logits[[i, j]];
+            let qij = q(i, j);
+            let sum_exp = 1.0 + s.rest;
+            let p = if z == f32::NEG_INFINITY {
+                0.0
+            } else if z == s.max {
+                1.0 / sum_exp
+            } else {
+                (z - s.max).exp() / sum_exp
+            };
+            let delta = if z == s.max && qij > 0.5 {
+                (1.0 - qij) - s.rest / sum_exp
+            } else {
+                p - qij
+            };
+            let g = if c == 0.0 {
+                delta
+            } else {
+                delta + 2.0 * c * lse[i] * p
+            };
+            w * g
+        })
+    });
+    CrossEntropy32 {
+        loss,
+        per_token_loss,
+        logsumexp: lse,
+        grad_logits,
+    }
+}
+
+/// `(grad_hidden [n, h], grad_weight [v, h])` in f32.
+pub type LinearGrads32 = (Array2<f32>, Array2<f32>);
+
+/// The output layer in f32: `logits = hidden @ weight^T` (`hidden: [n, h]`,
+/// `weight: [v, h]`), [`cross_entropy`], and with `want_grad` `(grad_hidden
+/// [n, h], grad_weight [v, h])`.
+pub fn linear_cross_entropy(
+    hidden: ArrayView2<f32>,
+    weight: ArrayView2<f32>,
+    targets: &[i64],
+    config: &LossConfig,
+    want_grad: bool,
+) -> (CrossEntropy32, Option<LinearGrads32>) {
+    let logits = hidden.dot(&weight.t());
+    let ce = cross_entropy(logits.view(), targets, config, want_grad);
+    let grads = ce
+        .grad_logits
+        .as_ref()
+        .map(|g| (g.dot(&weight), g.t().dot(&hidden)));
+    (ce, grads)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bf16_rounding_keeps_eight_bits_ties_to_even() {
+        assert_eq!(round_bf16(1.0), 1.0);
+        assert_eq!(round_bf16(1.0 + 1.0 / 256.0), 1.0); // tie, even
+        assert_eq!(round_bf16(1.0 + 3.0 / 256.0), 1.0 + 4.0 / 256.0); // tie, even up
+        assert_eq!(round_bf16(1.0 + 1.5 / 256.0), 1.0 + 2.0 / 256.0);
+        assert_eq!(round_bf16(-3.0), -3.0);
+        assert_eq!(round_bf16(f64::NEG_INFINITY), f64::NEG_INFINITY);
+    }
+}

@@ -1,0 +1,542 @@
+//! SIMD building blocks written once over [`pulp::Simd`] and dispatched at
+//! run time ([`pulp::Arch`]: AVX-512 or AVX2+FMA on x86-64, a scalar
+//! fallback elsewhere).
+//!
+//! Everything here is `f32`. Functions taking a `simd: S` are
+//! `#[inline(always)]` so that they are compiled inside the caller's
+//! dispatched (target-feature) context; the `*_slice` helpers at the bottom
+//! dispatch by themselves.
+//!
+//! - [`exp`]: `exp(x)` for `x <= 88`, Cephes' `expf` (Moshier) reduction and
+//!   degree-6 polynomial, about 1 ulp; exactly 0 below -87 (and for `-inf`),
+//!   so masked scores give probabilities of exactly 0.
+//! - [`erf`]: the rational approximation of XLA's `ErfImpl32` / Eigen's
+//!   `generic_fast_erf_float` (odd degree-13 numerator, even degree-8
+//!   denominator on `[-4, 4]`), within a few ulp of `erff` (checked in the tests).
+//! - [`mm_acc`]: `C += A B` on row-major tiles with register blocking (4 or 2
+//!   rows x 4 vectors), the inner product of the attention tiles.
+//!
+//! Each output element of [`mm_acc`] is accumulated over the inner dimension
+//! in increasing order with one fused multiply-add per term, whatever the
+//! tile's other dimensions: the same inputs give bitwise the same result in a
+//! varlen tile and in a dense masked tile.
+
+use pulp::{Arch, Simd, WithSimd};
+
+/// The best instruction set of this CPU (cheap: feature detection is cached).
+#[inline]
+pub fn arch() -> Arch {
+    Arch::new()
+}
+
+/// A name for the instruction set [`arch`] picks: `avx512`, `avx2` or `scalar`.
+pub fn arch_name() -> &'static str {
+    struct Name;
+    impl WithSimd for Name {
+        type Output = &'static str;
+        #[inline(always)]
+        fn with_simd<S: Simd>(self, _simd: S) -> &'static str {
+            match S::F32_LANES {
+                16 => "avx512",
+                8 => "avx2",
+                _ => "scalar",
+            }
+        }
+    }
+    arch().dispatch(Name)
+}
+
+/// Lanes of an `f32` vector on this CPU (16, 8 or 1).
+pub fn lanes() -> usize {
+    struct Lanes;
+    impl WithSimd for Lanes {
+        type Output = usize;
+        #[inline(always)]
+        fn with_simd<S: Simd>(self, _simd: S) -> usize {
+            S::F32_LANES
+        }
+    }
+    arch().dispatch(Lanes)
+}
+
+const LOG2E: f32 = std::f32::consts::LOG2_E;
+/// `ln 2` split so that `n * LN2_HI` is exact for the `n` in range (Cephes).
+const LN2_HI: f32 = 0.693_359_4;
+const LN2_LO: f32 = -2.121_944_4e-4;
+/// `1.5 * 2^23`: adding it rounds to an integer held in the low mantissa bits.
+const ROUND_MAGIC: f32 = 12_582_912.0;
+const ROUND_MAGIC_BITS: u32 = 0x4B40_0000;
+/// Below this `exp` returns exactly 0 (`exp(-87) = 1.6e-38`, the smallest
+/// normal f32 is 1.2e-38; the true values below are subnormal).
+const EXP_LOW: f32 = -87.0;
+const EXP_HIGH: f32 = 88.0;
+
+/// `exp(x)` lane-wise: `x` clamped to `[-87, 88]`, `n = round(x / ln 2)`,
+/// `r = x - n ln 2`, Cephes' polynomial for `e^r`, scaled by `2^n` through the
+/// exponent bits; 0 for `x < -87` (including `-inf`). `x` must not be NaN.
+#[inline(always)]
+pub fn exp<S: Simd>(simd: S, x: S::f32s) -> S::f32s {
+    let too_small = simd.less_than_f32s(x, simd.splat_f32s(EXP_LOW));
+    let xc = simd.min_f32s(
+        simd.max_f32s(x, simd.splat_f32s(EXP_LOW)),
+        simd.splat_f32s(EXP_HIGH),
+    );
+    let magic = simd.splat_f32s(ROUND_MAGIC);
+    let t = simd.mul_add_f32s(xc, simd.splat_f32s(LOG2E), magic);
+    let n = simd.sub_f32s(t, magic);
+    let r = simd.mul_add_f32s(n, simd.splat_f32s(-LN2_HI), xc);
+    let r = simd.mul_add_f32s(n, simd.splat_f32s(-LN2_LO), r);
+    let mut p = simd.splat_f32s(1.987_569_1e-4);
+    p = simd.mul_add_f32s(p, r, simd.splat_f32s(1.398_199_9e-3));
+    p = simd.mul_add_f32s(p, r, simd.splat_f32s(8.333_452e-3));
+    p = simd.mul_add_f32s(p, r, simd.splat_f32s(4.166_579_6e-2));
+    p = simd.mul_add_f32s(p, r, simd.splat_f32s(1.666_666_5e-1));
+    p = simd.mul_add_f32s(p, r, simd.splat_f32s(5e-1));
+    let r2 = simd.mul_f32s(r, r);
+    let y = simd.mul_add_f32s(p, r2, simd.add_f32s(r, simd.splat_f32s(1.0)));
+    // 2^n from the integer in t's low bits: ((n + 127) << 23) as f32 bits.
+    let n_bits = simd.sub_u32s(
+        simd.transmute_u32s_f32s(t),
+        simd.splat_u32s(ROUND_MAGIC_BITS),
+    );
+    let e = simd.wrapping_dyn_shl_u32s(
+        simd.add_u32s(n_bits, simd.splat_u32s(127)),
+        simd.splat_u32s(23),
+    );
+    let y = simd.mul_f32s(y, simd.transmute_f32s_u32s(e));
+    simd.select_f32s(too_small, simd.splat_f32s(0.0), y)
+}
+
+/// `erf(x)` lane-wise: XLA's `ErfImpl32` rational approximation on `x`
+/// clamped to `[-4, 4]` (outside, `erf` is `±1` in f32).
+#[inline(always)]
+pub fn erf<S: Simd>(simd: S, x: S::f32s) -> S::f32s {
+    let x = simd.min_f32s(
+        simd.max_f32s(x, simd.splat_f32s(-4.0)),
+        simd.splat_f32s(4.0),
+    );
+    let x2 = simd.mul_f32s(x, x);
+    let mut p = simd.splat_f32s(-2.726_142_3e-10);
+    for c in [
+        2.770_681_4e-8,
+        -2.101_024e-6,
+        -5.692_506_4e-5,
+        -7.349_906_3e-4,
+        -2.954_6e-3,
+        -1.609_603_3e-2,
+    ] {
+        p = simd.mul_add_f32s(x2, p, simd.splat_f32s(c));
+    }
+    let p = simd.mul_f32s(x, p);
+    let mut q = simd.splat_f32s(-1.456_607_2e-5);
+    for c in [-2.133_740_6e-4, -1.682_827e-3, -7.373_329e-3, -1.426_474e-2] {
+        q = simd.mul_add_f32s(x2, q, simd.splat_f32s(c));
+    }
+    simd.div_f32s(p, q)
+}
+
+const FRAC_1_SQRT_2: f32 = std::f32::consts::FRAC_1_SQRT_2;
+/// `1 / sqrt(2 pi)`.
+const FRAC_1_SQRT_2PI: f32 = 0.398_942_3;
+
+/// The exact GELU `0.5 x (1 + erf(x / sqrt 2))` lane-wise (BERT's `gelu`).
+#[inline(always)]
+pub fn gelu<S: Simd>(simd: S, x: S::f32s) -> S::f32s {
+    let e = erf(simd, simd.mul_f32s(x, simd.splat_f32s(FRAC_1_SQRT_2)));
+    let half_x = simd.mul_f32s(x, simd.splat_f32s(0.5));
+    simd.mul_add_f32s(half_x, e, half_x)
+}
+
+/// `gelu'(x) = Phi(x) + x phi(x)` lane-wise.
+#[inline(always)]
+pub fn gelu_grad<S: Simd>(simd: S, x: S::f32s) -> S::f32s {
+    let e = erf(simd, simd.mul_f32s(x, simd.splat_f32s(FRAC_1_SQRT_2)));
+    let cdf = simd.mul_add_f32s(e, simd.splat_f32s(0.5), simd.splat_f32s(0.5));
+    let arg = simd.mul_f32s(simd.mul_f32s(x, x), simd.splat_f32s(-0.5));
+    let pdf = simd.mul_f32s(exp(simd, arg), simd.splat_f32s(FRAC_1_SQRT_2PI));
+    simd.mul_add_f32s(x, pdf, cdf)
+}
+
+/// Loads `xs` (at most one vector's worth) into a vector, the missing lanes
+/// set to `fill`.
+#[inline(always)]
+pub fn load_tail<S: Simd>(simd: S, xs: &[f32], fill: f32) -> S::f32s {
+    let mut buf = [fill; 16];
+    buf[..xs.len()].copy_from_slice(xs);
+    simd.partial_load_f32s(&buf[..S::F32_LANES])
+}
+
+/// Stores the first `out.len()` lanes of `v`.
+#[inline(always)]
+pub fn store_tail<S: Simd>(simd: S, out: &mut [f32], v: S::f32s) {
+    let mut buf = [0.0f32; 16];
+    simd.partial_store_f32s(&mut buf[..S::F32_LANES], v);
+    let n = out.len();
+    out.copy_from_slice(&buf[..n]);
+}
+
+/// Applies `f` to every vector of `xs` in place (the tail padded with `fill`).
+#[inline(always)]
+pub fn map_in_place<S: Simd>(simd: S, xs: &mut [f32], fill: f32, f: impl Fn(S::f32s) -> S::f32s) {
+    let (head, tail) = S::as_mut_simd_f32s(xs);
+    for x in head {
+        *x = f(*x);
+    }
+    if !tail.is_empty() {
+        let v = f(load_tail(simd, tail, fill));
+        store_tail(simd, tail, v);
+    }
+}
+
+/// `sum_i xs[i]` (lane-wise partial sums, then the lanes).
+#[inline(always)]
+pub fn sum<S: Simd>(simd: S, xs: &[f32]) -> f32 {
+    let (head, tail) = S::as_simd_f32s(xs);
+    let mut acc = simd.splat_f32s(0.0);
+    for &x in head {
+        acc = simd.add_f32s(acc, x);
+    }
+    if !tail.is_empty() {
+        acc = simd.add_f32s(acc, load_tail(simd, tail, 0.0));
+    }
+    simd.reduce_sum_f32s(acc)
+}
+
+/// `max_i xs[i]` (`-inf` for an empty slice). No NaN.
+#[inline(always)]
+pub fn max<S: Simd>(simd: S, xs: &[f32]) -> f32 {
+    let (head, tail) = S::as_simd_f32s(xs);
+    let mut acc = simd.splat_f32s(f32::NEG_INFINITY);
+    for &x in head {
+        acc = simd.max_f32s(acc, x);
+    }
+    if !tail.is_empty() {
+        acc = simd.max_f32s(acc, load_tail(simd, tail, f32::NEG_INFINITY));
+    }
+    simd.reduce_max_f32s(acc)
+}
+
+/// `sum_i a[i] b[i]` (equal lengths).
+#[inline(always)]
+pub fn dot<S: Simd>(simd: S, a: &[f32], b: &[f32]) -> f32 {
+    debug_assert_eq!(a.len(), b.len());
+    let (ha, ta) = S::as_simd_f32s(a);
+    let (hb, tb) = S::as_simd_f32s(b);
+    let mut acc = simd.splat_f32s(0.0);
+    for (&x, &y) in ha.iter().zip(hb) {
+        acc = simd.mul_add_f32s(x, y, acc);
+    }
+    if !ta.is_empty() {
+        acc = simd.mul_add_f32s(load_tail(simd, ta, 0.0), load_tail(simd, tb, 0.0), acc);
+    }
+    simd.reduce_sum_f32s(acc)
+}
+
+/// `y += alpha x` (equal lengths).
+#[inline(always)]
+pub fn axpy<S: Simd>(simd: S, alpha: f32, x: &[f32], y: &mut [f32]) {
+    debug_assert_eq!(x.len(), y.len());
+    let a = simd.splat_f32s(alpha);
+    let (hx, tx) = S::as_simd_f32s(x);
+    let (hy, ty) = S::as_mut_simd_f32s(y);
+    for (yv, &xv) in hy.iter_mut().zip(hx) {
+        *yv = simd.mul_add_f32s(a, xv, *yv);
+    }
+    for (yv, &xv) in ty.iter_mut().zip(tx) {
+        *yv = alpha.mul_add(xv, *yv);
+    }
+}
+
+/// `xs *= alpha`.
+#[inline(always)]
+pub fn scale<S: Simd>(simd: S, alpha: f32, xs: &mut [f32]) {
+    let a = simd.splat_f32s(alpha);
+    map_in_place(simd, xs, 0.0, |x| simd.mul_f32s(x, a));
+}
+
+/// Rows of the register block of [`mm_acc`] for this vector width.
+#[inline(always)]
+fn block_rows<S: Simd>() -> usize {
+    if S::F32_LANES >= 16 {
+        4
+    } else {
+        2
+    }
+}
+
+/// The multiple that the columns `n` of [`mm_acc`] must be: 4 vectors.
+#[inline(always)]
+pub fn mm_col_multiple<S: Simd>() -> usize {
+    4 * S::F32_LANES
+}
+
+/// `C[m, n] += A[m, k] B[k, n]`, all row-major with leading dimensions
+/// `lda`, `ldb`, `ldc`. `m` must be a multiple of 4 and `n` of
+/// [`mm_col_multiple`] (callers pad their tiles with zeros).
+///
+/// Each `C[i, j]` gets `A[i, p] B[p, j]` added for `p = 0, 1, ..., k - 1` in
+/// that order, one fused multiply-add each.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub fn mm_acc<S: Simd>(
+    simd: S,
+    m: usize,
+    n: usize,
+    k: usize,
+    a: &[f32],
+    lda: usize,
+    b: &[f32],
+    ldb: usize,
+    c: &mut [f32],
+    ldc: usize,
+) {
+    debug_assert!(m.is_multiple_of(4) && n.is_multiple_of(mm_col_multiple::<S>()));
+    if block_rows::<S>() == 4 {
+        mm_block::<S, 4>(simd, m, n, k, a, lda, b, ldb, c, ldc);
+    } else {
+        mm_block::<S, 2>(simd, m, n, k, a, lda, b, ldb, c, ldc);
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn mm_block<S: Simd, const MR: usize>(
+    simd: S,
+    m: usize,
+    n: usize,
+    k: usize,
+    a: &[f32],
+    lda: usize,
+    b: &[f32],
+    ldb: usize,
+    c: &mut [f32],
+    ldc: usize,
+) {
+    let w = mm_col_multiple::<S>();
+    for i0 in (0..m).step_by(MR) {
+        for j0 in (0..n).step_by(w) {
+            let mut acc = [[simd.splat_f32s(0.0); 4]; MR];
+            for (r, acc_r) in acc.iter_mut().enumerate() {
+                let row = &c[(i0 + r) * ldc + j0..(i0 + r) * ldc + j0 + w];
+                let (v, _) = S::as_simd_f32s(row);
+                acc_r.copy_from_slice(&v[..4]);
+            }
+            for p in 0..k {
+                let (bv, _) = S::as_simd_f32s(&b[p * ldb + j0..p * ldb + j0 + w]);
+                let (b0, b1, b2, b3) = (bv[0], bv[1], bv[2], bv[3]);
+                for (r, acc_r) in acc.iter_mut().enumerate() {
+                    let av = simd.splat_f32s(a[(i0 + r) * lda + p]);
+                    acc_r[0] = simd.mul_add_f32s(av, b0, acc_r[0]);
+                    acc_r[1] = simd.mul_add_f32s(av, b1, acc_r[1]);
+                    acc_r[2] = simd.mul_add_f32s(av, b2, acc_r[2]);
+                    acc_r[3] = simd.mul_add_f32s(av, b3, acc_r[3]);
+                }
+            }
+            for (r, acc_r) in acc.iter().enumerate() {
+                let row = &mut c[(i0 + r) * ldc + j0..(i0 + r) * ldc + j0 + w];
+                let (v, _) = S::as_mut_simd_f32s(row);
+                v[..4].copy_from_slice(acc_r);
+            }
+        }
+    }
+}
+
+// ---- dispatched slice helpers ------------------------------------------------
+
+/// `exp` of every element, in place (dispatched).
+pub fn exp_slice(xs: &mut [f32]) {
+    struct Op<'a>(&'a mut [f32]);
+    impl WithSimd for Op<'_> {
+        type Output = ();
+        #[inline(always)]
+        fn with_simd<S: Simd>(self, simd: S) {
+            map_in_place(simd, self.0, 0.0, |x| exp(simd, x));
+        }
+    }
+    arch().dispatch(Op(xs));
+}
+
+/// `erf` of every element, in place (dispatched).
+pub fn erf_slice(xs: &mut [f32]) {
+    struct Op<'a>(&'a mut [f32]);
+    impl WithSimd for Op<'_> {
+        type Output = ();
+        #[inline(always)]
+        fn with_simd<S: Simd>(self, simd: S) {
+            map_in_place(simd, self.0, 0.0, |x| erf(simd, x));
+        }
+    }
+    arch().dispatch(Op(xs));
+}
+
+/// GELU of every element, in place (dispatched).
+pub fn gelu_slice(xs: &mut [f32]) {
+    struct Op<'a>(&'a mut [f32]);
+    impl WithSimd for Op<'_> {
+        type Output = ();
+        #[inline(always)]
+        fn with_simd<S: Simd>(self, simd: S) {
+            map_in_place(simd, self.0, 0.0, |x| gelu(simd, x));
+        }
+    }
+    arch().dispatch(Op(xs));
+}
+
+/// `dy *= gelu'(x)` element-wise (equal lengths; dispatched).
+pub fn gelu_backward_slice(x: &[f32], dy: &mut [f32]) {
+    struct Op<'a>(&'a [f32], &'a mut [f32]);
+    impl WithSimd for Op<'_> {
+        type Output = ();
+        #[inline(always)]
+        fn with_simd<S: Simd>(self, simd: S) {
+            let (hx, tx) = S::as_simd_f32s(self.0);
+            let (hy, ty) = S::as_mut_simd_f32s(self.1);
+            for (y, &x) in hy.iter_mut().zip(hx) {
+                *y = simd.mul_f32s(*y, gelu_grad(simd, x));
+            }
+            if !ty.is_empty() {
+                let g = gelu_grad(simd, load_tail(simd, tx, 0.0));
+                let v = simd.mul_f32s(load_tail(simd, ty, 0.0), g);
+                store_tail(simd, ty, v);
+            }
+        }
+    }
+    assert_eq!(x.len(), dy.len(), "gelu_backward_slice: lengths differ");
+    arch().dispatch(Op(x, dy));
+}
+
+/// `sum_i a[i] b[i]` (dispatched).
+pub fn dot_slice(a: &[f32], b: &[f32]) -> f32 {
+    struct Op<'a>(&'a [f32], &'a [f32]);
+    impl WithSimd for Op<'_> {
+        type Output = f32;
+        #[inline(always)]
+        fn with_simd<S: Simd>(self, simd: S) -> f32 {
+            dot(simd, self.0, self.1)
+        }
+    }
+    assert_eq!(a.len(), b.len(), "dot_slice: lengths differ");
+    arch().dispatch(Op(a, b))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ulps(a: f32, b: f32) -> f32 {
+        let d = (a as f64 - b as f64).abs();
+        let u = f32::EPSILON as f64 * (b.abs() as f64).max(f32::MIN_POSITIVE as f64);
+        (d / u) as f32
+    }
+
+    #[test]
+    fn exp_is_within_two_ulp_of_libm_and_zero_below_the_cut() {
+        let mut xs: Vec<f32> = (0..200_001)
+            .map(|i| -87.0 + 175.0 * i as f32 / 200_000.0)
+            .collect();
+        xs.extend([0.0, -0.0, 1e-30, -1e-30, 88.0]);
+        let mut ys = xs.clone();
+        exp_slice(&mut ys);
+        let mut worst = 0.0f32;
+        for (&x, &y) in xs.iter().zip(&ys) {
+            let want = libm::expf(x);
+            if want >= f32::MIN_POSITIVE {
+                worst = worst.max(ulps(y, want));
+            }
+        }
+        assert!(worst <= 2.0, "worst exp error {worst} ulp");
+        assert!(
+            worst > 0.0,
+            "a polynomial exp that matches libm everywhere is suspicious"
+        );
+        let mut low = vec![-87.5f32, -100.0, -1e30, f32::NEG_INFINITY, -87.000_01];
+        exp_slice(&mut low);
+        assert_eq!(low, vec![0.0; 5]);
+        let mut one = [0.0f32; 3];
+        exp_slice(&mut one);
+        assert_eq!(one, [1.0; 3]);
+    }
+
+    #[test]
+    fn erf_and_gelu_are_close_to_libm() {
+        let xs: Vec<f32> = (0..80_001)
+            .map(|i| -8.0 + 16.0 * i as f32 / 80_000.0)
+            .collect();
+        let mut e = xs.clone();
+        erf_slice(&mut e);
+        let mut g = xs.clone();
+        gelu_slice(&mut g);
+        let (mut worst_erf, mut worst_gelu) = (0.0f64, 0.0f64);
+        for ((&x, &ev), &gv) in xs.iter().zip(&e).zip(&g) {
+            let want = libm::erf(x as f64);
+            worst_erf = worst_erf.max((ev as f64 - want).abs());
+            let gw = 0.5 * x as f64 * (1.0 + libm::erf(x as f64 / std::f64::consts::SQRT_2));
+            // GELU's error relative to max(|x|, 1): 1 + erf cancels for x << 0
+            // in any f32 evaluation, so the absolute error is what is bounded.
+            worst_gelu = worst_gelu.max((gv as f64 - gw).abs() / (x.abs() as f64).max(1.0));
+        }
+        let eps = f32::EPSILON as f64;
+        assert!(worst_erf <= 4.0 * eps, "erf abs error {worst_erf:e}");
+        assert!(worst_gelu <= 4.0 * eps, "gelu error {worst_gelu:e}");
+        // gelu' against central differences of the f64 GELU.
+        let mut dy = vec![1.0f32; xs.len()];
+        gelu_backward_slice(&xs, &mut dy);
+        for (&x, &d) in xs.iter().zip(&dy).step_by(97) {
+            let x = x as f64;
+            let f = |t: f64| 0.5 * t * (1.0 + libm::erf(t / std::f64::consts::SQRT_2));
+            let h = 1e-5;
+            let want = (f(x + h) - f(x - h)) / (2.0 * h);
+            assert!(
+                (d as f64 - want).abs() <= 1e-6 * want.abs().max(1.0),
+                "gelu'({x}) = {d}, want {want}"
+            );
+        }
+    }
+
+    #[test]
+    fn mm_acc_matches_plain_sums_bit_for_bit_whatever_the_tile_width() {
+        struct Op<'a> {
+            m: usize,
+            n: usize,
+            k: usize,
+            a: &'a [f32],
+            b: &'a [f32],
+            c: &'a mut [f32],
+        }
+        impl WithSimd for Op<'_> {
+            type Output = usize;
+            #[inline(always)]
+            fn with_simd<S: Simd>(self, simd: S) -> usize {
+                mm_acc(
+                    simd, self.m, self.n, self.k, self.a, self.k, self.b, self.n, self.c, self.n,
+                );
+                mm_col_multiple::<S>()
+            }
+        }
+        let w = 4 * lanes();
+        for (m, n, k) in [(4, w, 3), (8, 2 * w, 17), (12, w, 64)] {
+            let a: Vec<f32> = (0..m * k)
+                .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
+                .collect();
+            let b: Vec<f32> = (0..k * n)
+                .map(|i| ((i * 53 % 89) as f32 - 44.0) / 3.0)
+                .collect();
+            let mut c: Vec<f32> = (0..m * n).map(|i| i as f32 * 0.25).collect();
+            let want: Vec<f32> = (0..m * n)
+                .map(|idx| {
+                    let (i, j) = (idx / n, idx % n);
+                    (0..k).fold(c[idx], |acc, p| a[i * k + p].mul_add(b[p * n + j], acc))
+                })
+                .collect();
+            arch().dispatch(Op {
+                m,
+                n,
+                k,
+                a: &a,
+                b: &b,
+                c: &mut c,
+            });
+            assert_eq!(c, want, "m {m} n {n} k {k}");
+        }
+    }
+}

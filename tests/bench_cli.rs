@@ -1,0 +1,69 @@
+//! `packshard bench --quick`: runs in seconds, checks each pair agrees before
+//! timing it, and reports every figure the README table needs.
+
+use std::process::Command;
+
+use serde_json::Value;
+
+#[test]
+fn quick_bench_runs_and_reports_every_figure() {
+    let out = Command::new(env!("CARGO_BIN_EXE_packshard"))
+        .args(["bench", "--quick", "--json", "--reps", "1"])
+        .output()
+        .expect("runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    let l = &v["layer"];
+    for f in [
+        "packed_s",
+        "padded_s",
+        "achieved_gflops",
+        "gemm_gflops",
+        "reference_s",
+    ] {
+        assert!(l[f].as_f64().unwrap() > 0.0, "{f}: {l}");
+    }
+    // The batch is packed: fewer slots than padded rows.
+    assert!(l["slot_ratio"].as_f64().unwrap() > 1.0, "{l}");
+    assert!(l["packed_vs_padded_rel"].as_f64().unwrap() < 1e-4, "{l}");
+    let a = &v["attention"];
+    assert!(a["varlen_pairs"].as_u64().unwrap() < a["dense_pairs"].as_u64().unwrap());
+    assert!(a["varlen_s"].as_f64().unwrap() > 0.0);
+    if cfg!(feature = "candle") {
+        assert!(a["candle_s"].as_f64().unwrap() > 0.0, "{a}");
+        assert!(a["candle_max_abs"].as_f64().unwrap() < 1e-3, "{a}");
+    }
+    let ce = &v["cross_entropy"][0];
+    // The binary counts its allocations: both peaks are measured, and the
+    // fused path holds less than the materialized one.
+    let (m, f) = (
+        ce["materialized_peak_bytes"].as_u64().unwrap(),
+        ce["fused_peak_bytes"].as_u64().unwrap(),
+    );
+    assert!(f < m, "{ce}");
+    assert!(m >= ce["logits_bytes"].as_u64().unwrap(), "{ce}");
+    assert_eq!(
+        v["variants"].as_array().unwrap().len(),
+        packshard::optimized::variants::VARIANTS.len()
+    );
+}
+
+#[test]
+fn bad_bench_options_are_refused() {
+    for args in [
+        vec!["bench", "--quick", "--ce-sizes", "30522by384"],
+        vec!["bench", "--quick", "--only", "gpu"],
+        vec!["bench", "--quick", "--reps", "0"],
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_packshard"))
+            .args(&args)
+            .output()
+            .expect("runs");
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        assert!(!String::from_utf8_lossy(&out.stderr).contains("panicked"));
+    }
+}

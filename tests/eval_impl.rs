@@ -1,0 +1,200 @@
+//! `packshard eval` with `impl`: every optimized variant that has an eval op
+//! (looping over `packshard_optimized::variants::VARIANTS`) gives the
+//! reference's results to f32 accuracy and the reference's error kinds on
+//! bad input; `--list` names them; unknown impls are refused.
+
+use packshard::eval::{evaluate, list};
+use packshard_optimized::variants::{Kernel, VARIANTS};
+use serde_json::{json, Value};
+
+fn flat(v: &Value) -> Vec<f64> {
+    match v {
+        Value::Array(items) => items.iter().flat_map(flat).collect(),
+        Value::String(s) if s == "inf" => vec![f64::INFINITY],
+        Value::String(s) if s == "-inf" => vec![f64::NEG_INFINITY],
+        other => vec![other.as_f64().expect("a number")],
+    }
+}
+
+fn wave(n: usize, m: usize, seed: f64, amp: f64) -> Value {
+    Value::Array(
+        (0..n)
+            .map(|i| {
+                json!((0..m)
+                    .map(|j| amp * ((i * 7 + j * 3) as f64 * seed).sin())
+                    .collect::<Vec<_>>())
+            })
+            .collect(),
+    )
+}
+
+/// A case for `kernel` and the fields its result must match.
+fn cases(kernel: Kernel) -> Vec<(Value, Vec<&'static str>)> {
+    match kernel {
+        Kernel::Attention => {
+            // [5, 2, 3]: segments of 3, 0 and 2 tokens.
+            let t = |s: f64| {
+                Value::Array(
+                    (0..5)
+                        .map(|i| wave(2, 3, s + i as f64 * 0.1, 1.5))
+                        .collect(),
+                )
+            };
+            let mut out = Vec::new();
+            for causal in [false, true] {
+                out.push((
+                    json!({"op": "attention", "q": t(0.3), "k": t(0.7), "v": t(1.1),
+                           "cu_seqlens": [0, 3, 3, 5], "causal": causal,
+                           "want_grad": true, "grad_output": t(1.3)}),
+                    vec!["output", "lse", "grad_q", "grad_k", "grad_v"],
+                ));
+            }
+            out
+        }
+        Kernel::CrossEntropy => {
+            let logits = wave(6, 11, 0.37, 6.0);
+            let base = json!({"op": "cross_entropy", "logits": logits,
+                              "targets": [0, 10, -100, 4, 5, 9], "want_grad": true,
+                              "label_smoothing": 0.1, "z_loss": 0.01});
+            let mut sharded = base.clone();
+            sharded["num_shards"] = json!(3);
+            sharded["algorithm"] = json!("alg2");
+            let fields = vec!["loss", "per_token_loss", "logsumexp", "grad_logits"];
+            vec![(base, fields.clone()), (sharded, fields)]
+        }
+        Kernel::LinearCrossEntropy => {
+            let base = json!({"op": "linear_cross_entropy", "hidden": wave(7, 5, 0.21, 1.0),
+                              "weight": wave(13, 5, 0.53, 2.0),
+                              "targets": [0, 12, -100, 4, 5, 9, 3], "want_grad": true,
+                              "z_loss": 0.01});
+            let mut sharded = base.clone();
+            sharded["num_shards"] = json!(4);
+            let fields = vec![
+                "loss",
+                "per_token_loss",
+                "logsumexp",
+                "grad_hidden",
+                "grad_weight",
+            ];
+            vec![(base, fields.clone()), (sharded, fields)]
+        }
+        Kernel::EncoderLayer => vec![],
+    }
+}
+
+#[test]
+fn every_eval_variant_matches_the_reference() {
+    let mut checked = 0;
+    for variant in VARIANTS {
+        let Some(op) = variant.kernel.eval_op() else {
+            continue;
+        };
+        for (case, fields) in cases(variant.kernel) {
+            let mut ours = case.clone();
+            ours["impl"] = json!(variant.name);
+            if variant.name == "linear_ce_materialized" && case.get("num_shards").is_some() {
+                let e = evaluate(&ours).unwrap_err();
+                assert_eq!(e.kind, "invalid_argument", "{e}");
+                continue;
+            }
+            let want = evaluate(&case).unwrap_or_else(|e| panic!("{op}: {e}"));
+            let got = evaluate(&ours).unwrap_or_else(|e| panic!("{}: {e}", variant.name));
+            for field in &fields {
+                let (a, b) = (flat(&got[*field]), flat(&want[*field]));
+                assert_eq!(a.len(), b.len(), "{} {field}", variant.name);
+                let scale = b.iter().fold(0.0f64, |m, x| m.max(x.abs()));
+                assert!(scale > 0.0, "{} {field}: degenerate", variant.name);
+                let err = a
+                    .iter()
+                    .zip(&b)
+                    .map(|(x, y)| (x - y).abs())
+                    .fold(0.0, f64::max);
+                // bf16 inputs round to 8 bits: 2^-8 relative to the largest
+                // entry; f32 kernels: well under 1e-5.
+                let tol = if variant.name.ends_with("bf16") {
+                    2e-2
+                } else {
+                    1e-5
+                };
+                assert!(
+                    err <= tol * scale,
+                    "{} {field}: max error {err:e}, scale {scale:e}",
+                    variant.name
+                );
+                if !variant.name.ends_with("bf16") {
+                    // Not the reference itself: f32 results differ from f64.
+                    checked += usize::from(err > 0.0);
+                }
+            }
+        }
+    }
+    assert!(
+        checked >= 15,
+        "only {checked} fields differed from f64 at all"
+    );
+}
+
+#[test]
+fn bad_input_gets_the_reference_error_kinds_under_every_impl() {
+    let bad: Vec<Value> = vec![
+        json!({"op": "attention", "q": [[[1.0]]], "k": [[["nan"]]], "v": [[[1.0]]], "cu_seqlens": [0, 1]}),
+        json!({"op": "attention", "q": [[[1.0]], [[1.0]]], "k": [[[1.0]], [[1.0]]], "v": [[[1.0]], [[1.0]]], "cu_seqlens": [0, 3]}),
+        json!({"op": "attention", "q": [[[1.0]]], "k": [[[1.0, 2.0]]], "v": [[[1.0]]], "cu_seqlens": [0, 1]}),
+        json!({"op": "cross_entropy", "logits": [[1.0, "nan"]], "targets": [0]}),
+        json!({"op": "cross_entropy", "logits": [[1.0, "inf"]], "targets": [0], "num_shards": 2}),
+        json!({"op": "cross_entropy", "logits": [[1.0, 2.0]], "targets": [0, 1]}),
+        json!({"op": "cross_entropy", "logits": [[1.0, 2.0]], "targets": [2]}),
+        json!({"op": "cross_entropy", "logits": [["-inf", "-inf"]], "targets": [1]}),
+        json!({"op": "linear_cross_entropy", "hidden": [[1.0, 2.0]], "weight": [[1.0]], "targets": [0]}),
+        json!({"op": "linear_cross_entropy", "hidden": [[1.0]], "weight": [[1.0], ["nan"]], "targets": [0]}),
+        json!({"op": "linear_cross_entropy", "hidden": [[1.0]], "weight": [[1.0], [2.0]], "targets": [-3], "num_shards": 2}),
+        json!({"op": "linear_cross_entropy", "hidden": [[1.0]], "weight": [[1.0], [2.0]], "targets": [0], "label_smoothing": 2.0}),
+    ];
+    for case in bad {
+        let op = case["op"].as_str().unwrap().to_string();
+        let want = evaluate(&case).expect_err("the reference refuses it");
+        for variant in VARIANTS
+            .iter()
+            .filter(|v| v.kernel.eval_op() == Some(op.as_str()))
+        {
+            if variant.name == "linear_ce_materialized" && case.get("num_shards").is_some() {
+                continue;
+            }
+            let mut ours = case.clone();
+            ours["impl"] = json!(variant.name);
+            let got = evaluate(&ours).expect_err("refused");
+            assert_eq!(
+                got.kind, want.kind,
+                "{} on {case}: {got} vs the reference's {want}",
+                variant.name
+            );
+        }
+    }
+}
+
+#[test]
+fn list_names_the_variants_and_unknown_impls_are_refused() {
+    let l = list();
+    let ops = l["ops"].as_array().unwrap();
+    let impls = |op: &str| -> Vec<String> {
+        ops.iter().find(|o| o["op"] == op).unwrap()["impls"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s.as_str().unwrap().to_string())
+            .collect()
+    };
+    assert_eq!(
+        impls("linear_cross_entropy"),
+        ["reference", "linear_ce_materialized", "linear_ce_fused"]
+    );
+    assert_eq!(impls("pack"), ["reference"]);
+    let e = evaluate(&json!({"op": "cross_entropy", "logits": [[1.0]], "targets": [0], "impl": "linear_ce_fused"}))
+        .unwrap_err();
+    assert_eq!(e.kind, "invalid_argument");
+    assert!(e.message.contains("cross_entropy_f32"), "{e}");
+    let e = evaluate(&json!({"op": "cross_entropy", "logits": [[1.0, 2.0]], "targets": [0], "num_shards": 2, "algorithm": "alg1", "impl": "cross_entropy_f32"}))
+        .unwrap_err();
+    assert_eq!(e.kind, "invalid_argument");
+    assert!(e.message.contains("alg2"), "{e}");
+}
