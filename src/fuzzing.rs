@@ -14,9 +14,29 @@
 //! file and a `[[bin]]` entry in `fuzz/Cargo.toml`; the regression test
 //! checks that the three agree.
 
+use packshard_equivalence::compare::RelativeRule;
 use packshard_equivalence::compare::{Mismatch, Tolerance};
 use packshard_equivalence::fuzz::{self, catch_panic, Failure, Outcome};
+use packshard_equivalence::vocab::Rule;
 use packshard_equivalence::{attention, packing, vocab};
+use packshard_optimized::oracle::{DenseAsVarlen, FusedAlg2, ATTENTION_BF16, ATTENTION_F32};
+use packshard_optimized::vocab::Chunks;
+
+/// The optimized f32 attention kernels against the f64 reference: 64 ulp of
+/// f32 times the magnitude of the terms (the inputs' rounding to f32 is far
+/// inside it).
+const F32_ATTENTION: Tolerance = Tolerance::F32_REWRITE;
+
+/// bf16 inputs: their rounding (2^-9 relative) dominates; 16 ulp of bf16
+/// times the magnitude of the terms.
+const BF16_ATTENTION: Tolerance =
+    Tolerance::new("bf16 inputs (16 ulp of bf16)", 16.0 / 256.0, 16.0 / 256.0);
+
+/// Chunks small enough that fuzz cases (`v <= 64`) cross chunk edges.
+const FUZZ_CHUNKS: Chunks = Chunks {
+    tokens: 3,
+    vocab: 5,
+};
 
 /// One fuzz target: its name (the `cargo fuzz` target and the corpus
 /// directories), what it checks, and its body.
@@ -57,6 +77,31 @@ pub fn targets() -> Vec<Target> {
             name: "linear_cross_entropy",
             summary: "reference sharded output layer (naive, alg1, alg2) against the unsharded reference (V3)",
             run: |d| fuzz::vocab::run_linear(&vocab::Reference, d),
+        },
+        Target {
+            name: "optimized_attention",
+            summary: "optimized f32 varlen attention (attention_varlen_tiled), forward and backward, against the f64 reference, packed == padded",
+            run: |d| fuzz::attention::run(&ATTENTION_F32, F32_ATTENTION, d),
+        },
+        Target {
+            name: "optimized_attention_bf16",
+            summary: "optimized varlen attention on bf16 inputs (attention_varlen_tiled_bf16) against the f64 reference",
+            run: |d| fuzz::attention::run(&ATTENTION_BF16, BF16_ATTENTION, d),
+        },
+        Target {
+            name: "optimized_attention_dense",
+            summary: "optimized dense masked attention with the block-diagonal mask (attention_dense_masked) against the f64 reference",
+            run: |d| fuzz::attention::run(&DenseAsVarlen, F32_ATTENTION, d),
+        },
+        Target {
+            name: "optimized_cross_entropy",
+            summary: "optimized f32 alg2 shard cross-entropy against the unsharded reference under RelativeRule::F32",
+            run: |d| fuzz::vocab::run_cross_entropy_with(&FusedAlg2(FUZZ_CHUNKS), Rule::Relative(RelativeRule::F32), d),
+        },
+        Target {
+            name: "optimized_linear_cross_entropy",
+            summary: "optimized fused chunked output layer, alg2 shards, against the unsharded reference under RelativeRule::F32",
+            run: |d| fuzz::vocab::run_linear_with(&FusedAlg2(FUZZ_CHUNKS), Rule::Relative(RelativeRule::F32), d),
         },
         Target {
             name: "pack_batch",

@@ -10,13 +10,15 @@
 //! - [`layer`]: the BERT encoder layer.
 //! - [`variants`]: the one list of the variants above, with what changed.
 //! - [`matmul`], [`simd`], [`adapt`]: the building blocks and f64 adapters.
+//! - [`oracle`]: the kernels behind the op traits of `packshard-equivalence`.
 
 pub mod adapt;
 pub mod attention;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod layer;
 pub mod matmul;
+pub mod oracle;
 pub mod simd;
 pub mod variants;
 pub mod vocab;
-#[cfg(feature = "cuda")]
-pub mod cuda;

@@ -5,150 +5,16 @@
 //! of the reference math run in f32), with planted outliers and tile-crossing
 //! segments; bf16 inputs against the reference on bf16-rounded inputs.
 
-use ndarray::{Array2, ArrayView2, ArrayView3};
 use packshard_equivalence::attention::{
     check_attention, run_attention_relative_suite, run_attention_suite, tile_cases, AttentionCase,
     RelativeReport, VarlenAttention,
 };
 use packshard_equivalence::baseline32::{round_bf16, round_f32};
 use packshard_equivalence::compare::RelativeRule;
-use packshard_optimized::adapt::OptimizedAttention;
-use packshard_reference::bert::attention::{AttentionGrads, AttentionOutput};
-use packshard_reference::Error;
+use packshard_optimized::oracle::{DenseAsVarlen, Suite, ATTENTION_BF16, ATTENTION_F32};
 
-/// An optimized variant as the suite's `VarlenAttention`: the varlen form
-/// through the varlen kernel, the padded form through the dense masked kernel.
-struct Suite(OptimizedAttention, &'static str);
-
-impl VarlenAttention for Suite {
-    fn name(&self) -> String {
-        self.1.into()
-    }
-    fn varlen_forward(
-        &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
-        cu_seqlens: &[usize],
-        scale: f64,
-    ) -> Result<AttentionOutput, Error> {
-        self.0.varlen_forward(q, k, v, cu_seqlens, false, scale)
-    }
-    fn varlen_backward(
-        &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
-        cu_seqlens: &[usize],
-        scale: f64,
-        fwd: &AttentionOutput,
-        grad_output: ArrayView3<f64>,
-    ) -> Result<AttentionGrads, Error> {
-        self.0
-            .varlen_backward(q, k, v, cu_seqlens, false, scale, fwd, grad_output)
-    }
-    fn masked_forward(
-        &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
-        allowed: ArrayView2<bool>,
-        scale: f64,
-    ) -> Result<AttentionOutput, Error> {
-        let n = q.dim().0;
-        self.0.dense_forward(q, k, v, n, &[allowed], scale)
-    }
-    fn masked_backward(
-        &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
-        allowed: ArrayView2<bool>,
-        scale: f64,
-        fwd: &AttentionOutput,
-        grad_output: ArrayView3<f64>,
-    ) -> Result<AttentionGrads, Error> {
-        let n = q.dim().0;
-        self.0
-            .dense_backward(q, k, v, n, &[allowed], scale, fwd, grad_output)
-    }
-}
-
-/// The dense masked kernel judged as a varlen kernel: the whole packed batch
-/// is one row with the block-diagonal mask of its segments.
-struct DenseAsVarlen;
-
-fn block_diagonal(cu: &[usize]) -> Array2<bool> {
-    let n = *cu.last().unwrap();
-    let seg = |i: usize| cu.partition_point(|&c| c <= i);
-    Array2::from_shape_fn((n, n), |(i, j)| seg(i) == seg(j))
-}
-
-impl VarlenAttention for DenseAsVarlen {
-    fn name(&self) -> String {
-        "attention_dense_masked (block-diagonal)".into()
-    }
-    fn varlen_forward(
-        &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
-        cu_seqlens: &[usize],
-        scale: f64,
-    ) -> Result<AttentionOutput, Error> {
-        let mask = block_diagonal(cu_seqlens);
-        let n = q.dim().0;
-        OptimizedAttention::F32.dense_forward(q, k, v, n, &[mask.view()], scale)
-    }
-    fn varlen_backward(
-        &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
-        cu_seqlens: &[usize],
-        scale: f64,
-        fwd: &AttentionOutput,
-        grad_output: ArrayView3<f64>,
-    ) -> Result<AttentionGrads, Error> {
-        let mask = block_diagonal(cu_seqlens);
-        let n = q.dim().0;
-        OptimizedAttention::F32.dense_backward(q, k, v, n, &[mask.view()], scale, fwd, grad_output)
-    }
-    fn masked_forward(
-        &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
-        allowed: ArrayView2<bool>,
-        scale: f64,
-    ) -> Result<AttentionOutput, Error> {
-        Suite(OptimizedAttention::F32, "").masked_forward(q, k, v, allowed, scale)
-    }
-    #[allow(clippy::too_many_arguments)]
-    fn masked_backward(
-        &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
-        allowed: ArrayView2<bool>,
-        scale: f64,
-        fwd: &AttentionOutput,
-        grad_output: ArrayView3<f64>,
-    ) -> Result<AttentionGrads, Error> {
-        Suite(OptimizedAttention::F32, "").masked_backward(
-            q,
-            k,
-            v,
-            allowed,
-            scale,
-            fwd,
-            grad_output,
-        )
-    }
-}
-
-const F32: Suite = Suite(OptimizedAttention::F32, "attention_varlen_tiled");
-const BF16: Suite = Suite(OptimizedAttention::BF16, "attention_varlen_tiled_bf16");
+const F32: Suite = ATTENTION_F32;
+const BF16: Suite = ATTENTION_BF16;
 
 #[test]
 fn packed_equals_padded_bitwise_for_the_f32_and_bf16_variants() {

@@ -10,15 +10,14 @@
 //! Plus the unsharded fused kernel against the materialized one and the f64
 //! reference, with chunk sizes that do not divide the sizes.
 
-use ndarray::{Array2, ArrayView2};
+use ndarray::Array2;
 use packshard_equivalence::compare::RelativeRule;
 use packshard_equivalence::vocab::{run_suite_with, Rule, VocabParallel};
+use packshard_optimized::oracle::FusedAlg2;
 use packshard_optimized::vocab::{
-    alg2, cross_entropy, linear_cross_entropy_fused, linear_cross_entropy_materialized, Chunks,
+    cross_entropy, linear_cross_entropy_fused, linear_cross_entropy_materialized, Chunks,
 };
-use packshard_reference::vocab::embedding::{sharded_embedding, ShardedEmbedding};
-use packshard_reference::vocab::sharded::ShardedLoss;
-use packshard_reference::vocab::{LossConfig, ShardMap, ShardedAlgorithm, SmoothingConvention};
+use packshard_reference::vocab::{LossConfig, SmoothingConvention};
 use packshard_reference::Error;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -30,70 +29,8 @@ const SMALL: Chunks = Chunks {
     vocab: 5,
 };
 
-/// `alg2` of the optimized crate behind the suite's f64 interface. Inputs
-/// are cast to f32 (padding values too: they are never read). The embedding
-/// is a lookup, exact in any precision: the reference's is used.
-struct Optimized(Chunks);
-
-fn f32s(a: ArrayView2<f64>) -> Array2<f32> {
-    a.mapv(|x| x as f32)
-}
-
-impl VocabParallel for Optimized {
-    fn name(&self) -> String {
-        format!(
-            "fused_ce_alg2 (chunks {} x {})",
-            self.0.tokens, self.0.vocab
-        )
-    }
-    fn algorithms(&self) -> Vec<ShardedAlgorithm> {
-        vec![alg2::ALGORITHM]
-    }
-    fn cross_entropy(
-        &self,
-        _algorithm: ShardedAlgorithm,
-        map: &ShardMap,
-        logits: ArrayView2<f64>,
-        targets: &[i64],
-        config: &LossConfig,
-        want_grad: bool,
-    ) -> Result<ShardedLoss, Error> {
-        alg2::sharded_cross_entropy(map, f32s(logits).view(), targets, config, want_grad)
-    }
-    fn linear_cross_entropy(
-        &self,
-        _algorithm: ShardedAlgorithm,
-        map: &ShardMap,
-        hidden: ArrayView2<f64>,
-        weight: ArrayView2<f64>,
-        targets: &[i64],
-        config: &LossConfig,
-        want_grad: bool,
-    ) -> Result<ShardedLoss, Error> {
-        alg2::sharded_linear_cross_entropy(
-            map,
-            f32s(hidden).view(),
-            f32s(weight).view(),
-            targets,
-            config,
-            want_grad,
-            self.0,
-            true,
-        )
-    }
-    fn embedding(
-        &self,
-        map: &ShardMap,
-        ids: &[i64],
-        weight: ArrayView2<f64>,
-        grad_output: Option<ArrayView2<f64>>,
-    ) -> Result<ShardedEmbedding, Error> {
-        sharded_embedding(map, ids, weight, grad_output)
-    }
-}
-
 fn run(chunks: Chunks) {
-    let imp = Optimized(chunks);
+    let imp = FusedAlg2(chunks);
     let c = run_suite_with(&imp, 64, Rule::Relative(RelativeRule::F32))
         .unwrap_or_else(|m| panic!("{m}"));
     let r = &c.relative;

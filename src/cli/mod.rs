@@ -1,7 +1,7 @@
 //! Subcommands of the `packshard` binary.
 
-pub mod check;
 pub mod bench;
+pub mod check;
 pub mod eval;
 pub mod golden;
 pub mod pack;

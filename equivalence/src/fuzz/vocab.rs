@@ -25,8 +25,8 @@ use super::values::{plants, Gen};
 use super::{brief, Failure, Outcome};
 use crate::compare::Mismatch;
 use crate::vocab::{
-    check_cross_entropy, check_embedding, check_linear, take_worst_ulps, CeCase, EmbeddingCase,
-    LinearCase, VocabParallel,
+    check_cross_entropy_with, check_embedding, check_linear_with, take_worst_ulps, CeCase,
+    EmbeddingCase, LinearCase, Rule, VocabParallel,
 };
 
 /// Largest vocabulary of a case.
@@ -408,13 +408,27 @@ fn vocab_outcome(reference_failed: bool, values: usize) -> Outcome {
 /// # Errors
 /// A [`Failure`] naming the algorithm, the case and the first mismatch.
 pub fn run_cross_entropy(imp: &dyn VocabParallel, data: &[u8]) -> Result<Outcome, Failure> {
+    run_cross_entropy_with(imp, Rule::Terms, data)
+}
+
+/// As [`run_cross_entropy`] under `rule`: [`Rule::Relative`] for a
+/// lower-precision implementation (inputs rounded to f32, each tensor held to
+/// the rule's per-tensor factor of the f32 baseline's error).
+///
+/// # Errors
+/// A [`Failure`] naming the algorithm, the case and the first mismatch.
+pub fn run_cross_entropy_with(
+    imp: &dyn VocabParallel,
+    rule: Rule,
+    data: &[u8],
+) -> Result<Outcome, Failure> {
     let Ok(case) = CeFuzzCase::from_bytes(data) else {
         return Ok(Outcome::default());
     };
     take_worst_ulps();
     let c = &case.case;
     for algorithm in imp.algorithms() {
-        check_cross_entropy(imp, algorithm, c, case.want_grad).map_err(|m| {
+        check_cross_entropy_with(imp, algorithm, c, case.want_grad, rule).map_err(|m| {
             Failure::new(
                 "cross_entropy",
                 format!("{} ({algorithm})", imp.name()),
@@ -437,13 +451,25 @@ pub fn run_cross_entropy(imp: &dyn VocabParallel, data: &[u8]) -> Result<Outcome
 /// # Errors
 /// A [`Failure`] naming the algorithm, the case and the first mismatch.
 pub fn run_linear(imp: &dyn VocabParallel, data: &[u8]) -> Result<Outcome, Failure> {
+    run_linear_with(imp, Rule::Terms, data)
+}
+
+/// As [`run_linear`] under `rule` (see [`run_cross_entropy_with`]).
+///
+/// # Errors
+/// A [`Failure`] naming the algorithm, the case and the first mismatch.
+pub fn run_linear_with(
+    imp: &dyn VocabParallel,
+    rule: Rule,
+    data: &[u8],
+) -> Result<Outcome, Failure> {
     let Ok(case) = LinearFuzzCase::from_bytes(data) else {
         return Ok(Outcome::default());
     };
     take_worst_ulps();
     let c = &case.case;
     for algorithm in imp.algorithms() {
-        check_linear(imp, algorithm, c, case.want_grad).map_err(|m| {
+        check_linear_with(imp, algorithm, c, case.want_grad, rule).map_err(|m| {
             Failure::new(
                 "linear_cross_entropy",
                 format!("{} ({algorithm})", imp.name()),
