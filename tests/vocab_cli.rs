@@ -3,32 +3,12 @@
 //! `packshard vocab` report, end to end; insta snapshots for the discrete
 //! outputs (error messages, the report's counts with thresholded errors).
 
-use std::io::Write;
-use std::process::{Command, Output, Stdio};
-
 use packshard::reference::vocab::{ShardLayout, ShardedAlgorithm};
 use packshard::vocab_report::{self, Errors, VocabReportConfig};
 use serde_json::{json, Value};
 
-fn packshard(args: &[&str], stdin: Option<&str>) -> Output {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_packshard"))
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn packshard");
-    if let Some(text) = stdin {
-        child
-            .stdin
-            .take()
-            .unwrap()
-            .write_all(text.as_bytes())
-            .unwrap();
-    }
-    drop(child.stdin.take());
-    child.wait_with_output().unwrap()
-}
+mod common;
+use common::packshard;
 
 /// Evaluates `cases` in one `packshard eval --jsonl` run; one result per case.
 fn eval_all(cases: &[Value]) -> Vec<Value> {
