@@ -95,13 +95,13 @@ pub fn targets() -> Vec<Target> {
         },
         Target {
             name: "optimized_cross_entropy",
-            summary: "optimized f32 alg2 shard cross-entropy against the unsharded reference under RelativeRule::F32",
-            run: |d| fuzz::vocab::run_cross_entropy_with(&FusedAlg2(FUZZ_CHUNKS), Rule::Relative(RelativeRule::F32), d),
+            summary: "optimized f32 alg2 shard cross-entropy against the unsharded reference under RelativeRule::F32_FUZZ",
+            run: |d| fuzz::vocab::run_cross_entropy_with(&FusedAlg2(FUZZ_CHUNKS), Rule::Relative(RelativeRule::F32_FUZZ), d),
         },
         Target {
             name: "optimized_linear_cross_entropy",
-            summary: "optimized fused chunked output layer, alg2 shards, against the unsharded reference under RelativeRule::F32",
-            run: |d| fuzz::vocab::run_linear_with(&FusedAlg2(FUZZ_CHUNKS), Rule::Relative(RelativeRule::F32), d),
+            summary: "optimized fused chunked output layer, alg2 shards, against the unsharded reference under RelativeRule::F32_FUZZ",
+            run: |d| fuzz::vocab::run_linear_with(&FusedAlg2(FUZZ_CHUNKS), Rule::Relative(RelativeRule::F32_FUZZ), d),
         },
         Target {
             name: "pack_batch",

@@ -246,7 +246,10 @@ fn row_stats<S: Simd>(simd: S, z: &[f32], q: &RowQ) -> SoftmaxStats {
         if q.qo > 0.0 && !z.is_empty() {
             mass += q.qo * z.len() as f64;
             if max == f32::NEG_INFINITY {
-                infinite = true;
+                // Every column is -inf: infinite, unless the only column is
+                // the target, whose weight `qt` is judged below (Megatron's
+                // smoothing at 1 gives it `qt = 0`).
+                infinite = !(z.len() == 1 && q.target.is_some());
             } else {
                 let (head, tail) = S::as_simd_f32s(z);
                 let m = simd.splat_f32s(max);
@@ -257,7 +260,19 @@ fn row_stats<S: Simd>(simd: S, z: &[f32], q: &RowQ) -> SoftmaxStats {
                 if !tail.is_empty() {
                     acc = simd.add_f32s(acc, simd.sub_f32s(m, load_tail(simd, tail, max)));
                 }
-                let sum = simd.reduce_sum_f32s(acc) as f64;
+                let mut sum = simd.reduce_sum_f32s(acc) as f64;
+                if sum == f64::INFINITY {
+                    // A -inf column. If it is only the target's, its weight
+                    // is `qt`, not `qo` (judged below): sum the others.
+                    if let Some(t) = q.target.filter(|&t| z[t] == f32::NEG_INFINITY) {
+                        sum = z
+                            .iter()
+                            .enumerate()
+                            .filter(|&(j, _)| j != t)
+                            .map(|(_, &x)| f64::from(max - x))
+                            .sum();
+                    }
+                }
                 infinite |= sum == f64::INFINITY;
                 target += q.qo * sum;
             }
