@@ -428,6 +428,7 @@ fn cli_golden_then_check_exit_codes_and_bad_input() {
     );
 
     // Bad input, exit 2, one line naming the tensors.
+    #[allow(clippy::type_complexity)]
     let cases_of_bad_input: Vec<(Vec<(String, Vec<usize>, Vec<f64>)>, &str)> = vec![
         (attention[..4].to_vec(), "missing attention_varlen/grad_v"),
         (

@@ -4,6 +4,8 @@
 //! the harness from random bytes and reported readably: the tensor, the
 //! index, both values and the tolerance.
 
+#![allow(clippy::result_large_err)]
+
 use std::cell::Cell;
 
 use ndarray::{Array2, ArrayView2, ArrayView3};

@@ -663,6 +663,7 @@ fn linear_case(
         lowp::linear_cross_entropy(hidden.view(), weight.view(), &targets, &config, dtype)
     });
     let what = "vocab::Terms with the logits' own rounding";
+    #[allow(clippy::type_complexity)]
     let lw = |f: &dyn Fn(&(lowp::CrossEntropy, Array2<f64>, Array2<f64>)) -> Vec<f64>| {
         low.as_ref().map(f).unwrap_or_default()
     };

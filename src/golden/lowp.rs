@@ -41,6 +41,7 @@ pub struct Attention {
 /// Varlen attention forward and backward in `dtype` (see the module docs):
 /// `q, k, v, grad_output: [n, h, d]`, `cu_seqlens: [b + 1]` (well-formed),
 /// `causal` masking keys after the query within its segment.
+#[allow(clippy::too_many_arguments)]
 pub fn attention(
     q: ArrayView3<f64>,
     k: ArrayView3<f64>,

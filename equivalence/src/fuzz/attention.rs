@@ -33,6 +33,9 @@ use super::{brief, catch_panic, Failure, Outcome};
 use crate::attention::{AttentionCase, VarlenAttention};
 use crate::compare::{assert_close_with_scale, Mismatch, Tolerance};
 
+/// One tensor to compare: name, expected, actual, shape, magnitude of its terms.
+type NamedCheck<'a> = (&'a str, Vec<f64>, Vec<f64>, &'a [usize], f64);
+
 /// Most segments in a case.
 pub const MAX_SEGMENTS: usize = 8;
 /// Most tokens in a segment.
@@ -594,7 +597,7 @@ fn check_padded(
                 .copied()
                 .collect()
         };
-        let checks: [(&str, Vec<f64>, Vec<f64>, &[usize], f64); 5] = [
+        let checks: [NamedCheck; 5] = [
             (
                 "output",
                 theirs(&expected.0.output),
@@ -733,7 +736,7 @@ fn compare_segments(
                 .copied()
                 .collect()
         };
-        let checks: [(&str, Vec<f64>, Vec<f64>, &[usize], f64); 5] = [
+        let checks: [NamedCheck; 5] = [
             (
                 "output",
                 seg(&expected.0.output),
