@@ -839,7 +839,20 @@ fn relative(
     shape: &[usize],
     rule: RelativeRule,
 ) -> Result<(), Mismatch> {
-    let r = assert_within_k_with_scale(what, expected, baseline, actual, shape, rule, None)?;
+    relative_with_scale(what, expected, baseline, actual, shape, rule, None)
+}
+
+/// [`relative`] with a given scale (`None`: the expected tensor's largest value).
+fn relative_with_scale(
+    what: &str,
+    expected: &[f64],
+    baseline: &[f64],
+    actual: &[f64],
+    shape: &[usize],
+    rule: RelativeRule,
+    scale: Option<f64>,
+) -> Result<(), Mismatch> {
+    let r = assert_within_k_with_scale(what, expected, baseline, actual, shape, rule, scale)?;
     RELATIVE.with(|rep| rep.borrow_mut().note(what, r));
     Ok(())
 }
@@ -863,8 +876,25 @@ fn check_loss_relative(
     linear: bool,
     want_grad: bool,
     rule: RelativeRule,
+    terms: &Terms,
 ) -> Result<(), Mismatch> {
     let p = map.num_shards();
+    // A token's loss is `logsumexp - Σ_j q_j z_j`: two values of the size of
+    // the logits that cancel (to ~0 for a confident prediction). An f32
+    // kernel may round `logsumexp = m + ln s` at that size (as
+    // flash-attention stores `lse`), so the losses' scale is at least the
+    // magnitude of their terms and of `logsumexp`, as under [`Rule::Terms`],
+    // not only the result's.
+    let finite_max = |xs: &[f64]| {
+        xs.iter()
+            .copied()
+            .filter(|x| x.is_finite())
+            .fold(0.0, f64::max)
+    };
+    let loss_scale = |own: &[f64], t: &[f64]| {
+        let scale = finite_max(own).max(finite_max(t));
+        (scale > 0.0).then_some(scale)
+    };
     if actual.ranks.len() != p {
         return fail(
             "ranks",
@@ -877,21 +907,32 @@ fn check_loss_relative(
     let b_tok: Vec<f64> = base.per_token_loss.iter().map(|&x| f64::from(x)).collect();
     for r in &actual.ranks {
         let at = |what: &str| format!("{what} (rank {})", r.rank);
-        relative(
+        relative_with_scale(
             &at("loss"),
             &[expected.loss],
             &[f64::from(base.loss)],
             &[r.loss],
             &[1],
             rule,
+            loss_scale(
+                &[expected.loss],
+                &[terms.loss, finite_max(&terms.logsumexp)],
+            ),
         )?;
-        relative(
+        relative_with_scale(
             &at("per_token_loss"),
             expected.per_token_loss.as_slice().unwrap_or(&[]),
             &b_tok,
             &r.per_token_loss.to_vec(),
             &[n],
             rule,
+            loss_scale(
+                expected.per_token_loss.as_slice().unwrap_or(&[]),
+                &[
+                    finite_max(&terms.per_token_loss),
+                    finite_max(&terms.logsumexp),
+                ],
+            ),
         )?;
         let got_lse: Vec<f64> = r.global.iter().map(|g| g.logsumexp()).collect();
         if got_lse.len() == n {
@@ -976,8 +1017,9 @@ fn check_cross_entropy_relative(
     };
     let real32 = real.mapv(|x| x as f32);
     let base = baseline32::cross_entropy(real32.view(), &case.targets, &case.config, want_grad);
+    let terms = Terms::new(real, &case.targets, &case.config, &expected);
     check_loss_relative(
-        algorithm, &case.map, &expected, &base, &actual, false, want_grad, rule,
+        algorithm, &case.map, &expected, &base, &actual, false, want_grad, rule, &terms,
     )
 }
 
@@ -1079,6 +1121,12 @@ fn check_linear_relative(
             }
         }
     }
+    let terms = Terms::new(
+        expected.logits.view(),
+        &case.targets,
+        &case.config,
+        &expected.ce,
+    );
     check_loss_relative(
         algorithm,
         &case.map,
@@ -1088,6 +1136,7 @@ fn check_linear_relative(
         true,
         want_grad,
         rule,
+        &terms,
     )
 }
 
