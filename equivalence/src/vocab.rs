@@ -366,7 +366,8 @@ fn tensor_terms(
 /// module docs), from the unsharded result.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Terms {
-    /// `[n]`: per-token loss plus `(1 + 2 c |lse|) Σ_j p_j |z_j - m|`.
+    /// `[n]`: per-token loss plus `(1 + 2 c |lse|) Σ_j p_j |z_j - m|` plus
+    /// `q_o Σ_j |z_j - m|` (the smoothing sum before the target's correction).
     pub per_token_loss: Vec<f64>,
     /// The loss's terms: `per_token_loss` reduced like the loss.
     pub loss: f64,
@@ -407,8 +408,16 @@ impl Terms {
                 1.0
             };
             let mut exp_terms = 0.0;
+            // `q_o Σ_j |m - z_j|`: the smoothing sum as an implementation
+            // may form it, over every finite column before the target's
+            // weight is corrected to `q_t` (Megatron's smoothing at 1 gives
+            // `q_t = 0`, so the target's share cancels).
+            let mut smoothing = 0.0;
             for j in 0..v {
                 let z = logits[[i, j]];
+                if q_o > 0.0 && z.is_finite() && st.max.is_finite() {
+                    smoothing += q_o * (z - st.max).abs();
+                }
                 let p = if st.max == f64::NEG_INFINITY {
                     0.0
                 } else {
@@ -424,7 +433,7 @@ impl Terms {
             let lse_terms = st.max.abs() + st.rest.ln_1p() + exp_terms;
             logsumexp.push(if lse_terms.is_nan() { 0.0 } else { lse_terms });
             let own = if parsed[i].is_some() {
-                zl * exp_terms
+                zl * exp_terms + smoothing
             } else {
                 0.0
             };
@@ -1068,6 +1077,30 @@ fn check_linear_relative(
         &case.config,
         want_grad,
     );
+    let terms = Terms::new(
+        expected.logits.view(),
+        &case.targets,
+        &case.config,
+        &expected.ce,
+    );
+    // The gradients are sums over the vocabulary (`dL/dhidden`) or the
+    // tokens (`dL/dW`) of terms `|dL/dz| x |W|` or `|dL/dz| x |hidden|` that
+    // can cancel to ~0 (exactly 0 by symmetry): their scale is at least the
+    // terms' magnitude, as under [`Rule::Terms`].
+    let abs_w = real.mapv(f64::abs);
+    let abs_h = case.hidden.mapv(f64::abs);
+    let max_of = |a: &Array2<f64>| {
+        a.iter()
+            .copied()
+            .filter(|x| x.is_finite())
+            .fold(0.0, f64::max)
+    };
+    let hidden_scale = max_of(&terms.grad_logits.dot(&abs_w));
+    let weight_scale = max_of(&terms.grad_logits.t().dot(&abs_h));
+    let with_floor = |want: &Array2<f64>, floor: f64| {
+        let s = max_of(want).max(floor);
+        (s > 0.0).then_some(s)
+    };
     if let (Some(want), Some((bh, _))) = (&expected.grad_hidden, &base_grads) {
         for r in &actual.ranks {
             let Some(got) = &r.grad_hidden else {
@@ -1079,13 +1112,14 @@ fn check_linear_relative(
                     format!("shape {:?}, expected {:?}", got.shape(), want.shape()),
                 );
             }
-            relative(
+            relative_with_scale(
                 &format!("grad_hidden (rank {})", r.rank),
                 &flat64(want),
                 &flat32(bh),
                 &flat64(got),
                 want.shape(),
                 rule,
+                with_floor(want, hidden_scale),
             )?;
         }
     }
@@ -1099,13 +1133,14 @@ fn check_linear_relative(
                 format!("shape {:?}, expected {:?}", got.shape(), want.shape()),
             );
         }
-        relative(
+        relative_with_scale(
             "grad_weight",
             &flat64(want),
             &flat32(bw),
             &flat64(&got),
             want.shape(),
             rule,
+            with_floor(want, weight_scale),
         )?;
         for (s, r) in case.map.shards().iter().zip(&actual.ranks) {
             let g = r.grad_weight.as_ref().expect("gathered above");
@@ -1121,12 +1156,6 @@ fn check_linear_relative(
             }
         }
     }
-    let terms = Terms::new(
-        expected.logits.view(),
-        &case.targets,
-        &case.config,
-        &expected.ce,
-    );
     check_loss_relative(
         algorithm,
         &case.map,
