@@ -973,13 +973,16 @@ fn check_loss_relative(
                 format!("shape {:?}, expected {:?}", got.shape(), want.shape()),
             );
         }
-        relative(
+        // `p - q` cancels (to exactly 0 where `p = q`): at least the terms' scale.
+        let scale = finite_max(&flat64(want)).max(finite_max(&flat64(&terms.grad_logits)));
+        relative_with_scale(
             "grad_logits",
             &flat64(want),
             &flat32(b),
             &flat64(&got),
             want.shape(),
             rule,
+            (scale > 0.0).then_some(scale),
         )?;
         for (s, r) in map.shards().iter().zip(&actual.ranks) {
             let g = r.grad_logits.as_ref().expect("gathered above");
