@@ -265,19 +265,21 @@ impl RelativeRule {
     };
 
     /// f32 kernels on single adversarial cases (the fuzz targets): as
-    /// [`RelativeRule::F32`] but with a floor of 64 ulp of the tensor's scale,
-    /// the floor of [`Tolerance::F32_REWRITE`]. One case has no suite to
-    /// average over, and where the f32 baseline happens to be nearly exact
-    /// (a gradient summed over planted `±100` weights, whose baseline error
-    /// was 0.6 ulp), 32 x it is below the kernel's legitimate rounding (28
-    /// ulp of the scale in the committed input
-    /// `fuzz/regressions/optimized_linear_cross_entropy/crash-7207c6…`). A
-    /// planted fault is still 10^3 x or more above it.
+    /// [`RelativeRule::F32`] but with a floor of 256 ulp of the tensor's
+    /// scale. One case has no suite to average over, and 32 x the f32
+    /// baseline is not a bound on legitimate rounding in one case: the
+    /// committed inputs under `fuzz/regressions/optimized_linear_cross_entropy/`
+    /// include a gradient summed over planted `±100` weights where the
+    /// baseline's error was 0.6 ulp and the fused kernel's 28 ulp of the
+    /// scale, and one with `±100` activations and z-loss where `exp(z - m)`
+    /// with `|z - m|` in the hundreds cost the kernel 113 ulp of the scale
+    /// (the baseline 12). 256 ulp of f32 is `3e-5` of the scale; the planted
+    /// faults of the negative controls are `1e-3` of it or more.
     pub const F32_FUZZ: RelativeRule = RelativeRule {
-        name: "f32 fuzz: 32 x the error of the reference run in f32, floor 64 ulp of the scale",
+        name: "f32 fuzz: 32 x the error of the reference run in f32, floor 256 ulp of the scale",
         k: 4.0,
         k_tensor: 32.0,
-        floor: 64.0,
+        floor: 256.0,
         eps: f32::EPSILON as f64,
     };
 

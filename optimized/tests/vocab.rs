@@ -10,14 +10,16 @@
 //! Plus the unsharded fused kernel against the materialized one and the f64
 //! reference, with chunk sizes that do not divide the sizes.
 
-use ndarray::Array2;
+use ndarray::{Array2, ArrayView2};
 use packshard_equivalence::compare::RelativeRule;
 use packshard_equivalence::vocab::{run_suite_with, Rule, VocabParallel};
 use packshard_optimized::oracle::FusedAlg2;
 use packshard_optimized::vocab::{
     cross_entropy, linear_cross_entropy_fused, linear_cross_entropy_materialized, Chunks,
 };
-use packshard_reference::vocab::{LossConfig, SmoothingConvention};
+use packshard_reference::vocab::embedding::ShardedEmbedding;
+use packshard_reference::vocab::sharded::ShardedLoss;
+use packshard_reference::vocab::{LossConfig, ShardMap, ShardedAlgorithm, SmoothingConvention};
 use packshard_reference::Error;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -276,4 +278,76 @@ fn every_vocab_variant_in_the_list_is_checked() {
         seen += 1;
     }
     assert_eq!(seen, 3);
+}
+
+/// Negative control for the fuzz targets: the fused kernel with a planted
+/// fault of 1e-3 of the value (every rank's `dL/dhidden` scaled by 1.001,
+/// FAULTS.md V3's gradient class at its smallest) must fail the single-case
+/// rule of the fuzz targets (`RelativeRule::F32_FUZZ`, floor 256 ulp of the
+/// scale) on random fuzz inputs, while the unfaulted kernel passes them.
+#[test]
+fn the_fuzz_rule_catches_a_small_planted_fault() {
+    use packshard_equivalence::fuzz::{fuzz_random, vocab::run_linear_with};
+
+    struct Scaled(FusedAlg2);
+    impl VocabParallel for Scaled {
+        fn name(&self) -> String {
+            "fused_ce_alg2 with dL/dhidden x 1.001".into()
+        }
+        fn algorithms(&self) -> Vec<ShardedAlgorithm> {
+            self.0.algorithms()
+        }
+        fn cross_entropy(
+            &self,
+            a: ShardedAlgorithm,
+            map: &ShardMap,
+            logits: ArrayView2<f64>,
+            targets: &[i64],
+            config: &LossConfig,
+            want_grad: bool,
+        ) -> Result<ShardedLoss, Error> {
+            self.0
+                .cross_entropy(a, map, logits, targets, config, want_grad)
+        }
+        fn linear_cross_entropy(
+            &self,
+            a: ShardedAlgorithm,
+            map: &ShardMap,
+            hidden: ArrayView2<f64>,
+            weight: ArrayView2<f64>,
+            targets: &[i64],
+            config: &LossConfig,
+            want_grad: bool,
+        ) -> Result<ShardedLoss, Error> {
+            let mut out = self
+                .0
+                .linear_cross_entropy(a, map, hidden, weight, targets, config, want_grad)?;
+            for r in &mut out.ranks {
+                if let Some(g) = r.grad_hidden.as_mut() {
+                    g.mapv_inplace(|x| x * 1.001);
+                }
+            }
+            Ok(out)
+        }
+        fn embedding(
+            &self,
+            map: &ShardMap,
+            ids: &[i64],
+            weight: ArrayView2<f64>,
+            grad_output: Option<ArrayView2<f64>>,
+        ) -> Result<ShardedEmbedding, Error> {
+            self.0.embedding(map, ids, weight, grad_output)
+        }
+    }
+
+    let rule = Rule::Relative(RelativeRule::F32_FUZZ);
+    let good = FusedAlg2(SMALL);
+    let seen =
+        fuzz_random(300, 11, |d| run_linear_with(&good, rule, d)).unwrap_or_else(|f| panic!("{f}"));
+    assert!(seen.compared >= 100, "{seen:?}");
+    let failure = fuzz_random(300, 11, |d| {
+        run_linear_with(&Scaled(FusedAlg2(SMALL)), rule, d)
+    })
+    .expect_err("a 1e-3 fault in dL/dhidden must fail the fuzz rule");
+    assert!(failure.to_string().contains("grad_hidden"), "{failure}");
 }
