@@ -286,6 +286,7 @@ fn every_vocab_variant_in_the_list_is_checked() {
 /// rule of the fuzz targets (`RelativeRule::F32_FUZZ`, floor 256 ulp of the
 /// scale) on random fuzz inputs, while the unfaulted kernel passes them.
 #[test]
+#[allow(clippy::result_large_err)]
 fn the_fuzz_rule_catches_a_small_planted_fault() {
     use packshard_equivalence::fuzz::{fuzz_random, vocab::run_linear_with};
 
