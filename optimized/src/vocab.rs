@@ -866,7 +866,7 @@ pub mod alg2 {
     use super::*;
     use packshard_reference::vocab::cross_entropy::STATS_WIDTH;
     use packshard_reference::vocab::sharded::{
-        merge_alg2, merge_alg2_z_loss, merge_stats, RankLoss, ShardedLoss,
+        check_rank_inputs, merge_alg2, merge_alg2_z_loss, merge_stats, RankLoss, ShardedLoss,
     };
     use packshard_reference::vocab::{run_ranks, Collective, Reduce, ShardMap, ShardedAlgorithm};
 
@@ -978,25 +978,8 @@ pub mod alg2 {
         targets: &[i64],
         config: &'a LossConfig,
     ) -> Result<Shard<'a>> {
-        if comm.size() != map.num_shards() {
-            return Err(Error::invalid(
-                "num_shards",
-                format!(
-                    "the shard map has {} shards but the collective {} ranks",
-                    map.num_shards(),
-                    comm.size()
-                ),
-            ));
-        }
-        if targets.len() != n {
-            return Err(Error::ShapeMismatch {
-                field: "targets".into(),
-                expected: format!("[n] with n = {n}"),
-                actual: vec![targets.len()],
-            });
-        }
+        check_rank_inputs(comm, map, n, targets, config)?;
         let v = map.vocab_size();
-        config.validate(v)?;
         let s = map.shard(comm.rank());
         Ok(Shard {
             comm,

@@ -728,6 +728,41 @@ type Grads = (
     Option<Array2<f64>>,
 );
 
+/// The checks every rank of a sharded loss makes before any work: the
+/// collective has one rank per shard of `map`, `targets` is `[n]`, and
+/// `config` is valid for the map's vocabulary. Shared by the reference's
+/// algorithms and other implementations of them (the optimized `alg2`).
+///
+/// # Errors
+/// [`Error::InvalidArgument`] (`num_shards`) for a collective of another
+/// size, [`Error::ShapeMismatch`] (`targets`), and [`LossConfig::validate`]'s.
+pub fn check_rank_inputs(
+    comm: &dyn Collective,
+    map: &ShardMap,
+    n: usize,
+    targets: &[i64],
+    config: &LossConfig,
+) -> Result<()> {
+    if comm.size() != map.num_shards() {
+        return Err(Error::invalid(
+            "num_shards",
+            format!(
+                "the shard map has {} shards but the collective {} ranks",
+                map.num_shards(),
+                comm.size()
+            ),
+        ));
+    }
+    if targets.len() != n {
+        return Err(Error::ShapeMismatch {
+            field: "targets".into(),
+            expected: format!("[n] with n = {n}"),
+            actual: vec![targets.len()],
+        });
+    }
+    config.validate(map.vocab_size())
+}
+
 impl<'a> RankRun<'a> {
     fn new(
         comm: &'a dyn Collective,
@@ -737,25 +772,8 @@ impl<'a> RankRun<'a> {
         targets: &[i64],
         config: &LossConfig,
     ) -> Result<Self> {
-        if comm.size() != map.num_shards() {
-            return Err(Error::invalid(
-                "num_shards",
-                format!(
-                    "the shard map has {} shards but the collective {} ranks",
-                    map.num_shards(),
-                    comm.size()
-                ),
-            ));
-        }
-        if targets.len() != n {
-            return Err(Error::ShapeMismatch {
-                field: "targets".into(),
-                expected: format!("[n] with n = {n}"),
-                actual: vec![targets.len()],
-            });
-        }
+        check_rank_inputs(comm, map, n, targets, config)?;
         let v = map.vocab_size();
-        config.validate(v)?;
         Ok(RankRun {
             comm,
             algorithm,
