@@ -8,7 +8,8 @@ mod cli;
 
 /// Counts heap bytes so that `packshard bench` can report peak memory.
 #[global_allocator]
-static ALLOC: packshard::bench::CountingAlloc = packshard::bench::CountingAlloc;
+static ALLOC: packshard::optimized::alloc::CountingAlloc =
+    packshard::optimized::alloc::CountingAlloc;
 
 /// Correctness oracle for sequence packing and vocabulary parallelism.
 #[derive(Parser)]

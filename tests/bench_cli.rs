@@ -46,10 +46,26 @@ fn quick_bench_runs_and_reports_every_figure() {
     );
     assert!(f < m, "{ce}");
     assert!(m >= ce["logits_bytes"].as_u64().unwrap(), "{ce}");
+    // Every registered implementation is listed and, where it can run here,
+    // timed and checked against the reference: none is left out.
     assert_eq!(
-        v["variants"].as_array().unwrap().len(),
-        packshard::optimized::variants::VARIANTS.len()
+        v["implementations"].as_array().unwrap().len(),
+        packshard::registry::all().len()
     );
+    let rows = v["registry"].as_array().unwrap();
+    assert_eq!(rows.len(), packshard::registry::all().len(), "{rows:?}");
+    for r in rows {
+        if r["skipped"].is_null() {
+            assert!(r["seconds"].as_f64().unwrap() > 0.0, "{r}");
+            // f32 and bf16 kernels differ from the reference, but by rounding only.
+            let d = r["max_rel_diff"].as_f64().unwrap();
+            if r["precision"] == "f64" {
+                assert!(d <= 1e-12, "{r}");
+            } else {
+                assert!(d > 0.0 && d < 5e-2, "{r}");
+            }
+        }
+    }
 }
 
 #[test]

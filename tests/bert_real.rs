@@ -10,9 +10,9 @@
 use std::process::Command;
 
 use packshard::assets;
-use packshard::realtext;
 use packshard::reference::bert::{BertModel, Reduction, TokenBatch};
 use packshard::reference::packing::Algorithm;
+use packshard::text;
 use packshard::verify::{mask_sample, verify, VerifyOptions};
 
 fn sample_lines(
@@ -21,10 +21,10 @@ fn sample_lines(
     tok: &tokenizers::Tokenizer,
     max_len: usize,
 ) -> Vec<Vec<i64>> {
-    realtext::read_lines(dir, 4 * n)
+    text::read_lines(dir, 4 * n)
         .unwrap()
         .iter()
-        .map(|l| realtext::encode(tok, l).unwrap())
+        .map(|l| text::encode(tok, l).unwrap())
         .filter(|ids| ids.len() <= max_len)
         .take(n)
         .collect()
@@ -39,7 +39,7 @@ fn real_weights_packed_equals_padded() {
     // MiniLM is a BertModel checkpoint: only the pre-training heads are seeded.
     assert_eq!(initialised.len(), 7, "{initialised:?}");
     assert!(initialised.iter().all(|n| n.starts_with("cls.")));
-    let tok = realtext::load_tokenizer(&a.minilm.join("tokenizer.json")).unwrap();
+    let tok = text::load_tokenizer(&a.minilm.join("tokenizer.json")).unwrap();
     let seqs = sample_lines(&a.shakespeare, 16, &tok, 20);
     assert_eq!(seqs.len(), 16);
     assert!(
@@ -91,7 +91,7 @@ fn candle_transformers_bert_agrees_on_real_sentences() {
         return;
     };
     let (model, _) = BertModel::load(&a.minilm).unwrap();
-    let tok = realtext::load_tokenizer(&a.minilm.join("tokenizer.json")).unwrap();
+    let tok = text::load_tokenizer(&a.minilm.join("tokenizer.json")).unwrap();
     let config: candle_transformers::models::bert::Config =
         serde_json::from_str(&std::fs::read_to_string(a.minilm.join("config.json")).unwrap())
             .unwrap();

@@ -7,45 +7,8 @@
 
 use packshard::eval::{evaluate, list};
 use packshard::golden::cases;
-use packshard::golden::io::{sha256_hex, Dtype, Tensor, Values};
-use serde_json::{json, Map, Value};
-
-/// A JSON number, or `"inf"`, `"-inf"`, `"nan"` (the contract's spelling).
-fn num(x: f64) -> Value {
-    if x.is_finite() {
-        json!(x)
-    } else if x.is_nan() {
-        json!("nan")
-    } else if x > 0.0 {
-        json!("inf")
-    } else {
-        json!("-inf")
-    }
-}
-
-/// Row-major values as nested JSON arrays of `shape`.
-fn nested(values: &[Value], shape: &[usize]) -> Value {
-    match shape {
-        [] => values[0].clone(),
-        [_] => Value::Array(values.to_vec()),
-        [n, rest @ ..] => {
-            let step = rest.iter().product::<usize>();
-            Value::Array(
-                (0..*n)
-                    .map(|i| nested(&values[i * step..(i + 1) * step], rest))
-                    .collect(),
-            )
-        }
-    }
-}
-
-fn tensor_json(t: &Tensor) -> Value {
-    let flat: Vec<Value> = match &t.values {
-        Values::F(v, _) => v.iter().map(|&x| num(x)).collect(),
-        Values::I(v) => v.iter().map(|&x| json!(x)).collect(),
-    };
-    nested(&flat, &t.shape)
-}
+use packshard::golden::io::{sha256_hex, Dtype};
+use packshard::golden::registry::eval_case;
 
 fn impls_of(op: &str) -> Vec<String> {
     let l = list();
@@ -70,23 +33,8 @@ fn eval_results_on_the_golden_set_are_pinned() {
     let mut evaluated = 0;
     for dtype in [Dtype::F64, Dtype::F32] {
         for case in cases::all(dtype).unwrap() {
-            let mut obj = Map::new();
-            obj.insert("op".into(), json!(case.op));
-            for (k, v) in &case.params {
-                obj.insert(k.clone(), v.clone());
-            }
-            for t in &case.inputs {
-                obj.insert(t.name.clone(), tensor_json(t));
-            }
-            if obj.contains_key("grad_output") && !obj.contains_key("want_grad") {
-                obj.insert("want_grad".into(), json!(true));
-            }
             for imp in impls_of(case.op) {
-                let mut c = obj.clone();
-                if imp != "reference" {
-                    c.insert("impl".into(), json!(imp));
-                }
-                let text = match evaluate(&Value::Object(c)) {
+                let text = match evaluate(&eval_case(&case, &imp)) {
                     Ok(v) => serde_json::to_string(&v).unwrap(),
                     Err(e) => serde_json::to_string(&e.to_json()).unwrap(),
                 };

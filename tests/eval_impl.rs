@@ -1,11 +1,33 @@
-//! `packshard eval` with `impl`: every optimized variant that has an eval op
-//! (looping over `packshard_optimized::variants::VARIANTS`) gives the
-//! reference's results to f32 accuracy and the reference's error kinds on
-//! bad input; `--list` names them; unknown impls are refused.
+//! `packshard eval` with `impl`: every registered implementation of a family
+//! that has an eval op (looping over `packshard::registry`) gives the
+//! reference's results to its precision's accuracy and the reference's error
+//! kinds on bad input; `--list` names them; unknown impls are refused.
 
 use packshard::eval::{evaluate, list};
-use packshard_optimized::variants::{Kernel, VARIANTS};
+use packshard::registry::{self, Family, Info, Precision};
 use serde_json::{json, Value};
+
+/// Whether `entry` runs a sharded case: it declares `alg2` (the cases'
+/// algorithm) or is not a vocabulary family.
+fn runs_sharded(entry: &Info) -> bool {
+    match entry.family {
+        Family::CrossEntropy => registry::find(&registry::cross_entropy(), entry.name)
+            .and_then(|e| e.make().ok())
+            .is_some_and(|k| !k.algorithms().is_empty()),
+        Family::LinearCrossEntropy => registry::find(&registry::linear_cross_entropy(), entry.name)
+            .and_then(|e| e.make().ok())
+            .is_some_and(|k| !k.algorithms().is_empty()),
+        _ => true,
+    }
+}
+
+/// Every registered entry other than the reference, in a family with an eval op.
+fn entries() -> Vec<Info> {
+    registry::all()
+        .into_iter()
+        .filter(|e| e.name != registry::REFERENCE && e.family.eval_op().is_some())
+        .collect()
+}
 
 fn flat(v: &Value) -> Vec<f64> {
     match v {
@@ -29,9 +51,9 @@ fn wave(n: usize, m: usize, seed: f64, amp: f64) -> Value {
 }
 
 /// A case for `kernel` and the fields its result must match.
-fn cases(kernel: Kernel) -> Vec<(Value, Vec<&'static str>)> {
-    match kernel {
-        Kernel::Attention => {
+fn cases(family: Family) -> Vec<(Value, Vec<&'static str>)> {
+    match family {
+        Family::Attention => {
             // [5, 2, 3]: segments of 3, 0 and 2 tokens.
             let t = |s: f64| {
                 Value::Array(
@@ -51,7 +73,7 @@ fn cases(kernel: Kernel) -> Vec<(Value, Vec<&'static str>)> {
             }
             out
         }
-        Kernel::CrossEntropy => {
+        Family::CrossEntropy => {
             let logits = wave(6, 11, 0.37, 6.0);
             let base = json!({"op": "cross_entropy", "logits": logits,
                               "targets": [0, 10, -100, 4, 5, 9], "want_grad": true,
@@ -62,7 +84,7 @@ fn cases(kernel: Kernel) -> Vec<(Value, Vec<&'static str>)> {
             let fields = vec!["loss", "per_token_loss", "logsumexp", "grad_logits"];
             vec![(base, fields.clone()), (sharded, fields)]
         }
-        Kernel::LinearCrossEntropy => {
+        Family::LinearCrossEntropy => {
             let base = json!({"op": "linear_cross_entropy", "hidden": wave(7, 5, 0.21, 1.0),
                               "weight": wave(13, 5, 0.53, 2.0),
                               "targets": [0, 12, -100, 4, 5, 9, 3], "want_grad": true,
@@ -78,21 +100,21 @@ fn cases(kernel: Kernel) -> Vec<(Value, Vec<&'static str>)> {
             ];
             vec![(base, fields.clone()), (sharded, fields)]
         }
-        Kernel::EncoderLayer => vec![],
+        Family::Embedding | Family::EncoderLayer => vec![],
     }
 }
 
 #[test]
 fn every_eval_variant_matches_the_reference() {
     let mut checked = 0;
-    for variant in VARIANTS {
-        let Some(op) = variant.kernel.eval_op() else {
+    for variant in entries() {
+        let Some(op) = variant.family.eval_op() else {
             continue;
         };
-        for (case, fields) in cases(variant.kernel) {
+        for (case, fields) in cases(variant.family) {
             let mut ours = case.clone();
             ours["impl"] = json!(variant.name);
-            if variant.name == "linear_ce_materialized" && case.get("num_shards").is_some() {
+            if case.get("num_shards").is_some() && !runs_sharded(&variant) {
                 let e = evaluate(&ours).unwrap_err();
                 assert_eq!(e.kind, "invalid_argument", "{e}");
                 continue;
@@ -111,7 +133,7 @@ fn every_eval_variant_matches_the_reference() {
                     .fold(0.0, f64::max);
                 // bf16 inputs round to 8 bits: 2^-8 relative to the largest
                 // entry; f32 kernels: well under 1e-5.
-                let tol = if variant.name.ends_with("bf16") {
+                let tol = if variant.precision == Precision::Bf16 {
                     2e-2
                 } else {
                     1e-5
@@ -121,7 +143,7 @@ fn every_eval_variant_matches_the_reference() {
                     "{} {field}: max error {err:e}, scale {scale:e}",
                     variant.name
                 );
-                if !variant.name.ends_with("bf16") {
+                if variant.precision == Precision::F32 {
                     // Not the reference itself: f32 results differ from f64.
                     checked += usize::from(err > 0.0);
                 }
@@ -153,11 +175,11 @@ fn bad_input_gets_the_reference_error_kinds_under_every_impl() {
     for case in bad {
         let op = case["op"].as_str().unwrap().to_string();
         let want = evaluate(&case).expect_err("the reference refuses it");
-        for variant in VARIANTS
-            .iter()
-            .filter(|v| v.kernel.eval_op() == Some(op.as_str()))
+        for variant in entries()
+            .into_iter()
+            .filter(|v| v.family.eval_op() == Some(op.as_str()))
         {
-            if variant.name == "linear_ce_materialized" && case.get("num_shards").is_some() {
+            if case.get("num_shards").is_some() && !runs_sharded(&variant) {
                 continue;
             }
             let mut ours = case.clone();
@@ -173,7 +195,7 @@ fn bad_input_gets_the_reference_error_kinds_under_every_impl() {
 }
 
 #[test]
-fn list_names_the_variants_and_unknown_impls_are_refused() {
+fn list_names_the_registry_and_unknown_impls_are_refused() {
     let l = list();
     let ops = l["ops"].as_array().unwrap();
     let impls = |op: &str| -> Vec<String> {
@@ -184,10 +206,13 @@ fn list_names_the_variants_and_unknown_impls_are_refused() {
             .map(|s| s.as_str().unwrap().to_string())
             .collect()
     };
+    let names =
+        |f: Family| -> Vec<String> { registry::of(f).iter().map(|e| e.name.to_string()).collect() };
     assert_eq!(
         impls("linear_cross_entropy"),
-        ["reference", "linear_ce_materialized", "linear_ce_fused"]
+        names(Family::LinearCrossEntropy)
     );
+    assert_eq!(impls("attention"), names(Family::Attention));
     assert_eq!(impls("pack"), ["reference"]);
     let e = evaluate(&json!({"op": "cross_entropy", "logits": [[1.0]], "targets": [0], "impl": "linear_ce_fused"}))
         .unwrap_err();

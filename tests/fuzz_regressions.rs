@@ -94,7 +94,9 @@ fn registry_target_files_and_fuzz_manifest_agree() {
         let text =
             std::fs::read_to_string(root().join(format!("fuzz/fuzz_targets/{name}.rs"))).unwrap();
         assert!(
-            text.contains(&format!("packshard::fuzzing::fuzz(\"{name}\", data)")),
+            text.contains(&format!(
+                "packshard_oracle::fuzzing::fuzz(\"{name}\", data)"
+            )),
             "fuzz/fuzz_targets/{name}.rs must run the body registered as {name:?}"
         );
     }

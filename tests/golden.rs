@@ -92,7 +92,7 @@ fn every_op_has_a_case_with_inputs_outputs_and_rules() {
             }
         }
     }
-    // The FAULTS.md rows carry their stated values.
+    // The docs/FAULTS.md rows carry their stated values.
     let first_loss = |name: &str| {
         let c = cases.iter().find(|c| c.name == name).unwrap();
         c.outputs

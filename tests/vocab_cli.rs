@@ -1,4 +1,4 @@
-//! The vocabulary ops through `packshard eval` (FAULTS.md V1–V6 with their
+//! The vocabulary ops through `packshard eval` (docs/FAULTS.md V1–V6 with their
 //! stated values, the collective counts, the error contract) and the
 //! `packshard vocab` report, end to end; insta snapshots for the discrete
 //! outputs (error messages, the report's counts with thresholded errors).

@@ -130,7 +130,7 @@ fn minilm_embeddings_and_hamlet_sharded_equal_unsharded() {
                     true,
                 )
                 .unwrap();
-                compare_linear(algorithm, &case, &expected, &s, true)
+                compare_linear(Some(algorithm), &case, &expected, &s, true)
                     .unwrap_or_else(|m| panic!("{algorithm} p {p} {layout:?} {config:?}: {m}"));
                 assert!(s.ranks_agree(), "{algorithm} p {p}");
                 assert_eq!(s.counts().barriers, algorithm.barriers(true, true));

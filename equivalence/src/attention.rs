@@ -1,6 +1,6 @@
-//! Varlen attention checked against padded attention (FAULTS.md P2, P4, P8).
+//! Varlen attention checked against padded attention (docs/FAULTS.md P2, P4, P8).
 //!
-//! An implementation of [`VarlenAttention`] gives both forms of the same
+//! An implementation of [`AttentionOp`] gives both forms of the same
 //! problem: the packed one, `q, k, v: [n_tok, h, d]` with `cu_seqlens: [b + 1]`
 //! (flash-attention's `flash_attn_varlen_func`), and the padded one, a dense
 //! `[L, h, d]` row per sequence with a boolean mask. [`check_attention`] runs
@@ -16,135 +16,22 @@
 //! Padding slots hold planted garbage (large values) and padding rows get a
 //! non-zero `grad_output`, so an implementation that lets padding in is seen.
 
-use ndarray::{Array2, Array3, ArrayView2, ArrayView3, Axis};
-use packshard_reference::bert::attention::{
-    masked_attention, masked_attention_backward, varlen_attention, varlen_attention_backward,
-    AttentionGrads, AttentionOutput,
-};
+use ndarray::{Array2, Array3, ArrayView3, Axis};
+use packshard_reference::bert::attention::{varlen_attention, varlen_attention_backward};
+use packshard_reference::ops::{AttentionOp, Varlen};
 use packshard_reference::Error;
 use proptest::prelude::*;
-use proptest::test_runner::{Config, TestCaseError, TestRunner};
+use proptest::test_runner::TestCaseError;
 
 use crate::baseline32;
 use crate::compare::{
-    assert_close_with_scale, assert_within_k_with_scale, error_stats, Mismatch, RelativeError,
-    RelativeRule, RelativeTotals, Tolerance,
+    assert_close_with_scale, assert_within_k_with_scale, error_stats, Judge, Mismatch,
+    RelativeError, RelativeRule, RelativeTotals, Tolerance,
 };
 
-/// An attention implementation in its packed and padded forms.
-pub trait VarlenAttention {
-    /// A short name for reports.
-    fn name(&self) -> String;
-    /// Packed forward: `q, k, v: [n_tok, h, d]`, `cu_seqlens: [b + 1]`;
-    /// returns `output: [n_tok, h, d]`, `lse: [h, n_tok]`.
-    ///
-    /// # Errors
-    /// Shape or `cu_seqlens` errors.
-    fn varlen_forward(
-        &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
-        cu_seqlens: &[usize],
-        scale: f64,
-    ) -> Result<AttentionOutput, Error>;
-    /// Packed backward: `grad_output: [n_tok, h, d]`.
-    ///
-    /// # Errors
-    /// Shape or `cu_seqlens` errors.
-    #[allow(clippy::too_many_arguments)]
-    fn varlen_backward(
-        &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
-        cu_seqlens: &[usize],
-        scale: f64,
-        fwd: &AttentionOutput,
-        grad_output: ArrayView3<f64>,
-    ) -> Result<AttentionGrads, Error>;
-    /// Padded forward of one row: `q, k, v: [L, h, d]`, `allowed: [L, L]`.
-    ///
-    /// # Errors
-    /// Shape errors.
-    fn masked_forward(
-        &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
-        allowed: ArrayView2<bool>,
-        scale: f64,
-    ) -> Result<AttentionOutput, Error>;
-    /// Padded backward of one row.
-    ///
-    /// # Errors
-    /// Shape errors.
-    #[allow(clippy::too_many_arguments)]
-    fn masked_backward(
-        &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
-        allowed: ArrayView2<bool>,
-        scale: f64,
-        fwd: &AttentionOutput,
-        grad_output: ArrayView3<f64>,
-    ) -> Result<AttentionGrads, Error>;
-}
-
-/// The reference attention of `packshard-reference`.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct Reference;
-
-impl VarlenAttention for Reference {
-    fn name(&self) -> String {
-        "reference".into()
-    }
-    fn varlen_forward(
-        &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
-        cu_seqlens: &[usize],
-        scale: f64,
-    ) -> Result<AttentionOutput, Error> {
-        varlen_attention(q, k, v, cu_seqlens, false, scale)
-    }
-    fn varlen_backward(
-        &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
-        cu_seqlens: &[usize],
-        scale: f64,
-        fwd: &AttentionOutput,
-        grad_output: ArrayView3<f64>,
-    ) -> Result<AttentionGrads, Error> {
-        varlen_attention_backward(q, k, v, cu_seqlens, false, scale, fwd, grad_output)
-    }
-    fn masked_forward(
-        &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
-        allowed: ArrayView2<bool>,
-        scale: f64,
-    ) -> Result<AttentionOutput, Error> {
-        masked_attention(q, k, v, allowed, scale)
-    }
-    fn masked_backward(
-        &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
-        allowed: ArrayView2<bool>,
-        scale: f64,
-        fwd: &AttentionOutput,
-        grad_output: ArrayView3<f64>,
-    ) -> Result<AttentionGrads, Error> {
-        masked_attention_backward(q, k, v, allowed, scale, fwd, grad_output)
-    }
-}
+/// The name failures give the implementation under test (the registry
+/// adds the entry's name).
+pub(crate) const IMPL: &str = "implementation";
 
 /// One attention problem: sequence lengths (empty ones allowed), heads,
 /// head dim, the padded row length, and the packed tensors.
@@ -304,10 +191,7 @@ fn flat(x: ArrayView3<f64>) -> Vec<f64> {
 ///
 /// # Errors
 /// The first [`Mismatch`], naming the sequence, tensor and index.
-pub fn check_attention(
-    imp: &dyn VarlenAttention,
-    case: &AttentionCase,
-) -> Result<Observed, Mismatch> {
+pub fn check_attention(imp: &dyn AttentionOp, case: &AttentionCase) -> Result<Observed, Mismatch> {
     check_attention_with(imp, case, Tolerance::F64_REWRITE)
 }
 
@@ -319,15 +203,20 @@ pub fn check_attention(
 /// # Errors
 /// As [`check_attention`].
 pub fn check_attention_with(
-    imp: &dyn VarlenAttention,
+    imp: &dyn AttentionOp,
     case: &AttentionCase,
     tol: Tolerance,
 ) -> Result<Observed, Mismatch> {
     let cu = case.cu_seqlens();
     let (n, h, d) = case.q.dim();
-    let err = |what: &str, e: Error| Mismatch::new(what, format!("{}: {e}", imp.name()));
+    let err = |what: &str, e: Error| Mismatch::new(what, format!("{}: {e}", IMPL));
     let fwd = imp
-        .varlen_forward(case.q.view(), case.k.view(), case.v.view(), &cu, case.scale)
+        .varlen_forward(
+            case.q.view(),
+            case.k.view(),
+            case.v.view(),
+            &Varlen::new(&cu, false, case.scale),
+        )
         .map_err(|e| err("varlen_forward", e))?;
     if fwd.output.dim() != (n, h, d) || fwd.lse.dim() != (h, n) {
         return Err(Mismatch::new(
@@ -344,8 +233,7 @@ pub fn check_attention_with(
             case.q.view(),
             case.k.view(),
             case.v.view(),
-            &cu,
-            case.scale,
+            &Varlen::new(&cu, false, case.scale),
             &fwd,
             case.grad_output.view(),
         )
@@ -393,7 +281,7 @@ pub fn check_attention_with(
                     return Err(Mismatch::new(
                         format!("sequence {s}: padded {name}"),
                         format!(
-                            "padding row {i} (no allowed key) holds {x:e} at flat {c}; it must be exactly 0, never NaN (FAULTS.md P8)"
+                            "padding row {i} (no allowed key) holds {x:e} at flat {c}; it must be exactly 0, never NaN (docs/FAULTS.md P8)"
                         ),
                     ));
                 }
@@ -461,7 +349,12 @@ pub fn check_attention_with(
         v2.slice_axis_mut(Axis(0), (a..b).into())
             .mapv_inplace(|x| 5.0 - x);
         let f2 = imp
-            .varlen_forward(q2.view(), case.k.view(), v2.view(), &cu, case.scale)
+            .varlen_forward(
+                q2.view(),
+                case.k.view(),
+                v2.view(),
+                &Varlen::new(&cu, false, case.scale),
+            )
             .map_err(|e| err("varlen_forward", e))?;
         for i in (0..a).chain(b..n) {
             if f2.output.index_axis(Axis(0), i) != fwd.output.index_axis(Axis(0), i) {
@@ -469,7 +362,7 @@ pub fn check_attention_with(
                 return Err(Mismatch::new(
                     "cross-sequence leak",
                     format!(
-                        "changing sequence {s} (tokens {a}..{b}) changed the output of token {i} of sequence {t} (FAULTS.md P2)"
+                        "changing sequence {s} (tokens {a}..{b}) changed the output of token {i} of sequence {t} (docs/FAULTS.md P2)"
                     ),
                 ));
             }
@@ -499,7 +392,7 @@ pub fn attention_cases() -> impl Strategy<Value = AttentionCase> {
         .prop_map(|(lengths, h, d, pad, seed)| AttentionCase::seeded(&lengths, h, d, pad, seed))
 }
 
-/// The FAULTS.md examples and edge shapes, as `(name, lengths, extra padding)`.
+/// The docs/FAULTS.md examples and edge shapes, as `(name, lengths, extra padding)`.
 pub fn fault_cases() -> Vec<(&'static str, Vec<usize>, usize)> {
     vec![
         ("P2 lengths [3, 5] in a pack of 8", vec![3, 5], 0),
@@ -516,7 +409,7 @@ pub fn fault_cases() -> Vec<(&'static str, Vec<usize>, usize)> {
 ///
 /// # Errors
 /// The first failure with its case.
-pub fn run_attention_suite(imp: &dyn VarlenAttention, cases: u32) -> Result<Observed, Mismatch> {
+pub fn run_attention_suite(imp: &dyn AttentionOp, cases: u32) -> Result<Observed, Mismatch> {
     run_attention_suite_with(imp, cases, Tolerance::F64_REWRITE)
 }
 
@@ -525,7 +418,7 @@ pub fn run_attention_suite(imp: &dyn VarlenAttention, cases: u32) -> Result<Obse
 /// # Errors
 /// The first failure with its case.
 pub fn run_attention_suite_with(
-    imp: &dyn VarlenAttention,
+    imp: &dyn AttentionOp,
     cases: u32,
     tol: Tolerance,
 ) -> Result<Observed, Mismatch> {
@@ -538,16 +431,7 @@ pub fn run_attention_suite_with(
             seen.merge(o);
         }
     }
-    let mut runner = TestRunner::new_with_rng(
-        Config {
-            cases,
-            failure_persistence: None,
-            ..Config::default()
-        },
-        proptest::test_runner::TestRng::deterministic_rng(
-            proptest::test_runner::RngAlgorithm::ChaCha,
-        ),
-    );
+    let mut runner = crate::runner(cases);
     let acc = std::cell::RefCell::new(seen);
     runner
         .run(&attention_cases(), |case| {
@@ -556,8 +440,64 @@ pub fn run_attention_suite_with(
             acc.borrow_mut().merge(o);
             Ok(())
         })
-        .map_err(|e| Mismatch::new(format!("{} attention suite", imp.name()), e.to_string()))?;
+        .map_err(|e| Mismatch::new(format!("{} attention suite", IMPL), e.to_string()))?;
     Ok(acc.into_inner())
+}
+
+/// What [`run_suite`] saw.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SuiteReport {
+    /// Packed against padded, over the fault, tile and random cases.
+    pub packed: Observed,
+    /// Against the f64 reference, for a lower-precision kernel.
+    pub relative: Option<RelativeReport>,
+}
+
+impl std::fmt::Display for SuiteReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "packed == padded over {} values (max |diff| {:.2e})",
+            self.packed.values, self.packed.max_abs
+        )?;
+        if let Some(r) = &self.relative {
+            write!(
+                f,
+                "; against the f64 reference over {} tensors: max {:.3} x, mean {:.3} x the f32 baseline's error",
+                r.totals.count,
+                r.totals.max_ratio(),
+                r.totals.mean_ratio()
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// The attention suite for one implementation under `judge`: packed ==
+/// padded (the fault cases, [`tile_cases`] and `cases` random ones, fixed
+/// seed) within `judge.packed()`, padding rows exactly 0 and other sequences
+/// bitwise unchanged; and for a lower-precision kernel,
+/// [`run_attention_relative_suite`] against the f64 reference.
+///
+/// # Errors
+/// The first failure with its case.
+pub fn run_suite(imp: &dyn AttentionOp, judge: Judge, cases: u32) -> Result<SuiteReport, Mismatch> {
+    let tol = judge.packed();
+    let mut packed = run_attention_suite_with(imp, cases, tol)?;
+    for (i, (name, lengths, h, d)) in tile_cases().into_iter().enumerate() {
+        let case = AttentionCase::seeded(&lengths, h, d, 7, 50 + i as u64);
+        packed.merge(check_attention_with(imp, &case, tol).map_err(|m| m.within(name))?);
+    }
+    let relative = match judge.relative_rule() {
+        Some(rule) => Some(run_attention_relative_suite(
+            imp,
+            cases,
+            rule,
+            judge.round(),
+        )?),
+        None => None,
+    };
+    Ok(SuiteReport { packed, relative })
 }
 
 // ---- lower-precision kernels against the f64 reference --------------------------
@@ -646,7 +586,7 @@ fn flat3(x: &Array3<f64>) -> Vec<f64> {
 /// # Errors
 /// The first tensor outside the rule, as a [`Mismatch`].
 pub fn check_attention_relative(
-    imp: &dyn VarlenAttention,
+    imp: &dyn AttentionOp,
     case: &AttentionCase,
     rule: RelativeRule,
     round: fn(f64) -> f64,
@@ -654,7 +594,7 @@ pub fn check_attention_relative(
     let c = case.rounded(round);
     let cu = c.cu_seqlens();
     let (n, h, d) = c.q.dim();
-    let err = |what: &str, e: Error| Mismatch::new(what, format!("{}: {e}", imp.name()));
+    let err = |what: &str, e: Error| Mismatch::new(what, format!("{}: {e}", IMPL));
     let want = varlen_attention(c.q.view(), c.k.view(), c.v.view(), &cu, false, c.scale)
         .map_err(|e| err("reference", e))?;
     let want_g = varlen_attention_backward(
@@ -689,15 +629,19 @@ pub fn check_attention_relative(
         g32.view(),
     );
     let fwd = imp
-        .varlen_forward(c.q.view(), c.k.view(), c.v.view(), &cu, c.scale)
+        .varlen_forward(
+            c.q.view(),
+            c.k.view(),
+            c.v.view(),
+            &Varlen::new(&cu, false, c.scale),
+        )
         .map_err(|e| err("varlen_forward", e))?;
     let grads = imp
         .varlen_backward(
             c.q.view(),
             c.k.view(),
             c.v.view(),
-            &cu,
-            c.scale,
+            &Varlen::new(&cu, false, c.scale),
             &fwd,
             c.grad_output.view(),
         )
@@ -783,7 +727,7 @@ pub fn tile_cases() -> Vec<(&'static str, Vec<usize>, usize, usize)> {
 /// # Errors
 /// The first failure with its case.
 pub fn run_attention_relative_suite(
-    imp: &dyn VarlenAttention,
+    imp: &dyn AttentionOp,
     cases: u32,
     rule: RelativeRule,
     round: fn(f64) -> f64,
@@ -803,16 +747,7 @@ pub fn run_attention_relative_suite(
         report
             .merge(check_attention_relative(imp, &case, rule, round).map_err(|m| named(name, m))?);
     }
-    let mut runner = TestRunner::new_with_rng(
-        Config {
-            cases,
-            failure_persistence: None,
-            ..Config::default()
-        },
-        proptest::test_runner::TestRng::deterministic_rng(
-            proptest::test_runner::RngAlgorithm::ChaCha,
-        ),
-    );
+    let mut runner = crate::runner(cases);
     let acc = std::cell::RefCell::new(report);
     runner
         .run(&attention_cases(), |case| {
@@ -821,16 +756,11 @@ pub fn run_attention_relative_suite(
             acc.borrow_mut().merge(r);
             Ok(())
         })
-        .map_err(|e| {
-            Mismatch::new(
-                format!("{} relative attention suite", imp.name()),
-                e.to_string(),
-            )
-        })?;
+        .map_err(|e| Mismatch::new(format!("{} relative attention suite", IMPL), e.to_string()))?;
     let report = acc.into_inner();
     report.require_nonvacuous(10)?;
     report
         .totals
-        .check(&format!("{} relative attention suite", imp.name()), rule)?;
+        .check(&format!("{} relative attention suite", IMPL), rule)?;
     Ok(report)
 }

@@ -1,5 +1,5 @@
 //! BERT packed == padded: encoder layer and whole model with losses and
-//! every gradient (FAULTS.md P1, P2, P4, P5, P7, P8).
+//! every gradient (docs/FAULTS.md P1, P2, P4, P5, P7, P8).
 //!
 //! A [`BertImpl`] runs a model on a padded batch (one sequence per row, key
 //! padding mask) and on a packed batch from [`packshard_reference::packing`].
@@ -14,79 +14,33 @@
 //! largest term. Every value must also be finite (a NaN from a fully masked
 //! row fails, P8).
 //!
-//! [`EncoderLayer`] is the same property for one layer.
+//! [`run_layer_suite`] is the same property for one layer ([`EncoderLayerOp`]).
 
-use ndarray::{Array2, ArrayView2};
-use packshard_reference::bert::layer::{layer_backward, layer_forward};
+use ndarray::Array2;
+use packshard_reference::attention::ReferenceAttention;
+use packshard_reference::bert::layer::ReferenceLayer;
 use packshard_reference::bert::{
-    AttentionKernel, AttentionLayout, BertConfig, BertModel, BertOutput, LayerParams, LossWeights,
-    PackedAttention, Reduction, ReferenceAttention, Targets, TokenBatch, IGNORE_INDEX,
+    AttentionLayout, BertConfig, BertModel, BertOutput, LayerParams, LossWeights, PackedAttention,
+    Reduction, Targets, TokenBatch, IGNORE_INDEX,
 };
+use packshard_reference::ops::{AttentionOp, EncoderLayerOp, LayerPass};
 use packshard_reference::packing::{Algorithm, PackedBatch, PackingConfig};
 use packshard_reference::Error;
 use proptest::prelude::*;
-use proptest::test_runner::{Config, TestCaseError, TestRunner};
+use proptest::test_runner::TestCaseError;
 use rand::{Rng, SeedableRng};
 
 pub use crate::attention::Observed;
 use crate::attention::RelativeReport;
 use crate::baseline32;
-use crate::compare::{assert_within_k_with_scale, Mismatch, RelativeRule, Tolerance};
+use crate::compare::{assert_within_k_with_scale, Judge, Mismatch, RelativeRule, Tolerance};
 
-/// One encoder layer in some layout.
-pub trait EncoderLayer {
-    /// A short name for reports.
-    fn name(&self) -> String;
-    /// Forward and backward of one layer: `x: [n, hidden]` over `layout`,
-    /// `grad_output: [n, hidden]`; returns `(output [n, hidden], grad_x [n,
-    /// hidden], parameter gradients)`.
-    ///
-    /// # Errors
-    /// Shape or layout errors.
-    #[allow(clippy::too_many_arguments)]
-    fn forward_backward(
-        &self,
-        params: &LayerParams,
-        num_heads: usize,
-        eps: f64,
-        x: ArrayView2<f64>,
-        layout: &AttentionLayout,
-        grad_output: ArrayView2<f64>,
-    ) -> Result<(Array2<f64>, Array2<f64>, LayerParams), Error>;
-}
+/// The name failures give the implementation under test.
+const IMPL: &str = "implementation";
 
-/// The reference layer with a replaceable attention kernel.
-pub struct ReferenceLayer<'a>(pub &'a dyn AttentionKernel);
-
-impl EncoderLayer for ReferenceLayer<'_> {
-    fn name(&self) -> String {
-        format!("reference layer ({})", self.0.name())
-    }
-    fn forward_backward(
-        &self,
-        params: &LayerParams,
-        num_heads: usize,
-        eps: f64,
-        x: ArrayView2<f64>,
-        layout: &AttentionLayout,
-        grad_output: ArrayView2<f64>,
-    ) -> Result<(Array2<f64>, Array2<f64>, LayerParams), Error> {
-        let (out, cache) = layer_forward(params, num_heads, eps, self.0, x, layout)?;
-        let mut g = params.clone();
-        for (_, mut t) in layer_tensors_mut(&mut g) {
-            t.fill(0.0);
-        }
-        let dx = layer_backward(
-            params,
-            &mut g,
-            num_heads,
-            self.0,
-            &cache,
-            layout,
-            grad_output,
-        )?;
-        Ok((out, dx, g))
-    }
+/// A layer's results as `(output, grad_x, parameter gradients)`.
+fn parts(p: LayerPass) -> (Array2<f64>, Array2<f64>, LayerParams) {
+    (p.output, p.grad_x, p.grads)
 }
 
 fn layer_tensors(p: &LayerParams) -> Vec<(&'static str, Vec<f64>, Vec<usize>)> {
@@ -151,7 +105,7 @@ fn finite(what: &str, values: &[f64]) -> Result<(), Mismatch> {
         Some(i) => Err(Mismatch::new(
             what,
             format!(
-                "element {i} is {} (a fully masked row must give 0, never NaN: FAULTS.md P8)",
+                "element {i} is {} (a fully masked row must give 0, never NaN: docs/FAULTS.md P8)",
                 values[i]
             ),
         )),
@@ -194,13 +148,20 @@ pub trait BertImpl {
     ) -> Result<BertOutput, Error>;
 }
 
-/// The reference model, packed with the given attention form.
-#[derive(Debug, Clone, Copy)]
-pub struct ReferenceBert(pub PackedAttention);
+/// The reference model with a given attention inside (any [`AttentionOp`]:
+/// its masked form on padded rows, its varlen form on packed ones), packed
+/// with the given attention form.
+#[derive(Clone, Copy)]
+pub struct BertWith<'a> {
+    /// The attention every layer runs.
+    pub attention: &'a dyn AttentionOp,
+    /// How packed batches attend (varlen or block-diagonal mask).
+    pub packed: PackedAttention,
+}
 
-impl BertImpl for ReferenceBert {
+impl BertImpl for BertWith<'_> {
     fn name(&self) -> String {
-        format!("reference ({:?})", self.0)
+        format!("reference BERT ({:?})", self.packed)
     }
     fn padded(
         &self,
@@ -219,7 +180,8 @@ impl BertImpl for ReferenceBert {
             model.config.pad_token_id,
             position_offset,
         )?;
-        model.run(&batch, targets, &LossWeights::new(targets, reduction), true)
+        let w = LossWeights::new(targets, reduction);
+        model.run_with(self.attention, &batch, targets, &w, true, None)
     }
     fn packed(
         &self,
@@ -233,9 +195,19 @@ impl BertImpl for ReferenceBert {
             batch,
             targets.nsp_labels.len(),
             Some(token_type_ids),
-            self.0,
+            self.packed,
         )?;
-        model.run(&tb, targets, &LossWeights::new(targets, reduction), true)
+        let w = LossWeights::new(targets, reduction);
+        model.run_with(self.attention, &tb, targets, &w, true, None)
+    }
+}
+
+/// The reference model with the reference attention, packed with the given
+/// attention form.
+pub fn reference_bert(packed: PackedAttention) -> BertWith<'static> {
+    BertWith {
+        attention: &ReferenceAttention,
+        packed,
     }
 }
 
@@ -510,7 +482,7 @@ pub fn compare_outputs(
 /// # Errors
 /// The first [`Mismatch`], naming the sequence or tensor and index.
 pub fn check_bert(imp: &dyn BertImpl, case: &BertCase) -> Result<Observed, Mismatch> {
-    let err = |what: &str, e: Error| Mismatch::new(what, format!("{}: {e}", imp.name()));
+    let err = |what: &str, e: Error| Mismatch::new(what, format!("{}: {e}", IMPL));
     let batch = case.packed_batch().map_err(|e| err("pack", e))?;
     let padded = imp
         .padded(
@@ -545,7 +517,7 @@ pub fn check_bert(imp: &dyn BertImpl, case: &BertCase) -> Result<Observed, Misma
 /// # Errors
 /// The first [`Mismatch`].
 pub fn check_layer(
-    imp: &dyn EncoderLayer,
+    imp: &dyn EncoderLayerOp,
     config: &BertConfig,
     lengths: &[usize],
     row_len: usize,
@@ -561,7 +533,7 @@ pub fn check_layer(
 /// # Errors
 /// The first [`Mismatch`].
 pub fn check_layer_with(
-    imp: &dyn EncoderLayer,
+    imp: &dyn EncoderLayerOp,
     config: &BertConfig,
     lengths: &[usize],
     row_len: usize,
@@ -604,12 +576,14 @@ pub fn check_layer_with(
     };
     let heads = config.num_attention_heads;
     let eps = config.layer_norm_eps;
-    let e = |w: &str, e: Error| Mismatch::new(w, format!("{}: {e}", imp.name()));
+    let e = |w: &str, e: Error| Mismatch::new(w, format!("{}: {e}", IMPL));
     let (op, dxp, gpp) = imp
         .forward_backward(&params, heads, eps, xp.view(), &dense, gp.view())
+        .map(parts)
         .map_err(|x| e("padded layer", x))?;
     let (ov, dxv, gpv) = imp
         .forward_backward(&params, heads, eps, x.view(), &varlen, go.view())
+        .map(parts)
         .map_err(|x| e("varlen layer", x))?;
     let mut seen = Observed::default();
     for (s, &l) in lengths.iter().enumerate() {
@@ -679,7 +653,7 @@ pub fn bert_cases() -> impl Strategy<Value = BertCase> {
         })
 }
 
-/// The FAULTS.md examples as model cases: `(name, lengths, max_seq_len)`.
+/// The docs/FAULTS.md examples as model cases: `(name, lengths, max_seq_len)`.
 pub fn fault_cases() -> Vec<(&'static str, Vec<usize>, usize)> {
     vec![
         (
@@ -759,31 +733,38 @@ pub fn run_bert_suite(imp: &dyn BertImpl, cases: u32) -> Result<SuiteReport, Mis
             })?;
         }
     }
-    let mut runner = TestRunner::new_with_rng(
-        Config {
-            cases,
-            failure_persistence: None,
-            ..Config::default()
-        },
-        proptest::test_runner::TestRng::deterministic_rng(
-            proptest::test_runner::RngAlgorithm::ChaCha,
-        ),
-    );
+    let mut runner = crate::runner(cases);
     runner
         .run(&bert_cases(), |case| {
             run(&case).map_err(|m| TestCaseError::fail(m.to_string()))
         })
-        .map_err(|e| Mismatch::new(format!("{} BERT suite", imp.name()), e.to_string()))?;
+        .map_err(|e| Mismatch::new(format!("{} BERT suite", IMPL), e.to_string()))?;
     Ok(report.into_inner())
 }
 
-/// The encoder-layer suite: random lengths (empty ones included), configs
-/// and padding, `cases` of them.
+/// What [`run_layer_suite`] saw: packed (varlen) against padded (dense
+/// masked rows), and against the f64 reference layer for a lower-precision
+/// layer (the attention suite's report).
+pub type LayerReport = crate::attention::SuiteReport;
+
+/// The encoder-layer suite under `judge`: random lengths (empty ones
+/// included), configs and padding, `cases` of them, packed == padded within
+/// `judge.packed()`; for a lower-precision layer also
+/// [`run_layer_relative_suite`] against the f64 reference.
 ///
 /// # Errors
 /// The first failure.
-pub fn run_layer_suite(imp: &dyn EncoderLayer, cases: u32) -> Result<Observed, Mismatch> {
-    run_layer_suite_with(imp, cases, Tolerance::F64_REWRITE)
+pub fn run_layer_suite(
+    imp: &dyn EncoderLayerOp,
+    judge: Judge,
+    cases: u32,
+) -> Result<LayerReport, Mismatch> {
+    let packed = run_layer_suite_with(imp, cases, judge.packed())?;
+    let relative = match judge.relative_rule() {
+        Some(rule) => Some(run_layer_relative_suite(imp, cases, rule)?),
+        None => None,
+    };
+    Ok(LayerReport { packed, relative })
 }
 
 /// As [`run_layer_suite`] with packed == padded judged under `tol`.
@@ -791,21 +772,12 @@ pub fn run_layer_suite(imp: &dyn EncoderLayer, cases: u32) -> Result<Observed, M
 /// # Errors
 /// The first failure.
 pub fn run_layer_suite_with(
-    imp: &dyn EncoderLayer,
+    imp: &dyn EncoderLayerOp,
     cases: u32,
     tol: Tolerance,
 ) -> Result<Observed, Mismatch> {
     let seen = std::cell::RefCell::new(Observed::default());
-    let mut runner = TestRunner::new_with_rng(
-        Config {
-            cases,
-            failure_persistence: None,
-            ..Config::default()
-        },
-        proptest::test_runner::TestRng::deterministic_rng(
-            proptest::test_runner::RngAlgorithm::ChaCha,
-        ),
-    );
+    let mut runner = crate::runner(cases);
     let strategy = (
         prop::collection::vec(0usize..=7, 1..=5),
         0usize..=3,
@@ -820,12 +792,9 @@ pub fn run_layer_suite_with(
             seen.borrow_mut().merge(o);
             Ok(())
         })
-        .map_err(|e| Mismatch::new(format!("{} layer suite", imp.name()), e.to_string()))?;
+        .map_err(|e| Mismatch::new(format!("{} layer suite", IMPL), e.to_string()))?;
     Ok(seen.into_inner())
 }
-
-/// The reference kernel, for building [`ReferenceLayer`]s.
-pub static REFERENCE_KERNEL: ReferenceAttention = ReferenceAttention;
 
 // ---- lower-precision layers against the f64 reference -----------------------------
 
@@ -848,7 +817,7 @@ pub fn round_layer(p: &LayerParams, round: fn(f64) -> f64) -> LayerParams {
 /// # Errors
 /// The first tensor outside the rule.
 pub fn check_layer_relative(
-    imp: &dyn EncoderLayer,
+    imp: &dyn EncoderLayerOp,
     config: &BertConfig,
     lengths: &[usize],
     seed: u64,
@@ -879,15 +848,17 @@ pub fn check_layer_relative(
     };
     let (heads, eps) = (config.num_attention_heads, config.layer_norm_eps);
     let e = |w: &str, e: Error| Mismatch::new(w, e.to_string());
-    let (want_out, want_dx, want_g) = ReferenceLayer(&REFERENCE_KERNEL)
+    let (want_out, want_dx, want_g) = ReferenceLayer(ReferenceAttention)
         .forward_backward(&params, heads, eps, x.view(), &layout, go.view())
+        .map(parts)
         .map_err(|x| e("reference layer", x))?;
     let (x32, go32) = (x.mapv(|v| v as f32), go.mapv(|v| v as f32));
     let (b_out, b_dx, b_g) =
         baseline32::layer_forward_backward(&params, heads, eps, x32.view(), &cu, go32.view());
     let (out, dx, g) = imp
         .forward_backward(&params, heads, eps, x.view(), &layout, go.view())
-        .map_err(|x| e(&imp.name(), x))?;
+        .map(parts)
+        .map_err(|x| e(IMPL, x))?;
     let mut report = RelativeReport::default();
     let v64 = |a: &Array2<f64>| a.iter().copied().collect::<Vec<f64>>();
     let v32 = |a: &Array2<f32>| a.iter().map(|&v| f64::from(v)).collect::<Vec<f64>>();
@@ -958,7 +929,7 @@ pub fn layer_tile_cases() -> Vec<(&'static str, BertConfig, Vec<usize>)> {
 /// # Errors
 /// The first failure.
 pub fn run_layer_relative_suite(
-    imp: &dyn EncoderLayer,
+    imp: &dyn EncoderLayerOp,
     cases: u32,
     rule: RelativeRule,
 ) -> Result<RelativeReport, Mismatch> {
@@ -969,16 +940,7 @@ pub fn run_layer_relative_suite(
         report.merge(r);
     }
     let acc = std::cell::RefCell::new(report);
-    let mut runner = TestRunner::new_with_rng(
-        Config {
-            cases,
-            failure_persistence: None,
-            ..Config::default()
-        },
-        proptest::test_runner::TestRng::deterministic_rng(
-            proptest::test_runner::RngAlgorithm::ChaCha,
-        ),
-    );
+    let mut runner = crate::runner(cases);
     let strategy = (
         prop::collection::vec(0usize..=9, 1..=5),
         configs(10),
@@ -991,16 +953,11 @@ pub fn run_layer_relative_suite(
             acc.borrow_mut().merge(r);
             Ok(())
         })
-        .map_err(|e| {
-            Mismatch::new(
-                format!("{} relative layer suite", imp.name()),
-                e.to_string(),
-            )
-        })?;
+        .map_err(|e| Mismatch::new(format!("{} relative layer suite", IMPL), e.to_string()))?;
     let report = acc.into_inner();
     report.require_nonvacuous(10)?;
     report
         .totals
-        .check(&format!("{} relative layer suite", imp.name()), rule)?;
+        .check(&format!("{} relative layer suite", IMPL), rule)?;
     Ok(report)
 }

@@ -72,6 +72,15 @@ impl Mismatch {
             detail: detail.into(),
         }
     }
+
+    /// The same mismatch with `context` in front of what was compared
+    /// (`unsharded: grad_logits`).
+    pub fn within(self, context: &str) -> Self {
+        Mismatch {
+            what: format!("{context}: {}", self.what),
+            detail: self.detail,
+        }
+    }
 }
 
 impl fmt::Display for Mismatch {
@@ -687,5 +696,80 @@ mod tests {
         assert!(
             assert_close("t", &[1.0, 0.0], &[1.0, 1e-3], &[2], Tolerance::F64_REWRITE).is_err()
         );
+    }
+}
+
+/// How an implementation's results are judged against the f64 reference:
+/// the one value a registry entry states and every suite and fuzz target
+/// reads (`docs/FAULTS.md`, "How results are judged").
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Judge {
+    /// An f64 rewrite of the reference: every value within `Tolerance` of
+    /// the reference's (packed == padded within the same tolerance).
+    Rewrite(Tolerance),
+    /// A lower-precision kernel: inputs rounded to `inputs` first (so the
+    /// kernel and the reference see the same numbers), every result within
+    /// the [`RelativeRule`] of the reference math run in f32 on them, and its
+    /// two forms (packed and padded, sharded and unsharded) within `packed`
+    /// of each other.
+    Relative {
+        /// The rule against the f64 reference.
+        rule: RelativeRule,
+        /// What the inputs are rounded to first.
+        inputs: packshard_reference::ops::Precision,
+        /// Packed against padded (its own two forms).
+        packed: Tolerance,
+    },
+}
+
+impl Judge {
+    /// The function that rounds an input as the implementation receives it
+    /// (identity for a rewrite).
+    pub fn round(&self) -> fn(f64) -> f64 {
+        use packshard_reference::ops::Precision;
+        match self {
+            Judge::Rewrite(_) => |x| x,
+            Judge::Relative { inputs, .. } => match inputs {
+                Precision::F64 => |x| x,
+                Precision::F32 => crate::baseline32::round_f32,
+                Precision::Bf16 => crate::baseline32::round_bf16,
+            },
+        }
+    }
+
+    /// The tolerance of packed against padded (and sharded against
+    /// unsharded) for this implementation.
+    pub fn packed(&self) -> Tolerance {
+        match *self {
+            Judge::Rewrite(t) => t,
+            Judge::Relative { packed, .. } => packed,
+        }
+    }
+
+    /// The relative rule, when the implementation is a lower-precision one.
+    pub fn relative_rule(&self) -> Option<RelativeRule> {
+        match *self {
+            Judge::Rewrite(_) => None,
+            Judge::Relative { rule, .. } => Some(rule),
+        }
+    }
+}
+
+impl fmt::Display for Judge {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Judge::Rewrite(t) => write!(f, "{}", t.name),
+            Judge::Relative {
+                rule,
+                inputs,
+                packed,
+            } => write!(
+                f,
+                "{} on {} inputs; packed == padded: {}",
+                rule.name,
+                inputs.name(),
+                packed.name
+            ),
+        }
     }
 }

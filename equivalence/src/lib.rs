@@ -1,18 +1,19 @@
 //! # packshard-equivalence
 //!
 //! The reusable suites: checks that prove *packed == unpacked* and *sharded ==
-//! unsharded*, for outputs and gradients, written against traits so that the
-//! same suite runs for the reference, our optimized kernels, and a framework
-//! author's implementation. Every check has a negative control in this crate's
+//! unsharded*, for outputs and gradients, written against the op traits of
+//! `packshard_reference::ops` so that the same suite runs for the reference,
+//! our optimized kernels (every entry of `packshard-oracle`'s registry), and a
+//! framework author's implementation, each under the [`Judge`] it states. Every check has a negative control in this crate's
 //! tests: a deliberately broken implementation that the check must reject.
 //!
 //! - [`compare`]: tensor comparison under a named [`compare::Tolerance`], with
 //!   failures that name the tensor, the index and both values; for kernels in
 //!   lower precision the [`compare::RelativeRule`] (at most `k` times the error
 //!   of the reference math run in that precision, [`baseline32`]).
-//! - [`packing`]: plans and packed batches (FAULTS.md P1, P3–P6).
+//! - [`packing`]: plans and packed batches (docs/FAULTS.md P1, P3–P6).
 //! - [`vocab`]: vocabulary-parallel cross-entropy and embedding, sharded ==
-//!   unsharded (FAULTS.md V1–V6).
+//!   unsharded (docs/FAULTS.md V1–V6).
 //! - [`attention`]: varlen attention == padded attention (P2, P4, P8).
 //! - [`bert`]: BERT layer and whole model with losses and gradients, packed ==
 //!   padded (P1, P2, P4, P5, P7, P8).
@@ -34,4 +35,18 @@ pub mod fuzz;
 pub mod packing;
 pub mod vocab;
 
-pub use compare::{Mismatch, RelativeRule, RelativeTotals, Tolerance};
+pub use compare::{Judge, Mismatch, RelativeRule, RelativeTotals, Tolerance};
+
+/// The proptest runner every suite uses: `cases` cases from a fixed ChaCha
+/// seed (a failure reproduces run after run), no failure files written.
+pub fn runner(cases: u32) -> proptest::test_runner::TestRunner {
+    use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
+    TestRunner::new_with_rng(
+        Config {
+            cases,
+            failure_persistence: None,
+            ..Config::default()
+        },
+        TestRng::deterministic_rng(RngAlgorithm::ChaCha),
+    )
+}

@@ -1,18 +1,18 @@
-//! Checks for packers and packed batches (FAULTS.md P1, P3, P4, P5, P6).
+//! Checks for packers and packed batches (docs/FAULTS.md P1, P3, P4, P5, P6).
 //!
 //! A [`Packer`] maps sequence lengths to a [`PackingPlan`]; a [`Batcher`]
 //! builds the model inputs of a [`PackedBatch`]. [`check_plan`] and
 //! [`check_batch`] verify them from first principles — every token accounted
 //! for exactly once, losses reported, positions reset per segment, padding
 //! never a segment — and [`run_suite`] drives both over random cases and the
-//! FAULTS.md examples. Implement the traits for your own packer to check it.
+//! docs/FAULTS.md examples. Implement the traits for your own packer to check it.
 
 use packshard_reference::packing::{
     pack_lengths, Algorithm, Overlong, PackedBatch, PackingConfig, PackingPlan,
 };
 use packshard_reference::Error;
 use proptest::prelude::*;
-use proptest::test_runner::{Config, TestCaseError, TestRunner};
+use proptest::test_runner::TestCaseError;
 
 use crate::compare::Mismatch;
 
@@ -477,7 +477,7 @@ pub fn sequences() -> impl Strategy<Value = Vec<Vec<i64>>> {
     })
 }
 
-/// The FAULTS.md packing examples as `(name, lengths, config)`; the batch
+/// The docs/FAULTS.md packing examples as `(name, lengths, config)`; the batch
 /// cases use token ids `1000 + sequence * 100 + position`.
 pub fn fault_cases() -> Vec<(&'static str, Vec<usize>, PackingConfig, i64)> {
     let c = |msl| PackingConfig::new(Algorithm::Spfhp, msl);
@@ -527,7 +527,7 @@ pub fn tokens_for(lengths: &[usize]) -> Vec<Vec<i64>> {
         .collect()
 }
 
-/// The whole suite for one implementation: the FAULTS.md cases, then `cases`
+/// The whole suite for one implementation: the docs/FAULTS.md cases, then `cases`
 /// random cases through [`check_packer`] and [`check_batcher`]. Deterministic
 /// (a fixed proptest seed), so a failure reproduces.
 ///
@@ -539,16 +539,7 @@ pub fn run_suite<I: Packer + Batcher>(imp: &I, cases: u32) -> Result<(), Mismatc
         check_packer(imp, &lengths, &config).map_err(with_case)?;
         check_batcher(imp, &tokens_for(&lengths), &config, 0, offset).map_err(with_case)?;
     }
-    let mut runner = TestRunner::new_with_rng(
-        Config {
-            cases,
-            failure_persistence: None,
-            ..Config::default()
-        },
-        proptest::test_runner::TestRng::deterministic_rng(
-            proptest::test_runner::RngAlgorithm::ChaCha,
-        ),
-    );
+    let mut runner = crate::runner(cases);
     let result = runner.run(
         &(sequences(), configs(), 0i64..=2, -1i64..=1),
         |(seqs, config, offset, pad)| {

@@ -4,10 +4,12 @@
 
 use ndarray::{ArrayView2, ArrayView3, Axis};
 use packshard_equivalence::attention::{
-    check_attention, fault_cases, run_attention_suite, AttentionCase, Reference, VarlenAttention,
+    check_attention, fault_cases, run_attention_suite, AttentionCase,
 };
 use packshard_equivalence::Tolerance;
+use packshard_reference::attention::ReferenceAttention;
 use packshard_reference::bert::{AttentionGrads, AttentionOutput};
+use packshard_reference::ops::{AttentionOp, Varlen};
 use packshard_reference::Error;
 
 #[test]
@@ -15,32 +17,27 @@ fn reference_passes_the_attention_suite() {
     use std::sync::atomic::{AtomicUsize, Ordering};
     static CALLS: AtomicUsize = AtomicUsize::new(0);
     struct Counting;
-    impl VarlenAttention for Counting {
-        fn name(&self) -> String {
-            "counting reference".into()
-        }
+    impl AttentionOp for Counting {
         fn varlen_forward(
             &self,
             q: ArrayView3<f64>,
             k: ArrayView3<f64>,
             v: ArrayView3<f64>,
-            cu: &[usize],
-            s: f64,
+            p: &Varlen<'_>,
         ) -> Result<AttentionOutput, Error> {
             CALLS.fetch_add(1, Ordering::Relaxed);
-            Reference.varlen_forward(q, k, v, cu, s)
+            ReferenceAttention.varlen_forward(q, k, v, p)
         }
         fn varlen_backward(
             &self,
             q: ArrayView3<f64>,
             k: ArrayView3<f64>,
             v: ArrayView3<f64>,
-            cu: &[usize],
-            s: f64,
+            p: &Varlen<'_>,
             f: &AttentionOutput,
             g: ArrayView3<f64>,
         ) -> Result<AttentionGrads, Error> {
-            Reference.varlen_backward(q, k, v, cu, s, f, g)
+            ReferenceAttention.varlen_backward(q, k, v, p, f, g)
         }
         fn masked_forward(
             &self,
@@ -50,7 +47,7 @@ fn reference_passes_the_attention_suite() {
             m: ArrayView2<bool>,
             s: f64,
         ) -> Result<AttentionOutput, Error> {
-            Reference.masked_forward(q, k, v, m, s)
+            ReferenceAttention.masked_forward(q, k, v, m, s)
         }
         fn masked_backward(
             &self,
@@ -62,7 +59,7 @@ fn reference_passes_the_attention_suite() {
             f: &AttentionOutput,
             g: ArrayView3<f64>,
         ) -> Result<AttentionGrads, Error> {
-            Reference.masked_backward(q, k, v, m, s, f, g)
+            ReferenceAttention.masked_backward(q, k, v, m, s, f, g)
         }
     }
     let seen = run_attention_suite(&Counting, 256).unwrap();
@@ -87,38 +84,34 @@ struct Broken {
     nan_on_empty_rows: bool,
 }
 
-impl VarlenAttention for Broken {
-    fn name(&self) -> String {
-        "broken".into()
-    }
+impl AttentionOp for Broken {
     fn varlen_forward(
         &self,
         q: ArrayView3<f64>,
         k: ArrayView3<f64>,
         v: ArrayView3<f64>,
-        cu: &[usize],
-        s: f64,
+        p: &Varlen<'_>,
     ) -> Result<AttentionOutput, Error> {
         let whole = [0, q.dim().0];
-        Reference.varlen_forward(q, k, v, if self.ignore_cu_seqlens { &whole } else { cu }, s)
+        let one = Varlen::new(&whole, p.causal, p.scale);
+        ReferenceAttention.varlen_forward(q, k, v, if self.ignore_cu_seqlens { &one } else { p })
     }
     fn varlen_backward(
         &self,
         q: ArrayView3<f64>,
         k: ArrayView3<f64>,
         v: ArrayView3<f64>,
-        cu: &[usize],
-        s: f64,
+        p: &Varlen<'_>,
         f: &AttentionOutput,
         g: ArrayView3<f64>,
     ) -> Result<AttentionGrads, Error> {
         let whole = [0, q.dim().0];
-        Reference.varlen_backward(
+        let one = Varlen::new(&whole, p.causal, p.scale);
+        ReferenceAttention.varlen_backward(
             q,
             k,
             v,
-            if self.ignore_cu_seqlens { &whole } else { cu },
-            s,
+            if self.ignore_cu_seqlens { &one } else { p },
             f,
             g,
         )
@@ -131,7 +124,7 @@ impl VarlenAttention for Broken {
         m: ArrayView2<bool>,
         s: f64,
     ) -> Result<AttentionOutput, Error> {
-        let mut out = Reference.masked_forward(q, k, v, m, s)?;
+        let mut out = ReferenceAttention.masked_forward(q, k, v, m, s)?;
         if self.nan_on_empty_rows {
             for i in 0..m.nrows() {
                 if !m.row(i).iter().any(|&a| a) {
@@ -152,7 +145,7 @@ impl VarlenAttention for Broken {
         f: &AttentionOutput,
         g: ArrayView3<f64>,
     ) -> Result<AttentionGrads, Error> {
-        Reference.masked_backward(q, k, v, m, s, f, g)
+        ReferenceAttention.masked_backward(q, k, v, m, s, f, g)
     }
 }
 
@@ -177,7 +170,7 @@ fn p2_negative_control_attention_across_sequences() {
     );
     assert!(run_attention_suite(&broken, 16).is_err());
     // The reference on the same case passes: the check is not failing for another reason.
-    check_attention(&Reference, &fault_case("P2")).unwrap();
+    check_attention(&ReferenceAttention, &fault_case("P2")).unwrap();
 }
 
 #[test]
@@ -193,5 +186,5 @@ fn p8_negative_control_nan_on_fully_masked_rows() {
         "{err}"
     );
     assert!(run_attention_suite(&broken, 16).is_err());
-    check_attention(&Reference, &fault_case("P8")).unwrap();
+    check_attention(&ReferenceAttention, &fault_case("P8")).unwrap();
 }

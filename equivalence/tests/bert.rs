@@ -1,25 +1,25 @@
 //! The BERT suite (layer and whole model, packed == padded) on the reference,
-//! and negative controls for FAULTS.md P1, P2, P5, P7, P8: each planted fault
+//! and negative controls for docs/FAULTS.md P1, P2, P5, P7, P8: each planted fault
 //! must make the suite fail, for the right reason.
 
-use ndarray::{Array2, ArrayView3};
+use ndarray::{Array2, ArrayView2, ArrayView3};
 use packshard_equivalence::bert::{
-    check_bert, fault_cases, run_bert_suite, run_layer_suite, BertCase, BertImpl, ReferenceBert,
-    ReferenceLayer, REFERENCE_KERNEL,
+    check_bert, fault_cases, reference_bert, run_bert_suite, run_layer_suite, BertCase, BertImpl,
 };
-use packshard_equivalence::Tolerance;
+use packshard_equivalence::{Judge, Tolerance};
+use packshard_reference::bert::layer::ReferenceLayer;
 use packshard_reference::bert::{
-    AttentionGrads, AttentionKernel, AttentionLayout, AttentionOutput, BertConfig, BertModel,
-    BertOutput, LossWeights, PackedAttention, Reduction, ReferenceAttention, Targets, TokenBatch,
-    IGNORE_INDEX,
+    AttentionGrads, AttentionLayout, AttentionOutput, BertConfig, BertModel, BertOutput,
+    LossWeights, PackedAttention, Reduction, ReferenceAttention, Targets, TokenBatch, IGNORE_INDEX,
 };
+use packshard_reference::ops::{AttentionOp, Varlen};
 use packshard_reference::packing::{Algorithm, PackedBatch};
 use packshard_reference::Error;
 
 #[test]
 fn reference_passes_the_bert_suite_in_both_packed_forms() {
     for form in [PackedAttention::Varlen, PackedAttention::BlockDiagonal] {
-        let r = run_bert_suite(&ReferenceBert(form), 48).unwrap();
+        let r = run_bert_suite(&reference_bert(form), 48).unwrap();
         assert_eq!(r.cases, fault_cases().len() * 2 + 48);
         // Non-degenerate: packs shared by several sequences, padding and empty sequences.
         assert!(r.shared_packs >= 20, "{r:?}");
@@ -35,7 +35,13 @@ fn reference_passes_the_bert_suite_in_both_packed_forms() {
 
 #[test]
 fn reference_passes_the_layer_suite() {
-    let seen = run_layer_suite(&ReferenceLayer(&REFERENCE_KERNEL), 48).unwrap();
+    let seen = run_layer_suite(
+        &ReferenceLayer(ReferenceAttention),
+        Judge::Rewrite(Tolerance::F64_REWRITE),
+        48,
+    )
+    .unwrap()
+    .packed;
     assert!(seen.values > 5_000, "{seen:?}");
     eprintln!(
         "layer packed vs padded: max abs {:e}, max rel {:e}",
@@ -62,41 +68,63 @@ enum Fault {
 
 struct NanKernel;
 
-impl AttentionKernel for NanKernel {
-    fn name(&self) -> String {
-        "NaN on empty rows".into()
+/// A naive softmax over an all `-inf` row: `exp(-inf - -inf)` = NaN.
+fn nan_on_empty(mut out: AttentionOutput) -> AttentionOutput {
+    for i in 0..out.lse.ncols() {
+        if out.lse[[0, i]] == f64::NEG_INFINITY {
+            out.output
+                .index_axis_mut(ndarray::Axis(0), i)
+                .fill(f64::NAN);
+            out.lse.column_mut(i).fill(f64::NAN);
+        }
     }
-    fn forward(
+    out
+}
+
+impl AttentionOp for NanKernel {
+    fn varlen_forward(
         &self,
         q: ArrayView3<f64>,
         k: ArrayView3<f64>,
         v: ArrayView3<f64>,
-        layout: &AttentionLayout,
+        p: &Varlen<'_>,
+    ) -> Result<AttentionOutput, Error> {
+        Ok(nan_on_empty(ReferenceAttention.varlen_forward(q, k, v, p)?))
+    }
+    fn varlen_backward(
+        &self,
+        q: ArrayView3<f64>,
+        k: ArrayView3<f64>,
+        v: ArrayView3<f64>,
+        p: &Varlen<'_>,
+        fwd: &AttentionOutput,
+        g: ArrayView3<f64>,
+    ) -> Result<AttentionGrads, Error> {
+        ReferenceAttention.varlen_backward(q, k, v, p, fwd, g)
+    }
+    fn masked_forward(
+        &self,
+        q: ArrayView3<f64>,
+        k: ArrayView3<f64>,
+        v: ArrayView3<f64>,
+        allowed: ArrayView2<bool>,
         scale: f64,
     ) -> Result<AttentionOutput, Error> {
-        let mut out = ReferenceAttention.forward(q, k, v, layout, scale)?;
-        // A naive softmax over an all -inf row: exp(-inf - -inf) = NaN.
-        for i in 0..out.lse.ncols() {
-            if out.lse[[0, i]] == f64::NEG_INFINITY {
-                out.output
-                    .index_axis_mut(ndarray::Axis(0), i)
-                    .fill(f64::NAN);
-                out.lse.column_mut(i).fill(f64::NAN);
-            }
-        }
-        Ok(out)
+        Ok(nan_on_empty(
+            ReferenceAttention.masked_forward(q, k, v, allowed, scale)?,
+        ))
     }
-    fn backward(
+    fn masked_backward(
         &self,
         q: ArrayView3<f64>,
         k: ArrayView3<f64>,
         v: ArrayView3<f64>,
-        layout: &AttentionLayout,
+        allowed: ArrayView2<bool>,
         scale: f64,
         fwd: &AttentionOutput,
         g: ArrayView3<f64>,
     ) -> Result<AttentionGrads, Error> {
-        ReferenceAttention.backward(q, k, v, layout, scale, fwd, g)
+        ReferenceAttention.masked_backward(q, k, v, allowed, scale, fwd, g)
     }
 }
 
@@ -117,7 +145,7 @@ impl BertImpl for Broken {
         offset: usize,
     ) -> Result<BertOutput, Error> {
         let batch = TokenBatch::padded(seqs, Some(tt), row_len, model.config.pad_token_id, offset)?;
-        let kernel: &dyn AttentionKernel = match self.0 {
+        let kernel: &dyn AttentionOp = match self.0 {
             Fault::NanOnEmptyRows => &NanKernel,
             _ => &ReferenceAttention,
         };
@@ -186,7 +214,7 @@ impl BertImpl for Broken {
             }
             _ => {}
         }
-        let kernel: &dyn AttentionKernel = match self.0 {
+        let kernel: &dyn AttentionOp = match self.0 {
             Fault::NanOnEmptyRows => &NanKernel,
             _ => &ReferenceAttention,
         };
@@ -213,11 +241,11 @@ fn fault_case(prefix: &str, reduction: Reduction) -> BertCase {
     )
 }
 
-/// The fault must be caught on its FAULTS.md case as `what` (and the whole
+/// The fault must be caught on its docs/FAULTS.md case as `what` (and the whole
 /// suite must fail), while the reference passes the same case.
 fn caught(fault: Fault, prefix: &str, reduction: Reduction, what: &str) {
     let case = fault_case(prefix, reduction);
-    check_bert(&ReferenceBert(PackedAttention::BlockDiagonal), &case).unwrap();
+    check_bert(&reference_bert(PackedAttention::BlockDiagonal), &case).unwrap();
     let err = check_bert(&Broken(fault), &case).expect_err("the planted fault must be caught");
     assert!(err.what.contains(what), "caught, but as {err}");
     assert!(

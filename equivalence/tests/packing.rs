@@ -1,4 +1,4 @@
-//! The packing suite on the reference, the FAULTS.md examples with their exact
+//! The packing suite on the reference, the docs/FAULTS.md examples with their exact
 //! values, and negative controls: each planted fault must be caught.
 
 use packshard_equivalence::packing::{
@@ -38,7 +38,7 @@ fn reference_passes_the_suite() {
         }
     }
     run_suite(&Counting, 512).unwrap();
-    // 8 FAULTS.md cases + 512 random ones: the suite is not vacuous.
+    // 8 docs/FAULTS.md cases + 512 random ones: the suite is not vacuous.
     assert_eq!(CALLS.load(Ordering::Relaxed), 8 + 512);
 }
 

@@ -1,15 +1,20 @@
 //! The vocabulary suite on the reference, and negative controls: each
-//! FAULTS.md V1–V6 fault, planted into an otherwise correct sharded
-//! implementation, must be caught — by the FAULTS.md example check and by the
+//! docs/FAULTS.md V1–V6 fault, planted into an otherwise correct sharded
+//! implementation, must be caught — by the docs/FAULTS.md example check and by the
 //! whole suite — and for the right reason (the failing tensor is named).
 
 use ndarray::{Array1, Array2, ArrayView2, Axis, Slice};
 use packshard_equivalence::vocab::{
-    check_cross_entropy, check_embedding, check_linear, run_suite, CeCase, EmbeddingCase,
-    LinearCase, Reference, VocabParallel, V1_LOGITS, V2_LOGITS,
+    check_cross_entropy, check_embedding, check_linear, run_cross_entropy_suite,
+    run_embedding_suite, run_linear_suite, CeCase, Coverage, EmbeddingCase, LinearCase, V1_LOGITS,
+    V2_LOGITS,
 };
-use packshard_equivalence::Mismatch;
+use packshard_equivalence::{Judge, Mismatch, Tolerance};
+use packshard_reference::ops::{
+    CrossEntropyOp, Embedding, EmbeddingOp, LinearCrossEntropyOp, LinearLoss,
+};
 use packshard_reference::vocab::collective::{run_ranks, Collective, Reduce};
+use packshard_reference::vocab::cross_entropy::CrossEntropy;
 use packshard_reference::vocab::cross_entropy::{check_row, token_loss, STATS_WIDTH};
 use packshard_reference::vocab::embedding::{check_ids, ShardedEmbedding};
 use packshard_reference::vocab::sharded::{merge_stats, RankLoss, ShardedLoss};
@@ -18,7 +23,98 @@ use packshard_reference::vocab::{
     cross_entropy, linear_cross_entropy, LossConfig, ShardLayout, ShardMap, ShardedAlgorithm,
     SmoothingConvention, SoftmaxStats,
 };
+use packshard_reference::vocab::{
+    ReferenceCrossEntropy, ReferenceEmbedding, ReferenceLinearCrossEntropy,
+};
 use packshard_reference::Error;
+
+/// The three vocabulary suites (cross-entropy, output layer, embedding) on
+/// one implementation of all three, under the f64 rule; the cross-entropy
+/// suite's coverage.
+fn run_suite<I>(imp: &I, cases: u32) -> Result<Coverage, Mismatch>
+where
+    I: CrossEntropyOp + LinearCrossEntropyOp + EmbeddingOp,
+{
+    let judge = Judge::Rewrite(Tolerance::F64_REWRITE);
+    let coverage = run_cross_entropy_suite(imp, judge, cases)?;
+    run_linear_suite(imp, judge, cases)?;
+    run_embedding_suite(imp, judge, cases)?;
+    Ok(coverage)
+}
+
+/// The reference's three vocabulary ops as one value.
+struct Reference;
+
+impl CrossEntropyOp for Reference {
+    fn cross_entropy(
+        &self,
+        logits: ArrayView2<f64>,
+        targets: &[i64],
+        config: &LossConfig,
+        want_grad: bool,
+    ) -> Result<CrossEntropy, Error> {
+        ReferenceCrossEntropy.cross_entropy(logits, targets, config, want_grad)
+    }
+    fn sharded_cross_entropy(
+        &self,
+        algorithm: ShardedAlgorithm,
+        map: &ShardMap,
+        logits: ArrayView2<f64>,
+        targets: &[i64],
+        config: &LossConfig,
+        want_grad: bool,
+    ) -> Result<ShardedLoss, Error> {
+        ReferenceCrossEntropy
+            .sharded_cross_entropy(algorithm, map, logits, targets, config, want_grad)
+    }
+}
+
+impl LinearCrossEntropyOp for Reference {
+    fn linear_cross_entropy(
+        &self,
+        hidden: ArrayView2<f64>,
+        weight: ArrayView2<f64>,
+        targets: &[i64],
+        config: &LossConfig,
+        want_grad: bool,
+    ) -> Result<LinearLoss, Error> {
+        ReferenceLinearCrossEntropy.linear_cross_entropy(hidden, weight, targets, config, want_grad)
+    }
+    fn sharded_linear_cross_entropy(
+        &self,
+        algorithm: ShardedAlgorithm,
+        map: &ShardMap,
+        hidden: ArrayView2<f64>,
+        weight: ArrayView2<f64>,
+        targets: &[i64],
+        config: &LossConfig,
+        want_grad: bool,
+    ) -> Result<ShardedLoss, Error> {
+        ReferenceLinearCrossEntropy.sharded_linear_cross_entropy(
+            algorithm, map, hidden, weight, targets, config, want_grad,
+        )
+    }
+}
+
+impl EmbeddingOp for Reference {
+    fn embedding(
+        &self,
+        ids: &[i64],
+        weight: ArrayView2<f64>,
+        grad_output: Option<ArrayView2<f64>>,
+    ) -> Result<Embedding, Error> {
+        ReferenceEmbedding.embedding(ids, weight, grad_output)
+    }
+    fn sharded_embedding(
+        &self,
+        map: &ShardMap,
+        ids: &[i64],
+        weight: ArrayView2<f64>,
+        grad_output: Option<ArrayView2<f64>>,
+    ) -> Result<ShardedEmbedding, Error> {
+        ReferenceEmbedding.sharded_embedding(map, ids, weight, grad_output)
+    }
+}
 
 #[test]
 fn reference_passes_the_suite() {
@@ -36,7 +132,7 @@ fn reference_passes_the_suite() {
 
 // ---- a planted implementation -------------------------------------------------
 
-/// The faults FAULTS.md describes, plus one against the barrier count.
+/// The faults docs/FAULTS.md describes, plus one against the barrier count.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Fault {
     None,
@@ -265,16 +361,23 @@ impl Planted {
     }
 }
 
-impl VocabParallel for Planted {
-    fn name(&self) -> String {
-        format!("planted {:?}", self.0)
-    }
-
+impl CrossEntropyOp for Planted {
     fn algorithms(&self) -> Vec<ShardedAlgorithm> {
         vec![ShardedAlgorithm::Alg1]
     }
 
     fn cross_entropy(
+        &self,
+        logits: ArrayView2<f64>,
+        targets: &[i64],
+        config: &LossConfig,
+        want_grad: bool,
+    ) -> Result<CrossEntropy, Error> {
+        // The faults are planted in the sharded path.
+        cross_entropy(logits, targets, config, want_grad)
+    }
+
+    fn sharded_cross_entropy(
         &self,
         _algorithm: ShardedAlgorithm,
         map: &ShardMap,
@@ -294,8 +397,25 @@ impl VocabParallel for Planted {
         let parts = map.split_columns(logits, "logits")?;
         self.run(map, &parts, None, targets, config, want_grad)
     }
+}
+
+impl LinearCrossEntropyOp for Planted {
+    fn algorithms(&self) -> Vec<ShardedAlgorithm> {
+        vec![ShardedAlgorithm::Alg1]
+    }
 
     fn linear_cross_entropy(
+        &self,
+        hidden: ArrayView2<f64>,
+        weight: ArrayView2<f64>,
+        targets: &[i64],
+        config: &LossConfig,
+        want_grad: bool,
+    ) -> Result<LinearLoss, Error> {
+        ReferenceLinearCrossEntropy.linear_cross_entropy(hidden, weight, targets, config, want_grad)
+    }
+
+    fn sharded_linear_cross_entropy(
         &self,
         _algorithm: ShardedAlgorithm,
         map: &ShardMap,
@@ -321,8 +441,19 @@ impl VocabParallel for Planted {
             .collect();
         self.run(map, &[], Some((hidden, &parts)), targets, config, want_grad)
     }
+}
 
+impl EmbeddingOp for Planted {
     fn embedding(
+        &self,
+        ids: &[i64],
+        weight: ArrayView2<f64>,
+        grad_output: Option<ArrayView2<f64>>,
+    ) -> Result<Embedding, Error> {
+        ReferenceEmbedding.embedding(ids, weight, grad_output)
+    }
+
+    fn sharded_embedding(
         &self,
         map: &ShardMap,
         ids: &[i64],
@@ -397,7 +528,7 @@ fn map(v: usize, p: usize, layout: ShardLayout) -> ShardMap {
 }
 
 /// The suite must reject `fault`, and its first failure must be a case
-/// whose name contains one of `reasons` (the FAULTS.md entry, or the layout
+/// whose name contains one of `reasons` (the docs/FAULTS.md entry, or the layout
 /// that exposes the fault).
 fn suite_rejects(fault: Fault, reasons: &[&str]) -> Mismatch {
     let err = run_suite(&Planted(fault), 16).expect_err("the suite must catch the planted fault");
@@ -423,7 +554,7 @@ fn v1_negative_control_smoothing_with_a_shard_local_mean() {
     assert_eq!(err.what, "loss (rank 0)", "{err}");
     // ... and each rank gets a different number.
     let out = planted
-        .cross_entropy(
+        .sharded_cross_entropy(
             ShardedAlgorithm::Alg1,
             &case.map,
             case.logits.view(),

@@ -13,7 +13,7 @@ for an f32 one), and writes each output as `<case>/<output>` (the
 manifest's `result` names). Cases of other ops (pack, batch) are left out;
 `packshard check` lists them as skipped.
 
-`--bug leak` plants FAULTS.md P2 (attention across the segments of a pack)
+`--bug leak` plants docs/FAULTS.md P2 (attention across the segments of a pack)
 and `--bug ignore_index` scores ignored targets as class 0: `packshard
 check` must then exit 1 (CI runs both).
 

@@ -1,5 +1,5 @@
 //! `packshard eval` on arbitrary text: a result or a typed error of the contract's kinds; nothing panics.
-//! The body is `packshard::fuzzing::targets()`'s "eval_json" (replayed by `cargo test`).
+//! The body is `packshard_oracle::fuzzing::targets()`'s "eval_json" (replayed by `cargo test`).
 #![no_main]
 
-libfuzzer_sys::fuzz_target!(|data: &[u8]| packshard::fuzzing::fuzz("eval_json", data));
+libfuzzer_sys::fuzz_target!(|data: &[u8]| packshard_oracle::fuzzing::fuzz("eval_json", data));

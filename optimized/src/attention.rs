@@ -29,14 +29,14 @@
 //! exact zeros; the tiles start at the segment's, or the row's, first token).
 //!
 //! A query with no allowed key (dense form only) gets output 0, `lse = -inf`
-//! and zero gradients (FAULTS.md P8).
+//! and zero gradients (docs/FAULTS.md P8).
 //!
 //! Inputs may be `f32` or `bf16` ([`Element`]); every sum is in `f32`.
 
 use half::bf16;
 use ndarray::{Array2, Array3, ArrayView2, ArrayView3, CowArray, Ix3};
 use packshard_reference::bert::attention::{
-    check_cu_seqlens, check_grad_shapes, check_mask_shape, check_qkv_shapes,
+    check_cu_seqlens, check_grad_shapes, check_mask_shape, check_qkv_same_shapes,
 };
 use packshard_reference::{Error, Result};
 use pulp::{Simd, WithSimd};
@@ -582,7 +582,7 @@ fn standard<'a, T: Element>(x: &'a ArrayView3<'a, T>) -> CowArray<'a, T, Ix3> {
 }
 
 fn check_inputs<T: Element>(q: &ArrayView3<T>, k: &ArrayView3<T>, v: &ArrayView3<T>) -> Result<()> {
-    check_qkv_shapes(q.shape(), k.shape(), v.shape())?;
+    check_qkv_same_shapes(q.shape(), k.shape(), v.shape())?;
     check_finite("q", q)?;
     check_finite("k", k)?;
     check_finite("v", v)
@@ -646,7 +646,7 @@ fn check_backward<T: Element>(
     fwd: &AttentionOutput32,
     grad_output: &ArrayView3<f32>,
 ) -> Result<()> {
-    check_qkv_shapes(q.shape(), k.shape(), v.shape())?;
+    check_qkv_same_shapes(q.shape(), k.shape(), v.shape())?;
     check_grad_shapes(
         grad_output.shape(),
         fwd.output.shape(),

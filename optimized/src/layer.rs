@@ -24,11 +24,11 @@ use packshard_reference::{Error, Result};
 use pulp::{Simd, WithSimd};
 use rayon::prelude::*;
 
-use crate::adapt::to_f32;
 use crate::attention::{
     check_finite, dense_masked_attention, dense_masked_attention_backward, varlen_attention,
     varlen_attention_backward, AttentionOutput32,
 };
+use crate::convert::to_f32;
 use crate::matmul::{matmul, Threads};
 use crate::simd;
 

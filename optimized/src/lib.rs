@@ -8,17 +8,18 @@
 //! - [`vocab`]: cross-entropy, the materialized and the fused chunked output
 //!   layer, and one shard of `alg2` (`vocab::alg2`).
 //! - [`layer`]: the BERT encoder layer.
-//! - [`variants`]: the one list of the variants above, with what changed.
-//! - [`matmul`], [`simd`], [`adapt`]: the building blocks and f64 adapters.
-//! - [`oracle`]: the kernels behind the op traits of `packshard-equivalence`.
+//! - [`ops`]: the kernels above as implementations of the op traits of
+//!   `packshard_reference::ops` (the registry of `packshard-oracle` lists them).
+//! - [`matmul`], [`simd`], [`convert`]: the building blocks and the f64 boundary.
+//! - [`alloc`]: the counting global allocator behind the memory figures.
 
-pub mod adapt;
+pub mod alloc;
 pub mod attention;
+pub mod convert;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod layer;
 pub mod matmul;
-pub mod oracle;
+pub mod ops;
 pub mod simd;
-pub mod variants;
 pub mod vocab;

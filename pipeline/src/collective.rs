@@ -153,12 +153,6 @@ fn signature(ops: &[Reduce<'_>]) -> f64 {
     f64::from_bits((h >> 12) | 0x3ff0_0000_0000_0000)
 }
 
-fn data_of<'a>(op: &'a Reduce<'_>) -> &'a [f64] {
-    match op {
-        Reduce::Max(d) | Reduce::Sum(d) | Reduce::Merge { data: d, .. } => d,
-    }
-}
-
 impl Collective for MpiCollective<'_> {
     fn rank(&self) -> usize {
         self.comm.rank() as usize
@@ -183,14 +177,14 @@ impl Collective for MpiCollective<'_> {
             }
         }
         let generation = self.counts.get().barriers;
-        let elements: usize = ops.iter().map(|o| data_of(o).len()).sum();
+        let elements: usize = ops.iter().map(|o| o.data().len()).sum();
         self.count(ops.len() as u64, elements);
         let sig = signature(ops);
         let len = 1 + elements;
         let mut send = Vec::with_capacity(len);
         send.push(sig);
         for op in ops.iter() {
-            send.extend_from_slice(data_of(op));
+            send.extend_from_slice(op.data());
         }
         let p = self.size();
         let mut recv = vec![0.0f64; len * p];
@@ -209,7 +203,7 @@ impl Collective for MpiCollective<'_> {
         }
         let mut offset = 1;
         for op in ops.iter_mut() {
-            let n = data_of(op).len();
+            let n = op.data().len();
             let part = |r: usize| &recv[r * len + offset..r * len + offset + n];
             match op {
                 Reduce::Max(acc) => {

@@ -1,5 +1,4 @@
 //! A multi-process pipeline of the BERT-style reference model over MPI.
-pub mod alloc;
 pub mod collective;
 pub mod model;
 pub mod report;

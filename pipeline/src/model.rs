@@ -28,7 +28,7 @@
 use std::ops::Range;
 
 use ndarray::{Array1, Array2, ArrayView2, ArrayViewD, ArrayViewMutD};
-use packshard_reference::bert::attention::{AttentionLayout, ReferenceAttention};
+use packshard_reference::attention::{AttentionLayout, ReferenceAttention};
 use packshard_reference::bert::layer::{layer_backward, layer_forward, LayerCache};
 use packshard_reference::bert::ops::{layer_norm, layer_norm_backward, LayerNormCache};
 use packshard_reference::bert::{BertConfig, BertParams, LayerParams};
@@ -39,7 +39,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 /// The ignore index of the targets (PyTorch's default).
-pub const IGNORE_INDEX: i64 = -100;
+pub use packshard_reference::vocab::IGNORE_INDEX;
 
 /// The sizes of the model and of the data of one iteration.
 #[derive(Debug, Clone, PartialEq)]

@@ -339,8 +339,8 @@ pub fn run_iteration(
 ) -> Result<RankOutcome> {
     let coll = MpiCollective::new(comm, trace);
     let rank = comm.rank() as usize;
-    let start_bytes = crate::alloc::live_bytes();
-    crate::alloc::reset_peak();
+    let start_bytes = packshard_optimized::alloc::live_bytes();
+    packshard_optimized::alloc::reset_peak();
     let mut ex = Exec {
         comm,
         coll: &coll,
@@ -373,7 +373,7 @@ pub fn run_iteration(
     Ok(RankOutcome {
         losses: ex.losses,
         start_bytes,
-        peak_activation_bytes: crate::alloc::peak_bytes().saturating_sub(start_bytes),
+        peak_activation_bytes: packshard_optimized::alloc::peak_bytes().saturating_sub(start_bytes),
     })
 }
 

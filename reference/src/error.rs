@@ -4,7 +4,7 @@
 //! e.g. `lengths`, `cu_seqlens`, `targets`) and, where there is one, the index,
 //! so that a caller can find the bad value without a debugger. The variants map
 //! one-to-one onto the `kind` strings of the `packshard eval` error contract
-//! (`shared/docs/INTERFACE.md`) through [`Error::kind`].
+//! (`docs/INTERFACE.md`) through [`Error::kind`].
 
 use thiserror::Error;
 

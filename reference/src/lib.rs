@@ -27,16 +27,27 @@
 //! - [`vocab`]: vocabulary-parallel softmax, cross-entropy and input
 //!   embedding (Yeung et al., arXiv:2411.05288): the unsharded reference, the
 //!   [`vocab::Collective`] trait and the `naive`, `alg1`, `alg2` algorithms.
-//! - [`bert`]: a plain f64 BERT with hand-written backward passes, dense and
-//!   varlen attention, padded and packed batches, MLM/NSP losses.
+//! - [`attention`]: dense masked and variable-length attention (GQA,
+//!   `cu_seqlens_q` / `cu_seqlens_k`, bottom-right causal), forward and backward.
+//! - [`bert`]: a plain f64 BERT with hand-written backward passes, padded and
+//!   packed batches, MLM/NSP losses.
+//! - [`ops`]: the op families, one trait each, that every implementation
+//!   (this reference, the optimized and GPU kernels, a user's kernel) meets.
+//! - [`faults`]: the fault catalogue of `docs/FAULTS.md` as data, each kind's canonical example.
 //! - [`error`]: the one typed error, mapped onto the `eval` error kinds.
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod attention;
 pub mod bert;
 pub mod error;
+pub mod faults;
+pub mod ops;
 pub mod packing;
 pub mod vocab;
+
+#[cfg(test)]
+mod testutil;
 
 pub use error::{Error, Result};

@@ -5,7 +5,7 @@ use std::process::ExitCode;
 
 use clap::Args;
 use packshard::bench::{self, BenchConfig};
-use packshard::optimized::variants::VARIANTS;
+use packshard::registry;
 use serde_json::json;
 
 use super::CliError;
@@ -16,8 +16,13 @@ pub struct BenchArgs {
     /// (BERT-base layer, cross-entropy 30522 x 384 and 256000 x 1024 on 4096 tokens).
     #[arg(long)]
     quick: bool,
-    /// Which parts: `layer`, `attention`, `ce`, comma-separated.
-    #[arg(long, default_value = "layer,attention,ce", value_delimiter = ',')]
+    /// Which parts: `registry` (every registered implementation through its
+    /// trait), `layer`, `attention`, `ce`, comma-separated.
+    #[arg(
+        long,
+        default_value = "registry,layer,attention,ce",
+        value_delimiter = ','
+    )]
     only: Vec<String>,
     /// Sequences in the layer and attention batches.
     #[arg(long)]
@@ -37,6 +42,10 @@ pub struct BenchArgs {
     /// Print JSON instead of the table.
     #[arg(long)]
     json: bool,
+    /// Print the registered implementations (family, name, precision, what
+    /// it needs, what changed) and exit without timing anything.
+    #[arg(long)]
+    list: bool,
 }
 
 fn parse_size(s: &str) -> Result<(usize, usize), CliError> {
@@ -81,9 +90,9 @@ pub fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
     }
     cfg.validate()?;
     for part in &args.only {
-        if !["layer", "attention", "ce"].contains(&part.as_str()) {
+        if !["registry", "layer", "attention", "ce"].contains(&part.as_str()) {
             return Err(CliError::input(format!(
-                "--only: unknown part {part:?} (layer, attention, ce)"
+                "--only: unknown part {part:?} (registry, layer, attention, ce)"
             )));
         }
     }
@@ -95,13 +104,32 @@ pub fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
         json!({"threads": threads, "simd": packshard::optimized::simd::arch_name(),
                "debug_build": cfg!(debug_assertions)}),
     );
+    let entries = registry::all();
     out.insert(
-        "variants".into(),
-        json!(VARIANTS
+        "implementations".into(),
+        json!(entries
             .iter()
-            .map(|v| json!({"name": v.name, "changed": v.changed}))
+            .map(|e| json!({"family": e.family.name(), "name": e.name, "precision": e.precision.name(),
+                            "needs": e.needs.name(), "changed": e.changed}))
             .collect::<Vec<_>>()),
     );
+    if args.list {
+        if args.json {
+            println!("{}", json!(out["implementations"]));
+        } else {
+            for e in &entries {
+                println!(
+                    "{:<20} {:<30} {:<5} {:<13} {}",
+                    e.family.name(),
+                    e.name,
+                    e.precision.name(),
+                    e.needs.name(),
+                    e.changed
+                );
+            }
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
     if !args.json {
         println!(
             "packshard bench ({} sizes): {threads} threads, SIMD {}{}",
@@ -113,10 +141,57 @@ pub fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
                 ""
             }
         );
-        println!("variants:");
-        for v in VARIANTS {
-            println!("  {:<28} {}", v.name, v.changed);
+        println!("registered implementations:");
+        for e in &entries {
+            println!(
+                "  {:<20} {:<28} {:<5} {}",
+                e.family.name(),
+                e.name,
+                e.precision.name(),
+                e.changed
+            );
         }
+    }
+    if want("registry") {
+        let rows = packshard::bench::registry(&cfg)?;
+        if !args.json {
+            println!("\nevery registered implementation through its trait (f64 at the boundary), checked against the f64 reference, then timed:");
+            println!(
+                "  {:<20} {:<28} {:<5} {:>10} {:>9} {:>12}  workload",
+                "family", "impl", "prec", "seconds", "x ref", "max rel diff"
+            );
+            for r in &rows {
+                match (&r.skipped, r.seconds) {
+                    (Some(why), _) => println!(
+                        "  {:<20} {:<28} {:<5} skipped: {why}",
+                        r.family.name(),
+                        r.name,
+                        r.precision.name()
+                    ),
+                    (None, Some(s)) => println!(
+                        "  {:<20} {:<28} {:<5} {:>10.4} {:>8.2}x {:>12.2e}  {}",
+                        r.family.name(),
+                        r.name,
+                        r.precision.name(),
+                        s,
+                        r.speedup.unwrap_or(f64::NAN),
+                        r.max_rel_diff,
+                        r.workload
+                    ),
+                    (None, None) => {}
+                }
+            }
+        }
+        out.insert(
+            "registry".into(),
+            json!(rows
+                .iter()
+                .map(|r| json!({"family": r.family.name(), "name": r.name, "precision": r.precision.name(),
+                                "seconds": r.seconds, "speedup_vs_reference": r.speedup,
+                                "max_rel_diff": r.max_rel_diff, "skipped": r.skipped,
+                                "workload": r.workload}))
+                .collect::<Vec<_>>()),
+        );
     }
     if want("layer") {
         let r = bench::layer(&cfg)?;

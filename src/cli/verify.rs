@@ -5,10 +5,10 @@ use std::process::ExitCode;
 
 use clap::{Args, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
-use packshard::realtext;
 use packshard::reference::bert::{BertModel, Reduction};
 use packshard::reference::packing::{Algorithm, Histogram};
 use packshard::report::format_seconds;
+use packshard::text;
 use packshard::verify::{mask_sample, verify, VerifyOptions, TOLERANCE};
 
 use super::CliError;
@@ -69,10 +69,10 @@ fn bert(a: BertArgs) -> Result<ExitCode, CliError> {
             a.mask_prob
         )));
     }
-    if a.max_lines == 0 || a.max_lines > realtext::MAX_LINES {
+    if a.max_lines == 0 || a.max_lines > text::MAX_LINES {
         return Err(CliError::input(format!(
             "--max-lines must be in 1..={}",
-            realtext::MAX_LINES
+            text::MAX_LINES
         )));
     }
     let opts = VerifyOptions {
@@ -103,13 +103,13 @@ fn bert_with(a: BertArgs, opts: VerifyOptions, bar: &ProgressBar) -> Result<Exit
         )));
     }
     bar.set_message("tokenizing");
-    let tok = realtext::load_tokenizer(&a.model.join("tokenizer.json")).map_err(CliError::input)?;
+    let tok = text::load_tokenizer(&a.model.join("tokenizer.json")).map_err(CliError::input)?;
     let mask_id = tok.token_to_id("[MASK]").map_or(103, i64::from);
-    let lines = realtext::read_lines(&a.text, a.max_lines).map_err(CliError::input)?;
+    let lines = text::read_lines(&a.text, a.max_lines).map_err(CliError::input)?;
     let mut tokenized = Vec::with_capacity(lines.len());
     let mut skipped = 0usize;
     for line in &lines {
-        let ids = realtext::encode(&tok, line).map_err(CliError::input)?;
+        let ids = text::encode(&tok, line).map_err(CliError::input)?;
         if ids.len() > opts.max_seq_len {
             skipped += 1;
         } else {

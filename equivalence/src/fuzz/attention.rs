@@ -1,5 +1,5 @@
 //! Varlen attention, forward and backward, against the f64 reference on
-//! arbitrary cases (FAULTS.md P2, P4, P8).
+//! arbitrary cases (docs/FAULTS.md P2, P4, P8).
 //!
 //! A case ([`AttentionFuzzCase`]) has 1 to [`MAX_SEGMENTS`] segments of 0 to
 //! [`MAX_SEGMENT_LEN`] tokens (empty ones included, at most [`MAX_TOKENS`] in
@@ -30,8 +30,10 @@ use packshard_reference::Error;
 
 use super::values::{plants, Gen};
 use super::{brief, catch_panic, Failure, Outcome};
-use crate::attention::{AttentionCase, VarlenAttention};
+use crate::attention::{AttentionCase, IMPL};
+use crate::compare::Judge;
 use crate::compare::{assert_close_with_scale, Mismatch, Tolerance};
+use packshard_reference::ops::{AttentionOp, Varlen};
 
 /// One tensor to compare: name, expected, actual, shape, magnitude of its terms.
 type NamedCheck<'a> = (&'a str, Vec<f64>, Vec<f64>, &'a [usize], f64);
@@ -412,7 +414,7 @@ fn check_shapes(
 /// tolerance; an error where the reference gives a result or the reverse;
 /// a panic.
 pub fn check(
-    imp: &dyn VarlenAttention,
+    imp: &dyn AttentionOp,
     tol: Tolerance,
     case: &AttentionFuzzCase,
 ) -> Result<Outcome, Mismatch> {
@@ -422,7 +424,7 @@ pub fn check(
     let (q, k, v, go) = (c.q.view(), c.k.view(), c.v.view(), c.grad_output.view());
     let expected = varlen_attention(q, k, v, cu, false, c.scale);
     let actual = catch_panic("varlen_forward", || {
-        imp.varlen_forward(q, k, v, cu, c.scale)
+        imp.varlen_forward(q, k, v, &Varlen::new(cu, false, c.scale))
     })?;
     let Some((ef, af)) = outcome("varlen_forward", expected, actual, cu)? else {
         return Ok(Outcome::errors_alike());
@@ -436,7 +438,7 @@ pub fn check(
     )?;
     let eg = varlen_attention_backward(q, k, v, cu, false, c.scale, &ef, go);
     let ag = catch_panic("varlen_backward", || {
-        imp.varlen_backward(q, k, v, cu, c.scale, &af, go)
+        imp.varlen_backward(q, k, v, &Varlen::new(cu, false, c.scale), &af, go)
     })?;
     let Some((eg, ag)) = outcome::<AttentionGrads, AttentionGrads>("varlen_backward", eg, ag, cu)?
     else {
@@ -479,12 +481,12 @@ fn padded_row(x: &Array3<f64>, a: usize, len: usize, row_len: usize, fill: f64) 
 }
 
 /// The padded form: every segment alone in a row of `row_len` with the
-/// block mask (padding queries and keys masked, FAULTS.md P8), through
+/// block mask (padding queries and keys masked, docs/FAULTS.md P8), through
 /// `imp`'s masked forward and backward. Padding rows must be exactly 0 with
 /// `lse = -inf`; real rows must match the reference's packed results under
 /// the same rule as the packed form.
 fn check_padded(
-    imp: &dyn VarlenAttention,
+    imp: &dyn AttentionOp,
     tol: Tolerance,
     c: &AttentionCase,
     expected: (&AttentionOutput, &AttentionGrads),
@@ -558,7 +560,7 @@ fn check_padded(
                     return Err(Mismatch::new(
                         format!("padded {name} (sequence {s})"),
                         format!(
-                            "padding row {i} of {l} (no allowed key) holds {x:e} at [{}, {}]; it must be exactly 0, never NaN (FAULTS.md P8)",
+                            "padding row {i} of {l} (no allowed key) holds {x:e} at [{}, {}]; it must be exactly 0, never NaN (docs/FAULTS.md P8)",
                             k / d,
                             k % d
                         ),
@@ -572,7 +574,7 @@ fn check_padded(
                 if x != f64::NEG_INFINITY {
                     return Err(Mismatch::new(
                         format!("padded lse (sequence {s})"),
-                        format!("padding row {i} head {j}: lse {x:e}, expected -inf (an empty softmax, FAULTS.md P8)"),
+                        format!("padding row {i} head {j}: lse {x:e}, expected -inf (an empty softmax, docs/FAULTS.md P8)"),
                     ));
                 }
             }
@@ -656,10 +658,10 @@ fn check_padded(
     Ok((values, worst))
 }
 
-/// FAULTS.md P2: changing the tokens of the first non-empty sequence must
+/// docs/FAULTS.md P2: changing the tokens of the first non-empty sequence must
 /// leave every other token's packed output bit-for-bit unchanged.
 fn check_no_leak(
-    imp: &dyn VarlenAttention,
+    imp: &dyn AttentionOp,
     c: &AttentionCase,
     before: &AttentionOutput,
 ) -> Result<(), Mismatch> {
@@ -679,7 +681,12 @@ fn check_no_leak(
     v2.slice_axis_mut(Axis(0), Slice::from(a..b))
         .mapv_inplace(|x| 5.0 - x);
     let after = catch_panic("varlen_forward", || {
-        imp.varlen_forward(q2.view(), k2.view(), v2.view(), &cu, c.scale)
+        imp.varlen_forward(
+            q2.view(),
+            k2.view(),
+            v2.view(),
+            &Varlen::new(&cu, false, c.scale),
+        )
     })?
     .map_err(|e| Mismatch::new("varlen_forward", format!("unexpected error {e}")))?;
     for i in (0..a).chain(b..n) {
@@ -692,7 +699,7 @@ fn check_no_leak(
             return Err(Mismatch::new(
                 "cross-sequence leak",
                 format!(
-                    "changing sequence {s} (tokens {a}..{b}) changed the output of token {i} (sequence {t}) from {:?} to {:?} (FAULTS.md P2)",
+                    "changing sequence {s} (tokens {a}..{b}) changed the output of token {i} (sequence {t}) from {:?} to {:?} (docs/FAULTS.md P2)",
                     x.iter().take(4).collect::<Vec<_>>(),
                     y.iter().take(4).collect::<Vec<_>>()
                 ),
@@ -796,14 +803,15 @@ fn compare_segments(
 }
 
 /// The fuzz body: `data` as an [`AttentionFuzzCase`], checked with
-/// [`check`] under `tol` ([`Tolerance::F64_REWRITE`] for an f64
-/// implementation).
+/// [`check`] under the tolerance of `judge` (a registry entry's
+/// `fuzz_judge`: [`Tolerance::F64_REWRITE`] for an f64 implementation).
 ///
 /// # Errors
 /// A [`Failure`] describing the case and the first mismatch.
-pub fn run(imp: &dyn VarlenAttention, tol: Tolerance, data: &[u8]) -> Result<Outcome, Failure> {
+pub fn run(imp: &dyn AttentionOp, judge: Judge, data: &[u8]) -> Result<Outcome, Failure> {
     let Ok(case) = AttentionFuzzCase::from_bytes(data) else {
         return Ok(Outcome::default());
     };
-    check(imp, tol, &case).map_err(|m| Failure::new("attention", imp.name(), case.describe(), m))
+    check(imp, judge.packed(), &case)
+        .map_err(|m| Failure::new("attention", IMPL, case.describe(), m))
 }

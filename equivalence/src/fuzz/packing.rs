@@ -1,4 +1,4 @@
-//! Packing and batching on arbitrary lengths, configs and token ids (FAULTS.md
+//! Packing and batching on arbitrary lengths, configs and token ids (docs/FAULTS.md
 //! P1, P3–P6), checked from first principles: every token placed once or
 //! its loss reported, positions reset per segment, padding never a segment,
 //! `cu_seqlens` over real tokens only (see [`crate::packing::check_packer`]

@@ -1,5 +1,5 @@
 //! Vocabulary-parallel cross-entropy, output layer and embedding against the
-//! unsharded f64 reference on arbitrary cases (FAULTS.md V1–V6), for every
+//! unsharded f64 reference on arbitrary cases (docs/FAULTS.md V1–V6), for every
 //! algorithm an implementation has.
 //!
 //! Cases draw the split first (`v` in `1..=MAX_V`, primes weighted up; `p`
@@ -23,11 +23,14 @@ use packshard_reference::vocab::{
 
 use super::values::{plants, Gen};
 use super::{brief, Failure, Outcome};
+use crate::compare::Judge;
 use crate::compare::Mismatch;
 use crate::vocab::{
-    check_cross_entropy_with, check_embedding, check_linear_with, take_worst_ulps, CeCase,
-    EmbeddingCase, LinearCase, Rule, VocabParallel,
+    check_cross_entropy_unsharded, check_cross_entropy_with, check_embedding,
+    check_linear_unsharded, check_linear_with, take_worst_ulps, CeCase, EmbeddingCase, LinearCase,
+    Rule,
 };
+use packshard_reference::ops::{CrossEntropyOp, EmbeddingOp, LinearCrossEntropyOp};
 
 /// Largest vocabulary of a case.
 pub const MAX_V: usize = 64;
@@ -402,81 +405,65 @@ fn vocab_outcome(reference_failed: bool, values: usize) -> Outcome {
     }
 }
 
-/// The cross-entropy fuzz body: `data` as a [`CeFuzzCase`], checked for
-/// every algorithm of `imp` with [`check_cross_entropy`].
+/// The cross-entropy fuzz body: `data` as a [`CeFuzzCase`], checked in the
+/// unsharded form and for every algorithm `imp` declares under `judge`
+/// ([`Rule::of`]: the terms rule for an f64 implementation, the relative
+/// rule on f32-rounded inputs for a lower-precision one).
 ///
 /// # Errors
-/// A [`Failure`] naming the algorithm, the case and the first mismatch.
-pub fn run_cross_entropy(imp: &dyn VocabParallel, data: &[u8]) -> Result<Outcome, Failure> {
-    run_cross_entropy_with(imp, Rule::Terms, data)
-}
-
-/// As [`run_cross_entropy`] under `rule`: [`Rule::Relative`] for a
-/// lower-precision implementation (inputs rounded to f32, each tensor held to
-/// the rule's per-tensor factor of the f32 baseline's error).
-///
-/// # Errors
-/// A [`Failure`] naming the algorithm, the case and the first mismatch.
-pub fn run_cross_entropy_with(
-    imp: &dyn VocabParallel,
-    rule: Rule,
+/// A [`Failure`] naming the form, the case and the first mismatch.
+pub fn run_cross_entropy(
+    imp: &dyn CrossEntropyOp,
+    judge: Judge,
     data: &[u8],
 ) -> Result<Outcome, Failure> {
     let Ok(case) = CeFuzzCase::from_bytes(data) else {
         return Ok(Outcome::default());
     };
+    let rule = Rule::of(judge);
     take_worst_ulps();
     let c = &case.case;
+    let failure = |form: String, m| Failure::new("cross_entropy", form, case.describe(), m);
+    check_cross_entropy_unsharded(imp, c, case.want_grad, rule)
+        .map_err(|m| failure("unsharded".into(), m))?;
     for algorithm in imp.algorithms() {
-        check_cross_entropy_with(imp, algorithm, c, case.want_grad, rule).map_err(|m| {
-            Failure::new(
-                "cross_entropy",
-                format!("{} ({algorithm})", imp.name()),
-                case.describe(),
-                m,
-            )
-        })?;
+        check_cross_entropy_with(imp, algorithm, c, case.want_grad, rule)
+            .map_err(|m| failure(algorithm.to_string(), m))?;
     }
     let v = c.map.vocab_size();
     let real = c.logits.slice_axis(Axis(1), Slice::from(..v));
     let failed = cross_entropy(real, &c.targets, &c.config, false).is_err();
     let n = c.targets.len();
-    let per_alg = 2 * n + 1 + if case.want_grad { n * v } else { 0 };
-    Ok(vocab_outcome(failed, per_alg * imp.algorithms().len()))
+    let per_form = 2 * n + 1 + if case.want_grad { n * v } else { 0 };
+    Ok(vocab_outcome(
+        failed,
+        per_form * (imp.algorithms().len() + 1),
+    ))
 }
 
-/// The output-layer fuzz body: `data` as a [`LinearFuzzCase`], checked for
-/// every algorithm of `imp` with [`check_linear`].
+/// The output-layer fuzz body: `data` as a [`LinearFuzzCase`], checked in
+/// the unsharded form and for every algorithm `imp` declares under `judge`
+/// (see [`run_cross_entropy`]).
 ///
 /// # Errors
-/// A [`Failure`] naming the algorithm, the case and the first mismatch.
-pub fn run_linear(imp: &dyn VocabParallel, data: &[u8]) -> Result<Outcome, Failure> {
-    run_linear_with(imp, Rule::Terms, data)
-}
-
-/// As [`run_linear`] under `rule` (see [`run_cross_entropy_with`]).
-///
-/// # Errors
-/// A [`Failure`] naming the algorithm, the case and the first mismatch.
-pub fn run_linear_with(
-    imp: &dyn VocabParallel,
-    rule: Rule,
+/// A [`Failure`] naming the form, the case and the first mismatch.
+pub fn run_linear(
+    imp: &dyn LinearCrossEntropyOp,
+    judge: Judge,
     data: &[u8],
 ) -> Result<Outcome, Failure> {
     let Ok(case) = LinearFuzzCase::from_bytes(data) else {
         return Ok(Outcome::default());
     };
+    let rule = Rule::of(judge);
     take_worst_ulps();
     let c = &case.case;
+    let failure = |form: String, m| Failure::new("linear_cross_entropy", form, case.describe(), m);
+    check_linear_unsharded(imp, c, case.want_grad, rule)
+        .map_err(|m| failure("unsharded".into(), m))?;
     for algorithm in imp.algorithms() {
-        check_linear_with(imp, algorithm, c, case.want_grad, rule).map_err(|m| {
-            Failure::new(
-                "linear_cross_entropy",
-                format!("{} ({algorithm})", imp.name()),
-                case.describe(),
-                m,
-            )
-        })?;
+        check_linear_with(imp, algorithm, c, case.want_grad, rule)
+            .map_err(|m| failure(algorithm.to_string(), m))?;
     }
     let v = c.map.vocab_size();
     let real = c.weight.slice_axis(Axis(0), Slice::from(..v));
@@ -489,14 +476,17 @@ pub fn run_linear_with(
     )
     .is_err();
     let (n, h) = c.hidden.dim();
-    let per_alg = 2 * n
+    let per_form = 2 * n
         + 1
         + if case.want_grad {
             n * v + n * h + v * h
         } else {
             0
         };
-    Ok(vocab_outcome(failed, per_alg * imp.algorithms().len()))
+    Ok(vocab_outcome(
+        failed,
+        per_form * (imp.algorithms().len() + 1),
+    ))
 }
 
 /// The embedding fuzz body: `data` as an [`EmbeddingFuzzCase`], checked with
@@ -504,13 +494,14 @@ pub fn run_linear_with(
 ///
 /// # Errors
 /// A [`Failure`] describing the case and the first mismatch.
-pub fn run_embedding(imp: &dyn VocabParallel, data: &[u8]) -> Result<Outcome, Failure> {
+pub fn run_embedding(imp: &dyn EmbeddingOp, data: &[u8]) -> Result<Outcome, Failure> {
     let Ok(case) = EmbeddingFuzzCase::from_bytes(data) else {
         return Ok(Outcome::default());
     };
     let c = &case.case;
-    check_embedding(imp, c)
-        .map_err(|m: Mismatch| Failure::new("embedding", imp.name(), case.describe(), m))?;
+    check_embedding(imp, c).map_err(|m: Mismatch| {
+        Failure::new("embedding", "sharded and unsharded", case.describe(), m)
+    })?;
     let v = c.map.vocab_size();
     let failed = packshard_reference::vocab::embedding::check_ids(&c.ids, v).is_err();
     let (n, h) = (c.ids.len(), c.weight.ncols());

@@ -2,16 +2,18 @@
 //! segments, in plain f64 loops, written without looking at packshard's
 //! reference — the kind of kernel a framework author wants to check.
 //!
-//! It implements [`VarlenAttention`], packshard's op trait for attention in
+//! It implements [`AttentionOp`], packshard's op trait for attention in
 //! its packed (`q, k, v: [n_tok, h, d]` with `cu_seqlens: [b + 1]`, as
 //! flash-attention's `flash_attn_varlen_func`) and padded (`[L, h, d]` with a
-//! boolean mask) forms. `tests/differential.rs` fuzzes it against the f64
+//! boolean mask) forms. It declares the default support (bidirectional
+//! self-attention with as many key heads as query heads) and refuses causal
+//! masks, grouped-query attention and `cu_seqlens_k != cu_seqlens_q`. `tests/differential.rs` fuzzes it against the f64
 //! reference; `fuzz/` does the same under libFuzzer.
 
 use ndarray::{Array2, Array3, ArrayView2, ArrayView3};
-use packshard_equivalence::attention::VarlenAttention;
 use packshard_reference::bert::attention::check_cu_seqlens;
 use packshard_reference::bert::{AttentionGrads, AttentionOutput};
+use packshard_reference::ops::{AttentionOp, Varlen};
 use packshard_reference::Error;
 
 /// The kernel: one query at a time, softmax with the row maximum subtracted.
@@ -43,7 +45,12 @@ fn attend(
         }
         let scores: Vec<f64> = keys
             .iter()
-            .map(|&j| scale * (0..d).map(|c| q[[i, head, c]] * k[[j, head, c]]).sum::<f64>())
+            .map(|&j| {
+                scale
+                    * (0..d)
+                        .map(|c| q[[i, head, c]] * k[[j, head, c]])
+                        .sum::<f64>()
+            })
             .collect();
         let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
         let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
@@ -55,7 +62,9 @@ fn attend(
         }
         if let Some((dout, grads)) = backward.as_mut() {
             // dO.O, then for each key dP = dO.v_j and dS = p (dP - dO.O).
-            let dot_o: f64 = (0..d).map(|c| dout[[i, head, c]] * out.output[[i, head, c]]).sum();
+            let dot_o: f64 = (0..d)
+                .map(|c| dout[[i, head, c]] * out.output[[i, head, c]])
+                .sum();
             for (&j, &pj) in keys.iter().zip(&p) {
                 let dp: f64 = (0..d).map(|c| dout[[i, head, c]] * v[[j, head, c]]).sum();
                 let ds = pj * (dp - dot_o);
@@ -69,7 +78,11 @@ fn attend(
     }
 }
 
-fn check_shapes(q: &ArrayView3<f64>, k: &ArrayView3<f64>, v: &ArrayView3<f64>) -> Result<(), Error> {
+fn check_shapes(
+    q: &ArrayView3<f64>,
+    k: &ArrayView3<f64>,
+    v: &ArrayView3<f64>,
+) -> Result<(), Error> {
     for (name, t) in [("k", k), ("v", v)] {
         if t.dim() != q.dim() {
             return Err(Error::ShapeMismatch {
@@ -115,7 +128,17 @@ impl NaiveAttention {
             let (a, b) = (w[0], w[1]);
             for head in 0..q.dim().1 {
                 let back = dout.map(|g| (g, &mut grads));
-                attend(&q, &k, &v, head, a..b, &|_| (a..b).collect(), scale, &mut out, back);
+                attend(
+                    &q,
+                    &k,
+                    &v,
+                    head,
+                    a..b,
+                    &|_| (a..b).collect(),
+                    scale,
+                    &mut out,
+                    back,
+                );
             }
         }
         Ok((out, grads))
@@ -148,20 +171,16 @@ impl NaiveAttention {
     }
 }
 
-impl VarlenAttention for NaiveAttention {
-    fn name(&self) -> String {
-        "naive attention".into()
-    }
-
+impl AttentionOp for NaiveAttention {
     fn varlen_forward(
         &self,
         q: ArrayView3<f64>,
         k: ArrayView3<f64>,
         v: ArrayView3<f64>,
-        cu_seqlens: &[usize],
-        scale: f64,
+        p: &Varlen<'_>,
     ) -> Result<AttentionOutput, Error> {
-        Ok(Self::varlen(q, k, v, cu_seqlens, scale, None)?.0)
+        self.support().check(p, q.dim().1, k.dim().1)?;
+        Ok(Self::varlen(q, k, v, p.cu_seqlens_q, p.scale, None)?.0)
     }
 
     fn varlen_backward(
@@ -169,13 +188,13 @@ impl VarlenAttention for NaiveAttention {
         q: ArrayView3<f64>,
         k: ArrayView3<f64>,
         v: ArrayView3<f64>,
-        cu_seqlens: &[usize],
-        scale: f64,
+        p: &Varlen<'_>,
         _fwd: &AttentionOutput,
         grad_output: ArrayView3<f64>,
     ) -> Result<AttentionGrads, Error> {
+        self.support().check(p, q.dim().1, k.dim().1)?;
         // Recomputes the forward (as flash-attention does) rather than trusting `_fwd`.
-        Ok(Self::varlen(q, k, v, cu_seqlens, scale, Some(&grad_output))?.1)
+        Ok(Self::varlen(q, k, v, p.cu_seqlens_q, p.scale, Some(&grad_output))?.1)
     }
 
     fn masked_forward(

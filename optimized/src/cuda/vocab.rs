@@ -114,7 +114,7 @@ impl ShardKernels for Gpu {
         let n = x.n;
         if n == 0 || x.w == 0 {
             // No rows (a padded layout's all-padding shard): m_i = -inf,
-            // s_i = 0, it contributes nothing (FAULTS.md V6). No launch, as
+            // s_i = 0, it contributes nothing (docs/FAULTS.md V6). No launch, as
             // the driver refuses zero-byte buffers.
             return Ok(ShardStats {
                 local_max: vec![f32::NEG_INFINITY; n],

@@ -14,7 +14,7 @@ use std::process::ExitCode;
 use clap::{Parser, ValueEnum};
 use mpi::topology::{Communicator, SimpleCommunicator};
 use mpi::traits::*;
-use packshard_pipeline::alloc::CountingAlloc;
+use packshard_optimized::alloc::CountingAlloc;
 use packshard_pipeline::collective::Trace;
 use packshard_pipeline::model::{microbatches, reference_step, ModelConfig, Params};
 use packshard_pipeline::report::{

@@ -13,13 +13,14 @@
 
 use ndarray::{Array2, Array3, ArrayView2};
 
-use super::attention::{AttentionKernel, AttentionLayout, AttentionOutput};
 use super::ops::{
     gelu_backward, gelu_map, layer_norm, layer_norm_backward, linear, linear_backward,
     LayerNormCache,
 };
 use super::weights::LayerParams;
+use crate::attention::{AttentionLayout, AttentionOutput};
 use crate::error::{Error, Result};
+use crate::ops::{AttentionOp, EncoderLayerOp, LayerPass};
 
 /// What the backward of one layer needs.
 #[derive(Debug, Clone)]
@@ -68,12 +69,12 @@ pub fn layer_forward(
     p: &LayerParams,
     num_heads: usize,
     eps: f64,
-    kernel: &dyn AttentionKernel,
+    kernel: &dyn AttentionOp,
     x: ArrayView2<f64>,
     layout: &AttentionLayout,
 ) -> Result<(Array2<f64>, LayerCache)> {
     let width = x.ncols();
-    let scale = super::attention::default_scale(width / num_heads);
+    let scale = crate::attention::default_scale(width / num_heads);
     let q = heads(linear(x, p.query_w.view(), p.query_b.view()), num_heads)?;
     let k = heads(linear(x, p.key_w.view(), p.key_b.view()), num_heads)?;
     let v = heads(linear(x, p.value_w.view(), p.value_b.view()), num_heads)?;
@@ -114,13 +115,13 @@ pub fn layer_backward(
     p: &LayerParams,
     g: &mut LayerParams,
     num_heads: usize,
-    kernel: &dyn AttentionKernel,
+    kernel: &dyn AttentionOp,
     cache: &LayerCache,
     layout: &AttentionLayout,
     dout: ArrayView2<f64>,
 ) -> Result<Array2<f64>> {
     let width = dout.ncols();
-    let scale = super::attention::default_scale(width / num_heads);
+    let scale = crate::attention::default_scale(width / num_heads);
     // out = LN2(r2), r2 = act W2^T + b2 + h1
     let dr2 = layer_norm_backward(
         &cache.ln2,
@@ -195,4 +196,39 @@ pub fn layer_backward(
         g.value_b.view_mut(),
     );
     Ok(dx)
+}
+
+/// The reference encoder layer ([`layer_forward`], [`layer_backward`]) with
+/// the attention `A` ([`crate::attention::ReferenceAttention`] by default;
+/// any [`AttentionOp`] to check a kernel inside the whole layer).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ReferenceLayer<A = crate::attention::ReferenceAttention>(pub A);
+
+impl<A: AttentionOp> EncoderLayerOp for ReferenceLayer<A> {
+    fn forward_backward(
+        &self,
+        params: &LayerParams,
+        num_heads: usize,
+        eps: f64,
+        x: ArrayView2<f64>,
+        layout: &AttentionLayout,
+        grad_output: ArrayView2<f64>,
+    ) -> Result<LayerPass> {
+        let (output, cache) = layer_forward(params, num_heads, eps, &self.0, x, layout)?;
+        let mut grads = params.zeros_like();
+        let grad_x = layer_backward(
+            params,
+            &mut grads,
+            num_heads,
+            &self.0,
+            &cache,
+            layout,
+            grad_output,
+        )?;
+        Ok(LayerPass {
+            output,
+            grad_x,
+            grads,
+        })
+    }
 }

@@ -12,14 +12,14 @@
 //! that have any, `w_i = 1 / (S * m_s)` (Krell et al., arXiv:2107.02027, §4:
 //! the loss of a packed batch must be normalised per sequence, not per pack
 //! row). Weights depend only on which tokens belong to which sequence, so
-//! packing cannot change them (FAULTS.md P7).
+//! packing cannot change them (docs/FAULTS.md P7).
 
 use ndarray::{Array1, Array2, ArrayView2};
 
 use crate::error::{Error, Result};
 
 /// HF's ignore index: a label of -100 is not predicted.
-pub const IGNORE_INDEX: i64 = -100;
+pub use crate::vocab::IGNORE_INDEX;
 
 /// How the MLM loss of a batch is normalised.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

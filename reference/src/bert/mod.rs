@@ -15,7 +15,7 @@
 //! | [`config`] | `config.json` fields and limits |
 //! | [`weights`] | parameters, HF names, `model.safetensors` loading, seeded init |
 //! | [`ops`] | linear, LayerNorm, GELU, forward and backward |
-//! | [`attention`] | dense masked and varlen (`cu_seqlens`) attention with `lse`, forward and backward |
+//! | [`attention`] | (re-exported from [`crate::attention`]) dense masked and varlen attention with `lse`, forward and backward |
 //! | [`layer`] | one encoder layer |
 //! | [`loss`] | cross-entropy and the two reductions |
 //! | [`model`] | embeddings to losses on padded and packed batches, and the full backward |
@@ -24,7 +24,7 @@
 //! `v` vocabulary, `b` sequences. Every backward pass is checked against
 //! central finite differences in this module's tests.
 
-pub mod attention;
+pub use crate::attention;
 pub mod config;
 pub mod layer;
 pub mod loss;
@@ -32,9 +32,9 @@ pub mod model;
 pub mod ops;
 pub mod weights;
 
-pub use attention::{
+pub use crate::attention::{
     masked_attention, masked_attention_backward, varlen_attention, varlen_attention_backward,
-    AttentionGrads, AttentionKernel, AttentionLayout, AttentionOutput, ReferenceAttention,
+    AttentionGrads, AttentionLayout, AttentionOutput, ReferenceAttention,
 };
 pub use config::BertConfig;
 pub use loss::{Reduction, IGNORE_INDEX};

@@ -15,7 +15,6 @@ use std::path::Path;
 
 use ndarray::{Array1, Array2, ArrayView2};
 
-use super::attention::{AttentionKernel, AttentionLayout, ReferenceAttention};
 use super::config::BertConfig;
 use super::layer::{layer_backward, layer_forward, LayerCache};
 use super::loss::{
@@ -25,7 +24,9 @@ use super::ops::{
     gelu_backward, gelu_map, layer_norm, layer_norm_backward, linear, linear_backward,
 };
 use super::weights::BertParams;
+use crate::attention::{AttentionLayout, ReferenceAttention};
 use crate::error::{Error, Result};
+use crate::ops::AttentionOp;
 use crate::packing::batch::MAX_BATCH_SLOTS;
 use crate::packing::PackedBatch;
 
@@ -44,7 +45,7 @@ pub enum PackedAttention {
     Varlen,
     /// Pack rows of `max_seq_len` with the block-diagonal mask of the packing
     /// paper (Krell et al. §4.1): a token attends to its own sequence only; a
-    /// padding query attends to nothing (output 0, FAULTS.md P8).
+    /// padding query attends to nothing (output 0, docs/FAULTS.md P8).
     BlockDiagonal,
 }
 
@@ -366,7 +367,7 @@ pub struct LossWeights {
 impl LossWeights {
     /// The weights of `reduction` for the MLM loss and the mean over labelled
     /// sequences for the NSP loss. They depend on the sequences only, never on
-    /// the layout (FAULTS.md P7).
+    /// the layout (docs/FAULTS.md P7).
     pub fn new(targets: &Targets, reduction: Reduction) -> Self {
         let per_seq = reduction_weights(&targets.mlm_counts(), reduction);
         let mlm = targets
@@ -571,7 +572,7 @@ impl BertModel {
     /// (shapes, label ranges), naming the field and index.
     pub fn run_with(
         &self,
-        kernel: &dyn AttentionKernel,
+        kernel: &dyn AttentionOp,
         batch: &TokenBatch,
         targets: &Targets,
         weights: &LossWeights,

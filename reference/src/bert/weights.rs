@@ -226,6 +226,30 @@ enum Fill {
 }
 
 impl LayerParams {
+    /// Zeros of this layer's shapes (a gradient accumulator).
+    pub fn zeros_like(&self) -> Self {
+        let z1 = |a: &Array1<f64>| Array1::zeros(a.raw_dim());
+        let z2 = |a: &Array2<f64>| Array2::zeros(a.raw_dim());
+        LayerParams {
+            query_w: z2(&self.query_w),
+            query_b: z1(&self.query_b),
+            key_w: z2(&self.key_w),
+            key_b: z1(&self.key_b),
+            value_w: z2(&self.value_w),
+            value_b: z1(&self.value_b),
+            attn_out_w: z2(&self.attn_out_w),
+            attn_out_b: z1(&self.attn_out_b),
+            attn_ln_g: z1(&self.attn_ln_g),
+            attn_ln_b: z1(&self.attn_ln_b),
+            inter_w: z2(&self.inter_w),
+            inter_b: z1(&self.inter_b),
+            out_w: z2(&self.out_w),
+            out_b: z1(&self.out_b),
+            out_ln_g: z1(&self.out_ln_g),
+            out_ln_b: z1(&self.out_ln_b),
+        }
+    }
+
     fn zeros(c: &BertConfig) -> Self {
         let (h, i) = (c.hidden_size, c.intermediate_size);
         LayerParams {

@@ -235,7 +235,7 @@ fn nnlshp_residual_at_max_seq_len_works() {
     }
 }
 
-// FAULTS.md P3 and P4 on explicit lengths.
+// docs/FAULTS.md P3 and P4 on explicit lengths.
 
 #[test]
 fn p3_overlong_is_an_error_naming_the_sequence() {

@@ -64,7 +64,8 @@ pub enum Reduce<'a> {
 }
 
 impl Reduce<'_> {
-    fn data(&self) -> &[f64] {
+    /// The buffer being reduced, whatever the reduction.
+    pub fn data(&self) -> &[f64] {
         match self {
             Reduce::Max(d) | Reduce::Sum(d) | Reduce::Merge { data: d, .. } => d,
         }

@@ -33,7 +33,7 @@ use crate::error::{check_finite, Error, Result};
 ///
 /// For an empty set, or one whose logits are all `-inf`: `max = -inf`,
 /// `rest = -1` (so `s = 0`), and `target` is `+inf` if `q` puts mass there,
-/// else 0. Such a set contributes nothing to a merge (FAULTS.md V6).
+/// else 0. Such a set contributes nothing to a merge (docs/FAULTS.md V6).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SoftmaxStats {
     /// `m = max_j z_j` (paper: the local max `m_i` of a shard, or the global `m`).
@@ -73,7 +73,7 @@ impl SoftmaxStats {
         let (target, mass) = target_term(z, q, max);
         if max == f64::NEG_INFINITY {
             // Every logit is -inf: exp(z - max) would be exp(NaN); nothing
-            // enters the sum (FAULTS.md V6).
+            // enters the sum (docs/FAULTS.md V6).
             return SoftmaxStats {
                 target,
                 mass,

@@ -6,7 +6,7 @@
 //! rank the full `[n, h]` output (1 barrier). Backward: each rank scatters
 //! the replicated output gradient into its own rows of `∂L/∂W` — no
 //! communication. An id outside `0..v` is an error in both layers alike
-//! (FAULTS.md V5): never a silent zero row (no shard owns it) nor a read of
+//! (docs/FAULTS.md V5): never a silent zero row (no shard owns it) nor a read of
 //! a padding row.
 
 use ndarray::{Array2, ArrayView2, Axis, Slice};

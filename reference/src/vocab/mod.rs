@@ -43,6 +43,7 @@
 pub mod collective;
 pub mod cross_entropy;
 pub mod embedding;
+pub mod ops;
 pub mod sharded;
 pub mod sum;
 
@@ -55,9 +56,14 @@ use std::str::FromStr;
 pub use collective::{run_ranks, Collective, CollectiveCounts, InProcess, Reduce};
 pub use cross_entropy::{cross_entropy, linear_cross_entropy, CrossEntropy, SoftmaxStats};
 pub use embedding::{embedding_backward, embedding_forward};
+pub use ops::{ReferenceCrossEntropy, ReferenceEmbedding, ReferenceLinearCrossEntropy};
 pub use sharded::{ShardLayout, ShardMap, ShardedAlgorithm};
 
 use crate::error::{Error, Result};
+
+/// A target that is not predicted: PyTorch's and Hugging Face's default
+/// `ignore_index` (-100), the one constant every loss of the crate uses.
+pub const IGNORE_INDEX: i64 = -100;
 
 /// How per-token losses become the loss (PyTorch's `reduction`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -116,7 +122,7 @@ pub enum SmoothingConvention {
     PyTorch,
     /// Megatron-LM `VocabParallelCrossEntropy`: the target keeps `1 - a` and
     /// the other `v - 1` classes get `a / (v - 1)` each (with the *global* `v`;
-    /// using the shard's size instead is FAULTS.md V1).
+    /// using the shard's size instead is docs/FAULTS.md V1).
     Megatron,
 }
 
@@ -164,7 +170,7 @@ pub struct LossConfig {
 impl Default for LossConfig {
     fn default() -> Self {
         LossConfig {
-            ignore_index: -100,
+            ignore_index: IGNORE_INDEX,
             label_smoothing: 0.0,
             smoothing: SmoothingConvention::PyTorch,
             z_loss: 0.0,

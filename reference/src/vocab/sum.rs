@@ -2,7 +2,7 @@
 //!
 //! A plain left-to-right sum of `k` terms carries a round-off that grows like
 //! `sqrt(k)` ulp (random walk; `k` ulp at worst): over a 250,682-entry
-//! vocabulary (FAULTS.md V4) that is hundreds of ulp, and two summation
+//! vocabulary (docs/FAULTS.md V4) that is hundreds of ulp, and two summation
 //! orders (one row vs eight shards) then disagree by as much. Neumaier's
 //! compensated sum (Neumaier 1974, the improved Kahan–Babuška sum, with
 //! Knuth's error-free TwoSum) keeps the

@@ -1,4 +1,4 @@
-//! Unit tests of the vocabulary reference: the FAULTS.md V1–V6 values, the
+//! Unit tests of the vocabulary reference: the docs/FAULTS.md V1–V6 values, the
 //! gradients against finite differences, the statistics merge, the shard map
 //! and the in-process collective. The sharded == unsharded properties are the
 //! equivalence suite's (`packshard-equivalence`, `vocab`).

@@ -9,12 +9,12 @@
 
 use fuzz_your_kernel::NaiveAttention;
 use packshard_equivalence::fuzz::attention;
-use packshard_equivalence::Tolerance;
+use packshard_equivalence::{Judge, Tolerance};
 
 libfuzzer_sys::fuzz_target!(|data: &[u8]| {
     // Your kernel computes in f64: hold it to 64 ulp of the terms. A
-    // lower-precision kernel states its own tolerance here.
-    if let Err(failure) = attention::run(&NaiveAttention, Tolerance::F64_REWRITE, data) {
+    // lower-precision kernel states its own judge here (`Judge::Relative`).
+    if let Err(failure) = attention::run(&NaiveAttention, Judge::Rewrite(Tolerance::F64_REWRITE), data) {
         panic!("{failure}");
     }
 });

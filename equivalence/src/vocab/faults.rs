@@ -1,0 +1,248 @@
+//! The values `docs/FAULTS.md` states for V1–V6, checked through an implementation.
+
+#[allow(clippy::wildcard_imports)]
+use super::*;
+
+/// docs/FAULTS.md V1 logits (`V = 8`, target 4).
+pub const V1_LOGITS: [f64; 8] = [1.0, 2.0, 0.0, -1.0, 3.0, 0.5, 1.5, -2.0];
+/// docs/FAULTS.md V2 logits (`V = 10`, target 7).
+pub const V2_LOGITS: [f64; 10] = [2.0, 1.0, 0.5, 3.0, -1.0, 0.0, 1.5, 2.5, -0.5, 1.0];
+
+fn row(z: &[f64]) -> Array2<f64> {
+    Array2::from_shape_vec((1, z.len()), z.to_vec()).expect("one row")
+}
+
+fn map(v: usize, p: usize, layout: ShardLayout) -> ShardMap {
+    ShardMap::new(v, p, layout).expect("a valid example map")
+}
+
+pub(super) const LAYOUTS: [ShardLayout; 2] = [ShardLayout::Uneven, ShardLayout::Padded];
+
+/// Checks the cross-entropy values `docs/FAULTS.md` states, through `imp`,
+/// on every rank, for every algorithm it declares: V1 (both conventions, `p`
+/// in 1..=8, both layouts), V2 (padded 10 -> 12 over 3, whatever the padding
+/// holds), V4 (`V = 250682` over 8, both layouts, equal to unsharded), V6 (an
+/// all `-inf` shard; an all-padding shard). Each is also compared with the
+/// unsharded reference by the checks above.
+///
+/// # Errors
+/// The first failure, named by its docs/FAULTS.md entry.
+pub fn check_cross_entropy_faults(imp: &dyn CrossEntropyOp, rule: Rule) -> Result<(), Mismatch> {
+    let named = |name: &str, m: Mismatch| Mismatch::new(format!("{name}: {}", m.what), m.detail);
+    for algorithm in imp.algorithms() {
+        // V1: label smoothing with the global vocabulary size.
+        for (convention, want) in [
+            (SmoothingConvention::PyTorch, "0.87051"),
+            (SmoothingConvention::Megatron, "0.90444"),
+        ] {
+            let config = LossConfig::default().with_smoothing(0.1, convention);
+            for p in 1..=8 {
+                for layout in LAYOUTS {
+                    let case = CeCase {
+                        map: map(8, p, layout),
+                        logits: row(&V1_LOGITS),
+                        targets: vec![4],
+                        config,
+                    };
+                    let name = format!(
+                        "V1 {algorithm} {} p {p} {}",
+                        convention.name(),
+                        layout.name()
+                    );
+                    check_cross_entropy_with(imp, algorithm, &case, true, rule)
+                        .map_err(|m| named(&name, m))?;
+                    let out = imp
+                        .sharded_cross_entropy(
+                            algorithm,
+                            &case.map,
+                            case.logits.view(),
+                            &[4],
+                            &config,
+                            false,
+                        )
+                        .map_err(|e| Mismatch::new(&name, e.to_string()))?;
+                    for r in &out.ranks {
+                        if format!("{:.5}", r.loss) != want {
+                            return fail(
+                                &name,
+                                format!(
+                                    "rank {}: loss {:.5}, docs/FAULTS.md says {want}",
+                                    r.rank, r.loss
+                                ),
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        // V2: the padded entries never enter the softmax.
+        for padding in [
+            [0.0, 0.0],
+            [9.0, -4.0],
+            [1e4, 1e4],
+            [f64::NAN, f64::INFINITY],
+        ] {
+            let mut z = V2_LOGITS.to_vec();
+            z.extend(padding);
+            let case = CeCase {
+                map: map(10, 3, ShardLayout::Padded),
+                logits: row(&z),
+                targets: vec![7],
+                config: LossConfig::default(),
+            };
+            let name = format!("V2 {algorithm} padding {padding:?}");
+            check_cross_entropy_with(imp, algorithm, &case, true, rule)
+                .map_err(|m| named(&name, m))?;
+            let out = imp
+                .sharded_cross_entropy(
+                    algorithm,
+                    &case.map,
+                    case.logits.view(),
+                    &[7],
+                    &case.config,
+                    false,
+                )
+                .map_err(|e| Mismatch::new(&name, e.to_string()))?;
+            if format!("{:.6}", out.loss()) != "1.474030" {
+                return fail(
+                    &name,
+                    format!("loss {:.6}, docs/FAULTS.md says 1.474030", out.loss()),
+                );
+            }
+        }
+        // V4: V = 250682 over 8 shards, targets on the first, a middle and the last shard.
+        for layout in LAYOUTS {
+            let v = 250_682;
+            let logits = Array2::from_shape_fn((2, v), |(i, j)| {
+                ((i * 7 + j * 13) % 101) as f64 / 17.0 - 3.0
+            });
+            let case = CeCase {
+                map: map(v, 8, layout),
+                logits,
+                targets: vec![0, v as i64 - 1],
+                config: LossConfig::default().with_smoothing(0.1, SmoothingConvention::PyTorch),
+            };
+            check_cross_entropy_with(imp, algorithm, &case, true, rule)
+                .map_err(|m| named(&format!("V4 {algorithm} {}", layout.name()), m))?;
+        }
+        // V6: a shard whose logits are all -inf, and a shard that is all padding.
+        let inf = f64::NEG_INFINITY;
+        let case = CeCase {
+            map: map(8, 2, ShardLayout::Uneven),
+            logits: row(&[1.0, 2.0, 0.0, -1.0, inf, inf, inf, inf]),
+            targets: vec![1],
+            config: LossConfig::default(),
+        };
+        check_cross_entropy_with(imp, algorithm, &case, true, rule)
+            .map_err(|m| named(&format!("V6 {algorithm} all -inf shard"), m))?;
+        let case = CeCase {
+            map: map(9, 4, ShardLayout::Padded),
+            logits: row(&[0.5, -1.0, 2.0, 1.0, 0.0, 3.0, -2.0, 1.5, 0.25]),
+            targets: vec![5],
+            config: LossConfig::default(),
+        };
+        check_cross_entropy_with(imp, algorithm, &case, true, rule)
+            .map_err(|m| named(&format!("V6 {algorithm} all-padding shard"), m))?;
+    }
+    Ok(())
+}
+
+/// Checks the output-layer values `docs/FAULTS.md` states: V3 (`dL/dx` summed
+/// over the shards, on every rank) and V4 (`V = 250682` over 8 shards), for
+/// every algorithm `imp` declares.
+///
+/// # Errors
+/// The first failure, named by its docs/FAULTS.md entry.
+pub fn check_linear_faults(imp: &dyn LinearCrossEntropyOp, rule: Rule) -> Result<(), Mismatch> {
+    let named = |name: &str, m: Mismatch| Mismatch::new(format!("{name}: {}", m.what), m.detail);
+    for algorithm in imp.algorithms() {
+        // V3: the input gradient is summed over the shards, on every rank.
+        let case = LinearCase {
+            map: map(4, 2, ShardLayout::Uneven),
+            hidden: row(&[1.0, -1.0]),
+            weight: Array2::from_shape_vec((4, 2), vec![1.0, 0.0, 0.0, 1.0, 0.5, 0.5, -1.0, 2.0])
+                .expect("4 x 2"),
+            targets: vec![2],
+            config: LossConfig::default(),
+        };
+        let name = format!("V3 {algorithm}");
+        check_linear_with(imp, algorithm, &case, true, rule).map_err(|m| named(&name, m))?;
+        let out = imp
+            .sharded_linear_cross_entropy(
+                algorithm,
+                &case.map,
+                case.hidden.view(),
+                case.weight.view(),
+                &[2],
+                &case.config,
+                true,
+            )
+            .map_err(|e| Mismatch::new(&name, e.to_string()))?;
+        for r in &out.ranks {
+            let g = r
+                .grad_hidden
+                .as_ref()
+                .map(|g| format!("{:.4} {:.4}", g[[0, 0]], g[[0, 1]]));
+            if g.as_deref() != Some("0.2661 -0.2661") {
+                return fail(
+                    &name,
+                    format!(
+                        "rank {}: dL/dx {g:?}, docs/FAULTS.md says [0.2661, -0.2661]",
+                        r.rank
+                    ),
+                );
+            }
+        }
+        for layout in LAYOUTS {
+            let v = 250_682;
+            let hidden = Array2::from_shape_fn((3, 2), |(i, k)| i as f64 * 0.5 - k as f64);
+            let weight =
+                Array2::from_shape_fn((v, 2), |(j, k)| ((j * 3 + k * 5) % 23) as f64 / 11.0 - 1.0);
+            let case = LinearCase {
+                map: map(v, 8, layout),
+                hidden,
+                weight,
+                targets: vec![125_000, -100, 31_336],
+                config: LossConfig::default(),
+            };
+            check_linear_with(imp, algorithm, &case, true, rule)
+                .map_err(|m| named(&format!("V4 linear {algorithm} {}", layout.name()), m))?;
+        }
+    }
+    Ok(())
+}
+
+/// Checks `docs/FAULTS.md` V5 through `imp`: an id equal to `V` or negative
+/// is an error in the unsharded and the sharded lookup alike.
+///
+/// # Errors
+/// The first failure, named by its docs/FAULTS.md entry.
+pub fn check_embedding_faults(imp: &dyn EmbeddingOp, rule: Rule) -> Result<(), Mismatch> {
+    let named = |name: &str, m: Mismatch| Mismatch::new(format!("{name}: {}", m.what), m.detail);
+    // V5: id == V or negative is an error in both layers.
+    let weight = Array2::from_shape_fn((5, 3), |(j, k)| (j * 3 + k) as f64);
+    for layout in LAYOUTS {
+        for p in [1, 2, 4] {
+            for bad in [5, -1] {
+                let case = EmbeddingCase {
+                    map: map(5, p, layout),
+                    ids: vec![0, bad, 4],
+                    weight: weight.clone(),
+                    grad_output: Array2::ones((3, 3)),
+                };
+                let name = format!("V5 id {bad} p {p} {}", layout.name());
+                check_embedding_with(imp, &case, rule).map_err(|m| named(&name, m))?;
+                if imp
+                    .sharded_embedding(&case.map, &case.ids, weight.view(), None)
+                    .is_ok()
+                {
+                    return fail(&name, "an out-of-range id must be an error");
+                }
+                if imp.embedding(&case.ids, weight.view(), None).is_ok() {
+                    return fail(&name, "an out-of-range id must be an error (unsharded)");
+                }
+            }
+        }
+    }
+    Ok(())
+}

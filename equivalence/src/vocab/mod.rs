@@ -1,0 +1,854 @@
+//! Checks for vocabulary-parallel cross-entropy, the output layer and the
+//! input embedding: *sharded == unsharded* for the loss, the per-token loss,
+//! `logsumexp` and every gradient, on every rank, plus the collective counts
+//! (docs/FAULTS.md V1–V6).
+//!
+//! An implementation provides [`VocabParallel`] (the reference one is
+//! [`Reference`]); [`check_cross_entropy`], [`check_linear`] and
+//! [`check_embedding`] compare one case against the unsharded f64 reference
+//! of `packshard-reference`; [`run_suite`] drives them over the docs/FAULTS.md
+//! examples and seeded random cases, and fails if the cases it ran were
+//! degenerate. Instantiate it for your own sharded kernels (optimized, GPU,
+//! MPI) by implementing the trait.
+//!
+//! ## Tolerances
+//!
+//! Sharded and unsharded compute the same f64 math in a different order
+//! (per-shard sums merged across shards; `exp(z - m_i) exp(m_i - m)` for
+//! `exp(z - m)`), so they agree to a few ulp of the *terms* each value is made
+//! of — the bound every floating-point sum obeys. Every value is held to
+//! [`TERMS`]: `|actual - expected| <= 64 ulp x (|expected| + terms)`, with
+//! per-element `terms` ([`Terms`]):
+//!
+//! - a probability `p_j = exp(z_j - m) / s` counts as `p_j (1 + |z_j - m|)`:
+//!   rounding its argument moves it by `|z_j - m|` ulp relative, in the
+//!   reference as much as in a shard;
+//! - the loss and per-token losses are sums of non-negative terms (`Σ q (m -
+//!   z) + ln s + c lse^2`), so their terms are themselves plus the
+//!   probabilities' amplification: the rule is relative — the reference keeps
+//!   a loss of 1e-14 relatively precise (`packshard_reference::vocab`);
+//! - `logsumexp`: `|m| + ln s`; `∂L/∂z`: `w (p (1 + 2 c |lse|) + q)` (the
+//!   softmax and target parts of `p - q`); `∂L/∂x`: those times `|W|`;
+//!   `∂L/∂W`: those times `|x|`. A gradient that cancels to `1e-4` from terms
+//!   of 50 (two tied maxima, one the target) is judged against 50, as its own
+//!   round-off is — in the unsharded reference too.
+//!
+//! Values under [`UNDERFLOW`] (1.4e-306, subnormal territory) are compared
+//! absolutely. 64 ulp is the project's `F64_REWRITE` budget; with compensated sums on both
+//! sides the differences seen are a few ulp (the suite reports the largest).
+//! The embedding is compared [`Tolerance::EXACT`]: a masked lookup plus a sum
+//! of zeros is exact.
+
+use std::cell::RefCell;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use ndarray::{Array2, ArrayView2, Axis, Slice};
+use packshard_reference::ops::{CrossEntropyOp, EmbeddingOp, LinearCrossEntropyOp};
+use packshard_reference::vocab::cross_entropy::LinearCrossEntropy;
+use packshard_reference::vocab::embedding::{embedding_backward, embedding_forward};
+use packshard_reference::vocab::sharded::{RankLoss, ShardedLoss};
+use packshard_reference::vocab::{
+    cross_entropy, linear_cross_entropy, CrossEntropy, LossConfig, Reduction, ShardLayout,
+    ShardMap, ShardedAlgorithm, SmoothingConvention,
+};
+use packshard_reference::Error;
+use proptest::prelude::*;
+use proptest::test_runner::TestCaseError;
+
+pub use crate::attention::RelativeReport;
+use crate::baseline32;
+use crate::compare::{
+    assert_close, assert_within_k_with_scale, Judge, Mismatch, RelativeRule, Tolerance,
+};
+
+/// The name failures give the implementation under test (the registry
+/// adds the entry's name).
+const IMPL: &str = "implementation";
+
+/// A cross-entropy case: `logits: [n, w]` (`w >= v`, columns `v..` padding
+/// values), `targets: [n]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CeCase {
+    /// The split.
+    pub map: ShardMap,
+    /// `[n, w]`.
+    pub logits: Array2<f64>,
+    /// `[n]`.
+    pub targets: Vec<i64>,
+    /// Loss options.
+    pub config: LossConfig,
+}
+
+/// An output-layer case: `hidden: [n, h]`, `weight: [w, h]` (`w >= v`, rows
+/// `v..` padding values), `targets: [n]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LinearCase {
+    /// The split.
+    pub map: ShardMap,
+    /// `[n, h]`.
+    pub hidden: Array2<f64>,
+    /// `[w, h]`.
+    pub weight: Array2<f64>,
+    /// `[n]`.
+    pub targets: Vec<i64>,
+    /// Loss options.
+    pub config: LossConfig,
+}
+
+/// An embedding case: `ids: [n]`, `weight: [w, h]` (`w >= v`), `grad_output: [n, h]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EmbeddingCase {
+    /// The split.
+    pub map: ShardMap,
+    /// `[n]`, possibly out of range.
+    pub ids: Vec<i64>,
+    /// `[w, h]`.
+    pub weight: Array2<f64>,
+    /// `[n, h]`.
+    pub grad_output: Array2<f64>,
+}
+
+fn fail<T>(what: impl Into<String>, detail: impl Into<String>) -> Result<T, Mismatch> {
+    Err(Mismatch::new(what, detail))
+}
+
+/// Runs `f`, turning a panic into a [`Mismatch`] (an implementation must
+/// never panic: an assertion on divisibility is docs/FAULTS.md V4).
+fn no_panic<T>(name: &str, f: impl FnOnce() -> T) -> Result<T, Mismatch> {
+    catch_unwind(AssertUnwindSafe(f)).or_else(|payload| {
+        let msg = payload
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_default();
+        fail("panic", format!("{name} panicked: {msg}"))
+    })
+}
+
+/// Both failed alike, or both succeeded (then `Some` of the results).
+fn same_outcome<A, B>(
+    expected: Result<A, Error>,
+    actual: Result<B, Error>,
+) -> Result<Option<(A, B)>, Mismatch> {
+    match (expected, actual) {
+        (Ok(e), Ok(a)) => Ok(Some((e, a))),
+        (Err(e), Err(a)) => {
+            let same = e.kind() == a.kind()
+                && match e {
+                    Error::IndexOutOfRange { .. } => e == a,
+                    _ => true,
+                };
+            if same {
+                Ok(None)
+            } else {
+                fail("error", format!("expected the error {e}, got {a}"))
+            }
+        }
+        (Err(e), Ok(_)) => fail(
+            "error",
+            format!("expected the error {e} ({}), got a result", e.kind()),
+        ),
+        (Ok(_), Err(a)) => fail("error", format!("unexpected error {a}")),
+    }
+}
+
+thread_local! {
+    /// The largest `|actual - expected| / (ulp x (|expected| + terms))` this
+    /// thread has compared (see [`Coverage::worst_ulps`]).
+    static WORST_ULPS: std::cell::Cell<f64> = const { std::cell::Cell::new(0.0) };
+}
+
+/// 64 ulp of the value plus 64 ulp of the magnitude of its terms (see the
+/// module docs): the tolerance of every sharded gradient and `logsumexp`.
+pub const TERMS: Tolerance = Tolerance::new(
+    "f64 rewrite (64 ulp of the terms)",
+    64.0 * f64::EPSILON,
+    64.0 * f64::EPSILON,
+);
+
+/// The absolute floor of [`TERMS`]: 64 x the smallest normal f64
+/// (1.4e-306). Below it numbers are subnormal and lose relative precision (a
+/// probability of 1e-316 has a dozen significant bits), so they are compared
+/// absolutely.
+pub const UNDERFLOW: f64 = 64.0 * f64::MIN_POSITIVE;
+
+/// Compares element by element under [`TERMS`] with per-element `terms`
+/// (the magnitude of what each element was summed from).
+///
+/// # Errors
+/// A [`Mismatch`] naming the first failing multi-index, both values, the
+/// terms there and the number of failures.
+pub fn assert_close_terms(
+    what: &str,
+    expected: &[f64],
+    actual: &[f64],
+    terms: &[f64],
+    shape: &[usize],
+) -> Result<(), Mismatch> {
+    if expected.len() != actual.len() || expected.len() != terms.len() {
+        return fail(
+            what,
+            format!(
+                "length {} where {} was expected (shape {shape:?})",
+                actual.len(),
+                expected.len()
+            ),
+        );
+    }
+    let mut first = None;
+    let mut failures = 0usize;
+    for (i, ((&e, &a), &t)) in expected.iter().zip(actual).zip(terms).enumerate() {
+        let ok = if e.is_finite() && a.is_finite() {
+            let scale = e.abs() + t;
+            if scale > UNDERFLOW {
+                let ulps = (a - e).abs() / (f64::EPSILON * scale);
+                WORST_ULPS.with(|w| w.set(w.get().max(ulps)));
+            }
+            (a - e).abs() <= TERMS.rel * e.abs() + TERMS.abs * t + UNDERFLOW
+        } else {
+            e == a
+        };
+        if !ok {
+            failures += 1;
+            first.get_or_insert(i);
+        }
+    }
+    let Some(i) = first else { return Ok(()) };
+    let stats = crate::compare::error_stats(expected, actual);
+    fail(
+        what,
+        format!(
+            "{failures} of {} elements differ; first at {:?}: expected {:e}, got {:e} (terms {:e})\n  max abs error {:e}, max rel error {:e}; tolerance {} (rel {:e}, abs {:e} x terms, + {UNDERFLOW:e})",
+            expected.len(),
+            crate::compare::unravel(i, shape),
+            expected[i],
+            actual[i],
+            terms[i],
+            stats.max_abs,
+            stats.max_rel,
+            TERMS.name,
+            TERMS.rel,
+            TERMS.abs
+        ),
+    )
+}
+
+fn tensor_terms(
+    what: &str,
+    expected: &Array2<f64>,
+    actual: &Array2<f64>,
+    terms: &Array2<f64>,
+) -> Result<(), Mismatch> {
+    if expected.shape() != actual.shape() {
+        return fail(
+            what,
+            format!(
+                "shape {:?}, expected {:?}",
+                actual.shape(),
+                expected.shape()
+            ),
+        );
+    }
+    let flat = |a: &Array2<f64>| a.iter().copied().collect::<Vec<f64>>();
+    assert_close_terms(
+        what,
+        &flat(expected),
+        &flat(actual),
+        &flat(terms),
+        expected.shape(),
+    )
+}
+
+/// The magnitude of the terms every compared value is made of (see the
+/// module docs), from the unsharded result.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Terms {
+    /// `[n]`: per-token loss plus `(1 + 2 c |lse|) Σ_j p_j |z_j - m|` plus
+    /// `q_o Σ_j |z_j - m|` (the smoothing sum before the target's correction).
+    pub per_token_loss: Vec<f64>,
+    /// The loss's terms: `per_token_loss` reduced like the loss.
+    pub loss: f64,
+    /// `[n]`: `|m| + ln s + Σ_j p_j |z_j - m|`.
+    pub logsumexp: Vec<f64>,
+    /// `[n, v]`: `w (p (1 + |z - m|) (1 + 2 c |lse|) + q)`.
+    pub grad_logits: Array2<f64>,
+}
+
+impl Terms {
+    /// The terms of the unsharded `expected` for `logits: [n, v]`.
+    ///
+    /// `p_j = exp(z_j - m) / s` carries a relative error of `|z_j - m|` ulp
+    /// from the rounding of its argument (and alg1/alg2 round it as `(z_j -
+    /// m_i) + (m_i - m)`), so its terms are `p_j (1 + |z_j - m|)`; everything
+    /// built from the probabilities inherits that.
+    pub fn new(
+        logits: ArrayView2<f64>,
+        targets: &[i64],
+        config: &LossConfig,
+        expected: &CrossEntropy,
+    ) -> Terms {
+        let (n, v) = logits.dim();
+        let parsed: Vec<Option<usize>> = (0..n)
+            .map(|i| config.target(targets, i, v).ok().flatten())
+            .collect();
+        let weights = config.token_weights(&parsed);
+        let (q_t, q_o) = config.target_distribution(v);
+        let mut grad_logits = Array2::zeros((n, v));
+        let mut per_token_loss = Vec::with_capacity(n);
+        let mut logsumexp = Vec::with_capacity(n);
+        for i in 0..n {
+            let st = &expected.stats[i];
+            let lse = st.logsumexp();
+            let zl = if lse.is_finite() {
+                1.0 + 2.0 * config.z_loss * lse.abs()
+            } else {
+                1.0
+            };
+            let mut exp_terms = 0.0;
+            // `q_o Σ_j |m - z_j|`: the smoothing sum as an implementation
+            // may form it, over every finite column before the target's
+            // weight is corrected to `q_t` (Megatron's smoothing at 1 gives
+            // `q_t = 0`, so the target's share cancels).
+            let mut smoothing = 0.0;
+            for j in 0..v {
+                let z = logits[[i, j]];
+                if q_o > 0.0 && z.is_finite() && st.max.is_finite() {
+                    smoothing += q_o * (z - st.max).abs();
+                }
+                let p = if st.max == f64::NEG_INFINITY {
+                    0.0
+                } else {
+                    st.probability(z)
+                };
+                let amplified = if p > 0.0 { p * (z - st.max).abs() } else { 0.0 };
+                exp_terms += amplified;
+                if let Some(t) = parsed[i] {
+                    let q = if t == j { q_t } else { q_o };
+                    grad_logits[[i, j]] = weights[i] * ((p + amplified) * zl + q);
+                }
+            }
+            let lse_terms = st.max.abs() + st.rest.ln_1p() + exp_terms;
+            logsumexp.push(if lse_terms.is_nan() { 0.0 } else { lse_terms });
+            let own = if parsed[i].is_some() {
+                zl * exp_terms + smoothing
+            } else {
+                0.0
+            };
+            per_token_loss.push(expected.per_token_loss[i] + own);
+        }
+        let loss = config.reduce(&per_token_loss, &parsed);
+        Terms {
+            per_token_loss,
+            loss,
+            logsumexp,
+            grad_logits,
+        }
+    }
+}
+
+/// Compares a sharded run with the unsharded `expected`: the loss,
+/// per-token losses and `logsumexp` on **every rank**, the gathered logit
+/// gradient, exact zeros on padding columns, and the counts (barriers as
+/// [`ShardedAlgorithm::barriers`] says, the same on every rank).
+fn check_loss(
+    algorithm: Option<ShardedAlgorithm>,
+    map: &ShardMap,
+    expected: &CrossEntropy,
+    terms: &Terms,
+    actual: &ShardedLoss,
+    linear: bool,
+    want_grad: bool,
+) -> Result<(), Mismatch> {
+    let p = map.num_shards();
+    if actual.ranks.len() != p {
+        return fail(
+            "ranks",
+            format!("{} ranks answered, {p} expected", actual.ranks.len()),
+        );
+    }
+    let n = expected.per_token_loss.len();
+    let lse = expected.logsumexp();
+    for r in &actual.ranks {
+        let at = |what: &str| format!("{what} (rank {})", r.rank);
+        assert_close_terms(
+            &at("loss"),
+            &[expected.loss],
+            &[r.loss],
+            &[terms.loss],
+            &[1],
+        )?;
+        let per_token = r.per_token_loss.to_vec();
+        assert_close_terms(
+            &at("per_token_loss"),
+            expected.per_token_loss.as_slice().unwrap_or(&[]),
+            &per_token,
+            &terms.per_token_loss,
+            &[n],
+        )?;
+        let got_lse: Vec<f64> = r.global.iter().map(|g| g.logsumexp()).collect();
+        if got_lse.len() == n {
+            assert_close_terms(
+                &at("logsumexp"),
+                lse.as_slice().unwrap_or(&[]),
+                &got_lse,
+                &terms.logsumexp,
+                &[n],
+            )?;
+        } else if !got_lse.is_empty() {
+            return fail(
+                at("logsumexp"),
+                format!("{} rows, {n} expected", got_lse.len()),
+            );
+        }
+    }
+    if let Some(want) = &expected.grad_logits {
+        let Some(got) = actual.grad_logits() else {
+            return fail("grad_logits", "missing");
+        };
+        tensor_terms("grad_logits", want, &got, &terms.grad_logits)?;
+        for (s, r) in map.shards().iter().zip(&actual.ranks) {
+            let g = r.grad_logits.as_ref().expect("gathered above");
+            let padding = g.slice_axis(Axis(1), Slice::from(s.real..));
+            if let Some(x) = padding.iter().find(|x| **x != 0.0) {
+                return fail(
+                    "grad_logits",
+                    format!("rank {}: a padding column has gradient {x}, not 0", r.rank),
+                );
+            }
+        }
+    }
+    match algorithm {
+        Some(algorithm) => check_counts(algorithm, actual, linear, want_grad),
+        None => Ok(()),
+    }
+}
+
+fn check_counts(
+    algorithm: ShardedAlgorithm,
+    actual: &ShardedLoss,
+    linear: bool,
+    want_grad: bool,
+) -> Result<(), Mismatch> {
+    let want = algorithm.barriers(linear, want_grad);
+    let first = actual.ranks[0].counts;
+    for r in &actual.ranks {
+        if r.counts.barriers != want {
+            return fail(
+                "collectives",
+                format!(
+                    "{algorithm}: rank {} used {} barriers; the algorithm needs {want}",
+                    r.rank, r.counts.barriers
+                ),
+            );
+        }
+        if r.counts != first {
+            return fail(
+                "collectives",
+                format!("rank {} counted {:?}, rank 0 {:?}", r.rank, r.counts, first),
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Checks `imp`'s sharded cross-entropy on `case` against the unsharded
+/// reference on the real columns.
+///
+/// # Errors
+/// The first difference, as a [`Mismatch`] naming the tensor, rank and index.
+pub fn check_cross_entropy(
+    imp: &dyn CrossEntropyOp,
+    algorithm: ShardedAlgorithm,
+    case: &CeCase,
+    want_grad: bool,
+) -> Result<(), Mismatch> {
+    check_cross_entropy_with(imp, algorithm, case, want_grad, Rule::Terms)
+}
+
+/// As [`check_cross_entropy`] under `rule` (see [`Rule`]).
+///
+/// # Errors
+/// The first difference, as a [`Mismatch`] naming the tensor, rank and index.
+pub fn check_cross_entropy_with(
+    imp: &dyn CrossEntropyOp,
+    algorithm: ShardedAlgorithm,
+    case: &CeCase,
+    want_grad: bool,
+    rule: Rule,
+) -> Result<(), Mismatch> {
+    let run = |c: &CeCase| {
+        imp.sharded_cross_entropy(
+            algorithm,
+            &c.map,
+            c.logits.view(),
+            &c.targets,
+            &c.config,
+            want_grad,
+        )
+    };
+    ce_with(&run, Some(algorithm), case, want_grad, rule)
+}
+
+/// Checks `imp`'s **unsharded** cross-entropy on the real columns of `case`
+/// against the reference, under `rule`, as [`check_cross_entropy_with`]
+/// checks one rank.
+///
+/// # Errors
+/// The first difference, as a [`Mismatch`] naming the tensor and index.
+pub fn check_cross_entropy_unsharded(
+    imp: &dyn CrossEntropyOp,
+    case: &CeCase,
+    want_grad: bool,
+    rule: Rule,
+) -> Result<(), Mismatch> {
+    let v = case.map.vocab_size().min(case.logits.ncols());
+    let Ok(map) = ShardMap::new(v, 1, ShardLayout::Uneven) else {
+        return Ok(()); // v = 0: no unsharded problem to pose
+    };
+    let one = CeCase {
+        map,
+        logits: case.logits.slice_axis(Axis(1), Slice::from(..v)).to_owned(),
+        ..case.clone()
+    };
+    let run = |c: &CeCase| {
+        imp.cross_entropy(c.logits.view(), &c.targets, &c.config, want_grad)
+            .map(|ce| one_rank(&c.map, ce, None, None))
+    };
+    ce_with(&run, None, &one, want_grad, rule)
+}
+
+/// An unsharded result as a sharded one of one rank (no collectives).
+fn one_rank(
+    map: &ShardMap,
+    ce: CrossEntropy,
+    grad_hidden: Option<Array2<f64>>,
+    grad_weight: Option<Array2<f64>>,
+) -> ShardedLoss {
+    ShardedLoss {
+        map: *map,
+        ranks: vec![RankLoss {
+            rank: 0,
+            loss: ce.loss,
+            per_token_loss: ce.per_token_loss,
+            local: ce.stats.clone(),
+            global: ce.stats,
+            grad_logits: ce.grad_logits,
+            grad_hidden,
+            grad_weight,
+            counts: Default::default(),
+            peak_bytes: 0,
+        }],
+    }
+}
+
+type RunCe<'a> = dyn Fn(&CeCase) -> Result<ShardedLoss, Error> + 'a;
+type RunLinear<'a> = dyn Fn(&LinearCase) -> Result<ShardedLoss, Error> + 'a;
+
+fn ce_with(
+    run: &RunCe<'_>,
+    algorithm: Option<ShardedAlgorithm>,
+    case: &CeCase,
+    want_grad: bool,
+    rule: Rule,
+) -> Result<(), Mismatch> {
+    if let Rule::Relative(rule) = rule {
+        return check_cross_entropy_relative(run, algorithm, case, want_grad, rule);
+    }
+    let v = case.map.vocab_size();
+    let real = case
+        .logits
+        .slice_axis(Axis(1), Slice::from(..v.min(case.logits.ncols())));
+    let expected = cross_entropy(real, &case.targets, &case.config, want_grad);
+    let actual = no_panic(IMPL, || run(case))?;
+    let Some((expected, actual)) = same_outcome(expected, actual)? else {
+        return Ok(());
+    };
+    let terms = Terms::new(real, &case.targets, &case.config, &expected);
+    check_loss(
+        algorithm, &case.map, &expected, &terms, &actual, false, want_grad,
+    )
+}
+
+/// Checks `imp`'s sharded output layer on `case`: as
+/// [`check_cross_entropy`], plus `∂L/∂hidden` on every rank and the gathered
+/// `∂L/∂W` (exact zeros on padding rows).
+///
+/// # Errors
+/// The first difference, as a [`Mismatch`].
+pub fn check_linear(
+    imp: &dyn LinearCrossEntropyOp,
+    algorithm: ShardedAlgorithm,
+    case: &LinearCase,
+    want_grad: bool,
+) -> Result<(), Mismatch> {
+    check_linear_with(imp, algorithm, case, want_grad, Rule::Terms)
+}
+
+/// As [`check_linear`] under `rule` (see [`Rule`]).
+///
+/// # Errors
+/// The first difference, as a [`Mismatch`].
+pub fn check_linear_with(
+    imp: &dyn LinearCrossEntropyOp,
+    algorithm: ShardedAlgorithm,
+    case: &LinearCase,
+    want_grad: bool,
+    rule: Rule,
+) -> Result<(), Mismatch> {
+    let run = |c: &LinearCase| {
+        imp.sharded_linear_cross_entropy(
+            algorithm,
+            &c.map,
+            c.hidden.view(),
+            c.weight.view(),
+            &c.targets,
+            &c.config,
+            want_grad,
+        )
+    };
+    linear_with(&run, Some(algorithm), case, want_grad, rule)
+}
+
+/// Checks `imp`'s **unsharded** output layer on the real rows of `case`'s
+/// weight against the reference, under `rule`.
+///
+/// # Errors
+/// The first difference, as a [`Mismatch`].
+pub fn check_linear_unsharded(
+    imp: &dyn LinearCrossEntropyOp,
+    case: &LinearCase,
+    want_grad: bool,
+    rule: Rule,
+) -> Result<(), Mismatch> {
+    let v = case.map.vocab_size().min(case.weight.nrows());
+    let Ok(map) = ShardMap::new(v, 1, ShardLayout::Uneven) else {
+        return Ok(());
+    };
+    let one = LinearCase {
+        map,
+        weight: case.weight.slice_axis(Axis(0), Slice::from(..v)).to_owned(),
+        ..case.clone()
+    };
+    let run = |c: &LinearCase| {
+        imp.linear_cross_entropy(
+            c.hidden.view(),
+            c.weight.view(),
+            &c.targets,
+            &c.config,
+            want_grad,
+        )
+        .map(|l| one_rank(&c.map, l.ce, l.grad_hidden, l.grad_weight))
+    };
+    linear_with(&run, None, &one, want_grad, rule)
+}
+
+fn linear_with(
+    run: &RunLinear<'_>,
+    algorithm: Option<ShardedAlgorithm>,
+    case: &LinearCase,
+    want_grad: bool,
+    rule: Rule,
+) -> Result<(), Mismatch> {
+    if let Rule::Relative(rule) = rule {
+        return check_linear_relative(run, algorithm, case, want_grad, rule);
+    }
+    let v = case.map.vocab_size();
+    let real = case
+        .weight
+        .slice_axis(Axis(0), Slice::from(..v.min(case.weight.nrows())));
+    let expected = linear_cross_entropy(
+        case.hidden.view(),
+        real,
+        &case.targets,
+        &case.config,
+        want_grad,
+    );
+    let actual = no_panic(IMPL, || run(case))?;
+    let Some((mut expected, actual)) = same_outcome(expected, actual)? else {
+        return Ok(());
+    };
+    if actual.ranks.iter().all(|r| r.grad_logits.is_none()) {
+        // A fused output layer need not materialize dL/dz (`LinearLoss::ce`):
+        // it is judged by dL/dhidden and dL/dW.
+        expected.ce.grad_logits = None;
+    }
+    compare_linear(algorithm, case, &expected, &actual, want_grad)
+}
+
+/// Compares a sharded output-layer run `actual` on `case` with the unsharded
+/// `expected` (as [`check_linear`] does after running both), so that one
+/// unsharded run can serve several sharded ones.
+///
+/// # Errors
+/// The first difference, as a [`Mismatch`].
+pub fn compare_linear(
+    algorithm: Option<ShardedAlgorithm>,
+    case: &LinearCase,
+    expected: &LinearCrossEntropy,
+    actual: &ShardedLoss,
+    want_grad: bool,
+) -> Result<(), Mismatch> {
+    let v = case.map.vocab_size();
+    let real = case
+        .weight
+        .slice_axis(Axis(0), Slice::from(..v.min(case.weight.nrows())));
+    let terms = Terms::new(
+        expected.logits.view(),
+        &case.targets,
+        &case.config,
+        &expected.ce,
+    );
+    let g = &terms.grad_logits;
+    if let Some(want) = &expected.grad_hidden {
+        let hidden_terms = g.dot(&real.mapv(f64::abs));
+        for r in &actual.ranks {
+            let Some(got) = &r.grad_hidden else {
+                return fail("grad_hidden", format!("rank {}: missing", r.rank));
+            };
+            tensor_terms(
+                &format!("grad_hidden (rank {})", r.rank),
+                want,
+                got,
+                &hidden_terms,
+            )?;
+        }
+    }
+    if let Some(want) = &expected.grad_weight {
+        let Some(got) = actual.grad_weight() else {
+            return fail("grad_weight", "missing");
+        };
+        tensor_terms(
+            "grad_weight",
+            want,
+            &got,
+            &g.t().dot(&case.hidden.mapv(f64::abs)),
+        )?;
+        for (s, r) in case.map.shards().iter().zip(&actual.ranks) {
+            let g = r.grad_weight.as_ref().expect("gathered above");
+            if let Some(x) = g
+                .slice_axis(Axis(0), Slice::from(s.real..))
+                .iter()
+                .find(|x| **x != 0.0)
+            {
+                return fail(
+                    "grad_weight",
+                    format!("rank {}: a padding row has gradient {x}, not 0", r.rank),
+                );
+            }
+        }
+    }
+    check_loss(
+        algorithm,
+        &case.map,
+        &expected.ce,
+        &terms,
+        actual,
+        true,
+        want_grad,
+    )
+}
+
+/// Checks `imp`'s sharded embedding on `case`: the output on every rank and
+/// the gathered weight gradient equal the unsharded ones exactly; one barrier;
+/// out-of-range ids the same error (docs/FAULTS.md V5).
+///
+/// # Errors
+/// The first difference, as a [`Mismatch`].
+pub fn check_embedding(imp: &dyn EmbeddingOp, case: &EmbeddingCase) -> Result<(), Mismatch> {
+    check_embedding_with(imp, case, Rule::Terms)
+}
+
+/// As [`check_embedding`]; under [`Rule::Relative`] the weight and
+/// `grad_output` are rounded to f32 first (a lookup is exact in any
+/// precision, so the comparison stays [`Tolerance::EXACT`]).
+///
+/// # Errors
+/// The first difference, as a [`Mismatch`].
+pub fn check_embedding_with(
+    imp: &dyn EmbeddingOp,
+    case: &EmbeddingCase,
+    rule: Rule,
+) -> Result<(), Mismatch> {
+    let rounded;
+    let case = if let Rule::Relative(_) = rule {
+        rounded = EmbeddingCase {
+            weight: case.weight.mapv(baseline32::round_f32),
+            grad_output: case.grad_output.mapv(baseline32::round_f32),
+            ..case.clone()
+        };
+        &rounded
+    } else {
+        case
+    };
+    let v = case.map.vocab_size();
+    let real = case
+        .weight
+        .slice_axis(Axis(0), Slice::from(..v.min(case.weight.nrows())));
+    let expected = embedding_forward(&case.ids, real).and_then(|out| {
+        Ok((
+            out,
+            embedding_backward(&case.ids, case.grad_output.view(), v)?,
+        ))
+    });
+    let actual = no_panic(IMPL, || {
+        imp.sharded_embedding(
+            &case.map,
+            &case.ids,
+            case.weight.view(),
+            Some(case.grad_output.view()),
+        )
+    })?;
+    let Some(((out, gw), actual)) = same_outcome(expected, actual)? else {
+        return Ok(());
+    };
+    let exact = |what: &str, e: &Array2<f64>, a: &Array2<f64>| -> Result<(), Mismatch> {
+        if e.shape() != a.shape() {
+            return fail(
+                what,
+                format!("shape {:?}, expected {:?}", a.shape(), e.shape()),
+            );
+        }
+        let (e, a): (Vec<f64>, Vec<f64>) =
+            (e.iter().copied().collect(), a.iter().copied().collect());
+        assert_close(what, &e, &a, &[e.len()], Tolerance::EXACT)
+    };
+    if actual.outputs.len() != case.map.num_shards() {
+        return fail("ranks", format!("{} ranks answered", actual.outputs.len()));
+    }
+    for (r, o) in actual.outputs.iter().enumerate() {
+        exact(&format!("output (rank {r})"), &out, o)?;
+    }
+    let Some(got) = actual.grad_weight() else {
+        return fail("grad_weight", "missing");
+    };
+    exact("grad_weight", &gw, &got)?;
+    let unsharded = no_panic(IMPL, || {
+        imp.embedding(&case.ids, real, Some(case.grad_output.view()))
+    })?
+    .map_err(|e| Mismatch::new("unsharded embedding", e.to_string()))?;
+    exact("unsharded output", &out, &unsharded.output)?;
+    let Some(got) = &unsharded.grad_weight else {
+        return fail("unsharded grad_weight", "missing");
+    };
+    exact("unsharded grad_weight", &gw, got)?;
+    for (r, c) in actual.counts.iter().enumerate() {
+        if c.barriers != 1 {
+            return fail(
+                "collectives",
+                format!("rank {r} used {} barriers; the lookup needs 1", c.barriers),
+            );
+        }
+    }
+    Ok(())
+}
+
+mod faults;
+mod relative;
+mod strategies;
+mod suite;
+
+pub use faults::*;
+pub use relative::Rule;
+use relative::{check_cross_entropy_relative, check_linear_relative};
+pub use strategies::*;
+pub use suite::*;

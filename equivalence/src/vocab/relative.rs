@@ -1,0 +1,346 @@
+//! Lower-precision implementations: the relative rule against the f64
+//! reference and the reference math run in f32 ([`crate::baseline32`]).
+
+#[allow(clippy::wildcard_imports)]
+use super::*;
+
+/// How a check judges the values of an implementation.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Rule {
+    /// f64 implementations: [`TERMS`] (64 ulp of the terms).
+    Terms,
+    /// Lower-precision implementations: every input is rounded to f32 first
+    /// (so the f64 reference and the implementation see the same numbers),
+    /// and each loss, per-token loss, `logsumexp` and gradient, on every
+    /// rank, is held to the [`RelativeRule`] against the same reference math
+    /// run in f32 ([`baseline32`]); padding columns and rows must still be
+    /// exactly 0 and the collective counts those of the algorithm.
+    Relative(RelativeRule),
+}
+
+thread_local! {
+    /// The comparisons under [`Rule::Relative`] this thread has made since
+    /// a suite started.
+    pub(super) static RELATIVE: RefCell<RelativeReport> = RefCell::new(RelativeReport::default());
+}
+
+fn relative(
+    what: &str,
+    expected: &[f64],
+    baseline: &[f64],
+    actual: &[f64],
+    shape: &[usize],
+    rule: RelativeRule,
+) -> Result<(), Mismatch> {
+    relative_with_scale(what, expected, baseline, actual, shape, rule, None)
+}
+
+/// [`relative`] with a given scale (`None`: the expected tensor's largest value).
+fn relative_with_scale(
+    what: &str,
+    expected: &[f64],
+    baseline: &[f64],
+    actual: &[f64],
+    shape: &[usize],
+    rule: RelativeRule,
+    scale: Option<f64>,
+) -> Result<(), Mismatch> {
+    let r = assert_within_k_with_scale(what, expected, baseline, actual, shape, rule, scale)?;
+    RELATIVE.with(|rep| rep.borrow_mut().note(what, r));
+    Ok(())
+}
+
+fn flat64(a: &Array2<f64>) -> Vec<f64> {
+    a.iter().copied().collect()
+}
+
+fn flat32(a: &Array2<f32>) -> Vec<f64> {
+    a.iter().map(|&x| f64::from(x)).collect()
+}
+
+/// [`check_loss`] under a [`RelativeRule`], with the f32 baseline `base`.
+#[allow(clippy::too_many_arguments)]
+fn check_loss_relative(
+    algorithm: Option<ShardedAlgorithm>,
+    map: &ShardMap,
+    expected: &CrossEntropy,
+    base: &baseline32::CrossEntropy32,
+    actual: &ShardedLoss,
+    linear: bool,
+    want_grad: bool,
+    rule: RelativeRule,
+    terms: &Terms,
+) -> Result<(), Mismatch> {
+    let p = map.num_shards();
+    // A token's loss is `logsumexp - Σ_j q_j z_j`: two values of the size of
+    // the logits that cancel (to ~0 for a confident prediction). An f32
+    // kernel may round `logsumexp = m + ln s` at that size (as
+    // flash-attention stores `lse`), so the losses' scale is at least the
+    // magnitude of their terms and of `logsumexp`, as under [`Rule::Terms`],
+    // not only the result's.
+    let finite_max = |xs: &[f64]| {
+        xs.iter()
+            .copied()
+            .filter(|x| x.is_finite())
+            .fold(0.0, f64::max)
+    };
+    let loss_scale = |own: &[f64], t: &[f64]| {
+        let scale = finite_max(own).max(finite_max(t));
+        (scale > 0.0).then_some(scale)
+    };
+    if actual.ranks.len() != p {
+        return fail(
+            "ranks",
+            format!("{} ranks answered, {p} expected", actual.ranks.len()),
+        );
+    }
+    let n = expected.per_token_loss.len();
+    let lse = expected.logsumexp();
+    let b_lse: Vec<f64> = base.logsumexp.iter().map(|&x| f64::from(x)).collect();
+    let b_tok: Vec<f64> = base.per_token_loss.iter().map(|&x| f64::from(x)).collect();
+    for r in &actual.ranks {
+        let at = |what: &str| format!("{what} (rank {})", r.rank);
+        relative_with_scale(
+            &at("loss"),
+            &[expected.loss],
+            &[f64::from(base.loss)],
+            &[r.loss],
+            &[1],
+            rule,
+            loss_scale(
+                &[expected.loss],
+                &[terms.loss, finite_max(&terms.logsumexp)],
+            ),
+        )?;
+        relative_with_scale(
+            &at("per_token_loss"),
+            expected.per_token_loss.as_slice().unwrap_or(&[]),
+            &b_tok,
+            &r.per_token_loss.to_vec(),
+            &[n],
+            rule,
+            loss_scale(
+                expected.per_token_loss.as_slice().unwrap_or(&[]),
+                &[
+                    finite_max(&terms.per_token_loss),
+                    finite_max(&terms.logsumexp),
+                ],
+            ),
+        )?;
+        let got_lse: Vec<f64> = r.global.iter().map(|g| g.logsumexp()).collect();
+        if got_lse.len() == n {
+            relative(
+                &at("logsumexp"),
+                lse.as_slice().unwrap_or(&[]),
+                &b_lse,
+                &got_lse,
+                &[n],
+                rule,
+            )?;
+        } else if !got_lse.is_empty() {
+            return fail(
+                at("logsumexp"),
+                format!("{} rows, {n} expected", got_lse.len()),
+            );
+        }
+    }
+    if let Some(want) = &expected.grad_logits {
+        let Some(got) = actual.grad_logits() else {
+            return fail("grad_logits", "missing");
+        };
+        let Some(b) = &base.grad_logits else {
+            return fail("grad_logits", "the baseline has none");
+        };
+        if got.shape() != want.shape() {
+            return fail(
+                "grad_logits",
+                format!("shape {:?}, expected {:?}", got.shape(), want.shape()),
+            );
+        }
+        // `p - q` cancels (to exactly 0 where `p = q`): at least the terms' scale.
+        let scale = finite_max(&flat64(want)).max(finite_max(&flat64(&terms.grad_logits)));
+        relative_with_scale(
+            "grad_logits",
+            &flat64(want),
+            &flat32(b),
+            &flat64(&got),
+            want.shape(),
+            rule,
+            (scale > 0.0).then_some(scale),
+        )?;
+        for (s, r) in map.shards().iter().zip(&actual.ranks) {
+            let g = r.grad_logits.as_ref().expect("gathered above");
+            let padding = g.slice_axis(Axis(1), Slice::from(s.real..));
+            if let Some(x) = padding.iter().find(|x| **x != 0.0) {
+                return fail(
+                    "grad_logits",
+                    format!("rank {}: a padding column has gradient {x}, not 0", r.rank),
+                );
+            }
+        }
+    }
+    match algorithm {
+        Some(algorithm) => check_counts(algorithm, actual, linear, want_grad),
+        None => Ok(()),
+    }
+}
+
+pub(super) fn check_cross_entropy_relative(
+    run: &RunCe<'_>,
+    algorithm: Option<ShardedAlgorithm>,
+    case: &CeCase,
+    want_grad: bool,
+    rule: RelativeRule,
+) -> Result<(), Mismatch> {
+    let case = CeCase {
+        logits: case.logits.mapv(baseline32::round_f32),
+        ..case.clone()
+    };
+    let v = case.map.vocab_size();
+    let real = case
+        .logits
+        .slice_axis(Axis(1), Slice::from(..v.min(case.logits.ncols())));
+    let expected = cross_entropy(real, &case.targets, &case.config, want_grad);
+    let actual = no_panic(IMPL, || run(&case))?;
+    let Some((expected, actual)) = same_outcome(expected, actual)? else {
+        return Ok(());
+    };
+    let real32 = real.mapv(|x| x as f32);
+    let base = baseline32::cross_entropy(real32.view(), &case.targets, &case.config, want_grad);
+    let terms = Terms::new(real, &case.targets, &case.config, &expected);
+    check_loss_relative(
+        algorithm, &case.map, &expected, &base, &actual, false, want_grad, rule, &terms,
+    )
+}
+
+pub(super) fn check_linear_relative(
+    run: &RunLinear<'_>,
+    algorithm: Option<ShardedAlgorithm>,
+    case: &LinearCase,
+    want_grad: bool,
+    rule: RelativeRule,
+) -> Result<(), Mismatch> {
+    let case = LinearCase {
+        hidden: case.hidden.mapv(baseline32::round_f32),
+        weight: case.weight.mapv(baseline32::round_f32),
+        ..case.clone()
+    };
+    let v = case.map.vocab_size();
+    let real = case
+        .weight
+        .slice_axis(Axis(0), Slice::from(..v.min(case.weight.nrows())));
+    let expected = linear_cross_entropy(
+        case.hidden.view(),
+        real,
+        &case.targets,
+        &case.config,
+        want_grad,
+    );
+    let actual = no_panic(IMPL, || run(&case))?;
+    let Some((mut expected, actual)) = same_outcome(expected, actual)? else {
+        return Ok(());
+    };
+    if actual.ranks.iter().all(|r| r.grad_logits.is_none()) {
+        // A fused output layer need not materialize dL/dz (`LinearLoss::ce`):
+        // it is judged by dL/dhidden and dL/dW.
+        expected.ce.grad_logits = None;
+    }
+    let (h32, w32) = (case.hidden.mapv(|x| x as f32), real.mapv(|x| x as f32));
+    let (base, base_grads) = baseline32::linear_cross_entropy(
+        h32.view(),
+        w32.view(),
+        &case.targets,
+        &case.config,
+        want_grad,
+    );
+    let terms = Terms::new(
+        expected.logits.view(),
+        &case.targets,
+        &case.config,
+        &expected.ce,
+    );
+    // The gradients are sums over the vocabulary (`dL/dhidden`) or the
+    // tokens (`dL/dW`) of terms `|dL/dz| x |W|` or `|dL/dz| x |hidden|` that
+    // can cancel to ~0 (exactly 0 by symmetry): their scale is at least the
+    // terms' magnitude, as under [`Rule::Terms`].
+    let abs_w = real.mapv(f64::abs);
+    let abs_h = case.hidden.mapv(f64::abs);
+    let max_of = |a: &Array2<f64>| {
+        a.iter()
+            .copied()
+            .filter(|x| x.is_finite())
+            .fold(0.0, f64::max)
+    };
+    let hidden_scale = max_of(&terms.grad_logits.dot(&abs_w));
+    let weight_scale = max_of(&terms.grad_logits.t().dot(&abs_h));
+    let with_floor = |want: &Array2<f64>, floor: f64| {
+        let s = max_of(want).max(floor);
+        (s > 0.0).then_some(s)
+    };
+    if let (Some(want), Some((bh, _))) = (&expected.grad_hidden, &base_grads) {
+        for r in &actual.ranks {
+            let Some(got) = &r.grad_hidden else {
+                return fail("grad_hidden", format!("rank {}: missing", r.rank));
+            };
+            if got.shape() != want.shape() {
+                return fail(
+                    "grad_hidden",
+                    format!("shape {:?}, expected {:?}", got.shape(), want.shape()),
+                );
+            }
+            relative_with_scale(
+                &format!("grad_hidden (rank {})", r.rank),
+                &flat64(want),
+                &flat32(bh),
+                &flat64(got),
+                want.shape(),
+                rule,
+                with_floor(want, hidden_scale),
+            )?;
+        }
+    }
+    if let (Some(want), Some((_, bw))) = (&expected.grad_weight, &base_grads) {
+        let Some(got) = actual.grad_weight() else {
+            return fail("grad_weight", "missing");
+        };
+        if got.shape() != want.shape() {
+            return fail(
+                "grad_weight",
+                format!("shape {:?}, expected {:?}", got.shape(), want.shape()),
+            );
+        }
+        relative_with_scale(
+            "grad_weight",
+            &flat64(want),
+            &flat32(bw),
+            &flat64(&got),
+            want.shape(),
+            rule,
+            with_floor(want, weight_scale),
+        )?;
+        for (s, r) in case.map.shards().iter().zip(&actual.ranks) {
+            let g = r.grad_weight.as_ref().expect("gathered above");
+            if let Some(x) = g
+                .slice_axis(Axis(0), Slice::from(s.real..))
+                .iter()
+                .find(|x| **x != 0.0)
+            {
+                return fail(
+                    "grad_weight",
+                    format!("rank {}: a padding row has gradient {x}, not 0", r.rank),
+                );
+            }
+        }
+    }
+    check_loss_relative(
+        algorithm,
+        &case.map,
+        &expected.ce,
+        &base,
+        &actual,
+        true,
+        want_grad,
+        rule,
+        &terms,
+    )
+}

@@ -1,0 +1,210 @@
+//! Proptest strategies: random shard maps, loss options and cases with planted extremes.
+
+use super::faults::LAYOUTS;
+#[allow(clippy::wildcard_imports)]
+use super::*;
+
+/// Largest `n` (tokens) of a random case.
+pub const MAX_N: usize = 9;
+/// Largest `v` of a random case.
+pub const MAX_V: usize = 41;
+/// Largest `h` of a random case.
+pub const MAX_H: usize = 6;
+/// Largest `p` of a random case.
+pub const MAX_P: usize = 8;
+
+/// A shard map: `v` in `1..=MAX_V` (primes weighted up), `p` in
+/// `1..=min(MAX_P, v)`, either layout.
+pub fn shard_maps() -> impl Strategy<Value = ShardMap> {
+    let vocab = prop_oneof![
+        2 => prop::sample::select(vec![1usize, 2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41]),
+        1 => 1usize..=MAX_V,
+    ];
+    (vocab, prop::sample::select(LAYOUTS.to_vec()))
+        .prop_flat_map(|(v, layout)| (Just(v), 1usize..=v.min(MAX_P), Just(layout)))
+        .prop_map(|(v, p, layout)| ShardMap::new(v, p, layout).expect("p <= v"))
+}
+
+/// Loss options: `ignore_index` -100 or -1; no smoothing half the time, else
+/// `a` in `[0, 1]` in either convention; z-loss 0 or up to 0.1; any reduction.
+pub fn loss_configs() -> impl Strategy<Value = LossConfig> {
+    (
+        prop::sample::select(vec![-100i64, -1]),
+        prop_oneof![1 => Just(0.0), 1 => 0.0f64..=1.0],
+        prop::sample::select(vec![
+            SmoothingConvention::PyTorch,
+            SmoothingConvention::Megatron,
+        ]),
+        prop_oneof![2 => Just(0.0), 1 => 1e-4f64..0.1],
+        prop::sample::select(vec![Reduction::Mean, Reduction::Sum, Reduction::None]),
+    )
+        .prop_map(
+            |(ignore_index, a, smoothing, z_loss, reduction)| LossConfig {
+                ignore_index,
+                label_smoothing: a,
+                smoothing,
+                z_loss,
+                reduction,
+            },
+        )
+}
+
+/// A logit: mostly in `[-8, 8]`; small integers (ties at the maximum); planted
+/// `±1e4`; `-inf` (masked).
+pub fn logit() -> impl Strategy<Value = f64> {
+    prop_oneof![
+        16 => -8.0f64..8.0,
+        3 => (-3i32..=3).prop_map(f64::from),
+        1 => Just(1e4),
+        1 => Just(-1e4),
+        2 => Just(f64::NEG_INFINITY),
+    ]
+}
+
+/// What a padding column or row holds: anything (it must never be read).
+pub fn padding_value() -> impl Strategy<Value = f64> {
+    prop_oneof![
+        2 => -8.0f64..8.0,
+        1 => Just(1e4),
+        1 => Just(f64::NAN),
+        1 => Just(f64::INFINITY),
+    ]
+}
+
+/// A target: in range mostly, `ignore_index` sometimes, rarely out of range
+/// (`v`, or -5) to exercise the errors.
+fn target(v: usize, ignore: i64) -> impl Strategy<Value = i64> {
+    prop_oneof![
+        160 => 0..v as i64,
+        30 => Just(ignore),
+        1 => Just(v as i64),
+        1 => Just(-5i64),
+    ]
+}
+
+/// Rows with one shard's real logits all set to `-inf` (docs/FAULTS.md V6).
+fn masked_shards(n: usize, p: usize) -> impl Strategy<Value = Vec<Option<usize>>> {
+    prop::collection::vec(prop_oneof![5 => Just(None), 1 => (0..p).prop_map(Some)], n)
+}
+
+/// Random cross-entropy cases: sizes first (`map`, `n`), then logits with
+/// planted `±1e4` and `-inf`, whole shards masked to `-inf`, padding columns
+/// holding anything, targets on every shard and ignored.
+pub fn ce_cases() -> impl Strategy<Value = CeCase> {
+    (shard_maps(), 1usize..=MAX_N, loss_configs())
+        .prop_flat_map(|(map, n, config)| {
+            let (v, w) = (map.vocab_size(), map.padded_vocab_size());
+            (
+                Just(map),
+                Just(config),
+                prop::collection::vec(logit(), n * v),
+                prop::collection::vec(padding_value(), n * (w - v)),
+                prop::collection::vec(target(v, config.ignore_index), n),
+                masked_shards(n, map.num_shards()),
+            )
+        })
+        .prop_map(|(map, config, real, padding, targets, masks)| {
+            let (v, w) = (map.vocab_size(), map.padded_vocab_size());
+            let n = targets.len();
+            let mut logits = Array2::from_shape_fn((n, w), |(i, j)| {
+                if j < v {
+                    real[i * v + j]
+                } else {
+                    padding[i * (w - v) + j - v]
+                }
+            });
+            for (i, mask) in masks.iter().enumerate() {
+                if let Some(r) = mask {
+                    let s = map.shard(*r);
+                    for j in s.start..s.start + s.real {
+                        logits[[i, j]] = f64::NEG_INFINITY;
+                    }
+                }
+            }
+            CeCase {
+                map,
+                logits,
+                targets,
+                config,
+            }
+        })
+}
+
+/// A hidden or weight value: mostly in `[-2, 2]`, planted `±100` (so that a
+/// logit reaches `±1e4`).
+pub fn activation() -> impl Strategy<Value = f64> {
+    prop_oneof![12 => -2.0f64..2.0, 1 => Just(100.0), 1 => Just(-100.0)]
+}
+
+/// Random output-layer cases: `h` in `1..=MAX_H`, planted outliers, padding
+/// rows holding anything.
+pub fn linear_cases() -> impl Strategy<Value = LinearCase> {
+    (shard_maps(), 1usize..=MAX_N, 1usize..=MAX_H, loss_configs())
+        .prop_flat_map(|(map, n, h, config)| {
+            let (v, w) = (map.vocab_size(), map.padded_vocab_size());
+            (
+                Just(map),
+                Just(config),
+                prop::collection::vec(activation(), n * h),
+                prop::collection::vec(activation(), v * h),
+                prop::collection::vec(padding_value(), (w - v) * h),
+                prop::collection::vec(target(v, config.ignore_index), n),
+            )
+        })
+        .prop_map(|(map, config, x, wr, wp, targets)| {
+            let n = targets.len();
+            let h = x.len() / n;
+            let (v, w) = (map.vocab_size(), map.padded_vocab_size());
+            let hidden = Array2::from_shape_vec((n, h), x).expect("n x h");
+            let weight = Array2::from_shape_fn((w, h), |(j, k)| {
+                if j < v {
+                    wr[j * h + k]
+                } else {
+                    wp[(j - v) * h + k]
+                }
+            });
+            LinearCase {
+                map,
+                hidden,
+                weight,
+                targets,
+                config,
+            }
+        })
+}
+
+/// Random embedding cases: ids mostly in range, rarely `v` or `-1`.
+pub fn embedding_cases() -> impl Strategy<Value = EmbeddingCase> {
+    (shard_maps(), 0usize..=MAX_N, 1usize..=MAX_H)
+        .prop_flat_map(|(map, n, h)| {
+            let (v, w) = (map.vocab_size(), map.padded_vocab_size());
+            (
+                Just(map),
+                prop::collection::vec(
+                    prop_oneof![30 => 0..v as i64, 1 => Just(v as i64), 1 => Just(-1i64)],
+                    n,
+                ),
+                prop::collection::vec(-2.0f64..2.0, v * h),
+                prop::collection::vec(padding_value(), (w - v) * h),
+                prop::collection::vec(-1.0f64..1.0, n * h),
+                Just(h),
+            )
+        })
+        .prop_map(|(map, ids, wr, wp, g, h)| {
+            let (v, w) = (map.vocab_size(), map.padded_vocab_size());
+            let weight = Array2::from_shape_fn((w, h), |(j, k)| {
+                if j < v {
+                    wr[j * h + k]
+                } else {
+                    wp[(j - v) * h + k]
+                }
+            });
+            let grad_output = Array2::from_shape_vec((ids.len(), h), g).expect("n x h");
+            EmbeddingCase {
+                map,
+                ids,
+                weight,
+                grad_output,
+            }
+        })
+}

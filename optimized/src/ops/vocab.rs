@@ -1,0 +1,190 @@
+//! The f32 output-layer kernels as [`CrossEntropyOp`] and
+//! [`LinearCrossEntropyOp`]: unsharded, and sharded with `alg2` (the only
+//! algorithm they implement; the others are refused, never handed to the
+//! reference).
+
+use ndarray::{ArrayView2, Axis};
+use packshard_reference::ops::{check_algorithm, CrossEntropyOp, LinearCrossEntropyOp, LinearLoss};
+use packshard_reference::vocab::cross_entropy::CrossEntropy;
+use packshard_reference::vocab::sharded::ShardedLoss;
+use packshard_reference::vocab::{LossConfig, ShardMap, ShardedAlgorithm};
+use packshard_reference::{Error, Result};
+
+use crate::convert::{to_f32, to_f32_real, to_f64};
+use crate::vocab::{
+    alg2, cross_entropy, linear_cross_entropy_fused, linear_cross_entropy_materialized, Chunks,
+    CrossEntropy32, LinearCrossEntropy32,
+};
+
+/// The results of an f32 cross-entropy, widened (exactly) to the reference's type.
+fn widen_ce(ce: CrossEntropy32) -> CrossEntropy {
+    CrossEntropy {
+        loss: ce.loss,
+        per_token_loss: ce.per_token_loss,
+        stats: ce.stats,
+        num_tokens: ce.num_tokens,
+        grad_logits: ce.grad_logits.map(|g| to_f64(g.view())),
+    }
+}
+
+fn widen_linear(l: LinearCrossEntropy32) -> LinearLoss {
+    let mut ce = widen_ce(l.ce);
+    // The contract's linear op returns dL/dhidden and dL/dweight; the
+    // materialized kernel's dL/dlogits is an intermediate it does not return
+    // (issue #17 adds it).
+    ce.grad_logits = None;
+    LinearLoss {
+        ce,
+        grad_hidden: l.grad_hidden.map(|g| to_f64(g.view())),
+        grad_weight: l.grad_weight.map(|g| to_f64(g.view())),
+        logits_buffer_bytes: Some(l.logits_buffer_bytes),
+    }
+}
+
+/// `cross_entropy_f32`: the f32 SIMD row pass over the logits, tile
+/// statistics merged in f64; sharded, `alg2` per rank over the reference's
+/// in-process collective.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CrossEntropyF32;
+
+impl CrossEntropyOp for CrossEntropyF32 {
+    fn algorithms(&self) -> Vec<ShardedAlgorithm> {
+        vec![alg2::ALGORITHM]
+    }
+
+    fn cross_entropy(
+        &self,
+        logits: ArrayView2<f64>,
+        targets: &[i64],
+        config: &LossConfig,
+        want_grad: bool,
+    ) -> Result<CrossEntropy> {
+        let z = to_f32("logits", logits)?;
+        Ok(widen_ce(cross_entropy(
+            z.view(),
+            targets,
+            config,
+            want_grad,
+        )?))
+    }
+
+    fn sharded_cross_entropy(
+        &self,
+        algorithm: ShardedAlgorithm,
+        map: &ShardMap,
+        logits: ArrayView2<f64>,
+        targets: &[i64],
+        config: &LossConfig,
+        want_grad: bool,
+    ) -> Result<ShardedLoss> {
+        check_algorithm(&self.algorithms(), algorithm)?;
+        let z = to_f32_real("logits", logits, Axis(1), map.vocab_size())?;
+        alg2::sharded_cross_entropy(map, z.view(), targets, config, want_grad)
+    }
+}
+
+/// `linear_ce_materialized`: f32; one gemm to the whole `[n, v]` logits, the
+/// SIMD row pass, two gemms for the gradients. Unsharded only: the baseline
+/// of [`LinearCeFused`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LinearCeMaterialized;
+
+impl LinearCrossEntropyOp for LinearCeMaterialized {
+    fn algorithms(&self) -> Vec<ShardedAlgorithm> {
+        Vec::new()
+    }
+
+    fn linear_cross_entropy(
+        &self,
+        hidden: ArrayView2<f64>,
+        weight: ArrayView2<f64>,
+        targets: &[i64],
+        config: &LossConfig,
+        want_grad: bool,
+    ) -> Result<LinearLoss> {
+        let x = to_f32("hidden", hidden)?;
+        let w = to_f32("weight", weight)?;
+        let l = linear_cross_entropy_materialized(x.view(), w.view(), targets, config, want_grad)?;
+        Ok(widen_linear(l))
+    }
+
+    fn sharded_linear_cross_entropy(
+        &self,
+        algorithm: ShardedAlgorithm,
+        _map: &ShardMap,
+        _hidden: ArrayView2<f64>,
+        _weight: ArrayView2<f64>,
+        _targets: &[i64],
+        _config: &LossConfig,
+        _want_grad: bool,
+    ) -> Result<ShardedLoss> {
+        // Refuses every algorithm: this kernel declares none.
+        check_algorithm(&self.algorithms(), algorithm)?;
+        Err(Error::invalid(
+            "algorithm",
+            "linear_ce_materialized is unsharded only",
+        ))
+    }
+}
+
+/// `linear_ce_fused`: f32; chunks of `chunks.tokens` tokens x `chunks.vocab`
+/// entries — logits, statistics and gradients per tile while in cache —
+/// holding `[tokens, v]`, never `[n, v]`; sharded, `alg2`'s S and T passes
+/// with the logits recomputed in T. Returns no `dL/dlogits`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LinearCeFused {
+    /// The tile sizes.
+    pub chunks: Chunks,
+}
+
+impl LinearCrossEntropyOp for LinearCeFused {
+    fn algorithms(&self) -> Vec<ShardedAlgorithm> {
+        vec![alg2::ALGORITHM]
+    }
+
+    fn linear_cross_entropy(
+        &self,
+        hidden: ArrayView2<f64>,
+        weight: ArrayView2<f64>,
+        targets: &[i64],
+        config: &LossConfig,
+        want_grad: bool,
+    ) -> Result<LinearLoss> {
+        let x = to_f32("hidden", hidden)?;
+        let w = to_f32("weight", weight)?;
+        let l = linear_cross_entropy_fused(
+            x.view(),
+            w.view(),
+            targets,
+            config,
+            want_grad,
+            self.chunks,
+        )?;
+        Ok(widen_linear(l))
+    }
+
+    fn sharded_linear_cross_entropy(
+        &self,
+        algorithm: ShardedAlgorithm,
+        map: &ShardMap,
+        hidden: ArrayView2<f64>,
+        weight: ArrayView2<f64>,
+        targets: &[i64],
+        config: &LossConfig,
+        want_grad: bool,
+    ) -> Result<ShardedLoss> {
+        check_algorithm(&self.algorithms(), algorithm)?;
+        let x = to_f32("hidden", hidden)?;
+        let w = to_f32_real("weight", weight, Axis(0), map.vocab_size())?;
+        alg2::sharded_linear_cross_entropy(
+            map,
+            x.view(),
+            w.view(),
+            targets,
+            config,
+            want_grad,
+            self.chunks,
+            false,
+        )
+    }
+}

@@ -1,0 +1,599 @@
+//! One vocabulary shard of `alg2` (Yeung et al., Algorithm 2; the
+//! reference's `sharded` module), per rank over a [`Collective`]:
+//!
+//! - **S pass**, chunked over tokens and vocabulary: the local
+//!   statistics `(m_i, s_i, target term)` of each row over the shard's
+//!   real columns, then `D_i = (softmax'_i - q_i) W_i` (one product per
+//!   tile with the local deltas), `B_i = q_i W_i`, and with the z-loss
+//!   `A_i = softmax'_i W_i = D_i + B_i`, into the reference's record
+//!   `[stats, s_i D_i, B_i (, s_i A_i)]`;
+//! - **the one barrier**: the reference's merge ([`merge_alg2`],
+//!   [`merge_alg2_z_loss`]) in the collective, which gives the global
+//!   statistics and `dL/dhidden` (no further communication);
+//! - **T pass**: the logits recomputed chunk by chunk, `dL/dz_i =
+//!   alpha_i (softmax'_i - q_i) + (alpha_i - 1) q_i (+ z-loss)` in place,
+//!   `dL/dW_i += G^T hidden`.
+//!
+//! No `[n, w_r]` buffer exists (the reference's alg2 keeps the shard's
+//! logits between S and T; this one recomputes them: four products
+//! instead of three). The record and the merge are f64, the rest f32.
+
+use super::*;
+use packshard_reference::vocab::cross_entropy::STATS_WIDTH;
+use packshard_reference::vocab::sharded::{
+    check_inputs, check_rank_inputs, merge_alg2, merge_alg2_z_loss, merge_stats, RankLoss,
+    ShardedLoss,
+};
+use packshard_reference::vocab::{run_ranks, Collective, Reduce, ShardMap, ShardedAlgorithm};
+
+/// The local and global statistics of a row: `alpha_i` and `alpha_i - 1`
+/// as the reference's alg2 forms them.
+fn alphas(l: &SoftmaxStats, g: &SoftmaxStats) -> (f64, f64) {
+    let alpha = l.sum_exp() * l.scale_to(g.max) / g.sum_exp();
+    let minus_1 = if l.max == g.max {
+        (l.rest - g.rest) / g.sum_exp()
+    } else {
+        alpha - 1.0
+    };
+    (alpha, minus_1)
+}
+
+/// `softmax'_i - q_i` of one logit against the local statistics (the
+/// stable form at the maximum; `-q` for an all `-inf` shard).
+fn local_delta(l: &SoftmaxStats, z: f64, q: f64) -> f64 {
+    if l.sum_exp() == 0.0 {
+        -q
+    } else {
+        l.delta(z, q)
+    }
+}
+
+fn local_prob(l: &SoftmaxStats, z: f64) -> f64 {
+    if l.sum_exp() == 0.0 {
+        0.0
+    } else {
+        l.probability(z)
+    }
+}
+
+struct DeltaOp<'a> {
+    z: &'a mut [f32],
+    q: RowQ,
+    l: SoftmaxStats,
+}
+
+impl WithSimd for DeltaOp<'_> {
+    type Output = ();
+    #[inline(always)]
+    fn with_simd<S: Simd>(self, simd: S) {
+        let l = self.l;
+        gradient_row(
+            simd,
+            self.z,
+            &self.q,
+            1.0,
+            l.max,
+            l.sum_exp(),
+            1.0,
+            1.0,
+            |x, q| local_delta(&l, x, q),
+        );
+    }
+}
+
+struct TOp<'a> {
+    z: &'a mut [f32],
+    q: RowQ,
+    w: f64,
+    l: SoftmaxStats,
+    g: SoftmaxStats,
+    z_loss: f64,
+}
+
+impl WithSimd for TOp<'_> {
+    type Output = ();
+    #[inline(always)]
+    fn with_simd<S: Simd>(self, simd: S) {
+        let (l, g, c) = (self.l, self.g, self.z_loss);
+        let (alpha, am1) = alphas(&l, &g);
+        let zl = if c == 0.0 {
+            0.0
+        } else {
+            2.0 * c * g.logsumexp()
+        };
+        // w (alpha (p' - q) + (alpha - 1) q + zl alpha p')
+        //   = w ((alpha + zl alpha) p' - (alpha - am1) q)
+        gradient_row(
+            simd,
+            self.z,
+            &self.q,
+            self.w,
+            l.max,
+            l.sum_exp(),
+            alpha * (1.0 + zl),
+            alpha - am1,
+            |x, q| alpha * local_delta(&l, x, q) + am1 * q + zl * alpha * local_prob(&l, x),
+        );
+    }
+}
+
+/// A rank's shard and what it may read.
+struct Shard<'a> {
+    comm: &'a dyn Collective,
+    rank: usize,
+    start: usize,
+    width: usize,
+    real: usize,
+    rows: Rows<'a>,
+}
+
+fn shard<'a>(
+    comm: &'a dyn Collective,
+    map: &ShardMap,
+    n: usize,
+    targets: &[i64],
+    config: &'a LossConfig,
+) -> Result<Shard<'a>> {
+    check_rank_inputs(comm, map, n, targets, config)?;
+    let v = map.vocab_size();
+    let s = map.shard(comm.rank());
+    Ok(Shard {
+        comm,
+        rank: s.rank,
+        start: s.start,
+        width: s.width,
+        real: s.real,
+        rows: Rows::new(targets, config, v, s.start, s.real)?,
+    })
+}
+
+impl Shard<'_> {
+    /// The barrier: merges the records; returns the global statistics.
+    fn barrier(
+        &self,
+        record: &mut [f64],
+        width: usize,
+        blocks: usize,
+    ) -> Result<Vec<SoftmaxStats>> {
+        let op: packshard_reference::vocab::collective::MergeFn = match blocks {
+            0 => merge_stats,
+            2 => merge_alg2,
+            _ => merge_alg2_z_loss,
+        };
+        self.comm.all_reduce(&mut [Reduce::Merge {
+            data: record,
+            width,
+            op,
+        }])?;
+        Ok(record
+            .chunks(width)
+            .map(SoftmaxStats::from_record)
+            .collect())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn output(
+        &self,
+        (per_token_loss, loss): (Array1<f64>, f64),
+        local: Vec<SoftmaxStats>,
+        global: Vec<SoftmaxStats>,
+        grad_logits: Option<Array2<f64>>,
+        grad_hidden: Option<Array2<f64>>,
+        grad_weight: Option<Array2<f64>>,
+        peak_bytes: usize,
+    ) -> RankLoss {
+        RankLoss {
+            rank: self.rank,
+            loss,
+            per_token_loss,
+            local,
+            global,
+            grad_logits,
+            grad_hidden,
+            grad_weight,
+            counts: self.comm.counts(),
+            peak_bytes,
+        }
+    }
+
+    /// `T` pass gradient of the tile `j0..j0 + tile` of rows `i0..` in `buf`.
+    fn t_tile(
+        &self,
+        buf: &mut [f32],
+        j0: usize,
+        tile: usize,
+        i0: usize,
+        local: &[SoftmaxStats],
+        global: &[SoftmaxStats],
+    ) {
+        let z_loss = self.rows.config.z_loss;
+        let rows = &self.rows;
+        for_rows(buf, self.real, j0, tile, |arch, r, z| {
+            let i = i0 + r;
+            arch.dispatch(TOp {
+                z,
+                q: rows.q[i].tile(j0, tile),
+                w: rows.weights[i],
+                l: local[i],
+                g: global[i],
+                z_loss,
+            })
+        });
+    }
+}
+
+/// `alg2` on one rank, from its shard of the logits `logits: [n, w_r]`
+/// (f32; padding columns never read) and the replicated `targets: [n]`.
+/// The semantics (and errors) of the reference's `cross_entropy_rank`
+/// with `ShardedAlgorithm::Alg2`; the gradient `[n, w_r]` (padding
+/// columns 0) with `want_grad`.
+///
+/// # Errors
+/// As the reference.
+pub fn cross_entropy_rank(
+    comm: &dyn Collective,
+    map: &ShardMap,
+    logits: ArrayView2<f32>,
+    targets: &[i64],
+    config: &LossConfig,
+    want_grad: bool,
+) -> Result<RankLoss> {
+    let n = logits.nrows();
+    let sh = shard(comm, map, n, targets, config)?;
+    if logits.ncols() != sh.width {
+        return Err(Error::ShapeMismatch {
+            field: "logits".into(),
+            expected: format!("[n, w_r] with w_r = {} (shard {})", sh.width, sh.rank),
+            actual: logits.shape().to_vec(),
+        });
+    }
+    check_logits("logits", logits, sh.real, map.vocab_size(), sh.start)?;
+    let mut z = logits
+        .slice(s![.., ..sh.real])
+        .as_standard_layout()
+        .into_owned();
+    let mut local = vec![SoftmaxStats::EMPTY; n];
+    merge_tile_stats(
+        z.as_slice().expect("standard"),
+        sh.real,
+        0,
+        sh.real,
+        &sh.rows,
+        0,
+        &mut local,
+    );
+    let mut record: Vec<f64> = local.iter().flat_map(|s| s.to_record()).collect();
+    let global = sh.barrier(&mut record, STATS_WIDTH, 0)?;
+    let forward = sh.rows.losses(&global)?;
+    let peak = 4 * n * sh.real + 8 * STATS_WIDTH * n;
+    if !want_grad {
+        return Ok(sh.output(forward, local, global, None, None, None, peak));
+    }
+    sh.t_tile(
+        z.as_slice_mut().expect("standard"),
+        0,
+        sh.real,
+        0,
+        &local,
+        &global,
+    );
+    let mut g = Array2::zeros((n, sh.width));
+    g.slice_mut(s![.., ..sh.real]).assign(&z.mapv(f64::from));
+    Ok(sh.output(forward, local, global, Some(g), None, None, peak))
+}
+
+/// `alg2` on one rank for the output layer: `hidden: [n, h]`
+/// (replicated), this rank's rows `weight: [w_r, h]` (padding rows never
+/// read), `targets: [n]`. Chunked as `chunks` says; with `want_grad`,
+/// `dL/dhidden` (replicated) and this shard's `dL/dW` (padding rows 0), and
+/// with `keep_grad_logits` also `dL/dz` of the shard `[n, w_r]` (for
+/// checking: that buffer is what the fused kernel avoids).
+///
+/// # Errors
+/// As the reference's `linear_cross_entropy_rank` (with
+/// [`F32_LOGIT_BOUND`]); [`Error::InvalidArgument`] (`chunks`).
+#[allow(clippy::too_many_arguments)]
+pub fn linear_cross_entropy_rank(
+    comm: &dyn Collective,
+    map: &ShardMap,
+    hidden: ArrayView2<f32>,
+    weight: ArrayView2<f32>,
+    targets: &[i64],
+    config: &LossConfig,
+    want_grad: bool,
+    chunks: Chunks,
+    keep_grad_logits: bool,
+) -> Result<RankLoss> {
+    let (n, h) = hidden.dim();
+    let sh = shard(comm, map, n, targets, config)?;
+    if weight.nrows() != sh.width {
+        return Err(Error::ShapeMismatch {
+            field: "weight".into(),
+            expected: format!("[w_r, h] with w_r = {} (shard {})", sh.width, sh.rank),
+            actual: weight.shape().to_vec(),
+        });
+    }
+    check_linear(hidden, weight, sh.real, sh.start)?;
+    check_chunks(chunks)?;
+    let w_real = weight.slice(s![..sh.real, ..]);
+    let real = sh.real;
+    let tn = chunks.tokens.min(n).max(1);
+    let tv = chunks.vocab;
+    let mut buf = Array2::<f32>::zeros((tn, real));
+    let c = config.z_loss;
+    let blocks = match (want_grad, c > 0.0) {
+        (false, _) => 0,
+        (true, false) => 2,
+        (true, true) => 3,
+    };
+    let width = STATS_WIDTH + blocks * h;
+    let mut record = vec![0.0f64; width * n];
+    let mut local = vec![SoftmaxStats::EMPTY; n];
+    // B_i = q_other colsum(W) + (q_target - q_other) W_t (f64 sums).
+    let colsum: Vec<f64> = if blocks > 0 && sh.rows.q.first().is_some_and(|q| q.qo != 0.0) {
+        (0..h)
+            .map(|k| w_real.column(k).iter().map(|&x| x as f64).sum())
+            .collect()
+    } else {
+        vec![0.0; h]
+    };
+    let mut d_chunk = Array2::<f32>::zeros((tn, h));
+    // S pass.
+    for i0 in (0..n).step_by(tn) {
+        let m = (n - i0).min(tn);
+        let x = hidden.slice(s![i0..i0 + m, ..]);
+        let mut b = rows_view(&mut buf, m);
+        for j0 in (0..real).step_by(tv) {
+            let tile = (real - j0).min(tv);
+            matmul(
+                b.slice_mut(s![.., j0..j0 + tile]),
+                x,
+                w_real.slice(s![j0..j0 + tile, ..]).t(),
+                false,
+                Threads::All,
+            );
+            merge_tile_stats(
+                b.as_slice().expect("standard rows"),
+                real,
+                j0,
+                tile,
+                &sh.rows,
+                i0,
+                &mut local[i0..i0 + m],
+            );
+        }
+        if blocks > 0 {
+            let mut d = d_chunk.slice_mut(s![..m, ..]);
+            d.fill(0.0);
+            for j0 in (0..real).step_by(tv) {
+                let tile = (real - j0).min(tv);
+                for_rows(
+                    b.as_slice_mut().expect("standard rows"),
+                    real,
+                    j0,
+                    tile,
+                    |arch, r, z| {
+                        arch.dispatch(DeltaOp {
+                            z,
+                            q: sh.rows.q[i0 + r].tile(j0, tile),
+                            l: local[i0 + r],
+                        })
+                    },
+                );
+                matmul(
+                    d.view_mut(),
+                    b.slice(s![.., j0..j0 + tile]),
+                    w_real.slice(s![j0..j0 + tile, ..]),
+                    true,
+                    Threads::All,
+                );
+            }
+            for r in 0..m {
+                let i = i0 + r;
+                let q = &sh.rows.q[i];
+                let at = i * width + STATS_WIDTH;
+                let s_i = local[i].sum_exp();
+                for k in 0..h {
+                    let d_ik = d[[r, k]] as f64;
+                    let mut b_ik = 0.0;
+                    if q.active {
+                        b_ik = q.qo * colsum[k];
+                        if let Some(t) = q.target {
+                            b_ik += (q.qt - q.qo) * w_real[[t, k]] as f64;
+                        }
+                    }
+                    record[at + k] = s_i * d_ik;
+                    record[at + h + k] = b_ik;
+                    if blocks == 3 {
+                        record[at + 2 * h + k] = s_i * (d_ik + b_ik);
+                    }
+                }
+            }
+        }
+    }
+    for (i, l) in local.iter().enumerate() {
+        record[i * width..i * width + STATS_WIDTH].copy_from_slice(&l.to_record());
+    }
+    // The one barrier.
+    let global = sh.barrier(&mut record, width, blocks)?;
+    let forward = sh.rows.losses(&global)?;
+    let peak = 4 * tn * (real + h) + 8 * width * n;
+    if !want_grad {
+        return Ok(sh.output(forward, local, global, None, None, None, peak));
+    }
+    // dL/dx from the merged record: w (Y / S + 2 c lse U / S).
+    let gx = Array2::from_shape_fn((n, h), |(i, k)| {
+        let w = sh.rows.weights[i];
+        if w == 0.0 {
+            return 0.0;
+        }
+        let g = &global[i];
+        let at = i * width + STATS_WIDTH;
+        let y = record[at + k] / g.sum_exp();
+        let z_part = if blocks == 3 {
+            2.0 * c * g.logsumexp() * (record[at + 2 * h + k] / g.sum_exp())
+        } else {
+            0.0
+        };
+        w * (y + z_part)
+    });
+    // T pass: recompute the logits, the gradient in place, dW += G^T x.
+    let mut gw = Array2::<f32>::zeros((sh.width, h));
+    let mut gz = keep_grad_logits.then(|| Array2::<f64>::zeros((n, sh.width)));
+    for i0 in (0..n).step_by(tn) {
+        let m = (n - i0).min(tn);
+        let x = hidden.slice(s![i0..i0 + m, ..]);
+        let mut b = rows_view(&mut buf, m);
+        for j0 in (0..real).step_by(tv) {
+            let tile = (real - j0).min(tv);
+            matmul(
+                b.slice_mut(s![.., j0..j0 + tile]),
+                x,
+                w_real.slice(s![j0..j0 + tile, ..]).t(),
+                false,
+                Threads::All,
+            );
+            sh.t_tile(
+                b.as_slice_mut().expect("standard rows"),
+                j0,
+                tile,
+                i0,
+                &local,
+                &global,
+            );
+            matmul(
+                gw.slice_mut(s![j0..j0 + tile, ..]),
+                b.slice(s![.., j0..j0 + tile]).t(),
+                x,
+                true,
+                Threads::All,
+            );
+        }
+        if let Some(gz) = gz.as_mut() {
+            gz.slice_mut(s![i0..i0 + m, ..real])
+                .assign(&b.mapv(f64::from));
+        }
+    }
+    Ok(sh.output(
+        forward,
+        local,
+        global,
+        gz,
+        Some(gx),
+        Some(gw.mapv(f64::from)),
+        peak,
+    ))
+}
+
+fn finish(
+    map: &ShardMap,
+    ranks: Vec<packshard_reference::vocab::collective::RankResult<RankLoss>>,
+) -> ShardedLoss {
+    ShardedLoss {
+        map: *map,
+        ranks: ranks.into_iter().map(|r| r.output).collect(),
+    }
+}
+
+/// `alg2` on `p` in-process ranks over `logits: [n, w]` (f32, `w >= v`,
+/// columns `v..` padding, never read): the reference's
+/// `sharded_cross_entropy` with `ShardedAlgorithm::Alg2`.
+///
+/// # Errors
+/// As the reference (validation in the same order).
+pub fn sharded_cross_entropy(
+    map: &ShardMap,
+    logits: ArrayView2<f32>,
+    targets: &[i64],
+    config: &LossConfig,
+    want_grad: bool,
+) -> Result<ShardedLoss> {
+    let (n, w) = logits.dim();
+    let v = map.vocab_size();
+    map.check_width("logits", w, &[n, w], "[n, v]")?;
+    check_inputs(n, targets, config, v)?;
+    check_logits("logits", logits, v, v, 0)?;
+    let parts: Vec<Array2<f32>> = map
+        .shards()
+        .iter()
+        .map(|s| {
+            Array2::from_shape_fn((n, s.width), |(i, j)| {
+                let g = s.start + j;
+                if g < w {
+                    logits[[i, g]]
+                } else {
+                    f32::NAN
+                }
+            })
+        })
+        .collect();
+    let ranks = run_ranks(map.num_shards(), |comm| {
+        cross_entropy_rank(
+            comm,
+            map,
+            parts[comm.rank()].view(),
+            targets,
+            config,
+            want_grad,
+        )
+    })?;
+    Ok(finish(map, ranks))
+}
+
+/// `alg2` on `p` in-process ranks for the output layer: `hidden: [n, h]`,
+/// `weight: [w, h]` (`w >= v`, rows `v..` padding, never read).
+///
+/// # Errors
+/// As the reference's `sharded_linear_cross_entropy` (with
+/// [`F32_LOGIT_BOUND`] and no bound on `n * v`).
+#[allow(clippy::too_many_arguments)]
+pub fn sharded_linear_cross_entropy(
+    map: &ShardMap,
+    hidden: ArrayView2<f32>,
+    weight: ArrayView2<f32>,
+    targets: &[i64],
+    config: &LossConfig,
+    want_grad: bool,
+    chunks: Chunks,
+    keep_grad_logits: bool,
+) -> Result<ShardedLoss> {
+    let n = hidden.nrows();
+    let v = map.vocab_size();
+    map.check_width("weight", weight.nrows(), weight.shape(), "[v, h]")?;
+    check_inputs(n, targets, config, v)?;
+    check_linear(hidden, weight, v, 0)?;
+    check_chunks(chunks)?;
+    let h = hidden.ncols();
+    let rows = weight.nrows();
+    let parts: Vec<Array2<f32>> = map
+        .shards()
+        .iter()
+        .map(|s| {
+            Array2::from_shape_fn((s.width, h), |(j, k)| {
+                let g = s.start + j;
+                if g < rows {
+                    weight[[g, k]]
+                } else {
+                    f32::NAN
+                }
+            })
+        })
+        .collect();
+    let ranks = run_ranks(map.num_shards(), |comm| {
+        linear_cross_entropy_rank(
+            comm,
+            map,
+            hidden,
+            parts[comm.rank()].view(),
+            targets,
+            config,
+            want_grad,
+            chunks,
+            keep_grad_logits,
+        )
+    })?;
+    Ok(finish(map, ranks))
+}
+
+/// The algorithm this module implements.
+pub const ALGORITHM: ShardedAlgorithm = ShardedAlgorithm::Alg2;

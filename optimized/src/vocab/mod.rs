@@ -1,0 +1,465 @@
+//! Cross-entropy and the fused output layer (`logits = hidden @ weight^T`
+//! and its cross-entropy) in `f32`, unsharded and as one vocabulary shard of
+//! the sharded algorithm `alg2` (Yeung et al., arXiv:2411.05288, Algorithm 2;
+//! `packshard_reference::vocab`).
+//!
+//! Shapes: `hidden: [n, h]`, `weight: [v, h]` (a shard: `[w_r, h]`),
+//! `logits: [n, v]`, `targets: [n]`. The options are the reference's
+//! [`LossConfig`] (`ignore_index`, label smoothing in PyTorch's or
+//! Megatron's convention, z-loss, `mean` / `sum` / `none`).
+//!
+//! ## What is computed how
+//!
+//! Per-element work (logits, `exp`, gradients) is `f32` with SIMD
+//! ([`crate::simd`]) on rayon row chunks, products through `gemm`
+//! ([`crate::matmul`]). Per-row statistics are the reference's
+//! [`SoftmaxStats`] (maximum, `s - 1`, target term, target mass): each tile of
+//! a row is summarised in f32 and the summaries are merged with the
+//! reference's online-softmax merge in f64; the losses, `logsumexp` and the
+//! confident-target and tied-maximum gradient entries come from the
+//! reference's formulas on those statistics ([`SoftmaxStats::gradient`],
+//! [`SoftmaxStats::delta`]).
+//!
+//! - [`cross_entropy`]: on given logits (`-inf` allowed).
+//! - [`linear_cross_entropy_materialized`]: the whole `[n, v]` logits by one
+//!   product, then the row pass and two products: the baseline.
+//! - [`linear_cross_entropy_fused`]: chunks of [`Chunks::tokens`] tokens;
+//!   for each, tiles of [`Chunks::vocab`] entries: the tile's logits, its
+//!   statistics merged into the row's while the tile is in cache; then per
+//!   tile the gradient in place, `dL/dhidden += G W`, `dL/dW += G^T x`. Only
+//!   a `[tokens, v]` buffer exists; the products are the materialized path's
+//!   (no recomputation).
+//! - [`alg2`]: one shard of the sharded algorithm: the S pass (local
+//!   statistics and the input-gradient partials `s_i D_i`, `B_i` of the
+//!   merged record, chunked) and the T pass (the weight gradient of the
+//!   shard, logits recomputed chunk by chunk), with the reference's
+//!   collectives and merge functions between them.
+
+use ndarray::{s, Array1, Array2, ArrayView2, ArrayViewMut2};
+use packshard_reference::vocab::cross_entropy::{check_row, token_loss};
+use packshard_reference::vocab::{LossConfig, SoftmaxStats};
+use packshard_reference::{Error, Result};
+use pulp::{Simd, WithSimd};
+use rayon::prelude::*;
+
+use crate::matmul::{matmul, Threads};
+use crate::simd::{self, load_tail};
+
+/// The largest `h * max|hidden| * max|weight|` the f32 kernels accept (the
+/// reference accepts 1e300): every logit, and every sum of `v` of them, then
+/// stays far inside the f32 range (3.4e38).
+pub const F32_LOGIT_BOUND: f64 = 1e30;
+
+/// The most logits (`n * v`) the materialized f32 path holds: 2^30 (4 GiB).
+pub const MAX_MATERIALIZED_LOGITS: usize = 1 << 30;
+
+/// How the fused kernels chunk the work.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Chunks {
+    /// Tokens per chunk (the `[tokens, v]` buffer).
+    pub tokens: usize,
+    /// Vocabulary entries per tile.
+    pub vocab: usize,
+}
+
+impl Default for Chunks {
+    /// 256 tokens (1/16 of the logits of 4096 tokens) x 4096 entries.
+    fn default() -> Self {
+        Chunks {
+            tokens: 256,
+            vocab: 4096,
+        }
+    }
+}
+
+/// The result of a cross-entropy.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CrossEntropy32 {
+    /// The reduced loss (`none`: the sum of `per_token_loss`).
+    pub loss: f64,
+    /// `[n]`: each token's loss (0 for ignored tokens).
+    pub per_token_loss: Array1<f64>,
+    /// `[n]`: each row's statistics (ignored rows too).
+    pub stats: Vec<SoftmaxStats>,
+    /// Tokens whose target is not ignored.
+    pub num_tokens: usize,
+    /// `[n, v]`: `dL/dlogits` (only [`cross_entropy`] returns it).
+    pub grad_logits: Option<Array2<f32>>,
+}
+
+impl CrossEntropy32 {
+    /// `[n]`: `logsumexp` of each row.
+    pub fn logsumexp(&self) -> Array1<f64> {
+        self.stats.iter().map(SoftmaxStats::logsumexp).collect()
+    }
+}
+
+/// The result of an output layer plus cross-entropy.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LinearCrossEntropy32 {
+    /// Loss, per-token losses, statistics.
+    pub ce: CrossEntropy32,
+    /// `[n, h]`: `dL/dhidden` with gradients.
+    pub grad_hidden: Option<Array2<f32>>,
+    /// `[v, h]`: `dL/dweight` with gradients.
+    pub grad_weight: Option<Array2<f32>>,
+    /// Bytes of the logits buffer the kernel held (`[n, v]` materialized,
+    /// `[tokens, v]` fused), f32.
+    pub logits_buffer_bytes: usize,
+}
+
+// ---- validation (the reference's checks, for f32 inputs) ----------------------
+
+/// NaN and `+inf` logits are errors (`-inf` is a masked entry): as
+/// `packshard_reference::vocab::cross_entropy::check_logits`, flat index
+/// `i * row_len + offset + j` for the first `columns` columns.
+///
+/// # Errors
+/// [`Error::NonFiniteInput`] naming `field`.
+pub fn check_logits(
+    field: &str,
+    z: ArrayView2<f32>,
+    columns: usize,
+    row_len: usize,
+    offset: usize,
+) -> Result<()> {
+    for ((i, j), &x) in z.indexed_iter() {
+        if j < columns && (x.is_nan() || x == f32::INFINITY) {
+            return Err(Error::NonFiniteInput {
+                field: field.into(),
+                index: i * row_len + offset + j,
+                value: x as f64,
+            });
+        }
+    }
+    Ok(())
+}
+
+fn check_finite2(field: &str, x: ArrayView2<f32>, offset: usize) -> Result<()> {
+    match x.iter().position(|v| !v.is_finite()) {
+        None => Ok(()),
+        Some(i) => Err(Error::NonFiniteInput {
+            field: field.into(),
+            index: offset + i,
+            value: x.iter().nth(i).copied().unwrap_or(f32::NAN) as f64,
+        }),
+    }
+}
+
+/// The reference's `check_linear` for f32: `weight: [k, h]` matching
+/// `hidden: [n, h]`, finite values (the first `rows` rows of the weight,
+/// global flat indices from row `offset`), and logits that stay within
+/// [`F32_LOGIT_BOUND`].
+///
+/// # Errors
+/// [`Error::ShapeMismatch`] (`weight`), [`Error::NonFiniteInput`]
+/// (`hidden`, `weight`), [`Error::InvalidArgument`] (`hidden`) as the reference.
+pub fn check_linear(
+    hidden: ArrayView2<f32>,
+    weight: ArrayView2<f32>,
+    rows: usize,
+    offset: usize,
+) -> Result<()> {
+    let h = hidden.ncols();
+    if weight.ncols() != h {
+        return Err(Error::ShapeMismatch {
+            field: "weight".into(),
+            expected: format!("[v, h] with h = {h} (the columns of hidden)"),
+            actual: weight.shape().to_vec(),
+        });
+    }
+    check_finite2("hidden", hidden, 0)?;
+    let real = weight.slice(s![..rows.min(weight.nrows()), ..]);
+    check_finite2("weight", real, offset * h)?;
+    let max_abs = |a: ArrayView2<f32>| a.iter().fold(0.0f64, |m, x| m.max(x.abs() as f64));
+    let bound = h as f64 * max_abs(hidden) * max_abs(real);
+    if bound > F32_LOGIT_BOUND {
+        return Err(Error::invalid(
+            "hidden",
+            format!("h * max|hidden| * max|weight| = {bound:e} is over {F32_LOGIT_BOUND:e}: f32 logits could overflow"),
+        ));
+    }
+    Ok(())
+}
+
+fn check_shapes(n: usize, v: usize, targets: &[i64]) -> Result<()> {
+    if targets.len() != n {
+        return Err(Error::ShapeMismatch {
+            field: "targets".into(),
+            expected: format!("[n] with n = {n} (the rows of the logits)"),
+            actual: vec![targets.len()],
+        });
+    }
+    if v == 0 {
+        return Err(Error::ShapeMismatch {
+            field: "logits".into(),
+            expected: "[n, v] with v >= 1".into(),
+            actual: vec![n, v],
+        });
+    }
+    Ok(())
+}
+
+pub mod alg2;
+mod rows;
+
+use rows::*;
+
+// ---- unsharded ------------------------------------------------------------------
+
+/// Cross-entropy of `logits: [n, v]` against `targets: [n]` (f32; `-inf`
+/// allowed), with `dL/dlogits` when `want_grad`. The semantics of
+/// `packshard_reference::vocab::cross_entropy`.
+///
+/// # Errors
+/// As the reference: [`Error::ShapeMismatch`] (`targets`, `logits`),
+/// [`Error::NonFiniteInput`] (`logits`, NaN or `+inf`), the option errors,
+/// [`Error::IndexOutOfRange`] (`targets`), [`Error::InvalidArgument`]
+/// (`logits[i]` all `-inf` with a target).
+pub fn cross_entropy(
+    logits: ArrayView2<f32>,
+    targets: &[i64],
+    config: &LossConfig,
+    want_grad: bool,
+) -> Result<CrossEntropy32> {
+    let (n, v) = logits.dim();
+    check_shapes(n, v, targets)?;
+    check_logits("logits", logits, v, v, 0)?;
+    config.validate(v)?;
+    let rows = Rows::new(targets, config, v, 0, v)?;
+    let mut buf = logits.as_standard_layout().into_owned();
+    let mut stats = vec![SoftmaxStats::EMPTY; n];
+    merge_tile_stats(
+        buf.as_slice().expect("standard layout"),
+        v,
+        0,
+        v,
+        &rows,
+        0,
+        &mut stats,
+    );
+    let (per_token_loss, loss) = rows.losses(&stats)?;
+    let grad_logits = if want_grad {
+        gradient_tile(
+            buf.as_slice_mut().expect("standard layout"),
+            v,
+            0,
+            v,
+            &rows,
+            0,
+            &stats,
+        );
+        Some(buf)
+    } else {
+        None
+    };
+    Ok(CrossEntropy32 {
+        loss,
+        per_token_loss,
+        stats,
+        num_tokens: rows.num_tokens(),
+        grad_logits,
+    })
+}
+
+fn check_linear_inputs(
+    hidden: ArrayView2<f32>,
+    weight: ArrayView2<f32>,
+    targets: &[i64],
+    config: &LossConfig,
+) -> Result<()> {
+    let (n, v) = (hidden.nrows(), weight.nrows());
+    check_shapes(n, v, targets)?;
+    check_linear(hidden, weight, v, 0)?;
+    config.validate(v)?;
+    config.targets(targets, v)?;
+    Ok(())
+}
+
+/// The output layer with the whole logits materialized: `logits = hidden
+/// @ weight^T` (`[n, v]`, one product), the row statistics and losses, and
+/// with `want_grad` the gradient in place and `dL/dhidden = G W`, `dL/dW =
+/// G^T hidden`. The baseline of [`linear_cross_entropy_fused`].
+///
+/// # Errors
+/// As `packshard_reference::vocab::linear_cross_entropy` (with
+/// [`F32_LOGIT_BOUND`]); [`Error::InvalidArgument`] (`weight`) when `n * v`
+/// is over [`MAX_MATERIALIZED_LOGITS`].
+pub fn linear_cross_entropy_materialized(
+    hidden: ArrayView2<f32>,
+    weight: ArrayView2<f32>,
+    targets: &[i64],
+    config: &LossConfig,
+    want_grad: bool,
+) -> Result<LinearCrossEntropy32> {
+    check_linear_inputs(hidden, weight, targets, config)?;
+    let (n, v) = (hidden.nrows(), weight.nrows());
+    if n.checked_mul(v).is_none_or(|x| x > MAX_MATERIALIZED_LOGITS) {
+        return Err(Error::invalid(
+            "weight",
+            format!("{n} tokens x {v} vocabulary entries is over the {MAX_MATERIALIZED_LOGITS} logits the materialized path may hold"),
+        ));
+    }
+    let rows = Rows::new(targets, config, v, 0, v)?;
+    let mut logits = Array2::zeros((n, v));
+    matmul(logits.view_mut(), hidden, weight.t(), false, Threads::All);
+    let mut stats = vec![SoftmaxStats::EMPTY; n];
+    merge_tile_stats(
+        logits.as_slice().expect("fresh"),
+        v,
+        0,
+        v,
+        &rows,
+        0,
+        &mut stats,
+    );
+    let (per_token_loss, loss) = rows.losses(&stats)?;
+    let (mut grad_hidden, mut grad_weight) = (None, None);
+    if want_grad {
+        gradient_tile(
+            logits.as_slice_mut().expect("fresh"),
+            v,
+            0,
+            v,
+            &rows,
+            0,
+            &stats,
+        );
+        let mut gh = Array2::zeros(hidden.dim());
+        matmul(gh.view_mut(), logits.view(), weight, false, Threads::All);
+        let mut gw = Array2::zeros(weight.dim());
+        matmul(gw.view_mut(), logits.t(), hidden, false, Threads::All);
+        grad_hidden = Some(gh);
+        grad_weight = Some(gw);
+    }
+    Ok(LinearCrossEntropy32 {
+        ce: CrossEntropy32 {
+            loss,
+            per_token_loss,
+            stats,
+            num_tokens: rows.num_tokens(),
+            grad_logits: None,
+        },
+        grad_hidden,
+        grad_weight,
+        logits_buffer_bytes: 4 * n * v,
+    })
+}
+
+fn check_chunks(chunks: Chunks) -> Result<()> {
+    if chunks.tokens == 0 || chunks.vocab == 0 {
+        return Err(Error::invalid(
+            "chunks",
+            format!("{chunks:?}: tokens and vocab must be at least 1"),
+        ));
+    }
+    Ok(())
+}
+
+/// The output layer and its cross-entropy, fused and chunked (see the module
+/// docs): the same results as [`linear_cross_entropy_materialized`] while
+/// holding a `[min(n, chunks.tokens), v]` buffer instead of `[n, v]`.
+///
+/// # Errors
+/// As `packshard_reference::vocab::linear_cross_entropy` (with
+/// [`F32_LOGIT_BOUND`], and no bound on `n * v`: nothing of that size
+/// exists); [`Error::InvalidArgument`] (`chunks`) for a zero chunk size.
+pub fn linear_cross_entropy_fused(
+    hidden: ArrayView2<f32>,
+    weight: ArrayView2<f32>,
+    targets: &[i64],
+    config: &LossConfig,
+    want_grad: bool,
+    chunks: Chunks,
+) -> Result<LinearCrossEntropy32> {
+    check_linear_inputs(hidden, weight, targets, config)?;
+    check_chunks(chunks)?;
+    let (n, v) = (hidden.nrows(), weight.nrows());
+    let rows = Rows::new(targets, config, v, 0, v)?;
+    let tn = chunks.tokens.min(n).max(1);
+    let mut buf = Array2::<f32>::zeros((tn, v));
+    let mut stats = vec![SoftmaxStats::EMPTY; n];
+    let mut grads = want_grad.then(|| {
+        (
+            Array2::<f32>::zeros(hidden.dim()),
+            Array2::<f32>::zeros(weight.dim()),
+        )
+    });
+    for i0 in (0..n).step_by(tn) {
+        let m = (n - i0).min(tn);
+        let x = hidden.slice(s![i0..i0 + m, ..]);
+        let mut b = buf.slice_mut(s![..m, ..]);
+        for j0 in (0..v).step_by(chunks.vocab) {
+            let tile = (v - j0).min(chunks.vocab);
+            matmul(
+                b.slice_mut(s![.., j0..j0 + tile]),
+                x,
+                weight.slice(s![j0..j0 + tile, ..]).t(),
+                false,
+                Threads::All,
+            );
+            merge_tile_stats(
+                b.as_slice().expect("rows of a standard buffer"),
+                v,
+                j0,
+                tile,
+                &rows,
+                i0,
+                &mut stats[i0..i0 + m],
+            );
+        }
+        // The whole row's statistics exist now: losses are checked at the
+        // end, gradients can be formed tile by tile.
+        if let Some((gh, gw)) = grads.as_mut() {
+            for j0 in (0..v).step_by(chunks.vocab) {
+                let tile = (v - j0).min(chunks.vocab);
+                gradient_tile(
+                    b.as_slice_mut().expect("rows of a standard buffer"),
+                    v,
+                    j0,
+                    tile,
+                    &rows,
+                    i0,
+                    &stats[i0..i0 + m],
+                );
+                let g = b.slice(s![.., j0..j0 + tile]);
+                matmul(
+                    gh.slice_mut(s![i0..i0 + m, ..]),
+                    g,
+                    weight.slice(s![j0..j0 + tile, ..]),
+                    true,
+                    Threads::All,
+                );
+                matmul(
+                    gw.slice_mut(s![j0..j0 + tile, ..]),
+                    g.t(),
+                    x,
+                    true,
+                    Threads::All,
+                );
+            }
+        }
+    }
+    let (per_token_loss, loss) = rows.losses(&stats)?;
+    let (grad_hidden, grad_weight) = match grads {
+        Some((gh, gw)) => (Some(gh), Some(gw)),
+        None => (None, None),
+    };
+    Ok(LinearCrossEntropy32 {
+        ce: CrossEntropy32 {
+            loss,
+            per_token_loss,
+            stats,
+            num_tokens: rows.num_tokens(),
+            grad_logits: None,
+        },
+        grad_hidden,
+        grad_weight,
+        logits_buffer_bytes: 4 * tn * v,
+    })
+}
+
+/// `[rows, cols]` mutable view helper for the shard passes.
+fn rows_view(buf: &mut Array2<f32>, m: usize) -> ArrayViewMut2<'_, f32> {
+    buf.slice_mut(s![..m, ..])
+}

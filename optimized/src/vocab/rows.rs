@@ -1,0 +1,387 @@
+//! The SIMD row kernels: per-row statistics and gradients over tiles of the
+//! logits, threaded over rows.
+
+use super::*;
+
+// ---- row kernels ----------------------------------------------------------------
+
+/// The target distribution of one row restricted to some columns: `qo` on
+/// every column, `qt` on `target` (a column index of the slice) if it is there.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct RowQ {
+    /// Whether the row counts (its target is not ignored).
+    pub(super) active: bool,
+    pub(super) target: Option<usize>,
+    pub(super) qt: f64,
+    pub(super) qo: f64,
+}
+
+impl RowQ {
+    pub(super) fn at(&self, j: usize) -> f64 {
+        if !self.active {
+            0.0
+        } else if Some(j) == self.target {
+            self.qt
+        } else {
+            self.qo
+        }
+    }
+
+    /// The same row restricted to columns `j0..j0 + width`.
+    pub(super) fn tile(&self, j0: usize, width: usize) -> RowQ {
+        RowQ {
+            target: self
+                .target
+                .filter(|&t| t >= j0 && t < j0 + width)
+                .map(|t| t - j0),
+            ..*self
+        }
+    }
+}
+
+/// The [`SoftmaxStats`] of `z` (finite or `-inf`) under `q`, the sums in f32.
+#[inline(always)]
+pub(super) fn row_stats<S: Simd>(simd: S, z: &[f32], q: &RowQ) -> SoftmaxStats {
+    let max = simd::max(simd, z);
+    let (mut target, mut mass) = (0.0f64, 0.0f64);
+    if q.active {
+        let mut infinite = false;
+        if q.qo > 0.0 && !z.is_empty() {
+            mass += q.qo * z.len() as f64;
+            if max == f32::NEG_INFINITY {
+                // Every column is -inf: infinite, unless the only column is
+                // the target, whose weight `qt` is judged below (Megatron's
+                // smoothing at 1 gives it `qt = 0`).
+                infinite = !(z.len() == 1 && q.target.is_some());
+            } else {
+                let (head, tail) = S::as_simd_f32s(z);
+                let m = simd.splat_f32s(max);
+                let mut acc = simd.splat_f32s(0.0);
+                for &x in head {
+                    acc = simd.add_f32s(acc, simd.sub_f32s(m, x));
+                }
+                if !tail.is_empty() {
+                    acc = simd.add_f32s(acc, simd.sub_f32s(m, load_tail(simd, tail, max)));
+                }
+                let mut sum = simd.reduce_sum_f32s(acc) as f64;
+                if sum == f64::INFINITY {
+                    // A -inf column. If it is only the target's, its weight
+                    // is `qt`, not `qo` (judged below): sum the others.
+                    if let Some(t) = q.target.filter(|&t| z[t] == f32::NEG_INFINITY) {
+                        sum = z
+                            .iter()
+                            .enumerate()
+                            .filter(|&(j, _)| j != t)
+                            .map(|(_, &x)| f64::from(max - x))
+                            .sum();
+                    }
+                }
+                infinite |= sum == f64::INFINITY;
+                target += q.qo * sum;
+            }
+        }
+        if let Some(t) = q.target {
+            let extra = q.qt - q.qo;
+            mass += extra;
+            if z[t] == f32::NEG_INFINITY {
+                infinite |= q.qt > 0.0;
+            } else {
+                target += extra * (max as f64 - z[t] as f64);
+            }
+        }
+        if infinite {
+            target = f64::INFINITY;
+        }
+    }
+    if max == f32::NEG_INFINITY {
+        return SoftmaxStats {
+            max: f64::NEG_INFINITY,
+            rest: -1.0,
+            target,
+            mass,
+        };
+    }
+    let (head, tail) = S::as_simd_f32s(z);
+    let m = simd.splat_f32s(max);
+    let (zero, one) = (simd.splat_f32s(0.0), simd.splat_f32s(1.0));
+    let (mut below, mut count) = (zero, zero);
+    let mut step = |x: S::f32s| {
+        let at_max = simd.equal_f32s(x, m);
+        let e = simd::exp(simd, simd.sub_f32s(x, m));
+        below = simd.add_f32s(below, simd.select_f32s(at_max, zero, e));
+        count = simd.add_f32s(count, simd.select_f32s(at_max, one, zero));
+    };
+    for &x in head {
+        step(x);
+    }
+    if !tail.is_empty() {
+        step(load_tail(simd, tail, f32::NEG_INFINITY));
+    }
+    let count = simd.reduce_sum_f32s(count) as f64;
+    let below = simd.reduce_sum_f32s(below) as f64;
+    SoftmaxStats {
+        max: max as f64,
+        rest: (count - 1.0) + below,
+        target,
+        mass,
+    }
+}
+
+/// Overwrites `z` with `w * f(z_j, q_j)` where, for the bulk of the row,
+/// `f = a * p - b * q + c * p` with `p = exp(z - m) / s` (vectorised), and
+/// for the columns at the maximum `m` or holding the target, `exact(z, q)`
+/// (the reference's formula in f64). `p = 0` at `-inf`.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub(super) fn gradient_row<S: Simd>(
+    simd: S,
+    z: &mut [f32],
+    q: &RowQ,
+    w: f64,
+    m: f64,
+    s: f64,
+    a: f64,
+    b: f64,
+    exact: impl Fn(f64, f64) -> f64,
+) {
+    if w == 0.0 || !q.active {
+        z.fill(0.0);
+        return;
+    }
+    // The special columns first, from the logits.
+    let mut special: Vec<(usize, f32)> = Vec::new();
+    if m != f64::NEG_INFINITY {
+        let m32 = m as f32;
+        for (j, &x) in z.iter().enumerate() {
+            if x == m32 {
+                special.push((j, (w * exact(x as f64, q.at(j))) as f32));
+            }
+        }
+    }
+    if let Some(t) = q.target {
+        if !special.iter().any(|&(j, _)| j == t) {
+            special.push((t, (w * exact(z[t] as f64, q.at(t))) as f32));
+        }
+    }
+    if m == f64::NEG_INFINITY || s == 0.0 {
+        // No softmax mass here: p = 0, the gradient is -b q.
+        let v = (-w * b * q.qo) as f32;
+        z.fill(v);
+    } else {
+        let shift = simd.splat_f32s(m as f32);
+        let coef = simd.splat_f32s((w * a / s) as f32);
+        let off = simd.splat_f32s((-w * b * q.qo) as f32);
+        simd::map_in_place(simd, z, f32::NEG_INFINITY, |x| {
+            let p = simd::exp(simd, simd.sub_f32s(x, shift));
+            simd.mul_add_f32s(p, coef, off)
+        });
+    }
+    for (j, v) in special {
+        z[j] = v;
+    }
+}
+
+/// The unsharded gradient of a row with statistics `st`: `w ((p - q) + 2 c
+/// lse p)` (the reference's [`SoftmaxStats::gradient`]).
+#[inline(always)]
+pub(super) fn unsharded_gradient_row<S: Simd>(
+    simd: S,
+    z: &mut [f32],
+    q: &RowQ,
+    w: f64,
+    st: &SoftmaxStats,
+    z_loss: f64,
+) {
+    let zl = if z_loss == 0.0 {
+        0.0
+    } else {
+        2.0 * z_loss * st.logsumexp()
+    };
+    gradient_row(
+        simd,
+        z,
+        q,
+        w,
+        st.max,
+        st.sum_exp(),
+        1.0 + zl,
+        1.0,
+        |x, qj| st.gradient(x, qj, z_loss),
+    );
+}
+
+pub(super) struct RowsOp<'a, F> {
+    pub(super) rows: &'a mut [f32],
+    pub(super) width: usize,
+    pub(super) first: usize,
+    pub(super) f: &'a F,
+}
+
+impl<F: Fn(usize, &mut [f32]) + Sync> RowsOp<'_, F> {
+    pub(super) fn run(self) {
+        for (i, row) in self.rows.chunks_mut(self.width).enumerate() {
+            (self.f)(self.first + i, row);
+        }
+    }
+}
+
+/// Applies `f(row index, row)` to the rows of `buf: [n, width]` (columns
+/// `j0..j0 + tile` of each), in parallel chunks, each chunk in the
+/// dispatched SIMD context of `kernel`.
+pub(super) fn for_rows<K>(buf: &mut [f32], width: usize, j0: usize, tile: usize, kernel: K)
+where
+    K: Fn(pulp::Arch, usize, &mut [f32]) + Sync,
+{
+    const ROWS: usize = 16;
+    if width == 0 {
+        return;
+    }
+    let arch = simd::arch();
+    buf.par_chunks_mut(ROWS * width)
+        .enumerate()
+        .for_each(|(c, chunk)| {
+            let f = |i: usize, row: &mut [f32]| kernel(arch, i, &mut row[j0..j0 + tile]);
+            RowsOp {
+                rows: chunk,
+                width,
+                first: c * ROWS,
+                f: &f,
+            }
+            .run();
+        });
+}
+
+/// Row statistics of a tile under SIMD (dispatched).
+pub(super) struct StatsOp<'a> {
+    pub(super) z: &'a [f32],
+    pub(super) q: RowQ,
+}
+
+impl WithSimd for StatsOp<'_> {
+    type Output = SoftmaxStats;
+    #[inline(always)]
+    fn with_simd<S: Simd>(self, simd: S) -> SoftmaxStats {
+        row_stats(simd, self.z, &self.q)
+    }
+}
+
+pub(super) struct GradOp<'a> {
+    pub(super) z: &'a mut [f32],
+    pub(super) q: RowQ,
+    pub(super) w: f64,
+    pub(super) st: SoftmaxStats,
+    pub(super) z_loss: f64,
+}
+
+impl WithSimd for GradOp<'_> {
+    type Output = ();
+    #[inline(always)]
+    fn with_simd<S: Simd>(self, simd: S) {
+        unsharded_gradient_row(simd, self.z, &self.q, self.w, &self.st, self.z_loss);
+    }
+}
+
+/// What every row needs: `q`, weights, the options.
+pub(super) struct Rows<'a> {
+    pub(super) q: Vec<RowQ>,
+    pub(super) weights: Vec<f64>,
+    pub(super) targets: Vec<Option<usize>>,
+    pub(super) config: &'a LossConfig,
+}
+
+impl<'a> Rows<'a> {
+    /// Targets checked against `v` (global ids), restricted to the columns
+    /// `start..start + real` of a shard (`start = 0, real = v` unsharded).
+    pub(super) fn new(
+        targets: &[i64],
+        config: &'a LossConfig,
+        v: usize,
+        start: usize,
+        real: usize,
+    ) -> Result<Self> {
+        let parsed = config.targets(targets, v)?;
+        let (qt, qo) = config.target_distribution(v);
+        let weights = config.token_weights(&parsed);
+        let q = parsed
+            .iter()
+            .map(|t| RowQ {
+                active: t.is_some(),
+                target: t
+                    .filter(|&t| t >= start && t < start + real)
+                    .map(|t| t - start),
+                qt,
+                qo,
+            })
+            .collect();
+        Ok(Rows {
+            q,
+            weights,
+            targets: parsed,
+            config,
+        })
+    }
+
+    /// Per-token losses and the loss from whole-row statistics.
+    pub(super) fn losses(&self, stats: &[SoftmaxStats]) -> Result<(Array1<f64>, f64)> {
+        for (i, st) in stats.iter().enumerate() {
+            check_row(i, st, self.targets[i])?;
+        }
+        let per_token: Array1<f64> = stats
+            .iter()
+            .zip(&self.targets)
+            .map(|(st, &t)| token_loss(st, t, self.config))
+            .collect();
+        let loss = self
+            .config
+            .reduce(per_token.as_slice().expect("contiguous"), &self.targets);
+        Ok((per_token, loss))
+    }
+
+    pub(super) fn num_tokens(&self) -> usize {
+        self.targets.iter().filter(|t| t.is_some()).count()
+    }
+}
+
+/// Statistics of the columns `j0..j0 + tile` of every row of `buf: [rows, width]`,
+/// merged into `stats` (rows `i0..`).
+pub(super) fn merge_tile_stats(
+    buf: &[f32],
+    width: usize,
+    j0: usize,
+    tile: usize,
+    rows: &Rows,
+    i0: usize,
+    stats: &mut [SoftmaxStats],
+) {
+    let arch = simd::arch();
+    stats.par_iter_mut().enumerate().for_each(|(r, st)| {
+        let z = &buf[r * width + j0..r * width + j0 + tile];
+        let q = rows.q[i0 + r].tile(j0, tile);
+        let t = arch.dispatch(StatsOp { z, q });
+        *st = st.merge(t);
+    });
+}
+
+/// The unsharded gradient of the columns `j0..j0 + tile` of every row of
+/// `buf` (rows `i0..`), in place.
+pub(super) fn gradient_tile(
+    buf: &mut [f32],
+    width: usize,
+    j0: usize,
+    tile: usize,
+    rows: &Rows,
+    i0: usize,
+    stats: &[SoftmaxStats],
+) {
+    let z_loss = rows.config.z_loss;
+    for_rows(buf, width, j0, tile, |arch, r, z| {
+        let i = i0 + r;
+        arch.dispatch(GradOp {
+            z,
+            q: rows.q[i].tile(j0, tile),
+            w: rows.weights[i],
+            st: stats[r],
+            z_loss,
+        })
+    });
+}

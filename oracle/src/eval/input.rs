@@ -1,0 +1,315 @@
+//! Typed access to the fields of one JSON case, with errors that name the field
+//! and index (the `packshard eval` error contract, `docs/INTERFACE.md`).
+
+use serde_json::{Map, Value};
+
+use super::EvalError;
+
+/// One case: a JSON object whose fields are read with typed getters.
+pub struct Case<'a> {
+    obj: &'a Map<String, Value>,
+}
+
+/// A dense tensor read from nested JSON arrays (row-major).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Tensor {
+    /// Extent of each dimension.
+    pub shape: Vec<usize>,
+    /// Values in row-major order.
+    pub data: Vec<f64>,
+}
+
+impl<'a> Case<'a> {
+    /// Wraps `value`, which must be an object whose fields are all in `allowed`
+    /// (plus the common `op`, `impl`, `want_grad`).
+    pub fn new(value: &'a Value, allowed: &[&str]) -> Result<Self, EvalError> {
+        let obj = value
+            .as_object()
+            .ok_or_else(|| EvalError::new("invalid_json", "a case must be a JSON object"))?;
+        for key in obj.keys() {
+            if !["op", "impl", "want_grad"].contains(&key.as_str())
+                && !allowed.contains(&key.as_str())
+            {
+                return Err(EvalError::new(
+                    "invalid_argument",
+                    format!(
+                        "{key}: unknown field for this op (known: {})",
+                        allowed.join(", ")
+                    ),
+                ));
+            }
+        }
+        Ok(Case { obj })
+    }
+
+    /// True if the field is present and not null.
+    pub fn has(&self, name: &str) -> bool {
+        self.obj.get(name).is_some_and(|v| !v.is_null())
+    }
+
+    fn get(&self, name: &str) -> Option<&'a Value> {
+        self.obj.get(name).filter(|v| !v.is_null())
+    }
+
+    fn require(&self, name: &str) -> Result<&'a Value, EvalError> {
+        self.get(name).ok_or_else(|| {
+            EvalError::new(
+                "missing_field",
+                format!("{name}: required field is missing"),
+            )
+        })
+    }
+
+    /// A required non-negative integer.
+    pub fn usize(&self, name: &str) -> Result<usize, EvalError> {
+        as_usize(self.require(name)?, name)
+    }
+
+    /// An optional non-negative integer.
+    pub fn opt_usize(&self, name: &str) -> Result<Option<usize>, EvalError> {
+        self.get(name).map(|v| as_usize(v, name)).transpose()
+    }
+
+    /// An optional integer.
+    pub fn opt_i64(&self, name: &str) -> Result<Option<i64>, EvalError> {
+        self.get(name)
+            .map(|v| {
+                v.as_i64().ok_or_else(|| {
+                    EvalError::invalid(name, format!("expected an integer, found {v}"))
+                })
+            })
+            .transpose()
+    }
+
+    /// An optional finite number.
+    pub fn opt_f64(&self, name: &str) -> Result<Option<f64>, EvalError> {
+        self.get(name).map(|v| as_f64(v, name)).transpose()
+    }
+
+    /// An optional boolean.
+    pub fn opt_bool(&self, name: &str) -> Result<Option<bool>, EvalError> {
+        self.get(name)
+            .map(|v| {
+                v.as_bool().ok_or_else(|| {
+                    EvalError::invalid(name, format!("expected true or false, found {v}"))
+                })
+            })
+            .transpose()
+    }
+
+    /// An optional string.
+    pub fn opt_str(&self, name: &str) -> Result<Option<&'a str>, EvalError> {
+        self.get(name)
+            .map(|v| {
+                v.as_str().ok_or_else(|| {
+                    EvalError::invalid(name, format!("expected a string, found {v}"))
+                })
+            })
+            .transpose()
+    }
+
+    /// An optional value parsed from a string with `FromStr`.
+    pub fn opt_parse<T>(&self, name: &str) -> Result<Option<T>, EvalError>
+    where
+        T: std::str::FromStr<Err = packshard_reference::Error>,
+    {
+        self.opt_str(name)?
+            .map(|s| s.parse::<T>().map_err(EvalError::from))
+            .transpose()
+    }
+
+    /// A required list of non-negative integers (`[n]`).
+    pub fn usize_list(&self, name: &str) -> Result<Vec<usize>, EvalError> {
+        let items = as_array(self.require(name)?, name)?;
+        items
+            .iter()
+            .enumerate()
+            .map(|(i, v)| as_usize(v, &format!("{name}[{i}]")))
+            .collect()
+    }
+
+    /// A required list of integers (`[n]`, negative allowed).
+    pub fn i64_list(&self, name: &str) -> Result<Vec<i64>, EvalError> {
+        let items = as_array(self.require(name)?, name)?;
+        items
+            .iter()
+            .enumerate()
+            .map(|(i, v)| {
+                v.as_i64().ok_or_else(|| {
+                    EvalError::invalid(
+                        &format!("{name}[{i}]"),
+                        format!("expected an integer, found {v}"),
+                    )
+                })
+            })
+            .collect()
+    }
+
+    /// A required list of lists of integers (`[[...], ...]`, ragged allowed).
+    pub fn i64_lists(&self, name: &str) -> Result<Vec<Vec<i64>>, EvalError> {
+        let items = as_array(self.require(name)?, name)?;
+        items
+            .iter()
+            .enumerate()
+            .map(|(i, row)| {
+                as_array(row, &format!("{name}[{i}]"))?
+                    .iter()
+                    .enumerate()
+                    .map(|(j, v)| {
+                        v.as_i64().ok_or_else(|| {
+                            EvalError::invalid(
+                                &format!("{name}[{i}][{j}]"),
+                                format!("expected an integer, found {v}"),
+                            )
+                        })
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// A required list of `[a, b]` non-negative integer pairs.
+    pub fn pairs(&self, name: &str) -> Result<Vec<(usize, u64)>, EvalError> {
+        let items = as_array(self.require(name)?, name)?;
+        items
+            .iter()
+            .enumerate()
+            .map(|(i, pair)| {
+                let field = format!("{name}[{i}]");
+                let p = as_array(pair, &field)?;
+                if p.len() != 2 {
+                    return Err(EvalError::new(
+                        "shape_mismatch",
+                        format!(
+                            "{field}: expected a pair [length, count], found {} items",
+                            p.len()
+                        ),
+                    ));
+                }
+                Ok((
+                    as_usize(&p[0], &format!("{field}[0]"))?,
+                    as_usize(&p[1], &format!("{field}[1]"))? as u64,
+                ))
+            })
+            .collect()
+    }
+
+    /// A required tensor of `ndim` dimensions (nested arrays, row-major,
+    /// finite numbers). `legend` names the expected shape for errors, e.g. `[n_tok, h, d]`.
+    pub fn tensor(&self, name: &str, ndim: usize, legend: &str) -> Result<Tensor, EvalError> {
+        let value = self.require(name)?;
+        let mut shape = Vec::new();
+        let mut probe = value;
+        while let Value::Array(items) = probe {
+            shape.push(items.len());
+            match items.first() {
+                Some(first) => probe = first,
+                None => break,
+            }
+        }
+        if shape.len() < ndim && shape.last() == Some(&0) {
+            shape.resize(ndim, 0);
+        }
+        if shape.len() != ndim {
+            return Err(EvalError::new(
+                "shape_mismatch",
+                format!(
+                    "{name}: expected a {ndim}-d tensor {legend}, found {} nesting levels",
+                    shape.len()
+                ),
+            ));
+        }
+        let mut data = Vec::with_capacity(shape.iter().product());
+        flatten(value, &shape, 0, name, &mut data)?;
+        Ok(Tensor { shape, data })
+    }
+}
+
+fn flatten(
+    value: &Value,
+    shape: &[usize],
+    depth: usize,
+    path: &str,
+    out: &mut Vec<f64>,
+) -> Result<(), EvalError> {
+    if depth == shape.len() {
+        out.push(tensor_leaf(value, path)?);
+        return Ok(());
+    }
+    let items = value.as_array().ok_or_else(|| {
+        EvalError::new(
+            "shape_mismatch",
+            format!("{path}: expected an array at depth {depth}, found {value}"),
+        )
+    })?;
+    if items.len() != shape[depth] {
+        return Err(EvalError::new(
+            "shape_mismatch",
+            format!(
+                "{path}: has {} items where its siblings have {} (ragged tensor)",
+                items.len(),
+                shape[depth]
+            ),
+        ));
+    }
+    for (i, item) in items.iter().enumerate() {
+        flatten(item, shape, depth + 1, &format!("{path}[{i}]"), out)?;
+    }
+    Ok(())
+}
+
+/// A tensor element: a JSON number, or one of the strings `inf`, `-inf`,
+/// `nan` (JSON has no literal for them; masked logits need `-inf`). Each op
+/// decides whether non-finite values are allowed.
+fn tensor_leaf(value: &Value, path: &str) -> Result<f64, EvalError> {
+    if let Some(v) = value.as_f64() {
+        return Ok(v);
+    }
+    match value.as_str().map(str::to_ascii_lowercase).as_deref() {
+        Some("inf" | "+inf" | "infinity" | "+infinity") => Ok(f64::INFINITY),
+        Some("-inf" | "-infinity") => Ok(f64::NEG_INFINITY),
+        Some("nan") => Ok(f64::NAN),
+        _ => Err(EvalError::invalid(
+            path,
+            format!("expected a number (or \"inf\", \"-inf\", \"nan\"), found {value}"),
+        )),
+    }
+}
+
+impl Tensor {
+    /// Errors with `non_finite_input` naming the flat index of the first NaN or infinity.
+    pub fn require_finite(&self, name: &str) -> Result<(), EvalError> {
+        packshard_reference::error::check_finite(name, &self.data).map_err(EvalError::from)
+    }
+}
+
+fn as_array<'v>(value: &'v Value, name: &str) -> Result<&'v Vec<Value>, EvalError> {
+    value
+        .as_array()
+        .ok_or_else(|| EvalError::invalid(name, format!("expected an array, found {value}")))
+}
+
+fn as_usize(value: &Value, name: &str) -> Result<usize, EvalError> {
+    match value.as_u64() {
+        Some(v) => {
+            usize::try_from(v).map_err(|_| EvalError::invalid(name, format!("{v} is too large")))
+        }
+        None => Err(EvalError::invalid(
+            name,
+            format!("expected a non-negative integer, found {value}"),
+        )),
+    }
+}
+
+fn as_f64(value: &Value, name: &str) -> Result<f64, EvalError> {
+    let v = value
+        .as_f64()
+        .ok_or_else(|| EvalError::invalid(name, format!("expected a number, found {value}")))?;
+    if !v.is_finite() {
+        return Err(EvalError::new(
+            "non_finite_input",
+            format!("{name} is not finite ({v})"),
+        ));
+    }
+    Ok(v)
+}

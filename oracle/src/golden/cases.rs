@@ -1,0 +1,849 @@
+//! The canonical golden cases: small, seeded, with the docs/FAULTS.md situations
+//! in them (empty segments, ignored targets, padded vocabularies, a shard of
+//! `-inf`, repeated ids, planted outliers), one or more per `eval` op.
+
+use ndarray::{Array2, Array3, ArrayView2, Axis, Slice};
+use packshard_equivalence::attention::AttentionCase;
+use packshard_equivalence::fuzz::attention::AttentionTerms;
+use packshard_equivalence::vocab::Terms;
+use packshard_reference::bert::attention::{
+    default_scale, varlen_attention, varlen_attention_backward,
+};
+use packshard_reference::packing::{pack_lengths, Algorithm, Overlong, PackedBatch, PackingConfig};
+use packshard_reference::vocab::embedding::{embedding_backward, embedding_forward};
+use packshard_reference::vocab::{
+    cross_entropy, linear_cross_entropy, LossConfig, Reduction, ShardLayout, ShardMap,
+    ShardedAlgorithm, SmoothingConvention,
+};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde_json::{json, Map, Value};
+
+use super::io::{Dtype, Tensor};
+use super::{lowp, GoldenCase, GoldenError, Output, Rule};
+
+impl From<packshard_reference::Error> for GoldenError {
+    fn from(e: packshard_reference::Error) -> Self {
+        GoldenError::new(format!("golden case: {e}"))
+    }
+}
+
+fn params(pairs: &[(&str, Value)]) -> Map<String, Value> {
+    pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.clone()))
+        .collect()
+}
+
+fn max_abs(xs: &[f64]) -> f64 {
+    xs.iter()
+        .filter(|x| x.is_finite())
+        .fold(0.0, |m, x| m.max(x.abs()))
+}
+
+fn max_diff(a: &[f64], b: &[f64]) -> f64 {
+    a.iter()
+        .zip(b)
+        .filter(|(x, y)| x.is_finite() && y.is_finite())
+        .fold(0.0, |m, (x, y)| m.max((x - y).abs()))
+}
+
+fn flat<D: ndarray::Dimension>(a: &ndarray::Array<f64, D>) -> Vec<f64> {
+    a.iter().copied().collect()
+}
+
+/// A float output with its rule: the f64 terms rule at `F64`, else the
+/// low-precision rule from `lowp` (the same tensor computed in `dtype`).
+fn float_output(
+    name: &str,
+    shape: &[usize],
+    expected: Vec<f64>,
+    dtype: Dtype,
+    terms: f64,
+    what: &str,
+    lowp: &[f64],
+) -> Output {
+    let (rule, in_dtype) = match dtype {
+        Dtype::F64 => (Rule::f64_terms(terms.max(max_abs(&expected)), what), None),
+        _ => (
+            Rule::lowp(dtype, max_diff(&expected, lowp), max_abs(&expected)),
+            Some(lowp.to_vec()),
+        ),
+    };
+    Output {
+        tensor: Tensor::float(name, shape, expected, Dtype::F64),
+        rule,
+        in_dtype,
+    }
+}
+
+fn int_output(name: &str, shape: &[usize], values: Vec<i64>, why: &str) -> Output {
+    Output {
+        tensor: Tensor::int(name, shape, values),
+        rule: Rule::exact(why),
+        in_dtype: None,
+    }
+}
+
+/// Every case at `dtype`, in manifest order.
+///
+/// # Errors
+/// A [`GoldenError`] if a case's inputs are refused by the reference (a bug
+/// in this file).
+pub fn all(dtype: Dtype) -> Result<Vec<GoldenCase>, GoldenError> {
+    let mut cases = vec![
+        pack_case(
+            "pack_spfhp",
+            "SPFHP, at most 3 sequences per pack, two empty sequences (P4)",
+            lengths(24, 32, 11),
+            PackingConfig::new(Algorithm::Spfhp, 32).with_max_sequences_per_pack(Some(3)),
+        )?,
+        pack_case(
+            "pack_ffd_split",
+            "FFD with overlong sequences split into pieces, no token lost (P3)",
+            lengths(12, 40, 12),
+            PackingConfig::new(Algorithm::Ffd, 16).with_overlong(Overlong::Split),
+        )?,
+        batch_case()?,
+        attention_case(
+            "attention_varlen",
+            "varlen attention over 5 segments with an empty one, planted outliers, forward and backward (P2, P4)",
+            &[3, 0, 5, 1, 7],
+            (2, 4),
+            false,
+            1,
+            dtype,
+        )?,
+        attention_case(
+            "attention_causal",
+            "causal varlen attention over 3 segments, forward and backward",
+            &[4, 6, 2],
+            (2, 3),
+            true,
+            2,
+            dtype,
+        )?,
+    ];
+    cases.extend(cross_entropy_cases(dtype)?);
+    cases.extend(linear_cases(dtype)?);
+    cases.extend(embedding_cases(dtype)?);
+    Ok(cases)
+}
+
+/// `n` seeded lengths in `0..=max` (every seventh empty).
+fn lengths(n: usize, max: usize, seed: u64) -> Vec<usize> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    (0..n)
+        .map(|i| {
+            if i % 7 == 3 {
+                0
+            } else {
+                rng.random_range(1..=max)
+            }
+        })
+        .collect()
+}
+
+fn pack_case(
+    name: &str,
+    description: &str,
+    lengths: Vec<usize>,
+    config: PackingConfig,
+) -> Result<GoldenCase, GoldenError> {
+    let plan = pack_lengths(&lengths, &config)?;
+    let mut segments = Vec::new();
+    for (p, pack) in plan.packs.iter().enumerate() {
+        for s in pack {
+            segments.extend([
+                p as i64,
+                s.sequence as i64,
+                s.offset as i64,
+                s.length as i64,
+            ]);
+        }
+    }
+    let k = segments.len() / 4;
+    let mut p = params(&[
+        ("max_seq_len", json!(config.max_seq_len)),
+        ("algorithm", json!(config.algorithm.name())),
+    ]);
+    if let Some(limit) = config.max_sequences_per_pack {
+        p.insert("max_sequences_per_pack".into(), json!(limit));
+    }
+    p.insert(
+        "overlong".into(),
+        json!(format!("{:?}", config.overlong).to_lowercase()),
+    );
+    Ok(GoldenCase {
+        name: name.into(),
+        op: "pack",
+        description: description.into(),
+        params: p,
+        inputs: vec![Tensor::int(
+            "lengths",
+            &[lengths.len()],
+            lengths.iter().map(|&l| l as i64).collect(),
+        )],
+        outputs: vec![
+            int_output("num_packs", &[], vec![plan.packs.len() as i64], "a count"),
+            int_output(
+                "segments",
+                &[k, 4],
+                segments,
+                "the plan: pack, sequence, offset, length of each segment of `packs`, in order",
+            ),
+        ],
+    })
+}
+
+fn batch_case() -> Result<GoldenCase, GoldenError> {
+    let lengths = [5usize, 0, 3, 8, 2, 7];
+    let mut rng = ChaCha8Rng::seed_from_u64(13);
+    let sequences: Vec<Vec<i64>> = lengths
+        .iter()
+        .map(|&l| (0..l).map(|_| rng.random_range(1..30522)).collect())
+        .collect();
+    let config = PackingConfig::new(Algorithm::Ffd, 10);
+    let (offset, pad) = (2, 0);
+    let (_, batch) = PackedBatch::from_sequences(&sequences, &config, pad, offset)?;
+    let mut cu = vec![0i64];
+    for s in &sequences {
+        cu.push(cu.last().expect("starts at 0") + s.len() as i64);
+    }
+    let tokens: Vec<i64> = sequences.concat();
+    let shape = [batch.num_packs(), config.max_seq_len];
+    let rows = |a: &Array2<i64>| a.iter().copied().collect::<Vec<i64>>();
+    Ok(GoldenCase {
+        name: "batch_ffd_offset2".into(),
+        op: "batch",
+        description: "token sequences packed by FFD into rows of 10 with RoBERTa-style positions from 2 and an empty sequence (P1, P4, P5, P6)".into(),
+        params: params(&[
+            ("max_seq_len", json!(config.max_seq_len)),
+            ("algorithm", json!(config.algorithm.name())),
+            ("position_offset", json!(offset)),
+            ("pad_token_id", json!(pad)),
+        ]),
+        inputs: vec![
+            Tensor::int("tokens", &[tokens.len()], tokens),
+            Tensor::int("cu_seqlens", &[cu.len()], cu),
+        ],
+        outputs: vec![
+            int_output("input_ids", &shape, rows(&batch.input_ids), "token ids"),
+            int_output("position_ids", &shape, rows(&batch.position_ids), "positions"),
+            int_output("sequence_ids", &shape, rows(&batch.sequence_ids), "1-based segment per pack, 0 for padding"),
+        ],
+    })
+}
+
+fn round3(a: &Array3<f64>, dtype: Dtype) -> Array3<f64> {
+    a.mapv(|x| dtype.round(x))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn attention_case(
+    name: &str,
+    description: &str,
+    seq_lengths: &[usize],
+    (h, d): (usize, usize),
+    causal: bool,
+    seed: u64,
+    dtype: Dtype,
+) -> Result<GoldenCase, GoldenError> {
+    let c = AttentionCase::seeded(seq_lengths, h, d, 0, seed);
+    let (q, k, v, go) = (
+        round3(&c.q, dtype),
+        round3(&c.k, dtype),
+        round3(&c.v, dtype),
+        round3(&c.grad_output, dtype),
+    );
+    let cu = c.cu_seqlens();
+    let scale = default_scale(d);
+    let fwd = varlen_attention(q.view(), k.view(), v.view(), &cu, causal, scale)?;
+    let grads = varlen_attention_backward(
+        q.view(),
+        k.view(),
+        v.view(),
+        &cu,
+        causal,
+        scale,
+        &fwd,
+        go.view(),
+    )?;
+    let mut terms = [0.0f64; 5];
+    for w in cu.windows(2) {
+        let rows = |x: &Array3<f64>| x.slice_axis(Axis(0), Slice::from(w[0]..w[1])).to_owned();
+        let t = AttentionTerms::of(
+            rows(&q).view(),
+            rows(&k).view(),
+            rows(&v).view(),
+            rows(&go).view(),
+            scale,
+            causal,
+        );
+        for (m, x) in terms
+            .iter_mut()
+            .zip([t.output, t.lse, t.grad_q, t.grad_k, t.grad_v])
+        {
+            *m = m.max(x);
+        }
+    }
+    let low = (dtype != Dtype::F64).then(|| {
+        lowp::attention(
+            q.view(),
+            k.view(),
+            v.view(),
+            go.view(),
+            &cu,
+            causal,
+            scale,
+            dtype,
+        )
+    });
+    let n = q.dim().0;
+    let what = "AttentionTerms";
+    let out = |name: &str, shape: &[usize], e: Vec<f64>, t: f64, l: Option<Vec<f64>>| {
+        float_output(name, shape, e, dtype, t, what, &l.unwrap_or_default())
+    };
+    Ok(GoldenCase {
+        name: name.into(),
+        op: "attention",
+        description: description.into(),
+        params: params(&[
+            ("causal", json!(causal)),
+            ("scale", json!(scale)),
+            ("want_grad", json!(true)),
+        ]),
+        inputs: vec![
+            Tensor::float("q", &[n, h, d], flat(&q), dtype),
+            Tensor::float("k", &[n, h, d], flat(&k), dtype),
+            Tensor::float("v", &[n, h, d], flat(&v), dtype),
+            Tensor::int(
+                "cu_seqlens",
+                &[cu.len()],
+                cu.iter().map(|&x| x as i64).collect(),
+            ),
+            Tensor::float("grad_output", &[n, h, d], flat(&go), dtype),
+        ],
+        outputs: vec![
+            out(
+                "output",
+                &[n, h, d],
+                flat(&fwd.output),
+                terms[0],
+                low.as_ref().map(|l| flat(&l.output)),
+            ),
+            out(
+                "lse",
+                &[h, n],
+                flat(&fwd.lse),
+                terms[1],
+                low.as_ref().map(|l| flat(&l.lse)),
+            ),
+            out(
+                "grad_q",
+                &[n, h, d],
+                flat(&grads.grad_q),
+                terms[2],
+                low.as_ref().map(|l| flat(&l.grad_q)),
+            ),
+            out(
+                "grad_k",
+                &[n, h, d],
+                flat(&grads.grad_k),
+                terms[3],
+                low.as_ref().map(|l| flat(&l.grad_k)),
+            ),
+            out(
+                "grad_v",
+                &[n, h, d],
+                flat(&grads.grad_v),
+                terms[4],
+                low.as_ref().map(|l| flat(&l.grad_v)),
+            ),
+        ],
+    })
+}
+
+/// Seeded values uniform in `[-r, r]`, every seventh x 8 (planted outliers).
+fn seeded(n: usize, r: f64, seed: u64) -> Vec<f64> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    (0..n)
+        .map(|i| {
+            let x = r * (2.0 * rng.random::<f64>() - 1.0);
+            if i % 7 == 5 {
+                8.0 * x
+            } else {
+                x
+            }
+        })
+        .collect()
+}
+
+/// A sharded run's settings, reported in `params` (expected outputs are the
+/// unsharded reference's: sharded == unsharded).
+struct Sharding {
+    algorithm: ShardedAlgorithm,
+    shards: usize,
+    layout: ShardLayout,
+}
+
+fn loss_params(
+    config: &LossConfig,
+    v: usize,
+    w: usize,
+    sharding: Option<&Sharding>,
+) -> Map<String, Value> {
+    let mut p = params(&[
+        ("ignore_index", json!(config.ignore_index)),
+        ("label_smoothing", json!(config.label_smoothing)),
+        ("smoothing", json!(config.smoothing.name())),
+        ("z_loss", json!(config.z_loss)),
+        ("reduction", json!(config.reduction.name())),
+    ]);
+    if w > v {
+        p.insert("vocab_size".into(), json!(v));
+    }
+    match sharding {
+        Some(s) => {
+            p.insert("num_shards".into(), json!(s.shards));
+            p.insert("algorithm".into(), json!(s.algorithm.name()));
+            p.insert("layout".into(), json!(s.layout.name()));
+        }
+        None => {
+            p.insert("algorithm".into(), json!("unsharded"));
+        }
+    }
+    p.insert("want_grad".into(), json!(true));
+    p
+}
+
+/// Widens `[n, v]` to `[n, w]` with zero columns (the padding's gradient).
+fn widen_columns(a: &Array2<f64>, w: usize) -> Vec<f64> {
+    let (n, v) = a.dim();
+    Array2::from_shape_fn((n, w), |(i, j)| if j < v { a[[i, j]] } else { 0.0 })
+        .iter()
+        .copied()
+        .collect()
+}
+
+/// Widens `[v, h]` to `[w, h]` with zero rows.
+fn widen_rows(a: &Array2<f64>, w: usize) -> Vec<f64> {
+    let (v, h) = a.dim();
+    Array2::from_shape_fn((w, h), |(j, k)| if j < v { a[[j, k]] } else { 0.0 })
+        .iter()
+        .copied()
+        .collect()
+}
+
+#[allow(clippy::too_many_arguments)]
+fn cross_entropy_case(
+    name: &str,
+    description: &str,
+    logits: Array2<f64>,
+    v: usize,
+    targets: Vec<i64>,
+    config: LossConfig,
+    sharding: Option<Sharding>,
+    dtype: Dtype,
+) -> Result<GoldenCase, GoldenError> {
+    let logits = logits.mapv(|x| dtype.round(x));
+    let (n, w) = logits.dim();
+    if let Some(s) = &sharding {
+        // The split must exist (p <= v) and cover the given columns.
+        let map = ShardMap::new(v, s.shards, s.layout)?;
+        debug_assert!(map.padded_vocab_size() <= w || s.layout == ShardLayout::Uneven);
+    }
+    let real = logits.slice_axis(Axis(1), Slice::from(..v));
+    let ce = cross_entropy(real, &targets, &config, true)?;
+    let terms = Terms::new(real, &targets, &config, &ce);
+    let grad = ce.grad_logits.as_ref().expect("asked for");
+    let low = (dtype != Dtype::F64).then(|| lowp::cross_entropy(real, &targets, &config, dtype));
+    let lse: Vec<f64> = ce.logsumexp().to_vec();
+    let what = "vocab::Terms";
+    let l = |f: &dyn Fn(&lowp::CrossEntropy) -> Vec<f64>| low.as_ref().map(f).unwrap_or_default();
+    let outputs = vec![
+        float_output(
+            "loss",
+            &[],
+            vec![ce.loss],
+            dtype,
+            terms.loss,
+            what,
+            &l(&|x| vec![x.loss]),
+        ),
+        float_output(
+            "per_token_loss",
+            &[n],
+            ce.per_token_loss.to_vec(),
+            dtype,
+            max_abs(&terms.per_token_loss),
+            what,
+            &l(&|x| x.per_token_loss.clone()),
+        ),
+        float_output(
+            "logsumexp",
+            &[n],
+            lse,
+            dtype,
+            max_abs(&terms.logsumexp),
+            what,
+            &l(&|x| x.logsumexp.clone()),
+        ),
+        float_output(
+            "grad_logits",
+            &[n, w],
+            widen_columns(grad, w),
+            dtype,
+            max_abs(&flat(&terms.grad_logits)),
+            what,
+            &l(&|x| widen_columns(&x.grad_logits, w)),
+        ),
+    ];
+    Ok(GoldenCase {
+        name: name.into(),
+        op: "cross_entropy",
+        description: description.into(),
+        params: loss_params(&config, v, w, sharding.as_ref()),
+        inputs: vec![
+            Tensor::float("logits", &[n, w], flat(&logits), dtype),
+            Tensor::int("targets", &[n], targets),
+        ],
+        outputs,
+    })
+}
+
+fn cross_entropy_cases(dtype: Dtype) -> Result<Vec<GoldenCase>, GoldenError> {
+    let inf = f64::NEG_INFINITY;
+    let grid = |n: usize, v: usize, seed: u64| {
+        Array2::from_shape_vec((n, v), seeded(n * v, 4.0, seed)).expect("n x v")
+    };
+    // V2: 10 real columns padded to 12 for 3 shards; the padding holds NaN and 1e4.
+    let mut v2 = grid(4, 12, 22);
+    let v2_row = [2.0, 1.0, 0.5, 3.0, -1.0, 0.0, 1.5, 2.5, -0.5, 1.0];
+    for (j, &x) in v2_row.iter().enumerate() {
+        v2[[0, j]] = x;
+    }
+    for i in 0..4 {
+        v2[[i, 10]] = f64::NAN;
+        v2[[i, 11]] = 1e4;
+    }
+    // V6: the second shard of row 0 all -inf, scattered -inf elsewhere.
+    let mut v6 = grid(4, 8, 23);
+    for j in 4..8 {
+        v6[[0, j]] = inf;
+    }
+    v6[[2, 1]] = inf;
+    v6[[3, 6]] = inf;
+    // V1's row first.
+    let mut v1 = grid(4, 8, 24);
+    for (j, &x) in [1.0, 2.0, 0.0, -1.0, 3.0, 0.5, 1.5, -2.0]
+        .iter()
+        .enumerate()
+    {
+        v1[[0, j]] = x;
+    }
+    let mut basic = grid(6, 11, 21);
+    basic[[4, 2]] = inf;
+    Ok(vec![
+        cross_entropy_case(
+            "cross_entropy",
+            "unsharded cross-entropy, mean over the non-ignored tokens, a masked (-inf) logit",
+            basic,
+            11,
+            vec![3, -100, 10, 0, 7, -100],
+            LossConfig::default(),
+            None,
+            dtype,
+        )?,
+        cross_entropy_case(
+            "cross_entropy_smoothing_zloss",
+            "PyTorch label smoothing 0.1, z-loss 1e-4, sum, ignore_index -1",
+            grid(5, 13, 25),
+            13,
+            vec![12, -1, 0, 5, 6],
+            LossConfig::default()
+                .with_ignore_index(-1)
+                .with_smoothing(0.1, SmoothingConvention::PyTorch)
+                .with_z_loss(1e-4)
+                .with_reduction(Reduction::Sum),
+            None,
+            dtype,
+        )?,
+        cross_entropy_case(
+            "cross_entropy_megatron_none",
+            "Megatron label smoothing 0.1, no reduction; row 0 is docs/FAULTS.md V1 (loss 0.90444)",
+            v1,
+            8,
+            vec![4, 0, 7, 2],
+            LossConfig::default()
+                .with_smoothing(0.1, SmoothingConvention::Megatron)
+                .with_reduction(Reduction::None),
+            None,
+            dtype,
+        )?,
+        cross_entropy_case(
+            "cross_entropy_alg2_padded",
+            "alg2 over 3 shards, vocabulary 10 padded to 12 whose padding holds NaN and 1e4; row 0 is docs/FAULTS.md V2 (loss 1.474030)",
+            v2,
+            10,
+            vec![7, 2, -100, 9],
+            LossConfig::default(),
+            Some(Sharding {
+                algorithm: ShardedAlgorithm::Alg2,
+                shards: 3,
+                layout: ShardLayout::Padded,
+            }),
+            dtype,
+        )?,
+        cross_entropy_case(
+            "cross_entropy_alg1_masked_shard",
+            "alg1 over 2 shards; row 0's second shard is all -inf (docs/FAULTS.md V6)",
+            v6,
+            8,
+            vec![1, 5, 0, 3],
+            LossConfig::default(),
+            Some(Sharding {
+                algorithm: ShardedAlgorithm::Alg1,
+                shards: 2,
+                layout: ShardLayout::Uneven,
+            }),
+            dtype,
+        )?,
+        cross_entropy_case(
+            "cross_entropy_naive_uneven",
+            "naive over 8 shards of a prime vocabulary 37 (docs/FAULTS.md V4), targets on the first and last shard",
+            grid(3, 37, 26),
+            37,
+            vec![0, 36, 18],
+            LossConfig::default(),
+            Some(Sharding {
+                algorithm: ShardedAlgorithm::Naive,
+                shards: 8,
+                layout: ShardLayout::Uneven,
+            }),
+            dtype,
+        )?,
+    ])
+}
+
+#[allow(clippy::too_many_arguments)]
+fn linear_case(
+    name: &str,
+    description: &str,
+    (n, h, v): (usize, usize, usize),
+    targets: Vec<i64>,
+    config: LossConfig,
+    sharding: Option<Sharding>,
+    seed: u64,
+    dtype: Dtype,
+) -> Result<GoldenCase, GoldenError> {
+    let round = |x: Vec<f64>| x.into_iter().map(|y| dtype.round(y)).collect::<Vec<f64>>();
+    let hidden = Array2::from_shape_vec((n, h), round(seeded(n * h, 1.0, seed))).expect("n x h");
+    let weight =
+        Array2::from_shape_vec((v, h), round(seeded(v * h, 1.0, seed + 100))).expect("v x h");
+    let l = linear_cross_entropy(hidden.view(), weight.view(), &targets, &config, true)?;
+    let terms = Terms::new(l.logits.view(), &targets, &config, &l.ce);
+    // Each logit is itself a rounded sum of h products: its terms.
+    let logit_terms = hidden
+        .mapv(f64::abs)
+        .dot(&weight.mapv(f64::abs).t())
+        .iter()
+        .fold(0.0f64, |m, &x| m.max(x));
+    let max_lse = max_abs(&l.ce.logsumexp().to_vec());
+    let through = 2.0 * logit_terms * (1.0 + 2.0 * config.z_loss * max_lse);
+    let per_loss = if config.reduction == Reduction::Mean {
+        1.0
+    } else {
+        n as f64
+    };
+    let gt = &terms.grad_logits;
+    let hidden_terms = max_abs(&flat(&gt.dot(&weight.mapv(f64::abs)))) * (1.0 + logit_terms);
+    let weight_terms = max_abs(&flat(&gt.t().dot(&hidden.mapv(f64::abs)))) * (1.0 + logit_terms);
+    let low = (dtype != Dtype::F64).then(|| {
+        lowp::linear_cross_entropy(hidden.view(), weight.view(), &targets, &config, dtype)
+    });
+    let what = "vocab::Terms with the logits' own rounding";
+    #[allow(clippy::type_complexity)]
+    let lw = |f: &dyn Fn(&(lowp::CrossEntropy, Array2<f64>, Array2<f64>)) -> Vec<f64>| {
+        low.as_ref().map(f).unwrap_or_default()
+    };
+    let outputs = vec![
+        float_output(
+            "loss",
+            &[],
+            vec![l.ce.loss],
+            dtype,
+            terms.loss + per_loss * through,
+            what,
+            &lw(&|x| vec![x.0.loss]),
+        ),
+        float_output(
+            "per_token_loss",
+            &[n],
+            l.ce.per_token_loss.to_vec(),
+            dtype,
+            max_abs(&terms.per_token_loss) + through,
+            what,
+            &lw(&|x| x.0.per_token_loss.clone()),
+        ),
+        float_output(
+            "logsumexp",
+            &[n],
+            l.ce.logsumexp().to_vec(),
+            dtype,
+            max_abs(&terms.logsumexp) + through,
+            what,
+            &lw(&|x| x.0.logsumexp.clone()),
+        ),
+        float_output(
+            "grad_hidden",
+            &[n, h],
+            flat(l.grad_hidden.as_ref().expect("asked for")),
+            dtype,
+            hidden_terms,
+            what,
+            &lw(&|x| flat(&x.1)),
+        ),
+        float_output(
+            "grad_weight",
+            &[v, h],
+            flat(l.grad_weight.as_ref().expect("asked for")),
+            dtype,
+            weight_terms,
+            what,
+            &lw(&|x| flat(&x.2)),
+        ),
+    ];
+    Ok(GoldenCase {
+        name: name.into(),
+        op: "linear_cross_entropy",
+        description: description.into(),
+        params: loss_params(&config, v, v, sharding.as_ref()),
+        inputs: vec![
+            Tensor::float("hidden", &[n, h], flat(&hidden), dtype),
+            Tensor::float("weight", &[v, h], flat(&weight), dtype),
+            Tensor::int("targets", &[n], targets),
+        ],
+        outputs,
+    })
+}
+
+fn linear_cases(dtype: Dtype) -> Result<Vec<GoldenCase>, GoldenError> {
+    Ok(vec![
+        linear_case(
+            "linear_cross_entropy",
+            "the output layer hidden @ weight^T and its cross-entropy, unsharded, an ignored target",
+            (5, 6, 17),
+            vec![16, 0, -100, 8, 3],
+            LossConfig::default(),
+            None,
+            31,
+            dtype,
+        )?,
+        linear_case(
+            "linear_cross_entropy_alg2",
+            "alg2 over 4 uneven shards of a vocabulary of 11, label smoothing 0.1: the input gradient summed over shards (docs/FAULTS.md V3)",
+            (4, 3, 11),
+            vec![10, 4, 0, 7],
+            LossConfig::default().with_smoothing(0.1, SmoothingConvention::PyTorch),
+            Some(Sharding {
+                algorithm: ShardedAlgorithm::Alg2,
+                shards: 4,
+                layout: ShardLayout::Uneven,
+            }),
+            32,
+            dtype,
+        )?,
+    ])
+}
+
+#[allow(clippy::too_many_arguments)]
+fn embedding_case(
+    name: &str,
+    description: &str,
+    ids: Vec<i64>,
+    (v, w, h): (usize, usize, usize),
+    sharding: Option<(usize, ShardLayout)>,
+    seed: u64,
+    dtype: Dtype,
+) -> Result<GoldenCase, GoldenError> {
+    let n = ids.len();
+    let mut weight = Array2::from_shape_vec((w, h), seeded(w * h, 1.0, seed))
+        .expect("w x h")
+        .mapv(|x| dtype.round(x));
+    for j in v..w {
+        weight.row_mut(j).fill(f64::NAN);
+    }
+    let go = Array2::from_shape_vec((n, h), seeded(n * h, 1.0, seed + 1))
+        .expect("n x h")
+        .mapv(|x| dtype.round(x));
+    let real: ArrayView2<f64> = weight.slice_axis(Axis(0), Slice::from(..v));
+    let out = embedding_forward(&ids, real)?;
+    let gw = embedding_backward(&ids, go.view(), v)?;
+    // The terms of each gradient row: the sum of |grad_output| of its tokens.
+    let mut gterms = Array2::<f64>::zeros((v, h));
+    for (i, &id) in ids.iter().enumerate() {
+        let mut row = gterms.row_mut(id as usize);
+        row += &go.row(i).mapv(f64::abs);
+    }
+    let low = (dtype != Dtype::F64).then(|| lowp::embedding_grad(&ids, go.view(), v, dtype));
+    let mut p = Map::new();
+    if w > v {
+        p.insert("vocab_size".into(), json!(v));
+    }
+    if let Some((shards, layout)) = sharding {
+        p.insert("num_shards".into(), json!(shards));
+        p.insert("layout".into(), json!(layout.name()));
+    }
+    p.insert("want_grad".into(), json!(true));
+    Ok(GoldenCase {
+        name: name.into(),
+        op: "embedding",
+        description: description.into(),
+        params: p,
+        inputs: vec![
+            Tensor::int("ids", &[n], ids),
+            Tensor::float("weight", &[w, h], flat(&weight), dtype),
+            Tensor::float("grad_output", &[n, h], flat(&go), dtype),
+        ],
+        outputs: vec![
+            Output {
+                tensor: Tensor::float("output", &[n, h], flat(&out), Dtype::F64),
+                rule: Rule::exact("a lookup copies the stored weights"),
+                in_dtype: (dtype != Dtype::F64).then(|| flat(&out)),
+            },
+            float_output(
+                "grad_weight",
+                &[w, h],
+                widen_rows(&gw, w),
+                dtype,
+                max_abs(&flat(&gterms)),
+                "the sum of |grad_output| over a row's tokens",
+                &low.map(|g| widen_rows(&g, w)).unwrap_or_default(),
+            ),
+        ],
+    })
+}
+
+fn embedding_cases(dtype: Dtype) -> Result<Vec<GoldenCase>, GoldenError> {
+    Ok(vec![
+        embedding_case(
+            "embedding",
+            "unsharded lookup with repeated ids: their gradients accumulate",
+            vec![3, 0, 8, 3, 3, 5, 0],
+            (9, 9, 4),
+            None,
+            41,
+            dtype,
+        )?,
+        embedding_case(
+            "embedding_sharded_padded",
+            "3 shards of a vocabulary of 10 padded to 12 rows (NaN padding, never read; gradient 0 there)",
+            vec![9, 0, 4, 9, 5],
+            (10, 12, 3),
+            Some((3, ShardLayout::Padded)),
+            42,
+            dtype,
+        )?,
+    ])
+}

@@ -1,0 +1,433 @@
+//! The registry: every implementation of every op family, as a value.
+//!
+//! An [`Entry`] holds an implementation's name, one line on what changed
+//! against the f64 reference, its constructor, its precision, the
+//! [`Judge`] its results are held to, a configuration for small cases and the
+//! fuzz targets, and what it needs to run. `packshard eval` (`impl`),
+//! `packshard bench`, the criterion benches, the equivalence suites
+//! (`oracle/tests/registry_*.rs`), the fuzz targets ([`crate::fuzzing`]) and
+//! the golden checks iterate these lists. Nothing else matches on an
+//! implementation's name, and a name without an implementation cannot exist:
+//! the constructor is part of the entry.
+//!
+//! **Adding a kernel** (see `docs/CONTRIBUTING.md`): implement the family's
+//! trait of `packshard_reference::ops` in the kernel's own file, then add one
+//! entry to the family's list below. The suites, the fuzz targets, `eval`,
+//! `bench` and the golden checks then cover it.
+
+use std::fmt;
+
+use packshard_equivalence::compare::{Judge, RelativeRule, Tolerance};
+use packshard_optimized::ops::{
+    CrossEntropyF32, DenseMaskedAttention, EncoderLayerF32, LinearCeFused, LinearCeMaterialized,
+    ScalarAttention, TiledAttention,
+};
+use packshard_optimized::vocab::Chunks;
+use packshard_reference::attention::ReferenceAttention;
+use packshard_reference::bert::layer::ReferenceLayer;
+pub use packshard_reference::ops::Precision;
+use packshard_reference::ops::{
+    AttentionOp, CrossEntropyOp, EmbeddingOp, EncoderLayerOp, LinearCrossEntropyOp,
+};
+use packshard_reference::vocab::{
+    ReferenceCrossEntropy, ReferenceEmbedding, ReferenceLinearCrossEntropy,
+};
+
+/// Why an implementation cannot run here (no CUDA device, no C++ compiler):
+/// one line, printed once by the suites as `skipped: ...`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Unavailable(pub String);
+
+impl fmt::Display for Unavailable {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Unavailable {}
+
+/// What an implementation needs beyond this crate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Needs {
+    /// Runs everywhere.
+    Nothing,
+    /// A CUDA device and driver (feature `cuda`).
+    CudaDevice,
+    /// A C++ compiler to build the CPU emulator of the CUDA kernels (feature `cuda`).
+    CxxCompiler,
+}
+
+impl Needs {
+    /// A short name for listings.
+    pub fn name(self) -> &'static str {
+        match self {
+            Needs::Nothing => "-",
+            Needs::CudaDevice => "CUDA device",
+            Needs::CxxCompiler => "C++ compiler",
+        }
+    }
+}
+
+/// The constructor of an implementation of `K`.
+pub type Make<K> = fn() -> Result<Box<K>, Unavailable>;
+
+/// One implementation of the op family `K` (a trait object type such as
+/// `dyn AttentionOp`).
+pub struct Entry<K: ?Sized + 'static> {
+    /// Its name: `impl` in `packshard eval`, the row in `packshard bench`.
+    pub name: &'static str,
+    /// One line on what changed against the f64 reference (or the entry it
+    /// speeds up).
+    pub changed: &'static str,
+    /// What it computes in.
+    pub precision: Precision,
+    /// How the suites judge its results against the f64 reference.
+    pub judge: Judge,
+    /// How a single fuzz case is judged.
+    pub fuzz_judge: Judge,
+    /// What it needs to run.
+    pub needs: Needs,
+    make: Make<K>,
+    small: Option<Make<K>>,
+}
+
+impl<K: ?Sized + 'static> Entry<K> {
+    /// The implementation as registered.
+    ///
+    /// # Errors
+    /// [`Unavailable`] when what it needs is missing here.
+    pub fn make(&self) -> Result<Box<K>, Unavailable> {
+        (self.make)()
+    }
+
+    /// The configuration the suites' and fuzz targets' small cases run: tiles
+    /// small enough that cases of a few dozen tokens cross their edges (the
+    /// registered configuration when the kernel has no tiles to shrink).
+    ///
+    /// # Errors
+    /// As [`Entry::make`].
+    pub fn make_small(&self) -> Result<Box<K>, Unavailable> {
+        self.small.unwrap_or(self.make)()
+    }
+
+    /// Whether it has a separate small configuration.
+    pub fn has_small(&self) -> bool {
+        self.small.is_some()
+    }
+}
+
+impl<K: ?Sized> fmt::Debug for Entry<K> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Entry")
+            .field("name", &self.name)
+            .field("precision", &self.precision)
+            .field("needs", &self.needs)
+            .finish()
+    }
+}
+
+/// The op families.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Family {
+    /// [`AttentionOp`]: eval op `attention`.
+    Attention,
+    /// [`CrossEntropyOp`]: eval op `cross_entropy`.
+    CrossEntropy,
+    /// [`LinearCrossEntropyOp`]: eval op `linear_cross_entropy`.
+    LinearCrossEntropy,
+    /// [`EmbeddingOp`]: eval op `embedding`.
+    Embedding,
+    /// [`EncoderLayerOp`]: no eval op (the suites and `packshard bench` run it).
+    EncoderLayer,
+}
+
+impl Family {
+    /// Every family.
+    pub const ALL: [Family; 5] = [
+        Family::Attention,
+        Family::CrossEntropy,
+        Family::LinearCrossEntropy,
+        Family::Embedding,
+        Family::EncoderLayer,
+    ];
+
+    /// Its name (the `packshard eval` op where it has one).
+    pub fn name(self) -> &'static str {
+        match self {
+            Family::Attention => "attention",
+            Family::CrossEntropy => "cross_entropy",
+            Family::LinearCrossEntropy => "linear_cross_entropy",
+            Family::Embedding => "embedding",
+            Family::EncoderLayer => "encoder_layer",
+        }
+    }
+
+    /// The `packshard eval` op whose `impl` takes this family's entries.
+    pub fn eval_op(self) -> Option<&'static str> {
+        match self {
+            Family::EncoderLayer => None,
+            other => Some(other.name()),
+        }
+    }
+}
+
+/// An entry's description without its constructor (for listings).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Info {
+    /// Its family.
+    pub family: Family,
+    /// Its name.
+    pub name: &'static str,
+    /// One line on what changed.
+    pub changed: &'static str,
+    /// What it computes in.
+    pub precision: Precision,
+    /// What it needs.
+    pub needs: Needs,
+}
+
+fn info<K: ?Sized>(family: Family, list: &[Entry<K>]) -> Vec<Info> {
+    list.iter()
+        .map(|e| Info {
+            family,
+            name: e.name,
+            changed: e.changed,
+            precision: e.precision,
+            needs: e.needs,
+        })
+        .collect()
+}
+
+/// Every entry of every family, families in [`Family::ALL`] order.
+pub fn all() -> Vec<Info> {
+    let mut out = Vec::new();
+    for f in Family::ALL {
+        out.extend(of(f));
+    }
+    out
+}
+
+/// The entries of `family`.
+pub fn of(family: Family) -> Vec<Info> {
+    match family {
+        Family::Attention => info(family, &attention()),
+        Family::CrossEntropy => info(family, &cross_entropy()),
+        Family::LinearCrossEntropy => info(family, &linear_cross_entropy()),
+        Family::Embedding => info(family, &embedding()),
+        Family::EncoderLayer => info(family, &encoder_layer()),
+    }
+}
+
+/// The entry called `name` in `list`.
+pub fn find<'a, K: ?Sized>(list: &'a [Entry<K>], name: &str) -> Option<&'a Entry<K>> {
+    list.iter().find(|e| e.name == name)
+}
+
+/// The name of the f64 reference entry of every family.
+pub const REFERENCE: &str = "reference";
+
+/// f64 rewrites of the reference: 64 ulp of the magnitude of the terms
+/// ([`Tolerance::F64_REWRITE`]).
+const F64: Judge = Judge::Rewrite(Tolerance::F64_REWRITE);
+
+/// f32 kernels that are bitwise packed == padded: [`RelativeRule::F32`]
+/// against the reference run in f32.
+const F32_EXACT_FORMS: Judge = Judge::Relative {
+    rule: RelativeRule::F32,
+    inputs: Precision::F32,
+    packed: Tolerance::EXACT,
+};
+
+/// f32 kernels whose two forms round differently (other tiles or orders):
+/// packed == padded within 64 ulp of f32 of the terms.
+const F32_FORMS: Judge = Judge::Relative {
+    rule: RelativeRule::F32,
+    inputs: Precision::F32,
+    packed: Tolerance::F32_REWRITE,
+};
+
+/// Single adversarial cases of f32 kernels: [`RelativeRule::F32_FUZZ`].
+const F32_FUZZ: Judge = Judge::Relative {
+    rule: RelativeRule::F32_FUZZ,
+    inputs: Precision::F32,
+    packed: Tolerance::F32_REWRITE,
+};
+
+/// The fused kernel's tiles for small cases: 3 tokens x 5 entries, so cases
+/// of `v <= 64` cross tile edges in both directions.
+pub const SMALL_CHUNKS: Chunks = Chunks {
+    tokens: 3,
+    vocab: 5,
+};
+
+/// Every [`AttentionOp`].
+pub fn attention() -> Vec<Entry<dyn AttentionOp>> {
+    vec![
+        Entry {
+            name: REFERENCE,
+            changed: "the f64 reference: plain loops over allowed keys, GQA, cu_seqlens_q/cu_seqlens_k, bottom-right causal",
+            precision: Precision::F64,
+            judge: F64,
+            fuzz_judge: F64,
+            needs: Needs::Nothing,
+            make: || Ok(Box::new(ReferenceAttention)),
+            small: None,
+        },
+        Entry {
+            name: "attention_varlen_tiled",
+            changed: "f32; online softmax per 64 x 64 (query, key) tile of each cu_seqlens segment, pulp SIMD, rayon over (segment, head); saves lse, never builds the mask",
+            precision: Precision::F32,
+            judge: F32_EXACT_FORMS,
+            fuzz_judge: Judge::Rewrite(Tolerance::F32_REWRITE),
+            needs: Needs::Nothing,
+            make: || Ok(Box::new(TiledAttention::F32)),
+            small: None,
+        },
+        Entry {
+            name: "attention_varlen_tiled_bf16",
+            changed: "attention_varlen_tiled reading bf16 q, k, v (f32 accumulation)",
+            precision: Precision::Bf16,
+            judge: Judge::Relative {
+                rule: RelativeRule::F32,
+                inputs: Precision::Bf16,
+                packed: Tolerance::EXACT,
+            },
+            // bf16 inputs: their rounding (2^-9 relative) dominates; 16 ulp
+            // of bf16 times the magnitude of the terms.
+            fuzz_judge: Judge::Rewrite(Tolerance::new(
+                "bf16 inputs (16 ulp of bf16)",
+                16.0 / 256.0,
+                16.0 / 256.0,
+            )),
+            needs: Needs::Nothing,
+            make: || Ok(Box::new(TiledAttention::BF16)),
+            small: None,
+        },
+        Entry {
+            name: "attention_dense_masked",
+            changed: "the same tiles over whole rows with a [len, len] boolean mask: every score is computed (the padded / block-diagonal-mask baseline)",
+            precision: Precision::F32,
+            judge: F32_FORMS,
+            fuzz_judge: Judge::Rewrite(Tolerance::F32_REWRITE),
+            needs: Needs::Nothing,
+            make: || Ok(Box::new(DenseMaskedAttention)),
+            small: None,
+        },
+        Entry {
+            name: "attention_varlen_scalar",
+            changed: "the slow twin of attention_varlen_tiled: f32, plain loops, no SIMD, threads or tiles; the textbook softmax per query",
+            precision: Precision::F32,
+            judge: F32_EXACT_FORMS,
+            fuzz_judge: Judge::Rewrite(Tolerance::F32_REWRITE),
+            needs: Needs::Nothing,
+            make: || Ok(Box::new(ScalarAttention)),
+            small: None,
+        },
+    ]
+}
+
+/// Every [`CrossEntropyOp`].
+pub fn cross_entropy() -> Vec<Entry<dyn CrossEntropyOp>> {
+    vec![
+        Entry {
+            name: REFERENCE,
+            changed: "the f64 reference: compensated sums over the vocabulary; naive, alg1, alg2 on in-process ranks",
+            precision: Precision::F64,
+            judge: F64,
+            fuzz_judge: F64,
+            needs: Needs::Nothing,
+            make: || Ok(Box::new(ReferenceCrossEntropy)),
+            small: None,
+        },
+        Entry {
+            name: "cross_entropy_f32",
+            changed: "f32 SIMD row pass over the logits, tile statistics merged in f64; sharded: alg2 per rank with the reference's collective",
+            precision: Precision::F32,
+            judge: F32_FORMS,
+            fuzz_judge: F32_FUZZ,
+            needs: Needs::Nothing,
+            make: || Ok(Box::new(CrossEntropyF32)),
+            small: None,
+        },
+    ]
+}
+
+/// Every [`LinearCrossEntropyOp`].
+pub fn linear_cross_entropy() -> Vec<Entry<dyn LinearCrossEntropyOp>> {
+    vec![
+        Entry {
+            name: REFERENCE,
+            changed: "the f64 reference: [n, v] logits, then the cross-entropy; naive, alg1, alg2 on in-process ranks",
+            precision: Precision::F64,
+            judge: F64,
+            fuzz_judge: F64,
+            needs: Needs::Nothing,
+            make: || Ok(Box::new(ReferenceLinearCrossEntropy)),
+            small: None,
+        },
+        Entry {
+            name: "linear_ce_materialized",
+            changed: "f32; one gemm to the whole [n, v] logits, the SIMD row pass, two gemms for the gradients (the baseline of the fused kernel)",
+            precision: Precision::F32,
+            judge: F32_FORMS,
+            fuzz_judge: F32_FUZZ,
+            needs: Needs::Nothing,
+            make: || Ok(Box::new(LinearCeMaterialized)),
+            small: None,
+        },
+        Entry {
+            name: "linear_ce_fused",
+            changed: "f32; chunks of 256 tokens x 4096 entries: logits, statistics and gradient per tile while in cache, holds [256, v] not [n, v]; sharded: alg2 S and T passes, logits recomputed",
+            precision: Precision::F32,
+            judge: F32_FORMS,
+            fuzz_judge: F32_FUZZ,
+            needs: Needs::Nothing,
+            make: || Ok(Box::new(LinearCeFused::default())),
+            small: Some(|| {
+                Ok(Box::new(LinearCeFused {
+                    chunks: SMALL_CHUNKS,
+                }))
+            }),
+        },
+    ]
+}
+
+/// Every [`EmbeddingOp`].
+pub fn embedding() -> Vec<Entry<dyn EmbeddingOp>> {
+    vec![Entry {
+        name: REFERENCE,
+        changed: "the f64 reference: a lookup, and the sharded lookup masked per shard (exact in any precision)",
+        precision: Precision::F64,
+        judge: Judge::Rewrite(Tolerance::EXACT),
+        fuzz_judge: Judge::Rewrite(Tolerance::EXACT),
+        needs: Needs::Nothing,
+        make: || Ok(Box::new(ReferenceEmbedding)),
+        small: None,
+    }]
+}
+
+/// Every [`EncoderLayerOp`].
+pub fn encoder_layer() -> Vec<Entry<dyn EncoderLayerOp>> {
+    vec![
+        Entry {
+            name: REFERENCE,
+            changed: "the f64 reference BERT layer (post-LayerNorm, exact erf GELU) with the reference attention",
+            precision: Precision::F64,
+            judge: F64,
+            fuzz_judge: F64,
+            needs: Needs::Nothing,
+            make: || Ok(Box::new(ReferenceLayer(ReferenceAttention))),
+            small: None,
+        },
+        Entry {
+            name: "encoder_layer",
+            changed: "f32 BERT layer: matmuls through gemm, SIMD LayerNorm and GELU, varlen attention on packed rows (dense masked on padded ones)",
+            precision: Precision::F32,
+            judge: F32_FORMS,
+            fuzz_judge: F32_FUZZ,
+            needs: Needs::Nothing,
+            make: || Ok(Box::new(EncoderLayerF32)),
+            small: None,
+        },
+    ]
+}

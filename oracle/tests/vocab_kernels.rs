@@ -1,0 +1,273 @@
+//! Kernel-specific checks of the optimized output layer that the registry
+//! suites (`registry_suites.rs`) do not make: the fused kernel against the
+//! materialized one with chunks that do not divide the sizes, the logits
+//! buffer each holds, bad input answered with the reference's errors, and
+//! the negative control of the fuzz rule (a 1e-3 fault in `dL/dhidden` must
+//! fail the single-case rule every f32 output layer is fuzzed under).
+
+use ndarray::{Array2, ArrayView2};
+use packshard_equivalence::fuzz::{fuzz_random, vocab::run_linear};
+use packshard_optimized::ops::LinearCeFused;
+use packshard_optimized::vocab::{
+    cross_entropy, linear_cross_entropy_fused, linear_cross_entropy_materialized, Chunks,
+};
+use packshard_oracle::registry::{self, SMALL_CHUNKS};
+use packshard_reference::ops::{LinearCrossEntropyOp, LinearLoss};
+use packshard_reference::vocab::sharded::ShardedLoss;
+use packshard_reference::vocab::{LossConfig, ShardMap, ShardedAlgorithm, SmoothingConvention};
+use packshard_reference::Error;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+fn random(n: usize, h: usize, v: usize, seed: u64) -> (Array2<f32>, Array2<f32>, Vec<i64>) {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let hidden = Array2::from_shape_fn((n, h), |_| rng.random_range(-1.0f32..1.0));
+    let mut weight = Array2::from_shape_fn((v, h), |_| rng.random_range(-0.5f32..0.5));
+    // Planted outliers: a row of large weights (a dominant logit for every
+    // token), so the softmax is far from uniform.
+    weight.row_mut(v / 3).mapv_inplace(|x| 8.0 * x);
+    let targets = (0..n)
+        .map(|i| {
+            if i % 7 == 3 {
+                -100
+            } else {
+                rng.random_range(0..v as i64)
+            }
+        })
+        .collect();
+    (hidden, weight, targets)
+}
+
+fn max_rel(a: &Array2<f32>, b: &Array2<f64>) -> f64 {
+    let scale = b.iter().fold(0.0f64, |m, x| m.max(x.abs()));
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (f64::from(*x) - y).abs())
+        .fold(0.0, f64::max)
+        / scale
+}
+
+#[test]
+fn fused_equals_materialized_and_the_reference() {
+    // 97 tokens, h 59, v 1025: chunks of 16 tokens x 100 entries cross every edge.
+    let (n, h, v) = (97, 59, 1025);
+    let (x, w, t) = random(n, h, v, 7);
+    let configs = [
+        LossConfig::default(),
+        LossConfig::default().with_smoothing(0.1, SmoothingConvention::PyTorch),
+        LossConfig {
+            z_loss: 1e-3,
+            ..LossConfig::default()
+        },
+    ];
+    for config in configs {
+        let chunks = Chunks {
+            tokens: 16,
+            vocab: 100,
+        };
+        let f = linear_cross_entropy_fused(x.view(), w.view(), &t, &config, true, chunks)
+            .expect("fused");
+        let m = linear_cross_entropy_materialized(x.view(), w.view(), &t, &config, true)
+            .expect("materialized");
+        let r = packshard_reference::vocab::linear_cross_entropy(
+            x.mapv(f64::from).view(),
+            w.mapv(f64::from).view(),
+            &t,
+            &config,
+            true,
+        )
+        .expect("reference");
+        assert_eq!(f.logits_buffer_bytes, 4 * 16 * v);
+        assert_eq!(m.logits_buffer_bytes, 4 * n * v);
+        assert!(r.ce.loss > 1.0, "non-degenerate loss {}", r.ce.loss);
+        let rel = |a: f64, b: f64| (a - b).abs() / b.abs();
+        assert!(
+            rel(f.ce.loss, r.ce.loss) < 1e-5,
+            "{} vs {}",
+            f.ce.loss,
+            r.ce.loss
+        );
+        assert!(
+            rel(m.ce.loss, r.ce.loss) < 1e-5,
+            "{} vs {}",
+            m.ce.loss,
+            r.ce.loss
+        );
+        let (gh, gw) = (f.grad_hidden.unwrap(), f.grad_weight.unwrap());
+        let (rh, rw) = (r.grad_hidden.unwrap(), r.grad_weight.unwrap());
+        let (mh, mw) = (m.grad_hidden.unwrap(), m.grad_weight.unwrap());
+        for (name, e) in [
+            ("fused grad_hidden", max_rel(&gh, &rh)),
+            ("fused grad_weight", max_rel(&gw, &rw)),
+            ("materialized grad_hidden", max_rel(&mh, &rh)),
+            ("materialized grad_weight", max_rel(&mw, &rw)),
+        ] {
+            // f32 products of 59 (h) or 97 (n) terms: a few hundred ulp of
+            // f32 relative to the largest entry at most.
+            assert!(e < 1e-5, "{name}: relative error {e:e} ({config:?})");
+        }
+        // Not a vacuous comparison: the gradients are not zero.
+        assert!(gh.iter().any(|x| x.abs() > 1e-3));
+    }
+}
+
+#[test]
+fn cross_entropy_on_logits_matches_the_reference() {
+    let (n, v) = (13, 97);
+    let mut rng = ChaCha8Rng::seed_from_u64(3);
+    let mut z = Array2::from_shape_fn((n, v), |_| rng.random_range(-4.0f32..4.0));
+    z[[2, 5]] = 1e4;
+    z[[4, 7]] = f32::NEG_INFINITY;
+    let t: Vec<i64> = (0..n as i64).map(|i| (i * 7) % v as i64).collect();
+    let config = LossConfig::default();
+    let o = cross_entropy(z.view(), &t, &config, true).expect("f32");
+    let r = packshard_reference::vocab::cross_entropy(z.mapv(f64::from).view(), &t, &config, true)
+        .expect("reference");
+    assert!(
+        (o.loss - r.loss).abs() <= 1e-5 * r.loss.abs(),
+        "{} {}",
+        o.loss,
+        r.loss
+    );
+    let g = o.grad_logits.unwrap();
+    assert!(max_rel(&g, r.grad_logits.as_ref().unwrap()) < 1e-6);
+    assert_eq!(g[[4, 7]], 0.0);
+}
+
+/// Bad input: the same error kind (and field) as the reference.
+#[test]
+fn bad_input_gets_the_reference_errors() {
+    let (x, w, t) = random(5, 4, 11, 1);
+    let config = LossConfig::default();
+    let chunks = Chunks::default();
+    let x64 = x.mapv(f64::from);
+    let w64 = w.mapv(f64::from);
+    let ref_err = |x: &Array2<f64>, w: &Array2<f64>, t: &[i64]| {
+        packshard_reference::vocab::linear_cross_entropy(x.view(), w.view(), t, &config, true)
+            .expect_err("reference must refuse")
+    };
+    let same = |ours: Error, theirs: Error| {
+        assert_eq!(ours.kind(), theirs.kind(), "{ours} vs {theirs}");
+        assert_eq!(ours.to_string(), theirs.to_string());
+    };
+    // Wrong number of targets.
+    let short = &t[..4];
+    same(
+        linear_cross_entropy_fused(x.view(), w.view(), short, &config, true, chunks).unwrap_err(),
+        ref_err(&x64, &w64, short),
+    );
+    // Mismatched hidden width.
+    let w5 = Array2::<f32>::zeros((11, 5));
+    same(
+        linear_cross_entropy_fused(x.view(), w5.view(), &t, &config, true, chunks).unwrap_err(),
+        ref_err(&x64, &w5.mapv(f64::from), &t),
+    );
+    // NaN in the weight, at a named index.
+    let mut wn = w.clone();
+    wn[[6, 2]] = f32::NAN;
+    let ours =
+        linear_cross_entropy_materialized(x.view(), wn.view(), &t, &config, true).unwrap_err();
+    same(ours.clone(), ref_err(&x64, &wn.mapv(f64::from), &t));
+    assert_eq!(ours.kind(), "non_finite_input");
+    // A target out of range.
+    let mut tb = t.clone();
+    tb[2] = 11;
+    same(
+        linear_cross_entropy_fused(x.view(), w.view(), &tb, &config, true, chunks).unwrap_err(),
+        ref_err(&x64, &w64, &tb),
+    );
+    // Chunks of zero.
+    let e = linear_cross_entropy_fused(
+        x.view(),
+        w.view(),
+        &t,
+        &config,
+        true,
+        Chunks {
+            tokens: 0,
+            vocab: 4,
+        },
+    )
+    .unwrap_err();
+    assert_eq!(e.kind(), "invalid_argument");
+    // +inf logits.
+    let mut z = Array2::<f32>::zeros((2, 3));
+    z[[1, 2]] = f32::INFINITY;
+    let theirs = packshard_reference::vocab::cross_entropy(
+        z.mapv(f64::from).view(),
+        &[0, 1],
+        &config,
+        false,
+    )
+    .unwrap_err();
+    same(
+        cross_entropy(z.view(), &[0, 1], &config, false).unwrap_err(),
+        theirs,
+    );
+}
+
+/// Negative control for the fuzz targets: the fused kernel with a planted
+/// fault of 1e-3 of the value (`dL/dhidden` scaled by 1.001 in both forms,
+/// docs/FAULTS.md V3's gradient class at its smallest) must fail the single-case
+/// rule of the fuzz targets (the registry entry's `fuzz_judge`,
+/// `RelativeRule::F32_FUZZ`, floor 256 ulp of the scale) on random fuzz
+/// inputs, while the unfaulted kernel passes them.
+#[test]
+#[allow(clippy::result_large_err)]
+fn the_fuzz_rule_catches_a_small_planted_fault() {
+    struct Scaled(LinearCeFused);
+    impl LinearCrossEntropyOp for Scaled {
+        fn algorithms(&self) -> Vec<ShardedAlgorithm> {
+            self.0.algorithms()
+        }
+        fn linear_cross_entropy(
+            &self,
+            hidden: ArrayView2<f64>,
+            weight: ArrayView2<f64>,
+            targets: &[i64],
+            config: &LossConfig,
+            want_grad: bool,
+        ) -> Result<LinearLoss, Error> {
+            let mut out = self
+                .0
+                .linear_cross_entropy(hidden, weight, targets, config, want_grad)?;
+            if let Some(g) = out.grad_hidden.as_mut() {
+                g.mapv_inplace(|x| x * 1.001);
+            }
+            Ok(out)
+        }
+        fn sharded_linear_cross_entropy(
+            &self,
+            a: ShardedAlgorithm,
+            map: &ShardMap,
+            hidden: ArrayView2<f64>,
+            weight: ArrayView2<f64>,
+            targets: &[i64],
+            config: &LossConfig,
+            want_grad: bool,
+        ) -> Result<ShardedLoss, Error> {
+            let mut out = self
+                .0
+                .sharded_linear_cross_entropy(a, map, hidden, weight, targets, config, want_grad)?;
+            for r in &mut out.ranks {
+                if let Some(g) = r.grad_hidden.as_mut() {
+                    g.mapv_inplace(|x| x * 1.001);
+                }
+            }
+            Ok(out)
+        }
+    }
+
+    let entries = registry::linear_cross_entropy();
+    let entry = registry::find(&entries, "linear_ce_fused").expect("registered");
+    let judge = entry.fuzz_judge;
+    let good = LinearCeFused {
+        chunks: SMALL_CHUNKS,
+    };
+    let seen =
+        fuzz_random(300, 11, |d| run_linear(&good, judge, d)).unwrap_or_else(|f| panic!("{f}"));
+    assert!(seen.compared >= 100, "{seen:?}");
+    let failure = fuzz_random(300, 11, |d| run_linear(&Scaled(good), judge, d))
+        .expect_err("a 1e-3 fault in dL/dhidden must fail the fuzz rule");
+    assert!(failure.to_string().contains("grad_hidden"), "{failure}");
+}

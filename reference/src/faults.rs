@@ -1,0 +1,238 @@
+//! The fault catalogue (`docs/FAULTS.md`) as data: each kind's identifier,
+//! one line on what goes wrong, where it was seen, and its canonical example
+//! with the right answer. Tests, negative controls, golden cases and the docs
+//! use these values; none of them keeps a copy.
+//!
+//! A kind is a property, not one input: the suites check each kind over
+//! generated cases, and every kind has a negative control (a planted fault
+//! the suite must reject). The examples here are the smallest points of each.
+
+/// One kind of fault.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FaultKind {
+    /// `P1`, `V3`, ...: the heading in `docs/FAULTS.md`.
+    pub id: &'static str,
+    /// What goes wrong, in a few words.
+    pub title: &'static str,
+}
+
+/// Every kind, in the order of `docs/FAULTS.md`.
+pub const CATALOGUE: &[FaultKind] = &[
+    FaultKind {
+        id: "P1",
+        title: "positions run on across sequences",
+    },
+    FaultKind {
+        id: "P2",
+        title: "attention leaks across sequences",
+    },
+    FaultKind {
+        id: "P3",
+        title: "tokens silently lost",
+    },
+    FaultKind {
+        id: "P4",
+        title: "zero-length sequences",
+    },
+    FaultKind {
+        id: "P5",
+        title: "padding becomes sequences",
+    },
+    FaultKind {
+        id: "P6",
+        title: "position offset",
+    },
+    FaultKind {
+        id: "P7",
+        title: "loss normalisation changes with packing",
+    },
+    FaultKind {
+        id: "P8",
+        title: "fully masked rows give NaN",
+    },
+    FaultKind {
+        id: "V1",
+        title: "label smoothing computed per shard",
+    },
+    FaultKind {
+        id: "V2",
+        title: "padded vocabulary entries enter the softmax",
+    },
+    FaultKind {
+        id: "V3",
+        title: "input gradient not summed over shards",
+    },
+    FaultKind {
+        id: "V4",
+        title: "vocabulary not divisible by the shard count",
+    },
+    FaultKind {
+        id: "V5",
+        title: "token ids out of range",
+    },
+    FaultKind {
+        id: "V6",
+        title: "a shard whose logits are all -inf",
+    },
+];
+
+/// The kind called `id`.
+pub fn kind(id: &str) -> Option<&'static FaultKind> {
+    CATALOGUE.iter().find(|k| k.id == id)
+}
+
+/// P1: lengths `[100, 200]` in one row: positions `0..100` then `0..200`.
+pub const P1_LENGTHS: [usize; 2] = [100, 200];
+
+/// P2: lengths `[3, 5]` in a pack of 8; sequence 2's outputs must not move
+/// when sequence 1's tokens change.
+pub const P2_LENGTHS: [usize; 2] = [3, 5];
+/// P2: the pack length.
+pub const P2_PACK: usize = 8;
+
+/// P3: lengths `[4, 2, 3, 1]` with packs of 3: an error naming sequence 0 by
+/// default; split keeps all 10 tokens.
+pub const P3_LENGTHS: [usize; 4] = [4, 2, 3, 1];
+/// P3: the pack length.
+pub const P3_PACK: usize = 3;
+
+/// P4: lengths `[1, 0, 1]`: no crash anywhere; the empty one counted.
+pub const P4_LENGTHS: [usize; 3] = [1, 0, 1];
+
+/// P5: one sequence of 3 in a pack of 8: `cu_seqlens` `[0, 3]`.
+pub const P5_LENGTH: usize = 3;
+/// P5: the pack length.
+pub const P5_PACK: usize = 8;
+/// P5: the sequence ids of the pack (0 = padding).
+pub const P5_SEQUENCE_IDS: [usize; 8] = [1, 1, 1, 0, 0, 0, 0, 0];
+
+/// P6: a sequence of 3 at position offset 2 gets positions `[2, 3, 4]`.
+pub const P6_OFFSET: usize = 2;
+/// P6: the positions.
+pub const P6_POSITIONS: [usize; 3] = [2, 3, 4];
+
+/// P7: two sequences of 2 and 6 predicted tokens, per-token losses all 1.0
+/// and all 0.0.
+pub const P7_PREDICTED: [usize; 2] = [2, 6];
+/// P7: the per-sequence mean.
+pub const P7_PER_SEQUENCE: f64 = 0.5;
+/// P7: the per-token mean.
+pub const P7_PER_TOKEN: f64 = 0.25;
+
+/// P8: sequence ids `[1, 1, 2, 0]` with padding keys masked: the padding
+/// query's output and gradients are 0, never NaN.
+pub const P8_SEQUENCE_IDS: [usize; 4] = [1, 1, 2, 0];
+
+/// V1: the logits of one token over `v = 8`, split into 2 shards of 4.
+pub const V1_LOGITS: [f64; 8] = [1.0, 2.0, 0.0, -1.0, 3.0, 0.5, 1.5, -2.0];
+/// V1: the target.
+pub const V1_TARGET: i64 = 4;
+/// V1: the label smoothing.
+pub const V1_SMOOTHING: f64 = 0.1;
+/// V1: the loss in PyTorch's convention (`(1 - a) onehot + a / V`), to 5 places.
+pub const V1_LOSS_PYTORCH: f64 = 0.87051;
+/// V1: the loss in Megatron's convention (`a` over the `V - 1` others), to 5 places.
+pub const V1_LOSS_MEGATRON: f64 = 0.90444;
+/// V1: the places the two losses are given to.
+pub const V1_PLACES: f64 = 5e-6;
+
+/// V2: the real logits of one token, `v = 10` padded to 12 for 3 shards.
+pub const V2_LOGITS: [f64; 10] = [2.0, 1.0, 0.5, 3.0, -1.0, 0.0, 1.5, 2.5, -0.5, 1.0];
+/// V2: the target.
+pub const V2_TARGET: i64 = 7;
+/// V2: the shard count.
+pub const V2_SHARDS: usize = 3;
+/// V2: the loss, to 6 places, whatever the padded entries hold.
+pub const V2_LOSS: f64 = 1.474030;
+/// V2: the places the loss is given to.
+pub const V2_PLACES: f64 = 5e-7;
+
+/// V3: the hidden state of one token (`h = 2`).
+pub const V3_HIDDEN: [f64; 2] = [1.0, -1.0];
+/// V3: the output-layer rows (`v = 4`), split 2 + 2.
+pub const V3_WEIGHT: [[f64; 2]; 4] = [[1.0, 0.0], [0.0, 1.0], [0.5, 0.5], [-1.0, 2.0]];
+/// V3: the target.
+pub const V3_TARGET: i64 = 2;
+/// V3: `dL/dx` on every rank, to 4 places.
+pub const V3_GRAD_HIDDEN: [f64; 2] = [0.2661, -0.2661];
+/// V3: the places the gradient is given to.
+pub const V3_PLACES: f64 = 5e-5;
+
+/// V4: a vocabulary (Gemma's 256k class) over 8 shards: accepted, results equal.
+pub const V4_VOCAB: usize = 250_682;
+/// V4: the shard count.
+pub const V4_SHARDS: usize = 8;
+
+/// V5: an embedding lookup of `id == v` (or a negative id) is an
+/// index-out-of-range error in the unsharded and the sharded layer alike.
+pub const V5_VOCAB: usize = 8;
+/// V5: the ids that must be refused for [`V5_VOCAB`].
+pub const V5_BAD_IDS: [i64; 2] = [8, -1];
+
+/// V6: one shard whose logits are all `-inf` contributes 0 to the sum, not
+/// NaN: logits of `v = 6` over 2 shards, the second all `-inf`.
+pub const V6_LOGITS: [f64; 6] = [
+    0.5,
+    -1.0,
+    2.0,
+    f64::NEG_INFINITY,
+    f64::NEG_INFINITY,
+    f64::NEG_INFINITY,
+];
+/// V6: the target (in the finite shard).
+pub const V6_TARGET: i64 = 2;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_are_unique_and_titled() {
+        for (i, k) in CATALOGUE.iter().enumerate() {
+            assert!(CATALOGUE[i + 1..].iter().all(|o| o.id != k.id), "{}", k.id);
+            assert!(!k.title.is_empty());
+            assert_eq!(kind(k.id), Some(k));
+        }
+        assert_eq!(kind("Z9"), None);
+    }
+
+    #[test]
+    fn v1_and_v2_values_are_the_reference_losses() {
+        use crate::vocab::{cross_entropy, LossConfig, SmoothingConvention};
+        let z = ndarray::Array2::from_shape_vec((1, 8), V1_LOGITS.to_vec()).unwrap();
+        for (conv, want) in [
+            (SmoothingConvention::PyTorch, V1_LOSS_PYTORCH),
+            (SmoothingConvention::Megatron, V1_LOSS_MEGATRON),
+        ] {
+            let c = LossConfig::default().with_smoothing(V1_SMOOTHING, conv);
+            let l = cross_entropy(z.view(), &[V1_TARGET], &c, false)
+                .unwrap()
+                .loss;
+            assert!((l - want).abs() < V1_PLACES, "{conv:?}: {l}");
+        }
+        let z = ndarray::Array2::from_shape_vec((1, 10), V2_LOGITS.to_vec()).unwrap();
+        let l = cross_entropy(z.view(), &[V2_TARGET], &LossConfig::default(), false)
+            .unwrap()
+            .loss;
+        assert!((l - V2_LOSS).abs() < V2_PLACES, "{l}");
+    }
+
+    #[test]
+    fn v3_gradient_is_the_reference_gradient() {
+        use crate::vocab::{linear_cross_entropy, LossConfig};
+        let x = ndarray::Array2::from_shape_vec((1, 2), V3_HIDDEN.to_vec()).unwrap();
+        let w = ndarray::Array2::from_shape_fn((4, 2), |(i, j)| V3_WEIGHT[i][j]);
+        let l = linear_cross_entropy(
+            x.view(),
+            w.view(),
+            &[V3_TARGET],
+            &LossConfig::default(),
+            true,
+        )
+        .unwrap();
+        let g = l.grad_hidden.unwrap();
+        for j in 0..2 {
+            assert!((g[[0, j]] - V3_GRAD_HIDDEN[j]).abs() < V3_PLACES, "{g}");
+        }
+    }
+}

@@ -1,0 +1,475 @@
+//! The op families of packshard: one trait per family, the contract every
+//! implementation of that op meets — the f64 reference of this crate, the
+//! optimized CPU and GPU kernels of `packshard-optimized`, and a framework
+//! author's kernel. The equivalence suites, the fuzz harness, `packshard
+//! eval`, the benchmarks and the golden checks take implementations through
+//! these traits only; `packshard-oracle`'s registry lists them as values.
+//!
+//! | trait | family | reference |
+//! |---|---|---|
+//! | [`AttentionOp`] | varlen and masked attention, forward and backward | [`crate::attention::ReferenceAttention`] |
+//! | [`CrossEntropyOp`] | cross-entropy of logits, unsharded and vocabulary-parallel | [`crate::vocab::ReferenceCrossEntropy`] |
+//! | [`LinearCrossEntropyOp`] | the output layer `hidden @ weight^T` and its cross-entropy | [`crate::vocab::ReferenceLinearCrossEntropy`] |
+//! | [`EmbeddingOp`] | the input embedding and its weight gradient | [`crate::vocab::ReferenceEmbedding`] |
+//! | [`EncoderLayerOp`] | one BERT encoder layer, forward and backward | [`crate::bert::layer::ReferenceLayer`] |
+//!
+//! **At the boundary every tensor is f64.** An implementation that computes
+//! in f32 or bf16 rounds its inputs on entry (refusing finite values beyond
+//! its range with [`Error::InvalidArgument`] naming the field and index) and
+//! widens its results on exit, exactly; so its results are judged against the
+//! reference in one type, and its errors are the reference's: the same
+//! [`Error::kind`] for the same bad input.
+//!
+//! **No silent fallback.** An implementation answers with its own numbers or
+//! with an error: what it does not implement (an algorithm, grouped-query
+//! attention, a causal mask) it declares ([`AttentionOp::support`],
+//! [`CrossEntropyOp::algorithms`]) and refuses with
+//! [`Error::InvalidArgument`]; it never hands the call to the reference.
+//!
+//! Shape legend as in the crate docs: `n_q`/`n_k` query/key tokens, `h`
+//! query heads, `h_kv` key/value heads, `d` head dim, `n` tokens, `v`
+//! vocabulary, `w >= v` the given rows/columns (Megatron-style padding), `h`
+//! also the hidden size of the output layer, `p` shards.
+
+use ndarray::{Array2, ArrayView2, ArrayView3};
+
+use crate::attention::{AttentionGrads, AttentionLayout, AttentionOutput};
+use crate::bert::LayerParams;
+use crate::error::{Error, Result};
+use crate::vocab::cross_entropy::CrossEntropy;
+use crate::vocab::embedding::ShardedEmbedding;
+use crate::vocab::sharded::ShardedLoss;
+use crate::vocab::{LossConfig, ShardMap, ShardedAlgorithm};
+
+/// What an implementation computes in. Inputs are rounded to it on entry
+/// and results widened to f64 on exit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Precision {
+    /// f64 throughout (the reference, exact rewrites of it).
+    F64,
+    /// f32 storage and arithmetic.
+    F32,
+    /// bf16 inputs, f32 accumulation.
+    Bf16,
+}
+
+impl Precision {
+    /// `f64`, `f32`, `bf16`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::F64 => "f64",
+            Precision::F32 => "f32",
+            Precision::Bf16 => "bf16",
+        }
+    }
+
+    /// The unit roundoff of the storage type (`2^-53`, `2^-24`, `2^-9`).
+    pub fn unit_roundoff(self) -> f64 {
+        match self {
+            Precision::F64 => f64::EPSILON / 2.0,
+            Precision::F32 => f32::EPSILON as f64 / 2.0,
+            Precision::Bf16 => 1.0 / 512.0,
+        }
+    }
+}
+
+// ---- attention -------------------------------------------------------------
+
+/// One variable-length attention problem, the arguments of flash-attention's
+/// `flash_attn_varlen_func` besides the tensors: segment `s` is queries
+/// `cu_seqlens_q[s]..cu_seqlens_q[s + 1]` over keys
+/// `cu_seqlens_k[s]..cu_seqlens_k[s + 1]` (both `[b + 1]`, leading 0); causal
+/// masks are bottom-right aligned ([`crate::attention`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Varlen<'a> {
+    /// `[b + 1]`: query offsets, last = `n_q`.
+    pub cu_seqlens_q: &'a [usize],
+    /// `[b + 1]`: key offsets, last = `n_k`.
+    pub cu_seqlens_k: &'a [usize],
+    /// Each query sees only keys at or before its position (bottom-right).
+    pub causal: bool,
+    /// Multiplies `q . k` (`1/sqrt(d)` by default, [`crate::attention::default_scale`]).
+    pub scale: f64,
+}
+
+impl<'a> Varlen<'a> {
+    /// Self-attention over one `cu_seqlens` (queries and keys the same tokens).
+    pub fn new(cu_seqlens: &'a [usize], causal: bool, scale: f64) -> Self {
+        Varlen {
+            cu_seqlens_q: cu_seqlens,
+            cu_seqlens_k: cu_seqlens,
+            causal,
+            scale,
+        }
+    }
+
+    /// Queries over other keys: `cu_seqlens_k` may differ from `cu_seqlens_q`
+    /// (a continuation chunk over cached keys, docs/FAULTS.md C5).
+    pub fn cross(
+        cu_seqlens_q: &'a [usize],
+        cu_seqlens_k: &'a [usize],
+        causal: bool,
+        scale: f64,
+    ) -> Self {
+        Varlen {
+            cu_seqlens_q,
+            cu_seqlens_k,
+            causal,
+            scale,
+        }
+    }
+
+    /// True when queries and keys have the same offsets.
+    pub fn is_self(&self) -> bool {
+        self.cu_seqlens_q == self.cu_seqlens_k
+    }
+}
+
+/// What an [`AttentionOp`] implements beyond bidirectional self-attention
+/// with `h_kv == h`, which every implementation must.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttentionSupport {
+    /// Causal (bottom-right) masks.
+    pub causal: bool,
+    /// `h_kv < h` (grouped-query and multi-query attention).
+    pub gqa: bool,
+    /// `cu_seqlens_k != cu_seqlens_q`.
+    pub cross: bool,
+}
+
+impl AttentionSupport {
+    /// Everything the family allows (the reference).
+    pub const ALL: AttentionSupport = AttentionSupport {
+        causal: true,
+        gqa: true,
+        cross: true,
+    };
+    /// Self-attention with `h_kv == h`, causal or not.
+    pub const SELF_MHA: AttentionSupport = AttentionSupport {
+        causal: true,
+        gqa: false,
+        cross: false,
+    };
+
+    /// `Ok` when a problem of `h_kv` key heads for `h` query heads is within
+    /// the support.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] naming `causal`, `k` or `cu_seqlens_k`.
+    pub fn check(&self, p: &Varlen<'_>, h: usize, h_kv: usize) -> Result<()> {
+        if p.causal && !self.causal {
+            return Err(Error::invalid(
+                "causal",
+                "this implementation has no causal mask",
+            ));
+        }
+        if h_kv != h && !self.gqa {
+            return Err(Error::invalid(
+                "k",
+                format!("{h_kv} key heads for {h} query heads: this implementation needs h_kv == h (no grouped-query attention)"),
+            ));
+        }
+        if !p.is_self() && !self.cross {
+            return Err(Error::invalid(
+                "cu_seqlens_k",
+                "differs from cu_seqlens_q: this implementation runs self-attention only",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Attention in its two forms: variable-length over `cu_seqlens` (the packed
+/// batch) and dense with a boolean mask (the padded batch, or a packed one
+/// with a block-diagonal mask). Shapes: `q: [n_q, h, d]`, `k, v: [n_k, h_kv,
+/// d]`; results `output: [n_q, h, d]`, `lse: [h, n_q]` (natural log, `-inf`
+/// for a query with no allowed key, whose output and gradients are 0:
+/// docs/FAULTS.md P8), `grad_q: [n_q, h, d]`, `grad_k, grad_v: [n_k, h_kv, d]`.
+///
+/// Errors are the reference's ([`crate::attention`]): shapes
+/// ([`Error::ShapeMismatch`]), offsets ([`Error::InvalidArgument`] naming
+/// `cu_seqlens[i]`), non-finite inputs ([`Error::NonFiniteInput`]).
+pub trait AttentionOp: Send + Sync {
+    /// What it implements beyond bidirectional self-attention with `h_kv == h`.
+    fn support(&self) -> AttentionSupport {
+        AttentionSupport::SELF_MHA
+    }
+
+    /// The varlen forward.
+    ///
+    /// # Errors
+    /// See the trait docs.
+    fn varlen_forward(
+        &self,
+        q: ArrayView3<f64>,
+        k: ArrayView3<f64>,
+        v: ArrayView3<f64>,
+        p: &Varlen<'_>,
+    ) -> Result<AttentionOutput>;
+
+    /// The varlen backward: `fwd` the forward's result, `grad_output: [n_q, h, d]`.
+    ///
+    /// # Errors
+    /// See the trait docs.
+    fn varlen_backward(
+        &self,
+        q: ArrayView3<f64>,
+        k: ArrayView3<f64>,
+        v: ArrayView3<f64>,
+        p: &Varlen<'_>,
+        fwd: &AttentionOutput,
+        grad_output: ArrayView3<f64>,
+    ) -> Result<AttentionGrads>;
+
+    /// The dense forward: `allowed: [n_q, n_k]`, `allowed[[i, j]]` when query
+    /// `i` may attend to key `j`.
+    ///
+    /// # Errors
+    /// See the trait docs.
+    fn masked_forward(
+        &self,
+        q: ArrayView3<f64>,
+        k: ArrayView3<f64>,
+        v: ArrayView3<f64>,
+        allowed: ArrayView2<bool>,
+        scale: f64,
+    ) -> Result<AttentionOutput>;
+
+    /// The dense backward.
+    ///
+    /// # Errors
+    /// See the trait docs.
+    #[allow(clippy::too_many_arguments)]
+    fn masked_backward(
+        &self,
+        q: ArrayView3<f64>,
+        k: ArrayView3<f64>,
+        v: ArrayView3<f64>,
+        allowed: ArrayView2<bool>,
+        scale: f64,
+        fwd: &AttentionOutput,
+        grad_output: ArrayView3<f64>,
+    ) -> Result<AttentionGrads>;
+
+    /// The forward over a model's [`AttentionLayout`] (one varlen call, or
+    /// one masked call per dense row: [`crate::attention::layout_forward`]).
+    ///
+    /// # Errors
+    /// See the trait docs.
+    fn forward(
+        &self,
+        q: ArrayView3<f64>,
+        k: ArrayView3<f64>,
+        v: ArrayView3<f64>,
+        layout: &AttentionLayout,
+        scale: f64,
+    ) -> Result<AttentionOutput> {
+        crate::attention::layout_forward(self, q, k, v, layout, scale)
+    }
+
+    /// The backward over a model's [`AttentionLayout`].
+    ///
+    /// # Errors
+    /// See the trait docs.
+    #[allow(clippy::too_many_arguments)]
+    fn backward(
+        &self,
+        q: ArrayView3<f64>,
+        k: ArrayView3<f64>,
+        v: ArrayView3<f64>,
+        layout: &AttentionLayout,
+        scale: f64,
+        fwd: &AttentionOutput,
+        grad_output: ArrayView3<f64>,
+    ) -> Result<AttentionGrads> {
+        crate::attention::layout_backward(self, q, k, v, layout, scale, fwd, grad_output)
+    }
+}
+
+// ---- the output layer --------------------------------------------------------
+
+/// Refuses a sharded algorithm an implementation does not declare.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] naming `algorithm`.
+pub fn check_algorithm(declared: &[ShardedAlgorithm], algorithm: ShardedAlgorithm) -> Result<()> {
+    if declared.contains(&algorithm) {
+        return Ok(());
+    }
+    let names: Vec<&str> = declared.iter().map(|a| a.name()).collect();
+    let list = if names.is_empty() {
+        "the unsharded form only".to_string()
+    } else {
+        format!("unsharded and {}", names.join(", "))
+    };
+    Err(Error::invalid(
+        "algorithm",
+        format!("this implementation runs {list}, not {algorithm}"),
+    ))
+}
+
+/// Cross-entropy of given logits (Vaswani et al. with PyTorch's and
+/// Megatron-LM's options: `ignore_index`, label smoothing, z-loss,
+/// reduction; [`LossConfig`]), unsharded and split by vocabulary over `p`
+/// shards (Yeung et al., arXiv:2411.05288).
+///
+/// Errors are the reference's ([`crate::vocab::cross_entropy()`]).
+pub trait CrossEntropyOp: Send + Sync {
+    /// The sharded algorithms it implements (the unsharded form always).
+    fn algorithms(&self) -> Vec<ShardedAlgorithm> {
+        ShardedAlgorithm::ALL.to_vec()
+    }
+
+    /// Unsharded: `logits: [n, v]`, `targets: [n]`; `grad_logits: [n, v]`
+    /// with `want_grad`.
+    ///
+    /// # Errors
+    /// See the trait docs.
+    fn cross_entropy(
+        &self,
+        logits: ArrayView2<f64>,
+        targets: &[i64],
+        config: &LossConfig,
+        want_grad: bool,
+    ) -> Result<CrossEntropy>;
+
+    /// Sharded by `map`: `logits: [n, w]` (`w >= v`; columns `v..` are
+    /// padding values that must never be read), every rank's results.
+    ///
+    /// # Errors
+    /// See the trait docs; [`check_algorithm`] for an undeclared algorithm.
+    fn sharded_cross_entropy(
+        &self,
+        algorithm: ShardedAlgorithm,
+        map: &ShardMap,
+        logits: ArrayView2<f64>,
+        targets: &[i64],
+        config: &LossConfig,
+        want_grad: bool,
+    ) -> Result<ShardedLoss>;
+}
+
+/// The unsharded output layer's results.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LinearLoss {
+    /// The cross-entropy of the logits (`grad_logits: [n, v]` where the
+    /// implementation materializes it; a fused kernel may leave it `None`).
+    pub ce: CrossEntropy,
+    /// `[n, h]` with `want_grad`.
+    pub grad_hidden: Option<Array2<f64>>,
+    /// `[v, h]` with `want_grad`.
+    pub grad_weight: Option<Array2<f64>>,
+    /// Bytes of the largest logits buffer it held at once, where it reports it.
+    pub logits_buffer_bytes: Option<usize>,
+}
+
+/// The output layer `logits = hidden @ weight^T` and its cross-entropy,
+/// unsharded and vocabulary-parallel.
+///
+/// Errors are the reference's ([`crate::vocab::linear_cross_entropy()`]).
+pub trait LinearCrossEntropyOp: Send + Sync {
+    /// The sharded algorithms it implements (the unsharded form always).
+    fn algorithms(&self) -> Vec<ShardedAlgorithm> {
+        ShardedAlgorithm::ALL.to_vec()
+    }
+
+    /// Unsharded: `hidden: [n, h]`, `weight: [v, h]`, `targets: [n]`.
+    ///
+    /// # Errors
+    /// See the trait docs.
+    fn linear_cross_entropy(
+        &self,
+        hidden: ArrayView2<f64>,
+        weight: ArrayView2<f64>,
+        targets: &[i64],
+        config: &LossConfig,
+        want_grad: bool,
+    ) -> Result<LinearLoss>;
+
+    /// Sharded by `map`: `weight: [w, h]` (`w >= v`; rows `v..` are padding
+    /// values that must never be read).
+    ///
+    /// # Errors
+    /// See the trait docs; [`check_algorithm`] for an undeclared algorithm.
+    #[allow(clippy::too_many_arguments)]
+    fn sharded_linear_cross_entropy(
+        &self,
+        algorithm: ShardedAlgorithm,
+        map: &ShardMap,
+        hidden: ArrayView2<f64>,
+        weight: ArrayView2<f64>,
+        targets: &[i64],
+        config: &LossConfig,
+        want_grad: bool,
+    ) -> Result<ShardedLoss>;
+}
+
+/// The unsharded embedding's results.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Embedding {
+    /// `[n, h]`: row `ids[i]` of the weight.
+    pub output: Array2<f64>,
+    /// `[v, h]` with a `grad_output`.
+    pub grad_weight: Option<Array2<f64>>,
+}
+
+/// The input embedding lookup `weight[ids]` and its weight gradient,
+/// unsharded and split by vocabulary rows (docs/FAULTS.md V5: an id out of range
+/// is [`Error::IndexOutOfRange`] in both).
+pub trait EmbeddingOp: Send + Sync {
+    /// Unsharded: `ids: [n]`, `weight: [v, h]`, `grad_output: [n, h]`.
+    ///
+    /// # Errors
+    /// As [`crate::vocab::embedding::embedding_forward`].
+    fn embedding(
+        &self,
+        ids: &[i64],
+        weight: ArrayView2<f64>,
+        grad_output: Option<ArrayView2<f64>>,
+    ) -> Result<Embedding>;
+
+    /// Sharded by `map`: `weight: [w, h]` (`w >= v`, rows `v..` padding).
+    ///
+    /// # Errors
+    /// As [`crate::vocab::embedding::sharded_embedding`].
+    fn sharded_embedding(
+        &self,
+        map: &ShardMap,
+        ids: &[i64],
+        weight: ArrayView2<f64>,
+        grad_output: Option<ArrayView2<f64>>,
+    ) -> Result<ShardedEmbedding>;
+}
+
+// ---- the encoder layer ---------------------------------------------------------
+
+/// One encoder layer's forward and backward results.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LayerPass {
+    /// `[n, hidden]`.
+    pub output: Array2<f64>,
+    /// `[n, hidden]`: the gradient of the input.
+    pub grad_x: Array2<f64>,
+    /// Every parameter's gradient.
+    pub grads: LayerParams,
+}
+
+/// One BERT encoder layer (post-LayerNorm, Hugging Face's `BertLayer`),
+/// forward and backward, over a token layout: `x: [n, hidden]`,
+/// `grad_output: [n, hidden]`.
+pub trait EncoderLayerOp: Send + Sync {
+    /// Forward and backward.
+    ///
+    /// # Errors
+    /// Shape or layout errors, as [`crate::bert::layer::layer_forward`].
+    #[allow(clippy::too_many_arguments)]
+    fn forward_backward(
+        &self,
+        params: &LayerParams,
+        num_heads: usize,
+        eps: f64,
+        x: ArrayView2<f64>,
+        layout: &AttentionLayout,
+        grad_output: ArrayView2<f64>,
+    ) -> Result<LayerPass>;
+}

@@ -1,0 +1,113 @@
+//! The reference implementations of the output-layer op families
+//! ([`CrossEntropyOp`], [`LinearCrossEntropyOp`], [`EmbeddingOp`]): the
+//! unsharded f64 layer of [`super::cross_entropy`] and [`super::embedding`],
+//! and the three sharded algorithms of [`super::sharded`] on `p` in-process
+//! ranks.
+
+use ndarray::ArrayView2;
+
+use super::cross_entropy::{cross_entropy, linear_cross_entropy, CrossEntropy};
+use super::embedding::{
+    embedding_backward, embedding_forward, sharded_embedding, ShardedEmbedding,
+};
+use super::sharded::{sharded_cross_entropy, sharded_linear_cross_entropy, ShardedLoss};
+use super::{LossConfig, ShardMap, ShardedAlgorithm};
+use crate::error::Result;
+use crate::ops::{CrossEntropyOp, Embedding, EmbeddingOp, LinearCrossEntropyOp, LinearLoss};
+
+/// The reference cross-entropy: unsharded, `naive`, `alg1` and `alg2`.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ReferenceCrossEntropy;
+
+impl CrossEntropyOp for ReferenceCrossEntropy {
+    fn cross_entropy(
+        &self,
+        logits: ArrayView2<f64>,
+        targets: &[i64],
+        config: &LossConfig,
+        want_grad: bool,
+    ) -> Result<CrossEntropy> {
+        cross_entropy(logits, targets, config, want_grad)
+    }
+
+    fn sharded_cross_entropy(
+        &self,
+        algorithm: ShardedAlgorithm,
+        map: &ShardMap,
+        logits: ArrayView2<f64>,
+        targets: &[i64],
+        config: &LossConfig,
+        want_grad: bool,
+    ) -> Result<ShardedLoss> {
+        sharded_cross_entropy(algorithm, map, logits, targets, config, want_grad)
+    }
+}
+
+/// The reference output layer: unsharded, `naive`, `alg1` and `alg2`.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ReferenceLinearCrossEntropy;
+
+impl LinearCrossEntropyOp for ReferenceLinearCrossEntropy {
+    fn linear_cross_entropy(
+        &self,
+        hidden: ArrayView2<f64>,
+        weight: ArrayView2<f64>,
+        targets: &[i64],
+        config: &LossConfig,
+        want_grad: bool,
+    ) -> Result<LinearLoss> {
+        let l = linear_cross_entropy(hidden, weight, targets, config, want_grad)?;
+        Ok(LinearLoss {
+            ce: l.ce,
+            grad_hidden: l.grad_hidden,
+            grad_weight: l.grad_weight,
+            logits_buffer_bytes: None,
+        })
+    }
+
+    fn sharded_linear_cross_entropy(
+        &self,
+        algorithm: ShardedAlgorithm,
+        map: &ShardMap,
+        hidden: ArrayView2<f64>,
+        weight: ArrayView2<f64>,
+        targets: &[i64],
+        config: &LossConfig,
+        want_grad: bool,
+    ) -> Result<ShardedLoss> {
+        sharded_linear_cross_entropy(algorithm, map, hidden, weight, targets, config, want_grad)
+    }
+}
+
+/// The reference embedding: the unsharded lookup and the sharded one.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ReferenceEmbedding;
+
+impl EmbeddingOp for ReferenceEmbedding {
+    fn embedding(
+        &self,
+        ids: &[i64],
+        weight: ArrayView2<f64>,
+        grad_output: Option<ArrayView2<f64>>,
+    ) -> Result<Embedding> {
+        let output = embedding_forward(ids, weight)?;
+        let grad_weight = match grad_output {
+            Some(g) => Some(embedding_backward(ids, g, weight.nrows())?),
+            None => None,
+        };
+        Ok(Embedding {
+            output,
+            grad_weight,
+        })
+    }
+
+    fn sharded_embedding(
+        &self,
+        map: &ShardMap,
+        ids: &[i64],
+        weight: ArrayView2<f64>,
+        grad_output: Option<ArrayView2<f64>>,
+    ) -> Result<ShardedEmbedding> {
+        sharded_embedding(map, ids, weight, grad_output)
+    }
+}

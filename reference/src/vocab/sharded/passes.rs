@@ -1,0 +1,507 @@
+//! The S and T passes of the three algorithms on one rank.
+
+use ndarray::{Array1, Array2, ArrayView2, Axis, Slice};
+
+use super::super::collective::{Collective, Reduce};
+use super::super::cross_entropy::{
+    check_row, count_and_sum, target_term, token_loss, SoftmaxStats, STATS_WIDTH,
+};
+use super::super::sum;
+use super::super::LossConfig;
+use crate::error::Result;
+
+use super::merge::{merge_alg2, merge_alg2_z_loss, merge_stats};
+use super::rank::{
+    check_rank_inputs, Grads, Linear, LinearGrads, Meter, RankLoss, RankRun, SState,
+};
+use super::{ShardMap, ShardedAlgorithm};
+
+impl<'a> RankRun<'a> {
+    pub(super) fn new(
+        comm: &'a dyn Collective,
+        algorithm: ShardedAlgorithm,
+        map: &ShardMap,
+        n: usize,
+        targets: &[i64],
+        config: &LossConfig,
+    ) -> Result<Self> {
+        check_rank_inputs(comm, map, n, targets, config)?;
+        let v = map.vocab_size();
+        Ok(RankRun {
+            comm,
+            algorithm,
+            shard: map.shard(comm.rank()),
+            config: *config,
+            targets: config.targets(targets, v)?,
+            q: config.target_distribution(v),
+            meter: Meter::default(),
+        })
+    }
+
+    /// `q_ij` of token `i` for local column `j` (0 for padding and ignored tokens).
+    pub(super) fn q(&self, i: usize, j: usize) -> f64 {
+        if j >= self.shard.real {
+            return 0.0;
+        }
+        match self.targets[i] {
+            None => 0.0,
+            Some(t) if t == self.shard.start + j => self.q.0,
+            Some(_) => self.q.1,
+        }
+    }
+
+    /// `Σ_j q_ij W_j` over this shard: `q_other Σ_j W_j + (q_target -
+    /// q_other) W_t` when the target is here. `[n, h]`.
+    pub(super) fn target_rows(&self, w_real: ArrayView2<f64>) -> Array2<f64> {
+        let n = self.targets.len();
+        let colsum: Array1<f64> = (0..w_real.ncols())
+            .map(|k| sum::sum(w_real.column(k).iter().copied()))
+            .collect();
+        let mut b = Array2::zeros((n, w_real.ncols()));
+        for (i, t) in self.targets.iter().enumerate() {
+            let Some(t) = *t else { continue };
+            let mut row = b.row_mut(i);
+            if self.q.1 != 0.0 {
+                row.scaled_add(self.q.1, &colsum);
+            }
+            if t >= self.shard.start && t < self.shard.start + self.shard.real {
+                row.scaled_add(self.q.0 - self.q.1, &w_real.row(t - self.shard.start));
+            }
+        }
+        b
+    }
+
+    /// Per-token losses and the loss from the global statistics; the
+    /// all-`-inf` row error (identical on every rank).
+    pub(super) fn finish(&self, global: &[SoftmaxStats]) -> Result<(Array1<f64>, f64)> {
+        for (i, g) in global.iter().enumerate() {
+            check_row(i, g, self.targets[i])?;
+        }
+        self.meter.hold(global.len());
+        let per_token: Array1<f64> = global
+            .iter()
+            .zip(&self.targets)
+            .map(|(g, &t)| token_loss(g, t, &self.config))
+            .collect();
+        let loss = self
+            .config
+            .reduce(per_token.as_slice().expect("contiguous"), &self.targets);
+        Ok((per_token, loss))
+    }
+
+    pub(super) fn run(self, z: Array2<f64>, lin: Linear<'_>, want_grad: bool) -> Result<RankLoss> {
+        let state = self.s_pass(z, lin, want_grad)?;
+        self.t_pass(state, lin)
+    }
+
+    /// The S pass of the algorithm: everything up to (and including) the
+    /// barriers the forward needs; alg2 also forms `∂L/∂x`.
+    pub(super) fn s_pass(
+        &self,
+        z: Array2<f64>,
+        lin: Linear<'_>,
+        want_grad: bool,
+    ) -> Result<SState> {
+        match self.algorithm {
+            ShardedAlgorithm::Naive => self.naive_s(z, want_grad),
+            ShardedAlgorithm::Alg1 => self.alg1_s(z, want_grad),
+            ShardedAlgorithm::Alg2 => self.alg2_s(z, lin, want_grad),
+        }
+    }
+
+    /// The T pass: `∂L/∂z` and `∂L/∂W_i` (naive and alg1 also all-reduce
+    /// `∂L/∂x` here; alg2 communicates no more).
+    pub(super) fn t_pass(&self, s: SState, lin: Linear<'_>) -> Result<RankLoss> {
+        if !s.want_grad {
+            return Ok(self.output(s.forward, s.local, s.global, (None, None, None)));
+        }
+        match self.algorithm {
+            ShardedAlgorithm::Naive => self.naive_t(s, lin),
+            ShardedAlgorithm::Alg1 => self.alg1_t(s, lin),
+            ShardedAlgorithm::Alg2 => self.alg2_t(s, lin),
+        }
+    }
+
+    /// `∂L/∂x` partial and `∂L/∂W_i` from the gradient `g: [n, w_r]`; the
+    /// partial is all-reduced when `all_reduce` (naive, alg1).
+    pub(super) fn linear_grads(
+        &self,
+        g: &Array2<f64>,
+        lin: Linear<'_>,
+        all_reduce: bool,
+    ) -> Result<LinearGrads> {
+        let Some((x, w_real)) = lin else {
+            return Ok((None, None));
+        };
+        let real = self.shard.real;
+        let g_real = g.slice_axis(Axis(1), Slice::from(..real));
+        let mut gx = None;
+        if all_reduce {
+            self.meter.hold(x.len());
+            let mut partial = sum::matmul(g_real, w_real);
+            self.comm.all_reduce_sum(
+                partial
+                    .as_slice_mut()
+                    .expect("a fresh product is contiguous"),
+            )?;
+            gx = Some(partial);
+        }
+        // The weight-gradient shard is parameter-sized and the same for every
+        // algorithm: not counted.
+        let mut gw = Array2::zeros((self.shard.width, x.ncols()));
+        gw.slice_axis_mut(Axis(0), Slice::from(..real))
+            .assign(&g_real.t().dot(&x));
+        Ok((gx, Some(gw)))
+    }
+
+    pub(super) fn output(
+        &self,
+        (per_token_loss, loss): (Array1<f64>, f64),
+        local: Vec<SoftmaxStats>,
+        global: Vec<SoftmaxStats>,
+        grads: Grads,
+    ) -> RankLoss {
+        RankLoss {
+            rank: self.shard.rank,
+            loss,
+            per_token_loss,
+            local,
+            global,
+            grad_logits: grads.0,
+            grad_hidden: grads.1,
+            grad_weight: grads.2,
+            counts: self.comm.counts(),
+            peak_bytes: self.meter.peak(),
+        }
+    }
+
+    /// naive S: `m = allreduce_max(m_i)`; `S = allreduce_sum(s_i against m)`.
+    pub(super) fn naive_s(&self, z: Array2<f64>, want_grad: bool) -> Result<SState> {
+        let n = z.nrows();
+        // Barrier 1: the global max m.
+        self.meter.hold(n);
+        let mut max: Vec<f64> = z
+            .rows()
+            .into_iter()
+            .map(|r| r.fold(f64::NEG_INFINITY, |a, &b| a.max(b)))
+            .collect();
+        self.comm.all_reduce_max(&mut max)?;
+        // Barrier 2: the global sum against m, as [C | Σ_{z<m} exp(z - m) |
+        // target term], so that the count of maxima stays an exact integer.
+        self.meter.hold(3 * n);
+        let mut local = Vec::with_capacity(n);
+        let mut sums = vec![0.0; 3 * n];
+        for (i, row) in z.rows().into_iter().enumerate() {
+            let row = row.to_vec();
+            let m = max[i];
+            let (target, mass) = target_term(&row, |j| self.q(i, j), m);
+            let (at_max, below) = if m == f64::NEG_INFINITY {
+                (0.0, 0.0) // nothing enters the sum (V6)
+            } else {
+                count_and_sum(&row, m)
+            };
+            sums[i] = at_max;
+            sums[n + i] = below;
+            sums[2 * n + i] = target;
+            local.push(SoftmaxStats {
+                max: m,
+                rest: (at_max - 1.0) + below,
+                target,
+                mass,
+            });
+        }
+        self.comm.all_reduce_sum(&mut sums)?;
+        let total_mass = |i: usize| if self.targets[i].is_some() { 1.0 } else { 0.0 };
+        let global: Vec<SoftmaxStats> = (0..n)
+            .map(|i| SoftmaxStats {
+                max: max[i],
+                rest: (sums[i] - 1.0) + sums[n + i],
+                target: sums[2 * n + i],
+                mass: total_mass(i),
+            })
+            .collect();
+        let forward = self.finish(&global)?;
+        Ok(SState {
+            z,
+            local,
+            global,
+            forward,
+            want_grad,
+            grad_hidden: None,
+        })
+    }
+
+    /// naive T: `∂L/∂z` from the global statistics, then `∂L/∂x =
+    /// allreduce_sum(∂L/∂z_i W_i)`.
+    pub(super) fn naive_t(&self, s: SState, lin: Linear<'_>) -> Result<RankLoss> {
+        let SState {
+            mut z,
+            local,
+            global,
+            forward,
+            ..
+        } = s;
+        // Backward: ∂L/∂z = w_i (softmax - q + 2 c lse softmax), in place.
+        let weights = self.config.token_weights(&self.targets);
+        for ((i, j), x) in z.indexed_iter_mut() {
+            *x = if weights[i] == 0.0 || j >= self.shard.real {
+                0.0
+            } else {
+                weights[i] * global[i].gradient(*x, self.q(i, j), self.config.z_loss)
+            };
+        }
+        // Barrier 3: the input gradient.
+        let (gx, gw) = self.linear_grads(&z, lin, true)?;
+        Ok(self.output(forward, local, global, (Some(z), gx, gw)))
+    }
+
+    /// alg1: S pass (local `m_i`, `s_i`, target term) → one merged barrier →
+    /// T pass (rescale the local softmax by `alpha_i`) → the input-gradient
+    /// barrier.
+    pub(super) fn alg1_s(&self, z: Array2<f64>, want_grad: bool) -> Result<SState> {
+        let n = z.nrows();
+        // S pass.
+        let local: Vec<SoftmaxStats> = z
+            .rows()
+            .into_iter()
+            .enumerate()
+            .map(|(i, row)| SoftmaxStats::of(&row.to_vec(), |j| self.q(i, j)))
+            .collect();
+        // Barrier 1: (m_i, s_i, target) records, online-softmax merge.
+        self.meter.hold(STATS_WIDTH * n);
+        let mut record: Vec<f64> = local.iter().flat_map(|s| s.to_record()).collect();
+        self.comm.all_reduce(&mut [Reduce::Merge {
+            data: &mut record,
+            width: STATS_WIDTH,
+            op: merge_stats,
+        }])?;
+        let global: Vec<SoftmaxStats> = record
+            .chunks(STATS_WIDTH)
+            .map(SoftmaxStats::from_record)
+            .collect();
+        let forward = self.finish(&global)?;
+        Ok(SState {
+            z,
+            local,
+            global,
+            forward,
+            want_grad,
+            grad_hidden: None,
+        })
+    }
+
+    /// alg1 T: rescale the local softmax, `∂L/∂z_i`, the input-gradient
+    /// barrier, `∂L/∂W_i`.
+    pub(super) fn alg1_t(&self, s: SState, lin: Linear<'_>) -> Result<RankLoss> {
+        let SState {
+            mut z,
+            local,
+            global,
+            forward,
+            ..
+        } = s;
+        // T pass: softmax = alpha_i softmax'_i, alpha_i = s_i exp(m_i - m) / S.
+        let weights = self.config.token_weights(&self.targets);
+        let c = self.config.z_loss;
+        for ((i, j), x) in z.indexed_iter_mut() {
+            let (g, l, zij) = (&global[i], &local[i], *x);
+            *x = if weights[i] == 0.0 || j >= self.shard.real {
+                0.0
+            } else {
+                let q = self.q(i, j);
+                let p = if zij == f64::NEG_INFINITY {
+                    0.0
+                } else if zij == g.max {
+                    1.0 / g.sum_exp()
+                } else {
+                    let alpha = l.sum_exp() * l.scale_to(g.max) / g.sum_exp();
+                    alpha * ((zij - l.max).exp() / l.sum_exp())
+                };
+                let delta = if zij == g.max { g.delta(zij, q) } else { p - q };
+                weights[i] * (delta + 2.0 * c * g.logsumexp() * p)
+            };
+        }
+        // Barrier 2: the input gradient.
+        let (gx, gw) = self.linear_grads(&z, lin, true)?;
+        Ok(self.output(forward, local, global, (Some(z), gx, gw)))
+    }
+
+    /// alg2: S pass forms the input-gradient partials against the local
+    /// softmax → one merged barrier → T pass with no communication. The rank
+    /// keeps its logits and recomputes `softmax'_i` in T (as alg1 does; the
+    /// paper keeps `softmax'_i` itself — the same memory).
+    pub(super) fn alg2_s(
+        &self,
+        z: Array2<f64>,
+        lin: Linear<'_>,
+        want_grad: bool,
+    ) -> Result<SState> {
+        let n = z.nrows();
+        let c = self.config.z_loss;
+        // S pass: local statistics.
+        let local: Vec<SoftmaxStats> = z
+            .rows()
+            .into_iter()
+            .enumerate()
+            .map(|(i, row)| SoftmaxStats::of(&row.to_vec(), |j| self.q(i, j)))
+            .collect();
+        // softmax'_i - q_i (the stable form for a confident target; -q for an
+        // all -inf shard) and softmax'_i.
+        let delta = |i: usize, j: usize, zij: f64| {
+            let q = self.q(i, j);
+            if local[i].sum_exp() == 0.0 {
+                -q
+            } else {
+                local[i].delta(zij, q)
+            }
+        };
+        let prob = |i: usize, zij: f64| {
+            if local[i].sum_exp() == 0.0 {
+                0.0
+            } else {
+                local[i].probability(zij)
+            }
+        };
+        let input_grad = want_grad && lin.is_some();
+        let h = lin.map_or(0, |(x, _)| x.ncols());
+        // Blocks per token after the statistics: s_i D_i and B_i, plus s_i A_i
+        // with the z-loss (A_i = softmax'_i W_i, its gradient is 2 c lse p W).
+        let blocks = match (input_grad, c > 0.0) {
+            (false, _) => 0,
+            (true, false) => 2,
+            (true, true) => 3,
+        };
+        let width = STATS_WIDTH + blocks * h;
+        self.meter.hold(width * n);
+        let mut record = vec![0.0; width * n];
+        for (i, l) in local.iter().enumerate() {
+            record[i * width..i * width + STATS_WIDTH].copy_from_slice(&l.to_record());
+        }
+        if let (true, Some((_, w_real))) = (input_grad, lin) {
+            // D_i = (softmax'_i - q_i) W_i, B_i = q_i W_i, A_i = softmax'_i W_i.
+            self.meter.hold(blocks * n * h);
+            let d = sum::matmul_with(n, |i, j| delta(i, j, z[[i, j]]), w_real);
+            let b = self.target_rows(w_real);
+            let a = (blocks == 3).then(|| sum::matmul_with(n, |i, j| prob(i, z[[i, j]]), w_real));
+            for i in 0..n {
+                let at = i * width + STATS_WIDTH;
+                let s_i = local[i].sum_exp();
+                for k in 0..h {
+                    record[at + k] = s_i * d[[i, k]];
+                    record[at + h + k] = b[[i, k]];
+                    if let Some(a) = &a {
+                        record[at + 2 * h + k] = s_i * a[[i, k]];
+                    }
+                }
+            }
+            self.meter.free(blocks * n * h);
+        }
+        // The one barrier.
+        let op: super::super::collective::MergeFn = match blocks {
+            0 => merge_stats,
+            2 => merge_alg2,
+            _ => merge_alg2_z_loss,
+        };
+        self.comm.all_reduce(&mut [Reduce::Merge {
+            data: &mut record,
+            width,
+            op,
+        }])?;
+        let global: Vec<SoftmaxStats> = record
+            .chunks(width)
+            .map(SoftmaxStats::from_record)
+            .collect();
+        let forward = self.finish(&global)?;
+        if !want_grad {
+            return Ok(SState {
+                z,
+                local,
+                global,
+                forward,
+                want_grad,
+                grad_hidden: None,
+            });
+        }
+        let weights = self.config.token_weights(&self.targets);
+        // ∂L/∂x = w_i (Y / S + 2 c lse U / S), Y / S = Σ_j (p_j - q_j) W_j and
+        // U / S = Σ_j p_j W_j: no more communication.
+        let gx = input_grad.then(|| {
+            self.meter.hold(n * h);
+            Array2::from_shape_fn((n, h), |(i, k)| {
+                if weights[i] == 0.0 {
+                    return 0.0;
+                }
+                let g = &global[i];
+                let at = i * width + STATS_WIDTH;
+                let y = record[at + k] / g.sum_exp();
+                let z_part = if blocks == 3 {
+                    2.0 * c * g.logsumexp() * (record[at + 2 * h + k] / g.sum_exp())
+                } else {
+                    0.0
+                };
+                weights[i] * (y + z_part)
+            })
+        });
+        Ok(SState {
+            z,
+            local,
+            global,
+            forward,
+            want_grad,
+            grad_hidden: gx,
+        })
+    }
+
+    /// alg2 T: `∂L/∂z_i` from the local softmax rescaled by `alpha_i`, and
+    /// `∂L/∂W_i` — no communication.
+    pub(super) fn alg2_t(&self, s: SState, lin: Linear<'_>) -> Result<RankLoss> {
+        let SState {
+            mut z,
+            local,
+            global,
+            forward,
+            grad_hidden: gx,
+            ..
+        } = s;
+        let real = self.shard.real;
+        let c = self.config.z_loss;
+        let weights = self.config.token_weights(&self.targets);
+        let delta = |i: usize, j: usize, zij: f64| {
+            let q = self.q(i, j);
+            if local[i].sum_exp() == 0.0 {
+                -q
+            } else {
+                local[i].delta(zij, q)
+            }
+        };
+        let prob = |i: usize, zij: f64| {
+            if local[i].sum_exp() == 0.0 {
+                0.0
+            } else {
+                local[i].probability(zij)
+            }
+        };
+        // T pass: p = alpha_i softmax'_i and p - q = alpha_i (softmax'_i - q)
+        // + (alpha_i - 1) q, with alpha_i - 1 = (s_i - S) / S exactly when
+        // m_i = m.
+        for ((i, j), x) in z.indexed_iter_mut() {
+            let (g, l) = (&global[i], &local[i]);
+            *x = if weights[i] == 0.0 || j >= real {
+                0.0
+            } else {
+                let q = self.q(i, j);
+                let alpha = l.sum_exp() * l.scale_to(g.max) / g.sum_exp();
+                let alpha_minus_1 = if l.max == g.max {
+                    (l.rest - g.rest) / g.sum_exp()
+                } else {
+                    alpha - 1.0
+                };
+                let d = alpha * delta(i, j, *x) + alpha_minus_1 * q;
+                let p = alpha * prob(i, *x);
+                weights[i] * (d + 2.0 * c * g.logsumexp() * p)
+            };
+        }
+        let (_, gw) = self.linear_grads(&z, lin, false)?;
+        Ok(self.output(forward, local, global, (Some(z), gx, gw)))
+    }
+}
