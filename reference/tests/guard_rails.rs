@@ -1,0 +1,161 @@
+//! The code that turns bad input into an error, tested where it lives (issue
+//! #19: cargo-mutants found these guard rails unprotected by the crate's own
+//! tests): `check_finite`, the packing config's limits, the names and parsers
+//! of `Algorithm` and `Overlong`, `canonicalize` and `check_strategies`.
+//! Each test asserts both sides of its boundary, so that a flipped
+//! comparison or a guard replaced by `Ok(())` fails here.
+
+use packshard_reference::error::check_finite;
+use packshard_reference::packing::{
+    canonicalize, check_strategies, pack_histogram, pack_lengths, Algorithm, Histogram, Overlong,
+    PackingConfig, Strategy, MAX_SEQ_LEN_LIMIT,
+};
+use packshard_reference::Error;
+
+fn field_of(e: &Error) -> String {
+    match e {
+        Error::InvalidArgument { field, .. } => field.clone(),
+        Error::NonFiniteInput { field, .. } => field.clone(),
+        other => panic!("unexpected error kind: {other}"),
+    }
+}
+
+#[test]
+fn check_finite_names_the_first_non_finite_value() {
+    assert!(check_finite("x", &[0.0, -1.5, f64::MAX, f64::MIN_POSITIVE]).is_ok());
+    assert!(check_finite("x", &[]).is_ok());
+    for bad in [f64::NAN, f64::INFINITY, f64::NEG_INFINITY] {
+        let e = check_finite("logits", &[1.0, 2.0, bad, f64::NAN]).unwrap_err();
+        match e {
+            Error::NonFiniteInput {
+                field,
+                index,
+                value,
+            } => {
+                assert_eq!(field, "logits");
+                assert_eq!(index, 2, "the first non-finite value, by flat index");
+                assert!(value.is_nan() == bad.is_nan() && (bad.is_nan() || value == bad));
+            }
+            other => panic!("{other}"),
+        }
+    }
+}
+
+#[test]
+fn algorithm_names_parse_back_and_nothing_else_does() {
+    let want = ["none", "spfhp", "lpfhp", "nnlshp", "ffd", "bfd", "lphp"];
+    let names: Vec<&str> = Algorithm::ALL.iter().map(|a| a.name()).collect();
+    assert_eq!(names, want, "the names are the CLI and JSON contract");
+    for a in Algorithm::ALL {
+        assert_eq!(a.to_string(), a.name());
+        assert_eq!(a.name().parse::<Algorithm>().unwrap(), a);
+    }
+    for bad in ["", "SPFHP", "spfhp ", "nnls", "lphp3", "all"] {
+        let e = bad.parse::<Algorithm>().unwrap_err();
+        assert_eq!(e.kind(), "invalid_argument");
+        assert_eq!(field_of(&e), "algorithm");
+        let text = e.to_string();
+        assert!(text.contains("known: none, spfhp"), "{text}");
+    }
+}
+
+#[test]
+fn overlong_policies_parse_and_unknown_ones_are_refused() {
+    for (s, want) in [
+        ("error", Overlong::Error),
+        ("split", Overlong::Split),
+        ("truncate", Overlong::Truncate),
+        ("drop", Overlong::Drop),
+    ] {
+        assert_eq!(s.parse::<Overlong>().unwrap(), want);
+    }
+    for bad in ["", "Error", "cut", "splits"] {
+        let e = bad.parse::<Overlong>().unwrap_err();
+        assert_eq!(field_of(&e), "overlong");
+    }
+    assert_eq!(Overlong::default(), Overlong::Error);
+}
+
+#[test]
+fn packing_config_limits_hold_on_both_sides() {
+    let lengths = [3, 1, 2];
+    let cfg = |max_seq_len| PackingConfig::new(Algorithm::Spfhp, max_seq_len);
+    // max_seq_len: 0 refused, 1 and up accepted.
+    let e = pack_lengths(&[1], &cfg(0)).unwrap_err();
+    assert_eq!(field_of(&e), "max_seq_len");
+    assert!(pack_lengths(&[1, 1], &cfg(1)).is_ok());
+    // Over the limit refused; at the limit accepted (the padding baseline
+    // allocates nothing per length).
+    let over = PackingConfig::new(Algorithm::None, MAX_SEQ_LEN_LIMIT + 1);
+    let e = pack_lengths(&lengths, &over).unwrap_err();
+    assert_eq!(field_of(&e), "max_seq_len");
+    assert!(e.to_string().contains(&MAX_SEQ_LEN_LIMIT.to_string()));
+    let at = PackingConfig::new(Algorithm::None, MAX_SEQ_LEN_LIMIT);
+    assert!(pack_lengths(&lengths, &at).is_ok());
+    // max_sequences_per_pack: 0 refused, 1 accepted and obeyed.
+    let e = pack_lengths(&lengths, &cfg(8).with_max_sequences_per_pack(Some(0))).unwrap_err();
+    assert_eq!(field_of(&e), "max_sequences_per_pack");
+    let one = pack_lengths(&lengths, &cfg(8).with_max_sequences_per_pack(Some(1))).unwrap();
+    assert_eq!(one.metrics.num_packs, 3, "one sequence per pack");
+    let two = pack_lengths(&lengths, &cfg(8).with_max_sequences_per_pack(Some(2))).unwrap();
+    assert_eq!(two.metrics.num_packs, 2);
+}
+
+fn s(lengths: &[usize], count: u64) -> Strategy {
+    Strategy {
+        lengths: lengths.to_vec(),
+        count,
+    }
+}
+
+#[test]
+fn canonicalize_merges_sorts_and_drops_what_holds_nothing() {
+    let out = canonicalize(vec![
+        s(&[1, 3], 2),
+        s(&[3, 1], 1), // the same strategy: merged, counts summed
+        s(&[2], 0),    // no packs: dropped
+        s(&[], 4),     // no sequences: dropped
+        s(&[2, 2, 4], 1),
+    ]);
+    assert_eq!(out, vec![s(&[4, 2, 2], 1), s(&[3, 1], 3)]);
+    // Each drop condition alone suffices.
+    assert!(canonicalize(vec![s(&[5], 0)]).is_empty());
+    assert!(canonicalize(vec![s(&[], 7)]).is_empty());
+    assert_eq!(canonicalize(vec![s(&[5], 1)]), vec![s(&[5], 1)]);
+}
+
+#[test]
+fn check_strategies_refuses_every_violation_and_accepts_the_boundaries() {
+    // Two sequences of length 2, one of length 4.
+    let h = Histogram::from_counts(vec![0, 0, 2, 0, 1]);
+    let field = |r: packshard_reference::Result<()>| field_of(&r.unwrap_err());
+    // Exactly full packs at the limit: accepted.
+    assert!(check_strategies(&h, &[s(&[2, 2], 1), s(&[4], 1)], 4, 2).is_ok());
+    assert!(check_strategies(&h, &[s(&[4], 1), s(&[2], 2)], 4, 1).is_ok());
+    // Over max_seq_len by one token.
+    assert_eq!(
+        field(check_strategies(&h, &[s(&[4, 2], 1), s(&[2], 1)], 5, 2)),
+        "strategies"
+    );
+    assert!(check_strategies(&h, &[s(&[4, 2], 1), s(&[2], 1)], 6, 2).is_ok());
+    // Over the sequence limit by one.
+    assert!(check_strategies(&h, &[s(&[2, 2], 1), s(&[4], 1)], 4, 1).is_err());
+    // An empty strategy.
+    assert!(check_strategies(&h, &[s(&[2, 2], 1), s(&[4], 1), s(&[], 1)], 4, 2).is_err());
+    // A sequence missing, one placed twice, a length the histogram lacks.
+    assert!(check_strategies(&h, &[s(&[2, 2], 1)], 4, 2).is_err());
+    assert!(check_strategies(&h, &[s(&[2, 2], 1), s(&[4], 2)], 4, 2).is_err());
+    assert!(check_strategies(&h, &[s(&[2, 2], 1), s(&[4], 1), s(&[3], 1)], 4, 2).is_err());
+    assert!(check_strategies(&h, &[s(&[2, 2], 1), s(&[4], 1), s(&[0], 1)], 4, 2).is_err());
+}
+
+#[test]
+fn pack_histogram_refuses_a_bad_config_before_any_work() {
+    let h = Histogram::from_counts(vec![0, 5, 5]);
+    for algorithm in Algorithm::ALL {
+        let e = pack_histogram(&h, &PackingConfig::new(algorithm, 0)).unwrap_err();
+        assert_eq!(field_of(&e), "max_seq_len", "{algorithm}");
+        let ok = pack_histogram(&h, &PackingConfig::new(algorithm, 4)).unwrap();
+        assert_eq!(ok.metrics.num_sequences, 10, "{algorithm}");
+    }
+}

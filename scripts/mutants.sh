@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# Mutation testing with cargo-mutants: how many planted bugs do the suites catch?
+# Not part of CI (it builds and tests every mutant: about an hour on 2 cores per plan).
+#
+#   scripts/mutants.sh                    # the default plan: guard rails + a sample of each crate
+#   PLAN=guards scripts/mutants.sh        # only the guard-rail functions (minutes)
+#   SHARD=3/20 scripts/mutants.sh         # another slice of the sample (rotate 1/20 .. 20/20)
+#   PLAN=full scripts/mutants.sh          # every mutant of every crate (many hours)
+#
+# Each crate's mutants run against the tests that should catch them:
+#   reference/      -> packshard-reference and packshard-equivalence tests
+#   equivalence/src -> packshard-equivalence tests (the negative controls: a flipped
+#                      comparison in a checker must make a planted fault pass, and fail them)
+#   optimized/      -> packshard-optimized and packshard-oracle tests (the registry suites)
+# Results: mutants.out/<crate>/ (outcomes.json, missed.txt, caught.txt ...); a table per
+# crate is printed at the end and written to mutants.out/table.md. docs/MUTANTS.md holds the
+# last reviewed table and the equivalent mutants marked with #[mutants::skip] or the
+# exclude list in .cargo/mutants.toml, each with its reason.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PLAN=${PLAN:-sample}
+SHARD=${SHARD:-1/20}
+JOBS=${JOBS:-1}
+OUT=mutants.out
+mkdir -p "$OUT"
+
+if ! cargo mutants --version >/dev/null 2>&1; then
+    cargo install cargo-mutants --locked
+fi
+
+# The guard rails issue #19 named: the code that turns bad input into an error.
+GUARDS='check_finite|check_strategies|PackingConfig::validate|canonicalize|from_str|Algorithm::name|Display for Algorithm'
+
+run() { # name, then cargo-mutants arguments
+    local name=$1
+    shift
+    echo "==> $name: cargo mutants $*"
+    local t0
+    t0=$(date +%s)
+    cargo mutants --no-shuffle --jobs "$JOBS" --timeout-multiplier 3 -o "$OUT/$name" "$@" || true
+    echo "$name: $(( $(date +%s) - t0 ))s" >> "$OUT/times.txt"
+}
+
+: > "$OUT/times.txt"
+case "$PLAN" in
+guards)
+    run reference-guards -p packshard-reference \
+        -f reference/src/error.rs -f reference/src/packing/mod.rs -F "$GUARDS" \
+        --test-package packshard-reference
+    ;;
+sample)
+    run reference-guards -p packshard-reference \
+        -f reference/src/error.rs -f reference/src/packing/mod.rs -F "$GUARDS" \
+        --test-package packshard-reference
+    run reference -p packshard-reference --shard "$SHARD" --sharding round-robin \
+        --test-package packshard-reference --test-package packshard-equivalence
+    run equivalence -p packshard-equivalence --shard "$SHARD" --sharding round-robin \
+        --test-package packshard-equivalence
+    run optimized -p packshard-optimized --shard "$SHARD" --sharding round-robin \
+        --test-package packshard-optimized --test-package packshard-oracle
+    ;;
+full)
+    run reference -p packshard-reference --test-package packshard-reference --test-package packshard-equivalence
+    run equivalence -p packshard-equivalence --test-package packshard-equivalence
+    run optimized -p packshard-optimized --test-package packshard-optimized --test-package packshard-oracle
+    ;;
+*)
+    echo "PLAN must be guards, sample or full" >&2
+    exit 2
+    ;;
+esac
+
+# One row per crate: mutants tried, caught, missed, unviable, timed out.
+python3 - "$OUT" <<'PY' | tee "$OUT/table.md"
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+print("| run | tried | caught | missed | unviable | timeout | kill rate (of viable) |")
+print("|---|---|---|---|---|---|---|")
+survivors = []
+for d in sorted(p for p in out.iterdir() if (p / "mutants.out" / "outcomes.json").exists()):
+    o = json.loads((d / "mutants.out" / "outcomes.json").read_text())
+    c = {k: o.get(k, 0) for k in ("total_mutants", "caught", "missed", "unviable", "timeout")}
+    viable = c["caught"] + c["missed"] + c["timeout"]
+    rate = f"{100 * (c['caught'] + c['timeout']) / viable:.1f}%" if viable else "-"
+    print(f"| {d.name} | {c['total_mutants']} | {c['caught']} | {c['missed']} | {c['unviable']} | {c['timeout']} | {rate} |")
+    missed = d / "mutants.out" / "missed.txt"
+    if missed.exists():
+        survivors += [f"{d.name}: {l}" for l in missed.read_text().splitlines() if l]
+print()
+print("survivors:" if survivors else "no survivors")
+for s in survivors:
+    print("-", s)
+PY
+cat "$OUT/times.txt"
