@@ -318,7 +318,7 @@ fn sharded_fields(s: &ShardedLoss, num_tokens: usize, algorithm: &str) -> Fields
     vec![
         ("algorithm", Out::Str(algorithm.into())),
         ("loss", Out::F64(s.loss())),
-        ("per_token_loss", t1(s.per_token_loss())),
+        ("per_token_loss", t1(s.per_token_loss().clone())),
         ("logsumexp", t1(s.logsumexp())),
         ("num_tokens", Out::Usize(num_tokens)),
         ("num_shards", Out::Usize(s.map.num_shards())),
@@ -459,12 +459,11 @@ pub fn loss_judged(
     };
     // Rounding a padding value may overflow f32; padding is never read, so
     // only the real part is rounded and the rest left as given.
-    let keep = |x: &Array2<f64>| x.clone();
     match (logits, hidden) {
         (Some(z), None) => {
             let width = z.ncols();
             let v = check_vocab_size(a.vocab_size, width)?;
-            let mut zr = keep(&z.to_owned());
+            let mut zr = z.to_owned();
             let real_r = r(&z.slice_axis(Axis(1), Slice::from(..v)));
             zr.slice_axis_mut(Axis(1), Slice::from(..v)).assign(&real_r);
             let mut expected = cross_entropy(registry::REFERENCE, zr.view(), &unsharded)?;
@@ -491,7 +490,7 @@ pub fn loss_judged(
             let rows = w.nrows();
             let v = check_vocab_size(a.vocab_size, rows)?;
             let hr = r(&hid);
-            let mut wr = keep(&w.to_owned());
+            let mut wr = w.to_owned();
             let real_r = r(&w.slice_axis(Axis(0), Slice::from(..v)));
             wr.slice_axis_mut(Axis(0), Slice::from(..v)).assign(&real_r);
             let mut expected =

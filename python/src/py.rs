@@ -8,7 +8,7 @@
 use std::time::Instant;
 
 use ndarray::{ArrayView2, ArrayView3};
-use numpy::{PyArrayDyn, PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArray3, PyArrayMethods};
+use numpy::{PyArrayDyn, PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArray3};
 use packshard_oracle::eval::{self, EvalError};
 use packshard_oracle::registry::{self, Family};
 use packshard_reference::ops::Varlen;
@@ -107,7 +107,7 @@ fn attention<'py>(
     causal: bool,
     scale: Option<f64>,
     grad_output: Option<PyReadonlyArray3<'py, f64>>,
-    imp: &str,
+    imp: String,
 ) -> PyResult<Py<PyAny>> {
     let a = AttentionArgs {
         q: q.as_array(),
@@ -118,7 +118,7 @@ fn attention<'py>(
         scale,
         grad_output: grad_output.as_ref().map(|g| g.as_array()),
     };
-    let r = py.detach(|| core::attention(imp, &a));
+    let r = py.detach(|| core::attention(&imp, &a));
     fields_to_py(py, r.map_err(|e| raise(py, e))?)
 }
 
@@ -145,9 +145,9 @@ fn attention_judged<'py>(
     causal: bool,
     scale: Option<f64>,
     grad_output: Option<PyReadonlyArray3<'py, f64>>,
-    precision: &str,
+    precision: String,
 ) -> PyResult<(Py<PyAny>, Py<PyAny>)> {
-    let p = self::precision(py, precision)?;
+    let p = self::precision(py, &precision)?;
     let a = AttentionArgs {
         q: q.as_array(),
         k: k.as_array(),
@@ -175,12 +175,12 @@ fn time_attention<'py>(
     v: PyReadonlyArray3<'py, f64>,
     cu_seqlens: PyReadonlyArray1<'py, i64>,
     grad_output: PyReadonlyArray3<'py, f64>,
-    imp: &str,
+    imp: String,
     reps: usize,
 ) -> PyResult<Vec<f64>> {
     let cu = cu(py, &cu_seqlens)?;
     let (q, k, v, go) = (q.as_array(), k.as_array(), v.as_array(), grad_output.as_array());
-    let op = eval::make(&registry::attention(), imp).map_err(|e| raise(py, e))?;
+    let op = eval::make(&registry::attention(), &imp).map_err(|e| raise(py, e))?;
     let scale = packshard_reference::attention::default_scale(q.dim().2.max(1));
     let run = |q: ArrayView3<f64>, k: ArrayView3<f64>, v: ArrayView3<f64>, go: ArrayView3<f64>| {
         let p = Varlen::new(&cu, false, scale);
@@ -204,9 +204,9 @@ fn loss_args(
     targets: &PyReadonlyArray1<'_, i64>,
     ignore_index: Option<i64>,
     label_smoothing: Option<f64>,
-    smoothing: Option<&str>,
+    smoothing: Option<String>,
     z_loss: Option<f64>,
-    reduction: Option<&str>,
+    reduction: Option<String>,
     vocab_size: Option<usize>,
     num_shards: Option<usize>,
     algorithm: Option<String>,
@@ -219,11 +219,13 @@ fn loss_args(
             ignore_index: ignore_index.unwrap_or(d.ignore_index),
             label_smoothing: label_smoothing.unwrap_or(0.0),
             smoothing: smoothing
+                .as_deref()
                 .map(str::parse::<SmoothingConvention>)
                 .transpose()?
                 .unwrap_or_default(),
             z_loss: z_loss.unwrap_or(0.0),
             reduction: reduction
+                .as_deref()
                 .map(str::parse::<Reduction>)
                 .transpose()?
                 .unwrap_or_default(),
@@ -251,22 +253,22 @@ fn cross_entropy<'py>(
     targets: PyReadonlyArray1<'py, i64>,
     ignore_index: Option<i64>,
     label_smoothing: Option<f64>,
-    smoothing: Option<&str>,
+    smoothing: Option<String>,
     z_loss: Option<f64>,
-    reduction: Option<&str>,
+    reduction: Option<String>,
     vocab_size: Option<usize>,
     num_shards: Option<usize>,
     algorithm: Option<String>,
     layout: Option<String>,
     want_grad: bool,
-    imp: &str,
+    imp: String,
 ) -> PyResult<Py<PyAny>> {
     let a = loss_args(
         py, &targets, ignore_index, label_smoothing, smoothing, z_loss, reduction, vocab_size,
         num_shards, algorithm, layout, want_grad,
     )?;
     let z = logits.as_array();
-    let r = py.detach(|| core::cross_entropy(imp, z, &a));
+    let r = py.detach(|| core::cross_entropy(&imp, z, &a));
     fields_to_py(py, r.map_err(|e| raise(py, e))?)
 }
 
@@ -281,22 +283,22 @@ fn linear_cross_entropy<'py>(
     targets: PyReadonlyArray1<'py, i64>,
     ignore_index: Option<i64>,
     label_smoothing: Option<f64>,
-    smoothing: Option<&str>,
+    smoothing: Option<String>,
     z_loss: Option<f64>,
-    reduction: Option<&str>,
+    reduction: Option<String>,
     vocab_size: Option<usize>,
     num_shards: Option<usize>,
     algorithm: Option<String>,
     layout: Option<String>,
     want_grad: bool,
-    imp: &str,
+    imp: String,
 ) -> PyResult<Py<PyAny>> {
     let a = loss_args(
         py, &targets, ignore_index, label_smoothing, smoothing, z_loss, reduction, vocab_size,
         num_shards, algorithm, layout, want_grad,
     )?;
     let (h, w) = (hidden.as_array(), weight.as_array());
-    let r = py.detach(|| core::linear_cross_entropy(imp, h, w, &a));
+    let r = py.detach(|| core::linear_cross_entropy(&imp, h, w, &a));
     fields_to_py(py, r.map_err(|e| raise(py, e))?)
 }
 
@@ -313,14 +315,14 @@ fn loss_judged<'py>(
     targets: PyReadonlyArray1<'py, i64>,
     ignore_index: Option<i64>,
     label_smoothing: Option<f64>,
-    smoothing: Option<&str>,
+    smoothing: Option<String>,
     z_loss: Option<f64>,
-    reduction: Option<&str>,
+    reduction: Option<String>,
     vocab_size: Option<usize>,
     want_grad: bool,
-    precision: &str,
+    precision: String,
 ) -> PyResult<(Py<PyAny>, Py<PyAny>)> {
-    let p = self::precision(py, precision)?;
+    let p = self::precision(py, &precision)?;
     let a = loss_args(
         py, &targets, ignore_index, label_smoothing, smoothing, z_loss, reduction, vocab_size,
         None, None, None, want_grad,
@@ -348,29 +350,29 @@ fn embedding<'py>(
     num_shards: Option<usize>,
     layout: Option<String>,
     grad_output: Option<PyReadonlyArray2<'py, f64>>,
-    imp: &str,
+    imp: String,
 ) -> PyResult<Py<PyAny>> {
     let ids = ids.as_array().to_vec();
     let w = weight.as_array();
     let go = grad_output.as_ref().map(|g| g.as_array());
     let r = py.detach(|| {
-        core::embedding(imp, &ids, w, vocab_size, num_shards, layout.as_deref(), go)
+        core::embedding(&imp, &ids, w, vocab_size, num_shards, layout.as_deref(), go)
     });
     fields_to_py(py, r.map_err(|e| raise(py, e))?)
 }
 
 /// One `packshard eval` case as JSON text; the result as JSON text.
 #[pyfunction]
-fn eval_json(py: Python<'_>, case: &str) -> PyResult<String> {
-    let r = py.detach(|| eval::evaluate_str(case));
+fn eval_json(py: Python<'_>, case: String) -> PyResult<String> {
+    let r = py.detach(|| eval::evaluate_str(&case));
     r.map(|v| v.to_string()).map_err(|e| raise(py, e))
 }
 
 /// `n` generated cases of `op` from `seed`: `[(args, describe, size, input)]`.
 #[pyfunction]
-fn cases(py: Python<'_>, op: &str, n: usize, seed: u64) -> PyResult<Vec<(Py<PyAny>, String, usize, usize)>> {
+fn cases(py: Python<'_>, op: String, n: usize, seed: u64) -> PyResult<Vec<(Py<PyAny>, String, usize, usize)>> {
     let cs = py
-        .detach(|| cases::generate(op, n, seed))
+        .detach(|| cases::generate(&op, n, seed))
         .map_err(|e| raise(py, e))?;
     cs.into_iter()
         .map(|c| Ok((fields_to_py(py, c.args)?, c.describe, c.size, c.input)))
@@ -382,13 +384,13 @@ fn cases(py: Python<'_>, op: &str, n: usize, seed: u64) -> PyResult<Vec<(Py<PyAn
 #[pyo3(signature = (what, expected, baseline, actual, precision))]
 fn judge_tensor<'py>(
     py: Python<'py>,
-    what: &str,
+    what: String,
     expected: numpy::PyReadonlyArrayDyn<'py, f64>,
     baseline: Option<numpy::PyReadonlyArrayDyn<'py, f64>>,
     actual: numpy::PyReadonlyArrayDyn<'py, f64>,
-    precision: &str,
+    precision: String,
 ) -> PyResult<(Option<String>, f64, f64)> {
-    let p = self::precision(py, precision)?;
+    let p = self::precision(py, &precision)?;
     let e = expected.as_array();
     let a = actual.as_array();
     if e.shape() != a.shape() {
@@ -405,12 +407,9 @@ fn judge_tensor<'py>(
     let e: Vec<f64> = e.iter().copied().collect();
     let a: Vec<f64> = a.iter().copied().collect();
     let b: Option<Vec<f64>> = baseline.as_ref().map(|b| b.as_array().iter().copied().collect());
-    let v = core::judge_tensor(what, &e_shape(&expected), &e, b.as_deref(), &a, p);
+    let shape = expected.as_array().shape().to_vec();
+    let v = core::judge_tensor(&what, &shape, &e, b.as_deref(), &a, p);
     Ok((v.failure, v.error, v.baseline_error))
-}
-
-fn e_shape(x: &numpy::PyReadonlyArrayDyn<'_, f64>) -> Vec<usize> {
-    x.shape().to_vec()
 }
 
 /// Every registered implementation: `[{family, name, changed, precision, needs}]`.
