@@ -130,7 +130,10 @@ pub fn generate(op: &str, n: usize, seed: u64) -> Result<Vec<GenCase>, EvalError
     if !OPS.contains(&op) {
         return Err(EvalError::new(
             "unknown_op",
-            format!("op: no generated cases for {op:?}; known: {}", OPS.join(", ")),
+            format!(
+                "op: no generated cases for {op:?}; known: {}",
+                OPS.join(", ")
+            ),
         ));
     }
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
@@ -175,10 +178,7 @@ mod tests {
             assert!(sizes.len() > 10, "{op}: sizes {sizes:?}");
         }
         let ce = generate("cross_entropy", 200, 1).unwrap();
-        let padded = ce
-            .iter()
-            .filter(|c| c.describe.contains("padded"))
-            .count();
+        let padded = ce.iter().filter(|c| c.describe.contains("padded")).count();
         assert!(padded > 0, "no padded vocabulary among 200 cases");
         assert!(generate("bert", 1, 0).is_err());
     }

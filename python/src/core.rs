@@ -661,11 +661,14 @@ pub fn judge_tensor(
 
 /// A tensor field of `fields` as a dynamic array (a scalar as shape `[]`).
 pub fn tensor_of(fields: &Fields, name: &str) -> Option<ArrayD<f64>> {
-    fields.iter().find(|(k, _)| *k == name).and_then(|(_, v)| match v {
-        Out::Tensor(t) => Some(t.clone()),
-        Out::F64(x) => Some(ArrayD::from_elem(IxDyn(&[]), *x)),
-        _ => None,
-    })
+    fields
+        .iter()
+        .find(|(k, _)| *k == name)
+        .and_then(|(_, v)| match v {
+            Out::Tensor(t) => Some(t.clone()),
+            Out::F64(x) => Some(ArrayD::from_elem(IxDyn(&[]), *x)),
+            _ => None,
+        })
 }
 
 #[cfg(test)]
@@ -673,18 +676,29 @@ mod tests {
     use super::*;
     use ndarray::Array3;
 
-#[test]
+    #[test]
     fn fields_are_read_from_messages() {
-        assert_eq!(field_of("cu_seqlens[3]: decreases"), (Some("cu_seqlens".into()), Some(3)));
-        assert_eq!(field_of("ids[2] = 9 is out of range 0..5"), (Some("ids".into()), Some(2)));
-        assert_eq!(field_of("q: shape [1] does not match"), (Some("q".into()), None));
+        assert_eq!(
+            field_of("cu_seqlens[3]: decreases"),
+            (Some("cu_seqlens".into()), Some(3))
+        );
+        assert_eq!(
+            field_of("ids[2] = 9 is out of range 0..5"),
+            (Some("ids".into()), Some(2))
+        );
+        assert_eq!(
+            field_of("q: shape [1] does not match"),
+            (Some("q".into()), None)
+        );
         assert_eq!(field_of("a case must be a JSON object"), (None, None));
     }
 
     #[test]
     fn tiled_attention_is_within_the_rule_and_a_leak_is_not() {
         let n = 7;
-        let q = Array3::from_shape_fn((n, 2, 3), |(i, h, c)| ((i * 7 + h * 3 + c) % 5) as f64 - 2.0);
+        let q = Array3::from_shape_fn((n, 2, 3), |(i, h, c)| {
+            ((i * 7 + h * 3 + c) % 5) as f64 - 2.0
+        });
         let cu = vec![0, 3, 3, 7];
         let a = AttentionArgs {
             q: q.view(),

@@ -51,7 +51,10 @@ fn json_to_py(py: Python<'_>, v: &serde_json::Value) -> PyResult<Py<PyAny>> {
         },
         Value::String(s) => s.into_py_any(py),
         Value::Array(xs) => {
-            let items: Vec<Py<PyAny>> = xs.iter().map(|x| json_to_py(py, x)).collect::<PyResult<_>>()?;
+            let items: Vec<Py<PyAny>> = xs
+                .iter()
+                .map(|x| json_to_py(py, x))
+                .collect::<PyResult<_>>()?;
             PyList::new(py, items)?.into_py_any(py)
         }
         Value::Object(m) => {
@@ -179,7 +182,12 @@ fn time_attention<'py>(
     reps: usize,
 ) -> PyResult<Vec<f64>> {
     let cu = cu(py, &cu_seqlens)?;
-    let (q, k, v, go) = (q.as_array(), k.as_array(), v.as_array(), grad_output.as_array());
+    let (q, k, v, go) = (
+        q.as_array(),
+        k.as_array(),
+        v.as_array(),
+        grad_output.as_array(),
+    );
     let op = eval::make(&registry::attention(), &imp).map_err(|e| raise(py, e))?;
     let scale = packshard_reference::attention::default_scale(q.dim().2.max(1));
     let run = |q: ArrayView3<f64>, k: ArrayView3<f64>, v: ArrayView3<f64>, go: ArrayView3<f64>| {
@@ -264,8 +272,18 @@ fn cross_entropy<'py>(
     imp: String,
 ) -> PyResult<Py<PyAny>> {
     let a = loss_args(
-        py, &targets, ignore_index, label_smoothing, smoothing, z_loss, reduction, vocab_size,
-        num_shards, algorithm, layout, want_grad,
+        py,
+        &targets,
+        ignore_index,
+        label_smoothing,
+        smoothing,
+        z_loss,
+        reduction,
+        vocab_size,
+        num_shards,
+        algorithm,
+        layout,
+        want_grad,
     )?;
     let z = logits.as_array();
     let r = py.detach(|| core::cross_entropy(&imp, z, &a));
@@ -294,8 +312,18 @@ fn linear_cross_entropy<'py>(
     imp: String,
 ) -> PyResult<Py<PyAny>> {
     let a = loss_args(
-        py, &targets, ignore_index, label_smoothing, smoothing, z_loss, reduction, vocab_size,
-        num_shards, algorithm, layout, want_grad,
+        py,
+        &targets,
+        ignore_index,
+        label_smoothing,
+        smoothing,
+        z_loss,
+        reduction,
+        vocab_size,
+        num_shards,
+        algorithm,
+        layout,
+        want_grad,
     )?;
     let (h, w) = (hidden.as_array(), weight.as_array());
     let r = py.detach(|| core::linear_cross_entropy(&imp, h, w, &a));
@@ -324,8 +352,18 @@ fn loss_judged<'py>(
 ) -> PyResult<(Py<PyAny>, Py<PyAny>)> {
     let p = self::precision(py, &precision)?;
     let a = loss_args(
-        py, &targets, ignore_index, label_smoothing, smoothing, z_loss, reduction, vocab_size,
-        None, None, None, want_grad,
+        py,
+        &targets,
+        ignore_index,
+        label_smoothing,
+        smoothing,
+        z_loss,
+        reduction,
+        vocab_size,
+        None,
+        None,
+        None,
+        want_grad,
     )?;
     let z: Option<ArrayView2<f64>> = logits.as_ref().map(|x| x.as_array());
     let hw = match (&hidden, &weight) {
@@ -355,9 +393,8 @@ fn embedding<'py>(
     let ids = ids.as_array().to_vec();
     let w = weight.as_array();
     let go = grad_output.as_ref().map(|g| g.as_array());
-    let r = py.detach(|| {
-        core::embedding(&imp, &ids, w, vocab_size, num_shards, layout.as_deref(), go)
-    });
+    let r =
+        py.detach(|| core::embedding(&imp, &ids, w, vocab_size, num_shards, layout.as_deref(), go));
     fields_to_py(py, r.map_err(|e| raise(py, e))?)
 }
 
@@ -370,7 +407,12 @@ fn eval_json(py: Python<'_>, case: String) -> PyResult<String> {
 
 /// `n` generated cases of `op` from `seed`: `[(args, describe, size, input)]`.
 #[pyfunction]
-fn cases(py: Python<'_>, op: String, n: usize, seed: u64) -> PyResult<Vec<(Py<PyAny>, String, usize, usize)>> {
+fn cases(
+    py: Python<'_>,
+    op: String,
+    n: usize,
+    seed: u64,
+) -> PyResult<Vec<(Py<PyAny>, String, usize, usize)>> {
     let cs = py
         .detach(|| cases::generate(&op, n, seed))
         .map_err(|e| raise(py, e))?;
@@ -406,7 +448,9 @@ fn judge_tensor<'py>(
     }
     let e: Vec<f64> = e.iter().copied().collect();
     let a: Vec<f64> = a.iter().copied().collect();
-    let b: Option<Vec<f64>> = baseline.as_ref().map(|b| b.as_array().iter().copied().collect());
+    let b: Option<Vec<f64>> = baseline
+        .as_ref()
+        .map(|b| b.as_array().iter().copied().collect());
     let shape = expected.as_array().shape().to_vec();
     let v = core::judge_tensor(&what, &shape, &e, b.as_deref(), &a, p);
     Ok((v.failure, v.error, v.baseline_error))
