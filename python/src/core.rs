@@ -10,12 +10,14 @@
 use ndarray::{Array1, Array2, Array3, ArrayD, ArrayView2, ArrayView3, Axis, IxDyn, Slice};
 use packshard_equivalence::baseline32;
 use packshard_equivalence::compare::{self, RelativeRule, Tolerance};
+use packshard_equivalence::fuzz::attention::AttentionTerms;
 use packshard_oracle::eval::vocab::{
     check_declared, check_vocab_size, predicted, run_for, widen_columns, widen_rows, Run,
 };
 use packshard_oracle::eval::{make, EvalError};
 use packshard_oracle::registry;
 use packshard_reference::attention::default_scale;
+use packshard_reference::error::check_finite;
 use packshard_reference::ops::Varlen;
 use packshard_reference::vocab::sharded::ShardedLoss;
 use packshard_reference::vocab::{CrossEntropy, LossConfig, ShardLayout};
@@ -134,6 +136,13 @@ impl AttentionArgs<'_> {
 /// The eval op's: the reference's errors, `invalid_argument` on `impl`.
 pub fn attention(imp: &str, a: &AttentionArgs<'_>) -> Result<Fields, EvalError> {
     let op = make(&registry::attention(), imp)?;
+    // As the eval op: every input finite (the flat index in row-major order).
+    check_finite("q", a.q.iter())?;
+    check_finite("k", a.k.iter())?;
+    check_finite("v", a.v.iter())?;
+    if let Some(go) = &a.grad_output {
+        check_finite("grad_output", go.iter())?;
+    }
     let p = Varlen::new(&a.cu_seqlens, a.causal, a.scale());
     let fwd = op.varlen_forward(a.q, a.k, a.v, &p)?;
     let grads = match a.grad_output {
@@ -194,6 +203,30 @@ pub struct Judged {
     pub baseline: Option<Fields>,
 }
 
+/// The magnitude of the terms of each attention result, over the segments
+/// ([`AttentionTerms`], the fuzz targets' floor): a tensor that cancels to
+/// nearly 0 is judged against the size of what was summed, not its own.
+fn attention_terms(a: &AttentionArgs<'_>) -> serde_json::Value {
+    let mut t = AttentionTerms::default();
+    let zeros = Array3::<f64>::zeros(a.q.raw_dim());
+    let go = a.grad_output.unwrap_or(zeros.view());
+    for w in a.cu_seqlens.windows(2) {
+        if w[1] <= w[0] || w[1] > a.q.dim().0 {
+            continue;
+        }
+        let s = Slice::from(w[0]..w[1]);
+        let seg = |x: &ArrayView3<'_, f64>| x.slice_axis(Axis(0), s).to_owned();
+        let (q, k, v, g) = (seg(&a.q), seg(&a.k), seg(&a.v), seg(&go));
+        let u = AttentionTerms::of(q.view(), k.view(), v.view(), g.view(), a.scale(), a.causal);
+        t.output = t.output.max(u.output);
+        t.lse = t.lse.max(u.lse);
+        t.grad_q = t.grad_q.max(u.grad_q);
+        t.grad_k = t.grad_k.max(u.grad_k);
+        t.grad_v = t.grad_v.max(u.grad_v);
+    }
+    serde_json::json!({"output": t.output, "lse": t.lse, "grad_q": t.grad_q, "grad_k": t.grad_k, "grad_v": t.grad_v})
+}
+
 /// [`Judged`] for an `attention` case.
 ///
 /// # Errors
@@ -214,7 +247,8 @@ pub fn attention_judged(
         scale: Some(a.scale()),
         grad_output: go.as_ref().map(|g| g.view()),
     };
-    let expected = attention(registry::REFERENCE, &rounded)?;
+    let mut expected = attention(registry::REFERENCE, &rounded)?;
+    expected.push(("terms", Out::Json(attention_terms(&rounded))));
     if precision == KernelPrecision::F64 {
         return Ok(Judged {
             expected,
@@ -615,6 +649,8 @@ pub struct Verdict {
 /// for f32, [`RelativeRule::F32_FUZZ`] (at most 32 x the error of the
 /// reference run in f32, plus 256 ulp of f32 of the tensor's scale); for
 /// f64, [`Tolerance::F64_REWRITE`]. `baseline` is required for f32.
+/// `scale`, when given, is the magnitude the floor is relative to (at
+/// least the tensor's own largest value: the magnitude of the terms).
 pub fn judge_tensor(
     what: &str,
     shape: &[usize],
@@ -622,6 +658,7 @@ pub fn judge_tensor(
     baseline: Option<&[f64]>,
     actual: &[f64],
     precision: KernelPrecision,
+    scale: Option<f64>,
 ) -> Verdict {
     let err = expected
         .iter()
@@ -630,8 +667,15 @@ pub fn judge_tensor(
         .fold(0.0f64, |m, (e, a)| m.max((a - e).abs()));
     match (precision, baseline) {
         (KernelPrecision::F32, Some(b)) => {
-            match compare::assert_within_k(what, expected, b, actual, shape, RelativeRule::F32_FUZZ)
-            {
+            match compare::assert_within_k_with_scale(
+                what,
+                expected,
+                b,
+                actual,
+                shape,
+                RelativeRule::F32_FUZZ,
+                scale,
+            ) {
                 Ok(s) => Verdict {
                     failure: None,
                     error: s.error,
@@ -644,7 +688,14 @@ pub fn judge_tensor(
                 },
             }
         }
-        _ => match compare::assert_close(what, expected, actual, shape, Tolerance::F64_REWRITE) {
+        _ => match compare::assert_close_with_scale(
+            what,
+            expected,
+            actual,
+            shape,
+            Tolerance::F64_REWRITE,
+            scale,
+        ) {
             Ok(()) => Verdict {
                 failure: None,
                 error: err,
@@ -723,6 +774,7 @@ mod tests {
                 Some(b.as_slice().unwrap()),
                 g.as_slice().unwrap(),
                 KernelPrecision::F32,
+                None,
             );
             assert!(v.failure.is_none(), "{name}: {:?}", v.failure);
         }
@@ -742,6 +794,7 @@ mod tests {
             Some(b.as_slice().unwrap()),
             g.as_slice().unwrap(),
             KernelPrecision::F32,
+            None,
         );
         assert!(v.failure.unwrap().contains("output"));
     }

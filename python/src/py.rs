@@ -18,7 +18,6 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 use pyo3::IntoPyObjectExt;
 
-use crate::cases;
 use crate::core::{self, AttentionArgs, Fields, KernelPrecision, LossArgs, Out};
 
 pyo3::create_exception!(
@@ -407,14 +406,15 @@ fn eval_json(py: Python<'_>, case: String) -> PyResult<String> {
 
 /// `n` generated cases of `op` from `seed`: `[(args, describe, size, input)]`.
 #[pyfunction]
-fn cases(
+#[pyo3(name = "cases")]
+fn generated_cases(
     py: Python<'_>,
     op: String,
     n: usize,
     seed: u64,
 ) -> PyResult<Vec<(Py<PyAny>, String, usize, usize)>> {
     let cs = py
-        .detach(|| cases::generate(&op, n, seed))
+        .detach(|| crate::cases::generate(&op, n, seed))
         .map_err(|e| raise(py, e))?;
     cs.into_iter()
         .map(|c| Ok((fields_to_py(py, c.args)?, c.describe, c.size, c.input)))
@@ -423,7 +423,7 @@ fn cases(
 
 /// Holds one tensor to the rule: `(failure or None, error, baseline_error)`.
 #[pyfunction]
-#[pyo3(signature = (what, expected, baseline, actual, precision))]
+#[pyo3(signature = (what, expected, baseline, actual, precision, scale=None))]
 fn judge_tensor<'py>(
     py: Python<'py>,
     what: String,
@@ -431,6 +431,7 @@ fn judge_tensor<'py>(
     baseline: Option<numpy::PyReadonlyArrayDyn<'py, f64>>,
     actual: numpy::PyReadonlyArrayDyn<'py, f64>,
     precision: String,
+    scale: Option<f64>,
 ) -> PyResult<(Option<String>, f64, f64)> {
     let p = self::precision(py, &precision)?;
     let e = expected.as_array();
@@ -452,7 +453,7 @@ fn judge_tensor<'py>(
         .as_ref()
         .map(|b| b.as_array().iter().copied().collect());
     let shape = expected.as_array().shape().to_vec();
-    let v = core::judge_tensor(&what, &shape, &e, b.as_deref(), &a, p);
+    let v = core::judge_tensor(&what, &shape, &e, b.as_deref(), &a, p, scale);
     Ok((v.failure, v.error, v.baseline_error))
 }
 
@@ -488,7 +489,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(loss_judged, m)?)?;
     m.add_function(wrap_pyfunction!(embedding, m)?)?;
     m.add_function(wrap_pyfunction!(eval_json, m)?)?;
-    m.add_function(wrap_pyfunction!(cases, m)?)?;
+    m.add_function(wrap_pyfunction!(generated_cases, m)?)?;
     m.add_function(wrap_pyfunction!(judge_tensor, m)?)?;
     m.add_function(wrap_pyfunction!(registry_list, m)?)?;
     Ok(())

@@ -179,6 +179,7 @@ def _run_one(fn, op, args, describe, size, source, precision, report):
         return Failure(op, args, describe, size, source,
                        f"returned no {primary!r} (keys: {sorted(got)})")
     report.compared += 1
+    terms = expected.get("terms") or {}
     for key, exp in expected.items():
         if key not in got or not isinstance(exp, (np.ndarray, float)):
             continue
@@ -190,7 +191,7 @@ def _run_one(fn, op, args, describe, size, source, precision, report):
         prec = precision if (base is not None or precision == "f64") else "f64"
         if op == "embedding":
             prec = "f64"  # a lookup is exact in any precision
-        failure, error, berr = _native.judge_tensor(key, exp, base, act, prec)
+        failure, error, berr = _native.judge_tensor(key, exp, base, act, prec, terms.get(key))
         report.values += exp.size
         if failure is not None:
             return Failure(op, args, describe, size, source, failure)
