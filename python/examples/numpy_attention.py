@@ -26,6 +26,9 @@ def varlen_attention(q, k, v, cu_seqlens, scale=None, causal=False, grad_output=
                      want_grad=False, **_):
     """q, k, v, grad_output: [n_tok, h, d]; cu_seqlens: [b + 1]. float32 inside."""
     n, h, d = q.shape
+    if n == 0:  # no tokens: empty results (numpy's max has no identity)
+        z = np.zeros((0, h, d))
+        return {"output": z, "lse": np.zeros((h, 0)), "grad_q": z, "grad_k": z, "grad_v": z}
     q32, k32, v32 = (np.asarray(x, dtype=np.float32) for x in (q, k, v))
     scale = np.float32(1.0 / np.sqrt(d) if scale is None else scale)
     # Document ids per token, then the [n, n] mask: same document (and causal).

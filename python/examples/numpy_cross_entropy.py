@@ -63,11 +63,17 @@ def _vocab_parallel_ce(logits, targets, ignore_index=-100, label_smoothing=0.0,
     m = local_max.max(axis=0)
     m_safe = np.where(np.isfinite(m), m, np.float32(0))
     sums = np.zeros((p, n), dtype=np.float32)
+    # sum_j exp(z_j - m) - 1, kept apart from the 1 of the max so that
+    # log1p keeps the bits of a loss near 0 (as the reference's statistics).
+    rest = np.full(n, -1, dtype=np.float32)
     target_z = np.zeros(n, dtype=np.float32)
     smooth = np.zeros(n, dtype=np.float32)  # sum_j q_j * (m - z_j) over non-target j
     for r, (s, real) in enumerate(parts):
         zs = z[:, s:s + real].astype(np.float32)
-        sums[r] = np.exp(zs - m_safe[:, None]).sum(axis=1)
+        e = np.exp(zs - m_safe[:, None])
+        sums[r] = e.sum(axis=1)
+        at_max = zs == m_safe[:, None]
+        rest += at_max.sum(axis=1) + np.where(at_max, 0, e).sum(axis=1)
         cols = np.arange(s, s + real)
         mine = (targets[:, None] == cols[None, :])
         target_z += np.where(mine, zs, 0).sum(axis=1)
@@ -80,11 +86,12 @@ def _vocab_parallel_ce(logits, targets, ignore_index=-100, label_smoothing=0.0,
             gap = np.where(mine, 0, m_safe[:, None] - zs)
             smooth += q_other * gap.sum(axis=1)
     total = sums.sum(axis=0)
-    lse = np.where(np.isfinite(m), m_safe + np.log(np.where(total > 0, total, 1)), -np.inf)
+    log_s = np.log1p(np.maximum(rest, np.float32(-1) + np.float32(1e-38)))
+    lse = np.where(np.isfinite(m), m_safe + log_s, -np.inf)
     q_t = (1 - a) + (a / v if smoothing != "megatron" else 0)
     # loss_i = lse - sum_j q_j z_j = (lse - m) + q_t (m - z_t) + sum_{j != t} q_j (m - z_j)
     with np.errstate(invalid="ignore", over="ignore"):
-        per = (lse - m_safe) + (q_t * (m_safe - target_z) if q_t > 0 else 0) + smooth
+        per = log_s + (q_t * (m_safe - target_z) if q_t > 0 else 0) + smooth
         per = per + np.float32(z_loss) * lse * lse
     per = np.where(keep, per, 0).astype(np.float32)
     count = int(keep.sum())
@@ -99,8 +106,11 @@ def _vocab_parallel_ce(logits, targets, ignore_index=-100, label_smoothing=0.0,
         g = np.zeros((n, w), dtype=np.float64)
         for r, (s, real) in enumerate(parts):
             zs = z[:, s:s + real].astype(np.float32)
-            sm = np.exp(zs - lse[:, None].astype(np.float32))
-            sm = np.where(np.isfinite(lse)[:, None], sm, 0)
+            # exp(z - m), never exp(z - lse): lse near 1e8 keeps no bits of
+            # log(sum) in float32. The gradient (e - q s) / s with s = 1 + rest
+            # is taken as ((e - q) - q rest) / s: exact at a lone max entry.
+            e = np.exp(zs - m_safe[:, None])
+            s_ = (1 + rest)[:, None]
             cols = np.arange(s, s + real)
             mine = (targets[:, None] == cols[None, :])
             denom = real if FAULT == "smoothing_per_shard" else v
@@ -108,7 +118,8 @@ def _vocab_parallel_ce(logits, targets, ignore_index=-100, label_smoothing=0.0,
                 q = np.where(mine, 1 - a, a / max(denom - 1, 1) if v > 1 else 0)
             else:
                 q = np.where(mine, 1 - a + a / denom, a / denom)
-            gs = sm * (1 + 2 * np.float32(z_loss) * lse[:, None]) - q
+            q = q.astype(np.float32)
+            gs = ((e - q) - q * rest[:, None]) / s_ + 2 * np.float32(z_loss) * lse[:, None] * e / s_
             g[:, s:s + real] = np.where(keep[:, None], gs, 0) * g_scale
         out["grad_logits"] = g
     return out
