@@ -113,7 +113,7 @@ for example_fault in numpy_attention.py:across_documents numpy_attention.py:posi
     fi
     echo "$example --fault $fault: caught ($(sed -n 1p "$GOLDEN/py-fault.txt" | cut -c1-100)...)"
 done
-"$VENV/bin/python" python/examples/bench_attention.py --check
+"$VENV/bin/python" python/examples/bench_attention.py --check --reps 3
 
 if [ "$FUZZ_RUNS" != "0" ]; then
     step "fuzz smoke runs (${FUZZ_RUNS} executions per target from seed ${FUZZ_SEED}, stable, --sanitizer none)"
