@@ -86,6 +86,35 @@ for bug in leak ignore_index; do
     echo "--bug $bug: $(tail -n 1 "$GOLDEN/bug.txt") (exit 1, as it must)"
 done
 
+step "Python package: maturin wheel (abi3), pytest, the examples"
+# The wheel is built in the dev profile: it shares the compiled dependencies
+# of `cargo build --bin packshard` above, and the benchmark's ratio (package
+# call against the kernel's own time, measured in one run) does not depend on
+# the profile. `--check` fails the run when a call costs 2x the kernel.
+"$VENV/bin/pip" install --quiet --disable-pip-version-check -r python/requirements-dev.txt
+WHEELS="$ROOT/.cache/wheels"
+rm -rf "$WHEELS"
+(cd python && "$VENV/bin/maturin" build --quiet --profile dev --out "$WHEELS" --interpreter "$VENV/bin/python")
+"$VENV/bin/pip" install --quiet --disable-pip-version-check --force-reinstall --no-deps "$WHEELS"/packshard-*.whl
+"$VENV/bin/python" -m pytest -q python/tests
+"$VENV/bin/python" python/examples/numpy_attention.py
+"$VENV/bin/python" python/examples/numpy_cross_entropy.py
+# Each planted fault must be caught (exit status 1).
+for example_fault in numpy_attention.py:across_documents numpy_attention.py:positions_not_reset \
+    numpy_cross_entropy.py:smoothing_per_shard numpy_cross_entropy.py:padded_vocab; do
+    example=${example_fault%%:*}
+    fault=${example_fault##*:}
+    rc=0
+    "$VENV/bin/python" "python/examples/$example" --fault "$fault" > "$GOLDEN/py-fault.txt" || rc=$?
+    if [ "$rc" != 1 ]; then
+        cat "$GOLDEN/py-fault.txt"
+        echo "python/examples/$example --fault $fault exited $rc; expected 1 (fault caught)"
+        exit 1
+    fi
+    echo "$example --fault $fault: caught ($(sed -n 1p "$GOLDEN/py-fault.txt" | cut -c1-100)...)"
+done
+"$VENV/bin/python" python/examples/bench_attention.py --check --reps 3
+
 if [ "$FUZZ_RUNS" != "0" ]; then
     step "fuzz smoke runs (${FUZZ_RUNS} executions per target from seed ${FUZZ_SEED}, stable, --sanitizer none)"
     # Deterministic: a fixed libFuzzer seed, a fixed number of executions

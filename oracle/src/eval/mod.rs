@@ -12,7 +12,7 @@ mod attention;
 mod bert;
 pub mod input;
 mod pack;
-mod vocab;
+pub mod vocab;
 
 use serde_json::{json, Value};
 
@@ -85,10 +85,7 @@ fn impls(family: Option<Family>) -> Vec<&'static str> {
 /// # Errors
 /// `invalid_argument` on `impl` when it cannot run here (a GPU kernel
 /// without a device), or when `name` is not in `list`.
-pub(crate) fn make<K: ?Sized>(
-    list: &[registry::Entry<K>],
-    name: &str,
-) -> Result<Box<K>, EvalError> {
+pub fn make<K: ?Sized>(list: &[registry::Entry<K>], name: &str) -> Result<Box<K>, EvalError> {
     let entry = registry::find(list, name)
         .ok_or_else(|| EvalError::invalid("impl", format!("no implementation {name:?}")))?;
     entry

@@ -59,8 +59,10 @@ fn array2(t: Tensor) -> Array2<f64> {
 
 /// Which algorithm runs: `unsharded` (the default without `num_shards`) or a
 /// sharded one (`alg2` by default when `num_shards` is given).
-enum Run {
+pub enum Run {
+    /// One shard, the unsharded form.
     Unsharded,
+    /// `algorithm` over the shards of the map.
     Sharded(ShardedAlgorithm, ShardMap),
 }
 
@@ -86,7 +88,16 @@ fn loss_options(case: &Case, width: usize) -> Result<(LossConfig, usize, Run), E
 }
 
 fn vocab_size(case: &Case, width: usize) -> Result<usize, EvalError> {
-    let v = case.opt_usize("vocab_size")?.unwrap_or(width);
+    check_vocab_size(case.opt_usize("vocab_size")?, width)
+}
+
+/// The vocabulary size `v`: `vocab_size` (default the given width `w`), at
+/// most `w`.
+///
+/// # Errors
+/// `shape_mismatch` naming `vocab_size` when it is over `w`.
+pub fn check_vocab_size(vocab_size: Option<usize>, width: usize) -> Result<usize, EvalError> {
+    let v = vocab_size.unwrap_or(width);
     if v > width {
         return Err(EvalError::new(
             "shape_mismatch",
@@ -100,6 +111,22 @@ fn run_of(case: &Case, v: usize) -> Result<Run, EvalError> {
     let shards = case.opt_usize("num_shards")?;
     let algorithm = case.opt_str("algorithm")?;
     let layout = case.opt_parse::<ShardLayout>("layout")?.unwrap_or_default();
+    run_for(shards, algorithm, layout, v)
+}
+
+/// What runs for `num_shards` and `algorithm` (the eval op's defaults:
+/// unsharded without `num_shards`, `alg2` with it) over a vocabulary of `v`
+/// in `layout`.
+///
+/// # Errors
+/// `invalid_argument` naming `algorithm` (unknown, or `unsharded` on more
+/// than one shard) or the shard map's errors (`num_shards` out of range).
+pub fn run_for(
+    shards: Option<usize>,
+    algorithm: Option<&str>,
+    layout: ShardLayout,
+    v: usize,
+) -> Result<Run, EvalError> {
     match (algorithm, shards) {
         (None | Some("unsharded"), None) => Ok(Run::Unsharded),
         (Some("unsharded"), Some(1)) => Ok(Run::Unsharded),
@@ -158,7 +185,7 @@ fn sharded_extras(out: &mut Map<String, Value>, s: &ShardedLoss) {
 }
 
 /// `[n, v]` gradient placed in a zero `[n, w]` array (padding columns 0).
-fn widen_columns(g: &Array2<f64>, width: usize) -> Array2<f64> {
+pub fn widen_columns(g: &Array2<f64>, width: usize) -> Array2<f64> {
     let mut out = Array2::zeros((g.nrows(), width));
     out.slice_axis_mut(Axis(1), Slice::from(..g.ncols()))
         .assign(g);
@@ -166,7 +193,7 @@ fn widen_columns(g: &Array2<f64>, width: usize) -> Array2<f64> {
 }
 
 /// `[v, h]` gradient placed in a zero `[w, h]` array (padding rows 0).
-fn widen_rows(g: &Array2<f64>, rows: usize) -> Array2<f64> {
+pub fn widen_rows(g: &Array2<f64>, rows: usize) -> Array2<f64> {
     let mut out = Array2::zeros((rows, g.ncols()));
     out.slice_axis_mut(Axis(0), Slice::from(..g.nrows()))
         .assign(g);
@@ -206,7 +233,11 @@ fn sharded_json(
 
 /// Refuses a sharded algorithm the implementation `imp` does not declare
 /// (`declared`), naming the implementations of the family that run it.
-fn check_declared<K: ?Sized>(
+///
+/// # Errors
+/// `invalid_argument` naming `num_shards` (an unsharded-only `imp`) or
+/// `algorithm`.
+pub fn check_declared<K: ?Sized>(
     list: &[Entry<K>],
     algorithms: impl Fn(&K) -> Vec<ShardedAlgorithm>,
     imp: &str,
@@ -251,7 +282,7 @@ fn check_declared<K: ?Sized>(
 }
 
 /// Tokens whose target is not ignored.
-fn predicted(targets: &[i64], config: &LossConfig) -> usize {
+pub fn predicted(targets: &[i64], config: &LossConfig) -> usize {
     targets
         .iter()
         .filter(|&&t| t != config.ignore_index)

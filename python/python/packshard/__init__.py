@@ -1,0 +1,248 @@
+"""packshard: the correctness oracle for transformer kernels, from Python.
+
+Every op of the registry as a numpy function, with keyword arguments named as
+in docs/INTERFACE.md (the ``packshard eval`` contract): the f64 reference by
+default, any registered implementation by name (``impl="attention_varlen_tiled"``).
+Tensors are float64 numpy arrays, read in place (no copy for float64 input of
+any layout; other dtypes are converted once); results are new float64 arrays.
+Bad input raises :class:`PackshardError` with ``kind``, ``field``, ``index``
+and ``message``.
+
+Shape legend: ``n_tok`` tokens, ``b`` segments, ``h`` heads, ``d`` head dim,
+``n`` rows, ``v`` vocabulary, ``w >= v`` given columns/rows, ``p`` shards.
+See docs/PYTHON.md for every function.
+"""
+
+import json as _json
+
+import numpy as _np
+
+from . import _native
+from ._native import PackshardError
+
+__all__ = [
+    "PackshardError",
+    "attention",
+    "cross_entropy",
+    "linear_cross_entropy",
+    "embedding",
+    "pack",
+    "batch",
+    "eval",
+    "implementations",
+    "testing",
+]
+
+REFERENCE = "reference"
+
+
+def _f64(x, name):
+    """``x`` as a float64 array, without a copy when it already is one."""
+    a = _np.asarray(x)
+    if a.dtype != _np.float64:
+        if a.dtype.kind not in "fiub":
+            raise _error("invalid_argument", name, f"{name}: dtype {a.dtype} is not numeric")
+        a = a.astype(_np.float64)
+    return a
+
+
+def _ints(x, name):
+    a = _np.asarray(x)
+    if a.size == 0:
+        return _np.zeros(0, dtype=_np.int64)
+    if a.dtype.kind not in "iub":
+        raise _error("invalid_argument", name, f"{name}: expected integers, found dtype {a.dtype}")
+    if a.ndim != 1:
+        raise _error(
+            "shape_mismatch", name, f"{name}: shape {list(a.shape)} does not match the expected [n]"
+        )
+    return a.astype(_np.int64, copy=False)
+
+
+def _error(kind, field, message):
+    e = PackshardError(message)
+    e.kind, e.field, e.index, e.message = kind, field, None, message
+    return e
+
+
+def _rank(a, ndim, name, legend):
+    if a.ndim != ndim:
+        raise _error(
+            "shape_mismatch", name, f"{name}: shape {list(a.shape)} does not match the expected {legend}"
+        )
+    return a
+
+
+def _want_grad(want_grad, grad, name):
+    if want_grad is None:
+        return grad is not None
+    if grad is not None and not want_grad:
+        raise _error("invalid_argument", name, f"{name}: given without want_grad=True")
+    if want_grad and grad is None:
+        raise _error("missing_field", name, f"{name}: required field is missing")
+    return bool(want_grad)
+
+
+def attention(q, k, v, cu_seqlens, *, causal=False, scale=None, grad_output=None,
+              want_grad=None, impl=REFERENCE):
+    """Varlen attention over ``cu_seqlens`` (flash_attn_varlen_func's form).
+
+    ``q``, ``k``, ``v``: ``[n_tok, h, d]``; ``cu_seqlens``: ``[b + 1]`` ints,
+    leading 0, last ``n_tok``; ``scale`` default ``1/sqrt(d)``; with
+    ``grad_output`` (``[n_tok, h, d]``) also the backward. Returns a dict:
+    ``output`` ``[n_tok, h, d]``, ``lse`` ``[h, n_tok]`` (natural log), and
+    ``grad_q``, ``grad_k``, ``grad_v`` with a ``grad_output``.
+    """
+    legend = "[n_tok, h, d]"
+    q = _rank(_f64(q, "q"), 3, "q", legend)
+    k = _rank(_f64(k, "k"), 3, "k", legend)
+    v = _rank(_f64(v, "v"), 3, "v", legend)
+    want = _want_grad(want_grad, grad_output, "grad_output")
+    go = _rank(_f64(grad_output, "grad_output"), 3, "grad_output", legend) if want else None
+    return _native.attention(q, k, v, _ints(cu_seqlens, "cu_seqlens"), bool(causal),
+                             None if scale is None else float(scale), go, impl)
+
+
+def _loss_options(ignore_index, label_smoothing, smoothing, z_loss, reduction, vocab_size,
+                  num_shards, algorithm, layout):
+    return (
+        None if ignore_index is None else int(ignore_index),
+        None if label_smoothing is None else float(label_smoothing),
+        smoothing,
+        None if z_loss is None else float(z_loss),
+        reduction,
+        None if vocab_size is None else int(vocab_size),
+        None if num_shards is None else int(num_shards),
+        algorithm,
+        layout,
+    )
+
+
+def cross_entropy(logits, targets, *, ignore_index=-100, label_smoothing=0.0, smoothing=None,
+                  z_loss=0.0, reduction="mean", vocab_size=None, num_shards=None, algorithm=None,
+                  layout=None, want_grad=False, impl=REFERENCE):
+    """Cross-entropy of ``logits`` ``[n, w]`` against ``targets`` ``[n]``.
+
+    Columns ``vocab_size..w`` are padding, never read (NaN allowed there);
+    ``-inf`` logits are masked entries. Unsharded by default; ``num_shards``
+    runs the vocabulary-parallel form (``algorithm`` ``naive``, ``alg1``,
+    ``alg2`` (default), ``layout`` ``uneven`` or ``padded``). Returns a dict:
+    ``loss``, ``per_token_loss`` ``[n]``, ``logsumexp`` ``[n]``,
+    ``num_tokens``, ``algorithm``, ``grad_logits`` ``[n, w]`` with
+    ``want_grad`` (padding columns 0), and for sharded runs ``num_shards``,
+    ``layout``, ``collectives``, ``peak_bytes_per_shard``, ``shards``.
+    """
+    logits = _rank(_f64(logits, "logits"), 2, "logits", "[n, v]")
+    return _native.cross_entropy(
+        logits, _ints(targets, "targets"),
+        *_loss_options(ignore_index, label_smoothing, smoothing, z_loss, reduction, vocab_size,
+                       num_shards, algorithm, layout),
+        bool(want_grad), impl)
+
+
+def linear_cross_entropy(hidden, weight, targets, *, ignore_index=-100, label_smoothing=0.0,
+                         smoothing=None, z_loss=0.0, reduction="mean", vocab_size=None,
+                         num_shards=None, algorithm=None, layout=None, want_grad=False,
+                         impl=REFERENCE):
+    """The output layer ``hidden @ weight.T`` and its cross-entropy.
+
+    ``hidden`` ``[n, h]``, ``weight`` ``[w, h]`` (rows ``vocab_size..`` padding),
+    ``targets`` ``[n]``; options as :func:`cross_entropy`. Adds ``grad_hidden``
+    ``[n, h]`` and ``grad_weight`` ``[w, h]`` with ``want_grad``, and
+    ``vocab_size``.
+    """
+    hidden = _rank(_f64(hidden, "hidden"), 2, "hidden", "[n, h]")
+    weight = _rank(_f64(weight, "weight"), 2, "weight", "[v, h]")
+    return _native.linear_cross_entropy(
+        hidden, weight, _ints(targets, "targets"),
+        *_loss_options(ignore_index, label_smoothing, smoothing, z_loss, reduction, vocab_size,
+                       num_shards, algorithm, layout),
+        bool(want_grad), impl)
+
+
+def embedding(ids, weight, *, vocab_size=None, num_shards=None, layout=None, grad_output=None,
+              want_grad=None, impl=REFERENCE):
+    """The embedding lookup ``weight[ids]`` and its weight gradient.
+
+    ``ids`` ``[n]`` ints (outside ``0..vocab_size``: ``index_out_of_range``),
+    ``weight`` ``[w, h]``, ``grad_output`` ``[n, h]``. Returns ``output``
+    ``[n, h]``, ``grad_weight`` ``[w, h]`` with a ``grad_output``, and for
+    sharded runs ``num_shards``, ``layout``, ``collectives``.
+    """
+    weight = _rank(_f64(weight, "weight"), 2, "weight", "[v, h]")
+    want = _want_grad(want_grad, grad_output, "grad_output")
+    go = _rank(_f64(grad_output, "grad_output"), 2, "grad_output", "[n, h]") if want else None
+    return _native.embedding(_ints(ids, "ids"), weight,
+                             None if vocab_size is None else int(vocab_size),
+                             None if num_shards is None else int(num_shards), layout, go, impl)
+
+
+def _json_default(x):
+    if isinstance(x, _np.ndarray):
+        return x.tolist()
+    if isinstance(x, _np.integer):
+        return int(x)
+    if isinstance(x, _np.floating):
+        return float(x)
+    raise TypeError(f"{type(x).__name__} is not JSON serializable")
+
+
+def eval(case):
+    """One ``packshard eval`` case (a dict, or JSON text); the result as a dict.
+
+    Runs in-process through the same code as the command line, so every op
+    (``bert`` included) and every error are the contract's.
+    """
+    text = case if isinstance(case, str) else _json.dumps(case, default=_json_default)
+    return _json.loads(_native.eval_json(text))
+
+
+def _packing_case(op, **fields):
+    return {"op": op, **{k: v for k, v in fields.items() if v is not None}}
+
+
+def pack(lengths=None, max_seq_len=None, *, histogram=None, algorithm="spfhp",
+         max_sequences_per_pack=None, overlong=None):
+    """Packs sequence ``lengths`` (``[n]`` ints) or a ``histogram`` (``[[length, count], ...]``
+    or an ``{length: count}`` dict) into rows of ``max_seq_len``.
+
+    Returns the ``pack`` result of docs/INTERFACE.md: ``strategies``, for
+    ``lengths`` also ``packs`` (the plan: per pack ``[{"sequence", "offset",
+    "length"}]``), the metrics (``num_packs``, ``efficiency``, ``speedup``, ...)
+    and the LP bound (``bound_packs``, ``bound_efficiency``).
+    """
+    if isinstance(histogram, dict):
+        histogram = sorted([int(k), int(c)] for k, c in histogram.items())
+    return eval(_packing_case("pack", lengths=lengths, histogram=histogram,
+                              max_seq_len=max_seq_len, algorithm=algorithm,
+                              max_sequences_per_pack=max_sequences_per_pack, overlong=overlong))
+
+
+def batch(sequences, max_seq_len, *, algorithm="spfhp", max_sequences_per_pack=None,
+          overlong=None, pad_token_id=None, position_offset=None):
+    """Packs token ``sequences`` (a list of int lists or arrays) into rows.
+
+    Returns the ``batch`` result with ``input_ids``, ``position_ids``,
+    ``sequence_ids`` as int64 arrays ``[num_packs, max_seq_len]``,
+    ``cu_seqlens`` (per pack an int64 array ``[seqs_in_pack + 1]``),
+    ``max_seqlen``, ``sequence_index``, ``packs``, ``num_packs``, ...
+    """
+    seqs = [_np.asarray(s).tolist() for s in sequences]
+    r = eval(_packing_case("batch", sequences=seqs, max_seq_len=max_seq_len, algorithm=algorithm,
+                           max_sequences_per_pack=max_sequences_per_pack, overlong=overlong,
+                           pad_token_id=pad_token_id, position_offset=position_offset))
+    rows = max_seq_len
+    for key in ("input_ids", "position_ids", "sequence_ids"):
+        r[key] = _np.asarray(r[key], dtype=_np.int64).reshape(-1, rows)
+    r["cu_seqlens"] = [_np.asarray(c, dtype=_np.int64) for c in r["cu_seqlens"]]
+    return r
+
+
+def implementations(op=None):
+    """Every registered implementation (``family``, ``op``, ``name``, ``changed``,
+    ``precision``, ``needs``); with ``op``, those of that op."""
+    rows = _native.registry_list()
+    return [r for r in rows if op is None or r["op"] == op]
+
+
+from . import testing  # noqa: E402  (testing uses the functions above)

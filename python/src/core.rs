@@ -1,0 +1,801 @@
+//! The typed core of the Python package, free of PyO3 (so `cargo test`
+//! runs it without Python): every kernel op through the registry's
+//! constructor, the f64 reference and the f32 baseline of a case, and the
+//! rule a user's kernel is held to.
+//!
+//! Shape legend as in `packshard-reference`: `n_tok` tokens, `b` segments,
+//! `h` heads (or hidden size of the output layer), `d` head dim, `n` rows,
+//! `v` vocabulary, `w >= v` given columns (rows), `p` shards.
+
+use ndarray::{Array1, Array2, Array3, ArrayD, ArrayView2, ArrayView3, Axis, IxDyn, Slice};
+use packshard_equivalence::baseline32;
+use packshard_equivalence::compare::{self, RelativeRule, Tolerance};
+use packshard_equivalence::fuzz::attention::AttentionTerms;
+use packshard_oracle::eval::vocab::{
+    check_declared, check_vocab_size, predicted, run_for, widen_columns, widen_rows, Run,
+};
+use packshard_oracle::eval::{make, EvalError};
+use packshard_oracle::registry;
+use packshard_reference::attention::default_scale;
+use packshard_reference::error::check_finite;
+use packshard_reference::ops::Varlen;
+use packshard_reference::vocab::sharded::ShardedLoss;
+use packshard_reference::vocab::{CrossEntropy, LossConfig, ShardLayout};
+
+/// One field of a result.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Out {
+    /// A scalar.
+    F64(f64),
+    /// A count.
+    Usize(usize),
+    /// An integer option (`ignore_index`).
+    I64(i64),
+    /// A flag.
+    Bool(bool),
+    /// A name.
+    Str(String),
+    /// A tensor of any rank (`[]` for a scalar loss in comparisons).
+    Tensor(ArrayD<f64>),
+    /// Integers (targets, ids, `cu_seqlens`).
+    Ints(Vec<i64>),
+    /// Anything else, as the eval result spells it (`shards`, `collectives`).
+    Json(serde_json::Value),
+}
+
+/// The fields of a result, in the order `packshard eval` prints them.
+pub type Fields = Vec<(&'static str, Out)>;
+
+fn t1(a: Array1<f64>) -> Out {
+    Out::Tensor(a.into_dyn())
+}
+fn t2(a: Array2<f64>) -> Out {
+    Out::Tensor(a.into_dyn())
+}
+fn t3(a: Array3<f64>) -> Out {
+    Out::Tensor(a.into_dyn())
+}
+
+/// Turns a slice of non-negative offsets given as `i64` into `usize`.
+///
+/// # Errors
+/// `invalid_argument` naming `field[i]` for a negative value.
+pub fn offsets(field: &str, xs: &[i64]) -> Result<Vec<usize>, EvalError> {
+    xs.iter()
+        .enumerate()
+        .map(|(i, &x)| {
+            usize::try_from(x).map_err(|_| {
+                EvalError::invalid(&format!("{field}[{i}]"), format!("{x} is negative"))
+            })
+        })
+        .collect()
+}
+
+/// `name` or `name[i]` at the start of a message (`"cu_seqlens[3]: ..."`,
+/// `"ids[2] = 9 is out of range ..."`): the field and index it names.
+pub fn field_of(message: &str) -> (Option<String>, Option<usize>) {
+    let name: String = message
+        .chars()
+        .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+        .collect();
+    if name.is_empty() {
+        return (None, None);
+    }
+    let rest = &message[name.len()..];
+    let (index, rest) = match rest.strip_prefix('[') {
+        Some(r) => {
+            let digits: String = r.chars().take_while(char::is_ascii_digit).collect();
+            match (digits.parse::<usize>(), r[digits.len()..].strip_prefix(']')) {
+                (Ok(i), Some(after)) => (Some(i), after),
+                _ => (None, rest),
+            }
+        }
+        None => (None, rest),
+    };
+    if rest.starts_with(':') || rest.starts_with(" =") || rest.starts_with(" is ") {
+        (Some(name), index)
+    } else {
+        (None, None)
+    }
+}
+
+// ---- attention -------------------------------------------------------------
+
+/// The arguments of the `attention` op: `q`, `k`, `v`, `grad_output`: `[n_tok,
+/// h, d]`; `cu_seqlens: [b + 1]`.
+#[derive(Debug, Clone)]
+pub struct AttentionArgs<'a> {
+    /// `[n_tok, h, d]`.
+    pub q: ArrayView3<'a, f64>,
+    /// `[n_tok, h, d]`.
+    pub k: ArrayView3<'a, f64>,
+    /// `[n_tok, h, d]`.
+    pub v: ArrayView3<'a, f64>,
+    /// `[b + 1]`, leading 0, last `n_tok`.
+    pub cu_seqlens: Vec<usize>,
+    /// Causal (bottom-right) mask within each segment.
+    pub causal: bool,
+    /// `1/sqrt(d)` when `None`.
+    pub scale: Option<f64>,
+    /// `[n_tok, h, d]`: with it, the backward too.
+    pub grad_output: Option<ArrayView3<'a, f64>>,
+}
+
+impl AttentionArgs<'_> {
+    fn scale(&self) -> f64 {
+        self.scale
+            .unwrap_or_else(|| default_scale(self.q.dim().2.max(1)))
+    }
+}
+
+/// `attention` through the registered implementation `imp`: `output: [n_tok,
+/// h, d]`, `lse: [h, n_tok]`, and `grad_q`, `grad_k`, `grad_v` with a
+/// `grad_output`.
+///
+/// # Errors
+/// The eval op's: the reference's errors, `invalid_argument` on `impl`.
+pub fn attention(imp: &str, a: &AttentionArgs<'_>) -> Result<Fields, EvalError> {
+    let op = make(&registry::attention(), imp)?;
+    // As the eval op: every input finite (the flat index in row-major order).
+    check_finite("q", a.q.iter())?;
+    check_finite("k", a.k.iter())?;
+    check_finite("v", a.v.iter())?;
+    if let Some(go) = &a.grad_output {
+        check_finite("grad_output", go.iter())?;
+    }
+    let p = Varlen::new(&a.cu_seqlens, a.causal, a.scale());
+    let fwd = op.varlen_forward(a.q, a.k, a.v, &p)?;
+    let grads = match a.grad_output {
+        Some(go) => Some(op.varlen_backward(a.q, a.k, a.v, &p, &fwd, go)?),
+        None => None,
+    };
+    let mut out: Fields = vec![("output", t3(fwd.output)), ("lse", t2(fwd.lse))];
+    if let Some(g) = grads {
+        out.push(("grad_q", t3(g.grad_q)));
+        out.push(("grad_k", t3(g.grad_k)));
+        out.push(("grad_v", t3(g.grad_v)));
+    }
+    Ok(out)
+}
+
+/// What a kernel computes in, for the judge: `f32` (inputs rounded to f32,
+/// held to [`RelativeRule::F32_FUZZ`] against the reference run in f32) or
+/// `f64` (held to [`Tolerance::F64_REWRITE`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KernelPrecision {
+    /// f32 storage and arithmetic.
+    F32,
+    /// f64 throughout.
+    F64,
+}
+
+impl KernelPrecision {
+    /// `f32` or `f64`.
+    ///
+    /// # Errors
+    /// `invalid_argument` naming `precision`.
+    pub fn parse(s: &str) -> Result<Self, EvalError> {
+        match s {
+            "f32" => Ok(KernelPrecision::F32),
+            "f64" => Ok(KernelPrecision::F64),
+            other => Err(EvalError::invalid(
+                "precision",
+                format!("{other:?}: expected \"f32\" or \"f64\""),
+            )),
+        }
+    }
+
+    fn round(self, x: f64) -> f64 {
+        match self {
+            KernelPrecision::F32 => baseline32::round_f32(x),
+            KernelPrecision::F64 => x,
+        }
+    }
+}
+
+/// The f64 reference on the inputs as the kernel sees them (rounded to
+/// `precision`), and the same math run in f32 on them (the baseline; `None`
+/// for an f64 kernel): the two sides of the rule.
+pub struct Judged {
+    /// The f64 reference's result fields.
+    pub expected: Fields,
+    /// The f32 baseline's tensors, named as `expected`'s.
+    pub baseline: Option<Fields>,
+}
+
+/// The magnitude of the terms of each attention result, over the segments
+/// ([`AttentionTerms`], the fuzz targets' floor): a tensor that cancels to
+/// nearly 0 is judged against the size of what was summed, not its own.
+fn attention_terms(a: &AttentionArgs<'_>) -> serde_json::Value {
+    let mut t = AttentionTerms::default();
+    let zeros = Array3::<f64>::zeros(a.q.raw_dim());
+    let go = a.grad_output.unwrap_or(zeros.view());
+    for w in a.cu_seqlens.windows(2) {
+        if w[1] <= w[0] || w[1] > a.q.dim().0 {
+            continue;
+        }
+        let s = Slice::from(w[0]..w[1]);
+        let seg = |x: &ArrayView3<'_, f64>| x.slice_axis(Axis(0), s).to_owned();
+        let (q, k, v, g) = (seg(&a.q), seg(&a.k), seg(&a.v), seg(&go));
+        let u = AttentionTerms::of(q.view(), k.view(), v.view(), g.view(), a.scale(), a.causal);
+        t.output = t.output.max(u.output);
+        t.lse = t.lse.max(u.lse);
+        t.grad_q = t.grad_q.max(u.grad_q);
+        t.grad_k = t.grad_k.max(u.grad_k);
+        t.grad_v = t.grad_v.max(u.grad_v);
+    }
+    serde_json::json!({"output": t.output, "lse": t.lse, "grad_q": t.grad_q, "grad_k": t.grad_k, "grad_v": t.grad_v})
+}
+
+/// [`Judged`] for an `attention` case.
+///
+/// # Errors
+/// The reference's errors for bad input.
+pub fn attention_judged(
+    a: &AttentionArgs<'_>,
+    precision: KernelPrecision,
+) -> Result<Judged, EvalError> {
+    let r = |x: &ArrayView3<f64>| x.mapv(|v| precision.round(v));
+    let (q, k, v) = (r(&a.q), r(&a.k), r(&a.v));
+    let go = a.grad_output.as_ref().map(r);
+    let rounded = AttentionArgs {
+        q: q.view(),
+        k: k.view(),
+        v: v.view(),
+        cu_seqlens: a.cu_seqlens.clone(),
+        causal: a.causal,
+        scale: Some(a.scale()),
+        grad_output: go.as_ref().map(|g| g.view()),
+    };
+    let mut expected = attention(registry::REFERENCE, &rounded)?;
+    expected.push(("terms", Out::Json(attention_terms(&rounded))));
+    if precision == KernelPrecision::F64 {
+        return Ok(Judged {
+            expected,
+            baseline: None,
+        });
+    }
+    let f = |x: &Array3<f64>| baseline32::to_f32(&x.view());
+    let (q32, k32, v32) = (f(&q), f(&k), f(&v));
+    let scale = a.scale() as f32;
+    let (o, lse) = baseline32::varlen_attention(
+        q32.view(),
+        k32.view(),
+        v32.view(),
+        &a.cu_seqlens,
+        a.causal,
+        scale,
+    );
+    let w = |x: &Array3<f32>| t3(baseline32::to_f64(&x.view()));
+    let mut base: Fields = vec![
+        ("output", w(&o)),
+        ("lse", t2(baseline32::to_f64(&lse.view()))),
+    ];
+    if let Some(go) = &go {
+        let go32 = f(go);
+        let [gq, gk, gv] = baseline32::varlen_attention_backward(
+            q32.view(),
+            k32.view(),
+            v32.view(),
+            &a.cu_seqlens,
+            a.causal,
+            scale,
+            o.view(),
+            lse.view(),
+            go32.view(),
+        );
+        base.push(("grad_q", w(&gq)));
+        base.push(("grad_k", w(&gk)));
+        base.push(("grad_v", w(&gv)));
+    }
+    Ok(Judged {
+        expected,
+        baseline: Some(base),
+    })
+}
+
+// ---- the vocabulary-parallel layers -----------------------------------------
+
+/// The loss options of `cross_entropy` and `linear_cross_entropy`
+/// (docs/INTERFACE.md): `targets: [n]`, the [`LossConfig`], `vocab_size`
+/// (default the given width), `num_shards`, `algorithm`, `layout`.
+#[derive(Debug, Clone)]
+pub struct LossArgs {
+    /// `[n]`.
+    pub targets: Vec<i64>,
+    /// `ignore_index`, `label_smoothing`, `smoothing`, `z_loss`, `reduction`.
+    pub config: LossConfig,
+    /// Real vocabulary entries (`<= w`); `None`: all of them.
+    pub vocab_size: Option<usize>,
+    /// `None`: unsharded.
+    pub num_shards: Option<usize>,
+    /// `unsharded`, `naive`, `alg1`, `alg2`.
+    pub algorithm: Option<String>,
+    /// `uneven` (default) or `padded`.
+    pub layout: Option<String>,
+    /// Also the gradients of the loss.
+    pub want_grad: bool,
+}
+
+impl LossArgs {
+    fn run(&self, width: usize) -> Result<(usize, Run), EvalError> {
+        let v = check_vocab_size(self.vocab_size, width)?;
+        let layout = match &self.layout {
+            Some(s) => s.parse::<ShardLayout>()?,
+            None => ShardLayout::default(),
+        };
+        Ok((
+            v,
+            run_for(self.num_shards, self.algorithm.as_deref(), layout, v)?,
+        ))
+    }
+}
+
+fn unsharded_fields(ce: &CrossEntropy) -> Fields {
+    vec![
+        ("algorithm", Out::Str("unsharded".into())),
+        ("loss", Out::F64(ce.loss)),
+        ("per_token_loss", t1(ce.per_token_loss.clone())),
+        ("logsumexp", t1(ce.logsumexp())),
+        ("num_tokens", Out::Usize(ce.num_tokens)),
+    ]
+}
+
+fn sharded_fields(s: &ShardedLoss, num_tokens: usize, algorithm: &str) -> Fields {
+    let c = s.counts();
+    let shards: Vec<serde_json::Value> = s
+        .map
+        .shards()
+        .iter()
+        .map(|sh| serde_json::json!({"start": sh.start, "real": sh.real, "padding": sh.width - sh.real}))
+        .collect();
+    vec![
+        ("algorithm", Out::Str(algorithm.into())),
+        ("loss", Out::F64(s.loss())),
+        ("per_token_loss", t1(s.per_token_loss().clone())),
+        ("logsumexp", t1(s.logsumexp())),
+        ("num_tokens", Out::Usize(num_tokens)),
+        ("num_shards", Out::Usize(s.map.num_shards())),
+        ("layout", Out::Str(s.map.layout().name().into())),
+        (
+            "collectives",
+            Out::Json(
+                serde_json::json!({"calls": c.calls, "barriers": c.barriers, "elements": c.elements}),
+            ),
+        ),
+        ("peak_bytes_per_shard", Out::Usize(s.peak_bytes())),
+        ("shards", Out::Json(serde_json::Value::Array(shards))),
+    ]
+}
+
+/// `cross_entropy` through the registered `imp`: `logits: [n, w]` (columns
+/// `vocab_size..` padding, never read). Fields as the eval op's result
+/// (`grad_logits: [n, w]`, padding columns 0).
+///
+/// # Errors
+/// The eval op's.
+pub fn cross_entropy(
+    imp: &str,
+    logits: ArrayView2<'_, f64>,
+    a: &LossArgs,
+) -> Result<Fields, EvalError> {
+    let width = logits.ncols();
+    let (v, run) = a.run(width)?;
+    let list = registry::cross_entropy();
+    let (mut out, grad) = match run {
+        Run::Unsharded => {
+            let op = make(&list, imp)?;
+            let real = logits.slice_axis(Axis(1), Slice::from(..v));
+            let ce = op.cross_entropy(real, &a.targets, &a.config, a.want_grad)?;
+            (unsharded_fields(&ce), ce.grad_logits)
+        }
+        Run::Sharded(algorithm, map) => {
+            check_declared(&list, |k| k.algorithms(), imp, algorithm)?;
+            let op = make(&list, imp)?;
+            let s = op.sharded_cross_entropy(
+                algorithm,
+                &map,
+                logits,
+                &a.targets,
+                &a.config,
+                a.want_grad,
+            )?;
+            let n = predicted(&a.targets, &a.config);
+            (sharded_fields(&s, n, algorithm.name()), s.grad_logits())
+        }
+    };
+    if let Some(g) = grad {
+        out.push(("grad_logits", t2(widen_columns(&g, width))));
+    }
+    Ok(out)
+}
+
+/// `linear_cross_entropy` through the registered `imp`: `hidden: [n, h]`,
+/// `weight: [w, h]` (rows `vocab_size..` padding, never read). Fields as the
+/// eval op's result (`grad_weight: [w, h]`, padding rows 0).
+///
+/// # Errors
+/// The eval op's.
+pub fn linear_cross_entropy(
+    imp: &str,
+    hidden: ArrayView2<'_, f64>,
+    weight: ArrayView2<'_, f64>,
+    a: &LossArgs,
+) -> Result<Fields, EvalError> {
+    let rows = weight.nrows();
+    let (v, run) = a.run(rows)?;
+    let list = registry::linear_cross_entropy();
+    let (mut out, gl, gh, gw) = match run {
+        Run::Unsharded => {
+            let op = make(&list, imp)?;
+            let real = weight.slice_axis(Axis(0), Slice::from(..v));
+            let l = op.linear_cross_entropy(hidden, real, &a.targets, &a.config, a.want_grad)?;
+            let mut out = unsharded_fields(&l.ce);
+            if let Some(b) = l.logits_buffer_bytes {
+                out.push(("logits_buffer_bytes", Out::Usize(b)));
+            }
+            (out, l.ce.grad_logits, l.grad_hidden, l.grad_weight)
+        }
+        Run::Sharded(algorithm, map) => {
+            check_declared(&list, |k| k.algorithms(), imp, algorithm)?;
+            let op = make(&list, imp)?;
+            let s = op.sharded_linear_cross_entropy(
+                algorithm,
+                &map,
+                hidden,
+                weight,
+                &a.targets,
+                &a.config,
+                a.want_grad,
+            )?;
+            let n = predicted(&a.targets, &a.config);
+            let out = sharded_fields(&s, n, algorithm.name());
+            (
+                out,
+                s.grad_logits(),
+                s.grad_hidden().cloned(),
+                s.grad_weight(),
+            )
+        }
+    };
+    if let Some(g) = gl {
+        out.push(("grad_logits", t2(g)));
+    }
+    if let Some(g) = gh {
+        out.push(("grad_hidden", t2(g)));
+    }
+    if let Some(g) = gw {
+        out.push(("grad_weight", t2(widen_rows(&g, rows))));
+    }
+    out.push(("vocab_size", Out::Usize(v)));
+    Ok(out)
+}
+
+/// The loss ops' [`Judged`]: `inputs` are `logits: [n, w]` (`hidden` `None`)
+/// or `hidden: [n, h]` and `weight: [w, h]`. The reference runs unsharded on
+/// the real vocabulary (what every sharded form must equal); gradients are
+/// widened to the given width with zero padding.
+///
+/// # Errors
+/// The reference's errors for bad input.
+pub fn loss_judged(
+    logits: Option<ArrayView2<'_, f64>>,
+    hidden: Option<(ArrayView2<'_, f64>, ArrayView2<'_, f64>)>,
+    a: &LossArgs,
+    precision: KernelPrecision,
+) -> Result<Judged, EvalError> {
+    let r = |x: &ArrayView2<f64>| x.mapv(|v| precision.round(v));
+    let unsharded = LossArgs {
+        num_shards: None,
+        algorithm: None,
+        layout: None,
+        ..a.clone()
+    };
+    // Rounding a padding value may overflow f32; padding is never read, so
+    // only the real part is rounded and the rest left as given.
+    match (logits, hidden) {
+        (Some(z), None) => {
+            let width = z.ncols();
+            let v = check_vocab_size(a.vocab_size, width)?;
+            let mut zr = z.to_owned();
+            let real_r = r(&z.slice_axis(Axis(1), Slice::from(..v)));
+            zr.slice_axis_mut(Axis(1), Slice::from(..v)).assign(&real_r);
+            let mut expected = cross_entropy(registry::REFERENCE, zr.view(), &unsharded)?;
+            expected.retain(|(k, _)| *k != "algorithm");
+            if precision == KernelPrecision::F64 {
+                return Ok(Judged {
+                    expected,
+                    baseline: None,
+                });
+            }
+            let z32 = baseline32::to_f32(&real_r.view());
+            let b = baseline32::cross_entropy(z32.view(), &a.targets, &a.config, a.want_grad);
+            let mut base = ce32_fields(&b);
+            if let Some(g) = &b.grad_logits {
+                let g = baseline32::to_f64(&g.view());
+                base.push(("grad_logits", t2(widen_columns(&g, width))));
+            }
+            Ok(Judged {
+                expected,
+                baseline: Some(base),
+            })
+        }
+        (None, Some((hid, w))) => {
+            let rows = w.nrows();
+            let v = check_vocab_size(a.vocab_size, rows)?;
+            let hr = r(&hid);
+            let mut wr = w.to_owned();
+            let real_r = r(&w.slice_axis(Axis(0), Slice::from(..v)));
+            wr.slice_axis_mut(Axis(0), Slice::from(..v)).assign(&real_r);
+            let mut expected =
+                linear_cross_entropy(registry::REFERENCE, hr.view(), wr.view(), &unsharded)?;
+            expected.retain(|(k, _)| *k != "algorithm" && *k != "vocab_size");
+            if precision == KernelPrecision::F64 {
+                return Ok(Judged {
+                    expected,
+                    baseline: None,
+                });
+            }
+            let h32 = baseline32::to_f32(&hr.view());
+            let w32 = baseline32::to_f32(&real_r.view());
+            let (b, grads) = baseline32::linear_cross_entropy(
+                h32.view(),
+                w32.view(),
+                &a.targets,
+                &a.config,
+                a.want_grad,
+            );
+            let mut base = ce32_fields(&b);
+            if let Some(g) = &b.grad_logits {
+                base.push(("grad_logits", t2(baseline32::to_f64(&g.view()))));
+            }
+            if let Some((gh, gw)) = grads {
+                base.push(("grad_hidden", t2(baseline32::to_f64(&gh.view()))));
+                let gw = baseline32::to_f64(&gw.view());
+                base.push(("grad_weight", t2(widen_rows(&gw, rows))));
+            }
+            Ok(Judged {
+                expected,
+                baseline: Some(base),
+            })
+        }
+        _ => Err(EvalError::invalid(
+            "logits",
+            "give logits, or hidden and weight",
+        )),
+    }
+}
+
+fn ce32_fields(b: &baseline32::CrossEntropy32) -> Fields {
+    let v1 = |x: &[f32]| t1(x.iter().map(|&v| f64::from(v)).collect());
+    vec![
+        ("loss", Out::F64(f64::from(b.loss))),
+        ("per_token_loss", v1(&b.per_token_loss)),
+        ("logsumexp", v1(&b.logsumexp)),
+    ]
+}
+
+/// `embedding` through the registered `imp`: `ids: [n]`, `weight: [w, h]`
+/// (rows `vocab_size..` padding), `grad_output: [n, h]` for the weight
+/// gradient, `num_shards` for the sharded lookup.
+///
+/// # Errors
+/// The eval op's.
+pub fn embedding(
+    imp: &str,
+    ids: &[i64],
+    weight: ArrayView2<'_, f64>,
+    vocab_size: Option<usize>,
+    num_shards: Option<usize>,
+    layout: Option<&str>,
+    grad_output: Option<ArrayView2<'_, f64>>,
+) -> Result<Fields, EvalError> {
+    let rows = weight.nrows();
+    let v = check_vocab_size(vocab_size, rows)?;
+    let real = weight.slice_axis(Axis(0), Slice::from(..v));
+    let op = make(&registry::embedding(), imp)?;
+    let mut out: Fields = Vec::new();
+    match num_shards {
+        None => {
+            if layout.is_some() {
+                return Err(EvalError::invalid("layout", "needs num_shards"));
+            }
+            let e = op.embedding(ids, real, grad_output)?;
+            out.push(("output", t2(e.output)));
+            if let Some(gw) = &e.grad_weight {
+                out.push(("grad_weight", t2(widen_rows(gw, rows))));
+            }
+        }
+        Some(p) => {
+            let layout = layout
+                .map(str::parse::<ShardLayout>)
+                .transpose()?
+                .unwrap_or_default();
+            let map = packshard_reference::vocab::ShardMap::new(v, p, layout)?;
+            let s = op.sharded_embedding(&map, ids, weight, grad_output)?;
+            let c = s.counts[0];
+            out.push(("output", t2(s.outputs[0].clone())));
+            if let Some(gw) = s.grad_weight() {
+                out.push(("grad_weight", t2(widen_rows(&gw, rows))));
+            }
+            out.push(("num_shards", Out::Usize(p)));
+            out.push(("layout", Out::Str(layout.name().into())));
+            out.push((
+                "collectives",
+                Out::Json(
+                    serde_json::json!({"calls": c.calls, "barriers": c.barriers, "elements": c.elements}),
+                ),
+            ));
+        }
+    }
+    Ok(out)
+}
+
+// ---- the rule ------------------------------------------------------------------
+
+/// How one tensor of a user's kernel compared.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Verdict {
+    /// `None` when within the rule; the failure's text (index, both values,
+    /// the kernel's and the baseline's error, the tolerance) otherwise.
+    pub failure: Option<String>,
+    /// `max |actual - expected|` over finite values.
+    pub error: f64,
+    /// `max |baseline - expected|` (0 for an f64 kernel).
+    pub baseline_error: f64,
+}
+
+/// Holds `actual` (row-major, of `shape`) to the rule for `precision`:
+/// for f32, [`RelativeRule::F32_FUZZ`] (at most 32 x the error of the
+/// reference run in f32, plus 256 ulp of f32 of the tensor's scale); for
+/// f64, [`Tolerance::F64_REWRITE`]. `baseline` is required for f32.
+/// `scale`, when given, is the magnitude the floor is relative to (at
+/// least the tensor's own largest value: the magnitude of the terms).
+pub fn judge_tensor(
+    what: &str,
+    shape: &[usize],
+    expected: &[f64],
+    baseline: Option<&[f64]>,
+    actual: &[f64],
+    precision: KernelPrecision,
+    scale: Option<f64>,
+) -> Verdict {
+    let err = expected
+        .iter()
+        .zip(actual)
+        .filter(|(e, a)| e.is_finite() && a.is_finite())
+        .fold(0.0f64, |m, (e, a)| m.max((a - e).abs()));
+    match (precision, baseline) {
+        (KernelPrecision::F32, Some(b)) => {
+            match compare::assert_within_k_with_scale(
+                what,
+                expected,
+                b,
+                actual,
+                shape,
+                RelativeRule::F32_FUZZ,
+                scale,
+            ) {
+                Ok(s) => Verdict {
+                    failure: None,
+                    error: s.error,
+                    baseline_error: s.baseline,
+                },
+                Err(m) => Verdict {
+                    failure: Some(format!("{}: {}", m.what, m.detail)),
+                    error: err,
+                    baseline_error: 0.0,
+                },
+            }
+        }
+        _ => match compare::assert_close_with_scale(
+            what,
+            expected,
+            actual,
+            shape,
+            Tolerance::F64_REWRITE,
+            scale,
+        ) {
+            Ok(()) => Verdict {
+                failure: None,
+                error: err,
+                baseline_error: 0.0,
+            },
+            Err(m) => Verdict {
+                failure: Some(format!("{}: {}", m.what, m.detail)),
+                error: err,
+                baseline_error: 0.0,
+            },
+        },
+    }
+}
+
+/// A tensor field of `fields` as a dynamic array (a scalar as shape `[]`).
+pub fn tensor_of(fields: &Fields, name: &str) -> Option<ArrayD<f64>> {
+    fields
+        .iter()
+        .find(|(k, _)| *k == name)
+        .and_then(|(_, v)| match v {
+            Out::Tensor(t) => Some(t.clone()),
+            Out::F64(x) => Some(ArrayD::from_elem(IxDyn(&[]), *x)),
+            _ => None,
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ndarray::Array3;
+
+    #[test]
+    fn fields_are_read_from_messages() {
+        assert_eq!(
+            field_of("cu_seqlens[3]: decreases"),
+            (Some("cu_seqlens".into()), Some(3))
+        );
+        assert_eq!(
+            field_of("ids[2] = 9 is out of range 0..5"),
+            (Some("ids".into()), Some(2))
+        );
+        assert_eq!(
+            field_of("q: shape [1] does not match"),
+            (Some("q".into()), None)
+        );
+        assert_eq!(field_of("a case must be a JSON object"), (None, None));
+    }
+
+    #[test]
+    fn tiled_attention_is_within_the_rule_and_a_leak_is_not() {
+        let n = 7;
+        let q = Array3::from_shape_fn((n, 2, 3), |(i, h, c)| {
+            ((i * 7 + h * 3 + c) % 5) as f64 - 2.0
+        });
+        let cu = vec![0, 3, 3, 7];
+        let a = AttentionArgs {
+            q: q.view(),
+            k: q.view(),
+            v: q.view(),
+            cu_seqlens: cu,
+            causal: false,
+            scale: None,
+            grad_output: Some(q.view()),
+        };
+        let j = attention_judged(&a, KernelPrecision::F32).unwrap();
+        let got = attention("attention_varlen_tiled", &a).unwrap();
+        let base = j.baseline.unwrap();
+        for name in ["output", "lse", "grad_q", "grad_k", "grad_v"] {
+            let e = tensor_of(&j.expected, name).unwrap();
+            let b = tensor_of(&base, name).unwrap();
+            let g = tensor_of(&got, name).unwrap();
+            let v = judge_tensor(
+                name,
+                e.shape(),
+                e.as_slice().unwrap(),
+                Some(b.as_slice().unwrap()),
+                g.as_slice().unwrap(),
+                KernelPrecision::F32,
+                None,
+            );
+            assert!(v.failure.is_none(), "{name}: {:?}", v.failure);
+        }
+        // One segment over everything: attention across documents.
+        let leak = AttentionArgs {
+            cu_seqlens: vec![0, 7],
+            ..a.clone()
+        };
+        let bad = attention(registry::REFERENCE, &leak).unwrap();
+        let e = tensor_of(&j.expected, "output").unwrap();
+        let b = tensor_of(&base, "output").unwrap();
+        let g = tensor_of(&bad, "output").unwrap();
+        let v = judge_tensor(
+            "output",
+            e.shape(),
+            e.as_slice().unwrap(),
+            Some(b.as_slice().unwrap()),
+            g.as_slice().unwrap(),
+            KernelPrecision::F32,
+            None,
+        );
+        assert!(v.failure.unwrap().contains("output"));
+    }
+}

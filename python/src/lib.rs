@@ -1,0 +1,18 @@
+//! # packshard-python
+//!
+//! The Python package `packshard` (PyO3 + maturin, one abi3 wheel for
+//! CPython >= 3.9): every op of the registry as a numpy function, packing
+//! and batching, and `packshard.testing`, which holds a user's kernel to the
+//! rule the Rust suites hold ours to. The pure-Rust parts ([`core`],
+//! [`cases`]) build and test without Python; the extension module
+//! (`packshard._native`) is behind the `python` feature, which maturin
+//! turns on (`pyproject.toml`), so `cargo build` and `cargo test
+//! --workspace` compile no PyO3 and link no libpython.
+//!
+//! Shape legend as in `packshard-reference`: `n_tok` tokens, `b` segments,
+//! `h` heads, `d` head dim, `n` rows, `v` vocabulary, `p` shards.
+
+pub mod cases;
+pub mod core;
+#[cfg(feature = "python")]
+mod py;

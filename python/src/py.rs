@@ -1,0 +1,496 @@
+//! `packshard._native`: the PyO3 layer over [`crate::core`] and
+//! [`crate::cases`]. Arguments come positionally from the Python wrappers of
+//! `packshard/__init__.py` (which name them as docs/INTERFACE.md does);
+//! tensors are numpy arrays read in place (any strides, no copy) and results
+//! are moved into new numpy arrays (no copy). Kernels run with the GIL
+//! released.
+
+use std::time::Instant;
+
+use ndarray::{ArrayView2, ArrayView3};
+use numpy::{PyArrayDyn, PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArray3};
+use packshard_oracle::eval::{self, EvalError};
+use packshard_oracle::registry::{self, Family};
+use packshard_reference::ops::Varlen;
+use packshard_reference::vocab::{LossConfig, Reduction, SmoothingConvention};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
+use pyo3::IntoPyObjectExt;
+
+use crate::core::{self, AttentionArgs, Fields, KernelPrecision, LossArgs, Out};
+
+pyo3::create_exception!(
+    _native,
+    PackshardError,
+    PyValueError,
+    "Bad input or an impl that cannot run: `kind` (the eval error kind), `field` (the argument it names, or None), `index` (or None), `message`."
+);
+
+fn raise(py: Python<'_>, e: EvalError) -> PyErr {
+    let err = PackshardError::new_err(e.message.clone());
+    let v = err.value(py);
+    let (field, index) = core::field_of(&e.message);
+    let _ = v.setattr("kind", e.kind);
+    let _ = v.setattr("field", field);
+    let _ = v.setattr("index", index);
+    let _ = v.setattr("message", e.message);
+    err
+}
+
+fn json_to_py(py: Python<'_>, v: &serde_json::Value) -> PyResult<Py<PyAny>> {
+    use serde_json::Value;
+    match v {
+        Value::Null => Ok(py.None()),
+        Value::Bool(b) => b.into_py_any(py),
+        Value::Number(n) => match (n.as_i64(), n.as_u64()) {
+            (Some(i), _) => i.into_py_any(py),
+            (None, Some(u)) => u.into_py_any(py),
+            _ => n.as_f64().unwrap_or(f64::NAN).into_py_any(py),
+        },
+        Value::String(s) => s.into_py_any(py),
+        Value::Array(xs) => {
+            let items: Vec<Py<PyAny>> = xs
+                .iter()
+                .map(|x| json_to_py(py, x))
+                .collect::<PyResult<_>>()?;
+            PyList::new(py, items)?.into_py_any(py)
+        }
+        Value::Object(m) => {
+            let d = PyDict::new(py);
+            for (k, x) in m {
+                d.set_item(k, json_to_py(py, x)?)?;
+            }
+            d.into_py_any(py)
+        }
+    }
+}
+
+fn out_to_py(py: Python<'_>, o: Out) -> PyResult<Py<PyAny>> {
+    match o {
+        Out::F64(x) => x.into_py_any(py),
+        Out::Usize(x) => x.into_py_any(py),
+        Out::I64(x) => x.into_py_any(py),
+        Out::Bool(x) => x.into_py_any(py),
+        Out::Str(s) => s.into_py_any(py),
+        Out::Tensor(t) => PyArrayDyn::from_owned_array(py, t).into_py_any(py),
+        Out::Ints(xs) => numpy::PyArray1::from_vec(py, xs).into_py_any(py),
+        Out::Json(v) => json_to_py(py, &v),
+    }
+}
+
+fn fields_to_py(py: Python<'_>, fields: Fields) -> PyResult<Py<PyAny>> {
+    let d = PyDict::new(py);
+    for (k, v) in fields {
+        d.set_item(k, out_to_py(py, v)?)?;
+    }
+    d.into_py_any(py)
+}
+
+fn precision(py: Python<'_>, s: &str) -> PyResult<KernelPrecision> {
+    KernelPrecision::parse(s).map_err(|e| raise(py, e))
+}
+
+fn cu(py: Python<'_>, xs: &PyReadonlyArray1<'_, i64>) -> PyResult<Vec<usize>> {
+    let v = xs.as_array().to_vec();
+    core::offsets("cu_seqlens", &v).map_err(|e| raise(py, e))
+}
+
+/// `attention(q, k, v, cu_seqlens, causal, scale, grad_output, impl)`.
+#[pyfunction]
+#[pyo3(signature = (q, k, v, cu_seqlens, causal, scale, grad_output, imp))]
+#[allow(clippy::too_many_arguments)]
+fn attention<'py>(
+    py: Python<'py>,
+    q: PyReadonlyArray3<'py, f64>,
+    k: PyReadonlyArray3<'py, f64>,
+    v: PyReadonlyArray3<'py, f64>,
+    cu_seqlens: PyReadonlyArray1<'py, i64>,
+    causal: bool,
+    scale: Option<f64>,
+    grad_output: Option<PyReadonlyArray3<'py, f64>>,
+    imp: String,
+) -> PyResult<Py<PyAny>> {
+    let a = AttentionArgs {
+        q: q.as_array(),
+        k: k.as_array(),
+        v: v.as_array(),
+        cu_seqlens: cu(py, &cu_seqlens)?,
+        causal,
+        scale,
+        grad_output: grad_output.as_ref().map(|g| g.as_array()),
+    };
+    let r = py.detach(|| core::attention(&imp, &a));
+    fields_to_py(py, r.map_err(|e| raise(py, e))?)
+}
+
+fn judged_to_py(py: Python<'_>, j: core::Judged) -> PyResult<(Py<PyAny>, Py<PyAny>)> {
+    let e = fields_to_py(py, j.expected)?;
+    let b = match j.baseline {
+        Some(b) => fields_to_py(py, b)?,
+        None => py.None(),
+    };
+    Ok((e, b))
+}
+
+/// The f64 reference (on inputs rounded to `precision`) and the f32 baseline
+/// of an attention case.
+#[pyfunction]
+#[pyo3(signature = (q, k, v, cu_seqlens, causal, scale, grad_output, precision))]
+#[allow(clippy::too_many_arguments)]
+fn attention_judged<'py>(
+    py: Python<'py>,
+    q: PyReadonlyArray3<'py, f64>,
+    k: PyReadonlyArray3<'py, f64>,
+    v: PyReadonlyArray3<'py, f64>,
+    cu_seqlens: PyReadonlyArray1<'py, i64>,
+    causal: bool,
+    scale: Option<f64>,
+    grad_output: Option<PyReadonlyArray3<'py, f64>>,
+    precision: String,
+) -> PyResult<(Py<PyAny>, Py<PyAny>)> {
+    let p = self::precision(py, &precision)?;
+    let a = AttentionArgs {
+        q: q.as_array(),
+        k: k.as_array(),
+        v: v.as_array(),
+        cu_seqlens: cu(py, &cu_seqlens)?,
+        causal,
+        scale,
+        grad_output: grad_output.as_ref().map(|g| g.as_array()),
+    };
+    let j = py
+        .detach(|| core::attention_judged(&a, p))
+        .map_err(|e| raise(py, e))?;
+    judged_to_py(py, j)
+}
+
+/// The Rust kernel's own time: `reps` forward + backward passes of the
+/// registered `imp` on these arrays, seconds each (no Python in between).
+#[pyfunction]
+#[pyo3(signature = (q, k, v, cu_seqlens, grad_output, imp, reps))]
+#[allow(clippy::too_many_arguments)]
+fn time_attention<'py>(
+    py: Python<'py>,
+    q: PyReadonlyArray3<'py, f64>,
+    k: PyReadonlyArray3<'py, f64>,
+    v: PyReadonlyArray3<'py, f64>,
+    cu_seqlens: PyReadonlyArray1<'py, i64>,
+    grad_output: PyReadonlyArray3<'py, f64>,
+    imp: String,
+    reps: usize,
+) -> PyResult<Vec<f64>> {
+    let cu = cu(py, &cu_seqlens)?;
+    let (q, k, v, go) = (
+        q.as_array(),
+        k.as_array(),
+        v.as_array(),
+        grad_output.as_array(),
+    );
+    let op = eval::make(&registry::attention(), &imp).map_err(|e| raise(py, e))?;
+    let scale = packshard_reference::attention::default_scale(q.dim().2.max(1));
+    let run = |q: ArrayView3<f64>, k: ArrayView3<f64>, v: ArrayView3<f64>, go: ArrayView3<f64>| {
+        let p = Varlen::new(&cu, false, scale);
+        let mut times = Vec::with_capacity(reps);
+        for _ in 0..reps {
+            let t = Instant::now();
+            let fwd = op.varlen_forward(q, k, v, &p)?;
+            let g = op.varlen_backward(q, k, v, &p, &fwd, go)?;
+            std::hint::black_box(&g);
+            times.push(t.elapsed().as_secs_f64());
+        }
+        Ok::<_, packshard_reference::Error>(times)
+    };
+    py.detach(|| run(q, k, v, go))
+        .map_err(|e| raise(py, e.into()))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn loss_args(
+    py: Python<'_>,
+    targets: &PyReadonlyArray1<'_, i64>,
+    ignore_index: Option<i64>,
+    label_smoothing: Option<f64>,
+    smoothing: Option<String>,
+    z_loss: Option<f64>,
+    reduction: Option<String>,
+    vocab_size: Option<usize>,
+    num_shards: Option<usize>,
+    algorithm: Option<String>,
+    layout: Option<String>,
+    want_grad: bool,
+) -> PyResult<LossArgs> {
+    let d = LossConfig::default();
+    let parse = || -> Result<LossConfig, EvalError> {
+        Ok(LossConfig {
+            ignore_index: ignore_index.unwrap_or(d.ignore_index),
+            label_smoothing: label_smoothing.unwrap_or(0.0),
+            smoothing: smoothing
+                .as_deref()
+                .map(str::parse::<SmoothingConvention>)
+                .transpose()?
+                .unwrap_or_default(),
+            z_loss: z_loss.unwrap_or(0.0),
+            reduction: reduction
+                .as_deref()
+                .map(str::parse::<Reduction>)
+                .transpose()?
+                .unwrap_or_default(),
+        })
+    };
+    Ok(LossArgs {
+        targets: targets.as_array().to_vec(),
+        config: parse().map_err(|e| raise(py, e))?,
+        vocab_size,
+        num_shards,
+        algorithm,
+        layout,
+        want_grad,
+    })
+}
+
+/// `cross_entropy(logits, targets, ignore_index, label_smoothing, smoothing,
+/// z_loss, reduction, vocab_size, num_shards, algorithm, layout, want_grad, impl)`.
+#[pyfunction]
+#[pyo3(signature = (logits, targets, ignore_index, label_smoothing, smoothing, z_loss, reduction, vocab_size, num_shards, algorithm, layout, want_grad, imp))]
+#[allow(clippy::too_many_arguments)]
+fn cross_entropy<'py>(
+    py: Python<'py>,
+    logits: PyReadonlyArray2<'py, f64>,
+    targets: PyReadonlyArray1<'py, i64>,
+    ignore_index: Option<i64>,
+    label_smoothing: Option<f64>,
+    smoothing: Option<String>,
+    z_loss: Option<f64>,
+    reduction: Option<String>,
+    vocab_size: Option<usize>,
+    num_shards: Option<usize>,
+    algorithm: Option<String>,
+    layout: Option<String>,
+    want_grad: bool,
+    imp: String,
+) -> PyResult<Py<PyAny>> {
+    let a = loss_args(
+        py,
+        &targets,
+        ignore_index,
+        label_smoothing,
+        smoothing,
+        z_loss,
+        reduction,
+        vocab_size,
+        num_shards,
+        algorithm,
+        layout,
+        want_grad,
+    )?;
+    let z = logits.as_array();
+    let r = py.detach(|| core::cross_entropy(&imp, z, &a));
+    fields_to_py(py, r.map_err(|e| raise(py, e))?)
+}
+
+/// `linear_cross_entropy(hidden, weight, targets, ...)`: as `cross_entropy`.
+#[pyfunction]
+#[pyo3(signature = (hidden, weight, targets, ignore_index, label_smoothing, smoothing, z_loss, reduction, vocab_size, num_shards, algorithm, layout, want_grad, imp))]
+#[allow(clippy::too_many_arguments)]
+fn linear_cross_entropy<'py>(
+    py: Python<'py>,
+    hidden: PyReadonlyArray2<'py, f64>,
+    weight: PyReadonlyArray2<'py, f64>,
+    targets: PyReadonlyArray1<'py, i64>,
+    ignore_index: Option<i64>,
+    label_smoothing: Option<f64>,
+    smoothing: Option<String>,
+    z_loss: Option<f64>,
+    reduction: Option<String>,
+    vocab_size: Option<usize>,
+    num_shards: Option<usize>,
+    algorithm: Option<String>,
+    layout: Option<String>,
+    want_grad: bool,
+    imp: String,
+) -> PyResult<Py<PyAny>> {
+    let a = loss_args(
+        py,
+        &targets,
+        ignore_index,
+        label_smoothing,
+        smoothing,
+        z_loss,
+        reduction,
+        vocab_size,
+        num_shards,
+        algorithm,
+        layout,
+        want_grad,
+    )?;
+    let (h, w) = (hidden.as_array(), weight.as_array());
+    let r = py.detach(|| core::linear_cross_entropy(&imp, h, w, &a));
+    fields_to_py(py, r.map_err(|e| raise(py, e))?)
+}
+
+/// The f64 reference and f32 baseline of a loss case (`logits`, or `hidden`
+/// and `weight`).
+#[pyfunction]
+#[pyo3(signature = (logits, hidden, weight, targets, ignore_index, label_smoothing, smoothing, z_loss, reduction, vocab_size, want_grad, precision))]
+#[allow(clippy::too_many_arguments)]
+fn loss_judged<'py>(
+    py: Python<'py>,
+    logits: Option<PyReadonlyArray2<'py, f64>>,
+    hidden: Option<PyReadonlyArray2<'py, f64>>,
+    weight: Option<PyReadonlyArray2<'py, f64>>,
+    targets: PyReadonlyArray1<'py, i64>,
+    ignore_index: Option<i64>,
+    label_smoothing: Option<f64>,
+    smoothing: Option<String>,
+    z_loss: Option<f64>,
+    reduction: Option<String>,
+    vocab_size: Option<usize>,
+    want_grad: bool,
+    precision: String,
+) -> PyResult<(Py<PyAny>, Py<PyAny>)> {
+    let p = self::precision(py, &precision)?;
+    let a = loss_args(
+        py,
+        &targets,
+        ignore_index,
+        label_smoothing,
+        smoothing,
+        z_loss,
+        reduction,
+        vocab_size,
+        None,
+        None,
+        None,
+        want_grad,
+    )?;
+    let z: Option<ArrayView2<f64>> = logits.as_ref().map(|x| x.as_array());
+    let hw = match (&hidden, &weight) {
+        (Some(h), Some(w)) => Some((h.as_array(), w.as_array())),
+        _ => None,
+    };
+    let j = py
+        .detach(|| core::loss_judged(z, hw, &a, p))
+        .map_err(|e| raise(py, e))?;
+    judged_to_py(py, j)
+}
+
+/// `embedding(ids, weight, vocab_size, num_shards, layout, grad_output, impl)`.
+#[pyfunction]
+#[pyo3(signature = (ids, weight, vocab_size, num_shards, layout, grad_output, imp))]
+#[allow(clippy::too_many_arguments)]
+fn embedding<'py>(
+    py: Python<'py>,
+    ids: PyReadonlyArray1<'py, i64>,
+    weight: PyReadonlyArray2<'py, f64>,
+    vocab_size: Option<usize>,
+    num_shards: Option<usize>,
+    layout: Option<String>,
+    grad_output: Option<PyReadonlyArray2<'py, f64>>,
+    imp: String,
+) -> PyResult<Py<PyAny>> {
+    let ids = ids.as_array().to_vec();
+    let w = weight.as_array();
+    let go = grad_output.as_ref().map(|g| g.as_array());
+    let r =
+        py.detach(|| core::embedding(&imp, &ids, w, vocab_size, num_shards, layout.as_deref(), go));
+    fields_to_py(py, r.map_err(|e| raise(py, e))?)
+}
+
+/// One `packshard eval` case as JSON text; the result as JSON text.
+#[pyfunction]
+fn eval_json(py: Python<'_>, case: String) -> PyResult<String> {
+    let r = py.detach(|| eval::evaluate_str(&case));
+    r.map(|v| v.to_string()).map_err(|e| raise(py, e))
+}
+
+/// `n` generated cases of `op` from `seed`: `[(args, describe, size, input)]`.
+#[pyfunction]
+#[pyo3(name = "cases")]
+fn generated_cases(
+    py: Python<'_>,
+    op: String,
+    n: usize,
+    seed: u64,
+) -> PyResult<Vec<(Py<PyAny>, String, usize, usize)>> {
+    let cs = py
+        .detach(|| crate::cases::generate(&op, n, seed))
+        .map_err(|e| raise(py, e))?;
+    cs.into_iter()
+        .map(|c| Ok((fields_to_py(py, c.args)?, c.describe, c.size, c.input)))
+        .collect()
+}
+
+/// Holds one tensor to the rule: `(failure or None, error, baseline_error)`.
+#[pyfunction]
+#[pyo3(signature = (what, expected, baseline, actual, precision, scale=None))]
+fn judge_tensor<'py>(
+    py: Python<'py>,
+    what: String,
+    expected: numpy::PyReadonlyArrayDyn<'py, f64>,
+    baseline: Option<numpy::PyReadonlyArrayDyn<'py, f64>>,
+    actual: numpy::PyReadonlyArrayDyn<'py, f64>,
+    precision: String,
+    scale: Option<f64>,
+) -> PyResult<(Option<String>, f64, f64)> {
+    let p = self::precision(py, &precision)?;
+    let e = expected.as_array();
+    let a = actual.as_array();
+    if e.shape() != a.shape() {
+        return Ok((
+            Some(format!(
+                "{what}: shape {:?} where {:?} was expected",
+                a.shape(),
+                e.shape()
+            )),
+            f64::INFINITY,
+            0.0,
+        ));
+    }
+    let e: Vec<f64> = e.iter().copied().collect();
+    let a: Vec<f64> = a.iter().copied().collect();
+    let b: Option<Vec<f64>> = baseline
+        .as_ref()
+        .map(|b| b.as_array().iter().copied().collect());
+    let shape = expected.as_array().shape().to_vec();
+    let v = core::judge_tensor(&what, &shape, &e, b.as_deref(), &a, p, scale);
+    Ok((v.failure, v.error, v.baseline_error))
+}
+
+/// Every registered implementation: `[{family, name, changed, precision, needs}]`.
+#[pyfunction]
+fn registry_list(py: Python<'_>) -> PyResult<Py<PyAny>> {
+    let rows: Vec<serde_json::Value> = registry::all()
+        .iter()
+        .map(|i| {
+            serde_json::json!({
+                "family": i.family.name(),
+                "op": i.family.eval_op(),
+                "name": i.name,
+                "changed": i.changed,
+                "precision": i.precision.name(),
+                "needs": i.needs.name(),
+            })
+        })
+        .collect();
+    let _ = Family::ALL;
+    json_to_py(py, &serde_json::Value::Array(rows))
+}
+
+/// The native module.
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("PackshardError", m.py().get_type::<PackshardError>())?;
+    m.add_function(wrap_pyfunction!(attention, m)?)?;
+    m.add_function(wrap_pyfunction!(attention_judged, m)?)?;
+    m.add_function(wrap_pyfunction!(time_attention, m)?)?;
+    m.add_function(wrap_pyfunction!(cross_entropy, m)?)?;
+    m.add_function(wrap_pyfunction!(linear_cross_entropy, m)?)?;
+    m.add_function(wrap_pyfunction!(loss_judged, m)?)?;
+    m.add_function(wrap_pyfunction!(embedding, m)?)?;
+    m.add_function(wrap_pyfunction!(eval_json, m)?)?;
+    m.add_function(wrap_pyfunction!(generated_cases, m)?)?;
+    m.add_function(wrap_pyfunction!(judge_tensor, m)?)?;
+    m.add_function(wrap_pyfunction!(registry_list, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,144 @@
+"""The Python package against the eval contract: same numbers, same errors."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import packshard
+from packshard import PackshardError
+
+RNG = np.random.default_rng(7)
+
+
+def qkv(n=13, h=3, d=5):
+    return [RNG.standard_normal((n, h, d)) for _ in range(4)]
+
+
+def test_attention_matches_eval_for_every_impl():
+    q, k, v, go = qkv()
+    cu = [0, 4, 4, 13]
+    for row in packshard.implementations("attention"):
+        r = packshard.attention(q, k, v, cu, grad_output=go, impl=row["name"])
+        e = packshard.eval({"op": "attention", "q": q, "k": k, "v": v, "cu_seqlens": cu,
+                            "want_grad": True, "grad_output": go, "impl": row["name"]})
+        for key in ("output", "lse", "grad_q", "grad_k", "grad_v"):
+            assert r[key].dtype == np.float64
+            # JSON text carries the inputs (serde_json parses decimal text to
+            # within an ulp, not always exactly): agreement to 1e-12, not bits.
+            np.testing.assert_allclose(r[key], np.asarray(e[key]), rtol=1e-10, atol=1e-12,
+                                       err_msg=key)
+
+
+def test_attention_reads_strided_input_and_keeps_segments_apart():
+    q, k, v, _ = qkv(n=10)
+    r = packshard.attention(q, k, v, [0, 3, 10])
+    # Fortran-ordered copies: same numbers (read through their strides).
+    r2 = packshard.attention(np.asfortranarray(q), np.asfortranarray(k), np.asfortranarray(v),
+                             np.array([0, 3, 10]))
+    np.testing.assert_array_equal(r["output"], r2["output"])
+    # Changing the second segment's keys leaves the first's outputs alone.
+    k2 = k.copy()
+    k2[5] += 1.0
+    r3 = packshard.attention(q, k2, v, [0, 3, 10])
+    np.testing.assert_array_equal(r["output"][:3], r3["output"][:3])
+    assert not np.array_equal(r["output"][3:], r3["output"][3:])
+
+
+def test_errors_carry_kind_field_and_index():
+    q, k, v, _ = qkv(n=6)
+    with pytest.raises(PackshardError) as e:
+        packshard.attention(q, k, v, [0, 4, 3, 6])
+    assert e.value.kind == "invalid_argument"
+    assert e.value.field == "cu_seqlens"
+    assert e.value.index is not None
+    q[2, 0, 1] = np.nan
+    with pytest.raises(PackshardError) as e:
+        packshard.attention(q, k, v, [0, 6])
+    assert (e.value.kind, e.value.field) == ("non_finite_input", "q")
+    with pytest.raises(PackshardError) as e:
+        packshard.attention(k, k, v, [0, 6], impl="no_such_kernel")
+    assert (e.value.kind, e.value.field) == ("invalid_argument", "impl")
+    with pytest.raises(PackshardError) as e:
+        packshard.cross_entropy(np.zeros((2, 5)), [1, 9])
+    assert (e.value.kind, e.value.field, e.value.index) == ("index_out_of_range", "targets", 1)
+    assert isinstance(e.value, ValueError)
+
+
+def test_cross_entropy_matches_eval_sharded_and_not():
+    logits = RNG.standard_normal((6, 11))
+    logits[1, 3] = -np.inf
+    targets = [1, 0, -100, 10, 4, 2]
+    for kw in ({}, {"num_shards": 3, "algorithm": "alg1"}, {"num_shards": 4, "layout": "padded", "vocab_size": 11},
+               {"label_smoothing": 0.1, "z_loss": 1e-3, "reduction": "sum"},
+               {"vocab_size": 9}):
+        targets_kw = [t if t < kw.get("vocab_size", 11) else 0 for t in targets]
+        width = logits.shape[1]
+        if kw.get("layout") == "padded":
+            width = 12  # 4 shards of 3: one padding column, NaN (never read)
+        z = np.full((6, width), np.nan)
+        z[:, :11] = logits
+        if "layout" not in kw:
+            z = logits
+        r = packshard.cross_entropy(z, targets_kw, want_grad=True, **kw)
+        case = {"op": "cross_entropy", "logits": z, "targets": targets_kw, "want_grad": True, **kw}
+        e = packshard.eval(json.loads(json.dumps(case, default=_num)))
+        # Non-finite numbers come back from JSON as "inf" / "-inf" / "nan".
+        e = {k: np.asarray(x, dtype=float) if k in ("loss", "per_token_loss", "grad_logits")
+             else x for k, x in e.items()}
+        if np.isfinite(e["loss"]):
+            assert abs(r["loss"] - e["loss"]) <= 1e-12 * max(1.0, abs(e["loss"]))
+        else:
+            assert r["loss"] == e["loss"]
+        np.testing.assert_allclose(r["grad_logits"], np.asarray(e["grad_logits"], dtype=float),
+                                   rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(r["per_token_loss"], np.asarray(e["per_token_loss"]),
+                                   rtol=1e-10, atol=1e-12)
+
+
+def _num(x):
+    if isinstance(x, np.ndarray):
+        return [_num(v) for v in x] if x.ndim else _num(float(x))
+    if isinstance(x, float) and not np.isfinite(x):
+        return "nan" if np.isnan(x) else ("inf" if x > 0 else "-inf")
+    return float(x)
+
+
+def test_linear_cross_entropy_and_embedding():
+    hidden, weight = RNG.standard_normal((5, 4)), RNG.standard_normal((7, 4))
+    t = [0, 6, 3, -100, 2]
+    ref = packshard.linear_cross_entropy(hidden, weight, t, want_grad=True)
+    fused = packshard.linear_cross_entropy(hidden, weight, t, want_grad=True,
+                                           impl="linear_ce_fused", num_shards=2)
+    assert abs(ref["loss"] - fused["loss"]) < 1e-5 * abs(ref["loss"])
+    assert ref["grad_weight"].shape == (7, 4)
+    e = packshard.embedding([1, 1, 6], weight, grad_output=np.ones((3, 4)), num_shards=3)
+    np.testing.assert_array_equal(e["output"], weight[[1, 1, 6]])
+    np.testing.assert_array_equal(e["grad_weight"][1], 2 * np.ones(4))
+    with pytest.raises(PackshardError) as err:
+        packshard.embedding([7], weight)
+    assert err.value.kind == "index_out_of_range"
+
+
+def test_pack_and_batch():
+    r = packshard.pack([5, 3, 8, 0, 2], 8, algorithm="ffd")
+    assert r["num_packs"] == 3 and r["empty_sequence_indices"] == [3]
+    h = packshard.pack(histogram={3: 4, 5: 2}, max_seq_len=8, algorithm="lpfhp")
+    assert h["num_sequences"] == 6
+    b = packshard.batch([[1, 2, 3], [4, 5], [6]], 4, algorithm="ffd")
+    assert b["input_ids"].shape == (b["num_packs"], 4)
+    for row, pos, seq in zip(b["input_ids"], b["position_ids"], b["sequence_ids"]):
+        for s in set(seq) - {0}:
+            assert list(pos[seq == s]) == list(range((seq == s).sum()))
+    with pytest.raises(PackshardError) as e:
+        packshard.pack([9], 8)
+    assert e.value.kind == "sequence_too_long"
+
+
+def test_registry_is_listed():
+    names = {(r["op"], r["name"]) for r in packshard.implementations()}
+    assert ("attention", "attention_varlen_tiled") in names
+    assert ("cross_entropy", "reference") in names
