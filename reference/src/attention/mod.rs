@@ -89,10 +89,20 @@ pub fn check_qkv_shapes(q: &[usize], k: &[usize], v: &[usize]) -> Result<()> {
         });
     }
     if v != k {
-        return Err(Error::ShapeMismatch {
-            field: "v".into(),
-            expected: format!("[n_k, h_kv, d] = {k:?} (the shape of k)"),
-            actual: v.to_vec(),
+        // k and v disagree: blame the one that differs from q as well (the
+        // one the caller changed), v when both differ from q.
+        return Err(if v == q {
+            Error::ShapeMismatch {
+                field: "k".into(),
+                expected: format!("[n_k, h_kv, d] = {v:?} (the shape of v)"),
+                actual: k.to_vec(),
+            }
+        } else {
+            Error::ShapeMismatch {
+                field: "v".into(),
+                expected: format!("[n_k, h_kv, d] = {k:?} (the shape of k)"),
+                actual: v.to_vec(),
+            }
         });
     }
     Ok(())
