@@ -17,9 +17,7 @@
 use std::path::PathBuf;
 
 use ndarray::{Array2, Array3, ArrayView2, ArrayView3};
-use packshard_equivalence::attention::{
-    fault_cases, run_attention_suite, AttentionCase, VarlenAttention,
-};
+use packshard_equivalence::attention::{fault_cases, run_attention_suite, AttentionCase};
 use packshard_equivalence::compare::{assert_close, assert_close_with_scale, Mismatch, Tolerance};
 use packshard_optimized::cuda::attention::{check_cu_seqlens, AttnForward, AttnShape, Form};
 use packshard_optimized::cuda::vocab::{
@@ -29,6 +27,7 @@ use packshard_optimized::cuda::{self, CudaError, Gpu, CI_ARCH, KERNELS};
 use packshard_reference::bert::attention::{
     varlen_attention, varlen_attention_backward, AttentionGrads, AttentionOutput,
 };
+use packshard_reference::ops::{AttentionOp, AttentionSupport, Varlen};
 use packshard_reference::vocab::{linear_cross_entropy, LossConfig, ShardLayout, ShardMap};
 use packshard_reference::Error;
 
@@ -293,31 +292,44 @@ impl GpuAttention {
     }
 }
 
-impl VarlenAttention for GpuAttention {
-    fn name(&self) -> String {
-        format!("cuda f32 ({})", self.0.name())
+impl AttentionOp for GpuAttention {
+    /// The CUDA kernels: bidirectional self-attention with h_kv == h only.
+    fn support(&self) -> AttentionSupport {
+        AttentionSupport {
+            causal: false,
+            gqa: false,
+            cross: false,
+        }
     }
     fn varlen_forward(
         &self,
         q: ArrayView3<f64>,
         k: ArrayView3<f64>,
         v: ArrayView3<f64>,
-        cu_seqlens: &[usize],
-        scale: f64,
+        p: &Varlen<'_>,
     ) -> Result<AttentionOutput, Error> {
-        self.forward(q, k, v, Form::Packed(cu_seqlens), scale)
+        self.support().check(p, q.dim().1, k.dim().1)?;
+        self.forward(q, k, v, Form::Packed(p.cu_seqlens_q), p.scale)
     }
     fn varlen_backward(
         &self,
         q: ArrayView3<f64>,
         k: ArrayView3<f64>,
         v: ArrayView3<f64>,
-        cu_seqlens: &[usize],
-        scale: f64,
+        p: &Varlen<'_>,
         fwd: &AttentionOutput,
         grad_output: ArrayView3<f64>,
     ) -> Result<AttentionGrads, Error> {
-        self.backward(q, k, v, Form::Packed(cu_seqlens), scale, fwd, grad_output)
+        self.support().check(p, q.dim().1, k.dim().1)?;
+        self.backward(
+            q,
+            k,
+            v,
+            Form::Packed(p.cu_seqlens_q),
+            p.scale,
+            fwd,
+            grad_output,
+        )
     }
     fn masked_forward(
         &self,
@@ -355,7 +367,7 @@ impl VarlenAttention for GpuAttention {
 const F32_VS_F64: Tolerance = Tolerance::new("f32 kernel vs f64 reference", 1e-4, 1e-4);
 
 fn check_against_reference_with(
-    gpu: &dyn VarlenAttention,
+    gpu: &dyn AttentionOp,
     case: &AttentionCase,
 ) -> Result<f64, Mismatch> {
     let mut worst = 0.0f64;
@@ -382,15 +394,19 @@ fn check_against_reference_with(
     )
     .map_err(|e| Mismatch::new(&name, e.to_string()))?;
     let f = gpu
-        .varlen_forward(case.q.view(), case.k.view(), case.v.view(), &cu, case.scale)
+        .varlen_forward(
+            case.q.view(),
+            case.k.view(),
+            case.v.view(),
+            &Varlen::new(&cu, false, case.scale),
+        )
         .map_err(|e| Mismatch::new(&name, e.to_string()))?;
     let g = gpu
         .varlen_backward(
             case.q.view(),
             case.k.view(),
             case.v.view(),
-            &cu,
-            case.scale,
+            &Varlen::new(&cu, false, case.scale),
             &f,
             case.grad_output.view(),
         )
@@ -458,10 +474,8 @@ fn gpu_attention_suite_packed_equals_padded() {
     let imp = GpuAttention(gpu);
     let seen = run_attention_suite(&imp, 64).unwrap_or_else(|m| panic!("{m}"));
     eprintln!(
-        "{}: packed == padded over {} values, max |diff| {:e}",
-        imp.name(),
-        seen.values,
-        seen.max_abs
+        "cuda f32 attention: packed == padded over {} values, max |diff| {:e}",
+        seen.values, seen.max_abs
     );
 }
 
@@ -490,8 +504,7 @@ fn gpu_attention_matches_the_f64_reference() {
         check_against_reference_with(&imp, c).unwrap_or_else(|m| panic!("{m}"));
     }
     eprintln!(
-        "{}: {} cases within {}",
-        imp.name(),
+        "cuda f32 attention: {} cases within {}",
         cases.len(),
         F32_VS_F64.name
     );
@@ -1217,31 +1230,44 @@ impl EmuAttention {
     }
 }
 
-impl VarlenAttention for EmuAttention {
-    fn name(&self) -> String {
-        "cuda kernels on the CPU emulator".into()
+impl AttentionOp for EmuAttention {
+    /// The CUDA kernels: bidirectional self-attention with h_kv == h only.
+    fn support(&self) -> AttentionSupport {
+        AttentionSupport {
+            causal: false,
+            gqa: false,
+            cross: false,
+        }
     }
     fn varlen_forward(
         &self,
         q: ArrayView3<f64>,
         k: ArrayView3<f64>,
         v: ArrayView3<f64>,
-        cu_seqlens: &[usize],
-        scale: f64,
+        p: &Varlen<'_>,
     ) -> Result<AttentionOutput, Error> {
-        self.forward(q, k, v, Form::Packed(cu_seqlens), scale)
+        self.support().check(p, q.dim().1, k.dim().1)?;
+        self.forward(q, k, v, Form::Packed(p.cu_seqlens_q), p.scale)
     }
     fn varlen_backward(
         &self,
         q: ArrayView3<f64>,
         k: ArrayView3<f64>,
         v: ArrayView3<f64>,
-        cu_seqlens: &[usize],
-        scale: f64,
+        p: &Varlen<'_>,
         fwd: &AttentionOutput,
         grad_output: ArrayView3<f64>,
     ) -> Result<AttentionGrads, Error> {
-        self.backward(q, k, v, Form::Packed(cu_seqlens), scale, fwd, grad_output)
+        self.support().check(p, q.dim().1, k.dim().1)?;
+        self.backward(
+            q,
+            k,
+            v,
+            Form::Packed(p.cu_seqlens_q),
+            p.scale,
+            fwd,
+            grad_output,
+        )
     }
     fn masked_forward(
         &self,
@@ -1381,10 +1407,8 @@ fn emulated_attention_suite_packed_equals_padded() {
     let imp = EmuAttention(e);
     let seen = run_attention_suite(&imp, 24).unwrap_or_else(|m| panic!("{m}"));
     eprintln!(
-        "{}: packed == padded over {} values, max |diff| {:e}",
-        imp.name(),
-        seen.values,
-        seen.max_abs
+        "emulated cuda f32 attention: packed == padded over {} values, max |diff| {:e}",
+        seen.values, seen.max_abs
     );
 }
 
@@ -1409,8 +1433,7 @@ fn emulated_attention_matches_the_f64_reference() {
         worst = worst.max(check_against_reference_with(&imp, c).unwrap_or_else(|m| panic!("{m}")));
     }
     eprintln!(
-        "{}: {} cases within {}; largest error {worst:.2e} of the tensor's scale",
-        imp.name(),
+        "emulated cuda f32 attention: {} cases within {}; largest error {worst:.2e} of the tensor's scale",
         cases.len(),
         F32_VS_F64.name
     );
@@ -1424,33 +1447,28 @@ fn emulated_reference_check_rejects_a_wrong_result() {
         return;
     };
     struct Shifted(EmuAttention);
-    impl VarlenAttention for Shifted {
-        fn name(&self) -> String {
-            "shifted".into()
-        }
+    impl AttentionOp for Shifted {
         fn varlen_forward(
             &self,
             q: ArrayView3<f64>,
             k: ArrayView3<f64>,
             v: ArrayView3<f64>,
-            cu: &[usize],
-            scale: f64,
+            p: &Varlen<'_>,
         ) -> Result<AttentionOutput, Error> {
             let mut k2 = k.to_owned();
             k2[[0, 0, 0]] += 0.5;
-            self.0.varlen_forward(q, k2.view(), v, cu, scale)
+            self.0.varlen_forward(q, k2.view(), v, p)
         }
         fn varlen_backward(
             &self,
             q: ArrayView3<f64>,
             k: ArrayView3<f64>,
             v: ArrayView3<f64>,
-            cu: &[usize],
-            scale: f64,
+            p: &Varlen<'_>,
             fwd: &AttentionOutput,
             go: ArrayView3<f64>,
         ) -> Result<AttentionGrads, Error> {
-            self.0.varlen_backward(q, k, v, cu, scale, fwd, go)
+            self.0.varlen_backward(q, k, v, p, fwd, go)
         }
         fn masked_forward(
             &self,
