@@ -26,6 +26,7 @@ pub use packshard_oracle::{bench, eval, fuzzing, golden, registry, text};
 pub use packshard_reference as reference;
 
 pub mod assets;
+pub mod plot;
 pub mod report;
 pub mod verify;
 pub mod vocab_report;

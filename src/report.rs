@@ -8,8 +8,8 @@ use packshard_reference::packing::{
 
 /// The rows `packshard pack` compares by default: the padding baseline, then
 /// each algorithm at the paper's depth of 3 sequences per pack (LPHP, the LP
-/// packing of issue #8, after NNLSHP), then the heuristics at the paper's
-/// SPFHP setting of 12.
+/// packing of issue #8, after NNLSHP), then the heuristics and LPHP at the
+/// paper's SPFHP setting of 12 (NNLSHP has billions of strategies there).
 pub fn default_rows(max_seq_len: usize) -> Vec<PackingConfig> {
     let mut rows = vec![PackingConfig::new(Algorithm::None, max_seq_len)];
     for limit in [3, 12] {
@@ -21,9 +21,8 @@ pub fn default_rows(max_seq_len: usize) -> Vec<PackingConfig> {
             Algorithm::Ffd,
             Algorithm::Bfd,
         ] {
-            if matches!(algorithm, Algorithm::Nnlshp | Algorithm::Lphp) && limit > 3 {
-                // NNLSHP at depth 12 has billions of strategies; LPHP's column
-                // generation takes ~20 rounds (seconds) on Wikipedia there.
+            if algorithm == Algorithm::Nnlshp && limit > 3 {
+                // NNLSHP at depth 12 has billions of strategies.
                 continue;
             }
             rows.push(
@@ -32,6 +31,57 @@ pub fn default_rows(max_seq_len: usize) -> Vec<PackingConfig> {
         }
     }
     rows
+}
+
+/// `rows` with every limit replaced by `max_sequences_per_pack` (when given),
+/// each distinct row once, in their first order.
+pub fn with_limit(rows: Vec<PackingConfig>, max_sequences_per_pack: Option<usize>) -> Vec<PackingConfig> {
+    let mut out: Vec<PackingConfig> = Vec::with_capacity(rows.len());
+    for row in rows {
+        let row = match max_sequences_per_pack {
+            Some(k) if row.algorithm != Algorithm::None => row.with_max_sequences_per_pack(Some(k)),
+            _ => row,
+        };
+        if !out.contains(&row) {
+            out.push(row);
+        }
+    }
+    out
+}
+
+/// The order in which to compute `rows` so that every bound is computed at
+/// most once: the `lphp` rows (which find the bound of their limit as they
+/// pack) first, then the rest, each group in table order.
+pub fn compute_order(rows: &[PackingConfig]) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..rows.len()).collect();
+    order.sort_by_key(|&i| rows[i].algorithm != Algorithm::Lphp);
+    order
+}
+
+/// Lower bounds already computed for one input, keyed by what they depend on
+/// (limit, overlong policy, `max_seq_len`): the rows of one table share them.
+#[derive(Default)]
+pub struct BoundCache {
+    known: Vec<((usize, packshard_reference::packing::Overlong, usize), PackingMetrics)>,
+}
+
+impl BoundCache {
+    /// Adds the bound for `config`'s limit to `metrics`: the one a row with
+    /// the same key carries (an `lphp` row's own), else [`bound_for`] once.
+    /// A bound that cannot be computed is left out, not an error.
+    pub fn attach(&mut self, histogram: &Histogram, config: &PackingConfig, metrics: &mut PackingMetrics) {
+        let key = (config.limit(), config.overlong, config.max_seq_len);
+        if metrics.bound_packs.is_none() {
+            if let Some((_, from)) = self.known.iter().find(|(k, _)| *k == key) {
+                copy_bound(from, metrics);
+            } else if let Ok(bound) = bound_for(histogram, config) {
+                metrics.set_bound(&bound);
+            }
+        }
+        if metrics.bound_packs.is_some() && !self.known.iter().any(|(k, _)| *k == key) {
+            self.known.push((key, metrics.clone()));
+        }
+    }
 }
 
 /// Adds to each row (`rows[i]` packed `histogram` under `configs[i]`) the
@@ -43,26 +93,10 @@ pub fn attach_bounds(
     configs: &[PackingConfig],
     rows: &mut [PackingMetrics],
 ) {
-    let key = |c: &PackingConfig| (c.limit(), c.overlong, c.max_seq_len);
-    let mut known: Vec<usize> = (0..rows.len())
-        .filter(|&i| rows[i].bound_packs.is_some())
-        .collect();
-    for i in 0..rows.len().min(configs.len()) {
-        if rows[i].bound_packs.is_some() {
-            continue;
-        }
-        if let Some(&k) = known
-            .iter()
-            .find(|&&k| key(&configs[k]) == key(&configs[i]))
-        {
-            let from = rows[k].clone();
-            copy_bound(&from, &mut rows[i]);
-        } else if let Ok(bound) = bound_for(histogram, &configs[i]) {
-            rows[i].set_bound(&bound);
-        } else {
-            continue;
-        }
-        known.push(i);
+    let n = rows.len().min(configs.len());
+    let mut cache = BoundCache::default();
+    for i in compute_order(&configs[..n]) {
+        cache.attach(histogram, &configs[i], &mut rows[i]);
     }
 }
 
@@ -151,102 +185,164 @@ pub fn format_seconds(s: f64) -> String {
     }
 }
 
-/// Which row to pick, in a few lines: the most efficient plan with at most 3
-/// sequences per pack (cheap attention, the paper's recommendation) and the
-/// most efficient overall; ties go to the row listed first.
+/// The lines above the table: the input, and the padding a padded batch of
+/// what is packed would carry (after the overlong policy, from the first
+/// row's figures: never negative), then what the policy did to the overlong
+/// sequences, if any.
+pub fn header(
+    name: &str,
+    histogram: &Histogram,
+    max_seq_len: usize,
+    rows: &[PackingMetrics],
+) -> String {
+    let mut out = String::new();
+    let padding = match rows.first() {
+        Some(m) if m.num_segments > 0 => {
+            1.0 - m.real_tokens as f64 / (m.num_segments as f64 * max_seq_len as f64)
+        }
+        Some(_) => 0.0,
+        None => histogram.padding_fraction(max_seq_len),
+    };
+    let _ = writeln!(
+        out,
+        "{name}: {} sequences, {} tokens, max_seq_len {max_seq_len}, {:.2}% padding when padded",
+        histogram.num_sequences(),
+        histogram.real_tokens(),
+        100.0 * padding
+    );
+    if let Some(m) = rows.first() {
+        let plural = |n: u64| if n == 1 { "" } else { "s" };
+        if m.truncated_sequences > 0 {
+            let _ = writeln!(
+                out,
+                "overlong: {} sequence{} truncated to {max_seq_len} tokens, {} token{} dropped",
+                m.truncated_sequences,
+                plural(m.truncated_sequences),
+                m.dropped_tokens,
+                plural(m.dropped_tokens)
+            );
+        } else if m.dropped_sequences > 0 {
+            let _ = writeln!(
+                out,
+                "overlong: {} sequence{} dropped, {} token{} with them",
+                m.dropped_sequences,
+                plural(m.dropped_sequences),
+                m.dropped_tokens,
+                plural(m.dropped_tokens)
+            );
+        } else if m.split_sequences > 0 {
+            let _ = writeln!(
+                out,
+                "overlong: {} sequence{} split into pieces of at most {max_seq_len} tokens ({} segments packed), no token dropped",
+                m.split_sequences,
+                plural(m.split_sequences),
+                m.num_segments
+            );
+        }
+    }
+    out
+}
+
+/// The limit of a row in words: `at most 3 sequences per pack`.
+fn limit_words(limit: Option<usize>) -> String {
+    match limit {
+        Some(1) => "one sequence per pack".to_string(),
+        Some(k) => format!("at most {k} sequences per pack"),
+        None => "any number of sequences per pack".to_string(),
+    }
+}
+
+/// Which row to pick, in a few lines: for each limit in the table (in the
+/// order the table lists them) the most efficient plan and its distance from
+/// the bound at that limit, then the best plan overall and whether a deeper
+/// limit's bound leaves room. Ties go to the row listed first.
 pub fn recommendation(rows: &[PackingMetrics]) -> String {
     let Some(baseline) = rows.iter().find(|m| m.algorithm == "none") else {
         return String::new();
-    };
-    let best = |filter: &dyn Fn(&PackingMetrics) -> bool| {
-        rows.iter()
-            .filter(|m| m.algorithm != "none" && filter(m))
-            .fold(None::<&PackingMetrics>, |acc, m| match acc {
-                Some(a) if a.efficiency >= m.efficiency => Some(a),
-                _ => Some(m),
-            })
-    };
-    let describe = |m: &PackingMetrics| {
-        let bound = match (m.bound_efficiency, m.gap_packs) {
-            (Some(b), Some(g)) => format!(
-                " (bound {:.3}%{}, {g} pack{} over it)",
-                100.0 * b,
-                if m.bound_depth.is_none() {
-                    " from tokens alone"
-                } else {
-                    ""
-                },
-                if g == 1 { "" } else { "s" }
-            ),
-            _ => String::new(),
-        };
-        format!(
-            "{} ({}): {:.3}% efficiency{bound}, {:.4}x fewer rows than padding, in {}",
-            m.algorithm,
-            m.setting,
-            100.0 * m.efficiency,
-            m.speedup,
-            format_seconds(m.seconds)
-        )
     };
     let mut out = format!(
         "Padding wastes {:.2}% of the compute; packing can win at most {:.4}x.\n",
         100.0 * (1.0 - baseline.efficiency),
         baseline.speedup_limit
     );
-    let shallow = best(&|m| m.max_sequences_per_pack.is_some_and(|k| k <= 3));
-    if let Some(s) = shallow {
-        let _ = writeln!(
-            out,
-            "Best with at most 3 sequences per pack (the paper's choice): {}.",
-            describe(s)
-        );
-    }
-    // The LP bound at depth 3, from whichever row carries it.
-    let lp3 = rows
-        .iter()
-        .find(|m| m.bound_depth == Some(3) && m.max_sequences_per_pack == Some(3));
-    if let (Some(m), Some(packs), Some(e)) = (
-        lp3,
-        lp3.and_then(|m| m.bound_packs),
-        lp3.and_then(|m| m.bound_efficiency),
-    ) {
-        let lp = m.lp_value.map_or(String::new(), |v| {
-            format!(" (LP optimum {v:.2} packs, rounded up)")
-        });
-        let _ = writeln!(
-            out,
-            "No plan with at most 3 sequences per pack uses fewer than {packs} packs{lp}: at most {:.3}% efficiency.",
-            100.0 * e
-        );
-    }
-    if let Some(b) = best(&|_| true) {
-        if let Some(s) = shallow.filter(|s| s.efficiency >= b.efficiency) {
-            // Nothing deeper does better; say whether the bound leaves room.
-            let deeper = rows
-                .iter()
-                .filter(|m| m.max_sequences_per_pack.is_none_or(|k| k > 3))
-                .filter_map(|m| m.bound_efficiency.map(|e| (e, m)))
-                .fold(None::<(f64, &PackingMetrics)>, |acc, x| match acc {
-                    Some(a) if a.0 >= x.0 => Some(a),
-                    _ => Some(x),
-                });
-            match deeper {
-                Some((e, m)) if e > s.efficiency + 5e-6 => {
-                    let _ = writeln!(
-                        out,
-                        "No algorithm here does better with more sequences per pack, though the bound at {} allows {:.3}%.",
-                        m.setting,
-                        100.0 * e
-                    );
-                }
-                _ => {
-                    let _ = writeln!(out, "More sequences per pack buys nothing more here.");
-                }
-            }
-        } else {
-            let _ = writeln!(out, "Best overall: {}.", describe(b));
+    let better = |a: &PackingMetrics, b: &PackingMetrics| {
+        b.num_packs < a.num_packs || (b.num_packs == a.num_packs && b.efficiency > a.efficiency)
+    };
+    let mut limits: Vec<Option<usize>> = Vec::new();
+    for m in rows.iter().filter(|m| m.algorithm != "none") {
+        if !limits.contains(&m.max_sequences_per_pack) {
+            limits.push(m.max_sequences_per_pack);
         }
+    }
+    let mut overall: Option<&PackingMetrics> = None;
+    for &limit in &limits {
+        let group: Vec<&PackingMetrics> = rows
+            .iter()
+            .filter(|m| m.algorithm != "none" && m.max_sequences_per_pack == limit)
+            .collect();
+        let best = group
+            .iter()
+            .copied()
+            .fold(None::<&PackingMetrics>, |acc, m| match acc {
+                Some(a) if !better(a, m) => Some(a),
+                _ => Some(m),
+            })
+            .expect("the group has a row");
+        if overall.is_none_or(|o| better(o, best)) {
+            overall = Some(best);
+        }
+        let paper = if limit == Some(3) { " (the paper's choice)" } else { "" };
+        let mut line = format!(
+            "With {}{paper}: best {} ({}), {:.3}% efficiency, {:.4}x fewer rows than padding, in {}",
+            limit_words(limit),
+            best.algorithm,
+            best.setting,
+            100.0 * best.efficiency,
+            best.speedup,
+            format_seconds(best.seconds)
+        );
+        match (best.bound_packs, best.bound_efficiency, best.gap_packs) {
+            (Some(packs), Some(e), Some(gap)) => {
+                let what = match (best.bound_depth, best.lp_value) {
+                    (Some(_), Some(v)) => format!("the LP optimum {v:.2} rounded up"),
+                    (Some(_), None) => "the LP bound".to_string(),
+                    (None, _) => "tokens / max_seq_len, the LP too large to price".to_string(),
+                };
+                let _ = write!(
+                    line,
+                    "; {gap} pack{} over the bound of {packs} packs ({what}: at most {:.3}%)",
+                    if gap == 1 { "" } else { "s" },
+                    100.0 * e
+                );
+            }
+            _ => line.push_str("; no bound computed"),
+        }
+        let _ = writeln!(out, "{line}.");
+    }
+    if let (Some(best), true) = (overall, limits.len() > 1) {
+        let room = rows
+            .iter()
+            .filter_map(|m| m.bound_efficiency.map(|e| (e, m)))
+            .filter(|(e, _)| *e > best.efficiency + 5e-6)
+            .fold(None::<(f64, &PackingMetrics)>, |acc, x| match acc {
+                Some(a) if a.0 >= x.0 => Some(a),
+                _ => Some(x),
+            });
+        let tail = match room {
+            Some((e, m)) => format!(
+                "; no plan with {} can beat {:.3}%",
+                limit_words(m.max_sequences_per_pack),
+                100.0 * e
+            ),
+            None => "; no bound in the table allows more".to_string(),
+        };
+        let _ = writeln!(
+            out,
+            "Best overall: {} ({}), {:.3}% efficiency{tail}.",
+            best.algorithm,
+            best.setting,
+            100.0 * best.efficiency
+        );
     }
     out
 }

@@ -5,10 +5,12 @@ use std::process::ExitCode;
 
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
+use packshard::reference::packing::histogram::MAX_HISTOGRAM_LENGTH;
 use packshard::reference::packing::{
-    pack_histogram, pack_lengths, Algorithm, Histogram, Overlong, PackingConfig, EMBEDDED,
-    EMBEDDED_SOURCE,
+    check_input, pack_histogram, pack_lengths, Algorithm, Histogram, Overlong, PackingConfig, EMBEDDED,
+    EMBEDDED_SOURCE, MAX_PLAN_SEGMENTS, Strategy,
 };
+use packshard::plot::PlotRow;
 use packshard::report;
 use serde_json::json;
 
@@ -44,6 +46,13 @@ pub struct PackArgs {
     /// Write the plan (strategies with repeat counts; packs for `--lengths`) as JSON to this file.
     #[arg(long)]
     plan_out: Option<PathBuf>,
+    /// Skip the lower bound (the LP at each row's limit; ~1 s on Wikipedia at 12 per pack).
+    #[arg(long)]
+    no_bound: bool,
+    /// Draw the length histogram, the padding of a padded batch and each
+    /// algorithm's pack fill as an SVG picture to this file.
+    #[arg(long)]
+    plot: Option<PathBuf>,
 }
 
 enum Input {
@@ -54,36 +63,88 @@ enum Input {
     },
     Lengths {
         name: String,
-        lengths: Vec<usize>,
+        histogram: Histogram,
+        /// The lengths in file order, kept while there are at most
+        /// [`MAX_PLAN_SEGMENTS`] of them (a plan per sequence); `None` beyond.
+        lengths: Option<Vec<usize>>,
     },
 }
 
-fn parse_lengths(name: &str, text: &str) -> Result<Vec<usize>, CliError> {
-    let mut out = Vec::new();
-    for (i, line) in text.lines().enumerate() {
-        let line = line.split('#').next().unwrap_or("");
-        for tok in line
-            .split(|c: char| c.is_whitespace() || c == ',')
-            .filter(|t| !t.is_empty())
-        {
-            let l: usize = tok.parse().map_err(|_| {
-                CliError::input(format!(
-                    "{name} line {}: {tok:?} is not a non-negative integer",
-                    i + 1
-                ))
-            })?;
-            out.push(l);
+/// Reads a lengths file as a stream into its histogram (integers separated by
+/// whitespace or commas; `#` starts a comment). The lengths themselves are
+/// kept only while a plan per sequence can hold them: memory stays bounded by
+/// the histogram (one counter per length up to [`MAX_HISTOGRAM_LENGTH`]) and
+/// [`MAX_PLAN_SEGMENTS`] lengths, whatever the file's size.
+fn read_lengths(path: &std::path::Path) -> Result<(Histogram, Option<Vec<usize>>), CliError> {
+    use std::io::BufRead;
+    let name = path.display().to_string();
+    let file =
+        std::fs::File::open(path).map_err(|e| CliError::input(format!("{name}: {e}")))?;
+    let mut reader = std::io::BufReader::new(file);
+    let mut counts: Vec<u64> = vec![0];
+    let mut lengths: Option<Vec<usize>> = Some(Vec::new());
+    let mut line = String::new();
+    let mut number = 0usize;
+    loop {
+        line.clear();
+        let read = reader
+            .read_line(&mut line)
+            .map_err(|e| CliError::input(format!("{name} line {}: {e}", number + 1)))?;
+        if read == 0 {
+            break;
+        }
+        number += 1;
+        let text = line.split('#').next().unwrap_or("");
+        if text.trim().is_empty() {
+            continue;
+        }
+        for (f, field) in text.split(',').enumerate() {
+            if field.trim().is_empty() {
+                return Err(CliError::input(format!(
+                    "{name} line {number} field {}: empty field (lengths are integers separated by whitespace or commas)",
+                    f + 1
+                )));
+            }
+            for tok in field.split_whitespace() {
+                let l: usize = tok.parse().map_err(|_| {
+                    CliError::input(format!(
+                        "{name} line {number} field {}: {tok:?} is not a non-negative integer",
+                        f + 1
+                    ))
+                })?;
+                if l > MAX_HISTOGRAM_LENGTH {
+                    return Err(CliError::input(format!(
+                        "{name} line {number} field {}: {l} tokens is over the {MAX_HISTOGRAM_LENGTH} a histogram can hold",
+                        f + 1
+                    )));
+                }
+                if l >= counts.len() {
+                    counts.resize(l + 1, 0);
+                }
+                counts[l] += 1;
+                if let Some(v) = &mut lengths {
+                    // Every sequence counts, empty and dropped ones too: the
+                    // plan lists each of them.
+                    if v.len() < MAX_PLAN_SEGMENTS {
+                        v.push(l);
+                    } else {
+                        lengths = None;
+                    }
+                }
+            }
         }
     }
-    Ok(out)
+    Ok((Histogram::from_counts(counts), lengths))
 }
 
 fn input(args: &PackArgs) -> Result<Input, CliError> {
     if let Some(path) = &args.lengths {
         let name = path.display().to_string();
+        let (histogram, lengths) = read_lengths(path)?;
         return Ok(Input::Lengths {
-            lengths: parse_lengths(&name, &read_file(path)?)?,
             name,
+            histogram,
+            lengths,
         });
     }
     if let Some(path) = &args.histogram {
@@ -116,38 +177,52 @@ fn input(args: &PackArgs) -> Result<Input, CliError> {
 pub fn run(args: PackArgs) -> Result<ExitCode, CliError> {
     let input = input(&args)?;
     let overlong: Overlong = args.overlong.parse()?;
-    let (name, histogram, natural_len) = match &input {
+    let (name, histogram, natural_len, lengths) = match &input {
         Input::Histogram {
             name,
             histogram,
             natural_len,
-        } => (name.clone(), histogram.clone(), *natural_len),
-        Input::Lengths { name, lengths } => {
-            let h = Histogram::from_lengths(lengths)?;
-            let longest = h.longest().max(1);
-            (name.clone(), h, longest)
+        } => (name.clone(), histogram, *natural_len, None),
+        Input::Lengths {
+            name,
+            histogram,
+            lengths,
+        } => {
+            if lengths.is_none() && args.plan_out.is_some() {
+                return Err(CliError::input(format!(
+                    "lengths: {} sequences is over the {MAX_PLAN_SEGMENTS} a plan per sequence can list; drop --plan-out (the table packs their histogram) or split the file",
+                    histogram.num_sequences()
+                )));
+            }
+            (
+                name.clone(),
+                histogram,
+                histogram.longest().max(1),
+                lengths.as_deref(),
+            )
         }
     };
     let max_seq_len = args.max_seq_len.unwrap_or(natural_len);
     let algorithm = args.algorithm.as_deref().unwrap_or("all");
     let rows: Vec<PackingConfig> = if algorithm == "all" {
         report::default_rows(max_seq_len)
-            .into_iter()
-            .map(|c| match args.max_sequences_per_pack {
-                Some(k) => c.with_max_sequences_per_pack(Some(k)),
-                None => c,
-            })
-            .collect()
     } else {
         let a: Algorithm = algorithm.parse()?;
-        vec![PackingConfig::new(a, max_seq_len)
-            .with_max_sequences_per_pack(args.max_sequences_per_pack)]
+        vec![PackingConfig::new(a, max_seq_len)]
     };
-    let mut rows: Vec<PackingConfig> = rows
-        .into_iter()
-        .map(|c| c.with_overlong(overlong))
-        .collect();
-    rows.dedup();
+    let rows: Vec<PackingConfig> = report::with_limit(
+        rows.into_iter()
+            .map(|c| c.with_overlong(overlong))
+            .collect(),
+        args.max_sequences_per_pack,
+    );
+    // Every row is checked before any packs: a bad row fails at once.
+    for config in &rows {
+        match lengths {
+            None => check_input(histogram, config)?,
+            Some(_) => config.validate()?,
+        }
+    }
 
     let bar = ProgressBar::new(rows.len() as u64);
     bar.set_style(
@@ -155,37 +230,60 @@ pub fn run(args: PackArgs) -> Result<ExitCode, CliError> {
             .expect("valid template"),
     );
     bar.enable_steady_tick(std::time::Duration::from_millis(120));
-    let mut results = Vec::with_capacity(rows.len());
-    let mut plans = Vec::with_capacity(rows.len());
-    for config in &rows {
+    // Rows in table order; plans (JSON) only where a file will hold them.
+    let mut results: Vec<Option<packshard::reference::packing::PackingMetrics>> =
+        vec![None; rows.len()];
+    let mut plans: Vec<serde_json::Value> = vec![serde_json::Value::Null; rows.len()];
+    let mut bounds = report::BoundCache::default();
+    let mut plotted: Vec<Vec<Strategy>> = vec![Vec::new(); rows.len()];
+    for i in report::compute_order(&rows) {
+        let config = &rows[i];
         bar.set_message(format!("{} ({})", config.algorithm, config.setting()));
-        match &input {
-            Input::Histogram { .. } => {
-                let packing = pack_histogram(&histogram, config)?;
-                plans.push(json!({"strategies": packing.strategies}));
-                results.push(packing.metrics);
+        let mut metrics = match lengths {
+            None => {
+                let packing = pack_histogram(histogram, config)?;
+                if args.plan_out.is_some() || args.json {
+                    plans[i] = json!({"strategies": packing.strategies});
+                }
+                if args.plot.is_some() {
+                    plotted[i] = packing.strategies;
+                }
+                packing.metrics
             }
-            Input::Lengths { lengths, .. } => {
+            Some(lengths) => {
                 let plan = pack_lengths(lengths, config)?;
-                plans.push(json!({
-                    "strategies": plan.strategies,
-                    "packs": plan.packs,
-                    "empty_sequence_indices": plan.empty_sequences,
-                    "dropped_sequence_indices": plan.dropped_sequences,
-                }));
-                results.push(plan.metrics);
+                if args.plan_out.is_some() {
+                    plans[i] = json!({
+                        "strategies": plan.strategies,
+                        "packs": plan.packs,
+                        "empty_sequence_indices": plan.empty_sequences,
+                        "dropped_sequence_indices": plan.dropped_sequences,
+                    });
+                } else if args.json {
+                    plans[i] = json!({"strategies": plan.strategies});
+                }
+                if args.plot.is_some() {
+                    plotted[i] = plan.strategies;
+                }
+                plan.metrics
             }
+        };
+        if !args.no_bound {
+            bar.set_message(format!("{} ({}): bound", config.algorithm, config.setting()));
+            bounds.attach(histogram, config, &mut metrics);
         }
+        results[i] = Some(metrics);
         bar.inc(1);
     }
-    bar.set_message("lower bounds");
-    report::attach_bounds(&histogram, &rows, &mut results);
     bar.finish_and_clear();
-    // Metrics first in each result, as before the bounds were attached.
+    let results: Vec<_> = results.into_iter().map(|m| m.expect("every row ran")).collect();
+    // Metrics first in each result.
     for (plan, metrics) in plans.iter_mut().zip(&results) {
         let mut object = serde_json::Map::new();
         object.insert("metrics".into(), json!(metrics));
-        object.extend(plan.as_object().expect("object").clone());
+        if let Some(rest) = plan.as_object() {
+            object.extend(rest.clone());
+        }
         *plan = serde_json::Value::Object(object);
     }
 
@@ -203,6 +301,19 @@ pub fn run(args: PackArgs) -> Result<ExitCode, CliError> {
             &serde_json::to_string_pretty(&document).expect("json serializes"),
         )?;
     }
+    if let Some(path) = &args.plot {
+        let rows: Vec<PlotRow<'_>> = results
+            .iter()
+            .zip(&plotted)
+            .map(|(metrics, strategies)| PlotRow {
+                metrics,
+                strategies,
+            })
+            .collect();
+        let svg = packshard::plot::packing_svg(&name, histogram, max_seq_len, &rows)
+            .map_err(CliError::input)?;
+        write_file(path, &svg)?;
+    }
     if args.json {
         let mut summary = document.clone();
         for r in summary["results"].as_array_mut().expect("array") {
@@ -214,14 +325,14 @@ pub fn run(args: PackArgs) -> Result<ExitCode, CliError> {
         );
         return Ok(ExitCode::SUCCESS);
     }
-    println!(
-        "{name}: {} sequences, {} tokens, max_seq_len {max_seq_len}, {:.2}% padding when padded",
-        histogram.num_sequences(),
-        histogram.real_tokens(),
-        100.0 * histogram.padding_fraction(max_seq_len)
-    );
+    print!("{}", report::header(&name, histogram, max_seq_len, &results));
     if EMBEDDED.iter().any(|e| e.name == name) {
         println!("source: {EMBEDDED_SOURCE}");
+    }
+    if lengths.is_none() && matches!(input, Input::Lengths { .. }) {
+        println!(
+            "(over {MAX_PLAN_SEGMENTS} sequences: packed as their histogram, no plan per sequence)"
+        );
     }
     println!();
     print!("{}", report::table(&results, true));
@@ -229,6 +340,9 @@ pub fn run(args: PackArgs) -> Result<ExitCode, CliError> {
     print!("{}", report::recommendation(&results));
     if let Some(path) = &args.plan_out {
         println!("plan written to {}", path.display());
+    }
+    if let Some(path) = &args.plot {
+        println!("plot written to {}", path.display());
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -2,7 +2,7 @@
 
 use packshard_reference::packing::histogram::MAX_HISTOGRAM_LENGTH;
 use packshard_reference::packing::{
-    pack_histogram, pack_lengths, with_bound, Algorithm, Histogram, Overlong, PackedBatch,
+    bound_is_cheap, pack_histogram, pack_lengths, with_bound, Algorithm, Histogram, Overlong, PackedBatch,
     PackingConfig, PackingMetrics,
 };
 use serde_json::{json, Value};
@@ -35,27 +35,40 @@ pub(crate) fn metrics_json(m: &PackingMetrics) -> serde_json::Map<String, Value>
 }
 
 /// The metrics with the lower bound for the config's limit
-/// ([`with_bound`]); where it cannot be computed (a `lengths` input over the
-/// histogram's length limit) the bound fields stay `null` — the packing
-/// itself stands.
+/// ([`with_bound`]) when `want` says so (`None`: only where it is cheap,
+/// [`bound_is_cheap`]); where it is not wanted or cannot be computed (a
+/// `lengths` input over the histogram's length limit) the bound fields stay
+/// `null` — the packing itself stands. An `lphp` result always carries its own.
 fn bounded(
     metrics: PackingMetrics,
     histogram: packshard_reference::Result<Histogram>,
     config: &PackingConfig,
+    want: Option<bool>,
 ) -> PackingMetrics {
+    if metrics.bound_packs.is_some() || want == Some(false) {
+        return metrics;
+    }
     histogram
-        .and_then(|h| with_bound(metrics.clone(), &h, config))
+        .and_then(|h| {
+            if want.is_none() && !bound_is_cheap(&h, config) {
+                return Ok(metrics.clone());
+            }
+            with_bound(metrics.clone(), &h, config)
+        })
         .unwrap_or(metrics)
 }
 
 /// `pack`: `lengths` ([n]) or `histogram` ([[length, count], ...]), `max_seq_len`,
-/// `algorithm` (default `spfhp`), `max_sequences_per_pack`, `overlong`. The
-/// result carries `bound_packs`, `bound_efficiency` and `bound_depth`.
+/// `algorithm` (default `spfhp`), `max_sequences_per_pack`, `overlong`,
+/// `bound` (`true`: always compute the lower bound, `false`: never, absent:
+/// only where it is cheap). The result carries `bound_packs`,
+/// `bound_efficiency` and `bound_depth` (`null` where not computed).
 pub(super) fn pack(value: &Value) -> Result<Value, EvalError> {
     let mut allowed = CONFIG_FIELDS.to_vec();
-    allowed.extend(["lengths", "histogram"]);
+    allowed.extend(["lengths", "histogram", "bound"]);
     let case = Case::new(value, &allowed)?;
     let config = config(&case)?;
+    let want_bound = case.opt_bool("bound")?;
     let mut out = match (case.has("lengths"), case.has("histogram")) {
         (true, true) => {
             return Err(EvalError::invalid(
@@ -76,6 +89,7 @@ pub(super) fn pack(value: &Value) -> Result<Value, EvalError> {
                 plan.metrics.clone(),
                 Histogram::from_lengths(&lengths),
                 &config,
+                want_bound,
             );
             let mut out = metrics_json(&metrics);
             out.insert(
@@ -110,7 +124,7 @@ pub(super) fn pack(value: &Value) -> Result<Value, EvalError> {
             }
             let histogram = Histogram::from_counts(counts);
             let packing = pack_histogram(&histogram, &config)?;
-            let metrics = bounded(packing.metrics.clone(), Ok(histogram), &config);
+            let metrics = bounded(packing.metrics.clone(), Ok(histogram), &config, want_bound);
             let mut out = metrics_json(&metrics);
             out.insert(
                 "strategies".into(),

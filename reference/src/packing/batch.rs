@@ -15,6 +15,13 @@ use crate::error::{Error, Result};
 /// 400 MB of ids): a training batch, not a dataset.
 pub const MAX_BATCH_SLOTS: usize = 1 << 24;
 
+/// Bytes one token slot of a batch costs on the way through `packshard eval`:
+/// the three `i64` id arrays (24 B), their JSON values and text, and the
+/// parsed input. Measured: a 2^23-slot `batch` case peaked at 2.4 GB (~290 B
+/// a slot); 320 leaves a margin. [`PackedBatch::new`] refuses a batch whose
+/// slots times this exceed [`crate::limits::memory_budget`] before allocating.
+pub const BATCH_BYTES_PER_SLOT: u64 = 320;
+
 /// A packed batch. Shapes: `input_ids`, `position_ids`, `sequence_ids` are
 /// `[num_packs, max_seq_len]`; `cu_seqlens[p]` is `[segments_in_pack_p + 1]`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -41,7 +48,9 @@ impl PackedBatch {
     /// # Errors
     /// [`Error::IndexOutOfRange`] (field `plan`) if a segment names a sequence
     /// or a token range that does not exist; [`Error::InvalidArgument`] if a
-    /// pack holds more than `max_seq_len` tokens.
+    /// pack holds more than `max_seq_len` tokens, or (field `max_seq_len`) if
+    /// the batch is over [`MAX_BATCH_SLOTS`] or its slots times
+    /// [`BATCH_BYTES_PER_SLOT`] over the memory budget.
     pub fn new(
         sequences: &[Vec<i64>],
         plan: &PackingPlan,
@@ -56,6 +65,13 @@ impl PackedBatch {
                 format!("{num_packs} packs x {max_seq_len} tokens is over the {MAX_BATCH_SLOTS} token slots a batch may hold"),
             ));
         }
+        crate::limits::check_memory(
+            "max_seq_len",
+            (num_packs as u64)
+                .saturating_mul(max_seq_len as u64)
+                .saturating_mul(BATCH_BYTES_PER_SLOT),
+            &format!("a batch of {num_packs} packs x {max_seq_len} tokens"),
+        )?;
         let mut input_ids = Array2::from_elem((num_packs, max_seq_len), pad_token_id);
         let mut position_ids = Array2::zeros((num_packs, max_seq_len));
         let mut sequence_ids = Array2::zeros((num_packs, max_seq_len));

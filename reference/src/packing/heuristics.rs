@@ -7,19 +7,25 @@
 //! counts), so their results equal the paper's; the fit baselines are exact
 //! FFD/BFD over the sorted sequence list, computed on runs of identical bins.
 
+use std::collections::BTreeMap;
+
 use super::Strategy;
 
-/// Open packs keyed by the number of free tokens they have left.
+/// Open packs keyed by the number of free tokens they have left: an ordered
+/// map holding only the keys with open packs, so finding the pack with the
+/// most (or least) room that fits is O(log keys), whatever `max_seq_len` is.
+/// Each key holds a stack of `(repeat count, lengths)`, as the reference
+/// code's lists do.
 struct OpenPacks {
-    by_space: Vec<Vec<(u64, Vec<usize>)>>,
+    by_space: BTreeMap<usize, Vec<(u64, Vec<usize>)>>,
     done: Vec<Strategy>,
     limit: usize,
 }
 
 impl OpenPacks {
-    fn new(max_seq_len: usize, limit: usize) -> Self {
+    fn new(limit: usize) -> Self {
         OpenPacks {
-            by_space: vec![Vec::new(); max_seq_len + 1],
+            by_space: BTreeMap::new(),
             done: Vec::new(),
             limit,
         }
@@ -34,20 +40,37 @@ impl OpenPacks {
         if lengths.len() >= self.limit || space == 0 {
             self.done.push(Strategy { lengths, count });
         } else {
-            self.by_space[space].push((count, lengths));
+            self.push(space, (count, lengths));
         }
     }
 
-    fn has(&self, space: usize) -> bool {
-        self.by_space.get(space).is_some_and(|v| !v.is_empty())
+    fn push(&mut self, space: usize, entry: (u64, Vec<usize>)) {
+        self.by_space.entry(space).or_default().push(entry);
     }
 
+    /// The largest key with open packs in `lo..=hi`.
+    fn largest_in(&self, lo: usize, hi: usize) -> Option<usize> {
+        self.by_space.range(lo..=hi).next_back().map(|(&k, _)| k)
+    }
+
+    /// The smallest key with open packs in `lo..=hi`.
+    fn smallest_in(&self, lo: usize, hi: usize) -> Option<usize> {
+        self.by_space.range(lo..=hi).next().map(|(&k, _)| k)
+    }
+
+    /// Takes the last-filed group of packs with `space` tokens left (the key
+    /// must have one).
     fn pop(&mut self, space: usize) -> (u64, Vec<usize>) {
-        self.by_space[space].pop().expect("checked by has()")
+        let stack = self.by_space.get_mut(&space).expect("key has open packs");
+        let entry = stack.pop().expect("keys are never empty");
+        if stack.is_empty() {
+            self.by_space.remove(&space);
+        }
+        entry
     }
 
     fn finish(mut self) -> Vec<Strategy> {
-        for group in self.by_space {
+        for (_, group) in std::mem::take(&mut self.by_space) {
             for (count, lengths) in group {
                 self.done.push(Strategy { lengths, count });
             }
@@ -62,34 +85,39 @@ impl OpenPacks {
 /// open packs with the *most* free space that can hold them (the shortest
 /// packs), splitting a group of identical packs when the counts differ; what
 /// fits nowhere opens new packs. `counts[l]` for `l` in `1..=max_seq_len`.
+///
+/// The reference code scans the free-space keys one by one, downwards from
+/// `max_seq_len + 1`, never going back up within one length; here the ordered
+/// map jumps to the next key with packs: the same choices in
+/// O((R + S) log S) for R distinct lengths and S open keys, not O(R x max_seq_len).
 pub(crate) fn spfhp(counts: &[u64], max_seq_len: usize, limit: usize) -> Vec<Strategy> {
-    let mut open = OpenPacks::new(max_seq_len, limit);
-    for space_index in 0..max_seq_len {
-        let length = max_seq_len - space_index;
+    let mut open = OpenPacks::new(limit);
+    for length in (1..=max_seq_len).rev() {
         let mut n = counts[length];
-        // Free space `length + offset`, from the largest possible down to a perfect fit.
-        let mut offset = space_index as isize + 1;
+        // The scan's position: keys above it were found empty for this length.
+        let mut bound = max_seq_len + 1;
         while n > 0 {
-            let key = length + offset as usize;
-            if open.has(key) {
-                let (mut m, pack) = open.pop(key);
-                let mut grown = pack.clone();
-                grown.push(length);
-                let count = m.min(n);
-                if m > n {
-                    m -= n;
-                    open.by_space[key].push((m, pack));
-                    n = 0;
-                } else {
-                    n -= m;
+            match open.largest_in(length, bound) {
+                Some(key) => {
+                    bound = key;
+                    let (mut m, pack) = open.pop(key);
+                    let mut grown = pack.clone();
+                    grown.push(length);
+                    let count = m.min(n);
+                    if m > n {
+                        m -= n;
+                        open.push(key, (m, pack));
+                        n = 0;
+                    } else {
+                        n -= m;
+                    }
+                    open.add(grown, count, key - length);
                 }
-                open.add(grown, count, offset as usize);
-            } else {
-                offset -= 1;
-            }
-            if offset < 0 {
-                open.add(vec![length], n, space_index);
-                n = 0;
+                None => {
+                    // Fits nowhere: new packs.
+                    open.add(vec![length], n, max_seq_len - length);
+                    n = 0;
+                }
             }
         }
     }
@@ -102,15 +130,14 @@ pub(crate) fn spfhp(counts: &[u64], max_seq_len: usize, limit: usize) -> Vec<Str
 /// open packs with the *least* free space that can hold them (best fit), as
 /// many copies per pack as fit ("distribute"), and what fits nowhere opens new
 /// packs holding as many copies as fit. `counts[l]` for `l` in `1..=max_seq_len`.
+/// As in [`spfhp`], the ordered map finds the reference code's key directly.
 pub(crate) fn lpfhp(counts: &[u64], max_seq_len: usize, limit: usize) -> Vec<Strategy> {
-    let mut open = OpenPacks::new(max_seq_len, limit);
-    for space_index in 0..max_seq_len {
-        let length = max_seq_len - space_index;
+    let mut open = OpenPacks::new(limit);
+    for length in (1..=max_seq_len).rev() {
         let mut n = counts[length];
-        let mut offset = 0usize;
         while n > 0 {
-            let key = length + offset;
-            if open.has(key) {
+            if let Some(key) = open.smallest_in(length, max_seq_len) {
+                let offset = key - length;
                 let (mut m, pack) = open.pop(key);
                 let mut repeat = (1 + offset / length).min(limit - pack.len()) as u64;
                 while n / repeat == 0 {
@@ -121,17 +148,13 @@ pub(crate) fn lpfhp(counts: &[u64], max_seq_len: usize, limit: usize) -> Vec<Str
                 let count = m.min(n / repeat);
                 if m > count {
                     m -= count;
-                    open.by_space[key].push((m, pack));
+                    open.push(key, (m, pack));
                     n -= count * repeat;
                 } else {
                     n -= m * repeat;
                 }
                 open.add(grown, count, offset - (repeat as usize - 1) * length);
-                offset = 0;
             } else {
-                offset += 1;
-            }
-            if offset > max_seq_len - length {
                 let mut repeat = (max_seq_len / length).min(limit) as u64;
                 while n / repeat == 0 {
                     repeat -= 1;

@@ -84,12 +84,15 @@ impl Histogram {
         Ok(Histogram { counts })
     }
 
-    /// Parses `length,count` CSV (a header line is optional; blank lines and
-    /// `#` comments are skipped). Lengths may repeat: their counts add up.
+    /// Parses `length,count` CSV (blank lines and `#` comments are skipped).
+    /// A header line is optional; when there is one its column names say
+    /// which column is which (`length,count` or `count,length`, any case).
+    /// Lengths may repeat: their counts add up.
     ///
     /// # Errors
     /// [`Error::Parse`] naming `source_name` and the 1-based line for a line that
-    /// is not two non-negative integers.
+    /// is not two non-negative integers, or a header whose columns are not
+    /// `length` and `count`.
     pub fn from_csv(source_name: &str, text: &str) -> Result<Self> {
         let mut reader = csv::ReaderBuilder::new()
             .has_headers(false)
@@ -98,6 +101,9 @@ impl Histogram {
             .flexible(true)
             .from_reader(text.as_bytes());
         let mut pairs: Vec<(usize, u64)> = Vec::new();
+        // Column of the length and of the count.
+        let mut columns = (0usize, 1usize);
+        let mut first = true;
         for (i, record) in reader.records().enumerate() {
             let record = record.map_err(|e| Error::Parse {
                 source_name: source_name.to_string(),
@@ -119,11 +125,22 @@ impl Histogram {
                     record.len()
                 )));
             }
-            let (a, b) = (&record[0], &record[1]);
-            if i == 0 && a.parse::<u64>().is_err() {
-                // A header line such as `length,count`.
+            if std::mem::take(&mut first) && record[0].parse::<u64>().is_err() {
+                // A header line: its names say which column is which.
+                let name = |k: usize| record[k].to_ascii_lowercase();
+                columns = match (name(0).as_str(), name(1).as_str()) {
+                    ("length", "count") => (0, 1),
+                    ("count", "length") => (1, 0),
+                    _ => {
+                        return Err(parse_err(format!(
+                            "header `{},{}`: the columns must be named `length` and `count`",
+                            &record[0], &record[1]
+                        )))
+                    }
+                };
                 continue;
             }
+            let (a, b) = (&record[columns.0], &record[columns.1]);
             let length: usize = a
                 .parse()
                 .map_err(|_| parse_err(format!("length {a:?} is not a non-negative integer")))?;
@@ -258,6 +275,20 @@ mod tests {
         assert_eq!(h.counts(), &[2, 0, 0, 5]);
         assert_eq!(h.empty_sequences(), 2);
         assert_eq!(h.num_sequences(), 5);
+    }
+
+    #[test]
+    fn csv_header_names_the_columns() {
+        let a = Histogram::from_csv("a.csv", "length,count\n3,10\n5,2\n").unwrap();
+        let b = Histogram::from_csv("b.csv", "count,length\n10,3\n2,5\n").unwrap();
+        assert_eq!(a, b);
+        assert_eq!(a.count(3), 10);
+        assert_eq!(a.count(5), 2);
+        let e = Histogram::from_csv("c.csv", "# lengths\nlen,n\n3,10\n").unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "c.csv line 2: header `len,n`: the columns must be named `length` and `count`"
+        );
     }
 
     #[test]

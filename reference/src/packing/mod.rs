@@ -169,8 +169,16 @@ pub const MAX_SEQ_LEN_LIMIT: usize = 1 << 24;
 /// The longest explicit sequence [`pack_lengths`] accepts (2^40 tokens).
 pub const MAX_SEQUENCE_TOKENS: usize = 1 << 40;
 
-/// The most segments one explicit plan may hold (2^20): a plan lists each one,
-/// and `eval` prints it. Pack larger datasets as a histogram.
+/// The most distinct lengths FFD and BFD accept (2^15): they keep runs of
+/// identical bins in opening order and scan them for each length, so their
+/// time grows with the square of the distinct lengths (~0.3 s at this limit,
+/// ~20 s at 250,000). Refused before any work; SPFHP and LPFHP have no such
+/// limit (O((R + S) log S)).
+pub const MAX_FIT_LENGTHS: usize = 1 << 15;
+
+/// The most entries one explicit plan may hold (2^20): segments, empty and
+/// dropped sequences together (a plan lists each one, and `eval` prints it).
+/// Pack larger datasets as a histogram.
 pub const MAX_PLAN_SEGMENTS: usize = 1 << 20;
 
 /// How to pack.
@@ -237,7 +245,13 @@ impl PackingConfig {
         }
     }
 
-    fn validate(&self) -> Result<()> {
+    /// Checks the config before any work: `max_seq_len` in
+    /// `1..=MAX_SEQ_LEN_LIMIT`, a limit of at least 1, and for `nnlshp` a
+    /// strategy set within [`nnlshp::MAX_STRATEGIES`].
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] naming the field.
+    pub fn validate(&self) -> Result<()> {
         if self.max_seq_len == 0 {
             return Err(Error::invalid("max_seq_len", "must be at least 1"));
         }
@@ -255,6 +269,9 @@ impl PackingConfig {
                 "max_sequences_per_pack",
                 "must be at least 1",
             ));
+        }
+        if self.algorithm == Algorithm::Nnlshp {
+            nnlshp::check_strategy_count(self.max_seq_len, self.limit())?;
         }
         Ok(())
     }
@@ -545,6 +562,7 @@ pub struct HistogramPacking {
 pub fn pack_histogram(histogram: &Histogram, config: &PackingConfig) -> Result<HistogramPacking> {
     config.validate()?;
     let (fitted, report) = fit_histogram(histogram, config)?;
+    check_fitted(&fitted, config)?;
     let msl = config.max_seq_len;
     let limit = config.limit();
     let counts = fitted.counts();
@@ -579,6 +597,36 @@ pub fn pack_histogram(histogram: &Histogram, config: &PackingConfig) -> Result<H
         strategies,
         metrics,
     })
+}
+
+/// The limits that depend on the input, checked before any packing work:
+/// [`MAX_FIT_LENGTHS`] for `ffd` and `bfd`.
+fn check_fitted(fitted: &Histogram, config: &PackingConfig) -> Result<()> {
+    if matches!(config.algorithm, Algorithm::Ffd | Algorithm::Bfd) {
+        let distinct = fitted.counts().iter().skip(1).filter(|&&c| c > 0).count();
+        if distinct > MAX_FIT_LENGTHS {
+            return Err(Error::invalid(
+                "histogram",
+                format!(
+                    "{}: {distinct} distinct lengths is over the {MAX_FIT_LENGTHS} it packs in reasonable time (its time grows with their square); use spfhp or lpfhp",
+                    config.algorithm
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Checks `config` on `histogram` without packing: the config
+/// ([`PackingConfig::validate`]), the overlong policy and the input limits of
+/// the algorithm. A table checks every row with this before running any.
+///
+/// # Errors
+/// Those of [`pack_histogram`] that come before any packing work.
+pub fn check_input(histogram: &Histogram, config: &PackingConfig) -> Result<()> {
+    config.validate()?;
+    let (fitted, _) = fit_histogram(histogram, config)?;
+    check_fitted(&fitted, config)
 }
 
 fn metrics(
@@ -659,6 +707,15 @@ pub fn bound_for(histogram: &Histogram, config: &PackingConfig) -> Result<PackBo
     lphp::bound(fitted.counts(), config.max_seq_len, config.limit())
 }
 
+/// Whether [`bound_for`] is cheap for `config` on `histogram`
+/// ([`lphp::bound_is_cheap`], after the overlong policy); `false` where the
+/// config or histogram is invalid.
+pub fn bound_is_cheap(histogram: &Histogram, config: &PackingConfig) -> bool {
+    config.validate().is_ok()
+        && fit_histogram(histogram, config)
+            .is_ok_and(|(fitted, _)| lphp::bound_is_cheap(fitted.counts(), config.max_seq_len, config.limit()))
+}
+
 /// One segment of a pack: tokens `offset..offset + length` of input `sequence`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Segment {
@@ -709,7 +766,7 @@ pub fn pack_lengths(lengths: &[usize], config: &PackingConfig) -> Result<Packing
         Error::invalid(
             "lengths",
             format!(
-                "the plan would hold over {MAX_PLAN_SEGMENTS} segments; pack the histogram instead, or in smaller batches"
+                "the plan would list over {MAX_PLAN_SEGMENTS} segments and empty or dropped sequences; pack the histogram instead, or in smaller batches"
             ),
         )
     };
@@ -739,7 +796,9 @@ pub fn pack_lengths(lengths: &[usize], config: &PackingConfig) -> Result<Packing
                     })
                 }
                 Overlong::Split => {
-                    if segments.len() + l.div_ceil(msl) > MAX_PLAN_SEGMENTS {
+                    if segments.len() + empty.len() + dropped.len() + l.div_ceil(msl)
+                        > MAX_PLAN_SEGMENTS
+                    {
                         return Err(too_many());
                     }
                     for offset in (0..l).step_by(msl) {
@@ -767,7 +826,8 @@ pub fn pack_lengths(lengths: &[usize], config: &PackingConfig) -> Result<Packing
                 }
             }
         }
-        if segments.len() > MAX_PLAN_SEGMENTS {
+        // Empty and dropped sequences are listed in the plan too: they count.
+        if segments.len() + empty.len() + dropped.len() > MAX_PLAN_SEGMENTS {
             return Err(too_many());
         }
     }

@@ -28,6 +28,30 @@ pub const SHORT_WEIGHT: f64 = 0.09;
 /// The largest strategy set NNLSHP will build (depth 4 at length 512 is ~0.9 M).
 pub const MAX_STRATEGIES: usize = 2_000_000;
 
+/// Refuses, in O(1) before any work, a depth and length whose exact-fill
+/// strategy set is certainly over [`MAX_STRATEGIES`]: the partitions of `n`
+/// into at most `depth` parts are at least `floor(n / 2) + 1` for depth 2 and
+/// at least `round((n + 3)^2 / 12)` (the count for 3 parts) for depth 3 or more.
+/// Below that [`exact_fill_strategies`] still stops at the cap.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] on `max_sequences_per_pack`.
+pub fn check_strategy_count(max_seq_len: usize, depth: usize) -> Result<()> {
+    let n = max_seq_len as u128;
+    let at_least = match depth {
+        0 | 1 => 1,
+        2 => n / 2 + 1,
+        _ => ((n + 3) * (n + 3) + 6) / 12,
+    };
+    if at_least > MAX_STRATEGIES as u128 {
+        return Err(Error::invalid(
+            "max_sequences_per_pack",
+            format!("depth {depth} at max_seq_len {max_seq_len} gives over {MAX_STRATEGIES} strategies; use a smaller depth"),
+        ));
+    }
+    Ok(())
+}
+
 /// Every multiset of at most `depth` lengths in `1..=max_seq_len` summing to
 /// exactly `max_seq_len`, each sorted in descending order.
 ///
