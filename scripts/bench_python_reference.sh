@@ -48,7 +48,7 @@ PY="$VENV/bin/python"
 median() { sort -g | awk '{a[NR]=$1} END {print (NR%2) ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2}'; }
 field() { "$PY" -c "import json,sys; d=json.load(sys.stdin); print(eval(sys.argv[1]))" "$1"; }
 
-echo "reference: $(cat "$SRC/SOURCE"); $("$PY" -c 'import numpy, scipy; print(f"numpy {numpy.__version__}, scipy {scipy.__version__}")')"
+echo "$(cat "$SRC/SOURCE"); $("$PY" -c 'import numpy, scipy; print(f"numpy {numpy.__version__}, scipy {scipy.__version__}")')"
 printf '%-14s %-7s %5s %12s %12s %10s %10s %9s\n' dataset algorithm limit "python (s)" "rust (s)" "py packs" "rs packs" speed-up
 for dataset in wikipedia-512 squad-384; do
     for spec in spfhp:12 lpfhp:12 nnlshp:3; do

@@ -18,7 +18,12 @@ pub struct PlotRow<'a> {
 
 /// The legend label of a row: `lphp depth 3: 99.884%`.
 pub fn row_label(m: &PackingMetrics) -> String {
-    format!("{} {}: {:.3}%", m.algorithm, m.setting, 100.0 * m.efficiency)
+    format!(
+        "{} {}: {:.3}%",
+        m.algorithm,
+        m.setting,
+        100.0 * m.efficiency
+    )
 }
 
 /// Draws the three panels as one SVG document (960 x 1080 pixels).
@@ -72,7 +77,11 @@ pub fn packing_svg(
         chart
             .configure_mesh()
             .x_desc("length (tokens)")
-            .y_desc(if width == 1 { "sequences" } else { "sequences per bin" })
+            .y_desc(if width == 1 {
+                "sequences"
+            } else {
+                "sequences per bin"
+            })
             .draw()
             .map_err(err)?;
         chart

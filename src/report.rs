@@ -35,7 +35,10 @@ pub fn default_rows(max_seq_len: usize) -> Vec<PackingConfig> {
 
 /// `rows` with every limit replaced by `max_sequences_per_pack` (when given),
 /// each distinct row once, in their first order.
-pub fn with_limit(rows: Vec<PackingConfig>, max_sequences_per_pack: Option<usize>) -> Vec<PackingConfig> {
+pub fn with_limit(
+    rows: Vec<PackingConfig>,
+    max_sequences_per_pack: Option<usize>,
+) -> Vec<PackingConfig> {
     let mut out: Vec<PackingConfig> = Vec::with_capacity(rows.len());
     for row in rows {
         let row = match max_sequences_per_pack {
@@ -62,14 +65,22 @@ pub fn compute_order(rows: &[PackingConfig]) -> Vec<usize> {
 /// (limit, overlong policy, `max_seq_len`): the rows of one table share them.
 #[derive(Default)]
 pub struct BoundCache {
-    known: Vec<((usize, packshard_reference::packing::Overlong, usize), PackingMetrics)>,
+    known: Vec<(
+        (usize, packshard_reference::packing::Overlong, usize),
+        PackingMetrics,
+    )>,
 }
 
 impl BoundCache {
     /// Adds the bound for `config`'s limit to `metrics`: the one a row with
     /// the same key carries (an `lphp` row's own), else [`bound_for`] once.
     /// A bound that cannot be computed is left out, not an error.
-    pub fn attach(&mut self, histogram: &Histogram, config: &PackingConfig, metrics: &mut PackingMetrics) {
+    pub fn attach(
+        &mut self,
+        histogram: &Histogram,
+        config: &PackingConfig,
+        metrics: &mut PackingMetrics,
+    ) {
         let key = (config.limit(), config.overlong, config.max_seq_len);
         if metrics.bound_packs.is_none() {
             if let Some((_, from)) = self.known.iter().find(|(k, _)| *k == key) {
@@ -291,7 +302,11 @@ pub fn recommendation(rows: &[PackingMetrics]) -> String {
         if overall.is_none_or(|o| better(o, best)) {
             overall = Some(best);
         }
-        let paper = if limit == Some(3) { " (the paper's choice)" } else { "" };
+        let paper = if limit == Some(3) {
+            " (the paper's choice)"
+        } else {
+            ""
+        };
         let mut line = format!(
             "With {}{paper}: best {} ({}), {:.3}% efficiency, {:.4}x fewer rows than padding, in {}",
             limit_words(limit),

@@ -60,12 +60,45 @@ fn pack_without_arguments_prints_the_wikipedia_table() {
         "spfhp     max 12/pack     8166708     99.604%   99.983%    30981   1.9934x  2.0013x",
         "nnlshp    depth 3         8155052     99.746%   99.884",
         "lphp      depth 3",
-        "Best with at most 3 sequences per pack (the paper's choice): lphp (depth 3): 99.884% efficiency (bound 99.884%",
-        "No plan with at most 3 sequences per pack uses fewer than 8143829 packs",
-        "No algorithm here does better with more sequences per pack, though the bound at max 12/pack allows 99.983%.",
+        "lphp      depth 12        8135729     99.983%   99.983%        2",
+        "With at most 3 sequences per pack (the paper's choice): best lphp (depth 3), 99.884% efficiency",
+        "8 packs over the bound of 8143829 packs (the LP optimum 8143828.86 rounded up: at most 99.884%).",
+        "With at most 12 sequences per pack: best lphp (depth 12), 99.983% efficiency",
+        "2 packs over the bound of 8135727 packs (the LP optimum 8135726.92 rounded up: at most 99.983%).",
+        "Best overall: lphp (depth 12), 99.983% efficiency; no bound in the table allows more.",
     ] {
         assert!(out.contains(needle), "missing {needle:?} in\n{out}");
     }
+}
+
+#[test]
+fn one_limit_for_every_row_prints_each_row_once() {
+    let o = packshard(
+        &[
+            "pack",
+            "--dataset",
+            "squad-384",
+            "--max-sequences-per-pack",
+            "3",
+            "--no-bound",
+        ],
+        None,
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let out = stdout(&o);
+    for algorithm in ["none", "spfhp", "lpfhp", "nnlshp", "lphp", "ffd", "bfd"] {
+        let rows = out
+            .lines()
+            .filter(|l| l.starts_with(&format!("{algorithm:<10}")))
+            .count();
+        assert_eq!(rows, 1, "{algorithm} in\n{out}");
+    }
+    // One limit: one closing line for it, no "Best overall".
+    assert!(
+        out.contains("With at most 3 sequences per pack (the paper's choice): best lphp (depth 3)"),
+        "{out}"
+    );
+    assert!(!out.contains("Best overall"), "{out}");
 }
 
 #[test]

@@ -22,7 +22,12 @@ fn stdout(o: &Output) -> String {
 /// Exit 2, one line on stderr, no panic; returns the line.
 fn refused(o: &Output) -> String {
     let err = String::from_utf8_lossy(&o.stderr).into_owned();
-    assert_eq!(o.status.code(), Some(2), "stderr: {err}\nstdout: {}", stdout(o));
+    assert_eq!(
+        o.status.code(),
+        Some(2),
+        "stderr: {err}\nstdout: {}",
+        stdout(o)
+    );
     assert_eq!(err.trim_end().lines().count(), 1, "{err}");
     assert!(!err.contains("panicked"), "{err}");
     err.trim_end().to_string()
@@ -35,7 +40,9 @@ fn an_empty_field_in_a_lengths_file_is_refused_naming_line_and_field() {
     let o = packshard(&["pack", "--lengths", path.to_str().unwrap()], None);
     let err = refused(&o);
     assert!(
-        err.ends_with("line 2 field 3: empty field (lengths are integers separated by whitespace or commas)"),
+        err.ends_with(
+            "line 2 field 3: empty field (lengths are integers separated by whitespace or commas)"
+        ),
         "{err}"
     );
 }
@@ -48,18 +55,32 @@ fn a_histogram_header_says_which_column_is_which() {
     std::fs::write(&plain, "length,count\n3,10\n5,2\n").unwrap();
     let run = |p: &PathBuf| {
         let o = packshard(
-            &["pack", "--histogram", p.to_str().unwrap(), "-a", "ffd", "--json"],
+            &[
+                "pack",
+                "--histogram",
+                p.to_str().unwrap(),
+                "-a",
+                "ffd",
+                "--json",
+            ],
             None,
         );
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
         let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
-        (v["sequences"].clone(), v["real_tokens"].clone(), v["max_seq_len"].clone())
+        (
+            v["sequences"].clone(),
+            v["real_tokens"].clone(),
+            v["max_seq_len"].clone(),
+        )
     };
     assert_eq!(run(&swapped), run(&plain));
     assert_eq!(run(&plain), (12.into(), 40.into(), 5.into()));
     let bad = temp("bad-header.csv");
     std::fs::write(&bad, "len,n\n3,10\n").unwrap();
-    let err = refused(&packshard(&["pack", "--histogram", bad.to_str().unwrap()], None));
+    let err = refused(&packshard(
+        &["pack", "--histogram", bad.to_str().unwrap()],
+        None,
+    ));
     assert!(err.contains("line 1: header `len,n`"), "{err}");
 }
 
@@ -95,27 +116,57 @@ fn many_lengths_stream_into_a_histogram_and_empty_ones_count_against_the_plan_li
     let path = temp("many.txt");
     let mut text = String::with_capacity(6 << 20);
     for i in 0..1_200_000u32 {
-        text.push_str(if i % 3 == 0 { "0\n" } else if i % 3 == 1 { "37\n" } else { "200\n" });
+        text.push_str(if i % 3 == 0 {
+            "0\n"
+        } else if i % 3 == 1 {
+            "37\n"
+        } else {
+            "200\n"
+        });
     }
     std::fs::write(&path, text).unwrap();
     let o = packshard(
-        &["pack", "--lengths", path.to_str().unwrap(), "--max-seq-len", "256", "-a", "spfhp"],
+        &[
+            "pack",
+            "--lengths",
+            path.to_str().unwrap(),
+            "--max-seq-len",
+            "256",
+            "-a",
+            "spfhp",
+        ],
         None,
     );
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let out = stdout(&o);
-    assert!(out.starts_with(&format!("{}: 800000 sequences", path.display())), "{out}");
-    assert!(out.contains("packed as their histogram, no plan per sequence"), "{out}");
+    assert!(
+        out.starts_with(&format!("{}: 800000 sequences", path.display())),
+        "{out}"
+    );
+    assert!(
+        out.contains("packed as their histogram, no plan per sequence"),
+        "{out}"
+    );
     // A plan per sequence cannot list them all.
     let plan = temp("many-plan.json");
     let err = refused(&packshard(
         &[
-            "pack", "--lengths", path.to_str().unwrap(), "--max-seq-len", "256", "-a", "spfhp",
-            "--plan-out", plan.to_str().unwrap(),
+            "pack",
+            "--lengths",
+            path.to_str().unwrap(),
+            "--max-seq-len",
+            "256",
+            "-a",
+            "spfhp",
+            "--plan-out",
+            plan.to_str().unwrap(),
         ],
         None,
     ));
-    assert!(err.starts_with("packshard: lengths: 800000 sequences"), "{err}");
+    assert!(
+        err.starts_with("packshard: lengths: 800000 sequences"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -123,29 +174,58 @@ fn huge_max_seq_len_is_fast_or_refused_before_any_work() {
     // 2,000 distinct lengths at max_seq_len 2^24: SPFHP and LPFHP jump
     // between open packs instead of scanning every free-space value.
     let path = temp("wide.csv");
-    let text: String = (1..=2000).map(|i| format!("{},{}\n", i * 8000, 1 + i % 7)).collect();
+    let text: String = (1..=2000)
+        .map(|i| format!("{},{}\n", i * 8000, 1 + i % 7))
+        .collect();
     std::fs::write(&path, text).unwrap();
     for algorithm in ["spfhp", "lpfhp", "ffd", "bfd"] {
         let start = Instant::now();
         let o = packshard(
             &[
-                "pack", "--histogram", path.to_str().unwrap(), "--max-seq-len", "16777216",
-                "-a", algorithm, "--no-bound",
+                "pack",
+                "--histogram",
+                path.to_str().unwrap(),
+                "--max-seq-len",
+                "16777216",
+                "-a",
+                algorithm,
+                "--no-bound",
             ],
             None,
         );
-        assert!(o.status.success(), "{algorithm}: {}", String::from_utf8_lossy(&o.stderr));
+        assert!(
+            o.status.success(),
+            "{algorithm}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
         // Generous for a loaded debug build; it took 20 s before.
-        assert!(start.elapsed() < Duration::from_secs(10), "{algorithm}: {:?}", start.elapsed());
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "{algorithm}: {:?}",
+            start.elapsed()
+        );
     }
     // The whole table: NNLSHP is refused before anything is packed.
     let start = Instant::now();
     let err = refused(&packshard(
-        &["pack", "--histogram", path.to_str().unwrap(), "--max-seq-len", "16777216"],
+        &[
+            "pack",
+            "--histogram",
+            path.to_str().unwrap(),
+            "--max-seq-len",
+            "16777216",
+        ],
         None,
     ));
-    assert!(err.starts_with("packshard: max_sequences_per_pack: depth 3 at max_seq_len 16777216"), "{err}");
-    assert!(start.elapsed() < Duration::from_secs(5), "{:?}", start.elapsed());
+    assert!(
+        err.starts_with("packshard: max_sequences_per_pack: depth 3 at max_seq_len 16777216"),
+        "{err}"
+    );
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        start.elapsed()
+    );
 }
 
 #[test]
@@ -154,7 +234,7 @@ fn a_batch_over_the_memory_budget_is_refused_naming_the_field() {
     // makes a small batch too large instead.
     let case = r#"{"op": "batch", "sequences": [[1, 2, 3], [4, 5]], "max_seq_len": 4096}"#;
     let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_packshard"))
-        .args(["eval"])
+        .args(["eval", "-"])
         .env("PACKSHARD_MEMORY_BUDGET", "1MiB")
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
@@ -162,7 +242,12 @@ fn a_batch_over_the_memory_budget_is_refused_naming_the_field() {
         .spawn()
         .unwrap();
     use std::io::Write;
-    child.stdin.take().unwrap().write_all(case.as_bytes()).unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(case.as_bytes())
+        .unwrap();
     let o = child.wait_with_output().unwrap();
     let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
     assert_eq!(v["error"]["kind"], "invalid_argument", "{v}");
@@ -178,7 +263,7 @@ fn a_batch_over_the_memory_budget_is_refused_naming_the_field() {
 }
 
 fn eval_default(case: &str) -> (i32, serde_json::Value) {
-    let o = packshard(&["eval"], Some(case));
+    let o = packshard(&["eval", "-"], Some(case));
     (
         o.status.code().unwrap_or(-1),
         serde_json::from_str(&stdout(&o)).unwrap(),
@@ -204,7 +289,10 @@ fn eval_pack_computes_the_bound_only_when_cheap_or_asked() {
     let (code, v) = eval_default(&case(""));
     assert_eq!(code, 0, "{v}");
     assert_eq!(v["num_packs"], 8166708);
-    assert!(v["bound_packs"].is_null(), "expensive bound computed by default: {v}");
+    assert!(
+        v["bound_packs"].is_null(),
+        "expensive bound computed by default: {v}"
+    );
     let (_, v) = eval_default(&case(r#", "bound": true"#));
     assert_eq!(v["bound_packs"], 8135727);
     // A small histogram gets its bound by default.

@@ -35,7 +35,14 @@ fn svg_texts(path: &PathBuf) -> (Vec<String>, usize) {
 fn plot_of_the_squad_table_has_every_series() {
     let svg = temp("squad.svg");
     let o = packshard(
-        &["pack", "--dataset", "squad-384", "--no-bound", "--plot", svg.to_str().unwrap()],
+        &[
+            "pack",
+            "--dataset",
+            "squad-384",
+            "--no-bound",
+            "--plot",
+            svg.to_str().unwrap(),
+        ],
         None,
     );
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
@@ -53,7 +60,10 @@ fn plot_of_the_squad_table_has_every_series() {
         "nnlshp depth 3: 97.379%",
         "spfhp max 12/pack: 97.547%",
     ] {
-        assert!(texts.iter().any(|t| t == needle), "missing {needle:?} in {texts:?}");
+        assert!(
+            texts.iter().any(|t| t == needle),
+            "missing {needle:?} in {texts:?}"
+        );
     }
     // Real and padding lines, one fill curve per row (11 rows), legend marks.
     assert!(lines >= 13, "{lines} lines");
@@ -66,13 +76,23 @@ fn plot_of_explicit_lengths() {
     let svg = temp("lengths.svg");
     let o = packshard(
         &[
-            "pack", "--lengths", lengths.to_str().unwrap(), "--max-seq-len", "32", "-a", "lpfhp",
-            "--plot", svg.to_str().unwrap(),
+            "pack",
+            "--lengths",
+            lengths.to_str().unwrap(),
+            "--max-seq-len",
+            "32",
+            "-a",
+            "lpfhp",
+            "--plot",
+            svg.to_str().unwrap(),
         ],
         None,
     );
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let (texts, _) = svg_texts(&svg);
-    assert!(texts.iter().any(|t| t.starts_with("lpfhp unlimited: ")), "{texts:?}");
+    assert!(
+        texts.iter().any(|t| t.starts_with("lpfhp unlimited: ")),
+        "{texts:?}"
+    );
     assert!(texts.iter().any(|t| t == "padding tokens"), "{texts:?}");
 }

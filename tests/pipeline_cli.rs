@@ -138,7 +138,16 @@ fn pipeline_prints_the_equivalence_check_and_the_balance_report() {
         ));
         return;
     }
-    let out = packshard(&["pipeline", "--ranks", "2", "--iterations", "1"]);
+    let plot = std::env::temp_dir().join(format!("packshard-balance-{}.svg", std::process::id()));
+    let out = packshard(&[
+        "pipeline",
+        "--ranks",
+        "2",
+        "--iterations",
+        "1",
+        "--plot",
+        plot.to_str().expect("utf-8 temp path"),
+    ]);
     let (stdout, stderr) = text(&out);
     assert_eq!(out.status.code(), Some(0), "{stdout}{stderr}");
     assert!(
@@ -166,4 +175,28 @@ fn pipeline_prints_the_equivalence_check_and_the_balance_report() {
         stdout.contains("balance report, p = 2") && stdout.contains("v 30522, hidden 384"),
         "{stdout}"
     );
+    // The picture of the same report: a bar label for every rank of every
+    // placement, and the five parts of the legend (plotters writes each
+    // text on its own line inside <text>).
+    let svg = std::fs::read_to_string(&plot).expect("--plot wrote the SVG");
+    let _ = std::fs::remove_file(&plot);
+    assert!(stdout.contains("plot written to"), "{stdout}");
+    for name in ["baseline", "vocab-parallel alg1", "vocab-parallel alg2"] {
+        for r in 0..2 {
+            let label = format!("{name} r{r}");
+            assert!(svg.lines().any(|l| l.trim() == label), "no bar for {label}");
+        }
+    }
+    for part in [
+        "parameters",
+        "peak activations",
+        "compute",
+        "communication",
+        "idle",
+    ] {
+        assert!(
+            svg.lines().any(|l| l.trim() == part),
+            "no legend entry {part}"
+        );
+    }
 }

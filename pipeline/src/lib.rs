@@ -1,6 +1,7 @@
 //! A multi-process pipeline of the BERT-style reference model over MPI.
 pub mod collective;
 pub mod model;
+pub mod plot;
 pub mod report;
 pub mod runtime;
 pub mod schedule;

@@ -5,12 +5,12 @@ use std::process::ExitCode;
 
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
+use packshard::plot::PlotRow;
 use packshard::reference::packing::histogram::MAX_HISTOGRAM_LENGTH;
 use packshard::reference::packing::{
-    check_input, pack_histogram, pack_lengths, Algorithm, Histogram, Overlong, PackingConfig, EMBEDDED,
-    EMBEDDED_SOURCE, MAX_PLAN_SEGMENTS, Strategy,
+    check_input, pack_histogram, pack_lengths, Algorithm, Histogram, Overlong, PackingConfig,
+    Strategy, EMBEDDED, EMBEDDED_SOURCE, MAX_PLAN_SEGMENTS,
 };
-use packshard::plot::PlotRow;
 use packshard::report;
 use serde_json::json;
 
@@ -78,8 +78,7 @@ enum Input {
 fn read_lengths(path: &std::path::Path) -> Result<(Histogram, Option<Vec<usize>>), CliError> {
     use std::io::BufRead;
     let name = path.display().to_string();
-    let file =
-        std::fs::File::open(path).map_err(|e| CliError::input(format!("{name}: {e}")))?;
+    let file = std::fs::File::open(path).map_err(|e| CliError::input(format!("{name}: {e}")))?;
     let mut reader = std::io::BufReader::new(file);
     let mut counts: Vec<u64> = vec![0];
     let mut lengths: Option<Vec<usize>> = Some(Vec::new());
@@ -269,14 +268,21 @@ pub fn run(args: PackArgs) -> Result<ExitCode, CliError> {
             }
         };
         if !args.no_bound {
-            bar.set_message(format!("{} ({}): bound", config.algorithm, config.setting()));
+            bar.set_message(format!(
+                "{} ({}): bound",
+                config.algorithm,
+                config.setting()
+            ));
             bounds.attach(histogram, config, &mut metrics);
         }
         results[i] = Some(metrics);
         bar.inc(1);
     }
     bar.finish_and_clear();
-    let results: Vec<_> = results.into_iter().map(|m| m.expect("every row ran")).collect();
+    let results: Vec<_> = results
+        .into_iter()
+        .map(|m| m.expect("every row ran"))
+        .collect();
     // Metrics first in each result.
     for (plan, metrics) in plans.iter_mut().zip(&results) {
         let mut object = serde_json::Map::new();
@@ -325,7 +331,10 @@ pub fn run(args: PackArgs) -> Result<ExitCode, CliError> {
         );
         return Ok(ExitCode::SUCCESS);
     }
-    print!("{}", report::header(&name, histogram, max_seq_len, &results));
+    print!(
+        "{}",
+        report::header(&name, histogram, max_seq_len, &results)
+    );
     if EMBEDDED.iter().any(|e| e.name == name) {
         println!("source: {EMBEDDED_SOURCE}");
     }

@@ -71,6 +71,10 @@ pub struct PipelineArgs {
     /// Only the balance report.
     #[arg(long)]
     report_only: bool,
+    /// Also draw the balance report as an SVG picture to this file (memory
+    /// and compute / communication / idle time per rank).
+    #[arg(long, conflicts_with = "check_only")]
+    plot: Option<PathBuf>,
     /// Iterations of the report per placement (the fastest is shown).
     #[arg(long, default_value_t = 2)]
     iterations: usize,
@@ -299,6 +303,11 @@ fn launch(args: PipelineArgs) -> Result<ExitCode, LaunchError> {
             "--iterations".into(),
             args.iterations.to_string(),
         ]);
+        if let Some(plot) = &args.plot {
+            let step = steps.last_mut().expect("the report step was just pushed");
+            step.push("--plot".into());
+            step.push(plot.display().to_string());
+        }
     }
     for step in steps {
         let mut cmd = Command::new(&args.mpirun);

@@ -2,8 +2,8 @@
 
 use packshard_reference::packing::histogram::MAX_HISTOGRAM_LENGTH;
 use packshard_reference::packing::{
-    bound_is_cheap, pack_histogram, pack_lengths, with_bound, Algorithm, Histogram, Overlong, PackedBatch,
-    PackingConfig, PackingMetrics,
+    bound_is_cheap, pack_histogram, pack_lengths, with_bound, Algorithm, Histogram, Overlong,
+    PackedBatch, PackingConfig, PackingMetrics,
 };
 use serde_json::{json, Value};
 

@@ -95,6 +95,10 @@ struct Args {
     /// Print the per-rank balance report.
     #[arg(long)]
     report: bool,
+    /// With --report: also draw it as an SVG picture to this file (rank 0
+    /// writes it).
+    #[arg(long, requires = "report")]
+    plot: Option<std::path::PathBuf>,
     /// Iterations per placement (the report shows the fastest).
     #[arg(long, default_value_t = 1)]
     iterations: usize,
@@ -366,6 +370,14 @@ fn run(world: &SimpleCommunicator, args: &Args) -> Result<u8, Failure> {
         }
         if args.report {
             print_report(&outcomes, p);
+            if let Some(path) = &args.plot {
+                if let Err(e) = write_plot(path, &config.describe(), &outcomes, p) {
+                    eprintln!("error: --plot: {e}");
+                    failed = true;
+                } else {
+                    println!("plot written to {}", path.display());
+                }
+            }
         }
     }
     let mut status = [u8::from(failed) as f64];
@@ -464,6 +476,30 @@ fn print_check(
         if all_ok { "PASS" } else { "FAIL" }
     );
     all_ok
+}
+
+/// The balance report as an SVG picture at `path`
+/// ([`packshard_pipeline::plot::balance_svg`]).
+fn write_plot(
+    path: &std::path::Path,
+    title: &str,
+    outcomes: &[Outcome],
+    p: usize,
+) -> Result<(), String> {
+    let ranks: Vec<_> = outcomes
+        .iter()
+        .flat_map(|o| {
+            (0..p).map(move |r| packshard_pipeline::plot::RankBalance {
+                placement: o.placement.name(),
+                rank: r,
+                params_bytes: o.params_bytes[r],
+                peak_bytes: o.peak_bytes[r],
+                timing: o.timings[r],
+            })
+        })
+        .collect();
+    let svg = packshard_pipeline::plot::balance_svg(title, &ranks)?;
+    std::fs::write(path, svg).map_err(|e| format!("{}: {e}", path.display()))
 }
 
 fn print_report(outcomes: &[Outcome], p: usize) {

@@ -96,7 +96,10 @@ impl Histogram {
     pub fn from_csv(source_name: &str, text: &str) -> Result<Self> {
         let mut reader = csv::ReaderBuilder::new()
             .has_headers(false)
-            .comment(Some(b'#'))
+            // Comment lines are skipped below, not by the reader: its line
+            // numbers would not count them. No quoting: a histogram holds
+            // integers, and a stray quote in a comment must not swallow lines.
+            .quoting(false)
             .trim(csv::Trim::All)
             .flexible(true)
             .from_reader(text.as_bytes());
@@ -116,7 +119,7 @@ impl Histogram {
                 line,
                 message,
             };
-            if record.len() == 1 && record[0].is_empty() {
+            if (record.len() == 1 && record[0].is_empty()) || record[0].starts_with('#') {
                 continue;
             }
             if record.len() != 2 {

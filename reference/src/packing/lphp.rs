@@ -485,7 +485,14 @@ fn warm_lp(
     let shallow = column_generation(rows, max_seq_len, WARM_DEPTH, pool, false, None)?;
     let mut start: Vec<Column> = pool.to_vec();
     start.extend(shallow.active);
-    column_generation(rows, max_seq_len, depth, &start, with_primal, Some(&shallow.duals))
+    column_generation(
+        rows,
+        max_seq_len,
+        depth,
+        &start,
+        with_primal,
+        Some(&shallow.duals),
+    )
 }
 
 /// Column generation on `rows` (lengths ascending, counts `rows.counts`),

@@ -712,8 +712,9 @@ pub fn bound_for(histogram: &Histogram, config: &PackingConfig) -> Result<PackBo
 /// config or histogram is invalid.
 pub fn bound_is_cheap(histogram: &Histogram, config: &PackingConfig) -> bool {
     config.validate().is_ok()
-        && fit_histogram(histogram, config)
-            .is_ok_and(|(fitted, _)| lphp::bound_is_cheap(fitted.counts(), config.max_seq_len, config.limit()))
+        && fit_histogram(histogram, config).is_ok_and(|(fitted, _)| {
+            lphp::bound_is_cheap(fitted.counts(), config.max_seq_len, config.limit())
+        })
 }
 
 /// One segment of a pack: tokens `offset..offset + length` of input `sequence`.
