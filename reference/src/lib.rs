@@ -43,6 +43,7 @@ pub mod attention;
 pub mod bert;
 pub mod error;
 pub mod faults;
+pub mod limits;
 pub mod ops;
 pub mod packing;
 pub mod vocab;

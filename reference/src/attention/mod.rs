@@ -175,6 +175,84 @@ pub fn check_cu_seqlens_named(field: &str, of: &str, cu: &[usize], n_tok: usize)
     Ok(())
 }
 
+/// The largest `|scale| * d * max|q| * max|k|` (and `d * max|q| * max|k|`,
+/// the unscaled dot product a kernel may form first) attention accepts:
+/// 1e30, below f32's 3.4e38 with room for a row's sum, so that every
+/// score, `exp(s - m)`, the row sum and `lse = m + ln s` are finite in f64
+/// and in every f32 kernel alike.
+pub const MAX_SCORE: f64 = 1e30;
+
+/// The most multiply-adds (`Σ_segments l_q * l_k * h * d`, or `n_q * n_k *
+/// h * d` for a dense mask) the f64 reference attention does in one call:
+/// 2^32, a few seconds forward on one core. 100k tokens in one segment
+/// (~10^10 pairs per head) is refused before any work.
+pub const MAX_ATTENTION_WORK: u64 = 1 << 32;
+
+/// Checks that no score `scale * q_i . k_j` can overflow (bound:
+/// `|scale| * d * max|q| * max|k| <= MAX_SCORE`, and the same without the
+/// scale), so that `output` and `lse` are finite as the contract says. The
+/// reference and every registered kernel call it, so all refuse alike.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] naming `scale` (not finite, or the scaled
+/// bound over [`MAX_SCORE`]) or `q` (the unscaled bound over it).
+pub fn check_scores(q: &ArrayView3<f64>, k: &ArrayView3<f64>, scale: f64) -> Result<()> {
+    if !scale.is_finite() {
+        return Err(Error::invalid("scale", format!("must be finite, found {scale}")));
+    }
+    let amax = |t: &ArrayView3<f64>| {
+        t.iter()
+            .copied()
+            .filter(|x| x.is_finite())
+            .fold(0.0f64, |m, x| m.max(x.abs()))
+    };
+    let d = q.dim().2 as f64;
+    let dot = d * amax(q) * amax(k);
+    if dot > MAX_SCORE {
+        return Err(Error::invalid(
+            "q",
+            format!("d x max|q| x max|k| = {dot:e} is over {MAX_SCORE:e}: the dot products q . k would overflow"),
+        ));
+    }
+    if scale.abs() * dot > MAX_SCORE {
+        return Err(Error::invalid(
+            "scale",
+            format!(
+                "|scale| x d x max|q| x max|k| = {:e} is over {MAX_SCORE:e}: the scores would overflow and output and lse would not be finite",
+                scale.abs() * dot
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Checks the reference's work on a varlen problem against
+/// [`MAX_ATTENTION_WORK`] before doing it (`h`, `d`: heads, head dim).
+///
+/// # Errors
+/// [`Error::InvalidArgument`] naming `cu_seqlens`.
+pub fn check_varlen_work(p: &Varlen<'_>, h: usize, d: usize) -> Result<()> {
+    let pairs: u128 = p
+        .cu_seqlens_q
+        .windows(2)
+        .zip(p.cu_seqlens_k.windows(2))
+        .map(|(wq, wk)| (wq[1] - wq[0]) as u128 * (wk[1] - wk[0]) as u128)
+        .sum();
+    check_work("cu_seqlens", pairs * h as u128 * d as u128)
+}
+
+fn check_work(field: &str, work: u128) -> Result<()> {
+    if work > u128::from(MAX_ATTENTION_WORK) {
+        return Err(Error::invalid(
+            field,
+            format!(
+                "{work} multiply-adds (query-key pairs x heads x head dim) is over the {MAX_ATTENTION_WORK} one reference attention call may do"
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// Checks a varlen problem against `q: [n_q, ..]` and `k: [n_k, ..]`: both
 /// offset lists valid ([`check_cu_seqlens_named`]) and of one length `b + 1`.
 ///
@@ -341,6 +419,8 @@ pub fn masked_attention(
     let (n, h, d) = q.dim();
     let (n_k, h_kv, _) = k.dim();
     check_mask_shape2(allowed.shape(), n, n_k)?;
+    check_scores(&q, &k, scale)?;
+    check_work("allowed", n as u128 * n_k as u128 * h as u128 * d as u128)?;
     let mut output = Array3::zeros((n, h, d));
     let mut lse = Array2::zeros((h, n));
     let ok = |i: usize, j: usize| allowed[[i, j]];
@@ -408,6 +488,8 @@ pub fn masked_attention_backward(
     let (n_k, h_kv, _) = k.dim();
     check_mask_shape2(allowed.shape(), n, n_k)?;
     check_grad(&grad_output, fwd, (n, h, d))?;
+    check_scores(&q, &k, scale)?;
+    check_work("allowed", n as u128 * n_k as u128 * h as u128 * d as u128)?;
     let mut grads = zero_grads((n, h, d), (n_k, h_kv, d));
     let ok = |i: usize, j: usize| allowed[[i, j]];
     for heads in head_pairs(h, h_kv) {
@@ -502,6 +584,8 @@ pub fn varlen_attention_general(
     let (n, h, d) = q.dim();
     let (n_k, h_kv, _) = k.dim();
     check_varlen(p, n, n_k)?;
+    check_scores(&q, &k, p.scale)?;
+    check_varlen_work(p, h, d)?;
     let mut output = Array3::zeros((n, h, d));
     let mut lse = Array2::zeros((h, n));
     for (wq, wk) in p.cu_seqlens_q.windows(2).zip(p.cu_seqlens_k.windows(2)) {
@@ -544,6 +628,8 @@ pub fn varlen_attention_general_backward(
     let (n_k, h_kv, _) = k.dim();
     check_varlen(p, n, n_k)?;
     check_grad(&grad_output, fwd, (n, h, d))?;
+    check_scores(&q, &k, p.scale)?;
+    check_varlen_work(p, h, d)?;
     let mut grads = zero_grads((n, h, d), (n_k, h_kv, d));
     for (wq, wk) in p.cu_seqlens_q.windows(2).zip(p.cu_seqlens_k.windows(2)) {
         let (q0, lq, k0, lk) = (wq[0], wq[1] - wq[0], wk[0], wk[1] - wk[0]);

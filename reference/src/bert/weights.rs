@@ -321,6 +321,7 @@ impl BertParams {
     /// biases in [-0.1, 0.1], LayerNorm gains in [0.8, 1.2]. Every tensor is
     /// non-zero, so every gradient path is exercised.
     pub fn random(config: &BertConfig, seed: u64) -> Self {
+        check_config_against_file(config, &st)?;
         let mut p = BertParams::zeros(config);
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         for (name, mut t) in p.named_mut() {
@@ -367,6 +368,7 @@ impl BertParams {
             line: 0,
             message: e.to_string(),
         })?;
+        check_config_against_file(config, &st)?;
         let mut p = BertParams::zeros(config);
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         let mut initialised = Vec::new();
@@ -447,4 +449,61 @@ fn fill_tensor(t: &mut ArrayViewMutD<f64>, fill: Fill, rng: &mut ChaCha8Rng) {
             Fill::Around(c, a) => c + a * (2.0 * rng.random::<f64>() - 1.0),
         };
     }
+}
+
+/// Checks `config.json` against the checkpoint's own shapes, and the
+/// parameters against the memory budget, before any parameter is allocated:
+/// a config whose vocabulary (or width, or depth) is not the weights' is
+/// refused naming the config field, not after allocating its parameters.
+fn check_config_against_file(config: &BertConfig, st: &SafeTensors<'_>) -> Result<()> {
+    let h = config.hidden_size;
+    let expect = [
+        ("embeddings.word_embeddings.weight", "vocab_size", [config.vocab_size, h]),
+        (
+            "embeddings.position_embeddings.weight",
+            "max_position_embeddings",
+            [config.max_position_embeddings, h],
+        ),
+        (
+            "embeddings.token_type_embeddings.weight",
+            "type_vocab_size",
+            [config.type_vocab_size, h],
+        ),
+        (
+            "encoder.layer.0.intermediate.dense.weight",
+            "intermediate_size",
+            [config.intermediate_size, h],
+        ),
+    ];
+    for (name, field, shape) in expect {
+        let view = st
+            .tensor(name)
+            .or_else(|_| st.tensor(&format!("bert.{name}")));
+        let Ok(view) = view else {
+            continue; // reported as missing with the other tensors
+        };
+        if view.shape() != shape {
+            return Err(Error::invalid(
+                if view.shape().get(1) == Some(&shape[1]) { field } else { "hidden_size" },
+                format!(
+                    "config.json gives {name} the shape {shape:?}, model.safetensors has {:?}",
+                    view.shape()
+                ),
+            ));
+        }
+    }
+    let last = format!("encoder.layer.{}.output.dense.weight", config.num_hidden_layers);
+    if st.tensor(&last).is_ok() || st.tensor(&format!("bert.{last}")).is_ok() {
+        return Err(Error::invalid(
+            "num_hidden_layers",
+            format!(
+                "config.json gives {} layers, model.safetensors has more",
+                config.num_hidden_layers
+            ),
+        ));
+    }
+    // The parameters, their gradients and a second copy for the packed and
+    // padded runs.
+    let bytes = (config.num_parameters() as u64).checked_mul(8 * 4);
+    crate::limits::check_memory("config.json", bytes, "the model's parameters and gradients")
 }
