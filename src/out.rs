@@ -36,11 +36,6 @@ pub fn write(args: std::fmt::Arguments<'_>) {
     }
 }
 
-/// Writes `text` and a newline to standard output, as [`write`].
-pub fn line(text: &str) {
-    write(format_args!("{text}\n"));
-}
-
 /// Writes everything buffered; on an error ends the process as the module
 /// docs say.
 pub fn flush() {

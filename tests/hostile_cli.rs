@@ -68,6 +68,8 @@ fn printing_commands() -> Vec<(Vec<String>, Option<String>)> {
         .output()
         .unwrap();
     assert!(st.status.success(), "{}", stderr(&st));
+    let results = tmp("exact-results.safetensors");
+    one_case_results(&golden, &results, None);
     let lengths = tmp("lengths.txt");
     std::fs::write(&lengths, "5\n7\n3\n9\n").unwrap();
     let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
@@ -88,10 +90,7 @@ fn printing_commands() -> Vec<(Vec<String>, Option<String>)> {
         ),
         (s(&["bench", "--list"]), None),
         (s(&["golden", "--out", tmp("golden-out").to_str().unwrap()]), None),
-        (
-            s(&["check", golden.to_str().unwrap(), golden.join("inputs/attention_small.safetensors").to_str().unwrap()]),
-            None,
-        ),
+        (s(&["check", golden.to_str().unwrap(), results.to_str().unwrap()]), None),
         (s(&["eval", "-"]), Some(case.clone())),
         (s(&["eval", "--jsonl", "-"]), Some(format!("{case}\n{case}\n"))),
         (s(&["eval", "--list"]), None),
@@ -122,8 +121,6 @@ fn a_full_disk_is_one_line_and_status_74_for_every_command() {
             .wait_with_output()
             .unwrap();
         let e = stderr(&o);
-        // `check` of inputs as results may print and fail the check (1): the
-        // table is still lost, so the write error must win.
         assert_eq!(o.status.code(), Some(74), "{args:?}: {e}");
         assert_clean(&o, &format!("{args:?}"));
         assert!(e.contains("standard output") && e.contains("No space left"), "{args:?}: {e}");
@@ -564,36 +561,51 @@ fn check_reports_an_infinite_error_as_inf() {
         .output()
         .unwrap();
     assert!(st.status.success());
-    let manifest: Value =
-        serde_json::from_slice(&std::fs::read(golden.join("manifest.json")).unwrap()).unwrap();
-    let _ = manifest;
-    // Results with one output of +inf everywhere: max abs err "inf", not "nan".
-    let expected = golden.join("expected");
-    let first = std::fs::read_dir(&expected).unwrap().next().unwrap().unwrap().path();
-    let case = first.file_stem().unwrap().to_str().unwrap().to_string();
-    let bytes = std::fs::read(&first).unwrap();
-    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
-    let header: serde_json::Map<String, Value> = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
-    let (name, info) = header.iter().find(|(k, _)| *k != "__metadata__").unwrap();
-    let shape: Vec<usize> = serde_json::from_value(info["shape"].clone()).unwrap();
-    let count: usize = shape.iter().product();
-    let mut h = serde_json::Map::new();
-    h.insert(
-        format!("{case}/{name}"),
-        json!({"dtype": "F64", "shape": shape, "data_offsets": [0, 8 * count]}),
-    );
-    let h = Value::Object(h).to_string();
     let results = tmp("inf-results.safetensors");
-    let mut f = File::create(&results).unwrap();
-    f.write_all(&(h.len() as u64).to_le_bytes()).unwrap();
-    f.write_all(h.as_bytes()).unwrap();
-    for _ in 0..count {
-        f.write_all(&f64::INFINITY.to_le_bytes()).unwrap();
-    }
-    drop(f);
+    let (case, name) = one_case_results(&golden, &results, Some(f64::INFINITY));
     let o = packshard(&["check", golden.to_str().unwrap(), results.to_str().unwrap()], None);
     let out = String::from_utf8_lossy(&o.stdout);
     assert_eq!(o.status.code(), Some(1), "{out}{}", stderr(&o));
-    let row = out.lines().find(|l| l.contains(&case) && l.contains(name.as_str())).unwrap_or_else(|| panic!("{out}"));
+    let row = out.lines().find(|l| l.contains(&case) && l.contains(&name)).unwrap_or_else(|| panic!("{out}"));
     assert!(row.contains("inf") && !row.contains("nan"), "{row}");
+}
+
+/// Writes `results`: the first output of the first expected case of the
+/// golden set in `golden`, as stored (`fill: None`) or every value `fill`.
+/// Returns the case and output names.
+fn one_case_results(golden: &Path, results: &Path, fill: Option<f64>) -> (String, String) {
+    let expected = golden.join("expected");
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&expected)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    files.sort();
+    let first = &files[0];
+    let case = first.file_stem().unwrap().to_str().unwrap().to_string();
+    let bytes = std::fs::read(first).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Map<String, Value> = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let (name, info) = header.iter().find(|(k, _)| *k != "__metadata__").unwrap();
+    assert_eq!(info["dtype"], "F64", "{info}");
+    let shape: Vec<usize> = serde_json::from_value(info["shape"].clone()).unwrap();
+    let offsets: Vec<usize> = serde_json::from_value(info["data_offsets"].clone()).unwrap();
+    let data = &bytes[8 + n + offsets[0]..8 + n + offsets[1]];
+    let mut h = serde_json::Map::new();
+    h.insert(
+        format!("{case}/{name}"),
+        json!({"dtype": "F64", "shape": shape, "data_offsets": [0, data.len()]}),
+    );
+    let h = Value::Object(h).to_string();
+    let mut f = File::create(results).unwrap();
+    f.write_all(&(h.len() as u64).to_le_bytes()).unwrap();
+    f.write_all(h.as_bytes()).unwrap();
+    match fill {
+        None => f.write_all(data).unwrap(),
+        Some(x) => {
+            for _ in 0..data.len() / 8 {
+                f.write_all(&x.to_le_bytes()).unwrap();
+            }
+        }
+    }
+    (case, name.clone())
 }
