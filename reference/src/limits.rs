@@ -1,66 +1,92 @@
-//! The limits every entry point checks before it works: one memory budget
-//! for allocations sized by input, and the caps on work that would take
-//! longer than an oracle call should (README, "Limits").
+//! Resource limits shared by the commands: the memory budget an input may
+//! ask for before anything is allocated (README, "Limits").
 //!
 //! The budget is [`DEFAULT_MEMORY_BUDGET`] bytes, or the value of the
-//! environment variable [`MEMORY_BUDGET_ENV`] (bytes, a positive integer).
-//! Every allocation whose size comes from input is estimated from the
-//! shapes first and refused with [`Error::InvalidArgument`] naming the field
-//! when the estimate is over the budget, so bad input never aborts the
-//! process on a failed allocation.
+//! environment variable [`MEMORY_BUDGET_ENV`]. Every allocation whose size
+//! comes from input is estimated from the shapes first and refused with
+//! [`Error::InvalidArgument`] naming the field when the estimate is over the
+//! budget ([`check_memory`], [`check_estimate`]), so bad input never aborts
+//! the process on a failed allocation.
 
 use crate::error::{Error, Result};
 
-/// The environment variable that overrides the memory budget (bytes).
+/// The environment variable that sets the memory budget, in bytes (a plain
+/// integer, or with a `KiB`, `MiB` or `GiB` suffix).
 pub const MEMORY_BUDGET_ENV: &str = "PACKSHARD_MEMORY_BUDGET";
 
-/// The default memory budget: 4 GiB.
+/// The memory budget when [`MEMORY_BUDGET_ENV`] is unset: 4 GiB.
 pub const DEFAULT_MEMORY_BUDGET: u64 = 4 << 30;
 
-/// The most tokens (`n_tok`) the f64 reference attention takes in one call:
-/// its work grows as `n_tok^2` in the worst case (one segment), and 16384
-/// tokens of one segment at `h * d` = 64 take ~10 s on one core.
-pub const MAX_ATTENTION_TOKENS: usize = 1 << 14;
-
-/// The memory budget in bytes: [`MEMORY_BUDGET_ENV`] when set, else
+/// The memory budget in bytes: [`MEMORY_BUDGET_ENV`] if set, else
 /// [`DEFAULT_MEMORY_BUDGET`].
 ///
 /// # Errors
-/// [`Error::InvalidArgument`] naming the variable when it is set but not a
-/// positive integer.
+/// [`Error::InvalidArgument`] naming `PACKSHARD_MEMORY_BUDGET` when the
+/// variable is set but is not a byte count.
 pub fn memory_budget() -> Result<u64> {
     match std::env::var(MEMORY_BUDGET_ENV) {
-        Err(_) => Ok(DEFAULT_MEMORY_BUDGET),
-        Ok(text) => match text.trim().parse::<u64>() {
-            Ok(b) if b > 0 => Ok(b),
-            _ => Err(Error::invalid(
+        Ok(text) => parse_bytes(&text).ok_or_else(|| {
+            Error::invalid(
                 MEMORY_BUDGET_ENV,
                 format!(
-                    "expected a positive number of bytes, found {:?}",
+                    "{:?} is not a byte count (e.g. 4294967296 or 4GiB)",
                     crate::error::brief(&text)
                 ),
-            )),
-        },
+            )
+        }),
+        Err(_) => Ok(DEFAULT_MEMORY_BUDGET),
     }
 }
 
-/// Checks that `bytes` (an estimate from the input's shapes; `None` when
-/// the product overflowed) fit the memory budget, before they are
-/// allocated.
+/// Parses `123`, `64KiB`, `512MiB` or `4GiB`.
+fn parse_bytes(text: &str) -> Option<u64> {
+    let t = text.trim();
+    let (digits, shift) = [("GiB", 30), ("MiB", 20), ("KiB", 10)]
+        .iter()
+        .find_map(|&(suffix, shift)| t.strip_suffix(suffix).map(|d| (d.trim(), shift)))
+        .unwrap_or((t, 0));
+    digits.parse::<u64>().ok()?.checked_mul(1u64 << shift)
+}
+
+/// Refuses `bytes` over the [`memory_budget`], naming `field` and what the
+/// memory is for.
 ///
 /// # Errors
-/// [`Error::InvalidArgument`] naming `field` and the budget.
-pub fn check_memory(field: &str, bytes: Option<u64>, what: &str) -> Result<()> {
+/// [`Error::InvalidArgument`] naming `field` when `bytes` is over the budget;
+/// the errors of [`memory_budget`].
+pub fn check_memory(field: &str, bytes: u64, what: &str) -> Result<()> {
     let budget = memory_budget()?;
-    match bytes {
-        Some(b) if b <= budget => Ok(()),
-        _ => Err(Error::invalid(
+    if bytes > budget {
+        return Err(Error::invalid(
             field,
             format!(
-                "{what} needs {} bytes, over the memory budget of {budget} bytes (set {MEMORY_BUDGET_ENV} to change it)",
-                bytes.map_or_else(|| "more than 2^64".to_string(), |b| b.to_string())
+                "{what} needs about {} MiB, over the memory budget of {} MiB (set {MEMORY_BUDGET_ENV} to raise it)",
+                bytes >> 20,
+                budget >> 20
             ),
-        )),
+        ));
+    }
+    Ok(())
+}
+
+/// [`check_memory`] of an estimate that may have overflowed (`None`: more
+/// than 2^64 bytes, refused whatever the budget).
+///
+/// # Errors
+/// As [`check_memory`].
+pub fn check_estimate(field: &str, bytes: Option<u64>, what: &str) -> Result<()> {
+    match bytes {
+        Some(b) => check_memory(field, b, what),
+        None => {
+            let budget = memory_budget()?;
+            Err(Error::invalid(
+                field,
+                format!(
+                    "{what} needs more than 2^64 bytes, over the memory budget of {} MiB (set {MEMORY_BUDGET_ENV} to raise it)",
+                    budget >> 20
+                ),
+            ))
+        }
     }
 }
 
@@ -75,4 +101,29 @@ pub fn total(parts: &[Option<u64>]) -> Option<u64> {
     parts
         .iter()
         .try_fold(0u64, |acc, p| p.and_then(|p| acc.checked_add(p)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{f64_bytes, parse_bytes, total};
+
+    #[test]
+    fn byte_counts_parse_with_binary_suffixes() {
+        assert_eq!(parse_bytes("4096"), Some(4096));
+        assert_eq!(parse_bytes("4GiB"), Some(4 << 30));
+        assert_eq!(parse_bytes(" 512 MiB"), Some(512 << 20));
+        assert_eq!(parse_bytes("3KiB"), Some(3072));
+        assert_eq!(parse_bytes("lots"), None);
+        assert_eq!(parse_bytes("-1"), None);
+        assert_eq!(parse_bytes("18446744073709551615GiB"), None);
+    }
+
+    #[test]
+    fn estimates_overflow_to_none() {
+        assert_eq!(f64_bytes(&[3, 5]), Some(120));
+        assert_eq!(f64_bytes(&[usize::MAX, 2]), None);
+        assert_eq!(total(&[Some(1), Some(2)]), Some(3));
+        assert_eq!(total(&[Some(1), None]), None);
+        assert_eq!(total(&[Some(u64::MAX), Some(1)]), None);
+    }
 }

@@ -74,7 +74,7 @@ fn check_report_memory(n: usize, v: usize, h: usize, shards: &[usize]) -> Result
         // per rank: `[n, h]` partials and collective buffers
         limits::f64_bytes(&[n, h, 2]).and_then(|b| b.checked_mul(p)),
     ]);
-    limits::check_memory(
+    limits::check_estimate(
         "--hidden",
         bytes,
         &format!("{n} tokens x vocabulary {v} x hidden {h}"),
@@ -124,7 +124,7 @@ pub fn run(args: VocabArgs) -> Result<ExitCode, CliError> {
             };
             // The file is read whole and its f32 tensor widened to f64.
             let bytes = std::fs::metadata(&file).map_or(0, |m| m.len());
-            limits::check_memory(
+            limits::check_estimate(
                 "--model",
                 bytes.checked_mul(3),
                 &format!("reading {}", file.display()),

@@ -221,7 +221,7 @@ pub(crate) fn check_values(field: &str, values: &[usize], what: &str) -> Result<
         .iter()
         .try_fold(1u64, |acc, &d| acc.checked_mul(d as u64));
     let bytes = count.and_then(|c| c.checked_mul(BYTES_PER_RESULT_VALUE));
-    packshard_reference::limits::check_memory(field, bytes, what).map_err(EvalError::from)
+    packshard_reference::limits::check_estimate(field, bytes, what).map_err(EvalError::from)
 }
 
 /// The most bytes of one case (`packshard eval` holds up to ~100 x its

@@ -182,11 +182,16 @@ pub fn check_cu_seqlens_named(field: &str, of: &str, cu: &[usize], n_tok: usize)
 /// and in every f32 kernel alike.
 pub const MAX_SCORE: f64 = 1e30;
 
-/// The most multiply-adds (`Σ_segments l_q * l_k * h * d`, or `n_q * n_k *
-/// h * d` for a dense mask) the f64 reference attention does in one call:
-/// 2^32, a few seconds forward on one core. 100k tokens in one segment
-/// (~10^10 pairs per head) is refused before any work.
-pub const MAX_ATTENTION_WORK: u64 = 1 << 32;
+/// The most work the f64 reference attention does in one call, in units of
+/// one query-key pair of one head per head-dim element plus one
+/// (`Σ_segments l_q * l_k * h * (d + 1)`, or `n_q * n_k * h * (d + 1)` for
+/// a dense mask): 2^29. The `+ 1` is the per-pair cost besides the dot
+/// products (the `exp`, the row bookkeeping), which dominates at small `d`;
+/// measured on this project's 2-core machine in a dev build, one unit costs
+/// 17-21 ns forward at `d` = 1, 16 and 64 alike, so 2^29 is ~10 s forward
+/// (BERT-base's 2 x 512 tokens, 12 heads of 64, are 4.1e8 units; 20,000
+/// tokens of one segment at `d` = 1 are 8e8 and refused before any work).
+pub const MAX_ATTENTION_WORK: u64 = 1 << 29;
 
 /// Checks that no score `scale * q_i . k_j` can overflow (bound:
 /// `|scale| * d * max|q| * max|k| <= MAX_SCORE`, and the same without the
@@ -238,7 +243,7 @@ pub fn check_varlen_work(p: &Varlen<'_>, h: usize, d: usize) -> Result<()> {
         .zip(p.cu_seqlens_k.windows(2))
         .map(|(wq, wk)| (wq[1] - wq[0]) as u128 * (wk[1] - wk[0]) as u128)
         .sum();
-    check_work("cu_seqlens", pairs * h as u128 * d as u128)
+    check_work("cu_seqlens", pairs * h as u128 * (d as u128 + 1))
 }
 
 fn check_work(field: &str, work: u128) -> Result<()> {
@@ -246,7 +251,7 @@ fn check_work(field: &str, work: u128) -> Result<()> {
         return Err(Error::invalid(
             field,
             format!(
-                "{work} multiply-adds (query-key pairs x heads x head dim) is over the {MAX_ATTENTION_WORK} one reference attention call may do"
+                "{work} units of work (query-key pairs x heads x (head dim + 1)) is over the {MAX_ATTENTION_WORK} one reference attention call may do"
             ),
         ));
     }
@@ -420,7 +425,7 @@ pub fn masked_attention(
     let (n_k, h_kv, _) = k.dim();
     check_mask_shape2(allowed.shape(), n, n_k)?;
     check_scores(&q, &k, scale)?;
-    check_work("allowed", n as u128 * n_k as u128 * h as u128 * d as u128)?;
+    check_work("allowed", n as u128 * n_k as u128 * h as u128 * (d as u128 + 1))?;
     let mut output = Array3::zeros((n, h, d));
     let mut lse = Array2::zeros((h, n));
     let ok = |i: usize, j: usize| allowed[[i, j]];
@@ -489,7 +494,7 @@ pub fn masked_attention_backward(
     check_mask_shape2(allowed.shape(), n, n_k)?;
     check_grad(&grad_output, fwd, (n, h, d))?;
     check_scores(&q, &k, scale)?;
-    check_work("allowed", n as u128 * n_k as u128 * h as u128 * d as u128)?;
+    check_work("allowed", n as u128 * n_k as u128 * h as u128 * (d as u128 + 1))?;
     let mut grads = zero_grads((n, h, d), (n_k, h_kv, d));
     let ok = |i: usize, j: usize| allowed[[i, j]];
     for heads in head_pairs(h, h_kv) {
