@@ -482,13 +482,18 @@ fn check_config_against_file(config: &BertConfig, st: &SafeTensors<'_>) -> Resul
             continue; // reported as missing with the other tensors
         };
         if view.shape() != shape {
-            return Err(Error::invalid(
-                if view.shape().get(1) == Some(&shape[1]) { field } else { "hidden_size" },
-                format!(
-                    "config.json gives {name} the shape {shape:?}, model.safetensors has {:?}",
-                    view.shape()
-                ),
-            ));
+            // The same error as a wrong shape found while loading, naming
+            // the config field that disagrees with the file as well.
+            let field = if view.shape().get(1) == Some(&shape[1]) {
+                field
+            } else {
+                "hidden_size"
+            };
+            return Err(Error::ShapeMismatch {
+                field: name.to_string(),
+                expected: format!("{shape:?} (from config.json's {field})"),
+                actual: view.shape().to_vec(),
+            });
         }
     }
     // The layers the file has: one past the largest `encoder.layer.<i>.`.
