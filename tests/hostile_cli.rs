@@ -76,23 +76,69 @@ fn printing_commands() -> Vec<(Vec<String>, Option<String>)> {
     let case = json!({"op": "pack", "lengths": [5, 7, 3], "max_seq_len": 8}).to_string();
     vec![
         (
-            s(&["pack", "--lengths", lengths.to_str().unwrap(), "--max-seq-len", "16", "--json"]),
+            s(&[
+                "pack",
+                "--lengths",
+                lengths.to_str().unwrap(),
+                "--max-seq-len",
+                "16",
+                "--json",
+            ]),
             None,
         ),
         (
-            s(&["pack", "--lengths", lengths.to_str().unwrap(), "--max-seq-len", "16"]),
+            s(&[
+                "pack",
+                "--lengths",
+                lengths.to_str().unwrap(),
+                "--max-seq-len",
+                "16",
+            ]),
             None,
         ),
-        (s(&["vocab", "--vocab-size", "7", "--hidden", "3", "--tokens", "2", "--shards", "1,2"]), None),
         (
-            s(&["vocab", "--vocab-size", "7", "--hidden", "3", "--tokens", "2", "--shards", "2", "--json"]),
+            s(&[
+                "vocab",
+                "--vocab-size",
+                "7",
+                "--hidden",
+                "3",
+                "--tokens",
+                "2",
+                "--shards",
+                "1,2",
+            ]),
+            None,
+        ),
+        (
+            s(&[
+                "vocab",
+                "--vocab-size",
+                "7",
+                "--hidden",
+                "3",
+                "--tokens",
+                "2",
+                "--shards",
+                "2",
+                "--json",
+            ]),
             None,
         ),
         (s(&["bench", "--list"]), None),
-        (s(&["golden", "--out", tmp("golden-out").to_str().unwrap()]), None),
-        (s(&["check", golden.to_str().unwrap(), results.to_str().unwrap()]), None),
+        (
+            s(&["golden", "--out", tmp("golden-out").to_str().unwrap()]),
+            None,
+        ),
+        (
+            s(&["check", golden.to_str().unwrap(), results.to_str().unwrap()]),
+            None,
+        ),
         (s(&["eval", "-"]), Some(case.clone())),
-        (s(&["eval", "--jsonl", "-"]), Some(format!("{case}\n{case}\n"))),
+        (
+            s(&["eval", "--jsonl", "-"]),
+            Some(format!("{case}\n{case}\n")),
+        ),
         (s(&["eval", "--list"]), None),
     ]
 }
@@ -123,7 +169,10 @@ fn a_full_disk_is_one_line_and_status_74_for_every_command() {
         let e = stderr(&o);
         assert_eq!(o.status.code(), Some(74), "{args:?}: {e}");
         assert_clean(&o, &format!("{args:?}"));
-        assert!(e.contains("standard output") && e.contains("No space left"), "{args:?}: {e}");
+        assert!(
+            e.contains("standard output") && e.contains("No space left"),
+            "{args:?}: {e}"
+        );
     }
 }
 
@@ -141,11 +190,18 @@ fn a_closed_pipe_ends_quietly_with_status_0() {
 #[test]
 fn head_on_a_pipe_gets_its_bytes_and_status_0() {
     // As a shell user runs it: `packshard bench --list | head -c10`.
-    for cmd in ["bench --list", "eval --list", "vocab --vocab-size 7 --hidden 3 --tokens 2 --shards 1"] {
+    for cmd in [
+        "bench --list",
+        "eval --list",
+        "vocab --vocab-size 7 --hidden 3 --tokens 2 --shards 1",
+    ] {
         // bash, for PIPESTATUS: the status of packshard, not of head.
         let o = Command::new("bash")
             .arg("-c")
-            .arg(format!("{} {cmd} | head -c10; echo \" status ${{PIPESTATUS[0]}}\"", bin()))
+            .arg(format!(
+                "{} {cmd} | head -c10; echo \" status ${{PIPESTATUS[0]}}\"",
+                bin()
+            ))
             .output()
             .unwrap();
         let out = String::from_utf8_lossy(&o.stdout);
@@ -176,7 +232,11 @@ fn capped(cap_mib: u64, env: &[(&str, &str)], args: &[&str], stdin_file: Option<
 fn ok_or_refused(o: &Output, what: &str) {
     assert_clean(o, what);
     let code = o.status.code();
-    assert!(code == Some(0) || code == Some(2), "{what}: status {code:?}: {}", stderr(o));
+    assert!(
+        code == Some(0) || code == Some(2),
+        "{what}: status {code:?}: {}",
+        stderr(o)
+    );
 }
 
 const BUDGET: &str = "1073741824"; // 1 GiB
@@ -198,7 +258,10 @@ fn eval_largest_case_under_an_address_space_cap() {
         n += 1;
     }
     text.push_str("]}");
-    let text = text.replace(r#""targets": [0]"#, &format!(r#""targets": {}"#, json!(vec![1; n])));
+    let text = text.replace(
+        r#""targets": [0]"#,
+        &format!(r#""targets": {}"#, json!(vec![1; n])),
+    );
     // The targets make it longer: trim rows until it fits.
     let case_path = tmp("largest.json");
     let fitted = if text.len() <= cap {
@@ -206,66 +269,163 @@ fn eval_largest_case_under_an_address_space_cap() {
     } else {
         let keep = n - (text.len() - cap) / row.len() - 4;
         let rows = vec![row; keep].join(",");
-        format!(r#"{{"op": "cross_entropy", "targets": {}, "logits": [{rows}]}}"#, json!(vec![1; keep]))
+        format!(
+            r#"{{"op": "cross_entropy", "targets": {}, "logits": [{rows}]}}"#,
+            json!(vec![1; keep])
+        )
     };
     assert!(fitted.len() <= cap);
     std::fs::write(&case_path, &fitted).unwrap();
-    let o = capped(CAP_MIB, &[("PACKSHARD_MEMORY_BUDGET", BUDGET)], &["eval", "-"], Some(&case_path));
+    let o = capped(
+        CAP_MIB,
+        &[("PACKSHARD_MEMORY_BUDGET", BUDGET)],
+        &["eval", "-"],
+        Some(&case_path),
+    );
     ok_or_refused(&o, "largest eval case");
     // One byte over: refused before it is read whole.
-    std::fs::write(&case_path, format!("{fitted}{}", " ".repeat(cap + 1 - fitted.len()))).unwrap();
-    let o = capped(CAP_MIB, &[("PACKSHARD_MEMORY_BUDGET", BUDGET)], &["eval", "-"], Some(&case_path));
+    std::fs::write(
+        &case_path,
+        format!("{fitted}{}", " ".repeat(cap + 1 - fitted.len())),
+    )
+    .unwrap();
+    let o = capped(
+        CAP_MIB,
+        &[("PACKSHARD_MEMORY_BUDGET", BUDGET)],
+        &["eval", "-"],
+        Some(&case_path),
+    );
     assert_eq!(o.status.code(), Some(2));
     let v: Value = serde_json::from_slice(&o.stdout).unwrap();
-    assert!(v["error"]["message"].as_str().unwrap().contains("memory budget"), "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("memory budget"),
+        "{v}"
+    );
     // A case whose output is far larger than its text: [n, v] logits.
     let case = json!({"op": "linear_cross_entropy", "hidden": vec![vec![1.0]; 20000],
         "weight": vec![vec![1.0]; 3000], "targets": vec![0; 20000]});
     std::fs::write(&case_path, case.to_string()).unwrap();
-    let o = capped(CAP_MIB, &[("PACKSHARD_MEMORY_BUDGET", BUDGET)], &["eval", "-"], Some(&case_path));
+    let o = capped(
+        CAP_MIB,
+        &[("PACKSHARD_MEMORY_BUDGET", BUDGET)],
+        &["eval", "-"],
+        Some(&case_path),
+    );
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     let v: Value = serde_json::from_slice(&o.stdout).unwrap();
-    assert!(v["error"]["message"].as_str().unwrap().contains("weight: "), "{v}");
-    assert!(v["error"]["message"].as_str().unwrap().contains("memory budget"), "{v}");
+    assert!(
+        v["error"]["message"].as_str().unwrap().contains("weight: "),
+        "{v}"
+    );
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("memory budget"),
+        "{v}"
+    );
     // An embedding whose lookup is far larger than its text.
     let case = json!({"op": "embedding", "ids": vec![0; 200000], "weight": [vec![0.5; 2000]]});
     std::fs::write(&case_path, case.to_string()).unwrap();
-    let o = capped(CAP_MIB, &[("PACKSHARD_MEMORY_BUDGET", BUDGET)], &["eval", "-"], Some(&case_path));
+    let o = capped(
+        CAP_MIB,
+        &[("PACKSHARD_MEMORY_BUDGET", BUDGET)],
+        &["eval", "-"],
+        Some(&case_path),
+    );
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     let v: Value = serde_json::from_slice(&o.stdout).unwrap();
-    assert!(v["error"]["message"].as_str().unwrap().starts_with("ids: "), "{v}");
+    assert!(
+        v["error"]["message"].as_str().unwrap().starts_with("ids: "),
+        "{v}"
+    );
 }
 
 #[test]
 fn vocab_sizes_are_checked_before_allocating() {
     for args in [
         vec!["vocab", "--vocab-size", "4", "--hidden", "16777216"],
-        vec!["vocab", "--vocab-size", "4", "--hidden", "4000000", "--tokens", "4096"],
+        vec![
+            "vocab",
+            "--vocab-size",
+            "4",
+            "--hidden",
+            "4000000",
+            "--tokens",
+            "4096",
+        ],
         vec!["vocab", "--vocab-size", "0"],
         vec!["vocab", "--hidden", "0"],
-        vec!["vocab", "--vocab-size", "7", "--hidden", "3", "--shards", "0"],
-        vec!["vocab", "--vocab-size", "70000", "--hidden", "3", "--shards", "70000"],
-        vec!["vocab", "--vocab-size", "18446744073709551615", "--hidden", "18446744073709551615"],
+        vec![
+            "vocab",
+            "--vocab-size",
+            "7",
+            "--hidden",
+            "3",
+            "--shards",
+            "0",
+        ],
+        vec![
+            "vocab",
+            "--vocab-size",
+            "70000",
+            "--hidden",
+            "3",
+            "--shards",
+            "70000",
+        ],
+        vec![
+            "vocab",
+            "--vocab-size",
+            "18446744073709551615",
+            "--hidden",
+            "18446744073709551615",
+        ],
     ] {
         let o = capped(CAP_MIB, &[("PACKSHARD_MEMORY_BUDGET", BUDGET)], &args, None);
         assert_eq!(o.status.code(), Some(2), "{args:?}: {}", stderr(&o));
         assert_clean(&o, &format!("{args:?}"));
         let e = stderr(&o);
-        assert!(e.contains("--vocab-size") || e.contains("--hidden") || e.contains("--shards"), "{args:?}: {e}");
+        assert!(
+            e.contains("--vocab-size") || e.contains("--hidden") || e.contains("--shards"),
+            "{args:?}: {e}"
+        );
     }
     // The largest default-shaped run still succeeds under the cap.
     let o = capped(
         CAP_MIB,
         &[("PACKSHARD_MEMORY_BUDGET", BUDGET)],
-        &["vocab", "--vocab-size", "3001", "--hidden", "64", "--tokens", "64", "--shards", "1,8"],
+        &[
+            "vocab",
+            "--vocab-size",
+            "3001",
+            "--hidden",
+            "64",
+            "--tokens",
+            "64",
+            "--shards",
+            "1,8",
+        ],
         None,
     );
     ok_or_refused(&o, "vocab 3001 x 64");
     assert_eq!(o.status.code(), Some(0));
     // An unparseable budget is named.
-    let o = capped(CAP_MIB, &[("PACKSHARD_MEMORY_BUDGET", "lots")], &["vocab", "--tokens", "2"], None);
+    let o = capped(
+        CAP_MIB,
+        &[("PACKSHARD_MEMORY_BUDGET", "lots")],
+        &["vocab", "--tokens", "2"],
+        None,
+    );
     assert_eq!(o.status.code(), Some(2));
-    assert!(stderr(&o).contains("PACKSHARD_MEMORY_BUDGET"), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("PACKSHARD_MEMORY_BUDGET"),
+        "{}",
+        stderr(&o)
+    );
 }
 
 /// A safetensors file of f32 tensors (name, shape), zero-filled.
@@ -314,7 +474,14 @@ fn verify_bert_checks_the_config_against_the_weights_first() {
         (config(10, 4, 40), "num_hidden_layers", "invalid_argument"),
     ] {
         std::fs::write(dir.join("config.json"), &cfg).unwrap();
-        let args = ["verify", "bert", "--model", dir.to_str().unwrap(), "--text", text.to_str().unwrap()];
+        let args = [
+            "verify",
+            "bert",
+            "--model",
+            dir.to_str().unwrap(),
+            "--text",
+            text.to_str().unwrap(),
+        ];
         let o = capped(CAP_MIB, &[("PACKSHARD_MEMORY_BUDGET", BUDGET)], &args, None);
         assert_eq!(o.status.code(), Some(2), "{cfg}: {}", stderr(&o));
         assert_clean(&o, &cfg);
@@ -322,7 +489,10 @@ fn verify_bert_checks_the_config_against_the_weights_first() {
         // The same model through eval's bert op.
         let case = json!({"op": "bert", "model": dir, "sequences": [[1, 2]]});
         let m = eval_err(&case, kind, &[field, "config.json"]);
-        assert!(!m.contains("memory budget"), "refused on its shapes, not its size: {m}");
+        assert!(
+            !m.contains("memory budget"),
+            "refused on its shapes, not its size: {m}"
+        );
     }
 }
 
@@ -344,8 +514,10 @@ fn embedding_grad_output_must_have_the_weights_width() {
         }
         eval_err(&case, "shape_mismatch", &["grad_output"]);
     }
-    let (o, v) = eval(&json!({"op": "embedding", "ids": [1, 1], "weight": weight, "want_grad": true,
-        "grad_output": [[1.0, 1.0, 1.0], [0.5, 0.5, 0.5]]}));
+    let (o, v) = eval(
+        &json!({"op": "embedding", "ids": [1, 1], "weight": weight, "want_grad": true,
+        "grad_output": [[1.0, 1.0, 1.0], [0.5, 0.5, 0.5]]}),
+    );
     assert_eq!(o.status.code(), Some(0), "{v}");
     assert_eq!(v["grad_weight"], json!([[0.0, 0.0, 0.0], [1.5, 1.5, 1.5]]));
 }
@@ -363,8 +535,18 @@ fn attention_case(qk: f64, scale: Option<f64>, impl_: &str) -> Value {
 fn attention_impls() -> Vec<String> {
     let o = packshard(&["eval", "--list"], None);
     let v: Value = serde_json::from_slice(&o.stdout).unwrap();
-    let op = v["ops"].as_array().unwrap().iter().find(|o| o["op"] == "attention").unwrap();
-    op["impls"].as_array().unwrap().iter().map(|s| s.as_str().unwrap().to_string()).collect()
+    let op = v["ops"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|o| o["op"] == "attention")
+        .unwrap();
+    op["impls"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s.as_str().unwrap().to_string())
+        .collect()
 }
 
 #[test]
@@ -381,13 +563,22 @@ fn attention_scores_that_overflow_are_refused_by_every_impl() {
             (1.0, Some(-1e308), "scale"),
             (1e10, Some(1e12), "scale"),
         ] {
-            let m = eval_err(&attention_case(qk, scale, imp), "invalid_argument", &[field]);
+            let m = eval_err(
+                &attention_case(qk, scale, imp),
+                "invalid_argument",
+                &[field],
+            );
             assert!(!m.contains("NaN"), "{imp}: {m}");
         }
         // Large but safe: finite output and lse.
         let (o, v) = eval(&attention_case(1e6, Some(1e-6), imp));
         assert_eq!(o.status.code(), Some(0), "{imp}: {v}");
-        for x in v["lse"].as_array().unwrap().iter().flat_map(|r| r.as_array().unwrap()) {
+        for x in v["lse"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|r| r.as_array().unwrap())
+        {
             assert!(x.as_f64().is_some_and(f64::is_finite), "{imp}: lse {x}");
         }
     }
@@ -396,9 +587,18 @@ fn attention_scores_that_overflow_are_refused_by_every_impl() {
 #[test]
 fn duplicate_keys_are_refused_naming_the_key() {
     for (text, key) in [
-        (r#"{"op": "pack", "op": "batch", "lengths": [1], "max_seq_len": 4}"#, "op"),
-        (r#"{"op": "pack", "lengths": [1], "max_seq_len": 4, "max_seq_len": 8}"#, "max_seq_len"),
-        (r#"{"op": "attention", "q": [], "k": [], "v": [], "cu_seqlens": [0], "scale": 1, "scale": 2}"#, "scale"),
+        (
+            r#"{"op": "pack", "op": "batch", "lengths": [1], "max_seq_len": 4}"#,
+            "op",
+        ),
+        (
+            r#"{"op": "pack", "lengths": [1], "max_seq_len": 4, "max_seq_len": 8}"#,
+            "max_seq_len",
+        ),
+        (
+            r#"{"op": "attention", "q": [], "k": [], "v": [], "cu_seqlens": [0], "scale": 1, "scale": 2}"#,
+            "scale",
+        ),
         (r#"{"op": "bert", "model": {"a": 1, "a": 2}}"#, "a"),
     ] {
         let o = packshard(&["eval", "-"], Some(text));
@@ -414,10 +614,13 @@ fn duplicate_keys_are_refused_naming_the_key() {
 #[test]
 fn position_offset_must_not_be_negative() {
     for off in [json!(-1), json!(-100), json!(i64::MIN), json!(i64::MAX)] {
-        let case = json!({"op": "batch", "sequences": [[5, 6]], "max_seq_len": 4, "position_offset": off});
+        let case =
+            json!({"op": "batch", "sequences": [[5, 6]], "max_seq_len": 4, "position_offset": off});
         eval_err(&case, "invalid_argument", &["position_offset"]);
     }
-    let (o, v) = eval(&json!({"op": "batch", "sequences": [[5, 6]], "max_seq_len": 4, "position_offset": 2}));
+    let (o, v) = eval(
+        &json!({"op": "batch", "sequences": [[5, 6]], "max_seq_len": 4, "position_offset": 2}),
+    );
     assert_eq!(o.status.code(), Some(0), "{v}");
     assert_eq!(v["position_ids"], json!([[2, 3, 0, 0]]));
 }
@@ -428,7 +631,10 @@ fn jsonl(bytes: &[u8]) -> (Output, Vec<Value>) {
     std::fs::write(&path, bytes).unwrap();
     let o = packshard(&["eval", "--jsonl", path.to_str().unwrap()], None);
     let out = String::from_utf8(o.stdout.clone()).unwrap();
-    let lines = out.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let lines = out
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
     (o, lines)
 }
 
@@ -451,7 +657,13 @@ fn jsonl_answers_every_line_in_place() {
     for i in [0, 4, 7] {
         assert_eq!(lines[i]["op"], "pack", "line {}: {}", i + 1, lines[i]);
     }
-    for (i, needle) in [(1, "not UTF-8"), (2, "blank line"), (3, "blank line"), (5, "column"), (6, "integer")] {
+    for (i, needle) in [
+        (1, "not UTF-8"),
+        (2, "blank line"),
+        (3, "blank line"),
+        (5, "column"),
+        (6, "integer"),
+    ] {
         let m = lines[i]["error"]["message"].as_str().unwrap();
         assert!(m.starts_with(&format!("line {}: ", i + 1)), "{m}");
         assert!(m.contains(needle), "{m}");
@@ -475,8 +687,16 @@ fn reference_attention_refuses_work_over_its_cap_at_once() {
         cu.push(n);
         let case = json!({"op": "attention", "q": t, "k": t, "v": t, "cu_seqlens": cu});
         let start = std::time::Instant::now();
-        eval_err(&case, "invalid_argument", &["cu_seqlens", "query-key pairs"]);
-        assert!(start.elapsed().as_secs() < 20, "{n} tokens took {:?}", start.elapsed());
+        eval_err(
+            &case,
+            "invalid_argument",
+            &["cu_seqlens", "query-key pairs"],
+        );
+        assert!(
+            start.elapsed().as_secs() < 20,
+            "{n} tokens took {:?}",
+            start.elapsed()
+        );
     }
 }
 
@@ -496,7 +716,10 @@ fn echoed_values_are_cut_short() {
         assert_eq!(o.status.code(), Some(2));
         let m = v["error"]["message"].as_str().unwrap();
         assert!(m.len() < 600, "{} bytes: {}", m.len(), &m[..200]);
-        assert!(m.contains("5000002 bytes") || m.contains("5000000 bytes"), "{m}");
+        assert!(
+            m.contains("5000002 bytes") || m.contains("5000000 bytes"),
+            "{m}"
+        );
     }
     // The same through clap (one argument of at most 128 KiB: Linux's
     // MAX_ARG_STRLEN).
@@ -507,21 +730,40 @@ fn echoed_values_are_cut_short() {
 
 #[test]
 fn numbers_written_as_floats_say_an_integer_is_expected() {
-    for (v, given) in [(json!(1e2), "100.0"), (json!(8.5), "8.5"), (json!(-3), "negative")] {
+    for (v, given) in [
+        (json!(1e2), "100.0"),
+        (json!(8.5), "8.5"),
+        (json!(-3), "negative"),
+    ] {
         let case = json!({"op": "pack", "lengths": [3], "max_seq_len": v});
-        eval_err(&case, "invalid_argument", &["max_seq_len", given, "integer"]);
+        eval_err(
+            &case,
+            "invalid_argument",
+            &["max_seq_len", given, "integer"],
+        );
     }
-    let o = packshard(&["eval", "-"], Some(r#"{"op": "pack", "lengths": [1e2], "max_seq_len": 400}"#));
+    let o = packshard(
+        &["eval", "-"],
+        Some(r#"{"op": "pack", "lengths": [1e2], "max_seq_len": 400}"#),
+    );
     let v: Value = serde_json::from_slice(&o.stdout).unwrap();
     let m = v["error"]["message"].as_str().unwrap();
-    assert!(m.contains("lengths[0]") && m.contains("fraction or exponent"), "{m}");
+    assert!(
+        m.contains("lengths[0]") && m.contains("fraction or exponent"),
+        "{m}"
+    );
 }
 
 #[test]
 fn a_byte_order_mark_is_skipped() {
     let case = "\u{feff}{\"op\": \"pack\", \"lengths\": [3], \"max_seq_len\": 4}";
     let o = packshard(&["eval", "-"], Some(case));
-    assert_eq!(o.status.code(), Some(0), "{}", String::from_utf8_lossy(&o.stdout));
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&o.stdout)
+    );
     let (o, lines) = jsonl(format!("{case}\n{}\n", &case[3..]).as_bytes());
     assert_eq!(o.status.code(), Some(0), "{lines:?}");
     assert_eq!(lines.len(), 2);
@@ -542,14 +784,30 @@ fn eval_without_a_case_names_the_argument() {
     assert!(m.contains("<CASE>"), "{m}");
     let o = packshard(&["check"], None);
     assert_eq!(o.status.code(), Some(2));
-    assert!(stderr(&o).contains("<DIR>") && stderr(&o).contains("<RESULTS>"), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("<DIR>") && stderr(&o).contains("<RESULTS>"),
+        "{}",
+        stderr(&o)
+    );
 }
 
 #[test]
 fn only_the_documented_spellings_of_non_finite_values() {
-    for s in ["Infinity", "-INF", "+inf", "NaN", "inf ", "infinity", "-Infinity"] {
+    for s in [
+        "Infinity",
+        "-INF",
+        "+inf",
+        "NaN",
+        "inf ",
+        "infinity",
+        "-Infinity",
+    ] {
         let case = json!({"op": "cross_entropy", "logits": [[0.0, s]], "targets": [0]});
-        eval_err(&case, "invalid_argument", &["logits[0][1]", "\"inf\", \"-inf\", \"nan\""]);
+        eval_err(
+            &case,
+            "invalid_argument",
+            &["logits[0][1]", "\"inf\", \"-inf\", \"nan\""],
+        );
     }
     let (o, v) = eval(&json!({"op": "cross_entropy", "logits": [[0.0, "-inf"]], "targets": [0]}));
     assert_eq!(o.status.code(), Some(0), "{v}");
@@ -565,10 +823,16 @@ fn check_reports_an_infinite_error_as_inf() {
     assert!(st.status.success());
     let results = tmp("inf-results.safetensors");
     let (case, name) = one_case_results(&golden, &results, Some(f64::INFINITY));
-    let o = packshard(&["check", golden.to_str().unwrap(), results.to_str().unwrap()], None);
+    let o = packshard(
+        &["check", golden.to_str().unwrap(), results.to_str().unwrap()],
+        None,
+    );
     let out = String::from_utf8_lossy(&o.stdout);
     assert_eq!(o.status.code(), Some(1), "{out}{}", stderr(&o));
-    let row = out.lines().find(|l| l.contains(&case) && l.contains(&name)).unwrap_or_else(|| panic!("{out}"));
+    let row = out
+        .lines()
+        .find(|l| l.contains(&case) && l.contains(&name))
+        .unwrap_or_else(|| panic!("{out}"));
     assert!(row.contains("inf") && !row.contains("nan"), "{row}");
 }
 

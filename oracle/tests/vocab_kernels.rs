@@ -284,7 +284,9 @@ fn the_fuzz_rule_catches_a_small_planted_fault() {
 #[test]
 #[allow(clippy::result_large_err)]
 fn logsumexp_far_below_its_terms_is_judged_at_their_size() {
-    use packshard_equivalence::vocab::{check_linear_unsharded, check_linear_with, LinearCase, Rule};
+    use packshard_equivalence::vocab::{
+        check_linear_unsharded, check_linear_with, LinearCase, Rule,
+    };
     use packshard_reference::vocab::{Reduction, ShardLayout};
 
     let entries = registry::linear_cross_entropy();
@@ -318,7 +320,10 @@ fn logsumexp_far_below_its_terms_is_judged_at_their_size() {
     )
     .unwrap();
     let want = reference.ce.logsumexp()[0];
-    assert!((want - (-100f64).exp().ln_1p()).abs() < 1e-50 && want > 3e-44, "{want:e}");
+    assert!(
+        (want - (-100f64).exp().ln_1p()).abs() < 1e-50 && want > 3e-44,
+        "{want:e}"
+    );
     let got = fused
         .sharded_linear_cross_entropy(
             ShardedAlgorithm::Alg2,

@@ -110,7 +110,14 @@ pub fn run(args: EvalArgs) -> Result<ExitCode, CliError> {
     let path = args.case.expect("clap requires case unless --list");
     let bytes = match max_case_bytes().and_then(|cap| {
         // `--jsonl` holds one line's expansion at a time, plus the text.
-        read_input(&path, if args.jsonl { cap.saturating_mul(4) } else { cap })
+        read_input(
+            &path,
+            if args.jsonl {
+                cap.saturating_mul(4)
+            } else {
+                cap
+            },
+        )
     }) {
         Ok(t) => t,
         Err(e) => {

@@ -12,8 +12,8 @@
 
 use ndarray::{Array2, Array3, ArrayView2, ArrayView3};
 use packshard_reference::attention::{
-    check_grad_shapes, check_mask_shape, check_qkv_same_shapes, check_scores, check_varlen, AttentionGrads,
-    AttentionOutput,
+    check_grad_shapes, check_mask_shape, check_qkv_same_shapes, check_scores, check_varlen,
+    AttentionGrads, AttentionOutput,
 };
 use packshard_reference::ops::{AttentionOp, AttentionSupport, Varlen};
 use packshard_reference::Result;

@@ -75,9 +75,8 @@ impl<'a> Case<'a> {
     pub fn opt_i64(&self, name: &str) -> Result<Option<i64>, EvalError> {
         self.get(name)
             .map(|v| {
-                v.as_i64().ok_or_else(|| {
-                    EvalError::invalid(name, not_integer("an integer", v))
-                })
+                v.as_i64()
+                    .ok_or_else(|| EvalError::invalid(name, not_integer("an integer", v)))
             })
             .transpose()
     }
@@ -137,10 +136,7 @@ impl<'a> Case<'a> {
             .enumerate()
             .map(|(i, v)| {
                 v.as_i64().ok_or_else(|| {
-                    EvalError::invalid(
-                        &format!("{name}[{i}]"),
-                        not_integer("an integer", v),
-                    )
+                    EvalError::invalid(&format!("{name}[{i}]"), not_integer("an integer", v))
                 })
             })
             .collect()
@@ -240,7 +236,10 @@ fn flatten(
     let items = value.as_array().ok_or_else(|| {
         EvalError::new(
             "shape_mismatch",
-            format!("{path}: expected an array at depth {depth}, found {}", show(value)),
+            format!(
+                "{path}: expected an array at depth {depth}, found {}",
+                show(value)
+            ),
         )
     })?;
     if items.len() != shape[depth] {
@@ -290,9 +289,9 @@ impl Tensor {
 }
 
 fn as_array<'v>(value: &'v Value, name: &str) -> Result<&'v Vec<Value>, EvalError> {
-    value
-        .as_array()
-        .ok_or_else(|| EvalError::invalid(name, format!("expected an array, found {}", show(value))))
+    value.as_array().ok_or_else(|| {
+        EvalError::invalid(name, format!("expected an array, found {}", show(value)))
+    })
 }
 
 fn as_usize(value: &Value, name: &str) -> Result<usize, EvalError> {
@@ -308,9 +307,9 @@ fn as_usize(value: &Value, name: &str) -> Result<usize, EvalError> {
 }
 
 fn as_f64(value: &Value, name: &str) -> Result<f64, EvalError> {
-    let v = value
-        .as_f64()
-        .ok_or_else(|| EvalError::invalid(name, format!("expected a number, found {}", show(value))))?;
+    let v = value.as_f64().ok_or_else(|| {
+        EvalError::invalid(name, format!("expected a number, found {}", show(value)))
+    })?;
     if !v.is_finite() {
         return Err(EvalError::new(
             "non_finite_input",

@@ -187,9 +187,12 @@ pub fn evaluate(case: &Value) -> Result<Value, EvalError> {
     })?;
     let mut chosen = "reference";
     if let Some(imp) = obj.get("impl") {
-        let imp = imp
-            .as_str()
-            .ok_or_else(|| EvalError::invalid("impl", format!("expected a string, found {}", input::show(imp))))?;
+        let imp = imp.as_str().ok_or_else(|| {
+            EvalError::invalid(
+                "impl",
+                format!("expected a string, found {}", input::show(imp)),
+            )
+        })?;
         chosen = op.impls.iter().copied().find(|i| *i == imp).unwrap_or("");
         if chosen.is_empty() {
             return Err(EvalError::invalid(

@@ -203,7 +203,10 @@ pub const MAX_ATTENTION_WORK: u64 = 1 << 29;
 /// bound over [`MAX_SCORE`]) or `q` (the unscaled bound over it).
 pub fn check_scores(q: &ArrayView3<f64>, k: &ArrayView3<f64>, scale: f64) -> Result<()> {
     if !scale.is_finite() {
-        return Err(Error::invalid("scale", format!("must be finite, found {scale}")));
+        return Err(Error::invalid(
+            "scale",
+            format!("must be finite, found {scale}"),
+        ));
     }
     let amax = |t: &ArrayView3<f64>| {
         t.iter()
@@ -425,7 +428,10 @@ pub fn masked_attention(
     let (n_k, h_kv, _) = k.dim();
     check_mask_shape2(allowed.shape(), n, n_k)?;
     check_scores(&q, &k, scale)?;
-    check_work("allowed", n as u128 * n_k as u128 * h as u128 * (d as u128 + 1))?;
+    check_work(
+        "allowed",
+        n as u128 * n_k as u128 * h as u128 * (d as u128 + 1),
+    )?;
     let mut output = Array3::zeros((n, h, d));
     let mut lse = Array2::zeros((h, n));
     let ok = |i: usize, j: usize| allowed[[i, j]];
@@ -494,7 +500,10 @@ pub fn masked_attention_backward(
     check_mask_shape2(allowed.shape(), n, n_k)?;
     check_grad(&grad_output, fwd, (n, h, d))?;
     check_scores(&q, &k, scale)?;
-    check_work("allowed", n as u128 * n_k as u128 * h as u128 * (d as u128 + 1))?;
+    check_work(
+        "allowed",
+        n as u128 * n_k as u128 * h as u128 * (d as u128 + 1),
+    )?;
     let mut grads = zero_grads((n, h, d), (n_k, h_kv, d));
     let ok = |i: usize, j: usize| allowed[[i, j]];
     for heads in head_pairs(h, h_kv) {

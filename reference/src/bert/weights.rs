@@ -457,7 +457,11 @@ fn fill_tensor(t: &mut ArrayViewMutD<f64>, fill: Fill, rng: &mut ChaCha8Rng) {
 fn check_config_against_file(config: &BertConfig, st: &SafeTensors<'_>) -> Result<()> {
     let h = config.hidden_size;
     let expect = [
-        ("embeddings.word_embeddings.weight", "vocab_size", [config.vocab_size, h]),
+        (
+            "embeddings.word_embeddings.weight",
+            "vocab_size",
+            [config.vocab_size, h],
+        ),
         (
             "embeddings.position_embeddings.weight",
             "max_position_embeddings",

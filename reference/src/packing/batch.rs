@@ -52,9 +52,7 @@ impl PackedBatch {
     ) -> Result<Self> {
         // Position ids index a position-embedding table: a negative offset
         // (or one whose last position overflows i64) names no row.
-        if position_offset < 0
-            || position_offset.checked_add(max_seq_len as i64).is_none()
-        {
+        if position_offset < 0 || position_offset.checked_add(max_seq_len as i64).is_none() {
             return Err(Error::invalid(
                 "position_offset",
                 format!(
