@@ -49,6 +49,13 @@ total_finds=0
 for target in $targets; do
     mkdir -p "fuzz/corpus/$target" "fuzz/seeds/$target" "fuzz/regressions/$target" "fuzz/artifacts/$target"
     log=$(mktemp)
+    # Build first, so that "time" below is fuzzing time, not compile time.
+    if ! cargo fuzz build --fuzz-dir fuzz --sanitizer none "$target" >"$log" 2>&1; then
+        echo "$target: cargo fuzz build failed; last lines:" >&2
+        tail -n 5 "$log" >&2
+        rm -f "$log"
+        exit 2
+    fi
     before=$(find "fuzz/artifacts/$target" -type f | wc -l)
     start=$(date +%s)
     cargo fuzz run --fuzz-dir fuzz --sanitizer none "$target" \
