@@ -4,7 +4,22 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+/// Every `print!`/`println!` of the binary goes through [`out::write`]: a
+/// closed pipe (`packshard pack --json | head -c10`) ends the process quietly
+/// with status 0, as Unix tools do, and any other write error (`> /dev/full`)
+/// is one line on standard error and status [`out::WRITE_FAILED`]; never the
+/// panic of `std`'s macros. These shadow the prelude's macros in every module
+/// declared below.
+macro_rules! print {
+    ($($arg:tt)*) => { $crate::out::write(format_args!($($arg)*)) };
+}
+macro_rules! println {
+    () => { $crate::out::write(format_args!("\n")) };
+    ($($arg:tt)*) => { $crate::out::write(format_args!("{}\n", format_args!($($arg)*))) };
+}
+
 mod cli;
+mod out;
 
 /// Counts heap bytes so that `packshard bench` can report peak memory.
 #[global_allocator]
@@ -62,12 +77,21 @@ fn main() -> ExitCode {
         Err(e) => {
             // One line (JSON under `eval`), exit status 2.
             let rendered = e.render().to_string();
+            // The message is every line before the usage: clap puts the
+            // names of missing arguments on the lines after the first.
             let line = rendered
                 .lines()
-                .next()
-                .unwrap_or("invalid arguments")
+                .take_while(|l| !l.trim().is_empty() && !l.starts_with("Usage:"))
+                .map(str::trim)
+                .collect::<Vec<_>>()
+                .join(" ")
                 .trim_start_matches("error: ")
                 .to_string();
+            let line = if line.is_empty() {
+                "invalid arguments".to_string()
+            } else {
+                packshard::reference::error::brief_to(&line, 400)
+            };
             if std::env::args().nth(1).as_deref() == Some("eval") {
                 let err = packshard::eval::EvalError::new("invalid_argument", line);
                 println!("{}", err.to_json());
@@ -87,11 +111,13 @@ fn main() -> ExitCode {
         Command::Pipeline(args) => cli::pipeline::run(args),
         Command::Bench(args) => cli::bench::run(args),
     };
-    match result {
+    let code = match result {
         Ok(code) => code,
         Err(e) => {
             eprintln!("packshard: {e}");
             ExitCode::from(e.code)
         }
-    }
+    };
+    out::flush();
+    code
 }

@@ -277,10 +277,17 @@ fn eval_jsonl_answers_every_line() {
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
-    assert_eq!(lines.len(), 3);
+    // Output line i answers input line i (issue #14): the blank third line
+    // gets an error line of its own, so the fourth case is still line 4.
+    assert_eq!(lines.len(), 4);
     assert_eq!(lines[0]["num_packs"], 1);
     assert_eq!(lines[1]["error"]["kind"], "invalid_json");
-    assert_eq!(lines[2]["num_packs"], 1);
+    assert_eq!(lines[2]["error"]["kind"], "invalid_json");
+    assert!(lines[2]["error"]["message"]
+        .as_str()
+        .unwrap()
+        .starts_with("line 3: "));
+    assert_eq!(lines[3]["num_packs"], 1);
 }
 
 #[test]

@@ -271,3 +271,120 @@ fn the_fuzz_rule_catches_a_small_planted_fault() {
         .expect_err("a 1e-3 fault in dL/dhidden must fail the fuzz rule");
     assert!(failure.to_string().contains("grad_hidden"), "{failure}");
 }
+
+/// Issue #14, item 1: the case CI's 20-second fuzz run found (v 2 over p 1,
+/// n 4, h 1, targets [1, 0, 0, -100], Megatron smoothing 0.1, reduction
+/// none, planted hidden 100 and weight -100). Row 0's logits are `(0,
+/// -100)`: the reference's logsumexp is `ln(1 + e^-100) = 3.7e-44`, which
+/// the fused kernel's f32 `m + ln s` rounds to 0. That is an error of 2^-23
+/// of the terms `logsumexp` is made of (`|m|` and the 1 in `s = 1 + e^-100`),
+/// not of its own size: the relative rule must scale it by those terms and
+/// pass the case, for every form the fuzz target checks, and still fail a
+/// kernel whose logsumexp is off by 1e-3.
+#[test]
+#[allow(clippy::result_large_err)]
+fn logsumexp_far_below_its_terms_is_judged_at_their_size() {
+    use packshard_equivalence::vocab::{
+        check_linear_unsharded, check_linear_with, LinearCase, Rule,
+    };
+    use packshard_reference::vocab::{Reduction, ShardLayout};
+
+    let entries = registry::linear_cross_entropy();
+    let entry = registry::find(&entries, "linear_ce_fused").expect("registered");
+    let rule = Rule::of(entry.fuzz_judge);
+    let fused = LinearCeFused {
+        chunks: SMALL_CHUNKS,
+    };
+    let config = LossConfig {
+        reduction: Reduction::None,
+        ..LossConfig::default().with_smoothing(0.1, SmoothingConvention::Megatron)
+    };
+    let case = LinearCase {
+        map: ShardMap::new(2, 1, ShardLayout::Uneven).unwrap(),
+        // Logits `hidden x weight^T`: row 0 (0, -100), the others (0, -10^4):
+        // every logsumexp is below 1e-43, so a rule scaled by the values'
+        // own size allows nothing.
+        hidden: Array2::from_shape_vec((4, 1), vec![1.0, 100.0, 100.0, 100.0]).unwrap(),
+        weight: Array2::from_shape_vec((2, 1), vec![0.0, -100.0]).unwrap(),
+        targets: vec![1, 0, 0, -100],
+        config,
+    };
+    // The case is the issue's: the kernel's logsumexp of row 0 is 0 where
+    // the reference's is 3.7e-44.
+    let reference = packshard_reference::vocab::linear_cross_entropy(
+        case.hidden.view(),
+        case.weight.view(),
+        &case.targets,
+        &case.config,
+        false,
+    )
+    .unwrap();
+    let want = reference.ce.logsumexp()[0];
+    assert!(
+        (want - (-100f64).exp().ln_1p()).abs() < 1e-50 && want > 3e-44,
+        "{want:e}"
+    );
+    let got = fused
+        .sharded_linear_cross_entropy(
+            ShardedAlgorithm::Alg2,
+            &case.map,
+            case.hidden.view(),
+            case.weight.view(),
+            &case.targets,
+            &case.config,
+            false,
+        )
+        .unwrap();
+    assert_eq!(got.ranks[0].global[0].logsumexp(), 0.0);
+    for want_grad in [false, true] {
+        check_linear_unsharded(&fused, &case, want_grad, rule)
+            .unwrap_or_else(|m| panic!("unsharded, want_grad {want_grad}: {m}"));
+        for algorithm in fused.algorithms() {
+            check_linear_with(&fused, algorithm, &case, want_grad, rule)
+                .unwrap_or_else(|m| panic!("{algorithm}, want_grad {want_grad}: {m}"));
+        }
+    }
+
+    // Negative control: the same kernel with every rank's logsumexp 1e-3 too
+    // large (its global max shifted) fails the case.
+    struct Shifted(LinearCeFused);
+    impl LinearCrossEntropyOp for Shifted {
+        fn algorithms(&self) -> Vec<ShardedAlgorithm> {
+            self.0.algorithms()
+        }
+        fn linear_cross_entropy(
+            &self,
+            hidden: ArrayView2<f64>,
+            weight: ArrayView2<f64>,
+            targets: &[i64],
+            config: &LossConfig,
+            want_grad: bool,
+        ) -> Result<LinearLoss, Error> {
+            self.0
+                .linear_cross_entropy(hidden, weight, targets, config, want_grad)
+        }
+        fn sharded_linear_cross_entropy(
+            &self,
+            a: ShardedAlgorithm,
+            map: &ShardMap,
+            hidden: ArrayView2<f64>,
+            weight: ArrayView2<f64>,
+            targets: &[i64],
+            config: &LossConfig,
+            want_grad: bool,
+        ) -> Result<ShardedLoss, Error> {
+            let mut out = self
+                .0
+                .sharded_linear_cross_entropy(a, map, hidden, weight, targets, config, want_grad)?;
+            for r in &mut out.ranks {
+                for g in &mut r.global {
+                    g.max += 1e-3;
+                }
+            }
+            Ok(out)
+        }
+    }
+    let m = check_linear_with(&Shifted(fused), ShardedAlgorithm::Alg2, &case, false, rule)
+        .expect_err("a logsumexp 1e-3 off must fail");
+    assert!(m.to_string().contains("logsumexp"), "{m}");
+}

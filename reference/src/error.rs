@@ -119,3 +119,21 @@ pub fn check_finite<'a>(field: &str, values: impl IntoIterator<Item = &'a f64>) 
     }
     Ok(())
 }
+
+/// The most characters of an input value an error message quotes.
+pub const ECHO_CHARS: usize = 100;
+
+/// `text` cut to [`ECHO_CHARS`] characters for an error message, with the
+/// full length said when it was cut (a 50 MB bad value is never echoed
+/// whole).
+pub fn brief(text: &str) -> String {
+    brief_to(text, ECHO_CHARS)
+}
+
+/// `text` cut to `chars` characters, as [`brief`].
+pub fn brief_to(text: &str, chars: usize) -> String {
+    match text.char_indices().nth(chars) {
+        None => text.to_string(),
+        Some((at, _)) => format!("{}... ({} bytes)", &text[..at], text.len()),
+    }
+}

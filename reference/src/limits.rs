@@ -1,5 +1,12 @@
 //! Resource limits shared by the commands: the memory budget an input may
-//! ask for before anything is allocated.
+//! ask for before anything is allocated (README, "Limits").
+//!
+//! The budget is [`DEFAULT_MEMORY_BUDGET`] bytes, or the value of the
+//! environment variable [`MEMORY_BUDGET_ENV`]. Every allocation whose size
+//! comes from input is estimated from the shapes first and refused with
+//! [`Error::InvalidArgument`] naming the field when the estimate is over the
+//! budget ([`check_memory`], [`check_estimate`]), so bad input never aborts
+//! the process on a failed allocation.
 
 use crate::error::{Error, Result};
 
@@ -21,7 +28,10 @@ pub fn memory_budget() -> Result<u64> {
         Ok(text) => parse_bytes(&text).ok_or_else(|| {
             Error::invalid(
                 MEMORY_BUDGET_ENV,
-                format!("{text:?} is not a byte count (e.g. 4294967296 or 4GiB)"),
+                format!(
+                    "{:?} is not a byte count (e.g. 4294967296 or 4GiB)",
+                    crate::error::brief(&text)
+                ),
             )
         }),
         Err(_) => Ok(DEFAULT_MEMORY_BUDGET),
@@ -59,9 +69,43 @@ pub fn check_memory(field: &str, bytes: u64, what: &str) -> Result<()> {
     Ok(())
 }
 
+/// [`check_memory`] of an estimate that may have overflowed (`None`: more
+/// than 2^64 bytes, refused whatever the budget).
+///
+/// # Errors
+/// As [`check_memory`].
+pub fn check_estimate(field: &str, bytes: Option<u64>, what: &str) -> Result<()> {
+    match bytes {
+        Some(b) => check_memory(field, b, what),
+        None => {
+            let budget = memory_budget()?;
+            Err(Error::invalid(
+                field,
+                format!(
+                    "{what} needs more than 2^64 bytes, over the memory budget of {} MiB (set {MEMORY_BUDGET_ENV} to raise it)",
+                    budget >> 20
+                ),
+            ))
+        }
+    }
+}
+
+/// `f64` bytes of a tensor of `dims` (`None` on overflow).
+pub fn f64_bytes(dims: &[usize]) -> Option<u64> {
+    dims.iter()
+        .try_fold(8u64, |acc, &d| acc.checked_mul(d as u64))
+}
+
+/// The sum of estimates (`None` if any is `None` or the sum overflows).
+pub fn total(parts: &[Option<u64>]) -> Option<u64> {
+    parts
+        .iter()
+        .try_fold(0u64, |acc, p| p.and_then(|p| acc.checked_add(p)))
+}
+
 #[cfg(test)]
 mod tests {
-    use super::parse_bytes;
+    use super::{f64_bytes, parse_bytes, total};
 
     #[test]
     fn byte_counts_parse_with_binary_suffixes() {
@@ -71,5 +115,15 @@ mod tests {
         assert_eq!(parse_bytes("3KiB"), Some(3072));
         assert_eq!(parse_bytes("lots"), None);
         assert_eq!(parse_bytes("-1"), None);
+        assert_eq!(parse_bytes("18446744073709551615GiB"), None);
+    }
+
+    #[test]
+    fn estimates_overflow_to_none() {
+        assert_eq!(f64_bytes(&[3, 5]), Some(120));
+        assert_eq!(f64_bytes(&[usize::MAX, 2]), None);
+        assert_eq!(total(&[Some(1), Some(2)]), Some(3));
+        assert_eq!(total(&[Some(1), None]), None);
+        assert_eq!(total(&[Some(u64::MAX), Some(1)]), None);
     }
 }

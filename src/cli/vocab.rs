@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Args;
+use packshard::reference::limits;
 use packshard::reference::vocab::{
     LossConfig, Reduction, ShardLayout, ShardedAlgorithm, SmoothingConvention,
 };
@@ -54,8 +55,32 @@ pub struct VocabArgs {
     json: bool,
 }
 
+/// The most shards `vocab` runs (as `eval`'s `num_shards`).
+const MAX_SHARDS: usize = 64;
+
 /// The most tokens `vocab` accepts (the reference is f64 and single-threaded per rank).
 const MAX_TOKENS: usize = 4096;
+
+/// Checks the report's f64 buffers against the memory budget before any is
+/// allocated: the inputs (`hidden: [n, h]`, `weight: [v, h]`), the
+/// unsharded logits and gradients (`[n, v]`, `[n, h]`, `[v, h]`), and per
+/// sharded run its ranks' shards and gradients (about the same again).
+fn check_report_memory(n: usize, v: usize, h: usize, shards: &[usize]) -> Result<(), CliError> {
+    let p = shards.iter().copied().max().unwrap_or(1) as u64;
+    let bytes = limits::total(&[
+        limits::f64_bytes(&[n, h, 4]),
+        limits::f64_bytes(&[v, h, 4]),
+        limits::f64_bytes(&[n, v, 3]),
+        // per rank: `[n, h]` partials and collective buffers
+        limits::f64_bytes(&[n, h, 2]).and_then(|b| b.checked_mul(p)),
+    ]);
+    limits::check_estimate(
+        "--hidden",
+        bytes,
+        &format!("{n} tokens x vocabulary {v} x hidden {h}"),
+    )?;
+    Ok(())
+}
 
 /// Runs `vocab`.
 pub fn run(args: VocabArgs) -> Result<ExitCode, CliError> {
@@ -77,6 +102,18 @@ pub fn run(args: VocabArgs) -> Result<ExitCode, CliError> {
         reduction: Reduction::Mean,
         ..LossConfig::default()
     };
+    if let Some(&p) = args.shards.iter().find(|&&p| p == 0 || p > MAX_SHARDS) {
+        return Err(CliError::input(format!(
+            "--shards: {p} is outside 1..={MAX_SHARDS} (one thread per shard)"
+        )));
+    }
+    if args.model.is_none() {
+        for (flag, x) in [("--vocab-size", args.vocab_size), ("--hidden", args.hidden)] {
+            if x == 0 {
+                return Err(CliError::input(format!("{flag}: must be at least 1")));
+            }
+        }
+    }
     let weight = match &args.model {
         None => None,
         Some(path) => {
@@ -85,6 +122,13 @@ pub fn run(args: VocabArgs) -> Result<ExitCode, CliError> {
             } else {
                 path.clone()
             };
+            // The file is read whole and its f32 tensor widened to f64.
+            let bytes = std::fs::metadata(&file).map_or(0, |m| m.len());
+            limits::check_estimate(
+                "--model",
+                bytes.checked_mul(3),
+                &format!("reading {}", file.display()),
+            )?;
             Some(vocab_report::load_tensor(&file, WORD_EMBEDDINGS).map_err(CliError::input)?)
         }
     };
@@ -96,6 +140,10 @@ pub fn run(args: VocabArgs) -> Result<ExitCode, CliError> {
         )?;
         packshard::reference::vocab::check_logits_size("--hidden", args.vocab_size, args.hidden)?;
     }
+    let (v, h) = weight
+        .as_ref()
+        .map_or((args.vocab_size, args.hidden), |w| w.dim());
+    check_report_memory(args.tokens, v, h, &args.shards)?;
     let config = VocabReportConfig {
         weight,
         vocab_size: args.vocab_size,

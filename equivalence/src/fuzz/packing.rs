@@ -34,7 +34,8 @@ pub struct PackFuzzCase {
     pub limit: Option<u8>,
     /// Index into error, split, truncate, drop (modulo).
     pub overlong: u8,
-    /// The position offset of the batch.
+    /// The position offset of the batch: a negative one must be refused,
+    /// and the batch is checked at its absolute value.
     pub position_offset: i8,
     /// The pad token id.
     pub pad: i16,
@@ -106,9 +107,10 @@ impl PackFuzzCase {
 }
 
 /// The packing fuzz body: `data` as a [`PackFuzzCase`]. An invalid config
-/// (`max_seq_len` 0, a limit of 0) must be a typed error from both traits;
-/// otherwise the plan and the batch must pass [`check_packer`] and
-/// [`check_batcher`].
+/// (`max_seq_len` 0, a limit of 0) must be a typed error from both traits,
+/// and so must a negative `position_offset` from the batcher; otherwise the
+/// plan and the batch (at `|position_offset|`) must pass [`check_packer`]
+/// and [`check_batcher`].
 ///
 /// # Errors
 /// A [`Failure`] describing the case and the first violation.
@@ -133,6 +135,31 @@ pub fn run<I: Packer + Batcher>(imp: &I, data: &[u8]) -> Result<Outcome, Failure
         }
         return Ok(Outcome::errors_alike());
     }
+    if offset < 0 {
+        // A negative offset names no row of a position-embedding table: it
+        // must be a typed error (issue #14), naming `position_offset` where
+        // the same batch at `|offset|` is valid. The batch is then checked
+        // at `|offset|`.
+        let at = |o: i64| catch_panic("batch", || imp.batch(&sequences, &config, pad, o));
+        let refused = at(offset).map_err(fail)?;
+        let valid = at(-offset).map_err(fail)?.is_ok();
+        match refused {
+            Ok(_) => {
+                return Err(fail(Mismatch::new(
+                    "position_offset",
+                    format!("{offset} must be a typed error, got a batch"),
+                )))
+            }
+            Err(e) if valid && !e.to_string().starts_with("position_offset") => {
+                return Err(fail(Mismatch::new(
+                    "position_offset",
+                    format!("{offset} must be refused naming position_offset, got: {e}"),
+                )))
+            }
+            Err(_) => {}
+        }
+    }
+    let offset = offset.abs();
     catch_panic("pack", || check_packer(imp, &lengths, &config))
         .and_then(|r| r)
         .map_err(fail)?;

@@ -3,7 +3,7 @@
 
 use ndarray::{Array2, ArrayView2, ArrayView3};
 use packshard_reference::attention::{
-    check_qkv_shapes, check_varlen, AttentionGrads, AttentionOutput,
+    check_qkv_shapes, check_scores, check_varlen, AttentionGrads, AttentionOutput,
 };
 use packshard_reference::ops::{AttentionOp, AttentionSupport, Precision, Varlen};
 use packshard_reference::{Error, Result};
@@ -70,7 +70,8 @@ fn check_problem(
 ) -> Result<()> {
     check_qkv_shapes(q.shape(), k.shape(), v.shape())?;
     check_varlen(p, q.dim().0, k.dim().0)?;
-    support.check(p, q.dim().1, k.dim().1)
+    support.check(p, q.dim().1, k.dim().1)?;
+    check_scores(q, k, p.scale)
 }
 
 fn check_dense_heads(q: &ArrayView3<f64>, k: &ArrayView3<f64>, v: &ArrayView3<f64>) -> Result<()> {
@@ -195,6 +196,7 @@ fn dense_forward(
     scale: f64,
 ) -> Result<AttentionOutput> {
     check_dense_heads(&q, &k, &v)?;
+    check_scores(&q, &k, scale)?;
     let n = q.dim().0;
     let out = with_inputs!(precision, q, k, v, |q, k, v| dense_masked_attention(
         q,
@@ -219,6 +221,7 @@ fn dense_backward(
     grad_output: ArrayView3<f64>,
 ) -> Result<AttentionGrads> {
     check_dense_heads(&q, &k, &v)?;
+    check_scores(&q, &k, scale)?;
     let n = q.dim().0;
     let f = narrow(fwd)?;
     let go = to_f32("grad_output", grad_output)?;

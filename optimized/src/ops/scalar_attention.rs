@@ -12,8 +12,8 @@
 
 use ndarray::{Array2, Array3, ArrayView2, ArrayView3};
 use packshard_reference::attention::{
-    check_grad_shapes, check_mask_shape, check_qkv_same_shapes, check_varlen, AttentionGrads,
-    AttentionOutput,
+    check_grad_shapes, check_mask_shape, check_qkv_same_shapes, check_scores, check_varlen,
+    AttentionGrads, AttentionOutput,
 };
 use packshard_reference::ops::{AttentionOp, AttentionSupport, Varlen};
 use packshard_reference::Result;
@@ -192,6 +192,7 @@ impl AttentionOp for ScalarAttention {
         let x = inputs(&q, &k, &v)?;
         check_varlen(p, q.dim().0, k.dim().0)?;
         self.support().check(p, q.dim().1, k.dim().1)?;
+        check_scores(&q, &k, p.scale)?;
         let mask = Segments {
             cu: p.cu_seqlens_q,
             causal: p.causal,
@@ -211,6 +212,7 @@ impl AttentionOp for ScalarAttention {
         let x = inputs(&q, &k, &v)?;
         check_varlen(p, q.dim().0, k.dim().0)?;
         self.support().check(p, q.dim().1, k.dim().1)?;
+        check_scores(&q, &k, p.scale)?;
         let (out, lse, go) = saved(fwd, grad_output, q.dim())?;
         let mask = Segments {
             cu: p.cu_seqlens_q,
@@ -235,6 +237,7 @@ impl AttentionOp for ScalarAttention {
     ) -> Result<AttentionOutput> {
         let x = inputs(&q, &k, &v)?;
         check_mask_shape(allowed.shape(), q.dim().0)?;
+        check_scores(&q, &k, scale)?;
         Ok(widen(forward(&x, &allowed, scale as f32)))
     }
 
@@ -250,6 +253,7 @@ impl AttentionOp for ScalarAttention {
     ) -> Result<AttentionGrads> {
         let x = inputs(&q, &k, &v)?;
         check_mask_shape(allowed.shape(), q.dim().0)?;
+        check_scores(&q, &k, scale)?;
         let (out, lse, go) = saved(fwd, grad_output, q.dim())?;
         Ok(widen_grads(backward(
             &x,

@@ -167,7 +167,7 @@ fn tokenize_texts(value: &Value, dir: &Path) -> Result<Vec<Vec<i64>>, EvalError>
             let t = t.as_str().ok_or_else(|| {
                 EvalError::invalid(
                     &format!("texts[{i}]"),
-                    format!("expected a string, found {t}"),
+                    format!("expected a string, found {}", super::input::show(t)),
                 )
             })?;
             crate::text::encode(&tok, t).map_err(|e| EvalError::invalid(&format!("texts[{i}]"), e))

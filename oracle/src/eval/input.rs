@@ -33,7 +33,8 @@ impl<'a> Case<'a> {
                 return Err(EvalError::new(
                     "invalid_argument",
                     format!(
-                        "{key}: unknown field for this op (known: {})",
+                        "{}: unknown field for this op (known: {})",
+                        packshard_reference::error::brief(key),
                         allowed.join(", ")
                     ),
                 ));
@@ -74,9 +75,8 @@ impl<'a> Case<'a> {
     pub fn opt_i64(&self, name: &str) -> Result<Option<i64>, EvalError> {
         self.get(name)
             .map(|v| {
-                v.as_i64().ok_or_else(|| {
-                    EvalError::invalid(name, format!("expected an integer, found {v}"))
-                })
+                v.as_i64()
+                    .ok_or_else(|| EvalError::invalid(name, not_integer("an integer", v)))
             })
             .transpose()
     }
@@ -91,7 +91,7 @@ impl<'a> Case<'a> {
         self.get(name)
             .map(|v| {
                 v.as_bool().ok_or_else(|| {
-                    EvalError::invalid(name, format!("expected true or false, found {v}"))
+                    EvalError::invalid(name, format!("expected true or false, found {}", show(v)))
                 })
             })
             .transpose()
@@ -102,7 +102,7 @@ impl<'a> Case<'a> {
         self.get(name)
             .map(|v| {
                 v.as_str().ok_or_else(|| {
-                    EvalError::invalid(name, format!("expected a string, found {v}"))
+                    EvalError::invalid(name, format!("expected a string, found {}", show(v)))
                 })
             })
             .transpose()
@@ -136,10 +136,7 @@ impl<'a> Case<'a> {
             .enumerate()
             .map(|(i, v)| {
                 v.as_i64().ok_or_else(|| {
-                    EvalError::invalid(
-                        &format!("{name}[{i}]"),
-                        format!("expected an integer, found {v}"),
-                    )
+                    EvalError::invalid(&format!("{name}[{i}]"), not_integer("an integer", v))
                 })
             })
             .collect()
@@ -159,7 +156,7 @@ impl<'a> Case<'a> {
                         v.as_i64().ok_or_else(|| {
                             EvalError::invalid(
                                 &format!("{name}[{i}][{j}]"),
-                                format!("expected an integer, found {v}"),
+                                not_integer("an integer", v),
                             )
                         })
                     })
@@ -239,7 +236,10 @@ fn flatten(
     let items = value.as_array().ok_or_else(|| {
         EvalError::new(
             "shape_mismatch",
-            format!("{path}: expected an array at depth {depth}, found {value}"),
+            format!(
+                "{path}: expected an array at depth {depth}, found {}",
+                show(value)
+            ),
         )
     })?;
     if items.len() != shape[depth] {
@@ -265,13 +265,18 @@ fn tensor_leaf(value: &Value, path: &str) -> Result<f64, EvalError> {
     if let Some(v) = value.as_f64() {
         return Ok(v);
     }
-    match value.as_str().map(str::to_ascii_lowercase).as_deref() {
-        Some("inf" | "+inf" | "infinity" | "+infinity") => Ok(f64::INFINITY),
-        Some("-inf" | "-infinity") => Ok(f64::NEG_INFINITY),
+    // Exactly the three documented spellings (docs/INTERFACE.md): "Infinity",
+    // "-INF", "+inf" are refused, so a typo cannot pass as a value.
+    match value.as_str() {
+        Some("inf") => Ok(f64::INFINITY),
+        Some("-inf") => Ok(f64::NEG_INFINITY),
         Some("nan") => Ok(f64::NAN),
         _ => Err(EvalError::invalid(
             path,
-            format!("expected a number (or \"inf\", \"-inf\", \"nan\"), found {value}"),
+            format!(
+                "expected a number (or one of the strings \"inf\", \"-inf\", \"nan\"), found {}",
+                show(value)
+            ),
         )),
     }
 }
@@ -284,9 +289,9 @@ impl Tensor {
 }
 
 fn as_array<'v>(value: &'v Value, name: &str) -> Result<&'v Vec<Value>, EvalError> {
-    value
-        .as_array()
-        .ok_or_else(|| EvalError::invalid(name, format!("expected an array, found {value}")))
+    value.as_array().ok_or_else(|| {
+        EvalError::invalid(name, format!("expected an array, found {}", show(value)))
+    })
 }
 
 fn as_usize(value: &Value, name: &str) -> Result<usize, EvalError> {
@@ -296,15 +301,15 @@ fn as_usize(value: &Value, name: &str) -> Result<usize, EvalError> {
         }
         None => Err(EvalError::invalid(
             name,
-            format!("expected a non-negative integer, found {value}"),
+            not_integer("a non-negative integer", value),
         )),
     }
 }
 
 fn as_f64(value: &Value, name: &str) -> Result<f64, EvalError> {
-    let v = value
-        .as_f64()
-        .ok_or_else(|| EvalError::invalid(name, format!("expected a number, found {value}")))?;
+    let v = value.as_f64().ok_or_else(|| {
+        EvalError::invalid(name, format!("expected a number, found {}", show(value)))
+    })?;
     if !v.is_finite() {
         return Err(EvalError::new(
             "non_finite_input",
@@ -312,4 +317,28 @@ fn as_f64(value: &Value, name: &str) -> Result<f64, EvalError> {
         ));
     }
     Ok(v)
+}
+
+/// `value` as JSON for an error message, cut to
+/// [`packshard_reference::error::ECHO_CHARS`] characters.
+pub fn show(value: &Value) -> String {
+    packshard_reference::error::brief(&value.to_string())
+}
+
+/// The message for `value` where `expected` (an integer) was wanted: says
+/// what was given, and for a number written with a fraction or exponent
+/// (`1e2`, `100.0`) that an integer has neither.
+fn not_integer(expected: &str, value: &Value) -> String {
+    match value {
+        Value::Number(n) if n.is_f64() => format!(
+            "expected {expected}, found the number {} written with a fraction or exponent (write an integer such as {})",
+            show(value),
+            n.as_f64().filter(|x| x.fract() == 0.0 && x.abs() < 1e15).map_or("3".to_string(), |x| format!("{x:.0}"))
+        ),
+        Value::Number(n) if n.as_i64().is_some_and(|x| x < 0) => {
+            format!("expected {expected}, found the negative number {n}")
+        }
+        Value::Number(n) => format!("expected {expected}, found {n}, which is too large"),
+        _ => format!("expected {expected}, found {}", show(value)),
+    }
 }

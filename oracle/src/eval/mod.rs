@@ -163,7 +163,7 @@ pub fn evaluate(case: &Value) -> Result<Value, EvalError> {
         Some(other) => {
             return Err(EvalError::invalid(
                 "op",
-                format!("expected a string, found {other}"),
+                format!("expected a string, found {}", input::show(other)),
             ))
         }
         None => {
@@ -178,20 +178,28 @@ pub fn evaluate(case: &Value) -> Result<Value, EvalError> {
         let names: Vec<_> = all.iter().map(|o| o.name).collect();
         EvalError::new(
             "unknown_op",
-            format!("op: unknown op {name:?}; known: {}", names.join(", ")),
+            format!(
+                "op: unknown op {}; known: {}",
+                input::show(&Value::String(name.to_string())),
+                names.join(", ")
+            ),
         )
     })?;
     let mut chosen = "reference";
     if let Some(imp) = obj.get("impl") {
-        let imp = imp
-            .as_str()
-            .ok_or_else(|| EvalError::invalid("impl", format!("expected a string, found {imp}")))?;
+        let imp = imp.as_str().ok_or_else(|| {
+            EvalError::invalid(
+                "impl",
+                format!("expected a string, found {}", input::show(imp)),
+            )
+        })?;
         chosen = op.impls.iter().copied().find(|i| *i == imp).unwrap_or("");
         if chosen.is_empty() {
             return Err(EvalError::invalid(
                 "impl",
                 format!(
-                    "{name} has no impl {imp:?}; available: {}",
+                    "{name} has no impl {}; available: {}",
+                    input::show(&Value::String(imp.to_string())),
                     op.impls.join(", ")
                 ),
             ));
@@ -200,12 +208,152 @@ pub fn evaluate(case: &Value) -> Result<Value, EvalError> {
     (op.run)(case, chosen)
 }
 
+/// Bytes `eval` holds per value it computes: the f64 (8), its copies in
+/// the op's working buffers and per shard (~4 x 8), and its place in the
+/// result (a `serde_json::Value`, 32, and its text, ~24).
+pub const BYTES_PER_RESULT_VALUE: u64 = 96;
+
+/// Checks, before an op runs, that `values` computed values (from the
+/// case's shapes: the `[n, v]` logits of the output layer, the `[n, h]`
+/// lookup of an embedding) fit the memory budget.
+///
+/// # Errors
+/// `invalid_argument` naming `field`.
+pub(crate) fn check_values(field: &str, values: &[usize], what: &str) -> Result<(), EvalError> {
+    let count = values
+        .iter()
+        .try_fold(1u64, |acc, &d| acc.checked_mul(d as u64));
+    let bytes = count.and_then(|c| c.checked_mul(BYTES_PER_RESULT_VALUE));
+    packshard_reference::limits::check_estimate(field, bytes, what).map_err(EvalError::from)
+}
+
+/// The most bytes of one case (`packshard eval` holds up to ~100 x its
+/// text while parsing and computing): the memory budget over
+/// [`INPUT_EXPANSION`], and never more than 256 MiB.
+///
+/// # Errors
+/// As [`packshard_reference::limits::memory_budget`].
+pub fn max_case_bytes() -> Result<u64, EvalError> {
+    let budget = packshard_reference::limits::memory_budget()?;
+    Ok((budget / INPUT_EXPANSION).min(MAX_CASE_BYTES))
+}
+
+/// How many bytes of memory `eval` may hold per byte of a case's text (the
+/// parsed `serde_json::Value`, ~40 bytes per number of 2–20 characters, and
+/// the op's f64 copies): measured ~80 on tensors of short numbers.
+pub const INPUT_EXPANSION: u64 = 128;
+
+/// The cap on one case's size whatever the budget: 256 MiB.
+pub const MAX_CASE_BYTES: u64 = 256 << 20;
+
+/// Parses one case: JSON text (a leading UTF-8 byte-order mark is skipped)
+/// whose objects have no repeated key.
+///
+/// # Errors
+/// `invalid_json` for text that is not JSON, and for a key given twice in
+/// one object (naming the key: JSON parsers disagree on which one wins, so
+/// the oracle takes neither); `invalid_argument` for text over
+/// [`max_case_bytes`].
+pub fn parse_case(text: &str) -> Result<Value, EvalError> {
+    let text = text.strip_prefix('\u{feff}').unwrap_or(text);
+    let cap = max_case_bytes()?;
+    if text.len() as u64 > cap {
+        return Err(EvalError::invalid(
+            "case",
+            format!(
+                "{} bytes is over the {cap} bytes one case may have (the memory budget / {INPUT_EXPANSION}; set {} to change it)",
+                text.len(),
+                packshard_reference::limits::MEMORY_BUDGET_ENV
+            ),
+        ));
+    }
+    let mut de = serde_json::Deserializer::from_str(text);
+    let parsed = serde::Deserialize::deserialize(&mut de).and_then(|v: NoDuplicates| {
+        de.end()?;
+        Ok(v.0)
+    });
+    parsed.map_err(|e| EvalError::new("invalid_json", json_error(&e)))
+}
+
+/// serde_json's message, with the reason a text that starts wrongly cannot
+/// be a case.
+fn json_error(e: &serde_json::Error) -> String {
+    let msg = e.to_string();
+    if e.is_eof() && e.line() == 1 && e.column() == 0 {
+        return "the case is empty: expected a JSON object".to_string();
+    }
+    msg
+}
+
+/// A JSON value deserialized with every object's keys checked for repeats.
+struct NoDuplicates(Value);
+
+impl<'de> serde::Deserialize<'de> for NoDuplicates {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(NoDuplicatesVisitor).map(NoDuplicates)
+    }
+}
+
+struct NoDuplicatesVisitor;
+
+impl<'de> serde::de::Visitor<'de> for NoDuplicatesVisitor {
+    type Value = Value;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a JSON value")
+    }
+    fn visit_bool<E>(self, v: bool) -> Result<Value, E> {
+        Ok(Value::Bool(v))
+    }
+    fn visit_i64<E>(self, v: i64) -> Result<Value, E> {
+        Ok(Value::from(v))
+    }
+    fn visit_u64<E>(self, v: u64) -> Result<Value, E> {
+        Ok(Value::from(v))
+    }
+    fn visit_f64<E>(self, v: f64) -> Result<Value, E> {
+        Ok(serde_json::Number::from_f64(v).map_or(Value::Null, Value::Number))
+    }
+    fn visit_str<E>(self, v: &str) -> Result<Value, E> {
+        Ok(Value::String(v.to_string()))
+    }
+    fn visit_string<E>(self, v: String) -> Result<Value, E> {
+        Ok(Value::String(v))
+    }
+    fn visit_unit<E>(self) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+    fn visit_none<E>(self) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
+        let mut items = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(4096));
+        while let Some(NoDuplicates(v)) = seq.next_element()? {
+            items.push(v);
+        }
+        Ok(Value::Array(items))
+    }
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
+        let mut obj = serde_json::Map::new();
+        while let Some(key) = map.next_key::<String>()? {
+            if obj.contains_key(&key) {
+                return Err(serde::de::Error::custom(format!(
+                    "duplicate key {} (each field may be given once)",
+                    input::show(&Value::String(key))
+                )));
+            }
+            let NoDuplicates(v) = map.next_value()?;
+            obj.insert(key, v);
+        }
+        Ok(Value::Object(obj))
+    }
+}
+
 /// Parses and evaluates one case given as text.
 ///
 /// # Errors
-/// `invalid_json` for text that is not JSON; otherwise as [`evaluate`].
+/// `invalid_json` for text that is not JSON or repeats a key; otherwise as
+/// [`evaluate`].
 pub fn evaluate_str(text: &str) -> Result<Value, EvalError> {
-    let value: Value =
-        serde_json::from_str(text).map_err(|e| EvalError::new("invalid_json", e.to_string()))?;
-    evaluate(&value)
+    evaluate(&parse_case(text)?)
 }

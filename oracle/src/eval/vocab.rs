@@ -346,6 +346,12 @@ pub(super) fn linear_cross_entropy_op(value: &Value, imp: &str) -> Result<Value,
     let targets = case.i64_list("targets")?;
     let rows = weight.nrows();
     let (config, v, run) = loss_options(&case, rows)?;
+    // The `[n, v]` logits (and their gradient) are not in the input.
+    super::check_values(
+        "weight",
+        &[hidden.nrows(), rows.max(v), if want_grad { 2 } else { 1 }],
+        "the [n, v] logits of hidden @ weight^T",
+    )?;
     let list = registry::linear_cross_entropy();
     let mut out = match run {
         Run::Unsharded => {
@@ -452,6 +458,12 @@ pub(super) fn embedding_op(value: &Value, imp: &str) -> Result<Value, EvalError>
     } else {
         None
     };
+    // The `[n, h]` lookup (and the `[w, h]` gradient) are not in the input.
+    super::check_values(
+        "ids",
+        &[ids.len() + if want_grad { rows } else { 0 }, weight.ncols()],
+        "the [n, h] lookup of ids in weight",
+    )?;
     let real = weight.slice_axis(Axis(0), Slice::from(..v));
     let op = make(&registry::embedding(), imp)?;
     let mut out = Map::new();

@@ -144,6 +144,8 @@ impl Report {
 fn fmt_err(x: f64) -> String {
     if x.is_nan() {
         "nan".into()
+    } else if x.is_infinite() {
+        "inf".into()
     } else {
         fmt_e(x)
     }
@@ -350,7 +352,7 @@ fn compare(e: &Expected, a: &Loaded) -> Row {
         values: e.values.len(),
         first: None,
     };
-    let mut nonfinite_mismatch = false;
+    let mut nan_mismatch = false;
     for (i, (&x, &y)) in e.values.iter().zip(&a.values).enumerate() {
         if x.is_finite() && y.is_finite() {
             let d = (y - x).abs();
@@ -358,16 +360,21 @@ fn compare(e: &Expected, a: &Loaded) -> Row {
             if x != 0.0 {
                 row.max_rel = row.max_rel.max(d / x.abs());
             }
-        } else if x.to_bits() != y.to_bits() && x != y {
-            nonfinite_mismatch = true;
+        } else if x.is_nan() != y.is_nan() {
+            // A NaN where the other side has a number: no distance exists.
+            nan_mismatch = true;
+        } else if x != y && !x.is_nan() {
+            // An infinity where the other side has a number or the other
+            // infinity: infinitely far.
+            row.max_abs = f64::INFINITY;
+            row.max_rel = f64::INFINITY;
         }
         if !e.rule.passes(x, y) {
             row.failures += 1;
             row.first.get_or_insert((unravel(i, &e.shape), x, y));
         }
     }
-    if nonfinite_mismatch {
-        // A NaN or infinity where the other side has a number (or the other infinity).
+    if nan_mismatch {
         row.max_abs = f64::NAN;
         row.max_rel = f64::NAN;
     }

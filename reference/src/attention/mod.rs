@@ -175,6 +175,92 @@ pub fn check_cu_seqlens_named(field: &str, of: &str, cu: &[usize], n_tok: usize)
     Ok(())
 }
 
+/// The largest `|scale| * d * max|q| * max|k|` (and `d * max|q| * max|k|`,
+/// the unscaled dot product a kernel may form first) attention accepts:
+/// 1e30, below f32's 3.4e38 with room for a row's sum, so that every
+/// score, `exp(s - m)`, the row sum and `lse = m + ln s` are finite in f64
+/// and in every f32 kernel alike.
+pub const MAX_SCORE: f64 = 1e30;
+
+/// The most work the f64 reference attention does in one call, in units of
+/// one query-key pair of one head per head-dim element plus one
+/// (`Σ_segments l_q * l_k * h * (d + 1)`, or `n_q * n_k * h * (d + 1)` for
+/// a dense mask): 2^29. The `+ 1` is the per-pair cost besides the dot
+/// products (the `exp`, the row bookkeeping), which dominates at small `d`;
+/// measured on this project's 2-core machine in a dev build, one unit costs
+/// 17-21 ns forward at `d` = 1, 16 and 64 alike, so 2^29 is ~10 s forward
+/// (BERT-base's 2 x 512 tokens, 12 heads of 64, are 4.1e8 units; 20,000
+/// tokens of one segment at `d` = 1 are 8e8 and refused before any work).
+pub const MAX_ATTENTION_WORK: u64 = 1 << 29;
+
+/// Checks that no score `scale * q_i . k_j` can overflow (bound:
+/// `|scale| * d * max|q| * max|k| <= MAX_SCORE`, and the same without the
+/// scale), so that `output` and `lse` are finite as the contract says. The
+/// reference and every registered kernel call it, so all refuse alike.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] naming `scale` (not finite, or the scaled
+/// bound over [`MAX_SCORE`]) or `q` (the unscaled bound over it).
+pub fn check_scores(q: &ArrayView3<f64>, k: &ArrayView3<f64>, scale: f64) -> Result<()> {
+    if !scale.is_finite() {
+        return Err(Error::invalid(
+            "scale",
+            format!("must be finite, found {scale}"),
+        ));
+    }
+    let amax = |t: &ArrayView3<f64>| {
+        t.iter()
+            .copied()
+            .filter(|x| x.is_finite())
+            .fold(0.0f64, |m, x| m.max(x.abs()))
+    };
+    let d = q.dim().2 as f64;
+    let dot = d * amax(q) * amax(k);
+    if dot > MAX_SCORE {
+        return Err(Error::invalid(
+            "q",
+            format!("d x max|q| x max|k| = {dot:e} is over {MAX_SCORE:e}: the dot products q . k would overflow"),
+        ));
+    }
+    if scale.abs() * dot > MAX_SCORE {
+        return Err(Error::invalid(
+            "scale",
+            format!(
+                "|scale| x d x max|q| x max|k| = {:e} is over {MAX_SCORE:e}: the scores would overflow and output and lse would not be finite",
+                scale.abs() * dot
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Checks the reference's work on a varlen problem against
+/// [`MAX_ATTENTION_WORK`] before doing it (`h`, `d`: heads, head dim).
+///
+/// # Errors
+/// [`Error::InvalidArgument`] naming `cu_seqlens`.
+pub fn check_varlen_work(p: &Varlen<'_>, h: usize, d: usize) -> Result<()> {
+    let pairs: u128 = p
+        .cu_seqlens_q
+        .windows(2)
+        .zip(p.cu_seqlens_k.windows(2))
+        .map(|(wq, wk)| (wq[1] - wq[0]) as u128 * (wk[1] - wk[0]) as u128)
+        .sum();
+    check_work("cu_seqlens", pairs * h as u128 * (d as u128 + 1))
+}
+
+fn check_work(field: &str, work: u128) -> Result<()> {
+    if work > u128::from(MAX_ATTENTION_WORK) {
+        return Err(Error::invalid(
+            field,
+            format!(
+                "{work} units of work (query-key pairs x heads x (head dim + 1)) is over the {MAX_ATTENTION_WORK} one reference attention call may do"
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// Checks a varlen problem against `q: [n_q, ..]` and `k: [n_k, ..]`: both
 /// offset lists valid ([`check_cu_seqlens_named`]) and of one length `b + 1`.
 ///
@@ -341,6 +427,11 @@ pub fn masked_attention(
     let (n, h, d) = q.dim();
     let (n_k, h_kv, _) = k.dim();
     check_mask_shape2(allowed.shape(), n, n_k)?;
+    check_scores(&q, &k, scale)?;
+    check_work(
+        "allowed",
+        n as u128 * n_k as u128 * h as u128 * (d as u128 + 1),
+    )?;
     let mut output = Array3::zeros((n, h, d));
     let mut lse = Array2::zeros((h, n));
     let ok = |i: usize, j: usize| allowed[[i, j]];
@@ -408,6 +499,11 @@ pub fn masked_attention_backward(
     let (n_k, h_kv, _) = k.dim();
     check_mask_shape2(allowed.shape(), n, n_k)?;
     check_grad(&grad_output, fwd, (n, h, d))?;
+    check_scores(&q, &k, scale)?;
+    check_work(
+        "allowed",
+        n as u128 * n_k as u128 * h as u128 * (d as u128 + 1),
+    )?;
     let mut grads = zero_grads((n, h, d), (n_k, h_kv, d));
     let ok = |i: usize, j: usize| allowed[[i, j]];
     for heads in head_pairs(h, h_kv) {
@@ -502,6 +598,8 @@ pub fn varlen_attention_general(
     let (n, h, d) = q.dim();
     let (n_k, h_kv, _) = k.dim();
     check_varlen(p, n, n_k)?;
+    check_scores(&q, &k, p.scale)?;
+    check_varlen_work(p, h, d)?;
     let mut output = Array3::zeros((n, h, d));
     let mut lse = Array2::zeros((h, n));
     for (wq, wk) in p.cu_seqlens_q.windows(2).zip(p.cu_seqlens_k.windows(2)) {
@@ -544,6 +642,8 @@ pub fn varlen_attention_general_backward(
     let (n_k, h_kv, _) = k.dim();
     check_varlen(p, n, n_k)?;
     check_grad(&grad_output, fwd, (n, h, d))?;
+    check_scores(&q, &k, p.scale)?;
+    check_varlen_work(p, h, d)?;
     let mut grads = zero_grads((n, h, d), (n_k, h_kv, d));
     for (wq, wk) in p.cu_seqlens_q.windows(2).zip(p.cu_seqlens_k.windows(2)) {
         let (q0, lq, k0, lk) = (wq[0], wq[1] - wq[0], wk[0], wk[1] - wk[0]);

@@ -367,6 +367,7 @@ impl BertParams {
             line: 0,
             message: e.to_string(),
         })?;
+        check_config_against_file(config, &st)?;
         let mut p = BertParams::zeros(config);
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         let mut initialised = Vec::new();
@@ -447,4 +448,80 @@ fn fill_tensor(t: &mut ArrayViewMutD<f64>, fill: Fill, rng: &mut ChaCha8Rng) {
             Fill::Around(c, a) => c + a * (2.0 * rng.random::<f64>() - 1.0),
         };
     }
+}
+
+/// Checks `config.json` against the checkpoint's own shapes, and the
+/// parameters against the memory budget, before any parameter is allocated:
+/// a config whose vocabulary (or width, or depth) is not the weights' is
+/// refused naming the config field, not after allocating its parameters.
+fn check_config_against_file(config: &BertConfig, st: &SafeTensors<'_>) -> Result<()> {
+    let h = config.hidden_size;
+    let expect = [
+        (
+            "embeddings.word_embeddings.weight",
+            "vocab_size",
+            [config.vocab_size, h],
+        ),
+        (
+            "embeddings.position_embeddings.weight",
+            "max_position_embeddings",
+            [config.max_position_embeddings, h],
+        ),
+        (
+            "embeddings.token_type_embeddings.weight",
+            "type_vocab_size",
+            [config.type_vocab_size, h],
+        ),
+        (
+            "encoder.layer.0.intermediate.dense.weight",
+            "intermediate_size",
+            [config.intermediate_size, h],
+        ),
+    ];
+    for (name, field, shape) in expect {
+        let view = st
+            .tensor(name)
+            .or_else(|_| st.tensor(&format!("bert.{name}")));
+        let Ok(view) = view else {
+            continue; // reported as missing with the other tensors
+        };
+        if view.shape() != shape {
+            // The same error as a wrong shape found while loading, naming
+            // the config field that disagrees with the file as well.
+            let field = if view.shape().get(1) == Some(&shape[1]) {
+                field
+            } else {
+                "hidden_size"
+            };
+            return Err(Error::ShapeMismatch {
+                field: name.to_string(),
+                expected: format!("{shape:?} (from config.json's {field})"),
+                actual: view.shape().to_vec(),
+            });
+        }
+    }
+    // The layers the file has: one past the largest `encoder.layer.<i>.`.
+    let file_layers = st
+        .names()
+        .into_iter()
+        .filter_map(|name| {
+            let rest = name.strip_prefix("bert.").unwrap_or(name);
+            let rest = rest.strip_prefix("encoder.layer.")?;
+            rest.split('.').next()?.parse::<usize>().ok()
+        })
+        .max()
+        .map_or(0, |i| i.saturating_add(1));
+    if file_layers != config.num_hidden_layers {
+        return Err(Error::invalid(
+            "num_hidden_layers",
+            format!(
+                "config.json gives {} layers, model.safetensors has {file_layers}",
+                config.num_hidden_layers
+            ),
+        ));
+    }
+    // The parameters, their gradients and a second copy for the packed and
+    // padded runs.
+    let bytes = (config.num_parameters() as u64).checked_mul(8 * 4);
+    crate::limits::check_estimate("config.json", bytes, "the model's parameters and gradients")
 }

@@ -48,9 +48,11 @@ impl PackedBatch {
     /// # Errors
     /// [`Error::IndexOutOfRange`] (field `plan`) if a segment names a sequence
     /// or a token range that does not exist; [`Error::InvalidArgument`] if a
-    /// pack holds more than `max_seq_len` tokens, or (field `max_seq_len`) if
+    /// pack holds more than `max_seq_len` tokens, (field `max_seq_len`) if
     /// the batch is over [`MAX_BATCH_SLOTS`] or its slots times
-    /// [`BATCH_BYTES_PER_SLOT`] over the memory budget.
+    /// [`BATCH_BYTES_PER_SLOT`] over the memory budget, or naming
+    /// `position_offset` if it is negative or `position_offset + max_seq_len`
+    /// overflows.
     pub fn new(
         sequences: &[Vec<i64>],
         plan: &PackingPlan,
@@ -58,6 +60,16 @@ impl PackedBatch {
         pad_token_id: i64,
         position_offset: i64,
     ) -> Result<Self> {
+        // Position ids index a position-embedding table: a negative offset
+        // (or one whose last position overflows i64) names no row.
+        if position_offset < 0 || position_offset.checked_add(max_seq_len as i64).is_none() {
+            return Err(Error::invalid(
+                "position_offset",
+                format!(
+                    "{position_offset} must be at least 0 and leave room for {max_seq_len} positions below 2^63 (position ids index a position-embedding table)"
+                ),
+            ));
+        }
         let num_packs = plan.packs.len();
         if num_packs.saturating_mul(max_seq_len) > MAX_BATCH_SLOTS {
             return Err(Error::invalid(

@@ -103,6 +103,24 @@ fn check_grad_output(grad_output: ArrayView2<f64>, n: usize) -> Result<()> {
     check_finite("grad_output", grad_output.iter())
 }
 
+/// Checks `grad_output: [n, h]` against the lookup it is the gradient of:
+/// `n` ids and a weight of width `h` (a gradient of another width would
+/// give a `grad_weight` of that width, silently not the weight's shape).
+///
+/// # Errors
+/// [`Error::ShapeMismatch`] naming `grad_output`; [`Error::NonFiniteInput`].
+pub fn check_embedding_grad(grad_output: ArrayView2<f64>, n: usize, h: usize) -> Result<()> {
+    // `[0, 0]` is `[0, h]` (JSON's `[]` has no width).
+    if grad_output.nrows() != n || (n > 0 && grad_output.ncols() != h) {
+        return Err(Error::ShapeMismatch {
+            field: "grad_output".into(),
+            expected: format!("[n, h] = [{n}, {h}] (the number of ids, the weight's width)"),
+            actual: grad_output.shape().to_vec(),
+        });
+    }
+    check_finite("grad_output", grad_output.iter())
+}
+
 /// One rank of the sharded embedding forward: `ids: [n]` (replicated, global
 /// ids), this rank's rows `weight: [w_r, h]` (padding rows never read).
 /// Returns the full `[n, h]` output on every rank.
@@ -215,7 +233,7 @@ pub fn sharded_embedding(
     check_weight(weight, v, 0)?;
     check_logits_size("ids", ids.len(), weight.ncols())?;
     if let Some(g) = grad_output {
-        check_grad_output(g, ids.len())?;
+        check_embedding_grad(g, ids.len(), weight.ncols())?;
     }
     let parts = map.split_rows(weight, "weight")?;
     let ranks = run_ranks(map.num_shards(), |comm| {

@@ -92,7 +92,10 @@ impl EmbeddingOp for ReferenceEmbedding {
     ) -> Result<Embedding> {
         let output = embedding_forward(ids, weight)?;
         let grad_weight = match grad_output {
-            Some(g) => Some(embedding_backward(ids, g, weight.nrows())?),
+            Some(g) => {
+                crate::vocab::embedding::check_embedding_grad(g, ids.len(), weight.ncols())?;
+                Some(embedding_backward(ids, g, weight.nrows())?)
+            }
             None => None,
         };
         Ok(Embedding {
