@@ -6,8 +6,8 @@
 # corpus under fuzz/corpus/<target>/ (gitignored; it grows from run to run,
 # starting from the committed seeds and regressions).
 #
-# Not run by CI: CI's fuzz smoke run is deterministic (scripts/test.sh,
-# FUZZ_RUNS executions from a fixed seed). Run this by hand:
+# Not run by CI: CI fuzzes deterministically inside `cargo test`
+# (tests/fuzz_regressions.rs: FUZZ_RUNS seeded mutations). Run this by hand:
 #
 #   scripts/fuzz_campaign.sh                         # 10 minutes per target
 #   SECONDS_PER_TARGET=60 scripts/fuzz_campaign.sh attention eval_json

@@ -114,3 +114,90 @@ fn the_libfuzzer_entry_panics_with_a_readable_failure() {
     let msg = err.downcast_ref::<String>().cloned().unwrap_or_default();
     assert!(msg.contains("no fuzz target \"no_such_target\""), "{msg}");
 }
+
+/// Inputs derived deterministically from the committed ones: `FUZZ_RUNS`
+/// (default 400) per target, drawn from a ChaCha8 stream seeded with
+/// `FUZZ_SEED` (default 1) and the target's name. Each is a committed input
+/// with 1 to 8 mutations (a byte set, inserted, deleted, or a run copied from
+/// elsewhere in the input — libFuzzer's basic mutators), or, one time in
+/// eight, fresh random bytes. This is CI's fuzz step: the same inputs on every
+/// clone, so a run fails only for a change it was given; coverage-guided
+/// campaigns that look for new failures are `scripts/fuzz_campaign.sh`, and
+/// what they find is committed to `fuzz/regressions/` and replayed above.
+#[test]
+fn seeded_mutations_of_the_committed_inputs_pass() {
+    use rand::{Rng, SeedableRng};
+    let runs: usize = std::env::var("FUZZ_RUNS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(400);
+    let seed: u64 = std::env::var("FUZZ_SEED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1);
+    if runs == 0 {
+        eprintln!("FUZZ_RUNS=0: seeded fuzzing skipped");
+        return;
+    }
+    for t in targets() {
+        let mut corpus: Vec<Vec<u8>> = Vec::new();
+        for kind in ["seeds", "regressions"] {
+            let dir = root().join("fuzz").join(kind).join(t.name);
+            let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
+                .map(|e| e.map(|e| e.unwrap().path()).collect())
+                .unwrap_or_default();
+            files.retain(|p| {
+                p.is_file() && !p.file_name().unwrap().to_string_lossy().starts_with('.')
+            });
+            files.sort();
+            corpus.extend(files.iter().map(|p| std::fs::read(p).unwrap()));
+        }
+        assert!(!corpus.is_empty(), "{}: no committed inputs", t.name);
+        let name_hash = t
+            .name
+            .bytes()
+            .fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed ^ name_hash);
+        let mut total = Outcome::default();
+        for run in 0..runs {
+            let input: Vec<u8> = if rng.random_range(0..8) == 0 {
+                let len = rng.random_range(0..512);
+                (0..len).map(|_| rng.random()).collect()
+            } else {
+                let mut d = corpus[rng.random_range(0..corpus.len())].clone();
+                for _ in 0..rng.random_range(1..=8) {
+                    let at = rng.random_range(0..=d.len());
+                    match rng.random_range(0..4) {
+                        0 if at < d.len() => d[at] = rng.random(),
+                        1 => d.insert(at, rng.random()),
+                        2 if at < d.len() => {
+                            d.remove(at);
+                        }
+                        _ if !d.is_empty() => {
+                            let from = rng.random_range(0..d.len());
+                            let len = rng.random_range(1..=16).min(d.len() - from);
+                            let run: Vec<u8> = d[from..from + len].to_vec();
+                            d.splice(at..at, run);
+                        }
+                        _ => d.push(rng.random()),
+                    }
+                }
+                d
+            };
+            match (t.run)(&input) {
+                Ok(o) => total.merge(o),
+                Err(f) => panic!(
+                    "{}: seeded input {run} (FUZZ_SEED={seed}) failed: {f}\ninput bytes: {input:?}",
+                    t.name
+                ),
+            }
+        }
+        eprintln!("{} (FUZZ_SEED={seed}, {runs} inputs): {total:?}", t.name);
+        // The mutated inputs reach the comparisons, not only the parsers.
+        assert!(
+            total.compared + total.errors_alike >= 1,
+            "{}: no seeded input was compared: {total:?}",
+            t.name
+        );
+    }
+}
