@@ -274,7 +274,7 @@ pub const SMALL_CHUNKS: Chunks = Chunks {
 /// Every [`AttentionOp`].
 pub fn attention() -> Vec<Entry<dyn AttentionOp>> {
     #[allow(unused_mut)]
-    let mut list = vec![
+    let mut list: Vec<Entry<dyn AttentionOp>> = vec![
         Entry {
             name: REFERENCE,
             changed: "the f64 reference: plain loops over allowed keys, GQA, cu_seqlens_q/cu_seqlens_k, bottom-right causal",
