@@ -19,8 +19,8 @@
 #![cfg(feature = "cuda")]
 
 use ndarray::Array2;
-use packshard_equivalence::compare::{assert_close, assert_close_with_scale, Mismatch, Tolerance};
-use packshard_optimized::cuda::attention::{AttentionKernels, AttnShape, Form};
+use packshard_equivalence::compare::{assert_close_with_scale, Mismatch, Tolerance};
+use packshard_optimized::cuda::attention::{AttentionKernels, AttnShape, Call, Form};
 use packshard_optimized::cuda::emu::Emulator;
 use packshard_optimized::cuda::vocab::{
     alg2_linear_cross_entropy, Alg2Output, ShardInput, ShardKernels, ShardStats,
@@ -164,21 +164,28 @@ fn the_emulator_builds_from_the_kernel_sources() {
 /// launch: non-finite values (flat index), shapes, offsets (the reference's
 /// `check_cu_seqlens`: `InvalidArgument` naming `cu_seqlens[i]`), head dim.
 fn rejects_bad_input(kernels: &dyn AttentionKernels) {
-    let s = AttnShape {
-        n_tok: 4,
-        h: 1,
-        d: 2,
-    };
     let x = vec![0.5f32; 8];
     let mut bad = x.clone();
     bad[5] = f32::NAN;
-    match kernels.attention_forward(&x, &bad, &x, s, Form::Packed(&[0, 4]), 1.0) {
+    let c = Call {
+        q: &x,
+        k: &x,
+        v: &x,
+        shape: AttnShape {
+            n_tok: 4,
+            h: 1,
+            d: 2,
+        },
+        form: Form::Packed(&[0, 4]),
+        scale: 1.0,
+    };
+    match kernels.attention_forward(&Call { k: &bad, ..c }) {
         Err(CudaError::Input(Error::NonFiniteInput { field, index, .. })) => {
             assert_eq!((field.as_str(), index), ("k", 5))
         }
         other => panic!("{other:?}"),
     }
-    match kernels.attention_forward(&x, &x[..6], &x, s, Form::Packed(&[0, 4]), 1.0) {
+    match kernels.attention_forward(&Call { k: &x[..6], ..c }) {
         Err(CudaError::Input(Error::ShapeMismatch { field, .. })) => assert_eq!(field, "k"),
         other => panic!("{other:?}"),
     }
@@ -187,21 +194,31 @@ fn rejects_bad_input(kernels: &dyn AttentionKernels) {
         (&[0, 3, 2, 4][..], "cu_seqlens[2]"),
         (&[0, 2, 3][..], "cu_seqlens[2]"),
     ] {
-        match kernels.attention_forward(&x, &x, &x, s, Form::Packed(cu), 1.0) {
+        let form = Form::Packed(cu);
+        match kernels.attention_forward(&Call { form, ..c }) {
             Err(CudaError::Input(Error::InvalidArgument { field: f, .. })) => {
                 assert_eq!(f, field, "{cu:?}")
             }
             other => panic!("{cu:?}: {other:?}"),
         }
     }
-    let s129 = AttnShape {
+    let y = vec![0.0f32; 129];
+    let shape = AttnShape {
         n_tok: 1,
         h: 1,
         d: 129,
     };
-    let y = vec![0.0f32; 129];
+    let form = Form::Packed(&[0, 1]);
+    let wide = Call {
+        q: &y,
+        k: &y,
+        v: &y,
+        shape,
+        form,
+        scale: 1.0,
+    };
     assert!(matches!(
-        kernels.attention_forward(&y, &y, &y, s129, Form::Packed(&[0, 1]), 1.0),
+        kernels.attention_forward(&wide),
         Err(CudaError::Input(Error::InvalidArgument { .. }))
     ));
 }
@@ -391,29 +408,32 @@ fn check_alg2(
                 )
                 .map_err(|e| Mismatch::new(&what, e.to_string()))?;
                 assert_eq!(g.num_tokens, r.ce.num_tokens, "{what}: counted tokens");
-                close(
+                close_scaled(
                     &mut worst,
                     &format!("{what}: loss"),
                     &[r.ce.loss],
                     &[g.loss],
                     &[1],
                     tol,
+                    None,
                 )?;
-                close(
+                close_scaled(
                     &mut worst,
                     &format!("{what}: per_token_loss"),
                     r.ce.per_token_loss.as_slice().unwrap(),
                     &g.per_token_loss,
                     &[n],
                     tol,
+                    None,
                 )?;
-                close(
+                close_scaled(
                     &mut worst,
                     &format!("{what}: logsumexp"),
                     r.ce.logsumexp().as_slice().unwrap(),
                     &g.logsumexp,
                     &[n],
                     tol,
+                    None,
                 )?;
                 // Gradients may cancel to 0 (v = 1: p - q = 1 - 1); judge
                 // them against the size of their terms, `|W|` or `|x|` per
@@ -448,7 +468,8 @@ fn check_alg2(
     Ok((checked, worst))
 }
 
-/// [`assert_close_with_scale`], recording the largest `max |diff| / scale`.
+/// [`assert_close_with_scale`] (`scale: None`: the tensor's own largest
+/// magnitude), recording the largest `max |diff| / scale`.
 fn close_scaled(
     worst: &mut f64,
     what: &str,
@@ -596,23 +617,6 @@ fn gpu_alg2_matches_the_reference() {
     );
 }
 
-/// [`assert_close`], recording the largest `max |diff| / max |expected|`.
-fn close(
-    worst: &mut f64,
-    what: &str,
-    expected: &[f64],
-    actual: &[f64],
-    shape: &[usize],
-    tol: Tolerance,
-) -> Result<(), Mismatch> {
-    assert_close(what, expected, actual, shape, tol)?;
-    let scale = expected.iter().fold(0.0f64, |m, v| m.max(v.abs()));
-    let e = packshard_equivalence::compare::error_stats(expected, actual).max_abs;
-    if scale > 0.0 {
-        *worst = worst.max(e / scale);
-    }
-    Ok(())
-}
 #[test]
 fn emulated_alg2_matches_the_reference() {
     let Some(e) = emu_or_skip("emulated_alg2_matches_the_reference") else {
@@ -688,8 +692,16 @@ fn gpu_attention_bench() {
                 .map(|_| (2.0 * splitmix(&mut s) - 1.0) as f32)
                 .collect();
             let shape = AttnShape { n_tok, h, d };
+            let c = Call {
+                q: &x,
+                k: &x,
+                v: &x,
+                shape,
+                form: Form::Packed(cu_used),
+                scale: 0.125,
+            };
             let secs = gpu
-                .time_varlen_forward(&x, &x, &x, shape, cu_used, 0.125, 10)
+                .time_attention(&c, false, 10)
                 .unwrap_or_else(|e| panic!("{e}"));
             let executed = cuda::attention::attention_flops(cu_used, h, d, false);
             println!(
@@ -701,7 +713,7 @@ fn gpu_attention_bench() {
                 executed / secs / 1e12
             );
             let secs = gpu
-                .time_varlen_forward_backward(&x, &x, &x, shape, cu_used, 0.125, 5)
+                .time_attention(&c, true, 5)
                 .unwrap_or_else(|e| panic!("{e}"));
             let useful_fb = useful + cuda::attention::attention_flops(&cu, h, d, true);
             let executed_fb = executed + cuda::attention::attention_flops(cu_used, h, d, true);

@@ -36,7 +36,8 @@ pub struct AttnShape {
 }
 
 impl AttnShape {
-    fn values(&self) -> usize {
+    /// `n_tok h d`.
+    pub fn values(&self) -> usize {
         self.n_tok * self.h * self.d
     }
 }
@@ -68,6 +69,36 @@ pub enum Form<'a> {
     Packed(&'a [usize]),
     /// One padded row, `allowed: [L, L]` row-major.
     Masked(&'a [bool]),
+}
+
+/// One attention call: `q, k, v: [n_tok, h, d]` in f32, the form and the
+/// scale on `q . k`.
+#[derive(Debug, Clone, Copy)]
+pub struct Call<'a> {
+    /// `[n_tok, h, d]`.
+    pub q: &'a [f32],
+    /// `[n_tok, h, d]`.
+    pub k: &'a [f32],
+    /// `[n_tok, h, d]`.
+    pub v: &'a [f32],
+    /// Its shape.
+    pub shape: AttnShape,
+    /// Packed or masked.
+    pub form: Form<'a>,
+    /// Multiplies `q . k`.
+    pub scale: f32,
+}
+
+/// One attention backward call: the forward call's inputs, the forward's
+/// results and `grad_output: [n_tok, h, d]`.
+#[derive(Debug, Clone, Copy)]
+pub struct BackwardCall<'a> {
+    /// The inputs, as the forward took them.
+    pub call: Call<'a>,
+    /// The forward's `output` and `lse`.
+    pub fwd: &'a AttnForward,
+    /// `[n_tok, h, d]`.
+    pub grad_output: &'a [f32],
 }
 
 fn check_shape(shape: AttnShape) -> Result<()> {
@@ -139,25 +170,19 @@ impl Plan {
     ///
     /// # Errors
     /// The reference's errors naming the field (see [`AttentionKernels`]).
-    pub fn forward_call(
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        shape: AttnShape,
-        form: Form<'_>,
-        scale: f32,
-    ) -> Result<Plan> {
-        check_shape(shape)?;
-        let dims = [shape.n_tok, shape.h, shape.d];
-        for (f, x) in [("q", q), ("k", k), ("v", v)] {
+    pub fn forward_call(c: &Call<'_>) -> Result<Plan> {
+        check_shape(c.shape)?;
+        let dims = [c.shape.n_tok, c.shape.h, c.shape.d];
+        for (f, x) in [("q", c.q), ("k", c.k), ("v", c.v)] {
             check_len(f, x, &dims, "[n_tok, h, d]")?;
             check_finite32(f, x)?;
         }
-        check_form(form, shape)?;
-        if !scale.is_finite() {
+        check_form(c.form, c.shape)?;
+        if !c.scale.is_finite() {
+            let scale = c.scale;
             return Err(Error::invalid("scale", format!("{scale} is not finite")).into());
         }
-        Plan::new(form, shape)
+        Plan::new(c.form, c.shape)
     }
 
     /// Checks a backward call: as [`Plan::forward_call`], plus the saved
@@ -165,23 +190,14 @@ impl Plan {
     ///
     /// # Errors
     /// As [`Plan::forward_call`].
-    #[allow(clippy::too_many_arguments)]
-    pub fn backward_call(
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        shape: AttnShape,
-        form: Form<'_>,
-        scale: f32,
-        fwd: &AttnForward,
-        grad_output: &[f32],
-    ) -> Result<Plan> {
-        let plan = Plan::forward_call(q, k, v, shape, form, scale)?;
-        let dims = [shape.n_tok, shape.h, shape.d];
-        check_len("grad_output", grad_output, &dims, "[n_tok, h, d]")?;
-        check_finite32("grad_output", grad_output)?;
-        check_len("output", &fwd.output, &dims, "[n_tok, h, d]")?;
-        check_len("lse", &fwd.lse, &[shape.h, shape.n_tok], "[h, n_tok]")?;
+    pub fn backward_call(b: &BackwardCall<'_>) -> Result<Plan> {
+        let plan = Plan::forward_call(&b.call)?;
+        let s = b.call.shape;
+        let dims = [s.n_tok, s.h, s.d];
+        check_len("grad_output", b.grad_output, &dims, "[n_tok, h, d]")?;
+        check_finite32("grad_output", b.grad_output)?;
+        check_len("output", &b.fwd.output, &dims, "[n_tok, h, d]")?;
+        check_len("lse", &b.fwd.lse, &[s.h, s.n_tok], "[h, n_tok]")?;
         Ok(plan)
     }
 
@@ -240,47 +256,20 @@ pub trait AttentionKernels: Send + Sync {
     ///
     /// # Errors
     /// See the trait docs.
-    fn attention_forward(
-        &self,
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        shape: AttnShape,
-        form: Form<'_>,
-        scale: f32,
-    ) -> Result<AttnForward>;
+    fn attention_forward(&self, c: &Call<'_>) -> Result<AttnForward>;
 
     /// Attention backward in either [`Form`], from the forward's `output`
     /// and `lse` and `grad_output: [n_tok, h, d]`.
     ///
     /// # Errors
     /// See the trait docs.
-    #[allow(clippy::too_many_arguments)]
-    fn attention_backward(
-        &self,
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        shape: AttnShape,
-        form: Form<'_>,
-        scale: f32,
-        fwd: &AttnForward,
-        grad_output: &[f32],
-    ) -> Result<AttnGrads>;
+    fn attention_backward(&self, b: &BackwardCall<'_>) -> Result<AttnGrads>;
 }
 
 impl AttentionKernels for Gpu {
-    fn attention_forward(
-        &self,
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        shape: AttnShape,
-        form: Form<'_>,
-        scale: f32,
-    ) -> Result<AttnForward> {
-        let plan = Plan::forward_call(q, k, v, shape, form, scale)?;
-        let (n, h) = (shape.n_tok, shape.h);
+    fn attention_forward(&self, c: &Call<'_>) -> Result<AttnForward> {
+        let plan = Plan::forward_call(c)?;
+        let (n, h) = (c.shape.n_tok, c.shape.h);
         if n == 0 {
             return Ok(AttnForward {
                 output: vec![],
@@ -288,34 +277,22 @@ impl AttentionKernels for Gpu {
             });
         }
         let s = self.stream();
-        let dq = driver("copy q", s.clone_htod(q))?;
-        let dk = driver("copy k", s.clone_htod(k))?;
-        let dv = driver("copy v", s.clone_htod(v))?;
-        let mut out = driver("alloc output", s.alloc_zeros::<f32>(shape.values()))?;
+        let [dq, dk, dv] = self.upload_qkv(c)?;
+        let mut out = driver("alloc output", s.alloc_zeros::<f32>(c.shape.values()))?;
         // Rows of empty segments are never visited: their lse stays -inf.
         let mut lse = driver("copy lse", s.clone_htod(&vec![f32::NEG_INFINITY; h * n]))?;
-        let form_dev = upload_form(self, form)?;
-        self.launch_forward(&dq, &dk, &dv, &plan, &form_dev, scale, &mut out, &mut lse)?;
+        let form_dev = upload_form(self, c.form)?;
+        self.launch_forward([&dq, &dk, &dv], &plan, &form_dev, c.scale, &mut out, &mut lse)?;
         Ok(AttnForward {
             output: driver("copy output back", s.clone_dtoh(&out))?,
             lse: driver("copy lse back", s.clone_dtoh(&lse))?,
         })
     }
 
-    fn attention_backward(
-        &self,
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        shape: AttnShape,
-        form: Form<'_>,
-        scale: f32,
-        fwd: &AttnForward,
-        grad_output: &[f32],
-    ) -> Result<AttnGrads> {
-        let plan = Plan::backward_call(q, k, v, shape, form, scale, fwd, grad_output)?;
-        let (n, h) = (shape.n_tok, shape.h);
-        let zeros = || vec![0.0f32; shape.values()];
+    fn attention_backward(&self, b: &BackwardCall<'_>) -> Result<AttnGrads> {
+        let plan = Plan::backward_call(b)?;
+        let c = &b.call;
+        let zeros = || vec![0.0f32; c.shape.values()];
         if plan.is_empty() {
             return Ok(AttnGrads {
                 grad_q: zeros(),
@@ -324,20 +301,12 @@ impl AttentionKernels for Gpu {
             });
         }
         let s = self.stream();
-        let mut bufs = BwdBuffers {
-            q: driver("copy q", s.clone_htod(q))?,
-            k: driver("copy k", s.clone_htod(k))?,
-            v: driver("copy v", s.clone_htod(v))?,
-            out: driver("copy output", s.clone_htod(&fwd.output))?,
-            grad_out: driver("copy grad_output", s.clone_htod(grad_output))?,
-            lse: driver("copy lse", s.clone_htod(&fwd.lse))?,
-            delta: driver("alloc delta", s.alloc_zeros::<f32>(h * n))?,
-            gq: driver("alloc grad_q", s.alloc_zeros::<f32>(shape.values()))?,
-            gk: driver("alloc grad_k", s.alloc_zeros::<f32>(shape.values()))?,
-            gv: driver("alloc grad_v", s.alloc_zeros::<f32>(shape.values()))?,
-        };
-        let form_dev = upload_form(self, form)?;
-        self.launch_backward(&mut bufs, &plan, &form_dev, scale)?;
+        let mut bufs = BwdBuffers::new(self, c)?;
+        driver("copy output", s.memcpy_htod(&b.fwd.output, &mut bufs.out))?;
+        driver("copy grad_output", s.memcpy_htod(b.grad_output, &mut bufs.grad_out))?;
+        driver("copy lse", s.memcpy_htod(&b.fwd.lse, &mut bufs.lse))?;
+        let form_dev = upload_form(self, c.form)?;
+        self.launch_backward(&mut bufs, &plan, &form_dev, c.scale)?;
         let (gq, gk, gv) = (&bufs.gq, &bufs.gk, &bufs.gv);
         Ok(AttnGrads {
             grad_q: driver("copy grad_q back", s.clone_dtoh(gq))?,
@@ -358,12 +327,19 @@ fn dims32(shape: AttnShape) -> (i32, i32, i32) {
 }
 
 impl Gpu {
-    #[allow(clippy::too_many_arguments)]
+    /// `q, k, v` on the device.
+    fn upload_qkv(&self, c: &Call<'_>) -> Result<[CudaSlice<f32>; 3]> {
+        let s = self.stream();
+        Ok([
+            driver("copy q", s.clone_htod(c.q))?,
+            driver("copy k", s.clone_htod(c.k))?,
+            driver("copy v", s.clone_htod(c.v))?,
+        ])
+    }
+
     fn launch_forward(
         &self,
-        dq: &CudaSlice<f32>,
-        dk: &CudaSlice<f32>,
-        dv: &CudaSlice<f32>,
+        [dq, dk, dv]: [&CudaSlice<f32>; 3],
         plan: &Plan,
         form: &DeviceForm,
         scale: f32,
@@ -388,40 +364,32 @@ impl Gpu {
         Ok(())
     }
 
-    /// Times the packed forward on device-resident inputs: uploads once,
-    /// launches `reps` times after one warm-up, and returns seconds per
-    /// launch (kernel time, no copies). For the GPU bench.
+    /// Times the forward (`backward: false`) or the forward plus backward
+    /// (`grad_output = v`) on device-resident inputs: uploads once, runs one
+    /// warm-up pass, then `reps`; seconds per pass (kernel time, no copies).
+    /// For the GPU bench.
     ///
     /// # Errors
     /// As [`AttentionKernels::attention_forward`].
-    #[allow(clippy::too_many_arguments)]
-    pub fn time_varlen_forward(
-        &self,
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        shape: AttnShape,
-        cu_seqlens: &[usize],
-        scale: f32,
-        reps: usize,
-    ) -> Result<f64> {
-        let form = Form::Packed(cu_seqlens);
-        let plan = Plan::forward_call(q, k, v, shape, form, scale)?;
+    pub fn time_attention(&self, c: &Call<'_>, backward: bool, reps: usize) -> Result<f64> {
+        let plan = Plan::forward_call(c)?;
         let s = self.stream();
-        let dq = driver("copy q", s.clone_htod(q))?;
-        let dk = driver("copy k", s.clone_htod(k))?;
-        let dv = driver("copy v", s.clone_htod(v))?;
-        let mut out = driver("alloc output", s.alloc_zeros::<f32>(shape.values().max(1)))?;
-        let mut lse = driver(
-            "alloc lse",
-            s.alloc_zeros::<f32>((shape.h * shape.n_tok).max(1)),
-        )?;
-        let dev = upload_form(self, form)?;
-        self.launch_forward(&dq, &dk, &dv, &plan, &dev, scale, &mut out, &mut lse)?;
+        let mut bufs = BwdBuffers::new(self, c)?;
+        driver("copy grad_output", s.memcpy_htod(c.v, &mut bufs.grad_out))?;
+        let dev = upload_form(self, c.form)?;
+        let pass = |bufs: &mut BwdBuffers| -> Result<()> {
+            let qkv = [&bufs.q, &bufs.k, &bufs.v];
+            self.launch_forward(qkv, &plan, &dev, c.scale, &mut bufs.out, &mut bufs.lse)?;
+            if backward {
+                self.launch_backward(bufs, &plan, &dev, c.scale)?;
+            }
+            Ok(())
+        };
+        pass(&mut bufs)?;
         driver("synchronize", s.synchronize())?;
         let t0 = std::time::Instant::now();
         for _ in 0..reps.max(1) {
-            self.launch_forward(&dq, &dk, &dv, &plan, &dev, scale, &mut out, &mut lse)?;
+            pass(&mut bufs)?;
         }
         driver("synchronize", s.synchronize())?;
         Ok(t0.elapsed().as_secs_f64() / reps.max(1) as f64)
@@ -441,6 +409,30 @@ struct BwdBuffers {
     gq: CudaSlice<f32>,
     gk: CudaSlice<f32>,
     gv: CudaSlice<f32>,
+}
+
+impl BwdBuffers {
+    /// `q, k, v` uploaded, every other buffer zeroed (at least one value:
+    /// the driver refuses empty buffers).
+    fn new(gpu: &Gpu, c: &Call<'_>) -> Result<BwdBuffers> {
+        let s = gpu.stream();
+        let vals = c.shape.values().max(1);
+        let rows = (c.shape.h * c.shape.n_tok).max(1);
+        let zeros = |what: &str, len: usize| driver(what, s.alloc_zeros::<f32>(len));
+        let [q, k, v] = gpu.upload_qkv(c)?;
+        Ok(BwdBuffers {
+            q,
+            k,
+            v,
+            out: zeros("alloc output", vals)?,
+            grad_out: zeros("alloc grad_output", vals)?,
+            lse: zeros("alloc lse", rows)?,
+            delta: zeros("alloc delta", rows)?,
+            gq: zeros("alloc grad_q", vals)?,
+            gk: zeros("alloc grad_k", vals)?,
+            gv: zeros("alloc grad_v", vals)?,
+        })
+    }
 }
 
 impl Gpu {
@@ -489,56 +481,6 @@ impl Gpu {
         // SAFETY: matches `attn_bwd_dkv`.
         driver("launch attn_bwd_dkv", unsafe { b.launch(l.config()) })?;
         Ok(())
-    }
-
-    /// Times the packed forward plus backward on device-resident inputs
-    /// (`grad_output = v`): one warm-up, then `reps` passes; seconds per
-    /// pass (kernel time, no copies). For the GPU bench.
-    ///
-    /// # Errors
-    /// As [`AttentionKernels::attention_forward`].
-    #[allow(clippy::too_many_arguments)]
-    pub fn time_varlen_forward_backward(
-        &self,
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        shape: AttnShape,
-        cu_seqlens: &[usize],
-        scale: f32,
-        reps: usize,
-    ) -> Result<f64> {
-        let form = Form::Packed(cu_seqlens);
-        let plan = Plan::forward_call(q, k, v, shape, form, scale)?;
-        let s = self.stream();
-        let vals = shape.values().max(1);
-        let rows = (shape.h * shape.n_tok).max(1);
-        let mut bufs = BwdBuffers {
-            q: driver("copy q", s.clone_htod(q))?,
-            k: driver("copy k", s.clone_htod(k))?,
-            v: driver("copy v", s.clone_htod(v))?,
-            out: driver("alloc output", s.alloc_zeros::<f32>(vals))?,
-            grad_out: driver("copy grad_output", s.clone_htod(v))?,
-            lse: driver("alloc lse", s.alloc_zeros::<f32>(rows))?,
-            delta: driver("alloc delta", s.alloc_zeros::<f32>(rows))?,
-            gq: driver("alloc grad_q", s.alloc_zeros::<f32>(vals))?,
-            gk: driver("alloc grad_k", s.alloc_zeros::<f32>(vals))?,
-            gv: driver("alloc grad_v", s.alloc_zeros::<f32>(vals))?,
-        };
-        let dev = upload_form(self, form)?;
-        let pass = |bufs: &mut BwdBuffers| -> Result<()> {
-            let (q, k, v) = (&bufs.q, &bufs.k, &bufs.v);
-            self.launch_forward(q, k, v, &plan, &dev, scale, &mut bufs.out, &mut bufs.lse)?;
-            self.launch_backward(bufs, &plan, &dev, scale)
-        };
-        pass(&mut bufs)?;
-        driver("synchronize", s.synchronize())?;
-        let t0 = std::time::Instant::now();
-        for _ in 0..reps.max(1) {
-            pass(&mut bufs)?;
-        }
-        driver("synchronize", s.synchronize())?;
-        Ok(t0.elapsed().as_secs_f64() / reps.max(1) as f64)
     }
 }
 

@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::{Mutex, OnceLock};
 
-use super::attention::{AttentionKernels, AttnForward, AttnGrads, AttnShape, Form, Plan};
+use super::attention::{AttentionKernels, AttnForward, AttnGrads, BackwardCall, Call, Form, Plan};
 use super::vocab::{ShardInput, ShardKernels, ShardStats};
 use super::{CudaError, Launch, Result};
 
@@ -230,93 +230,64 @@ fn host_form(form: Form<'_>) -> (Vec<i64>, Vec<u8>) {
     }
 }
 
-/// The `cu_seqlens, allowed` arguments: a null pointer for the absent one.
-fn form_args(form: Form<'_>, cu: &[i64], allowed: &[u8]) -> [Arg; 2] {
-    match form {
+/// `q, k, v, cu_seqlens, allowed, row_len, n_tok, h, d, scale`: the
+/// parameters every tiled attention kernel starts with.
+fn tiled_args(c: &Call<'_>, cu: &[i64], allowed: &[u8]) -> Vec<Arg> {
+    let mut args = vec![p(c.q), p(c.k), p(c.v)];
+    args.extend(match c.form {
         Form::Packed(_) => [p(cu), null()],
         Form::Masked(_) => [null(), p(allowed)],
-    }
-}
-
-/// The `row_len, n_tok, h, d` arguments.
-fn dims(shape: AttnShape) -> [Arg; 4] {
-    let n = shape.n_tok as i32;
-    [
-        Arg::I(n),
-        Arg::I(n),
-        Arg::I(shape.h as i32),
-        Arg::I(shape.d as i32),
-    ]
+    });
+    let (n, h, d) = (c.shape.n_tok as i32, c.shape.h as i32, c.shape.d as i32);
+    args.extend([Arg::I(n), Arg::I(n), Arg::I(h), Arg::I(d), Arg::F(c.scale)]);
+    args
 }
 
 impl AttentionKernels for Emulator {
-    fn attention_forward(
-        &self,
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        shape: AttnShape,
-        form: Form<'_>,
-        scale: f32,
-    ) -> Result<AttnForward> {
-        let plan = Plan::forward_call(q, k, v, shape, form, scale)?;
-        let mut output = vec![0.0f32; shape.n_tok * shape.h * shape.d];
+    fn attention_forward(&self, c: &Call<'_>) -> Result<AttnForward> {
+        let plan = Plan::forward_call(c)?;
+        let mut output = vec![0.0f32; c.shape.values()];
         // Rows of empty segments are never visited: their lse stays -inf.
-        let mut lse = vec![f32::NEG_INFINITY; shape.h * shape.n_tok];
+        let mut lse = vec![f32::NEG_INFINITY; c.shape.h * c.shape.n_tok];
         if !plan.is_empty() {
-            let (cu, allowed) = host_form(form);
-            let mut args = vec![p(q), p(k), p(v)];
-            args.extend(form_args(form, &cu, &allowed));
-            args.extend(dims(shape));
-            args.extend([Arg::F(scale), pm(&mut output), pm(&mut lse)]);
+            let (cu, allowed) = host_form(c.form);
+            let mut args = tiled_args(c, &cu, &allowed);
+            args.extend([pm(&mut output), pm(&mut lse)]);
             // SAFETY: the parameter list of `attn_fwd`; sizes checked by `Plan`.
             unsafe { self.run(&plan.forward(), &mut args)? };
         }
         Ok(AttnForward { output, lse })
     }
 
-    fn attention_backward(
-        &self,
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        shape: AttnShape,
-        form: Form<'_>,
-        scale: f32,
-        fwd: &AttnForward,
-        grad_output: &[f32],
-    ) -> Result<AttnGrads> {
-        let plan = Plan::backward_call(q, k, v, shape, form, scale, fwd, grad_output)?;
-        let values = shape.n_tok * shape.h * shape.d;
+    fn attention_backward(&self, b: &BackwardCall<'_>) -> Result<AttnGrads> {
+        let plan = Plan::backward_call(b)?;
+        let (c, fwd, grad_output) = (&b.call, b.fwd, b.grad_output);
+        let zeros = || vec![0.0f32; c.shape.values()];
         let mut g = AttnGrads {
-            grad_q: vec![0.0f32; values],
-            grad_k: vec![0.0f32; values],
-            grad_v: vec![0.0f32; values],
+            grad_q: zeros(),
+            grad_k: zeros(),
+            grad_v: zeros(),
         };
         if plan.is_empty() {
             return Ok(g);
         }
-        let mut delta = vec![0.0f32; shape.h * shape.n_tok];
-        let [_, n, h, d] = dims(shape);
-        let mut args = vec![p(&fwd.output), p(grad_output), n, h, d, pm(&mut delta)];
+        let mut delta = vec![0.0f32; c.shape.h * c.shape.n_tok];
+        let (n, h, d) = (c.shape.n_tok as i32, c.shape.h as i32, c.shape.d as i32);
+        let mut args = vec![p(&fwd.output), p(grad_output), Arg::I(n), Arg::I(h), Arg::I(d)];
+        args.push(pm(&mut delta));
         // SAFETY: the parameter list of `attn_bwd_delta`.
         unsafe { self.run(&plan.delta(), &mut args)? };
 
-        let (cu, allowed) = host_form(form);
-        // q, k, v, cu_seqlens, allowed, row_len, n_tok, h, d, scale, lse, delta, grad_o.
-        let common = |args: &mut Vec<Arg>| {
-            args.extend([p(q), p(k), p(v)]);
-            args.extend(form_args(form, &cu, &allowed));
-            args.extend(dims(shape));
-            args.extend([Arg::F(scale), p(&fwd.lse), p(&delta), p(grad_output)]);
-        };
-        let mut args = Vec::new();
-        common(&mut args);
+        let (cu, allowed) = host_form(c.form);
+        let saved = [p(&fwd.lse), p(&delta), p(grad_output)];
+        let mut args = tiled_args(c, &cu, &allowed);
+        args.extend(saved);
         args.push(pm(&mut g.grad_q));
         // SAFETY: the parameter list of `attn_bwd_dq`.
         unsafe { self.run(&plan.dq(), &mut args)? };
-        let mut args = Vec::new();
-        common(&mut args);
+        let saved = [p(&fwd.lse), p(&delta), p(grad_output)];
+        let mut args = tiled_args(c, &cu, &allowed);
+        args.extend(saved);
         args.extend([pm(&mut g.grad_k), pm(&mut g.grad_v)]);
         // SAFETY: the parameter list of `attn_bwd_dkv`.
         unsafe { self.run(&plan.dkv(), &mut args)? };

@@ -22,7 +22,7 @@ use packshard_reference::attention::{
 use packshard_reference::ops::{AttentionOp, AttentionSupport, Varlen};
 use packshard_reference::{Error, Result};
 
-use super::attention::{AttentionKernels, AttnForward, AttnShape, Form};
+use super::attention::{AttentionKernels, AttnForward, AttnShape, BackwardCall, Call, Form};
 use super::emu::Emulator;
 use super::{CudaError, Gpu};
 use crate::ops::scalar_attention::{inputs, saved, widen, widen_grads};
@@ -85,6 +85,22 @@ fn flat<D: ndarray::Dimension>(x: &ndarray::Array<f32, D>) -> &[f32] {
     x.as_slice().expect("converted tensors are in standard layout")
 }
 
+fn call<'a>(
+    [q, k, v]: [&'a Array3<f32>; 3],
+    shape: AttnShape,
+    form: Form<'a>,
+    scale: f64,
+) -> Call<'a> {
+    Call {
+        q: flat(q),
+        k: flat(k),
+        v: flat(v),
+        shape,
+        form,
+        scale: scale as f32,
+    }
+}
+
 fn shape3(x: &[f32], s: AttnShape) -> Array3<f32> {
     Array3::from_shape_vec((s.n_tok, s.h, s.d), x.to_vec()).expect("[n_tok, h, d]")
 }
@@ -127,10 +143,8 @@ impl<B: AttentionKernels + 'static> CudaAttention<B> {
     }
 
     fn forward(&self, ([q, k, v], s): Inputs, form: Form<'_>, scale: f64) -> Result<AttentionOutput> {
-        let f = self
-            .kernels
-            .attention_forward(flat(&q), flat(&k), flat(&v), s, form, scale as f32)
-            .map_err(reference_error)?;
+        let c = call([&q, &k, &v], s, form, scale);
+        let f = self.kernels.attention_forward(&c).map_err(reference_error)?;
         let lse = Array2::from_shape_vec((s.h, s.n_tok), f.lse).expect("[h, n_tok]");
         Ok(widen((shape3(&f.output, s), lse)))
     }
@@ -148,19 +162,12 @@ impl<B: AttentionKernels + 'static> CudaAttention<B> {
             output: flat(&out).to_vec(),
             lse: flat(&lse).to_vec(),
         };
-        let g = self
-            .kernels
-            .attention_backward(
-                flat(&q),
-                flat(&k),
-                flat(&v),
-                s,
-                form,
-                scale as f32,
-                &fwd32,
-                flat(&go),
-            )
-            .map_err(reference_error)?;
+        let b = BackwardCall {
+            call: call([&q, &k, &v], s, form, scale),
+            fwd: &fwd32,
+            grad_output: flat(&go),
+        };
+        let g = self.kernels.attention_backward(&b).map_err(reference_error)?;
         Ok(widen_grads([
             shape3(&g.grad_q, s),
             shape3(&g.grad_k, s),

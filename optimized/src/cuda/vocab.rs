@@ -133,20 +133,27 @@ impl ShardInput<'_> {
         (self.n as i32, self.hd as i32, self.w as i32)
     }
 
+    /// A launch of `THREADS` threads per block over `blocks` blocks with
+    /// `hd + extra` floats of shared memory, or `None` when there is nothing
+    /// to launch (no tokens or no rows).
+    fn launch(&self, entry: &'static str, blocks: usize, extra: usize) -> Option<Launch> {
+        (self.n > 0 && self.w > 0).then(|| Launch {
+            entry,
+            grid: (blocks as u32, 1, 1),
+            block: THREADS,
+            shared_bytes: ((self.hd + extra) * 4) as u32,
+        })
+    }
+
     /// Checks the inputs of [`ShardKernels::stats`]; its `lce_stats` launch
-    /// (a block per token), or `None` when there is nothing to launch (no
-    /// tokens or no rows: [`ShardStats::empty`]).
+    /// (a block per token), or `None` when there is nothing to launch
+    /// ([`ShardStats::empty`]).
     ///
     /// # Errors
     /// Shape errors naming the field.
     pub fn stats_launch(&self) -> Result<Option<Launch>> {
         self.check()?;
-        Ok((self.n > 0 && self.w > 0).then(|| Launch {
-            entry: "lce_stats",
-            grid: (self.n as u32, 1, 1),
-            block: THREADS,
-            shared_bytes: ((self.hd + 2 * THREADS as usize) * 4) as u32,
-        }))
+        Ok(self.launch("lce_stats", self.n, 2 * THREADS as usize))
     }
 
     /// Checks the inputs of [`ShardKernels::input_partials`]; its `lce_dx`
@@ -156,12 +163,7 @@ impl ShardInput<'_> {
     /// Shape errors naming the field.
     pub fn partials_launch(&self, lse: &[f32], row_scale: &[f32]) -> Result<Option<Launch>> {
         self.check_rows(lse, row_scale)?;
-        Ok((self.n > 0 && self.w > 0).then(|| Launch {
-            entry: "lce_dx",
-            grid: (self.n as u32, 1, 1),
-            block: THREADS,
-            shared_bytes: ((self.hd + TILE_V) * 4) as u32,
-        }))
+        Ok(self.launch("lce_dx", self.n, TILE_V))
     }
 
     /// Checks the inputs of [`ShardKernels::weight_grad`]; its `lce_dw`
@@ -171,12 +173,7 @@ impl ShardInput<'_> {
     /// Shape errors naming the field.
     pub fn weight_grad_launch(&self, lse: &[f32], row_scale: &[f32]) -> Result<Option<Launch>> {
         self.check_rows(lse, row_scale)?;
-        Ok((self.n > 0 && self.w > 0).then(|| Launch {
-            entry: "lce_dw",
-            grid: (self.w as u32, 1, 1),
-            block: THREADS,
-            shared_bytes: ((self.hd + TILE_N) * 4) as u32,
-        }))
+        Ok(self.launch("lce_dw", self.w, TILE_N))
     }
 }
 
