@@ -622,8 +622,8 @@ fn emulated_alg2_matches_the_reference() {
     let Some(e) = emu_or_skip("emulated_alg2_matches_the_reference") else {
         return;
     };
-    let (mut n, mut worst) = check_alg2(e, GPU_F32, ALG2_SIZES_EMU, &[2, 3])
-        .unwrap_or_else(|m| panic!("{m}"));
+    let (mut n, mut worst) =
+        check_alg2(e, GPU_F32, ALG2_SIZES_EMU, &[2, 3]).unwrap_or_else(|m| panic!("{m}"));
     // v = 6 over 5 padded shards: 2, 2, 2, 0, 0 real rows (empty shards).
     let map = ShardMap::new(6, 5, ShardLayout::Padded).unwrap();
     assert!(
@@ -631,8 +631,7 @@ fn emulated_alg2_matches_the_reference() {
         "{}",
         map.describe()
     );
-    let (n2, w2) =
-        check_alg2(e, GPU_F32, &[(5, 3, 6, 6)], &[5]).unwrap_or_else(|m| panic!("{m}"));
+    let (n2, w2) = check_alg2(e, GPU_F32, &[(5, 3, 6, 6)], &[5]).unwrap_or_else(|m| panic!("{m}"));
     n += n2;
     worst = worst.max(w2);
     eprintln!(

@@ -282,7 +282,14 @@ impl AttentionKernels for Gpu {
         // Rows of empty segments are never visited: their lse stays -inf.
         let mut lse = driver("copy lse", s.clone_htod(&vec![f32::NEG_INFINITY; h * n]))?;
         let form_dev = upload_form(self, c.form)?;
-        self.launch_forward([&dq, &dk, &dv], &plan, &form_dev, c.scale, &mut out, &mut lse)?;
+        self.launch_forward(
+            [&dq, &dk, &dv],
+            &plan,
+            &form_dev,
+            c.scale,
+            &mut out,
+            &mut lse,
+        )?;
         Ok(AttnForward {
             output: driver("copy output back", s.clone_dtoh(&out))?,
             lse: driver("copy lse back", s.clone_dtoh(&lse))?,
@@ -303,7 +310,10 @@ impl AttentionKernels for Gpu {
         let s = self.stream();
         let mut bufs = BwdBuffers::new(self, c)?;
         driver("copy output", s.memcpy_htod(&b.fwd.output, &mut bufs.out))?;
-        driver("copy grad_output", s.memcpy_htod(b.grad_output, &mut bufs.grad_out))?;
+        driver(
+            "copy grad_output",
+            s.memcpy_htod(b.grad_output, &mut bufs.grad_out),
+        )?;
         driver("copy lse", s.memcpy_htod(&b.fwd.lse, &mut bufs.lse))?;
         let form_dev = upload_form(self, c.form)?;
         self.launch_backward(&mut bufs, &plan, &form_dev, c.scale)?;

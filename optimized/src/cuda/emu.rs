@@ -114,7 +114,9 @@ impl Emulator {
     /// the library cannot be loaded.
     pub fn get() -> Result<&'static Emulator> {
         static EMU: OnceLock<Result<Emulator>> = OnceLock::new();
-        EMU.get_or_init(Emulator::build).as_ref().map_err(Clone::clone)
+        EMU.get_or_init(Emulator::build)
+            .as_ref()
+            .map_err(Clone::clone)
     }
 
     /// The shared library it runs.
@@ -124,10 +126,8 @@ impl Emulator {
 
     fn build() -> Result<Emulator> {
         let cxx = compiler();
-        let dir = std::env::temp_dir().join(format!(
-            "packshard-cuda-emu-{:016x}",
-            fingerprint(&cxx)
-        ));
+        let dir =
+            std::env::temp_dir().join(format!("packshard-cuda-emu-{:016x}", fingerprint(&cxx)));
         let lib = dir.join("libpackshard_cuda_emu.so");
         let failed = |what: &str, e: std::io::Error| CudaError::Emulator {
             message: format!("{what} {}: {e}", dir.display()),
@@ -273,7 +273,13 @@ impl AttentionKernels for Emulator {
         }
         let mut delta = vec![0.0f32; c.shape.h * c.shape.n_tok];
         let (n, h, d) = (c.shape.n_tok as i32, c.shape.h as i32, c.shape.d as i32);
-        let mut args = vec![p(&fwd.output), p(grad_output), Arg::I(n), Arg::I(h), Arg::I(d)];
+        let mut args = vec![
+            p(&fwd.output),
+            p(grad_output),
+            Arg::I(n),
+            Arg::I(h),
+            Arg::I(d),
+        ];
         args.push(pm(&mut delta));
         // SAFETY: the parameter list of `attn_bwd_delta`.
         unsafe { self.run(&plan.delta(), &mut args)? };

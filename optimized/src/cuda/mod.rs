@@ -234,8 +234,9 @@ pub fn preload_nvrtc(dir: &Path) -> Result<bool> {
 pub fn nvrtc_dir() -> PathBuf {
     match std::env::var_os("PACKSHARD_NVRTC_DIR") {
         Some(d) if !d.is_empty() => PathBuf::from(d),
-        _ => PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-            .join("../.cache/nvrtc/nvidia/cuda_nvrtc/lib"),
+        _ => {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.cache/nvrtc/nvidia/cuda_nvrtc/lib")
+        }
     }
 }
 

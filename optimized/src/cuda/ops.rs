@@ -82,7 +82,8 @@ fn reference_error(e: CudaError) -> Error {
 
 /// A standard-layout f32 tensor's values.
 fn flat<D: ndarray::Dimension>(x: &ndarray::Array<f32, D>) -> &[f32] {
-    x.as_slice().expect("converted tensors are in standard layout")
+    x.as_slice()
+        .expect("converted tensors are in standard layout")
 }
 
 fn call<'a>(
@@ -142,9 +143,17 @@ impl<B: AttentionKernels + 'static> CudaAttention<B> {
         Ok((x, allowed.iter().copied().collect()))
     }
 
-    fn forward(&self, ([q, k, v], s): Inputs, form: Form<'_>, scale: f64) -> Result<AttentionOutput> {
+    fn forward(
+        &self,
+        ([q, k, v], s): Inputs,
+        form: Form<'_>,
+        scale: f64,
+    ) -> Result<AttentionOutput> {
         let c = call([&q, &k, &v], s, form, scale);
-        let f = self.kernels.attention_forward(&c).map_err(reference_error)?;
+        let f = self
+            .kernels
+            .attention_forward(&c)
+            .map_err(reference_error)?;
         let lse = Array2::from_shape_vec((s.h, s.n_tok), f.lse).expect("[h, n_tok]");
         Ok(widen((shape3(&f.output, s), lse)))
     }
@@ -167,7 +176,10 @@ impl<B: AttentionKernels + 'static> CudaAttention<B> {
             fwd: &fwd32,
             grad_output: flat(&go),
         };
-        let g = self.kernels.attention_backward(&b).map_err(reference_error)?;
+        let g = self
+            .kernels
+            .attention_backward(&b)
+            .map_err(reference_error)?;
         Ok(widen_grads([
             shape3(&g.grad_q, s),
             shape3(&g.grad_k, s),
