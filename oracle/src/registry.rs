@@ -60,12 +60,14 @@ pub enum Needs {
 impl Needs {
     /// Whether this run must have it, so that a suite fails instead of
     /// skipping: `PACKSHARD_REQUIRE_EMULATOR=1` for the C++ compiler (the CI
-    /// step of the `cuda` feature sets it).
+    /// step of the `cuda` feature sets it), `PACKSHARD_REQUIRE_GPU=1` for the
+    /// device (`scripts/gpu_check.sh` sets it).
     pub fn required(self) -> bool {
         let set = |var: &str| std::env::var(var).is_ok_and(|v| v == "1");
         match self {
             Needs::CxxCompiler => set("PACKSHARD_REQUIRE_EMULATOR"),
-            Needs::Nothing | Needs::CudaDevice => false,
+            Needs::CudaDevice => set("PACKSHARD_REQUIRE_GPU"),
+            Needs::Nothing => false,
         }
     }
 
