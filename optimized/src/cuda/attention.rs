@@ -331,9 +331,47 @@ type DevBuf<T> = Option<cudarc::driver::CudaSlice<T>>;
 /// A [`Form`] on the device: `cu_seqlens` or `allowed`, the other absent.
 type DeviceForm = (DevBuf<i64>, DevBuf<u8>);
 
-/// The kernels' `int` sizes `(n_tok, h, d)` (checked by [`Plan`]).
-fn dims32(shape: AttnShape) -> (i32, i32, i32) {
-    (shape.n_tok as i32, shape.h as i32, shape.d as i32)
+/// The scalar parameters of the tiled kernels, held for the launch.
+struct Scalars {
+    /// `row_len, n_tok, h, d` (checked to fit `int` by [`Plan`]).
+    dims: [i32; 4],
+    scale: f32,
+    /// The absent one of `cu_seqlens` / `allowed`.
+    null: u64,
+}
+
+impl Scalars {
+    fn new(shape: AttnShape, scale: f32) -> Scalars {
+        let n = shape.n_tok as i32;
+        Scalars {
+            dims: [n, n, shape.h as i32, shape.d as i32],
+            scale,
+            null: 0,
+        }
+    }
+}
+
+/// Pushes the parameters every tiled kernel starts with: `q, k, v,
+/// cu_seqlens, allowed, row_len, n_tok, h, d, scale`.
+fn push_tiled<'a>(
+    b: &mut cudarc::driver::LaunchArgs<'a>,
+    [q, k, v]: [&'a CudaSlice<f32>; 3],
+    form: &'a DeviceForm,
+    scalars: &'a Scalars,
+) {
+    b.arg(q).arg(k).arg(v);
+    match &form.0 {
+        Some(c) => b.arg(c),
+        None => b.arg(&scalars.null),
+    };
+    match &form.1 {
+        Some(a) => b.arg(a),
+        None => b.arg(&scalars.null),
+    };
+    for x in &scalars.dims {
+        b.arg(x);
+    }
+    b.arg(&scalars.scale);
 }
 
 impl Gpu {
@@ -361,12 +399,9 @@ impl Gpu {
         }
         let l = plan.forward();
         let f = self.function("attention", l.entry)?;
-        let (ni, hi, di) = dims32(plan.shape);
-        let null: u64 = 0;
+        let scalars = Scalars::new(plan.shape, scale);
         let mut b = self.stream().launch_builder(&f);
-        b.arg(dq).arg(dk).arg(dv);
-        push_form(&mut b, form, &null);
-        b.arg(&ni).arg(&ni).arg(&hi).arg(&di).arg(&scale);
+        push_tiled(&mut b, [dq, dk, dv], form, &scalars);
         b.arg(out).arg(lse);
         // SAFETY: argument list matches `attn_fwd` in attention.cu; every
         // buffer has the length its legend says (checked by `Plan`).
@@ -458,23 +493,21 @@ impl Gpu {
             return Ok(());
         }
         let s = self.stream();
-        let (ni, hi, di) = dims32(plan.shape);
-        let null: u64 = 0;
+        let scalars = Scalars::new(plan.shape, scale);
+        let [_, ni, hi, di] = &scalars.dims;
 
         let l = plan.delta();
         let f = self.function("attention", l.entry)?;
         let mut b = s.launch_builder(&f);
         b.arg(&bufs.out).arg(&bufs.grad_out);
-        b.arg(&ni).arg(&hi).arg(&di).arg(&mut bufs.delta);
+        b.arg(ni).arg(hi).arg(di).arg(&mut bufs.delta);
         // SAFETY: matches `attn_bwd_delta`; buffers sized [n, h, d] and [h, n].
         driver("launch attn_bwd_delta", unsafe { b.launch(l.config()) })?;
 
         let l = plan.dq();
         let f = self.function("attention", l.entry)?;
         let mut b = s.launch_builder(&f);
-        b.arg(&bufs.q).arg(&bufs.k).arg(&bufs.v);
-        push_form(&mut b, form, &null);
-        b.arg(&ni).arg(&ni).arg(&hi).arg(&di).arg(&scale);
+        push_tiled(&mut b, [&bufs.q, &bufs.k, &bufs.v], form, &scalars);
         b.arg(&bufs.lse).arg(&bufs.delta).arg(&bufs.grad_out);
         b.arg(&mut bufs.gq);
         // SAFETY: matches `attn_bwd_dq`.
@@ -483,9 +516,7 @@ impl Gpu {
         let l = plan.dkv();
         let f = self.function("attention", l.entry)?;
         let mut b = s.launch_builder(&f);
-        b.arg(&bufs.q).arg(&bufs.k).arg(&bufs.v);
-        push_form(&mut b, form, &null);
-        b.arg(&ni).arg(&ni).arg(&hi).arg(&di).arg(&scale);
+        push_tiled(&mut b, [&bufs.q, &bufs.k, &bufs.v], form, &scalars);
         b.arg(&bufs.lse).arg(&bufs.delta).arg(&bufs.grad_out);
         b.arg(&mut bufs.gk).arg(&mut bufs.gv);
         // SAFETY: matches `attn_bwd_dkv`.
@@ -506,18 +537,6 @@ fn upload_form(gpu: &Gpu, form: Form<'_>) -> Result<DeviceForm> {
             (None, Some(driver("copy allowed", s.clone_htod(&a))?))
         }
     })
-}
-
-/// Pushes `cu_seqlens` and `allowed`, a null pointer for the absent one.
-fn push_form<'a>(b: &mut cudarc::driver::LaunchArgs<'a>, form: &'a DeviceForm, null: &'a u64) {
-    match &form.0 {
-        Some(c) => b.arg(c),
-        None => b.arg(null),
-    };
-    match &form.1 {
-        Some(a) => b.arg(a),
-        None => b.arg(null),
-    };
 }
 
 /// Floating-point operations of attention over `cu_seqlens` (forward:

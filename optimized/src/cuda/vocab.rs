@@ -22,7 +22,7 @@
 //! non-ignored tokens (the common training setting); label smoothing and
 //! z-loss are not implemented on the GPU.
 
-use cudarc::driver::PushKernelArg;
+use cudarc::driver::{CudaSlice, LaunchArgs, PushKernelArg};
 use packshard_reference::vocab::ShardMap;
 use packshard_reference::Error;
 
@@ -177,6 +177,50 @@ impl ShardInput<'_> {
     }
 }
 
+/// One shard's inputs on the device: `hidden, weight, target`, with
+/// `lse, row_scale` for the gradient kernels, and the sizes `n, hd, w`.
+struct ShardBuffers {
+    tensors: [CudaSlice<f32>; 2],
+    target: CudaSlice<i32>,
+    rows: Option<[CudaSlice<f32>; 2]>,
+    dims: [i32; 3],
+}
+
+impl ShardBuffers {
+    fn upload(gpu: &Gpu, x: &ShardInput<'_>, rows: Option<(&[f32], &[f32])>) -> Result<Self> {
+        let s = gpu.stream();
+        let (n, hd, w) = x.dims32();
+        Ok(ShardBuffers {
+            tensors: [
+                driver("copy hidden", s.clone_htod(x.hidden))?,
+                driver("copy weight", s.clone_htod(x.weight))?,
+            ],
+            target: driver("copy targets", s.clone_htod(x.target))?,
+            rows: match rows {
+                Some((lse, row_scale)) => Some([
+                    driver("copy lse", s.clone_htod(lse))?,
+                    driver("copy row_scale", s.clone_htod(row_scale))?,
+                ]),
+                None => None,
+            },
+            dims: [n, hd, w],
+        })
+    }
+
+    /// Pushes `hidden, weight, target[, lse, row_scale], n, hd, w`.
+    fn push<'a>(&'a self, b: &mut LaunchArgs<'a>) {
+        b.arg(&self.tensors[0])
+            .arg(&self.tensors[1])
+            .arg(&self.target);
+        for r in self.rows.iter().flatten() {
+            b.arg(r);
+        }
+        for d in &self.dims {
+            b.arg(d);
+        }
+    }
+}
+
 impl ShardKernels for Gpu {
     fn stats(&self, x: &ShardInput<'_>) -> Result<ShardStats> {
         let Some(l) = x.stats_launch()? else {
@@ -185,16 +229,13 @@ impl ShardKernels for Gpu {
         };
         let n = x.n;
         let s = self.stream();
-        let h = driver("copy hidden", s.clone_htod(x.hidden))?;
-        let w = driver("copy weight", s.clone_htod(x.weight))?;
-        let t = driver("copy targets", s.clone_htod(x.target))?;
+        let inputs = ShardBuffers::upload(self, x, None)?;
         let mut m = driver("alloc local_max", s.alloc_zeros::<f32>(n))?;
         let mut l_sum = driver("alloc local_sum", s.alloc_zeros::<f32>(n))?;
         let mut z = driver("alloc target_logit", s.alloc_zeros::<f32>(n))?;
-        let (ni, hi, wi) = x.dims32();
         let f = self.function("vocab", l.entry)?;
         let mut b = s.launch_builder(&f);
-        b.arg(&h).arg(&w).arg(&t).arg(&ni).arg(&hi).arg(&wi);
+        inputs.push(&mut b);
         b.arg(&mut m).arg(&mut l_sum).arg(&mut z);
         // SAFETY: matches `lce_stats`; sizes checked by `stats_launch`.
         driver("launch lce_stats", unsafe { b.launch(l.config()) })?;
@@ -215,18 +256,13 @@ impl ShardKernels for Gpu {
             return Ok((vec![0.0; x.n * x.hd], vec![0.0; x.n * x.hd]));
         };
         let s = self.stream();
-        let h = driver("copy hidden", s.clone_htod(x.hidden))?;
-        let w = driver("copy weight", s.clone_htod(x.weight))?;
-        let t = driver("copy targets", s.clone_htod(x.target))?;
-        let dl = driver("copy lse", s.clone_htod(lse))?;
-        let rs = driver("copy row_scale", s.clone_htod(row_scale))?;
+        let inputs = ShardBuffers::upload(self, x, Some((lse, row_scale)))?;
         let mut dp = driver("alloc dpart", s.alloc_zeros::<f32>(x.n * x.hd))?;
         let mut bp = driver("alloc bpart", s.alloc_zeros::<f32>(x.n * x.hd))?;
-        let (ni, hi, wi) = x.dims32();
         let f = self.function("vocab", l.entry)?;
         let mut b = s.launch_builder(&f);
-        b.arg(&h).arg(&w).arg(&t).arg(&dl).arg(&rs);
-        b.arg(&ni).arg(&hi).arg(&wi).arg(&mut dp).arg(&mut bp);
+        inputs.push(&mut b);
+        b.arg(&mut dp).arg(&mut bp);
         // SAFETY: matches `lce_dx`.
         driver("launch lce_dx", unsafe { b.launch(l.config()) })?;
         Ok((
@@ -240,17 +276,12 @@ impl ShardKernels for Gpu {
             return Ok(vec![0.0; x.w * x.hd]);
         };
         let s = self.stream();
-        let h = driver("copy hidden", s.clone_htod(x.hidden))?;
-        let w = driver("copy weight", s.clone_htod(x.weight))?;
-        let t = driver("copy targets", s.clone_htod(x.target))?;
-        let dl = driver("copy lse", s.clone_htod(lse))?;
-        let rs = driver("copy row_scale", s.clone_htod(row_scale))?;
+        let inputs = ShardBuffers::upload(self, x, Some((lse, row_scale)))?;
         let mut gw = driver("alloc grad_weight", s.alloc_zeros::<f32>(x.w * x.hd))?;
-        let (ni, hi, wi) = x.dims32();
         let f = self.function("vocab", l.entry)?;
         let mut b = s.launch_builder(&f);
-        b.arg(&h).arg(&w).arg(&t).arg(&dl).arg(&rs);
-        b.arg(&ni).arg(&hi).arg(&wi).arg(&mut gw);
+        inputs.push(&mut b);
+        b.arg(&mut gw);
         // SAFETY: matches `lce_dw`.
         driver("launch lce_dw", unsafe { b.launch(l.config()) })?;
         driver("copy grad_weight back", s.clone_dtoh(&gw))
