@@ -133,24 +133,30 @@ impl Emulator {
             message: format!("{what} {}: {e}", dir.display()),
         };
         if !lib.exists() {
-            std::fs::create_dir_all(&dir).map_err(|e| failed("creating", e))?;
+            // Sources and library under names of this process, the library
+            // renamed at the end: processes building at once never read
+            // each other's half-written files.
+            let src = dir.join(format!("src-{}", std::process::id()));
+            std::fs::create_dir_all(&src).map_err(|e| failed("creating", e))?;
             for (name, text) in SOURCES {
-                std::fs::write(dir.join(name), text).map_err(|e| failed("writing into", e))?;
+                std::fs::write(src.join(name), text).map_err(|e| failed("writing into", e))?;
             }
-            // Built under a name of this process, then renamed: another
-            // process never loads a half-written library.
-            let tmp = dir.join(format!("build-{}.so", std::process::id()));
+            let tmp = src.join("libpackshard_cuda_emu.so");
             let out = Command::new(&cxx)
                 .args(["-std=c++20", "-O2", "-shared", "-fPIC", "-pthread", "-I"])
-                .arg(&dir)
-                .arg(dir.join("emu_shim.cpp"))
+                .arg(&src)
+                .arg(src.join("emu_shim.cpp"))
                 .arg("-o")
                 .arg(&tmp)
                 .output()
                 .map_err(|e| CudaError::NoCompiler {
                     reason: format!("{cxx} cannot be run: {e}"),
-                })?;
+                });
+            let out = out.inspect_err(|_| {
+                let _ = std::fs::remove_dir_all(&src);
+            })?;
             if !out.status.success() {
+                let _ = std::fs::remove_dir_all(&src);
                 return Err(CudaError::Emulator {
                     message: format!(
                         "{cxx} failed on the kernel sources ({}):\n{}",
@@ -160,6 +166,7 @@ impl Emulator {
                 });
             }
             std::fs::rename(&tmp, &lib).map_err(|e| failed("renaming in", e))?;
+            let _ = std::fs::remove_dir_all(&src);
         }
         let err = |e: libloading::Error| CudaError::Emulator {
             message: format!("loading {}: {e}", lib.display()),
