@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Fetches NVRTC (CUDA's run-time compiler) from the PyPI wheel
 # nvidia-cuda-nvrtc-cu12 into .cache/nvrtc, for the PTX compile check of the
-# GPU kernels (optimized/tests/cuda.rs). Idempotent: does nothing when the
+# GPU kernels (optimized/tests/cuda.rs) and for the GPU attention in the
+# registry (`cuda` feature). Idempotent: does nothing when the
 # library is already there. No GPU and no CUDA toolkit are needed.
 #
 # Prints the library folder on stdout (last line); use it as

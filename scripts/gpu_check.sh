@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # The GPU check of issue #7, for a machine with an NVIDIA GPU and driver:
-# the GPU equivalence suites (attention packed == padded and vs the f64
-# reference, alg2 vs the reference) and the attention benchmark (tokens/s
-# and TFLOP/s on wikipedia-512-drawn batches, packed vs padded).
+# the registry's attention suite for `attention_varlen_cuda` (packed ==
+# padded and the f32 relative rule against the f64 reference, the same
+# suite every kernel meets), the CUDA-specific tests (input errors, alg2 vs
+# the reference) and the attention benchmark (tokens/s and TFLOP/s on
+# wikipedia-512-drawn batches, packed vs padded).
 #
 # Usage (repo root):  scripts/gpu_check.sh
-#   Builds the test binary unless PACKSHARD_CUDA_TEST_BIN names a prebuilt
-#   one (build elsewhere with
+#   Builds the test binaries unless PACKSHARD_CUDA_TEST_BIN and
+#   PACKSHARD_REGISTRY_TEST_BIN name prebuilt ones (build elsewhere with
 #     cargo test -p packshard-optimized --features cuda --test cuda --no-run
-#   and carry the binary), then runs it. NVRTC: the one on the loader path,
+#     cargo test -p packshard-oracle --features cuda --test registry_suites --no-run
+#   and carry the binaries), then runs them. NVRTC: the one on the loader path,
 #   else the one scripts/fetch_nvrtc.sh fetched into .cache/nvrtc (12.9,
 #   which loads on CUDA >= 12.9 drivers, including CUDA 13).
 # Fails when the GPU suites skip: this script is only meaningful with a GPU.
@@ -20,22 +23,25 @@ fi
 if [[ -n "${PACKSHARD_NVRTC_DIR:-}" ]]; then
   export LD_LIBRARY_PATH="$PACKSHARD_NVRTC_DIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 fi
-bin="${PACKSHARD_CUDA_TEST_BIN:-}"
-if [[ -z "$bin" ]]; then
-  bin="$(cargo test -p packshard-optimized --features cuda --test cuda --no-run \
-    --message-format=json 2>/dev/null \
+# The test binary `$2` of package `$1`, built with the cuda feature.
+test_bin() {
+  cargo test -p "$1" --features cuda --test "$2" --no-run --message-format=json 2>/dev/null \
     | python3 -c 'import json,sys
 for l in sys.stdin:
     m = json.loads(l)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "cuda":
-        print(m["executable"])' | tail -n 1)"
-fi
-echo "test binary: $bin"
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == sys.argv[1]:
+        print(m["executable"])' "$2" | tail -n 1
+}
+bin="${PACKSHARD_CUDA_TEST_BIN:-$(test_bin packshard-optimized cuda)}"
+registry="${PACKSHARD_REGISTRY_TEST_BIN:-$(test_bin packshard-oracle registry_suites)}"
+echo "test binaries: $bin $registry"
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || true
 
 log="$(mktemp)"
-"$bin" --test-threads=1 --nocapture gpu_ 2>&1 | tee "$log"
-if grep -q "skipped: " "$log"; then
+# PACKSHARD_REQUIRE_GPU=1: the registry suite fails where the device is missing.
+PACKSHARD_REQUIRE_GPU=1 "$registry" --test-threads=1 --nocapture every_attention 2>&1 | tee "$log"
+"$bin" --test-threads=1 --nocapture gpu_ 2>&1 | tee -a "$log"
+if grep -qE "^(gpu_[a-z0-9_]*|attention_varlen_cuda): skipped: " "$log"; then
   echo "gpu_check: a GPU suite skipped (no device or no NVRTC): not a GPU check" >&2
   exit 1
 fi

@@ -12,7 +12,7 @@
 //! `fuzz/seeds/<name>/` and the inputs that ever failed in
 //! `fuzz/regressions/<name>/` — through the very code libFuzzer runs
 //! (`tests/fuzz_regressions.rs`). An implementation that cannot run here (a
-//! GPU kernel without a device) is skipped.
+//! GPU kernel without a device) is skipped, said once per process.
 
 use packshard_equivalence::compare::Mismatch;
 use packshard_equivalence::fuzz::{self, catch_panic, Failure, Outcome};
@@ -41,14 +41,28 @@ fn every<K: ?Sized>(
 ) -> Result<Outcome, Failure> {
     let mut all = Outcome::default();
     for entry in list {
-        let Ok(imp) = entry.make_small() else {
-            continue; // cannot run here (no device): the suites say so once
+        let imp = match entry.make_small() {
+            Ok(imp) => imp,
+            Err(u) => {
+                skipped_once(entry.name, &u);
+                continue;
+            }
         };
         let seen =
             body(&imp, entry, data).map_err(|f| f.from_source(format!("impl {}", entry.name)))?;
         all.merge(seen);
     }
     Ok(all)
+}
+
+/// Says once per process that `name` cannot run here, and why.
+fn skipped_once(name: &'static str, why: &registry::Unavailable) {
+    static SAID: std::sync::Mutex<Vec<&'static str>> = std::sync::Mutex::new(Vec::new());
+    let mut said = SAID.lock().unwrap_or_else(|e| e.into_inner());
+    if !said.contains(&name) {
+        said.push(name);
+        eprintln!("{name}: skipped: {why}");
+    }
 }
 
 /// Every fuzz target, in the order `cargo fuzz list` prints them.

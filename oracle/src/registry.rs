@@ -58,6 +58,19 @@ pub enum Needs {
 }
 
 impl Needs {
+    /// Whether this run must have it, so that a suite fails instead of
+    /// skipping: `PACKSHARD_REQUIRE_EMULATOR=1` for the C++ compiler (the CI
+    /// step of the `cuda` feature sets it), `PACKSHARD_REQUIRE_GPU=1` for the
+    /// device (`scripts/gpu_check.sh` sets it).
+    pub fn required(self) -> bool {
+        let set = |var: &str| std::env::var(var).is_ok_and(|v| v == "1");
+        match self {
+            Needs::CxxCompiler => set("PACKSHARD_REQUIRE_EMULATOR"),
+            Needs::CudaDevice => set("PACKSHARD_REQUIRE_GPU"),
+            Needs::Nothing => false,
+        }
+    }
+
     /// A short name for listings.
     pub fn name(self) -> &'static str {
         match self {
@@ -262,7 +275,8 @@ pub const SMALL_CHUNKS: Chunks = Chunks {
 
 /// Every [`AttentionOp`].
 pub fn attention() -> Vec<Entry<dyn AttentionOp>> {
-    vec![
+    #[allow(unused_mut)]
+    let mut list: Vec<Entry<dyn AttentionOp>> = vec![
         Entry {
             name: REFERENCE,
             changed: "the f64 reference: plain loops over allowed keys, GQA, cu_seqlens_q/cu_seqlens_k, bottom-right causal",
@@ -323,7 +337,51 @@ pub fn attention() -> Vec<Entry<dyn AttentionOp>> {
             make: || Ok(Box::new(ScalarAttention)),
             small: None,
         },
-    ]
+    ];
+    #[cfg(feature = "cuda")]
+    list.extend(cuda::attention());
+    list
+}
+
+/// The CUDA kernels (feature `cuda`): on a device, and the same source on
+/// the CPU emulator. Both are judged as `attention_varlen_tiled`: the f32
+/// relative rule against the f64 reference, packed == padded bit for bit
+/// (a sequence's blocks start at its own first token in both forms).
+#[cfg(feature = "cuda")]
+mod cuda {
+    use packshard_optimized::cuda::ops::CudaAttention;
+    use packshard_optimized::cuda::CudaError;
+
+    use super::*;
+
+    fn unavailable(e: CudaError) -> Unavailable {
+        Unavailable(e.to_string())
+    }
+
+    pub(super) fn attention() -> [Entry<dyn AttentionOp>; 2] {
+        [
+            Entry {
+                name: "attention_varlen_cuda",
+                changed: "f32 CUDA kernels compiled by NVRTC at run time: a thread per query, online softmax over 32-key shared-memory tiles, saves lse; backward in three launches without atomics; no causal, GQA or cross attention, d <= 128",
+                precision: Precision::F32,
+                judge: F32_EXACT_FORMS,
+                fuzz_judge: Judge::Rewrite(Tolerance::F32_REWRITE),
+                needs: Needs::CudaDevice,
+                make: || Ok(Box::new(CudaAttention::gpu().map_err(unavailable)?)),
+                small: None,
+            },
+            Entry {
+                name: "attention_varlen_cuda_emulated",
+                changed: "attention_varlen_cuda's source built by the host C++ compiler and run on the CPU (a thread per CUDA thread, a barrier for __syncthreads): the kernels' logic without a GPU",
+                precision: Precision::F32,
+                judge: F32_EXACT_FORMS,
+                fuzz_judge: Judge::Rewrite(Tolerance::F32_REWRITE),
+                needs: Needs::CxxCompiler,
+                make: || Ok(Box::new(CudaAttention::emulated().map_err(unavailable)?)),
+                small: None,
+            },
+        ]
+    }
 }
 
 /// Every [`CrossEntropyOp`].

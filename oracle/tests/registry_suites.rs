@@ -2,7 +2,8 @@
 //! equivalence suite, under the judge its registry entry states: packed ==
 //! padded (sharded == unsharded) and against the f64 reference. An entry
 //! that cannot run here (a GPU kernel without a device) says `skipped: ...`
-//! once. Entries with a small configuration (tiles that small cases cross)
+//! once, or fails where its need is required (`Needs::required`:
+//! `PACKSHARD_REQUIRE_EMULATOR=1` for the CUDA emulator). Entries with a small configuration (tiles that small cases cross)
 //! run the suite in both.
 //!
 //! Adding a kernel to the registry puts it through these suites with no
@@ -32,6 +33,9 @@ fn every<K: ?Sized>(
         };
         for (which, made) in configs {
             match made {
+                Err(u) if entry.needs.required() => {
+                    panic!("{}: required here but cannot run: {u}", entry.name)
+                }
                 Err(u) => {
                     eprintln!("{}: skipped: {u}", entry.name);
                     break;

@@ -144,7 +144,7 @@ pub fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
         println!("registered implementations:");
         for e in &entries {
             println!(
-                "  {:<20} {:<28} {:<5} {}",
+                "  {:<20} {:<30} {:<5} {}",
                 e.family.name(),
                 e.name,
                 e.precision.name(),
@@ -157,19 +157,19 @@ pub fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
         if !args.json {
             println!("\nevery registered implementation through its trait (f64 at the boundary), checked against the f64 reference, then timed:");
             println!(
-                "  {:<20} {:<28} {:<5} {:>10} {:>9} {:>12}  workload",
+                "  {:<20} {:<30} {:<5} {:>10} {:>9} {:>12}  workload",
                 "family", "impl", "prec", "seconds", "x ref", "max rel diff"
             );
             for r in &rows {
                 match (&r.skipped, r.seconds) {
                     (Some(why), _) => println!(
-                        "  {:<20} {:<28} {:<5} skipped: {why}",
+                        "  {:<20} {:<30} {:<5} skipped: {why}",
                         r.family.name(),
                         r.name,
                         r.precision.name()
                     ),
                     (None, Some(s)) => println!(
-                        "  {:<20} {:<28} {:<5} {:>10.4} {:>8.2}x {:>12.2e}  {}",
+                        "  {:<20} {:<30} {:<5} {:>10.4} {:>8.2}x {:>12.2e}  {}",
                         r.family.name(),
                         r.name,
                         r.precision.name(),

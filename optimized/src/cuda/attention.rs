@@ -3,7 +3,8 @@
 //! All tensors are row-major f32 slices: `q, k, v, output, grad_*: [n_tok,
 //! h, d]`, `lse: [h, n_tok]` (natural log, `-inf` for a query with no allowed
 //! key). `cu_seqlens: [b + 1]`, `cu_seqlens[0] == 0`, non-decreasing,
-//! `cu_seqlens[b] == n_tok` (empty segments allowed). The masked form takes
+//! `cu_seqlens[b] == n_tok` (empty segments allowed; checked by the
+//! reference's `check_cu_seqlens`, with its errors). The masked form takes
 //! one padded row (`n_tok = L`) and `allowed: [L, L]`.
 //!
 //! Forward: FlashAttention-2 (Dao 2023, Algorithm 1) online softmax; the
@@ -12,9 +13,10 @@
 //! deterministic and a sequence gives bitwise the same values packed or
 //! padded.
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, PushKernelArg};
 
-use super::{check_finite32, check_len, driver, to_i32, CudaError, Gpu, Result, MAX_HEAD_DIM};
+use super::{check_finite32, check_len, driver, to_i32, Gpu, Launch, Result, MAX_HEAD_DIM};
+use packshard_reference::attention::check_cu_seqlens;
 use packshard_reference::Error;
 
 /// Queries (forward, dQ) or keys (dK/dV) per block: `TILE_Q` of the source.
@@ -34,7 +36,8 @@ pub struct AttnShape {
 }
 
 impl AttnShape {
-    fn values(&self) -> usize {
+    /// `n_tok h d`.
+    pub fn values(&self) -> usize {
         self.n_tok * self.h * self.d
     }
 }
@@ -68,44 +71,34 @@ pub enum Form<'a> {
     Masked(&'a [bool]),
 }
 
-/// Checks `cu_seqlens` as the reference does: `[b + 1]`, leading 0,
-/// non-decreasing, last `n_tok`.
-///
-/// # Errors
-/// [`Error::ShapeMismatch`] for an empty list, [`Error::IndexOutOfRange`]
-/// naming the first bad index.
-pub fn check_cu_seqlens(cu: &[usize], n_tok: usize) -> Result<()> {
-    if cu.is_empty() {
-        return Err(Error::ShapeMismatch {
-            field: "cu_seqlens".into(),
-            expected: "[b + 1] with b >= 0".into(),
-            actual: vec![0],
-        }
-        .into());
-    }
-    let bad = |index: usize, lo: usize, hi: usize| -> CudaError {
-        Error::IndexOutOfRange {
-            field: "cu_seqlens".into(),
-            index,
-            value: cu[index] as i64,
-            lo: lo as i64,
-            hi: hi as i64 + 1,
-        }
-        .into()
-    };
-    if cu[0] != 0 {
-        return Err(bad(0, 0, 0));
-    }
-    for i in 1..cu.len() {
-        if cu[i] < cu[i - 1] || cu[i] > n_tok {
-            return Err(bad(i, cu[i - 1], n_tok));
-        }
-    }
-    let last = cu.len() - 1;
-    if cu[last] != n_tok {
-        return Err(bad(last, n_tok, n_tok));
-    }
-    Ok(())
+/// One attention call: `q, k, v: [n_tok, h, d]` in f32, the form and the
+/// scale on `q . k`.
+#[derive(Debug, Clone, Copy)]
+pub struct Call<'a> {
+    /// `[n_tok, h, d]`.
+    pub q: &'a [f32],
+    /// `[n_tok, h, d]`.
+    pub k: &'a [f32],
+    /// `[n_tok, h, d]`.
+    pub v: &'a [f32],
+    /// Its shape.
+    pub shape: AttnShape,
+    /// Packed or masked.
+    pub form: Form<'a>,
+    /// Multiplies `q . k`.
+    pub scale: f32,
+}
+
+/// One attention backward call: the forward call's inputs, the forward's
+/// results and `grad_output: [n_tok, h, d]`.
+#[derive(Debug, Clone, Copy)]
+pub struct BackwardCall<'a> {
+    /// The inputs, as the forward took them.
+    pub call: Call<'a>,
+    /// The forward's `output` and `lse`.
+    pub fwd: &'a AttnForward,
+    /// `[n_tok, h, d]`.
+    pub grad_output: &'a [f32],
 }
 
 fn check_shape(shape: AttnShape) -> Result<()> {
@@ -126,62 +119,157 @@ fn check_shape(shape: AttnShape) -> Result<()> {
     Ok(())
 }
 
-/// Launch geometry: grid `(tiles, segments, heads)`, the longest segment.
-fn grid(form: Form<'_>, shape: AttnShape) -> Result<(u32, u32, usize)> {
-    let (segments, longest) = match form {
-        Form::Packed(cu) => (
-            cu.len() - 1,
-            cu.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0),
-        ),
-        Form::Masked(_) => (1, shape.n_tok),
-    };
-    if segments > 65_535 {
-        return Err(Error::invalid(
-            "cu_seqlens",
-            format!("{segments} segments, the kernels take at most 65535 per call (grid y)"),
-        )
-        .into());
-    }
-    Ok((longest.div_ceil(TILE_Q) as u32, segments as u32, longest))
-}
-
 fn check_form(form: Form<'_>, shape: AttnShape) -> Result<()> {
     match form {
-        Form::Packed(cu) => check_cu_seqlens(cu, shape.n_tok),
+        // The reference's own check: the same error for the same offsets.
+        Form::Packed(cu) => Ok(check_cu_seqlens(cu, shape.n_tok)?),
         Form::Masked(allowed) => {
             check_len("allowed", allowed, &[shape.n_tok, shape.n_tok], "[L, L]")
         }
     }
 }
 
-impl Gpu {
-    /// Attention forward in either [`Form`].
+/// A checked attention call: its shape and launch grid. Every backend runs
+/// the launches it gives ([`Plan::forward`], then for the backward
+/// [`Plan::delta`], [`Plan::dq`], [`Plan::dkv`]), so the GPU and the
+/// emulator share one geometry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Plan {
+    /// The call's shape.
+    pub shape: AttnShape,
+    /// Query blocks per segment (over the longest segment).
+    pub tiles: u32,
+    /// Segments (1 for the masked form).
+    pub segments: u32,
+}
+
+impl Plan {
+    fn new(form: Form<'_>, shape: AttnShape) -> Result<Plan> {
+        let (segments, longest) = match form {
+            Form::Packed(cu) => (
+                cu.len() - 1,
+                cu.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0),
+            ),
+            Form::Masked(_) => (1, shape.n_tok),
+        };
+        if segments > 65_535 {
+            return Err(Error::invalid(
+                "cu_seqlens",
+                format!("{segments} segments, the kernels take at most 65535 per call (grid y)"),
+            )
+            .into());
+        }
+        Ok(Plan {
+            shape,
+            tiles: longest.div_ceil(TILE_Q) as u32,
+            segments: segments as u32,
+        })
+    }
+
+    /// Checks a forward call: shapes, finite `q`/`k`/`v`, the form, the scale.
     ///
     /// # Errors
-    /// Shape errors naming the field, non-finite `q`/`k`/`v`
-    /// ([`Error::NonFiniteInput`] with the flat index), bad `cu_seqlens`,
-    /// `d > MAX_HEAD_DIM`, driver errors.
-    pub fn attention_forward(
-        &self,
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        shape: AttnShape,
-        form: Form<'_>,
-        scale: f32,
-    ) -> Result<AttnForward> {
-        check_shape(shape)?;
-        let dims = [shape.n_tok, shape.h, shape.d];
-        for (f, x) in [("q", q), ("k", k), ("v", v)] {
+    /// The reference's errors naming the field (see [`AttentionKernels`]).
+    pub fn forward_call(c: &Call<'_>) -> Result<Plan> {
+        check_shape(c.shape)?;
+        let dims = [c.shape.n_tok, c.shape.h, c.shape.d];
+        for (f, x) in [("q", c.q), ("k", c.k), ("v", c.v)] {
             check_len(f, x, &dims, "[n_tok, h, d]")?;
             check_finite32(f, x)?;
         }
-        check_form(form, shape)?;
-        if !scale.is_finite() {
+        check_form(c.form, c.shape)?;
+        if !c.scale.is_finite() {
+            let scale = c.scale;
             return Err(Error::invalid("scale", format!("{scale} is not finite")).into());
         }
-        let (tiles, segments, _) = grid(form, shape)?;
-        let (n, h) = (shape.n_tok, shape.h);
+        Plan::new(c.form, c.shape)
+    }
+
+    /// Checks a backward call: as [`Plan::forward_call`], plus the saved
+    /// forward and `grad_output`.
+    ///
+    /// # Errors
+    /// As [`Plan::forward_call`].
+    pub fn backward_call(b: &BackwardCall<'_>) -> Result<Plan> {
+        let plan = Plan::forward_call(&b.call)?;
+        let s = b.call.shape;
+        let dims = [s.n_tok, s.h, s.d];
+        check_len("grad_output", b.grad_output, &dims, "[n_tok, h, d]")?;
+        check_finite32("grad_output", b.grad_output)?;
+        check_len("output", &b.fwd.output, &dims, "[n_tok, h, d]")?;
+        check_len("lse", &b.fwd.lse, &[s.h, s.n_tok], "[h, n_tok]")?;
+        Ok(plan)
+    }
+
+    /// Whether there is nothing to launch (no tokens, or only empty segments).
+    pub fn is_empty(&self) -> bool {
+        self.tiles == 0 || self.segments == 0 || self.shape.n_tok == 0
+    }
+
+    fn tiled(&self, entry: &'static str, shared_floats: usize) -> Launch {
+        Launch {
+            entry,
+            grid: (self.tiles, self.segments, self.shape.h as u32),
+            block: TILE_Q as u32,
+            shared_bytes: (shared_floats * 4) as u32,
+        }
+    }
+
+    /// `attn_fwd`: a block per (query tile, segment, head).
+    pub fn forward(&self) -> Launch {
+        self.tiled("attn_fwd", 2 * TILE_K * self.shape.d)
+    }
+
+    /// `attn_bwd_delta`: a thread per (token, head).
+    pub fn delta(&self) -> Launch {
+        let rows = (self.shape.n_tok * self.shape.h) as u32;
+        Launch {
+            entry: "attn_bwd_delta",
+            grid: (rows.div_ceil(256), 1, 1),
+            block: 256,
+            shared_bytes: 0,
+        }
+    }
+
+    /// `attn_bwd_dq`: as the forward.
+    pub fn dq(&self) -> Launch {
+        self.tiled("attn_bwd_dq", 2 * TILE_K * self.shape.d)
+    }
+
+    /// `attn_bwd_dkv`: a block per (key tile, segment, head).
+    pub fn dkv(&self) -> Launch {
+        self.tiled("attn_bwd_dkv", 2 * TILE_K * self.shape.d + 2 * TILE_K)
+    }
+}
+
+/// The attention kernels on one backend: the GPU ([`Gpu`]) or the CPU
+/// emulator ([`super::emu::Emulator`]). f32 slices in the legend of the
+/// module docs; inputs are checked by [`Plan::forward_call`] /
+/// [`Plan::backward_call`] before any launch.
+///
+/// Errors: shapes ([`Error::ShapeMismatch`] naming the field), non-finite
+/// `q`/`k`/`v`/`grad_output` ([`Error::NonFiniteInput`] with the flat
+/// index), bad `cu_seqlens` (the reference's [`check_cu_seqlens`]),
+/// `d > MAX_HEAD_DIM`, then the backend's own (driver, emulator).
+pub trait AttentionKernels: Send + Sync {
+    /// Attention forward in either [`Form`].
+    ///
+    /// # Errors
+    /// See the trait docs.
+    fn attention_forward(&self, c: &Call<'_>) -> Result<AttnForward>;
+
+    /// Attention backward in either [`Form`], from the forward's `output`
+    /// and `lse` and `grad_output: [n_tok, h, d]`.
+    ///
+    /// # Errors
+    /// See the trait docs.
+    fn attention_backward(&self, b: &BackwardCall<'_>) -> Result<AttnGrads>;
+}
+
+impl AttentionKernels for Gpu {
+    fn attention_forward(&self, c: &Call<'_>) -> Result<AttnForward> {
+        let plan = Plan::forward_call(c)?;
+        let (n, h) = (c.shape.n_tok, c.shape.h);
         if n == 0 {
             return Ok(AttnForward {
                 output: vec![],
@@ -189,57 +277,30 @@ impl Gpu {
             });
         }
         let s = self.stream();
-        let dq = driver("copy q", s.clone_htod(q))?;
-        let dk = driver("copy k", s.clone_htod(k))?;
-        let dv = driver("copy v", s.clone_htod(v))?;
-        let mut out = driver("alloc output", s.alloc_zeros::<f32>(shape.values()))?;
+        let [dq, dk, dv] = self.upload_qkv(c)?;
+        let mut out = driver("alloc output", s.alloc_zeros::<f32>(c.shape.values()))?;
         // Rows of empty segments are never visited: their lse stays -inf.
         let mut lse = driver("copy lse", s.clone_htod(&vec![f32::NEG_INFINITY; h * n]))?;
-        let (cu_dev, allowed_dev) = upload_form(self, form)?;
-        let dev = DeviceForm {
-            cu: &cu_dev,
-            allowed: &allowed_dev,
-            tiles,
-            segments,
-        };
-        self.launch_forward(&dq, &dk, &dv, shape, &dev, scale, &mut out, &mut lse)?;
+        let form_dev = upload_form(self, c.form)?;
+        self.launch_forward(
+            [&dq, &dk, &dv],
+            &plan,
+            &form_dev,
+            c.scale,
+            &mut out,
+            &mut lse,
+        )?;
         Ok(AttnForward {
             output: driver("copy output back", s.clone_dtoh(&out))?,
             lse: driver("copy lse back", s.clone_dtoh(&lse))?,
         })
     }
 
-    /// Attention backward in either [`Form`], from the forward's `output`
-    /// and `lse` and `grad_output: [n_tok, h, d]`.
-    ///
-    /// # Errors
-    /// As [`Gpu::attention_forward`], plus shape errors for `output`, `lse`
-    /// and `grad_output` and non-finite `grad_output`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn attention_backward(
-        &self,
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        shape: AttnShape,
-        form: Form<'_>,
-        scale: f32,
-        fwd: &AttnForward,
-        grad_output: &[f32],
-    ) -> Result<AttnGrads> {
-        check_shape(shape)?;
-        let dims = [shape.n_tok, shape.h, shape.d];
-        for (f, x) in [("q", q), ("k", k), ("v", v), ("grad_output", grad_output)] {
-            check_len(f, x, &dims, "[n_tok, h, d]")?;
-            check_finite32(f, x)?;
-        }
-        check_len("output", &fwd.output, &dims, "[n_tok, h, d]")?;
-        check_len("lse", &fwd.lse, &[shape.h, shape.n_tok], "[h, n_tok]")?;
-        check_form(form, shape)?;
-        let (tiles, segments, _) = grid(form, shape)?;
-        let (n, h) = (shape.n_tok, shape.h);
-        let zeros = || vec![0.0f32; shape.values()];
-        if n == 0 || tiles == 0 || segments == 0 {
+    fn attention_backward(&self, b: &BackwardCall<'_>) -> Result<AttnGrads> {
+        let plan = Plan::backward_call(b)?;
+        let c = &b.call;
+        let zeros = || vec![0.0f32; c.shape.values()];
+        if plan.is_empty() {
             return Ok(AttnGrads {
                 grad_q: zeros(),
                 grad_k: zeros(),
@@ -247,26 +308,15 @@ impl Gpu {
             });
         }
         let s = self.stream();
-        let mut bufs = BwdBuffers {
-            q: driver("copy q", s.clone_htod(q))?,
-            k: driver("copy k", s.clone_htod(k))?,
-            v: driver("copy v", s.clone_htod(v))?,
-            out: driver("copy output", s.clone_htod(&fwd.output))?,
-            grad_out: driver("copy grad_output", s.clone_htod(grad_output))?,
-            lse: driver("copy lse", s.clone_htod(&fwd.lse))?,
-            delta: driver("alloc delta", s.alloc_zeros::<f32>(h * n))?,
-            gq: driver("alloc grad_q", s.alloc_zeros::<f32>(shape.values()))?,
-            gk: driver("alloc grad_k", s.alloc_zeros::<f32>(shape.values()))?,
-            gv: driver("alloc grad_v", s.alloc_zeros::<f32>(shape.values()))?,
-        };
-        let (cu_dev, allowed_dev) = upload_form(self, form)?;
-        let dev = DeviceForm {
-            cu: &cu_dev,
-            allowed: &allowed_dev,
-            tiles,
-            segments,
-        };
-        self.launch_backward(&mut bufs, shape, &dev, scale)?;
+        let mut bufs = BwdBuffers::new(self, c)?;
+        driver("copy output", s.memcpy_htod(&b.fwd.output, &mut bufs.out))?;
+        driver(
+            "copy grad_output",
+            s.memcpy_htod(b.grad_output, &mut bufs.grad_out),
+        )?;
+        driver("copy lse", s.memcpy_htod(&b.fwd.lse, &mut bufs.lse))?;
+        let form_dev = upload_form(self, c.form)?;
+        self.launch_backward(&mut bufs, &plan, &form_dev, c.scale)?;
         let (gq, gk, gv) = (&bufs.gq, &bufs.gk, &bufs.gv);
         Ok(AttnGrads {
             grad_q: driver("copy grad_q back", s.clone_dtoh(gq))?,
@@ -278,100 +328,113 @@ impl Gpu {
 
 type DevBuf<T> = Option<cudarc::driver::CudaSlice<T>>;
 
-/// A [`Form`] uploaded, with its launch grid.
-struct DeviceForm<'a> {
-    cu: &'a DevBuf<i64>,
-    allowed: &'a DevBuf<u8>,
-    tiles: u32,
-    segments: u32,
+/// A [`Form`] on the device: `cu_seqlens` or `allowed`, the other absent.
+type DeviceForm = (DevBuf<i64>, DevBuf<u8>);
+
+/// The scalar parameters of the tiled kernels, held for the launch.
+struct Scalars {
+    /// `row_len, n_tok, h, d` (checked to fit `int` by [`Plan`]).
+    dims: [i32; 4],
+    scale: f32,
+    /// The absent one of `cu_seqlens` / `allowed`.
+    null: u64,
+}
+
+impl Scalars {
+    fn new(shape: AttnShape, scale: f32) -> Scalars {
+        let n = shape.n_tok as i32;
+        Scalars {
+            dims: [n, n, shape.h as i32, shape.d as i32],
+            scale,
+            null: 0,
+        }
+    }
+}
+
+/// Pushes the parameters every tiled kernel starts with: `q, k, v,
+/// cu_seqlens, allowed, row_len, n_tok, h, d, scale`.
+fn push_tiled<'a>(
+    b: &mut cudarc::driver::LaunchArgs<'a>,
+    [q, k, v]: [&'a CudaSlice<f32>; 3],
+    form: &'a DeviceForm,
+    scalars: &'a Scalars,
+) {
+    b.arg(q).arg(k).arg(v);
+    match &form.0 {
+        Some(c) => b.arg(c),
+        None => b.arg(&scalars.null),
+    };
+    match &form.1 {
+        Some(a) => b.arg(a),
+        None => b.arg(&scalars.null),
+    };
+    for x in &scalars.dims {
+        b.arg(x);
+    }
+    b.arg(&scalars.scale);
 }
 
 impl Gpu {
-    #[allow(clippy::too_many_arguments)]
+    /// `q, k, v` on the device.
+    fn upload_qkv(&self, c: &Call<'_>) -> Result<[CudaSlice<f32>; 3]> {
+        let s = self.stream();
+        Ok([
+            driver("copy q", s.clone_htod(c.q))?,
+            driver("copy k", s.clone_htod(c.k))?,
+            driver("copy v", s.clone_htod(c.v))?,
+        ])
+    }
+
     fn launch_forward(
         &self,
-        dq: &CudaSlice<f32>,
-        dk: &CudaSlice<f32>,
-        dv: &CudaSlice<f32>,
-        shape: AttnShape,
-        form: &DeviceForm<'_>,
+        [dq, dk, dv]: [&CudaSlice<f32>; 3],
+        plan: &Plan,
+        form: &DeviceForm,
         scale: f32,
         out: &mut CudaSlice<f32>,
         lse: &mut CudaSlice<f32>,
     ) -> Result<()> {
-        if form.tiles == 0 || form.segments == 0 || shape.n_tok == 0 {
+        if plan.is_empty() {
             return Ok(());
         }
-        let f = self.function("attention", "attn_fwd")?;
-        let (ni, hi, di) = (
-            to_i32("n_tok", shape.n_tok)?,
-            shape.h as i32,
-            shape.d as i32,
-        );
-        let row_len = ni;
-        let null: u64 = 0;
-        let cfg = LaunchConfig {
-            grid_dim: (form.tiles, form.segments, shape.h as u32),
-            block_dim: (TILE_Q as u32, 1, 1),
-            shared_mem_bytes: (2 * TILE_K * shape.d * 4) as u32,
-        };
+        let l = plan.forward();
+        let f = self.function("attention", l.entry)?;
+        let scalars = Scalars::new(plan.shape, scale);
         let mut b = self.stream().launch_builder(&f);
-        b.arg(dq).arg(dk).arg(dv);
-        push_form(&mut b, form.cu, form.allowed, &null);
-        b.arg(&row_len).arg(&ni).arg(&hi).arg(&di).arg(&scale);
+        push_tiled(&mut b, [dq, dk, dv], form, &scalars);
         b.arg(out).arg(lse);
         // SAFETY: argument list matches `attn_fwd` in attention.cu; every
-        // buffer has the length its legend says (checked by the callers).
-        driver("launch attn_fwd", unsafe { b.launch(cfg) })?;
+        // buffer has the length its legend says (checked by `Plan`).
+        driver("launch attn_fwd", unsafe { b.launch(l.config()) })?;
         Ok(())
     }
 
-    /// Times the packed forward on device-resident inputs: uploads once,
-    /// launches `reps` times after one warm-up, and returns seconds per
-    /// launch (kernel time, no copies). For the GPU bench.
+    /// Times the forward (`backward: false`) or the forward plus backward
+    /// (`grad_output = v`) on device-resident inputs: uploads once, runs one
+    /// warm-up pass, then `reps`; seconds per pass (kernel time, no copies).
+    /// For the GPU bench.
     ///
     /// # Errors
-    /// As [`Gpu::attention_forward`].
-    #[allow(clippy::too_many_arguments)]
-    pub fn time_varlen_forward(
-        &self,
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        shape: AttnShape,
-        cu_seqlens: &[usize],
-        scale: f32,
-        reps: usize,
-    ) -> Result<f64> {
-        check_shape(shape)?;
-        let dims = [shape.n_tok, shape.h, shape.d];
-        for (f, x) in [("q", q), ("k", k), ("v", v)] {
-            check_len(f, x, &dims, "[n_tok, h, d]")?;
-        }
-        let form = Form::Packed(cu_seqlens);
-        check_form(form, shape)?;
-        let (tiles, segments, _) = grid(form, shape)?;
+    /// As [`AttentionKernels::attention_forward`].
+    pub fn time_attention(&self, c: &Call<'_>, backward: bool, reps: usize) -> Result<f64> {
+        let plan = Plan::forward_call(c)?;
         let s = self.stream();
-        let dq = driver("copy q", s.clone_htod(q))?;
-        let dk = driver("copy k", s.clone_htod(k))?;
-        let dv = driver("copy v", s.clone_htod(v))?;
-        let mut out = driver("alloc output", s.alloc_zeros::<f32>(shape.values().max(1)))?;
-        let mut lse = driver(
-            "alloc lse",
-            s.alloc_zeros::<f32>((shape.h * shape.n_tok).max(1)),
-        )?;
-        let (cu_dev, allowed_dev) = upload_form(self, form)?;
-        let dev = DeviceForm {
-            cu: &cu_dev,
-            allowed: &allowed_dev,
-            tiles,
-            segments,
+        let mut bufs = BwdBuffers::new(self, c)?;
+        driver("copy grad_output", s.memcpy_htod(c.v, &mut bufs.grad_out))?;
+        let dev = upload_form(self, c.form)?;
+        let pass = |bufs: &mut BwdBuffers| -> Result<()> {
+            let qkv = [&bufs.q, &bufs.k, &bufs.v];
+            self.launch_forward(qkv, &plan, &dev, c.scale, &mut bufs.out, &mut bufs.lse)?;
+            if backward {
+                self.launch_backward(bufs, &plan, &dev, c.scale)?;
+            }
+            Ok(())
         };
-        self.launch_forward(&dq, &dk, &dv, shape, &dev, scale, &mut out, &mut lse)?;
+        pass(&mut bufs)?;
         driver("synchronize", s.synchronize())?;
         let t0 = std::time::Instant::now();
         for _ in 0..reps.max(1) {
-            self.launch_forward(&dq, &dk, &dv, shape, &dev, scale, &mut out, &mut lse)?;
+            pass(&mut bufs)?;
         }
         driver("synchronize", s.synchronize())?;
         Ok(t0.elapsed().as_secs_f64() / reps.max(1) as f64)
@@ -393,132 +456,76 @@ struct BwdBuffers {
     gv: CudaSlice<f32>,
 }
 
+impl BwdBuffers {
+    /// `q, k, v` uploaded, every other buffer zeroed (at least one value:
+    /// the driver refuses empty buffers).
+    fn new(gpu: &Gpu, c: &Call<'_>) -> Result<BwdBuffers> {
+        let s = gpu.stream();
+        let vals = c.shape.values().max(1);
+        let rows = (c.shape.h * c.shape.n_tok).max(1);
+        let zeros = |what: &str, len: usize| driver(what, s.alloc_zeros::<f32>(len));
+        let [q, k, v] = gpu.upload_qkv(c)?;
+        Ok(BwdBuffers {
+            q,
+            k,
+            v,
+            out: zeros("alloc output", vals)?,
+            grad_out: zeros("alloc grad_output", vals)?,
+            lse: zeros("alloc lse", rows)?,
+            delta: zeros("alloc delta", rows)?,
+            gq: zeros("alloc grad_q", vals)?,
+            gk: zeros("alloc grad_k", vals)?,
+            gv: zeros("alloc grad_v", vals)?,
+        })
+    }
+}
+
 impl Gpu {
     /// The three backward launches (`delta`, `dQ`, `dK`/`dV`).
     fn launch_backward(
         &self,
         bufs: &mut BwdBuffers,
-        shape: AttnShape,
-        form: &DeviceForm<'_>,
+        plan: &Plan,
+        form: &DeviceForm,
         scale: f32,
     ) -> Result<()> {
-        if form.tiles == 0 || form.segments == 0 || shape.n_tok == 0 {
+        if plan.is_empty() {
             return Ok(());
         }
         let s = self.stream();
-        let (n, h, d) = (shape.n_tok, shape.h, shape.d);
-        let (ni, hi, di) = (to_i32("n_tok", n)?, h as i32, d as i32);
-        let row_len = ni;
-        let null: u64 = 0;
+        let scalars = Scalars::new(plan.shape, scale);
+        let [_, ni, hi, di] = &scalars.dims;
 
-        let f = self.function("attention", "attn_bwd_delta")?;
-        let rows = (n * h) as u32;
-        let cfg = LaunchConfig {
-            grid_dim: (rows.div_ceil(256), 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let l = plan.delta();
+        let f = self.function("attention", l.entry)?;
         let mut b = s.launch_builder(&f);
         b.arg(&bufs.out).arg(&bufs.grad_out);
-        b.arg(&ni).arg(&hi).arg(&di).arg(&mut bufs.delta);
+        b.arg(ni).arg(hi).arg(di).arg(&mut bufs.delta);
         // SAFETY: matches `attn_bwd_delta`; buffers sized [n, h, d] and [h, n].
-        driver("launch attn_bwd_delta", unsafe { b.launch(cfg) })?;
+        driver("launch attn_bwd_delta", unsafe { b.launch(l.config()) })?;
 
-        let tiled = LaunchConfig {
-            grid_dim: (form.tiles, form.segments, h as u32),
-            block_dim: (TILE_Q as u32, 1, 1),
-            shared_mem_bytes: (2 * TILE_K * d * 4) as u32,
-        };
-        let f = self.function("attention", "attn_bwd_dq")?;
+        let l = plan.dq();
+        let f = self.function("attention", l.entry)?;
         let mut b = s.launch_builder(&f);
-        b.arg(&bufs.q).arg(&bufs.k).arg(&bufs.v);
-        push_form(&mut b, form.cu, form.allowed, &null);
-        b.arg(&row_len).arg(&ni).arg(&hi).arg(&di).arg(&scale);
+        push_tiled(&mut b, [&bufs.q, &bufs.k, &bufs.v], form, &scalars);
         b.arg(&bufs.lse).arg(&bufs.delta).arg(&bufs.grad_out);
         b.arg(&mut bufs.gq);
         // SAFETY: matches `attn_bwd_dq`.
-        driver("launch attn_bwd_dq", unsafe { b.launch(tiled) })?;
+        driver("launch attn_bwd_dq", unsafe { b.launch(l.config()) })?;
 
-        let f = self.function("attention", "attn_bwd_dkv")?;
+        let l = plan.dkv();
+        let f = self.function("attention", l.entry)?;
         let mut b = s.launch_builder(&f);
-        b.arg(&bufs.q).arg(&bufs.k).arg(&bufs.v);
-        push_form(&mut b, form.cu, form.allowed, &null);
-        b.arg(&row_len).arg(&ni).arg(&hi).arg(&di).arg(&scale);
+        push_tiled(&mut b, [&bufs.q, &bufs.k, &bufs.v], form, &scalars);
         b.arg(&bufs.lse).arg(&bufs.delta).arg(&bufs.grad_out);
         b.arg(&mut bufs.gk).arg(&mut bufs.gv);
-        let cfg = LaunchConfig {
-            shared_mem_bytes: ((2 * TILE_K * d + 2 * TILE_K) * 4) as u32,
-            ..tiled
-        };
         // SAFETY: matches `attn_bwd_dkv`.
-        driver("launch attn_bwd_dkv", unsafe { b.launch(cfg) })?;
+        driver("launch attn_bwd_dkv", unsafe { b.launch(l.config()) })?;
         Ok(())
-    }
-
-    /// Times the packed forward plus backward on device-resident inputs
-    /// (`grad_output = v`): one warm-up, then `reps` passes; seconds per
-    /// pass (kernel time, no copies). For the GPU bench.
-    ///
-    /// # Errors
-    /// As [`Gpu::attention_forward`].
-    #[allow(clippy::too_many_arguments)]
-    pub fn time_varlen_forward_backward(
-        &self,
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        shape: AttnShape,
-        cu_seqlens: &[usize],
-        scale: f32,
-        reps: usize,
-    ) -> Result<f64> {
-        check_shape(shape)?;
-        let dims = [shape.n_tok, shape.h, shape.d];
-        for (f, x) in [("q", q), ("k", k), ("v", v)] {
-            check_len(f, x, &dims, "[n_tok, h, d]")?;
-        }
-        let form = Form::Packed(cu_seqlens);
-        check_form(form, shape)?;
-        let (tiles, segments, _) = grid(form, shape)?;
-        let s = self.stream();
-        let vals = shape.values().max(1);
-        let rows = (shape.h * shape.n_tok).max(1);
-        let mut bufs = BwdBuffers {
-            q: driver("copy q", s.clone_htod(q))?,
-            k: driver("copy k", s.clone_htod(k))?,
-            v: driver("copy v", s.clone_htod(v))?,
-            out: driver("alloc output", s.alloc_zeros::<f32>(vals))?,
-            grad_out: driver("copy grad_output", s.clone_htod(v))?,
-            lse: driver("alloc lse", s.alloc_zeros::<f32>(rows))?,
-            delta: driver("alloc delta", s.alloc_zeros::<f32>(rows))?,
-            gq: driver("alloc grad_q", s.alloc_zeros::<f32>(vals))?,
-            gk: driver("alloc grad_k", s.alloc_zeros::<f32>(vals))?,
-            gv: driver("alloc grad_v", s.alloc_zeros::<f32>(vals))?,
-        };
-        let (cu_dev, allowed_dev) = upload_form(self, form)?;
-        let dev = DeviceForm {
-            cu: &cu_dev,
-            allowed: &allowed_dev,
-            tiles,
-            segments,
-        };
-        let pass = |bufs: &mut BwdBuffers| -> Result<()> {
-            let (q, k, v) = (&bufs.q, &bufs.k, &bufs.v);
-            self.launch_forward(q, k, v, shape, &dev, scale, &mut bufs.out, &mut bufs.lse)?;
-            self.launch_backward(bufs, shape, &dev, scale)
-        };
-        pass(&mut bufs)?;
-        driver("synchronize", s.synchronize())?;
-        let t0 = std::time::Instant::now();
-        for _ in 0..reps.max(1) {
-            pass(&mut bufs)?;
-        }
-        driver("synchronize", s.synchronize())?;
-        Ok(t0.elapsed().as_secs_f64() / reps.max(1) as f64)
     }
 }
 
-fn upload_form(gpu: &Gpu, form: Form<'_>) -> Result<(DevBuf<i64>, DevBuf<u8>)> {
+fn upload_form(gpu: &Gpu, form: Form<'_>) -> Result<DeviceForm> {
     let s = gpu.stream();
     Ok(match form {
         Form::Packed(cu) => {
@@ -530,23 +537,6 @@ fn upload_form(gpu: &Gpu, form: Form<'_>) -> Result<(DevBuf<i64>, DevBuf<u8>)> {
             (None, Some(driver("copy allowed", s.clone_htod(&a))?))
         }
     })
-}
-
-/// Pushes `cu_seqlens` and `allowed`, a null pointer for the absent one.
-fn push_form<'a>(
-    b: &mut cudarc::driver::LaunchArgs<'a>,
-    cu: &'a DevBuf<i64>,
-    allowed: &'a DevBuf<u8>,
-    null: &'a u64,
-) {
-    match cu {
-        Some(c) => b.arg(c),
-        None => b.arg(null),
-    };
-    match allowed {
-        Some(a) => b.arg(a),
-        None => b.arg(null),
-    };
 }
 
 /// Floating-point operations of attention over `cu_seqlens` (forward:

@@ -22,11 +22,23 @@
 //! - [`vocab`]: the local statistics and partials of one vocabulary shard
 //!   (Yeung et al., arXiv:2411.05288, Algorithm 2), and the host side of
 //!   `alg2` over a [`packshard_reference::vocab::ShardMap`].
+//! - [`emu`]: the same kernel sources built by the host C++ compiler and run
+//!   on the CPU ([`emu::Emulator`]), so the kernels' logic is checked on
+//!   machines without a GPU.
+//! - [`ops`]: the attention kernels behind [`packshard_reference::ops::AttentionOp`],
+//!   one adapter over either backend (the GPU or the emulator); the
+//!   registry of `packshard-oracle` lists both.
+//!
+//! Both backends run the same launches: the host code computes each
+//! [`Launch`] (entry point, grid, threads, shared memory) once
+//! ([`attention::Plan`], [`vocab`]'s launch functions) and checks inputs once.
 
 pub mod attention;
+pub mod emu;
+pub mod ops;
 pub mod vocab;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream};
@@ -74,6 +86,30 @@ pub const CI_ARCH: &str = "compute_90";
 /// array of the CUDA source, `MAX_D`).
 pub const MAX_HEAD_DIM: usize = 128;
 
+/// One kernel launch: what the GPU ([`Gpu`]) and the emulator
+/// ([`emu::Emulator`]) both run, computed once by the host code.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Launch {
+    /// The `extern "C" __global__` function.
+    pub entry: &'static str,
+    /// Blocks `(x, y, z)`.
+    pub grid: (u32, u32, u32),
+    /// Threads per block (`x` only).
+    pub block: u32,
+    /// Bytes of dynamic shared memory.
+    pub shared_bytes: u32,
+}
+
+impl Launch {
+    fn config(&self) -> cudarc::driver::LaunchConfig {
+        cudarc::driver::LaunchConfig {
+            grid_dim: self.grid,
+            block_dim: (self.block, 1, 1),
+            shared_mem_bytes: self.shared_bytes,
+        }
+    }
+}
+
 /// Errors of the GPU path. Input errors are the reference's
 /// ([`packshard_reference::Error`], naming the field and the index).
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -100,6 +136,19 @@ pub enum CudaError {
         /// NVRTC's log (or the error when there is none).
         log: String,
     },
+    /// No C++ compiler to build the emulator ([`emu::Emulator`]).
+    #[error("no C++ compiler for the CUDA emulator: {reason}")]
+    NoCompiler {
+        /// What was missing.
+        reason: String,
+    },
+    /// The C++ compiler is there but rejected the emulator or the kernels,
+    /// or the emulator refused a launch.
+    #[error("CUDA emulator: {message}")]
+    Emulator {
+        /// The compiler's output or the launch's error.
+        message: String,
+    },
     /// A CUDA driver call failed.
     #[error("CUDA driver error in {call}: {message}")]
     Driver {
@@ -117,9 +166,13 @@ pub enum CudaError {
 pub type Result<T, E = CudaError> = std::result::Result<T, E>;
 
 impl CudaError {
-    /// Whether the error only says that no GPU stack is here (a test skips).
+    /// Whether the error only says that no GPU stack (or, for the
+    /// emulator, no C++ compiler) is here: a test skips.
     pub fn is_unavailable(&self) -> bool {
-        matches!(self, CudaError::NoNvrtc | CudaError::NoDevice { .. })
+        matches!(
+            self,
+            CudaError::NoNvrtc | CudaError::NoDevice { .. } | CudaError::NoCompiler { .. }
+        )
     }
 }
 
@@ -174,6 +227,26 @@ pub fn preload_nvrtc(dir: &Path) -> Result<bool> {
     let l = unsafe { libloading::Library::new(&lib) }.map_err(|_| CudaError::NoNvrtc)?;
     std::mem::forget(l);
     Ok(true)
+}
+
+/// The NVRTC folder: `PACKSHARD_NVRTC_DIR`, else the one
+/// `scripts/fetch_nvrtc.sh` fills in this repository (`.cache/nvrtc/...`).
+pub fn nvrtc_dir() -> PathBuf {
+    match std::env::var_os("PACKSHARD_NVRTC_DIR") {
+        Some(d) if !d.is_empty() => PathBuf::from(d),
+        _ => {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.cache/nvrtc/nvidia/cuda_nvrtc/lib")
+        }
+    }
+}
+
+/// Makes NVRTC loadable, preloading it from [`nvrtc_dir`] when it is not on
+/// the loader path already; whether it is.
+pub fn nvrtc_ready() -> bool {
+    if nvrtc_present() {
+        return true;
+    }
+    matches!(preload_nvrtc(&nvrtc_dir()), Ok(true)) && nvrtc_present()
 }
 
 /// Compiles `kernel` to PTX for `arch` (e.g. [`CI_ARCH`]) with NVRTC.

@@ -22,11 +22,11 @@
 //! non-ignored tokens (the common training setting); label smoothing and
 //! z-loss are not implemented on the GPU.
 
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, LaunchArgs, PushKernelArg};
 use packshard_reference::vocab::ShardMap;
 use packshard_reference::Error;
 
-use super::{check_finite32, check_len, driver, to_i32, Gpu, Result};
+use super::{check_finite32, check_len, driver, to_i32, Gpu, Launch, Result};
 
 /// Threads per block of every vocab kernel (`THREADS` of the source).
 const THREADS: u32 = 256;
@@ -65,7 +65,8 @@ pub struct ShardInput<'a> {
 }
 
 /// The three per-shard kernels, so the `alg2` driver runs on the GPU
-/// ([`Gpu`]) or on a CPU stand-in in tests.
+/// ([`Gpu`]), on the CPU emulator ([`super::emu::Emulator`]) or on a CPU
+/// stand-in in tests.
 pub trait ShardKernels {
     /// S pass statistics.
     ///
@@ -90,60 +91,157 @@ pub trait ShardKernels {
     fn weight_grad(&self, x: &ShardInput<'_>, lse: &[f32], row_scale: &[f32]) -> Result<Vec<f32>>;
 }
 
-fn check_input(x: &ShardInput<'_>) -> Result<()> {
-    check_len("hidden", x.hidden, &[x.n, x.hd], "[n, hd]")?;
-    check_len("weight", x.weight, &[x.w, x.hd], "[w, hd]")?;
-    check_len("targets", x.target, &[x.n], "[n]")?;
-    to_i32("n", x.n)?;
-    to_i32("hd", x.hd)?;
-    to_i32("w", x.w)?;
-    if x.hd == 0 {
-        return Err(Error::invalid("hd", "the hidden size is 0").into());
+impl ShardStats {
+    /// The statistics of a shard with no rows: `m_i = -inf`, `s_i = 0`, so it
+    /// contributes nothing (docs/FAULTS.md V6).
+    pub fn empty(n: usize) -> ShardStats {
+        ShardStats {
+            local_max: vec![f32::NEG_INFINITY; n],
+            local_sum: vec![0.0; n],
+            target_logit: vec![0.0; n],
+        }
     }
-    if (x.hd + 2 * THREADS as usize) * 4 > 48 * 1024 {
-        return Err(
-            Error::invalid("hd", "hidden size over 10240 (48 KiB of shared memory)").into(),
-        );
+}
+
+impl ShardInput<'_> {
+    fn check(&self) -> Result<()> {
+        check_len("hidden", self.hidden, &[self.n, self.hd], "[n, hd]")?;
+        check_len("weight", self.weight, &[self.w, self.hd], "[w, hd]")?;
+        check_len("targets", self.target, &[self.n], "[n]")?;
+        to_i32("n", self.n)?;
+        to_i32("hd", self.hd)?;
+        to_i32("w", self.w)?;
+        if self.hd == 0 {
+            return Err(Error::invalid("hd", "the hidden size is 0").into());
+        }
+        if (self.hd + 2 * THREADS as usize) * 4 > 48 * 1024 {
+            return Err(
+                Error::invalid("hd", "hidden size over 10240 (48 KiB of shared memory)").into(),
+            );
+        }
+        Ok(())
     }
-    Ok(())
+
+    fn check_rows(&self, lse: &[f32], row_scale: &[f32]) -> Result<()> {
+        self.check()?;
+        check_len("lse", lse, &[self.n], "[n]")?;
+        check_len("row_scale", row_scale, &[self.n], "[n]")
+    }
+
+    /// The `(n, hd, w)` arguments of every kernel (checked to fit `int`).
+    pub fn dims32(&self) -> (i32, i32, i32) {
+        (self.n as i32, self.hd as i32, self.w as i32)
+    }
+
+    /// A launch of `THREADS` threads per block over `blocks` blocks with
+    /// `hd + extra` floats of shared memory, or `None` when there is nothing
+    /// to launch (no tokens or no rows).
+    fn launch(&self, entry: &'static str, blocks: usize, extra: usize) -> Option<Launch> {
+        (self.n > 0 && self.w > 0).then(|| Launch {
+            entry,
+            grid: (blocks as u32, 1, 1),
+            block: THREADS,
+            shared_bytes: ((self.hd + extra) * 4) as u32,
+        })
+    }
+
+    /// Checks the inputs of [`ShardKernels::stats`]; its `lce_stats` launch
+    /// (a block per token), or `None` when there is nothing to launch
+    /// ([`ShardStats::empty`]).
+    ///
+    /// # Errors
+    /// Shape errors naming the field.
+    pub fn stats_launch(&self) -> Result<Option<Launch>> {
+        self.check()?;
+        Ok(self.launch("lce_stats", self.n, 2 * THREADS as usize))
+    }
+
+    /// Checks the inputs of [`ShardKernels::input_partials`]; its `lce_dx`
+    /// launch (a block per token), or `None` (the partials are 0).
+    ///
+    /// # Errors
+    /// Shape errors naming the field.
+    pub fn partials_launch(&self, lse: &[f32], row_scale: &[f32]) -> Result<Option<Launch>> {
+        self.check_rows(lse, row_scale)?;
+        Ok(self.launch("lce_dx", self.n, TILE_V))
+    }
+
+    /// Checks the inputs of [`ShardKernels::weight_grad`]; its `lce_dw`
+    /// launch (a block per row), or `None` (the gradient is 0).
+    ///
+    /// # Errors
+    /// Shape errors naming the field.
+    pub fn weight_grad_launch(&self, lse: &[f32], row_scale: &[f32]) -> Result<Option<Launch>> {
+        self.check_rows(lse, row_scale)?;
+        Ok(self.launch("lce_dw", self.w, TILE_N))
+    }
+}
+
+/// One shard's inputs on the device: `hidden, weight, target`, with
+/// `lse, row_scale` for the gradient kernels, and the sizes `n, hd, w`.
+struct ShardBuffers {
+    tensors: [CudaSlice<f32>; 2],
+    target: CudaSlice<i32>,
+    rows: Option<[CudaSlice<f32>; 2]>,
+    dims: [i32; 3],
+}
+
+impl ShardBuffers {
+    fn upload(gpu: &Gpu, x: &ShardInput<'_>, rows: Option<(&[f32], &[f32])>) -> Result<Self> {
+        let s = gpu.stream();
+        let (n, hd, w) = x.dims32();
+        Ok(ShardBuffers {
+            tensors: [
+                driver("copy hidden", s.clone_htod(x.hidden))?,
+                driver("copy weight", s.clone_htod(x.weight))?,
+            ],
+            target: driver("copy targets", s.clone_htod(x.target))?,
+            rows: match rows {
+                Some((lse, row_scale)) => Some([
+                    driver("copy lse", s.clone_htod(lse))?,
+                    driver("copy row_scale", s.clone_htod(row_scale))?,
+                ]),
+                None => None,
+            },
+            dims: [n, hd, w],
+        })
+    }
+
+    /// Pushes `hidden, weight, target[, lse, row_scale], n, hd, w`.
+    fn push<'a>(&'a self, b: &mut LaunchArgs<'a>) {
+        b.arg(&self.tensors[0])
+            .arg(&self.tensors[1])
+            .arg(&self.target);
+        for r in self.rows.iter().flatten() {
+            b.arg(r);
+        }
+        for d in &self.dims {
+            b.arg(d);
+        }
+    }
 }
 
 impl ShardKernels for Gpu {
     fn stats(&self, x: &ShardInput<'_>) -> Result<ShardStats> {
-        check_input(x)?;
-        let n = x.n;
-        if n == 0 || x.w == 0 {
-            // No rows (a padded layout's all-padding shard): m_i = -inf,
-            // s_i = 0, it contributes nothing (docs/FAULTS.md V6). No launch, as
-            // the driver refuses zero-byte buffers.
-            return Ok(ShardStats {
-                local_max: vec![f32::NEG_INFINITY; n],
-                local_sum: vec![0.0; n],
-                target_logit: vec![0.0; n],
-            });
-        }
-        let s = self.stream();
-        let h = driver("copy hidden", s.clone_htod(x.hidden))?;
-        let w = driver("copy weight", s.clone_htod(x.weight))?;
-        let t = driver("copy targets", s.clone_htod(x.target))?;
-        let mut m = driver("alloc local_max", s.alloc_zeros::<f32>(n))?;
-        let mut l = driver("alloc local_sum", s.alloc_zeros::<f32>(n))?;
-        let mut z = driver("alloc target_logit", s.alloc_zeros::<f32>(n))?;
-        let (ni, hi, wi) = (x.n as i32, x.hd as i32, x.w as i32);
-        let f = self.function("vocab", "lce_stats")?;
-        let mut b = s.launch_builder(&f);
-        b.arg(&h).arg(&w).arg(&t).arg(&ni).arg(&hi).arg(&wi);
-        b.arg(&mut m).arg(&mut l).arg(&mut z);
-        let cfg = LaunchConfig {
-            grid_dim: (n as u32, 1, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: ((x.hd + 2 * THREADS as usize) * 4) as u32,
+        let Some(l) = x.stats_launch()? else {
+            // No launch: the driver refuses zero-byte buffers.
+            return Ok(ShardStats::empty(x.n));
         };
-        // SAFETY: matches `lce_stats`; sizes checked by `check_input`.
-        driver("launch lce_stats", unsafe { b.launch(cfg) })?;
+        let n = x.n;
+        let s = self.stream();
+        let inputs = ShardBuffers::upload(self, x, None)?;
+        let mut m = driver("alloc local_max", s.alloc_zeros::<f32>(n))?;
+        let mut l_sum = driver("alloc local_sum", s.alloc_zeros::<f32>(n))?;
+        let mut z = driver("alloc target_logit", s.alloc_zeros::<f32>(n))?;
+        let f = self.function("vocab", l.entry)?;
+        let mut b = s.launch_builder(&f);
+        inputs.push(&mut b);
+        b.arg(&mut m).arg(&mut l_sum).arg(&mut z);
+        // SAFETY: matches `lce_stats`; sizes checked by `stats_launch`.
+        driver("launch lce_stats", unsafe { b.launch(l.config()) })?;
         Ok(ShardStats {
             local_max: driver("copy local_max back", s.clone_dtoh(&m))?,
-            local_sum: driver("copy local_sum back", s.clone_dtoh(&l))?,
+            local_sum: driver("copy local_sum back", s.clone_dtoh(&l_sum))?,
             target_logit: driver("copy target_logit back", s.clone_dtoh(&z))?,
         })
     }
@@ -154,32 +252,19 @@ impl ShardKernels for Gpu {
         lse: &[f32],
         row_scale: &[f32],
     ) -> Result<(Vec<f32>, Vec<f32>)> {
-        check_input(x)?;
-        check_len("lse", lse, &[x.n], "[n]")?;
-        check_len("row_scale", row_scale, &[x.n], "[n]")?;
-        if x.n == 0 || x.w == 0 {
+        let Some(l) = x.partials_launch(lse, row_scale)? else {
             return Ok((vec![0.0; x.n * x.hd], vec![0.0; x.n * x.hd]));
-        }
+        };
         let s = self.stream();
-        let h = driver("copy hidden", s.clone_htod(x.hidden))?;
-        let w = driver("copy weight", s.clone_htod(x.weight))?;
-        let t = driver("copy targets", s.clone_htod(x.target))?;
-        let dl = driver("copy lse", s.clone_htod(lse))?;
-        let rs = driver("copy row_scale", s.clone_htod(row_scale))?;
+        let inputs = ShardBuffers::upload(self, x, Some((lse, row_scale)))?;
         let mut dp = driver("alloc dpart", s.alloc_zeros::<f32>(x.n * x.hd))?;
         let mut bp = driver("alloc bpart", s.alloc_zeros::<f32>(x.n * x.hd))?;
-        let (ni, hi, wi) = (x.n as i32, x.hd as i32, x.w as i32);
-        let f = self.function("vocab", "lce_dx")?;
+        let f = self.function("vocab", l.entry)?;
         let mut b = s.launch_builder(&f);
-        b.arg(&h).arg(&w).arg(&t).arg(&dl).arg(&rs);
-        b.arg(&ni).arg(&hi).arg(&wi).arg(&mut dp).arg(&mut bp);
-        let cfg = LaunchConfig {
-            grid_dim: (x.n as u32, 1, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: ((x.hd + TILE_V) * 4) as u32,
-        };
+        inputs.push(&mut b);
+        b.arg(&mut dp).arg(&mut bp);
         // SAFETY: matches `lce_dx`.
-        driver("launch lce_dx", unsafe { b.launch(cfg) })?;
+        driver("launch lce_dx", unsafe { b.launch(l.config()) })?;
         Ok((
             driver("copy dpart back", s.clone_dtoh(&dp))?,
             driver("copy bpart back", s.clone_dtoh(&bp))?,
@@ -187,31 +272,18 @@ impl ShardKernels for Gpu {
     }
 
     fn weight_grad(&self, x: &ShardInput<'_>, lse: &[f32], row_scale: &[f32]) -> Result<Vec<f32>> {
-        check_input(x)?;
-        check_len("lse", lse, &[x.n], "[n]")?;
-        check_len("row_scale", row_scale, &[x.n], "[n]")?;
-        if x.w == 0 || x.hd == 0 || x.n == 0 {
+        let Some(l) = x.weight_grad_launch(lse, row_scale)? else {
             return Ok(vec![0.0; x.w * x.hd]);
-        }
-        let s = self.stream();
-        let h = driver("copy hidden", s.clone_htod(x.hidden))?;
-        let w = driver("copy weight", s.clone_htod(x.weight))?;
-        let t = driver("copy targets", s.clone_htod(x.target))?;
-        let dl = driver("copy lse", s.clone_htod(lse))?;
-        let rs = driver("copy row_scale", s.clone_htod(row_scale))?;
-        let mut gw = driver("alloc grad_weight", s.alloc_zeros::<f32>(x.w * x.hd))?;
-        let (ni, hi, wi) = (x.n as i32, x.hd as i32, x.w as i32);
-        let f = self.function("vocab", "lce_dw")?;
-        let mut b = s.launch_builder(&f);
-        b.arg(&h).arg(&w).arg(&t).arg(&dl).arg(&rs);
-        b.arg(&ni).arg(&hi).arg(&wi).arg(&mut gw);
-        let cfg = LaunchConfig {
-            grid_dim: (x.w as u32, 1, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: ((x.hd + TILE_N) * 4) as u32,
         };
+        let s = self.stream();
+        let inputs = ShardBuffers::upload(self, x, Some((lse, row_scale)))?;
+        let mut gw = driver("alloc grad_weight", s.alloc_zeros::<f32>(x.w * x.hd))?;
+        let f = self.function("vocab", l.entry)?;
+        let mut b = s.launch_builder(&f);
+        inputs.push(&mut b);
+        b.arg(&mut gw);
         // SAFETY: matches `lce_dw`.
-        driver("launch lce_dw", unsafe { b.launch(cfg) })?;
+        driver("launch lce_dw", unsafe { b.launch(l.config()) })?;
         driver("copy grad_weight back", s.clone_dtoh(&gw))
     }
 }

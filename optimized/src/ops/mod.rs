@@ -17,7 +17,7 @@
 
 mod attention;
 mod layer;
-mod scalar_attention;
+pub(crate) mod scalar_attention;
 mod vocab;
 
 pub use attention::{DenseMaskedAttention, TiledAttention, MAX_DENSE_TOKENS};

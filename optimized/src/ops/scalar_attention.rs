@@ -25,8 +25,9 @@ use crate::convert::{to_f32, to_f64};
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ScalarAttention;
 
-/// `q, k, v` in f32, refusing non-finite inputs as the kernels do.
-fn inputs(
+/// `q, k, v` in f32, refusing non-finite inputs as the kernels do (also the
+/// boundary of the CUDA attention, `crate::cuda::ops`).
+pub(crate) fn inputs(
     q: &ArrayView3<f64>,
     k: &ArrayView3<f64>,
     v: &ArrayView3<f64>,
@@ -143,14 +144,14 @@ fn backward(
     [gq, gk, gv]
 }
 
-fn widen((out, lse): (Array3<f32>, Array2<f32>)) -> AttentionOutput {
+pub(crate) fn widen((out, lse): (Array3<f32>, Array2<f32>)) -> AttentionOutput {
     AttentionOutput {
         output: to_f64(out.view()),
         lse: to_f64(lse.view()),
     }
 }
 
-fn widen_grads([gq, gk, gv]: [Array3<f32>; 3]) -> AttentionGrads {
+pub(crate) fn widen_grads([gq, gk, gv]: [Array3<f32>; 3]) -> AttentionGrads {
     AttentionGrads {
         grad_q: to_f64(gq.view()),
         grad_k: to_f64(gk.view()),
@@ -159,7 +160,7 @@ fn widen_grads([gq, gk, gv]: [Array3<f32>; 3]) -> AttentionGrads {
 }
 
 /// The forward's results and the incoming gradient in f32, shapes checked.
-fn saved(
+pub(crate) fn saved(
     fwd: &AttentionOutput,
     grad_output: ArrayView3<f64>,
     dim: (usize, usize, usize),

@@ -1,6 +1,8 @@
 // A CPU emulation of the CUDA execution model, just enough to run the
-// kernels of optimized/src/cuda/*.cu unchanged on a machine without a GPU
-// (optimized/tests/cuda.rs builds it with g++ when one is there).
+// kernels of optimized/src/cuda/*.cu unchanged on a machine without a GPU.
+// optimized/src/cuda/emu.rs writes this file and the kernel sources into a
+// cache folder, builds them with $CXX (or g++) into a shared library at
+// first use, and calls `emu_launch` with cuLaunchKernel's argument layout.
 //
 // Each launch starts blockDim threads (std::thread); they walk the grid's
 // blocks in order, one block at a time, with __syncthreads() a

@@ -1,0 +1,250 @@
+//! The CUDA attention kernels as an [`AttentionOp`]: one adapter,
+//! [`CudaAttention`], over either backend of [`AttentionKernels`] — the GPU
+//! ([`Gpu`], device 0) or the CPU emulator of the same source
+//! ([`Emulator`]). `packshard-oracle`'s registry lists both
+//! (`attention_varlen_cuda`, `attention_varlen_cuda_emulated`).
+//!
+//! At the boundary as every f32 kernel: `q, k, v` (and the saved forward,
+//! `grad_output`) rounded to f32 on entry, refusing finite values beyond
+//! its range, results widened to f64 on exit; bad input gets the
+//! reference's error (`check_varlen`, `check_mask_shape`,
+//! `check_grad_shapes`). The kernels run bidirectional self-attention with
+//! `h_kv == h` and `d <= 128`: causal masks, grouped-query and cross
+//! attention are declared unsupported ([`AttentionOp::support`]) and
+//! refused.
+
+use std::sync::OnceLock;
+
+use ndarray::{Array2, Array3, ArrayView2, ArrayView3};
+use packshard_reference::attention::{
+    check_mask_shape, check_varlen, AttentionGrads, AttentionOutput,
+};
+use packshard_reference::ops::{AttentionOp, AttentionSupport, Varlen};
+use packshard_reference::{Error, Result};
+
+use super::attention::{AttentionKernels, AttnForward, AttnShape, BackwardCall, Call, Form};
+use super::emu::Emulator;
+use super::{CudaError, Gpu};
+use crate::ops::scalar_attention::{inputs, saved, widen, widen_grads};
+
+/// The CUDA attention kernels on backend `B` (see the module docs).
+pub struct CudaAttention<B: AttentionKernels + 'static> {
+    kernels: &'static B,
+}
+
+impl<B: AttentionKernels + std::fmt::Debug + 'static> std::fmt::Debug for CudaAttention<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("CudaAttention").field(self.kernels).finish()
+    }
+}
+
+impl CudaAttention<Gpu> {
+    /// On device 0 (opened, and the kernels compiled by NVRTC, once per
+    /// process; NVRTC preloaded from [`super::nvrtc_dir`] if need be).
+    ///
+    /// # Errors
+    /// [`CudaError::NoNvrtc`] / [`CudaError::NoDevice`] where there is no
+    /// GPU stack ([`CudaError::is_unavailable`]), else compile or driver errors.
+    pub fn gpu() -> std::result::Result<Self, CudaError> {
+        static GPU: OnceLock<std::result::Result<Gpu, CudaError>> = OnceLock::new();
+        let gpu = GPU.get_or_init(|| {
+            super::nvrtc_ready();
+            Gpu::new(0)
+        });
+        Ok(CudaAttention {
+            kernels: gpu.as_ref().map_err(Clone::clone)?,
+        })
+    }
+}
+
+impl CudaAttention<Emulator> {
+    /// On the CPU emulator (built once per process, [`Emulator::get`]).
+    ///
+    /// # Errors
+    /// [`CudaError::NoCompiler`] where no C++ compiler can be run
+    /// ([`CudaError::is_unavailable`]), [`CudaError::Emulator`] when it
+    /// rejects the sources.
+    pub fn emulated() -> std::result::Result<Self, CudaError> {
+        Ok(CudaAttention {
+            kernels: Emulator::get()?,
+        })
+    }
+}
+
+/// A backend error as the reference's: input errors as they are, the
+/// backend's own (driver, emulator) as `InvalidArgument` on `device`.
+fn reference_error(e: CudaError) -> Error {
+    match e {
+        CudaError::Input(e) => e,
+        other => Error::invalid("device", other.to_string()),
+    }
+}
+
+/// A standard-layout f32 tensor's values.
+fn flat<D: ndarray::Dimension>(x: &ndarray::Array<f32, D>) -> &[f32] {
+    x.as_slice()
+        .expect("converted tensors are in standard layout")
+}
+
+fn call<'a>(
+    [q, k, v]: [&'a Array3<f32>; 3],
+    shape: AttnShape,
+    form: Form<'a>,
+    scale: f64,
+) -> Call<'a> {
+    Call {
+        q: flat(q),
+        k: flat(k),
+        v: flat(v),
+        shape,
+        form,
+        scale: scale as f32,
+    }
+}
+
+fn shape3(x: &[f32], s: AttnShape) -> Array3<f32> {
+    Array3::from_shape_vec((s.n_tok, s.h, s.d), x.to_vec()).expect("[n_tok, h, d]")
+}
+
+/// `q, k, v` in f32 (shapes checked, finite values beyond f32 refused,
+/// non-finite ones reported) and their [`AttnShape`].
+type Inputs = ([Array3<f32>; 3], AttnShape);
+
+fn checked(q: &ArrayView3<f64>, k: &ArrayView3<f64>, v: &ArrayView3<f64>) -> Result<Inputs> {
+    let x = inputs(q, k, v)?;
+    let (n_tok, h, d) = q.dim();
+    Ok((x, AttnShape { n_tok, h, d }))
+}
+
+impl<B: AttentionKernels + 'static> CudaAttention<B> {
+    /// Checks a varlen problem as the reference does, then the support.
+    fn varlen(
+        &self,
+        q: &ArrayView3<f64>,
+        k: &ArrayView3<f64>,
+        v: &ArrayView3<f64>,
+        p: &Varlen<'_>,
+    ) -> Result<Inputs> {
+        let x = checked(q, k, v)?;
+        check_varlen(p, q.dim().0, k.dim().0)?;
+        self.support().check(p, q.dim().1, k.dim().1)?;
+        Ok(x)
+    }
+
+    /// Checks a masked problem as the reference does.
+    fn masked(
+        q: &ArrayView3<f64>,
+        k: &ArrayView3<f64>,
+        v: &ArrayView3<f64>,
+        allowed: &ArrayView2<bool>,
+    ) -> Result<(Inputs, Vec<bool>)> {
+        let x = checked(q, k, v)?;
+        check_mask_shape(allowed.shape(), q.dim().0)?;
+        Ok((x, allowed.iter().copied().collect()))
+    }
+
+    fn forward(
+        &self,
+        ([q, k, v], s): Inputs,
+        form: Form<'_>,
+        scale: f64,
+    ) -> Result<AttentionOutput> {
+        let c = call([&q, &k, &v], s, form, scale);
+        let f = self
+            .kernels
+            .attention_forward(&c)
+            .map_err(reference_error)?;
+        let lse = Array2::from_shape_vec((s.h, s.n_tok), f.lse).expect("[h, n_tok]");
+        Ok(widen((shape3(&f.output, s), lse)))
+    }
+
+    fn backward(
+        &self,
+        ([q, k, v], s): Inputs,
+        form: Form<'_>,
+        scale: f64,
+        fwd: &AttentionOutput,
+        grad_output: ArrayView3<f64>,
+    ) -> Result<AttentionGrads> {
+        let (out, lse, go) = saved(fwd, grad_output, q.dim())?;
+        let fwd32 = AttnForward {
+            output: flat(&out).to_vec(),
+            lse: flat(&lse).to_vec(),
+        };
+        let b = BackwardCall {
+            call: call([&q, &k, &v], s, form, scale),
+            fwd: &fwd32,
+            grad_output: flat(&go),
+        };
+        let g = self
+            .kernels
+            .attention_backward(&b)
+            .map_err(reference_error)?;
+        Ok(widen_grads([
+            shape3(&g.grad_q, s),
+            shape3(&g.grad_k, s),
+            shape3(&g.grad_v, s),
+        ]))
+    }
+}
+
+impl<B: AttentionKernels + 'static> AttentionOp for CudaAttention<B> {
+    /// Bidirectional self-attention with `h_kv == h` only.
+    fn support(&self) -> AttentionSupport {
+        AttentionSupport {
+            causal: false,
+            gqa: false,
+            cross: false,
+        }
+    }
+
+    fn varlen_forward(
+        &self,
+        q: ArrayView3<f64>,
+        k: ArrayView3<f64>,
+        v: ArrayView3<f64>,
+        p: &Varlen<'_>,
+    ) -> Result<AttentionOutput> {
+        let x = self.varlen(&q, &k, &v, p)?;
+        self.forward(x, Form::Packed(p.cu_seqlens_q), p.scale)
+    }
+
+    fn varlen_backward(
+        &self,
+        q: ArrayView3<f64>,
+        k: ArrayView3<f64>,
+        v: ArrayView3<f64>,
+        p: &Varlen<'_>,
+        fwd: &AttentionOutput,
+        grad_output: ArrayView3<f64>,
+    ) -> Result<AttentionGrads> {
+        let x = self.varlen(&q, &k, &v, p)?;
+        self.backward(x, Form::Packed(p.cu_seqlens_q), p.scale, fwd, grad_output)
+    }
+
+    fn masked_forward(
+        &self,
+        q: ArrayView3<f64>,
+        k: ArrayView3<f64>,
+        v: ArrayView3<f64>,
+        allowed: ArrayView2<bool>,
+        scale: f64,
+    ) -> Result<AttentionOutput> {
+        let (x, a) = Self::masked(&q, &k, &v, &allowed)?;
+        self.forward(x, Form::Masked(&a), scale)
+    }
+
+    fn masked_backward(
+        &self,
+        q: ArrayView3<f64>,
+        k: ArrayView3<f64>,
+        v: ArrayView3<f64>,
+        allowed: ArrayView2<bool>,
+        scale: f64,
+        fwd: &AttentionOutput,
+        grad_output: ArrayView3<f64>,
+    ) -> Result<AttentionGrads> {
+        let (x, a) = Self::masked(&q, &k, &v, &allowed)?;
+        self.backward(x, Form::Masked(&a), scale, fwd, grad_output)
+    }
+}
