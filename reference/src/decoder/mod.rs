@@ -15,6 +15,7 @@
 //! |---|---|
 //! | [`ops`] | bias-free linear, RMSNorm, rotary embeddings, SiLU / SwiGLU, forward and backward |
 //! | [`params`] | [`DecoderConfig`], [`DecoderParams`] with HF names, seeded init |
+//! | [`packing`] | next-token labels per document, the loss reductions, document ids / `cu_seqlens` / `position_ids` / `seq_idx` conversions |
 //! | [`model`] | layers and the whole model over varlen or dense layouts, key/value caches, the weighted next-token loss |
 //!
 //! Shapes: `n` token slots, `hidden` the residual width, `h` / `h_kv` query /
@@ -23,13 +24,21 @@
 
 pub mod model;
 pub mod ops;
+pub mod packing;
 pub mod params;
 
 pub use model::{
     token_cross_entropy, DecoderAttention, DecoderForward, DecoderGrads, DecoderInput,
     DecoderModel, DecoderRun, KvCache,
 };
+pub use packing::{
+    cu_seqlens_from_position_ids, cu_seqlens_from_seq_idx, doc_ids_from_varlen, loss_weights,
+    next_token_labels, position_ids_from_cu_seqlens, seq_idx_from_cu_seqlens, varlen_from_doc_ids,
+    CausalReduction,
+};
 pub use params::{DecoderConfig, DecoderLayerParams, DecoderParams, Mlp, Norm};
 
+#[cfg(test)]
+mod packing_tests;
 #[cfg(test)]
 mod tests;
