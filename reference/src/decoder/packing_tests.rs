@@ -7,6 +7,7 @@ use proptest::prelude::*;
 
 use super::packing::*;
 use crate::error::Error;
+use crate::faults::*;
 use crate::vocab::IGNORE_INDEX;
 
 const X: i64 = IGNORE_INDEX;
@@ -14,8 +15,8 @@ const X: i64 = IGNORE_INDEX;
 #[test]
 fn c1_labels_stay_inside_each_document() {
     // Pack [a b | c d] with a..d = 10..13.
-    let labels = next_token_labels(&[10, 11, 12, 13], &[1, 1, 2, 2], None).unwrap();
-    assert_eq!(labels, [11, X, 13, X]);
+    let labels = next_token_labels(&C1_INPUT_IDS, &C1_DOC_IDS, None).unwrap();
+    assert_eq!(labels, C1_LABELS);
     let eos = next_token_labels(&[10, 11, 12, 13, 0], &[1, 1, 2, 2, 0], Some(99)).unwrap();
     assert_eq!(eos, [11, 99, 13, 99, X]);
     // One-token documents predict nothing (or EOS); padding between documents nothing.
@@ -26,8 +27,8 @@ fn c1_labels_stay_inside_each_document() {
 #[test]
 fn c3_one_token_documents_are_not_merged() {
     assert_eq!(
-        cu_seqlens_from_position_ids(&[0, 1, 2, 0, 0, 1]),
-        [0, 3, 4, 6]
+        cu_seqlens_from_position_ids(&C3_POSITION_IDS),
+        C3_CU_SEQLENS
     );
     // A continuation chunk first: [5, 6, 7] then a new document.
     assert_eq!(cu_seqlens_from_position_ids(&[5, 6, 7, 0, 1]), [0, 3, 5]);
@@ -36,9 +37,9 @@ fn c3_one_token_documents_are_not_merged() {
 
 #[test]
 fn c4_padding_between_documents() {
-    let (slots, cu) = varlen_from_doc_ids(&[1, 1, 1, 0, 2, 2, 0, 0]).unwrap();
-    assert_eq!(slots, [0, 1, 2, 4, 5]);
-    assert_eq!(cu, [0, 3, 5]);
+    let (slots, cu) = varlen_from_doc_ids(&C4_DOC_IDS).unwrap();
+    assert_eq!(slots, C4_SLOTS);
+    assert_eq!(cu, C4_CU_SEQLENS);
     let e = varlen_from_doc_ids(&[1, 1, 2, 1]).unwrap_err();
     assert!(
         matches!(&e, Error::InvalidArgument { field, .. } if field == "doc_ids[3]"),
@@ -49,8 +50,8 @@ fn c4_padding_between_documents() {
 #[test]
 fn c6_a_continuation_chunk_keeps_its_positions() {
     assert_eq!(
-        position_ids_from_cu_seqlens(&[0, 4], 5).unwrap(),
-        [5, 6, 7, 8]
+        position_ids_from_cu_seqlens(&[0, 4], C6_POSITIONS[0]).unwrap(),
+        C6_POSITIONS
     );
     assert_eq!(
         position_ids_from_cu_seqlens(&[0, 2, 2, 5], 3).unwrap(),
@@ -64,7 +65,8 @@ fn c7_the_token_count_of_a_packed_batch() {
     let doc_ids = [1, 1, 1, 2, 2, 2, 2, 2, 3, 3, 3, 4, 4, 4, 4, 4];
     let ids: Vec<i64> = (0..16).collect();
     let labels = next_token_labels(&ids, &doc_ids, None).unwrap();
-    assert_eq!(labels.iter().filter(|&&l| l != X).count(), 12);
+    assert_eq!(C7_ROW_LENGTHS.iter().sum::<usize>() * 2, doc_ids.len());
+    assert_eq!(labels.iter().filter(|&&l| l != X).count(), C7_PREDICTED);
     let w = loss_weights(&labels, &doc_ids, CausalReduction::PerToken, 4).unwrap();
     for (l, w) in labels.iter().zip(&w) {
         assert_eq!(*w, if *l == X { 0.0 } else { 1.0 / 12.0 });
