@@ -354,20 +354,50 @@ impl CausalCase {
         }
     }
 
+    fn check_lengths(&self) -> Result<(), Error> {
+        if self.offsets.len() != self.documents.len() {
+            return Err(Error::ShapeMismatch {
+                field: "offsets".into(),
+                expected: format!("[documents] = [{}]", self.documents.len()),
+                actual: vec![self.offsets.len()],
+            });
+        }
+        for (d, doc) in self.documents.iter().enumerate() {
+            if doc.len() > self.row_len {
+                return Err(Error::SequenceTooLong {
+                    field: "documents".into(),
+                    index: d,
+                    length: doc.len(),
+                    max_seq_len: self.row_len,
+                });
+            }
+        }
+        Ok(())
+    }
+
     /// The padded batch: document `d` alone in row `d` (an empty document is
     /// a row of padding).
-    pub fn padded(&self) -> CausalBatch {
+    ///
+    /// # Errors
+    /// [`Error::SequenceTooLong`] for a document over `row_len`;
+    /// [`Error::ShapeMismatch`] naming `offsets`.
+    pub fn padded(&self) -> Result<CausalBatch, Error> {
+        self.check_lengths()?;
         let mut b = self.blank(self.documents.len());
         for d in 0..self.documents.len() {
             self.place(&mut b, d, d * self.row_len);
         }
-        b
+        Ok(b)
     }
 
     /// The packed batch: documents in order, each into the first row with
     /// room for its gap and its tokens (first fit); empty documents get no
     /// slots; a gap that does not fit beside the document is dropped.
-    pub fn packed(&self) -> CausalBatch {
+    ///
+    /// # Errors
+    /// As [`CausalCase::padded`].
+    pub fn packed(&self) -> Result<CausalBatch, Error> {
+        self.check_lengths()?;
         let mut fill: Vec<usize> = Vec::new();
         let mut at = Vec::new();
         for (d, doc) in self.documents.iter().enumerate() {
@@ -393,7 +423,7 @@ impl CausalCase {
                 self.place(&mut b, d, a);
             }
         }
-        b
+        Ok(b)
     }
 
     /// The truth: the f64 reference decoder on the documents back to back
@@ -402,8 +432,9 @@ impl CausalCase {
     /// gradients.
     ///
     /// # Errors
-    /// The model's.
+    /// As [`CausalCase::padded`]; the model's.
     pub fn truth(&self) -> Result<(Vec<Array2<f64>>, f64, DecoderParams), Error> {
+        self.check_lengths()?;
         let mut ids = Vec::new();
         let mut pos = Vec::new();
         let mut labels = Vec::new();
@@ -558,7 +589,12 @@ pub fn check_causal(
         ));
     };
     let err = |what: &str, e: Error| Mismatch::new(what, format!("{IMPL}: {e}"));
-    let (padded_b, packed_b) = (case.padded(), case.packed());
+    let padded_b = case
+        .padded()
+        .map_err(|e| Mismatch::new("case", e.to_string()))?;
+    let packed_b = case
+        .packed()
+        .map_err(|e| Mismatch::new("case", e.to_string()))?;
     let padded = imp
         .run(&case.model, &padded_b, case.reduction)
         .map_err(|e| err("padded", e))?;

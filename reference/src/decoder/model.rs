@@ -292,11 +292,13 @@ fn split_keys(
     (past, new)
 }
 
-/// Forward of one layer: `x: [n, hidden]`; `past: (cu_seqlens, k, v)` of
-/// this layer's cache. Returns `[n, hidden]` and the cache.
+/// Forward of one layer: `x: [n, hidden]`, `positions: [n]`; `past:
+/// (cu_seqlens, k, v)` of this layer's cache. Returns `[n, hidden]` and the
+/// cache. The layer's parameters are taken as [`DecoderParams::check`]
+/// passed them ([`DecoderModel::forward`] checks them).
 ///
 /// # Errors
-/// The attention op's errors; [`Error::InvalidArgument`] naming `past` for a
+/// [`Error::ShapeMismatch`] naming `x`; the attention op's errors; [`Error::InvalidArgument`] naming `past` for a
 /// cache under a dense layout.
 #[allow(clippy::too_many_arguments)]
 pub fn decoder_layer_forward(
@@ -309,6 +311,17 @@ pub fn decoder_layer_forward(
     past: Option<(&[usize], &Array3<f64>, &Array3<f64>)>,
 ) -> Result<(Array2<f64>, DecoderLayerCache)> {
     let c = config;
+    if x.ncols() != c.hidden_size || positions.len() != x.nrows() {
+        return Err(Error::ShapeMismatch {
+            field: "x".into(),
+            expected: format!(
+                "[n, hidden] = [{}, {}] (n: one row per position)",
+                positions.len(),
+                c.hidden_size
+            ),
+            actual: x.shape().to_vec(),
+        });
+    }
     let inv_freq = rope_inv_freq(c.head_dim, c.rope_theta)?;
     let scale = crate::attention::default_scale(c.head_dim);
     let (h1, norm1) = norm_forward(
@@ -612,6 +625,8 @@ impl DecoderModel {
 
     fn check_input(&self, input: &DecoderInput<'_>) -> Result<()> {
         let c = &self.config;
+        c.validate()?;
+        self.params.check(c)?;
         let n = input.input_ids.len();
         if n.saturating_mul(c.vocab_size.max(c.hidden_size).max(c.intermediate_size)) > MAX_TENSOR {
             return Err(Error::invalid(
@@ -689,7 +704,8 @@ impl DecoderModel {
     /// The forward pass: logits `[n, v]` and every intermediate.
     ///
     /// # Errors
-    /// [`Error::IndexOutOfRange`] (`input_ids`), [`Error::ShapeMismatch`]
+    /// The config's and the parameters' ([`DecoderConfig::validate`],
+    /// [`DecoderParams::check`]); [`Error::IndexOutOfRange`] (`input_ids`), [`Error::ShapeMismatch`]
     /// (`position_ids`, `allowed[r]`, `past.*`), the layout's
     /// [`Error::InvalidArgument`] (`cu_seqlens[i]`), the attention op's.
     pub fn forward(

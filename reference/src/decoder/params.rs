@@ -283,6 +283,78 @@ impl DecoderParams {
 
     /// Every non-empty tensor with its Hugging Face name, in a fixed order.
     pub fn named(&self) -> Vec<(String, ArrayViewD<'_, f64>)> {
+        let mut out = self.named_all();
+        out.retain(|(_, t)| !t.is_empty());
+        out
+    }
+
+    /// The shape every tensor of [`DecoderParams::named`] has under `config`
+    /// (empty ones included), in the same order.
+    pub fn shapes(config: &DecoderConfig) -> Vec<(String, Vec<usize>)> {
+        let c = config;
+        let (hid, qd, kvd, inter) = (
+            c.hidden_size,
+            c.num_heads * c.head_dim,
+            c.num_kv_heads * c.head_dim,
+            c.intermediate_size,
+        );
+        let b = if c.norm == Norm::LayerNorm { hid } else { 0 };
+        let gate = if c.mlp == Mlp::SwiGlu { inter } else { 0 };
+        let mut out = vec![(
+            "model.embed_tokens.weight".to_string(),
+            vec![c.vocab_size, hid],
+        )];
+        for i in 0..c.num_layers {
+            let p = |s: &str| format!("model.layers.{i}.{s}");
+            out.extend([
+                (p("input_layernorm.weight"), vec![hid]),
+                (p("input_layernorm.bias"), vec![b]),
+                (p("self_attn.q_proj.weight"), vec![qd, hid]),
+                (p("self_attn.k_proj.weight"), vec![kvd, hid]),
+                (p("self_attn.v_proj.weight"), vec![kvd, hid]),
+                (p("self_attn.o_proj.weight"), vec![hid, qd]),
+                (p("post_attention_layernorm.weight"), vec![hid]),
+                (p("post_attention_layernorm.bias"), vec![b]),
+                (p("mlp.gate_proj.weight"), vec![gate, hid]),
+                (p("mlp.up_proj.weight"), vec![inter, hid]),
+                (p("mlp.down_proj.weight"), vec![hid, inter]),
+            ]);
+        }
+        out.push(("model.norm.weight".into(), vec![hid]));
+        out.push(("model.norm.bias".into(), vec![b]));
+        let head = if c.tie_embeddings { 0 } else { c.vocab_size };
+        out.push(("lm_head.weight".into(), vec![head, hid]));
+        out
+    }
+
+    /// Checks every tensor's shape against `config` ([`DecoderParams::shapes`])
+    /// and every value finite.
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] naming the tensor (`model.layers.0.self_attn.k_proj.weight`,
+    /// `model.layers` for a wrong layer count); [`Error::NonFiniteInput`].
+    pub fn check(&self, config: &DecoderConfig) -> Result<()> {
+        if self.layers.len() != config.num_layers {
+            return Err(Error::ShapeMismatch {
+                field: "model.layers".into(),
+                expected: format!("[num_layers] = [{}]", config.num_layers),
+                actual: vec![self.layers.len()],
+            });
+        }
+        for ((name, t), (_, want)) in self.named_all().iter().zip(Self::shapes(config)) {
+            if t.shape() != want.as_slice() {
+                return Err(Error::ShapeMismatch {
+                    field: name.clone(),
+                    expected: format!("{want:?}"),
+                    actual: t.shape().to_vec(),
+                });
+            }
+            crate::error::check_finite(name, t.iter())?;
+        }
+        Ok(())
+    }
+
+    fn named_all(&self) -> Vec<(String, ArrayViewD<'_, f64>)> {
         let mut out: Vec<(String, ArrayViewD<'_, f64>)> = vec![(
             "model.embed_tokens.weight".into(),
             self.embed.view().into_dyn(),
@@ -318,7 +390,6 @@ impl DecoderParams {
             self.final_norm_b.view().into_dyn(),
         ));
         out.push(("lm_head.weight".into(), self.lm_head.view().into_dyn()));
-        out.retain(|(_, t)| !t.is_empty());
         out
     }
 

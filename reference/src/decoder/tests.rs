@@ -689,4 +689,22 @@ fn bad_inputs_are_typed_errors() {
         matches!(&e, Error::ShapeMismatch { field, .. } if field == "past.layers[0].k"),
         "{e}"
     );
+
+    let mut broken = model.clone();
+    broken.params.layers[0].wk = Array2::zeros((3, 4));
+    let e = broken
+        .forward(
+            &ReferenceAttention,
+            &DecoderInput {
+                input_ids: &[1, 2, 3],
+                position_ids: &[0, 1, 2],
+                attention: &att,
+                past: None,
+            },
+        )
+        .unwrap_err();
+    assert!(
+        matches!(&e, Error::ShapeMismatch { field, .. } if field == "model.layers.0.self_attn.k_proj.weight"),
+        "{e}"
+    );
 }
