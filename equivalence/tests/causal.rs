@@ -100,6 +100,10 @@ enum Fault {
     DenominatorPerRowShift,
     /// P7: the per-document mean taken per pack row.
     MeanPerPackRow,
+    /// The loss reported with the declared weights, the backward run with
+    /// the per-pack-row mean (a gradient normalised apart from its loss, as
+    /// in the gradient-accumulation bugs): only the gradients show it.
+    GradientsPerPackRow,
 }
 
 struct Faulty(Fault);
@@ -176,7 +180,8 @@ impl CausalLmImpl for Faulty {
                     *w = if p { 1.0 / denom as f64 } else { 0.0 };
                 }
             }
-            (Fault::MeanPerPackRow, CausalReduction::PerDocument) => {
+            (Fault::MeanPerPackRow, CausalReduction::PerDocument)
+            | (Fault::GradientsPerPackRow, _) => {
                 let per_row: Vec<usize> = (0..b.rows())
                     .map(|r| {
                         predicted[r * row..(r + 1) * row]
@@ -198,18 +203,34 @@ impl CausalLmImpl for Faulty {
         if let Fault::PositionsRestarted = self.0 {
             positions = position_ids_from_cu_seqlens(&cu, 0)?;
         }
-        let labels: Vec<i64> = slots.iter().map(|&s| labels[s]).collect();
-        let weights: Vec<f64> = slots.iter().map(|&s| weights[s]).collect();
-        run_varlen(
+        let labels_g: Vec<i64> = slots.iter().map(|&s| labels[s]).collect();
+        let weights_g: Vec<f64> = slots.iter().map(|&s| weights[s]).collect();
+        let mut run = run_varlen(
             model,
             &ReferenceAttention,
             b,
             &slots,
             &cu,
             &positions,
-            &labels,
-            &weights,
-        )
+            &labels_g,
+            &weights_g,
+        )?;
+        if let Fault::GradientsPerPackRow = self.0 {
+            let declared = loss_weights(&labels, &b.doc_ids, reduction, b.num_documents)?;
+            let declared: Vec<f64> = slots.iter().map(|&s| declared[s]).collect();
+            let right = run_varlen(
+                model,
+                &ReferenceAttention,
+                b,
+                &slots,
+                &cu,
+                &positions,
+                &labels_g,
+                &declared,
+            )?;
+            run.loss = right.loss;
+        }
+        Ok(run)
     }
 
     fn chunk_logits(
@@ -381,4 +402,11 @@ fn c5_top_left_causal_alignment_is_caught() {
     assert_names(&m, &["C5/C6 chunks", "chunk of document 0: logits"]);
     let m = check_bottom_right(&TopLeft, (2, 1, 2), 7, Tolerance::F64_REWRITE).unwrap_err();
     assert_names(&m, &["query 0 of 3 over 1 key"]);
+}
+
+#[test]
+fn gradients_normalised_apart_from_the_loss_are_caught() {
+    // Logits and loss are right: the suite must reach the gradients.
+    let m = rejected(Fault::GradientsPerPackRow);
+    assert_names(&m, &["vs padded: grad "]);
 }
