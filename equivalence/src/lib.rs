@@ -17,6 +17,9 @@
 //! - [`attention`]: varlen attention == padded attention (P2, P4, P8).
 //! - [`bert`]: BERT layer and whole model with losses and gradients, packed ==
 //!   padded (P1, P2, P4, P5, P7, P8).
+//! - [`causal`]: a causal decoder's logits, next-token loss under each
+//!   reduction and every gradient, packed == unpacked, and continuation
+//!   chunks over cached keys (C1–C7, P7).
 //!
 //! Shape legend as in `packshard-reference`: `n_tok` tokens, `b` segments,
 //! `h` heads, `d` head dim, `v` vocabulary, `p` shards.
@@ -30,6 +33,7 @@
 pub mod attention;
 pub mod baseline32;
 pub mod bert;
+pub mod causal;
 pub mod compare;
 pub mod fuzz;
 pub mod packing;

@@ -74,6 +74,34 @@ pub const CATALOGUE: &[FaultKind] = &[
         id: "V6",
         title: "a shard whose logits are all -inf",
     },
+    FaultKind {
+        id: "C1",
+        title: "labels shifted over the whole pack",
+    },
+    FaultKind {
+        id: "C2",
+        title: "document mask from EOS after the shift",
+    },
+    FaultKind {
+        id: "C3",
+        title: "boundaries from position_ids merge one-token documents",
+    },
+    FaultKind {
+        id: "C4",
+        title: "padding between documents taken for tail padding",
+    },
+    FaultKind {
+        id: "C5",
+        title: "causal alignment when query and key lengths differ",
+    },
+    FaultKind {
+        id: "C6",
+        title: "a continuation chunk keeps its positions",
+    },
+    FaultKind {
+        id: "C7",
+        title: "the token-count denominator of a packed batch",
+    },
 ];
 
 /// The kind called `id`.
@@ -182,6 +210,42 @@ pub const V6_LOGITS: [f64; 6] = [
 /// V6: the target (in the finite shard).
 pub const V6_TARGET: i64 = 2;
 
+/// C1: a pack `[a b | c d]` (ids 10..13) as document ids.
+pub const C1_DOC_IDS: [usize; 4] = [1, 1, 2, 2];
+/// C1: its input ids.
+pub const C1_INPUT_IDS: [i64; 4] = [10, 11, 12, 13];
+/// C1: its next-token labels (`-100`: no target).
+pub const C1_LABELS: [i64; 4] = [11, -100, 13, -100];
+
+/// C2: documents of 3 and 4 tokens in one row, with EOS targets.
+pub const C2_LENGTHS: [usize; 2] = [3, 4];
+
+/// C3: positions of documents `[3, 1, 2]`.
+pub const C3_POSITION_IDS: [usize; 6] = [0, 1, 2, 0, 0, 1];
+/// C3: their `cu_seqlens`.
+pub const C3_CU_SEQLENS: [usize; 4] = [0, 3, 4, 6];
+
+/// C4: document ids with padding between documents.
+pub const C4_DOC_IDS: [usize; 8] = [1, 1, 1, 0, 2, 2, 0, 0];
+/// C4: the real slots.
+pub const C4_SLOTS: [usize; 5] = [0, 1, 2, 4, 5];
+/// C4: `cu_seqlens` over them.
+pub const C4_CU_SEQLENS: [usize; 3] = [0, 3, 5];
+
+/// C5: 2 queries over 5 keys, causal, bottom-right: the mask.
+pub const C5_MASK: [[bool; 5]; 2] = [
+    [true, true, true, true, false],
+    [true, true, true, true, true],
+];
+
+/// C6: a continuation chunk's positions, kept as given.
+pub const C6_POSITIONS: [usize; 4] = [5, 6, 7, 8];
+
+/// C7: 2 rows, each documents of these lengths.
+pub const C7_ROW_LENGTHS: [usize; 2] = [3, 5];
+/// C7: the predicted tokens of the batch.
+pub const C7_PREDICTED: usize = 12;
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -215,6 +279,18 @@ mod tests {
             .unwrap()
             .loss;
         assert!((l - V2_LOSS).abs() < V2_PLACES, "{l}");
+    }
+
+    #[test]
+    fn c5_mask_is_the_reference_mask() {
+        use crate::attention::varlen_mask;
+        use crate::ops::Varlen;
+        let m = varlen_mask(&Varlen::cross(&[0, 2], &[0, 5], true, 1.0), 2, 5).unwrap();
+        for (r, row) in C5_MASK.iter().enumerate() {
+            for (c, &want) in row.iter().enumerate() {
+                assert_eq!(m[[r, c]], want, "[{r}, {c}]");
+            }
+        }
     }
 
     #[test]

@@ -31,6 +31,9 @@
 //!   `cu_seqlens_q` / `cu_seqlens_k`, bottom-right causal), forward and backward.
 //! - [`bert`]: a plain f64 BERT with hand-written backward passes, padded and
 //!   packed batches, MLM/NSP losses.
+//! - [`decoder`]: a plain f64 causal decoder (Llama / GPT-NeoX shape: RMSNorm or
+//!   LayerNorm, rotary embeddings, GQA, SwiGLU or GELU, tied or untied head) with
+//!   hand-written backward passes, over varlen or dense layouts and key/value caches.
 //! - [`ops`]: the op families, one trait each, that every implementation
 //!   (this reference, the optimized and GPU kernels, a user's kernel) meets.
 //! - [`faults`]: the fault catalogue of `docs/FAULTS.md` as data, each kind's canonical example.
@@ -41,6 +44,7 @@
 
 pub mod attention;
 pub mod bert;
+pub mod decoder;
 pub mod error;
 pub mod faults;
 pub mod limits;

@@ -1,0 +1,1144 @@
+//! Causal-LM packing: packed == unpacked (one document per padded row) for
+//! a decoder's logits, its next-token loss under each reduction and every
+//! parameter gradient (issue #15; docs/FAULTS.md C1–C7, P7).
+//!
+//! A [`CausalLmImpl`] trains a [`DecoderModel`] on a [`CausalBatch`] as a
+//! collator hands it over: rows of `row_len` slots with `input_ids`,
+//! `position_ids` and document ids (0 = padding; padding may sit between
+//! documents), and an optional EOS target. It derives labels, boundaries,
+//! positions and loss weights itself — which is where the C faults live —
+//! and returns per-slot logits, the loss and the parameter gradients.
+//! [`check_causal`] runs the padded batch (each document alone in a row) and
+//! the packed one (first-fit rows, optional padding before a document) and
+//! requires, for every document:
+//!
+//! - **packed == padded**: each document's logits, the loss, every
+//!   parameter gradient, within `judge.packed()`;
+//! - **padded == truth**: the same against the f64 reference decoder run by
+//!   this suite on the documents themselves (labels, weights and positions
+//!   written out here, not taken from the implementation), under
+//!   [`Tolerance::F64_REWRITE`] — so a fault both forms share (positions
+//!   restarted in a continuation chunk, C6) is seen too.
+//!
+//! [`check_chunk`] is the continuation property (C5, C6): a document's tail
+//! run by the implementation as a chunk over its cached keys and values
+//! (`cu_seqlens_q != cu_seqlens_k`, bottom-right aligned, positions
+//! continuing) gives the logits of the whole document's tail — the only
+//! place a continuation's positions show, since rotary attention sees
+//! relative positions only. [`check_bottom_right`] is the same alignment on
+//! one [`AttentionOp`], with a segment of more queries than keys (top rows
+//! 0).
+//!
+//! Tolerances: both sides do the same f64 operations per token; only sums
+//! over tokens (parameter gradients, the loss) and matrix products over other
+//! row counts change order, moving results by a few ulp of their largest
+//! term: [`Tolerance::F64_REWRITE`] (64 ulp of the tensor's scale; parameter
+//! gradients scaled by the largest gradient, as the BERT suite does). Every
+//! planted fault moves a value by 1e-3 of its scale or more.
+
+use ndarray::Array2;
+use packshard_reference::attention::ReferenceAttention;
+use packshard_reference::decoder::{
+    loss_weights, next_token_labels, varlen_from_doc_ids, CausalReduction, DecoderAttention,
+    DecoderConfig, DecoderInput, DecoderModel, DecoderParams, KvCache, Mlp, Norm,
+};
+use packshard_reference::ops::{AttentionOp, Varlen};
+use packshard_reference::vocab::IGNORE_INDEX;
+use packshard_reference::Error;
+use proptest::prelude::*;
+use proptest::test_runner::TestCaseError;
+use rand::{Rng, SeedableRng};
+
+pub use crate::attention::Observed;
+use crate::compare::{Judge, Mismatch, Tolerance};
+
+const IMPL: &str = "implementation";
+
+/// One batch as a collator hands it over: `rows * row_len` slots.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CausalBatch {
+    /// Slots per row.
+    pub row_len: usize,
+    /// `[n_slots]` token ids (padding slots hold the pad id, 0).
+    pub input_ids: Vec<i64>,
+    /// `[n_slots]` positions (each document's own: from its offset; 0 on padding).
+    pub position_ids: Vec<usize>,
+    /// `[n_slots]` document ids: document `d` of the case is `d + 1`, padding 0.
+    pub doc_ids: Vec<usize>,
+    /// The target of each document's last token, if any (else `-100`).
+    pub eos: Option<i64>,
+    /// The batch's documents (empty ones included).
+    pub num_documents: usize,
+}
+
+impl CausalBatch {
+    /// Rows of the batch.
+    pub fn rows(&self) -> usize {
+        self.input_ids.len().checked_div(self.row_len).unwrap_or(0)
+    }
+}
+
+/// What an implementation returns for one batch.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CausalRun {
+    /// `[n_slots, v]` (padding rows are not read).
+    pub logits: Array2<f64>,
+    /// The reduced loss.
+    pub loss: f64,
+    /// Every parameter's gradient.
+    pub grads: DecoderParams,
+}
+
+/// A causal-LM training step on a packed or padded batch.
+pub trait CausalLmImpl {
+    /// A short name for reports.
+    fn name(&self) -> String;
+    /// Forward, loss under `reduction`, backward.
+    ///
+    /// # Errors
+    /// Input errors.
+    fn run(
+        &self,
+        model: &DecoderModel,
+        batch: &CausalBatch,
+        reduction: CausalReduction,
+    ) -> Result<CausalRun, Error>;
+    /// The logits `[n_slots, v]` of a continuation chunk: `batch` holds each
+    /// document's next tokens at their own positions (continuing, C6);
+    /// `past` the keys and values of their earlier tokens, segment `s` for
+    /// the batch's `s`-th document in slot order (C5: `cu_seqlens_k` =
+    /// cached + new per segment, bottom-right aligned).
+    ///
+    /// # Errors
+    /// Input errors.
+    fn chunk_logits(
+        &self,
+        model: &DecoderModel,
+        batch: &CausalBatch,
+        past: &KvCache,
+    ) -> Result<Array2<f64>, Error>;
+}
+
+/// How the reference implementation attends on a batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CausalForm {
+    /// Padding removed, one causal varlen call over `cu_seqlens` of the
+    /// document ids (flash-attention's `flash_attn_varlen_func`).
+    Varlen,
+    /// The slot grid with a block-diagonal causal mask per row
+    /// (FlexAttention's document mask).
+    BlockCausal,
+}
+
+/// Runs `model` on the tokens at `slots` (varlen over `cu_seqlens`) and
+/// scatters the logits back to `[n_slots, v]`: the step every varlen
+/// implementation ends with, given its own slots, boundaries, positions,
+/// labels and weights (each `[n_tok]`).
+///
+/// # Errors
+/// The model's.
+#[allow(clippy::too_many_arguments)]
+pub fn run_varlen(
+    model: &DecoderModel,
+    attention: &dyn AttentionOp,
+    batch: &CausalBatch,
+    slots: &[usize],
+    cu_seqlens: &[usize],
+    positions: &[usize],
+    labels: &[i64],
+    weights: &[f64],
+) -> Result<CausalRun, Error> {
+    let ids: Vec<i64> = slots.iter().map(|&s| batch.input_ids[s]).collect();
+    let att = DecoderAttention::Varlen {
+        cu_seqlens: cu_seqlens.to_vec(),
+    };
+    let input = DecoderInput {
+        input_ids: &ids,
+        position_ids: positions,
+        attention: &att,
+        past: None,
+    };
+    let run = model.run(attention, &input, labels, weights)?;
+    let mut logits = Array2::zeros((batch.input_ids.len(), model.config.vocab_size));
+    for (t, &s) in slots.iter().enumerate() {
+        logits.row_mut(s).assign(&run.logits.row(t));
+    }
+    Ok(CausalRun {
+        logits,
+        loss: run.loss,
+        grads: run.grads.params,
+    })
+}
+
+/// The continuation-chunk twin of [`run_varlen`]: the logits of the tokens
+/// at `slots` (varlen over `cu_seqlens`, at `positions`) over the cache
+/// `past`, scattered back to `[n_slots, v]`.
+///
+/// # Errors
+/// The model's.
+pub fn chunk_varlen(
+    model: &DecoderModel,
+    attention: &dyn AttentionOp,
+    batch: &CausalBatch,
+    slots: &[usize],
+    cu_seqlens: &[usize],
+    positions: &[usize],
+    past: &KvCache,
+) -> Result<Array2<f64>, Error> {
+    let ids: Vec<i64> = slots.iter().map(|&s| batch.input_ids[s]).collect();
+    let att = DecoderAttention::Varlen {
+        cu_seqlens: cu_seqlens.to_vec(),
+    };
+    let input = DecoderInput {
+        input_ids: &ids,
+        position_ids: positions,
+        attention: &att,
+        past: Some(past),
+    };
+    let fwd = model.forward(attention, &input)?;
+    let mut logits = Array2::zeros((batch.input_ids.len(), model.config.vocab_size));
+    for (t, &s) in slots.iter().enumerate() {
+        logits.row_mut(s).assign(&fwd.logits.row(t));
+    }
+    Ok(logits)
+}
+
+/// The reference pipeline: labels by [`next_token_labels`], weights by
+/// [`loss_weights`], boundaries and real slots by [`varlen_from_doc_ids`],
+/// the batch's own positions, through `attention` in `form`.
+#[derive(Clone, Copy)]
+pub struct ReferenceCausalLm<'a> {
+    /// The attention every layer runs.
+    pub attention: &'a dyn AttentionOp,
+    /// Varlen or block-causal.
+    pub form: CausalForm,
+}
+
+/// The reference pipeline with the reference attention.
+pub fn reference_causal_lm(form: CausalForm) -> ReferenceCausalLm<'static> {
+    ReferenceCausalLm {
+        attention: &ReferenceAttention,
+        form,
+    }
+}
+
+impl CausalLmImpl for ReferenceCausalLm<'_> {
+    fn name(&self) -> String {
+        format!("reference causal LM ({:?})", self.form)
+    }
+
+    fn run(
+        &self,
+        model: &DecoderModel,
+        batch: &CausalBatch,
+        reduction: CausalReduction,
+    ) -> Result<CausalRun, Error> {
+        let labels = next_token_labels(&batch.input_ids, &batch.doc_ids, batch.eos)?;
+        let weights = loss_weights(&labels, &batch.doc_ids, reduction, batch.num_documents)?;
+        match self.form {
+            CausalForm::Varlen => {
+                let (slots, cu) = varlen_from_doc_ids(&batch.doc_ids)?;
+                let positions: Vec<usize> = slots.iter().map(|&s| batch.position_ids[s]).collect();
+                let labels: Vec<i64> = slots.iter().map(|&s| labels[s]).collect();
+                let weights: Vec<f64> = slots.iter().map(|&s| weights[s]).collect();
+                run_varlen(
+                    model,
+                    self.attention,
+                    batch,
+                    &slots,
+                    &cu,
+                    &positions,
+                    &labels,
+                    &weights,
+                )
+            }
+            CausalForm::BlockCausal => {
+                let att = DecoderAttention::block_causal(&batch.doc_ids, batch.row_len)?;
+                let input = DecoderInput {
+                    input_ids: &batch.input_ids,
+                    position_ids: &batch.position_ids,
+                    attention: &att,
+                    past: None,
+                };
+                let run = model.run(self.attention, &input, &labels, &weights)?;
+                Ok(CausalRun {
+                    logits: run.logits,
+                    loss: run.loss,
+                    grads: run.grads.params,
+                })
+            }
+        }
+    }
+
+    /// Both forms run a chunk varlen: a dense mask has no key/value cache.
+    fn chunk_logits(
+        &self,
+        model: &DecoderModel,
+        batch: &CausalBatch,
+        past: &KvCache,
+    ) -> Result<Array2<f64>, Error> {
+        let (slots, cu) = varlen_from_doc_ids(&batch.doc_ids)?;
+        let positions: Vec<usize> = slots.iter().map(|&s| batch.position_ids[s]).collect();
+        chunk_varlen(model, self.attention, batch, &slots, &cu, &positions, past)
+    }
+}
+
+/// One case: a model, documents, how they are packed and the loss reduced.
+#[derive(Debug, Clone)]
+pub struct CausalCase {
+    /// The model (small, seeded).
+    pub model: DecoderModel,
+    /// Token ids per document (empty ones allowed), never the EOS id.
+    pub documents: Vec<Vec<i64>>,
+    /// Each document's first position (> 0: a continuation chunk, C6).
+    pub offsets: Vec<usize>,
+    /// Padding slots placed before each document in the packed rows (C4).
+    pub gaps: Vec<usize>,
+    /// Slots per row, packed and padded.
+    pub row_len: usize,
+    /// The EOS target of each document's last token (C2), if any.
+    pub eos: Option<i64>,
+    /// The declared reduction.
+    pub reduction: CausalReduction,
+}
+
+impl CausalCase {
+    /// A deterministic case: random tokens in `0..v - 1` (id `v - 1` is
+    /// reserved for EOS, so it never appears in the inputs).
+    #[allow(clippy::too_many_arguments)]
+    pub fn seeded(
+        config: DecoderConfig,
+        lengths: &[usize],
+        offsets: &[usize],
+        gaps: &[usize],
+        row_len: usize,
+        eos: bool,
+        reduction: CausalReduction,
+        seed: u64,
+    ) -> Self {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let v = config.vocab_size as i64;
+        let model = DecoderModel::random(config, seed ^ 0x5bd1_e995).expect("valid config");
+        let documents = lengths
+            .iter()
+            .map(|&l| (0..l).map(|_| rng.random_range(0..v - 1)).collect())
+            .collect();
+        CausalCase {
+            model,
+            documents,
+            offsets: offsets.to_vec(),
+            gaps: gaps.to_vec(),
+            row_len,
+            eos: eos.then_some(v - 1),
+            reduction,
+        }
+    }
+
+    fn blank(&self, rows: usize) -> CausalBatch {
+        let n = rows * self.row_len;
+        CausalBatch {
+            row_len: self.row_len,
+            input_ids: vec![0; n],
+            position_ids: vec![0; n],
+            doc_ids: vec![0; n],
+            eos: self.eos,
+            num_documents: self.documents.len(),
+        }
+    }
+
+    fn place(&self, b: &mut CausalBatch, d: usize, at: usize) {
+        for (t, &id) in self.documents[d].iter().enumerate() {
+            b.input_ids[at + t] = id;
+            b.position_ids[at + t] = self.offsets[d] + t;
+            b.doc_ids[at + t] = d + 1;
+        }
+    }
+
+    fn check_lengths(&self) -> Result<(), Error> {
+        if self.offsets.len() != self.documents.len() {
+            return Err(Error::ShapeMismatch {
+                field: "offsets".into(),
+                expected: format!("[documents] = [{}]", self.documents.len()),
+                actual: vec![self.offsets.len()],
+            });
+        }
+        for (d, doc) in self.documents.iter().enumerate() {
+            if doc.len() > self.row_len {
+                return Err(Error::SequenceTooLong {
+                    field: "documents".into(),
+                    index: d,
+                    length: doc.len(),
+                    max_seq_len: self.row_len,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// The padded batch: document `d` alone in row `d` (an empty document is
+    /// a row of padding).
+    ///
+    /// # Errors
+    /// [`Error::SequenceTooLong`] for a document over `row_len`;
+    /// [`Error::ShapeMismatch`] naming `offsets`.
+    pub fn padded(&self) -> Result<CausalBatch, Error> {
+        self.check_lengths()?;
+        let mut b = self.blank(self.documents.len());
+        for d in 0..self.documents.len() {
+            self.place(&mut b, d, d * self.row_len);
+        }
+        Ok(b)
+    }
+
+    /// The packed batch: documents in order, each into the first row with
+    /// room for its gap and its tokens (first fit); empty documents get no
+    /// slots; a gap that does not fit beside the document is dropped.
+    ///
+    /// # Errors
+    /// As [`CausalCase::padded`].
+    pub fn packed(&self) -> Result<CausalBatch, Error> {
+        self.check_lengths()?;
+        let mut fill: Vec<usize> = Vec::new();
+        let mut at = Vec::new();
+        for (d, doc) in self.documents.iter().enumerate() {
+            let l = doc.len();
+            if l == 0 {
+                at.push(None);
+                continue;
+            }
+            let g = self.gaps.get(d).copied().unwrap_or(0).min(self.row_len - l);
+            let row = match fill.iter().position(|&f| f + g + l <= self.row_len) {
+                Some(r) => r,
+                None => {
+                    fill.push(0);
+                    fill.len() - 1
+                }
+            };
+            at.push(Some(row * self.row_len + fill[row] + g));
+            fill[row] += g + l;
+        }
+        let mut b = self.blank(fill.len());
+        for (d, a) in at.into_iter().enumerate() {
+            if let Some(a) = a {
+                self.place(&mut b, d, a);
+            }
+        }
+        Ok(b)
+    }
+
+    /// The truth: the f64 reference decoder on the documents back to back
+    /// (varlen), with labels, weights and positions written out from the
+    /// documents here. Per document its `[len, v]` logits; the loss; the
+    /// gradients.
+    ///
+    /// # Errors
+    /// As [`CausalCase::padded`]; the model's.
+    pub fn truth(&self) -> Result<(Vec<Array2<f64>>, f64, DecoderParams), Error> {
+        self.check_lengths()?;
+        let mut ids = Vec::new();
+        let mut pos = Vec::new();
+        let mut labels = Vec::new();
+        let mut doc_of = Vec::new();
+        let mut cu = vec![0];
+        for (d, doc) in self.documents.iter().enumerate() {
+            if doc.is_empty() {
+                continue;
+            }
+            for t in 0..doc.len() {
+                ids.push(doc[t]);
+                pos.push(self.offsets[d] + t);
+                labels.push(match doc.get(t + 1) {
+                    Some(&next) => next,
+                    None => self.eos.unwrap_or(IGNORE_INDEX),
+                });
+                doc_of.push(d);
+            }
+            cu.push(ids.len());
+        }
+        let predicted = |d: usize| self.documents[d].len() - usize::from(self.eos.is_none());
+        let total: usize = (0..self.documents.len())
+            .filter(|&d| !self.documents[d].is_empty())
+            .map(predicted)
+            .sum();
+        let with_any = (0..self.documents.len())
+            .filter(|&d| !self.documents[d].is_empty() && predicted(d) > 0)
+            .count();
+        let weights: Vec<f64> = labels
+            .iter()
+            .zip(&doc_of)
+            .map(|(&l, &d)| match (l == IGNORE_INDEX, self.reduction) {
+                (true, _) => 0.0,
+                (false, CausalReduction::PerToken) => 1.0 / total as f64,
+                (false, CausalReduction::PerDocument) => 1.0 / (with_any * predicted(d)) as f64,
+                (false, CausalReduction::PerRow) => 1.0 / self.documents.len() as f64,
+            })
+            .collect();
+        let att = DecoderAttention::Varlen {
+            cu_seqlens: cu.clone(),
+        };
+        let input = DecoderInput {
+            input_ids: &ids,
+            position_ids: &pos,
+            attention: &att,
+            past: None,
+        };
+        let run = self
+            .model
+            .run(&ReferenceAttention, &input, &labels, &weights)?;
+        let mut per_doc = Vec::with_capacity(self.documents.len());
+        let mut k = 0;
+        for doc in &self.documents {
+            let rows = doc.len();
+            per_doc.push(
+                run.logits
+                    .slice_axis(ndarray::Axis(0), (k..k + rows).into())
+                    .to_owned(),
+            );
+            k += rows;
+        }
+        Ok((per_doc, run.loss, run.grads.params))
+    }
+}
+
+/// What a suite run saw, per quantity (worst packed-vs-padded error, and
+/// padded-vs-truth), and how much of the fault space its cases covered.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct CausalReport {
+    /// Cases run.
+    pub cases: usize,
+    /// Packed vs padded: logits.
+    pub logits: Observed,
+    /// Packed vs padded: the loss.
+    pub loss: Observed,
+    /// Packed vs padded: every parameter gradient.
+    pub grads: Observed,
+    /// Padded vs the suite's own reference run (all quantities).
+    pub truth: Observed,
+    /// Cases with a row shared by two or more documents (C1, C2, C3, P7 show).
+    pub shared_rows: usize,
+    /// Cases with a one-token document beside another (C3).
+    pub one_token: usize,
+    /// Cases with padding between documents (C4).
+    pub gaps: usize,
+    /// Cases with a document at a position offset (C6).
+    pub continuations: usize,
+    /// Cases with an EOS target (C2).
+    pub eos: usize,
+}
+
+fn doc_rows(b: &CausalBatch, d: usize) -> Vec<usize> {
+    (0..b.doc_ids.len())
+        .filter(|&i| b.doc_ids[i] == d + 1)
+        .collect()
+}
+
+fn finite(what: &str, v: &[f64]) -> Result<(), Mismatch> {
+    match v.iter().position(|x| !x.is_finite()) {
+        None => Ok(()),
+        Some(i) => Err(Mismatch::new(what, format!("element {i} is {}", v[i]))),
+    }
+}
+
+fn grads_close(
+    what: &str,
+    want: &DecoderParams,
+    got: &DecoderParams,
+    tol: Tolerance,
+    seen: &mut Observed,
+) -> Result<(), Mismatch> {
+    let (a, b) = (want.named(), got.named());
+    if a.len() != b.len() {
+        return Err(Mismatch::new(
+            what,
+            format!("{} tensors, expected {}", b.len(), a.len()),
+        ));
+    }
+    let global = a
+        .iter()
+        .flat_map(|(_, t)| t.iter().copied())
+        .fold(0.0f64, |m, v| m.max(v.abs()));
+    for ((name, x), (_, y)) in a.iter().zip(&b) {
+        let (vx, vy): (Vec<f64>, Vec<f64>) =
+            (x.iter().copied().collect(), y.iter().copied().collect());
+        finite(&format!("{what} {name}"), &vy)?;
+        seen.close_scaled(
+            &format!("{what} {name}"),
+            &vx,
+            &vy,
+            x.shape(),
+            tol,
+            Some(global),
+        )?;
+    }
+    Ok(())
+}
+
+/// Checks `imp` on one case (see the module docs) under `judge`.
+///
+/// # Errors
+/// The first [`Mismatch`], naming the comparison, document, tensor and index.
+pub fn check_causal(
+    imp: &dyn CausalLmImpl,
+    case: &CausalCase,
+    judge: Judge,
+) -> Result<CausalReport, Mismatch> {
+    let Judge::Rewrite(tol) = judge else {
+        return Err(Mismatch::new(
+            "judge",
+            "the causal-LM suite judges f64 rewrites only (the relative rule for f32 decoders is not wired yet)",
+        ));
+    };
+    let err = |what: &str, e: Error| Mismatch::new(what, format!("{IMPL}: {e}"));
+    let padded_b = case
+        .padded()
+        .map_err(|e| Mismatch::new("case", e.to_string()))?;
+    let packed_b = case
+        .packed()
+        .map_err(|e| Mismatch::new("case", e.to_string()))?;
+    let padded = imp
+        .run(&case.model, &padded_b, case.reduction)
+        .map_err(|e| err("padded", e))?;
+    let packed = imp
+        .run(&case.model, &packed_b, case.reduction)
+        .map_err(|e| err("packed", e))?;
+    let (truth_logits, truth_loss, truth_grads) = case
+        .truth()
+        .map_err(|e| Mismatch::new("truth", e.to_string()))?;
+    let v = case.model.config.vocab_size;
+    let mut r = CausalReport {
+        cases: 1,
+        ..CausalReport::default()
+    };
+    for (name, run, b) in [
+        ("padded", &padded, &padded_b),
+        ("packed", &packed, &packed_b),
+    ] {
+        if run.logits.nrows() != b.input_ids.len() || run.logits.ncols() != v {
+            return Err(Mismatch::new(
+                format!("{name} logits"),
+                format!(
+                    "shape {:?}, expected [{}, {v}]",
+                    run.logits.shape(),
+                    b.input_ids.len()
+                ),
+            ));
+        }
+        finite(&format!("{name} loss"), &[run.loss])?;
+    }
+    for (d, want) in truth_logits.iter().enumerate() {
+        let rows_pad = doc_rows(&padded_b, d);
+        let rows_pack = doc_rows(&packed_b, d);
+        let gather = |run: &CausalRun, rows: &[usize]| -> Vec<f64> {
+            rows.iter()
+                .flat_map(|&i| run.logits.row(i).to_vec())
+                .collect()
+        };
+        let (lp, lk) = (gather(&padded, &rows_pad), gather(&packed, &rows_pack));
+        finite(&format!("packed document {d}: logits"), &lk)?;
+        let shape = [rows_pad.len(), v];
+        r.truth.close(
+            &format!("truth vs padded: document {d}: logits"),
+            &want.iter().copied().collect::<Vec<_>>(),
+            &lp,
+            &shape,
+            Tolerance::F64_REWRITE,
+        )?;
+        r.logits.close(
+            &format!("packed vs padded: document {d}: logits"),
+            &lp,
+            &lk,
+            &shape,
+            tol,
+        )?;
+    }
+    r.truth.close(
+        "truth vs padded: loss",
+        &[truth_loss],
+        &[padded.loss],
+        &[1],
+        Tolerance::F64_REWRITE,
+    )?;
+    r.loss.close(
+        "packed vs padded: loss",
+        &[padded.loss],
+        &[packed.loss],
+        &[1],
+        tol,
+    )?;
+    grads_close(
+        "truth vs padded: grad",
+        &truth_grads,
+        &padded.grads,
+        Tolerance::F64_REWRITE,
+        &mut r.truth,
+    )?;
+    grads_close(
+        "packed vs padded: grad",
+        &padded.grads,
+        &packed.grads,
+        tol,
+        &mut r.grads,
+    )?;
+    // Coverage.
+    let ids = &packed_b.doc_ids;
+    let rows: Vec<&[usize]> = ids.chunks(packed_b.row_len.max(1)).collect();
+    let docs_in = |row: &[usize]| {
+        let mut d: Vec<usize> = row.iter().copied().filter(|&x| x != 0).collect();
+        d.dedup();
+        d
+    };
+    r.shared_rows = usize::from(rows.iter().any(|row| docs_in(row).len() > 1));
+    r.one_token = usize::from(rows.iter().any(|row| {
+        let ds = docs_in(row);
+        ds.len() > 1
+            && ds
+                .iter()
+                .any(|&x| row.iter().filter(|&&y| y == x).count() == 1)
+    }));
+    r.gaps = usize::from(rows.iter().any(|row| {
+        let first = row.iter().position(|&x| x != 0);
+        let last = row.iter().rposition(|&x| x != 0);
+        matches!((first, last), (Some(a), Some(b)) if row[a..=b].contains(&0))
+    }));
+    r.continuations = usize::from(
+        case.offsets
+            .iter()
+            .zip(&case.documents)
+            .any(|(&o, doc)| o > 0 && !doc.is_empty()),
+    );
+    r.eos = usize::from(case.eos.is_some());
+    Ok(r)
+}
+
+impl CausalReport {
+    /// Adds another case's figures.
+    pub fn merge(&mut self, o: &CausalReport) {
+        self.cases += o.cases;
+        self.logits.merge(o.logits);
+        self.loss.merge(o.loss);
+        self.grads.merge(o.grads);
+        self.truth.merge(o.truth);
+        self.shared_rows += o.shared_rows;
+        self.one_token += o.one_token;
+        self.gaps += o.gaps;
+        self.continuations += o.continuations;
+        self.eos += o.eos;
+    }
+}
+
+/// A small random decoder config: heads 1..=4 with a dividing `h_kv`, head
+/// dim 2 or 4, 1..=2 layers, inner width 1..=6, vocabulary 5..=13, norm, MLP
+/// and head tying drawn.
+pub fn configs() -> impl Strategy<Value = DecoderConfig> {
+    (
+        1usize..=4,
+        0usize..4,
+        prop::sample::select(vec![2usize, 4]),
+        1usize..=2,
+        1usize..=6,
+        5usize..=13,
+        any::<(bool, bool, bool)>(),
+    )
+        .prop_map(|(h, kv_pick, d, layers, inter, vocab, (ln, gelu, tied))| {
+            let divisors: Vec<usize> = (1..=h).filter(|k| h % k == 0).collect();
+            let kv = divisors[kv_pick % divisors.len()];
+            DecoderConfig {
+                norm: if ln { Norm::LayerNorm } else { Norm::RmsNorm },
+                mlp: if gelu { Mlp::Gelu } else { Mlp::SwiGlu },
+                tie_embeddings: tied,
+                ..DecoderConfig::tiny(vocab, h, kv, d, inter, layers)
+            }
+        })
+}
+
+/// Most slots in a random row.
+pub const MAX_ROW: usize = 10;
+
+/// Random cases: sizes first (row length, documents with empty, one-token
+/// and full-row ones, offsets, gaps), then the config and the seeded values.
+pub fn causal_cases() -> impl Strategy<Value = CausalCase> {
+    (1usize..=MAX_ROW, 1usize..=6)
+        .prop_flat_map(|(row, b)| {
+            (
+                Just(row),
+                prop::collection::vec(prop_oneof![1 => Just(0usize), 2 => Just(1usize), 1 => Just(row), 4 => 1usize..=row], b),
+                prop::collection::vec(prop_oneof![3 => Just(0usize), 1 => 1usize..=6], b),
+                prop::collection::vec(prop_oneof![2 => Just(0usize), 1 => 1usize..=2], b),
+                configs(),
+                any::<bool>(),
+                prop::sample::select(CausalReduction::ALL.to_vec()),
+                any::<u64>(),
+            )
+        })
+        .prop_map(|(row, lengths, offsets, gaps, config, eos, red, seed)| {
+            CausalCase::seeded(config, &lengths, &offsets, &gaps, row, eos, red, seed)
+        })
+}
+
+/// The docs/FAULTS.md examples as cases: `(name, lengths, offsets, gaps,
+/// row_len, eos)`.
+#[allow(clippy::type_complexity)]
+pub fn fault_cases() -> Vec<(
+    &'static str,
+    Vec<usize>,
+    Vec<usize>,
+    Vec<usize>,
+    usize,
+    bool,
+)> {
+    vec![
+        (
+            "C1 pack [a b | c d]",
+            vec![2, 2],
+            vec![0, 0],
+            vec![0, 0],
+            4,
+            false,
+        ),
+        (
+            "C2 EOS targets, [3, 4] in one row",
+            vec![3, 4],
+            vec![0, 0],
+            vec![0, 0],
+            7,
+            true,
+        ),
+        (
+            "C3 positions [0,1,2,0,0,1]",
+            vec![3, 1, 2],
+            vec![0, 0, 0],
+            vec![0, 0, 0],
+            6,
+            false,
+        ),
+        (
+            "C4 doc ids [1,1,1,0,2,2,0,0]",
+            vec![3, 2],
+            vec![0, 0],
+            vec![0, 1],
+            8,
+            false,
+        ),
+        (
+            "C6 a chunk at positions [5,6,7,8]",
+            vec![4, 3],
+            vec![5, 0],
+            vec![0, 0],
+            8,
+            false,
+        ),
+        (
+            "C7 2 rows of [3, 5]",
+            vec![3, 5, 3, 5],
+            vec![0; 4],
+            vec![0; 4],
+            8,
+            false,
+        ),
+        (
+            "P7 2 and 6 predicted tokens",
+            vec![3, 7],
+            vec![0, 0],
+            vec![0, 0],
+            10,
+            false,
+        ),
+        (
+            "one-token documents",
+            vec![1, 1, 1, 1],
+            vec![0; 4],
+            vec![0; 4],
+            4,
+            true,
+        ),
+        (
+            "an empty document",
+            vec![2, 0, 3],
+            vec![0; 3],
+            vec![0; 3],
+            5,
+            false,
+        ),
+    ]
+}
+
+/// The whole suite for one implementation: the fault cases under every
+/// reduction (a fixed small GQA config) and `cases` random ones (fixed
+/// proptest seed).
+///
+/// # Errors
+/// The first failure with its case.
+pub fn run_causal_suite(
+    imp: &dyn CausalLmImpl,
+    judge: Judge,
+    cases: u32,
+) -> Result<CausalReport, Mismatch> {
+    let mut report = CausalReport::default();
+    for (i, (name, lengths, offsets, gaps, row, eos)) in fault_cases().into_iter().enumerate() {
+        for reduction in CausalReduction::ALL {
+            let config = DecoderConfig::tiny(11, 2, 1, 2, 5, 2);
+            let case = CausalCase::seeded(
+                config, &lengths, &offsets, &gaps, row, eos, reduction, i as u64,
+            );
+            let r = check_causal(imp, &case, judge).map_err(|m| {
+                Mismatch::new(
+                    format!("{name} ({}): {}", reduction.name(), m.what),
+                    m.detail,
+                )
+            })?;
+            report.merge(&r);
+        }
+    }
+    let acc = std::cell::RefCell::new(report);
+    let mut runner = crate::runner(cases);
+    runner
+        .run(&causal_cases(), |case| {
+            let r =
+                check_causal(imp, &case, judge).map_err(|m| TestCaseError::fail(m.to_string()))?;
+            acc.borrow_mut().merge(&r);
+            Ok(())
+        })
+        .map_err(|e| {
+            Mismatch::new(
+                format!("{IMPL} causal-LM suite ({})", imp.name()),
+                e.to_string(),
+            )
+        })?;
+    Ok(acc.into_inner())
+}
+
+// ---- continuation chunks: cu_seqlens_q != cu_seqlens_k ------------------------
+
+/// Checks `imp` on continuation chunks (docs/FAULTS.md C5, C6): documents of
+/// `lengths` run whole by the f64 reference; their first `split[d]` tokens
+/// run by the reference give the key/value cache; the rest, one row of
+/// chunks at positions `split[d]..`, run by `imp` over that cache. The
+/// chunk's logits must equal the whole run's tail rows within `tol`.
+///
+/// # Errors
+/// The first [`Mismatch`].
+pub fn check_chunk(
+    imp: &dyn CausalLmImpl,
+    config: &DecoderConfig,
+    lengths: &[usize],
+    split: &[usize],
+    seed: u64,
+    tol: Tolerance,
+) -> Result<Observed, Mismatch> {
+    let e = |w: &str, x: Error| Mismatch::new(w, format!("{IMPL}: {x}"));
+    let model = DecoderModel::random(config.clone(), seed).map_err(|x| e("config", x))?;
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let v = config.vocab_size as i64;
+    let docs: Vec<Vec<i64>> = lengths
+        .iter()
+        .map(|&l| (0..l).map(|_| rng.random_range(0..v)).collect())
+        .collect();
+    let cu_of = |ls: &mut dyn Iterator<Item = usize>| {
+        let mut c = vec![0];
+        for l in ls {
+            c.push(c.last().unwrap() + l);
+        }
+        c
+    };
+    let run = |ids: &[i64], pos: &[usize], cu: Vec<usize>| {
+        let att = DecoderAttention::Varlen { cu_seqlens: cu };
+        model.forward(
+            &ReferenceAttention,
+            &DecoderInput {
+                input_ids: ids,
+                position_ids: pos,
+                attention: &att,
+                past: None,
+            },
+        )
+    };
+    let whole_ids: Vec<i64> = docs.concat();
+    let whole_pos: Vec<usize> = lengths.iter().flat_map(|&l| 0..l).collect();
+    let whole = run(&whole_ids, &whole_pos, cu_of(&mut lengths.iter().copied()))
+        .map_err(|x| Mismatch::new("whole", x.to_string()))?;
+    let pre_ids: Vec<i64> = docs
+        .iter()
+        .zip(split)
+        .flat_map(|(d, &s)| d[..s].to_vec())
+        .collect();
+    let pre_pos: Vec<usize> = split.iter().flat_map(|&s| 0..s).collect();
+    let pre_cu = cu_of(&mut split.iter().copied());
+    let pre = run(&pre_ids, &pre_pos, pre_cu.clone())
+        .map_err(|x| Mismatch::new("prefix", x.to_string()))?;
+    let cache = pre.present(&pre_cu);
+    let mut batch = CausalBatch {
+        row_len: 0,
+        input_ids: Vec::new(),
+        position_ids: Vec::new(),
+        doc_ids: Vec::new(),
+        eos: None,
+        num_documents: docs.len(),
+    };
+    for (d, (doc, &s)) in docs.iter().zip(split).enumerate() {
+        for (t, &id) in doc.iter().enumerate().skip(s) {
+            batch.input_ids.push(id);
+            batch.position_ids.push(t);
+            batch.doc_ids.push(d + 1);
+        }
+    }
+    batch.row_len = batch.input_ids.len();
+    let chunk = imp
+        .chunk_logits(&model, &batch, &cache)
+        .map_err(|x| e("chunk", x))?;
+    if chunk.dim() != (batch.row_len, config.vocab_size) {
+        return Err(Mismatch::new(
+            "chunk logits",
+            format!(
+                "shape {:?}, expected [{}, {}]",
+                chunk.shape(),
+                batch.row_len,
+                config.vocab_size
+            ),
+        ));
+    }
+    let mut seen = Observed::default();
+    let (mut at, mut k) = (0, 0);
+    for (d, (&l, &s)) in lengths.iter().zip(split).enumerate() {
+        let want: Vec<f64> = (at + s..at + l)
+            .flat_map(|r| whole.logits.row(r).to_vec())
+            .collect();
+        let got: Vec<f64> = (k..k + l - s).flat_map(|r| chunk.row(r).to_vec()).collect();
+        finite(&format!("chunk of document {d}: logits"), &got)?;
+        seen.close(
+            &format!("chunk of document {d}: logits"),
+            &want,
+            &got,
+            &[l - s, config.vocab_size],
+            tol,
+        )?;
+        at += l;
+        k += l - s;
+    }
+    Ok(seen)
+}
+
+/// Bottom-right causal alignment of an [`AttentionOp`] (docs/FAULTS.md C5),
+/// `h` query heads over `h_kv` key heads of dim `d`: in one call, a segment
+/// of 3 queries over 1 key gives output 0 on its top 2 rows (no key is
+/// visible to them), and a segment of 2 queries over 4 keys equals the last
+/// 2 rows of 4 queries over the same 4 keys (self-attention, where both
+/// alignments agree).
+///
+/// # Errors
+/// The first [`Mismatch`].
+pub fn check_bottom_right(
+    op: &dyn AttentionOp,
+    (h, h_kv, d): (usize, usize, usize),
+    seed: u64,
+    tol: Tolerance,
+) -> Result<Observed, Mismatch> {
+    use ndarray::{Array3, Axis};
+    let e = |w: &str, x: Error| Mismatch::new(w, format!("{IMPL}: {x}"));
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let mut gen = |n: usize, heads: usize| {
+        Array3::from_shape_fn((n, heads, d), |_| 2.0 * rng.random::<f64>() - 1.0)
+    };
+    let (q, k, v) = (gen(5, h), gen(5, h_kv), gen(5, h_kv));
+    let head = gen(2, h);
+    let scale = 1.0 / (d as f64).sqrt();
+    let cross = op
+        .varlen_forward(
+            q.view(),
+            k.view(),
+            v.view(),
+            &Varlen::cross(&[0, 3, 5], &[0, 1, 5], true, scale),
+        )
+        .map_err(|x| e("attention chunk", x))?;
+    for i in 0..2 {
+        let row: Vec<f64> = cross
+            .output
+            .index_axis(Axis(0), i)
+            .iter()
+            .copied()
+            .collect();
+        if row.iter().any(|&x| x != 0.0) {
+            return Err(Mismatch::new(
+                format!("attention: query {i} of 3 over 1 key"),
+                format!("sees no key (bottom-right) and must output 0, got {row:?}"),
+            ));
+        }
+    }
+    let q4 = ndarray::concatenate(
+        Axis(0),
+        &[head.view(), q.slice_axis(Axis(0), (3..5).into())],
+    )
+    .expect("same head shapes");
+    let k4 = k.slice_axis(Axis(0), (1..5).into()).to_owned();
+    let v4 = v.slice_axis(Axis(0), (1..5).into()).to_owned();
+    let full = op
+        .varlen_forward(
+            q4.view(),
+            k4.view(),
+            v4.view(),
+            &Varlen::new(&[0, 4], true, scale),
+        )
+        .map_err(|x| e("attention whole", x))?;
+    let want: Vec<f64> = full
+        .output
+        .slice_axis(Axis(0), (2..4).into())
+        .iter()
+        .copied()
+        .collect();
+    let got: Vec<f64> = cross
+        .output
+        .slice_axis(Axis(0), (3..5).into())
+        .iter()
+        .copied()
+        .collect();
+    let mut seen = Observed::default();
+    seen.close(
+        "attention: 2 queries over 4 keys vs the last 2 of 4 over 4",
+        &want,
+        &got,
+        &[2, h, d],
+        tol,
+    )?;
+    Ok(seen)
+}
+
+/// [`check_chunk`] on the fixed case (documents of 7 and 4 tokens split
+/// after 4 and 1: chunks of 3 over 4 and 3 over 1 cached keys) and `cases`
+/// random configs, lengths and split points (an empty prefix included).
+///
+/// # Errors
+/// The first failure.
+pub fn run_chunk_suite(
+    imp: &dyn CausalLmImpl,
+    tol: Tolerance,
+    cases: u32,
+) -> Result<Observed, Mismatch> {
+    let mut seen = check_chunk(
+        imp,
+        &DecoderConfig::tiny(11, 4, 2, 2, 5, 2),
+        &[7, 4],
+        &[4, 1],
+        1,
+        tol,
+    )
+    .map_err(|m| m.within("C5/C6 chunks of 3 over 4 and 3 over 1 cached keys"))?;
+    let acc = std::cell::RefCell::new(Observed::default());
+    let strategy = prop::collection::vec(1usize..=7, 1..=4).prop_flat_map(|ls| {
+        let splits: Vec<_> = ls.iter().map(|&l| 0usize..l).collect();
+        (Just(ls), splits, configs(), any::<u64>())
+    });
+    crate::runner(cases)
+        .run(&strategy, |(ls, sp, config, seed)| {
+            let o = check_chunk(imp, &config, &ls, &sp, seed, tol)
+                .map_err(|m| TestCaseError::fail(m.to_string()))?;
+            acc.borrow_mut().merge(o);
+            Ok(())
+        })
+        .map_err(|e| {
+            Mismatch::new(
+                format!("{IMPL} chunk suite ({})", imp.name()),
+                e.to_string(),
+            )
+        })?;
+    seen.merge(acc.into_inner());
+    Ok(seen)
+}

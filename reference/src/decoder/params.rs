@@ -1,0 +1,442 @@
+//! The decoder's configuration and parameters, named as Hugging Face's
+//! `LlamaForCausalLM` names them.
+
+use ndarray::{Array1, Array2, ArrayViewD, ArrayViewMutD};
+use rand::{Rng, SeedableRng};
+
+use crate::error::{Error, Result};
+
+/// The most elements one parameter tensor (or the logits `n * v`) may hold
+/// (2^28, 2 GiB of f64): sizes from input are bounded before allocation.
+pub const MAX_TENSOR: usize = 1 << 28;
+
+/// The normalization before attention, before the MLP and before the LM head.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Norm {
+    /// RMSNorm (Llama, Mistral, Qwen): a gain, no bias.
+    RmsNorm,
+    /// LayerNorm (GPT-2, GPT-NeoX): a gain and a bias.
+    LayerNorm,
+}
+
+/// The feed-forward block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Mlp {
+    /// `down(silu(gate(x)) * up(x))` (Llama).
+    SwiGlu,
+    /// `down(gelu(up(x)))`, exact erf GELU (GPT-NeoX without biases).
+    Gelu,
+}
+
+/// The shape of a decoder: sizes, norm, MLP, head tying, rotary base.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DecoderConfig {
+    /// `v`.
+    pub vocab_size: usize,
+    /// The residual width.
+    pub hidden_size: usize,
+    /// `h` query heads.
+    pub num_heads: usize,
+    /// `h_kv` key/value heads, dividing `h` (1: multi-query; `h`: multi-head).
+    pub num_kv_heads: usize,
+    /// `d`, even (rotary embeddings rotate pairs).
+    pub head_dim: usize,
+    /// The MLP's inner width.
+    pub intermediate_size: usize,
+    /// Decoder layers.
+    pub num_layers: usize,
+    /// RMSNorm or LayerNorm.
+    pub norm: Norm,
+    /// SwiGLU or GELU.
+    pub mlp: Mlp,
+    /// The LM head is the input embedding (`tie_word_embeddings`).
+    pub tie_embeddings: bool,
+    /// The rotary base (`rope_theta`; 10000 in Llama 1/2).
+    pub rope_theta: f64,
+    /// The norms' epsilon (`rms_norm_eps`).
+    pub norm_eps: f64,
+}
+
+impl DecoderConfig {
+    /// A small Llama-shaped config: RMSNorm, SwiGLU, untied head, theta 10000,
+    /// eps 1e-6.
+    pub fn tiny(
+        vocab_size: usize,
+        num_heads: usize,
+        num_kv_heads: usize,
+        head_dim: usize,
+        intermediate_size: usize,
+        num_layers: usize,
+    ) -> Self {
+        DecoderConfig {
+            vocab_size,
+            hidden_size: num_heads * head_dim,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            intermediate_size,
+            num_layers,
+            norm: Norm::RmsNorm,
+            mlp: Mlp::SwiGlu,
+            tie_embeddings: false,
+            rope_theta: 10_000.0,
+            norm_eps: 1e-6,
+        }
+    }
+
+    /// Checks sizes: all non-zero, `h_kv` dividing `h`, `d` even, every
+    /// tensor within [`MAX_TENSOR`], `rope_theta > 1`, `norm_eps >= 0`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] naming the field.
+    pub fn validate(&self) -> Result<()> {
+        for (field, v) in [
+            ("vocab_size", self.vocab_size),
+            ("hidden_size", self.hidden_size),
+            ("num_heads", self.num_heads),
+            ("num_kv_heads", self.num_kv_heads),
+            ("head_dim", self.head_dim),
+            ("intermediate_size", self.intermediate_size),
+        ] {
+            if v == 0 {
+                return Err(Error::invalid(field, "must be at least 1"));
+            }
+        }
+        if !self.num_heads.is_multiple_of(self.num_kv_heads) {
+            return Err(Error::invalid(
+                "num_kv_heads",
+                format!(
+                    "{} does not divide num_heads = {} (grouped-query attention shares each key/value head among h / h_kv query heads)",
+                    self.num_kv_heads, self.num_heads
+                ),
+            ));
+        }
+        if !self.head_dim.is_multiple_of(2) {
+            return Err(Error::invalid(
+                "head_dim",
+                format!(
+                    "is {}: rotary embeddings need an even head dim",
+                    self.head_dim
+                ),
+            ));
+        }
+        let widest = [
+            self.vocab_size,
+            self.num_heads * self.head_dim,
+            self.intermediate_size,
+        ]
+        .into_iter()
+        .max()
+        .unwrap_or(0);
+        if widest.saturating_mul(self.hidden_size) > MAX_TENSOR || self.num_layers > 1 << 10 {
+            return Err(Error::invalid(
+                "hidden_size",
+                "the model is over the supported size",
+            ));
+        }
+        if !(self.rope_theta.is_finite() && self.rope_theta > 1.0) {
+            return Err(Error::invalid("rope_theta", "must be finite and above 1"));
+        }
+        if !(self.norm_eps.is_finite() && self.norm_eps >= 0.0) {
+            return Err(Error::invalid("norm_eps", "must be finite and >= 0"));
+        }
+        Ok(())
+    }
+}
+
+/// One decoder layer's parameters (HF `LlamaDecoderLayer`). Tensors a
+/// configuration does not use are empty (`[0]` biases under RMSNorm, a
+/// `[0, hidden]` gate under GELU).
+#[derive(Debug, Clone, PartialEq)]
+pub struct DecoderLayerParams {
+    /// `input_layernorm.weight: [hidden]`.
+    pub attn_norm_g: Array1<f64>,
+    /// `input_layernorm.bias: [hidden]` (LayerNorm) or `[0]`.
+    pub attn_norm_b: Array1<f64>,
+    /// `self_attn.q_proj.weight: [h * d, hidden]`.
+    pub wq: Array2<f64>,
+    /// `self_attn.k_proj.weight: [h_kv * d, hidden]`.
+    pub wk: Array2<f64>,
+    /// `self_attn.v_proj.weight: [h_kv * d, hidden]`.
+    pub wv: Array2<f64>,
+    /// `self_attn.o_proj.weight: [hidden, h * d]`.
+    pub wo: Array2<f64>,
+    /// `post_attention_layernorm.weight: [hidden]`.
+    pub mlp_norm_g: Array1<f64>,
+    /// `post_attention_layernorm.bias: [hidden]` (LayerNorm) or `[0]`.
+    pub mlp_norm_b: Array1<f64>,
+    /// `mlp.gate_proj.weight: [inter, hidden]` (SwiGLU) or `[0, hidden]`.
+    pub w_gate: Array2<f64>,
+    /// `mlp.up_proj.weight: [inter, hidden]`.
+    pub w_up: Array2<f64>,
+    /// `mlp.down_proj.weight: [hidden, inter]`.
+    pub w_down: Array2<f64>,
+}
+
+/// Every parameter of a decoder (HF `LlamaForCausalLM`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct DecoderParams {
+    /// `model.embed_tokens.weight: [v, hidden]`.
+    pub embed: Array2<f64>,
+    /// `model.layers`.
+    pub layers: Vec<DecoderLayerParams>,
+    /// `model.norm.weight: [hidden]`.
+    pub final_norm_g: Array1<f64>,
+    /// `model.norm.bias: [hidden]` (LayerNorm) or `[0]`.
+    pub final_norm_b: Array1<f64>,
+    /// `lm_head.weight: [v, hidden]`, or `[0, hidden]` when tied to `embed`.
+    pub lm_head: Array2<f64>,
+}
+
+impl DecoderParams {
+    /// Seeded random parameters for `config` (ChaCha8): projections uniform
+    /// in `±1/sqrt(fan_in)` (the order of PyTorch's default init), embedding
+    /// and head uniform in `±1`, norm gains `1 ± 0.25`, biases `±0.1`, so
+    /// every term of the backward is exercised with values of order 1.
+    ///
+    /// # Errors
+    /// [`DecoderConfig::validate`]'s.
+    pub fn random(config: &DecoderConfig, seed: u64) -> Result<Self> {
+        config.validate()?;
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let c = config;
+        let (hid, qd, kvd, inter) = (
+            c.hidden_size,
+            c.num_heads * c.head_dim,
+            c.num_kv_heads * c.head_dim,
+            c.intermediate_size,
+        );
+        let mut mat = |rows: usize, cols: usize, scale: f64| {
+            Array2::from_shape_fn((rows, cols), |_| scale * (2.0 * rng.random::<f64>() - 1.0))
+        };
+        let fan = |n: usize| 1.0 / (n as f64).sqrt();
+        let ln = c.norm == Norm::LayerNorm;
+        let gate_rows = if c.mlp == Mlp::SwiGlu { inter } else { 0 };
+        let mut layers = Vec::with_capacity(c.num_layers);
+        for _ in 0..c.num_layers {
+            let attn_norm_g = mat(1, hid, 0.25).row(0).mapv(|x| 1.0 + x);
+            let attn_norm_b = mat(1, if ln { hid } else { 0 }, 0.1).row(0).to_owned();
+            let wq = mat(qd, hid, fan(hid));
+            let wk = mat(kvd, hid, fan(hid));
+            let wv = mat(kvd, hid, fan(hid));
+            let wo = mat(hid, qd, fan(qd));
+            let mlp_norm_g = mat(1, hid, 0.25).row(0).mapv(|x| 1.0 + x);
+            let mlp_norm_b = mat(1, if ln { hid } else { 0 }, 0.1).row(0).to_owned();
+            let w_gate = mat(gate_rows, hid, fan(hid));
+            let w_up = mat(inter, hid, fan(hid));
+            let w_down = mat(hid, inter, fan(inter));
+            layers.push(DecoderLayerParams {
+                attn_norm_g,
+                attn_norm_b,
+                wq,
+                wk,
+                wv,
+                wo,
+                mlp_norm_g,
+                mlp_norm_b,
+                w_gate,
+                w_up,
+                w_down,
+            });
+        }
+        let embed = mat(c.vocab_size, hid, 1.0);
+        let final_norm_g = mat(1, hid, 0.25).row(0).mapv(|x| 1.0 + x);
+        let final_norm_b = mat(1, if ln { hid } else { 0 }, 0.1).row(0).to_owned();
+        let lm_head = mat(if c.tie_embeddings { 0 } else { c.vocab_size }, hid, 1.0);
+        Ok(DecoderParams {
+            embed,
+            layers,
+            final_norm_g,
+            final_norm_b,
+            lm_head,
+        })
+    }
+
+    /// The same shapes, all zero (the gradient accumulator).
+    pub fn zeros_like(&self) -> Self {
+        let z1 = |a: &Array1<f64>| Array1::zeros(a.raw_dim());
+        let z2 = |a: &Array2<f64>| Array2::zeros(a.raw_dim());
+        DecoderParams {
+            embed: z2(&self.embed),
+            layers: self
+                .layers
+                .iter()
+                .map(|l| DecoderLayerParams {
+                    attn_norm_g: z1(&l.attn_norm_g),
+                    attn_norm_b: z1(&l.attn_norm_b),
+                    wq: z2(&l.wq),
+                    wk: z2(&l.wk),
+                    wv: z2(&l.wv),
+                    wo: z2(&l.wo),
+                    mlp_norm_g: z1(&l.mlp_norm_g),
+                    mlp_norm_b: z1(&l.mlp_norm_b),
+                    w_gate: z2(&l.w_gate),
+                    w_up: z2(&l.w_up),
+                    w_down: z2(&l.w_down),
+                })
+                .collect(),
+            final_norm_g: z1(&self.final_norm_g),
+            final_norm_b: z1(&self.final_norm_b),
+            lm_head: z2(&self.lm_head),
+        }
+    }
+
+    /// Every non-empty tensor with its Hugging Face name, in a fixed order.
+    pub fn named(&self) -> Vec<(String, ArrayViewD<'_, f64>)> {
+        let mut out = self.named_all();
+        out.retain(|(_, t)| !t.is_empty());
+        out
+    }
+
+    /// The shape every tensor of [`DecoderParams::named`] has under `config`
+    /// (empty ones included), in the same order.
+    pub fn shapes(config: &DecoderConfig) -> Vec<(String, Vec<usize>)> {
+        let c = config;
+        let (hid, qd, kvd, inter) = (
+            c.hidden_size,
+            c.num_heads * c.head_dim,
+            c.num_kv_heads * c.head_dim,
+            c.intermediate_size,
+        );
+        let b = if c.norm == Norm::LayerNorm { hid } else { 0 };
+        let gate = if c.mlp == Mlp::SwiGlu { inter } else { 0 };
+        let mut out = vec![(
+            "model.embed_tokens.weight".to_string(),
+            vec![c.vocab_size, hid],
+        )];
+        for i in 0..c.num_layers {
+            let p = |s: &str| format!("model.layers.{i}.{s}");
+            out.extend([
+                (p("input_layernorm.weight"), vec![hid]),
+                (p("input_layernorm.bias"), vec![b]),
+                (p("self_attn.q_proj.weight"), vec![qd, hid]),
+                (p("self_attn.k_proj.weight"), vec![kvd, hid]),
+                (p("self_attn.v_proj.weight"), vec![kvd, hid]),
+                (p("self_attn.o_proj.weight"), vec![hid, qd]),
+                (p("post_attention_layernorm.weight"), vec![hid]),
+                (p("post_attention_layernorm.bias"), vec![b]),
+                (p("mlp.gate_proj.weight"), vec![gate, hid]),
+                (p("mlp.up_proj.weight"), vec![inter, hid]),
+                (p("mlp.down_proj.weight"), vec![hid, inter]),
+            ]);
+        }
+        out.push(("model.norm.weight".into(), vec![hid]));
+        out.push(("model.norm.bias".into(), vec![b]));
+        let head = if c.tie_embeddings { 0 } else { c.vocab_size };
+        out.push(("lm_head.weight".into(), vec![head, hid]));
+        out
+    }
+
+    /// Checks every tensor's shape against `config` ([`DecoderParams::shapes`])
+    /// and every value finite.
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] naming the tensor (`model.layers.0.self_attn.k_proj.weight`,
+    /// `model.layers` for a wrong layer count); [`Error::NonFiniteInput`].
+    pub fn check(&self, config: &DecoderConfig) -> Result<()> {
+        if self.layers.len() != config.num_layers {
+            return Err(Error::ShapeMismatch {
+                field: "model.layers".into(),
+                expected: format!("[num_layers] = [{}]", config.num_layers),
+                actual: vec![self.layers.len()],
+            });
+        }
+        for ((name, t), (_, want)) in self.named_all().iter().zip(Self::shapes(config)) {
+            if t.shape() != want.as_slice() {
+                return Err(Error::ShapeMismatch {
+                    field: name.clone(),
+                    expected: format!("{want:?}"),
+                    actual: t.shape().to_vec(),
+                });
+            }
+            crate::error::check_finite(name, t.iter())?;
+        }
+        Ok(())
+    }
+
+    fn named_all(&self) -> Vec<(String, ArrayViewD<'_, f64>)> {
+        let mut out: Vec<(String, ArrayViewD<'_, f64>)> = vec![(
+            "model.embed_tokens.weight".into(),
+            self.embed.view().into_dyn(),
+        )];
+        for (i, l) in self.layers.iter().enumerate() {
+            let p = |s: &str| format!("model.layers.{i}.{s}");
+            out.extend([
+                (p("input_layernorm.weight"), l.attn_norm_g.view().into_dyn()),
+                (p("input_layernorm.bias"), l.attn_norm_b.view().into_dyn()),
+                (p("self_attn.q_proj.weight"), l.wq.view().into_dyn()),
+                (p("self_attn.k_proj.weight"), l.wk.view().into_dyn()),
+                (p("self_attn.v_proj.weight"), l.wv.view().into_dyn()),
+                (p("self_attn.o_proj.weight"), l.wo.view().into_dyn()),
+                (
+                    p("post_attention_layernorm.weight"),
+                    l.mlp_norm_g.view().into_dyn(),
+                ),
+                (
+                    p("post_attention_layernorm.bias"),
+                    l.mlp_norm_b.view().into_dyn(),
+                ),
+                (p("mlp.gate_proj.weight"), l.w_gate.view().into_dyn()),
+                (p("mlp.up_proj.weight"), l.w_up.view().into_dyn()),
+                (p("mlp.down_proj.weight"), l.w_down.view().into_dyn()),
+            ]);
+        }
+        out.push((
+            "model.norm.weight".into(),
+            self.final_norm_g.view().into_dyn(),
+        ));
+        out.push((
+            "model.norm.bias".into(),
+            self.final_norm_b.view().into_dyn(),
+        ));
+        out.push(("lm_head.weight".into(), self.lm_head.view().into_dyn()));
+        out
+    }
+
+    /// As [`DecoderParams::named`], mutable.
+    pub fn named_mut(&mut self) -> Vec<(String, ArrayViewMutD<'_, f64>)> {
+        let mut out: Vec<(String, ArrayViewMutD<'_, f64>)> = vec![(
+            "model.embed_tokens.weight".into(),
+            self.embed.view_mut().into_dyn(),
+        )];
+        for (i, l) in self.layers.iter_mut().enumerate() {
+            let p = |s: &str| format!("model.layers.{i}.{s}");
+            out.extend([
+                (
+                    p("input_layernorm.weight"),
+                    l.attn_norm_g.view_mut().into_dyn(),
+                ),
+                (
+                    p("input_layernorm.bias"),
+                    l.attn_norm_b.view_mut().into_dyn(),
+                ),
+                (p("self_attn.q_proj.weight"), l.wq.view_mut().into_dyn()),
+                (p("self_attn.k_proj.weight"), l.wk.view_mut().into_dyn()),
+                (p("self_attn.v_proj.weight"), l.wv.view_mut().into_dyn()),
+                (p("self_attn.o_proj.weight"), l.wo.view_mut().into_dyn()),
+                (
+                    p("post_attention_layernorm.weight"),
+                    l.mlp_norm_g.view_mut().into_dyn(),
+                ),
+                (
+                    p("post_attention_layernorm.bias"),
+                    l.mlp_norm_b.view_mut().into_dyn(),
+                ),
+                (p("mlp.gate_proj.weight"), l.w_gate.view_mut().into_dyn()),
+                (p("mlp.up_proj.weight"), l.w_up.view_mut().into_dyn()),
+                (p("mlp.down_proj.weight"), l.w_down.view_mut().into_dyn()),
+            ]);
+        }
+        out.push((
+            "model.norm.weight".into(),
+            self.final_norm_g.view_mut().into_dyn(),
+        ));
+        out.push((
+            "model.norm.bias".into(),
+            self.final_norm_b.view_mut().into_dyn(),
+        ));
+        out.push(("lm_head.weight".into(), self.lm_head.view_mut().into_dyn()));
+        out.retain(|(_, t)| !t.is_empty());
+        out
+    }
+}
