@@ -153,10 +153,9 @@ fn seeded_mutations_of_the_committed_inputs_pass() {
             corpus.extend(files.iter().map(|p| std::fs::read(p).unwrap()));
         }
         assert!(!corpus.is_empty(), "{}: no committed inputs", t.name);
-        let name_hash = t
-            .name
-            .bytes()
-            .fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
+        let name_hash = t.name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+        });
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed ^ name_hash);
         let mut total = Outcome::default();
         for run in 0..runs {

@@ -11,71 +11,215 @@ use std::collections::BTreeMap;
 
 use super::Strategy;
 
-/// Open packs keyed by the number of free tokens they have left: an ordered
-/// map holding only the keys with open packs, so finding the pack with the
-/// most (or least) room that fits is O(log keys), whatever `max_seq_len` is.
-/// Each key holds a stack of `(repeat count, lengths)`, as the reference
-/// code's lists do.
+/// A pack as a chain: `copies` sequences of `length` added to the pack
+/// `parent` (an index into [`OpenPacks::nodes`], or [`ROOT`] for none). Growing
+/// a group of packs is one new node, never a copy of its lengths.
+#[derive(Clone, Copy)]
+struct Node {
+    length: usize,
+    copies: usize,
+    parent: usize,
+}
+
+/// The parent of a pack's first node.
+const ROOT: usize = usize::MAX;
+
+/// A group of identical open packs: `(repeat count, last node, sequences)`.
+type Group = (u64, usize, usize);
+
+/// Up to this `max_seq_len` the free-space keys are a dense array with a
+/// bitset of the non-empty ones (a few words to scan); above it, an
+/// ordered map holding only the keys in use.
+const DENSE_KEYS: usize = 1 << 16;
+
+/// Where the open packs are filed, by free tokens left.
+enum Keys {
+    Dense {
+        stacks: Vec<Vec<Group>>,
+        bits: Vec<u64>,
+    },
+    Sparse(BTreeMap<usize, Vec<Group>>),
+}
+
+/// Open packs keyed by the number of free tokens they have left, finding the
+/// pack with the most (or least) room that fits without visiting empty keys.
+/// Each key holds a stack of groups, as the reference code's lists do.
 struct OpenPacks {
-    by_space: BTreeMap<usize, Vec<(u64, Vec<usize>)>>,
-    done: Vec<Strategy>,
+    keys: Keys,
+    nodes: Vec<Node>,
+    done: Vec<(u64, usize)>,
     limit: usize,
 }
 
 impl OpenPacks {
-    fn new(limit: usize) -> Self {
+    fn new(max_seq_len: usize, limit: usize) -> Self {
+        Self::with_keys(max_seq_len, limit, max_seq_len <= DENSE_KEYS)
+    }
+
+    fn with_keys(max_seq_len: usize, limit: usize, dense: bool) -> Self {
+        let keys = if dense {
+            Keys::Dense {
+                stacks: vec![Vec::new(); max_seq_len + 1],
+                bits: vec![0; (max_seq_len + 1).div_ceil(64)],
+            }
+        } else {
+            Keys::Sparse(BTreeMap::new())
+        };
         OpenPacks {
-            by_space: BTreeMap::new(),
+            keys,
+            nodes: Vec::new(),
             done: Vec::new(),
             limit,
         }
     }
 
-    /// Files `count` copies of `pack` with `space` tokens left: packs that are
-    /// full or at the sequence limit are final, the rest stay open.
-    fn add(&mut self, lengths: Vec<usize>, count: u64, space: usize) {
+    /// A new node: `copies` x `length` added to the pack ending at `parent`.
+    fn grow(&mut self, parent: usize, length: usize, copies: usize) -> usize {
+        self.nodes.push(Node {
+            length,
+            copies,
+            parent,
+        });
+        self.nodes.len() - 1
+    }
+
+    /// Files `count` copies of the pack ending at `node` (`seqs` sequences,
+    /// `space` tokens left): packs that are full or at the sequence limit
+    /// are final, the rest stay open.
+    fn add(&mut self, node: usize, seqs: usize, count: u64, space: usize) {
         if count == 0 {
             return;
         }
-        if lengths.len() >= self.limit || space == 0 {
-            self.done.push(Strategy { lengths, count });
+        if seqs >= self.limit || space == 0 {
+            self.done.push((count, node));
         } else {
-            self.push(space, (count, lengths));
+            self.push(space, (count, node, seqs));
         }
     }
 
-    fn push(&mut self, space: usize, entry: (u64, Vec<usize>)) {
-        self.by_space.entry(space).or_default().push(entry);
+    fn push(&mut self, space: usize, group: Group) {
+        match &mut self.keys {
+            Keys::Dense { stacks, bits } => {
+                stacks[space].push(group);
+                bits[space / 64] |= 1 << (space % 64);
+            }
+            Keys::Sparse(map) => map.entry(space).or_default().push(group),
+        }
     }
 
     /// The largest key with open packs in `lo..=hi`.
     fn largest_in(&self, lo: usize, hi: usize) -> Option<usize> {
-        self.by_space.range(lo..=hi).next_back().map(|(&k, _)| k)
+        match &self.keys {
+            Keys::Dense { bits, .. } => {
+                let hi = hi.min(bits.len() * 64 - 1);
+                if lo > hi {
+                    return None;
+                }
+                let mut w = hi / 64;
+                // Bits at or below `hi` in its word.
+                let mut word = bits[w] & (u64::MAX >> (63 - hi % 64));
+                loop {
+                    if word != 0 {
+                        let key = w * 64 + 63 - word.leading_zeros() as usize;
+                        return (key >= lo).then_some(key);
+                    }
+                    if w == 0 || w * 64 <= lo {
+                        return None;
+                    }
+                    w -= 1;
+                    word = bits[w];
+                }
+            }
+            Keys::Sparse(map) => map.range(lo..=hi).next_back().map(|(&k, _)| k),
+        }
     }
 
     /// The smallest key with open packs in `lo..=hi`.
     fn smallest_in(&self, lo: usize, hi: usize) -> Option<usize> {
-        self.by_space.range(lo..=hi).next().map(|(&k, _)| k)
+        match &self.keys {
+            Keys::Dense { bits, .. } => {
+                let hi = hi.min(bits.len() * 64 - 1);
+                if lo > hi {
+                    return None;
+                }
+                let mut w = lo / 64;
+                // Bits at or above `lo` in its word.
+                let mut word = bits[w] & (u64::MAX << (lo % 64));
+                loop {
+                    if word != 0 {
+                        let key = w * 64 + word.trailing_zeros() as usize;
+                        return (key <= hi).then_some(key);
+                    }
+                    w += 1;
+                    if w >= bits.len() || w * 64 > hi {
+                        return None;
+                    }
+                    word = bits[w];
+                }
+            }
+            Keys::Sparse(map) => map.range(lo..=hi).next().map(|(&k, _)| k),
+        }
     }
 
     /// Takes the last-filed group of packs with `space` tokens left (the key
     /// must have one).
-    fn pop(&mut self, space: usize) -> (u64, Vec<usize>) {
-        let stack = self.by_space.get_mut(&space).expect("key has open packs");
-        let entry = stack.pop().expect("keys are never empty");
-        if stack.is_empty() {
-            self.by_space.remove(&space);
-        }
-        entry
-    }
-
-    fn finish(mut self) -> Vec<Strategy> {
-        for (_, group) in std::mem::take(&mut self.by_space) {
-            for (count, lengths) in group {
-                self.done.push(Strategy { lengths, count });
+    fn pop(&mut self, space: usize) -> Group {
+        match &mut self.keys {
+            Keys::Dense { stacks, bits } => {
+                let group = stacks[space].pop().expect("key has open packs");
+                if stacks[space].is_empty() {
+                    bits[space / 64] &= !(1 << (space % 64));
+                }
+                group
+            }
+            Keys::Sparse(map) => {
+                let stack = map.get_mut(&space).expect("key has open packs");
+                let group = stack.pop().expect("keys are never empty");
+                if stack.is_empty() {
+                    map.remove(&space);
+                }
+                group
             }
         }
-        self.done
+    }
+
+    /// The lengths of the pack ending at `node`, in the order they were added.
+    fn lengths(&self, mut node: usize) -> Vec<usize> {
+        let mut out = Vec::new();
+        while node != ROOT {
+            let n = self.nodes[node];
+            out.extend(std::iter::repeat_n(n.length, n.copies));
+            node = n.parent;
+        }
+        out.reverse();
+        out
+    }
+
+    /// The final packs, then the open ones by increasing free space.
+    fn finish(mut self) -> Vec<Strategy> {
+        let open: Vec<(u64, usize)> =
+            match std::mem::replace(&mut self.keys, Keys::Sparse(BTreeMap::new())) {
+                Keys::Dense { stacks, .. } => stacks
+                    .into_iter()
+                    .flatten()
+                    .map(|(count, node, _)| (count, node))
+                    .collect(),
+                Keys::Sparse(map) => map
+                    .into_values()
+                    .flatten()
+                    .map(|(count, node, _)| (count, node))
+                    .collect(),
+            };
+        let all: Vec<(u64, usize)> = std::mem::take(&mut self.done)
+            .into_iter()
+            .chain(open)
+            .collect();
+        all.into_iter()
+            .map(|(count, node)| Strategy {
+                lengths: self.lengths(node),
+                count,
+            })
+            .collect()
     }
 }
 
@@ -87,11 +231,15 @@ impl OpenPacks {
 /// fits nowhere opens new packs. `counts[l]` for `l` in `1..=max_seq_len`.
 ///
 /// The reference code scans the free-space keys one by one, downwards from
-/// `max_seq_len + 1`, never going back up within one length; here the ordered
-/// map jumps to the next key with packs: the same choices in
-/// O((R + S) log S) for R distinct lengths and S open keys, not O(R x max_seq_len).
+/// `max_seq_len + 1`, never going back up within one length; here the key
+/// index jumps to the next key with packs (a bitset scan, or an ordered map
+/// for huge `max_seq_len`): the same choices without visiting empty keys,
+/// and a grown pack is one new node, not a copy of its lengths.
 pub(crate) fn spfhp(counts: &[u64], max_seq_len: usize, limit: usize) -> Vec<Strategy> {
-    let mut open = OpenPacks::new(limit);
+    spfhp_in(OpenPacks::new(max_seq_len, limit), counts, max_seq_len)
+}
+
+fn spfhp_in(mut open: OpenPacks, counts: &[u64], max_seq_len: usize) -> Vec<Strategy> {
     for length in (1..=max_seq_len).rev() {
         let mut n = counts[length];
         // The scan's position: keys above it were found empty for this length.
@@ -100,22 +248,22 @@ pub(crate) fn spfhp(counts: &[u64], max_seq_len: usize, limit: usize) -> Vec<Str
             match open.largest_in(length, bound) {
                 Some(key) => {
                     bound = key;
-                    let (mut m, pack) = open.pop(key);
-                    let mut grown = pack.clone();
-                    grown.push(length);
+                    let (mut m, pack, seqs) = open.pop(key);
+                    let grown = open.grow(pack, length, 1);
                     let count = m.min(n);
                     if m > n {
                         m -= n;
-                        open.push(key, (m, pack));
+                        open.push(key, (m, pack, seqs));
                         n = 0;
                     } else {
                         n -= m;
                     }
-                    open.add(grown, count, key - length);
+                    open.add(grown, seqs + 1, count, key - length);
                 }
                 None => {
                     // Fits nowhere: new packs.
-                    open.add(vec![length], n, max_seq_len - length);
+                    let node = open.grow(ROOT, length, 1);
+                    open.add(node, 1, n, max_seq_len - length);
                     n = 0;
                 }
             }
@@ -130,38 +278,57 @@ pub(crate) fn spfhp(counts: &[u64], max_seq_len: usize, limit: usize) -> Vec<Str
 /// open packs with the *least* free space that can hold them (best fit), as
 /// many copies per pack as fit ("distribute"), and what fits nowhere opens new
 /// packs holding as many copies as fit. `counts[l]` for `l` in `1..=max_seq_len`.
-/// As in [`spfhp`], the ordered map finds the reference code's key directly.
+/// As in [`spfhp`], the key index finds the reference code's key directly.
 pub(crate) fn lpfhp(counts: &[u64], max_seq_len: usize, limit: usize) -> Vec<Strategy> {
-    let mut open = OpenPacks::new(limit);
+    lpfhp_in(
+        OpenPacks::new(max_seq_len, limit),
+        counts,
+        max_seq_len,
+        limit,
+    )
+}
+
+fn lpfhp_in(
+    mut open: OpenPacks,
+    counts: &[u64],
+    max_seq_len: usize,
+    limit: usize,
+) -> Vec<Strategy> {
     for length in (1..=max_seq_len).rev() {
         let mut n = counts[length];
         while n > 0 {
             if let Some(key) = open.smallest_in(length, max_seq_len) {
                 let offset = key - length;
-                let (mut m, pack) = open.pop(key);
-                let mut repeat = (1 + offset / length).min(limit - pack.len()) as u64;
+                let (mut m, pack, seqs) = open.pop(key);
+                let mut repeat = (1 + offset / length).min(limit - seqs) as u64;
                 while n / repeat == 0 {
                     repeat -= 1;
                 }
-                let mut grown = pack.clone();
-                grown.extend(std::iter::repeat_n(length, repeat as usize));
+                let grown = open.grow(pack, length, repeat as usize);
                 let count = m.min(n / repeat);
                 if m > count {
                     m -= count;
-                    open.push(key, (m, pack));
+                    open.push(key, (m, pack, seqs));
                     n -= count * repeat;
                 } else {
                     n -= m * repeat;
                 }
-                open.add(grown, count, offset - (repeat as usize - 1) * length);
+                open.add(
+                    grown,
+                    seqs + repeat as usize,
+                    count,
+                    offset - (repeat as usize - 1) * length,
+                );
             } else {
                 let mut repeat = (max_seq_len / length).min(limit) as u64;
                 while n / repeat == 0 {
                     repeat -= 1;
                 }
                 let packs = n / repeat;
+                let node = open.grow(ROOT, length, repeat as usize);
                 open.add(
-                    vec![length; repeat as usize],
+                    node,
+                    repeat as usize,
                     packs,
                     max_seq_len - length * repeat as usize,
                 );
@@ -279,5 +446,61 @@ fn grown(run: &Run, length: usize, copies: u64, bins: u64) -> Run {
         space: run.space - copies as usize * length,
         lengths,
         bins,
+    }
+}
+
+#[cfg(test)]
+mod key_index_tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    /// The dense key index (bitset) and the ordered map give the same packs,
+    /// in the same order, on random histograms, including keys at the edges
+    /// of 64-bit words (max_seq_len around 64 and 128).
+    #[test]
+    fn dense_and_sparse_keys_pack_alike() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
+        for trial in 0..300 {
+            let msl = [7, 63, 64, 65, 127, 128, 129, 300, 512][trial % 9];
+            let counts: Vec<u64> = (0..=msl)
+                .map(|l| {
+                    if l > 0 && rng.random_range(0..3) == 0 {
+                        rng.random_range(0..40)
+                    } else {
+                        0
+                    }
+                })
+                .collect();
+            let limit = rng.random_range(1..=12);
+            for (name, dense, sparse) in [
+                (
+                    "spfhp",
+                    spfhp_in(OpenPacks::with_keys(msl, limit, true), &counts, msl),
+                    spfhp_in(OpenPacks::with_keys(msl, limit, false), &counts, msl),
+                ),
+                (
+                    "lpfhp",
+                    lpfhp_in(OpenPacks::with_keys(msl, limit, true), &counts, msl, limit),
+                    lpfhp_in(OpenPacks::with_keys(msl, limit, false), &counts, msl, limit),
+                ),
+            ] {
+                assert_eq!(
+                    dense, sparse,
+                    "{name} trial {trial}: msl {msl}, limit {limit}"
+                );
+                // Every sequence placed once, within the limits.
+                let mut placed = vec![0u64; msl + 1];
+                for s in &dense {
+                    assert!(
+                        s.lengths.len() <= limit && s.tokens() <= msl,
+                        "{name}: {s:?}"
+                    );
+                    for &l in &s.lengths {
+                        placed[l] += s.count;
+                    }
+                }
+                assert_eq!(placed, counts, "{name} trial {trial}");
+            }
+        }
     }
 }

@@ -297,19 +297,23 @@ impl Strategy {
 /// drops empty ones and orders them by descending lengths: one canonical form
 /// for every algorithm, so plans and snapshots are deterministic.
 pub fn canonicalize(strategies: Vec<Strategy>) -> Vec<Strategy> {
-    let mut merged: std::collections::BTreeMap<Vec<usize>, u64> = std::collections::BTreeMap::new();
-    for mut s in strategies {
-        if s.count == 0 || s.lengths.is_empty() {
-            continue;
-        }
-        s.lengths.sort_unstable_by(|a, b| b.cmp(a));
-        *merged.entry(s.lengths).or_default() += s.count;
-    }
-    let mut out: Vec<Strategy> = merged
+    let mut out: Vec<Strategy> = strategies
         .into_iter()
-        .map(|(lengths, count)| Strategy { lengths, count })
+        .filter(|s| s.count > 0 && !s.lengths.is_empty())
+        .map(|mut s| {
+            s.lengths.sort_unstable_by(|a, b| b.cmp(a));
+            s
+        })
         .collect();
-    out.sort_by(|a, b| b.lengths.cmp(&a.lengths));
+    // Sorted (descending), then equal packs merged: one pass, no map.
+    out.sort_unstable_by(|a, b| b.lengths.cmp(&a.lengths));
+    out.dedup_by(|later, kept| {
+        let same = later.lengths == kept.lengths;
+        if same {
+            kept.count += later.count;
+        }
+        same
+    });
     out
 }
 
