@@ -242,6 +242,149 @@ fn ok_or_refused(o: &Output, what: &str) {
 const BUDGET: &str = "1073741824"; // 1 GiB
 const CAP_MIB: u64 = 4096; // the budget plus the binary, threads and allocator arenas
 
+/// Each subcommand at its largest documented input (README, "Limits"), and
+/// just over it, under the same address-space cap and a 1 GiB budget: the
+/// largest succeeds, the one over is refused with status 2 naming the field;
+/// neither aborts on a failed allocation.
+#[test]
+fn every_subcommand_at_its_documented_limits_under_an_address_space_cap() {
+    let env = [("PACKSHARD_MEMORY_BUDGET", BUDGET)];
+    let expect = |o: &Output, what: &str, code: i32, needle: &str| {
+        assert_clean(o, what);
+        assert_eq!(o.status.code(), Some(code), "{what}: {}", stderr(o));
+        if code == 2 {
+            let text = format!("{}{}", stderr(o), String::from_utf8_lossy(&o.stdout));
+            assert!(text.contains(needle), "{what}: no {needle:?} in {text}");
+        }
+    };
+    // pack --lengths: the table streams any file into a histogram; a plan per
+    // sequence (--plan-out) lists at most 2^20: at the limit, then one more.
+    let lengths = tmp("limit-lengths.txt");
+    let plan = tmp("limit-plan.json");
+    let line = |n: usize| {
+        (0..n)
+            .map(|i| ((i * 37) % 511 + 1).to_string())
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    let args = [
+        "pack",
+        "--lengths",
+        lengths.to_str().unwrap(),
+        "--max-seq-len",
+        "512",
+        "-a",
+        "spfhp",
+        "--no-bound",
+        "--plan-out",
+        plan.to_str().unwrap(),
+    ];
+    std::fs::write(&lengths, line(1 << 20)).unwrap();
+    expect(
+        &capped(CAP_MIB, &env, &args, None),
+        "pack --lengths 2^20 --plan-out",
+        0,
+        "",
+    );
+    std::fs::write(&lengths, line((1 << 20) + 1)).unwrap();
+    expect(
+        &capped(CAP_MIB, &env, &args, None),
+        "pack --lengths 2^20 + 1 --plan-out",
+        2,
+        "lengths",
+    );
+    expect(
+        &capped(CAP_MIB, &env, &args[..8], None),
+        "pack --lengths 2^20 + 1 (table only)",
+        0,
+        "",
+    );
+    // pack --histogram at max_seq_len 2^24 with 2,000 rows (SPFHP near-linear), then 2^24 + 1.
+    let histogram = tmp("limit-histogram.csv");
+    let rows: String = (1..=2000u64)
+        .map(|i| format!("{},{}\n", i * 8000, 1 + i % 7))
+        .collect();
+    std::fs::write(&histogram, format!("length,count\n{rows}")).unwrap();
+    for (msl, code) in [("16777216", 0), ("16777217", 2)] {
+        let args = [
+            "pack",
+            "--histogram",
+            histogram.to_str().unwrap(),
+            "--max-seq-len",
+            msl,
+            "-a",
+            "spfhp",
+            "--no-bound",
+        ];
+        expect(
+            &capped(CAP_MIB, &env, &args, None),
+            &format!("pack --max-seq-len {msl}"),
+            code,
+            "max_seq_len",
+        );
+    }
+    // eval batch: 2^24 token slots x 320 bytes is over a 1 GiB budget: refused before allocating.
+    let case = tmp("limit-batch.json");
+    std::fs::write(
+        &case,
+        r#"{"op": "batch", "sequences": [[1, 2]], "max_seq_len": 16777216}"#,
+    )
+    .unwrap();
+    let o = capped(CAP_MIB, &env, &["eval", "-"], Some(&case));
+    assert_clean(&o, "eval batch 2^24 slots");
+    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["error"]["kind"], "invalid_argument", "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("memory budget"),
+        "{v}"
+    );
+    // vocab: the largest buffers within the budget run; a hidden size whose
+    // buffers are over it is refused before the weights are drawn.
+    let vocab = |v: &str, hidden: &str| {
+        let args = [
+            "vocab",
+            "--vocab-size",
+            v,
+            "--hidden",
+            hidden,
+            "--tokens",
+            "4",
+            "--shards",
+            "2",
+        ];
+        capped(CAP_MIB, &env, &args, None)
+    };
+    expect(&vocab("64", "16384"), "vocab 64 x 16384", 0, "");
+    // 2^26 weight entries (the entry cap) need about 2 GiB of f64 buffers.
+    expect(
+        &vocab("4096", "16384"),
+        "vocab 4096 x 16384",
+        2,
+        "memory budget",
+    );
+    let over = "--hidden: a weight of 64 x 16777216 entries";
+    expect(&vocab("64", "16777216"), "vocab 64 x 2^24", 2, over);
+    // golden and check: the whole canonical set.
+    let golden = tmp("limit-golden");
+    let _ = std::fs::remove_dir_all(&golden);
+    let o = capped(
+        CAP_MIB,
+        &env,
+        &[
+            "golden",
+            "--out",
+            golden.to_str().unwrap(),
+            "--dtype",
+            "f64",
+        ],
+        None,
+    );
+    expect(&o, "golden", 0, "");
+}
+
 #[test]
 fn eval_largest_case_under_an_address_space_cap() {
     // The largest case the budget admits (1 GiB / 128 = 8 MiB) of numbers,

@@ -19,8 +19,12 @@ fn main() {
     };
     let histogram = Histogram::embedded(dataset).unwrap_or_else(|e| fail(e.to_string()));
     let algorithm: Algorithm = algorithm.parse().unwrap_or_else(|e| fail(format!("{e}")));
-    let limit: usize = limit.parse().unwrap_or_else(|_| fail(format!("limit {limit:?}")));
-    let repeats: usize = repeats.parse().unwrap_or_else(|_| fail(format!("repeats {repeats:?}")));
+    let limit: usize = limit
+        .parse()
+        .unwrap_or_else(|_| fail(format!("limit {limit:?}")));
+    let repeats: usize = repeats
+        .parse()
+        .unwrap_or_else(|_| fail(format!("repeats {repeats:?}")));
     let msl = histogram.max_length();
     let config = PackingConfig::new(algorithm, msl).with_max_sequences_per_pack(Some(limit));
     let first = pack_histogram(&histogram, &config).unwrap_or_else(|e| fail(e.to_string()));
@@ -29,7 +33,10 @@ fn main() {
             let start = std::time::Instant::now();
             let r = pack_histogram(&histogram, &config).unwrap_or_else(|e| fail(e.to_string()));
             let t = start.elapsed().as_secs_f64();
-            assert_eq!(r.metrics.num_packs, first.metrics.num_packs, "deterministic");
+            assert_eq!(
+                r.metrics.num_packs, first.metrics.num_packs,
+                "deterministic"
+            );
             t
         })
         .collect();

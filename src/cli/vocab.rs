@@ -138,7 +138,18 @@ pub fn run(args: VocabArgs) -> Result<ExitCode, CliError> {
             args.tokens,
             args.vocab_size,
         )?;
-        packshard::reference::vocab::check_logits_size("--hidden", args.vocab_size, args.hidden)?;
+        // The weight `[v, h]` is held to the same entry count as the logits.
+        let max = packshard::reference::vocab::MAX_LOGITS;
+        if args
+            .vocab_size
+            .checked_mul(args.hidden)
+            .is_none_or(|x| x > max)
+        {
+            return Err(CliError::input(format!(
+                "--hidden: a weight of {} x {} entries is over the {max} one call may hold",
+                args.vocab_size, args.hidden
+            )));
+        }
     }
     let (v, h) = weight
         .as_ref()
