@@ -64,6 +64,91 @@ impl SparseColumns {
     }
 }
 
+/// The columns of a [`SparseColumns`] padded to one width (the longest
+/// column; padding entries are `0.0` at row 0), so the gradient pass
+/// `A^T r` runs over fixed-size chunks with no per-column bounds. A padding
+/// entry adds `+-0.0` to a finite sum, which leaves it unchanged: the
+/// gradients are bit for bit those of [`SparseColumns::dot_dense`].
+struct PaddedColumns {
+    width: usize,
+    rows: Vec<u32>,
+    vals: Vec<f64>,
+}
+
+impl PaddedColumns {
+    fn new(a: &SparseColumns) -> Self {
+        let width = (0..a.cols())
+            .map(|j| a.col(j).len())
+            .max()
+            .unwrap_or(0)
+            .max(1);
+        let mut rows = vec![0u32; a.cols() * width];
+        let mut vals = vec![0.0; a.cols() * width];
+        for j in 0..a.cols() {
+            for (k, &(r, v)) in a.col(j).iter().enumerate() {
+                rows[j * width + k] = r as u32;
+                vals[j * width + k] = v;
+            }
+        }
+        PaddedColumns { width, rows, vals }
+    }
+
+    /// The column with the largest gradient `a_j^T r` above `tol` among the
+    /// columns not `blocked` (ties to the lowest index), if any.
+    fn most_positive(&self, r: &[f64], blocked: &[bool], tol: f64) -> Option<usize> {
+        match self.width {
+            1 => self.most_positive_of::<1>(r, blocked, tol),
+            2 => self.most_positive_of::<2>(r, blocked, tol),
+            3 => self.most_positive_of::<3>(r, blocked, tol),
+            4 => self.most_positive_of::<4>(r, blocked, tol),
+            _ => {
+                let w = self.width;
+                let grads = self.rows.chunks_exact(w).zip(self.vals.chunks_exact(w));
+                Self::best(
+                    grads.map(|(rows, vals)| {
+                        rows.iter()
+                            .zip(vals)
+                            .fold(0.0, |g, (&i, &v)| g + v * r[i as usize])
+                    }),
+                    blocked,
+                    tol,
+                )
+            }
+        }
+    }
+
+    fn most_positive_of<const W: usize>(
+        &self,
+        r: &[f64],
+        blocked: &[bool],
+        tol: f64,
+    ) -> Option<usize> {
+        let (rows, _) = self.rows.as_chunks::<W>();
+        let (vals, _) = self.vals.as_chunks::<W>();
+        Self::best(
+            rows.iter().zip(vals).map(|(rows, vals)| {
+                let mut g = 0.0;
+                for k in 0..W {
+                    g += vals[k] * r[rows[k] as usize];
+                }
+                g
+            }),
+            blocked,
+            tol,
+        )
+    }
+
+    fn best(grads: impl Iterator<Item = f64>, blocked: &[bool], tol: f64) -> Option<usize> {
+        let mut best: Option<(usize, f64)> = None;
+        for ((j, g), &b) in grads.enumerate().zip(blocked) {
+            if !b && g > tol && best.is_none_or(|(_, bg)| g > bg) {
+                best = Some((j, g));
+            }
+        }
+        best.map(|(j, _)| j)
+    }
+}
+
 /// `sum_i a[i] * b[i]` over four running sums (so the compiler can use
 /// vector lanes; the order of the additions is fixed, so results are
 /// deterministic).
@@ -219,6 +304,9 @@ pub(crate) fn nnls(a: &SparseColumns, b: &[f64]) -> Vec<f64> {
     let mut passive: Vec<usize> = Vec::new();
     let mut in_passive = vec![false; n];
     let mut rejected = vec![false; n];
+    // Columns out of the gradient's search: passive or rejected.
+    let mut blocked = vec![false; n];
+    let padded = PaddedColumns::new(a);
     let mut chol = GrowingCholesky::new(a.rows.min(n));
     let mut residual = b.to_vec();
     let (mut cross, mut z): (Vec<f64>, Vec<f64>) = (Vec::new(), Vec::new());
@@ -229,26 +317,20 @@ pub(crate) fn nnls(a: &SparseColumns, b: &[f64]) -> Vec<f64> {
     while budget > 0 {
         budget -= 1;
         // Gradient of the objective on the zero set: w = A^T (b - A x).
-        let mut best: Option<(usize, f64)> = None;
-        for j in 0..n {
-            if in_passive[j] || rejected[j] {
-                continue;
-            }
-            let g = a.dot_dense(j, &residual);
-            if g > tol && best.is_none_or(|(_, bg)| g > bg) {
-                best = Some((j, g));
-            }
-        }
-        let Some((jstar, _)) = best else { break };
+        let Some(jstar) = padded.most_positive(&residual, &blocked, tol) else {
+            break;
+        };
 
         cross.clear();
         cross.extend(passive.iter().map(|&p| a.dot_cols(p, jstar)));
         if !chol.push(&cross, a.dot_cols(jstar, jstar), atb[jstar]) {
             rejected[jstar] = true;
+            blocked[jstar] = true;
             continue;
         }
         passive.push(jstar);
         in_passive[jstar] = true;
+        blocked[jstar] = true;
 
         // Inner loop: solve the unconstrained problem on P, step back to the
         // feasible region while some passive coefficient would turn negative.
@@ -265,6 +347,7 @@ pub(crate) fn nnls(a: &SparseColumns, b: &[f64]) -> Vec<f64> {
                     passive.pop();
                     in_passive[jstar] = false;
                     rejected[jstar] = true;
+                    blocked[jstar] = true;
                     break;
                 }
             }
@@ -290,6 +373,7 @@ pub(crate) fn nnls(a: &SparseColumns, b: &[f64]) -> Vec<f64> {
                 if x[p] <= 1e-12 * scale.sqrt() {
                     x[p] = 0.0;
                     in_passive[p] = false;
+                    blocked[p] = rejected[p];
                     passive.remove(i);
                     chol.remove(i);
                 }
