@@ -69,3 +69,27 @@ def test_f32_kernel_claimed_as_f64_fails():
     with pytest.raises(AssertionError):
         testing.check_attention(registered("attention", "attention_varlen_tiled"), cases=20,
                                 seed=3, precision="f64")
+
+
+def test_a_kernel_that_writes_into_its_inputs_is_caught():
+    # O5: the cross-entropy is right, but its backward leaves the softmax in
+    # the caller's logits (as an in-place backward does).
+    ce = registered("cross_entropy", "cross_entropy_f32")
+
+    def in_place(**kw):
+        out = ce(**kw)
+        kw["logits"][...] = 0.0
+        return out
+    with pytest.raises(AssertionError) as e:
+        testing.check_cross_entropy(in_place, cases=20, seed=4)
+    assert "wrote into its input 'logits'" in str(e.value)
+    assert "O5" in str(e.value)
+    # Negative control of the check itself: the same kernel writing into a
+    # copy it made passes.
+    def copying(**kw):
+        out = ce(**kw)
+        scratch = kw["logits"].copy()
+        scratch[...] = 0.0
+        return out
+    r = testing.check_cross_entropy(copying, cases=20, seed=4)
+    assert r.compared > 5

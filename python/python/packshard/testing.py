@@ -168,12 +168,24 @@ def _run_one(fn, op, args, describe, size, source, precision, report):
         report.skipped += 1
         return None
     report.cases += 1
-    call = dict(args)
+    # The kernel gets copies: `args` stays as generated (the regression case
+    # is written from it), and the copies show whether the kernel wrote into
+    # its inputs.
+    call = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in args.items()}
     try:
         got = _as_result(fn(**call), op)
     except Exception as e:  # the kernel under test raised on valid input
         return Failure(op, args, describe, size, source,
                        f"raised {type(e).__name__}: {e} on input the reference accepts")
+    # O5: a backward that writes gradients into its inputs (the logits, the
+    # hidden states) corrupts tensors its caller saved for later.
+    for key, original in args.items():
+        if isinstance(original, np.ndarray) and not np.array_equal(
+                call[key], original, equal_nan=original.dtype.kind == "f"):
+            changed = int(np.sum(call[key] != original))
+            return Failure(op, args, describe, size, source,
+                           f"wrote into its input {key!r} ({changed} of {original.size} values "
+                           f"changed; O5: inputs must be left intact)")
     primary = PRIMARY[op]
     if primary not in got:
         return Failure(op, args, describe, size, source,
