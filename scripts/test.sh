@@ -8,7 +8,7 @@
 #
 # Fuzzing in CI is deterministic: `cargo test` replays every committed fuzz
 # input (fuzz/seeds, fuzz/regressions) through the bodies the libFuzzer
-# targets run, then FUZZ_RUNS (default 400) inputs per target derived from
+# targets run, then FUZZ_RUNS (default 2000) inputs per target derived from
 # them by a ChaCha8 stream seeded with FUZZ_SEED (default 1)
 # (tests/fuzz_regressions.rs). Coverage-guided campaigns that look for new
 # failures are scripts/fuzz_campaign.sh, never CI.
@@ -18,7 +18,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
-export FUZZ_RUNS=${FUZZ_RUNS:-400}
+export FUZZ_RUNS=${FUZZ_RUNS:-2000}
 export FUZZ_SEED=${FUZZ_SEED:-1}
 export CARGO_TERM_COLOR=${CARGO_TERM_COLOR:-never}
 # insta: fail on a snapshot that differs or is missing, never write one.

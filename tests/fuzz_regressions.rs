@@ -116,7 +116,7 @@ fn the_libfuzzer_entry_panics_with_a_readable_failure() {
 }
 
 /// Inputs derived deterministically from the committed ones: `FUZZ_RUNS`
-/// (default 400) per target, drawn from a ChaCha8 stream seeded with
+/// (default 2000) per target, drawn from a ChaCha8 stream seeded with
 /// `FUZZ_SEED` (default 1) and the target's name. Each is a committed input
 /// with 1 to 8 mutations (a byte set, inserted, deleted, or a run copied from
 /// elsewhere in the input — libFuzzer's basic mutators), or, one time in
@@ -130,7 +130,7 @@ fn seeded_mutations_of_the_committed_inputs_pass() {
     let runs: usize = std::env::var("FUZZ_RUNS")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(400);
+        .unwrap_or(2000);
     let seed: u64 = std::env::var("FUZZ_SEED")
         .ok()
         .and_then(|v| v.parse().ok())
