@@ -73,6 +73,11 @@ struct PaddedColumns {
     width: usize,
     rows: Vec<u32>,
     vals: Vec<f64>,
+    /// `residual_len() - 1`: row indices are masked with it, which lets the
+    /// compiler drop the bounds checks of the gather (every row is below it).
+    mask: usize,
+    /// Gradients of the last pass, one per column.
+    grads: std::cell::RefCell<Vec<f64>>,
 }
 
 impl PaddedColumns {
@@ -90,7 +95,19 @@ impl PaddedColumns {
                 vals[j * width + k] = v;
             }
         }
-        PaddedColumns { width, rows, vals }
+        PaddedColumns {
+            width,
+            rows,
+            vals,
+            mask: a.rows.max(1).next_power_of_two() - 1,
+            grads: std::cell::RefCell::new(vec![0.0; a.cols()]),
+        }
+    }
+
+    /// The length the residual passed to [`Self::most_positive`] must have:
+    /// the rows rounded up to a power of two.
+    fn residual_len(&self) -> usize {
+        self.mask + 1
     }
 
     /// The column with the largest gradient `a_j^T r` above `tol` among the
@@ -125,17 +142,17 @@ impl PaddedColumns {
     ) -> Option<usize> {
         let (rows, _) = self.rows.as_chunks::<W>();
         let (vals, _) = self.vals.as_chunks::<W>();
-        Self::best(
-            rows.iter().zip(vals).map(|(rows, vals)| {
-                let mut g = 0.0;
-                for k in 0..W {
-                    g += vals[k] * r[rows[k] as usize];
-                }
-                g
-            }),
-            blocked,
-            tol,
-        )
+        let mask = self.mask;
+        let r = &r[..=mask];
+        let mut grads = self.grads.borrow_mut();
+        for (g, (rows, vals)) in grads.iter_mut().zip(rows.iter().zip(vals)) {
+            let mut s = 0.0;
+            for k in 0..W {
+                s += vals[k] * r[rows[k] as usize & mask];
+            }
+            *g = s;
+        }
+        Self::best(grads.iter().copied(), blocked, tol)
     }
 
     fn best(grads: impl Iterator<Item = f64>, blocked: &[bool], tol: f64) -> Option<usize> {
@@ -308,7 +325,9 @@ pub(crate) fn nnls(a: &SparseColumns, b: &[f64]) -> Vec<f64> {
     let mut blocked = vec![false; n];
     let padded = PaddedColumns::new(a);
     let mut chol = GrowingCholesky::new(a.rows.min(n));
-    let mut residual = b.to_vec();
+    // Padded to the gradient pass's power-of-two length (zeros past `b`).
+    let mut residual = vec![0.0; padded.residual_len()];
+    residual[..b.len()].copy_from_slice(b);
     let (mut cross, mut z): (Vec<f64>, Vec<f64>) = (Vec::new(), Vec::new());
 
     // Lawson–Hanson terminates in theory; the cap (10x scipy's default) only
@@ -383,7 +402,7 @@ pub(crate) fn nnls(a: &SparseColumns, b: &[f64]) -> Vec<f64> {
             }
         }
 
-        residual.copy_from_slice(b);
+        residual[..b.len()].copy_from_slice(b);
         for &p in &passive {
             for &(r, v) in a.col(p) {
                 residual[r] -= v * x[p];
