@@ -76,8 +76,6 @@ struct PaddedColumns {
     /// `residual_len() - 1`: row indices are masked with it, which lets the
     /// compiler drop the bounds checks of the gather (every row is below it).
     mask: usize,
-    /// Gradients of the last pass, one per column.
-    grads: std::cell::RefCell<Vec<f64>>,
 }
 
 impl PaddedColumns {
@@ -100,7 +98,6 @@ impl PaddedColumns {
             rows,
             vals,
             mask: a.rows.max(1).next_power_of_two() - 1,
-            grads: std::cell::RefCell::new(vec![0.0; a.cols()]),
         }
     }
 
@@ -112,17 +109,24 @@ impl PaddedColumns {
 
     /// The column with the largest gradient `a_j^T r` above `tol` among the
     /// columns not `blocked` (ties to the lowest index), if any.
-    fn most_positive(&self, r: &[f64], blocked: &[bool], tol: f64) -> Option<usize> {
+    /// `grads` (one per column) is the caller's scratch space.
+    fn most_positive(
+        &self,
+        r: &[f64],
+        blocked: &[bool],
+        tol: f64,
+        grads: &mut [f64],
+    ) -> Option<usize> {
         match self.width {
-            1 => self.most_positive_of::<1>(r, blocked, tol),
-            2 => self.most_positive_of::<2>(r, blocked, tol),
-            3 => self.most_positive_of::<3>(r, blocked, tol),
-            4 => self.most_positive_of::<4>(r, blocked, tol),
+            1 => self.most_positive_of::<1>(r, blocked, tol, grads),
+            2 => self.most_positive_of::<2>(r, blocked, tol, grads),
+            3 => self.most_positive_of::<3>(r, blocked, tol, grads),
+            4 => self.most_positive_of::<4>(r, blocked, tol, grads),
             _ => {
                 let w = self.width;
-                let grads = self.rows.chunks_exact(w).zip(self.vals.chunks_exact(w));
+                let sums = self.rows.chunks_exact(w).zip(self.vals.chunks_exact(w));
                 Self::best(
-                    grads.map(|(rows, vals)| {
+                    sums.map(|(rows, vals)| {
                         rows.iter()
                             .zip(vals)
                             .fold(0.0, |g, (&i, &v)| g + v * r[i as usize])
@@ -139,12 +143,12 @@ impl PaddedColumns {
         r: &[f64],
         blocked: &[bool],
         tol: f64,
+        grads: &mut [f64],
     ) -> Option<usize> {
         let (rows, _) = self.rows.as_chunks::<W>();
         let (vals, _) = self.vals.as_chunks::<W>();
         let mask = self.mask;
         let r = &r[..=mask];
-        let mut grads = self.grads.borrow_mut();
         for (g, (rows, vals)) in grads.iter_mut().zip(rows.iter().zip(vals)) {
             let mut s = 0.0;
             for k in 0..W {
@@ -324,6 +328,7 @@ pub(crate) fn nnls(a: &SparseColumns, b: &[f64]) -> Vec<f64> {
     // Columns out of the gradient's search: passive or rejected.
     let mut blocked = vec![false; n];
     let padded = PaddedColumns::new(a);
+    let mut grads = vec![0.0; n];
     let mut chol = GrowingCholesky::new(a.rows.min(n));
     // Padded to the gradient pass's power-of-two length (zeros past `b`).
     let mut residual = vec![0.0; padded.residual_len()];
@@ -336,7 +341,7 @@ pub(crate) fn nnls(a: &SparseColumns, b: &[f64]) -> Vec<f64> {
     while budget > 0 {
         budget -= 1;
         // Gradient of the objective on the zero set: w = A^T (b - A x).
-        let Some(jstar) = padded.most_positive(&residual, &blocked, tol) else {
+        let Some(jstar) = padded.most_positive(&residual, &blocked, tol, &mut grads) else {
             break;
         };
 
