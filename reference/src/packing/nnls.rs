@@ -3,12 +3,15 @@
 //! The Lawson–Hanson active-set method (Lawson & Hanson, *Solving Least Squares
 //! Problems*, 1974, ch. 23 — the algorithm behind `scipy.optimize.nnls`), with
 //! the passive-set subproblem solved through the normal equations. Their
-//! Cholesky factor is kept up to date (O(k^2) per added or removed column,
-//! stored as a packed row-major triangle so every loop is contiguous) instead
-//! of being refactored, and the gradient
-//! `A^T (b - A x)` uses the sparsity of the packing matrix (at most `depth`
-//! non-zeros per column). That turns the 512 x 21,846 NNLSHP problem on
-//! Wikipedia from seconds (dense Householder NNLS) into well under a second.
+//! Cholesky factor is kept up to date (O(k^2) per added or removed column:
+//! row `axpy`s to add, Givens rotations of adjacent rows to remove, both
+//! contiguous) instead of being refactored, and the gradient
+//! `A^T (b - A x)` uses the structure of the packing matrix (a column is a
+//! multiset of at most `depth` rows under per-row weights, so its gradient is
+//! `depth` lookups). That turns the 512 x 21,846 NNLSHP problem on Wikipedia
+//! from seconds (dense Householder NNLS) into about 0.1 s.
+
+use crate::error::{Error, Result};
 
 /// A matrix stored by columns, each column a short list of `(row, value)`
 /// entries sorted by row.
@@ -17,6 +20,18 @@ pub(crate) struct SparseColumns {
     pub rows: usize,
     starts: Vec<usize>,
     entries: Vec<(usize, f64)>,
+    /// Set while every column was pushed by [`Self::push_multiset`]: the
+    /// per-row weights `w: [rows]`, and each column as the multiset of its
+    /// rows (ascending, a row once per unit of multiplicity), so that
+    /// `A[r, j] = w[r] * (how often r is in column j)`.
+    multisets: Option<Multisets>,
+}
+
+#[derive(Debug, Clone, Default)]
+struct Multisets {
+    weight: Vec<f64>,
+    starts: Vec<usize>,
+    rows: Vec<u32>,
 }
 
 impl SparseColumns {
@@ -25,13 +40,51 @@ impl SparseColumns {
             rows,
             starts: vec![0],
             entries: Vec::new(),
+            multisets: None,
         }
     }
 
-    /// Appends a column; `entries` must be sorted by row, rows unique.
+    /// A matrix whose columns [`Self::push_multiset`] will give as multisets
+    /// of rows under the row weights `weight: [rows]` (NNLSHP's weighted
+    /// packing matrix). Row indices must fit in `u32`.
+    pub fn weighted(weight: Vec<f64>) -> Self {
+        let mut a = SparseColumns::new(weight.len());
+        a.multisets = Some(Multisets {
+            weight,
+            starts: vec![0],
+            rows: Vec::new(),
+        });
+        a
+    }
+
+    /// Appends a column; `entries` must be sorted by row, rows unique. The
+    /// plain form the tests hold the multiset pricing to (the solver's slow
+    /// twin); NNLSHP uses [`Self::push_multiset`].
+    #[cfg(test)]
     pub fn push(&mut self, entries: impl IntoIterator<Item = (usize, f64)>) {
         self.entries.extend(entries);
         self.starts.push(self.entries.len());
+        self.multisets = None;
+    }
+
+    /// Appends the column holding row `r` once for each time it occurs in
+    /// `rows` (ascending), with value `weight[r]` per occurrence. On a
+    /// matrix not made by [`Self::weighted`] every weight is 1.
+    pub fn push_multiset(&mut self, rows: &[usize]) {
+        debug_assert!(rows.windows(2).all(|w| w[0] <= w[1]));
+        let start = self.entries.len();
+        for &r in rows {
+            let w = self.multisets.as_ref().map_or(1.0, |m| m.weight[r]);
+            match self.entries[start..].last_mut() {
+                Some((row, v)) if *row == r => *v += w,
+                _ => self.entries.push((r, w)),
+            }
+        }
+        self.starts.push(self.entries.len());
+        if let Some(m) = &mut self.multisets {
+            m.rows.extend(rows.iter().map(|&r| r as u32));
+            m.starts.push(m.rows.len());
+        }
     }
 
     pub fn cols(&self) -> usize {
@@ -73,8 +126,9 @@ struct PaddedColumns {
     width: usize,
     rows: Vec<u32>,
     vals: Vec<f64>,
-    /// `residual_len() - 1`: row indices are masked with it, which lets the
-    /// compiler drop the bounds checks of the gather (every row is below it).
+    /// The residual's length (rows rounded up to a power of two) less one: row
+    /// indices are masked with it, which lets the compiler drop the bounds
+    /// checks of the gather (every row is below it).
     mask: usize,
 }
 
@@ -99,12 +153,6 @@ impl PaddedColumns {
             vals,
             mask: a.rows.max(1).next_power_of_two() - 1,
         }
-    }
-
-    /// The length the residual passed to [`Self::most_positive`] must have:
-    /// the rows rounded up to a power of two.
-    fn residual_len(&self) -> usize {
-        self.mask + 1
     }
 
     /// The column with the largest gradient `a_j^T r` above `tol` among the
@@ -170,6 +218,173 @@ impl PaddedColumns {
     }
 }
 
+/// The pricing step of Lawson–Hanson: the column with the largest gradient
+/// `a_j^T r` above `tol` among the columns not blocked (passive or
+/// rejected), ties to the lowest index.
+enum Pricing {
+    /// Columns given as weighted multisets of rows (NNLSHP's packing matrix,
+    /// [`SparseColumns::weighted`]): the gradient of column `j` is
+    /// `sum_k u[rows_jk]` with `u = w * r` formed once per pass, so the pass
+    /// reads `width` row indices a column and nothing else. Columns shorter
+    /// than `width` are padded with a row whose `u` is 0; a blocked column
+    /// has its first index pointed at a row whose `u` is `-inf`.
+    Multisets {
+        width: usize,
+        idx: Vec<u32>,
+        first: Vec<u32>,
+        weight: Vec<f64>,
+        u: Vec<f64>,
+        mask: usize,
+        neg: u32,
+    },
+    /// Any sparse matrix: [`PaddedColumns`] and a blocked flag a column.
+    Padded {
+        cols: PaddedColumns,
+        blocked: Vec<bool>,
+        grads: Vec<f64>,
+    },
+}
+
+impl Pricing {
+    fn new(a: &SparseColumns) -> Self {
+        let Some(m) = &a.multisets else {
+            return Pricing::Padded {
+                cols: PaddedColumns::new(a),
+                blocked: vec![false; a.cols()],
+                grads: vec![0.0; a.cols()],
+            };
+        };
+        let n = a.cols();
+        let width = m
+            .starts
+            .windows(2)
+            .map(|w| w[1] - w[0])
+            .max()
+            .unwrap_or(0)
+            .max(1);
+        // Rows, then the zero row, then the -inf row.
+        let (zero, neg) = (a.rows as u32, a.rows as u32 + 1);
+        let len = (a.rows + 2).next_power_of_two();
+        let mut u = vec![0.0; len];
+        u[neg as usize] = f64::NEG_INFINITY;
+        let mut idx = vec![zero; n * width];
+        for j in 0..n {
+            let rows = &m.rows[m.starts[j]..m.starts[j + 1]];
+            idx[j * width..j * width + rows.len()].copy_from_slice(rows);
+        }
+        let first = idx.iter().step_by(width).copied().collect();
+        Pricing::Multisets {
+            width,
+            idx,
+            first,
+            weight: m.weight.clone(),
+            u,
+            mask: len - 1,
+            neg,
+        }
+    }
+
+    fn set_blocked(&mut self, j: usize, blocked: bool) {
+        match self {
+            Pricing::Multisets {
+                width,
+                idx,
+                first,
+                neg,
+                ..
+            } => idx[j * *width] = if blocked { *neg } else { first[j] },
+            Pricing::Padded { blocked: b, .. } => b[j] = blocked,
+        }
+    }
+
+    /// The entering column for the residual `r: [rows rounded up to a power
+    /// of two]` (zeros past `rows`).
+    fn most_positive(&mut self, r: &[f64], tol: f64) -> Option<usize> {
+        match self {
+            Pricing::Padded {
+                cols,
+                blocked,
+                grads,
+            } => cols.most_positive(r, blocked, tol, grads),
+            Pricing::Multisets {
+                width,
+                idx,
+                weight,
+                u,
+                mask,
+                ..
+            } => {
+                for ((u, &w), &r) in u.iter_mut().zip(weight.iter()).zip(r) {
+                    *u = w * r;
+                }
+                match *width {
+                    1 => Self::argmax::<1>(idx, u, *mask, tol),
+                    2 => Self::argmax::<2>(idx, u, *mask, tol),
+                    3 => Self::argmax::<3>(idx, u, *mask, tol),
+                    4 => Self::argmax::<4>(idx, u, *mask, tol),
+                    w => {
+                        let mut best = (tol, None);
+                        for (j, c) in idx.chunks_exact(w).enumerate() {
+                            let g = c[1..]
+                                .iter()
+                                .fold(u[c[0] as usize], |g, &i| g + u[i as usize]);
+                            if g > best.0 {
+                                best = (g, Some(j));
+                            }
+                        }
+                        best.1
+                    }
+                }
+            }
+        }
+    }
+
+    /// `argmax_j sum_k u[idx[j, k]]` above `tol`, ties to the lowest `j`.
+    /// Four running maxima (columns `j mod 4`) so that consecutive compares
+    /// do not wait on each other; merged at the end by value, then index.
+    fn argmax<const W: usize>(idx: &[u32], u: &[f64], mask: usize, tol: f64) -> Option<usize> {
+        const LANES: usize = 4;
+        let (cols, _) = idx.as_chunks::<W>();
+        let u = &u[..=mask];
+        let gradient = |c: &[u32; W]| {
+            let mut g = u[c[0] as usize & mask];
+            for &i in &c[1..] {
+                g += u[i as usize & mask];
+            }
+            g
+        };
+        let mut best = [tol; LANES];
+        let mut at = [usize::MAX; LANES];
+        let (blocks, tail) = cols.as_chunks::<LANES>();
+        for (b, block) in blocks.iter().enumerate() {
+            for lane in 0..LANES {
+                let g = gradient(&block[lane]);
+                if g > best[lane] {
+                    best[lane] = g;
+                    at[lane] = b * LANES + lane;
+                }
+            }
+        }
+        let base = blocks.len() * LANES;
+        for (lane, c) in tail.iter().enumerate() {
+            let g = gradient(c);
+            if g > best[lane] {
+                best[lane] = g;
+                at[lane] = base + lane;
+            }
+        }
+        let mut pick: Option<(f64, usize)> = None;
+        for lane in 0..LANES {
+            if at[lane] != usize::MAX
+                && pick.is_none_or(|(g, j)| best[lane] > g || (best[lane] == g && at[lane] < j))
+            {
+                pick = Some((best[lane], at[lane]));
+            }
+        }
+        pick.map(|(_, j)| j)
+    }
+}
+
 /// `sum_i a[i] * b[i]` over four running sums (so the compiler can use
 /// vector lanes; the order of the additions is fixed, so results are
 /// deterministic).
@@ -188,119 +403,165 @@ fn dot(a: &[f64], b: &[f64]) -> f64 {
     (acc[0] + acc[1]) + (acc[2] + acc[3]) + tail
 }
 
-/// The Cholesky factor `L` of the passive set's normal matrix `A_P^T A_P`,
-/// stored as a packed row-major lower triangle (row `i` holds `L[i, 0..=i]`
-/// at offset `i (i + 1) / 2`) in a buffer of fixed capacity, so that adding
-/// a column allocates nothing and every loop below runs over contiguous
-/// memory.
+/// The most columns the passive set may hold. The factor below is `k x k`
+/// (8 MiB at 1,024, 128 MiB here): a larger passive set would need a
+/// histogram of thousands of distinct lengths at a `max_seq_len` over 4,096,
+/// and is refused with a typed error rather than allocated.
+pub const MAX_PASSIVE: usize = 4096;
+
+/// What [`GrowingCholesky::push`] did with a column.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Push {
+    Added,
+    /// Numerically dependent on the passive set: rejected for good.
+    Dependent,
+    /// The passive set is at [`MAX_PASSIVE`].
+    Full,
+}
+
+/// The Cholesky factor of the passive set's normal matrix
+/// `A_P^T A_P = R^T R`, `R` upper triangular, stored row-major in a square
+/// buffer of stride `stride` (grown by doubling up to [`MAX_PASSIVE`], so
+/// memory follows the passive set actually reached, not the problem's size).
+/// Row-major `R` makes every loop contiguous: the forward solve runs as
+/// row `axpy`s, a column removal as Givens rotations of two adjacent rows
+/// (Golub & Van Loan, *Matrix Computations*, §6.5.2: deleting a column leaves
+/// `R` upper Hessenberg from that column on), with no dependency between the
+/// entries of a row, so they vectorize.
 ///
-/// Beside `L` it keeps `y = L^{-1} c_P`, the forward half of the solve for a
+/// Beside `R` it keeps `y = R^{-T} c_P`, the forward half of the solve for a
 /// right-hand side `c` fixed for the whole run (`A^T b`): each push adds its
-/// entry and each removal rotates it with `L`, so a solve is one back
-/// substitution.
+/// entry and each removal applies the same rotations to it, so a solve is one
+/// back substitution.
 struct GrowingCholesky {
-    l: Vec<f64>,
+    r: Vec<f64>,
+    stride: usize,
     y: Vec<f64>,
+    /// Scratch for [`Self::push`]: the new column of `R`.
+    w: Vec<f64>,
+    /// The most columns the factor can hold (`min(rows, columns)`: more are
+    /// linearly dependent).
     capacity: usize,
+    /// The most it may hold ([`MAX_PASSIVE`] outside tests).
+    max_passive: usize,
     k: usize,
 }
 
 impl GrowingCholesky {
-    fn new(capacity: usize) -> Self {
+    fn new(capacity: usize, max_passive: usize) -> Self {
         GrowingCholesky {
-            l: vec![0.0; capacity * (capacity + 1) / 2],
-            y: Vec::with_capacity(capacity),
+            r: Vec::new(),
+            stride: 0,
+            y: Vec::new(),
+            w: Vec::new(),
             capacity,
+            max_passive,
             k: 0,
         }
     }
 
-    fn row_start(i: usize) -> usize {
-        i * (i + 1) / 2
+    /// Makes room for `k + 1` columns (the stride at least doubled).
+    fn reserve_one(&mut self) {
+        if self.k < self.stride {
+            return;
+        }
+        let stride = (2 * self.stride)
+            .max(16)
+            .min(self.capacity.min(self.max_passive));
+        let mut r = vec![0.0; stride * stride];
+        for i in 0..self.k {
+            r[i * stride + i..i * stride + self.k]
+                .copy_from_slice(&self.r[i * self.stride + i..i * self.stride + self.k]);
+        }
+        self.r = r;
+        self.stride = stride;
     }
 
     /// Appends a column whose inner products with the passive columns are
-    /// `cross: [k]`, with itself `diag`, and with `b` `rhs`. Returns false
-    /// (and changes nothing) if the column is numerically dependent on the
-    /// passive set.
-    fn push(&mut self, cross: &[f64], diag: f64, rhs: f64) -> bool {
+    /// `cross: [k]`, with itself `diag`, and with `b` `rhs`. A column that is
+    /// numerically dependent on the passive set (or one past `capacity`,
+    /// which must be) changes nothing and is [`Push::Dependent`].
+    fn push(&mut self, cross: &[f64], diag: f64, rhs: f64) -> Push {
         let k = self.k;
         if k == self.capacity {
-            return false;
+            return Push::Dependent;
         }
-        // Forward substitution L row = cross, written straight into row k
-        // (scratch until k is advanced).
-        let (done, rest) = self.l.split_at_mut(Self::row_start(k));
-        let row = &mut rest[..=k];
-        for i in 0..k {
-            let li = &done[Self::row_start(i)..Self::row_start(i) + i + 1];
-            let v = (cross[i] - dot(&li[..i], &row[..i])) / li[i];
-            if !v.is_finite() {
-                return false;
+        if k == self.max_passive {
+            return Push::Full;
+        }
+        self.reserve_one();
+        let n = self.stride;
+        // Forward substitution R^T w = cross, one row axpy per entry.
+        self.w.clear();
+        self.w.extend_from_slice(&cross[..k]);
+        for p in 0..k {
+            let wp = self.w[p] / self.r[p * n + p];
+            if !wp.is_finite() {
+                return Push::Dependent;
             }
-            row[i] = v;
+            self.w[p] = wp;
+            let row = &self.r[p * n + p + 1..p * n + k];
+            for (t, &v) in self.w[p + 1..k].iter_mut().zip(row) {
+                *t -= v * wp;
+            }
         }
-        let d2 = diag - dot(&row[..k], &row[..k]);
+        let d2 = diag - dot(&self.w, &self.w);
         if !(d2.is_finite() && d2 > 1e-18 * diag) {
-            return false;
+            return Push::Dependent;
         }
-        row[k] = d2.sqrt();
-        self.y.push((rhs - dot(&row[..k], &self.y)) / row[k]);
+        let d = d2.sqrt();
+        for (p, &wp) in self.w.iter().enumerate() {
+            self.r[p * n + k] = wp;
+        }
+        self.r[k * n + k] = d;
+        self.y.push((rhs - dot(&self.w, &self.y)) / d);
         self.k += 1;
-        true
+        Push::Added
     }
 
-    /// Removes passive column `i`: drop row and column `i` of `L`, then
-    /// restore the trailing block with the rank-one update
-    /// `L22' L22'^T = L22 L22^T + x x^T`, `x = L[i+1.., i]` (Golub & Van Loan,
-    /// *Matrix Computations*, §6.5.4), one row at a time: row `q` takes the
-    /// rotations of the diagonals above it in order, then defines its own.
+    /// Removes passive column `i`: the columns after it move one to the left,
+    /// which leaves `R` upper Hessenberg from column `i` on; a Givens rotation
+    /// of rows `j, j + 1` for each `j` in `i..k-1` restores the triangle, and
+    /// `y` takes the same rotations (its last entry, the part of `c` no longer
+    /// in the span, is dropped).
     fn remove(&mut self, i: usize) {
-        let k = self.k;
-        // (c, s) of the rotation at each new diagonal i..k-1.
-        let mut rot: Vec<(f64, f64)> = Vec::with_capacity(k - i);
-        // The forward vector takes the same rotations: its entry i plays x.
-        let mut t = self.y.remove(i);
-        for old in i + 1..k {
-            let q = old - 1; // the row's new index
-            let src = Self::row_start(old);
-            let dst = Self::row_start(q);
-            let mut x = self.l[src + i];
-            // New row q: old columns 0..i, then old columns i+1..=old. The
-            // destination slot (old row q's) has exactly old entries.
-            self.l.copy_within(src..src + i, dst);
-            self.l.copy_within(src + i + 1..src + old + 1, dst + i);
-            let row = &mut self.l[dst..dst + q + 1];
-            for (j, &(c, s)) in (i..q).zip(&rot) {
-                let v = (row[j] + s * x) / c;
-                x = c * x - s * v;
-                row[j] = v;
-            }
-            let d = row[q];
-            let r = d.hypot(x);
-            let (c, s) = (r / d, x / d);
-            rot.push((c, s));
-            row[q] = r;
-            let v = (self.y[q] + s * t) / c;
-            t = c * t - s * v;
-            self.y[q] = v;
+        let (k, n) = (self.k, self.stride);
+        for row in 0..k {
+            // Row `row` holds columns row..k; below the diagonal is never read.
+            let from = (i + 1).max(row);
+            let base = row * n;
+            self.r.copy_within(base + from..base + k, base + from - 1);
         }
+        for j in i..k - 1 {
+            let (top, bottom) = self.r.split_at_mut((j + 1) * n);
+            let upper = &mut top[j * n + j..j * n + k - 1];
+            let lower = &mut bottom[j..k - 1];
+            let (a, b) = (upper[0], lower[0]);
+            let h = a.hypot(b);
+            let (c, s) = (a / h, b / h);
+            upper[0] = h;
+            for (u, l) in upper[1..].iter_mut().zip(&mut lower[1..]) {
+                let (t1, t2) = (*u, *l);
+                *u = c * t1 + s * t2;
+                *l = c * t2 - s * t1;
+            }
+            let (t1, t2) = (self.y[j], self.y[j + 1]);
+            self.y[j] = c * t1 + s * t2;
+            self.y[j + 1] = c * t2 - s * t1;
+        }
+        self.y.pop();
         self.k -= 1;
     }
 
     /// `z = (A_P^T A_P)^{-1} c_P` into `z` (resized to `k`): the back
-    /// substitution `L^T z = y`.
+    /// substitution `R z = y`.
     fn solve(&self, z: &mut Vec<f64>) {
-        let k = self.k;
+        let (k, n) = (self.k, self.stride);
         z.clear();
-        z.extend_from_slice(&self.y);
+        z.resize(k, 0.0);
         for r in (0..k).rev() {
-            let lr = &self.l[Self::row_start(r)..Self::row_start(r) + r + 1];
-            z[r] /= lr[r];
-            let zr = z[r];
-            for (v, &l) in z[..r].iter_mut().zip(&lr[..r]) {
-                *v -= zr * l;
-            }
+            let row = &self.r[r * n + r + 1..r * n + k];
+            z[r] = (self.y[r] - dot(row, &z[r + 1..k])) / self.r[r * n + r];
         }
     }
 }
@@ -312,11 +573,20 @@ impl GrowingCholesky {
 /// Fortran original. A column that would make the passive set numerically
 /// dependent, or that cannot enter with a positive coefficient, is rejected
 /// for good, as the original does.
-pub(crate) fn nnls(a: &SparseColumns, b: &[f64]) -> Vec<f64> {
+///
+/// # Errors
+/// [`Error::InvalidArgument`] on `max_seq_len` when the passive set would
+/// pass [`MAX_PASSIVE`] columns (memory and time grow with its square).
+pub(crate) fn nnls(a: &SparseColumns, b: &[f64]) -> Result<Vec<f64>> {
+    nnls_capped(a, b, MAX_PASSIVE)
+}
+
+/// [`nnls`] with the passive set capped at `max_passive` columns.
+fn nnls_capped(a: &SparseColumns, b: &[f64], max_passive: usize) -> Result<Vec<f64>> {
     let n = a.cols();
     let mut x = vec![0.0; n];
     if n == 0 {
-        return x;
+        return Ok(x);
     }
     let atb: Vec<f64> = (0..n).map(|j| a.dot_dense(j, b)).collect();
     let scale = atb.iter().fold(0.0f64, |m, v| m.max(v.abs())).max(1.0);
@@ -325,13 +595,12 @@ pub(crate) fn nnls(a: &SparseColumns, b: &[f64]) -> Vec<f64> {
     let mut passive: Vec<usize> = Vec::new();
     let mut in_passive = vec![false; n];
     let mut rejected = vec![false; n];
-    // Columns out of the gradient's search: passive or rejected.
-    let mut blocked = vec![false; n];
-    let padded = PaddedColumns::new(a);
-    let mut grads = vec![0.0; n];
-    let mut chol = GrowingCholesky::new(a.rows.min(n));
+    // The gradient's search skips passive and rejected columns.
+    let mut pricing = Pricing::new(a);
+    let padded_len = a.rows.max(1).next_power_of_two();
+    let mut chol = GrowingCholesky::new(a.rows.min(n), max_passive);
     // Padded to the gradient pass's power-of-two length (zeros past `b`).
-    let mut residual = vec![0.0; padded.residual_len()];
+    let mut residual = vec![0.0; padded_len];
     residual[..b.len()].copy_from_slice(b);
     let (mut cross, mut z): (Vec<f64>, Vec<f64>) = (Vec::new(), Vec::new());
 
@@ -341,20 +610,31 @@ pub(crate) fn nnls(a: &SparseColumns, b: &[f64]) -> Vec<f64> {
     while budget > 0 {
         budget -= 1;
         // Gradient of the objective on the zero set: w = A^T (b - A x).
-        let Some(jstar) = padded.most_positive(&residual, &blocked, tol, &mut grads) else {
+        let Some(jstar) = pricing.most_positive(&residual, tol) else {
             break;
         };
 
         cross.clear();
         cross.extend(passive.iter().map(|&p| a.dot_cols(p, jstar)));
-        if !chol.push(&cross, a.dot_cols(jstar, jstar), atb[jstar]) {
-            rejected[jstar] = true;
-            blocked[jstar] = true;
-            continue;
+        match chol.push(&cross, a.dot_cols(jstar, jstar), atb[jstar]) {
+            Push::Added => {}
+            Push::Dependent => {
+                rejected[jstar] = true;
+                pricing.set_blocked(jstar, true);
+                continue;
+            }
+            Push::Full => {
+                return Err(Error::invalid(
+                    "max_seq_len",
+                    format!(
+                        "NNLSHP's least-squares solve needs over {max_passive} packs in its active set (a histogram with many distinct lengths at a large max_seq_len); use a smaller depth or another algorithm"
+                    ),
+                ))
+            }
         }
         passive.push(jstar);
         in_passive[jstar] = true;
-        blocked[jstar] = true;
+        pricing.set_blocked(jstar, true);
 
         // Inner loop: solve the unconstrained problem on P, step back to the
         // feasible region while some passive coefficient would turn negative.
@@ -371,7 +651,7 @@ pub(crate) fn nnls(a: &SparseColumns, b: &[f64]) -> Vec<f64> {
                     passive.pop();
                     in_passive[jstar] = false;
                     rejected[jstar] = true;
-                    blocked[jstar] = true;
+                    pricing.set_blocked(jstar, true);
                     break;
                 }
             }
@@ -397,7 +677,7 @@ pub(crate) fn nnls(a: &SparseColumns, b: &[f64]) -> Vec<f64> {
                 if x[p] <= 1e-12 * scale.sqrt() {
                     x[p] = 0.0;
                     in_passive[p] = false;
-                    blocked[p] = rejected[p];
+                    pricing.set_blocked(p, rejected[p]);
                     passive.remove(i);
                     chol.remove(i);
                 }
@@ -414,7 +694,7 @@ pub(crate) fn nnls(a: &SparseColumns, b: &[f64]) -> Vec<f64> {
             }
         }
     }
-    x
+    Ok(x)
 }
 
 #[cfg(test)]
@@ -436,7 +716,7 @@ mod tests {
     fn matches_the_textbook_examples() {
         // The same small problems scipy and the Fortran original are tested on.
         let a = dense(&[&[1.0, 0.0], &[1.0, 0.0], &[0.0, 1.0]]);
-        let x = nnls(&a, &[2.0, 1.0, 1.0]);
+        let x = nnls(&a, &[2.0, 1.0, 1.0]).unwrap();
         assert_relative_eq!(x[0], 1.5, epsilon = 1e-12);
         assert_relative_eq!(x[1], 1.0, epsilon = 1e-12);
 
@@ -446,7 +726,7 @@ mod tests {
             &[0.9, 0.5, 0.1],
             &[0.0, 0.0, 1.0],
         ]);
-        let x = nnls(&a, &[2.0, 1.0, 1.0, 0.5]);
+        let x = nnls(&a, &[2.0, 1.0, 1.0, 0.5]).unwrap();
         assert_relative_eq!(x[0], 1.37279152, epsilon = 1e-7);
         assert_relative_eq!(x[1], 0.0, epsilon = 1e-12);
         assert_relative_eq!(x[2], 0.47173145, epsilon = 1e-7);
@@ -456,23 +736,23 @@ mod tests {
     fn clamps_at_zero_when_the_free_solution_is_negative() {
         // b = [1, 1] is met exactly at x = [1, 0].
         let a = dense(&[&[1.0, 1.0], &[1.0, 2.0]]);
-        let x = nnls(&a, &[1.0, 1.0]);
+        let x = nnls(&a, &[1.0, 1.0]).unwrap();
         assert_relative_eq!(x[0], 1.0, epsilon = 1e-12);
         assert_relative_eq!(x[1], 0.0, epsilon = 1e-12);
-        let x = nnls(&a, &[3.0, 2.0]);
+        let x = nnls(&a, &[3.0, 2.0]).unwrap();
         // Free optimum [4, -1] is infeasible; best with x1 = 0 is x0 = 2.5.
         assert_relative_eq!(x[0], 2.5, epsilon = 1e-12);
         assert_eq!(x[1], 0.0);
     }
 
-    /// `L L^T` of the first `k` rows of the factor, dense.
+    /// `R^T R` of the factor, dense.
     fn product(c: &GrowingCholesky) -> Vec<Vec<f64>> {
-        let row =
-            |i: usize| &c.l[GrowingCholesky::row_start(i)..GrowingCholesky::row_start(i) + i + 1];
+        let n = c.stride;
+        let entry = |i: usize, j: usize| if i <= j { c.r[i * n + j] } else { 0.0 };
         (0..c.k)
             .map(|i| {
                 (0..c.k)
-                    .map(|j| dot(&row(i)[..=i.min(j)], &row(j)[..=i.min(j)]))
+                    .map(|j| (0..=i.min(j)).map(|p| entry(p, i) * entry(p, j)).sum())
                     .collect()
             })
             .collect()
@@ -488,11 +768,11 @@ mod tests {
                 .map(|_| (0..m).map(|_| rng.random_range(-1.0..1.0)).collect())
                 .collect();
             let b: Vec<f64> = (0..m).map(|_| rng.random_range(-1.0..1.0)).collect();
-            let mut chol = GrowingCholesky::new(k);
+            let mut chol = GrowingCholesky::new(k, MAX_PASSIVE);
             for j in 0..k {
                 let cross: Vec<f64> = (0..j).map(|p| dot(&cols[p], &cols[j])).collect();
                 let pushed = chol.push(&cross, dot(&cols[j], &cols[j]), dot(&cols[j], &b));
-                assert!(pushed, "trial {trial}: column {j}");
+                assert_eq!(pushed, Push::Added, "trial {trial}: column {j}");
             }
             let mut kept: Vec<usize> = (0..k).collect();
             // Remove two columns at random positions, one after the other.
@@ -554,7 +834,7 @@ mod tests {
             let b: Vec<f64> = (0..m)
                 .map(|_| f64::from(rng.random_range(0..50u8)))
                 .collect();
-            let x = nnls(&a, &b);
+            let x = nnls(&a, &b).unwrap();
             let mut r = b.clone();
             for (j, &xj) in x.iter().enumerate() {
                 assert!(xj >= 0.0, "trial {trial}: x[{j}] = {xj}");
@@ -579,5 +859,125 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// A random NNLSHP-shaped problem twice: as weighted multisets (the fast
+    /// pricing) and as plain sparse columns with the same values.
+    fn weighted_pair(
+        rng: &mut impl rand::Rng,
+        m: usize,
+        n: usize,
+    ) -> (SparseColumns, SparseColumns) {
+        let weight: Vec<f64> = (0..m)
+            .map(|r| {
+                if r < 3 {
+                    0.09
+                } else {
+                    rng.random_range(0.5..2.0)
+                }
+            })
+            .collect();
+        let mut fast = SparseColumns::weighted(weight.clone());
+        let mut plain = SparseColumns::new(m);
+        for _ in 0..n {
+            let mut rows: Vec<usize> = (0..rng.random_range(1..=3))
+                .map(|_| rng.random_range(0..m))
+                .collect();
+            rows.sort_unstable();
+            fast.push_multiset(&rows);
+            let mut entries: Vec<(usize, f64)> = Vec::new();
+            for &r in &rows {
+                match entries.last_mut() {
+                    Some((row, v)) if *row == r => *v += weight[r],
+                    _ => entries.push((r, weight[r])),
+                }
+            }
+            plain.push(entries);
+        }
+        assert!(fast.multisets.is_some() && plain.multisets.is_none());
+        (fast, plain)
+    }
+
+    #[test]
+    fn multiset_pricing_picks_the_column_the_plain_pricing_picks() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
+        for trial in 0..50 {
+            let m = 5 + trial % 30;
+            let (fast, plain) = weighted_pair(&mut rng, m, 4 * m);
+            for j in 0..fast.cols() {
+                assert_eq!(fast.col(j), plain.col(j), "trial {trial}: column {j}");
+            }
+            let mut r = vec![0.0; m.next_power_of_two()];
+            for v in &mut r[..m] {
+                *v = rng.random_range(-5.0..5.0);
+            }
+            let (mut pf, mut pp) = (Pricing::new(&fast), Pricing::new(&plain));
+            assert!(matches!(pf, Pricing::Multisets { .. }));
+            assert!(matches!(pp, Pricing::Padded { .. }));
+            // Block the winners one after another: both forms follow the
+            // same order until no column has a positive gradient.
+            let mut order = Vec::new();
+            while let Some(j) = pf.most_positive(&r, 1e-12) {
+                assert_eq!(pp.most_positive(&r, 1e-12), Some(j), "trial {trial}");
+                assert!(plain.dot_dense(j, &r) > 0.0);
+                pf.set_blocked(j, true);
+                pp.set_blocked(j, true);
+                order.push(j);
+            }
+            assert_eq!(pp.most_positive(&r, 1e-12), None, "trial {trial}");
+            // Unblocked, the first winner wins again.
+            if let Some(&j) = order.first() {
+                for &k in &order {
+                    pf.set_blocked(k, false);
+                }
+                assert_eq!(pf.most_positive(&r, 1e-12), Some(j), "trial {trial}");
+            }
+        }
+    }
+
+    #[test]
+    fn multiset_and_plain_problems_reach_the_same_optimum() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(13);
+        for trial in 0..40 {
+            let m = 4 + trial % 25;
+            let (fast, plain) = weighted_pair(&mut rng, m, 3 * m);
+            let b: Vec<f64> = (0..m)
+                .map(|_| f64::from(rng.random_range(0..60u8)))
+                .collect();
+            let objective = |x: &[f64]| {
+                let mut r = b.clone();
+                for (j, &xj) in x.iter().enumerate() {
+                    for &(row, v) in plain.col(j) {
+                        r[row] -= v * xj;
+                    }
+                }
+                r.iter().map(|v| v * v).sum::<f64>()
+            };
+            let (xf, xp) = (nnls(&fast, &b).unwrap(), nnls(&plain, &b).unwrap());
+            assert!(xf.iter().all(|&v| v >= 0.0));
+            let (of, op) = (objective(&xf), objective(&xp));
+            assert!(
+                (of - op).abs() <= 1e-9 * (1.0 + op),
+                "trial {trial}: {of} vs {op}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_passive_set_past_its_cap_is_a_typed_error() {
+        // Identity columns and b = 1: the optimum uses every column, so the
+        // passive set grows to the number of rows.
+        let mut a = SparseColumns::new(10);
+        for r in 0..10 {
+            a.push_multiset(&[r]);
+        }
+        let b = vec![1.0; 10];
+        let x = nnls_capped(&a, &b, 10).unwrap();
+        assert!(x.iter().all(|&v| (v - 1.0).abs() < 1e-12), "{x:?}");
+        let err = nnls_capped(&a, &b, 9).unwrap_err();
+        assert_eq!(err.kind(), "invalid_argument");
+        assert!(err.to_string().contains("max_seq_len"), "{err}");
     }
 }

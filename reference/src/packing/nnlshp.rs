@@ -115,22 +115,18 @@ pub(crate) fn nnlshp(counts: &[u64], max_seq_len: usize, depth: usize) -> Result
         }
     };
 
-    let mut a = SparseColumns::new(max_seq_len);
+    let mut a = SparseColumns::weighted((1..=max_seq_len).map(weight).collect());
+    let mut rows: Vec<usize> = Vec::with_capacity(depth);
     for s in &strategies {
         // Descending lengths: rows (l - 1) ascending means walking the strategy backwards.
-        let mut entries: Vec<(usize, f64)> = Vec::with_capacity(s.len());
-        for &l in s.iter().rev() {
-            match entries.last_mut() {
-                Some((row, v)) if *row == l - 1 => *v += weight(l),
-                _ => entries.push((l - 1, weight(l))),
-            }
-        }
-        a.push(entries);
+        rows.clear();
+        rows.extend(s.iter().rev().map(|&l| l - 1));
+        a.push_multiset(&rows);
     }
     let b: Vec<f64> = (1..=max_seq_len)
         .map(|l| weight(l) * counts[l] as f64)
         .collect();
-    let x = nnls(&a, &b);
+    let x = nnls(&a, &b)?;
 
     let mut repeat: Vec<u64> = x
         .iter()

@@ -209,6 +209,23 @@ fn naive_fit(lengths: &[usize], msl: usize, limit: usize, best: bool) -> Vec<Str
 // NNLSHP where the public reference code fails.
 
 #[test]
+fn nnlshp_at_a_large_max_seq_len_allocates_what_it_uses() {
+    // 100,001 depth-2 strategies over 200,000 rows: the solver's factor used
+    // to be sized by min(rows, strategies) up front (a 40 GB triangle, an
+    // allocation abort); it now grows with the passive set (3 lengths here).
+    let mut counts = vec![0u64; 200_001];
+    for (l, c) in [(100, 5), (199_900, 3), (5_000, 7)] {
+        counts[l] = c;
+    }
+    let h = Histogram::from_counts(counts);
+    let m = run(&h, Algorithm::Nnlshp, 200_000, Some(2)).metrics;
+    assert_eq!(m.num_sequences, 15);
+    // 199,900 + 100 fill a pack exactly: 3 of them; nothing else pairs up
+    // (5,000 has no partner), so the other 9 sequences take a pack each.
+    assert_eq!(m.num_packs, 3 + 9, "{m:?}");
+}
+
+#[test]
 fn nnlshp_depth_one_and_two_work() {
     let h = Histogram::from_lengths(&[3, 5, 8, 8, 2, 6, 1]).unwrap();
     for depth in [1, 2] {
