@@ -566,7 +566,8 @@ pub fn sharded_linear_cross_entropy(
                 } else {
                     0.0
                 };
-                w * (y + z_part)
+                // Stored in f32, as the device holds the gradient.
+                f64::from((w * (y + z_part)) as f32)
             })
         });
         Ok(RankLoss {
