@@ -15,9 +15,9 @@
 //! 2. S pass partials against the local softmax: `D_i = (softmax'_i - q_i)
 //!    W_i`, `B_i = q_i W_i` (and with the z-loss `A_i = D_i + B_i`), into the
 //!    reference's record `[stats, s_i D_i, B_i (, s_i A_i)]`.
-//! 3. The one barrier: the reference's merge ([`merge_alg2`],
-//!    [`merge_alg2_z_loss`]) over the reference's in-process collective, in
-//!    f64: the global statistics, the losses and `∂L/∂x`.
+//! 3. The one barrier: the reference's merge ([`Alg2Record`]) over the
+//!    reference's in-process collective, in f64: the global statistics, the
+//!    losses and `∂L/∂x`.
 //! 4. T pass, no communication: `∂L/∂W_i` from `∂L/∂z_i = w (p - q + 2 c lse
 //!    p)` against the global statistics.
 //!
@@ -28,9 +28,7 @@
 use cudarc::driver::{CudaSlice, LaunchArgs, PushKernelArg};
 use ndarray::{s, Array2, ArrayView2};
 use packshard_reference::vocab::cross_entropy::{check_row, token_loss, STATS_WIDTH};
-use packshard_reference::vocab::sharded::{
-    merge_alg2, merge_alg2_z_loss, merge_stats, RankLoss, Shard, ShardedLoss,
-};
+use packshard_reference::vocab::sharded::{Alg2Record, RankLoss, ShardedLoss};
 use packshard_reference::vocab::{run_ranks, LossConfig, Reduce, ShardMap, SoftmaxStats};
 use packshard_reference::Error;
 
@@ -453,26 +451,32 @@ pub fn sharded_linear_cross_entropy(
         .map(|t| if t.is_some() { qo as f32 } else { 0.0 })
         .collect();
     let c = config.z_loss;
-    let blocks = match (want_grad, c > 0.0) {
-        (false, _) => 0,
-        (true, false) => 2,
-        (true, true) => 3,
-    };
-    let width = STATS_WIDTH + blocks * hd;
+    let layout = Alg2Record::new(hd, want_grad, c);
+    let width = layout.width();
     let shards = map.shards();
-    let shard_target = |start: usize, real: usize| -> Vec<i32> {
-        parsed
-            .iter()
-            .map(|t| match *t {
-                Some(t) if t >= start && t < start + real => (t - start) as i32,
-                _ => -1,
-            })
-            .collect()
-    };
-    // A padding shard may start past v; it has no real rows.
-    let rows_of = |sh: &Shard| {
-        let start = sh.start.min(v);
-        &weight[start * hd..(start + sh.real) * hd]
+    // Each shard's targets (its row, or -1) and real rows (a padding shard
+    // may start past v; it has none).
+    let inputs: Vec<(Vec<i32>, &[f32])> = shards
+        .iter()
+        .map(|sh| {
+            let target = parsed
+                .iter()
+                .map(|t| match *t {
+                    Some(t) if t >= sh.start && t < sh.start + sh.real => (t - sh.start) as i32,
+                    _ => -1,
+                })
+                .collect();
+            let start = sh.start.min(v);
+            (target, &weight[start * hd..(start + sh.real) * hd])
+        })
+        .collect();
+    let input = |r: usize| ShardInput {
+        hidden,
+        weight: inputs[r].1,
+        target: &inputs[r].0,
+        n,
+        hd,
+        w: shards[r].real,
     };
     let ones = vec![1.0f32; n];
     let zeros = vec![0.0f32; n];
@@ -480,22 +484,14 @@ pub fn sharded_linear_cross_entropy(
     // S pass on every shard: the records each rank brings to the barrier.
     let mut records = Vec::with_capacity(shards.len());
     let mut locals = Vec::with_capacity(shards.len());
-    for sh in &shards {
-        let target = shard_target(sh.start, sh.real);
-        let x = ShardInput {
-            hidden,
-            weight: rows_of(sh),
-            target: &target,
-            n,
-            hd,
-            w: sh.real,
-        };
+    for (r, sh) in shards.iter().enumerate() {
+        let x = input(r);
         let st = kernels.stats(&x)?;
         let local: Vec<SoftmaxStats> = (0..n)
-            .map(|i| local_stats(&st, i, q(i), target[i] >= 0, sh.real))
+            .map(|i| local_stats(&st, i, q(i), x.target[i] >= 0, sh.real))
             .collect();
         let mut record = vec![0.0f64; width * n];
-        if blocks > 0 {
+        if layout.blocks > 0 {
             let rows = RowInputs {
                 q_target: &q_target,
                 q_other: &q_other,
@@ -506,16 +502,10 @@ pub fn sharded_linear_cross_entropy(
             };
             let (d, b) = kernels.input_partials(&x, &rows)?;
             for (i, l) in local.iter().enumerate() {
-                let at = i * width + STATS_WIDTH;
-                let s_i = l.sum_exp();
-                for k in 0..hd {
-                    let (d_ik, b_ik) = (f64::from(d[i * hd + k]), f64::from(b[i * hd + k]));
-                    record[at + k] = s_i * d_ik;
-                    record[at + hd + k] = b_ik;
-                    if blocks == 3 {
-                        record[at + 2 * hd + k] = s_i * (d_ik + b_ik);
-                    }
-                }
+                let d_ik = |k: usize| f64::from(d[i * hd + k]);
+                let b_ik = |k: usize| f64::from(b[i * hd + k]);
+                let a_ik = |k: usize| d_ik(k) + b_ik(k);
+                layout.write_partials(&mut record, i, l.sum_exp(), d_ik, b_ik, a_ik);
             }
         }
         for (i, l) in local.iter().enumerate() {
@@ -526,18 +516,13 @@ pub fn sharded_linear_cross_entropy(
     }
 
     // The one barrier, on p in-process ranks; each rank's losses and dL/dx.
-    let op: packshard_reference::vocab::collective::MergeFn = match blocks {
-        0 => merge_stats,
-        2 => merge_alg2,
-        _ => merge_alg2_z_loss,
-    };
     let ranks = run_ranks(shards.len(), |comm| {
         let r = comm.rank();
         let mut record = records[r].clone();
         comm.all_reduce(&mut [Reduce::Merge {
             data: &mut record,
             width,
-            op,
+            op: layout.merge(),
         }])?;
         let global: Vec<SoftmaxStats> = record
             .chunks(width)
@@ -552,23 +537,11 @@ pub fn sharded_linear_cross_entropy(
             .map(|(g, &t)| token_loss(g, t, config))
             .collect();
         let loss = config.reduce(per_token_loss.as_slice().expect("contiguous"), &parsed);
+        // Stored in f32, as the device holds the gradient.
         let grad_hidden = want_grad.then(|| {
-            Array2::from_shape_fn((n, hd), |(i, k)| {
-                let w = token_weights[i];
-                if w == 0.0 {
-                    return 0.0;
-                }
-                let g = &global[i];
-                let at = i * width + STATS_WIDTH;
-                let y = record[at + k] / g.sum_exp();
-                let z_part = if blocks == 3 {
-                    2.0 * c * g.logsumexp() * (record[at + 2 * hd + k] / g.sum_exp())
-                } else {
-                    0.0
-                };
-                // Stored in f32, as the device holds the gradient.
-                f64::from((w * (y + z_part)) as f32)
-            })
+            layout
+                .input_grad(&record, &global, &token_weights, c)
+                .mapv(|x| f64::from(x as f32))
         });
         Ok(RankLoss {
             rank: r,
@@ -610,17 +583,8 @@ pub fn sharded_linear_cross_entropy(
             row_scale: &row_scale,
             row_zl: &row_zl,
         };
-        for (sh, rank) in shards.iter().zip(ranks.iter_mut()) {
-            let target = shard_target(sh.start, sh.real);
-            let x = ShardInput {
-                hidden,
-                weight: rows_of(sh),
-                target: &target,
-                n,
-                hd,
-                w: sh.real,
-            };
-            let g = kernels.weight_grad(&x, &rows)?;
+        for (r, (sh, rank)) in shards.iter().zip(ranks.iter_mut()).enumerate() {
+            let g = kernels.weight_grad(&input(r), &rows)?;
             let mut gw = Array2::<f64>::zeros((sh.width, hd));
             for (dst, &src) in gw.iter_mut().zip(&g) {
                 *dst = f64::from(src);
