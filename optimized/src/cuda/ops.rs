@@ -1,8 +1,10 @@
-//! The CUDA attention kernels as an [`AttentionOp`]: one adapter,
-//! [`CudaAttention`], over either backend of [`AttentionKernels`] — the GPU
-//! ([`Gpu`], device 0) or the CPU emulator of the same source
-//! ([`Emulator`]). `packshard-oracle`'s registry lists both
-//! (`attention_varlen_cuda`, `attention_varlen_cuda_emulated`).
+//! The CUDA kernels as ops: the attention kernels as an [`AttentionOp`],
+//! one adapter, [`CudaAttention`], over either backend of
+//! [`AttentionKernels`] — the GPU ([`Gpu`], device 0) or the CPU emulator of
+//! the same source ([`Emulator`]); `packshard-oracle`'s registry lists both
+//! (`attention_varlen_cuda`, `attention_varlen_cuda_emulated`). The
+//! vocabulary kernels likewise as a [`LinearCrossEntropyOp`],
+//! [`CudaLinearCrossEntropy`] (see its docs).
 //!
 //! At the boundary as every f32 kernel: `q, k, v` (and the saved forward,
 //! `grad_output`) rounded to f32 on entry, refusing finite values beyond
