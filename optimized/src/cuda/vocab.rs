@@ -29,7 +29,7 @@ use cudarc::driver::{CudaSlice, LaunchArgs, PushKernelArg};
 use ndarray::{s, Array2, ArrayView2};
 use packshard_reference::vocab::cross_entropy::{check_row, token_loss, STATS_WIDTH};
 use packshard_reference::vocab::sharded::{Alg2Record, RankLoss, ShardedLoss};
-use packshard_reference::vocab::{run_ranks, LossConfig, Reduce, ShardMap, SoftmaxStats};
+use packshard_reference::vocab::{run_ranks, LossConfig, ShardMap, SoftmaxStats};
 use packshard_reference::Error;
 
 use super::{check_len, driver, to_i32, CudaError, Gpu, Launch, Result};
@@ -519,15 +519,7 @@ pub fn sharded_linear_cross_entropy(
     let ranks = run_ranks(shards.len(), |comm| {
         let r = comm.rank();
         let mut record = records[r].clone();
-        comm.all_reduce(&mut [Reduce::Merge {
-            data: &mut record,
-            width,
-            op: layout.merge(),
-        }])?;
-        let global: Vec<SoftmaxStats> = record
-            .chunks(width)
-            .map(SoftmaxStats::from_record)
-            .collect();
+        let global = layout.all_reduce(comm, &mut record)?;
         for (i, g) in global.iter().enumerate() {
             check_row(i, g, parsed[i])?;
         }

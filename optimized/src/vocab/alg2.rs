@@ -23,7 +23,7 @@ use packshard_reference::vocab::cross_entropy::STATS_WIDTH;
 use packshard_reference::vocab::sharded::{
     check_inputs, check_rank_inputs, Alg2Record, RankLoss, ShardedLoss,
 };
-use packshard_reference::vocab::{run_ranks, Collective, Reduce, ShardMap, ShardedAlgorithm};
+use packshard_reference::vocab::{run_ranks, Collective, ShardMap, ShardedAlgorithm};
 
 /// The local and global statistics of a row: `alpha_i` and `alpha_i - 1`
 /// as the reference's alg2 forms them.
@@ -147,20 +147,6 @@ fn shard<'a>(
 }
 
 impl Shard<'_> {
-    /// The barrier: merges the records; returns the global statistics.
-    fn barrier(&self, record: &mut [f64], layout: Alg2Record) -> Result<Vec<SoftmaxStats>> {
-        let width = layout.width();
-        self.comm.all_reduce(&mut [Reduce::Merge {
-            data: record,
-            width,
-            op: layout.merge(),
-        }])?;
-        Ok(record
-            .chunks(width)
-            .map(SoftmaxStats::from_record)
-            .collect())
-    }
-
     #[allow(clippy::too_many_arguments)]
     fn output(
         &self,
@@ -253,7 +239,7 @@ pub fn cross_entropy_rank(
         &mut local,
     );
     let mut record: Vec<f64> = local.iter().flat_map(|s| s.to_record()).collect();
-    let global = sh.barrier(&mut record, Alg2Record::new(0, false, 0.0))?;
+    let global = Alg2Record::new(0, false, 0.0).all_reduce(sh.comm, &mut record)?;
     let forward = sh.rows.losses(&global)?;
     let peak = 4 * n * sh.real + 8 * STATS_WIDTH * n;
     if !want_grad {
@@ -397,7 +383,7 @@ pub fn linear_cross_entropy_rank(
         record[i * width..i * width + STATS_WIDTH].copy_from_slice(&l.to_record());
     }
     // The one barrier.
-    let global = sh.barrier(&mut record, layout)?;
+    let global = layout.all_reduce(sh.comm, &mut record)?;
     let forward = sh.rows.losses(&global)?;
     let peak = 4 * tn * (real + h) + 8 * width * n;
     if !want_grad {

@@ -101,6 +101,28 @@ impl Alg2Record {
         }
     }
 
+    /// The one barrier: merges every rank's `record` in place over `comm`;
+    /// the global statistics of each token.
+    ///
+    /// # Errors
+    /// The collective's.
+    pub fn all_reduce(
+        &self,
+        comm: &dyn super::super::collective::Collective,
+        record: &mut [f64],
+    ) -> crate::error::Result<Vec<SoftmaxStats>> {
+        let width = self.width();
+        comm.all_reduce(&mut [super::super::collective::Reduce::Merge {
+            data: record,
+            width,
+            op: self.merge(),
+        }])?;
+        Ok(record
+            .chunks(width)
+            .map(SoftmaxStats::from_record)
+            .collect())
+    }
+
     /// Writes token `i`'s partials into `record`: `s_i D_i` (`d(k)`), `B_i`
     /// (`b(k)`) and, with the z-loss, `s_i A_i` (`a(k)`, `A_i = softmax'_i
     /// W_i`); `s_i` the local sum. Nothing without blocks.

@@ -392,15 +392,7 @@ impl<'a> RankRun<'a> {
             self.meter.free(blocks * n * h);
         }
         // The one barrier.
-        self.comm.all_reduce(&mut [Reduce::Merge {
-            data: &mut record,
-            width,
-            op: layout.merge(),
-        }])?;
-        let global: Vec<SoftmaxStats> = record
-            .chunks(width)
-            .map(SoftmaxStats::from_record)
-            .collect();
+        let global = layout.all_reduce(self.comm, &mut record)?;
         let forward = self.finish(&global)?;
         if !want_grad {
             return Ok(SState {
