@@ -34,11 +34,11 @@
 //   global statistics. A block per DW_ROWS vocabulary rows, tokens staged
 //   TILE_N at a time.
 //
-// Launch: THREADS threads per block (a power of two), dynamic shared memory
-// (hd + 4 THREADS) floats for lce_stats, (hd + 2 TILE_V) for lce_dx,
+// Launch (optimized/src/cuda/vocab.rs): blockDim.x threads per block, a
+// power of two (the host launches 128), dynamic shared memory
+// (hd + 4 blockDim.x) floats for lce_stats, (hd + 2 TILE_V) for lce_dx,
 // DW_ROWS x TILE_N for lce_dw.
 
-#define THREADS 256
 #define TILE_V 256
 #define TILE_N 64
 #define DW_ROWS 32
