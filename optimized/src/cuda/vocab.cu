@@ -134,15 +134,17 @@ extern "C" __global__ void lce_stats(const float* __restrict__ hidden,
     }
 }
 
+// The per-token inputs of the gradient kernels, in the order of the host's
+// RowInputs (optimized/src/cuda/vocab.rs).
+#define ROW_INPUTS                                                              \
+    const float* __restrict__ q_target, const float* __restrict__ q_other,     \
+        const float* __restrict__ row_max, const float* __restrict__ row_rest, \
+        const float* __restrict__ row_scale, const float* __restrict__ row_zl
+
 extern "C" __global__ void lce_dx(const float* __restrict__ hidden,
                                   const float* __restrict__ weight,
                                   const int* __restrict__ target,
-                                  const float* __restrict__ q_target,
-                                  const float* __restrict__ q_other,
-                                  const float* __restrict__ row_max,
-                                  const float* __restrict__ row_rest,
-                                  const float* __restrict__ row_scale,
-                                  const float* __restrict__ row_zl, int n, int hd, int w,
+                                  ROW_INPUTS, int n, int hd, int w,
                                   float* __restrict__ dpart, float* __restrict__ bpart) {
     extern __shared__ float smem[];
     float* xs = smem;            // [hd]
@@ -186,12 +188,7 @@ extern "C" __global__ void lce_dx(const float* __restrict__ hidden,
 extern "C" __global__ void lce_dw(const float* __restrict__ hidden,
                                   const float* __restrict__ weight,
                                   const int* __restrict__ target,
-                                  const float* __restrict__ q_target,
-                                  const float* __restrict__ q_other,
-                                  const float* __restrict__ row_max,
-                                  const float* __restrict__ row_rest,
-                                  const float* __restrict__ row_scale,
-                                  const float* __restrict__ row_zl, int n, int hd, int w,
+                                  ROW_INPUTS, int n, int hd, int w,
                                   float* __restrict__ grad_weight) {
     extern __shared__ float smem[];
     float* gs = smem;  // [DW_ROWS][TILE_N] gradient entries
