@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check of issue #7, for a machine with an NVIDIA GPU and driver:
-# the registry's attention suite for `attention_varlen_cuda` (packed ==
-# padded and the f32 relative rule against the f64 reference, the same
-# suite every kernel meets), the CUDA-specific tests (input errors, alg2 vs
+# the registry's attention and output-layer suites for `attention_varlen_cuda`
+# and `linear_cross_entropy_cuda` (packed == padded, sharded == unsharded and
+# the f32 relative rule against the f64 reference, the suites every kernel meets), the CUDA-specific tests (input errors, alg2 vs
 # the reference) and the attention benchmark (tokens/s and TFLOP/s on
 # wikipedia-512-drawn batches, packed vs padded).
 #
@@ -39,9 +39,9 @@ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,m
 
 log="$(mktemp)"
 # PACKSHARD_REQUIRE_GPU=1: the registry suite fails where the device is missing.
-PACKSHARD_REQUIRE_GPU=1 "$registry" --test-threads=1 --nocapture every_attention 2>&1 | tee "$log"
+PACKSHARD_REQUIRE_GPU=1 "$registry" --test-threads=1 --nocapture every_attention every_output_layer 2>&1 | tee "$log"
 "$bin" --test-threads=1 --nocapture gpu_ 2>&1 | tee -a "$log"
-if grep -qE "^(gpu_[a-z0-9_]*|attention_varlen_cuda): skipped: " "$log"; then
+if grep -qE "^(gpu_[a-z0-9_]*|attention_varlen_cuda|linear_cross_entropy_cuda): skipped: " "$log"; then
   echo "gpu_check: a GPU suite skipped (no device or no NVRTC): not a GPU check" >&2
   exit 1
 fi

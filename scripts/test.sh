@@ -61,8 +61,8 @@ export LD_LIBRARY_PATH="$PACKSHARD_NVRTC_DIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH
 # Without NVRTC or a C++ compiler these steps fail instead of skipping.
 export PACKSHARD_REQUIRE_NVRTC=1 PACKSHARD_REQUIRE_EMULATOR=1
 cargo test -p packshard-optimized --features cuda --no-fail-fast
-# The registry with attention_varlen_cuda (skipped without a device) and
-# attention_varlen_cuda_emulated: suites, golden, own numbers.
+# The registry with attention_varlen_cuda, linear_cross_entropy_cuda (skipped
+# without a device) and their _emulated twins: suites, golden, own numbers.
 cargo test -p packshard-oracle --features cuda --no-fail-fast
 
 step "example crate: fuzz your own kernel (examples/fuzz-your-kernel)"

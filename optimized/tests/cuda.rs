@@ -1,8 +1,9 @@
 //! GPU kernels (feature `cuda`, issue #7): what is specific to CUDA. The
 //! equivalence suites, fuzz targets, eval, bench and golden checks run the
-//! attention kernels from `packshard-oracle`'s registry
-//! (`attention_varlen_cuda` on a device, `attention_varlen_cuda_emulated`
-//! on the CPU emulator), under the relative rule of every f32 kernel.
+//! attention and output-layer kernels from `packshard-oracle`'s registry
+//! (`attention_varlen_cuda`, `linear_cross_entropy_cuda` on a device, their
+//! `_emulated` twins on the CPU emulator), under the relative rule of every
+//! f32 kernel.
 //!
 //! - The CI check: every kernel source compiles to PTX for sm_90 with NVRTC
 //!   (no GPU needed; NVRTC from `scripts/fetch_nvrtc.sh`). It skips when
@@ -12,8 +13,9 @@
 //!   with the reference's errors before any launch.
 //! - The host side of `alg2` checked against the unsharded f64 reference
 //!   with a CPU stand-in for the three shard kernels (runs everywhere), on
-//!   the emulator, and on the GPU where there is one (the vocab kernels are
-//!   not in the registry: they implement `ignore_index` with the mean only).
+//!   the emulator, and on the GPU where there is one, at sizes past the
+//!   kernels' tiles (the registry runs them as `linear_cross_entropy_cuda`
+//!   and `linear_cross_entropy_cuda_emulated` through the suites).
 //! - `gpu_attention_bench` (`--ignored`): tokens/s and TFLOP/s of the
 //!   attention forward on `wikipedia-512`-drawn batches, packed vs padded.
 #![cfg(feature = "cuda")]
@@ -22,11 +24,16 @@ use ndarray::Array2;
 use packshard_equivalence::compare::{assert_close_with_scale, Mismatch, Tolerance};
 use packshard_optimized::cuda::attention::{AttentionKernels, AttnShape, Call, Form};
 use packshard_optimized::cuda::emu::Emulator;
+use packshard_optimized::cuda::ops::CudaLinearCrossEntropy;
 use packshard_optimized::cuda::vocab::{
-    alg2_linear_cross_entropy, Alg2Output, ShardInput, ShardKernels, ShardStats,
+    sharded_linear_cross_entropy, RowInputs, ShardInput, ShardKernels, ShardStats,
 };
 use packshard_optimized::cuda::{self, nvrtc_dir, nvrtc_ready, CudaError, Gpu, CI_ARCH, KERNELS};
-use packshard_reference::vocab::{linear_cross_entropy, LossConfig, ShardLayout, ShardMap};
+use packshard_reference::ops::LinearCrossEntropyOp;
+use packshard_reference::vocab::{
+    linear_cross_entropy, LossConfig, Reduction, ShardLayout, ShardMap, ShardedAlgorithm,
+    SmoothingConvention,
+};
 use packshard_reference::Error;
 
 fn required(var: &str) -> bool {
@@ -240,8 +247,8 @@ fn gpu_attention_rejects_bad_input() {
 // ------------------------------------------------------------ vocab (alg2)
 
 /// The three shard kernels as plain f64 loops rounded to f32: the CPU
-/// stand-in that lets the host half of `alg2` (target mapping, the f64
-/// merge, `alpha_i`, gathering the weight gradient) be checked here.
+/// stand-in that lets the host half of `alg2` (target mapping, the
+/// statistics, the f64 merge, gathering the weight gradient) be checked here.
 struct CpuShard;
 
 fn z(x: &ShardInput<'_>, i: usize, j: usize) -> f64 {
@@ -250,19 +257,29 @@ fn z(x: &ShardInput<'_>, i: usize, j: usize) -> f64 {
         .sum()
 }
 
+/// `g = row_scale (p - q + row_zl p)` of logit `j` of token `i` against the
+/// statistics of `rows`, and `q`.
+fn grad_entry(x: &ShardInput<'_>, rows: &RowInputs<'_>, i: usize, j: usize) -> (f64, f64) {
+    let q = if x.target[i] == j as i32 {
+        rows.q_target[i]
+    } else {
+        rows.q_other[i]
+    } as f64;
+    let p = (z(x, i, j) - rows.row_max[i] as f64).exp() / (1.0 + rows.row_rest[i] as f64);
+    let g = rows.row_scale[i] as f64 * (p - q + rows.row_zl[i] as f64 * p);
+    (g, q)
+}
+
 impl ShardKernels for CpuShard {
     fn stats(&self, x: &ShardInput<'_>) -> cuda::Result<ShardStats> {
-        let mut st = ShardStats {
-            local_max: vec![f32::NEG_INFINITY; x.n],
-            local_sum: vec![0.0; x.n],
-            target_logit: vec![0.0; x.n],
-        };
+        let mut st = ShardStats::empty(x.n);
         for i in 0..x.n {
             let zs: Vec<f64> = (0..x.w).map(|j| z(x, i, j)).collect();
             let m = zs.iter().copied().fold(f64::NEG_INFINITY, f64::max);
             if x.w > 0 {
                 st.local_max[i] = m as f32;
-                st.local_sum[i] = zs.iter().map(|&v| (v - m).exp()).sum::<f64>() as f32;
+                st.local_rest[i] = (zs.iter().map(|&v| (v - m).exp()).sum::<f64>() - 1.0) as f32;
+                st.local_gap[i] = zs.iter().map(|&v| m - v).sum::<f64>() as f32;
             }
             if x.target[i] >= 0 {
                 st.target_logit[i] = zs[x.target[i] as usize] as f32;
@@ -273,52 +290,24 @@ impl ShardKernels for CpuShard {
     fn input_partials(
         &self,
         x: &ShardInput<'_>,
-        lse: &[f32],
-        row_scale: &[f32],
+        rows: &RowInputs<'_>,
     ) -> cuda::Result<(Vec<f32>, Vec<f32>)> {
         let mut d = vec![0.0f32; x.n * x.hd];
         let mut b = vec![0.0f32; x.n * x.hd];
         for i in 0..x.n {
-            let sc = row_scale[i] as f64;
-            let gz: Vec<f64> = (0..x.w)
-                .map(|j| {
-                    let p = if lse[i] == f32::NEG_INFINITY {
-                        0.0
-                    } else {
-                        (z(x, i, j) - lse[i] as f64).exp()
-                    };
-                    let q = if x.target[i] == j as i32 { 1.0 } else { 0.0 };
-                    sc * (p - q)
-                })
-                .collect();
+            let gq: Vec<(f64, f64)> = (0..x.w).map(|j| grad_entry(x, rows, i, j)).collect();
             for c in 0..x.hd {
-                let acc: f64 = (0..x.w)
-                    .map(|j| gz[j] * x.weight[j * x.hd + c] as f64)
-                    .sum();
-                d[i * x.hd + c] = acc as f32;
-                if x.target[i] >= 0 {
-                    b[i * x.hd + c] =
-                        (sc * x.weight[x.target[i] as usize * x.hd + c] as f64) as f32;
-                }
+                let w = |j: usize| x.weight[j * x.hd + c] as f64;
+                d[i * x.hd + c] = (0..x.w).map(|j| gq[j].0 * w(j)).sum::<f64>() as f32;
+                b[i * x.hd + c] = (0..x.w).map(|j| gq[j].1 * w(j)).sum::<f64>() as f32;
             }
         }
         Ok((d, b))
     }
-    fn weight_grad(
-        &self,
-        x: &ShardInput<'_>,
-        lse: &[f32],
-        row_scale: &[f32],
-    ) -> cuda::Result<Vec<f32>> {
+    fn weight_grad(&self, x: &ShardInput<'_>, rows: &RowInputs<'_>) -> cuda::Result<Vec<f32>> {
         let mut g = vec![0.0f32; x.w * x.hd];
         for j in 0..x.w {
-            let gz: Vec<f64> = (0..x.n)
-                .map(|i| {
-                    let p = (z(x, i, j) - lse[i] as f64).exp();
-                    let q = if x.target[i] == j as i32 { 1.0 } else { 0.0 };
-                    row_scale[i] as f64 * (p - q)
-                })
-                .collect();
+            let gz: Vec<f64> = (0..x.n).map(|i| grad_entry(x, rows, i, j).0).collect();
             for c in 0..x.hd {
                 let acc: f64 = (0..x.n)
                     .map(|i| gz[i] * x.hidden[i * x.hd + c] as f64)
@@ -333,8 +322,6 @@ impl ShardKernels for CpuShard {
 /// A seeded output-layer case: `hidden: [n, hd]`, `weight: [v, hd]` with
 /// planted outliers, targets on every shard, every 5th ignored.
 struct LinearCase {
-    n: usize,
-    hd: usize,
     hidden: Vec<f32>,
     weight: Vec<f32>,
     targets: Vec<i64>,
@@ -370,16 +357,30 @@ fn linear_case(n: usize, hd: usize, v: usize, seed: u64) -> LinearCase {
         })
         .collect();
     LinearCase {
-        n,
-        hd,
         hidden,
         weight,
         targets,
     }
 }
 
+/// The loss options `check_alg2` runs: the default (mean), label smoothing
+/// in each convention with z-loss, and the other reductions.
+fn configs() -> [LossConfig; 3] {
+    [
+        LossConfig::default(),
+        LossConfig::default()
+            .with_smoothing(0.1, SmoothingConvention::PyTorch)
+            .with_z_loss(1e-3)
+            .with_reduction(Reduction::Sum),
+        LossConfig::default()
+            .with_smoothing(0.2, SmoothingConvention::Megatron)
+            .with_reduction(Reduction::None),
+    ]
+}
+
 /// `alg2` on `kernels` against the unsharded f64 reference on the same
-/// (f32-representable) inputs: loss, per-token loss, logsumexp, both gradients.
+/// (f32-representable) inputs, for every [`configs`]: loss, per-token loss,
+/// logsumexp, both gradients.
 fn check_alg2(
     kernels: &dyn ShardKernels,
     tol: Tolerance,
@@ -390,78 +391,92 @@ fn check_alg2(
     let mut worst = 0.0f64;
     for &(n, hd, v, seed) in sizes {
         let c = linear_case(n, hd, v, seed);
-        let h64 = Array2::from_shape_fn((n, hd), |(i, j)| c.hidden[i * hd + j] as f64);
-        let w64 = Array2::from_shape_fn((v, hd), |(i, j)| c.weight[i * hd + j] as f64);
-        let cfg = LossConfig::default();
-        let r = linear_cross_entropy(h64.view(), w64.view(), &c.targets, &cfg, true)
-            .map_err(|e| Mismatch::new("reference", e.to_string()))?;
-        for &p in shard_counts {
-            for layout in [ShardLayout::Uneven, ShardLayout::Padded] {
-                if p > v {
-                    continue;
+        let h32 = Array2::from_shape_vec((n, hd), c.hidden.clone()).unwrap();
+        let w32 = Array2::from_shape_vec((v, hd), c.weight.clone()).unwrap();
+        let (h64, w64) = (h32.mapv(f64::from), w32.mapv(f64::from));
+        for cfg in configs() {
+            if cfg.smoothing == SmoothingConvention::Megatron && v < 2 {
+                continue;
+            }
+            let r = linear_cross_entropy(h64.view(), w64.view(), &c.targets, &cfg, true)
+                .map_err(|e| Mismatch::new("reference", e.to_string()))?;
+            for &p in shard_counts {
+                for layout in [ShardLayout::Uneven, ShardLayout::Padded] {
+                    if p > v {
+                        continue;
+                    }
+                    let map = ShardMap::new(v, p, layout)
+                        .map_err(|e| Mismatch::new("map", e.to_string()))?;
+                    let what = format!("n {n} hd {hd} v {v}, {}, {cfg:?}", map.describe());
+                    let g = sharded_linear_cross_entropy(
+                        kernels,
+                        &map,
+                        h32.view(),
+                        w32.view(),
+                        &c.targets,
+                        &cfg,
+                        true,
+                    )
+                    .map_err(|e| Mismatch::new(&what, e.to_string()))?;
+                    assert!(g.ranks_agree(), "{what}: ranks disagree");
+                    assert_eq!(g.counts().barriers, 1, "{what}: one barrier");
+                    close_scaled(
+                        &mut worst,
+                        &format!("{what}: loss"),
+                        &[r.ce.loss],
+                        &[g.loss()],
+                        &[1],
+                        tol,
+                        None,
+                    )?;
+                    close_scaled(
+                        &mut worst,
+                        &format!("{what}: per_token_loss"),
+                        r.ce.per_token_loss.as_slice().unwrap(),
+                        g.per_token_loss().as_slice().unwrap(),
+                        &[n],
+                        tol,
+                        None,
+                    )?;
+                    close_scaled(
+                        &mut worst,
+                        &format!("{what}: logsumexp"),
+                        r.ce.logsumexp().as_slice().unwrap(),
+                        g.logsumexp().as_slice().unwrap(),
+                        &[n],
+                        tol,
+                        None,
+                    )?;
+                    // Gradients may cancel to 0 (v = 1: p - q = 1 - 1); judge
+                    // them against the size of their terms, `|W|` or `|x|`
+                    // per counted token.
+                    let per_token = match cfg.reduction {
+                        Reduction::Mean => 1.0 / r.ce.num_tokens.max(1) as f64,
+                        _ => 1.0,
+                    };
+                    let max_abs = |x: &[f32]| x.iter().fold(0.0f64, |m, &v| m.max(v.abs() as f64));
+                    let flat = |a: &Array2<f64>| a.iter().copied().collect::<Vec<f64>>();
+                    close_scaled(
+                        &mut worst,
+                        &format!("{what}: grad_hidden"),
+                        &flat(r.grad_hidden.as_ref().unwrap()),
+                        &flat(g.grad_hidden().unwrap()),
+                        &[n, hd],
+                        tol,
+                        Some(per_token * max_abs(&c.weight)),
+                    )?;
+                    close_scaled(
+                        &mut worst,
+                        &format!("{what}: grad_weight"),
+                        &flat(r.grad_weight.as_ref().unwrap()),
+                        &flat(&g.grad_weight().unwrap()),
+                        &[v, hd],
+                        tol,
+                        Some(per_token * max_abs(&c.hidden)),
+                    )?;
+                    assert_eq!(g.ranks.len(), p);
+                    checked += 1;
                 }
-                let map =
-                    ShardMap::new(v, p, layout).map_err(|e| Mismatch::new("map", e.to_string()))?;
-                let what = format!("n {n} hd {hd} v {v}, {}", map.describe());
-                let g: Alg2Output = alg2_linear_cross_entropy(
-                    kernels, &map, &c.hidden, c.n, c.hd, &c.weight, &c.targets, -100,
-                )
-                .map_err(|e| Mismatch::new(&what, e.to_string()))?;
-                assert_eq!(g.num_tokens, r.ce.num_tokens, "{what}: counted tokens");
-                close_scaled(
-                    &mut worst,
-                    &format!("{what}: loss"),
-                    &[r.ce.loss],
-                    &[g.loss],
-                    &[1],
-                    tol,
-                    None,
-                )?;
-                close_scaled(
-                    &mut worst,
-                    &format!("{what}: per_token_loss"),
-                    r.ce.per_token_loss.as_slice().unwrap(),
-                    &g.per_token_loss,
-                    &[n],
-                    tol,
-                    None,
-                )?;
-                close_scaled(
-                    &mut worst,
-                    &format!("{what}: logsumexp"),
-                    r.ce.logsumexp().as_slice().unwrap(),
-                    &g.logsumexp,
-                    &[n],
-                    tol,
-                    None,
-                )?;
-                // Gradients may cancel to 0 (v = 1: p - q = 1 - 1); judge
-                // them against the size of their terms, `|W|` or `|x|` per
-                // counted token.
-                let per_token = 1.0 / r.ce.num_tokens.max(1) as f64;
-                let max_abs = |x: &[f32]| x.iter().fold(0.0f64, |m, &v| m.max(v.abs() as f64));
-                let gh: Vec<f64> = r.grad_hidden.as_ref().unwrap().iter().copied().collect();
-                close_scaled(
-                    &mut worst,
-                    &format!("{what}: grad_hidden"),
-                    &gh,
-                    &g.grad_hidden,
-                    &[n, hd],
-                    tol,
-                    Some(per_token * max_abs(&c.weight)),
-                )?;
-                let gw: Vec<f64> = r.grad_weight.as_ref().unwrap().iter().copied().collect();
-                close_scaled(
-                    &mut worst,
-                    &format!("{what}: grad_weight"),
-                    &gw,
-                    &g.grad_weight,
-                    &[v, hd],
-                    tol,
-                    Some(per_token * max_abs(&c.hidden)),
-                )?;
-                assert_eq!(g.local.len(), p);
-                checked += 1;
             }
         }
     }
@@ -501,19 +516,25 @@ const F32_ROUNDED: Tolerance = Tolerance::new("f32-rounded shard outputs", 5e-5,
 /// f32 kernels (sums of up to 64 products with |x| <= 6, `exp` of logits up
 /// to ~100) vs f64: 1e-3 relative of the tensor scale, as for attention.
 /// `(n, hd, v, seed)`: single token and vocabulary, sizes that are not
-/// powers of two, and one past the kernels' 256-wide tiles.
+/// powers of two, and past the kernels' tiles (256 rows of `lce_dx`, 64
+/// tokens and 32 rows of `lce_dw`).
 const ALG2_SIZES: &[(usize, usize, usize, u64)] = &[
     (1, 1, 1, 1),
     (7, 5, 13, 2),
     (5, 3, 6, 6),
     (33, 16, 97, 3),
-    (59, 64, 1025, 4),
+    (67, 64, 1025, 4),
 ];
 
 /// The same shapes kept small enough for the emulator (one OS thread per
-/// CUDA thread, 2 cores): still past the 256-row tile (v = 270).
-const ALG2_SIZES_EMU: &[(usize, usize, usize, u64)] =
-    &[(1, 1, 1, 1), (7, 5, 13, 2), (33, 16, 97, 3), (4, 8, 270, 5)];
+/// CUDA thread, 2 cores): still past every tile (v = 270, n = 70).
+const ALG2_SIZES_EMU: &[(usize, usize, usize, u64)] = &[
+    (1, 1, 1, 1),
+    (7, 5, 13, 2),
+    (33, 16, 97, 3),
+    (4, 8, 270, 5),
+    (70, 3, 37, 7),
+];
 
 /// f32 kernels (dot products of up to 64 terms, f32 sums of up to 1025
 /// `exp`) vs the f64 reference: on top of the rounding of the statistics
@@ -538,69 +559,73 @@ fn alg2_check_rejects_a_shard_with_a_wrong_sum() {
     impl ShardKernels for Broken {
         fn stats(&self, x: &ShardInput<'_>) -> cuda::Result<ShardStats> {
             let mut s = CpuShard.stats(x)?;
-            for v in &mut s.local_sum {
-                *v *= 1.5;
+            for v in &mut s.local_rest {
+                *v = (*v + 1.0) * 1.5 - 1.0;
             }
             Ok(s)
         }
         fn input_partials(
             &self,
             x: &ShardInput<'_>,
-            lse: &[f32],
-            rs: &[f32],
+            rows: &RowInputs<'_>,
         ) -> cuda::Result<(Vec<f32>, Vec<f32>)> {
-            CpuShard.input_partials(x, lse, rs)
+            CpuShard.input_partials(x, rows)
         }
-        fn weight_grad(
-            &self,
-            x: &ShardInput<'_>,
-            lse: &[f32],
-            rs: &[f32],
-        ) -> cuda::Result<Vec<f32>> {
-            CpuShard.weight_grad(x, lse, rs)
+        fn weight_grad(&self, x: &ShardInput<'_>, rows: &RowInputs<'_>) -> cuda::Result<Vec<f32>> {
+            CpuShard.weight_grad(x, rows)
         }
     }
     assert!(check_alg2(&Broken, F32_ROUNDED, ALG2_SIZES, &[1, 2, 3, 5]).is_err());
 }
 
+/// Bad input gets the reference's error before any kernel runs, and an
+/// algorithm the kernels do not implement is refused, never handed on.
 #[test]
-fn alg2_rejects_bad_targets_and_shapes() {
+fn the_op_refuses_bad_input_and_other_algorithms() {
+    static CPU: CpuShard = CpuShard;
+    let op = CudaLinearCrossEntropy::new(&CPU);
     let c = linear_case(4, 3, 10, 9);
+    let h = Array2::from_shape_vec((4, 3), c.hidden.clone())
+        .unwrap()
+        .mapv(f64::from);
+    let w = Array2::from_shape_vec((10, 3), c.weight.clone())
+        .unwrap()
+        .mapv(f64::from);
     let map = ShardMap::new(10, 2, ShardLayout::Uneven).unwrap();
+    let cfg = LossConfig::default();
     let mut t = c.targets.clone();
     t[2] = 10;
-    match alg2_linear_cross_entropy(&CpuShard, &map, &c.hidden, 4, 3, &c.weight, &t, -100) {
-        Err(CudaError::Input(Error::IndexOutOfRange {
+    let sharded = |h: &Array2<f64>, w: &Array2<f64>, t: &[i64], a: ShardedAlgorithm| {
+        op.sharded_linear_cross_entropy(a, &map, h.view(), w.view(), t, &cfg, true)
+    };
+    match sharded(&h, &w, &t, ShardedAlgorithm::Alg2) {
+        Err(Error::IndexOutOfRange {
             field,
             index,
             value,
             ..
-        })) => {
-            assert_eq!((field.as_str(), index, value), ("targets", 2, 10))
-        }
+        }) => assert_eq!((field.as_str(), index, value), ("targets", 2, 10)),
         other => panic!("{other:?}"),
     }
-    match alg2_linear_cross_entropy(
-        &CpuShard,
-        &map,
-        &c.hidden[1..],
-        4,
-        3,
-        &c.weight,
-        &c.targets,
-        -100,
-    ) {
-        Err(CudaError::Input(Error::ShapeMismatch { field, .. })) => assert_eq!(field, "hidden"),
+    match op.linear_cross_entropy(h.view(), w.view(), &t, &cfg, true) {
+        Err(Error::IndexOutOfRange { index, .. }) => assert_eq!(index, 2),
         other => panic!("{other:?}"),
     }
-    let mut w = c.weight.clone();
-    w[7] = f32::INFINITY;
-    match alg2_linear_cross_entropy(&CpuShard, &map, &c.hidden, 4, 3, &w, &c.targets, -100) {
-        Err(CudaError::Input(Error::NonFiniteInput { field, index, .. })) => {
+    let mut w_bad = w.clone();
+    w_bad[[2, 1]] = f64::INFINITY;
+    match sharded(&h, &w_bad, &c.targets, ShardedAlgorithm::Alg2) {
+        Err(Error::NonFiniteInput { field, index, .. }) => {
             assert_eq!((field.as_str(), index), ("weight", 7))
         }
         other => panic!("{other:?}"),
     }
+    for a in [ShardedAlgorithm::Naive, ShardedAlgorithm::Alg1] {
+        match sharded(&h, &w, &c.targets, a) {
+            Err(Error::InvalidArgument { field, .. }) => assert_eq!(field, "algorithm"),
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(op.algorithms(), vec![ShardedAlgorithm::Alg2]);
 }
 
 #[test]

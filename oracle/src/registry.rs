@@ -344,12 +344,13 @@ pub fn attention() -> Vec<Entry<dyn AttentionOp>> {
 }
 
 /// The CUDA kernels (feature `cuda`): on a device, and the same source on
-/// the CPU emulator. Both are judged as `attention_varlen_tiled`: the f32
-/// relative rule against the f64 reference, packed == padded bit for bit
-/// (a sequence's blocks start at its own first token in both forms).
+/// the CPU emulator. The attention kernels are judged as
+/// `attention_varlen_tiled`: the f32 relative rule against the f64
+/// reference, packed == padded bit for bit (a sequence's blocks start at its
+/// own first token in both forms); the output layer as `linear_ce_fused`.
 #[cfg(feature = "cuda")]
 mod cuda {
-    use packshard_optimized::cuda::ops::CudaAttention;
+    use packshard_optimized::cuda::ops::{CudaAttention, CudaLinearCrossEntropy};
     use packshard_optimized::cuda::CudaError;
 
     use super::*;
@@ -378,6 +379,31 @@ mod cuda {
                 fuzz_judge: Judge::Rewrite(Tolerance::F32_REWRITE),
                 needs: Needs::CxxCompiler,
                 make: || Ok(Box::new(CudaAttention::emulated().map_err(unavailable)?)),
+                small: None,
+            },
+        ]
+    }
+
+    pub(super) fn linear_cross_entropy() -> [Entry<dyn LinearCrossEntropyOp>; 2] {
+        [
+            Entry {
+                name: "linear_cross_entropy_cuda",
+                changed: "f32 CUDA kernels compiled by NVRTC at run time: alg2's S pass (a block per token: local max, s - 1, gap, target logit; partials D_i, B_i) and T pass (dW per 32 rows), logits recomputed, never stored; merge in f64 on the host; alg2 only (unsharded = one shard)",
+                precision: Precision::F32,
+                judge: F32_FORMS,
+                fuzz_judge: F32_FUZZ,
+                needs: Needs::CudaDevice,
+                make: || Ok(Box::new(CudaLinearCrossEntropy::gpu().map_err(unavailable)?)),
+                small: None,
+            },
+            Entry {
+                name: "linear_cross_entropy_cuda_emulated",
+                changed: "linear_cross_entropy_cuda's source built by the host C++ compiler and run on the CPU (a thread per CUDA thread, a barrier for __syncthreads): the kernels' logic without a GPU",
+                precision: Precision::F32,
+                judge: F32_FORMS,
+                fuzz_judge: F32_FUZZ,
+                needs: Needs::CxxCompiler,
+                make: || Ok(Box::new(CudaLinearCrossEntropy::emulated().map_err(unavailable)?)),
                 small: None,
             },
         ]
@@ -412,7 +438,8 @@ pub fn cross_entropy() -> Vec<Entry<dyn CrossEntropyOp>> {
 
 /// Every [`LinearCrossEntropyOp`].
 pub fn linear_cross_entropy() -> Vec<Entry<dyn LinearCrossEntropyOp>> {
-    vec![
+    #[allow(unused_mut)]
+    let mut list: Vec<Entry<dyn LinearCrossEntropyOp>> = vec![
         Entry {
             name: REFERENCE,
             changed: "the f64 reference: [n, v] logits, then the cross-entropy; naive, alg1, alg2 on in-process ranks",
@@ -447,7 +474,10 @@ pub fn linear_cross_entropy() -> Vec<Entry<dyn LinearCrossEntropyOp>> {
                 }))
             }),
         },
-    ]
+    ];
+    #[cfg(feature = "cuda")]
+    list.extend(cuda::linear_cross_entropy());
+    list
 }
 
 /// Every [`EmbeddingOp`].

@@ -20,7 +20,7 @@ use std::process::Command;
 use std::sync::{Mutex, OnceLock};
 
 use super::attention::{AttentionKernels, AttnForward, AttnGrads, BackwardCall, Call, Form, Plan};
-use super::vocab::{ShardInput, ShardKernels, ShardStats};
+use super::vocab::{RowInputs, ShardInput, ShardKernels, ShardStats};
 use super::{CudaError, Launch, Result};
 
 /// The shim: the CUDA execution model in C++.
@@ -308,11 +308,11 @@ impl AttentionKernels for Emulator {
     }
 }
 
-/// `hidden, weight, target` and, with `rows`, `lse, row_scale`; then `n, hd, w`.
-fn shard_args(x: &ShardInput<'_>, rows: Option<(&[f32], &[f32])>) -> Vec<Arg> {
+/// `hidden, weight, target` and, with `rows`, the [`RowInputs`]; then `n, hd, w`.
+fn shard_args(x: &ShardInput<'_>, rows: Option<&RowInputs<'_>>) -> Vec<Arg> {
     let mut args = vec![p(x.hidden), p(x.weight), p(x.target)];
-    if let Some((lse, row_scale)) = rows {
-        args.extend([p(lse), p(row_scale)]);
+    if let Some(rows) = rows {
+        args.extend(rows.all().map(p));
     }
     let (n, hd, w) = x.dims32();
     args.extend([Arg::I(n), Arg::I(hd), Arg::I(w)]);
@@ -326,7 +326,8 @@ impl ShardKernels for Emulator {
             let mut args = shard_args(x, None);
             args.extend([
                 pm(&mut st.local_max),
-                pm(&mut st.local_sum),
+                pm(&mut st.local_rest),
+                pm(&mut st.local_gap),
                 pm(&mut st.target_logit),
             ]);
             // SAFETY: the parameter list of `lce_stats`; sizes checked.
@@ -338,13 +339,12 @@ impl ShardKernels for Emulator {
     fn input_partials(
         &self,
         x: &ShardInput<'_>,
-        lse: &[f32],
-        row_scale: &[f32],
+        rows: &RowInputs<'_>,
     ) -> Result<(Vec<f32>, Vec<f32>)> {
         let mut d = vec![0.0f32; x.n * x.hd];
         let mut b = vec![0.0f32; x.n * x.hd];
-        if let Some(l) = x.partials_launch(lse, row_scale)? {
-            let mut args = shard_args(x, Some((lse, row_scale)));
+        if let Some(l) = x.partials_launch(rows)? {
+            let mut args = shard_args(x, Some(rows));
             args.extend([pm(&mut d), pm(&mut b)]);
             // SAFETY: the parameter list of `lce_dx`; sizes checked.
             unsafe { self.run(&l, &mut args)? };
@@ -352,10 +352,10 @@ impl ShardKernels for Emulator {
         Ok((d, b))
     }
 
-    fn weight_grad(&self, x: &ShardInput<'_>, lse: &[f32], row_scale: &[f32]) -> Result<Vec<f32>> {
+    fn weight_grad(&self, x: &ShardInput<'_>, rows: &RowInputs<'_>) -> Result<Vec<f32>> {
         let mut g = vec![0.0f32; x.w * x.hd];
-        if let Some(l) = x.weight_grad_launch(lse, row_scale)? {
-            let mut args = shard_args(x, Some((lse, row_scale)));
+        if let Some(l) = x.weight_grad_launch(rows)? {
+            let mut args = shard_args(x, Some(rows));
             args.push(pm(&mut g));
             // SAFETY: the parameter list of `lce_dw`; sizes checked.
             unsafe { self.run(&l, &mut args)? };

@@ -19,15 +19,18 @@
 //! - [`attention`]: varlen attention forward / backward (FlashAttention-2
 //!   online softmax, saves `lse`, no `[n_tok, n_tok]` mask) and the same
 //!   kernels over one padded row with a boolean mask.
-//! - [`vocab`]: the local statistics and partials of one vocabulary shard
-//!   (Yeung et al., arXiv:2411.05288, Algorithm 2), and the host side of
-//!   `alg2` over a [`packshard_reference::vocab::ShardMap`].
+//! - [`vocab`]: the local statistics, partials and weight gradient of one
+//!   vocabulary shard (Yeung et al., arXiv:2411.05288, Algorithm 2), and the
+//!   host side of `alg2` over a [`packshard_reference::vocab::ShardMap`]
+//!   (every loss option: label smoothing, z-loss, every reduction).
 //! - [`emu`]: the same kernel sources built by the host C++ compiler and run
 //!   on the CPU ([`emu::Emulator`]), so the kernels' logic is checked on
 //!   machines without a GPU.
-//! - [`ops`]: the attention kernels behind [`packshard_reference::ops::AttentionOp`],
+//! - [`ops`]: the attention kernels behind [`packshard_reference::ops::AttentionOp`]
+//!   and the vocabulary kernels behind
+//!   [`packshard_reference::ops::LinearCrossEntropyOp`] (`alg2` only), each
 //!   one adapter over either backend (the GPU or the emulator); the
-//!   registry of `packshard-oracle` lists both.
+//!   registry of `packshard-oracle` lists both backends of both.
 //!
 //! Both backends run the same launches: the host code computes each
 //! [`Launch`] (entry point, grid, threads, shared memory) once
@@ -70,7 +73,7 @@ pub const ATTENTION: KernelSource = KernelSource {
 pub const VOCAB: KernelSource = KernelSource {
     name: "vocab",
     summary:
-        "fused linear cross-entropy of one vocab shard, f32: alg2 local max / sum-exp / \
+        "fused linear cross-entropy of one vocab shard, f32: alg2 local max / s - 1 / gap / \
               target logit, input-gradient partials D_i and B_i, weight gradient; logits recomputed",
     source: include_str!("vocab.cu"),
     entry_points: &["lce_stats", "lce_dx", "lce_dw"],

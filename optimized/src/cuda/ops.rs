@@ -1,8 +1,10 @@
-//! The CUDA attention kernels as an [`AttentionOp`]: one adapter,
-//! [`CudaAttention`], over either backend of [`AttentionKernels`] — the GPU
-//! ([`Gpu`], device 0) or the CPU emulator of the same source
-//! ([`Emulator`]). `packshard-oracle`'s registry lists both
-//! (`attention_varlen_cuda`, `attention_varlen_cuda_emulated`).
+//! The CUDA kernels as ops: the attention kernels as an [`AttentionOp`],
+//! one adapter, [`CudaAttention`], over either backend of
+//! [`AttentionKernels`] — the GPU ([`Gpu`], device 0) or the CPU emulator of
+//! the same source ([`Emulator`]); `packshard-oracle`'s registry lists both
+//! (`attention_varlen_cuda`, `attention_varlen_cuda_emulated`). The
+//! vocabulary kernels likewise as a [`LinearCrossEntropyOp`],
+//! [`CudaLinearCrossEntropy`] (see its docs).
 //!
 //! At the boundary as every f32 kernel: `q, k, v` (and the saved forward,
 //! `grad_output`) rounded to f32 on entry, refusing finite values beyond
@@ -15,17 +17,25 @@
 
 use std::sync::OnceLock;
 
-use ndarray::{Array2, Array3, ArrayView2, ArrayView3};
+use ndarray::{Array2, Array3, ArrayView2, ArrayView3, Axis};
 use packshard_reference::attention::{
     check_mask_shape, check_varlen, AttentionGrads, AttentionOutput,
 };
-use packshard_reference::ops::{AttentionOp, AttentionSupport, Varlen};
+use packshard_reference::ops::{
+    check_algorithm, AttentionOp, AttentionSupport, LinearCrossEntropyOp, LinearLoss, Varlen,
+};
+use packshard_reference::vocab::cross_entropy::CrossEntropy;
+use packshard_reference::vocab::sharded::{check_inputs, ShardedLoss};
+use packshard_reference::vocab::{LossConfig, ShardLayout, ShardMap, ShardedAlgorithm};
 use packshard_reference::{Error, Result};
 
 use super::attention::{AttentionKernels, AttnForward, AttnShape, BackwardCall, Call, Form};
 use super::emu::Emulator;
+use super::vocab::{self, ShardKernels};
 use super::{CudaError, Gpu};
+use crate::convert::{to_f32, to_f32_real};
 use crate::ops::scalar_attention::{inputs, saved, widen, widen_grads};
+use crate::vocab::{check_linear, check_linear_inputs};
 
 /// The CUDA attention kernels on backend `B` (see the module docs).
 pub struct CudaAttention<B: AttentionKernels + 'static> {
@@ -46,13 +56,8 @@ impl CudaAttention<Gpu> {
     /// [`CudaError::NoNvrtc`] / [`CudaError::NoDevice`] where there is no
     /// GPU stack ([`CudaError::is_unavailable`]), else compile or driver errors.
     pub fn gpu() -> std::result::Result<Self, CudaError> {
-        static GPU: OnceLock<std::result::Result<Gpu, CudaError>> = OnceLock::new();
-        let gpu = GPU.get_or_init(|| {
-            super::nvrtc_ready();
-            Gpu::new(0)
-        });
         Ok(CudaAttention {
-            kernels: gpu.as_ref().map_err(Clone::clone)?,
+            kernels: shared_gpu()?,
         })
     }
 }
@@ -71,9 +76,22 @@ impl CudaAttention<Emulator> {
     }
 }
 
+/// Device 0, opened (and every kernel compiled by NVRTC) once per process
+/// for every op of this module; NVRTC preloaded from [`super::nvrtc_dir`]
+/// if need be.
+fn shared_gpu() -> std::result::Result<&'static Gpu, CudaError> {
+    static GPU: OnceLock<std::result::Result<Gpu, CudaError>> = OnceLock::new();
+    GPU.get_or_init(|| {
+        super::nvrtc_ready();
+        Gpu::new(0)
+    })
+    .as_ref()
+    .map_err(Clone::clone)
+}
+
 /// A backend error as the reference's: input errors as they are, the
 /// backend's own (driver, emulator) as `InvalidArgument` on `device`.
-fn reference_error(e: CudaError) -> Error {
+pub(crate) fn reference_error(e: CudaError) -> Error {
     match e {
         CudaError::Input(e) => e,
         other => Error::invalid("device", other.to_string()),
@@ -246,5 +264,138 @@ impl<B: AttentionKernels + 'static> AttentionOp for CudaAttention<B> {
     ) -> Result<AttentionGrads> {
         let (x, a) = Self::masked(&q, &k, &v, &allowed)?;
         self.backward(x, Form::Masked(&a), scale, fwd, grad_output)
+    }
+}
+
+// ---- the output layer ----------------------------------------------------------
+
+/// The CUDA vocabulary-shard kernels as a [`LinearCrossEntropyOp`]: `alg2`
+/// (Yeung et al., arXiv:2411.05288, Algorithm 2) over either backend of
+/// [`ShardKernels`] — the GPU ([`Gpu`], device 0) or the CPU emulator
+/// ([`Emulator`]); the unsharded form is `alg2` over one shard.
+/// `packshard-oracle`'s registry lists both (`linear_cross_entropy_cuda`,
+/// `linear_cross_entropy_cuda_emulated`).
+///
+/// Every [`LossConfig`] (`ignore_index`, label smoothing in either
+/// convention, z-loss, every reduction); `naive` and `alg1` are declared
+/// unsupported ([`LinearCrossEntropyOp::algorithms`]) and refused, as is a
+/// hidden size whose row does not fit the kernels' 48 KiB of shared memory.
+/// At the boundary as every f32 kernel: inputs rounded to f32 (finite
+/// values beyond its range refused), the reference's checks and errors;
+/// `dL/dlogits` is never materialized (`None`).
+pub struct CudaLinearCrossEntropy<B: ShardKernels + 'static> {
+    kernels: &'static B,
+}
+
+impl<B: ShardKernels + std::fmt::Debug + 'static> std::fmt::Debug for CudaLinearCrossEntropy<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("CudaLinearCrossEntropy")
+            .field(self.kernels)
+            .finish()
+    }
+}
+
+impl<B: ShardKernels + 'static> CudaLinearCrossEntropy<B> {
+    /// Over any implementation of the shard kernels (the tests' CPU stand-in).
+    pub fn new(kernels: &'static B) -> Self {
+        CudaLinearCrossEntropy { kernels }
+    }
+}
+
+impl CudaLinearCrossEntropy<Gpu> {
+    /// On device 0 (shared with [`CudaAttention::gpu`]).
+    ///
+    /// # Errors
+    /// As [`CudaAttention::gpu`].
+    pub fn gpu() -> std::result::Result<Self, CudaError> {
+        Ok(Self::new(shared_gpu()?))
+    }
+}
+
+impl CudaLinearCrossEntropy<Emulator> {
+    /// On the CPU emulator.
+    ///
+    /// # Errors
+    /// As [`CudaAttention::emulated`].
+    pub fn emulated() -> std::result::Result<Self, CudaError> {
+        Ok(Self::new(Emulator::get()?))
+    }
+}
+
+impl<B: ShardKernels + Sync + 'static> LinearCrossEntropyOp for CudaLinearCrossEntropy<B> {
+    /// `alg2` only.
+    fn algorithms(&self) -> Vec<ShardedAlgorithm> {
+        vec![ShardedAlgorithm::Alg2]
+    }
+
+    fn linear_cross_entropy(
+        &self,
+        hidden: ArrayView2<f64>,
+        weight: ArrayView2<f64>,
+        targets: &[i64],
+        config: &LossConfig,
+        want_grad: bool,
+    ) -> Result<LinearLoss> {
+        let x = to_f32("hidden", hidden)?;
+        let w = to_f32("weight", weight)?;
+        check_linear_inputs(x.view(), w.view(), targets, config)?;
+        let map = ShardMap::new(w.nrows(), 1, ShardLayout::Uneven)?;
+        let mut l = vocab::sharded_linear_cross_entropy(
+            self.kernels,
+            &map,
+            x.view(),
+            w.view(),
+            targets,
+            config,
+            want_grad,
+        )
+        .map_err(reference_error)?;
+        let r = l.ranks.swap_remove(0);
+        let num_tokens = config
+            .targets(targets, map.vocab_size())?
+            .iter()
+            .flatten()
+            .count();
+        Ok(LinearLoss {
+            ce: CrossEntropy {
+                loss: r.loss,
+                per_token_loss: r.per_token_loss,
+                stats: r.global,
+                num_tokens,
+                grad_logits: None,
+            },
+            grad_hidden: r.grad_hidden,
+            grad_weight: r.grad_weight,
+            logits_buffer_bytes: None,
+        })
+    }
+
+    fn sharded_linear_cross_entropy(
+        &self,
+        algorithm: ShardedAlgorithm,
+        map: &ShardMap,
+        hidden: ArrayView2<f64>,
+        weight: ArrayView2<f64>,
+        targets: &[i64],
+        config: &LossConfig,
+        want_grad: bool,
+    ) -> Result<ShardedLoss> {
+        check_algorithm(&self.algorithms(), algorithm)?;
+        let v = map.vocab_size();
+        let x = to_f32("hidden", hidden)?;
+        let w = to_f32_real("weight", weight, Axis(0), v)?;
+        map.check_width("weight", w.nrows(), w.shape(), "[v, h]")?;
+        check_inputs(x.nrows(), targets, config, v)?;
+        check_linear(x.view(), w.view(), v, 0)?;
+        vocab::sharded_linear_cross_entropy(
+            self.kernels,
+            map,
+            x.view(),
+            w.view(),
+            targets,
+            config,
+            want_grad,
+        )
+        .map_err(reference_error)
     }
 }

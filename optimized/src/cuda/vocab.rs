@@ -1,47 +1,60 @@
 //! Host side of the vocabulary-shard kernels (`vocab.cu`) and the `alg2`
 //! driver over a [`ShardMap`] (Yeung et al., "Vocabulary Parallelism",
-//! arXiv:2411.05288, Algorithm 2).
+//! arXiv:2411.05288, Algorithm 2; the reference's `sharded` module).
 //!
 //! Shapes: `hidden: [n, hd]` (replicated), `weight: [v, hd]` (the real rows
 //! of the whole output weight; shard `r` holds rows `start_r ..
 //! start_r + real_r`), `targets: [n]` global ids or `ignore_index`.
 //!
-//! One shard's work ([`ShardKernels`], run on the GPU by [`Gpu`]):
-//! 1. S pass statistics: `m_i = max_j z_j`, `s_i = Σ_j exp(z_j - m_i)`, the
-//!    target logit where the target is local ([`ShardStats`]).
-//! 2. S pass partials against the local softmax (`lse_i = m_i + ln s_i`):
-//!    `D_i = w (softmax'_i - q_i) W_i`, `B_i = w q_i W_i` (`w` the token's
-//!    loss weight).
-//! 3. The one all-reduce: the merge here in f64, `m = max m_i`, `S = Σ s_i
-//!    exp(m_i - m)`, `alpha_i = s_i exp(m_i - m) / S`, `∂L/∂x = Σ alpha_i D_i
-//!    + Σ (alpha_i - 1) B_i`.
-//! 4. T pass, no communication: `∂L/∂W_i` from `∂L/∂z_i = w (softmax - q)`
-//!    with the global `lse`.
+//! One shard's work ([`ShardKernels`], run on the GPU by [`Gpu`], on the CPU
+//! by [`super::emu::Emulator`]):
+//! 1. S pass statistics ([`ShardStats`]): `m_i = max_j z_j`, `s_i - 1`, the
+//!    gap `Σ_j (m_i - z_j)` and the target logit where the target is local;
+//!    the host forms the reference's [`SoftmaxStats`] from them (target term
+//!    `q_other gap + (q_target - q_other) (m_i - z_t)`).
+//! 2. S pass partials against the local softmax: `D_i = (softmax'_i - q_i)
+//!    W_i`, `B_i = q_i W_i` (and with the z-loss `A_i = D_i + B_i`), into the
+//!    reference's record `[stats, s_i D_i, B_i (, s_i A_i)]`.
+//! 3. The one barrier: the reference's merge ([`Alg2Record`]) over the
+//!    reference's in-process collective, in f64: the global statistics, the
+//!    losses and `∂L/∂x`.
+//! 4. T pass, no communication: `∂L/∂W_i` from `∂L/∂z_i = w (p - q + 2 c lse
+//!    p)` against the global statistics.
 //!
-//! Supported options: `ignore_index` and the `mean` reduction over the
-//! non-ignored tokens (the common training setting); label smoothing and
-//! z-loss are not implemented on the GPU.
+//! Every [`LossConfig`] is supported: `ignore_index`, label smoothing in
+//! either convention, z-loss, every reduction. Kernel launches stay on the
+//! calling thread; only the merge runs on the `p` in-process ranks.
 
 use cudarc::driver::{CudaSlice, LaunchArgs, PushKernelArg};
-use packshard_reference::vocab::ShardMap;
+use ndarray::{s, Array2, ArrayView2};
+use packshard_reference::vocab::cross_entropy::{check_row, token_loss, STATS_WIDTH};
+use packshard_reference::vocab::sharded::{Alg2Record, RankLoss, ShardedLoss};
+use packshard_reference::vocab::{run_ranks, LossConfig, ShardMap, SoftmaxStats};
 use packshard_reference::Error;
 
-use super::{check_finite32, check_len, driver, to_i32, Gpu, Launch, Result};
+use super::{check_len, driver, to_i32, CudaError, Gpu, Launch, Result};
 
-/// Threads per block of every vocab kernel (`THREADS` of the source).
-const THREADS: u32 = 256;
+/// Threads per block of every vocab kernel (a power of two: the tree
+/// merge of `lce_stats`).
+const THREADS: u32 = 128;
 /// Vocabulary rows staged per step of `lce_dx` (`TILE_V`).
 const TILE_V: usize = 256;
 /// Tokens staged per step of `lce_dw` (`TILE_N`).
-const TILE_N: usize = 256;
+const TILE_N: usize = 64;
+/// Vocabulary rows per block of `lce_dw` (`DW_ROWS`).
+const DW_ROWS: usize = 32;
+/// Dynamic shared memory a block may use (the default limit without opt-in).
+const MAX_SHARED: usize = 48 * 1024;
 
 /// The S pass statistics of one shard, each `[n]`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ShardStats {
     /// `m_i`: the largest local logit (`-inf` for an empty shard).
     pub local_max: Vec<f32>,
-    /// `s_i = Σ_j exp(z_j - m_i)` (0 for an empty shard).
-    pub local_sum: Vec<f32>,
+    /// `s_i - 1` with `s_i = Σ_j exp(z_j - m_i)` (`-1` for an empty shard).
+    pub local_rest: Vec<f32>,
+    /// `Σ_j (m_i - z_j) >= 0` (0 for an empty shard).
+    pub local_gap: Vec<f32>,
     /// `z_t` where the target is in this shard, else 0 (unused).
     pub target_logit: Vec<f32>,
 }
@@ -64,6 +77,39 @@ pub struct ShardInput<'a> {
     pub w: usize,
 }
 
+/// What the gradient kernels take per token, each `[n]`: the target
+/// distribution, the statistics the gradient is formed against, the loss
+/// weight and the z-loss factor.
+#[derive(Debug, Clone, Copy)]
+pub struct RowInputs<'a> {
+    /// `q` on the target (0 for an ignored token).
+    pub q_target: &'a [f32],
+    /// `q` on every other class (label smoothing; 0 without).
+    pub q_other: &'a [f32],
+    /// The maximum `m` of the statistics.
+    pub row_max: &'a [f32],
+    /// `s - 1` of the statistics.
+    pub row_rest: &'a [f32],
+    /// The token's loss weight (1 for the S pass partials).
+    pub row_scale: &'a [f32],
+    /// `2 c lse` (the z-loss term of the gradient), or 0.
+    pub row_zl: &'a [f32],
+}
+
+impl RowInputs<'_> {
+    /// In the kernels' parameter order.
+    pub fn all(&self) -> [&[f32]; 6] {
+        [
+            self.q_target,
+            self.q_other,
+            self.row_max,
+            self.row_rest,
+            self.row_scale,
+            self.row_zl,
+        ]
+    }
+}
+
 /// The three per-shard kernels, so the `alg2` driver runs on the GPU
 /// ([`Gpu`]), on the CPU emulator ([`super::emu::Emulator`]) or on a CPU
 /// stand-in in tests.
@@ -73,22 +119,23 @@ pub trait ShardKernels {
     /// # Errors
     /// Driver errors.
     fn stats(&self, x: &ShardInput<'_>) -> Result<ShardStats>;
-    /// S pass partials `(D_i, B_i)`, each `[n, hd]`, against `lse: [n]`
-    /// with loss weights `row_scale: [n]`.
+    /// S pass partials `(dpart, bpart)`, each `[n, hd]`: `dpart = Σ_j g_j
+    /// W_j` with `g = row_scale (p - q + row_zl p)` against the statistics
+    /// of `rows`, `bpart = Σ_j q_j W_j`.
     ///
     /// # Errors
     /// Driver errors.
     fn input_partials(
         &self,
         x: &ShardInput<'_>,
-        lse: &[f32],
-        row_scale: &[f32],
+        rows: &RowInputs<'_>,
     ) -> Result<(Vec<f32>, Vec<f32>)>;
-    /// T pass weight gradient `[w, hd]` against the global `lse: [n]`.
+    /// T pass weight gradient `[w, hd]`: `Σ_n g_nj hidden[n]`, `g` as in
+    /// [`ShardKernels::input_partials`].
     ///
     /// # Errors
     /// Driver errors.
-    fn weight_grad(&self, x: &ShardInput<'_>, lse: &[f32], row_scale: &[f32]) -> Result<Vec<f32>>;
+    fn weight_grad(&self, x: &ShardInput<'_>, rows: &RowInputs<'_>) -> Result<Vec<f32>>;
 }
 
 impl ShardStats {
@@ -97,7 +144,8 @@ impl ShardStats {
     pub fn empty(n: usize) -> ShardStats {
         ShardStats {
             local_max: vec![f32::NEG_INFINITY; n],
-            local_sum: vec![0.0; n],
+            local_rest: vec![-1.0; n],
+            local_gap: vec![0.0; n],
             target_logit: vec![0.0; n],
         }
     }
@@ -111,21 +159,36 @@ impl ShardInput<'_> {
         to_i32("n", self.n)?;
         to_i32("hd", self.hd)?;
         to_i32("w", self.w)?;
-        if self.hd == 0 {
-            return Err(Error::invalid("hd", "the hidden size is 0").into());
-        }
-        if (self.hd + 2 * THREADS as usize) * 4 > 48 * 1024 {
-            return Err(
-                Error::invalid("hd", "hidden size over 10240 (48 KiB of shared memory)").into(),
-            );
+        if (self.hd + 4 * THREADS as usize) * 4 > MAX_SHARED {
+            return Err(Error::invalid(
+                "hidden",
+                format!(
+                    "hidden size {} over {} (48 KiB of shared memory)",
+                    self.hd,
+                    MAX_SHARED / 4 - 4 * THREADS as usize
+                ),
+            )
+            .into());
         }
         Ok(())
     }
 
-    fn check_rows(&self, lse: &[f32], row_scale: &[f32]) -> Result<()> {
+    fn check_rows(&self, rows: &RowInputs<'_>) -> Result<()> {
         self.check()?;
-        check_len("lse", lse, &[self.n], "[n]")?;
-        check_len("row_scale", row_scale, &[self.n], "[n]")
+        for (name, r) in [
+            "q_target",
+            "q_other",
+            "row_max",
+            "row_rest",
+            "row_scale",
+            "row_zl",
+        ]
+        .into_iter()
+        .zip(rows.all())
+        {
+            check_len(name, r, &[self.n], "[n]")?;
+        }
+        Ok(())
     }
 
     /// The `(n, hd, w)` arguments of every kernel (checked to fit `int`).
@@ -134,14 +197,14 @@ impl ShardInput<'_> {
     }
 
     /// A launch of `THREADS` threads per block over `blocks` blocks with
-    /// `hd + extra` floats of shared memory, or `None` when there is nothing
-    /// to launch (no tokens or no rows).
-    fn launch(&self, entry: &'static str, blocks: usize, extra: usize) -> Option<Launch> {
+    /// `floats` floats of shared memory, or `None` when there is nothing to
+    /// launch (no tokens or no rows).
+    fn launch(&self, entry: &'static str, blocks: usize, floats: usize) -> Option<Launch> {
         (self.n > 0 && self.w > 0).then(|| Launch {
             entry,
             grid: (blocks as u32, 1, 1),
             block: THREADS,
-            shared_bytes: ((self.hd + extra) * 4) as u32,
+            shared_bytes: (floats * 4) as u32,
         })
     }
 
@@ -153,7 +216,7 @@ impl ShardInput<'_> {
     /// Shape errors naming the field.
     pub fn stats_launch(&self) -> Result<Option<Launch>> {
         self.check()?;
-        Ok(self.launch("lce_stats", self.n, 2 * THREADS as usize))
+        Ok(self.launch("lce_stats", self.n, self.hd + 4 * THREADS as usize))
     }
 
     /// Checks the inputs of [`ShardKernels::input_partials`]; its `lce_dx`
@@ -161,58 +224,74 @@ impl ShardInput<'_> {
     ///
     /// # Errors
     /// Shape errors naming the field.
-    pub fn partials_launch(&self, lse: &[f32], row_scale: &[f32]) -> Result<Option<Launch>> {
-        self.check_rows(lse, row_scale)?;
-        Ok(self.launch("lce_dx", self.n, TILE_V))
+    pub fn partials_launch(&self, rows: &RowInputs<'_>) -> Result<Option<Launch>> {
+        self.check_rows(rows)?;
+        Ok(self.launch("lce_dx", self.n, self.hd + 2 * TILE_V))
     }
 
     /// Checks the inputs of [`ShardKernels::weight_grad`]; its `lce_dw`
-    /// launch (a block per row), or `None` (the gradient is 0).
+    /// launch (a block per `DW_ROWS` rows), or `None` (the gradient is 0).
     ///
     /// # Errors
     /// Shape errors naming the field.
-    pub fn weight_grad_launch(&self, lse: &[f32], row_scale: &[f32]) -> Result<Option<Launch>> {
-        self.check_rows(lse, row_scale)?;
-        Ok(self.launch("lce_dw", self.w, TILE_N))
+    pub fn weight_grad_launch(&self, rows: &RowInputs<'_>) -> Result<Option<Launch>> {
+        self.check_rows(rows)?;
+        Ok(self.launch("lce_dw", self.w.div_ceil(DW_ROWS), DW_ROWS * TILE_N))
     }
 }
 
-/// One shard's inputs on the device: `hidden, weight, target`, with
-/// `lse, row_scale` for the gradient kernels, and the sizes `n, hd, w`.
+/// Copies `x` to the device (one element for an empty slice: the driver
+/// refuses zero-byte buffers; the kernels never read it).
+fn upload<T: cudarc::driver::DeviceRepr + Default + Clone>(
+    gpu: &Gpu,
+    what: &str,
+    x: &[T],
+) -> Result<CudaSlice<T>> {
+    let s = gpu.stream();
+    if x.is_empty() {
+        driver(what, s.clone_htod(&[T::default()]))
+    } else {
+        driver(what, s.clone_htod(x))
+    }
+}
+
+/// One shard's inputs on the device: `hidden, weight, target`, with the
+/// [`RowInputs`] for the gradient kernels, and the sizes `n, hd, w`.
 struct ShardBuffers {
     tensors: [CudaSlice<f32>; 2],
     target: CudaSlice<i32>,
-    rows: Option<[CudaSlice<f32>; 2]>,
+    rows: Vec<CudaSlice<f32>>,
     dims: [i32; 3],
 }
 
 impl ShardBuffers {
-    fn upload(gpu: &Gpu, x: &ShardInput<'_>, rows: Option<(&[f32], &[f32])>) -> Result<Self> {
-        let s = gpu.stream();
+    fn upload(gpu: &Gpu, x: &ShardInput<'_>, rows: Option<&RowInputs<'_>>) -> Result<Self> {
         let (n, hd, w) = x.dims32();
+        let rows = match rows {
+            Some(r) => r
+                .all()
+                .iter()
+                .map(|r| upload(gpu, "copy row inputs", r))
+                .collect::<Result<_>>()?,
+            None => Vec::new(),
+        };
         Ok(ShardBuffers {
             tensors: [
-                driver("copy hidden", s.clone_htod(x.hidden))?,
-                driver("copy weight", s.clone_htod(x.weight))?,
+                upload(gpu, "copy hidden", x.hidden)?,
+                upload(gpu, "copy weight", x.weight)?,
             ],
-            target: driver("copy targets", s.clone_htod(x.target))?,
-            rows: match rows {
-                Some((lse, row_scale)) => Some([
-                    driver("copy lse", s.clone_htod(lse))?,
-                    driver("copy row_scale", s.clone_htod(row_scale))?,
-                ]),
-                None => None,
-            },
+            target: upload(gpu, "copy targets", x.target)?,
+            rows,
             dims: [n, hd, w],
         })
     }
 
-    /// Pushes `hidden, weight, target[, lse, row_scale], n, hd, w`.
+    /// Pushes `hidden, weight, target[, rows...], n, hd, w`.
     fn push<'a>(&'a self, b: &mut LaunchArgs<'a>) {
         b.arg(&self.tensors[0])
             .arg(&self.tensors[1])
             .arg(&self.target);
-        for r in self.rows.iter().flatten() {
+        for r in &self.rows {
             b.arg(r);
         }
         for d in &self.dims {
@@ -230,33 +309,40 @@ impl ShardKernels for Gpu {
         let n = x.n;
         let s = self.stream();
         let inputs = ShardBuffers::upload(self, x, None)?;
-        let mut m = driver("alloc local_max", s.alloc_zeros::<f32>(n))?;
-        let mut l_sum = driver("alloc local_sum", s.alloc_zeros::<f32>(n))?;
-        let mut z = driver("alloc target_logit", s.alloc_zeros::<f32>(n))?;
+        let mut out = Vec::with_capacity(4);
+        for what in ["local_max", "local_rest", "local_gap", "target_logit"] {
+            out.push(driver(what, s.alloc_zeros::<f32>(n))?);
+        }
         let f = self.function("vocab", l.entry)?;
         let mut b = s.launch_builder(&f);
         inputs.push(&mut b);
-        b.arg(&mut m).arg(&mut l_sum).arg(&mut z);
+        for o in out.iter_mut() {
+            b.arg(o);
+        }
         // SAFETY: matches `lce_stats`; sizes checked by `stats_launch`.
         driver("launch lce_stats", unsafe { b.launch(l.config()) })?;
+        let mut back = out
+            .iter()
+            .map(|o| driver("copy statistics back", s.clone_dtoh(o)));
+        let mut next = || back.next().expect("four outputs");
         Ok(ShardStats {
-            local_max: driver("copy local_max back", s.clone_dtoh(&m))?,
-            local_sum: driver("copy local_sum back", s.clone_dtoh(&l_sum))?,
-            target_logit: driver("copy target_logit back", s.clone_dtoh(&z))?,
+            local_max: next()?,
+            local_rest: next()?,
+            local_gap: next()?,
+            target_logit: next()?,
         })
     }
 
     fn input_partials(
         &self,
         x: &ShardInput<'_>,
-        lse: &[f32],
-        row_scale: &[f32],
+        rows: &RowInputs<'_>,
     ) -> Result<(Vec<f32>, Vec<f32>)> {
-        let Some(l) = x.partials_launch(lse, row_scale)? else {
+        let Some(l) = x.partials_launch(rows)?.filter(|_| x.hd > 0) else {
             return Ok((vec![0.0; x.n * x.hd], vec![0.0; x.n * x.hd]));
         };
         let s = self.stream();
-        let inputs = ShardBuffers::upload(self, x, Some((lse, row_scale)))?;
+        let inputs = ShardBuffers::upload(self, x, Some(rows))?;
         let mut dp = driver("alloc dpart", s.alloc_zeros::<f32>(x.n * x.hd))?;
         let mut bp = driver("alloc bpart", s.alloc_zeros::<f32>(x.n * x.hd))?;
         let f = self.function("vocab", l.entry)?;
@@ -271,12 +357,12 @@ impl ShardKernels for Gpu {
         ))
     }
 
-    fn weight_grad(&self, x: &ShardInput<'_>, lse: &[f32], row_scale: &[f32]) -> Result<Vec<f32>> {
-        let Some(l) = x.weight_grad_launch(lse, row_scale)? else {
+    fn weight_grad(&self, x: &ShardInput<'_>, rows: &RowInputs<'_>) -> Result<Vec<f32>> {
+        let Some(l) = x.weight_grad_launch(rows)?.filter(|_| x.hd > 0) else {
             return Ok(vec![0.0; x.w * x.hd]);
         };
         let s = self.stream();
-        let inputs = ShardBuffers::upload(self, x, Some((lse, row_scale)))?;
+        let inputs = ShardBuffers::upload(self, x, Some(rows))?;
         let mut gw = driver("alloc grad_weight", s.alloc_zeros::<f32>(x.w * x.hd))?;
         let f = self.function("vocab", l.entry)?;
         let mut b = s.launch_builder(&f);
@@ -288,209 +374,215 @@ impl ShardKernels for Gpu {
     }
 }
 
-/// What `alg2` returns; `f64` after the f64 merge.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Alg2Output {
-    /// Mean loss over the non-ignored tokens (0 when there are none).
-    pub loss: f64,
-    /// `[n]`: per-token loss `lse - z_t` (0 for ignored tokens).
-    pub per_token_loss: Vec<f64>,
-    /// `[n]`: global `logsumexp`.
-    pub logsumexp: Vec<f64>,
-    /// `[p][n]`: each shard's `(m_i, s_i)` as it entered the all-reduce.
-    pub local: Vec<Vec<(f64, f64)>>,
-    /// `[n, hd]`: `∂L/∂hidden`.
-    pub grad_hidden: Vec<f64>,
-    /// `[v, hd]`: `∂L/∂W`, the shards' rows in vocabulary order.
-    pub grad_weight: Vec<f64>,
-    /// Tokens counted by the mean.
-    pub num_tokens: usize,
+// ---- the alg2 driver ---------------------------------------------------------
+
+/// The reference's [`SoftmaxStats`] of token `i` of a shard of `real` rows
+/// from the kernel's statistics: target term `q_other gap + (q_target -
+/// q_other) (m - z_t)`, mass `q_other real + (q_target - q_other)` (the
+/// second terms only where the target is local), in f64.
+fn local_stats(
+    st: &ShardStats,
+    i: usize,
+    q: Option<(f64, f64)>,
+    local: bool,
+    real: usize,
+) -> SoftmaxStats {
+    if real == 0 {
+        return SoftmaxStats::EMPTY;
+    }
+    let max = f64::from(st.local_max[i]);
+    let (target, mass) = match q {
+        None => (0.0, 0.0),
+        Some((qt, qo)) => {
+            let mut target = qo * f64::from(st.local_gap[i]);
+            let mut mass = qo * real as f64;
+            if local {
+                target += (qt - qo) * (max - f64::from(st.target_logit[i]));
+                mass += qt - qo;
+            }
+            (target, mass)
+        }
+    };
+    SoftmaxStats {
+        max,
+        rest: f64::from(st.local_rest[i]),
+        target,
+        mass,
+    }
 }
 
-/// Runs `alg2` over the shards of `map` with `kernels` for each shard's
-/// work and the merge (the one all-reduce) in f64 on the host.
+/// `alg2` over the shards of `map` with `kernels` for each shard's work:
+/// `hidden: [n, hd]`, `weight: [k, hd]` (`k >= v`; only the real rows `..v`
+/// are read), `targets: [n]`; every rank's results as the reference's
+/// `sharded_linear_cross_entropy` gives them (no `∂L/∂z`: the kernels never
+/// hold the logits).
 ///
-/// `hidden: [n, hd]`, `weight: [v, hd]`, `targets: [n]`.
+/// The caller has validated the inputs as the reference does (shapes,
+/// finite values, targets, `config`); this checks the targets again.
 ///
 /// # Errors
-/// Shape errors naming the field, [`Error::IndexOutOfRange`] for a target
-/// outside `0..v` that is not `ignore_index`, non-finite inputs
-/// ([`Error::NonFiniteInput`]), a target whose logit is not finite in f32,
-/// and the kernels' errors.
-#[allow(clippy::too_many_arguments)]
-pub fn alg2_linear_cross_entropy(
+/// Target errors as the reference, the kernels' errors.
+pub fn sharded_linear_cross_entropy(
     kernels: &dyn ShardKernels,
     map: &ShardMap,
-    hidden: &[f32],
-    n: usize,
-    hd: usize,
-    weight: &[f32],
+    hidden: ArrayView2<f32>,
+    weight: ArrayView2<f32>,
     targets: &[i64],
-    ignore_index: i64,
-) -> Result<Alg2Output> {
+    config: &LossConfig,
+    want_grad: bool,
+) -> Result<ShardedLoss> {
+    let (n, hd) = hidden.dim();
     let v = map.vocab_size();
-    check_len("hidden", hidden, &[n, hd], "[n, hd]")?;
-    check_len("weight", weight, &[v, hd], "[v, hd]")?;
-    check_len("targets", targets, &[n], "[n]")?;
-    if hd == 0 {
-        return Err(Error::invalid("hd", "the hidden size is 0").into());
-    }
-    check_finite32("hidden", hidden)?;
-    check_finite32("weight", weight)?;
-    for (index, &t) in targets.iter().enumerate() {
-        if t != ignore_index && !(0..v as i64).contains(&t) {
-            return Err(Error::IndexOutOfRange {
-                field: "targets".into(),
-                index,
-                value: t,
-                lo: 0,
-                hi: v as i64,
-            }
-            .into());
-        }
-    }
-    let count = targets.iter().filter(|&&t| t != ignore_index).count();
-    let scale = if count > 0 { 1.0 / count as f64 } else { 0.0 };
-    let row_scale: Vec<f32> = targets
+    let hidden = hidden.as_standard_layout();
+    let hidden = hidden.as_slice().expect("standard layout");
+    let weight = weight.slice(s![..v, ..]);
+    let weight = weight.as_standard_layout();
+    let weight = weight.as_slice().expect("standard layout");
+    let parsed = config.targets(targets, v)?;
+    let (qt, qo) = config.target_distribution(v);
+    let token_weights = config.token_weights(&parsed);
+    let q = |i: usize| parsed[i].map(|_| (qt, qo));
+    let q_target: Vec<f32> = parsed
         .iter()
-        .map(|&t| if t == ignore_index { 0.0 } else { scale as f32 })
+        .map(|t| if t.is_some() { qt as f32 } else { 0.0 })
         .collect();
-    let shards = map.shards();
-    let p = shards.len();
-
-    // S pass on every shard.
-    let mut inputs = Vec::with_capacity(p);
-    for sh in &shards {
-        let rows = &weight[sh.start.min(v) * hd..(sh.start + sh.real).min(v) * hd];
-        let target: Vec<i32> = targets
-            .iter()
-            .map(|&t| {
-                let t = t as i128 - sh.start as i128;
-                if t >= 0 && (t as usize) < sh.real {
-                    t as i32
-                } else {
-                    -1
-                }
-            })
-            .collect();
-        inputs.push((rows, target, sh.real));
-    }
-    // Ignored targets must never match a row: `ignore_index` may lie in 0..v
-    // only if the caller chose so, and then it is still ignored.
-    for (_, target, _) in inputs.iter_mut() {
-        for (i, &t) in targets.iter().enumerate() {
-            if t == ignore_index {
-                target[i] = -1;
-            }
-        }
-    }
-    let inp = |r: usize| ShardInput {
-        hidden,
-        weight: inputs[r].0,
-        target: &inputs[r].1,
-        n,
-        hd,
-        w: inputs[r].2,
-    };
-    let mut stats = Vec::with_capacity(p);
-    let mut partials = Vec::with_capacity(p);
-    for r in 0..p {
-        let st = kernels.stats(&inp(r))?;
-        let lse_local: Vec<f32> = st
-            .local_max
-            .iter()
-            .zip(&st.local_sum)
-            .map(|(&m, &s)| {
-                if s > 0.0 {
-                    m + s.ln()
-                } else {
-                    f32::NEG_INFINITY
-                }
-            })
-            .collect();
-        partials.push(kernels.input_partials(&inp(r), &lse_local, &row_scale)?);
-        stats.push(st);
-    }
-
-    // The all-reduce of (m_i, s_i, z_t, D_i, B_i), merged in f64.
-    let mut lse = vec![0.0f64; n];
-    let mut per_token_loss = vec![0.0f64; n];
-    let mut grad_hidden = vec![0.0f64; n * hd];
-    for i in 0..n {
-        let m = stats
-            .iter()
-            .map(|s| s.local_max[i] as f64)
-            .fold(f64::NEG_INFINITY, f64::max);
-        let big_s: f64 = stats
-            .iter()
-            .filter(|s| s.local_sum[i] > 0.0)
-            .map(|s| s.local_sum[i] as f64 * (s.local_max[i] as f64 - m).exp())
-            .sum();
-        lse[i] = m + big_s.ln();
-        let t = targets[i];
-        if t != ignore_index {
-            let owner = shards
-                .iter()
-                .position(|sh| (sh.start as i64..(sh.start + sh.real) as i64).contains(&t))
-                .ok_or_else(|| Error::IndexOutOfRange {
-                    field: "targets".into(),
-                    index: i,
-                    value: t,
-                    lo: 0,
-                    hi: v as i64,
-                })?;
-            let zt = stats[owner].target_logit[i] as f64;
-            if !zt.is_finite() || !lse[i].is_finite() {
-                return Err(Error::NonFiniteInput {
-                    field: "logits".into(),
-                    index: i,
-                    value: zt,
-                }
-                .into());
-            }
-            per_token_loss[i] = lse[i] - zt;
-        }
-        for (r, st) in stats.iter().enumerate() {
-            let alpha = if st.local_sum[i] > 0.0 {
-                st.local_sum[i] as f64 * (st.local_max[i] as f64 - m).exp() / big_s
-            } else {
-                0.0
-            };
-            let (dp, bp) = &partials[r];
-            for c in 0..hd {
-                grad_hidden[i * hd + c] +=
-                    alpha * dp[i * hd + c] as f64 + (alpha - 1.0) * bp[i * hd + c] as f64;
-            }
-        }
-    }
-    let loss = per_token_loss.iter().sum::<f64>() * scale;
-
-    // T pass: each shard's weight gradient against the global lse.
-    let lse32: Vec<f32> = lse.iter().map(|&x| x as f32).collect();
-    let mut grad_weight = vec![0.0f64; v * hd];
-    for (r, sh) in shards.iter().enumerate() {
-        let g = kernels.weight_grad(&inp(r), &lse32, &row_scale)?;
-        for (k, &x) in g.iter().enumerate() {
-            grad_weight[sh.start * hd + k] = x as f64;
-        }
-    }
-    let local = stats
+    let q_other: Vec<f32> = parsed
         .iter()
-        .map(|s| {
-            s.local_max
+        .map(|t| if t.is_some() { qo as f32 } else { 0.0 })
+        .collect();
+    let c = config.z_loss;
+    let layout = Alg2Record::new(hd, want_grad, c);
+    let width = layout.width();
+    let shards = map.shards();
+    // Each shard's targets (its row, or -1) and real rows (a padding shard
+    // may start past v; it has none).
+    let inputs: Vec<(Vec<i32>, &[f32])> = shards
+        .iter()
+        .map(|sh| {
+            let target = parsed
                 .iter()
-                .zip(&s.local_sum)
-                .map(|(&m, &l)| (m as f64, l as f64))
-                .collect()
+                .map(|t| match *t {
+                    Some(t) if t >= sh.start && t < sh.start + sh.real => (t - sh.start) as i32,
+                    _ => -1,
+                })
+                .collect();
+            let start = sh.start.min(v);
+            (target, &weight[start * hd..(start + sh.real) * hd])
         })
         .collect();
-    Ok(Alg2Output {
-        loss,
-        per_token_loss,
-        logsumexp: lse,
-        local,
-        grad_hidden,
-        grad_weight,
-        num_tokens: count,
+    let input = |r: usize| ShardInput {
+        hidden,
+        weight: inputs[r].1,
+        target: &inputs[r].0,
+        n,
+        hd,
+        w: shards[r].real,
+    };
+    let ones = vec![1.0f32; n];
+    let zeros = vec![0.0f32; n];
+
+    // S pass on every shard: the records each rank brings to the barrier.
+    let mut records = Vec::with_capacity(shards.len());
+    let mut locals = Vec::with_capacity(shards.len());
+    for (r, sh) in shards.iter().enumerate() {
+        let x = input(r);
+        let st = kernels.stats(&x)?;
+        let local: Vec<SoftmaxStats> = (0..n)
+            .map(|i| local_stats(&st, i, q(i), x.target[i] >= 0, sh.real))
+            .collect();
+        let mut record = vec![0.0f64; width * n];
+        if layout.blocks > 0 {
+            let rows = RowInputs {
+                q_target: &q_target,
+                q_other: &q_other,
+                row_max: &st.local_max,
+                row_rest: &st.local_rest,
+                row_scale: &ones,
+                row_zl: &zeros,
+            };
+            let (d, b) = kernels.input_partials(&x, &rows)?;
+            for (i, l) in local.iter().enumerate() {
+                let d_ik = |k: usize| f64::from(d[i * hd + k]);
+                let b_ik = |k: usize| f64::from(b[i * hd + k]);
+                let a_ik = |k: usize| d_ik(k) + b_ik(k);
+                layout.write_partials(&mut record, i, l.sum_exp(), d_ik, b_ik, a_ik);
+            }
+        }
+        for (i, l) in local.iter().enumerate() {
+            record[i * width..i * width + STATS_WIDTH].copy_from_slice(&l.to_record());
+        }
+        records.push(record);
+        locals.push(local);
+    }
+
+    // The one barrier, on p in-process ranks; each rank's losses and dL/dx.
+    let ranks = run_ranks(shards.len(), |comm| {
+        let r = comm.rank();
+        let mut record = records[r].clone();
+        let global = layout.all_reduce(comm, &mut record)?;
+        for (i, g) in global.iter().enumerate() {
+            check_row(i, g, parsed[i])?;
+        }
+        let per_token_loss: ndarray::Array1<f64> = global
+            .iter()
+            .zip(&parsed)
+            .map(|(g, &t)| token_loss(g, t, config))
+            .collect();
+        let loss = config.reduce(per_token_loss.as_slice().expect("contiguous"), &parsed);
+        // Stored in f32, as the device holds the gradient.
+        let grad_hidden = want_grad.then(|| {
+            layout
+                .input_grad(&record, &global, &token_weights, c)
+                .mapv(|x| f64::from(x as f32))
+        });
+        Ok(RankLoss {
+            rank: r,
+            loss,
+            per_token_loss,
+            local: locals[r].clone(),
+            global,
+            grad_logits: None,
+            grad_hidden,
+            grad_weight: None,
+            counts: comm.counts(),
+            peak_bytes: 8 * width * n,
+        })
     })
+    .map_err(CudaError::Input)?;
+    let mut ranks: Vec<RankLoss> = ranks.into_iter().map(|r| r.output).collect();
+
+    // T pass: each shard's weight gradient against the global statistics.
+    if want_grad {
+        let global = ranks[0].global.clone();
+        let row_max: Vec<f32> = global.iter().map(|g| g.max as f32).collect();
+        let row_rest: Vec<f32> = global.iter().map(|g| g.rest as f32).collect();
+        let row_scale: Vec<f32> = token_weights.iter().map(|&w| w as f32).collect();
+        let row_zl: Vec<f32> = global
+            .iter()
+            .map(|g| {
+                if c == 0.0 {
+                    0.0
+                } else {
+                    (2.0 * c * g.logsumexp()) as f32
+                }
+            })
+            .collect();
+        let rows = RowInputs {
+            q_target: &q_target,
+            q_other: &q_other,
+            row_max: &row_max,
+            row_rest: &row_rest,
+            row_scale: &row_scale,
+            row_zl: &row_zl,
+        };
+        for (r, (sh, rank)) in shards.iter().zip(ranks.iter_mut()).enumerate() {
+            let g = kernels.weight_grad(&input(r), &rows)?;
+            let mut gw = Array2::<f64>::zeros((sh.width, hd));
+            for (dst, &src) in gw.iter_mut().zip(&g) {
+                *dst = f64::from(src);
+            }
+            rank.grad_weight = Some(gw);
+        }
+    }
+    Ok(ShardedLoss { map: *map, ranks })
 }

@@ -6,10 +6,10 @@
 //!   real columns, then `D_i = (softmax'_i - q_i) W_i` (one product per
 //!   tile with the local deltas), `B_i = q_i W_i`, and with the z-loss
 //!   `A_i = softmax'_i W_i = D_i + B_i`, into the reference's record
-//!   `[stats, s_i D_i, B_i (, s_i A_i)]`;
-//! - **the one barrier**: the reference's merge ([`merge_alg2`],
-//!   [`merge_alg2_z_loss`]) in the collective, which gives the global
-//!   statistics and `dL/dhidden` (no further communication);
+//!   `[stats, s_i D_i, B_i (, s_i A_i)]` ([`Alg2Record`]);
+//! - **the one barrier**: the reference's merge ([`Alg2Record::merge`])
+//!   in the collective, which gives the global statistics and
+//!   `dL/dhidden` ([`Alg2Record::input_grad`], no further communication);
 //! - **T pass**: the logits recomputed chunk by chunk, `dL/dz_i =
 //!   alpha_i (softmax'_i - q_i) + (alpha_i - 1) q_i (+ z-loss)` in place,
 //!   `dL/dW_i += G^T hidden`.
@@ -21,10 +21,9 @@
 use super::*;
 use packshard_reference::vocab::cross_entropy::STATS_WIDTH;
 use packshard_reference::vocab::sharded::{
-    check_inputs, check_rank_inputs, merge_alg2, merge_alg2_z_loss, merge_stats, RankLoss,
-    ShardedLoss,
+    check_inputs, check_rank_inputs, Alg2Record, RankLoss, ShardedLoss,
 };
-use packshard_reference::vocab::{run_ranks, Collective, Reduce, ShardMap, ShardedAlgorithm};
+use packshard_reference::vocab::{run_ranks, Collective, ShardMap, ShardedAlgorithm};
 
 /// The local and global statistics of a row: `alpha_i` and `alpha_i - 1`
 /// as the reference's alg2 forms them.
@@ -148,29 +147,6 @@ fn shard<'a>(
 }
 
 impl Shard<'_> {
-    /// The barrier: merges the records; returns the global statistics.
-    fn barrier(
-        &self,
-        record: &mut [f64],
-        width: usize,
-        blocks: usize,
-    ) -> Result<Vec<SoftmaxStats>> {
-        let op: packshard_reference::vocab::collective::MergeFn = match blocks {
-            0 => merge_stats,
-            2 => merge_alg2,
-            _ => merge_alg2_z_loss,
-        };
-        self.comm.all_reduce(&mut [Reduce::Merge {
-            data: record,
-            width,
-            op,
-        }])?;
-        Ok(record
-            .chunks(width)
-            .map(SoftmaxStats::from_record)
-            .collect())
-    }
-
     #[allow(clippy::too_many_arguments)]
     fn output(
         &self,
@@ -263,7 +239,7 @@ pub fn cross_entropy_rank(
         &mut local,
     );
     let mut record: Vec<f64> = local.iter().flat_map(|s| s.to_record()).collect();
-    let global = sh.barrier(&mut record, STATS_WIDTH, 0)?;
+    let global = Alg2Record::new(0, false, 0.0).all_reduce(sh.comm, &mut record)?;
     let forward = sh.rows.losses(&global)?;
     let peak = 4 * n * sh.real + 8 * STATS_WIDTH * n;
     if !want_grad {
@@ -321,12 +297,8 @@ pub fn linear_cross_entropy_rank(
     let tv = chunks.vocab;
     let mut buf = Array2::<f32>::zeros((tn, real));
     let c = config.z_loss;
-    let blocks = match (want_grad, c > 0.0) {
-        (false, _) => 0,
-        (true, false) => 2,
-        (true, true) => 3,
-    };
-    let width = STATS_WIDTH + blocks * h;
+    let layout = Alg2Record::new(h, want_grad, c);
+    let (blocks, width) = (layout.blocks, layout.width());
     let mut record = vec![0.0f64; width * n];
     let mut local = vec![SoftmaxStats::EMPTY; n];
     // B_i = q_other colsum(W) + (q_target - q_other) W_t (f64 sums).
@@ -391,23 +363,19 @@ pub fn linear_cross_entropy_rank(
             for r in 0..m {
                 let i = i0 + r;
                 let q = &sh.rows.q[i];
-                let at = i * width + STATS_WIDTH;
-                let s_i = local[i].sum_exp();
-                for k in 0..h {
-                    let d_ik = d[[r, k]] as f64;
-                    let mut b_ik = 0.0;
-                    if q.active {
-                        b_ik = q.qo * colsum[k];
-                        if let Some(t) = q.target {
-                            b_ik += (q.qt - q.qo) * w_real[[t, k]] as f64;
-                        }
+                let b_ik = |k: usize| {
+                    if !q.active {
+                        return 0.0;
                     }
-                    record[at + k] = s_i * d_ik;
-                    record[at + h + k] = b_ik;
-                    if blocks == 3 {
-                        record[at + 2 * h + k] = s_i * (d_ik + b_ik);
-                    }
-                }
+                    let t = q
+                        .target
+                        .map_or(0.0, |t| (q.qt - q.qo) * w_real[[t, k]] as f64);
+                    q.qo * colsum[k] + t
+                };
+                let d_ik = |k: usize| d[[r, k]] as f64;
+                layout.write_partials(&mut record, i, local[i].sum_exp(), d_ik, b_ik, |k| {
+                    d_ik(k) + b_ik(k)
+                });
             }
         }
     }
@@ -415,28 +383,14 @@ pub fn linear_cross_entropy_rank(
         record[i * width..i * width + STATS_WIDTH].copy_from_slice(&l.to_record());
     }
     // The one barrier.
-    let global = sh.barrier(&mut record, width, blocks)?;
+    let global = layout.all_reduce(sh.comm, &mut record)?;
     let forward = sh.rows.losses(&global)?;
     let peak = 4 * tn * (real + h) + 8 * width * n;
     if !want_grad {
         return Ok(sh.output(forward, local, global, None, None, None, peak));
     }
     // dL/dx from the merged record: w (Y / S + 2 c lse U / S).
-    let gx = Array2::from_shape_fn((n, h), |(i, k)| {
-        let w = sh.rows.weights[i];
-        if w == 0.0 {
-            return 0.0;
-        }
-        let g = &global[i];
-        let at = i * width + STATS_WIDTH;
-        let y = record[at + k] / g.sum_exp();
-        let z_part = if blocks == 3 {
-            2.0 * c * g.logsumexp() * (record[at + 2 * h + k] / g.sum_exp())
-        } else {
-            0.0
-        };
-        w * (y + z_part)
-    });
+    let gx = layout.input_grad(&record, &global, &sh.rows.weights, c);
     // T pass: recompute the logits, the gradient in place, dW += G^T x.
     let mut gw = Array2::<f32>::zeros((sh.width, h));
     let mut gz = keep_grad_logits.then(|| Array2::<f64>::zeros((n, sh.width)));

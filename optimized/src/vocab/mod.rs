@@ -262,7 +262,7 @@ pub fn cross_entropy(
     })
 }
 
-fn check_linear_inputs(
+pub(crate) fn check_linear_inputs(
     hidden: ArrayView2<f32>,
     weight: ArrayView2<f32>,
     targets: &[i64],

@@ -310,8 +310,10 @@ pub(super) fn cross_entropy_op(value: &Value, imp: &str) -> Result<Value, EvalEr
             (unsharded_json("cross_entropy", &ce), ce.grad_logits)
         }
         Run::Sharded(algorithm, map) => {
-            check_declared(&list, |k| k.algorithms(), imp, algorithm)?;
+            // Made first: an entry that cannot run here says so, not
+            // that it declares no algorithm.
             let op = make(&list, imp)?;
+            check_declared(&list, |k| k.algorithms(), imp, algorithm)?;
             let s = op.sharded_cross_entropy(
                 algorithm,
                 &map,
@@ -375,8 +377,10 @@ pub(super) fn linear_cross_entropy_op(value: &Value, imp: &str) -> Result<Value,
             out
         }
         Run::Sharded(algorithm, map) => {
-            check_declared(&list, |k| k.algorithms(), imp, algorithm)?;
+            // Made first: an entry that cannot run here says so, not
+            // that it declares no algorithm.
             let op = make(&list, imp)?;
+            check_declared(&list, |k| k.algorithms(), imp, algorithm)?;
             let s = op.sharded_linear_cross_entropy(
                 algorithm,
                 &map,

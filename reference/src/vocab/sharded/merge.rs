@@ -61,3 +61,117 @@ pub fn merge_alg2_z_loss(acc: &mut [f64], next: &[f64]) {
     }
     merge_alg2(&mut acc[..at], &next[..at]);
 }
+
+/// The layout of alg2's per-token record, shared by every implementation of
+/// the algorithm: `[stats (4), s_i D_i (h), B_i (h)]`, plus `s_i A_i (h)`
+/// with the z-loss, or the statistics alone when no input gradient is
+/// formed; the merge that reduces it, and `∂L/∂x` from the merged record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Alg2Record {
+    /// `h`: the hidden size.
+    pub h: usize,
+    /// Blocks of `h` values after the statistics: 0, 2, or 3 (z-loss).
+    pub blocks: usize,
+}
+
+impl Alg2Record {
+    /// The record of a run with hidden size `h` that forms the input
+    /// gradient (`input_grad`) or not, with z-loss coefficient `z_loss`.
+    pub fn new(h: usize, input_grad: bool, z_loss: f64) -> Self {
+        let blocks = match (input_grad, z_loss > 0.0) {
+            (false, _) => 0,
+            (true, false) => 2,
+            (true, true) => 3,
+        };
+        Alg2Record { h, blocks }
+    }
+
+    /// Values per token.
+    pub fn width(&self) -> usize {
+        STATS_WIDTH + self.blocks * self.h
+    }
+
+    /// The merge of the one barrier: [`merge_stats`], [`merge_alg2`] or
+    /// [`merge_alg2_z_loss`].
+    pub fn merge(&self) -> super::super::collective::MergeFn {
+        match self.blocks {
+            0 => merge_stats,
+            2 => merge_alg2,
+            _ => merge_alg2_z_loss,
+        }
+    }
+
+    /// The one barrier: merges every rank's `record` in place over `comm`;
+    /// the global statistics of each token.
+    ///
+    /// # Errors
+    /// The collective's.
+    pub fn all_reduce(
+        &self,
+        comm: &dyn super::super::collective::Collective,
+        record: &mut [f64],
+    ) -> crate::error::Result<Vec<SoftmaxStats>> {
+        let width = self.width();
+        comm.all_reduce(&mut [super::super::collective::Reduce::Merge {
+            data: record,
+            width,
+            op: self.merge(),
+        }])?;
+        Ok(record
+            .chunks(width)
+            .map(SoftmaxStats::from_record)
+            .collect())
+    }
+
+    /// Writes token `i`'s partials into `record`: `s_i D_i` (`d(k)`), `B_i`
+    /// (`b(k)`) and, with the z-loss, `s_i A_i` (`a(k)`, `A_i = softmax'_i
+    /// W_i`); `s_i` the local sum. Nothing without blocks.
+    pub fn write_partials(
+        &self,
+        record: &mut [f64],
+        i: usize,
+        s_i: f64,
+        d: impl Fn(usize) -> f64,
+        b: impl Fn(usize) -> f64,
+        a: impl Fn(usize) -> f64,
+    ) {
+        if self.blocks == 0 {
+            return;
+        }
+        let (h, at) = (self.h, i * self.width() + STATS_WIDTH);
+        for k in 0..h {
+            record[at + k] = s_i * d(k);
+            record[at + h + k] = b(k);
+            if self.blocks == 3 {
+                record[at + 2 * h + k] = s_i * a(k);
+            }
+        }
+    }
+
+    /// `∂L/∂x = w_i (Y / S + 2 c lse U / S)` (`[n, h]`) from the merged
+    /// `record`, the global statistics and the token weights `w_i`: `Y / S =
+    /// Σ_j (p_j - q_j) W_j` and `U / S = Σ_j p_j W_j`, no more communication.
+    pub fn input_grad(
+        &self,
+        record: &[f64],
+        global: &[SoftmaxStats],
+        weights: &[f64],
+        z_loss: f64,
+    ) -> ndarray::Array2<f64> {
+        let (h, width) = (self.h, self.width());
+        ndarray::Array2::from_shape_fn((global.len(), h), |(i, k)| {
+            if weights[i] == 0.0 {
+                return 0.0;
+            }
+            let g = &global[i];
+            let at = i * width + STATS_WIDTH;
+            let y = record[at + k] / g.sum_exp();
+            let z_part = if self.blocks == 3 {
+                2.0 * z_loss * g.logsumexp() * (record[at + 2 * h + k] / g.sum_exp())
+            } else {
+                0.0
+            };
+            weights[i] * (y + z_part)
+        })
+    }
+}

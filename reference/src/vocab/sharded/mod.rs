@@ -62,7 +62,7 @@ use super::{check_logits_size, LossConfig};
 use crate::error::{Error, Result};
 
 pub use map::{Shard, ShardLayout, ShardMap, MAX_SHARDS};
-pub use merge::{merge_alg2, merge_alg2_z_loss, merge_stats};
+pub use merge::{merge_alg2, merge_alg2_z_loss, merge_stats, Alg2Record};
 pub use rank::{
     check_rank_inputs, cross_entropy_rank, linear_cross_entropy_rank, linear_cross_entropy_rank_s,
     Meter, OutputSPass, RankLoss,

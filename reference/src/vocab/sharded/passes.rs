@@ -10,7 +10,7 @@ use super::super::sum;
 use super::super::LossConfig;
 use crate::error::Result;
 
-use super::merge::{merge_alg2, merge_alg2_z_loss, merge_stats};
+use super::merge::{merge_stats, Alg2Record};
 use super::rank::{
     check_rank_inputs, Grads, Linear, LinearGrads, Meter, RankLoss, RankRun, SState,
 };
@@ -366,12 +366,8 @@ impl<'a> RankRun<'a> {
         let h = lin.map_or(0, |(x, _)| x.ncols());
         // Blocks per token after the statistics: s_i D_i and B_i, plus s_i A_i
         // with the z-loss (A_i = softmax'_i W_i, its gradient is 2 c lse p W).
-        let blocks = match (input_grad, c > 0.0) {
-            (false, _) => 0,
-            (true, false) => 2,
-            (true, true) => 3,
-        };
-        let width = STATS_WIDTH + blocks * h;
+        let layout = Alg2Record::new(h, input_grad, c);
+        let (blocks, width) = (layout.blocks, layout.width());
         self.meter.hold(width * n);
         let mut record = vec![0.0; width * n];
         for (i, l) in local.iter().enumerate() {
@@ -383,34 +379,20 @@ impl<'a> RankRun<'a> {
             let d = sum::matmul_with(n, |i, j| delta(i, j, z[[i, j]]), w_real);
             let b = self.target_rows(w_real);
             let a = (blocks == 3).then(|| sum::matmul_with(n, |i, j| prob(i, z[[i, j]]), w_real));
-            for i in 0..n {
-                let at = i * width + STATS_WIDTH;
-                let s_i = local[i].sum_exp();
-                for k in 0..h {
-                    record[at + k] = s_i * d[[i, k]];
-                    record[at + h + k] = b[[i, k]];
-                    if let Some(a) = &a {
-                        record[at + 2 * h + k] = s_i * a[[i, k]];
-                    }
-                }
+            for (i, l) in local.iter().enumerate() {
+                layout.write_partials(
+                    &mut record,
+                    i,
+                    l.sum_exp(),
+                    |k| d[[i, k]],
+                    |k| b[[i, k]],
+                    |k| a.as_ref().map_or(0.0, |a| a[[i, k]]),
+                );
             }
             self.meter.free(blocks * n * h);
         }
         // The one barrier.
-        let op: super::super::collective::MergeFn = match blocks {
-            0 => merge_stats,
-            2 => merge_alg2,
-            _ => merge_alg2_z_loss,
-        };
-        self.comm.all_reduce(&mut [Reduce::Merge {
-            data: &mut record,
-            width,
-            op,
-        }])?;
-        let global: Vec<SoftmaxStats> = record
-            .chunks(width)
-            .map(SoftmaxStats::from_record)
-            .collect();
+        let global = layout.all_reduce(self.comm, &mut record)?;
         let forward = self.finish(&global)?;
         if !want_grad {
             return Ok(SState {
@@ -427,20 +409,7 @@ impl<'a> RankRun<'a> {
         // U / S = Σ_j p_j W_j: no more communication.
         let gx = input_grad.then(|| {
             self.meter.hold(n * h);
-            Array2::from_shape_fn((n, h), |(i, k)| {
-                if weights[i] == 0.0 {
-                    return 0.0;
-                }
-                let g = &global[i];
-                let at = i * width + STATS_WIDTH;
-                let y = record[at + k] / g.sum_exp();
-                let z_part = if blocks == 3 {
-                    2.0 * c * g.logsumexp() * (record[at + 2 * h + k] / g.sum_exp())
-                } else {
-                    0.0
-                };
-                weights[i] * (y + z_part)
-            })
+            layout.input_grad(&record, &global, &weights, c)
         });
         Ok(SState {
             z,
