@@ -30,8 +30,8 @@ N_REF=${N_REF:-256}
 N_EQ=${N_EQ:-180}
 N_OPT=${N_OPT:-140}
 JOBS=${JOBS:-1}
-EXTRA=()
-[ -n "${IN_PLACE:-}" ] && EXTRA+=(--in-place)
+EXTRA=(--jobs "$JOBS")
+[ -n "${IN_PLACE:-}" ] && EXTRA=(--in-place)
 OUT=mutants.out
 mkdir -p "$OUT"
 
@@ -48,7 +48,7 @@ run() { # name, then cargo-mutants arguments
     echo "==> $name: cargo mutants $*"
     local t0
     t0=$(date +%s)
-    cargo mutants --no-shuffle --jobs "$JOBS" --timeout-multiplier 3 "${EXTRA[@]}" -o "$OUT/$name" "$@" || true
+    cargo mutants --no-shuffle --timeout-multiplier 3 "${EXTRA[@]}" -o "$OUT/$name" "$@" || true
     echo "$name: $(( $(date +%s) - t0 ))s" >> "$OUT/times.txt"
 }
 
@@ -87,9 +87,10 @@ import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
 print("| run | tried | caught | missed | unviable | timeout | kill rate (of viable) |")
 print("|---|---|---|---|---|---|---|")
-survivors = []
+survivors, runs = [], 0
 for d in sorted(p for p in out.iterdir() if (p / "mutants.out" / "outcomes.json").exists()):
     o = json.loads((d / "mutants.out" / "outcomes.json").read_text())
+    runs += 1
     c = {k: o.get(k, 0) for k in ("total_mutants", "caught", "missed", "unviable", "timeout")}
     viable = c["caught"] + c["missed"] + c["timeout"]
     rate = f"{100 * (c['caught'] + c['timeout']) / viable:.1f}%" if viable else "-"
@@ -98,6 +99,8 @@ for d in sorted(p for p in out.iterdir() if (p / "mutants.out" / "outcomes.json"
     if missed.exists():
         survivors += [f"{d.name}: {l}" for l in missed.read_text().splitlines() if l]
 print()
+if not runs:
+    sys.exit("no run left outcomes: see the cargo-mutants output above")
 print("survivors:" if survivors else "no survivors")
 for s in survivors:
     print("-", s)
