@@ -4,19 +4,20 @@
 //! deliberately wrong implementation the suite must reject, for the right
 //! reason (the quantity its failure names).
 
-use ndarray::{Array2, ArrayView2, ArrayView3};
+use ndarray::{Array2, ArrayView3};
 use packshard_equivalence::causal::{
     check_bottom_right, chunk_varlen, fault_cases, reference_causal_lm, run_causal_suite,
     run_chunk_suite, run_varlen, CausalBatch, CausalForm, CausalLmImpl, CausalRun,
     ReferenceCausalLm,
 };
+use packshard_equivalence::planted::{AttentionHooks, Planted, Qkv};
 use packshard_equivalence::{Judge, Mismatch, Tolerance};
 use packshard_reference::attention::{AttentionGrads, AttentionOutput, ReferenceAttention};
 use packshard_reference::decoder::{
     loss_weights, next_token_labels, position_ids_from_cu_seqlens, varlen_from_doc_ids,
     CausalReduction, DecoderModel, KvCache,
 };
-use packshard_reference::ops::{AttentionOp, AttentionSupport, Varlen};
+use packshard_reference::ops::{AttentionSupport, Varlen};
 use packshard_reference::vocab::IGNORE_INDEX;
 use packshard_reference::Error;
 
@@ -325,7 +326,10 @@ fn p7_a_mean_per_pack_row_is_caught() {
 
 /// C5: causal masks aligned top-left (`c <= r`) when queries and keys
 /// differ in length, instead of bottom-right (`c <= r + l_k - l_q`).
-struct TopLeft;
+struct TopLeftHooks;
+
+/// The reference with top-left causal alignment.
+const TOP_LEFT: Planted<TopLeftHooks> = Planted(TopLeftHooks);
 
 fn top_left_mask(p: &Varlen<'_>, n_q: usize, n_k: usize) -> Array2<bool> {
     let mut m = Array2::from_elem((n_q, n_k), false);
@@ -339,53 +343,23 @@ fn top_left_mask(p: &Varlen<'_>, n_q: usize, n_k: usize) -> Array2<bool> {
     m
 }
 
-impl AttentionOp for TopLeft {
+impl AttentionHooks for TopLeftHooks {
     fn support(&self) -> AttentionSupport {
         AttentionSupport::ALL
     }
-    fn varlen_forward(
-        &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
-        p: &Varlen<'_>,
-    ) -> Result<AttentionOutput, Error> {
-        let mask = top_left_mask(p, q.dim().0, k.dim().0);
-        ReferenceAttention.masked_forward(q, k, v, mask.view(), p.scale)
+    fn varlen_forward(&self, x: Qkv<'_>, p: &Varlen<'_>) -> Result<AttentionOutput, Error> {
+        let mask = top_left_mask(p, x.q.dim().0, x.k.dim().0);
+        x.masked_forward(&ReferenceAttention, mask.view(), p.scale)
     }
     fn varlen_backward(
         &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
+        x: Qkv<'_>,
         p: &Varlen<'_>,
         fwd: &AttentionOutput,
         g: ArrayView3<f64>,
     ) -> Result<AttentionGrads, Error> {
-        let mask = top_left_mask(p, q.dim().0, k.dim().0);
-        ReferenceAttention.masked_backward(q, k, v, mask.view(), p.scale, fwd, g)
-    }
-    fn masked_forward(
-        &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
-        allowed: ArrayView2<bool>,
-        scale: f64,
-    ) -> Result<AttentionOutput, Error> {
-        ReferenceAttention.masked_forward(q, k, v, allowed, scale)
-    }
-    fn masked_backward(
-        &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
-        allowed: ArrayView2<bool>,
-        scale: f64,
-        fwd: &AttentionOutput,
-        g: ArrayView3<f64>,
-    ) -> Result<AttentionGrads, Error> {
-        ReferenceAttention.masked_backward(q, k, v, allowed, scale, fwd, g)
+        let mask = top_left_mask(p, x.q.dim().0, x.k.dim().0);
+        x.masked_backward(&ReferenceAttention, (mask.view(), p.scale), fwd, g)
     }
 }
 
@@ -394,13 +368,13 @@ fn c5_top_left_causal_alignment_is_caught() {
     // Top-left and bottom-right agree when queries and keys match: the
     // self-attention suite cannot see it; the chunk checks must.
     let top_left = ReferenceCausalLm {
-        attention: &TopLeft,
+        attention: &TOP_LEFT,
         form: CausalForm::Varlen,
     };
     assert!(run_causal_suite(&top_left, JUDGE, 4).is_ok());
     let m = run_chunk_suite(&top_left, Tolerance::F64_REWRITE, 8).unwrap_err();
     assert_names(&m, &["C5/C6 chunks", "chunk of document 0: logits"]);
-    let m = check_bottom_right(&TopLeft, (2, 1, 2), 7, Tolerance::F64_REWRITE).unwrap_err();
+    let m = check_bottom_right(&TOP_LEFT, (2, 1, 2), 7, Tolerance::F64_REWRITE).unwrap_err();
     assert_names(&m, &["query 0 of 3 over 1 key"]);
 }
 
