@@ -108,6 +108,63 @@ pub struct EmbeddingCase {
     pub grad_output: Array2<f64>,
 }
 
+/// A rank's `grad_hidden`, or the mismatch of its absence.
+pub(super) fn rank_grad_hidden(r: &RankLoss) -> Result<&Array2<f64>, Mismatch> {
+    match &r.grad_hidden {
+        Some(g) => Ok(g),
+        None => fail("grad_hidden", format!("rank {}: missing", r.rank)),
+    }
+}
+
+/// Every rank's weight-gradient rows past its real vocabulary (padding) are
+/// exactly 0.
+pub(super) fn padding_rows_have_no_gradient(
+    map: &ShardMap,
+    actual: &ShardedLoss,
+) -> Result<(), Mismatch> {
+    for (s, r) in map.shards().iter().zip(&actual.ranks) {
+        let g = r.grad_weight.as_ref().expect("gathered above");
+        if let Some(x) = g
+            .slice_axis(Axis(0), Slice::from(s.real..))
+            .iter()
+            .find(|x| **x != 0.0)
+        {
+            return fail(
+                "grad_weight",
+                format!("rank {}: a padding row has gradient {x}, not 0", r.rank),
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Every rank's logit-gradient columns past its real vocabulary (padding)
+/// are exactly 0.
+pub(super) fn padding_columns_have_no_gradient(
+    map: &ShardMap,
+    actual: &ShardedLoss,
+) -> Result<(), Mismatch> {
+    for (s, r) in map.shards().iter().zip(&actual.ranks) {
+        let g = r.grad_logits.as_ref().expect("gathered above");
+        let padding = g.slice_axis(Axis(1), Slice::from(s.real..));
+        if let Some(x) = padding.iter().find(|x| **x != 0.0) {
+            return fail(
+                "grad_logits",
+                format!("rank {}: a padding column has gradient {x}, not 0", r.rank),
+            );
+        }
+    }
+    Ok(())
+}
+
+/// `got` has the shape of `want`, or the mismatch names `what`.
+pub(super) fn same_shape(what: &str, got: &[usize], want: &[usize]) -> Result<(), Mismatch> {
+    if got != want {
+        return fail(what, format!("shape {got:?}, expected {want:?}"));
+    }
+    Ok(())
+}
+
 fn fail<T>(what: impl Into<String>, detail: impl Into<String>) -> Result<T, Mismatch> {
     Err(Mismatch::new(what, detail))
 }
@@ -406,16 +463,7 @@ fn check_loss(
             return fail("grad_logits", "missing");
         };
         tensor_terms("grad_logits", want, &got, &terms.grad_logits)?;
-        for (s, r) in map.shards().iter().zip(&actual.ranks) {
-            let g = r.grad_logits.as_ref().expect("gathered above");
-            let padding = g.slice_axis(Axis(1), Slice::from(s.real..));
-            if let Some(x) = padding.iter().find(|x| **x != 0.0) {
-                return fail(
-                    "grad_logits",
-                    format!("rank {}: a padding column has gradient {x}, not 0", r.rank),
-                );
-            }
-        }
+        padding_columns_have_no_gradient(map, actual)?;
     }
     match algorithm {
         Some(algorithm) => check_counts(algorithm, actual, linear, want_grad),
@@ -702,9 +750,7 @@ pub fn compare_linear(
     if let Some(want) = &expected.grad_hidden {
         let hidden_terms = g.dot(&real.mapv(f64::abs));
         for r in &actual.ranks {
-            let Some(got) = &r.grad_hidden else {
-                return fail("grad_hidden", format!("rank {}: missing", r.rank));
-            };
+            let got = rank_grad_hidden(r)?;
             tensor_terms(
                 &format!("grad_hidden (rank {})", r.rank),
                 want,
@@ -723,19 +769,7 @@ pub fn compare_linear(
             &got,
             &g.t().dot(&case.hidden.mapv(f64::abs)),
         )?;
-        for (s, r) in case.map.shards().iter().zip(&actual.ranks) {
-            let g = r.grad_weight.as_ref().expect("gathered above");
-            if let Some(x) = g
-                .slice_axis(Axis(0), Slice::from(s.real..))
-                .iter()
-                .find(|x| **x != 0.0)
-            {
-                return fail(
-                    "grad_weight",
-                    format!("rank {}: a padding row has gradient {x}, not 0", r.rank),
-                );
-            }
-        }
+        padding_rows_have_no_gradient(&case.map, actual)?;
     }
     check_loss(
         algorithm,
