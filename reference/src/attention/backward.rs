@@ -5,28 +5,22 @@
 use ndarray::{Array3, ArrayView2, ArrayView3, Axis, Slice};
 
 use super::check::{check_grad, check_layout, check_qkv};
-use super::{AttentionGrads, AttentionLayout, AttentionOutput, Blocks};
+use super::{score, AttentionGrads, AttentionLayout, AttentionOutput, Block, Blocks};
 use crate::error::Result;
 use crate::ops::{AttentionOp, Varlen};
 
-/// Backward of one query head, given the forward's `lse` (probabilities are
+/// Backward of one block, given the forward's `lse` (probabilities are
 /// recomputed as `exp(s - lse)`, as flash-attention does). Key and value
 /// gradients accumulate into key head `kv`.
-#[allow(clippy::too_many_arguments)]
 fn head_backward(
     (q, k, v): (&ArrayView3<f64>, &ArrayView3<f64>, &ArrayView3<f64>),
-    out: &ArrayView3<f64>,
-    dout: &ArrayView3<f64>,
-    lse: &ArrayView2<f64>,
-    (head, kv): (usize, usize),
-    queries: std::ops::Range<usize>,
-    keys: std::ops::Range<usize>,
-    allowed: &dyn Fn(usize, usize) -> bool,
-    scale: f64,
+    (out, dout, lse): (&ArrayView3<f64>, &ArrayView3<f64>, &ArrayView2<f64>),
+    b: &Block<'_>,
     grads: &mut AttentionGrads,
 ) {
+    let ((head, kv), scale) = (b.heads, b.scale);
     let d = q.dim().2;
-    for i in queries {
+    for i in b.queries.clone() {
         let l = lse[[head, i]];
         if l == f64::NEG_INFINITY {
             continue; // no allowed key: no gradient (P8)
@@ -36,15 +30,11 @@ fn head_backward(
         for c in 0..d {
             delta += dout[[i, head, c]] * out[[i, head, c]];
         }
-        for j in keys.clone() {
-            if !allowed(i, j) {
+        for j in b.keys.clone() {
+            if !(b.allowed)(i, j) {
                 continue;
             }
-            let mut dot = 0.0;
-            for c in 0..d {
-                dot += q[[i, head, c]] * k[[j, kv, c]];
-            }
-            let p = (scale * dot - l).exp();
+            let p = (score((q, k), b.heads, (i, j), scale) - l).exp();
             let mut dp = 0.0;
             for c in 0..d {
                 dp += dout[[i, head, c]] * v[[j, kv, c]];
@@ -113,21 +103,10 @@ fn backward(
     blocks.check((&q, &k, &v), Some((&grad_output, fwd)))?;
     let (n, h, d) = q.dim();
     let (n_k, h_kv, _) = k.dim();
-    let scale = blocks.scale();
     let mut grads = zero_grads((n, h, d), (n_k, h_kv, d));
-    blocks.for_each((n, h), (n_k, h_kv), &mut |heads, queries, keys, ok| {
-        head_backward(
-            (&q, &k, &v),
-            &fwd.output.view(),
-            &grad_output,
-            &fwd.lse.view(),
-            heads,
-            queries,
-            keys,
-            ok,
-            scale,
-            &mut grads,
-        );
+    let (out, lse) = (fwd.output.view(), fwd.lse.view());
+    blocks.for_each((n, h), (n_k, h_kv), &mut |b| {
+        head_backward((&q, &k, &v), (&out, &grad_output, &lse), b, &mut grads);
     });
     Ok(grads)
 }

@@ -83,35 +83,48 @@ fn causal_limit(r: usize, lq: usize, lk: usize) -> usize {
     (r + lk + 1).saturating_sub(lq).min(lk)
 }
 
-/// One query head's attention for queries `queries` over keys `keys` (in key
-/// order) of key head `kv`, with `allowed(i, j)` deciding the mask. Writes
-/// outputs and `lse` for the rows. Shared by the dense and the varlen forms:
-/// same operations, same order.
-#[allow(clippy::too_many_arguments)]
-fn head_forward(
-    q: &ArrayView3<f64>,
-    k: &ArrayView3<f64>,
-    v: &ArrayView3<f64>,
-    (head, kv): (usize, usize),
+/// One block of a problem for one query head: queries `queries` over keys
+/// `keys` (in key order) of key head `kv`, `allowed(i, j)` deciding the mask.
+pub(super) struct Block<'b> {
+    /// `(query head, key head)`.
+    heads: (usize, usize),
     queries: std::ops::Range<usize>,
     keys: std::ops::Range<usize>,
-    allowed: &dyn Fn(usize, usize) -> bool,
+    allowed: &'b dyn Fn(usize, usize) -> bool,
     scale: f64,
+}
+
+/// `scale * q_i . k_j` for query head `head` over key head `kv`.
+fn score(
+    (q, k): (&ArrayView3<f64>, &ArrayView3<f64>),
+    (head, kv): (usize, usize),
+    (i, j): (usize, usize),
+    scale: f64,
+) -> f64 {
+    let mut dot = 0.0;
+    for c in 0..q.dim().2 {
+        dot += q[[i, head, c]] * k[[j, kv, c]];
+    }
+    scale * dot
+}
+
+/// One block's attention: writes outputs and `lse` for its rows. Shared by
+/// the dense and the varlen forms: same operations, same order.
+fn head_forward(
+    (q, k, v): (&ArrayView3<f64>, &ArrayView3<f64>, &ArrayView3<f64>),
+    b: &Block<'_>,
     output: &mut Array3<f64>,
     lse: &mut Array2<f64>,
 ) {
+    let (head, kv) = b.heads;
     let d = q.dim().2;
-    let mut scores = Vec::with_capacity(keys.len());
-    for i in queries {
+    let mut scores = Vec::with_capacity(b.keys.len());
+    for i in b.queries.clone() {
         scores.clear();
         let mut m = f64::NEG_INFINITY;
-        for j in keys.clone() {
-            if allowed(i, j) {
-                let mut dot = 0.0;
-                for c in 0..d {
-                    dot += q[[i, head, c]] * k[[j, kv, c]];
-                }
-                let sc = scale * dot;
+        for j in b.keys.clone() {
+            if (b.allowed)(i, j) {
+                let sc = score((q, k), b.heads, (i, j), b.scale);
                 m = m.max(sc);
                 scores.push((j, sc));
             }
@@ -147,14 +160,8 @@ enum Blocks<'a> {
     Varlen(&'a Varlen<'a>),
 }
 
-/// A head pass over one block: `(query head, key head)`, the queries, the
-/// keys, and which pairs are allowed.
-type BlockFn<'f> = dyn FnMut(
-        (usize, usize),
-        std::ops::Range<usize>,
-        std::ops::Range<usize>,
-        &dyn Fn(usize, usize) -> bool,
-    ) + 'f;
+/// A pass over one block.
+type BlockFn<'f> = dyn FnMut(&Block<'_>) + 'f;
 
 impl Blocks<'_> {
     fn scale(&self) -> f64 {
@@ -199,7 +206,13 @@ impl Blocks<'_> {
             Blocks::Dense(allowed, _) => {
                 let ok = |i: usize, j: usize| allowed[[i, j]];
                 for heads in head_pairs(h, h_kv) {
-                    f(heads, 0..n, 0..n_k, &ok);
+                    f(&Block {
+                        heads,
+                        queries: 0..n,
+                        keys: 0..n_k,
+                        allowed: &ok,
+                        scale: self.scale(),
+                    });
                 }
             }
             Blocks::Varlen(p) => {
@@ -208,7 +221,13 @@ impl Blocks<'_> {
                     let ok =
                         |i: usize, j: usize| !p.causal || j - k0 < causal_limit(i - q0, lq, lk);
                     for heads in head_pairs(h, h_kv) {
-                        f(heads, wq[0]..wq[1], wk[0]..wk[1], &ok);
+                        f(&Block {
+                            heads,
+                            queries: wq[0]..wq[1],
+                            keys: wk[0]..wk[1],
+                            allowed: &ok,
+                            scale: p.scale,
+                        });
                     }
                 }
             }
@@ -226,22 +245,10 @@ fn forward(
     blocks.check((&q, &k, &v), None)?;
     let (n, h, d) = q.dim();
     let (n_k, h_kv, _) = k.dim();
-    let scale = blocks.scale();
     let mut output = Array3::zeros((n, h, d));
     let mut lse = Array2::zeros((h, n));
-    blocks.for_each((n, h), (n_k, h_kv), &mut |heads, queries, keys, ok| {
-        head_forward(
-            &q,
-            &k,
-            &v,
-            heads,
-            queries,
-            keys,
-            ok,
-            scale,
-            &mut output,
-            &mut lse,
-        );
+    blocks.for_each((n, h), (n_k, h_kv), &mut |b| {
+        head_forward((&q, &k, &v), b, &mut output, &mut lse);
     });
     Ok(AttentionOutput { output, lse })
 }
@@ -317,7 +324,7 @@ pub fn masked_attention_probs(
     scale: f64,
 ) -> Result<Array3<f64>> {
     check_qkv(&q, &k, &k)?;
-    let (n, h, d) = q.dim();
+    let (n, h, _) = q.dim();
     let (n_k, h_kv, _) = k.dim();
     check_mask_shape2(allowed.shape(), n, n_k)?;
     let fwd = masked_attention(q, k, k, allowed, scale)?;
@@ -330,11 +337,7 @@ pub fn masked_attention_probs(
             }
             for j in 0..n_k {
                 if allowed[[i, j]] {
-                    let mut dot = 0.0;
-                    for c in 0..d {
-                        dot += q[[i, head, c]] * k[[j, kv, c]];
-                    }
-                    p[[head, i, j]] = (scale * dot - l).exp();
+                    p[[head, i, j]] = (score((&q, &k), (head, kv), (i, j), scale) - l).exp();
                 }
             }
         }
