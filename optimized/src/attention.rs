@@ -606,6 +606,48 @@ fn segment_items(cu_seqlens: &[usize], h: usize, causal: bool) -> Vec<Item<'stat
     items
 }
 
+/// Runs `f` on the problem of `q, k, v` (in standard layout) under `scale`,
+/// with `n_tok`.
+fn with_problem<T: Element, R>(
+    (q, k, v): (&ArrayView3<T>, &ArrayView3<T>, &ArrayView3<T>),
+    scale: f32,
+    f: impl FnOnce(&Problem<T>, usize) -> R,
+) -> R {
+    let (n, h, d) = q.dim();
+    let (qs, ks, vs) = (standard(q), standard(k), standard(v));
+    let pb = Problem {
+        q: qs.as_slice().expect("standard layout"),
+        k: ks.as_slice().expect("standard layout"),
+        v: vs.as_slice().expect("standard layout"),
+        h,
+        d,
+        scale,
+    };
+    f(&pb, n)
+}
+
+/// The forward over `items`, inputs checked.
+fn forward<T: Element>(
+    qkv: (&ArrayView3<T>, &ArrayView3<T>, &ArrayView3<T>),
+    scale: f32,
+    items: &[Item],
+) -> AttentionOutput32 {
+    with_problem(qkv, scale, |pb, n| run_forward(pb, n, items))
+}
+
+/// The backward over `items`, inputs checked.
+fn backward<T: Element>(
+    qkv: (&ArrayView3<T>, &ArrayView3<T>, &ArrayView3<T>),
+    scale: f32,
+    items: &[Item],
+    fwd: &AttentionOutput32,
+    grad_output: &ArrayView3<f32>,
+) -> AttentionGrads32 {
+    let go = grad_output.as_standard_layout();
+    let go = go.as_slice().expect("standard layout");
+    with_problem(qkv, scale, |pb, n| run_backward(pb, n, items, fwd, go))
+}
+
 /// Varlen attention forward: `q, k, v: [n_tok, h, d]` (`f32` or `bf16`),
 /// `cu_seqlens: [b + 1]`; queries attend to the keys of their own segment
 /// (up to themselves if `causal`). Returns `output: [n_tok, h, d]` and `lse:
@@ -625,18 +667,13 @@ pub fn varlen_attention<T: Element>(
     scale: f32,
 ) -> Result<AttentionOutput32> {
     check_inputs(&q, &k, &v)?;
-    let (n, h, d) = q.dim();
+    let (n, h, _) = q.dim();
     check_cu_seqlens(cu_seqlens, n)?;
-    let (qs, ks, vs) = (standard(&q), standard(&k), standard(&v));
-    let pb = Problem {
-        q: qs.as_slice().expect("standard layout"),
-        k: ks.as_slice().expect("standard layout"),
-        v: vs.as_slice().expect("standard layout"),
-        h,
-        d,
+    Ok(forward(
+        (&q, &k, &v),
         scale,
-    };
-    Ok(run_forward(&pb, n, &segment_items(cu_seqlens, h, causal)))
+        &segment_items(cu_seqlens, h, causal),
+    ))
 }
 
 fn check_backward<T: Element>(
@@ -677,26 +714,10 @@ pub fn varlen_attention_backward<T: Element>(
     grad_output: ArrayView3<f32>,
 ) -> Result<AttentionGrads32> {
     check_backward(&q, &k, &v, fwd, &grad_output)?;
-    let (n, h, d) = q.dim();
+    let (n, h, _) = q.dim();
     check_cu_seqlens(cu_seqlens, n)?;
-    let (qs, ks, vs) = (standard(&q), standard(&k), standard(&v));
-    let go = grad_output.as_standard_layout();
-    let pb = Problem {
-        q: qs.as_slice().expect("standard layout"),
-        k: ks.as_slice().expect("standard layout"),
-        v: vs.as_slice().expect("standard layout"),
-        h,
-        d,
-        scale,
-    };
     let items = segment_items(cu_seqlens, h, causal);
-    Ok(run_backward(
-        &pb,
-        n,
-        &items,
-        fwd,
-        go.as_slice().expect("standard layout"),
-    ))
+    Ok(backward((&q, &k, &v), scale, &items, fwd, &grad_output))
 }
 
 fn dense_items<'a>(masks: &'a [ArrayView2<'a, bool>], row_len: usize, h: usize) -> Vec<Item<'a>> {
@@ -756,17 +777,12 @@ pub fn dense_masked_attention<T: Element>(
 ) -> Result<AttentionOutput32> {
     check_inputs(&q, &k, &v)?;
     check_dense(&q, row_len, masks)?;
-    let (n, h, d) = q.dim();
-    let (qs, ks, vs) = (standard(&q), standard(&k), standard(&v));
-    let pb = Problem {
-        q: qs.as_slice().expect("standard layout"),
-        k: ks.as_slice().expect("standard layout"),
-        v: vs.as_slice().expect("standard layout"),
-        h,
-        d,
+    let h = q.dim().1;
+    Ok(forward(
+        (&q, &k, &v),
         scale,
-    };
-    Ok(run_forward(&pb, n, &dense_items(masks, row_len, h)))
+        &dense_items(masks, row_len, h),
+    ))
 }
 
 /// Backward of [`dense_masked_attention`]. Queries with no allowed key get
@@ -787,25 +803,9 @@ pub fn dense_masked_attention_backward<T: Element>(
 ) -> Result<AttentionGrads32> {
     check_backward(&q, &k, &v, fwd, &grad_output)?;
     check_dense(&q, row_len, masks)?;
-    let (n, h, d) = q.dim();
-    let (qs, ks, vs) = (standard(&q), standard(&k), standard(&v));
-    let go = grad_output.as_standard_layout();
-    let pb = Problem {
-        q: qs.as_slice().expect("standard layout"),
-        k: ks.as_slice().expect("standard layout"),
-        v: vs.as_slice().expect("standard layout"),
-        h,
-        d,
-        scale,
-    };
+    let h = q.dim().1;
     let items = dense_items(masks, row_len, h);
-    Ok(run_backward(
-        &pb,
-        n,
-        &items,
-        fwd,
-        go.as_slice().expect("standard layout"),
-    ))
+    Ok(backward((&q, &k, &v), scale, &items, fwd, &grad_output))
 }
 
 /// The work of a varlen problem in the unit of the benchmark: the
