@@ -4,6 +4,20 @@
 
 use super::*;
 
+/// `out: [BLOCK_K, dp] += s^T x` for a tile `s: [BLOCK_Q, BLOCK_K]` and
+/// `x: [BLOCK_Q, dp]` (`tr` the scratch of the transpose).
+#[inline(always)]
+fn acc_transposed<S: Simd>(
+    simd: S,
+    (s, tr): (&[f32], &mut [f32]),
+    x: &[f32],
+    out: &mut [f32],
+    dp: usize,
+) {
+    transpose(s, BLOCK_Q, BLOCK_K, tr);
+    mm_acc(simd, BLOCK_K, dp, BLOCK_Q, tr, BLOCK_Q, x, dp, out, dp);
+}
+
 /// The backward of one item: `(dq, dk, dv)`, each `[len, d]`.
 #[inline(always)]
 fn backward_item<S: Simd, T: Element>(
@@ -62,19 +76,7 @@ fn backward_item<S: Simd, T: Element>(
             }
             probabilities(simd, &mut s, &block_lse);
             // dV_tile += P^T dO_blk
-            transpose(&s, BLOCK_Q, BLOCK_K, &mut tr);
-            mm_acc(
-                simd,
-                BLOCK_K,
-                dp,
-                BLOCK_Q,
-                &tr,
-                BLOCK_Q,
-                &doh[q0 * dp..],
-                dp,
-                &mut dv_t,
-                dp,
-            );
+            acc_transposed(simd, (&s, &mut tr), &doh[q0 * dp..], &mut dv_t, dp);
             // dP = dO_blk V_tile^T
             dpt.fill(0.0);
             mm_acc(
@@ -112,19 +114,7 @@ fn backward_item<S: Simd, T: Element>(
                 dp,
             );
             // dK_tile += dS^T Q_blk
-            transpose(&s, BLOCK_Q, BLOCK_K, &mut tr);
-            mm_acc(
-                simd,
-                BLOCK_K,
-                dp,
-                BLOCK_Q,
-                &tr,
-                BLOCK_Q,
-                &qh[q0 * dp..],
-                dp,
-                &mut dk_t,
-                dp,
-            );
+            acc_transposed(simd, (&s, &mut tr), &qh[q0 * dp..], &mut dk_t, dp);
         }
         for j in 0..(len - k0).min(BLOCK_K) {
             let key = k0 + j;
