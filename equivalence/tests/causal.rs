@@ -262,39 +262,48 @@ fn assert_names(m: &Mismatch, parts: &[&str]) {
     }
 }
 
-#[test]
-fn c1_labels_across_the_pack_are_caught() {
-    let m = rejected(Fault::LabelsAcrossThePack);
-    assert_names(&m, &["C1 pack [a b | c d]", "packed vs padded: loss"]);
+/// A test that the suite rejects `$fault`, its first failure naming every
+/// one of `$parts`.
+macro_rules! caught {
+    ($name:ident, $fault:expr, [$($part:expr),+ $(,)?]) => {
+        #[test]
+        fn $name() {
+            let m = rejected($fault);
+            assert_names(&m, &[$($part),+]);
+        }
+    };
 }
 
-#[test]
-fn c2_a_document_mask_from_eos_in_the_inputs_is_caught() {
-    let m = rejected(Fault::MaskFromEosInInputs);
-    assert_names(&m, &["packed vs padded: document", "logits"]);
-}
+caught!(
+    c1_labels_across_the_pack_are_caught,
+    Fault::LabelsAcrossThePack,
+    ["C1 pack [a b | c d]", "packed vs padded: loss"]
+);
 
-#[test]
-fn c3_boundaries_from_a_strict_decrease_are_caught() {
-    // The C1 and C2 cases hold no one-token document: the first to fail is
-    // C3's. Padded rows flattened read the same positions, so the truth
-    // check sees it first.
-    let m = rejected(Fault::BoundariesFromStrictDecrease);
-    assert_names(&m, &["C3 positions [0,1,2,0,0,1]", "document", "logits"]);
-}
+caught!(
+    c2_a_document_mask_from_eos_in_the_inputs_is_caught,
+    Fault::MaskFromEosInInputs,
+    ["packed vs padded: document", "logits"]
+);
 
-#[test]
-fn c4_padding_between_documents_taken_for_tail_padding_is_caught() {
-    let m = rejected(Fault::PaddingTakenForTail);
-    assert_names(
-        &m,
-        &[
-            "C4 doc ids [1,1,1,0,2,2,0,0]",
-            "packed vs padded: document",
-            "logits",
-        ],
-    );
-}
+// The C1 and C2 cases hold no one-token document: the first to fail is
+// C3's. Padded rows flattened read the same positions, so the truth
+// check sees it first.
+caught!(
+    c3_boundaries_from_a_strict_decrease_are_caught,
+    Fault::BoundariesFromStrictDecrease,
+    ["C3 positions [0,1,2,0,0,1]", "document", "logits"]
+);
+
+caught!(
+    c4_padding_between_documents_taken_for_tail_padding_is_caught,
+    Fault::PaddingTakenForTail,
+    [
+        "C4 doc ids [1,1,1,0,2,2,0,0]",
+        "packed vs padded: document",
+        "logits"
+    ]
+);
 
 #[test]
 fn c6_restarted_positions_are_caught_on_continuation_chunks() {
@@ -312,17 +321,17 @@ fn c6_restarted_positions_are_caught_on_continuation_chunks() {
     assert_names(&m, &["C5/C6 chunks", "chunk of document 0: logits"]);
 }
 
-#[test]
-fn c7_a_token_count_denominator_off_by_the_rows_is_caught() {
-    let m = rejected(Fault::DenominatorPerRowShift);
-    assert_names(&m, &["(per-token)", "loss"]);
-}
+caught!(
+    c7_a_token_count_denominator_off_by_the_rows_is_caught,
+    Fault::DenominatorPerRowShift,
+    ["(per-token)", "loss"]
+);
 
-#[test]
-fn p7_a_mean_per_pack_row_is_caught() {
-    let m = rejected(Fault::MeanPerPackRow);
-    assert_names(&m, &["(per-document)", "packed vs padded: loss"]);
-}
+caught!(
+    p7_a_mean_per_pack_row_is_caught,
+    Fault::MeanPerPackRow,
+    ["(per-document)", "packed vs padded: loss"]
+);
 
 /// C5: causal masks aligned top-left (`c <= r`) when queries and keys
 /// differ in length, instead of bottom-right (`c <= r + l_k - l_q`).
@@ -378,9 +387,9 @@ fn c5_top_left_causal_alignment_is_caught() {
     assert_names(&m, &["query 0 of 3 over 1 key"]);
 }
 
-#[test]
-fn gradients_normalised_apart_from_the_loss_are_caught() {
-    // Logits and loss are right: the suite must reach the gradients.
-    let m = rejected(Fault::GradientsPerPackRow);
-    assert_names(&m, &["vs padded: grad "]);
-}
+// Logits and loss are right: the suite must reach the gradients.
+caught!(
+    gradients_normalised_apart_from_the_loss_are_caught,
+    Fault::GradientsPerPackRow,
+    ["vs padded: grad "]
+);
