@@ -122,22 +122,23 @@ pub fn packing_svg(
             .draw()
             .map_err(err)?;
         let mid = |s: usize| s as f64 + width as f64 / 2.0;
-        chart
-            .draw_series(LineSeries::new(
-                bins.iter().map(|&(s, _, t, _)| (mid(s), t)),
-                BLUE.stroke_width(2),
-            ))
-            .map_err(err)?
-            .label("real tokens")
-            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], BLUE.stroke_width(2)));
-        chart
-            .draw_series(LineSeries::new(
-                bins.iter().map(|&(s, _, _, p)| (mid(s), p)),
-                RED.stroke_width(2),
-            ))
-            .map_err(err)?
-            .label("padding tokens")
-            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], RED.stroke_width(2)));
+        type Pick = fn(&(usize, f64, f64, f64)) -> f64;
+        let (real, padding): (Pick, Pick) = (|b| b.2, |b| b.3);
+        for (label, colour, tokens) in [
+            ("real tokens", BLUE, real),
+            ("padding tokens", RED, padding),
+        ] {
+            chart
+                .draw_series(LineSeries::new(
+                    bins.iter().map(|b| (mid(b.0), tokens(b))),
+                    colour.stroke_width(2),
+                ))
+                .map_err(err)?
+                .label(label)
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 16, y)], colour.stroke_width(2))
+                });
+        }
         chart
             .configure_series_labels()
             .background_style(WHITE.mix(0.8))

@@ -356,21 +356,17 @@ fn vocab_report_counts_and_errors() {
 
 #[test]
 fn vocab_command_runs_and_prints_json() {
-    let o = packshard(
-        &[
-            "vocab",
-            "--vocab-size",
-            "1000",
-            "--hidden",
-            "16",
-            "--tokens",
-            "5",
-            "--shards",
-            "3,8",
-            "--json",
-        ],
-        None,
-    );
+    // v 1000, h 16, 5 tokens; the shard counts last.
+    let small = [
+        "vocab",
+        "--vocab-size",
+        "1000",
+        "--hidden",
+        "16",
+        "--tokens",
+        "5",
+    ];
+    let o = packshard(&[&small[..], &["--shards", "3,8", "--json"]].concat(), None);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let r: Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(r["vocab_size"], json!(1000));
@@ -381,20 +377,7 @@ fn vocab_command_runs_and_prints_json() {
         .map(|row| row["barriers"].as_u64().unwrap())
         .collect();
     assert_eq!(barriers, [3, 2, 1]);
-    let o = packshard(
-        &[
-            "vocab",
-            "--vocab-size",
-            "1000",
-            "--hidden",
-            "16",
-            "--tokens",
-            "5",
-            "--shards",
-            "3",
-        ],
-        None,
-    );
+    let o = packshard(&[&small[..], &["--shards", "3"]].concat(), None);
     let table = String::from_utf8(o.stdout).unwrap();
     assert!(
         table.starts_with("vocab: v 1000, h 16, 5 tokens"),

@@ -17,7 +17,9 @@
 //! non-zero `grad_output`, so an implementation that lets padding in is seen.
 
 use ndarray::{Array2, Array3, ArrayView3, Axis};
-use packshard_reference::bert::attention::{varlen_attention, varlen_attention_backward};
+use packshard_reference::bert::attention::{
+    varlen_attention, varlen_attention_backward, AttentionGrads, AttentionOutput,
+};
 use packshard_reference::ops::{AttentionOp, Varlen};
 use packshard_reference::Error;
 use proptest::prelude::*;
@@ -51,6 +53,33 @@ pub struct AttentionCase {
     pub v: Array3<f64>,
     /// `[n_tok, h, d]`.
     pub grad_output: Array3<f64>,
+}
+
+impl AttentionCase {
+    /// `imp`'s varlen forward on the case (bidirectional, its `cu_seqlens`).
+    ///
+    /// # Errors
+    /// `imp`'s.
+    pub fn varlen_forward(&self, imp: &dyn AttentionOp) -> Result<AttentionOutput, Error> {
+        let cu = self.cu_seqlens();
+        let p = Varlen::new(&cu, false, self.scale);
+        imp.varlen_forward(self.q.view(), self.k.view(), self.v.view(), &p)
+    }
+
+    /// `imp`'s varlen backward of `fwd` on the case, with its `grad_output`.
+    ///
+    /// # Errors
+    /// `imp`'s.
+    pub fn varlen_backward(
+        &self,
+        imp: &dyn AttentionOp,
+        fwd: &AttentionOutput,
+    ) -> Result<AttentionGrads, Error> {
+        let cu = self.cu_seqlens();
+        let p = Varlen::new(&cu, false, self.scale);
+        let (q, k, v) = (self.q.view(), self.k.view(), self.v.view());
+        imp.varlen_backward(q, k, v, &p, fwd, self.grad_output.view())
+    }
 }
 
 impl AttentionCase {
@@ -210,13 +239,8 @@ pub fn check_attention_with(
     let cu = case.cu_seqlens();
     let (n, h, d) = case.q.dim();
     let err = |what: &str, e: Error| Mismatch::new(what, format!("{}: {e}", IMPL));
-    let fwd = imp
-        .varlen_forward(
-            case.q.view(),
-            case.k.view(),
-            case.v.view(),
-            &Varlen::new(&cu, false, case.scale),
-        )
+    let fwd = case
+        .varlen_forward(imp)
         .map_err(|e| err("varlen_forward", e))?;
     if fwd.output.dim() != (n, h, d) || fwd.lse.dim() != (h, n) {
         return Err(Mismatch::new(
@@ -228,15 +252,8 @@ pub fn check_attention_with(
             ),
         ));
     }
-    let grads = imp
-        .varlen_backward(
-            case.q.view(),
-            case.k.view(),
-            case.v.view(),
-            &Varlen::new(&cu, false, case.scale),
-            &fwd,
-            case.grad_output.view(),
-        )
+    let grads = case
+        .varlen_backward(imp, &fwd)
         .map_err(|e| err("varlen_backward", e))?;
     let mut seen = Observed::default();
     let big = 1e3; // planted garbage in padding slots
@@ -628,23 +645,11 @@ pub fn check_attention_relative(
         bl.view(),
         g32.view(),
     );
-    let fwd = imp
-        .varlen_forward(
-            c.q.view(),
-            c.k.view(),
-            c.v.view(),
-            &Varlen::new(&cu, false, c.scale),
-        )
+    let fwd = c
+        .varlen_forward(imp)
         .map_err(|e| err("varlen_forward", e))?;
-    let grads = imp
-        .varlen_backward(
-            c.q.view(),
-            c.k.view(),
-            c.v.view(),
-            &Varlen::new(&cu, false, c.scale),
-            &fwd,
-            c.grad_output.view(),
-        )
+    let grads = c
+        .varlen_backward(imp, &fwd)
         .map_err(|e| err("varlen_backward", e))?;
     let mut report = RelativeReport::default();
     let shape = [n, h, d];

@@ -17,6 +17,8 @@
 //! - [`attention`]: varlen attention == padded attention (P2, P4, P8).
 //! - [`bert`]: BERT layer and whole model with losses and gradients, packed ==
 //!   padded (P1, P2, P4, P5, P7, P8).
+//! - [`planted`]: implementations with one fault planted over the reference,
+//!   for negative controls.
 //! - [`causal`]: a causal decoder's logits, next-token loss under each
 //!   reduction and every gradient, packed == unpacked, and continuation
 //!   chunks over cached keys (C1–C7, P7).
@@ -37,6 +39,7 @@ pub mod causal;
 pub mod compare;
 pub mod fuzz;
 pub mod packing;
+pub mod planted;
 pub mod vocab;
 
 pub use compare::{Judge, Mismatch, RelativeRule, RelativeTotals, Tolerance};

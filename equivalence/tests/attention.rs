@@ -6,10 +6,11 @@ use ndarray::{ArrayView2, ArrayView3, Axis};
 use packshard_equivalence::attention::{
     check_attention, fault_cases, run_attention_suite, AttentionCase,
 };
+use packshard_equivalence::planted::{AttentionHooks, Planted, Qkv};
 use packshard_equivalence::Tolerance;
 use packshard_reference::attention::ReferenceAttention;
 use packshard_reference::bert::{AttentionGrads, AttentionOutput};
-use packshard_reference::ops::{AttentionOp, Varlen};
+use packshard_reference::ops::Varlen;
 use packshard_reference::Error;
 
 #[test]
@@ -17,52 +18,13 @@ fn reference_passes_the_attention_suite() {
     use std::sync::atomic::{AtomicUsize, Ordering};
     static CALLS: AtomicUsize = AtomicUsize::new(0);
     struct Counting;
-    impl AttentionOp for Counting {
-        fn varlen_forward(
-            &self,
-            q: ArrayView3<f64>,
-            k: ArrayView3<f64>,
-            v: ArrayView3<f64>,
-            p: &Varlen<'_>,
-        ) -> Result<AttentionOutput, Error> {
+    impl AttentionHooks for Counting {
+        fn varlen_forward(&self, x: Qkv<'_>, p: &Varlen<'_>) -> Result<AttentionOutput, Error> {
             CALLS.fetch_add(1, Ordering::Relaxed);
-            ReferenceAttention.varlen_forward(q, k, v, p)
-        }
-        fn varlen_backward(
-            &self,
-            q: ArrayView3<f64>,
-            k: ArrayView3<f64>,
-            v: ArrayView3<f64>,
-            p: &Varlen<'_>,
-            f: &AttentionOutput,
-            g: ArrayView3<f64>,
-        ) -> Result<AttentionGrads, Error> {
-            ReferenceAttention.varlen_backward(q, k, v, p, f, g)
-        }
-        fn masked_forward(
-            &self,
-            q: ArrayView3<f64>,
-            k: ArrayView3<f64>,
-            v: ArrayView3<f64>,
-            m: ArrayView2<bool>,
-            s: f64,
-        ) -> Result<AttentionOutput, Error> {
-            ReferenceAttention.masked_forward(q, k, v, m, s)
-        }
-        fn masked_backward(
-            &self,
-            q: ArrayView3<f64>,
-            k: ArrayView3<f64>,
-            v: ArrayView3<f64>,
-            m: ArrayView2<bool>,
-            s: f64,
-            f: &AttentionOutput,
-            g: ArrayView3<f64>,
-        ) -> Result<AttentionGrads, Error> {
-            ReferenceAttention.masked_backward(q, k, v, m, s, f, g)
+            x.varlen_forward(&ReferenceAttention, p)
         }
     }
-    let seen = run_attention_suite(&Counting, 256).unwrap();
+    let seen = run_attention_suite(&Planted(Counting), 256).unwrap();
     // Fault cases twice (two head shapes) and 256 random cases, each run
     // once plus once more for the P2 perturbation when it has tokens.
     assert!(CALLS.load(Ordering::Relaxed) >= fault_cases().len() * 2 + 256);
@@ -84,47 +46,34 @@ struct Broken {
     nan_on_empty_rows: bool,
 }
 
-impl AttentionOp for Broken {
-    fn varlen_forward(
-        &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
-        p: &Varlen<'_>,
-    ) -> Result<AttentionOutput, Error> {
-        let whole = [0, q.dim().0];
+impl AttentionHooks for Broken {
+    fn varlen_forward(&self, x: Qkv<'_>, p: &Varlen<'_>) -> Result<AttentionOutput, Error> {
+        let whole = [0, x.q.dim().0];
         let one = Varlen::new(&whole, p.causal, p.scale);
-        ReferenceAttention.varlen_forward(q, k, v, if self.ignore_cu_seqlens { &one } else { p })
+        x.varlen_forward(
+            &ReferenceAttention,
+            if self.ignore_cu_seqlens { &one } else { p },
+        )
     }
     fn varlen_backward(
         &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
+        x: Qkv<'_>,
         p: &Varlen<'_>,
         f: &AttentionOutput,
         g: ArrayView3<f64>,
     ) -> Result<AttentionGrads, Error> {
-        let whole = [0, q.dim().0];
+        let whole = [0, x.q.dim().0];
         let one = Varlen::new(&whole, p.causal, p.scale);
-        ReferenceAttention.varlen_backward(
-            q,
-            k,
-            v,
-            if self.ignore_cu_seqlens { &one } else { p },
-            f,
-            g,
-        )
+        let p = if self.ignore_cu_seqlens { &one } else { p };
+        x.varlen_backward(&ReferenceAttention, p, f, g)
     }
     fn masked_forward(
         &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
+        x: Qkv<'_>,
         m: ArrayView2<bool>,
         s: f64,
     ) -> Result<AttentionOutput, Error> {
-        let mut out = ReferenceAttention.masked_forward(q, k, v, m, s)?;
+        let mut out = x.masked_forward(&ReferenceAttention, m, s)?;
         if self.nan_on_empty_rows {
             for i in 0..m.nrows() {
                 if !m.row(i).iter().any(|&a| a) {
@@ -134,18 +83,6 @@ impl AttentionOp for Broken {
             }
         }
         Ok(out)
-    }
-    fn masked_backward(
-        &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
-        m: ArrayView2<bool>,
-        s: f64,
-        f: &AttentionOutput,
-        g: ArrayView3<f64>,
-    ) -> Result<AttentionGrads, Error> {
-        ReferenceAttention.masked_backward(q, k, v, m, s, f, g)
     }
 }
 
@@ -159,10 +96,10 @@ fn fault_case(prefix: &str) -> AttentionCase {
 
 #[test]
 fn p2_negative_control_attention_across_sequences() {
-    let broken = Broken {
+    let broken = Planted(Broken {
         ignore_cu_seqlens: true,
         nan_on_empty_rows: false,
-    };
+    });
     let err = check_attention(&broken, &fault_case("P2")).expect_err("a leak must be caught");
     assert!(
         err.what.contains("sequence 0: output"),
@@ -175,10 +112,10 @@ fn p2_negative_control_attention_across_sequences() {
 
 #[test]
 fn p8_negative_control_nan_on_fully_masked_rows() {
-    let broken = Broken {
+    let broken = Planted(Broken {
         ignore_cu_seqlens: false,
         nan_on_empty_rows: true,
-    };
+    });
     let err = check_attention(&broken, &fault_case("P8")).expect_err("NaN rows must be caught");
     assert!(err.what.contains("padded output"), "caught, but as {err}");
     assert!(

@@ -2,15 +2,16 @@
 //! and negative controls for docs/FAULTS.md P1, P2, P5, P7, P8: each planted fault
 //! must make the suite fail, for the right reason.
 
-use ndarray::{Array2, ArrayView2, ArrayView3};
+use ndarray::{Array2, ArrayView2};
 use packshard_equivalence::bert::{
     check_bert, fault_cases, reference_bert, run_bert_suite, run_layer_suite, BertCase, BertImpl,
 };
+use packshard_equivalence::planted::{AttentionHooks, Planted, Qkv};
 use packshard_equivalence::{Judge, Tolerance};
 use packshard_reference::bert::layer::ReferenceLayer;
 use packshard_reference::bert::{
-    AttentionGrads, AttentionLayout, AttentionOutput, BertConfig, BertModel, BertOutput,
-    LossWeights, PackedAttention, Reduction, ReferenceAttention, Targets, TokenBatch, IGNORE_INDEX,
+    AttentionLayout, AttentionOutput, BertConfig, BertModel, BertOutput, LossWeights,
+    PackedAttention, Reduction, ReferenceAttention, Targets, TokenBatch, IGNORE_INDEX,
 };
 use packshard_reference::ops::{AttentionOp, Varlen};
 use packshard_reference::packing::{Algorithm, PackedBatch};
@@ -81,50 +82,21 @@ fn nan_on_empty(mut out: AttentionOutput) -> AttentionOutput {
     out
 }
 
-impl AttentionOp for NanKernel {
-    fn varlen_forward(
-        &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
-        p: &Varlen<'_>,
-    ) -> Result<AttentionOutput, Error> {
-        Ok(nan_on_empty(ReferenceAttention.varlen_forward(q, k, v, p)?))
-    }
-    fn varlen_backward(
-        &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
-        p: &Varlen<'_>,
-        fwd: &AttentionOutput,
-        g: ArrayView3<f64>,
-    ) -> Result<AttentionGrads, Error> {
-        ReferenceAttention.varlen_backward(q, k, v, p, fwd, g)
+impl AttentionHooks for NanKernel {
+    fn varlen_forward(&self, x: Qkv<'_>, p: &Varlen<'_>) -> Result<AttentionOutput, Error> {
+        Ok(nan_on_empty(x.varlen_forward(&ReferenceAttention, p)?))
     }
     fn masked_forward(
         &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
+        x: Qkv<'_>,
         allowed: ArrayView2<bool>,
         scale: f64,
     ) -> Result<AttentionOutput, Error> {
-        Ok(nan_on_empty(
-            ReferenceAttention.masked_forward(q, k, v, allowed, scale)?,
-        ))
-    }
-    fn masked_backward(
-        &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
-        allowed: ArrayView2<bool>,
-        scale: f64,
-        fwd: &AttentionOutput,
-        g: ArrayView3<f64>,
-    ) -> Result<AttentionGrads, Error> {
-        ReferenceAttention.masked_backward(q, k, v, allowed, scale, fwd, g)
+        Ok(nan_on_empty(x.masked_forward(
+            &ReferenceAttention,
+            allowed,
+            scale,
+        )?))
     }
 }
 
@@ -146,7 +118,7 @@ impl BertImpl for Broken {
     ) -> Result<BertOutput, Error> {
         let batch = TokenBatch::padded(seqs, Some(tt), row_len, model.config.pad_token_id, offset)?;
         let kernel: &dyn AttentionOp = match self.0 {
-            Fault::NanOnEmptyRows => &NanKernel,
+            Fault::NanOnEmptyRows => &Planted(NanKernel),
             _ => &ReferenceAttention,
         };
         model.run_with(kernel, &batch, t, &LossWeights::new(t, r), true, None)
@@ -215,7 +187,7 @@ impl BertImpl for Broken {
             _ => {}
         }
         let kernel: &dyn AttentionOp = match self.0 {
-            Fault::NanOnEmptyRows => &NanKernel,
+            Fault::NanOnEmptyRows => &Planted(NanKernel),
             _ => &ReferenceAttention,
         };
         let mut out = model.run_with(kernel, &tb, &targets, &weights, true, None)?;

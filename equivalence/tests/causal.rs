@@ -4,19 +4,20 @@
 //! deliberately wrong implementation the suite must reject, for the right
 //! reason (the quantity its failure names).
 
-use ndarray::{Array2, ArrayView2, ArrayView3};
+use ndarray::{Array2, ArrayView3};
 use packshard_equivalence::causal::{
     check_bottom_right, chunk_varlen, fault_cases, reference_causal_lm, run_causal_suite,
     run_chunk_suite, run_varlen, CausalBatch, CausalForm, CausalLmImpl, CausalRun,
     ReferenceCausalLm,
 };
+use packshard_equivalence::planted::{AttentionHooks, Planted, Qkv};
 use packshard_equivalence::{Judge, Mismatch, Tolerance};
 use packshard_reference::attention::{AttentionGrads, AttentionOutput, ReferenceAttention};
 use packshard_reference::decoder::{
     loss_weights, next_token_labels, position_ids_from_cu_seqlens, varlen_from_doc_ids,
     CausalReduction, DecoderModel, KvCache,
 };
-use packshard_reference::ops::{AttentionOp, AttentionSupport, Varlen};
+use packshard_reference::ops::{AttentionSupport, Varlen};
 use packshard_reference::vocab::IGNORE_INDEX;
 use packshard_reference::Error;
 
@@ -261,39 +262,48 @@ fn assert_names(m: &Mismatch, parts: &[&str]) {
     }
 }
 
-#[test]
-fn c1_labels_across_the_pack_are_caught() {
-    let m = rejected(Fault::LabelsAcrossThePack);
-    assert_names(&m, &["C1 pack [a b | c d]", "packed vs padded: loss"]);
+/// A test that the suite rejects `$fault`, its first failure naming every
+/// one of `$parts`.
+macro_rules! caught {
+    ($name:ident, $fault:expr, [$($part:expr),+ $(,)?]) => {
+        #[test]
+        fn $name() {
+            let m = rejected($fault);
+            assert_names(&m, &[$($part),+]);
+        }
+    };
 }
 
-#[test]
-fn c2_a_document_mask_from_eos_in_the_inputs_is_caught() {
-    let m = rejected(Fault::MaskFromEosInInputs);
-    assert_names(&m, &["packed vs padded: document", "logits"]);
-}
+caught!(
+    c1_labels_across_the_pack_are_caught,
+    Fault::LabelsAcrossThePack,
+    ["C1 pack [a b | c d]", "packed vs padded: loss"]
+);
 
-#[test]
-fn c3_boundaries_from_a_strict_decrease_are_caught() {
-    // The C1 and C2 cases hold no one-token document: the first to fail is
-    // C3's. Padded rows flattened read the same positions, so the truth
-    // check sees it first.
-    let m = rejected(Fault::BoundariesFromStrictDecrease);
-    assert_names(&m, &["C3 positions [0,1,2,0,0,1]", "document", "logits"]);
-}
+caught!(
+    c2_a_document_mask_from_eos_in_the_inputs_is_caught,
+    Fault::MaskFromEosInInputs,
+    ["packed vs padded: document", "logits"]
+);
 
-#[test]
-fn c4_padding_between_documents_taken_for_tail_padding_is_caught() {
-    let m = rejected(Fault::PaddingTakenForTail);
-    assert_names(
-        &m,
-        &[
-            "C4 doc ids [1,1,1,0,2,2,0,0]",
-            "packed vs padded: document",
-            "logits",
-        ],
-    );
-}
+// The C1 and C2 cases hold no one-token document: the first to fail is
+// C3's. Padded rows flattened read the same positions, so the truth
+// check sees it first.
+caught!(
+    c3_boundaries_from_a_strict_decrease_are_caught,
+    Fault::BoundariesFromStrictDecrease,
+    ["C3 positions [0,1,2,0,0,1]", "document", "logits"]
+);
+
+caught!(
+    c4_padding_between_documents_taken_for_tail_padding_is_caught,
+    Fault::PaddingTakenForTail,
+    [
+        "C4 doc ids [1,1,1,0,2,2,0,0]",
+        "packed vs padded: document",
+        "logits"
+    ]
+);
 
 #[test]
 fn c6_restarted_positions_are_caught_on_continuation_chunks() {
@@ -311,21 +321,24 @@ fn c6_restarted_positions_are_caught_on_continuation_chunks() {
     assert_names(&m, &["C5/C6 chunks", "chunk of document 0: logits"]);
 }
 
-#[test]
-fn c7_a_token_count_denominator_off_by_the_rows_is_caught() {
-    let m = rejected(Fault::DenominatorPerRowShift);
-    assert_names(&m, &["(per-token)", "loss"]);
-}
+caught!(
+    c7_a_token_count_denominator_off_by_the_rows_is_caught,
+    Fault::DenominatorPerRowShift,
+    ["(per-token)", "loss"]
+);
 
-#[test]
-fn p7_a_mean_per_pack_row_is_caught() {
-    let m = rejected(Fault::MeanPerPackRow);
-    assert_names(&m, &["(per-document)", "packed vs padded: loss"]);
-}
+caught!(
+    p7_a_mean_per_pack_row_is_caught,
+    Fault::MeanPerPackRow,
+    ["(per-document)", "packed vs padded: loss"]
+);
 
 /// C5: causal masks aligned top-left (`c <= r`) when queries and keys
 /// differ in length, instead of bottom-right (`c <= r + l_k - l_q`).
-struct TopLeft;
+struct TopLeftHooks;
+
+/// The reference with top-left causal alignment.
+const TOP_LEFT: Planted<TopLeftHooks> = Planted(TopLeftHooks);
 
 fn top_left_mask(p: &Varlen<'_>, n_q: usize, n_k: usize) -> Array2<bool> {
     let mut m = Array2::from_elem((n_q, n_k), false);
@@ -339,53 +352,23 @@ fn top_left_mask(p: &Varlen<'_>, n_q: usize, n_k: usize) -> Array2<bool> {
     m
 }
 
-impl AttentionOp for TopLeft {
+impl AttentionHooks for TopLeftHooks {
     fn support(&self) -> AttentionSupport {
         AttentionSupport::ALL
     }
-    fn varlen_forward(
-        &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
-        p: &Varlen<'_>,
-    ) -> Result<AttentionOutput, Error> {
-        let mask = top_left_mask(p, q.dim().0, k.dim().0);
-        ReferenceAttention.masked_forward(q, k, v, mask.view(), p.scale)
+    fn varlen_forward(&self, x: Qkv<'_>, p: &Varlen<'_>) -> Result<AttentionOutput, Error> {
+        let mask = top_left_mask(p, x.q.dim().0, x.k.dim().0);
+        x.masked_forward(&ReferenceAttention, mask.view(), p.scale)
     }
     fn varlen_backward(
         &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
+        x: Qkv<'_>,
         p: &Varlen<'_>,
         fwd: &AttentionOutput,
         g: ArrayView3<f64>,
     ) -> Result<AttentionGrads, Error> {
-        let mask = top_left_mask(p, q.dim().0, k.dim().0);
-        ReferenceAttention.masked_backward(q, k, v, mask.view(), p.scale, fwd, g)
-    }
-    fn masked_forward(
-        &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
-        allowed: ArrayView2<bool>,
-        scale: f64,
-    ) -> Result<AttentionOutput, Error> {
-        ReferenceAttention.masked_forward(q, k, v, allowed, scale)
-    }
-    fn masked_backward(
-        &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
-        allowed: ArrayView2<bool>,
-        scale: f64,
-        fwd: &AttentionOutput,
-        g: ArrayView3<f64>,
-    ) -> Result<AttentionGrads, Error> {
-        ReferenceAttention.masked_backward(q, k, v, allowed, scale, fwd, g)
+        let mask = top_left_mask(p, x.q.dim().0, x.k.dim().0);
+        x.masked_backward(&ReferenceAttention, (mask.view(), p.scale), fwd, g)
     }
 }
 
@@ -394,19 +377,19 @@ fn c5_top_left_causal_alignment_is_caught() {
     // Top-left and bottom-right agree when queries and keys match: the
     // self-attention suite cannot see it; the chunk checks must.
     let top_left = ReferenceCausalLm {
-        attention: &TopLeft,
+        attention: &TOP_LEFT,
         form: CausalForm::Varlen,
     };
     assert!(run_causal_suite(&top_left, JUDGE, 4).is_ok());
     let m = run_chunk_suite(&top_left, Tolerance::F64_REWRITE, 8).unwrap_err();
     assert_names(&m, &["C5/C6 chunks", "chunk of document 0: logits"]);
-    let m = check_bottom_right(&TopLeft, (2, 1, 2), 7, Tolerance::F64_REWRITE).unwrap_err();
+    let m = check_bottom_right(&TOP_LEFT, (2, 1, 2), 7, Tolerance::F64_REWRITE).unwrap_err();
     assert_names(&m, &["query 0 of 3 over 1 key"]);
 }
 
-#[test]
-fn gradients_normalised_apart_from_the_loss_are_caught() {
-    // Logits and loss are right: the suite must reach the gradients.
-    let m = rejected(Fault::GradientsPerPackRow);
-    assert_names(&m, &["vs padded: grad "]);
-}
+// Logits and loss are right: the suite must reach the gradients.
+caught!(
+    gradients_normalised_apart_from_the_loss_are_caught,
+    Fault::GradientsPerPackRow,
+    ["vs padded: grad "]
+);

@@ -8,25 +8,26 @@
 
 use std::cell::Cell;
 
-use ndarray::{Array2, ArrayView2, ArrayView3};
+use ndarray::{Array2, ArrayView3};
 use packshard_equivalence::fuzz::attention::{self as fa, AttentionFuzzCase};
 use packshard_equivalence::fuzz::packing::{self as fp, PackFuzzCase};
 use packshard_equivalence::fuzz::vocab as fv;
 use packshard_equivalence::fuzz::{fuzz_random, replay_dirs, Failure, Outcome, ReplayError};
 use packshard_equivalence::packing::{Batcher, Packer, Reference as RefPacking};
+use packshard_equivalence::planted::{
+    AttentionHooks, CeCall, EmbeddingCall, Planted, Qkv, VocabHooks,
+};
 use packshard_equivalence::{Judge, Tolerance};
 use packshard_reference::attention::ReferenceAttention as RefAttention;
 use packshard_reference::bert::{AttentionGrads, AttentionOutput};
-use packshard_reference::ops::Embedding;
-use packshard_reference::ops::{AttentionOp, CrossEntropyOp, EmbeddingOp, Varlen};
+use packshard_reference::ops::Varlen;
 use packshard_reference::packing::{Overlong, PackedBatch, PackingConfig, PackingPlan};
-use packshard_reference::vocab::cross_entropy::CrossEntropy;
 use packshard_reference::vocab::embedding::ShardedEmbedding;
 use packshard_reference::vocab::sharded::ShardedLoss;
-use packshard_reference::vocab::{LossConfig, ShardMap, ShardedAlgorithm};
 use packshard_reference::vocab::{
     ReferenceCrossEntropy, ReferenceEmbedding, ReferenceLinearCrossEntropy,
 };
+use packshard_reference::vocab::{ShardMap, ShardedAlgorithm};
 use packshard_reference::Error;
 
 const TOL: Judge = Judge::Rewrite(Tolerance::F64_REWRITE);
@@ -158,19 +159,14 @@ fn naive_forward(
     AttentionOutput { output, lse }
 }
 
-impl AttentionOp for BrokenAttention {
-    fn varlen_forward(
-        &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
-        p: &Varlen<'_>,
-    ) -> Result<AttentionOutput, Error> {
+impl AttentionHooks for BrokenAttention {
+    fn varlen_forward(&self, x: Qkv<'_>, p: &Varlen<'_>) -> Result<AttentionOutput, Error> {
         let (cu, s) = (p.cu_seqlens_q, p.scale);
-        let whole = [0, q.dim().0];
+        let whole = [0, x.q.dim().0];
         let at = |cu| Varlen::new(cu, false, s);
+        let r = &RefAttention;
         match self.0 {
-            AttentionFault::LeakAcrossSegments => RefAttention.varlen_forward(q, k, v, &at(&whole)),
+            AttentionFault::LeakAcrossSegments => x.varlen_forward(r, &at(&whole)),
             AttentionFault::PanicOnEmptySegment => {
                 for w in cu.windows(2) {
                     assert!(
@@ -179,15 +175,15 @@ impl AttentionOp for BrokenAttention {
                         w[0]
                     );
                 }
-                RefAttention.varlen_forward(q, k, v, &at(cu))
+                x.varlen_forward(r, &at(cu))
             }
             AttentionFault::NoMaxSubtraction => {
-                RefAttention.varlen_forward(q, k, v, &at(cu))?;
-                Ok(naive_forward(q, k, v, cu, s))
+                x.varlen_forward(r, &at(cu))?;
+                Ok(naive_forward(x.q, x.k, x.v, cu, s))
             }
             AttentionFault::AcceptsMalformedCuSeqlens => {
                 // "Repairs" cu_seqlens instead of refusing it.
-                let n = q.dim().0;
+                let n = x.q.dim().0;
                 let mut fixed: Vec<usize> = cu.iter().map(|&c| c.min(n)).collect();
                 fixed.insert(0, 0);
                 for i in 1..fixed.len() {
@@ -198,60 +194,35 @@ impl AttentionOp for BrokenAttention {
                 if fixed.len() == 1 {
                     fixed.push(n);
                 }
-                RefAttention.varlen_forward(q, k, v, &at(&fixed))
+                x.varlen_forward(r, &at(&fixed))
             }
-            AttentionFault::UnscaledGradK => RefAttention.varlen_forward(q, k, v, &at(cu)),
+            AttentionFault::UnscaledGradK => x.varlen_forward(r, &at(cu)),
         }
     }
     fn varlen_backward(
         &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
+        x: Qkv<'_>,
         p: &Varlen<'_>,
         f: &AttentionOutput,
         g: ArrayView3<f64>,
     ) -> Result<AttentionGrads, Error> {
         let (cu, s) = (p.cu_seqlens_q, p.scale);
-        let whole = [0, q.dim().0];
+        let whole = [0, x.q.dim().0];
         let at = |cu| Varlen::new(cu, false, s);
+        let r = &RefAttention;
         match self.0 {
-            AttentionFault::LeakAcrossSegments => {
-                RefAttention.varlen_backward(q, k, v, &at(&whole), f, g)
-            }
+            AttentionFault::LeakAcrossSegments => x.varlen_backward(r, &at(&whole), f, g),
             AttentionFault::UnscaledGradK => {
-                let mut grads = RefAttention.varlen_backward(q, k, v, &at(cu), f, g)?;
+                let mut grads = x.varlen_backward(r, &at(cu), f, g)?;
                 grads.grad_k.mapv_inplace(|x| x / s);
                 Ok(grads)
             }
             _ => {
                 // Consistent with this forward: the reference's own forward.
-                let f = RefAttention.varlen_forward(q, k, v, &at(cu))?;
-                RefAttention.varlen_backward(q, k, v, &at(cu), &f, g)
+                let f = x.varlen_forward(r, &at(cu))?;
+                x.varlen_backward(r, &at(cu), &f, g)
             }
         }
-    }
-    fn masked_forward(
-        &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
-        m: ArrayView2<bool>,
-        s: f64,
-    ) -> Result<AttentionOutput, Error> {
-        RefAttention.masked_forward(q, k, v, m, s)
-    }
-    fn masked_backward(
-        &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
-        m: ArrayView2<bool>,
-        s: f64,
-        f: &AttentionOutput,
-        g: ArrayView3<f64>,
-    ) -> Result<AttentionGrads, Error> {
-        RefAttention.masked_backward(q, k, v, m, s, f, g)
     }
 }
 
@@ -278,7 +249,13 @@ fn assert_readable(f: &Failure, tensor: &str) {
 
 #[test]
 fn attention_leak_across_segments_is_found() {
-    let f = find(|d| fa::run(&BrokenAttention(AttentionFault::LeakAcrossSegments), TOL, d));
+    let f = find(|d| {
+        fa::run(
+            &Planted(BrokenAttention(AttentionFault::LeakAcrossSegments)),
+            TOL,
+            d,
+        )
+    });
     assert_readable(&f, "output (sequence ");
 }
 
@@ -286,7 +263,7 @@ fn attention_leak_across_segments_is_found() {
 fn attention_panic_on_an_empty_segment_is_found() {
     let f = find(|d| {
         fa::run(
-            &BrokenAttention(AttentionFault::PanicOnEmptySegment),
+            &Planted(BrokenAttention(AttentionFault::PanicOnEmptySegment)),
             TOL,
             d,
         )
@@ -301,7 +278,13 @@ fn attention_panic_on_an_empty_segment_is_found() {
 
 #[test]
 fn attention_overflow_without_max_subtraction_is_found() {
-    let f = find(|d| fa::run(&BrokenAttention(AttentionFault::NoMaxSubtraction), TOL, d));
+    let f = find(|d| {
+        fa::run(
+            &Planted(BrokenAttention(AttentionFault::NoMaxSubtraction)),
+            TOL,
+            d,
+        )
+    });
     // exp overflows to inf on a large score: NaN or inf where a finite value is expected.
     assert!(
         f.mismatch.what.starts_with("output (sequence ")
@@ -316,7 +299,13 @@ fn attention_overflow_without_max_subtraction_is_found() {
 
 #[test]
 fn attention_unscaled_grad_k_is_found() {
-    let f = find(|d| fa::run(&BrokenAttention(AttentionFault::UnscaledGradK), TOL, d));
+    let f = find(|d| {
+        fa::run(
+            &Planted(BrokenAttention(AttentionFault::UnscaledGradK)),
+            TOL,
+            d,
+        )
+    });
     assert_readable(&f, "grad_k (sequence ");
 }
 
@@ -324,7 +313,7 @@ fn attention_unscaled_grad_k_is_found() {
 fn attention_accepting_malformed_cu_seqlens_is_found() {
     let f = find(|d| {
         fa::run(
-            &BrokenAttention(AttentionFault::AcceptsMalformedCuSeqlens),
+            &Planted(BrokenAttention(AttentionFault::AcceptsMalformedCuSeqlens)),
             TOL,
             d,
         )
@@ -350,60 +339,41 @@ enum VocabFault {
 
 struct BrokenVocab(VocabFault);
 
-impl CrossEntropyOp for BrokenVocab {
-    fn cross_entropy(
-        &self,
-        logits: ArrayView2<f64>,
-        targets: &[i64],
-        config: &LossConfig,
-        want_grad: bool,
-    ) -> Result<CrossEntropy, Error> {
-        ReferenceCrossEntropy.cross_entropy(logits, targets, config, want_grad)
-    }
+impl VocabHooks for BrokenVocab {
     fn sharded_cross_entropy(
         &self,
         algorithm: ShardedAlgorithm,
         map: &ShardMap,
-        logits: ArrayView2<f64>,
-        targets: &[i64],
-        config: &LossConfig,
-        want_grad: bool,
+        c: CeCall<'_>,
     ) -> Result<ShardedLoss, Error> {
-        let r = ReferenceCrossEntropy;
+        let r = &ReferenceCrossEntropy;
         if self.0 == VocabFault::IgnoresIgnoreIndex {
-            let t: Vec<i64> = targets
+            let t: Vec<i64> = c
+                .targets
                 .iter()
-                .map(|&t| if t == config.ignore_index { 0 } else { t })
+                .map(|&t| if t == c.config.ignore_index { 0 } else { t })
                 .collect();
-            let c = config.with_ignore_index(i64::MIN);
-            return r.sharded_cross_entropy(algorithm, map, logits, &t, &c, want_grad);
+            let config = &c.config.with_ignore_index(i64::MIN);
+            let c = CeCall {
+                targets: &t,
+                config,
+                ..c
+            };
+            return c.sharded(r, algorithm, map);
         }
-        r.sharded_cross_entropy(algorithm, map, logits, targets, config, want_grad)
-    }
-}
-
-impl EmbeddingOp for BrokenVocab {
-    fn embedding(
-        &self,
-        ids: &[i64],
-        weight: ArrayView2<f64>,
-        grad_output: Option<ArrayView2<f64>>,
-    ) -> Result<Embedding, Error> {
-        ReferenceEmbedding.embedding(ids, weight, grad_output)
+        c.sharded(r, algorithm, map)
     }
     fn sharded_embedding(
         &self,
         map: &ShardMap,
-        ids: &[i64],
-        weight: ArrayView2<f64>,
-        grad_output: Option<ArrayView2<f64>>,
+        c: EmbeddingCall<'_>,
     ) -> Result<ShardedEmbedding, Error> {
-        let mut out = ReferenceEmbedding.sharded_embedding(map, ids, weight, grad_output)?;
+        let mut out = c.sharded(&ReferenceEmbedding, map)?;
         if let (VocabFault::OverwritesRepeatedIds, Some(g), Some(parts)) =
-            (self.0, grad_output, out.grad_weights.as_mut())
+            (self.0, c.grad_output, out.grad_weights.as_mut())
         {
             // Each row holds the gradient of the last token with that id.
-            for (i, &id) in ids.iter().enumerate() {
+            for (i, &id) in c.ids.iter().enumerate() {
                 let (rank, local) = map.owner(id as usize).expect("ids were checked");
                 parts[rank].row_mut(local).assign(&g.row(i));
             }
@@ -419,7 +389,11 @@ fn cross_entropy_ignoring_ignore_index_is_found() {
     // too, but skipped here to show a numeric mismatch.
     let mut errors = 0;
     let f = find(|d| {
-        match fv::run_cross_entropy(&BrokenVocab(VocabFault::IgnoresIgnoreIndex), TOL, d) {
+        match fv::run_cross_entropy(
+            &Planted(BrokenVocab(VocabFault::IgnoresIgnoreIndex)),
+            TOL,
+            d,
+        ) {
             Err(f) if f.mismatch.what == "error" => {
                 errors += 1;
                 Ok(Outcome::default())
@@ -447,7 +421,8 @@ fn cross_entropy_ignoring_ignore_index_is_found() {
 
 #[test]
 fn embedding_overwriting_repeated_ids_is_found() {
-    let f = find(|d| fv::run_embedding(&BrokenVocab(VocabFault::OverwritesRepeatedIds), d));
+    let f =
+        find(|d| fv::run_embedding(&Planted(BrokenVocab(VocabFault::OverwritesRepeatedIds)), d));
     assert_readable(&f, "grad_weight");
 }
 
@@ -530,7 +505,11 @@ fn replay_runs_every_file_and_names_the_failing_one() {
     // An input the leak is visible on: two non-empty segments, found by the fuzzer.
     let bad = Cell::new(None::<Vec<u8>>);
     let _ = fuzz_random(3000, 11, |d| {
-        let r = fa::run(&BrokenAttention(AttentionFault::LeakAcrossSegments), TOL, d);
+        let r = fa::run(
+            &Planted(BrokenAttention(AttentionFault::LeakAcrossSegments)),
+            TOL,
+            d,
+        );
         if r.is_err() {
             bad.set(Some(d.to_vec()));
         }
@@ -546,7 +525,11 @@ fn replay_runs_every_file_and_names_the_failing_one() {
     let seen = replay_dirs(&[&dir, &missing], |d| fa::run(&RefAttention, TOL, d)).unwrap();
     assert_eq!(seen.cases, 2);
     let err = replay_dirs(&[&dir], |d| {
-        fa::run(&BrokenAttention(AttentionFault::LeakAcrossSegments), TOL, d)
+        fa::run(
+            &Planted(BrokenAttention(AttentionFault::LeakAcrossSegments)),
+            TOL,
+            d,
+        )
     })
     .unwrap_err();
     let ReplayError::Failed(f) = &err else {

@@ -4,15 +4,14 @@
 //! whole suite — and for the right reason (the failing tensor is named).
 
 use ndarray::{Array1, Array2, ArrayView2, Axis, Slice};
+use packshard_equivalence::planted::{CeCall, EmbeddingCall, LinearCall, Planted, VocabHooks};
 use packshard_equivalence::vocab::{
     check_cross_entropy, check_embedding, check_linear, run_cross_entropy_suite,
     run_embedding_suite, run_linear_suite, CeCase, Coverage, EmbeddingCase, LinearCase, V1_LOGITS,
     V2_LOGITS,
 };
 use packshard_equivalence::{Judge, Mismatch, Tolerance};
-use packshard_reference::ops::{
-    CrossEntropyOp, Embedding, EmbeddingOp, LinearCrossEntropyOp, LinearLoss,
-};
+use packshard_reference::ops::{CrossEntropyOp, EmbeddingOp, LinearCrossEntropyOp};
 use packshard_reference::vocab::collective::{run_ranks, Collective, Reduce};
 use packshard_reference::vocab::cross_entropy::CrossEntropy;
 use packshard_reference::vocab::cross_entropy::{check_row, token_loss, STATS_WIDTH};
@@ -22,9 +21,6 @@ use packshard_reference::vocab::sum;
 use packshard_reference::vocab::{
     cross_entropy, linear_cross_entropy, LossConfig, ShardLayout, ShardMap, ShardedAlgorithm,
     SmoothingConvention, SoftmaxStats,
-};
-use packshard_reference::vocab::{
-    ReferenceCrossEntropy, ReferenceEmbedding, ReferenceLinearCrossEntropy,
 };
 use packshard_reference::Error;
 
@@ -43,83 +39,14 @@ where
 }
 
 /// The reference's three vocabulary ops as one value.
-struct Reference;
-
-impl CrossEntropyOp for Reference {
-    fn cross_entropy(
-        &self,
-        logits: ArrayView2<f64>,
-        targets: &[i64],
-        config: &LossConfig,
-        want_grad: bool,
-    ) -> Result<CrossEntropy, Error> {
-        ReferenceCrossEntropy.cross_entropy(logits, targets, config, want_grad)
-    }
-    fn sharded_cross_entropy(
-        &self,
-        algorithm: ShardedAlgorithm,
-        map: &ShardMap,
-        logits: ArrayView2<f64>,
-        targets: &[i64],
-        config: &LossConfig,
-        want_grad: bool,
-    ) -> Result<ShardedLoss, Error> {
-        ReferenceCrossEntropy
-            .sharded_cross_entropy(algorithm, map, logits, targets, config, want_grad)
-    }
-}
-
-impl LinearCrossEntropyOp for Reference {
-    fn linear_cross_entropy(
-        &self,
-        hidden: ArrayView2<f64>,
-        weight: ArrayView2<f64>,
-        targets: &[i64],
-        config: &LossConfig,
-        want_grad: bool,
-    ) -> Result<LinearLoss, Error> {
-        ReferenceLinearCrossEntropy.linear_cross_entropy(hidden, weight, targets, config, want_grad)
-    }
-    fn sharded_linear_cross_entropy(
-        &self,
-        algorithm: ShardedAlgorithm,
-        map: &ShardMap,
-        hidden: ArrayView2<f64>,
-        weight: ArrayView2<f64>,
-        targets: &[i64],
-        config: &LossConfig,
-        want_grad: bool,
-    ) -> Result<ShardedLoss, Error> {
-        ReferenceLinearCrossEntropy.sharded_linear_cross_entropy(
-            algorithm, map, hidden, weight, targets, config, want_grad,
-        )
-    }
-}
-
-impl EmbeddingOp for Reference {
-    fn embedding(
-        &self,
-        ids: &[i64],
-        weight: ArrayView2<f64>,
-        grad_output: Option<ArrayView2<f64>>,
-    ) -> Result<Embedding, Error> {
-        ReferenceEmbedding.embedding(ids, weight, grad_output)
-    }
-    fn sharded_embedding(
-        &self,
-        map: &ShardMap,
-        ids: &[i64],
-        weight: ArrayView2<f64>,
-        grad_output: Option<ArrayView2<f64>>,
-    ) -> Result<ShardedEmbedding, Error> {
-        ReferenceEmbedding.sharded_embedding(map, ids, weight, grad_output)
-    }
-}
+struct ReferenceHooks;
+impl VocabHooks for ReferenceHooks {}
+const REFERENCE: Planted<ReferenceHooks> = Planted(ReferenceHooks);
 
 #[test]
 fn reference_passes_the_suite() {
     let cases = std::env::var("VOCAB_CASES").map_or(128, |s| s.parse().expect("a number"));
-    let coverage = run_suite(&Reference, cases).unwrap();
+    let coverage = run_suite(&REFERENCE, cases).unwrap();
     eprintln!("{coverage:?}");
     // Not vacuous: most cases were compared value by value, and the largest
     // difference seen is a few ulp of the terms (the tolerance is 64).
@@ -154,12 +81,12 @@ enum Fault {
 
 /// An alg1-style implementation (S pass, one merged barrier, T pass, the
 /// input-gradient barrier) written independently of the reference's, with
-/// one fault switch. `Planted(Fault::None)` passes the suite.
-struct Planted(Fault);
+/// one fault switch. `Planted(Alg1(Fault::None))` passes the suite.
+struct Alg1(Fault);
 
 type Linear<'a> = Option<(ArrayView2<'a, f64>, ArrayView2<'a, f64>)>;
 
-impl Planted {
+impl Alg1 {
     fn run(
         &self,
         map: &ShardMap,
@@ -361,31 +288,28 @@ impl Planted {
     }
 }
 
-impl CrossEntropyOp for Planted {
+impl VocabHooks for Alg1 {
     fn algorithms(&self) -> Vec<ShardedAlgorithm> {
         vec![ShardedAlgorithm::Alg1]
     }
 
-    fn cross_entropy(
-        &self,
-        logits: ArrayView2<f64>,
-        targets: &[i64],
-        config: &LossConfig,
-        want_grad: bool,
-    ) -> Result<CrossEntropy, Error> {
+    fn cross_entropy(&self, c: CeCall<'_>) -> Result<CrossEntropy, Error> {
         // The faults are planted in the sharded path.
-        cross_entropy(logits, targets, config, want_grad)
+        cross_entropy(c.input, c.targets, c.config, c.want_grad)
     }
 
     fn sharded_cross_entropy(
         &self,
         _algorithm: ShardedAlgorithm,
         map: &ShardMap,
-        logits: ArrayView2<f64>,
-        targets: &[i64],
-        config: &LossConfig,
-        want_grad: bool,
+        c: CeCall<'_>,
     ) -> Result<ShardedLoss, Error> {
+        let CeCall {
+            input: logits,
+            targets,
+            config,
+            want_grad,
+        } = c;
         // Bad input fails as in the reference.
         let v = map.vocab_size();
         cross_entropy(
@@ -397,34 +321,19 @@ impl CrossEntropyOp for Planted {
         let parts = map.split_columns(logits, "logits")?;
         self.run(map, &parts, None, targets, config, want_grad)
     }
-}
-
-impl LinearCrossEntropyOp for Planted {
-    fn algorithms(&self) -> Vec<ShardedAlgorithm> {
-        vec![ShardedAlgorithm::Alg1]
-    }
-
-    fn linear_cross_entropy(
-        &self,
-        hidden: ArrayView2<f64>,
-        weight: ArrayView2<f64>,
-        targets: &[i64],
-        config: &LossConfig,
-        want_grad: bool,
-    ) -> Result<LinearLoss, Error> {
-        ReferenceLinearCrossEntropy.linear_cross_entropy(hidden, weight, targets, config, want_grad)
-    }
 
     fn sharded_linear_cross_entropy(
         &self,
         _algorithm: ShardedAlgorithm,
         map: &ShardMap,
-        hidden: ArrayView2<f64>,
-        weight: ArrayView2<f64>,
-        targets: &[i64],
-        config: &LossConfig,
-        want_grad: bool,
+        c: LinearCall<'_>,
     ) -> Result<ShardedLoss, Error> {
+        let LinearCall {
+            input: (hidden, weight),
+            targets,
+            config,
+            want_grad,
+        } = c;
         let v = map.vocab_size();
         linear_cross_entropy(
             hidden,
@@ -441,25 +350,17 @@ impl LinearCrossEntropyOp for Planted {
             .collect();
         self.run(map, &[], Some((hidden, &parts)), targets, config, want_grad)
     }
-}
-
-impl EmbeddingOp for Planted {
-    fn embedding(
-        &self,
-        ids: &[i64],
-        weight: ArrayView2<f64>,
-        grad_output: Option<ArrayView2<f64>>,
-    ) -> Result<Embedding, Error> {
-        ReferenceEmbedding.embedding(ids, weight, grad_output)
-    }
 
     fn sharded_embedding(
         &self,
         map: &ShardMap,
-        ids: &[i64],
-        weight: ArrayView2<f64>,
-        grad_output: Option<ArrayView2<f64>>,
+        c: EmbeddingCall<'_>,
     ) -> Result<ShardedEmbedding, Error> {
+        let EmbeddingCall {
+            ids,
+            weight,
+            grad_output,
+        } = c;
         if self.0 != Fault::SilentZeroRow {
             check_ids(ids, map.vocab_size())?;
         }
@@ -515,7 +416,7 @@ impl EmbeddingOp for Planted {
 #[test]
 fn the_planted_implementation_without_a_fault_passes_the_suite() {
     // So every rejection below is the planted fault's doing.
-    let coverage = run_suite(&Planted(Fault::None), 64).unwrap();
+    let coverage = run_suite(&Planted(Alg1(Fault::None)), 64).unwrap();
     assert!(coverage.compared >= 32, "{coverage:?}");
 }
 
@@ -531,7 +432,8 @@ fn map(v: usize, p: usize, layout: ShardLayout) -> ShardMap {
 /// whose name contains one of `reasons` (the docs/FAULTS.md entry, or the layout
 /// that exposes the fault).
 fn suite_rejects(fault: Fault, reasons: &[&str]) -> Mismatch {
-    let err = run_suite(&Planted(fault), 16).expect_err("the suite must catch the planted fault");
+    let err =
+        run_suite(&Planted(Alg1(fault)), 16).expect_err("the suite must catch the planted fault");
     eprintln!("{fault:?} caught by: {}", err.what);
     assert!(
         reasons.iter().any(|r| err.what.contains(r)),
@@ -542,7 +444,7 @@ fn suite_rejects(fault: Fault, reasons: &[&str]) -> Mismatch {
 
 #[test]
 fn v1_negative_control_smoothing_with_a_shard_local_mean() {
-    let planted = Planted(Fault::LocalSmoothing);
+    let planted = Planted(Alg1(Fault::LocalSmoothing));
     let config = LossConfig::default().with_smoothing(0.1, SmoothingConvention::Megatron);
     let case = CeCase {
         map: map(8, 2, ShardLayout::Uneven),
@@ -575,7 +477,7 @@ fn v1_negative_control_smoothing_with_a_shard_local_mean() {
 
 #[test]
 fn v2_negative_control_padded_entries_in_the_softmax() {
-    let planted = Planted(Fault::PaddingInSoftmax);
+    let planted = Planted(Alg1(Fault::PaddingInSoftmax));
     let mut z = V2_LOGITS.to_vec();
     z.extend([9.0, -4.0]);
     let case = CeCase {
@@ -611,7 +513,7 @@ fn v3_case() -> LinearCase {
 
 #[test]
 fn v3_negative_control_input_gradient_not_summed() {
-    let planted = Planted(Fault::InputGradNotReduced);
+    let planted = Planted(Alg1(Fault::InputGradNotReduced));
     let err = check_linear(&planted, ShardedAlgorithm::Alg1, &v3_case(), true).unwrap_err();
     assert_eq!(err.what, "grad_hidden (rank 0)", "{err}");
     suite_rejects(Fault::InputGradNotReduced, &["V3"]);
@@ -619,7 +521,7 @@ fn v3_negative_control_input_gradient_not_summed() {
 
 #[test]
 fn v4_negative_control_an_assertion_on_divisibility() {
-    let planted = Planted(Fault::AssertDivisible);
+    let planted = Planted(Alg1(Fault::AssertDivisible));
     let v = 250_682;
     let logits = Array2::from_shape_fn((2, v), |(i, j)| ((i + j) % 13) as f64 - 6.0);
     let case = CeCase {
@@ -646,7 +548,7 @@ fn v4_negative_control_an_assertion_on_divisibility() {
 
 #[test]
 fn v5_negative_control_a_silent_zero_row() {
-    let planted = Planted(Fault::SilentZeroRow);
+    let planted = Planted(Alg1(Fault::SilentZeroRow));
     let weight = Array2::from_shape_fn((5, 3), |(j, k)| (j * 3 + k) as f64 + 1.0);
     for layout in [ShardLayout::Uneven, ShardLayout::Padded] {
         for bad in [5, -1] {
@@ -674,7 +576,7 @@ fn v5_negative_control_a_silent_zero_row() {
 
 #[test]
 fn v6_negative_control_nan_from_an_all_minus_inf_shard() {
-    let planted = Planted(Fault::NanFromEmptyShard);
+    let planted = Planted(Alg1(Fault::NanFromEmptyShard));
     let inf = f64::NEG_INFINITY;
     let case = CeCase {
         map: map(8, 2, ShardLayout::Uneven),
@@ -697,7 +599,7 @@ fn v6_negative_control_nan_from_an_all_minus_inf_shard() {
 
 #[test]
 fn negative_control_an_extra_barrier_is_counted() {
-    let planted = Planted(Fault::ExtraBarrier);
+    let planted = Planted(Alg1(Fault::ExtraBarrier));
     let err = check_linear(&planted, ShardedAlgorithm::Alg1, &v3_case(), true).unwrap_err();
     assert_eq!(err.what, "collectives", "{err}");
     assert!(
@@ -730,7 +632,7 @@ fn linear(
 
 fn all_algorithms_pass(case: &LinearCase) {
     for algorithm in ShardedAlgorithm::ALL {
-        check_linear(&Reference, algorithm, case, true)
+        check_linear(&REFERENCE, algorithm, case, true)
             .unwrap_or_else(|m| panic!("{algorithm}: {m}"));
     }
 }

@@ -35,6 +35,32 @@ use crate::simd;
 /// Rows per chunk of the row-parallel passes and of the token reductions.
 const ROWS: usize = 64;
 
+/// `$ty { field: $m(hf_name, &$src.field) .. }` over the sixteen tensors of
+/// a layer, `$m` for the matrices and `$v` for the vectors (with a trailing
+/// `?`, each call's error is returned).
+macro_rules! layer_fields {
+    ($ty:ident, $src:expr, $m:expr, $v:expr $(, $try:tt)?) => {
+        $ty {
+            query_w: $m("attention.self.query.weight", &$src.query_w)$($try)?,
+            query_b: $v("attention.self.query.bias", &$src.query_b)$($try)?,
+            key_w: $m("attention.self.key.weight", &$src.key_w)$($try)?,
+            key_b: $v("attention.self.key.bias", &$src.key_b)$($try)?,
+            value_w: $m("attention.self.value.weight", &$src.value_w)$($try)?,
+            value_b: $v("attention.self.value.bias", &$src.value_b)$($try)?,
+            attn_out_w: $m("attention.output.dense.weight", &$src.attn_out_w)$($try)?,
+            attn_out_b: $v("attention.output.dense.bias", &$src.attn_out_b)$($try)?,
+            attn_ln_g: $v("attention.output.LayerNorm.weight", &$src.attn_ln_g)$($try)?,
+            attn_ln_b: $v("attention.output.LayerNorm.bias", &$src.attn_ln_b)$($try)?,
+            inter_w: $m("intermediate.dense.weight", &$src.inter_w)$($try)?,
+            inter_b: $v("intermediate.dense.bias", &$src.inter_b)$($try)?,
+            out_w: $m("output.dense.weight", &$src.out_w)$($try)?,
+            out_b: $v("output.dense.bias", &$src.out_b)$($try)?,
+            out_ln_g: $v("output.LayerNorm.weight", &$src.out_ln_g)$($try)?,
+            out_ln_b: $v("output.LayerNorm.bias", &$src.out_ln_b)$($try)?,
+        }
+    };
+}
+
 /// The parameters of one layer in f32, with the reference's names and shapes
 /// (`hidden` = `hidden_size`, `inter` = `intermediate_size`).
 #[derive(Debug, Clone, PartialEq)]
@@ -83,50 +109,16 @@ impl LayerParams32 {
     pub fn from_reference(p: &LayerParams) -> Result<Self> {
         let m = |name: &str, a: &Array2<f64>| to_f32(name, a.view());
         let v = |name: &str, a: &Array1<f64>| to_f32(name, a.view());
-        let out = LayerParams32 {
-            query_w: m("attention.self.query.weight", &p.query_w)?,
-            query_b: v("attention.self.query.bias", &p.query_b)?,
-            key_w: m("attention.self.key.weight", &p.key_w)?,
-            key_b: v("attention.self.key.bias", &p.key_b)?,
-            value_w: m("attention.self.value.weight", &p.value_w)?,
-            value_b: v("attention.self.value.bias", &p.value_b)?,
-            attn_out_w: m("attention.output.dense.weight", &p.attn_out_w)?,
-            attn_out_b: v("attention.output.dense.bias", &p.attn_out_b)?,
-            attn_ln_g: v("attention.output.LayerNorm.weight", &p.attn_ln_g)?,
-            attn_ln_b: v("attention.output.LayerNorm.bias", &p.attn_ln_b)?,
-            inter_w: m("intermediate.dense.weight", &p.inter_w)?,
-            inter_b: v("intermediate.dense.bias", &p.inter_b)?,
-            out_w: m("output.dense.weight", &p.out_w)?,
-            out_b: v("output.dense.bias", &p.out_b)?,
-            out_ln_g: v("output.LayerNorm.weight", &p.out_ln_g)?,
-            out_ln_b: v("output.LayerNorm.bias", &p.out_ln_b)?,
-        };
+        let out = layer_fields!(LayerParams32, p, m, v, ?);
         out.check()?;
         Ok(out)
     }
 
     /// The values as reference parameters (exact).
     pub fn to_reference(&self) -> LayerParams {
-        let m = |a: &Array2<f32>| a.mapv(f64::from);
-        let v = |a: &Array1<f32>| a.mapv(f64::from);
-        LayerParams {
-            query_w: m(&self.query_w),
-            query_b: v(&self.query_b),
-            key_w: m(&self.key_w),
-            key_b: v(&self.key_b),
-            value_w: m(&self.value_w),
-            value_b: v(&self.value_b),
-            attn_out_w: m(&self.attn_out_w),
-            attn_out_b: v(&self.attn_out_b),
-            attn_ln_g: v(&self.attn_ln_g),
-            attn_ln_b: v(&self.attn_ln_b),
-            inter_w: m(&self.inter_w),
-            inter_b: v(&self.inter_b),
-            out_w: m(&self.out_w),
-            out_b: v(&self.out_b),
-            out_ln_g: v(&self.out_ln_g),
-            out_ln_b: v(&self.out_ln_b),
-        }
+        let m = |_: &str, a: &Array2<f32>| a.mapv(f64::from);
+        let v = |_: &str, a: &Array1<f32>| a.mapv(f64::from);
+        layer_fields!(LayerParams, self, m, v)
     }
 
     /// `hidden`.
@@ -141,26 +133,9 @@ impl LayerParams32 {
 
     /// Zeros of the same shapes (to hold gradients).
     pub fn zeros_like(&self) -> Self {
-        let m = |a: &Array2<f32>| Array2::zeros(a.dim());
-        let v = |a: &Array1<f32>| Array1::zeros(a.dim());
-        LayerParams32 {
-            query_w: m(&self.query_w),
-            query_b: v(&self.query_b),
-            key_w: m(&self.key_w),
-            key_b: v(&self.key_b),
-            value_w: m(&self.value_w),
-            value_b: v(&self.value_b),
-            attn_out_w: m(&self.attn_out_w),
-            attn_out_b: v(&self.attn_out_b),
-            attn_ln_g: v(&self.attn_ln_g),
-            attn_ln_b: v(&self.attn_ln_b),
-            inter_w: m(&self.inter_w),
-            inter_b: v(&self.inter_b),
-            out_w: m(&self.out_w),
-            out_b: v(&self.out_b),
-            out_ln_g: v(&self.out_ln_g),
-            out_ln_b: v(&self.out_ln_b),
-        }
+        let m = |_: &str, a: &Array2<f32>| Array2::zeros(a.dim());
+        let v = |_: &str, a: &Array1<f32>| Array1::zeros(a.dim());
+        layer_fields!(LayerParams32, self, m, v)
     }
 
     /// Checks that the shapes fit one layer of width `hidden = query.weight`'s rows.

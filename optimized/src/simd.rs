@@ -343,43 +343,62 @@ fn mm_block<S: Simd, const MR: usize>(
 
 // ---- dispatched slice helpers ------------------------------------------------
 
-/// `exp` of every element, in place (dispatched).
-pub fn exp_slice(xs: &mut [f32]) {
-    struct Op<'a>(&'a mut [f32]);
-    impl WithSimd for Op<'_> {
+/// An element-wise SIMD function, for [`map_slice`].
+trait ElementWise {
+    fn apply<S: Simd>(simd: S, x: S::f32s) -> S::f32s;
+}
+
+struct Exp;
+struct Erf;
+struct Gelu;
+
+impl ElementWise for Exp {
+    #[inline(always)]
+    fn apply<S: Simd>(simd: S, x: S::f32s) -> S::f32s {
+        exp(simd, x)
+    }
+}
+
+impl ElementWise for Erf {
+    #[inline(always)]
+    fn apply<S: Simd>(simd: S, x: S::f32s) -> S::f32s {
+        erf(simd, x)
+    }
+}
+
+impl ElementWise for Gelu {
+    #[inline(always)]
+    fn apply<S: Simd>(simd: S, x: S::f32s) -> S::f32s {
+        gelu(simd, x)
+    }
+}
+
+/// `F` of every element, in place (dispatched; the tail padded with 0).
+fn map_slice<F: ElementWise>(xs: &mut [f32]) {
+    struct Op<'a, F>(&'a mut [f32], std::marker::PhantomData<F>);
+    impl<F: ElementWise> WithSimd for Op<'_, F> {
         type Output = ();
         #[inline(always)]
         fn with_simd<S: Simd>(self, simd: S) {
-            map_in_place(simd, self.0, 0.0, |x| exp(simd, x));
+            map_in_place(simd, self.0, 0.0, |x| F::apply(simd, x));
         }
     }
-    arch().dispatch(Op(xs));
+    arch().dispatch(Op::<F>(xs, std::marker::PhantomData));
+}
+
+/// `exp` of every element, in place (dispatched).
+pub fn exp_slice(xs: &mut [f32]) {
+    map_slice::<Exp>(xs);
 }
 
 /// `erf` of every element, in place (dispatched).
 pub fn erf_slice(xs: &mut [f32]) {
-    struct Op<'a>(&'a mut [f32]);
-    impl WithSimd for Op<'_> {
-        type Output = ();
-        #[inline(always)]
-        fn with_simd<S: Simd>(self, simd: S) {
-            map_in_place(simd, self.0, 0.0, |x| erf(simd, x));
-        }
-    }
-    arch().dispatch(Op(xs));
+    map_slice::<Erf>(xs);
 }
 
 /// GELU of every element, in place (dispatched).
 pub fn gelu_slice(xs: &mut [f32]) {
-    struct Op<'a>(&'a mut [f32]);
-    impl WithSimd for Op<'_> {
-        type Output = ();
-        #[inline(always)]
-        fn with_simd<S: Simd>(self, simd: S) {
-            map_in_place(simd, self.0, 0.0, |x| gelu(simd, x));
-        }
-    }
-    arch().dispatch(Op(xs));
+    map_slice::<Gelu>(xs);
 }
 
 /// `dy *= gelu'(x)` element-wise (equal lengths; dispatched).

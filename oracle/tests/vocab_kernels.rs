@@ -5,8 +5,9 @@
 //! the negative control of the fuzz rule (a 1e-3 fault in `dL/dhidden` must
 //! fail the single-case rule every f32 output layer is fuzzed under).
 
-use ndarray::{Array2, ArrayView2};
+use ndarray::Array2;
 use packshard_equivalence::fuzz::{fuzz_random, vocab::run_linear};
+use packshard_equivalence::planted::{LinearCall, Planted, VocabHooks};
 use packshard_optimized::ops::LinearCeFused;
 use packshard_optimized::vocab::{
     cross_entropy, linear_cross_entropy_fused, linear_cross_entropy_materialized, Chunks,
@@ -216,21 +217,12 @@ fn bad_input_gets_the_reference_errors() {
 #[allow(clippy::result_large_err)]
 fn the_fuzz_rule_catches_a_small_planted_fault() {
     struct Scaled(LinearCeFused);
-    impl LinearCrossEntropyOp for Scaled {
+    impl VocabHooks for Scaled {
         fn algorithms(&self) -> Vec<ShardedAlgorithm> {
             self.0.algorithms()
         }
-        fn linear_cross_entropy(
-            &self,
-            hidden: ArrayView2<f64>,
-            weight: ArrayView2<f64>,
-            targets: &[i64],
-            config: &LossConfig,
-            want_grad: bool,
-        ) -> Result<LinearLoss, Error> {
-            let mut out = self
-                .0
-                .linear_cross_entropy(hidden, weight, targets, config, want_grad)?;
+        fn linear_cross_entropy(&self, c: LinearCall<'_>) -> Result<LinearLoss, Error> {
+            let mut out = c.unsharded(&self.0)?;
             if let Some(g) = out.grad_hidden.as_mut() {
                 g.mapv_inplace(|x| x * 1.001);
             }
@@ -240,15 +232,9 @@ fn the_fuzz_rule_catches_a_small_planted_fault() {
             &self,
             a: ShardedAlgorithm,
             map: &ShardMap,
-            hidden: ArrayView2<f64>,
-            weight: ArrayView2<f64>,
-            targets: &[i64],
-            config: &LossConfig,
-            want_grad: bool,
+            c: LinearCall<'_>,
         ) -> Result<ShardedLoss, Error> {
-            let mut out = self
-                .0
-                .sharded_linear_cross_entropy(a, map, hidden, weight, targets, config, want_grad)?;
+            let mut out = c.sharded(&self.0, a, map)?;
             for r in &mut out.ranks {
                 if let Some(g) = r.grad_hidden.as_mut() {
                     g.mapv_inplace(|x| x * 1.001);
@@ -267,7 +253,7 @@ fn the_fuzz_rule_catches_a_small_planted_fault() {
     let seen =
         fuzz_random(300, 11, |d| run_linear(&good, judge, d)).unwrap_or_else(|f| panic!("{f}"));
     assert!(seen.compared >= 100, "{seen:?}");
-    let failure = fuzz_random(300, 11, |d| run_linear(&Scaled(good), judge, d))
+    let failure = fuzz_random(300, 11, |d| run_linear(&Planted(Scaled(good)), judge, d))
         .expect_err("a 1e-3 fault in dL/dhidden must fail the fuzz rule");
     assert!(failure.to_string().contains("grad_hidden"), "{failure}");
 }
@@ -348,34 +334,20 @@ fn logsumexp_far_below_its_terms_is_judged_at_their_size() {
     // Negative control: the same kernel with every rank's logsumexp 1e-3 too
     // large (its global max shifted) fails the case.
     struct Shifted(LinearCeFused);
-    impl LinearCrossEntropyOp for Shifted {
+    impl VocabHooks for Shifted {
         fn algorithms(&self) -> Vec<ShardedAlgorithm> {
             self.0.algorithms()
         }
-        fn linear_cross_entropy(
-            &self,
-            hidden: ArrayView2<f64>,
-            weight: ArrayView2<f64>,
-            targets: &[i64],
-            config: &LossConfig,
-            want_grad: bool,
-        ) -> Result<LinearLoss, Error> {
-            self.0
-                .linear_cross_entropy(hidden, weight, targets, config, want_grad)
+        fn linear_cross_entropy(&self, c: LinearCall<'_>) -> Result<LinearLoss, Error> {
+            c.unsharded(&self.0)
         }
         fn sharded_linear_cross_entropy(
             &self,
             a: ShardedAlgorithm,
             map: &ShardMap,
-            hidden: ArrayView2<f64>,
-            weight: ArrayView2<f64>,
-            targets: &[i64],
-            config: &LossConfig,
-            want_grad: bool,
+            c: LinearCall<'_>,
         ) -> Result<ShardedLoss, Error> {
-            let mut out = self
-                .0
-                .sharded_linear_cross_entropy(a, map, hidden, weight, targets, config, want_grad)?;
+            let mut out = c.sharded(&self.0, a, map)?;
             for r in &mut out.ranks {
                 for g in &mut r.global {
                     g.max += 1e-3;
@@ -384,7 +356,13 @@ fn logsumexp_far_below_its_terms_is_judged_at_their_size() {
             Ok(out)
         }
     }
-    let m = check_linear_with(&Shifted(fused), ShardedAlgorithm::Alg2, &case, false, rule)
-        .expect_err("a logsumexp 1e-3 off must fail");
+    let m = check_linear_with(
+        &Planted(Shifted(fused)),
+        ShardedAlgorithm::Alg2,
+        &case,
+        false,
+        rule,
+    )
+    .expect_err("a logsumexp 1e-3 off must fail");
     assert!(m.to_string().contains("logsumexp"), "{m}");
 }

@@ -20,6 +20,16 @@ fn capped(cap_mib: u64, env: &[(&str, &str)], args: &[&str], stdin_file: Option<
     c.output().unwrap()
 }
 
+/// `eval -` on `case` under the address-space cap and the memory budget.
+fn eval_under_budget(case: &Path) -> Output {
+    capped(
+        CAP_MIB,
+        &[("PACKSHARD_MEMORY_BUDGET", BUDGET)],
+        &["eval", "-"],
+        Some(case),
+    )
+}
+
 fn ok_or_refused(o: &Output, what: &str) {
     assert_clean(o, what);
     let code = o.status.code();
@@ -210,12 +220,7 @@ fn eval_largest_case_under_an_address_space_cap() {
     };
     assert!(fitted.len() <= cap);
     std::fs::write(&case_path, &fitted).unwrap();
-    let o = capped(
-        CAP_MIB,
-        &[("PACKSHARD_MEMORY_BUDGET", BUDGET)],
-        &["eval", "-"],
-        Some(&case_path),
-    );
+    let o = eval_under_budget(&case_path);
     ok_or_refused(&o, "largest eval case");
     // One byte over: refused before it is read whole.
     std::fs::write(
@@ -223,12 +228,7 @@ fn eval_largest_case_under_an_address_space_cap() {
         format!("{fitted}{}", " ".repeat(cap + 1 - fitted.len())),
     )
     .unwrap();
-    let o = capped(
-        CAP_MIB,
-        &[("PACKSHARD_MEMORY_BUDGET", BUDGET)],
-        &["eval", "-"],
-        Some(&case_path),
-    );
+    let o = eval_under_budget(&case_path);
     assert_eq!(o.status.code(), Some(2));
     let v: Value = serde_json::from_slice(&o.stdout).unwrap();
     assert!(
@@ -242,12 +242,7 @@ fn eval_largest_case_under_an_address_space_cap() {
     let case = json!({"op": "linear_cross_entropy", "hidden": vec![vec![1.0]; 20000],
         "weight": vec![vec![1.0]; 3000], "targets": vec![0; 20000]});
     std::fs::write(&case_path, case.to_string()).unwrap();
-    let o = capped(
-        CAP_MIB,
-        &[("PACKSHARD_MEMORY_BUDGET", BUDGET)],
-        &["eval", "-"],
-        Some(&case_path),
-    );
+    let o = eval_under_budget(&case_path);
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     let v: Value = serde_json::from_slice(&o.stdout).unwrap();
     assert!(
@@ -264,12 +259,7 @@ fn eval_largest_case_under_an_address_space_cap() {
     // An embedding whose lookup is far larger than its text.
     let case = json!({"op": "embedding", "ids": vec![0; 200000], "weight": [vec![0.5; 2000]]});
     std::fs::write(&case_path, case.to_string()).unwrap();
-    let o = capped(
-        CAP_MIB,
-        &[("PACKSHARD_MEMORY_BUDGET", BUDGET)],
-        &["eval", "-"],
-        Some(&case_path),
-    );
+    let o = eval_under_budget(&case_path);
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     let v: Value = serde_json::from_slice(&o.stdout).unwrap();
     assert!(

@@ -35,9 +35,6 @@ use crate::compare::Judge;
 use crate::compare::{assert_close_with_scale, Mismatch, Tolerance};
 use packshard_reference::ops::{AttentionOp, Varlen};
 
-/// One tensor to compare: name, expected, actual, shape, magnitude of its terms.
-type NamedCheck<'a> = (&'a str, Vec<f64>, Vec<f64>, &'a [usize], f64);
-
 /// Most segments in a case.
 pub const MAX_SEGMENTS: usize = 8;
 /// Most tokens in a segment.
@@ -592,68 +589,27 @@ fn check_padded(
         );
         let mine = |x: &Array3<f64>| flat(rows(x, 0, len));
         let theirs = |x: &Array3<f64>| flat(rows(x, a, b));
-        let shape = [len, h, d];
-        let lse = |x: &ndarray::Array2<f64>, from: usize| -> Vec<f64> {
-            x.slice_axis(Axis(1), Slice::from(from..from + len))
-                .iter()
-                .copied()
-                .collect()
+        let lse = |from: usize| {
+            move |x: &ndarray::Array2<f64>| -> Vec<f64> {
+                x.slice_axis(Axis(1), Slice::from(from..from + len))
+                    .iter()
+                    .copied()
+                    .collect()
+            }
         };
-        let checks: [NamedCheck; 5] = [
-            (
-                "output",
-                theirs(&expected.0.output),
-                mine(&pf.output),
-                &shape,
-                terms.output,
-            ),
-            (
-                "lse",
-                lse(&expected.0.lse, a),
-                lse(&pf.lse, 0),
-                &[h, len],
-                terms.lse,
-            ),
-            (
-                "grad_q",
-                theirs(&expected.1.grad_q),
-                mine(&pgr.grad_q),
-                &shape,
-                terms.grad_q,
-            ),
-            (
-                "grad_k",
-                theirs(&expected.1.grad_k),
-                mine(&pgr.grad_k),
-                &shape,
-                terms.grad_k,
-            ),
-            (
-                "grad_v",
-                theirs(&expected.1.grad_v),
-                mine(&pgr.grad_v),
-                &shape,
-                terms.grad_v,
-            ),
-        ];
-        for (name, e, x, shape, t) in checks {
-            let used = close(
-                &format!("padded {name} (sequence {s} in a row of {l}, index [token, head, dim] within the sequence)"),
-                &e,
-                &x,
-                shape,
-                tol,
-                t,
-            )
-            .map_err(|m| {
-                Mismatch::new(
-                    m.what,
-                    format!("{}; terms magnitude {t:e} (the rule: packshard_equivalence::fuzz::attention::AttentionTerms)", m.detail),
-                )
-            })?;
-            worst = worst.max(used);
-            values += e.len();
-        }
+        let (lse_a, lse_0) = (lse(a), lse(0));
+        let (v, w) = close_sequence(
+            tol,
+            &terms,
+            (len, h, d),
+            Side(expected.0, expected.1, &theirs, &lse_a),
+            Side(&pf, &pgr, &mine, &lse_0),
+            &|name| {
+                format!("padded {name} (sequence {s} in a row of {l}, index [token, head, dim] within the sequence)")
+            },
+        )?;
+        values += v;
+        worst = worst.max(w);
     }
     Ok((values, worst))
 }
@@ -735,7 +691,6 @@ fn compare_segments(
             c.scale,
             false,
         );
-        let shape = [len, h, d];
         let seg = |x: &Array3<f64>| flat(rows(x, a, b));
         let lse = |x: &ndarray::Array2<f64>| -> Vec<f64> {
             x.slice_axis(Axis(1), Slice::from(a..b))
@@ -743,61 +698,78 @@ fn compare_segments(
                 .copied()
                 .collect()
         };
-        let checks: [NamedCheck; 5] = [
-            (
-                "output",
-                seg(&expected.0.output),
-                seg(&actual.0.output),
-                &shape,
-                terms.output,
-            ),
-            (
-                "lse",
-                lse(&expected.0.lse),
-                lse(&actual.0.lse),
-                &[h, len],
-                terms.lse,
-            ),
-            (
-                "grad_q",
-                seg(&expected.1.grad_q),
-                seg(&actual.1.grad_q),
-                &shape,
-                terms.grad_q,
-            ),
-            (
-                "grad_k",
-                seg(&expected.1.grad_k),
-                seg(&actual.1.grad_k),
-                &shape,
-                terms.grad_k,
-            ),
-            (
-                "grad_v",
-                seg(&expected.1.grad_v),
-                seg(&actual.1.grad_v),
-                &shape,
-                terms.grad_v,
-            ),
-        ];
-        for (name, e, x, shape, t) in checks {
-            let used = close(
-                &format!("{name} (sequence {s}, tokens {a}..{b}, index [token, head, dim] within the sequence)"),
-                &e,
-                &x,
-                shape,
-                tol,
-                t,
+        let (v, w) = close_sequence(
+            tol,
+            &terms,
+            (len, h, d),
+            Side(expected.0, expected.1, &seg, &lse),
+            Side(actual.0, actual.1, &seg, &lse),
+            &|name| {
+                format!("{name} (sequence {s}, tokens {a}..{b}, index [token, head, dim] within the sequence)")
+            },
+        )?;
+        values += v;
+        worst = worst.max(w);
+    }
+    Ok((values, worst))
+}
+
+/// One side of a comparison: a forward and a backward, and how to take the
+/// sequence's rows of a `[n, h, d]` tensor and of `lse: [h, n]`.
+struct Side<'a>(
+    &'a AttentionOutput,
+    &'a AttentionGrads,
+    &'a dyn Fn(&Array3<f64>) -> Vec<f64>,
+    &'a dyn Fn(&ndarray::Array2<f64>) -> Vec<f64>,
+);
+
+impl Side<'_> {
+    /// `output, lse, grad_q, grad_k, grad_v` of the sequence, flat.
+    fn tensors(&self) -> [Vec<f64>; 5] {
+        let (f, g, rows, lse) = (self.0, self.1, self.2, self.3);
+        [
+            rows(&f.output),
+            lse(&f.lse),
+            rows(&g.grad_q),
+            rows(&g.grad_k),
+            rows(&g.grad_v),
+        ]
+    }
+}
+
+/// Compares one sequence's five tensors (`len` tokens), each under the
+/// magnitude of its terms, named by `what(tensor)`; returns the values
+/// compared and the largest share of the tolerance used.
+fn close_sequence(
+    tol: Tolerance,
+    terms: &AttentionTerms,
+    (len, h, d): (usize, usize, usize),
+    expected: Side<'_>,
+    actual: Side<'_>,
+    what: &dyn Fn(&str) -> String,
+) -> Result<(usize, f64), Mismatch> {
+    let shape = [len, h, d];
+    let checks: [(&str, &[usize], f64); 5] = [
+        ("output", &shape, terms.output),
+        ("lse", &[h, len], terms.lse),
+        ("grad_q", &shape, terms.grad_q),
+        ("grad_k", &shape, terms.grad_k),
+        ("grad_v", &shape, terms.grad_v),
+    ];
+    let (mut values, mut worst) = (0, 0.0f64);
+    for (((name, shape, t), e), x) in checks
+        .into_iter()
+        .zip(expected.tensors())
+        .zip(actual.tensors())
+    {
+        let used = close(&what(name), &e, &x, shape, tol, t).map_err(|m| {
+            Mismatch::new(
+                m.what,
+                format!("{}; terms magnitude {t:e} (the rule: packshard_equivalence::fuzz::attention::AttentionTerms)", m.detail),
             )
-            .map_err(|m| {
-                Mismatch::new(
-                    m.what,
-                    format!("{}; terms magnitude {t:e} (the rule: packshard_equivalence::fuzz::attention::AttentionTerms)", m.detail),
-                )
-            })?;
-            worst = worst.max(used);
-            values += e.len();
-        }
+        })?;
+        worst = worst.max(used);
+        values += e.len();
     }
     Ok((values, worst))
 }

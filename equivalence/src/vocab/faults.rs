@@ -16,6 +16,22 @@ fn map(v: usize, p: usize, layout: ShardLayout) -> ShardMap {
     ShardMap::new(v, p, layout).expect("a valid example map")
 }
 
+/// `case` checked through `imp` (named `name`), then its sharded losses
+/// without the gradient.
+fn checked_loss(
+    imp: &dyn CrossEntropyOp,
+    algorithm: ShardedAlgorithm,
+    case: &CeCase,
+    rule: Rule,
+    name: &str,
+) -> Result<ShardedLoss, Mismatch> {
+    check_cross_entropy_with(imp, algorithm, case, true, rule)
+        .map_err(|m| Mismatch::new(format!("{name}: {}", m.what), m.detail))?;
+    let (z, t) = (case.logits.view(), &case.targets);
+    imp.sharded_cross_entropy(algorithm, &case.map, z, t, &case.config, false)
+        .map_err(|e| Mismatch::new(name, e.to_string()))
+}
+
 pub(super) const LAYOUTS: [ShardLayout; 2] = [ShardLayout::Uneven, ShardLayout::Padded];
 
 /// Checks the cross-entropy values `docs/FAULTS.md` states, through `imp`,
@@ -49,18 +65,7 @@ pub fn check_cross_entropy_faults(imp: &dyn CrossEntropyOp, rule: Rule) -> Resul
                         convention.name(),
                         layout.name()
                     );
-                    check_cross_entropy_with(imp, algorithm, &case, true, rule)
-                        .map_err(|m| named(&name, m))?;
-                    let out = imp
-                        .sharded_cross_entropy(
-                            algorithm,
-                            &case.map,
-                            case.logits.view(),
-                            &[4],
-                            &config,
-                            false,
-                        )
-                        .map_err(|e| Mismatch::new(&name, e.to_string()))?;
+                    let out = checked_loss(imp, algorithm, &case, rule, &name)?;
                     for r in &out.ranks {
                         if format!("{:.5}", r.loss) != want {
                             return fail(
@@ -91,18 +96,7 @@ pub fn check_cross_entropy_faults(imp: &dyn CrossEntropyOp, rule: Rule) -> Resul
                 config: LossConfig::default(),
             };
             let name = format!("V2 {algorithm} padding {padding:?}");
-            check_cross_entropy_with(imp, algorithm, &case, true, rule)
-                .map_err(|m| named(&name, m))?;
-            let out = imp
-                .sharded_cross_entropy(
-                    algorithm,
-                    &case.map,
-                    case.logits.view(),
-                    &[7],
-                    &case.config,
-                    false,
-                )
-                .map_err(|e| Mismatch::new(&name, e.to_string()))?;
+            let out = checked_loss(imp, algorithm, &case, rule, &name)?;
             if format!("{:.6}", out.loss()) != "1.474030" {
                 return fail(
                     &name,

@@ -150,12 +150,7 @@ fn check_loss_relative(
         let Some(b) = &base.grad_logits else {
             return fail("grad_logits", "the baseline has none");
         };
-        if got.shape() != want.shape() {
-            return fail(
-                "grad_logits",
-                format!("shape {:?}, expected {:?}", got.shape(), want.shape()),
-            );
-        }
+        same_shape("grad_logits", got.shape(), want.shape())?;
         // `p - q` cancels (to exactly 0 where `p = q`): at least the terms' scale.
         let scale = finite_max(&flat64(want)).max(finite_max(&flat64(&terms.grad_logits)));
         relative_with_scale(
@@ -167,16 +162,7 @@ fn check_loss_relative(
             rule,
             (scale > 0.0).then_some(scale),
         )?;
-        for (s, r) in map.shards().iter().zip(&actual.ranks) {
-            let g = r.grad_logits.as_ref().expect("gathered above");
-            let padding = g.slice_axis(Axis(1), Slice::from(s.real..));
-            if let Some(x) = padding.iter().find(|x| **x != 0.0) {
-                return fail(
-                    "grad_logits",
-                    format!("rank {}: a padding column has gradient {x}, not 0", r.rank),
-                );
-            }
-        }
+        padding_columns_have_no_gradient(map, actual)?;
     }
     match algorithm {
         Some(algorithm) => check_counts(algorithm, actual, linear, want_grad),
@@ -278,15 +264,8 @@ pub(super) fn check_linear_relative(
     };
     if let (Some(want), Some((bh, _))) = (&expected.grad_hidden, &base_grads) {
         for r in &actual.ranks {
-            let Some(got) = &r.grad_hidden else {
-                return fail("grad_hidden", format!("rank {}: missing", r.rank));
-            };
-            if got.shape() != want.shape() {
-                return fail(
-                    "grad_hidden",
-                    format!("shape {:?}, expected {:?}", got.shape(), want.shape()),
-                );
-            }
+            let got = rank_grad_hidden(r)?;
+            same_shape("grad_hidden", got.shape(), want.shape())?;
             relative_with_scale(
                 &format!("grad_hidden (rank {})", r.rank),
                 &flat64(want),
@@ -302,12 +281,7 @@ pub(super) fn check_linear_relative(
         let Some(got) = actual.grad_weight() else {
             return fail("grad_weight", "missing");
         };
-        if got.shape() != want.shape() {
-            return fail(
-                "grad_weight",
-                format!("shape {:?}, expected {:?}", got.shape(), want.shape()),
-            );
-        }
+        same_shape("grad_weight", got.shape(), want.shape())?;
         relative_with_scale(
             "grad_weight",
             &flat64(want),
@@ -317,19 +291,7 @@ pub(super) fn check_linear_relative(
             rule,
             with_floor(want, weight_scale),
         )?;
-        for (s, r) in case.map.shards().iter().zip(&actual.ranks) {
-            let g = r.grad_weight.as_ref().expect("gathered above");
-            if let Some(x) = g
-                .slice_axis(Axis(0), Slice::from(s.real..))
-                .iter()
-                .find(|x| **x != 0.0)
-            {
-                return fail(
-                    "grad_weight",
-                    format!("rank {}: a padding row has gradient {x}, not 0", r.rank),
-                );
-            }
-        }
+        padding_rows_have_no_gradient(&case.map, &actual)?;
     }
     check_loss_relative(
         algorithm,

@@ -311,19 +311,11 @@ pub fn linear_cross_entropy_rank(
     };
     let mut d_chunk = Array2::<f32>::zeros((tn, h));
     // S pass.
-    for i0 in (0..n).step_by(tn) {
-        let m = (n - i0).min(tn);
+    for (i0, m) in spans(n, tn) {
         let x = hidden.slice(s![i0..i0 + m, ..]);
         let mut b = rows_view(&mut buf, m);
-        for j0 in (0..real).step_by(tv) {
-            let tile = (real - j0).min(tv);
-            matmul(
-                b.slice_mut(s![.., j0..j0 + tile]),
-                x,
-                w_real.slice(s![j0..j0 + tile, ..]).t(),
-                false,
-                Threads::All,
-            );
+        for (j0, tile) in spans(real, tv) {
+            logits_tile(&mut b, x, w_real, (j0, tile));
             merge_tile_stats(
                 b.as_slice().expect("standard rows"),
                 real,
@@ -337,8 +329,7 @@ pub fn linear_cross_entropy_rank(
         if blocks > 0 {
             let mut d = d_chunk.slice_mut(s![..m, ..]);
             d.fill(0.0);
-            for j0 in (0..real).step_by(tv) {
-                let tile = (real - j0).min(tv);
+            for (j0, tile) in spans(real, tv) {
                 for_rows(
                     b.as_slice_mut().expect("standard rows"),
                     real,
@@ -394,19 +385,11 @@ pub fn linear_cross_entropy_rank(
     // T pass: recompute the logits, the gradient in place, dW += G^T x.
     let mut gw = Array2::<f32>::zeros((sh.width, h));
     let mut gz = keep_grad_logits.then(|| Array2::<f64>::zeros((n, sh.width)));
-    for i0 in (0..n).step_by(tn) {
-        let m = (n - i0).min(tn);
+    for (i0, m) in spans(n, tn) {
         let x = hidden.slice(s![i0..i0 + m, ..]);
         let mut b = rows_view(&mut buf, m);
-        for j0 in (0..real).step_by(tv) {
-            let tile = (real - j0).min(tv);
-            matmul(
-                b.slice_mut(s![.., j0..j0 + tile]),
-                x,
-                w_real.slice(s![j0..j0 + tile, ..]).t(),
-                false,
-                Threads::All,
-            );
+        for (j0, tile) in spans(real, tv) {
+            logits_tile(&mut b, x, w_real, (j0, tile));
             sh.t_tile(
                 b.as_slice_mut().expect("standard rows"),
                 j0,

@@ -385,19 +385,11 @@ pub fn linear_cross_entropy_fused(
             Array2::<f32>::zeros(weight.dim()),
         )
     });
-    for i0 in (0..n).step_by(tn) {
-        let m = (n - i0).min(tn);
+    for (i0, m) in spans(n, tn) {
         let x = hidden.slice(s![i0..i0 + m, ..]);
         let mut b = buf.slice_mut(s![..m, ..]);
-        for j0 in (0..v).step_by(chunks.vocab) {
-            let tile = (v - j0).min(chunks.vocab);
-            matmul(
-                b.slice_mut(s![.., j0..j0 + tile]),
-                x,
-                weight.slice(s![j0..j0 + tile, ..]).t(),
-                false,
-                Threads::All,
-            );
+        for (j0, tile) in spans(v, chunks.vocab) {
+            logits_tile(&mut b, x, weight, (j0, tile));
             merge_tile_stats(
                 b.as_slice().expect("rows of a standard buffer"),
                 v,
@@ -460,6 +452,28 @@ pub fn linear_cross_entropy_fused(
 }
 
 /// `[rows, cols]` mutable view helper for the shard passes.
+/// `(start, len)` of the consecutive chunks of `0..n` of at most `size`.
+fn spans(n: usize, size: usize) -> impl Iterator<Item = (usize, usize)> {
+    (0..n).step_by(size).map(move |s| (s, (n - s).min(size)))
+}
+
+/// The logits of the tokens `x: [m, h]` against vocabulary rows `j0..j0 +
+/// tile` of `weight`, into those columns of `b: [m, ..]`.
+fn logits_tile(
+    b: &mut ArrayViewMut2<f32>,
+    x: ArrayView2<f32>,
+    weight: ArrayView2<f32>,
+    (j0, tile): (usize, usize),
+) {
+    matmul(
+        b.slice_mut(s![.., j0..j0 + tile]),
+        x,
+        weight.slice(s![j0..j0 + tile, ..]).t(),
+        false,
+        Threads::All,
+    );
+}
+
 fn rows_view(buf: &mut Array2<f32>, m: usize) -> ArrayViewMut2<'_, f32> {
     buf.slice_mut(s![..m, ..])
 }

@@ -9,21 +9,7 @@ use serde_json::{json, Value};
 
 use crate::registry;
 
-use super::{Case, EvalError, Tensor};
-
-/// A JSON number, or `"inf"`, `"-inf"`, `"nan"` for non-finite values
-/// (JSON has no literal for them).
-pub(crate) fn num(x: f64) -> Value {
-    if x.is_finite() {
-        json!(x)
-    } else if x.is_nan() {
-        json!("nan")
-    } else if x > 0.0 {
-        json!("inf")
-    } else {
-        json!("-inf")
-    }
-}
+use super::{num, Case, EvalError, Tensor};
 
 /// `[a, b, c]` as nested arrays.
 pub(crate) fn nested3(x: ArrayView3<f64>) -> Value {

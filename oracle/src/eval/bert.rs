@@ -6,7 +6,8 @@ use packshard_reference::bert::{BertModel, PackedAttention, TokenBatch};
 use packshard_reference::packing::{Algorithm, PackedBatch, PackingConfig};
 use serde_json::{json, Value};
 
-use super::attention::{nested2, num};
+use super::attention::nested2;
+use super::num;
 use super::pack::metrics_json;
 use super::{Case, EvalError};
 

@@ -93,6 +93,20 @@ pub fn make<K: ?Sized>(list: &[registry::Entry<K>], name: &str) -> Result<Box<K>
         .map_err(|u| EvalError::invalid("impl", format!("{name} cannot run here: {u}")))
 }
 
+/// A JSON number, or `"inf"`, `"-inf"`, `"nan"` for non-finite values
+/// (JSON has no literal for them: the contract's spelling).
+pub(crate) fn num(x: f64) -> Value {
+    if x.is_finite() {
+        json!(x)
+    } else if x.is_nan() {
+        json!("nan")
+    } else if x > 0.0 {
+        json!("inf")
+    } else {
+        json!("-inf")
+    }
+}
+
 /// Every op the build has, in the order `--list` prints them.
 pub fn ops() -> Vec<Op> {
     vec![

@@ -11,7 +11,7 @@ use packshard_reference::vocab::{
 };
 use serde_json::{json, Map, Value};
 
-use super::{make, Case, EvalError, Tensor};
+use super::{make, num, Case, EvalError, Tensor};
 use crate::registry::{self, Entry};
 
 const LOSS_FIELDS: [&str; 10] = [
@@ -26,19 +26,6 @@ const LOSS_FIELDS: [&str; 10] = [
     "vocab_size",
     "layout",
 ];
-
-/// A JSON number, or `"inf"`, `"-inf"`, `"nan"` (JSON has no literal for them).
-fn num(x: f64) -> Value {
-    if x.is_finite() {
-        json!(x)
-    } else if x.is_nan() {
-        json!("nan")
-    } else if x > 0.0 {
-        json!("inf")
-    } else {
-        json!("-inf")
-    }
-}
 
 fn vector<'a>(xs: impl IntoIterator<Item = &'a f64>) -> Value {
     Value::Array(xs.into_iter().map(|&x| num(x)).collect())

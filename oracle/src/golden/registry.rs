@@ -12,7 +12,7 @@ use serde_json::{json, Map, Value};
 
 use super::io::{Dtype, Tensor, Values};
 use super::{GoldenCase, GoldenError};
-use crate::eval::evaluate;
+use crate::eval::{evaluate, num};
 use crate::registry::{self, Family, Precision};
 
 /// The golden set a kernel of `precision` is checked on.
@@ -27,19 +27,6 @@ pub fn dtype_for(precision: Precision) -> Dtype {
 /// The family whose entries the `eval` op `op` runs, if any.
 pub fn family_of(op: &str) -> Option<Family> {
     Family::ALL.into_iter().find(|f| f.eval_op() == Some(op))
-}
-
-/// A JSON number, or `"inf"`, `"-inf"`, `"nan"` (the contract's spelling).
-fn num(x: f64) -> Value {
-    if x.is_finite() {
-        json!(x)
-    } else if x.is_nan() {
-        json!("nan")
-    } else if x > 0.0 {
-        json!("inf")
-    } else {
-        json!("-inf")
-    }
 }
 
 /// Row-major values as nested JSON arrays of `shape`.

@@ -188,6 +188,56 @@ pub struct DecoderParams {
     pub lm_head: Array2<f64>,
 }
 
+/// Every tensor of `$params` (a [`DecoderParams`]) with its Hugging Face
+/// name, as `$view` views (`view` over `iter`, or `view_mut` over `iter_mut`).
+macro_rules! named_tensors {
+    ($params:expr, $iter:ident, $view:ident) => {{
+        let params = $params;
+        let mut out = vec![(
+            "model.embed_tokens.weight".to_string(),
+            params.embed.$view().into_dyn(),
+        )];
+        for (i, l) in params.layers.$iter().enumerate() {
+            let p = |s: &str| format!("model.layers.{i}.{s}");
+            out.extend([
+                (
+                    p("input_layernorm.weight"),
+                    l.attn_norm_g.$view().into_dyn(),
+                ),
+                (p("input_layernorm.bias"), l.attn_norm_b.$view().into_dyn()),
+                (p("self_attn.q_proj.weight"), l.wq.$view().into_dyn()),
+                (p("self_attn.k_proj.weight"), l.wk.$view().into_dyn()),
+                (p("self_attn.v_proj.weight"), l.wv.$view().into_dyn()),
+                (p("self_attn.o_proj.weight"), l.wo.$view().into_dyn()),
+                (
+                    p("post_attention_layernorm.weight"),
+                    l.mlp_norm_g.$view().into_dyn(),
+                ),
+                (
+                    p("post_attention_layernorm.bias"),
+                    l.mlp_norm_b.$view().into_dyn(),
+                ),
+                (p("mlp.gate_proj.weight"), l.w_gate.$view().into_dyn()),
+                (p("mlp.up_proj.weight"), l.w_up.$view().into_dyn()),
+                (p("mlp.down_proj.weight"), l.w_down.$view().into_dyn()),
+            ]);
+        }
+        out.push((
+            "model.norm.weight".to_string(),
+            params.final_norm_g.$view().into_dyn(),
+        ));
+        out.push((
+            "model.norm.bias".to_string(),
+            params.final_norm_b.$view().into_dyn(),
+        ));
+        out.push((
+            "lm_head.weight".to_string(),
+            params.lm_head.$view().into_dyn(),
+        ));
+        out
+    }};
+}
+
 impl DecoderParams {
     /// Seeded random parameters for `config` (ChaCha8): projections uniform
     /// in `±1/sqrt(fan_in)` (the order of PyTorch's default init), embedding
@@ -355,87 +405,13 @@ impl DecoderParams {
     }
 
     fn named_all(&self) -> Vec<(String, ArrayViewD<'_, f64>)> {
-        let mut out: Vec<(String, ArrayViewD<'_, f64>)> = vec![(
-            "model.embed_tokens.weight".into(),
-            self.embed.view().into_dyn(),
-        )];
-        for (i, l) in self.layers.iter().enumerate() {
-            let p = |s: &str| format!("model.layers.{i}.{s}");
-            out.extend([
-                (p("input_layernorm.weight"), l.attn_norm_g.view().into_dyn()),
-                (p("input_layernorm.bias"), l.attn_norm_b.view().into_dyn()),
-                (p("self_attn.q_proj.weight"), l.wq.view().into_dyn()),
-                (p("self_attn.k_proj.weight"), l.wk.view().into_dyn()),
-                (p("self_attn.v_proj.weight"), l.wv.view().into_dyn()),
-                (p("self_attn.o_proj.weight"), l.wo.view().into_dyn()),
-                (
-                    p("post_attention_layernorm.weight"),
-                    l.mlp_norm_g.view().into_dyn(),
-                ),
-                (
-                    p("post_attention_layernorm.bias"),
-                    l.mlp_norm_b.view().into_dyn(),
-                ),
-                (p("mlp.gate_proj.weight"), l.w_gate.view().into_dyn()),
-                (p("mlp.up_proj.weight"), l.w_up.view().into_dyn()),
-                (p("mlp.down_proj.weight"), l.w_down.view().into_dyn()),
-            ]);
-        }
-        out.push((
-            "model.norm.weight".into(),
-            self.final_norm_g.view().into_dyn(),
-        ));
-        out.push((
-            "model.norm.bias".into(),
-            self.final_norm_b.view().into_dyn(),
-        ));
-        out.push(("lm_head.weight".into(), self.lm_head.view().into_dyn()));
-        out
+        named_tensors!(self, iter, view)
     }
 
     /// As [`DecoderParams::named`], mutable.
     pub fn named_mut(&mut self) -> Vec<(String, ArrayViewMutD<'_, f64>)> {
-        let mut out: Vec<(String, ArrayViewMutD<'_, f64>)> = vec![(
-            "model.embed_tokens.weight".into(),
-            self.embed.view_mut().into_dyn(),
-        )];
-        for (i, l) in self.layers.iter_mut().enumerate() {
-            let p = |s: &str| format!("model.layers.{i}.{s}");
-            out.extend([
-                (
-                    p("input_layernorm.weight"),
-                    l.attn_norm_g.view_mut().into_dyn(),
-                ),
-                (
-                    p("input_layernorm.bias"),
-                    l.attn_norm_b.view_mut().into_dyn(),
-                ),
-                (p("self_attn.q_proj.weight"), l.wq.view_mut().into_dyn()),
-                (p("self_attn.k_proj.weight"), l.wk.view_mut().into_dyn()),
-                (p("self_attn.v_proj.weight"), l.wv.view_mut().into_dyn()),
-                (p("self_attn.o_proj.weight"), l.wo.view_mut().into_dyn()),
-                (
-                    p("post_attention_layernorm.weight"),
-                    l.mlp_norm_g.view_mut().into_dyn(),
-                ),
-                (
-                    p("post_attention_layernorm.bias"),
-                    l.mlp_norm_b.view_mut().into_dyn(),
-                ),
-                (p("mlp.gate_proj.weight"), l.w_gate.view_mut().into_dyn()),
-                (p("mlp.up_proj.weight"), l.w_up.view_mut().into_dyn()),
-                (p("mlp.down_proj.weight"), l.w_down.view_mut().into_dyn()),
-            ]);
-        }
-        out.push((
-            "model.norm.weight".into(),
-            self.final_norm_g.view_mut().into_dyn(),
-        ));
-        out.push((
-            "model.norm.bias".into(),
-            self.final_norm_b.view_mut().into_dyn(),
-        ));
-        out.push(("lm_head.weight".into(), self.lm_head.view_mut().into_dyn()));
+        let mut out: Vec<(String, ArrayViewMutD<'_, f64>)> =
+            named_tensors!(self, iter_mut, view_mut);
         out.retain(|(_, t)| !t.is_empty());
         out
     }

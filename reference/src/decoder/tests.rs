@@ -581,6 +581,22 @@ fn dense_padded_rows_equal_varlen() {
     }
 }
 
+/// The error of `model`'s forward on tokens `[1, 2, 3]` at positions
+/// `[0, 1, 2]` under `attention` over `past`.
+fn forward_err(
+    model: &DecoderModel,
+    attention: &DecoderAttention,
+    past: Option<&KvCache>,
+) -> Error {
+    let input = DecoderInput {
+        input_ids: &[1, 2, 3],
+        position_ids: &[0, 1, 2],
+        attention,
+        past,
+    };
+    model.forward(&ReferenceAttention, &input).unwrap_err()
+}
+
 #[test]
 fn bad_inputs_are_typed_errors() {
     let bad = DecoderModel::random(DecoderConfig::tiny(7, 4, 3, 2, 5, 1), 0).unwrap_err();
@@ -655,17 +671,7 @@ fn bad_inputs_are_typed_errors() {
         cu_seqlens: vec![0, 0],
         layers: vec![(Array3::zeros((0, 1, 2)), Array3::zeros((0, 1, 2)))],
     };
-    let e = model
-        .forward(
-            &ReferenceAttention,
-            &DecoderInput {
-                input_ids: &[1, 2, 3],
-                position_ids: &[0, 1, 2],
-                attention: &dense,
-                past: Some(&past),
-            },
-        )
-        .unwrap_err();
+    let e = forward_err(&model, &dense, Some(&past));
     assert!(
         matches!(&e, Error::InvalidArgument { field, .. } if field == "past"),
         "{e}"
@@ -674,17 +680,7 @@ fn bad_inputs_are_typed_errors() {
         cu_seqlens: vec![0, 2],
         layers: vec![(Array3::zeros((2, 2, 2)), Array3::zeros((2, 1, 2)))],
     };
-    let e = model
-        .forward(
-            &ReferenceAttention,
-            &DecoderInput {
-                input_ids: &[1, 2, 3],
-                position_ids: &[0, 1, 2],
-                attention: &att,
-                past: Some(&past),
-            },
-        )
-        .unwrap_err();
+    let e = forward_err(&model, &att, Some(&past));
     assert!(
         matches!(&e, Error::ShapeMismatch { field, .. } if field == "past.layers[0].k"),
         "{e}"
@@ -692,17 +688,7 @@ fn bad_inputs_are_typed_errors() {
 
     let mut broken = model.clone();
     broken.params.layers[0].wk = Array2::zeros((3, 4));
-    let e = broken
-        .forward(
-            &ReferenceAttention,
-            &DecoderInput {
-                input_ids: &[1, 2, 3],
-                position_ids: &[0, 1, 2],
-                attention: &att,
-                past: None,
-            },
-        )
-        .unwrap_err();
+    let e = forward_err(&broken, &att, None);
     assert!(
         matches!(&e, Error::ShapeMismatch { field, .. } if field == "model.layers.0.self_attn.k_proj.weight"),
         "{e}"

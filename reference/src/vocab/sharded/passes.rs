@@ -347,21 +347,8 @@ impl<'a> RankRun<'a> {
             .collect();
         // softmax'_i - q_i (the stable form for a confident target; -q for an
         // all -inf shard) and softmax'_i.
-        let delta = |i: usize, j: usize, zij: f64| {
-            let q = self.q(i, j);
-            if local[i].sum_exp() == 0.0 {
-                -q
-            } else {
-                local[i].delta(zij, q)
-            }
-        };
-        let prob = |i: usize, zij: f64| {
-            if local[i].sum_exp() == 0.0 {
-                0.0
-            } else {
-                local[i].probability(zij)
-            }
-        };
+        let delta = |i: usize, j: usize, zij: f64| local_delta(&local[i], zij, self.q(i, j));
+        let prob = |i: usize, zij: f64| local_probability(&local[i], zij);
         let input_grad = want_grad && lin.is_some();
         let h = lin.map_or(0, |(x, _)| x.ncols());
         // Blocks per token after the statistics: s_i D_i and B_i, plus s_i A_i
@@ -435,21 +422,8 @@ impl<'a> RankRun<'a> {
         let real = self.shard.real;
         let c = self.config.z_loss;
         let weights = self.config.token_weights(&self.targets);
-        let delta = |i: usize, j: usize, zij: f64| {
-            let q = self.q(i, j);
-            if local[i].sum_exp() == 0.0 {
-                -q
-            } else {
-                local[i].delta(zij, q)
-            }
-        };
-        let prob = |i: usize, zij: f64| {
-            if local[i].sum_exp() == 0.0 {
-                0.0
-            } else {
-                local[i].probability(zij)
-            }
-        };
+        let delta = |i: usize, j: usize, zij: f64| local_delta(&local[i], zij, self.q(i, j));
+        let prob = |i: usize, zij: f64| local_probability(&local[i], zij);
         // T pass: p = alpha_i softmax'_i and p - q = alpha_i (softmax'_i - q)
         // + (alpha_i - 1) q, with alpha_i - 1 = (s_i - S) / S exactly when
         // m_i = m.
@@ -472,5 +446,24 @@ impl<'a> RankRun<'a> {
         }
         let (_, gw) = self.linear_grads(&z, lin, false)?;
         Ok(self.output(forward, local, global, (Some(z), gx, gw)))
+    }
+}
+
+/// `softmax'_j - q_j` of the local softmax `l` (the stable form for a
+/// confident target; `-q` for an all `-inf` shard).
+fn local_delta(l: &SoftmaxStats, zij: f64, q: f64) -> f64 {
+    if l.sum_exp() == 0.0 {
+        -q
+    } else {
+        l.delta(zij, q)
+    }
+}
+
+/// `softmax'_j` of the local softmax `l` (0 for an all `-inf` shard).
+fn local_probability(l: &SoftmaxStats, zij: f64) -> f64 {
+    if l.sum_exp() == 0.0 {
+        0.0
+    } else {
+        l.probability(zij)
     }
 }

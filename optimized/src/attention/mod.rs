@@ -327,141 +327,6 @@ fn transpose(src: &[f32], rows: usize, cols: usize, dst: &mut [f32]) {
     }
 }
 
-/// The backward of one item: `(dq, dk, dv)`, each `[len, d]`.
-#[inline(always)]
-fn backward_item<S: Simd, T: Element>(
-    simd: S,
-    pb: &Problem<T>,
-    out: &[f32],
-    lse: &[f32],
-    dout: &[f32],
-    it: &Item,
-) -> [Vec<f32>; 3] {
-    let (h, d, len) = (pb.h, pb.d, it.len);
-    let dp = round_up(d.max(1), mm_col_multiple::<S>());
-    let lp = round_up(len, BLOCK_K);
-    let qh = gather(pb.q, h, d, it, lp, dp);
-    let kh = gather(pb.k, h, d, it, lp, dp);
-    let kt = gather_t(pb.k, h, d, it, lp, dp);
-    let vt = gather_t(pb.v, h, d, it, lp, dp);
-    let doh = gather(dout, h, d, it, lp, dp);
-    let oh = gather(out, h, d, it, lp, dp);
-    let n = lse.len() / h;
-    let row_lse: Vec<f32> = (0..len).map(|i| lse[it.head * n + it.start + i]).collect();
-    // delta_i = dO_i . O_i, summed in the order (and with the fused
-    // multiply-adds) of the dP tile product, so that a one-key segment,
-    // where O = V exactly, gets dP - delta = 0 exactly (as the reference).
-    let delta: Vec<f32> = (0..lp)
-        .map(|i| {
-            let (g, o) = (&doh[i * dp..(i + 1) * dp], &oh[i * dp..(i + 1) * dp]);
-            g.iter()
-                .zip(o)
-                .fold(0.0f32, |acc, (&g, &o)| g.mul_add(o, acc))
-        })
-        .collect();
-    let mut dq = vec![0.0f32; lp * dp];
-    let mut dk = vec![0.0f32; len * d];
-    let mut dv = vec![0.0f32; len * d];
-    let mut s = vec![0.0f32; BLOCK_Q * BLOCK_K];
-    let mut dpt = vec![0.0f32; BLOCK_Q * BLOCK_K];
-    let mut tr = vec![0.0f32; BLOCK_K * BLOCK_Q];
-    let mut dk_t = vec![0.0f32; BLOCK_K * dp];
-    let mut dv_t = vec![0.0f32; BLOCK_K * dp];
-    let scale_v = simd.splat_f32s(pb.scale);
-    for k0 in (0..len).step_by(BLOCK_K) {
-        dk_t.fill(0.0);
-        dv_t.fill(0.0);
-        for q0 in (0..len).step_by(BLOCK_Q) {
-            if causal_skip(it, q0, k0) {
-                continue;
-            }
-            scores(simd, &mut s, &qh, &kt, lp, dp, it, q0, k0, pb.scale);
-            // P = exp(S - lse); 0 for padded rows and rows with no key.
-            let mut block_lse = [f32::NEG_INFINITY; BLOCK_Q];
-            for (r, l) in block_lse.iter_mut().enumerate() {
-                if q0 + r < len {
-                    *l = row_lse[q0 + r];
-                }
-            }
-            probabilities(simd, &mut s, &block_lse);
-            // dV_tile += P^T dO_blk
-            transpose(&s, BLOCK_Q, BLOCK_K, &mut tr);
-            mm_acc(
-                simd,
-                BLOCK_K,
-                dp,
-                BLOCK_Q,
-                &tr,
-                BLOCK_Q,
-                &doh[q0 * dp..],
-                dp,
-                &mut dv_t,
-                dp,
-            );
-            // dP = dO_blk V_tile^T
-            dpt.fill(0.0);
-            mm_acc(
-                simd,
-                BLOCK_Q,
-                BLOCK_K,
-                dp,
-                &doh[q0 * dp..],
-                dp,
-                &vt[k0..],
-                lp,
-                &mut dpt,
-                BLOCK_K,
-            );
-            // dS = P (dP - delta) scale, in place of P.
-            for r in 0..BLOCK_Q {
-                let dl = simd.splat_f32s(delta.get(q0 + r).copied().unwrap_or(0.0));
-                let (ps, _) = S::as_mut_simd_f32s(&mut s[r * BLOCK_K..(r + 1) * BLOCK_K]);
-                let (dps, _) = S::as_simd_f32s(&dpt[r * BLOCK_K..(r + 1) * BLOCK_K]);
-                for (p, &g) in ps.iter_mut().zip(dps) {
-                    *p = simd.mul_f32s(simd.mul_f32s(*p, simd.sub_f32s(g, dl)), scale_v);
-                }
-            }
-            // dQ_blk += dS K_tile
-            mm_acc(
-                simd,
-                BLOCK_Q,
-                dp,
-                BLOCK_K,
-                &s,
-                BLOCK_K,
-                &kh[k0 * dp..],
-                dp,
-                &mut dq[q0 * dp..],
-                dp,
-            );
-            // dK_tile += dS^T Q_blk
-            transpose(&s, BLOCK_Q, BLOCK_K, &mut tr);
-            mm_acc(
-                simd,
-                BLOCK_K,
-                dp,
-                BLOCK_Q,
-                &tr,
-                BLOCK_Q,
-                &qh[q0 * dp..],
-                dp,
-                &mut dk_t,
-                dp,
-            );
-        }
-        for j in 0..(len - k0).min(BLOCK_K) {
-            let key = k0 + j;
-            dk[key * d..(key + 1) * d].copy_from_slice(&dk_t[j * dp..j * dp + d]);
-            dv[key * d..(key + 1) * d].copy_from_slice(&dv_t[j * dp..j * dp + d]);
-        }
-    }
-    let mut dq_out = vec![0.0f32; len * d];
-    for i in 0..len {
-        dq_out[i * d..(i + 1) * d].copy_from_slice(&dq[i * dp..i * dp + d]);
-    }
-    [dq_out, dk, dv]
-}
-
 struct Forward<'a, 'p, 'm, T> {
     pb: &'a Problem<'p, T>,
     it: &'a Item<'m>,
@@ -475,21 +340,17 @@ impl<T: Element> WithSimd for Forward<'_, '_, '_, T> {
     }
 }
 
-struct Backward<'a, 'p, 'm, T> {
-    pb: &'a Problem<'p, T>,
-    out: &'a [f32],
-    lse: &'a [f32],
-    dout: &'a [f32],
-    it: &'a Item<'m>,
-}
-
-impl<T: Element> WithSimd for Backward<'_, '_, '_, T> {
-    type Output = [Vec<f32>; 3];
-    #[inline(always)]
-    fn with_simd<S: Simd>(self, simd: S) -> Self::Output {
-        backward_item(simd, self.pb, self.out, self.lse, self.dout, self.it)
+/// Writes an item's rows `part: [len, d]` into `flat: [n, h, d]` at its
+/// tokens and head.
+fn scatter(flat: &mut [f32], (h, d): (usize, usize), it: &Item, part: &[f32]) {
+    for i in 0..it.len {
+        let at = ((it.start + i) * h + it.head) * d;
+        flat[at..at + d].copy_from_slice(&part[i * d..(i + 1) * d]);
     }
 }
+
+mod backward;
+use backward::run_backward;
 
 /// Runs every item's forward in parallel and scatters the results.
 fn run_forward<T: Element>(pb: &Problem<T>, n: usize, items: &[Item]) -> AttentionOutput32 {
@@ -503,60 +364,12 @@ fn run_forward<T: Element>(pb: &Problem<T>, n: usize, items: &[Item]) -> Attenti
     let mut lse = Array2::from_elem((h, n), f32::NEG_INFINITY);
     let out_flat = output.as_slice_mut().expect("fresh array");
     for (it, (o, l)) in items.iter().zip(parts) {
+        scatter(out_flat, (h, d), it, &o);
         for i in 0..it.len {
-            let at = ((it.start + i) * h + it.head) * d;
-            out_flat[at..at + d].copy_from_slice(&o[i * d..(i + 1) * d]);
             lse[[it.head, it.start + i]] = l[i];
         }
     }
     AttentionOutput32 { output, lse }
-}
-
-fn run_backward<T: Element>(
-    pb: &Problem<T>,
-    n: usize,
-    items: &[Item],
-    fwd: &AttentionOutput32,
-    dout: &[f32],
-) -> AttentionGrads32 {
-    let (h, d) = (pb.h, pb.d);
-    let arch = simd::arch();
-    let fo = fwd.output.as_standard_layout();
-    let fl = fwd.lse.as_standard_layout();
-    let out = fo.as_slice().expect("standard layout");
-    let lse = fl.as_slice().expect("standard layout");
-    let parts: Vec<[Vec<f32>; 3]> = items
-        .par_iter()
-        .map(|it| {
-            arch.dispatch(Backward {
-                pb,
-                out,
-                lse,
-                dout,
-                it,
-            })
-        })
-        .collect();
-    let mut grads = [
-        Array3::zeros((n, h, d)),
-        Array3::zeros((n, h, d)),
-        Array3::zeros((n, h, d)),
-    ];
-    for (it, part) in items.iter().zip(parts) {
-        for (g, p) in grads.iter_mut().zip(&part) {
-            let flat = g.as_slice_mut().expect("fresh array");
-            for i in 0..it.len {
-                let at = ((it.start + i) * h + it.head) * d;
-                flat[at..at + d].copy_from_slice(&p[i * d..(i + 1) * d]);
-            }
-        }
-    }
-    let [grad_q, grad_k, grad_v] = grads;
-    AttentionGrads32 {
-        grad_q,
-        grad_k,
-        grad_v,
-    }
 }
 
 /// Checks that every element is finite.
@@ -606,6 +419,48 @@ fn segment_items(cu_seqlens: &[usize], h: usize, causal: bool) -> Vec<Item<'stat
     items
 }
 
+/// Runs `f` on the problem of `q, k, v` (in standard layout) under `scale`,
+/// with `n_tok`.
+fn with_problem<T: Element, R>(
+    (q, k, v): (&ArrayView3<T>, &ArrayView3<T>, &ArrayView3<T>),
+    scale: f32,
+    f: impl FnOnce(&Problem<T>, usize) -> R,
+) -> R {
+    let (n, h, d) = q.dim();
+    let (qs, ks, vs) = (standard(q), standard(k), standard(v));
+    let pb = Problem {
+        q: qs.as_slice().expect("standard layout"),
+        k: ks.as_slice().expect("standard layout"),
+        v: vs.as_slice().expect("standard layout"),
+        h,
+        d,
+        scale,
+    };
+    f(&pb, n)
+}
+
+/// The forward over `items`, inputs checked.
+fn forward<T: Element>(
+    qkv: (&ArrayView3<T>, &ArrayView3<T>, &ArrayView3<T>),
+    scale: f32,
+    items: &[Item],
+) -> AttentionOutput32 {
+    with_problem(qkv, scale, |pb, n| run_forward(pb, n, items))
+}
+
+/// The backward over `items`, inputs checked.
+fn backward<T: Element>(
+    qkv: (&ArrayView3<T>, &ArrayView3<T>, &ArrayView3<T>),
+    scale: f32,
+    items: &[Item],
+    fwd: &AttentionOutput32,
+    grad_output: &ArrayView3<f32>,
+) -> AttentionGrads32 {
+    let go = grad_output.as_standard_layout();
+    let go = go.as_slice().expect("standard layout");
+    with_problem(qkv, scale, |pb, n| run_backward(pb, n, items, fwd, go))
+}
+
 /// Varlen attention forward: `q, k, v: [n_tok, h, d]` (`f32` or `bf16`),
 /// `cu_seqlens: [b + 1]`; queries attend to the keys of their own segment
 /// (up to themselves if `causal`). Returns `output: [n_tok, h, d]` and `lse:
@@ -625,18 +480,13 @@ pub fn varlen_attention<T: Element>(
     scale: f32,
 ) -> Result<AttentionOutput32> {
     check_inputs(&q, &k, &v)?;
-    let (n, h, d) = q.dim();
+    let (n, h, _) = q.dim();
     check_cu_seqlens(cu_seqlens, n)?;
-    let (qs, ks, vs) = (standard(&q), standard(&k), standard(&v));
-    let pb = Problem {
-        q: qs.as_slice().expect("standard layout"),
-        k: ks.as_slice().expect("standard layout"),
-        v: vs.as_slice().expect("standard layout"),
-        h,
-        d,
+    Ok(forward(
+        (&q, &k, &v),
         scale,
-    };
-    Ok(run_forward(&pb, n, &segment_items(cu_seqlens, h, causal)))
+        &segment_items(cu_seqlens, h, causal),
+    ))
 }
 
 fn check_backward<T: Element>(
@@ -677,26 +527,10 @@ pub fn varlen_attention_backward<T: Element>(
     grad_output: ArrayView3<f32>,
 ) -> Result<AttentionGrads32> {
     check_backward(&q, &k, &v, fwd, &grad_output)?;
-    let (n, h, d) = q.dim();
+    let (n, h, _) = q.dim();
     check_cu_seqlens(cu_seqlens, n)?;
-    let (qs, ks, vs) = (standard(&q), standard(&k), standard(&v));
-    let go = grad_output.as_standard_layout();
-    let pb = Problem {
-        q: qs.as_slice().expect("standard layout"),
-        k: ks.as_slice().expect("standard layout"),
-        v: vs.as_slice().expect("standard layout"),
-        h,
-        d,
-        scale,
-    };
     let items = segment_items(cu_seqlens, h, causal);
-    Ok(run_backward(
-        &pb,
-        n,
-        &items,
-        fwd,
-        go.as_slice().expect("standard layout"),
-    ))
+    Ok(backward((&q, &k, &v), scale, &items, fwd, &grad_output))
 }
 
 fn dense_items<'a>(masks: &'a [ArrayView2<'a, bool>], row_len: usize, h: usize) -> Vec<Item<'a>> {
@@ -756,17 +590,12 @@ pub fn dense_masked_attention<T: Element>(
 ) -> Result<AttentionOutput32> {
     check_inputs(&q, &k, &v)?;
     check_dense(&q, row_len, masks)?;
-    let (n, h, d) = q.dim();
-    let (qs, ks, vs) = (standard(&q), standard(&k), standard(&v));
-    let pb = Problem {
-        q: qs.as_slice().expect("standard layout"),
-        k: ks.as_slice().expect("standard layout"),
-        v: vs.as_slice().expect("standard layout"),
-        h,
-        d,
+    let h = q.dim().1;
+    Ok(forward(
+        (&q, &k, &v),
         scale,
-    };
-    Ok(run_forward(&pb, n, &dense_items(masks, row_len, h)))
+        &dense_items(masks, row_len, h),
+    ))
 }
 
 /// Backward of [`dense_masked_attention`]. Queries with no allowed key get
@@ -787,25 +616,9 @@ pub fn dense_masked_attention_backward<T: Element>(
 ) -> Result<AttentionGrads32> {
     check_backward(&q, &k, &v, fwd, &grad_output)?;
     check_dense(&q, row_len, masks)?;
-    let (n, h, d) = q.dim();
-    let (qs, ks, vs) = (standard(&q), standard(&k), standard(&v));
-    let go = grad_output.as_standard_layout();
-    let pb = Problem {
-        q: qs.as_slice().expect("standard layout"),
-        k: ks.as_slice().expect("standard layout"),
-        v: vs.as_slice().expect("standard layout"),
-        h,
-        d,
-        scale,
-    };
+    let h = q.dim().1;
     let items = dense_items(masks, row_len, h);
-    Ok(run_backward(
-        &pb,
-        n,
-        &items,
-        fwd,
-        go.as_slice().expect("standard layout"),
-    ))
+    Ok(backward((&q, &k, &v), scale, &items, fwd, &grad_output))
 }
 
 /// The work of a varlen problem in the unit of the benchmark: the

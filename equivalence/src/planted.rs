@@ -1,0 +1,479 @@
+//! Implementations with a fault planted, for negative controls: a value that
+//! implements [`AttentionHooks`] or [`VocabHooks`] states only the calls it
+//! breaks, and [`Planted`] makes it an op ([`AttentionOp`], [`CrossEntropyOp`],
+//! [`LinearCrossEntropyOp`], [`EmbeddingOp`]) whose every other call is the
+//! f64 reference's. The call's inputs travel as one value ([`Qkv`],
+//! [`CeCall`], [`LinearCall`], [`EmbeddingCall`]) that can run the same call
+//! on any implementation, so a hook reads as "the reference (or a kernel) on
+//! these inputs, then the fault".
+
+use ndarray::{ArrayView2, ArrayView3};
+use packshard_reference::attention::ReferenceAttention;
+use packshard_reference::bert::{AttentionGrads, AttentionOutput};
+use packshard_reference::ops::{
+    AttentionOp, AttentionSupport, CrossEntropyOp, Embedding, EmbeddingOp, LinearCrossEntropyOp,
+    LinearLoss, Varlen,
+};
+use packshard_reference::vocab::cross_entropy::CrossEntropy;
+use packshard_reference::vocab::embedding::ShardedEmbedding;
+use packshard_reference::vocab::sharded::ShardedLoss;
+use packshard_reference::vocab::{
+    LossConfig, ReferenceCrossEntropy, ReferenceEmbedding, ReferenceLinearCrossEntropy, ShardMap,
+    ShardedAlgorithm,
+};
+use packshard_reference::Result;
+
+/// An op built from hooks: [`AttentionOp`] for `F: AttentionHooks`, the three
+/// vocabulary ops for `F: VocabHooks`.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Planted<F>(pub F);
+
+// ---- attention --------------------------------------------------------------
+
+/// One attention call's inputs: `q: [n_q, h, d]`, `k, v: [n_k, h_kv, d]`.
+#[derive(Debug, Clone, Copy)]
+pub struct Qkv<'a> {
+    /// `[n_q, h, d]`.
+    pub q: ArrayView3<'a, f64>,
+    /// `[n_k, h_kv, d]`.
+    pub k: ArrayView3<'a, f64>,
+    /// `[n_k, h_kv, d]`.
+    pub v: ArrayView3<'a, f64>,
+}
+
+impl Qkv<'_> {
+    /// `op`'s varlen forward on these inputs.
+    ///
+    /// # Errors
+    /// `op`'s.
+    pub fn varlen_forward(self, op: &dyn AttentionOp, p: &Varlen<'_>) -> Result<AttentionOutput> {
+        op.varlen_forward(self.q, self.k, self.v, p)
+    }
+
+    /// `op`'s varlen backward on these inputs.
+    ///
+    /// # Errors
+    /// `op`'s.
+    pub fn varlen_backward(
+        self,
+        op: &dyn AttentionOp,
+        p: &Varlen<'_>,
+        fwd: &AttentionOutput,
+        g: ArrayView3<f64>,
+    ) -> Result<AttentionGrads> {
+        op.varlen_backward(self.q, self.k, self.v, p, fwd, g)
+    }
+
+    /// `op`'s masked forward on these inputs: `allowed: [n_q, n_k]`.
+    ///
+    /// # Errors
+    /// `op`'s.
+    pub fn masked_forward(
+        self,
+        op: &dyn AttentionOp,
+        allowed: ArrayView2<bool>,
+        scale: f64,
+    ) -> Result<AttentionOutput> {
+        op.masked_forward(self.q, self.k, self.v, allowed, scale)
+    }
+
+    /// `op`'s masked backward on these inputs.
+    ///
+    /// # Errors
+    /// `op`'s.
+    pub fn masked_backward(
+        self,
+        op: &dyn AttentionOp,
+        (allowed, scale): (ArrayView2<bool>, f64),
+        fwd: &AttentionOutput,
+        g: ArrayView3<f64>,
+    ) -> Result<AttentionGrads> {
+        op.masked_backward(self.q, self.k, self.v, allowed, scale, fwd, g)
+    }
+}
+
+/// The calls of an [`AttentionOp`], each the reference's unless overridden.
+pub trait AttentionHooks: Send + Sync {
+    /// As [`AttentionOp::support`] (its default).
+    fn support(&self) -> AttentionSupport {
+        AttentionSupport::SELF_MHA
+    }
+
+    /// As [`AttentionOp::varlen_forward`].
+    ///
+    /// # Errors
+    /// The reference's, or the planted fault's.
+    fn varlen_forward(&self, x: Qkv<'_>, p: &Varlen<'_>) -> Result<AttentionOutput> {
+        x.varlen_forward(&ReferenceAttention, p)
+    }
+
+    /// As [`AttentionOp::varlen_backward`].
+    ///
+    /// # Errors
+    /// The reference's, or the planted fault's.
+    fn varlen_backward(
+        &self,
+        x: Qkv<'_>,
+        p: &Varlen<'_>,
+        fwd: &AttentionOutput,
+        g: ArrayView3<f64>,
+    ) -> Result<AttentionGrads> {
+        x.varlen_backward(&ReferenceAttention, p, fwd, g)
+    }
+
+    /// As [`AttentionOp::masked_forward`].
+    ///
+    /// # Errors
+    /// The reference's, or the planted fault's.
+    fn masked_forward(
+        &self,
+        x: Qkv<'_>,
+        allowed: ArrayView2<bool>,
+        scale: f64,
+    ) -> Result<AttentionOutput> {
+        x.masked_forward(&ReferenceAttention, allowed, scale)
+    }
+
+    /// As [`AttentionOp::masked_backward`]: `mask` is `(allowed, scale)`.
+    ///
+    /// # Errors
+    /// The reference's, or the planted fault's.
+    fn masked_backward(
+        &self,
+        x: Qkv<'_>,
+        mask: (ArrayView2<bool>, f64),
+        fwd: &AttentionOutput,
+        g: ArrayView3<f64>,
+    ) -> Result<AttentionGrads> {
+        x.masked_backward(&ReferenceAttention, mask, fwd, g)
+    }
+}
+
+impl<F: AttentionHooks> AttentionOp for Planted<F> {
+    fn support(&self) -> AttentionSupport {
+        self.0.support()
+    }
+
+    fn varlen_forward(
+        &self,
+        q: ArrayView3<f64>,
+        k: ArrayView3<f64>,
+        v: ArrayView3<f64>,
+        p: &Varlen<'_>,
+    ) -> Result<AttentionOutput> {
+        self.0.varlen_forward(Qkv { q, k, v }, p)
+    }
+
+    fn varlen_backward(
+        &self,
+        q: ArrayView3<f64>,
+        k: ArrayView3<f64>,
+        v: ArrayView3<f64>,
+        p: &Varlen<'_>,
+        fwd: &AttentionOutput,
+        grad_output: ArrayView3<f64>,
+    ) -> Result<AttentionGrads> {
+        self.0.varlen_backward(Qkv { q, k, v }, p, fwd, grad_output)
+    }
+
+    fn masked_forward(
+        &self,
+        q: ArrayView3<f64>,
+        k: ArrayView3<f64>,
+        v: ArrayView3<f64>,
+        allowed: ArrayView2<bool>,
+        scale: f64,
+    ) -> Result<AttentionOutput> {
+        self.0.masked_forward(Qkv { q, k, v }, allowed, scale)
+    }
+
+    fn masked_backward(
+        &self,
+        q: ArrayView3<f64>,
+        k: ArrayView3<f64>,
+        v: ArrayView3<f64>,
+        allowed: ArrayView2<bool>,
+        scale: f64,
+        fwd: &AttentionOutput,
+        grad_output: ArrayView3<f64>,
+    ) -> Result<AttentionGrads> {
+        self.0
+            .masked_backward(Qkv { q, k, v }, (allowed, scale), fwd, grad_output)
+    }
+}
+
+// ---- vocabulary parallelism ---------------------------------------------------
+
+/// One loss call's inputs: `input` the logits ([`CeCall`]) or the hidden
+/// states and the output layer's weight ([`LinearCall`]), `targets: [n]`.
+#[derive(Debug, Clone, Copy)]
+pub struct LossCall<'a, X> {
+    /// `logits: [n, v]`, or `(hidden: [n, h], weight: [v, h])`; sharded,
+    /// `w >= v` columns of logits or rows of the weight.
+    pub input: X,
+    /// `[n]`.
+    pub targets: &'a [i64],
+    /// The loss's options.
+    pub config: &'a LossConfig,
+    /// Whether the gradients are asked for.
+    pub want_grad: bool,
+}
+
+impl<'a, X> LossCall<'a, X> {
+    /// The call's inputs as one value.
+    pub fn new(input: X, targets: &'a [i64], config: &'a LossConfig, want_grad: bool) -> Self {
+        LossCall {
+            input,
+            targets,
+            config,
+            want_grad,
+        }
+    }
+}
+
+/// A cross-entropy call: `input` the logits, `[n, v]` (`[n, w]` sharded).
+pub type CeCall<'a> = LossCall<'a, ArrayView2<'a, f64>>;
+
+/// An output-layer call: `input` is `(hidden: [n, h], weight: [v, h])`
+/// (`[w, h]` sharded).
+pub type LinearCall<'a> = LossCall<'a, (ArrayView2<'a, f64>, ArrayView2<'a, f64>)>;
+
+impl CeCall<'_> {
+    /// `op`'s unsharded cross-entropy on these inputs.
+    ///
+    /// # Errors
+    /// `op`'s.
+    pub fn unsharded(self, op: &dyn CrossEntropyOp) -> Result<CrossEntropy> {
+        op.cross_entropy(self.input, self.targets, self.config, self.want_grad)
+    }
+
+    /// `op`'s sharded cross-entropy on these inputs.
+    ///
+    /// # Errors
+    /// `op`'s.
+    pub fn sharded(
+        self,
+        op: &dyn CrossEntropyOp,
+        algorithm: ShardedAlgorithm,
+        map: &ShardMap,
+    ) -> Result<ShardedLoss> {
+        let (z, t) = (self.input, self.targets);
+        op.sharded_cross_entropy(algorithm, map, z, t, self.config, self.want_grad)
+    }
+}
+
+impl LinearCall<'_> {
+    /// `op`'s unsharded output layer on these inputs.
+    ///
+    /// # Errors
+    /// `op`'s.
+    pub fn unsharded(self, op: &dyn LinearCrossEntropyOp) -> Result<LinearLoss> {
+        let ((x, w), t) = (self.input, self.targets);
+        op.linear_cross_entropy(x, w, t, self.config, self.want_grad)
+    }
+
+    /// `op`'s sharded output layer on these inputs.
+    ///
+    /// # Errors
+    /// `op`'s.
+    pub fn sharded(
+        self,
+        op: &dyn LinearCrossEntropyOp,
+        algorithm: ShardedAlgorithm,
+        map: &ShardMap,
+    ) -> Result<ShardedLoss> {
+        let ((x, w), t) = (self.input, self.targets);
+        op.sharded_linear_cross_entropy(algorithm, map, x, w, t, self.config, self.want_grad)
+    }
+}
+
+/// One embedding call's inputs: `ids: [n]`, `weight: [v, h]` (`[w, h]`
+/// sharded), `grad_output: [n, h]`.
+#[derive(Debug, Clone, Copy)]
+pub struct EmbeddingCall<'a> {
+    /// `[n]`.
+    pub ids: &'a [i64],
+    /// `[v, h]`, or `[w, h]` with `w >= v` sharded.
+    pub weight: ArrayView2<'a, f64>,
+    /// `[n, h]`, where the weight gradient is asked for.
+    pub grad_output: Option<ArrayView2<'a, f64>>,
+}
+
+impl EmbeddingCall<'_> {
+    /// `op`'s unsharded embedding on these inputs.
+    ///
+    /// # Errors
+    /// `op`'s.
+    pub fn unsharded(self, op: &dyn EmbeddingOp) -> Result<Embedding> {
+        op.embedding(self.ids, self.weight, self.grad_output)
+    }
+
+    /// `op`'s sharded embedding on these inputs.
+    ///
+    /// # Errors
+    /// `op`'s.
+    pub fn sharded(self, op: &dyn EmbeddingOp, map: &ShardMap) -> Result<ShardedEmbedding> {
+        op.sharded_embedding(map, self.ids, self.weight, self.grad_output)
+    }
+}
+
+/// The calls of the three vocabulary ops, each the reference's unless
+/// overridden.
+pub trait VocabHooks: Send + Sync {
+    /// The sharded algorithms it declares (both op families; all by default).
+    fn algorithms(&self) -> Vec<ShardedAlgorithm> {
+        ShardedAlgorithm::ALL.to_vec()
+    }
+
+    /// As [`CrossEntropyOp::cross_entropy`].
+    ///
+    /// # Errors
+    /// The reference's, or the planted fault's.
+    fn cross_entropy(&self, c: CeCall<'_>) -> Result<CrossEntropy> {
+        c.unsharded(&ReferenceCrossEntropy)
+    }
+
+    /// As [`CrossEntropyOp::sharded_cross_entropy`].
+    ///
+    /// # Errors
+    /// The reference's, or the planted fault's.
+    fn sharded_cross_entropy(
+        &self,
+        algorithm: ShardedAlgorithm,
+        map: &ShardMap,
+        c: CeCall<'_>,
+    ) -> Result<ShardedLoss> {
+        c.sharded(&ReferenceCrossEntropy, algorithm, map)
+    }
+
+    /// As [`LinearCrossEntropyOp::linear_cross_entropy`].
+    ///
+    /// # Errors
+    /// The reference's, or the planted fault's.
+    fn linear_cross_entropy(&self, c: LinearCall<'_>) -> Result<LinearLoss> {
+        c.unsharded(&ReferenceLinearCrossEntropy)
+    }
+
+    /// As [`LinearCrossEntropyOp::sharded_linear_cross_entropy`].
+    ///
+    /// # Errors
+    /// The reference's, or the planted fault's.
+    fn sharded_linear_cross_entropy(
+        &self,
+        algorithm: ShardedAlgorithm,
+        map: &ShardMap,
+        c: LinearCall<'_>,
+    ) -> Result<ShardedLoss> {
+        c.sharded(&ReferenceLinearCrossEntropy, algorithm, map)
+    }
+
+    /// As [`EmbeddingOp::embedding`].
+    ///
+    /// # Errors
+    /// The reference's, or the planted fault's.
+    fn embedding(&self, c: EmbeddingCall<'_>) -> Result<Embedding> {
+        c.unsharded(&ReferenceEmbedding)
+    }
+
+    /// As [`EmbeddingOp::sharded_embedding`].
+    ///
+    /// # Errors
+    /// The reference's, or the planted fault's.
+    fn sharded_embedding(&self, map: &ShardMap, c: EmbeddingCall<'_>) -> Result<ShardedEmbedding> {
+        c.sharded(&ReferenceEmbedding, map)
+    }
+}
+
+impl<F: VocabHooks> CrossEntropyOp for Planted<F> {
+    fn algorithms(&self) -> Vec<ShardedAlgorithm> {
+        self.0.algorithms()
+    }
+
+    fn cross_entropy(
+        &self,
+        logits: ArrayView2<f64>,
+        targets: &[i64],
+        config: &LossConfig,
+        want_grad: bool,
+    ) -> Result<CrossEntropy> {
+        let input = logits;
+        self.0
+            .cross_entropy(LossCall::new(input, targets, config, want_grad))
+    }
+
+    fn sharded_cross_entropy(
+        &self,
+        algorithm: ShardedAlgorithm,
+        map: &ShardMap,
+        logits: ArrayView2<f64>,
+        targets: &[i64],
+        config: &LossConfig,
+        want_grad: bool,
+    ) -> Result<ShardedLoss> {
+        let c = LossCall::new(logits, targets, config, want_grad);
+        self.0.sharded_cross_entropy(algorithm, map, c)
+    }
+}
+
+impl<F: VocabHooks> LinearCrossEntropyOp for Planted<F> {
+    fn algorithms(&self) -> Vec<ShardedAlgorithm> {
+        self.0.algorithms()
+    }
+
+    fn linear_cross_entropy(
+        &self,
+        hidden: ArrayView2<f64>,
+        weight: ArrayView2<f64>,
+        targets: &[i64],
+        config: &LossConfig,
+        want_grad: bool,
+    ) -> Result<LinearLoss> {
+        let input = (hidden, weight);
+        self.0
+            .linear_cross_entropy(LossCall::new(input, targets, config, want_grad))
+    }
+
+    fn sharded_linear_cross_entropy(
+        &self,
+        algorithm: ShardedAlgorithm,
+        map: &ShardMap,
+        hidden: ArrayView2<f64>,
+        weight: ArrayView2<f64>,
+        targets: &[i64],
+        config: &LossConfig,
+        want_grad: bool,
+    ) -> Result<ShardedLoss> {
+        let c = LossCall::new((hidden, weight), targets, config, want_grad);
+        self.0.sharded_linear_cross_entropy(algorithm, map, c)
+    }
+}
+
+impl<F: VocabHooks> EmbeddingOp for Planted<F> {
+    fn embedding(
+        &self,
+        ids: &[i64],
+        weight: ArrayView2<f64>,
+        grad_output: Option<ArrayView2<f64>>,
+    ) -> Result<Embedding> {
+        self.0.embedding(EmbeddingCall {
+            ids,
+            weight,
+            grad_output,
+        })
+    }
+
+    fn sharded_embedding(
+        &self,
+        map: &ShardMap,
+        ids: &[i64],
+        weight: ArrayView2<f64>,
+        grad_output: Option<ArrayView2<f64>>,
+    ) -> Result<ShardedEmbedding> {
+        let c = EmbeddingCall {
+            ids,
+            weight,
+            grad_output,
+        };
+        self.0.sharded_embedding(map, c)
+    }
+}

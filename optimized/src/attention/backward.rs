@@ -1,0 +1,190 @@
+//! The backward of the tiled attention: per item, the probabilities
+//! recomputed from the forward's `lse` (flash-attention's backward), then
+//! `dq`, `dk`, `dv` tile by tile.
+
+use super::*;
+
+/// `out: [BLOCK_K, dp] += s^T x` for a tile `s: [BLOCK_Q, BLOCK_K]` and
+/// `x: [BLOCK_Q, dp]` (`tr` the scratch of the transpose).
+#[inline(always)]
+fn acc_transposed<S: Simd>(
+    simd: S,
+    (s, tr): (&[f32], &mut [f32]),
+    x: &[f32],
+    out: &mut [f32],
+    dp: usize,
+) {
+    transpose(s, BLOCK_Q, BLOCK_K, tr);
+    mm_acc(simd, BLOCK_K, dp, BLOCK_Q, tr, BLOCK_Q, x, dp, out, dp);
+}
+
+/// The backward of one item: `(dq, dk, dv)`, each `[len, d]`.
+#[inline(always)]
+fn backward_item<S: Simd, T: Element>(
+    simd: S,
+    pb: &Problem<T>,
+    out: &[f32],
+    lse: &[f32],
+    dout: &[f32],
+    it: &Item,
+) -> [Vec<f32>; 3] {
+    let (h, d, len) = (pb.h, pb.d, it.len);
+    let dp = round_up(d.max(1), mm_col_multiple::<S>());
+    let lp = round_up(len, BLOCK_K);
+    let qh = gather(pb.q, h, d, it, lp, dp);
+    let kh = gather(pb.k, h, d, it, lp, dp);
+    let kt = gather_t(pb.k, h, d, it, lp, dp);
+    let vt = gather_t(pb.v, h, d, it, lp, dp);
+    let doh = gather(dout, h, d, it, lp, dp);
+    let oh = gather(out, h, d, it, lp, dp);
+    let n = lse.len() / h;
+    let row_lse: Vec<f32> = (0..len).map(|i| lse[it.head * n + it.start + i]).collect();
+    // delta_i = dO_i . O_i, summed in the order (and with the fused
+    // multiply-adds) of the dP tile product, so that a one-key segment,
+    // where O = V exactly, gets dP - delta = 0 exactly (as the reference).
+    let delta: Vec<f32> = (0..lp)
+        .map(|i| {
+            let (g, o) = (&doh[i * dp..(i + 1) * dp], &oh[i * dp..(i + 1) * dp]);
+            g.iter()
+                .zip(o)
+                .fold(0.0f32, |acc, (&g, &o)| g.mul_add(o, acc))
+        })
+        .collect();
+    let mut dq = vec![0.0f32; lp * dp];
+    let mut dk = vec![0.0f32; len * d];
+    let mut dv = vec![0.0f32; len * d];
+    let mut s = vec![0.0f32; BLOCK_Q * BLOCK_K];
+    let mut dpt = vec![0.0f32; BLOCK_Q * BLOCK_K];
+    let mut tr = vec![0.0f32; BLOCK_K * BLOCK_Q];
+    let mut dk_t = vec![0.0f32; BLOCK_K * dp];
+    let mut dv_t = vec![0.0f32; BLOCK_K * dp];
+    let scale_v = simd.splat_f32s(pb.scale);
+    for k0 in (0..len).step_by(BLOCK_K) {
+        dk_t.fill(0.0);
+        dv_t.fill(0.0);
+        for q0 in (0..len).step_by(BLOCK_Q) {
+            if causal_skip(it, q0, k0) {
+                continue;
+            }
+            scores(simd, &mut s, &qh, &kt, lp, dp, it, q0, k0, pb.scale);
+            // P = exp(S - lse); 0 for padded rows and rows with no key.
+            let mut block_lse = [f32::NEG_INFINITY; BLOCK_Q];
+            for (r, l) in block_lse.iter_mut().enumerate() {
+                if q0 + r < len {
+                    *l = row_lse[q0 + r];
+                }
+            }
+            probabilities(simd, &mut s, &block_lse);
+            // dV_tile += P^T dO_blk
+            acc_transposed(simd, (&s, &mut tr), &doh[q0 * dp..], &mut dv_t, dp);
+            // dP = dO_blk V_tile^T
+            dpt.fill(0.0);
+            mm_acc(
+                simd,
+                BLOCK_Q,
+                BLOCK_K,
+                dp,
+                &doh[q0 * dp..],
+                dp,
+                &vt[k0..],
+                lp,
+                &mut dpt,
+                BLOCK_K,
+            );
+            // dS = P (dP - delta) scale, in place of P.
+            for r in 0..BLOCK_Q {
+                let dl = simd.splat_f32s(delta.get(q0 + r).copied().unwrap_or(0.0));
+                let (ps, _) = S::as_mut_simd_f32s(&mut s[r * BLOCK_K..(r + 1) * BLOCK_K]);
+                let (dps, _) = S::as_simd_f32s(&dpt[r * BLOCK_K..(r + 1) * BLOCK_K]);
+                for (p, &g) in ps.iter_mut().zip(dps) {
+                    *p = simd.mul_f32s(simd.mul_f32s(*p, simd.sub_f32s(g, dl)), scale_v);
+                }
+            }
+            // dQ_blk += dS K_tile
+            mm_acc(
+                simd,
+                BLOCK_Q,
+                dp,
+                BLOCK_K,
+                &s,
+                BLOCK_K,
+                &kh[k0 * dp..],
+                dp,
+                &mut dq[q0 * dp..],
+                dp,
+            );
+            // dK_tile += dS^T Q_blk
+            acc_transposed(simd, (&s, &mut tr), &qh[q0 * dp..], &mut dk_t, dp);
+        }
+        for j in 0..(len - k0).min(BLOCK_K) {
+            let key = k0 + j;
+            dk[key * d..(key + 1) * d].copy_from_slice(&dk_t[j * dp..j * dp + d]);
+            dv[key * d..(key + 1) * d].copy_from_slice(&dv_t[j * dp..j * dp + d]);
+        }
+    }
+    let mut dq_out = vec![0.0f32; len * d];
+    for i in 0..len {
+        dq_out[i * d..(i + 1) * d].copy_from_slice(&dq[i * dp..i * dp + d]);
+    }
+    [dq_out, dk, dv]
+}
+
+struct Backward<'a, 'p, 'm, T> {
+    pb: &'a Problem<'p, T>,
+    out: &'a [f32],
+    lse: &'a [f32],
+    dout: &'a [f32],
+    it: &'a Item<'m>,
+}
+
+impl<T: Element> WithSimd for Backward<'_, '_, '_, T> {
+    type Output = [Vec<f32>; 3];
+    #[inline(always)]
+    fn with_simd<S: Simd>(self, simd: S) -> Self::Output {
+        backward_item(simd, self.pb, self.out, self.lse, self.dout, self.it)
+    }
+}
+
+/// Runs every item's backward in parallel and scatters the results.
+pub(super) fn run_backward<T: Element>(
+    pb: &Problem<T>,
+    n: usize,
+    items: &[Item],
+    fwd: &AttentionOutput32,
+    dout: &[f32],
+) -> AttentionGrads32 {
+    let (h, d) = (pb.h, pb.d);
+    let arch = simd::arch();
+    let fo = fwd.output.as_standard_layout();
+    let fl = fwd.lse.as_standard_layout();
+    let out = fo.as_slice().expect("standard layout");
+    let lse = fl.as_slice().expect("standard layout");
+    let parts: Vec<[Vec<f32>; 3]> = items
+        .par_iter()
+        .map(|it| {
+            arch.dispatch(Backward {
+                pb,
+                out,
+                lse,
+                dout,
+                it,
+            })
+        })
+        .collect();
+    let mut grads = [
+        Array3::zeros((n, h, d)),
+        Array3::zeros((n, h, d)),
+        Array3::zeros((n, h, d)),
+    ];
+    for (it, part) in items.iter().zip(parts) {
+        for (g, p) in grads.iter_mut().zip(&part) {
+            scatter(g.as_slice_mut().expect("fresh array"), (h, d), it, p);
+        }
+    }
+    let [grad_q, grad_k, grad_v] = grads;
+    AttentionGrads32 {
+        grad_q,
+        grad_k,
+        grad_v,
+    }
+}
