@@ -10,6 +10,7 @@
 
 mod attention;
 mod bert;
+mod causal;
 pub mod input;
 mod pack;
 pub mod vocab;
@@ -151,6 +152,18 @@ pub fn ops() -> Vec<Op> {
             summary: "input embedding lookup and its weight gradient, unsharded or vocabulary-parallel",
             impls: impls(Some(Family::Embedding)),
             run: vocab::embedding_op,
+        },
+        Op {
+            name: "causal_labels",
+            summary: "causal-LM next-token labels inside each packed document, and each slot's loss weight per reduction",
+            impls: impls(None),
+            run: |v, _| causal::causal_labels(v),
+        },
+        Op {
+            name: "causal_conversions",
+            summary: "position_ids, cu_seqlens, seq_idx and document ids of a packed batch into one another, with max_seqlen",
+            impls: impls(None),
+            run: |v, _| causal::causal_conversions(v),
         },
     ]
 }

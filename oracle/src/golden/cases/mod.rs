@@ -127,6 +127,7 @@ pub fn all(dtype: Dtype) -> Result<Vec<GoldenCase>, GoldenError> {
     cases.extend(cross_entropy_cases(dtype)?);
     cases.extend(linear_cases(dtype)?);
     cases.extend(embedding_cases(dtype)?);
+    cases.extend(causal::cases()?);
     Ok(cases)
 }
 
@@ -364,5 +365,6 @@ fn attention_case(
     })
 }
 
+mod causal;
 mod vocab;
 use vocab::{cross_entropy_cases, embedding_cases, linear_cases};
