@@ -184,6 +184,9 @@ fn c6_seq_idx_with_empty_segments_and_a_first_offset() {
     let v = ok(json!({"op": "causal_conversions", "position_ids": C6_POSITIONS}));
     assert_eq!(v["position_ids"], json!(C6_POSITIONS));
     assert_eq!(v["cu_seqlens"], json!([0, 4]));
+    // The largest position is accepted and kept.
+    let v = ok(json!({"op": "causal_conversions", "position_ids": [i64::MAX]}));
+    assert_eq!(v["position_ids"], json!([i64::MAX]));
     // Nothing at all.
     let v = ok(json!({"op": "causal_conversions", "position_ids": []}));
     assert_eq!(
@@ -360,4 +363,67 @@ fn eval_list_has_the_causal_ops() {
         ops.contains(&"causal_labels") && ops.contains(&"causal_conversions"),
         "{ops:?}"
     );
+}
+
+/// Every list of up to 4 values from a small alphabet (with extremes) in
+/// every field of both ops: a result or a typed error, never a panic (the
+/// `eval_json` fuzz target's promise, here on the shapes that matter).
+#[test]
+fn small_hostile_inputs_get_a_result_or_a_typed_error() {
+    let alphabet: [Value; 6] = [
+        json!(0),
+        json!(1),
+        json!(2),
+        json!(-100),
+        json!(u64::MAX),
+        json!(i64::MAX),
+    ];
+    let mut lists = vec![json!([])];
+    for len in 1..=3u32 {
+        for code in 0..6usize.pow(len) {
+            let mut c = code;
+            let items: Vec<Value> = (0..len)
+                .map(|_| {
+                    let v = alphabet[c % 6].clone();
+                    c /= 6;
+                    v
+                })
+                .collect();
+            lists.push(Value::Array(items));
+        }
+    }
+    let mut results = 0;
+    let mut runs = 0;
+    for list in &lists {
+        for other in lists.iter().step_by(7) {
+            let cases = [
+                json!({"op": "causal_labels", "input_ids": other, "doc_ids": list}),
+                json!({"op": "causal_labels", "input_ids": other, "cu_seqlens": list, "eos_token_id": 2}),
+                json!({"op": "causal_labels", "input_ids": other, "doc_ids": list, "num_documents": 0, "ignore_index": 1}),
+                json!({"op": "causal_conversions", "position_ids": list}),
+                json!({"op": "causal_conversions", "cu_seqlens": list, "first_offset": other.get(0)}),
+                json!({"op": "causal_conversions", "seq_idx": list, "num_segments": other.get(0)}),
+                json!({"op": "causal_conversions", "doc_ids": list}),
+            ];
+            for case in cases {
+                runs += 1;
+                match packshard::eval::evaluate(&case) {
+                    Ok(_) => results += 1,
+                    Err(e) => assert!(
+                        [
+                            "missing_field",
+                            "shape_mismatch",
+                            "index_out_of_range",
+                            "invalid_argument"
+                        ]
+                        .contains(&e.kind)
+                            && !e.message.is_empty(),
+                        "{case}: {e:?}"
+                    ),
+                }
+            }
+        }
+    }
+    // Not vacuous: many cases give results, many give errors.
+    assert!(results > runs / 10 && results < runs, "{results} of {runs}");
 }

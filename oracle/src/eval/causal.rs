@@ -211,7 +211,7 @@ pub(super) fn causal_conversions(value: &Value) -> Result<Value, EvalError> {
             let idx = case.usize_list("seq_idx")?;
             let num = match case.opt_usize("num_segments")? {
                 Some(s) => s,
-                None => idx.iter().max().map_or(0, |&m| m + 1),
+                None => idx.iter().max().map_or(0, |&m| m.saturating_add(1)),
             };
             check_values(
                 "num_segments",
@@ -228,7 +228,9 @@ pub(super) fn causal_conversions(value: &Value) -> Result<Value, EvalError> {
         }
     };
     let n_tok = slots.len();
-    if first_offset as u128 + n_tok as u128 > MAX_POSITION as u128 {
+    // (From position_ids the first segment's positions are given, so at
+    // most MAX_POSITION already.)
+    if from != "position_ids" && first_offset as u128 + n_tok as u128 > MAX_POSITION as u128 {
         return Err(EvalError::invalid(
             "first_offset",
             format!("{first_offset} + {n_tok} tokens is over {MAX_POSITION}"),
