@@ -73,9 +73,12 @@ fn every_op_has_a_case_with_inputs_outputs_and_rules() {
     let eval_ops: std::collections::BTreeSet<&str> = packshard::eval::ops()
         .iter()
         .map(|o| o.name)
-        .filter(|&n| n != "bert")
+        .filter(|&n| n != "bert" && n != "decoder_forward_backward")
         .collect();
-    assert_eq!(ops, eval_ops, "a golden case per eval op (bert: not yet)");
+    assert_eq!(
+        ops, eval_ops,
+        "a golden case per eval op (bert, decoder_forward_backward: not yet)"
+    );
     let names: std::collections::BTreeSet<&str> = cases.iter().map(|c| c.name.as_str()).collect();
     assert_eq!(names.len(), cases.len(), "case names are unique");
     for c in &cases {

@@ -11,6 +11,7 @@
 mod attention;
 mod bert;
 mod causal;
+mod decoder;
 pub mod input;
 mod pack;
 pub mod vocab;
@@ -164,6 +165,12 @@ pub fn ops() -> Vec<Op> {
             summary: "position_ids, cu_seqlens, seq_idx and document ids of a packed batch into one another, with max_seqlen",
             impls: impls(None),
             run: |v, _| causal::causal_conversions(v),
+        },
+        Op {
+            name: "decoder_forward_backward",
+            summary: "the f64 reference causal decoder on given weights over packed documents: next-token loss, logits and every parameter's gradient",
+            impls: impls(None),
+            run: |v, _| decoder::decoder_forward_backward(v),
         },
     ]
 }
