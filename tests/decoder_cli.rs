@@ -329,3 +329,29 @@ fn decoder_errors_follow_the_contract() {
     }
     insta::assert_snapshot!(lines);
 }
+
+#[test]
+fn other_shapes_and_edge_inputs_run() {
+    // LayerNorm, GELU, a tied head, multi-query attention: every gradient named.
+    let mut c = DecoderConfig::tiny(9, 2, 1, 2, 6, 1);
+    c.norm = packshard::reference::decoder::Norm::LayerNorm;
+    c.mlp = packshard::reference::decoder::Mlp::Gelu;
+    c.tie_embeddings = true;
+    let m = DecoderModel::random(c, 3).unwrap();
+    let mut fields = json!({"input_ids": [1, 2, 3, 4], "cu_seqlens": [0, 1, 4], "eos_token_id": 8,
+        "norm": "layer_norm", "mlp": "gelu", "tie_embeddings": true, "reduction": "per-row"});
+    let v = packshard::eval::evaluate(&case(&m, fields.clone())).unwrap();
+    assert_eq!(v["labels"], json!([8, 3, 4, 8]));
+    assert_eq!(flat(&v["loss_weights"]), [0.5; 4]);
+    let grads = v["grads"].as_object().unwrap();
+    assert!(grads.contains_key("model.layers.0.input_layernorm.bias"));
+    assert!(
+        !grads.contains_key("lm_head.weight")
+            && !grads.contains_key("model.layers.0.mlp.gate_proj.weight")
+    );
+    // No tokens at all: loss 0, empty logits.
+    fields["input_ids"] = json!([]);
+    fields["cu_seqlens"] = json!([0]);
+    let v = packshard::eval::evaluate(&case(&m, fields)).unwrap();
+    assert_eq!((v["loss"].as_f64(), &v["logits"]), (Some(0.0), &json!([])));
+}
