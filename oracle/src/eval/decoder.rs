@@ -15,7 +15,7 @@ use packshard_reference::decoder::{
     DecoderAttention, DecoderConfig, DecoderInput, DecoderModel, DecoderParams, Mlp, Norm,
 };
 use packshard_reference::vocab::IGNORE_INDEX;
-use serde_json::{json, Map, Value};
+use serde_json::{json, Value};
 
 use super::attention::nested2;
 use super::{check_values, num, Case, EvalError};
@@ -134,8 +134,8 @@ fn nested(t: ArrayViewD<f64>) -> Value {
 /// default next-token labels per segment, with `eos_token_id`),
 /// `reduction` (`per-token` default, `per-document`, `per-row`),
 /// `want_grad` (default true). Result: `loss`, `logits` ([n, v]),
-/// `per_token_loss`, `labels`, `loss_weights`, and with gradients `grads`
-/// ({name: tensor}, every parameter) and `grad_inputs_embeds` ([n, hidden]).
+/// `per_token_loss`, `labels`, `loss_weights`, and with gradients
+/// `grad.<name>` for every parameter and `grad_inputs_embeds` ([n, hidden]).
 pub(super) fn decoder_forward_backward(value: &Value) -> Result<Value, EvalError> {
     // The weight names depend on the config: read the config first from a
     // view that allows every field, then check the fields properly.
@@ -300,14 +300,9 @@ pub(super) fn decoder_forward_backward(value: &Value) -> Result<Value, EvalError
     let mut out = json!({"op": "decoder_forward_backward"});
     let (logits, per_token_loss, loss) = if want_grad {
         let run = model.run(&op, &input, &labels, &weights)?;
-        let grads: Map<String, Value> = run
-            .grads
-            .params
-            .named()
-            .into_iter()
-            .map(|(name, t)| (name, nested(t)))
-            .collect();
-        out["grads"] = Value::Object(grads);
+        for (name, t) in run.grads.params.named() {
+            out[format!("grad.{name}")] = nested(t);
+        }
         out["grad_inputs_embeds"] = nested2(run.grads.grad_inputs_embeds.view());
         (run.logits, run.token_losses, run.loss)
     } else {
