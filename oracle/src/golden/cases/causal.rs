@@ -206,3 +206,111 @@ pub(super) fn cases() -> Result<Vec<GoldenCase>, GoldenError> {
         )?,
     ])
 }
+
+/// The decoder's rule: no bound from the terms is derived for a whole
+/// decoder, so a chosen one — 1e-12 relative plus 1e-12 of the tensor's
+/// largest |expected| (about 1e4 f64 roundings, far above the rounding of
+/// a 2-layer f64 recomputation in another order, far below any real bug).
+fn decoder_rule(expected: &[f64]) -> Rule {
+    let scale = expected
+        .iter()
+        .filter(|x| x.is_finite())
+        .fold(0.0f64, |m, x| m.max(x.abs()));
+    Rule {
+        rel: DECODER_REL,
+        atol: super::super::io::round_up_sig(DECODER_REL * scale),
+        text: format!(
+            "f64 decoder: {DECODER_REL:e} of |expected| + {DECODER_REL:e} of the tensor's max |expected| ({})",
+            super::super::fmt_e(scale)
+        ),
+    }
+}
+
+/// See [`decoder_rule`].
+const DECODER_REL: f64 = 1e-12;
+
+/// `decoder_forward_backward` on a 2-layer grouped-query model (4 query
+/// heads over 2 key/value heads) with seeded weights, over 3 segments (one
+/// empty), per-document loss: the loss, logits, per-token losses, the
+/// input-embedding gradient and every parameter's gradient. In the `f64`
+/// set only (no lower-precision decoder exists to derive a rule from).
+pub(super) fn decoder_case() -> Result<GoldenCase, GoldenError> {
+    use packshard_reference::attention::ReferenceAttention;
+    use packshard_reference::decoder::{
+        DecoderAttention, DecoderConfig, DecoderInput, DecoderModel,
+    };
+    let config = DecoderConfig::tiny(11, 4, 2, 2, 6, 2);
+    let model = DecoderModel::random(config.clone(), 15)?;
+    let ids: Vec<i64> = vec![3, 1, 4, 1, 5, 9, 2, 6, 5];
+    let cu = vec![0usize, 4, 4, 9];
+    let n = ids.len();
+    let docs = doc_ids_from_varlen(&(0..n).collect::<Vec<_>>(), &cu, n)?;
+    let labels = next_token_labels(&ids, &docs, None)?;
+    let weights = loss_weights(&labels, &docs, CausalReduction::PerDocument, cu.len() - 1)?;
+    let pos = position_ids_from_cu_seqlens(&cu, 0)?;
+    let attention = DecoderAttention::Varlen {
+        cu_seqlens: cu.clone(),
+    };
+    let input = DecoderInput {
+        input_ids: &ids,
+        position_ids: &pos,
+        attention: &attention,
+        past: None,
+    };
+    let run = model.run(&ReferenceAttention, &input, &labels, &weights)?;
+    let float = |name: &str, shape: &[usize], values: Vec<f64>| Output {
+        rule: decoder_rule(&values),
+        tensor: Tensor::float(name, shape, values, Dtype::F64),
+        in_dtype: None,
+    };
+    let mut outputs = vec![
+        float("loss", &[], vec![run.loss]),
+        float(
+            "logits",
+            &[n, config.vocab_size],
+            run.logits.iter().copied().collect(),
+        ),
+        float("per_token_loss", &[n], run.token_losses.clone()),
+        float(
+            "grad_inputs_embeds",
+            &[n, config.hidden_size],
+            run.grads.grad_inputs_embeds.iter().copied().collect(),
+        ),
+    ];
+    for (name, g) in run.grads.params.named() {
+        outputs.push(float(
+            &format!("grad.{name}"),
+            g.shape(),
+            g.iter().copied().collect(),
+        ));
+    }
+    let mut inputs = vec![
+        Tensor::int("input_ids", &[n], ids.clone()),
+        Tensor::int("cu_seqlens", &[cu.len()], ints(&cu)),
+    ];
+    for (name, t) in model.params.named() {
+        inputs.push(Tensor::float(
+            &name,
+            t.shape(),
+            t.iter().copied().collect(),
+            Dtype::F64,
+        ));
+    }
+    let c = &config;
+    Ok(GoldenCase {
+        name: "decoder_gqa_packed".into(),
+        op: "decoder_forward_backward",
+        description: "a 2-layer grouped-query decoder (RMSNorm, SwiGLU, rotary) on seeded weights over 3 packed documents (one empty), per-document next-token loss: forward and every gradient (C1, P4, P7)".into(),
+        params: params(&[
+            ("vocab_size", json!(c.vocab_size)),
+            ("num_heads", json!(c.num_heads)),
+            ("num_kv_heads", json!(c.num_kv_heads)),
+            ("head_dim", json!(c.head_dim)),
+            ("intermediate_size", json!(c.intermediate_size)),
+            ("num_layers", json!(c.num_layers)),
+            ("reduction", json!("per-document")),
+        ]),
+        inputs,
+        outputs,
+    })
+}

@@ -128,6 +128,9 @@ pub fn all(dtype: Dtype) -> Result<Vec<GoldenCase>, GoldenError> {
     cases.extend(linear_cases(dtype)?);
     cases.extend(embedding_cases(dtype)?);
     cases.extend(causal::cases()?);
+    if dtype == Dtype::F64 {
+        cases.push(causal::decoder_case()?);
+    }
     Ok(cases)
 }
 
