@@ -365,3 +365,24 @@ fn other_shapes_and_edge_inputs_run() {
     let v = packshard::eval::evaluate(&case(&m, fields)).unwrap();
     assert_eq!((v["loss"].as_f64(), &v["logits"]), (Some(0.0), &json!([])));
 }
+
+#[test]
+fn zero_layers_and_huge_weights_never_panic() {
+    // No layers: logits are the head over the normed embedding.
+    let m = DecoderModel::random(DecoderConfig::tiny(5, 2, 2, 2, 3, 0), 1).unwrap();
+    let v = packshard::eval::evaluate(&case(&m, json!({"input_ids": [0, 4, 2]}))).unwrap();
+    assert_eq!(grad_names(&v).len(), 3, "embed, final norm, head");
+    // Weights near the f64 limit: a result (non-finite values spelt as
+    // strings) or a typed error, never a panic.
+    let mut m = model();
+    for (_, mut t) in m.params.named_mut() {
+        t.mapv_inplace(|x| x * 1e300);
+    }
+    match packshard::eval::evaluate(&case(&m, json!({"input_ids": [1, 2, 3]}))) {
+        Ok(v) => assert!(v["loss"].is_string() || v["loss"].is_number()),
+        Err(e) => assert!(
+            ["invalid_argument", "non_finite_input"].contains(&e.kind),
+            "{e:?}"
+        ),
+    }
+}
