@@ -31,7 +31,14 @@ fn run_suite<I>(imp: &I, cases: u32) -> Result<Coverage, Mismatch>
 where
     I: CrossEntropyOp + LinearCrossEntropyOp + EmbeddingOp,
 {
-    let judge = Judge::Rewrite(Tolerance::F64_REWRITE);
+    run_suite_judged(imp, Judge::Rewrite(Tolerance::F64_REWRITE), cases)
+}
+
+/// [`run_suite`] under `judge`.
+fn run_suite_judged<I>(imp: &I, judge: Judge, cases: u32) -> Result<Coverage, Mismatch>
+where
+    I: CrossEntropyOp + LinearCrossEntropyOp + EmbeddingOp,
+{
     let coverage = run_cross_entropy_suite(imp, judge, cases)?;
     run_linear_suite(imp, judge, cases)?;
     run_embedding_suite(imp, judge, cases)?;
@@ -412,6 +419,30 @@ impl VocabHooks for Alg1 {
 }
 
 // ---- the control passes; each fault is caught ----------------------------------
+
+/// The rule every f32 kernel is held to: the planted faults are caught
+/// under it too (a relative check that compared nothing, or the wrong
+/// tensors, would let them through), and the control passes it.
+#[test]
+fn the_relative_rule_catches_the_planted_faults_too() {
+    let judge = Judge::Relative {
+        rule: packshard_equivalence::RelativeRule::F32,
+        inputs: packshard_reference::ops::Precision::F32,
+        packed: Tolerance::F32_REWRITE,
+    };
+    let coverage = run_suite_judged(&Planted(Alg1(Fault::None)), judge, 32).unwrap();
+    assert!(coverage.compared >= 16, "{coverage:?}");
+    for fault in [
+        Fault::LocalSmoothing,
+        Fault::PaddingInSoftmax,
+        Fault::InputGradNotReduced,
+        Fault::NanFromEmptyShard,
+    ] {
+        let err = run_suite_judged(&Planted(Alg1(fault)), judge, 32)
+            .expect_err("the relative rule must catch the planted fault");
+        eprintln!("{fault:?} caught under the relative rule by: {}", err.what);
+    }
+}
 
 #[test]
 fn the_planted_implementation_without_a_fault_passes_the_suite() {
