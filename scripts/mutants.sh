@@ -13,7 +13,10 @@
 # sharding, so every slice spreads over the crate's files): N_REF=256, N_EQ=180, N_OPT=140 give about 20 mutants a crate (5,368, 3,596
 # and 2,777 mutants in all on 2026-12-02), about an hour on 2 cores with a warm target.
 #
-# Each crate's mutants run against the tests that should catch them:
+# cargo-mutants 27.0.0 ran only the mutated package's tests: its logs show
+# `cargo test --package=<mutated>` whatever --test-package says (2026-12-02 run), so
+# that run measured each crate against its own tests. Each crate's mutants are meant
+# to run against the tests that should catch them:
 #   reference/      -> packshard-reference and packshard-equivalence tests
 #   equivalence/src -> packshard-equivalence tests (the negative controls: a flipped
 #                      comparison in a checker must make a planted fault pass, and fail them)
@@ -64,8 +67,14 @@ sample)
         --test-package packshard-reference --test-package packshard-equivalence
     run equivalence -p packshard-equivalence --shard "$((K - 1))/$N_EQ" --sharding round-robin \
         --test-package packshard-equivalence
+    # The cuda module is compiled only with the `cuda` feature: PLAN=cuda samples it.
     run optimized -p packshard-optimized --shard "$((K - 1))/$N_OPT" --sharding round-robin \
+        -e 'optimized/src/cuda/**' \
         --test-package packshard-optimized --test-package packshard-oracle
+    ;;
+cuda)
+    PACKSHARD_REQUIRE_EMULATOR=1 run optimized-cuda -p packshard-optimized --features cuda \
+        -f 'optimized/src/cuda/**' --shard "$((K - 1))/20" --sharding round-robin
     ;;
 full)
     run reference -p packshard-reference --test-package packshard-reference --test-package packshard-equivalence
@@ -73,7 +82,7 @@ full)
     run optimized -p packshard-optimized --test-package packshard-optimized --test-package packshard-oracle
     ;;
 *)
-    echo "PLAN must be guards, sample or full" >&2
+    echo "PLAN must be guards, sample, cuda or full" >&2
     exit 2
     ;;
 esac
