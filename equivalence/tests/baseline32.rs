@@ -1,0 +1,127 @@
+//! The f32 baseline (`baseline32`) that scales the relative rule is the
+//! reference's math in f32: held here to the f64 reference within f32 error,
+//! so that a broken baseline (which would loosen or tighten every f32
+//! kernel's tolerance) fails in the crate that owns it.
+
+use ndarray::{Array2, Array3};
+use packshard_equivalence::attention::attention_cases;
+use packshard_equivalence::baseline32::{self, round_f32};
+use packshard_reference::bert::attention::{varlen_attention, varlen_attention_backward};
+use packshard_reference::vocab::{cross_entropy, LossConfig};
+use proptest::strategy::{Strategy, ValueTree};
+use proptest::test_runner::TestRunner;
+use rand::{Rng, SeedableRng};
+
+/// `max |a - b|` over `max |b|` (1 where `b` is all 0).
+fn rel_err<'a>(a: impl IntoIterator<Item = f32>, b: impl IntoIterator<Item = &'a f64>) -> f64 {
+    let (mut err, mut scale) = (0.0f64, 0.0f64);
+    for (x, &y) in a.into_iter().zip(b) {
+        err = err.max((f64::from(x) - y).abs());
+        scale = scale.max(y.abs());
+    }
+    err / scale.max(1.0)
+}
+
+#[test]
+fn attention_baseline_is_the_reference_in_f32() {
+    let mut runner = TestRunner::deterministic();
+    let mut compared = 0;
+    for _ in 0..200 {
+        let c = attention_cases()
+            .new_tree(&mut runner)
+            .unwrap()
+            .current()
+            .rounded(round_f32);
+        let cu = c.cu_seqlens();
+        let want =
+            varlen_attention(c.q.view(), c.k.view(), c.v.view(), &cu, false, c.scale).unwrap();
+        let wg = varlen_attention_backward(
+            c.q.view(),
+            c.k.view(),
+            c.v.view(),
+            &cu,
+            false,
+            c.scale,
+            &want,
+            c.grad_output.view(),
+        )
+        .unwrap();
+        let f = |x: &Array3<f64>| x.mapv(|v| v as f32);
+        let (q, k, v, go) = (f(&c.q), f(&c.k), f(&c.v), f(&c.grad_output));
+        let scale = c.scale as f32;
+        let (out, lse) =
+            baseline32::varlen_attention(q.view(), k.view(), v.view(), &cu, false, scale);
+        let [gq, gk, gv] = baseline32::varlen_attention_backward(
+            q.view(),
+            k.view(),
+            v.view(),
+            &cu,
+            false,
+            scale,
+            out.view(),
+            lse.view(),
+            go.view(),
+        );
+        for (name, got, exp) in [
+            ("output", &out, &want.output),
+            ("grad_q", &gq, &wg.grad_q),
+            ("grad_k", &gk, &wg.grad_k),
+            ("grad_v", &gv, &wg.grad_v),
+        ] {
+            let e = rel_err(got.iter().copied(), exp.iter());
+            assert!(e < 1e-4, "{name}: relative error {e:e}");
+        }
+        compared += 1;
+    }
+    assert_eq!(compared, 200);
+}
+
+#[test]
+fn cross_entropy_baseline_is_the_reference_in_f32() {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
+    for trial in 0..50 {
+        let (n, v) = (1 + trial % 7, 2 + trial % 13);
+        let logits = Array2::from_shape_fn((n, v), |_| round_f32(rng.random_range(-8.0..8.0)));
+        let targets: Vec<i64> = (0..n)
+            .map(|i| {
+                if i == 0 && trial % 3 == 0 {
+                    -100
+                } else {
+                    rng.random_range(0..v as i64)
+                }
+            })
+            .collect();
+        let config = LossConfig {
+            label_smoothing: if trial % 2 == 0 { 0.0 } else { 0.1 },
+            z_loss: if trial % 4 == 1 { 1e-3 } else { 0.0 },
+            ..LossConfig::default()
+        };
+        let want = cross_entropy(logits.view(), &targets, &config, true).unwrap();
+        let got =
+            baseline32::cross_entropy(logits.mapv(|x| x as f32).view(), &targets, &config, true);
+        let lse = want.logsumexp();
+        for (name, e) in [
+            ("loss", rel_err([got.loss], [&want.loss])),
+            (
+                "per_token_loss",
+                rel_err(
+                    got.per_token_loss.iter().copied(),
+                    want.per_token_loss.iter(),
+                ),
+            ),
+            (
+                "logsumexp",
+                rel_err(got.logsumexp.iter().copied(), lse.iter()),
+            ),
+            (
+                "grad_logits",
+                rel_err(
+                    got.grad_logits.as_ref().unwrap().iter().copied(),
+                    want.grad_logits.as_ref().unwrap().iter(),
+                ),
+            ),
+        ] {
+            assert!(e < 1e-5, "trial {trial}: {name}: relative error {e:e}");
+        }
+    }
+}
