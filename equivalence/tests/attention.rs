@@ -125,3 +125,24 @@ fn p8_negative_control_nan_on_fully_masked_rows() {
     assert!(run_attention_suite(&broken, 16).is_err());
     check_attention(&ReferenceAttention, &fault_case("P8")).unwrap();
 }
+
+/// The tile cases every blocked kernel is run on cross what their doc says
+/// they cross: a segment over 128 tokens, one of exactly 64 and one of 65,
+/// an empty one, and a head dimension of 64 (a kernel whose tiles are 64 or
+/// 128 wide meets a full tile, a tile plus one and a partial last tile).
+#[test]
+fn tile_cases_cross_the_tile_boundaries() {
+    let cases = packshard_equivalence::attention::tile_cases();
+    let lengths: Vec<usize> = cases.iter().flat_map(|c| c.1.clone()).collect();
+    assert!(lengths.iter().any(|&l| l > 128), "{lengths:?}");
+    assert!(
+        lengths.contains(&64) && lengths.contains(&65),
+        "{lengths:?}"
+    );
+    assert!(lengths.contains(&0), "{lengths:?}");
+    assert!(cases.iter().any(|c| c.3 == 64), "no head dim 64");
+    for (name, lengths, h, d) in &cases {
+        assert!(!name.is_empty() && *h >= 1 && *d >= 1, "{name}");
+        assert!(lengths.iter().sum::<usize>() > 0, "{name}");
+    }
+}
