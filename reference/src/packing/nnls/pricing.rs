@@ -106,7 +106,7 @@ impl PaddedColumns {
 /// The pricing step of Lawson–Hanson: the column with the largest gradient
 /// `a_j^T r` above `tol` among the columns not blocked (passive or
 /// rejected), ties to the lowest index.
-pub(super) enum Pricing {
+pub(super) enum Pricing<'a> {
     /// Columns given as weighted multisets of rows (NNLSHP's packing matrix,
     /// [`SparseColumns::weighted`]): the gradient of column `j` is
     /// `sum_k u[rows_jk]` with `u = w * r` formed once per pass, so the pass
@@ -117,7 +117,8 @@ pub(super) enum Pricing {
         width: usize,
         idx: Vec<u32>,
         first: Vec<u32>,
-        weight: Vec<f64>,
+        /// The matrix's row weights.
+        weight: &'a [f64],
         u: Vec<f64>,
         mask: usize,
         neg: u32,
@@ -130,8 +131,8 @@ pub(super) enum Pricing {
     },
 }
 
-impl Pricing {
-    pub(super) fn new(a: &SparseColumns) -> Self {
+impl<'a> Pricing<'a> {
+    pub(super) fn new(a: &'a SparseColumns) -> Self {
         let Some(m) = &a.multisets else {
             return Pricing::Padded {
                 cols: PaddedColumns::new(a),
@@ -162,7 +163,7 @@ impl Pricing {
             width,
             idx,
             first,
-            weight: m.weight.clone(),
+            weight: &m.weight,
             u,
             mask: len - 1,
             neg,
