@@ -125,3 +125,65 @@ fn cross_entropy_baseline_is_the_reference_in_f32() {
         }
     }
 }
+
+/// The layer baseline (LayerNorm, GELU and the attention in f32) against the
+/// f64 reference layer on f32-representable inputs: output, `grad_x` and
+/// the LayerNorm parameters' gradients within f32 error.
+#[test]
+fn layer_baseline_is_the_reference_in_f32() {
+    use packshard_equivalence::bert::round_layer;
+    use packshard_reference::attention::ReferenceAttention;
+    use packshard_reference::bert::layer::ReferenceLayer;
+    use packshard_reference::bert::{AttentionLayout, BertConfig, BertModel};
+    use packshard_reference::ops::EncoderLayerOp;
+
+    for (seed, lengths) in [(1u64, vec![3usize, 5]), (2, vec![7, 1, 4])] {
+        let config = BertConfig::tiny(9, 8, 2, 1, 12, 16);
+        let params = BertModel::random(config.clone(), seed)
+            .unwrap()
+            .params
+            .layers
+            .remove(0);
+        let params = round_layer(&params, round_f32);
+        let n: usize = lengths.iter().sum();
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let mut draw = |_| round_f32(2.0 * rng.random::<f64>() - 1.0);
+        let x = Array2::from_shape_fn((n, 8), &mut draw);
+        let go = Array2::from_shape_fn((n, 8), &mut draw);
+        let mut cu = vec![0usize];
+        for l in &lengths {
+            cu.push(cu.last().unwrap() + l);
+        }
+        let layout = AttentionLayout::Varlen {
+            cu_seqlens: cu.clone(),
+        };
+        let eps = config.layer_norm_eps;
+        let want = ReferenceLayer(ReferenceAttention)
+            .forward_backward(&params, 2, eps, x.view(), &layout, go.view())
+            .unwrap();
+        let (x32, go32) = (x.mapv(|v| v as f32), go.mapv(|v| v as f32));
+        let (out, dx, g) =
+            baseline32::layer_forward_backward(&params, 2, eps, x32.view(), &cu, go32.view());
+        for (name, got, exp) in [
+            ("output", &out, &want.output),
+            ("grad_x", &dx, &want.grad_x),
+        ] {
+            let e = rel_err(got.iter().copied(), exp.iter());
+            assert!(e < 1e-4, "{name}: relative error {e:e}");
+        }
+        let flat = |a: &ndarray::Array1<f64>| a.to_vec();
+        for (name, got, exp) in [
+            ("attn_ln_g", flat(&g.attn_ln_g), flat(&want.grads.attn_ln_g)),
+            ("attn_ln_b", flat(&g.attn_ln_b), flat(&want.grads.attn_ln_b)),
+            ("out_ln_g", flat(&g.out_ln_g), flat(&want.grads.out_ln_g)),
+            (
+                "query_w",
+                g.query_w.iter().copied().collect(),
+                want.grads.query_w.iter().copied().collect(),
+            ),
+        ] {
+            let e = rel_err(got.iter().map(|&v| v as f32), exp.iter());
+            assert!(e < 1e-4, "{name}: relative error {e:e}");
+        }
+    }
+}

@@ -563,3 +563,39 @@ fn arbitrary_cases_are_deterministic_and_bounded() {
     let empty = AttentionFuzzCase::from_bytes(&[]).unwrap();
     assert_eq!(empty.case.lengths, vec![0]);
 }
+
+/// A leak too small for the comparison (2e-15 of the first sequence's first
+/// query value, added to the batch's last token) is still caught by the
+/// bit-for-bit leak check, and its report names the token's own sequence.
+struct SubToleranceLeak;
+
+impl AttentionHooks for SubToleranceLeak {
+    fn varlen_forward(&self, x: Qkv<'_>, p: &Varlen<'_>) -> Result<AttentionOutput, Error> {
+        let mut out = x.varlen_forward(&RefAttention, p)?;
+        let last = out.output.dim().0 - 1;
+        out.output[[last, 0, 0]] += 2e-15 * x.q[[0, 0, 0]];
+        Ok(out)
+    }
+}
+
+#[test]
+fn a_leak_below_the_tolerance_is_reported_with_its_sequence() {
+    use packshard_equivalence::attention::AttentionCase;
+    // Sequences of 2, 3 and 4 tokens: token 8 is in sequence 2.
+    let case = AttentionCase::seeded(&[2, 3, 4], 2, 3, 1, 7);
+    let fuzz = AttentionFuzzCase {
+        cu_seqlens: case.cu_seqlens(),
+        case,
+        values: "seeded".into(),
+    };
+    // The reference itself passes the same check.
+    fa::check(&RefAttention, Tolerance::F64_REWRITE, &fuzz).unwrap();
+    let err = fa::check(&Planted(SubToleranceLeak), Tolerance::F64_REWRITE, &fuzz).unwrap_err();
+    assert_eq!(err.what, "cross-sequence leak", "{err}");
+    assert!(
+        err.detail.contains(
+            "changing sequence 0 (tokens 0..2) changed the output of token 8 (sequence 2)"
+        ),
+        "{err}"
+    );
+}

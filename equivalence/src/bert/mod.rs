@@ -639,3 +639,43 @@ pub use layer::{
     check_layer, check_layer_relative, check_layer_with, layer_tile_cases, round_layer,
     run_layer_relative_suite, run_layer_suite, run_layer_suite_with, LayerReport,
 };
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The named tensor lists the checks iterate hold every parameter of a
+    /// layer, once, under its Hugging Face name, with its own values.
+    #[test]
+    fn layer_tensors_list_every_parameter_once() {
+        let (hidden, inter) = (6, 10);
+        let config = BertConfig::tiny(9, hidden, 2, 1, inter, 8);
+        let mut p = BertModel::random(config, 3)
+            .unwrap()
+            .params
+            .layers
+            .remove(0);
+        let listed = layer_tensors(&p);
+        let values: usize = listed.iter().map(|(_, v, _)| v.len()).sum();
+        // q, k, v, attention output: [h, h] + [h]; two LayerNorms: 2 x 2 [h];
+        // intermediate [i, h] + [i]; output [h, i] + [h].
+        let want =
+            4 * (hidden * hidden + hidden) + 4 * hidden + 2 * hidden * inter + inter + hidden;
+        assert_eq!(values, want);
+        let mut names: Vec<&str> = listed.iter().map(|(n, _, _)| *n).collect();
+        assert_eq!(listed[0].1, p.query_w.iter().copied().collect::<Vec<_>>());
+        assert_eq!(listed[15].1, p.out_ln_b.to_vec());
+        assert_eq!(listed[10].2, vec![inter, hidden]);
+        let mutable: Vec<(&str, Vec<f64>)> = layer_tensors_mut(&mut p)
+            .into_iter()
+            .map(|(n, t)| (n, t.iter().copied().collect()))
+            .collect();
+        for ((n, v, _), (m, w)) in listed.iter().zip(&mutable) {
+            assert_eq!((n, v), (m, w));
+        }
+        assert_eq!(mutable.len(), listed.len());
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), 16);
+    }
+}
