@@ -13,14 +13,12 @@
 # sharding, so every slice spreads over the crate's files): N_REF=256, N_EQ=180, N_OPT=140 give about 20 mutants a crate (5,368, 3,596
 # and 2,777 mutants in all on 2026-12-02), about an hour on 2 cores with a warm target.
 #
-# cargo-mutants 27.0.0 ran only the mutated package's tests: its logs show
-# `cargo test --package=<mutated>` whatever --test-package says (2026-12-02 run), so
-# that run measured each crate against its own tests. Each crate's mutants are meant
-# to run against the tests that should catch them:
-#   reference/      -> packshard-reference and packshard-equivalence tests
-#   equivalence/src -> packshard-equivalence tests (the negative controls: a flipped
-#                      comparison in a checker must make a planted fault pass, and fail them)
-#   optimized/      -> packshard-optimized and packshard-oracle tests (the registry suites)
+# Each crate's mutants run against that crate's own tests: the code that turns bad input
+# into an error, or a checker that must reject a planted fault, is tested where it lives, so
+# a user of that crate alone is protected (issue #19). WIDE=1 adds the tests of the crates
+# downstream that also exercise it (slower: every mutant then runs those suites too):
+#   reference/      -> + packshard-equivalence
+#   optimized/      -> + packshard-oracle (the registry suites)
 # Results: mutants.out/<crate>/ (outcomes.json, missed.txt, caught.txt ...); a table per
 # crate is printed at the end and written to mutants.out/table.md. docs/MUTANTS.md holds the
 # last reviewed table and the equivalent mutants marked with #[mutants::skip] or the
@@ -36,6 +34,16 @@ JOBS=${JOBS:-1}
 EXTRA=(--jobs "$JOBS")
 [ -n "${IN_PLACE:-}" ] && EXTRA=(--in-place)
 OUT=mutants.out
+# wide <own package> <downstream packages...>: the --test-package flags of a run.
+wide() {
+    local own=$1
+    shift
+    local args=(--test-package "$own")
+    if [ -n "${WIDE:-}" ]; then
+        for p in "$@"; do args+=(--test-package "$p"); done
+    fi
+    echo "${args[@]}"
+}
 mkdir -p "$OUT"
 
 if ! cargo mutants --version >/dev/null 2>&1; then
@@ -64,22 +72,22 @@ guards)
     ;;
 sample)
     run reference -p packshard-reference --shard "$((K - 1))/$N_REF" --sharding round-robin \
-        --test-package packshard-reference --test-package packshard-equivalence
+        $(wide packshard-reference packshard-equivalence)
     run equivalence -p packshard-equivalence --shard "$((K - 1))/$N_EQ" --sharding round-robin \
-        --test-package packshard-equivalence
+        $(wide packshard-equivalence)
     # The cuda module is compiled only with the `cuda` feature: PLAN=cuda samples it.
     run optimized -p packshard-optimized --shard "$((K - 1))/$N_OPT" --sharding round-robin \
         -e 'optimized/src/cuda/**' \
-        --test-package packshard-optimized --test-package packshard-oracle
+        $(wide packshard-optimized packshard-oracle)
     ;;
 cuda)
     PACKSHARD_REQUIRE_EMULATOR=1 run optimized-cuda -p packshard-optimized --features cuda \
         -f 'optimized/src/cuda/**' --shard "$((K - 1))/20" --sharding round-robin
     ;;
 full)
-    run reference -p packshard-reference --test-package packshard-reference --test-package packshard-equivalence
-    run equivalence -p packshard-equivalence --test-package packshard-equivalence
-    run optimized -p packshard-optimized --test-package packshard-optimized --test-package packshard-oracle
+    run reference -p packshard-reference $(wide packshard-reference packshard-equivalence)
+    run equivalence -p packshard-equivalence $(wide packshard-equivalence)
+    run optimized -p packshard-optimized $(wide packshard-optimized packshard-oracle)
     ;;
 *)
     echo "PLAN must be guards, sample, cuda or full" >&2
