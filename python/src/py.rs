@@ -205,33 +205,52 @@ fn time_attention<'py>(
         .map_err(|e| raise(py, e.into()))
 }
 
-#[allow(clippy::too_many_arguments)]
+/// The options of a loss call (`cross_entropy`, `linear_cross_entropy`,
+/// `loss_judged`), one dict from the Python side; a key missing or `None`
+/// takes the contract's default (docs/INTERFACE.md).
+#[derive(FromPyObject, Default)]
+#[pyo3(from_item_all)]
+struct LossOptions {
+    #[pyo3(default)]
+    ignore_index: Option<i64>,
+    #[pyo3(default)]
+    label_smoothing: Option<f64>,
+    #[pyo3(default)]
+    smoothing: Option<String>,
+    #[pyo3(default)]
+    z_loss: Option<f64>,
+    #[pyo3(default)]
+    reduction: Option<String>,
+    #[pyo3(default)]
+    vocab_size: Option<usize>,
+    #[pyo3(default)]
+    num_shards: Option<usize>,
+    #[pyo3(default)]
+    algorithm: Option<String>,
+    #[pyo3(default)]
+    layout: Option<String>,
+}
+
 fn loss_args(
     py: Python<'_>,
     targets: &PyReadonlyArray1<'_, i64>,
-    ignore_index: Option<i64>,
-    label_smoothing: Option<f64>,
-    smoothing: Option<String>,
-    z_loss: Option<f64>,
-    reduction: Option<String>,
-    vocab_size: Option<usize>,
-    num_shards: Option<usize>,
-    algorithm: Option<String>,
-    layout: Option<String>,
+    o: LossOptions,
     want_grad: bool,
 ) -> PyResult<LossArgs> {
     let d = LossConfig::default();
     let parse = || -> Result<LossConfig, EvalError> {
         Ok(LossConfig {
-            ignore_index: ignore_index.unwrap_or(d.ignore_index),
-            label_smoothing: label_smoothing.unwrap_or(0.0),
-            smoothing: smoothing
+            ignore_index: o.ignore_index.unwrap_or(d.ignore_index),
+            label_smoothing: o.label_smoothing.unwrap_or(0.0),
+            smoothing: o
+                .smoothing
                 .as_deref()
                 .map(str::parse::<SmoothingConvention>)
                 .transpose()?
                 .unwrap_or_default(),
-            z_loss: z_loss.unwrap_or(0.0),
-            reduction: reduction
+            z_loss: o.z_loss.unwrap_or(0.0),
+            reduction: o
+                .reduction
                 .as_deref()
                 .map(str::parse::<Reduction>)
                 .transpose()?
@@ -241,89 +260,46 @@ fn loss_args(
     Ok(LossArgs {
         targets: targets.as_array().to_vec(),
         config: parse().map_err(|e| raise(py, e))?,
-        vocab_size,
-        num_shards,
-        algorithm,
-        layout,
+        vocab_size: o.vocab_size,
+        num_shards: o.num_shards,
+        algorithm: o.algorithm,
+        layout: o.layout,
         want_grad,
     })
 }
 
-/// `cross_entropy(logits, targets, ignore_index, label_smoothing, smoothing,
-/// z_loss, reduction, vocab_size, num_shards, algorithm, layout, want_grad, impl)`.
+/// `cross_entropy(logits, targets, options, want_grad, impl)`: `options` a
+/// dict of [`LossOptions`].
 #[pyfunction]
-#[pyo3(signature = (logits, targets, ignore_index, label_smoothing, smoothing, z_loss, reduction, vocab_size, num_shards, algorithm, layout, want_grad, imp))]
-#[allow(clippy::too_many_arguments)]
+#[pyo3(signature = (logits, targets, options, want_grad, imp))]
 fn cross_entropy<'py>(
     py: Python<'py>,
     logits: PyReadonlyArray2<'py, f64>,
     targets: PyReadonlyArray1<'py, i64>,
-    ignore_index: Option<i64>,
-    label_smoothing: Option<f64>,
-    smoothing: Option<String>,
-    z_loss: Option<f64>,
-    reduction: Option<String>,
-    vocab_size: Option<usize>,
-    num_shards: Option<usize>,
-    algorithm: Option<String>,
-    layout: Option<String>,
+    options: LossOptions,
     want_grad: bool,
     imp: String,
 ) -> PyResult<Py<PyAny>> {
-    let a = loss_args(
-        py,
-        &targets,
-        ignore_index,
-        label_smoothing,
-        smoothing,
-        z_loss,
-        reduction,
-        vocab_size,
-        num_shards,
-        algorithm,
-        layout,
-        want_grad,
-    )?;
+    let a = loss_args(py, &targets, options, want_grad)?;
     let z = logits.as_array();
     let r = py.detach(|| core::cross_entropy(&imp, z, &a));
     fields_to_py(py, r.map_err(|e| raise(py, e))?)
 }
 
-/// `linear_cross_entropy(hidden, weight, targets, ...)`: as `cross_entropy`.
+/// `linear_cross_entropy(hidden, weight, targets, options, want_grad, impl)`:
+/// as `cross_entropy`.
 #[pyfunction]
-#[pyo3(signature = (hidden, weight, targets, ignore_index, label_smoothing, smoothing, z_loss, reduction, vocab_size, num_shards, algorithm, layout, want_grad, imp))]
-#[allow(clippy::too_many_arguments)]
+#[pyo3(signature = (hidden, weight, targets, options, want_grad, imp))]
 fn linear_cross_entropy<'py>(
     py: Python<'py>,
     hidden: PyReadonlyArray2<'py, f64>,
     weight: PyReadonlyArray2<'py, f64>,
     targets: PyReadonlyArray1<'py, i64>,
-    ignore_index: Option<i64>,
-    label_smoothing: Option<f64>,
-    smoothing: Option<String>,
-    z_loss: Option<f64>,
-    reduction: Option<String>,
-    vocab_size: Option<usize>,
-    num_shards: Option<usize>,
-    algorithm: Option<String>,
-    layout: Option<String>,
+    options: LossOptions,
     want_grad: bool,
     imp: String,
 ) -> PyResult<Py<PyAny>> {
-    let a = loss_args(
-        py,
-        &targets,
-        ignore_index,
-        label_smoothing,
-        smoothing,
-        z_loss,
-        reduction,
-        vocab_size,
-        num_shards,
-        algorithm,
-        layout,
-        want_grad,
-    )?;
+    let a = loss_args(py, &targets, options, want_grad)?;
     let (h, w) = (hidden.as_array(), weight.as_array());
     let r = py.detach(|| core::linear_cross_entropy(&imp, h, w, &a));
     fields_to_py(py, r.map_err(|e| raise(py, e))?)
@@ -332,7 +308,7 @@ fn linear_cross_entropy<'py>(
 /// The f64 reference and f32 baseline of a loss case (`logits`, or `hidden`
 /// and `weight`).
 #[pyfunction]
-#[pyo3(signature = (logits, hidden, weight, targets, ignore_index, label_smoothing, smoothing, z_loss, reduction, vocab_size, want_grad, precision))]
+#[pyo3(signature = (logits, hidden, weight, targets, options, want_grad, precision))]
 #[allow(clippy::too_many_arguments)]
 fn loss_judged<'py>(
     py: Python<'py>,
@@ -340,30 +316,12 @@ fn loss_judged<'py>(
     hidden: Option<PyReadonlyArray2<'py, f64>>,
     weight: Option<PyReadonlyArray2<'py, f64>>,
     targets: PyReadonlyArray1<'py, i64>,
-    ignore_index: Option<i64>,
-    label_smoothing: Option<f64>,
-    smoothing: Option<String>,
-    z_loss: Option<f64>,
-    reduction: Option<String>,
-    vocab_size: Option<usize>,
+    options: LossOptions,
     want_grad: bool,
     precision: String,
 ) -> PyResult<(Py<PyAny>, Py<PyAny>)> {
     let p = self::precision(py, &precision)?;
-    let a = loss_args(
-        py,
-        &targets,
-        ignore_index,
-        label_smoothing,
-        smoothing,
-        z_loss,
-        reduction,
-        vocab_size,
-        None,
-        None,
-        None,
-        want_grad,
-    )?;
+    let a = loss_args(py, &targets, options, want_grad)?;
     let z: Option<ArrayView2<f64>> = logits.as_ref().map(|x| x.as_array());
     let hw = match (&hidden, &weight) {
         (Some(h), Some(w)) => Some((h.as_array(), w.as_array())),

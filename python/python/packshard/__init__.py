@@ -105,17 +105,17 @@ def attention(q, k, v, cu_seqlens, *, causal=False, scale=None, grad_output=None
 
 def _loss_options(ignore_index, label_smoothing, smoothing, z_loss, reduction, vocab_size,
                   num_shards, algorithm, layout):
-    return (
-        None if ignore_index is None else int(ignore_index),
-        None if label_smoothing is None else float(label_smoothing),
-        smoothing,
-        None if z_loss is None else float(z_loss),
-        reduction,
-        None if vocab_size is None else int(vocab_size),
-        None if num_shards is None else int(num_shards),
-        algorithm,
-        layout,
-    )
+    return {
+        "ignore_index": None if ignore_index is None else int(ignore_index),
+        "label_smoothing": None if label_smoothing is None else float(label_smoothing),
+        "smoothing": smoothing,
+        "z_loss": None if z_loss is None else float(z_loss),
+        "reduction": reduction,
+        "vocab_size": None if vocab_size is None else int(vocab_size),
+        "num_shards": None if num_shards is None else int(num_shards),
+        "algorithm": algorithm,
+        "layout": layout,
+    }
 
 
 def cross_entropy(logits, targets, *, ignore_index=-100, label_smoothing=0.0, smoothing=None,
@@ -135,8 +135,8 @@ def cross_entropy(logits, targets, *, ignore_index=-100, label_smoothing=0.0, sm
     logits = _rank(_f64(logits, "logits"), 2, "logits", "[n, v]")
     return _native.cross_entropy(
         logits, _ints(targets, "targets"),
-        *_loss_options(ignore_index, label_smoothing, smoothing, z_loss, reduction, vocab_size,
-                       num_shards, algorithm, layout),
+        _loss_options(ignore_index, label_smoothing, smoothing, z_loss, reduction, vocab_size,
+                      num_shards, algorithm, layout),
         bool(want_grad), impl)
 
 
@@ -155,8 +155,8 @@ def linear_cross_entropy(hidden, weight, targets, *, ignore_index=-100, label_sm
     weight = _rank(_f64(weight, "weight"), 2, "weight", "[v, h]")
     return _native.linear_cross_entropy(
         hidden, weight, _ints(targets, "targets"),
-        *_loss_options(ignore_index, label_smoothing, smoothing, z_loss, reduction, vocab_size,
-                       num_shards, algorithm, layout),
+        _loss_options(ignore_index, label_smoothing, smoothing, z_loss, reduction, vocab_size,
+                      num_shards, algorithm, layout),
         bool(want_grad), impl)
 
 

@@ -72,8 +72,9 @@ def judged(op, args, precision="f32"):
         return _native.loss_judged(
             None if lin else _f(a["logits"]), _f(a["hidden"]) if lin else None,
             _f(a["weight"]) if lin else None, np.asarray(a["targets"], dtype=np.int64),
-            a.get("ignore_index"), a.get("label_smoothing"), a.get("smoothing"), a.get("z_loss"),
-            a.get("reduction"), a.get("vocab_size"), bool(a.get("want_grad", False)), precision)
+            {k: a.get(k) for k in ("ignore_index", "label_smoothing", "smoothing", "z_loss",
+                                   "reduction", "vocab_size")},
+            bool(a.get("want_grad", False)), precision)
     if op == "embedding":
         from . import embedding
         want = a.get("want_grad", a.get("grad_output") is not None)

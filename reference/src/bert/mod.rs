@@ -25,6 +25,7 @@
 //! central finite differences in this module's tests.
 
 pub use crate::attention;
+pub mod batch;
 pub mod config;
 pub mod layer;
 pub mod loss;
