@@ -159,3 +159,42 @@ fn pack_histogram_refuses_a_bad_config_before_any_work() {
         assert_eq!(ok.metrics.num_sequences, 10, "{algorithm}");
     }
 }
+
+/// Each overlong policy on a histogram reports what it did: `truncate` drops
+/// `count * (length - max_seq_len)` tokens, `drop` the whole sequences,
+/// `split` none (docs/INTERFACE.md `overlong`).
+#[test]
+fn overlong_histogram_policies_count_what_they_drop() {
+    // 3 sequences of 10 tokens and 2 of 4, max_seq_len 4.
+    let mut counts = vec![0u64; 11];
+    counts[10] = 3;
+    counts[4] = 2;
+    let h = Histogram::from_counts(counts);
+    let cfg = |o| PackingConfig::new(Algorithm::Spfhp, 4).with_overlong(o);
+    let t = pack_histogram(&h, &cfg(Overlong::Truncate)).unwrap().metrics;
+    assert_eq!(t.dropped_tokens, 3 * (10 - 4));
+    assert_eq!((t.truncated_sequences, t.dropped_sequences), (3, 0));
+    let d = pack_histogram(&h, &cfg(Overlong::Drop)).unwrap().metrics;
+    assert_eq!(d.dropped_tokens, 3 * 10);
+    assert_eq!((d.truncated_sequences, d.dropped_sequences), (0, 3));
+    let s = pack_histogram(&h, &cfg(Overlong::Split)).unwrap().metrics;
+    assert_eq!((s.dropped_tokens, s.split_sequences), (0, 3));
+    let e = pack_histogram(&h, &cfg(Overlong::Error)).unwrap_err();
+    assert_eq!(e.kind(), "sequence_too_long");
+}
+
+/// Rotary embeddings need an even, non-zero head dim: 0 and every odd size
+/// are refused naming `head_dim`, even sizes give `d / 2` frequencies.
+#[test]
+fn rope_frequencies_refuse_odd_and_zero_head_dims() {
+    use packshard_reference::decoder::ops::rope_inv_freq;
+    for bad in [0usize, 1, 3, 7] {
+        let e = rope_inv_freq(bad, 10_000.0).unwrap_err();
+        assert_eq!(field_of(&e), "head_dim", "{bad}");
+    }
+    for good in [2usize, 4, 64] {
+        let f = rope_inv_freq(good, 10_000.0).unwrap();
+        assert_eq!(f.len(), good / 2);
+        assert_eq!(f[0], 1.0);
+    }
+}
