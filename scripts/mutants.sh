@@ -5,6 +5,7 @@
 #   scripts/mutants.sh                    # the default plan: a sample of each crate
 #   PLAN=guards scripts/mutants.sh        # only the guard-rail functions (42 mutants)
 #   K=3 scripts/mutants.sh                # another slice of the sample (rotate K = 1, 2, ...)
+#   ONLY=reference scripts/mutants.sh     # one crate's run of the plan (reference, equivalence, optimized)
 #   PLAN=full scripts/mutants.sh          # every mutant of every crate (many hours)
 #   IN_PLACE=1 scripts/mutants.sh         # mutate this checkout and build in its (warm) target
 #                                         # dir instead of a fresh copy: use a spare worktree
@@ -56,6 +57,10 @@ GUARDS='check_finite|check_strategies|PackingConfig::validate|canonicalize|from_
 run() { # name, then cargo-mutants arguments
     local name=$1
     shift
+    # ONLY=<name>[,<name>...] runs only those crates' runs (e.g. ONLY=reference after a fix).
+    if [ -n "${ONLY:-}" ] && [[ ",$ONLY," != *",$name,"* ]]; then
+        return 0
+    fi
     echo "==> $name: cargo mutants $*"
     local t0
     t0=$(date +%s)
