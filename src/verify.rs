@@ -9,12 +9,16 @@
 //! (varlen attention over `cu_seqlens`) and padded (one line per row of
 //! `max_seq_len`, key padding mask), forward and backward, and every output,
 //! loss and gradient is compared under [`Tolerance::F64_REWRITE`].
+//!
+//! `packshard verify causal-lm` is [`causal`] (re-exported from
+//! `packshard-oracle`); both print rows of [`Diff`].
 
 use std::time::Instant;
 
 use packshard_equivalence::attention::Observed;
 use packshard_equivalence::bert::compare_outputs;
-use packshard_equivalence::compare::{error_stats, Mismatch, Tolerance};
+use packshard_equivalence::compare::{Mismatch, Tolerance};
+pub use packshard_oracle::verify::{causal, Diff};
 use packshard_reference::bert::{
     BertModel, BertOutput, LossWeights, PackedAttention, Reduction, Targets, TokenBatch,
     IGNORE_INDEX,
@@ -78,34 +82,6 @@ pub fn mask_sample(tokenized: &[Vec<i64>], mask_id: i64, opts: &VerifyOptions) -
         targets: Targets {
             mlm_labels,
             nsp_labels,
-        },
-    }
-}
-
-/// The difference of one kind of output, packed against padded.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Diff {
-    /// What was compared.
-    pub name: String,
-    /// Values compared.
-    pub values: usize,
-    /// `max |packed - padded|`.
-    pub max_abs: f64,
-    /// `max |packed - padded| / max |padded|`.
-    pub max_rel: f64,
-}
-
-fn diff(name: &str, expected: &[f64], actual: &[f64]) -> Diff {
-    let s = error_stats(expected, actual);
-    let scale = expected.iter().fold(0.0f64, |m, v| m.max(v.abs()));
-    Diff {
-        name: name.to_string(),
-        values: expected.len(),
-        max_abs: s.max_abs,
-        max_rel: if scale > 0.0 {
-            s.max_abs / scale
-        } else {
-            s.max_abs
         },
     }
 }
@@ -234,32 +210,40 @@ fn diffs(padded: &BertOutput, packed: &BertOutput) -> Vec<Diff> {
             .unwrap_or_default()
     };
     let mut out = vec![
-        diff(
+        Diff::new(
             "hidden states",
             &gather(padded, &hidden),
             &gather(packed, &hidden),
         ),
-        diff(
+        Diff::new(
             "pooled outputs",
             &gather(padded, &pooled),
             &gather(packed, &pooled),
         ),
-        diff(
+        Diff::new(
             "MLM token losses",
             &gather(padded, &mlm_tok),
             &gather(packed, &mlm_tok),
         ),
     ];
     for r in Reduction::ALL {
-        out.push(diff(
+        out.push(Diff::new(
             &format!("MLM loss ({})", r.name()),
             &[padded.mlm_loss_under(r)],
             &[packed.mlm_loss_under(r)],
         ));
     }
-    out.push(diff("NSP loss", &[padded.nsp_loss], &[packed.nsp_loss]));
-    out.push(diff("parameter gradients", &grads(padded), &grads(packed)));
-    out.push(diff(
+    out.push(Diff::new(
+        "NSP loss",
+        &[padded.nsp_loss],
+        &[packed.nsp_loss],
+    ));
+    out.push(Diff::new(
+        "parameter gradients",
+        &grads(padded),
+        &grads(packed),
+    ));
+    out.push(Diff::new(
         "input-embedding gradients",
         &gather(padded, &gie),
         &gather(packed, &gie),

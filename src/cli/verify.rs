@@ -1,15 +1,17 @@
 //! `packshard verify bert`: packed == padded on a real model and real text.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::{Args, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
+use packshard::equivalence::attention::Observed;
+use packshard::equivalence::{Mismatch, Tolerance};
 use packshard::reference::bert::{BertModel, Reduction};
-use packshard::reference::packing::{Algorithm, Histogram};
+use packshard::reference::packing::{Algorithm, Histogram, PackingMetrics};
 use packshard::report::format_seconds;
 use packshard::text;
-use packshard::verify::{mask_sample, verify, VerifyOptions, TOLERANCE};
+use packshard::verify::{mask_sample, verify, Diff, VerifyOptions, TOLERANCE};
 
 use super::CliError;
 
@@ -23,6 +25,8 @@ pub struct VerifyArgs {
 enum VerifyWhat {
     /// The reference BERT on a real checkpoint and real text: packed against padded.
     Bert(BertArgs),
+    /// A seeded Llama-shaped reference decoder on real text: packed against padded.
+    CausalLm(super::verify_causal::CausalLmArgs),
 }
 
 #[derive(Args)]
@@ -59,6 +63,7 @@ pub struct BertArgs {
 pub fn run(args: VerifyArgs) -> Result<ExitCode, CliError> {
     match args.what {
         VerifyWhat::Bert(a) => bert(a),
+        VerifyWhat::CausalLm(a) => super::verify_causal::run(a),
     }
 }
 
@@ -69,12 +74,7 @@ fn bert(a: BertArgs) -> Result<ExitCode, CliError> {
             a.mask_prob
         )));
     }
-    if a.max_lines == 0 || a.max_lines > text::MAX_LINES {
-        return Err(CliError::input(format!(
-            "--max-lines must be in 1..={}",
-            text::MAX_LINES
-        )));
-    }
+    check_max_lines(a.max_lines)?;
     let opts = VerifyOptions {
         max_seq_len: a.max_seq_len,
         algorithm: a.algorithm.parse::<Algorithm>()?,
@@ -83,11 +83,7 @@ fn bert(a: BertArgs) -> Result<ExitCode, CliError> {
         mask_prob: a.mask_prob,
         seed: a.seed,
     };
-    let bar = ProgressBar::new_spinner();
-    bar.set_style(
-        ProgressStyle::with_template("{spinner} {msg} {elapsed}").expect("valid template"),
-    );
-    bar.enable_steady_tick(std::time::Duration::from_millis(120));
+    let bar = spinner();
     let result = bert_with(a, opts, &bar);
     bar.finish_and_clear();
     result
@@ -105,24 +101,7 @@ fn bert_with(a: BertArgs, opts: VerifyOptions, bar: &ProgressBar) -> Result<Exit
     bar.set_message("tokenizing");
     let tok = text::load_tokenizer(&a.model.join("tokenizer.json")).map_err(CliError::input)?;
     let mask_id = tok.token_to_id("[MASK]").map_or(103, i64::from);
-    let lines = text::read_lines(&a.text, a.max_lines).map_err(CliError::input)?;
-    let mut tokenized = Vec::with_capacity(lines.len());
-    let mut skipped = 0usize;
-    for line in &lines {
-        let ids = text::encode(&tok, line).map_err(CliError::input)?;
-        if ids.len() > opts.max_seq_len {
-            skipped += 1;
-        } else {
-            tokenized.push(ids);
-        }
-    }
-    if tokenized.is_empty() {
-        return Err(CliError::input(format!(
-            "no line of {} fits in --max-seq-len {}",
-            a.text.display(),
-            opts.max_seq_len
-        )));
-    }
+    let (lines, tokenized, skipped) = read_documents(&tok, &a.text, a.max_lines, opts.max_seq_len)?;
     let sample = mask_sample(&tokenized, mask_id, &opts);
     let progress = |m: &str| bar.set_message(m.to_string());
     let report = verify(&model, &sample, &opts, &progress)?;
@@ -138,36 +117,23 @@ fn bert_with(a: BertArgs, opts: VerifyOptions, bar: &ProgressBar) -> Result<Exit
         c.vocab_size,
         if initialised.is_empty() { "none".to_string() } else { format!("{} tensors (cls.*)", initialised.len()) }
     );
-    println!(
-        "text {}: {} lines read, {} over {} tokens skipped; {} sequences, {} tokens, {} predicted",
-        a.text.display(),
+    print_text(
+        &a.text,
         lines.len(),
         skipped,
         opts.max_seq_len,
-        report.num_sequences,
+        &format!(
+            "{} sequences, {} tokens, {} predicted",
+            report.num_sequences, report.real_tokens, report.predicted_tokens
+        ),
+    );
+    print_lengths(&tokenized, opts.max_seq_len);
+    print_packing(
+        &report.metrics,
         report.real_tokens,
-        report.predicted_tokens
-    );
-    let lengths: Vec<usize> = tokenized.iter().map(Vec::len).collect();
-    println!("length histogram (tokens: sequences):");
-    print!("{}", histogram_lines(&lengths, opts.max_seq_len));
-    let m = &report.metrics;
-    println!(
-        "packing {} ({}): {} packs of {}, efficiency {:.2}% (padded {:.2}%), speed-up {:.3}x in tokens ({} padded slots -> {} packed)",
-        m.algorithm,
-        m.setting,
-        m.num_packs,
+        (report.padded_slots, report.packed_slots),
         opts.max_seq_len,
-        100.0 * m.efficiency,
-        100.0 * report.real_tokens as f64 / report.padded_slots as f64,
-        report.padded_slots as f64 / report.packed_slots as f64,
-        report.padded_slots,
-        report.packed_slots
-    );
-    println!(
-        "forward + backward: padded {}, packed {}",
-        format_seconds(report.padded_seconds),
-        format_seconds(report.packed_seconds)
+        (report.padded_seconds, report.packed_seconds),
     );
     println!(
         "losses (padded): MLM {:.6} per-token, {:.6} per-sequence; NSP {:.6}; gradients under {}",
@@ -176,29 +142,130 @@ fn bert_with(a: BertArgs, opts: VerifyOptions, bar: &ProgressBar) -> Result<Exit
         report.nsp_loss,
         opts.reduction.name()
     );
+    Ok(print_table(&report.diffs, &report.verdict, TOLERANCE))
+}
+
+/// A spinner that shows what runs and for how long.
+pub(super) fn spinner() -> ProgressBar {
+    let bar = ProgressBar::new_spinner();
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} {msg} {elapsed}").expect("valid template"),
+    );
+    bar.enable_steady_tick(std::time::Duration::from_millis(120));
+    bar
+}
+
+/// `--max-lines` in `1..=text::MAX_LINES`.
+pub(super) fn check_max_lines(max_lines: usize) -> Result<(), CliError> {
+    if max_lines == 0 || max_lines > text::MAX_LINES {
+        return Err(CliError::input(format!(
+            "--max-lines must be in 1..={}",
+            text::MAX_LINES
+        )));
+    }
+    Ok(())
+}
+
+/// Up to `max_lines` lines of `path` tokenized by `tok` (special tokens
+/// included); lines over `max_seq_len` tokens are skipped. Returns the lines
+/// read, the token ids of those kept and the count skipped.
+pub(super) fn read_documents(
+    tok: &text::Tokenizer,
+    path: &Path,
+    max_lines: usize,
+    max_seq_len: usize,
+) -> Result<(Vec<String>, Vec<Vec<i64>>, usize), CliError> {
+    let lines = text::read_lines(path, max_lines).map_err(CliError::input)?;
+    let mut tokenized = Vec::with_capacity(lines.len());
+    let mut skipped = 0usize;
+    for line in &lines {
+        let ids = text::encode(tok, line).map_err(CliError::input)?;
+        if ids.len() > max_seq_len {
+            skipped += 1;
+        } else {
+            tokenized.push(ids);
+        }
+    }
+    if tokenized.is_empty() {
+        return Err(CliError::input(format!(
+            "no line of {} fits in --max-seq-len {max_seq_len}",
+            path.display()
+        )));
+    }
+    Ok((lines, tokenized, skipped))
+}
+
+/// `text PATH: N lines read, K over L tokens skipped; WHAT`.
+pub(super) fn print_text(path: &Path, read: usize, skipped: usize, max_seq_len: usize, what: &str) {
+    println!(
+        "text {}: {read} lines read, {skipped} over {max_seq_len} tokens skipped; {what}",
+        path.display()
+    );
+}
+
+/// The length histogram of the sequences run.
+pub(super) fn print_lengths(sequences: &[Vec<i64>], max_seq_len: usize) {
+    let lengths: Vec<usize> = sequences.iter().map(Vec::len).collect();
+    println!("length histogram (tokens: sequences):");
+    print!("{}", histogram_lines(&lengths, max_seq_len));
+}
+
+/// The packing's figures and the time of each layout's forward + backward.
+pub(super) fn print_packing(
+    m: &PackingMetrics,
+    real_tokens: usize,
+    (padded_slots, packed_slots): (usize, usize),
+    max_seq_len: usize,
+    (padded_seconds, packed_seconds): (f64, f64),
+) {
+    println!(
+        "packing {} ({}): {} packs of {}, efficiency {:.2}% (padded {:.2}%), speed-up {:.3}x in tokens ({} padded slots -> {} packed)",
+        m.algorithm,
+        m.setting,
+        m.num_packs,
+        max_seq_len,
+        100.0 * m.efficiency,
+        100.0 * real_tokens as f64 / padded_slots as f64,
+        padded_slots as f64 / packed_slots as f64,
+        padded_slots,
+        packed_slots
+    );
+    println!(
+        "forward + backward: padded {}, packed {}",
+        format_seconds(padded_seconds),
+        format_seconds(packed_seconds)
+    );
+}
+
+/// The packed-vs-padded table and the verdict line; exit 0 on PASS, 1 on FAIL.
+pub(super) fn print_table(
+    diffs: &[Diff],
+    verdict: &Result<Observed, Mismatch>,
+    tolerance: Tolerance,
+) -> ExitCode {
     println!("packed vs padded:");
     println!(
-        "  {:<28} {:>10} {:>12} {:>12}",
+        "  {:<34} {:>10} {:>12} {:>12}",
         "", "values", "max abs", "max rel"
     );
-    for d in &report.diffs {
+    for d in diffs {
         println!(
-            "  {:<28} {:>10} {:>12.3e} {:>12.3e}",
+            "  {:<34} {:>10} {:>12.3e} {:>12.3e}",
             d.name, d.values, d.max_abs, d.max_rel
         );
     }
     println!("  (max rel = max abs / the largest magnitude of the padded values)");
-    match &report.verdict {
+    match verdict {
         Ok(_) => {
             println!(
                 "PASS: packed == padded within {} (rel {:.1e})",
-                TOLERANCE.name, TOLERANCE.rel
+                tolerance.name, tolerance.rel
             );
-            Ok(ExitCode::SUCCESS)
+            ExitCode::SUCCESS
         }
         Err(mismatch) => {
             println!("FAIL: {}", mismatch.to_string().replace('\n', " "));
-            Ok(ExitCode::from(1))
+            ExitCode::from(1)
         }
     }
 }
