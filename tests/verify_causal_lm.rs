@@ -89,6 +89,7 @@ fn verify_causal_lm_command_passes_on_a_small_real_sample() {
         (&["--kv-heads", "3"][..], "num_kv_heads"),
         (&["--packed-attention", "dense"][..], "--packed-attention"),
         (&["--max-lines", "0"][..], "--max-lines"),
+        (&["--max-lines", "200"][..], "memory budget"),
     ] {
         let o = Command::new(env!("CARGO_BIN_EXE_packshard"))
             .args(["verify", "causal-lm", "--tokenizer"])
@@ -96,6 +97,7 @@ fn verify_causal_lm_command_passes_on_a_small_real_sample() {
             .arg("--text")
             .arg(&a.shakespeare)
             .args(args)
+            .env("PACKSHARD_MEMORY_BUDGET", "4GiB")
             .output()
             .unwrap();
         assert_eq!(o.status.code(), Some(2), "{args:?}");

@@ -25,6 +25,7 @@ use std::time::Instant;
 use packshard_equivalence::causal::{grads_close, CausalBatch, CausalLmImpl, CausalRun, Observed};
 use packshard_equivalence::compare::{Mismatch, Tolerance};
 use packshard_reference::decoder::{CausalReduction, DecoderModel};
+use packshard_reference::limits::{check_estimate, f64_bytes};
 use packshard_reference::packing::batch::MAX_BATCH_SLOTS;
 use packshard_reference::packing::{
     Algorithm, PackedBatch, PackingConfig, PackingMetrics, PackingPlan,
@@ -221,8 +222,10 @@ fn flat_grads(run: &CausalRun) -> Vec<f64> {
 /// `progress` is told what runs next.
 ///
 /// # Errors
-/// Input errors: [`Layout::padded`]'s and [`Layout::packed`]'s, the
-/// implementations' (ids outside the model's vocabulary, a batch over the
+/// Input errors: [`Layout::padded`]'s and [`Layout::packed`]'s;
+/// [`Error::InvalidArgument`] naming `max_seq_len` when the runs' logits
+/// and activations (`3 x slots x (v + layers x (8 hidden + 3 inter))` f64,
+/// both layouts) are over the memory budget; the implementations' (ids outside the model's vocabulary, a batch over the
 /// model's limits).
 pub fn verify_causal(
     model: &DecoderModel,
@@ -238,7 +241,16 @@ pub fn verify_causal(
     let (plan, packed_l) = Layout::packed(documents, &config)?;
     let n_pad = padded_l.batch.input_ids.len();
     let n_pack = packed_l.batch.input_ids.len();
-    let v = model.config.vocab_size;
+    let c = &model.config;
+    let v = c.vocab_size;
+    // The runs hold logits, their gradient and each layer's activations per
+    // slot; the comparison keeps both layouts' logits of the real tokens.
+    let per_slot = v + c.num_layers * (8 * c.hidden_size + 3 * c.intermediate_size);
+    check_estimate(
+        "max_seq_len",
+        f64_bytes(&[3, n_pad + n_pack, per_slot]),
+        &format!("{n_pad} padded and {n_pack} packed slots of {v} logits (verify causal-lm)"),
+    )?;
     let mut verdict = Verdict {
         seen: Observed::default(),
         first: None,
