@@ -101,7 +101,11 @@ fn bert_with(a: BertArgs, opts: VerifyOptions, bar: &ProgressBar) -> Result<Exit
     bar.set_message("tokenizing");
     let tok = text::load_tokenizer(&a.model.join("tokenizer.json")).map_err(CliError::input)?;
     let mask_id = tok.token_to_id("[MASK]").map_or(103, i64::from);
-    let (lines, tokenized, skipped) = read_documents(&tok, &a.text, a.max_lines, opts.max_seq_len)?;
+    let Documents {
+        lines,
+        tokenized,
+        skipped,
+    } = read_documents(&tok, &a.text, a.max_lines, opts.max_seq_len)?;
     let sample = mask_sample(&tokenized, mask_id, &opts);
     let progress = |m: &str| bar.set_message(m.to_string());
     let report = verify(&model, &sample, &opts, &progress)?;
@@ -119,7 +123,7 @@ fn bert_with(a: BertArgs, opts: VerifyOptions, bar: &ProgressBar) -> Result<Exit
     );
     print_text(
         &a.text,
-        lines.len(),
+        lines,
         skipped,
         opts.max_seq_len,
         &format!(
@@ -166,15 +170,24 @@ pub(super) fn check_max_lines(max_lines: usize) -> Result<(), CliError> {
     Ok(())
 }
 
+/// Lines of text tokenized, those over the length limit skipped.
+pub(super) struct Documents {
+    /// Lines read.
+    pub lines: usize,
+    /// Token ids of the lines kept, in order.
+    pub tokenized: Vec<Vec<i64>>,
+    /// Lines over the limit.
+    pub skipped: usize,
+}
+
 /// Up to `max_lines` lines of `path` tokenized by `tok` (special tokens
-/// included); lines over `max_seq_len` tokens are skipped. Returns the lines
-/// read, the token ids of those kept and the count skipped.
+/// included); lines over `max_seq_len` tokens are skipped.
 pub(super) fn read_documents(
     tok: &text::Tokenizer,
     path: &Path,
     max_lines: usize,
     max_seq_len: usize,
-) -> Result<(Vec<String>, Vec<Vec<i64>>, usize), CliError> {
+) -> Result<Documents, CliError> {
     let lines = text::read_lines(path, max_lines).map_err(CliError::input)?;
     let mut tokenized = Vec::with_capacity(lines.len());
     let mut skipped = 0usize;
@@ -192,7 +205,11 @@ pub(super) fn read_documents(
             path.display()
         )));
     }
-    Ok((lines, tokenized, skipped))
+    Ok(Documents {
+        lines: lines.len(),
+        tokenized,
+        skipped,
+    })
 }
 
 /// `text PATH: N lines read, K over L tokens skipped; WHAT`.

@@ -13,7 +13,8 @@ use packshard::text;
 use packshard::verify::causal::{verify_causal, CausalVerifyOptions, TOLERANCE};
 
 use super::verify::{
-    check_max_lines, print_lengths, print_packing, print_table, print_text, read_documents, spinner,
+    check_max_lines, print_lengths, print_packing, print_table, print_text, read_documents,
+    spinner, Documents,
 };
 use super::CliError;
 
@@ -97,7 +98,11 @@ fn run_with(
         a.tokenizer.clone()
     };
     let tok = text::load_tokenizer(&tok_path).map_err(CliError::input)?;
-    let (lines, documents, skipped) = read_documents(&tok, &a.text, a.max_lines, opts.max_seq_len)?;
+    let Documents {
+        lines,
+        tokenized: documents,
+        skipped,
+    } = read_documents(&tok, &a.text, a.max_lines, opts.max_seq_len)?;
     let config = DecoderConfig::tiny(
         tok.get_vocab_size(true),
         a.heads,
@@ -135,7 +140,7 @@ fn run_with(
     );
     print_text(
         &a.text,
-        lines.len(),
+        lines,
         skipped,
         opts.max_seq_len,
         &format!(
