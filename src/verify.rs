@@ -18,12 +18,12 @@ use std::time::Instant;
 use packshard_equivalence::attention::Observed;
 use packshard_equivalence::bert::compare_outputs;
 use packshard_equivalence::compare::{Mismatch, Tolerance};
-pub use packshard_oracle::verify::{causal, Diff};
+pub use packshard_oracle::verify::{causal, Diff, RunFigures};
 use packshard_reference::bert::{
     BertModel, BertOutput, LossWeights, PackedAttention, Reduction, Targets, TokenBatch,
     IGNORE_INDEX,
 };
-use packshard_reference::packing::{Algorithm, PackedBatch, PackingConfig, PackingMetrics};
+use packshard_reference::packing::{Algorithm, PackedBatch, PackingConfig};
 use packshard_reference::Error;
 use rand::{Rng, SeedableRng};
 
@@ -89,22 +89,8 @@ pub fn mask_sample(tokenized: &[Vec<i64>], mask_id: i64, opts: &VerifyOptions) -
 /// The outcome of a verification.
 #[derive(Debug, Clone)]
 pub struct VerifyReport {
-    /// Sequences run.
-    pub num_sequences: usize,
-    /// Real tokens.
-    pub real_tokens: usize,
-    /// Predicted (masked) tokens.
-    pub predicted_tokens: usize,
-    /// The packing's figures.
-    pub metrics: PackingMetrics,
-    /// Token slots of the padded batch (`sequences x max_seq_len`).
-    pub padded_slots: usize,
-    /// Token slots of the packed batch (`packs x max_seq_len`).
-    pub packed_slots: usize,
-    /// Seconds of the padded forward + backward.
-    pub padded_seconds: f64,
-    /// Seconds of the packed forward + backward.
-    pub packed_seconds: f64,
+    /// Sequences, tokens, predicted (masked) tokens, the packing, the time.
+    pub run: RunFigures,
     /// MLM loss of the padded run under each reduction.
     pub mlm_loss: [(Reduction, f64); 2],
     /// NSP loss of the padded run.
@@ -158,14 +144,16 @@ pub fn verify(
     let mut seen = Observed::default();
     let verdict = compare_outputs(&padded, &packed, &mut seen).map(|()| seen);
     Ok(VerifyReport {
-        num_sequences: b,
-        real_tokens: sample.sequences.iter().map(Vec::len).sum(),
-        predicted_tokens: sample.targets.mlm_counts().iter().sum(),
-        padded_slots: b * opts.max_seq_len,
-        packed_slots: packed_batch.num_packs() * opts.max_seq_len,
-        metrics: plan.metrics,
-        padded_seconds,
-        packed_seconds,
+        run: RunFigures {
+            sequences: b,
+            real_tokens: sample.sequences.iter().map(Vec::len).sum(),
+            predicted_tokens: sample.targets.mlm_counts().iter().sum(),
+            padded_slots: b * opts.max_seq_len,
+            packed_slots: packed_batch.num_packs() * opts.max_seq_len,
+            metrics: plan.metrics,
+            padded_seconds,
+            packed_seconds,
+        },
         mlm_loss: [
             (
                 Reduction::PerToken,

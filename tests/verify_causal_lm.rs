@@ -18,7 +18,9 @@ use packshard::reference::decoder::{
 use packshard::reference::packing::Algorithm;
 use packshard::reference::vocab::IGNORE_INDEX;
 use packshard::reference::Error;
-use packshard::verify::causal::{verify_causal, CausalVerifyOptions, Layout, TOLERANCE};
+use packshard::verify::causal::{
+    verify_causal, CausalVerifyOptions, CausalVerifyReport, Layout, TOLERANCE,
+};
 use rand::{Rng, SeedableRng};
 
 /// The `max rel` column of the table row named `name`.
@@ -117,36 +119,40 @@ fn documents(n: usize, row: usize, v: i64, seed: u64) -> Vec<Vec<i64>> {
         .collect()
 }
 
-fn model() -> DecoderModel {
-    DecoderModel::random(DecoderConfig::tiny(37, 4, 2, 4, 12, 2), 7).unwrap()
+/// `verify_causal` of a small seeded model (GQA 4/2 heads) on `docs` in
+/// rows of `row` slots, padded through the reference, packed through `packed`.
+fn verify(
+    docs: &[Vec<i64>],
+    row: usize,
+    algorithm: Algorithm,
+    packed: &dyn CausalLmImpl,
+) -> CausalVerifyReport {
+    let model = DecoderModel::random(DecoderConfig::tiny(37, 4, 2, 4, 12, 2), 7).unwrap();
+    let opts = CausalVerifyOptions {
+        max_seq_len: row,
+        algorithm,
+        max_sequences_per_pack: None,
+    };
+    let padded = reference_causal_lm(CausalForm::BlockCausal);
+    verify_causal(&model, docs, &opts, &padded, packed, &|_| {}).unwrap()
 }
 
 #[test]
 fn reference_passes_for_every_algorithm_and_form() {
-    let model = model();
     // Seeded lengths, and an empty, a one-token and a full-row document.
     let mut docs = documents(12, 12, 37, 3);
     docs.extend([vec![], vec![4], (0..12).collect()]);
     for algorithm in [Algorithm::Spfhp, Algorithm::Lpfhp, Algorithm::Ffd] {
         for form in [CausalForm::Varlen, CausalForm::BlockCausal] {
-            let opts = CausalVerifyOptions {
-                max_seq_len: 12,
-                algorithm,
-                max_sequences_per_pack: None,
-            };
-            let r = verify_causal(
-                &model,
-                &docs,
-                &opts,
-                &reference_causal_lm(CausalForm::BlockCausal),
-                &reference_causal_lm(form),
-                &|_| {},
-            )
-            .unwrap();
+            let r = verify(&docs, 12, algorithm, &reference_causal_lm(form));
             let seen = r
                 .verdict
                 .unwrap_or_else(|m| panic!("{algorithm:?} {form:?}: {m}"));
-            assert!(r.packed_slots < r.padded_slots, "{:?}", r.metrics);
+            assert!(
+                r.run.packed_slots < r.run.padded_slots,
+                "{:?}",
+                r.run.metrics
+            );
             assert_eq!(r.losses.len(), 3);
             assert_eq!(r.diffs.len(), 7);
             assert!(
@@ -229,22 +235,12 @@ impl CausalLmImpl for LabelsAcrossThePack {
 
 #[test]
 fn planted_labels_across_the_pack_fail_on_the_loss() {
-    let model = model();
-    let docs = documents(10, 10, 37, 5);
-    let opts = CausalVerifyOptions {
-        max_seq_len: 10,
-        algorithm: Algorithm::Spfhp,
-        max_sequences_per_pack: None,
-    };
-    let r = verify_causal(
-        &model,
-        &docs,
-        &opts,
-        &reference_causal_lm(CausalForm::BlockCausal),
+    let r = verify(
+        &documents(10, 10, 37, 5),
+        10,
+        Algorithm::Spfhp,
         &LabelsAcrossThePack,
-        &|_| {},
-    )
-    .unwrap();
+    );
     let m = r.verdict.expect_err("C1 must be caught");
     // The logits are right (labels do not enter the forward); the loss is not.
     assert!(m.what.contains("loss (per-token)"), "{m}");

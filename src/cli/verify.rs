@@ -8,10 +8,10 @@ use indicatif::{ProgressBar, ProgressStyle};
 use packshard::equivalence::attention::Observed;
 use packshard::equivalence::{Mismatch, Tolerance};
 use packshard::reference::bert::{BertModel, Reduction};
-use packshard::reference::packing::{Algorithm, Histogram, PackingMetrics};
+use packshard::reference::packing::{Algorithm, Histogram};
 use packshard::report::format_seconds;
 use packshard::text;
-use packshard::verify::{mask_sample, verify, Diff, VerifyOptions, TOLERANCE};
+use packshard::verify::{mask_sample, verify, Diff, RunFigures, VerifyOptions, TOLERANCE};
 
 use super::CliError;
 
@@ -101,12 +101,8 @@ fn bert_with(a: BertArgs, opts: VerifyOptions, bar: &ProgressBar) -> Result<Exit
     bar.set_message("tokenizing");
     let tok = text::load_tokenizer(&a.model.join("tokenizer.json")).map_err(CliError::input)?;
     let mask_id = tok.token_to_id("[MASK]").map_or(103, i64::from);
-    let Documents {
-        lines,
-        tokenized,
-        skipped,
-    } = read_documents(&tok, &a.text, a.max_lines, opts.max_seq_len)?;
-    let sample = mask_sample(&tokenized, mask_id, &opts);
+    let docs = read_documents(&tok, &a.text, a.max_lines, opts.max_seq_len)?;
+    let sample = mask_sample(&docs.tokenized, mask_id, &opts);
     let progress = |m: &str| bar.set_message(m.to_string());
     let report = verify(&model, &sample, &opts, &progress)?;
     bar.finish_and_clear();
@@ -121,23 +117,12 @@ fn bert_with(a: BertArgs, opts: VerifyOptions, bar: &ProgressBar) -> Result<Exit
         c.vocab_size,
         if initialised.is_empty() { "none".to_string() } else { format!("{} tensors (cls.*)", initialised.len()) }
     );
-    print_text(
+    print_run(
         &a.text,
-        lines,
-        skipped,
+        &docs,
         opts.max_seq_len,
-        &format!(
-            "{} sequences, {} tokens, {} predicted",
-            report.num_sequences, report.real_tokens, report.predicted_tokens
-        ),
-    );
-    print_lengths(&tokenized, opts.max_seq_len);
-    print_packing(
-        &report.metrics,
-        report.real_tokens,
-        (report.padded_slots, report.packed_slots),
-        opts.max_seq_len,
-        (report.padded_seconds, report.packed_seconds),
+        ("sequences", ""),
+        &report.run,
     );
     println!(
         "losses (padded): MLM {:.6} per-token, {:.6} per-sequence; NSP {:.6}; gradients under {}",
@@ -212,29 +197,28 @@ pub(super) fn read_documents(
     })
 }
 
-/// `text PATH: N lines read, K over L tokens skipped; WHAT`.
-pub(super) fn print_text(path: &Path, read: usize, skipped: usize, max_seq_len: usize, what: &str) {
+/// The sample (`noun`s run, tokens, predicted tokens and what they
+/// predict), its length histogram, the packing and the time of each layout.
+pub(super) fn print_run(
+    path: &Path,
+    docs: &Documents,
+    max_seq_len: usize,
+    (noun, predicted): (&str, &str),
+    run: &RunFigures,
+) {
     println!(
-        "text {}: {read} lines read, {skipped} over {max_seq_len} tokens skipped; {what}",
-        path.display()
+        "text {}: {} lines read, {} over {max_seq_len} tokens skipped; {} {noun}, {} tokens, {} predicted{predicted}",
+        path.display(),
+        docs.lines,
+        docs.skipped,
+        run.sequences,
+        run.real_tokens,
+        run.predicted_tokens
     );
-}
-
-/// The length histogram of the sequences run.
-pub(super) fn print_lengths(sequences: &[Vec<i64>], max_seq_len: usize) {
-    let lengths: Vec<usize> = sequences.iter().map(Vec::len).collect();
+    let lengths: Vec<usize> = docs.tokenized.iter().map(Vec::len).collect();
     println!("length histogram (tokens: sequences):");
     print!("{}", histogram_lines(&lengths, max_seq_len));
-}
-
-/// The packing's figures and the time of each layout's forward + backward.
-pub(super) fn print_packing(
-    m: &PackingMetrics,
-    real_tokens: usize,
-    (padded_slots, packed_slots): (usize, usize),
-    max_seq_len: usize,
-    (padded_seconds, packed_seconds): (f64, f64),
-) {
+    let m = &run.metrics;
     println!(
         "packing {} ({}): {} packs of {}, efficiency {:.2}% (padded {:.2}%), speed-up {:.3}x in tokens ({} padded slots -> {} packed)",
         m.algorithm,
@@ -242,15 +226,15 @@ pub(super) fn print_packing(
         m.num_packs,
         max_seq_len,
         100.0 * m.efficiency,
-        100.0 * real_tokens as f64 / padded_slots as f64,
-        padded_slots as f64 / packed_slots as f64,
-        padded_slots,
-        packed_slots
+        100.0 * run.real_tokens as f64 / run.padded_slots as f64,
+        run.padded_slots as f64 / run.packed_slots as f64,
+        run.padded_slots,
+        run.packed_slots
     );
     println!(
         "forward + backward: padded {}, packed {}",
-        format_seconds(padded_seconds),
-        format_seconds(packed_seconds)
+        format_seconds(run.padded_seconds),
+        format_seconds(run.packed_seconds)
     );
 }
 

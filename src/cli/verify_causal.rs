@@ -12,10 +12,7 @@ use packshard::reference::packing::Algorithm;
 use packshard::text;
 use packshard::verify::causal::{verify_causal, CausalVerifyOptions, TOLERANCE};
 
-use super::verify::{
-    check_max_lines, print_lengths, print_packing, print_table, print_text, read_documents,
-    spinner, Documents,
-};
+use super::verify::{check_max_lines, print_run, print_table, read_documents, spinner};
 use super::CliError;
 
 #[derive(Args)]
@@ -98,11 +95,7 @@ fn run_with(
         a.tokenizer.clone()
     };
     let tok = text::load_tokenizer(&tok_path).map_err(CliError::input)?;
-    let Documents {
-        lines,
-        tokenized: documents,
-        skipped,
-    } = read_documents(&tok, &a.text, a.max_lines, opts.max_seq_len)?;
+    let docs = read_documents(&tok, &a.text, a.max_lines, opts.max_seq_len)?;
     let config = DecoderConfig::tiny(
         tok.get_vocab_size(true),
         a.heads,
@@ -116,7 +109,7 @@ fn run_with(
     let progress = |m: &str| bar.set_message(m.to_string());
     let report = verify_causal(
         &model,
-        &documents,
+        &docs.tokenized,
         &opts,
         &reference_causal_lm(CausalForm::BlockCausal),
         &reference_causal_lm(form),
@@ -138,23 +131,12 @@ fn run_with(
         c.vocab_size,
         tok_path.display()
     );
-    print_text(
+    print_run(
         &a.text,
-        lines,
-        skipped,
+        &docs,
         opts.max_seq_len,
-        &format!(
-            "{} documents, {} tokens, {} predicted (next token within each document)",
-            report.num_documents, report.real_tokens, report.predicted_tokens
-        ),
-    );
-    print_lengths(&documents, opts.max_seq_len);
-    print_packing(
-        &report.metrics,
-        report.real_tokens,
-        (report.padded_slots, report.packed_slots),
-        opts.max_seq_len,
-        (report.padded_seconds, report.packed_seconds),
+        ("documents", " (next token within each document)"),
+        &report.run,
     );
     println!(
         "padded: dense causal mask per row; packed: {}",

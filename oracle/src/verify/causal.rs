@@ -27,12 +27,10 @@ use packshard_equivalence::compare::{Mismatch, Tolerance};
 use packshard_reference::decoder::{CausalReduction, DecoderModel};
 use packshard_reference::limits::{check_estimate, f64_bytes};
 use packshard_reference::packing::batch::MAX_BATCH_SLOTS;
-use packshard_reference::packing::{
-    Algorithm, PackedBatch, PackingConfig, PackingMetrics, PackingPlan,
-};
+use packshard_reference::packing::{Algorithm, PackedBatch, PackingConfig, PackingPlan};
 use packshard_reference::Error;
 
-use super::Diff;
+use super::{Diff, RunFigures};
 
 /// The tolerance of the verdict: both layouts run the same f64 operations
 /// per token, only sums over tokens change order.
@@ -160,22 +158,10 @@ impl Layout {
 /// The outcome of a verification.
 #[derive(Debug, Clone)]
 pub struct CausalVerifyReport {
-    /// Documents run (empty ones included).
-    pub num_documents: usize,
-    /// Real tokens.
-    pub real_tokens: usize,
-    /// Tokens with a next-token target (each document's but its last).
-    pub predicted_tokens: usize,
-    /// The packing's figures.
-    pub metrics: PackingMetrics,
-    /// Token slots of the padded batch (`documents x max_seq_len`).
-    pub padded_slots: usize,
-    /// Token slots of the packed batch (`packs x max_seq_len`).
-    pub packed_slots: usize,
-    /// Seconds of the padded forward + backward passes (one per reduction).
-    pub padded_seconds: f64,
-    /// Seconds of the packed forward + backward passes.
-    pub packed_seconds: f64,
+    /// Documents (empty ones included), tokens, predicted tokens (each
+    /// document's but its last), the packing; seconds summed over the three
+    /// runs of each layout.
+    pub run: RunFigures,
     /// The padded run's loss under each reduction.
     pub losses: Vec<(CausalReduction, f64)>,
     /// Per kind of output.
@@ -333,14 +319,16 @@ pub fn verify_causal(
     }
     diffs.extend(grad_diffs);
     Ok(CausalVerifyReport {
-        num_documents: documents.len(),
-        real_tokens: documents.iter().map(Vec::len).sum(),
-        predicted_tokens: documents.iter().map(|d| d.len().saturating_sub(1)).sum(),
-        metrics: plan.metrics,
-        padded_slots: n_pad,
-        packed_slots: n_pack,
-        padded_seconds,
-        packed_seconds,
+        run: RunFigures {
+            sequences: documents.len(),
+            real_tokens: documents.iter().map(Vec::len).sum(),
+            predicted_tokens: documents.iter().map(|d| d.len().saturating_sub(1)).sum(),
+            metrics: plan.metrics,
+            padded_slots: n_pad,
+            packed_slots: n_pack,
+            padded_seconds,
+            packed_seconds,
+        },
         losses,
         diffs,
         verdict: match verdict.first {

@@ -1,6 +1,7 @@
 //! The library of `packshard verify`: a model run on real text packed and
 //! padded, every output, loss and gradient compared.
 //!
+//! - [`RunFigures`]: the sample, the packing and the time of a run;
 //! - [`Diff`]: one row of the table the command prints (values compared,
 //!   max abs and max relative difference);
 //! - [`causal`]: `packshard verify causal-lm`, the f64 reference decoder
@@ -8,9 +9,10 @@
 //!   document per padded row.
 //!
 //! `packshard verify bert` lives in the `packshard` crate (`src/verify.rs`)
-//! and shares [`Diff`].
+//! and shares [`RunFigures`] and [`Diff`].
 
 use packshard_equivalence::compare::error_stats;
+use packshard_reference::packing::PackingMetrics;
 
 pub mod causal;
 
@@ -46,4 +48,25 @@ impl Diff {
             },
         }
     }
+}
+
+/// What a verification ran: the sample, the packing, the time.
+#[derive(Debug, Clone)]
+pub struct RunFigures {
+    /// Sequences (documents) run.
+    pub sequences: usize,
+    /// Real tokens.
+    pub real_tokens: usize,
+    /// Tokens with a target.
+    pub predicted_tokens: usize,
+    /// The packing's figures.
+    pub metrics: PackingMetrics,
+    /// Token slots of the padded batch (`sequences x max_seq_len`).
+    pub padded_slots: usize,
+    /// Token slots of the packed batch (`packs x max_seq_len`).
+    pub packed_slots: usize,
+    /// Seconds of the padded forward + backward passes.
+    pub padded_seconds: f64,
+    /// Seconds of the packed forward + backward passes.
+    pub packed_seconds: f64,
 }
