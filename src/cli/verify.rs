@@ -29,26 +29,52 @@ enum VerifyWhat {
     CausalLm(super::verify_causal::CausalLmArgs),
 }
 
+/// The text, how many lines, and how they are packed: common to every `verify`.
+#[derive(Args)]
+pub(super) struct SampleArgs {
+    /// A text file, or a directory of *.txt files (lines taken round-robin);
+    /// each line is one sequence (document).
+    #[arg(long)]
+    pub text: PathBuf,
+    /// Lines to read (non-blank); lines over --max-seq-len tokens are skipped.
+    #[arg(long, default_value_t = 48)]
+    pub max_lines: usize,
+    /// Pack length and padded row length, in tokens.
+    #[arg(long, default_value_t = 32)]
+    pub max_seq_len: usize,
+    /// Packing algorithm: spfhp, lpfhp, nnlshp, ffd, bfd.
+    #[arg(long, default_value = "spfhp")]
+    pub algorithm: String,
+    /// At most this many sequences per pack.
+    #[arg(long)]
+    pub max_sequences_per_pack: Option<usize>,
+}
+
+impl SampleArgs {
+    /// Checks `--max-lines` (in `1..=text::MAX_LINES`) and parses `--algorithm`.
+    pub fn algorithm(&self) -> Result<Algorithm, CliError> {
+        if self.max_lines == 0 || self.max_lines > text::MAX_LINES {
+            return Err(CliError::input(format!(
+                "--max-lines must be in 1..={}",
+                text::MAX_LINES
+            )));
+        }
+        Ok(self.algorithm.parse::<Algorithm>()?)
+    }
+
+    /// The lines of `--text` tokenized by `tok`, those over `--max-seq-len` skipped.
+    pub fn read(&self, tok: &text::Tokenizer) -> Result<Documents, CliError> {
+        read_documents(tok, &self.text, self.max_lines, self.max_seq_len)
+    }
+}
+
 #[derive(Args)]
 pub struct BertArgs {
     /// Model directory: config.json, model.safetensors, tokenizer.json.
     #[arg(long)]
     model: PathBuf,
-    /// A text file, or a directory of *.txt files (lines taken round-robin).
-    #[arg(long)]
-    text: PathBuf,
-    /// Lines to read (non-blank); lines over --max-seq-len tokens are skipped.
-    #[arg(long, default_value_t = 48)]
-    max_lines: usize,
-    /// Pack length and padded row length, in tokens.
-    #[arg(long, default_value_t = 32)]
-    max_seq_len: usize,
-    /// Packing algorithm: spfhp, lpfhp, nnlshp, ffd, bfd.
-    #[arg(long, default_value = "spfhp")]
-    algorithm: String,
-    /// At most this many sequences per pack.
-    #[arg(long)]
-    max_sequences_per_pack: Option<usize>,
+    #[command(flatten)]
+    sample: SampleArgs,
     /// MLM reduction for the gradients: per-sequence (the packing paper's) or per-token.
     #[arg(long, default_value = "per-sequence")]
     reduction: String,
@@ -74,11 +100,10 @@ fn bert(a: BertArgs) -> Result<ExitCode, CliError> {
             a.mask_prob
         )));
     }
-    check_max_lines(a.max_lines)?;
     let opts = VerifyOptions {
-        max_seq_len: a.max_seq_len,
-        algorithm: a.algorithm.parse::<Algorithm>()?,
-        max_sequences_per_pack: a.max_sequences_per_pack,
+        max_seq_len: a.sample.max_seq_len,
+        algorithm: a.sample.algorithm()?,
+        max_sequences_per_pack: a.sample.max_sequences_per_pack,
         reduction: a.reduction.parse::<Reduction>()?,
         mask_prob: a.mask_prob,
         seed: a.seed,
@@ -101,7 +126,7 @@ fn bert_with(a: BertArgs, opts: VerifyOptions, bar: &ProgressBar) -> Result<Exit
     bar.set_message("tokenizing");
     let tok = text::load_tokenizer(&a.model.join("tokenizer.json")).map_err(CliError::input)?;
     let mask_id = tok.token_to_id("[MASK]").map_or(103, i64::from);
-    let docs = read_documents(&tok, &a.text, a.max_lines, opts.max_seq_len)?;
+    let docs = a.sample.read(&tok)?;
     let sample = mask_sample(&docs.tokenized, mask_id, &opts);
     let progress = |m: &str| bar.set_message(m.to_string());
     let report = verify(&model, &sample, &opts, &progress)?;
@@ -118,7 +143,7 @@ fn bert_with(a: BertArgs, opts: VerifyOptions, bar: &ProgressBar) -> Result<Exit
         if initialised.is_empty() { "none".to_string() } else { format!("{} tensors (cls.*)", initialised.len()) }
     );
     print_run(
-        &a.text,
+        &a.sample.text,
         &docs,
         opts.max_seq_len,
         ("sequences", ""),
@@ -144,17 +169,6 @@ pub(super) fn spinner() -> ProgressBar {
     bar
 }
 
-/// `--max-lines` in `1..=text::MAX_LINES`.
-pub(super) fn check_max_lines(max_lines: usize) -> Result<(), CliError> {
-    if max_lines == 0 || max_lines > text::MAX_LINES {
-        return Err(CliError::input(format!(
-            "--max-lines must be in 1..={}",
-            text::MAX_LINES
-        )));
-    }
-    Ok(())
-}
-
 /// Lines of text tokenized, those over the length limit skipped.
 pub(super) struct Documents {
     /// Lines read.
@@ -167,7 +181,7 @@ pub(super) struct Documents {
 
 /// Up to `max_lines` lines of `path` tokenized by `tok` (special tokens
 /// included); lines over `max_seq_len` tokens are skipped.
-pub(super) fn read_documents(
+fn read_documents(
     tok: &text::Tokenizer,
     path: &Path,
     max_lines: usize,

@@ -8,11 +8,10 @@ use clap::Args;
 use indicatif::ProgressBar;
 use packshard::equivalence::causal::{reference_causal_lm, CausalForm};
 use packshard::reference::decoder::{DecoderConfig, DecoderModel};
-use packshard::reference::packing::Algorithm;
 use packshard::text;
 use packshard::verify::causal::{verify_causal, CausalVerifyOptions, TOLERANCE};
 
-use super::verify::{check_max_lines, print_run, print_table, read_documents, spinner};
+use super::verify::{print_run, print_table, spinner, SampleArgs};
 use super::CliError;
 
 #[derive(Args)]
@@ -20,22 +19,8 @@ pub struct CausalLmArgs {
     /// The tokenizer: a tokenizer.json, or a model directory holding one.
     #[arg(long)]
     tokenizer: PathBuf,
-    /// A text file, or a directory of *.txt files (lines taken round-robin);
-    /// each line is one document.
-    #[arg(long)]
-    text: PathBuf,
-    /// Lines to read (non-blank); lines over --max-seq-len tokens are skipped.
-    #[arg(long, default_value_t = 24)]
-    max_lines: usize,
-    /// Pack length and padded row length, in tokens.
-    #[arg(long, default_value_t = 32)]
-    max_seq_len: usize,
-    /// Packing algorithm: spfhp, lpfhp, nnlshp, ffd, bfd.
-    #[arg(long, default_value = "spfhp")]
-    algorithm: String,
-    /// At most this many documents per pack.
-    #[arg(long)]
-    max_sequences_per_pack: Option<usize>,
+    #[command(flatten)]
+    sample: SampleArgs,
     /// How the packed rows attend: varlen (flash-attention's varlen over
     /// cu_seqlens, padding removed) or block-causal (a document mask per row).
     #[arg(long, default_value = "varlen")]
@@ -61,7 +46,6 @@ pub struct CausalLmArgs {
 }
 
 pub fn run(a: CausalLmArgs) -> Result<ExitCode, CliError> {
-    check_max_lines(a.max_lines)?;
     let form = match a.packed_attention.as_str() {
         "varlen" => CausalForm::Varlen,
         "block-causal" => CausalForm::BlockCausal,
@@ -72,9 +56,9 @@ pub fn run(a: CausalLmArgs) -> Result<ExitCode, CliError> {
         }
     };
     let opts = CausalVerifyOptions {
-        max_seq_len: a.max_seq_len,
-        algorithm: a.algorithm.parse::<Algorithm>()?,
-        max_sequences_per_pack: a.max_sequences_per_pack,
+        max_seq_len: a.sample.max_seq_len,
+        algorithm: a.sample.algorithm()?,
+        max_sequences_per_pack: a.sample.max_sequences_per_pack,
     };
     let bar = spinner();
     let result = run_with(a, form, opts, &bar);
@@ -95,7 +79,7 @@ fn run_with(
         a.tokenizer.clone()
     };
     let tok = text::load_tokenizer(&tok_path).map_err(CliError::input)?;
-    let docs = read_documents(&tok, &a.text, a.max_lines, opts.max_seq_len)?;
+    let docs = a.sample.read(&tok)?;
     let config = DecoderConfig::tiny(
         tok.get_vocab_size(true),
         a.heads,
@@ -132,7 +116,7 @@ fn run_with(
         tok_path.display()
     );
     print_run(
-        &a.text,
+        &a.sample.text,
         &docs,
         opts.max_seq_len,
         ("documents", " (next token within each document)"),
