@@ -9,17 +9,21 @@
 //! (varlen attention over `cu_seqlens`) and padded (one line per row of
 //! `max_seq_len`, key padding mask), forward and backward, and every output,
 //! loss and gradient is compared under [`Tolerance::F64_REWRITE`].
+//!
+//! `packshard verify causal-lm` is [`causal`] (re-exported from
+//! `packshard-oracle`); both print rows of [`Diff`].
 
 use std::time::Instant;
 
 use packshard_equivalence::attention::Observed;
 use packshard_equivalence::bert::compare_outputs;
-use packshard_equivalence::compare::{error_stats, Mismatch, Tolerance};
+use packshard_equivalence::compare::{Mismatch, Tolerance};
+pub use packshard_oracle::verify::{causal, Diff, RunFigures};
 use packshard_reference::bert::{
     BertModel, BertOutput, LossWeights, PackedAttention, Reduction, Targets, TokenBatch,
     IGNORE_INDEX,
 };
-use packshard_reference::packing::{Algorithm, PackedBatch, PackingConfig, PackingMetrics};
+use packshard_reference::packing::{Algorithm, PackedBatch, PackingConfig};
 use packshard_reference::Error;
 use rand::{Rng, SeedableRng};
 
@@ -82,53 +86,11 @@ pub fn mask_sample(tokenized: &[Vec<i64>], mask_id: i64, opts: &VerifyOptions) -
     }
 }
 
-/// The difference of one kind of output, packed against padded.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Diff {
-    /// What was compared.
-    pub name: String,
-    /// Values compared.
-    pub values: usize,
-    /// `max |packed - padded|`.
-    pub max_abs: f64,
-    /// `max |packed - padded| / max |padded|`.
-    pub max_rel: f64,
-}
-
-fn diff(name: &str, expected: &[f64], actual: &[f64]) -> Diff {
-    let s = error_stats(expected, actual);
-    let scale = expected.iter().fold(0.0f64, |m, v| m.max(v.abs()));
-    Diff {
-        name: name.to_string(),
-        values: expected.len(),
-        max_abs: s.max_abs,
-        max_rel: if scale > 0.0 {
-            s.max_abs / scale
-        } else {
-            s.max_abs
-        },
-    }
-}
-
 /// The outcome of a verification.
 #[derive(Debug, Clone)]
 pub struct VerifyReport {
-    /// Sequences run.
-    pub num_sequences: usize,
-    /// Real tokens.
-    pub real_tokens: usize,
-    /// Predicted (masked) tokens.
-    pub predicted_tokens: usize,
-    /// The packing's figures.
-    pub metrics: PackingMetrics,
-    /// Token slots of the padded batch (`sequences x max_seq_len`).
-    pub padded_slots: usize,
-    /// Token slots of the packed batch (`packs x max_seq_len`).
-    pub packed_slots: usize,
-    /// Seconds of the padded forward + backward.
-    pub padded_seconds: f64,
-    /// Seconds of the packed forward + backward.
-    pub packed_seconds: f64,
+    /// Sequences, tokens, predicted (masked) tokens, the packing, the time.
+    pub run: RunFigures,
     /// MLM loss of the padded run under each reduction.
     pub mlm_loss: [(Reduction, f64); 2],
     /// NSP loss of the padded run.
@@ -182,14 +144,16 @@ pub fn verify(
     let mut seen = Observed::default();
     let verdict = compare_outputs(&padded, &packed, &mut seen).map(|()| seen);
     Ok(VerifyReport {
-        num_sequences: b,
-        real_tokens: sample.sequences.iter().map(Vec::len).sum(),
-        predicted_tokens: sample.targets.mlm_counts().iter().sum(),
-        padded_slots: b * opts.max_seq_len,
-        packed_slots: packed_batch.num_packs() * opts.max_seq_len,
-        metrics: plan.metrics,
-        padded_seconds,
-        packed_seconds,
+        run: RunFigures {
+            sequences: b,
+            real_tokens: sample.sequences.iter().map(Vec::len).sum(),
+            predicted_tokens: sample.targets.mlm_counts().iter().sum(),
+            padded_slots: b * opts.max_seq_len,
+            packed_slots: packed_batch.num_packs() * opts.max_seq_len,
+            metrics: plan.metrics,
+            padded_seconds,
+            packed_seconds,
+        },
         mlm_loss: [
             (
                 Reduction::PerToken,
@@ -234,32 +198,40 @@ fn diffs(padded: &BertOutput, packed: &BertOutput) -> Vec<Diff> {
             .unwrap_or_default()
     };
     let mut out = vec![
-        diff(
+        Diff::new(
             "hidden states",
             &gather(padded, &hidden),
             &gather(packed, &hidden),
         ),
-        diff(
+        Diff::new(
             "pooled outputs",
             &gather(padded, &pooled),
             &gather(packed, &pooled),
         ),
-        diff(
+        Diff::new(
             "MLM token losses",
             &gather(padded, &mlm_tok),
             &gather(packed, &mlm_tok),
         ),
     ];
     for r in Reduction::ALL {
-        out.push(diff(
+        out.push(Diff::new(
             &format!("MLM loss ({})", r.name()),
             &[padded.mlm_loss_under(r)],
             &[packed.mlm_loss_under(r)],
         ));
     }
-    out.push(diff("NSP loss", &[padded.nsp_loss], &[packed.nsp_loss]));
-    out.push(diff("parameter gradients", &grads(padded), &grads(packed)));
-    out.push(diff(
+    out.push(Diff::new(
+        "NSP loss",
+        &[padded.nsp_loss],
+        &[packed.nsp_loss],
+    ));
+    out.push(Diff::new(
+        "parameter gradients",
+        &grads(padded),
+        &grads(packed),
+    ));
+    out.push(Diff::new(
         "input-embedding gradients",
         &gather(padded, &gie),
         &gather(packed, &gie),

@@ -60,11 +60,11 @@ fn real_weights_packed_equals_padded() {
         let report = verify(&model, &sample, &opts, &|_| {}).unwrap();
         // Non-degenerate: sequences share packs, tokens are predicted, the loss is real.
         assert!(
-            report.metrics.num_packs < seqs.len() as u64,
+            report.run.metrics.num_packs < seqs.len() as u64,
             "{:?}",
-            report.metrics
+            report.run.metrics
         );
-        assert!(report.predicted_tokens >= 8);
+        assert!(report.run.predicted_tokens >= 8);
         assert!(report.mlm_loss[0].1 > 1.0 && report.mlm_loss[0].1.is_finite());
         let observed = report.verdict.as_ref().unwrap_or_else(|m| panic!("{m}"));
         eprintln!(

@@ -16,6 +16,8 @@
 //! - [`bench`]: `packshard bench`, every registered kernel timed in one run.
 //! - [`text`] (feature `text`): real text tokenized with a model's own
 //!   `tokenizer.json`.
+//! - [`verify`]: `packshard verify causal-lm` (a decoder on real documents,
+//!   packed against padded) and the table rows every `verify` prints.
 //!
 //! Shape legend as in `packshard-reference`: `n_tok` tokens, `b` segments,
 //! `h` heads, `d` head dim, `v` vocabulary, `p` shards.
@@ -30,3 +32,4 @@ pub mod golden;
 pub mod registry;
 #[cfg(feature = "text")]
 pub mod text;
+pub mod verify;

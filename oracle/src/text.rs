@@ -4,7 +4,8 @@
 
 use std::path::{Path, PathBuf};
 
-use tokenizers::Tokenizer;
+/// The tokenizer type [`load_tokenizer`] returns (the `tokenizers` crate's).
+pub use tokenizers::Tokenizer;
 
 /// The most lines [`read_lines`] keeps (bounds memory whatever the input).
 pub const MAX_LINES: usize = 1 << 20;

@@ -1,15 +1,17 @@
 //! `packshard verify bert`: packed == padded on a real model and real text.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::{Args, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
+use packshard::equivalence::attention::Observed;
+use packshard::equivalence::{Mismatch, Tolerance};
 use packshard::reference::bert::{BertModel, Reduction};
 use packshard::reference::packing::{Algorithm, Histogram};
 use packshard::report::format_seconds;
 use packshard::text;
-use packshard::verify::{mask_sample, verify, VerifyOptions, TOLERANCE};
+use packshard::verify::{mask_sample, verify, Diff, RunFigures, VerifyOptions, TOLERANCE};
 
 use super::CliError;
 
@@ -23,6 +25,47 @@ pub struct VerifyArgs {
 enum VerifyWhat {
     /// The reference BERT on a real checkpoint and real text: packed against padded.
     Bert(BertArgs),
+    /// A seeded Llama-shaped reference decoder on real text: packed against padded.
+    CausalLm(super::verify_causal::CausalLmArgs),
+}
+
+/// The text, how many lines, and how they are packed: common to every `verify`.
+#[derive(Args)]
+pub(super) struct SampleArgs {
+    /// A text file, or a directory of *.txt files (lines taken round-robin);
+    /// each line is one sequence (document).
+    #[arg(long)]
+    pub text: PathBuf,
+    /// Lines to read (non-blank); lines over --max-seq-len tokens are skipped.
+    #[arg(long, default_value_t = 48)]
+    pub max_lines: usize,
+    /// Pack length and padded row length, in tokens.
+    #[arg(long, default_value_t = 32)]
+    pub max_seq_len: usize,
+    /// Packing algorithm: spfhp, lpfhp, nnlshp, ffd, bfd.
+    #[arg(long, default_value = "spfhp")]
+    pub algorithm: String,
+    /// At most this many sequences per pack.
+    #[arg(long)]
+    pub max_sequences_per_pack: Option<usize>,
+}
+
+impl SampleArgs {
+    /// Checks `--max-lines` (in `1..=text::MAX_LINES`) and parses `--algorithm`.
+    pub fn algorithm(&self) -> Result<Algorithm, CliError> {
+        if self.max_lines == 0 || self.max_lines > text::MAX_LINES {
+            return Err(CliError::input(format!(
+                "--max-lines must be in 1..={}",
+                text::MAX_LINES
+            )));
+        }
+        Ok(self.algorithm.parse::<Algorithm>()?)
+    }
+
+    /// The lines of `--text` tokenized by `tok`, those over `--max-seq-len` skipped.
+    pub fn read(&self, tok: &text::Tokenizer) -> Result<Documents, CliError> {
+        read_documents(tok, &self.text, self.max_lines, self.max_seq_len)
+    }
 }
 
 #[derive(Args)]
@@ -30,21 +73,8 @@ pub struct BertArgs {
     /// Model directory: config.json, model.safetensors, tokenizer.json.
     #[arg(long)]
     model: PathBuf,
-    /// A text file, or a directory of *.txt files (lines taken round-robin).
-    #[arg(long)]
-    text: PathBuf,
-    /// Lines to read (non-blank); lines over --max-seq-len tokens are skipped.
-    #[arg(long, default_value_t = 48)]
-    max_lines: usize,
-    /// Pack length and padded row length, in tokens.
-    #[arg(long, default_value_t = 32)]
-    max_seq_len: usize,
-    /// Packing algorithm: spfhp, lpfhp, nnlshp, ffd, bfd.
-    #[arg(long, default_value = "spfhp")]
-    algorithm: String,
-    /// At most this many sequences per pack.
-    #[arg(long)]
-    max_sequences_per_pack: Option<usize>,
+    #[command(flatten)]
+    sample: SampleArgs,
     /// MLM reduction for the gradients: per-sequence (the packing paper's) or per-token.
     #[arg(long, default_value = "per-sequence")]
     reduction: String,
@@ -59,6 +89,7 @@ pub struct BertArgs {
 pub fn run(args: VerifyArgs) -> Result<ExitCode, CliError> {
     match args.what {
         VerifyWhat::Bert(a) => bert(a),
+        VerifyWhat::CausalLm(a) => super::verify_causal::run(a),
     }
 }
 
@@ -69,25 +100,15 @@ fn bert(a: BertArgs) -> Result<ExitCode, CliError> {
             a.mask_prob
         )));
     }
-    if a.max_lines == 0 || a.max_lines > text::MAX_LINES {
-        return Err(CliError::input(format!(
-            "--max-lines must be in 1..={}",
-            text::MAX_LINES
-        )));
-    }
     let opts = VerifyOptions {
-        max_seq_len: a.max_seq_len,
-        algorithm: a.algorithm.parse::<Algorithm>()?,
-        max_sequences_per_pack: a.max_sequences_per_pack,
+        max_seq_len: a.sample.max_seq_len,
+        algorithm: a.sample.algorithm()?,
+        max_sequences_per_pack: a.sample.max_sequences_per_pack,
         reduction: a.reduction.parse::<Reduction>()?,
         mask_prob: a.mask_prob,
         seed: a.seed,
     };
-    let bar = ProgressBar::new_spinner();
-    bar.set_style(
-        ProgressStyle::with_template("{spinner} {msg} {elapsed}").expect("valid template"),
-    );
-    bar.enable_steady_tick(std::time::Duration::from_millis(120));
+    let bar = spinner();
     let result = bert_with(a, opts, &bar);
     bar.finish_and_clear();
     result
@@ -105,25 +126,8 @@ fn bert_with(a: BertArgs, opts: VerifyOptions, bar: &ProgressBar) -> Result<Exit
     bar.set_message("tokenizing");
     let tok = text::load_tokenizer(&a.model.join("tokenizer.json")).map_err(CliError::input)?;
     let mask_id = tok.token_to_id("[MASK]").map_or(103, i64::from);
-    let lines = text::read_lines(&a.text, a.max_lines).map_err(CliError::input)?;
-    let mut tokenized = Vec::with_capacity(lines.len());
-    let mut skipped = 0usize;
-    for line in &lines {
-        let ids = text::encode(&tok, line).map_err(CliError::input)?;
-        if ids.len() > opts.max_seq_len {
-            skipped += 1;
-        } else {
-            tokenized.push(ids);
-        }
-    }
-    if tokenized.is_empty() {
-        return Err(CliError::input(format!(
-            "no line of {} fits in --max-seq-len {}",
-            a.text.display(),
-            opts.max_seq_len
-        )));
-    }
-    let sample = mask_sample(&tokenized, mask_id, &opts);
+    let docs = a.sample.read(&tok)?;
+    let sample = mask_sample(&docs.tokenized, mask_id, &opts);
     let progress = |m: &str| bar.set_message(m.to_string());
     let report = verify(&model, &sample, &opts, &progress)?;
     bar.finish_and_clear();
@@ -138,36 +142,12 @@ fn bert_with(a: BertArgs, opts: VerifyOptions, bar: &ProgressBar) -> Result<Exit
         c.vocab_size,
         if initialised.is_empty() { "none".to_string() } else { format!("{} tensors (cls.*)", initialised.len()) }
     );
-    println!(
-        "text {}: {} lines read, {} over {} tokens skipped; {} sequences, {} tokens, {} predicted",
-        a.text.display(),
-        lines.len(),
-        skipped,
+    print_run(
+        &a.sample.text,
+        &docs,
         opts.max_seq_len,
-        report.num_sequences,
-        report.real_tokens,
-        report.predicted_tokens
-    );
-    let lengths: Vec<usize> = tokenized.iter().map(Vec::len).collect();
-    println!("length histogram (tokens: sequences):");
-    print!("{}", histogram_lines(&lengths, opts.max_seq_len));
-    let m = &report.metrics;
-    println!(
-        "packing {} ({}): {} packs of {}, efficiency {:.2}% (padded {:.2}%), speed-up {:.3}x in tokens ({} padded slots -> {} packed)",
-        m.algorithm,
-        m.setting,
-        m.num_packs,
-        opts.max_seq_len,
-        100.0 * m.efficiency,
-        100.0 * report.real_tokens as f64 / report.padded_slots as f64,
-        report.padded_slots as f64 / report.packed_slots as f64,
-        report.padded_slots,
-        report.packed_slots
-    );
-    println!(
-        "forward + backward: padded {}, packed {}",
-        format_seconds(report.padded_seconds),
-        format_seconds(report.packed_seconds)
+        ("sequences", ""),
+        &report.run,
     );
     println!(
         "losses (padded): MLM {:.6} per-token, {:.6} per-sequence; NSP {:.6}; gradients under {}",
@@ -176,29 +156,131 @@ fn bert_with(a: BertArgs, opts: VerifyOptions, bar: &ProgressBar) -> Result<Exit
         report.nsp_loss,
         opts.reduction.name()
     );
+    Ok(print_table(&report.diffs, &report.verdict, TOLERANCE))
+}
+
+/// A spinner that shows what runs and for how long.
+pub(super) fn spinner() -> ProgressBar {
+    let bar = ProgressBar::new_spinner();
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} {msg} {elapsed}").expect("valid template"),
+    );
+    bar.enable_steady_tick(std::time::Duration::from_millis(120));
+    bar
+}
+
+/// Lines of text tokenized, those over the length limit skipped.
+pub(super) struct Documents {
+    /// Lines read.
+    pub lines: usize,
+    /// Token ids of the lines kept, in order.
+    pub tokenized: Vec<Vec<i64>>,
+    /// Lines over the limit.
+    pub skipped: usize,
+}
+
+/// Up to `max_lines` lines of `path` tokenized by `tok` (special tokens
+/// included); lines over `max_seq_len` tokens are skipped.
+fn read_documents(
+    tok: &text::Tokenizer,
+    path: &Path,
+    max_lines: usize,
+    max_seq_len: usize,
+) -> Result<Documents, CliError> {
+    let lines = text::read_lines(path, max_lines).map_err(CliError::input)?;
+    let mut tokenized = Vec::with_capacity(lines.len());
+    let mut skipped = 0usize;
+    for line in &lines {
+        let ids = text::encode(tok, line).map_err(CliError::input)?;
+        if ids.len() > max_seq_len {
+            skipped += 1;
+        } else {
+            tokenized.push(ids);
+        }
+    }
+    if tokenized.is_empty() {
+        return Err(CliError::input(format!(
+            "no line of {} fits in --max-seq-len {max_seq_len}",
+            path.display()
+        )));
+    }
+    Ok(Documents {
+        lines: lines.len(),
+        tokenized,
+        skipped,
+    })
+}
+
+/// The sample (`noun`s run, tokens, predicted tokens and what they
+/// predict), its length histogram, the packing and the time of each layout.
+pub(super) fn print_run(
+    path: &Path,
+    docs: &Documents,
+    max_seq_len: usize,
+    (noun, predicted): (&str, &str),
+    run: &RunFigures,
+) {
+    println!(
+        "text {}: {} lines read, {} over {max_seq_len} tokens skipped; {} {noun}, {} tokens, {} predicted{predicted}",
+        path.display(),
+        docs.lines,
+        docs.skipped,
+        run.sequences,
+        run.real_tokens,
+        run.predicted_tokens
+    );
+    let lengths: Vec<usize> = docs.tokenized.iter().map(Vec::len).collect();
+    println!("length histogram (tokens: sequences):");
+    print!("{}", histogram_lines(&lengths, max_seq_len));
+    let m = &run.metrics;
+    println!(
+        "packing {} ({}): {} packs of {}, efficiency {:.2}% (padded {:.2}%), speed-up {:.3}x in tokens ({} padded slots -> {} packed)",
+        m.algorithm,
+        m.setting,
+        m.num_packs,
+        max_seq_len,
+        100.0 * m.efficiency,
+        100.0 * run.real_tokens as f64 / run.padded_slots as f64,
+        run.padded_slots as f64 / run.packed_slots as f64,
+        run.padded_slots,
+        run.packed_slots
+    );
+    println!(
+        "forward + backward: padded {}, packed {}",
+        format_seconds(run.padded_seconds),
+        format_seconds(run.packed_seconds)
+    );
+}
+
+/// The packed-vs-padded table and the verdict line; exit 0 on PASS, 1 on FAIL.
+pub(super) fn print_table(
+    diffs: &[Diff],
+    verdict: &Result<Observed, Mismatch>,
+    tolerance: Tolerance,
+) -> ExitCode {
     println!("packed vs padded:");
     println!(
-        "  {:<28} {:>10} {:>12} {:>12}",
+        "  {:<34} {:>10} {:>12} {:>12}",
         "", "values", "max abs", "max rel"
     );
-    for d in &report.diffs {
+    for d in diffs {
         println!(
-            "  {:<28} {:>10} {:>12.3e} {:>12.3e}",
+            "  {:<34} {:>10} {:>12.3e} {:>12.3e}",
             d.name, d.values, d.max_abs, d.max_rel
         );
     }
     println!("  (max rel = max abs / the largest magnitude of the padded values)");
-    match &report.verdict {
+    match verdict {
         Ok(_) => {
             println!(
                 "PASS: packed == padded within {} (rel {:.1e})",
-                TOLERANCE.name, TOLERANCE.rel
+                tolerance.name, tolerance.rel
             );
-            Ok(ExitCode::SUCCESS)
+            ExitCode::SUCCESS
         }
         Err(mismatch) => {
             println!("FAIL: {}", mismatch.to_string().replace('\n', " "));
-            Ok(ExitCode::from(1))
+            ExitCode::from(1)
         }
     }
 }

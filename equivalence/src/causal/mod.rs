@@ -539,7 +539,16 @@ fn finite(what: &str, v: &[f64]) -> Result<(), Mismatch> {
     }
 }
 
-fn grads_close(
+/// Compares every parameter gradient of `got` with `want` under `tol`,
+/// tensor by tensor (by Hugging Face name), the absolute floor relative to
+/// the largest gradient of `want` (a tensor of small gradients is judged
+/// against the scale of the whole backward, as the BERT suite does);
+/// records the error in `seen`.
+///
+/// # Errors
+/// A [`Mismatch`] naming `what`, the tensor and the index; a tensor count or
+/// a non-finite value of `got`.
+pub fn grads_close(
     what: &str,
     want: &DecoderParams,
     got: &DecoderParams,
