@@ -14,12 +14,13 @@
 # sharding, so every slice spreads over the crate's files): N_REF=256, N_EQ=180, N_OPT=140 give about 20 mutants a crate (5,368, 3,596
 # and 2,777 mutants in all on 2026-12-02), about an hour on 2 cores with a warm target.
 #
-# Each crate's mutants run against that crate's own tests: the code that turns bad input
-# into an error, or a checker that must reject a planted fault, is tested where it lives, so
-# a user of that crate alone is protected (issue #19). WIDE=1 adds the tests of the crates
-# downstream that also exercise it (slower: every mutant then runs those suites too):
-#   reference/      -> + packshard-equivalence
-#   optimized/      -> + packshard-oracle (the registry suites)
+# Each crate's mutants run against the tests that should catch them. For `reference` and
+# `equivalence` those are the crate's own tests: the code that turns bad input into an
+# error, or a checker that must reject a planted fault, is tested where it lives, so a user
+# of that crate alone is protected (issue #19). The kernels of `optimized` are held to the
+# reference by the registry suites of `packshard-oracle` (every registered implementation
+# through every suite), so its mutants run against `packshard-optimized`'s and
+# `packshard-oracle`'s tests. WIDE=1 adds `packshard-equivalence`'s tests to `reference`'s.
 # Results: mutants.out/<crate>/ (outcomes.json, missed.txt, caught.txt ...); a table per
 # crate is printed at the end and written to mutants.out/table.md. docs/MUTANTS.md holds the
 # last reviewed table and the equivalent mutants marked with #[mutants::skip] or the
@@ -83,7 +84,7 @@ sample)
     # The cuda module is compiled only with the `cuda` feature: PLAN=cuda samples it.
     run optimized -p packshard-optimized --shard "$((K - 1))/$N_OPT" --sharding round-robin \
         -e 'optimized/src/cuda/**' \
-        $(wide packshard-optimized packshard-oracle)
+        --test-package packshard-optimized --test-package packshard-oracle
     ;;
 cuda)
     PACKSHARD_REQUIRE_EMULATOR=1 run optimized-cuda -p packshard-optimized --features cuda \
@@ -92,7 +93,7 @@ cuda)
 full)
     run reference -p packshard-reference $(wide packshard-reference packshard-equivalence)
     run equivalence -p packshard-equivalence $(wide packshard-equivalence)
-    run optimized -p packshard-optimized $(wide packshard-optimized packshard-oracle)
+    run optimized -p packshard-optimized --test-package packshard-optimized --test-package packshard-oracle
     ;;
 *)
     echo "PLAN must be guards, sample, cuda or full" >&2
