@@ -171,7 +171,9 @@ fn overlong_histogram_policies_count_what_they_drop() {
     counts[4] = 2;
     let h = Histogram::from_counts(counts);
     let cfg = |o| PackingConfig::new(Algorithm::Spfhp, 4).with_overlong(o);
-    let t = pack_histogram(&h, &cfg(Overlong::Truncate)).unwrap().metrics;
+    let t = pack_histogram(&h, &cfg(Overlong::Truncate))
+        .unwrap()
+        .metrics;
     assert_eq!(t.dropped_tokens, 3 * (10 - 4));
     assert_eq!((t.truncated_sequences, t.dropped_sequences), (3, 0));
     let d = pack_histogram(&h, &cfg(Overlong::Drop)).unwrap().metrics;

@@ -3,8 +3,9 @@
 //! MLM/NSP [`Targets`] and the [`LossWeights`] of a reduction. The model
 //! ([`super::model`]) runs one code path over any of them.
 
-use ndarray::Array1;
+use ndarray::Array2;
 
+use super::config::BertConfig;
 use super::loss::{reduction_weights, Reduction, IGNORE_INDEX};
 use crate::attention::AttentionLayout;
 use crate::error::{Error, Result};
@@ -42,7 +43,7 @@ pub struct TokenBatch {
     pub sequences: Vec<Vec<usize>>,
 }
 
-fn to_index(v: i64, field: &str, index: usize, hi: usize) -> Result<usize> {
+pub(super) fn to_index(v: i64, field: &str, index: usize, hi: usize) -> Result<usize> {
     if v < 0 || v as u64 >= hi as u64 {
         return Err(Error::IndexOutOfRange {
             field: field.into(),

@@ -24,16 +24,15 @@ use super::ops::{
     gelu_backward, gelu_map, layer_norm, layer_norm_backward, linear, linear_backward,
 };
 use super::weights::BertParams;
-use crate::attention::{AttentionLayout, ReferenceAttention};
+use crate::attention::ReferenceAttention;
 use crate::error::{Error, Result};
 use crate::ops::AttentionOp;
-use crate::packing::batch::MAX_BATCH_SLOTS;
-use crate::packing::PackedBatch;
 
 /// The most MLM logits (`predicted tokens * v`) one run may hold (2^30, 8 GB
 /// in f64): bounds the decoder's allocation before it is made.
 pub const MAX_MLM_LOGITS: usize = 1 << 30;
 
+use super::batch::to_index;
 pub use super::batch::{LossWeights, PackedAttention, Targets, TokenBatch, MAX_MASK_ENTRIES};
 
 /// What the model gives for one input sequence.
