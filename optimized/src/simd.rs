@@ -448,6 +448,27 @@ mod tests {
         (d / u) as f32
     }
 
+    /// `dot_slice` against an f64 sum, on lengths below, at and past the
+    /// SIMD width (so the tail path runs with and without whole lanes).
+    #[test]
+    fn dot_is_the_sum_of_products_with_and_without_a_tail() {
+        for n in [0usize, 1, 3, 7, 8, 9, 16, 17, 33, 100] {
+            let a: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin() + 0.5).collect();
+            let b: Vec<f32> = (0..n).map(|i| 1.5 - (i % 5) as f32 * 0.25).collect();
+            let want: f64 = a.iter().zip(&b).map(|(&x, &y)| x as f64 * y as f64).sum();
+            let got = dot_slice(&a, &b) as f64;
+            let scale: f64 = a
+                .iter()
+                .zip(&b)
+                .map(|(&x, &y)| (x as f64 * y as f64).abs())
+                .sum();
+            assert!(
+                (got - want).abs() <= 4.0 * f32::EPSILON as f64 * scale.max(1e-30) + 1e-30,
+                "n = {n}: dot {got}, sum {want}"
+            );
+        }
+    }
+
     #[test]
     fn exp_is_within_two_ulp_of_libm_and_zero_below_the_cut() {
         let mut xs: Vec<f32> = (0..200_001)
