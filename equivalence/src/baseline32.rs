@@ -17,8 +17,12 @@
 //!   (unsharded; the `rest = s - 1`, `ln_1p` and confident-target forms kept).
 
 use ndarray::{Array1, Array2, Array3, ArrayView1, ArrayView2, ArrayView3, Axis};
+use packshard_reference::attention::{
+    check_qkv_shapes, check_varlen, AttentionGrads, AttentionOutput,
+};
 use packshard_reference::bert::attention::AttentionLayout;
 use packshard_reference::bert::LayerParams;
+use packshard_reference::ops::{AttentionOp, AttentionSupport, Varlen};
 use packshard_reference::vocab::{LossConfig, Reduction};
 
 /// `x` rounded to the nearest `f32`.
@@ -202,6 +206,110 @@ pub fn varlen_attention_general_backward(
         }
     }
     g
+}
+
+/// [`varlen_attention_general`] and its backward as an [`AttentionOp`]
+/// (inputs rounded to f32, results widened): the f32 yardstick of a pipeline
+/// whose attention is an f32 kernel (`causal::CausalLmImpl::baseline32`).
+/// Varlen form only: the masked form is refused.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Baseline32Attention;
+
+impl Baseline32Attention {
+    fn inputs(
+        q: &ArrayView3<f64>,
+        k: &ArrayView3<f64>,
+        v: &ArrayView3<f64>,
+        p: &Varlen<'_>,
+    ) -> packshard_reference::Result<[Array3<f32>; 3]> {
+        check_qkv_shapes(q.shape(), k.shape(), v.shape())?;
+        check_varlen(p, q.dim().0, k.dim().0)?;
+        Ok([to_f32(q), to_f32(k), to_f32(v)])
+    }
+}
+
+impl AttentionOp for Baseline32Attention {
+    fn support(&self) -> AttentionSupport {
+        AttentionSupport::ALL
+    }
+
+    fn varlen_forward(
+        &self,
+        q: ArrayView3<f64>,
+        k: ArrayView3<f64>,
+        v: ArrayView3<f64>,
+        p: &Varlen<'_>,
+    ) -> packshard_reference::Result<AttentionOutput> {
+        let [q, k, v] = Self::inputs(&q, &k, &v, p)?;
+        let cu = (p.cu_seqlens_q, p.cu_seqlens_k);
+        let (o, l) =
+            varlen_attention_general(q.view(), k.view(), v.view(), cu, p.causal, p.scale as f32);
+        Ok(AttentionOutput {
+            output: to_f64(&o.view()),
+            lse: to_f64(&l.view()),
+        })
+    }
+
+    fn varlen_backward(
+        &self,
+        q: ArrayView3<f64>,
+        k: ArrayView3<f64>,
+        v: ArrayView3<f64>,
+        p: &Varlen<'_>,
+        fwd: &AttentionOutput,
+        grad_output: ArrayView3<f64>,
+    ) -> packshard_reference::Result<AttentionGrads> {
+        let [q, k, v] = Self::inputs(&q, &k, &v, p)?;
+        let (o, l, g) = (
+            to_f32(&fwd.output.view()),
+            to_f32(&fwd.lse.view()),
+            to_f32(&grad_output),
+        );
+        let [gq, gk, gv] = varlen_attention_general_backward(
+            (q.view(), k.view(), v.view()),
+            (p.cu_seqlens_q, p.cu_seqlens_k),
+            p.causal,
+            p.scale as f32,
+            (o.view(), l.view()),
+            g.view(),
+        );
+        Ok(AttentionGrads {
+            grad_q: to_f64(&gq.view()),
+            grad_k: to_f64(&gk.view()),
+            grad_v: to_f64(&gv.view()),
+        })
+    }
+
+    fn masked_forward(
+        &self,
+        _: ArrayView3<f64>,
+        _: ArrayView3<f64>,
+        _: ArrayView3<f64>,
+        _: ArrayView2<bool>,
+        _: f64,
+    ) -> packshard_reference::Result<AttentionOutput> {
+        Err(masked_refused())
+    }
+
+    fn masked_backward(
+        &self,
+        _: ArrayView3<f64>,
+        _: ArrayView3<f64>,
+        _: ArrayView3<f64>,
+        _: ArrayView2<bool>,
+        _: f64,
+        _: &AttentionOutput,
+        _: ArrayView3<f64>,
+    ) -> packshard_reference::Result<AttentionGrads> {
+        Err(masked_refused())
+    }
+}
+
+fn masked_refused() -> packshard_reference::Error {
+    packshard_reference::Error::invalid(
+        "allowed",
+        "the f32 baseline attention runs the varlen form only",
+    )
 }
 
 // ---- encoder layer ------------------------------------------------------------

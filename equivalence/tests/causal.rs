@@ -68,15 +68,24 @@ fn reference_passes_the_chunk_suite() {
     );
 }
 
+/// An f32 relative judge: the reference pipeline (f64 attention) against
+/// its baseline (the baseline's f32 attention) passes; an implementation
+/// without a baseline is refused, not passed.
 #[test]
-fn relative_judges_are_refused_not_passed() {
+fn relative_judges_need_a_baseline() {
     let judge = Judge::Relative {
         rule: packshard_equivalence::RelativeRule::F32,
-        inputs: packshard_reference::ops::Precision::F32,
+        inputs: packshard_reference::ops::Precision::F64,
         packed: Tolerance::F32_REWRITE,
     };
-    let m = run_causal_suite(&reference_causal_lm(CausalForm::Varlen), judge, 1).unwrap_err();
-    assert!(m.to_string().contains("f64 rewrites only"), "{m}");
+    let r = run_causal_suite(&reference_causal_lm(CausalForm::Varlen), judge, 4).unwrap();
+    assert!(r.relative.count > 100, "{r:?}");
+    let m = run_causal_suite(&Faulty(Fault::MeanPerPackRow), judge, 1).unwrap_err();
+    assert!(
+        m.to_string()
+            .contains("needs the implementation's f32 baseline"),
+        "{m}"
+    );
 }
 
 // ---- negative controls -------------------------------------------------------

@@ -18,6 +18,7 @@ pub mod attention;
 pub mod convert;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod decoder_layer;
 pub mod layer;
 pub mod matmul;
 pub mod ops;

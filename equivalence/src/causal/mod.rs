@@ -18,7 +18,11 @@
 //!   this suite on the documents themselves (labels, weights and positions
 //!   written out here, not taken from the implementation), under
 //!   [`Tolerance::F64_REWRITE`] — so a fault both forms share (positions
-//!   restarted in a continuation chunk, C6) is seen too.
+//!   restarted in a continuation chunk, C6) is seen too. Under a
+//!   [`Judge::Relative`] (an implementation computing in f32) each tensor's
+//!   error against the truth is held to the rule against the error of the
+//!   same computation in the baseline's f32 ([`CausalLmImpl::baseline32`]),
+//!   as the attention and layer suites hold their f32 kernels.
 //!
 //! [`check_chunk`] is the continuation property (C5, C6): a document's tail
 //! run by the implementation as a chunk over its cached keys and values
@@ -50,7 +54,9 @@ use proptest::test_runner::TestCaseError;
 use rand::{Rng, SeedableRng};
 
 pub use crate::attention::Observed;
-use crate::compare::{Judge, Mismatch, Tolerance};
+use crate::compare::{
+    assert_within_k_with_scale, Judge, Mismatch, RelativeRule, RelativeTotals, Tolerance,
+};
 
 const IMPL: &str = "implementation";
 
@@ -117,6 +123,13 @@ pub trait CausalLmImpl {
         batch: &CausalBatch,
         past: &KvCache,
     ) -> Result<Array2<f64>, Error>;
+    /// The yardstick of a [`Judge::Relative`]: the same computation with
+    /// the baseline's f32 arithmetic where this implementation computes in
+    /// f32 or bf16 ([`crate::baseline32`]); `None` (the default) for an f64
+    /// rewrite, which the suite then judges under [`Judge::Rewrite`] only.
+    fn baseline32(&self) -> Option<Box<dyn CausalLmImpl + '_>> {
+        None
+    }
 }
 
 /// How the reference implementation attends on a batch.
@@ -280,6 +293,16 @@ impl CausalLmImpl for ReferenceCausalLm<'_> {
         let (slots, cu) = varlen_from_doc_ids(&batch.doc_ids)?;
         let positions: Vec<usize> = slots.iter().map(|&s| batch.position_ids[s]).collect();
         chunk_varlen(model, self.attention, batch, &slots, &cu, &positions, past)
+    }
+
+    /// The same pipeline with [`crate::baseline32::Baseline32Attention`]:
+    /// the decoder's attention in the baseline's f32, the rest in f64 (the
+    /// computation of a pipeline whose attention is an f32 kernel).
+    fn baseline32(&self) -> Option<Box<dyn CausalLmImpl + '_>> {
+        Some(Box::new(ReferenceCausalLm {
+            attention: &crate::baseline32::Baseline32Attention,
+            form: CausalForm::Varlen,
+        }))
     }
 }
 
@@ -514,6 +537,9 @@ pub struct CausalReport {
     pub grads: Observed,
     /// Padded vs the suite's own reference run (all quantities).
     pub truth: Observed,
+    /// Under a [`Judge::Relative`]: padded vs the truth, each tensor's error
+    /// against the baseline's ([`CausalLmImpl::baseline32`]).
+    pub relative: RelativeTotals,
     /// Cases with a row shared by two or more documents (C1, C2, C3, P7 show).
     pub shared_rows: usize,
     /// Cases with a one-token document beside another (C3).
@@ -573,6 +599,70 @@ fn grads_close(
     Ok(())
 }
 
+/// The padded run against the truth: under [`Tolerance::F64_REWRITE`], or
+/// under a relative judge's rule against the baseline's own error.
+struct Truth<'a> {
+    rule: Option<(RelativeRule, &'a CausalRun)>,
+    seen: Observed,
+    totals: RelativeTotals,
+}
+
+impl Truth<'_> {
+    /// `got` against `want`; `base` picks the baseline's values from its run.
+    fn close(
+        &mut self,
+        what: &str,
+        (want, got): (&[f64], &[f64]),
+        base: impl Fn(&CausalRun) -> Vec<f64>,
+        shape: &[usize],
+        scale: Option<f64>,
+    ) -> Result<(), Mismatch> {
+        match self.rule {
+            None => self
+                .seen
+                .close_scaled(what, want, got, shape, Tolerance::F64_REWRITE, scale),
+            Some((rule, b)) => {
+                let e = assert_within_k_with_scale(what, want, &base(b), got, shape, rule, scale)?;
+                self.totals.add(&e);
+                Ok(())
+            }
+        }
+    }
+
+    fn grads(
+        &mut self,
+        what: &str,
+        want: &DecoderParams,
+        got: &DecoderParams,
+    ) -> Result<(), Mismatch> {
+        let (a, b) = (want.named(), got.named());
+        if a.len() != b.len() {
+            return Err(Mismatch::new(
+                what,
+                format!("{} tensors, expected {}", b.len(), a.len()),
+            ));
+        }
+        let global = a
+            .iter()
+            .flat_map(|(_, t)| t.iter().copied())
+            .fold(0.0f64, |m, v| m.max(v.abs()));
+        for (i, ((name, x), (_, y))) in a.iter().zip(&b).enumerate() {
+            let (vx, vy): (Vec<f64>, Vec<f64>) =
+                (x.iter().copied().collect(), y.iter().copied().collect());
+            finite(&format!("{what} {name}"), &vy)?;
+            let base = |r: &CausalRun| r.grads.named()[i].1.iter().copied().collect();
+            self.close(
+                &format!("{what} {name}"),
+                (&vx, &vy),
+                base,
+                x.shape(),
+                Some(global),
+            )?;
+        }
+        Ok(())
+    }
+}
+
 /// Checks `imp` on one case (see the module docs) under `judge`.
 ///
 /// # Errors
@@ -582,13 +672,17 @@ pub fn check_causal(
     case: &CausalCase,
     judge: Judge,
 ) -> Result<CausalReport, Mismatch> {
-    let Judge::Rewrite(tol) = judge else {
-        return Err(Mismatch::new(
-            "judge",
-            "the causal-LM suite judges f64 rewrites only (the relative rule for f32 decoders is not wired yet)",
-        ));
-    };
+    let tol = judge.packed();
     let err = |what: &str, e: Error| Mismatch::new(what, format!("{IMPL}: {e}"));
+    let baseline = match judge.relative_rule() {
+        None => None,
+        Some(_) => Some(imp.baseline32().ok_or_else(|| {
+            Mismatch::new(
+                "judge",
+                format!("a relative judge needs the implementation's f32 baseline ({} has none: CausalLmImpl::baseline32)", imp.name()),
+            )
+        })?),
+    };
     let padded_b = case
         .padded()
         .map_err(|e| Mismatch::new("case", e.to_string()))?;
@@ -604,6 +698,18 @@ pub fn check_causal(
     let (truth_logits, truth_loss, truth_grads) = case
         .truth()
         .map_err(|e| Mismatch::new("truth", e.to_string()))?;
+    let base_run = match &baseline {
+        Some(b) => Some(
+            b.run(&case.model, &padded_b, case.reduction)
+                .map_err(|e| err("baseline (padded)", e))?,
+        ),
+        None => None,
+    };
+    let mut truth = Truth {
+        rule: judge.relative_rule().zip(base_run.as_ref()),
+        seen: Observed::default(),
+        totals: RelativeTotals::default(),
+    };
     let v = case.model.config.vocab_size;
     let mut r = CausalReport {
         cases: 1,
@@ -636,12 +742,12 @@ pub fn check_causal(
         let (lp, lk) = (gather(&padded, &rows_pad), gather(&packed, &rows_pack));
         finite(&format!("packed document {d}: logits"), &lk)?;
         let shape = [rows_pad.len(), v];
-        r.truth.close(
+        truth.close(
             &format!("truth vs padded: document {d}: logits"),
-            &want.iter().copied().collect::<Vec<_>>(),
-            &lp,
+            (&want.iter().copied().collect::<Vec<_>>(), &lp),
+            |b| gather(b, &rows_pad),
             &shape,
-            Tolerance::F64_REWRITE,
+            None,
         )?;
         r.logits.close(
             &format!("packed vs padded: document {d}: logits"),
@@ -651,12 +757,12 @@ pub fn check_causal(
             tol,
         )?;
     }
-    r.truth.close(
+    truth.close(
         "truth vs padded: loss",
-        &[truth_loss],
-        &[padded.loss],
+        (&[truth_loss], &[padded.loss]),
+        |b| vec![b.loss],
         &[1],
-        Tolerance::F64_REWRITE,
+        None,
     )?;
     r.loss.close(
         "packed vs padded: loss",
@@ -665,13 +771,9 @@ pub fn check_causal(
         &[1],
         tol,
     )?;
-    grads_close(
-        "truth vs padded: grad",
-        &truth_grads,
-        &padded.grads,
-        Tolerance::F64_REWRITE,
-        &mut r.truth,
-    )?;
+    truth.grads("truth vs padded: grad", &truth_grads, &padded.grads)?;
+    r.truth = truth.seen;
+    r.relative = truth.totals;
     grads_close(
         "packed vs padded: grad",
         &padded.grads,
@@ -718,6 +820,7 @@ impl CausalReport {
         self.loss.merge(o.loss);
         self.grads.merge(o.grads);
         self.truth.merge(o.truth);
+        self.relative.merge(&o.relative);
         self.shared_rows += o.shared_rows;
         self.one_token += o.one_token;
         self.gaps += o.gaps;
