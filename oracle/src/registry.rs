@@ -289,7 +289,7 @@ pub fn attention() -> Vec<Entry<dyn AttentionOp>> {
         },
         Entry {
             name: "attention_varlen_tiled",
-            changed: "f32; online softmax per 64 x 64 (query, key) tile of each cu_seqlens segment, pulp SIMD, rayon over (segment, head); saves lse, never builds the mask",
+            changed: "f32; online softmax per 64 x 64 (query, key) tile of each cu_seqlens segment, pulp SIMD, rayon over (segment, head); saves lse, never builds the mask; causal, GQA and cu_seqlens_k != cu_seqlens_q (bottom-right)",
             precision: Precision::F32,
             judge: F32_EXACT_FORMS,
             fuzz_judge: Judge::Rewrite(Tolerance::F32_REWRITE),
@@ -319,7 +319,7 @@ pub fn attention() -> Vec<Entry<dyn AttentionOp>> {
         },
         Entry {
             name: "attention_dense_masked",
-            changed: "the same tiles over whole rows with a [len, len] boolean mask: every score is computed (the padded / block-diagonal-mask baseline)",
+            changed: "the same tiles over whole rows with a [len, len] boolean mask: every score is computed (the padded / block-diagonal-mask baseline); GQA, self-attention only",
             precision: Precision::F32,
             judge: F32_FORMS,
             fuzz_judge: Judge::Rewrite(Tolerance::F32_REWRITE),
@@ -329,7 +329,7 @@ pub fn attention() -> Vec<Entry<dyn AttentionOp>> {
         },
         Entry {
             name: "attention_varlen_scalar",
-            changed: "the slow twin of attention_varlen_tiled: f32, plain loops, no SIMD, threads or tiles; the textbook softmax per query",
+            changed: "the slow twin of attention_varlen_tiled: f32, plain loops, no SIMD, threads or tiles; the textbook softmax per query; causal, GQA, cross",
             precision: Precision::F32,
             judge: F32_EXACT_FORMS,
             fuzz_judge: Judge::Rewrite(Tolerance::F32_REWRITE),
