@@ -565,104 +565,6 @@ fn finite(what: &str, v: &[f64]) -> Result<(), Mismatch> {
     }
 }
 
-fn grads_close(
-    what: &str,
-    want: &DecoderParams,
-    got: &DecoderParams,
-    tol: Tolerance,
-    seen: &mut Observed,
-) -> Result<(), Mismatch> {
-    let (a, b) = (want.named(), got.named());
-    if a.len() != b.len() {
-        return Err(Mismatch::new(
-            what,
-            format!("{} tensors, expected {}", b.len(), a.len()),
-        ));
-    }
-    let global = a
-        .iter()
-        .flat_map(|(_, t)| t.iter().copied())
-        .fold(0.0f64, |m, v| m.max(v.abs()));
-    for ((name, x), (_, y)) in a.iter().zip(&b) {
-        let (vx, vy): (Vec<f64>, Vec<f64>) =
-            (x.iter().copied().collect(), y.iter().copied().collect());
-        finite(&format!("{what} {name}"), &vy)?;
-        seen.close_scaled(
-            &format!("{what} {name}"),
-            &vx,
-            &vy,
-            x.shape(),
-            tol,
-            Some(global),
-        )?;
-    }
-    Ok(())
-}
-
-/// The padded run against the truth: under [`Tolerance::F64_REWRITE`], or
-/// under a relative judge's rule against the baseline's own error.
-struct Truth<'a> {
-    rule: Option<(RelativeRule, &'a CausalRun)>,
-    seen: Observed,
-    totals: RelativeTotals,
-}
-
-impl Truth<'_> {
-    /// `got` against `want`; `base` picks the baseline's values from its run.
-    fn close(
-        &mut self,
-        what: &str,
-        (want, got): (&[f64], &[f64]),
-        base: impl Fn(&CausalRun) -> Vec<f64>,
-        shape: &[usize],
-        scale: Option<f64>,
-    ) -> Result<(), Mismatch> {
-        match self.rule {
-            None => self
-                .seen
-                .close_scaled(what, want, got, shape, Tolerance::F64_REWRITE, scale),
-            Some((rule, b)) => {
-                let e = assert_within_k_with_scale(what, want, &base(b), got, shape, rule, scale)?;
-                self.totals.add(&e);
-                Ok(())
-            }
-        }
-    }
-
-    fn grads(
-        &mut self,
-        what: &str,
-        want: &DecoderParams,
-        got: &DecoderParams,
-    ) -> Result<(), Mismatch> {
-        let (a, b) = (want.named(), got.named());
-        if a.len() != b.len() {
-            return Err(Mismatch::new(
-                what,
-                format!("{} tensors, expected {}", b.len(), a.len()),
-            ));
-        }
-        let global = a
-            .iter()
-            .flat_map(|(_, t)| t.iter().copied())
-            .fold(0.0f64, |m, v| m.max(v.abs()));
-        for (i, ((name, x), (_, y))) in a.iter().zip(&b).enumerate() {
-            let (vx, vy): (Vec<f64>, Vec<f64>) =
-                (x.iter().copied().collect(), y.iter().copied().collect());
-            finite(&format!("{what} {name}"), &vy)?;
-            let base = |r: &CausalRun| r.grads.named()[i].1.iter().copied().collect();
-            self.close(
-                &format!("{what} {name}"),
-                (&vx, &vy),
-                base,
-                x.shape(),
-                Some(global),
-            )?;
-        }
-        Ok(())
-    }
-}
-
 /// Checks `imp` on one case (see the module docs) under `judge`.
 ///
 /// # Errors
@@ -830,6 +732,8 @@ impl CausalReport {
 }
 
 mod chunk;
+mod judge;
 mod suite;
 pub use chunk::{check_bottom_right, check_chunk, run_chunk_suite};
+use judge::{grads_close, Truth};
 pub use suite::{causal_cases, configs, fault_cases, run_causal_suite, MAX_ROW};
