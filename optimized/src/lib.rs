@@ -19,6 +19,7 @@ pub mod convert;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod decoder_layer;
+pub mod decoder_model;
 pub mod layer;
 pub mod matmul;
 pub mod ops;

@@ -3,15 +3,27 @@
 //! varlen) passes — packed == padded within 64 ulp of f32, and against the
 //! f64 truth within the rule of the same pipeline with the baseline's f32
 //! attention (`CausalLmImpl::baseline32`); the same pipeline with a kernel
-//! that attends across documents is caught under the same judge.
+//! that attends across documents is caught under the same judge. And the
+//! decoder with every layer in f32 (`packshard_optimized::decoder_model`)
+//! through the same suite, packed == padded and against the f64 truth
+//! within an f32 tolerance; with labels shifted over the pack (C1) caught.
 
-use ndarray::ArrayView3;
-use packshard_equivalence::causal::{run_causal_suite, CausalForm, ReferenceCausalLm};
+use ndarray::{Array2, ArrayView3};
+use packshard_equivalence::causal::{
+    run_causal_suite, scatter_logits, CausalBatch, CausalForm, CausalLmImpl, CausalRun,
+    ReferenceCausalLm,
+};
 use packshard_equivalence::planted::{AttentionHooks, Planted, Qkv};
 use packshard_equivalence::{Judge, RelativeRule, Tolerance};
+use packshard_optimized::decoder_model::decoder_run_f32;
 use packshard_optimized::ops::{ScalarAttention, TiledAttention};
 use packshard_reference::attention::{AttentionGrads, AttentionOutput};
+use packshard_reference::decoder::{
+    loss_weights, next_token_labels, varlen_from_doc_ids, CausalReduction, DecoderConfig,
+    DecoderModel, KvCache, Mlp, Norm,
+};
 use packshard_reference::ops::{AttentionOp, AttentionSupport, Precision, Varlen};
+use packshard_reference::Error;
 use packshard_reference::Result;
 
 /// The f32 attention inside the f64 decoder: f64 inputs (the pipeline
@@ -96,4 +108,102 @@ fn attention_across_documents_is_caught_under_the_f32_rule() {
     let m = run_causal_suite(&imp, JUDGE, 8).unwrap_err().to_string();
     assert!(m.contains("truth vs padded: document 1: logits"), "{m}");
     assert!(m.contains("x the baseline's"), "{m}");
+}
+
+/// The decoder with its layers in f32 (`decoder_run_f32`), labels, weights
+/// and boundaries from the reference's packing ops; `shift_over_pack`
+/// plants C1 (a document's last token predicts the next one's first).
+struct F32Layers {
+    shift_over_pack: bool,
+}
+
+impl CausalLmImpl for F32Layers {
+    fn name(&self) -> String {
+        "decoder with f32 layers".into()
+    }
+
+    fn run(
+        &self,
+        model: &DecoderModel,
+        b: &CausalBatch,
+        reduction: CausalReduction,
+    ) -> Result<CausalRun> {
+        let mut labels = next_token_labels(&b.input_ids, &b.doc_ids, b.eos)?;
+        if self.shift_over_pack {
+            for i in 0..b.input_ids.len().saturating_sub(1) {
+                let same_row = (i + 1) % b.row_len != 0;
+                if b.doc_ids[i] != 0 && b.doc_ids[i + 1] != 0 && same_row {
+                    labels[i] = b.input_ids[i + 1];
+                }
+            }
+        }
+        let weights = loss_weights(&labels, &b.doc_ids, reduction, b.num_documents)?;
+        let (slots, cu) = varlen_from_doc_ids(&b.doc_ids)?;
+        let pick = |s: &usize| (b.input_ids[*s], b.position_ids[*s], labels[*s], weights[*s]);
+        let (mut ids, mut pos, mut lab, mut w) = (vec![], vec![], vec![], vec![]);
+        for (i, p, l, x) in slots.iter().map(pick) {
+            ids.push(i);
+            pos.push(p);
+            lab.push(l);
+            w.push(x);
+        }
+        let r = decoder_run_f32(model, &ids, &pos, &cu, (&lab, &w))?;
+        Ok(CausalRun {
+            logits: scatter_logits(b, &slots, &r.logits),
+            loss: r.loss,
+            grads: r.grads,
+        })
+    }
+
+    fn chunk_logits(&self, _: &DecoderModel, _: &CausalBatch, _: &KvCache) -> Result<Array2<f64>> {
+        Err(Error::invalid(
+            "past",
+            "the f32 decoder layers take no key/value cache",
+        ))
+    }
+
+    fn supports(&self, config: &DecoderConfig) -> bool {
+        config.norm == Norm::RmsNorm && config.mlp == Mlp::SwiGlu
+    }
+}
+
+/// f32 layers against the f64 truth: 64 ulp of f32 of each tensor's scale
+/// (parameter gradients: of the largest gradient), the registry's judge of
+/// a single f32 case (`Tolerance::F32_REWRITE`); one layer alone is within
+/// 4e-7 of its scale (`optimized/tests/decoder_layer.rs`).
+const F32_LAYERS: Judge = Judge::Rewrite(Tolerance::F32_REWRITE);
+
+#[test]
+fn the_decoder_with_f32_layers_passes_the_causal_suite() {
+    let r = run_causal_suite(
+        &F32Layers {
+            shift_over_pack: false,
+        },
+        F32_LAYERS,
+        96,
+    )
+    .unwrap();
+    eprintln!(
+        "f32 layers: {} cases ({} skipped: LayerNorm/GELU), truth max rel {:.2e}, packed vs padded grads max rel {:.2e}, logits {:.2e}",
+        r.cases, r.skipped, r.truth.max_rel, r.grads.max_rel, r.logits.max_rel
+    );
+    assert!(r.cases >= 27 + 16, "{r:?}");
+    assert!(r.shared_rows > 10 && r.one_token > 3, "{r:?}");
+}
+
+#[test]
+fn labels_shifted_over_the_pack_are_caught_with_f32_layers() {
+    let m = run_causal_suite(
+        &F32Layers {
+            shift_over_pack: true,
+        },
+        F32_LAYERS,
+        8,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        m.contains("C1 pack [a b | c d]") && m.contains("packed vs padded"),
+        "{m}"
+    );
 }

@@ -47,9 +47,11 @@ pub(super) fn grads_close(
     })
 }
 
-/// The padded run against the truth: under [`Tolerance::F64_REWRITE`], or
+/// The padded run against the truth: under a rewrite's tolerance, or
 /// under a relative judge's rule against the baseline's own error.
 pub(super) struct Truth<'a> {
+    /// The tolerance without a rule.
+    pub(super) tol: Tolerance,
     pub(super) rule: Option<(RelativeRule, &'a CausalRun)>,
     pub(super) seen: Observed,
     pub(super) totals: RelativeTotals,
@@ -68,7 +70,7 @@ impl Truth<'_> {
         match self.rule {
             None => self
                 .seen
-                .close_scaled(what, want, got, shape, Tolerance::F64_REWRITE, scale),
+                .close_scaled(what, want, got, shape, self.tol, scale),
             Some((rule, b)) => {
                 let e = assert_within_k_with_scale(what, want, &base(b), got, shape, rule, scale)?;
                 self.totals.add(&e);

@@ -16,8 +16,9 @@
 //!   parameter gradient, within `judge.packed()`;
 //! - **padded == truth**: the same against the f64 reference decoder run by
 //!   this suite on the documents themselves (labels, weights and positions
-//!   written out here, not taken from the implementation), under
-//!   [`Tolerance::F64_REWRITE`] — so a fault both forms share (positions
+//!   written out here, not taken from the implementation), under a
+//!   [`Judge::Rewrite`]'s tolerance ([`Tolerance::F64_REWRITE`] for an f64
+//!   rewrite) — so a fault both forms share (positions
 //!   restarted in a continuation chunk, C6) is seen too. Under a
 //!   [`Judge::Relative`] (an implementation computing in f32) each tensor's
 //!   error against the truth is held to the rule against the error of the
@@ -130,6 +131,12 @@ pub trait CausalLmImpl {
     fn baseline32(&self) -> Option<Box<dyn CausalLmImpl + '_>> {
         None
     }
+    /// Whether it implements `config` (the suite's random cases skip the
+    /// others; its fixed cases are Llama-shaped). All, by default.
+    fn supports(&self, config: &DecoderConfig) -> bool {
+        let _ = config;
+        true
+    }
 }
 
 /// How the reference implementation attends on a batch.
@@ -172,15 +179,21 @@ pub fn run_varlen(
         past: None,
     };
     let run = model.run(attention, &input, labels, weights)?;
-    let mut logits = Array2::zeros((batch.input_ids.len(), model.config.vocab_size));
-    for (t, &s) in slots.iter().enumerate() {
-        logits.row_mut(s).assign(&run.logits.row(t));
-    }
     Ok(CausalRun {
-        logits,
+        logits: scatter_logits(batch, slots, &run.logits),
         loss: run.loss,
         grads: run.grads.params,
     })
+}
+
+/// `[n_slots, v]`: row `t` of `logits: [n_tok, v]` at slot `slots[t]`, 0
+/// elsewhere (how a varlen implementation hands back the batch's logits).
+pub fn scatter_logits(batch: &CausalBatch, slots: &[usize], logits: &Array2<f64>) -> Array2<f64> {
+    let mut out = Array2::zeros((batch.input_ids.len(), logits.ncols()));
+    for (t, &s) in slots.iter().enumerate() {
+        out.row_mut(s).assign(&logits.row(t));
+    }
+    out
 }
 
 /// The continuation-chunk twin of [`run_varlen`]: the logits of the tokens
@@ -209,11 +222,7 @@ pub fn chunk_varlen(
         past: Some(past),
     };
     let fwd = model.forward(attention, &input)?;
-    let mut logits = Array2::zeros((batch.input_ids.len(), model.config.vocab_size));
-    for (t, &s) in slots.iter().enumerate() {
-        logits.row_mut(s).assign(&fwd.logits.row(t));
-    }
-    Ok(logits)
+    Ok(scatter_logits(batch, slots, &fwd.logits))
 }
 
 /// The reference pipeline: labels by [`next_token_labels`], weights by
@@ -550,6 +559,9 @@ pub struct CausalReport {
     pub continuations: usize,
     /// Cases with an EOS target (C2).
     pub eos: usize,
+    /// Random cases skipped: a config the implementation does not support
+    /// ([`CausalLmImpl::supports`]).
+    pub skipped: usize,
 }
 
 fn doc_rows(b: &CausalBatch, d: usize) -> Vec<usize> {
@@ -608,6 +620,10 @@ pub fn check_causal(
         None => None,
     };
     let mut truth = Truth {
+        tol: match judge {
+            Judge::Rewrite(t) => t,
+            Judge::Relative { .. } => Tolerance::F64_REWRITE,
+        },
         rule: judge.relative_rule().zip(base_run.as_ref()),
         seen: Observed::default(),
         totals: RelativeTotals::default(),
@@ -728,6 +744,7 @@ impl CausalReport {
         self.gaps += o.gaps;
         self.continuations += o.continuations;
         self.eos += o.eos;
+        self.skipped += o.skipped;
     }
 }
 

@@ -170,6 +170,10 @@ pub fn run_causal_suite(
     let mut runner = crate::runner(cases);
     runner
         .run(&causal_cases(), |case| {
+            if !imp.supports(&case.model.config) {
+                acc.borrow_mut().skipped += 1;
+                return Ok(());
+            }
             let r =
                 check_causal(imp, &case, judge).map_err(|m| TestCaseError::fail(m.to_string()))?;
             acc.borrow_mut().merge(&r);
