@@ -4,26 +4,23 @@
 //! f64 truth within the rule of the same pipeline with the baseline's f32
 //! attention (`CausalLmImpl::baseline32`); the same pipeline with a kernel
 //! that attends across documents is caught under the same judge. And the
-//! decoder with every layer in f32 (`packshard_optimized::decoder_model`)
+//! decoder with every layer in f32 (`causal_lm_f32_layers`)
 //! through the same suite, packed == padded and against the f64 truth
 //! within an f32 tolerance; with labels shifted over the pack (C1) caught.
 
 use ndarray::{Array2, ArrayView3};
 use packshard_equivalence::causal::{
-    run_causal_suite, scatter_logits, CausalBatch, CausalForm, CausalLmImpl, CausalRun,
-    ReferenceCausalLm,
+    run_causal_suite, CausalBatch, CausalForm, CausalLmImpl, CausalRun, ReferenceCausalLm,
 };
 use packshard_equivalence::planted::{AttentionHooks, Planted, Qkv};
 use packshard_equivalence::{Judge, RelativeRule, Tolerance};
-use packshard_optimized::decoder_model::decoder_run_f32;
 use packshard_optimized::ops::{ScalarAttention, TiledAttention};
+use packshard_oracle::causal_lm::{run_f32_layers, F32LayersCausalLm};
 use packshard_reference::attention::{AttentionGrads, AttentionOutput};
 use packshard_reference::decoder::{
-    loss_weights, next_token_labels, varlen_from_doc_ids, CausalReduction, DecoderConfig,
-    DecoderModel, KvCache, Mlp, Norm,
+    loss_weights, next_token_labels, CausalReduction, DecoderConfig, DecoderModel, KvCache,
 };
 use packshard_reference::ops::{AttentionOp, AttentionSupport, Precision, Varlen};
-use packshard_reference::Error;
 use packshard_reference::Result;
 
 /// The f32 attention inside the f64 decoder: f64 inputs (the pipeline
@@ -110,16 +107,13 @@ fn attention_across_documents_is_caught_under_the_f32_rule() {
     assert!(m.contains("x the baseline's"), "{m}");
 }
 
-/// The decoder with its layers in f32 (`decoder_run_f32`), labels, weights
-/// and boundaries from the reference's packing ops; `shift_over_pack`
-/// plants C1 (a document's last token predicts the next one's first).
-struct F32Layers {
-    shift_over_pack: bool,
-}
+/// C1 planted in the f32-layer decoder: labels shifted over the whole pack
+/// (a document's last token predicts the next document's first).
+struct ShiftedOverThePack;
 
-impl CausalLmImpl for F32Layers {
+impl CausalLmImpl for ShiftedOverThePack {
     fn name(&self) -> String {
-        "decoder with f32 layers".into()
+        "f32 layers, labels shifted over the pack".into()
     }
 
     fn run(
@@ -129,41 +123,22 @@ impl CausalLmImpl for F32Layers {
         reduction: CausalReduction,
     ) -> Result<CausalRun> {
         let mut labels = next_token_labels(&b.input_ids, &b.doc_ids, b.eos)?;
-        if self.shift_over_pack {
-            for i in 0..b.input_ids.len().saturating_sub(1) {
-                let same_row = (i + 1) % b.row_len != 0;
-                if b.doc_ids[i] != 0 && b.doc_ids[i + 1] != 0 && same_row {
-                    labels[i] = b.input_ids[i + 1];
-                }
+        for i in 0..b.input_ids.len().saturating_sub(1) {
+            let same_row = (i + 1) % b.row_len != 0;
+            if b.doc_ids[i] != 0 && b.doc_ids[i + 1] != 0 && same_row {
+                labels[i] = b.input_ids[i + 1];
             }
         }
         let weights = loss_weights(&labels, &b.doc_ids, reduction, b.num_documents)?;
-        let (slots, cu) = varlen_from_doc_ids(&b.doc_ids)?;
-        let pick = |s: &usize| (b.input_ids[*s], b.position_ids[*s], labels[*s], weights[*s]);
-        let (mut ids, mut pos, mut lab, mut w) = (vec![], vec![], vec![], vec![]);
-        for (i, p, l, x) in slots.iter().map(pick) {
-            ids.push(i);
-            pos.push(p);
-            lab.push(l);
-            w.push(x);
-        }
-        let r = decoder_run_f32(model, &ids, &pos, &cu, (&lab, &w))?;
-        Ok(CausalRun {
-            logits: scatter_logits(b, &slots, &r.logits),
-            loss: r.loss,
-            grads: r.grads,
-        })
+        run_f32_layers(model, b, &labels, &weights)
     }
 
-    fn chunk_logits(&self, _: &DecoderModel, _: &CausalBatch, _: &KvCache) -> Result<Array2<f64>> {
-        Err(Error::invalid(
-            "past",
-            "the f32 decoder layers take no key/value cache",
-        ))
+    fn chunk_logits(&self, m: &DecoderModel, b: &CausalBatch, kv: &KvCache) -> Result<Array2<f64>> {
+        F32LayersCausalLm.chunk_logits(m, b, kv)
     }
 
     fn supports(&self, config: &DecoderConfig) -> bool {
-        config.norm == Norm::RmsNorm && config.mlp == Mlp::SwiGlu
+        F32LayersCausalLm.supports(config)
     }
 }
 
@@ -175,14 +150,7 @@ const F32_LAYERS: Judge = Judge::Rewrite(Tolerance::F32_REWRITE);
 
 #[test]
 fn the_decoder_with_f32_layers_passes_the_causal_suite() {
-    let r = run_causal_suite(
-        &F32Layers {
-            shift_over_pack: false,
-        },
-        F32_LAYERS,
-        96,
-    )
-    .unwrap();
+    let r = run_causal_suite(&F32LayersCausalLm, F32_LAYERS, 96).unwrap();
     eprintln!(
         "f32 layers: {} cases ({} skipped: LayerNorm/GELU), truth max rel {:.2e}, packed vs padded grads max rel {:.2e}, logits {:.2e}",
         r.cases, r.skipped, r.truth.max_rel, r.grads.max_rel, r.logits.max_rel
@@ -193,15 +161,9 @@ fn the_decoder_with_f32_layers_passes_the_causal_suite() {
 
 #[test]
 fn labels_shifted_over_the_pack_are_caught_with_f32_layers() {
-    let m = run_causal_suite(
-        &F32Layers {
-            shift_over_pack: true,
-        },
-        F32_LAYERS,
-        8,
-    )
-    .unwrap_err()
-    .to_string();
+    let m = run_causal_suite(&ShiftedOverThePack, F32_LAYERS, 8)
+        .unwrap_err()
+        .to_string();
     assert!(
         m.contains("C1 pack [a b | c d]") && m.contains("packed vs padded"),
         "{m}"
