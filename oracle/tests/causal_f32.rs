@@ -123,10 +123,10 @@ impl CausalLmImpl for ShiftedOverThePack {
         reduction: CausalReduction,
     ) -> Result<CausalRun> {
         let mut labels = next_token_labels(&b.input_ids, &b.doc_ids, b.eos)?;
-        for i in 0..b.input_ids.len().saturating_sub(1) {
-            let same_row = (i + 1) % b.row_len != 0;
-            if b.doc_ids[i] != 0 && b.doc_ids[i + 1] != 0 && same_row {
-                labels[i] = b.input_ids[i + 1];
+        for (i, label) in labels.iter_mut().enumerate() {
+            let same_row = (i + 1) % b.row_len != 0 && i + 1 < b.input_ids.len();
+            if same_row && b.doc_ids[i] != 0 && b.doc_ids[i + 1] != 0 {
+                *label = b.input_ids[i + 1];
             }
         }
         let weights = loss_weights(&labels, &b.doc_ids, reduction, b.num_documents)?;
