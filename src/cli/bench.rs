@@ -17,10 +17,10 @@ pub struct BenchArgs {
     #[arg(long)]
     quick: bool,
     /// Which parts: `registry` (every registered implementation through its
-    /// trait), `layer`, `attention`, `ce`, comma-separated.
+    /// trait), `layer`, `decoder`, `attention`, `ce`, comma-separated.
     #[arg(
         long,
-        default_value = "registry,layer,attention,ce",
+        default_value = "registry,layer,decoder,attention,ce",
         value_delimiter = ','
     )]
     only: Vec<String>,
@@ -90,9 +90,9 @@ pub fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
     }
     cfg.validate()?;
     for part in &args.only {
-        if !["registry", "layer", "attention", "ce"].contains(&part.as_str()) {
+        if !["registry", "layer", "decoder", "attention", "ce"].contains(&part.as_str()) {
             return Err(CliError::input(format!(
-                "--only: unknown part {part:?} (registry, layer, attention, ce)"
+                "--only: unknown part {part:?} (registry, layer, decoder, attention, ce)"
             )));
         }
     }
@@ -228,6 +228,26 @@ pub fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
                    "fraction_of_gemm": frac, "reference_sequences": r.reference_sequences,
                    "reference_s": r.reference_s, "optimized_small_s": r.optimized_small_s,
                    "packed_vs_padded_rel": r.packed_vs_padded_rel}),
+        );
+    }
+    if want("decoder") {
+        let r = bench::decoder_layer(&cfg)?;
+        if !args.json {
+            println!(
+                "\nf32 decoder layer fwd+bwd (hidden {}, {} heads over {} kv heads, SwiGLU {}, causal, rows of {}): {} sequences from wikipedia-512, {} real tokens, {} packs",
+                cfg.hidden, cfg.heads, r.kv_heads, cfg.intermediate, cfg.max_len, r.sequences, r.real_tokens, r.num_packs
+            );
+            println!(
+                "  packed {:.3} s, padded {:.3} s: time ratio padded/packed {:.3}x, slot ratio {:.3}x: {:.3} of the slot ratio (target >= 0.95)",
+                r.packed_s, r.padded_s, r.speedup(), r.slot_ratio, r.of_slot_ratio()
+            );
+        }
+        out.insert(
+            "decoder".into(),
+            json!({"sequences": r.sequences, "real_tokens": r.real_tokens, "num_packs": r.num_packs,
+                   "kv_heads": r.kv_heads, "packed_s": r.packed_s, "padded_s": r.padded_s,
+                   "speedup": r.speedup(), "slot_ratio": r.slot_ratio,
+                   "of_slot_ratio": r.of_slot_ratio(), "packed_vs_padded_rel": r.packed_vs_padded_rel}),
         );
     }
     if want("attention") {

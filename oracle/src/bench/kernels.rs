@@ -11,7 +11,6 @@ use packshard_optimized::vocab::{
 };
 use packshard_reference::attention::{AttentionLayout, ReferenceAttention};
 use packshard_reference::bert::{BertConfig, BertParams};
-use packshard_reference::packing::{pack_lengths, Algorithm, PackingConfig};
 use packshard_reference::vocab::LossConfig;
 use packshard_reference::{Error, Result};
 use rand::{Rng, SeedableRng};
@@ -96,29 +95,8 @@ pub fn layer(cfg: &BenchConfig) -> Result<LayerReport> {
         .iter()
         .map(|&l| uniform2(&mut rng, (l, hd), 1.0))
         .collect();
-    let plan = pack_lengths(&batch.lengths, &PackingConfig::new(Algorithm::Spfhp, msl))?;
-    let place_packed = |src: &[Array2<f32>]| {
-        let mut out = Array2::<f32>::zeros((batch.packed_slots(), hd));
-        for (pi, pack) in plan.packs.iter().enumerate() {
-            let mut o = pi * msl;
-            for s in pack {
-                out.slice_mut(ndarray::s![o..o + s.length, ..])
-                    .assign(&src[s.sequence]);
-                o += s.length;
-            }
-        }
-        out
-    };
-    let place_padded = |src: &[Array2<f32>]| {
-        let mut out = Array2::<f32>::zeros((batch.padded_slots(), hd));
-        for (i, x) in src.iter().enumerate() {
-            out.slice_mut(ndarray::s![i * msl..i * msl + x.nrows(), ..])
-                .assign(x);
-        }
-        out
-    };
-    let (xp, gp) = (place_packed(&real_x), place_packed(&real_g));
-    let (xd, gd) = (place_padded(&real_x), place_padded(&real_g));
+    let (xp, gp) = (batch.place_packed(&real_x), batch.place_packed(&real_g));
+    let (xd, gd) = (batch.place_padded(&real_x), batch.place_padded(&real_g));
     let packed = AttentionLayout::Varlen {
         cu_seqlens: batch.cu_seqlens.clone(),
     };
@@ -132,21 +110,7 @@ pub fn layer(cfg: &BenchConfig) -> Result<LayerReport> {
     // Check: packed == padded on the real tokens.
     let (op, _) = run(&xp, &gp, &packed)?;
     let (od, _) = run(&xd, &gd, &padded)?;
-    let mut worst = 0.0f64;
-    let scale = od.iter().fold(0.0f32, |m, x| m.max(x.abs())) as f64;
-    for (pi, pack) in plan.packs.iter().enumerate() {
-        let mut o = pi * msl;
-        for s in pack {
-            for r in 0..s.length {
-                for c in 0..hd {
-                    let a = op[[o + r, c]] as f64;
-                    let b = od[[s.sequence * msl + r, c]] as f64;
-                    worst = worst.max((a - b).abs() / scale);
-                }
-            }
-            o += s.length;
-        }
-    }
+    let worst = batch.packed_vs_padded(&op, &od);
     if worst > 1e-4 {
         return Err(Error::invalid(
             "layer",
