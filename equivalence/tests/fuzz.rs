@@ -599,3 +599,44 @@ fn a_leak_below_the_tolerance_is_reported_with_its_sequence() {
         "{err}"
     );
 }
+
+/// The vocabulary fuzz cases reach every kind of target the docs promise:
+/// real classes, `ignore_index`, and the out-of-range `v` and `-5` that both
+/// sides must refuse alike.
+#[test]
+fn vocab_fuzz_targets_reach_every_kind() {
+    let (mut real, mut ignored, mut at_v, mut negative) = (0, 0, 0, 0);
+    let _ = fuzz_random(3000, 11, |d| {
+        let c = fv::CeFuzzCase::from_bytes(d).unwrap().case;
+        let v = c.map.vocab_size() as i64;
+        for &t in &c.targets {
+            match t {
+                t if t == c.config.ignore_index => ignored += 1,
+                t if t == v => at_v += 1,
+                -5 => negative += 1,
+                t if (0..v).contains(&t) => real += 1,
+                t => panic!("target {t} outside the generator's kinds (v = {v})"),
+            }
+        }
+        Ok(Outcome::default())
+    });
+    assert!(
+        real > 2 * ignored && ignored > 0,
+        "{real} real, {ignored} ignored"
+    );
+    assert!(at_v > 0 && negative > 0, "{at_v} at v, {negative} at -5");
+}
+
+/// Each fuzz case takes (and resets) the largest sharded-vs-unsharded
+/// difference of its own comparisons: some case saw one, and nothing is left
+/// over for the next after the run.
+#[test]
+fn worst_ulps_are_taken_once_per_case() {
+    use packshard_equivalence::vocab::take_worst_ulps;
+    let seen = fuzz_random(300, 2, |d| {
+        fv::run_cross_entropy(&ReferenceCrossEntropy, TOL, d)
+    })
+    .unwrap_or_else(|f| panic!("{f}"));
+    assert!(seen.worst > 0.0 && seen.worst < 0.5, "{seen:?}");
+    assert_eq!(take_worst_ulps(), 0.0);
+}
