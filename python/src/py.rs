@@ -206,22 +206,17 @@ fn time_attention<'py>(
 }
 
 /// The options of a loss call (`cross_entropy`, `linear_cross_entropy`,
-/// `loss_judged`), one dict from the Python side; a key missing or `None`
-/// takes the contract's default (docs/INTERFACE.md).
+/// `loss_judged`), one dict from the Python side: the six loss options always
+/// present, the sharding ones (`num_shards`, `algorithm`, `layout`) optional;
+/// `None` takes the contract's default (docs/INTERFACE.md).
 #[derive(FromPyObject, Default)]
 #[pyo3(from_item_all)]
 struct LossOptions {
-    #[pyo3(default)]
     ignore_index: Option<i64>,
-    #[pyo3(default)]
     label_smoothing: Option<f64>,
-    #[pyo3(default)]
     smoothing: Option<String>,
-    #[pyo3(default)]
     z_loss: Option<f64>,
-    #[pyo3(default)]
     reduction: Option<String>,
-    #[pyo3(default)]
     vocab_size: Option<usize>,
     #[pyo3(default)]
     num_shards: Option<usize>,
