@@ -357,6 +357,9 @@ fn eval_json(py: Python<'_>, case: String) -> PyResult<String> {
     r.map(|v| v.to_string()).map_err(|e| raise(py, e))
 }
 
+/// One generated case: `(args, describe, size, input)`.
+type GeneratedCase = (Py<PyAny>, String, usize, usize);
+
 /// `n` generated cases of `op` from `seed`: `[(args, describe, size, input)]`.
 #[pyfunction]
 #[pyo3(name = "cases")]
@@ -365,7 +368,7 @@ fn generated_cases(
     op: String,
     n: usize,
     seed: u64,
-) -> PyResult<Vec<(Py<PyAny>, String, usize, usize)>> {
+) -> PyResult<Vec<GeneratedCase>> {
     let cs = py
         .detach(|| crate::cases::generate(&op, n, seed))
         .map_err(|e| raise(py, e))?;
