@@ -75,6 +75,10 @@ pub const CATALOGUE: &[FaultKind] = &[
         title: "a shard whose logits are all -inf",
     },
     FaultKind {
+        id: "O1",
+        title: "logit softcap computed as z * tanh(z)",
+    },
+    FaultKind {
         id: "C1",
         title: "labels shifted over the whole pack",
     },
@@ -210,6 +214,14 @@ pub const V6_LOGITS: [f64; 6] = [
 /// V6: the target (in the finite shard).
 pub const V6_TARGET: i64 = 2;
 
+/// O1: the softcap `c` of the example (logits [`V1_LOGITS`], target [`V1_TARGET`]).
+pub const O1_SOFTCAP: f64 = 2.0;
+/// O1: the loss with the logits capped to `c * tanh(z / c)`, to 5 places.
+pub const O1_LOSS: f64 = 1.18683;
+/// O1: the loss of the fault `z * tanh(z)` (flash-attention PR 2402), to 5 places.
+pub const O1_LOSS_FAULT: f64 = 0.79840;
+/// O1: the places the losses are given to.
+pub const O1_PLACES: f64 = 5e-6;
 /// C1: a pack `[a b | c d]` (ids 10..13) as document ids.
 pub const C1_DOC_IDS: [usize; 4] = [1, 1, 2, 2];
 /// C1: its input ids.
@@ -279,6 +291,22 @@ mod tests {
             .unwrap()
             .loss;
         assert!((l - V2_LOSS).abs() < V2_PLACES, "{l}");
+    }
+
+    #[test]
+    fn o1_values_are_the_reference_losses() {
+        use crate::vocab::{cross_entropy, LossConfig};
+        let z = ndarray::Array2::from_shape_vec((1, 8), V1_LOGITS.to_vec()).unwrap();
+        let capped = LossConfig::default().with_softcap(O1_SOFTCAP);
+        let l = cross_entropy(z.view(), &[V1_TARGET], &capped, false)
+            .unwrap()
+            .loss;
+        assert!((l - O1_LOSS).abs() < O1_PLACES, "{l}");
+        let fault = z.mapv(|x| x * x.tanh());
+        let l = cross_entropy(fault.view(), &[V1_TARGET], &LossConfig::default(), false)
+            .unwrap()
+            .loss;
+        assert!((l - O1_LOSS_FAULT).abs() < O1_PLACES, "{l}");
     }
 
     #[test]

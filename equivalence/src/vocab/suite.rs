@@ -21,6 +21,8 @@ pub struct Coverage {
     pub smoothing: u32,
     /// Compared cases with z-loss.
     pub z_loss: u32,
+    /// Compared cases with a softcap (docs/FAULTS.md O1).
+    pub softcap: u32,
     /// Compared cases with a `±1e4` logit.
     pub huge: u32,
     /// Compared cases with a shard whose logits are all `-inf` (masked or all padding).
@@ -89,6 +91,7 @@ impl Coverage {
         self.ignored += u32::from(targets.contains(&config.ignore_index));
         self.smoothing += u32::from(config.label_smoothing > 0.0);
         self.z_loss += u32::from(config.z_loss > 0.0);
+        self.softcap += u32::from(config.softcap.is_some());
         let real = logits.slice_axis(Axis(1), Slice::from(..v));
         self.huge += u32::from(real.iter().any(|x| x.abs() == 1e4));
         let empty = map.shards().iter().any(|s| {
@@ -116,6 +119,7 @@ impl Coverage {
             ("ignored targets", self.ignored),
             ("label smoothing", self.smoothing),
             ("z-loss", self.z_loss),
+            ("softcap", self.softcap),
             ("+-1e4 logits", self.huge),
             ("all -inf shards", self.empty_shard),
             ("p not dividing v", self.uneven),

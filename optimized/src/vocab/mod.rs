@@ -37,6 +37,7 @@
 
 use ndarray::{s, Array1, Array2, ArrayView2, ArrayViewMut2};
 use packshard_reference::vocab::cross_entropy::{check_row, token_loss};
+use packshard_reference::vocab::softcap;
 use packshard_reference::vocab::{LossConfig, SoftmaxStats};
 use packshard_reference::{Error, Result};
 use pulp::{Simd, WithSimd};
@@ -228,6 +229,8 @@ pub fn cross_entropy(
     config.validate(v)?;
     let rows = Rows::new(targets, config, v, 0, v)?;
     let mut buf = logits.as_standard_layout().into_owned();
+    let flat = buf.as_slice_mut().expect("standard layout");
+    cap_tile(flat, v, 0, v, config.softcap);
     let mut stats = vec![SoftmaxStats::EMPTY; n];
     merge_tile_stats(
         buf.as_slice().expect("standard layout"),
@@ -303,6 +306,7 @@ pub fn linear_cross_entropy_materialized(
     let rows = Rows::new(targets, config, v, 0, v)?;
     let mut logits = Array2::zeros((n, v));
     matmul(logits.view_mut(), hidden, weight.t(), false, Threads::All);
+    cap_tile(logits.as_slice_mut().expect("fresh"), v, 0, v, config.softcap);
     let mut stats = vec![SoftmaxStats::EMPTY; n];
     merge_tile_stats(
         logits.as_slice().expect("fresh"),
@@ -390,6 +394,8 @@ pub fn linear_cross_entropy_fused(
         let mut b = buf.slice_mut(s![..m, ..]);
         for (j0, tile) in spans(v, chunks.vocab) {
             logits_tile(&mut b, x, weight, (j0, tile));
+            let flat = b.as_slice_mut().expect("rows of a standard buffer");
+            cap_tile(flat, v, j0, tile, config.softcap);
             merge_tile_stats(
                 b.as_slice().expect("rows of a standard buffer"),
                 v,
