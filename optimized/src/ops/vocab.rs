@@ -28,13 +28,10 @@ fn widen_ce(ce: CrossEntropy32) -> CrossEntropy {
 }
 
 fn widen_linear(l: LinearCrossEntropy32) -> LinearLoss {
-    let mut ce = widen_ce(l.ce);
-    // The contract's linear op returns dL/dhidden and dL/dweight; the
-    // materialized kernel's dL/dlogits is an intermediate it does not return
-    // (issue #17 adds it).
-    ce.grad_logits = None;
+    // dL/dlogits where the kernel holds it (materialized); the fused ones
+    // never do (`LinearLoss::ce`).
     LinearLoss {
-        ce,
+        ce: widen_ce(l.ce),
         grad_hidden: l.grad_hidden.map(|g| to_f64(g.view())),
         grad_weight: l.grad_weight.map(|g| to_f64(g.view())),
         logits_buffer_bytes: Some(l.logits_buffer_bytes),
@@ -84,8 +81,9 @@ impl CrossEntropyOp for CrossEntropyF32 {
 }
 
 /// `linear_ce_materialized`: f32; one gemm to the whole `[n, v]` logits, the
-/// SIMD row pass, two gemms for the gradients. Unsharded only: the baseline
-/// of [`LinearCeFused`].
+/// SIMD row pass, two gemms for the gradients; returns `dL/dlogits` `[n, v]`
+/// with `want_grad` (the buffer it holds anyway). Unsharded only: the
+/// baseline of [`LinearCeFused`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct LinearCeMaterialized;
 

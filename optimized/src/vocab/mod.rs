@@ -84,7 +84,8 @@ pub struct CrossEntropy32 {
     pub stats: Vec<SoftmaxStats>,
     /// Tokens whose target is not ignored.
     pub num_tokens: usize,
-    /// `[n, v]`: `dL/dlogits` (only [`cross_entropy`] returns it).
+    /// `[n, v]`: `dL/dlogits` with gradients ([`cross_entropy`] and
+    /// [`linear_cross_entropy_materialized`]; the fused kernels never hold it).
     pub grad_logits: Option<Array2<f32>>,
 }
 
@@ -342,7 +343,8 @@ pub fn linear_cross_entropy_materialized(
             per_token_loss,
             stats,
             num_tokens: rows.num_tokens(),
-            grad_logits: None,
+            // The buffer holds dL/dlogits now: returned, not dropped.
+            grad_logits: want_grad.then_some(logits),
         },
         grad_hidden,
         grad_weight,
