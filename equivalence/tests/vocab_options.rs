@@ -1,13 +1,16 @@
-//! The output layer's options (docs/FAULTS.md O1): the suites on the
-//! reference with the softcap, and negative controls — the softcap computed
-//! as `z * tanh(z)` (flash-attention PR 2402), and an implementation that
-//! declares no softcap yet answers with the uncapped loss (a silent
-//! fallback) — each caught, for the right reason.
+//! The output layer's options (docs/FAULTS.md O1, O3, O4, O6): the suites on
+//! the reference with the softcap, and negative controls — the softcap
+//! computed as `z * tanh(z)` (flash-attention PR 2402), an implementation
+//! that declares no softcap yet answers with the uncapped loss (a silent
+//! fallback), the z-loss added when off (OLMo-core PR 702), the log of an
+//! underflowed softmax under label smoothing (Megatron-LM issue 7464), a
+//! placeholder target that reads a padded column (Apple CCE PR 59) — each
+//! caught, for the right reason.
 
 use ndarray::Array2;
 use packshard_equivalence::planted::{CeCall, Planted, VocabHooks};
 use packshard_equivalence::vocab::{
-    check_cross_entropy, run_cross_entropy_suite, run_linear_suite, CeCase, V1_LOGITS,
+    check_cross_entropy, run_cross_entropy_suite, run_linear_suite, CeCase, V1_LOGITS, V2_LOGITS,
 };
 use packshard_equivalence::{Judge, Mismatch, Tolerance};
 use packshard_reference::faults;
@@ -171,4 +174,195 @@ fn o1_an_implementation_that_refuses_the_softcap_passes() {
         .cross_entropy(c.logits.view(), &c.targets, &c.config, false)
         .unwrap_err();
     assert!(err.to_string().contains("softcap"), "{err}");
+}
+
+/// O3's fault: with `z_loss = 0` the term is added with a default coefficient.
+#[derive(Debug, Clone, Copy)]
+struct ZLossWhenOff;
+
+fn z_loss_on(c: &LossConfig) -> LossConfig {
+    let mut config = *c;
+    if config.z_loss == 0.0 {
+        config.z_loss = faults::O3_FAULT_COEFFICIENT;
+    }
+    config
+}
+
+impl VocabHooks for ZLossWhenOff {
+    fn cross_entropy(&self, c: CeCall<'_>) -> Result<CrossEntropy> {
+        let config = z_loss_on(c.config);
+        CeCall::new(c.input, c.targets, &config, c.want_grad).unsharded(&ReferenceCrossEntropy)
+    }
+
+    fn sharded_cross_entropy(
+        &self,
+        algorithm: ShardedAlgorithm,
+        map: &ShardMap,
+        c: CeCall<'_>,
+    ) -> Result<ShardedLoss> {
+        let config = z_loss_on(c.config);
+        CeCall::new(c.input, c.targets, &config, c.want_grad).sharded(
+            &ReferenceCrossEntropy,
+            algorithm,
+            map,
+        )
+    }
+}
+
+/// O4's fault: each token's loss as `-Σ_j q_j ln(exp(z_j - lse))`, the log
+/// taken after `exp` underflowed (so `inf` where a smoothed entry's
+/// probability is below the smallest f64).
+#[derive(Debug, Clone, Copy)]
+struct LogAfterExp;
+
+/// `(per-token losses, loss)` of `logits: [n, >= v]` (the first `v`
+/// columns), from each row's `logsumexp`.
+fn log_after_exp(
+    logits: ndarray::ArrayView2<f64>,
+    v: usize,
+    targets: &[i64],
+    config: &LossConfig,
+    lse: &[f64],
+) -> (Vec<f64>, f64) {
+    let parsed = config.targets(targets, v).expect("the reference accepted them");
+    let (qt, qo) = config.target_distribution(v);
+    let per_token: Vec<f64> = (0..logits.nrows())
+        .map(|i| match parsed[i] {
+            None => 0.0,
+            Some(t) => (0..v)
+                .map(|j| {
+                    let q = if j == t { qt } else { qo };
+                    if q == 0.0 {
+                        0.0
+                    } else {
+                        -q * (logits[[i, j]] - lse[i]).exp().ln()
+                    }
+                })
+                .sum(),
+        })
+        .collect();
+    let loss = config.reduce(&per_token, &parsed);
+    (per_token, loss)
+}
+
+impl VocabHooks for LogAfterExp {
+    fn cross_entropy(&self, c: CeCall<'_>) -> Result<CrossEntropy> {
+        let mut ce = c.unsharded(&ReferenceCrossEntropy)?;
+        if c.config.softcap.is_some() {
+            return Ok(ce); // the fault is in the uncapped path
+        }
+        let lse = ce.logsumexp().to_vec();
+        let (per_token, loss) = log_after_exp(c.input, c.input.ncols(), c.targets, c.config, &lse);
+        ce.per_token_loss = per_token.into();
+        ce.loss = loss;
+        Ok(ce)
+    }
+
+    fn sharded_cross_entropy(
+        &self,
+        algorithm: ShardedAlgorithm,
+        map: &ShardMap,
+        c: CeCall<'_>,
+    ) -> Result<ShardedLoss> {
+        let mut out = c.sharded(&ReferenceCrossEntropy, algorithm, map)?;
+        if c.config.softcap.is_some() {
+            return Ok(out);
+        }
+        let lse = out.logsumexp().to_vec();
+        let v = map.vocab_size();
+        let (per_token, loss) = log_after_exp(c.input, v, c.targets, c.config, &lse);
+        for r in &mut out.ranks {
+            r.per_token_loss = per_token.clone().into();
+            r.loss = loss;
+        }
+        Ok(out)
+    }
+}
+
+#[test]
+fn o3_negative_control_the_z_loss_added_when_off() {
+    // Caught by the first example without a z-loss (V1 already) ...
+    run_cross_entropy_suite(&Planted(ZLossWhenOff), RULE, 16).unwrap_err();
+    // ... and by O3's own example, for the loss.
+    let case = CeCase {
+        map: ShardMap::new(8, 3, ShardLayout::Uneven).unwrap(),
+        logits: Array2::from_shape_vec((1, 8), V1_LOGITS.map(|x| x + faults::O3_SHIFT).to_vec())
+            .unwrap(),
+        targets: vec![faults::V1_TARGET],
+        config: LossConfig::default(),
+    };
+    let op = Planted(ZLossWhenOff);
+    let e = check_cross_entropy(&op, ShardedAlgorithm::Alg2, &case, false).unwrap_err();
+    assert!(e.to_string().contains("loss"), "{e}");
+    let got = op
+        .cross_entropy(case.logits.view(), &case.targets, &case.config, false)
+        .unwrap()
+        .loss;
+    assert!((got - faults::O3_LOSS_FAULT).abs() < faults::O1_PLACES, "{got}");
+}
+
+#[test]
+fn o4_negative_control_the_log_of_an_underflowed_softmax() {
+    let m = run_cross_entropy_suite(&Planted(LogAfterExp), RULE, 16).unwrap_err();
+    assert!(m.to_string().contains("O4"), "{m}");
+    // On ordinary logits the fault is invisible: only huge ones show it.
+    let z = Array2::from_shape_vec((1, 8), V1_LOGITS.to_vec()).unwrap();
+    let config = LossConfig::default()
+        .with_smoothing(faults::O4_SMOOTHING, packshard_reference::vocab::SmoothingConvention::PyTorch);
+    let fine = Planted(LogAfterExp).cross_entropy(z.view(), &[4], &config, false).unwrap();
+    assert!(fine.loss.is_finite());
+    let huge = z.mapv(|x| x * faults::O4_SCALE);
+    let bad = Planted(LogAfterExp).cross_entropy(huge.view(), &[4], &config, false).unwrap();
+    assert_eq!(bad.loss, f64::INFINITY);
+}
+
+/// O6's fault: on the last shard of a padded map, a token whose target is
+/// on another shard gets the placeholder "first padding column", whose
+/// value is then read as the target logit (summed into the prediction).
+#[derive(Debug, Clone, Copy)]
+struct PlaceholderOnPadding;
+
+impl VocabHooks for PlaceholderOnPadding {
+    fn sharded_cross_entropy(
+        &self,
+        algorithm: ShardedAlgorithm,
+        map: &ShardMap,
+        c: CeCall<'_>,
+    ) -> Result<ShardedLoss> {
+        let mut out = c.sharded(&ReferenceCrossEntropy, algorithm, map)?;
+        let v = map.vocab_size();
+        let last = map.shard(map.num_shards() - 1);
+        if map.padded_vocab_size() == v || c.input.ncols() <= v {
+            return Ok(out);
+        }
+        let parsed = c.config.targets(c.targets, v)?;
+        let mut per_token = out.per_token_loss().to_vec();
+        for (i, t) in parsed.iter().enumerate() {
+            if let Some(t) = *t {
+                if t < last.start {
+                    per_token[i] -= c.input[[i, v]];
+                }
+            }
+        }
+        let loss = c.config.reduce(&per_token, &parsed);
+        for r in &mut out.ranks {
+            r.per_token_loss = per_token.clone().into();
+            r.loss = loss;
+        }
+        Ok(out)
+    }
+}
+
+#[test]
+fn o6_negative_control_a_placeholder_target_on_a_padded_column() {
+    let m = run_cross_entropy_suite(&Planted(PlaceholderOnPadding), RULE, 16).unwrap_err();
+    assert!(m.to_string().contains("O6"), "{m}");
+    let mut z = V2_LOGITS.to_vec();
+    z.extend(faults::O6_PADDING);
+    let z = Array2::from_shape_vec((1, 12), z).unwrap();
+    let map = ShardMap::new(10, 3, ShardLayout::Padded).unwrap();
+    let out = Planted(PlaceholderOnPadding)
+        .sharded_cross_entropy(ShardedAlgorithm::Alg2, &map, z.view(), &[7], &LossConfig::default(), false)
+        .unwrap();
+    assert_eq!(format!("{:.6}", out.loss()), format!("{:.6}", faults::O6_LOSS_FAULT));
 }

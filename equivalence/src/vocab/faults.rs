@@ -97,6 +97,62 @@ pub fn check_cross_entropy_faults(imp: &dyn CrossEntropyOp, rule: Rule) -> Resul
                 o1_loss(&name, out.loss())?;
             }
         }
+        // O3: z-loss off is plain cross-entropy; O4: smoothing on huge logits is finite.
+        let examples = [
+            (
+                "O3",
+                V1_LOGITS.map(|x| x + faults::O3_SHIFT),
+                LossConfig::default(),
+                faults::O3_LOSS,
+            ),
+            (
+                "O4",
+                V1_LOGITS.map(|x| x * faults::O4_SCALE),
+                LossConfig::default()
+                    .with_smoothing(faults::O4_SMOOTHING, SmoothingConvention::PyTorch),
+                faults::O4_LOSS,
+            ),
+        ];
+        for (id, logits, config, want) in examples {
+            let case = CeCase {
+                map: map(8, 3, ShardLayout::Uneven),
+                logits: row(&logits),
+                targets: vec![4],
+                config,
+            };
+            let name = format!("{id} {algorithm}");
+            let out = checked_loss(imp, algorithm, &case, rule, &name)?;
+            check_cross_entropy_unsharded(imp, &case, true, rule).map_err(|m| named(&name, m))?;
+            if (out.loss() - want).abs() > faults::O1_PLACES * want.max(1.0) {
+                return fail(
+                    &name,
+                    format!("loss {:.5}, docs/FAULTS.md says {want:.5}", out.loss()),
+                );
+            }
+        }
+        // O6: the placeholder of a target on another shard never reads padding.
+        let mut z = V2_LOGITS.to_vec();
+        z.extend(faults::O6_PADDING);
+        for target in [7, 0] {
+            let case = CeCase {
+                map: map(10, 3, ShardLayout::Padded),
+                logits: row(&z),
+                targets: vec![target],
+                config: LossConfig::default(),
+            };
+            let name = format!("O6 {algorithm} target {target}");
+            let out = checked_loss(imp, algorithm, &case, rule, &name)?;
+            if target == 7 && format!("{:.6}", out.loss()) != "1.474030" {
+                return fail(
+                    &name,
+                    format!(
+                        "loss {:.6}, docs/FAULTS.md says 1.474030 (the fault gives {:.6})",
+                        out.loss(),
+                        faults::O6_LOSS_FAULT
+                    ),
+                );
+            }
+        }
         // V2: the padded entries never enter the softmax.
         for padding in [
             [0.0, 0.0],

@@ -21,7 +21,9 @@ pub struct Coverage {
     pub smoothing: u32,
     /// Compared cases with z-loss.
     pub z_loss: u32,
-    /// Compared cases with a softcap (docs/FAULTS.md O1).
+    /// Compared cases with a softcap (docs/FAULTS.md O1; counted, not
+    /// required: a third of the configurations, too few in the 16-case
+    /// negative-control runs — tests/vocab_options.rs requires them).
     pub softcap: u32,
     /// Compared cases with a `±1e4` logit.
     pub huge: u32,
@@ -119,7 +121,6 @@ impl Coverage {
             ("ignored targets", self.ignored),
             ("label smoothing", self.smoothing),
             ("z-loss", self.z_loss),
-            ("softcap", self.softcap),
             ("+-1e4 logits", self.huge),
             ("all -inf shards", self.empty_shard),
             ("p not dividing v", self.uneven),
