@@ -14,13 +14,13 @@ use packshard_equivalence::{Judge, Mismatch, Tolerance};
 use packshard_reference::ops::{
     CrossEntropyOp, EmbeddingOp, LinearCrossEntropyOp, LinearLoss, LossSupport,
 };
-use packshard_reference::vocab::ReferenceLinearCrossEntropy;
 use packshard_reference::vocab::collective::{run_ranks, Collective, Reduce};
 use packshard_reference::vocab::cross_entropy::CrossEntropy;
 use packshard_reference::vocab::cross_entropy::{check_row, token_loss, STATS_WIDTH};
 use packshard_reference::vocab::embedding::{check_ids, ShardedEmbedding};
 use packshard_reference::vocab::sharded::{merge_stats, RankLoss, ShardedLoss};
 use packshard_reference::vocab::sum;
+use packshard_reference::vocab::ReferenceLinearCrossEntropy;
 use packshard_reference::vocab::{
     cross_entropy, linear_cross_entropy, LossConfig, ShardLayout, ShardMap, ShardedAlgorithm,
     SmoothingConvention, SoftmaxStats,

@@ -148,10 +148,18 @@ fn o1_the_reference_passes_both_suites_with_softcaps() {
 fn o1_negative_control_z_tanh_z() {
     let op = Planted(ZTanhZ);
     let loss = op
-        .cross_entropy(o1_case().logits.view(), &o1_case().targets, &o1_case().config, false)
+        .cross_entropy(
+            o1_case().logits.view(),
+            &o1_case().targets,
+            &o1_case().config,
+            false,
+        )
         .unwrap()
         .loss;
-    assert!((loss - faults::O1_LOSS_FAULT).abs() < faults::O1_PLACES, "{loss}");
+    assert!(
+        (loss - faults::O1_LOSS_FAULT).abs() < faults::O1_PLACES,
+        "{loss}"
+    );
     let m: Mismatch = run_cross_entropy_suite(&op, RULE, 16).unwrap_err();
     assert!(m.to_string().contains("O1"), "{m}");
     // And by the random cases alone, through the per-case check.
@@ -224,7 +232,9 @@ fn log_after_exp(
     config: &LossConfig,
     lse: &[f64],
 ) -> (Vec<f64>, f64) {
-    let parsed = config.targets(targets, v).expect("the reference accepted them");
+    let parsed = config
+        .targets(targets, v)
+        .expect("the reference accepted them");
     let (qt, qo) = config.target_distribution(v);
     let per_token: Vec<f64> = (0..logits.nrows())
         .map(|i| match parsed[i] {
@@ -298,7 +308,10 @@ fn o3_negative_control_the_z_loss_added_when_off() {
         .cross_entropy(case.logits.view(), &case.targets, &case.config, false)
         .unwrap()
         .loss;
-    assert!((got - faults::O3_LOSS_FAULT).abs() < faults::O1_PLACES, "{got}");
+    assert!(
+        (got - faults::O3_LOSS_FAULT).abs() < faults::O1_PLACES,
+        "{got}"
+    );
 }
 
 #[test]
@@ -307,12 +320,18 @@ fn o4_negative_control_the_log_of_an_underflowed_softmax() {
     assert!(m.to_string().contains("O4"), "{m}");
     // On ordinary logits the fault is invisible: only huge ones show it.
     let z = Array2::from_shape_vec((1, 8), V1_LOGITS.to_vec()).unwrap();
-    let config = LossConfig::default()
-        .with_smoothing(faults::O4_SMOOTHING, packshard_reference::vocab::SmoothingConvention::PyTorch);
-    let fine = Planted(LogAfterExp).cross_entropy(z.view(), &[4], &config, false).unwrap();
+    let config = LossConfig::default().with_smoothing(
+        faults::O4_SMOOTHING,
+        packshard_reference::vocab::SmoothingConvention::PyTorch,
+    );
+    let fine = Planted(LogAfterExp)
+        .cross_entropy(z.view(), &[4], &config, false)
+        .unwrap();
     assert!(fine.loss.is_finite());
     let huge = z.mapv(|x| x * faults::O4_SCALE);
-    let bad = Planted(LogAfterExp).cross_entropy(huge.view(), &[4], &config, false).unwrap();
+    let bad = Planted(LogAfterExp)
+        .cross_entropy(huge.view(), &[4], &config, false)
+        .unwrap();
     assert_eq!(bad.loss, f64::INFINITY);
 }
 
@@ -362,7 +381,17 @@ fn o6_negative_control_a_placeholder_target_on_a_padded_column() {
     let z = Array2::from_shape_vec((1, 12), z).unwrap();
     let map = ShardMap::new(10, 3, ShardLayout::Padded).unwrap();
     let out = Planted(PlaceholderOnPadding)
-        .sharded_cross_entropy(ShardedAlgorithm::Alg2, &map, z.view(), &[7], &LossConfig::default(), false)
+        .sharded_cross_entropy(
+            ShardedAlgorithm::Alg2,
+            &map,
+            z.view(),
+            &[7],
+            &LossConfig::default(),
+            false,
+        )
         .unwrap();
-    assert_eq!(format!("{:.6}", out.loss()), format!("{:.6}", faults::O6_LOSS_FAULT));
+    assert_eq!(
+        format!("{:.6}", out.loss()),
+        format!("{:.6}", faults::O6_LOSS_FAULT)
+    );
 }

@@ -352,7 +352,10 @@ mod tests {
         // Bit for bit the cross-entropy of the statistics, no term added.
         assert_eq!(ce.loss.to_bits(), ce.stats[0].cross_entropy().to_bits());
         let t = Some(V1_TARGET as usize);
-        assert_eq!(token_loss(&ce.stats[0], t, &off).to_bits(), ce.loss.to_bits());
+        assert_eq!(
+            token_loss(&ce.stats[0], t, &off).to_bits(),
+            ce.loss.to_bits()
+        );
         let lse = ce.stats[0].logsumexp();
         let fault = ce.loss + O3_FAULT_COEFFICIENT * lse * lse;
         assert!((fault - O3_LOSS_FAULT).abs() < O1_PLACES, "{fault}");

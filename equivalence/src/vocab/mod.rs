@@ -265,10 +265,15 @@ pub fn check_cross_entropy_with(
     want_grad: bool,
     rule: Rule,
 ) -> Result<(), Mismatch> {
-    if let Some(r) = refused(imp.options(), &case.config, || ce_ok(case), || {
-        let (z, t) = (case.logits.view(), &case.targets);
-        imp.sharded_cross_entropy(algorithm, &case.map, z, t, &case.config, want_grad)
-    }) {
+    if let Some(r) = refused(
+        imp.options(),
+        &case.config,
+        || ce_ok(case),
+        || {
+            let (z, t) = (case.logits.view(), &case.targets);
+            imp.sharded_cross_entropy(algorithm, &case.map, z, t, &case.config, want_grad)
+        },
+    ) {
         return r;
     }
     let run = |c: &CeCase| {
@@ -407,10 +412,15 @@ pub fn check_linear_with(
     want_grad: bool,
     rule: Rule,
 ) -> Result<(), Mismatch> {
-    if let Some(r) = refused(imp.options(), &case.config, || linear_ok(case), || {
-        let (x, w, t) = (case.hidden.view(), case.weight.view(), &case.targets);
-        imp.sharded_linear_cross_entropy(algorithm, &case.map, x, w, t, &case.config, want_grad)
-    }) {
+    if let Some(r) = refused(
+        imp.options(),
+        &case.config,
+        || linear_ok(case),
+        || {
+            let (x, w, t) = (case.hidden.view(), case.weight.view(), &case.targets);
+            imp.sharded_linear_cross_entropy(algorithm, &case.map, x, w, t, &case.config, want_grad)
+        },
+    ) {
         return r;
     }
     let run = |c: &LinearCase| {

@@ -317,14 +317,25 @@ pub fn linear_cross_entropy_rank(
     // With a softcap B_i = Σ_j q_ij (dy/dz)_ij W_j has no column-sum form:
     // one more product per tile, of `q dy/dz` (docs/FAULTS.md O1).
     let capped_b = cap.is_some() && blocks > 0;
-    let mut qf = capped_b.then(|| (Array2::<f32>::zeros((tn, tv.min(real).max(1))), Array2::<f32>::zeros((tn, h))));
+    let mut qf = capped_b.then(|| {
+        (
+            Array2::<f32>::zeros((tn, tv.min(real).max(1))),
+            Array2::<f32>::zeros((tn, h)),
+        )
+    });
     // S pass.
     for (i0, m) in spans(n, tn) {
         let x = hidden.slice(s![i0..i0 + m, ..]);
         let mut b = rows_view(&mut buf, m);
         for (j0, tile) in spans(real, tv) {
             logits_tile(&mut b, x, w_real, (j0, tile));
-            cap_tile(b.as_slice_mut().expect("standard rows"), real, j0, tile, cap);
+            cap_tile(
+                b.as_slice_mut().expect("standard rows"),
+                real,
+                j0,
+                tile,
+                cap,
+            );
             merge_tile_stats(
                 b.as_slice().expect("standard rows"),
                 real,
@@ -421,7 +432,13 @@ pub fn linear_cross_entropy_rank(
         let mut b = rows_view(&mut buf, m);
         for (j0, tile) in spans(real, tv) {
             logits_tile(&mut b, x, w_real, (j0, tile));
-            cap_tile(b.as_slice_mut().expect("standard rows"), real, j0, tile, cap);
+            cap_tile(
+                b.as_slice_mut().expect("standard rows"),
+                real,
+                j0,
+                tile,
+                cap,
+            );
             sh.t_tile(
                 b.as_slice_mut().expect("standard rows"),
                 j0,

@@ -29,6 +29,9 @@
 //!   tile the gradient in place, `dL/dhidden += G W`, `dL/dW += G^T x`. Only
 //!   a `[tokens, v]` buffer exists; the products are the materialized path's
 //!   (no recomputation).
+//! - [`linear_cross_entropy_tiled`]: tiles of tokens x vocabulary, one
+//!   `[tokens, vocab]` tile buffer; pass 1 the row statistics, pass 2 the
+//!   gradients from recomputed logits (four products, [`tiled`]).
 //! - [`alg2`]: one shard of the sharded algorithm: the S pass (local
 //!   statistics and the input-gradient partials `s_i D_i`, `B_i` of the
 //!   merged record, chunked) and the T pass (the weight gradient of the
@@ -204,8 +207,10 @@ fn check_shapes(n: usize, v: usize, targets: &[i64]) -> Result<()> {
 
 pub mod alg2;
 mod rows;
+mod tiled;
 
 use rows::*;
+pub use tiled::linear_cross_entropy_tiled;
 
 // ---- unsharded ------------------------------------------------------------------
 
@@ -307,7 +312,13 @@ pub fn linear_cross_entropy_materialized(
     let rows = Rows::new(targets, config, v, 0, v)?;
     let mut logits = Array2::zeros((n, v));
     matmul(logits.view_mut(), hidden, weight.t(), false, Threads::All);
-    cap_tile(logits.as_slice_mut().expect("fresh"), v, 0, v, config.softcap);
+    cap_tile(
+        logits.as_slice_mut().expect("fresh"),
+        v,
+        0,
+        v,
+        config.softcap,
+    );
     let mut stats = vec![SoftmaxStats::EMPTY; n];
     merge_tile_stats(
         logits.as_slice().expect("fresh"),

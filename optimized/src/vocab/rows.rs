@@ -386,10 +386,24 @@ pub(super) fn merge_tile_stats(
     i0: usize,
     stats: &mut [SoftmaxStats],
 ) {
+    merge_stats_at(buf, width, (j0, j0, tile), rows, i0, stats);
+}
+
+/// As [`merge_tile_stats`] for a buffer that holds only a tile: the buffer
+/// columns `at..at + tile` of every row of `buf: [rows, width]` are the
+/// vocabulary columns `col..col + tile`.
+pub(super) fn merge_stats_at(
+    buf: &[f32],
+    width: usize,
+    (at, col, tile): (usize, usize, usize),
+    rows: &Rows,
+    i0: usize,
+    stats: &mut [SoftmaxStats],
+) {
     let arch = simd::arch();
     stats.par_iter_mut().enumerate().for_each(|(r, st)| {
-        let z = &buf[r * width + j0..r * width + j0 + tile];
-        let q = rows.q[i0 + r].tile(j0, tile);
+        let z = &buf[r * width + at..r * width + at + tile];
+        let q = rows.q[i0 + r].tile(col, tile);
         let t = arch.dispatch(StatsOp { z, q });
         *st = st.merge(t);
     });
@@ -406,12 +420,25 @@ pub(super) fn gradient_tile(
     i0: usize,
     stats: &[SoftmaxStats],
 ) {
+    gradient_at(buf, width, (j0, j0, tile), rows, i0, stats);
+}
+
+/// As [`gradient_tile`] for a buffer that holds only a tile (see
+/// [`merge_stats_at`]).
+pub(super) fn gradient_at(
+    buf: &mut [f32],
+    width: usize,
+    (at, col, tile): (usize, usize, usize),
+    rows: &Rows,
+    i0: usize,
+    stats: &[SoftmaxStats],
+) {
     let options = (rows.config.z_loss, rows.config.softcap);
-    for_rows(buf, width, j0, tile, |arch, r, z| {
+    for_rows(buf, width, at, tile, |arch, r, z| {
         let i = i0 + r;
         arch.dispatch(GradOp {
             z,
-            q: rows.q[i].tile(j0, tile),
+            q: rows.q[i].tile(col, tile),
             w: rows.weights[i],
             st: stats[r],
             options,

@@ -722,14 +722,26 @@ fn o1_softcap_is_applied_first_sharded_as_unsharded() {
             let close = |a: &Array2<f64>, b: &Array2<f64>| {
                 a.iter().zip(b).all(|(x, y)| (x - y).abs() < 1e-12)
             };
-            assert!(close(s.grad_hidden().unwrap(), u.grad_hidden.as_ref().unwrap()));
-            assert!(close(&s.grad_weight().unwrap(), u.grad_weight.as_ref().unwrap()));
-            assert!(close(&s.grad_logits().unwrap(), u.ce.grad_logits.as_ref().unwrap()));
+            assert!(close(
+                s.grad_hidden().unwrap(),
+                u.grad_hidden.as_ref().unwrap()
+            ));
+            assert!(close(
+                &s.grad_weight().unwrap(),
+                u.grad_weight.as_ref().unwrap()
+            ));
+            assert!(close(
+                &s.grad_logits().unwrap(),
+                u.ce.grad_logits.as_ref().unwrap()
+            ));
         }
     }
     for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
         let config = LossConfig::default().with_softcap(bad);
         let err = cross_entropy(u.logits.view(), &targets, &config, false).unwrap_err();
-        assert!(matches!(&err, Error::InvalidArgument { field, .. } if field == "softcap"), "{err}");
+        assert!(
+            matches!(&err, Error::InvalidArgument { field, .. } if field == "softcap"),
+            "{err}"
+        );
     }
 }
