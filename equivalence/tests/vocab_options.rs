@@ -66,20 +66,21 @@ impl VocabHooks for ZTanhZ {
     }
 }
 
-/// Declares no softcap, yet answers a call with one by dropping it.
+/// A fault in the options alone: the call is the reference's under
+/// `rewrite(config)`, the op declaring `options`.
 #[derive(Debug, Clone, Copy)]
-struct SilentFallback;
+struct ConfigFault {
+    rewrite: fn(&LossConfig) -> LossConfig,
+    options: LossSupport,
+}
 
-impl VocabHooks for SilentFallback {
+impl VocabHooks for ConfigFault {
     fn options(&self) -> LossSupport {
-        LossSupport::BASIC
+        self.options
     }
 
     fn cross_entropy(&self, c: CeCall<'_>) -> Result<CrossEntropy> {
-        let config = LossConfig {
-            softcap: None,
-            ..*c.config
-        };
+        let config = (self.rewrite)(c.config);
         CeCall::new(c.input, c.targets, &config, c.want_grad).unsharded(&ReferenceCrossEntropy)
     }
 
@@ -89,17 +90,20 @@ impl VocabHooks for SilentFallback {
         map: &ShardMap,
         c: CeCall<'_>,
     ) -> Result<ShardedLoss> {
-        let config = LossConfig {
-            softcap: None,
-            ..*c.config
-        };
-        CeCall::new(c.input, c.targets, &config, c.want_grad).sharded(
-            &ReferenceCrossEntropy,
-            algorithm,
-            map,
-        )
+        let config = (self.rewrite)(c.config);
+        let call = CeCall::new(c.input, c.targets, &config, c.want_grad);
+        call.sharded(&ReferenceCrossEntropy, algorithm, map)
     }
 }
+
+/// Declares no softcap, yet answers a call with one by dropping it.
+const SILENT_FALLBACK: ConfigFault = ConfigFault {
+    rewrite: |c| LossConfig {
+        softcap: None,
+        ..*c
+    },
+    options: LossSupport::BASIC,
+};
 
 /// Declares no softcap and refuses it by the typed error.
 #[derive(Debug, Clone, Copy)]
@@ -169,7 +173,7 @@ fn o1_negative_control_z_tanh_z() {
 
 #[test]
 fn o1_negative_control_a_silent_fallback_to_the_uncapped_loss() {
-    let m = run_cross_entropy_suite(&Planted(SilentFallback), RULE, 16).unwrap_err();
+    let m = run_cross_entropy_suite(&Planted(SILENT_FALLBACK), RULE, 16).unwrap_err();
     assert!(m.to_string().contains("declares no softcap"), "{m}");
 }
 
@@ -185,37 +189,16 @@ fn o1_an_implementation_that_refuses_the_softcap_passes() {
 }
 
 /// O3's fault: with `z_loss = 0` the term is added with a default coefficient.
-#[derive(Debug, Clone, Copy)]
-struct ZLossWhenOff;
-
-fn z_loss_on(c: &LossConfig) -> LossConfig {
-    let mut config = *c;
-    if config.z_loss == 0.0 {
-        config.z_loss = faults::O3_FAULT_COEFFICIENT;
-    }
-    config
-}
-
-impl VocabHooks for ZLossWhenOff {
-    fn cross_entropy(&self, c: CeCall<'_>) -> Result<CrossEntropy> {
-        let config = z_loss_on(c.config);
-        CeCall::new(c.input, c.targets, &config, c.want_grad).unsharded(&ReferenceCrossEntropy)
-    }
-
-    fn sharded_cross_entropy(
-        &self,
-        algorithm: ShardedAlgorithm,
-        map: &ShardMap,
-        c: CeCall<'_>,
-    ) -> Result<ShardedLoss> {
-        let config = z_loss_on(c.config);
-        CeCall::new(c.input, c.targets, &config, c.want_grad).sharded(
-            &ReferenceCrossEntropy,
-            algorithm,
-            map,
-        )
-    }
-}
+const Z_LOSS_WHEN_OFF: ConfigFault = ConfigFault {
+    rewrite: |c| {
+        let mut config = *c;
+        if config.z_loss == 0.0 {
+            config.z_loss = faults::O3_FAULT_COEFFICIENT;
+        }
+        config
+    },
+    options: LossSupport::ALL,
+};
 
 /// O4's fault: each token's loss as `-Σ_j q_j ln(exp(z_j - lse))`, the log
 /// taken after `exp` underflowed (so `inf` where a smoothed entry's
@@ -292,7 +275,7 @@ impl VocabHooks for LogAfterExp {
 #[test]
 fn o3_negative_control_the_z_loss_added_when_off() {
     // Caught by the first example without a z-loss (V1 already) ...
-    run_cross_entropy_suite(&Planted(ZLossWhenOff), RULE, 16).unwrap_err();
+    run_cross_entropy_suite(&Planted(Z_LOSS_WHEN_OFF), RULE, 16).unwrap_err();
     // ... and by O3's own example, for the loss.
     let case = CeCase {
         map: ShardMap::new(8, 3, ShardLayout::Uneven).unwrap(),
@@ -301,7 +284,7 @@ fn o3_negative_control_the_z_loss_added_when_off() {
         targets: vec![faults::V1_TARGET],
         config: LossConfig::default(),
     };
-    let op = Planted(ZLossWhenOff);
+    let op = Planted(Z_LOSS_WHEN_OFF);
     let e = check_cross_entropy(&op, ShardedAlgorithm::Alg2, &case, false).unwrap_err();
     assert!(e.to_string().contains("loss"), "{e}");
     let got = op

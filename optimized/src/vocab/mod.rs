@@ -421,7 +421,7 @@ pub fn linear_cross_entropy_fused(
         }
         // The whole row's statistics exist now: losses are checked at the
         // end, gradients can be formed tile by tile.
-        if let Some((gh, gw)) = grads.as_mut() {
+        if let Some(grads) = grads.as_mut() {
             for j0 in (0..v).step_by(chunks.vocab) {
                 let tile = (v - j0).min(chunks.vocab);
                 gradient_tile(
@@ -434,29 +434,53 @@ pub fn linear_cross_entropy_fused(
                     &stats[i0..i0 + m],
                 );
                 let g = b.slice(s![.., j0..j0 + tile]);
-                matmul(
-                    gh.slice_mut(s![i0..i0 + m, ..]),
-                    g,
-                    weight.slice(s![j0..j0 + tile, ..]),
-                    true,
-                    Threads::All,
-                );
-                matmul(
-                    gw.slice_mut(s![j0..j0 + tile, ..]),
-                    g.t(),
-                    x,
-                    true,
-                    Threads::All,
-                );
+                accumulate_tile_grads(g, (x, weight), (i0, j0), grads);
             }
         }
     }
-    let (per_token_loss, loss) = rows.losses(&stats)?;
-    let (grad_hidden, grad_weight) = match grads {
-        Some((gh, gw)) => (Some(gh), Some(gw)),
-        None => (None, None),
-    };
-    Ok(LinearCrossEntropy32 {
+    let forward = rows.losses(&stats)?;
+    Ok(fused_result(&rows, stats, forward, grads, 4 * tn * v))
+}
+
+/// `dL/dhidden[i0..] += G W[j0..]` and `dL/dW[j0..] += G^T x` for the
+/// gradient tile `g: [m, tile]` of the tokens `x: [m, h]` (rows `i0..` of
+/// the hidden states) and the vocabulary rows `j0..j0 + tile`.
+fn accumulate_tile_grads(
+    g: ArrayView2<f32>,
+    (x, weight): (ArrayView2<f32>, ArrayView2<f32>),
+    (i0, j0): (usize, usize),
+    (gh, gw): &mut (Array2<f32>, Array2<f32>),
+) {
+    let (m, tile) = g.dim();
+    let w_tile = weight.slice(s![j0..j0 + tile, ..]);
+    matmul(
+        gh.slice_mut(s![i0..i0 + m, ..]),
+        g,
+        w_tile,
+        true,
+        Threads::All,
+    );
+    matmul(
+        gw.slice_mut(s![j0..j0 + tile, ..]),
+        g.t(),
+        x,
+        true,
+        Threads::All,
+    );
+}
+
+/// The result of a fused kernel (no `dL/dlogits`): the row statistics, the
+/// losses `forward`, the gradients `(dL/dhidden, dL/dW)` and the bytes of
+/// its logits buffer.
+fn fused_result(
+    rows: &Rows,
+    stats: Vec<SoftmaxStats>,
+    (per_token_loss, loss): (Array1<f64>, f64),
+    grads: Option<(Array2<f32>, Array2<f32>)>,
+    logits_buffer_bytes: usize,
+) -> LinearCrossEntropy32 {
+    let (grad_hidden, grad_weight) = grads.unzip();
+    LinearCrossEntropy32 {
         ce: CrossEntropy32 {
             loss,
             per_token_loss,
@@ -466,8 +490,8 @@ pub fn linear_cross_entropy_fused(
         },
         grad_hidden,
         grad_weight,
-        logits_buffer_bytes: 4 * tn * v,
-    })
+        logits_buffer_bytes,
+    }
 }
 
 /// `[rows, cols]` mutable view helper for the shard passes.

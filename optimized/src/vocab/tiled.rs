@@ -61,12 +61,13 @@ pub fn linear_cross_entropy_tiled(
             merge_stats_at(flat, tv, (0, j0, tile), &rows, i0, &mut stats[i0..i0 + m]);
         }
     }
-    let (per_token_loss, loss) = rows.losses(&stats)?;
+    let forward = rows.losses(&stats)?;
     // Pass 2: the gradients, from recomputed logits.
-    let (mut grad_hidden, mut grad_weight) = (None, None);
-    if want_grad {
-        let mut gh = Array2::<f32>::zeros(hidden.dim());
-        let mut gw = Array2::<f32>::zeros(weight.dim());
+    let mut grads = want_grad.then(|| {
+        let zeros = |a: ArrayView2<f32>| Array2::<f32>::zeros(a.dim());
+        (zeros(hidden), zeros(weight))
+    });
+    if let Some(grads) = grads.as_mut() {
         for (i0, m) in spans(n, tn) {
             let x = hidden.slice(s![i0..i0 + m, ..]);
             for (j0, tile) in spans(v, tv) {
@@ -74,36 +75,9 @@ pub fn linear_cross_entropy_tiled(
                 let flat = &mut buf.as_slice_mut().expect("standard")[..m * tv];
                 gradient_at(flat, tv, (0, j0, tile), &rows, i0, &stats[i0..i0 + m]);
                 let g = buf.slice(s![..m, ..tile]);
-                let w_tile = weight.slice(s![j0..j0 + tile, ..]);
-                matmul(
-                    gh.slice_mut(s![i0..i0 + m, ..]),
-                    g,
-                    w_tile,
-                    true,
-                    Threads::All,
-                );
-                matmul(
-                    gw.slice_mut(s![j0..j0 + tile, ..]),
-                    g.t(),
-                    x,
-                    true,
-                    Threads::All,
-                );
+                accumulate_tile_grads(g, (x, weight), (i0, j0), grads);
             }
         }
-        grad_hidden = Some(gh);
-        grad_weight = Some(gw);
     }
-    Ok(LinearCrossEntropy32 {
-        ce: CrossEntropy32 {
-            loss,
-            per_token_loss,
-            stats,
-            num_tokens: rows.num_tokens(),
-            grad_logits: None,
-        },
-        grad_hidden,
-        grad_weight,
-        logits_buffer_bytes: 4 * tn * tv,
-    })
+    Ok(fused_result(&rows, stats, forward, grads, 4 * tn * tv))
 }
