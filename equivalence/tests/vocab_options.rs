@@ -238,6 +238,15 @@ fn log_after_exp(
     (per_token, loss)
 }
 
+/// `out` with the per-token losses and the loss of a fault on every rank.
+fn with_losses(mut out: ShardedLoss, per_token: &[f64], loss: f64) -> ShardedLoss {
+    for r in &mut out.ranks {
+        r.per_token_loss = per_token.to_vec().into();
+        r.loss = loss;
+    }
+    out
+}
+
 impl VocabHooks for LogAfterExp {
     fn cross_entropy(&self, c: CeCall<'_>) -> Result<CrossEntropy> {
         let mut ce = c.unsharded(&ReferenceCrossEntropy)?;
@@ -257,18 +266,14 @@ impl VocabHooks for LogAfterExp {
         map: &ShardMap,
         c: CeCall<'_>,
     ) -> Result<ShardedLoss> {
-        let mut out = c.sharded(&ReferenceCrossEntropy, algorithm, map)?;
+        let out = c.sharded(&ReferenceCrossEntropy, algorithm, map)?;
         if c.config.softcap.is_some() {
             return Ok(out);
         }
         let lse = out.logsumexp().to_vec();
         let v = map.vocab_size();
         let (per_token, loss) = log_after_exp(c.input, v, c.targets, c.config, &lse);
-        for r in &mut out.ranks {
-            r.per_token_loss = per_token.clone().into();
-            r.loss = loss;
-        }
-        Ok(out)
+        Ok(with_losses(out, &per_token, loss))
     }
 }
 
@@ -331,7 +336,7 @@ impl VocabHooks for PlaceholderOnPadding {
         map: &ShardMap,
         c: CeCall<'_>,
     ) -> Result<ShardedLoss> {
-        let mut out = c.sharded(&ReferenceCrossEntropy, algorithm, map)?;
+        let out = c.sharded(&ReferenceCrossEntropy, algorithm, map)?;
         let v = map.vocab_size();
         let last = map.shard(map.num_shards() - 1);
         if map.padded_vocab_size() == v || c.input.ncols() <= v {
@@ -347,11 +352,7 @@ impl VocabHooks for PlaceholderOnPadding {
             }
         }
         let loss = c.config.reduce(&per_token, &parsed);
-        for r in &mut out.ranks {
-            r.per_token_loss = per_token.clone().into();
-            r.loss = loss;
-        }
-        Ok(out)
+        Ok(with_losses(out, &per_token, loss))
     }
 }
 
