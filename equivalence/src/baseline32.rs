@@ -619,6 +619,18 @@ pub fn cross_entropy(
     want_grad: bool,
 ) -> CrossEntropy32 {
     let (n, v) = logits.dim();
+    // The softcap first (docs/FAULTS.md O1), `-inf` kept.
+    let cap = config.softcap.map(|c| c as f32);
+    let capped = cap.map(|c| {
+        logits.mapv(|z| {
+            if z == f32::NEG_INFINITY {
+                z
+            } else {
+                c * (z / c).tanh()
+            }
+        })
+    });
+    let logits = capped.as_ref().map_or(logits, |z| z.view());
     let parsed: Vec<Option<usize>> = targets
         .iter()
         .map(|&t| (t != config.ignore_index).then_some(t as usize))
@@ -681,7 +693,13 @@ pub fn cross_entropy(
             } else {
                 delta + 2.0 * c * lse[i] * p
             };
-            w * g
+            match cap {
+                Some(cap) if z != f32::NEG_INFINITY => {
+                    let t = z / cap;
+                    w * g * ((1.0 - t) * (1.0 + t))
+                }
+                _ => w * g,
+            }
         })
     });
     CrossEntropy32 {

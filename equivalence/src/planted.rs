@@ -12,7 +12,7 @@ use packshard_reference::attention::ReferenceAttention;
 use packshard_reference::bert::{AttentionGrads, AttentionOutput};
 use packshard_reference::ops::{
     AttentionOp, AttentionSupport, CrossEntropyOp, Embedding, EmbeddingOp, LinearCrossEntropyOp,
-    LinearLoss, Varlen,
+    LinearLoss, LossSupport, Varlen,
 };
 use packshard_reference::vocab::cross_entropy::CrossEntropy;
 use packshard_reference::vocab::embedding::ShardedEmbedding;
@@ -424,6 +424,11 @@ pub trait VocabHooks: Send + Sync {
         ShardedAlgorithm::ALL.to_vec()
     }
 
+    /// The loss options it declares (both op families; all by default).
+    fn options(&self) -> LossSupport {
+        LossSupport::ALL
+    }
+
     /// As [`CrossEntropyOp::cross_entropy`].
     ///
     /// # Errors
@@ -488,6 +493,10 @@ impl<F: VocabHooks> CrossEntropyOp for Planted<F> {
         self.0.algorithms()
     }
 
+    fn options(&self) -> LossSupport {
+        self.0.options()
+    }
+
     fn cross_entropy(
         &self,
         logits: ArrayView2<f64>,
@@ -517,6 +526,10 @@ impl<F: VocabHooks> CrossEntropyOp for Planted<F> {
 impl<F: VocabHooks> LinearCrossEntropyOp for Planted<F> {
     fn algorithms(&self) -> Vec<ShardedAlgorithm> {
         self.0.algorithms()
+    }
+
+    fn options(&self) -> LossSupport {
+        self.0.options()
     }
 
     fn linear_cross_entropy(

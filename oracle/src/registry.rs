@@ -21,7 +21,7 @@ use packshard_equivalence::causal::{CausalForm, CausalLmImpl, ReferenceCausalLm}
 use packshard_equivalence::compare::{Judge, RelativeRule, Tolerance};
 use packshard_optimized::ops::{
     CrossEntropyF32, DenseMaskedAttention, EncoderLayerF32, LinearCeFused, LinearCeMaterialized,
-    ScalarAttention, TiledAttention,
+    LinearCeTiled, ScalarAttention, TiledAttention,
 };
 use packshard_optimized::vocab::Chunks;
 
@@ -479,6 +479,20 @@ pub fn linear_cross_entropy() -> Vec<Entry<dyn LinearCrossEntropyOp>> {
             make: || Ok(Box::new(LinearCeFused::default())),
             small: Some(|| {
                 Ok(Box::new(LinearCeFused {
+                    chunks: SMALL_CHUNKS,
+                }))
+            }),
+        },
+        Entry {
+            name: "linear_ce_tiled",
+            changed: "f32; tiles of 1024 tokens x 512 entries: pass 1 row statistics, pass 2 gradients from recomputed logits (4 products), holds one tile, never a row of v; sharded: alg2 as linear_ce_fused",
+            precision: Precision::F32,
+            judge: F32_FORMS,
+            fuzz_judge: F32_FUZZ,
+            needs: Needs::Nothing,
+            make: || Ok(Box::new(LinearCeTiled::default())),
+            small: Some(|| {
+                Ok(Box::new(LinearCeTiled {
                     chunks: SMALL_CHUNKS,
                 }))
             }),

@@ -250,6 +250,7 @@ fn loss_args(
                 .map(str::parse::<Reduction>)
                 .transpose()?
                 .unwrap_or_default(),
+            softcap: None,
         })
     };
     Ok(LossArgs {

@@ -6,8 +6,10 @@
 use ndarray::{Array2, Array3};
 use packshard_optimized::attention::{dense_masked_attention, varlen_attention, varlen_pairs};
 use packshard_optimized::layer::{layer_backward, layer_flops, layer_forward, LayerParams32};
+use packshard_optimized::ops::LinearCeTiled;
 use packshard_optimized::vocab::{
-    linear_cross_entropy_fused, linear_cross_entropy_materialized, MAX_MATERIALIZED_LOGITS,
+    linear_cross_entropy_fused, linear_cross_entropy_materialized, linear_cross_entropy_tiled,
+    MAX_MATERIALIZED_LOGITS,
 };
 use packshard_reference::attention::{AttentionLayout, ReferenceAttention};
 use packshard_reference::bert::{BertConfig, BertParams};
@@ -340,6 +342,10 @@ pub struct CeReport {
     pub fused_s: f64,
     /// Peak heap bytes of the fused path.
     pub fused_peak: Option<usize>,
+    /// Seconds, tiled over tokens and vocabulary (`linear_ce_tiled`).
+    pub tiled_s: f64,
+    /// Peak heap bytes of the tiled path.
+    pub tiled_peak: Option<usize>,
     /// Bytes of the gradients both return (`[n, h] + [v, h]` f32).
     pub output_bytes: usize,
     /// Bytes of the `[n, v]` f32 logits.
@@ -366,6 +372,17 @@ pub fn cross_entropy(cfg: &BenchConfig) -> Result<Vec<CeReport>> {
         let (f, fused_peak) = peak_since(fused);
         let f = f?;
         let fused_s = time_warm(cfg.reps, fused);
+        let tiles = LinearCeTiled::default().chunks;
+        let tiled = || linear_cross_entropy_tiled(x.view(), w.view(), &t, &config, true, tiles);
+        let (tl, tiled_peak) = peak_since(tiled);
+        let rel = (tl?.ce.loss - f.ce.loss).abs() / f.ce.loss.abs();
+        if rel > 1e-4 {
+            return Err(Error::invalid(
+                "cross_entropy",
+                format!("tiled and fused losses differ by {rel:e}: not timing"),
+            ));
+        }
+        let tiled_s = time_warm(cfg.reps, tiled);
         let (mut materialized_s, mut materialized_peak) = (None, None);
         if n * v <= MAX_MATERIALIZED_LOGITS {
             let mat = || linear_cross_entropy_materialized(x.view(), w.view(), &t, &config, true);
@@ -390,6 +407,8 @@ pub fn cross_entropy(cfg: &BenchConfig) -> Result<Vec<CeReport>> {
             materialized_peak,
             fused_s,
             fused_peak,
+            tiled_s,
+            tiled_peak,
             output_bytes: 4 * (n * hd + v * hd),
             logits_bytes: 4 * n * v,
         });
