@@ -207,7 +207,8 @@ fn time_attention<'py>(
 
 /// The options of a loss call (`cross_entropy`, `linear_cross_entropy`,
 /// `loss_judged`), one dict from the Python side: the six loss options always
-/// present, the sharding ones (`num_shards`, `algorithm`, `layout`) optional;
+/// present, the sharding ones (`num_shards`, `algorithm`, `layout`) and
+/// `softcap` optional;
 /// `None` takes the contract's default (docs/INTERFACE.md).
 #[derive(FromPyObject, Default)]
 #[pyo3(from_item_all)]
@@ -224,6 +225,9 @@ struct LossOptions {
     algorithm: Option<String>,
     #[pyo3(default)]
     layout: Option<String>,
+    /// `c` of the logit softcap `c * tanh(z / c)` (docs/FAULTS.md O1).
+    #[pyo3(default)]
+    softcap: Option<f64>,
 }
 
 fn loss_args(
@@ -250,7 +254,7 @@ fn loss_args(
                 .map(str::parse::<Reduction>)
                 .transpose()?
                 .unwrap_or_default(),
-            softcap: None,
+            softcap: o.softcap,
         })
     };
     Ok(LossArgs {
