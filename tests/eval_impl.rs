@@ -39,7 +39,7 @@ fn available(entry: &Info) -> bool {
         Family::Attention => made(&registry::attention(), entry.name),
         Family::CrossEntropy => made(&registry::cross_entropy(), entry.name),
         Family::LinearCrossEntropy => made(&registry::linear_cross_entropy(), entry.name),
-        Family::Embedding | Family::EncoderLayer => Ok(()),
+        Family::Embedding | Family::EncoderLayer | Family::CausalLm => Ok(()),
     };
     made.map_err(|why| eprintln!("{}: skipped: {why}", entry.name))
         .is_ok()
@@ -126,7 +126,7 @@ fn cases(family: Family) -> Vec<(Value, Vec<&'static str>)> {
             ];
             vec![(base, fields.clone()), (sharded, fields)]
         }
-        Family::Embedding | Family::EncoderLayer => vec![],
+        Family::Embedding | Family::EncoderLayer | Family::CausalLm => vec![],
     }
 }
 

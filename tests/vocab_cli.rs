@@ -392,3 +392,31 @@ fn vocab_command_runs_and_prints_json() {
         "packshard: num_shards: 8 shards for a vocabulary of 4: p must be <= v"
     );
 }
+
+#[test]
+fn o1_softcap_through_eval() {
+    let base = json!({"op": "cross_entropy", "logits": [V1], "targets": [4],
+                      "softcap": 2.0, "want_grad": true});
+    let cases = variants(&base, &[1, 2, 3, 8]);
+    for (case, r) in cases.iter().zip(eval_all(&cases)) {
+        assert_eq!(format!("{:.5}", f(&r["loss"])), "1.18683", "{case} -> {r}");
+    }
+    let cases: Vec<Value> = [json!(0.0), json!(-1.0), json!("inf")]
+        .into_iter()
+        .map(|c| json!({"op": "cross_entropy", "logits": [V1], "targets": [4], "softcap": c}))
+        .collect();
+    for (case, r) in cases.iter().zip(eval_all(&cases)) {
+        let e = r["error"].to_string();
+        assert!(e.contains("softcap"), "{case} -> {r}");
+    }
+    // The output layer (h = 1: the weight column is the logits), every impl
+    // that runs it; the CUDA ones, where built, refuse it by name.
+    let weight: Vec<[f64; 1]> = V1.iter().map(|&x| [x]).collect();
+    for imp in ["reference", "linear_ce_materialized", "linear_ce_fused"] {
+        let r = eval(
+            &json!({"op": "linear_cross_entropy", "hidden": [[1.0]], "weight": weight,
+                             "targets": [4], "softcap": 2.0, "impl": imp}),
+        );
+        assert_eq!(format!("{:.5}", f(&r["loss"])), "1.18683", "{imp} -> {r}");
+    }
+}

@@ -468,6 +468,9 @@ pub struct SuiteReport {
     pub packed: Observed,
     /// Against the f64 reference, for a lower-precision kernel.
     pub relative: Option<RelativeReport>,
+    /// Causal, grouped-query and cross cases, for a kernel that declares
+    /// them ([`crate::attention_general`]).
+    pub general: Option<crate::attention_general::GeneralReport>,
 }
 
 impl std::fmt::Display for SuiteReport {
@@ -486,6 +489,9 @@ impl std::fmt::Display for SuiteReport {
                 r.totals.mean_ratio()
             )?;
         }
+        if let Some(g) = &self.general {
+            write!(f, "; {g}")?;
+        }
         Ok(())
     }
 }
@@ -493,8 +499,10 @@ impl std::fmt::Display for SuiteReport {
 /// The attention suite for one implementation under `judge`: packed ==
 /// padded (the fault cases, [`tile_cases`] and `cases` random ones, fixed
 /// seed) within `judge.packed()`, padding rows exactly 0 and other sequences
-/// bitwise unchanged; and for a lower-precision kernel,
-/// [`run_attention_relative_suite`] against the f64 reference.
+/// bitwise unchanged; for a lower-precision kernel,
+/// [`run_attention_relative_suite`] against the f64 reference; and the
+/// causal, grouped-query and cross cases the kernel declares
+/// ([`crate::attention_general::run_general_suite`]).
 ///
 /// # Errors
 /// The first failure with its case.
@@ -514,7 +522,12 @@ pub fn run_suite(imp: &dyn AttentionOp, judge: Judge, cases: u32) -> Result<Suit
         )?),
         None => None,
     };
-    Ok(SuiteReport { packed, relative })
+    let general = crate::attention_general::run_general_suite(imp, judge, cases)?;
+    Ok(SuiteReport {
+        packed,
+        relative,
+        general,
+    })
 }
 
 // ---- lower-precision kernels against the f64 reference --------------------------

@@ -10,13 +10,19 @@
 //! (rounded to `f32`, or to `bf16`, first).
 //!
 //! - [`varlen_attention`], [`varlen_attention_backward`]: `reference::bert::attention`;
+//!   [`varlen_attention_general`], [`varlen_attention_general_backward`]:
+//!   `reference::attention` (grouped-query, `cu_seqlens_k`, bottom-right causal);
 //! - [`layer_forward_backward`]: one encoder layer, `reference::bert::layer`;
 //! - [`cross_entropy`], [`linear_cross_entropy`]: `reference::vocab::cross_entropy`
 //!   (unsharded; the `rest = s - 1`, `ln_1p` and confident-target forms kept).
 
 use ndarray::{Array1, Array2, Array3, ArrayView1, ArrayView2, ArrayView3, Axis};
+use packshard_reference::attention::{
+    check_qkv_shapes, check_varlen, AttentionGrads, AttentionOutput,
+};
 use packshard_reference::bert::attention::AttentionLayout;
 use packshard_reference::bert::LayerParams;
+use packshard_reference::ops::{AttentionOp, AttentionSupport, Varlen};
 use packshard_reference::vocab::{LossConfig, Reduction};
 
 /// `x` rounded to the nearest `f32`.
@@ -48,8 +54,9 @@ pub fn to_f64<D: ndarray::Dimension>(x: &ndarray::ArrayView<f32, D>) -> ndarray:
 
 // ---- attention ----------------------------------------------------------------
 
-/// `reference::bert::attention::varlen_attention` in f32: returns `output:
-/// [n_tok, h, d]` and `lse: [h, n_tok]`. Inputs are assumed valid.
+/// `reference::bert::attention::varlen_attention` in f32 (self-attention
+/// over one `cu_seqlens`): [`varlen_attention_general`] with `cu_seqlens_k
+/// = cu_seqlens_q`.
 pub fn varlen_attention(
     q: ArrayView3<f32>,
     k: ArrayView3<f32>,
@@ -58,19 +65,49 @@ pub fn varlen_attention(
     causal: bool,
     scale: f32,
 ) -> (Array3<f32>, Array2<f32>) {
+    varlen_attention_general(q, k, v, (cu_seqlens, cu_seqlens), causal, scale)
+}
+
+/// The keys of query `i` of a segment `(wq, wk)` (bounds of its queries and
+/// keys): all of them, or when causal those up to `i`'s bottom-right
+/// aligned position (`reference::attention`'s rule).
+fn keys_of(i: usize, wq: &[usize], wk: &[usize], causal: bool) -> std::ops::Range<usize> {
+    let (lq, lk) = (wq[1] - wq[0], wk[1] - wk[0]);
+    let limit = if causal {
+        (i - wq[0] + lk + 1).saturating_sub(lq).min(lk)
+    } else {
+        lk
+    };
+    wk[0]..wk[0] + limit
+}
+
+/// `reference::attention::varlen_attention_general` in f32: `q: [n_q, h,
+/// d]`, `k, v: [n_k, h_kv, d]` (query head `a` reads key head `a / (h /
+/// h_kv)`), `(cu_seqlens_q, cu_seqlens_k)`, bottom-right causal masks;
+/// returns `output: [n_q, h, d]` and `lse: [h, n_q]`. Inputs are assumed valid.
+pub fn varlen_attention_general(
+    q: ArrayView3<f32>,
+    k: ArrayView3<f32>,
+    v: ArrayView3<f32>,
+    (cu_q, cu_k): (&[usize], &[usize]),
+    causal: bool,
+    scale: f32,
+) -> (Array3<f32>, Array2<f32>) {
     let (n, h, d) = q.dim();
+    let group = h / k.dim().1;
     let mut output = Array3::zeros((n, h, d));
     let mut lse = Array2::from_elem((h, n), f32::NEG_INFINITY);
-    for w in cu_seqlens.windows(2) {
+    for (wq, wk) in cu_q.windows(2).zip(cu_k.windows(2)) {
         for a in 0..h {
-            for i in w[0]..w[1] {
-                let keys = w[0]..if causal { i + 1 } else { w[1] };
+            let kv = a / group;
+            for i in wq[0]..wq[1] {
+                let keys = keys_of(i, wq, wk, causal);
                 let mut scores = Vec::with_capacity(keys.len());
                 let mut m = f32::NEG_INFINITY;
                 for j in keys {
                     let mut dot = 0.0f32;
                     for c in 0..d {
-                        dot += q[[i, a, c]] * k[[j, a, c]];
+                        dot += q[[i, a, c]] * k[[j, kv, c]];
                     }
                     let s = scale * dot;
                     m = m.max(s);
@@ -85,7 +122,7 @@ pub fn varlen_attention(
                 for &(j, s) in &scores {
                     let p = (s - l).exp();
                     for c in 0..d {
-                        output[[i, a, c]] += p * v[[j, a, c]];
+                        output[[i, a, c]] += p * v[[j, kv, c]];
                     }
                 }
             }
@@ -108,15 +145,38 @@ pub fn varlen_attention_backward(
     lse: ArrayView2<f32>,
     grad_output: ArrayView3<f32>,
 ) -> [Array3<f32>; 3] {
+    varlen_attention_general_backward(
+        (q, k, v),
+        (cu_seqlens, cu_seqlens),
+        causal,
+        scale,
+        (output, lse),
+        grad_output,
+    )
+}
+
+/// `reference::attention::varlen_attention_general_backward` in f32:
+/// returns `grad_q: [n_q, h, d]` and `grad_k, grad_v: [n_k, h_kv, d]`
+/// (summed over the query heads of a group).
+pub fn varlen_attention_general_backward(
+    (q, k, v): (ArrayView3<f32>, ArrayView3<f32>, ArrayView3<f32>),
+    (cu_q, cu_k): (&[usize], &[usize]),
+    causal: bool,
+    scale: f32,
+    (output, lse): (ArrayView3<f32>, ArrayView2<f32>),
+    grad_output: ArrayView3<f32>,
+) -> [Array3<f32>; 3] {
     let (n, h, d) = q.dim();
+    let group = h / k.dim().1;
     let mut g = [
         Array3::zeros((n, h, d)),
-        Array3::zeros((n, h, d)),
-        Array3::zeros((n, h, d)),
+        Array3::zeros(k.dim()),
+        Array3::zeros(k.dim()),
     ];
-    for w in cu_seqlens.windows(2) {
+    for (wq, wk) in cu_q.windows(2).zip(cu_k.windows(2)) {
         for a in 0..h {
-            for i in w[0]..w[1] {
+            let kv = a / group;
+            for i in wq[0]..wq[1] {
                 let l = lse[[a, i]];
                 if l == f32::NEG_INFINITY {
                     continue;
@@ -125,27 +185,131 @@ pub fn varlen_attention_backward(
                 for c in 0..d {
                     delta += grad_output[[i, a, c]] * output[[i, a, c]];
                 }
-                for j in w[0]..if causal { i + 1 } else { w[1] } {
+                for j in keys_of(i, wq, wk, causal) {
                     let mut dot = 0.0f32;
                     for c in 0..d {
-                        dot += q[[i, a, c]] * k[[j, a, c]];
+                        dot += q[[i, a, c]] * k[[j, kv, c]];
                     }
                     let p = (scale * dot - l).exp();
                     let mut dp = 0.0f32;
                     for c in 0..d {
-                        dp += grad_output[[i, a, c]] * v[[j, a, c]];
-                        g[2][[j, a, c]] += p * grad_output[[i, a, c]];
+                        dp += grad_output[[i, a, c]] * v[[j, kv, c]];
+                        g[2][[j, kv, c]] += p * grad_output[[i, a, c]];
                     }
                     let ds = p * (dp - delta) * scale;
                     for c in 0..d {
-                        g[0][[i, a, c]] += ds * k[[j, a, c]];
-                        g[1][[j, a, c]] += ds * q[[i, a, c]];
+                        g[0][[i, a, c]] += ds * k[[j, kv, c]];
+                        g[1][[j, kv, c]] += ds * q[[i, a, c]];
                     }
                 }
             }
         }
     }
     g
+}
+
+/// [`varlen_attention_general`] and its backward as an [`AttentionOp`]
+/// (inputs rounded to f32, results widened): the f32 yardstick of a pipeline
+/// whose attention is an f32 kernel (`causal::CausalLmImpl::baseline32`).
+/// Varlen form only: the masked form is refused.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Baseline32Attention;
+
+impl Baseline32Attention {
+    fn inputs(
+        q: &ArrayView3<f64>,
+        k: &ArrayView3<f64>,
+        v: &ArrayView3<f64>,
+        p: &Varlen<'_>,
+    ) -> packshard_reference::Result<[Array3<f32>; 3]> {
+        check_qkv_shapes(q.shape(), k.shape(), v.shape())?;
+        check_varlen(p, q.dim().0, k.dim().0)?;
+        Ok([to_f32(q), to_f32(k), to_f32(v)])
+    }
+}
+
+impl AttentionOp for Baseline32Attention {
+    fn support(&self) -> AttentionSupport {
+        AttentionSupport::ALL
+    }
+
+    fn varlen_forward(
+        &self,
+        q: ArrayView3<f64>,
+        k: ArrayView3<f64>,
+        v: ArrayView3<f64>,
+        p: &Varlen<'_>,
+    ) -> packshard_reference::Result<AttentionOutput> {
+        let [q, k, v] = Self::inputs(&q, &k, &v, p)?;
+        let cu = (p.cu_seqlens_q, p.cu_seqlens_k);
+        let (o, l) =
+            varlen_attention_general(q.view(), k.view(), v.view(), cu, p.causal, p.scale as f32);
+        Ok(AttentionOutput {
+            output: to_f64(&o.view()),
+            lse: to_f64(&l.view()),
+        })
+    }
+
+    fn varlen_backward(
+        &self,
+        q: ArrayView3<f64>,
+        k: ArrayView3<f64>,
+        v: ArrayView3<f64>,
+        p: &Varlen<'_>,
+        fwd: &AttentionOutput,
+        grad_output: ArrayView3<f64>,
+    ) -> packshard_reference::Result<AttentionGrads> {
+        let [q, k, v] = Self::inputs(&q, &k, &v, p)?;
+        let (o, l, g) = (
+            to_f32(&fwd.output.view()),
+            to_f32(&fwd.lse.view()),
+            to_f32(&grad_output),
+        );
+        let [gq, gk, gv] = varlen_attention_general_backward(
+            (q.view(), k.view(), v.view()),
+            (p.cu_seqlens_q, p.cu_seqlens_k),
+            p.causal,
+            p.scale as f32,
+            (o.view(), l.view()),
+            g.view(),
+        );
+        Ok(AttentionGrads {
+            grad_q: to_f64(&gq.view()),
+            grad_k: to_f64(&gk.view()),
+            grad_v: to_f64(&gv.view()),
+        })
+    }
+
+    fn masked_forward(
+        &self,
+        _: ArrayView3<f64>,
+        _: ArrayView3<f64>,
+        _: ArrayView3<f64>,
+        _: ArrayView2<bool>,
+        _: f64,
+    ) -> packshard_reference::Result<AttentionOutput> {
+        Err(masked_refused())
+    }
+
+    fn masked_backward(
+        &self,
+        _: ArrayView3<f64>,
+        _: ArrayView3<f64>,
+        _: ArrayView3<f64>,
+        _: ArrayView2<bool>,
+        _: f64,
+        _: &AttentionOutput,
+        _: ArrayView3<f64>,
+    ) -> packshard_reference::Result<AttentionGrads> {
+        Err(masked_refused())
+    }
+}
+
+fn masked_refused() -> packshard_reference::Error {
+    packshard_reference::Error::invalid(
+        "allowed",
+        "the f32 baseline attention runs the varlen form only",
+    )
 }
 
 // ---- encoder layer ------------------------------------------------------------
@@ -455,6 +619,18 @@ pub fn cross_entropy(
     want_grad: bool,
 ) -> CrossEntropy32 {
     let (n, v) = logits.dim();
+    // The softcap first (docs/FAULTS.md O1), `-inf` kept.
+    let cap = config.softcap.map(|c| c as f32);
+    let capped = cap.map(|c| {
+        logits.mapv(|z| {
+            if z == f32::NEG_INFINITY {
+                z
+            } else {
+                c * (z / c).tanh()
+            }
+        })
+    });
+    let logits = capped.as_ref().map_or(logits, |z| z.view());
     let parsed: Vec<Option<usize>> = targets
         .iter()
         .map(|&t| (t != config.ignore_index).then_some(t as usize))
@@ -517,7 +693,13 @@ pub fn cross_entropy(
             } else {
                 delta + 2.0 * c * lse[i] * p
             };
-            w * g
+            match cap {
+                Some(cap) if z != f32::NEG_INFINITY => {
+                    let t = z / cap;
+                    w * g * ((1.0 - t) * (1.0 + t))
+                }
+                _ => w * g,
+            }
         })
     });
     CrossEntropy32 {

@@ -33,6 +33,7 @@
 #![allow(clippy::result_large_err)]
 
 pub mod attention;
+pub mod attention_general;
 pub mod baseline32;
 pub mod bert;
 pub mod causal;

@@ -12,7 +12,7 @@ use packshard_reference::attention::ReferenceAttention;
 use packshard_reference::bert::{AttentionGrads, AttentionOutput};
 use packshard_reference::ops::{
     AttentionOp, AttentionSupport, CrossEntropyOp, Embedding, EmbeddingOp, LinearCrossEntropyOp,
-    LinearLoss, Varlen,
+    LinearLoss, LossSupport, Varlen,
 };
 use packshard_reference::vocab::cross_entropy::CrossEntropy;
 use packshard_reference::vocab::embedding::ShardedEmbedding;
@@ -202,6 +202,105 @@ impl<F: AttentionHooks> AttentionOp for Planted<F> {
     }
 }
 
+// ---- planted attention faults ---------------------------------------------------
+
+/// The reference with causal masks aligned top-left (`c <= r`) when queries
+/// and keys differ in length, instead of bottom-right (`c <= r + l_k -
+/// l_q`): docs/FAULTS.md C5. Agrees with the reference on self-attention.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct TopLeftCausal;
+
+/// `[n_q, n_k]`: key `c` of a segment visible to its query `r` when `c <= r`
+/// (or always, when not causal).
+fn top_left_mask(p: &Varlen<'_>, n_q: usize, n_k: usize) -> ndarray::Array2<bool> {
+    let mut m = ndarray::Array2::from_elem((n_q, n_k), false);
+    for (wq, wk) in p.cu_seqlens_q.windows(2).zip(p.cu_seqlens_k.windows(2)) {
+        let lk = wk[1] - wk[0];
+        for r in 0..wq[1] - wq[0] {
+            let end = if p.causal { lk.min(r + 1) } else { lk };
+            for c in 0..end {
+                m[[wq[0] + r, wk[0] + c]] = true;
+            }
+        }
+    }
+    m
+}
+
+impl AttentionHooks for TopLeftCausal {
+    fn support(&self) -> AttentionSupport {
+        AttentionSupport::ALL
+    }
+    fn varlen_forward(&self, x: Qkv<'_>, p: &Varlen<'_>) -> Result<AttentionOutput> {
+        let mask = top_left_mask(p, x.q.dim().0, x.k.dim().0);
+        x.masked_forward(&ReferenceAttention, mask.view(), p.scale)
+    }
+    fn varlen_backward(
+        &self,
+        x: Qkv<'_>,
+        p: &Varlen<'_>,
+        fwd: &AttentionOutput,
+        g: ArrayView3<f64>,
+    ) -> Result<AttentionGrads> {
+        let mask = top_left_mask(p, x.q.dim().0, x.k.dim().0);
+        x.masked_backward(&ReferenceAttention, (mask.view(), p.scale), fwd, g)
+    }
+}
+
+/// The reference with grouped-query heads mapped as `a % h_kv` (tiling the
+/// key heads, `repeat` instead of `repeat_interleave`) instead of `a / (h /
+/// h_kv)`: agrees with the reference when `h_kv` is 1 or `h`.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ModuloKvHeads;
+
+impl ModuloKvHeads {
+    /// `[n_k, h, d]`: key head `a % h_kv` at head `a`.
+    fn spread(x: ArrayView3<f64>, h: usize) -> ndarray::Array3<f64> {
+        let (n, h_kv, d) = x.dim();
+        ndarray::Array3::from_shape_fn((n, h, d), |(j, a, c)| x[[j, a % h_kv, c]])
+    }
+
+    /// `[n_k, h_kv, d]`: the gradient of head `a` added into `a % h_kv`.
+    fn fold(g: &ndarray::Array3<f64>, h_kv: usize) -> ndarray::Array3<f64> {
+        let (n, h, d) = g.dim();
+        let mut out = ndarray::Array3::zeros((n, h_kv, d));
+        for j in 0..n {
+            for a in 0..h {
+                for c in 0..d {
+                    out[[j, a % h_kv, c]] += g[[j, a, c]];
+                }
+            }
+        }
+        out
+    }
+}
+
+impl AttentionHooks for ModuloKvHeads {
+    fn support(&self) -> AttentionSupport {
+        AttentionSupport::ALL
+    }
+    fn varlen_forward(&self, x: Qkv<'_>, p: &Varlen<'_>) -> Result<AttentionOutput> {
+        let h = x.q.dim().1;
+        let (k, v) = (Self::spread(x.k, h), Self::spread(x.v, h));
+        ReferenceAttention.varlen_forward(x.q, k.view(), v.view(), p)
+    }
+    fn varlen_backward(
+        &self,
+        x: Qkv<'_>,
+        p: &Varlen<'_>,
+        fwd: &AttentionOutput,
+        g: ArrayView3<f64>,
+    ) -> Result<AttentionGrads> {
+        let (h, h_kv) = (x.q.dim().1, x.k.dim().1);
+        let (k, v) = (Self::spread(x.k, h), Self::spread(x.v, h));
+        let gr = ReferenceAttention.varlen_backward(x.q, k.view(), v.view(), p, fwd, g)?;
+        Ok(AttentionGrads {
+            grad_q: gr.grad_q,
+            grad_k: Self::fold(&gr.grad_k, h_kv),
+            grad_v: Self::fold(&gr.grad_v, h_kv),
+        })
+    }
+}
+
 // ---- vocabulary parallelism ---------------------------------------------------
 
 /// One loss call's inputs: `input` the logits ([`CeCall`]) or the hidden
@@ -325,6 +424,11 @@ pub trait VocabHooks: Send + Sync {
         ShardedAlgorithm::ALL.to_vec()
     }
 
+    /// The loss options it declares (both op families; all by default).
+    fn options(&self) -> LossSupport {
+        LossSupport::ALL
+    }
+
     /// As [`CrossEntropyOp::cross_entropy`].
     ///
     /// # Errors
@@ -389,6 +493,10 @@ impl<F: VocabHooks> CrossEntropyOp for Planted<F> {
         self.0.algorithms()
     }
 
+    fn options(&self) -> LossSupport {
+        self.0.options()
+    }
+
     fn cross_entropy(
         &self,
         logits: ArrayView2<f64>,
@@ -418,6 +526,10 @@ impl<F: VocabHooks> CrossEntropyOp for Planted<F> {
 impl<F: VocabHooks> LinearCrossEntropyOp for Planted<F> {
     fn algorithms(&self) -> Vec<ShardedAlgorithm> {
         self.0.algorithms()
+    }
+
+    fn options(&self) -> LossSupport {
+        self.0.options()
     }
 
     fn linear_cross_entropy(

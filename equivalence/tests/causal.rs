@@ -4,20 +4,19 @@
 //! deliberately wrong implementation the suite must reject, for the right
 //! reason (the quantity its failure names).
 
-use ndarray::{Array2, ArrayView3};
+use ndarray::Array2;
 use packshard_equivalence::causal::{
     check_bottom_right, chunk_varlen, fault_cases, reference_causal_lm, run_causal_suite,
     run_chunk_suite, run_varlen, CausalBatch, CausalForm, CausalLmImpl, CausalRun,
     ReferenceCausalLm,
 };
-use packshard_equivalence::planted::{AttentionHooks, Planted, Qkv};
+use packshard_equivalence::planted::{Planted, TopLeftCausal};
 use packshard_equivalence::{Judge, Mismatch, Tolerance};
-use packshard_reference::attention::{AttentionGrads, AttentionOutput, ReferenceAttention};
+use packshard_reference::attention::ReferenceAttention;
 use packshard_reference::decoder::{
     loss_weights, next_token_labels, position_ids_from_cu_seqlens, varlen_from_doc_ids,
     CausalReduction, DecoderModel, KvCache,
 };
-use packshard_reference::ops::{AttentionSupport, Varlen};
 use packshard_reference::vocab::IGNORE_INDEX;
 use packshard_reference::Error;
 
@@ -69,15 +68,24 @@ fn reference_passes_the_chunk_suite() {
     );
 }
 
+/// An f32 relative judge: the reference pipeline (f64 attention) against
+/// its baseline (the baseline's f32 attention) passes; an implementation
+/// without a baseline is refused, not passed.
 #[test]
-fn relative_judges_are_refused_not_passed() {
+fn relative_judges_need_a_baseline() {
     let judge = Judge::Relative {
         rule: packshard_equivalence::RelativeRule::F32,
-        inputs: packshard_reference::ops::Precision::F32,
+        inputs: packshard_reference::ops::Precision::F64,
         packed: Tolerance::F32_REWRITE,
     };
-    let m = run_causal_suite(&reference_causal_lm(CausalForm::Varlen), judge, 1).unwrap_err();
-    assert!(m.to_string().contains("f64 rewrites only"), "{m}");
+    let r = run_causal_suite(&reference_causal_lm(CausalForm::Varlen), judge, 4).unwrap();
+    assert!(r.relative.count > 100, "{r:?}");
+    let m = run_causal_suite(&Faulty(Fault::MeanPerPackRow), judge, 1).unwrap_err();
+    assert!(
+        m.to_string()
+            .contains("needs the implementation's f32 baseline"),
+        "{m}"
+    );
 }
 
 // ---- negative controls -------------------------------------------------------
@@ -335,42 +343,7 @@ caught!(
 
 /// C5: causal masks aligned top-left (`c <= r`) when queries and keys
 /// differ in length, instead of bottom-right (`c <= r + l_k - l_q`).
-struct TopLeftHooks;
-
-/// The reference with top-left causal alignment.
-const TOP_LEFT: Planted<TopLeftHooks> = Planted(TopLeftHooks);
-
-fn top_left_mask(p: &Varlen<'_>, n_q: usize, n_k: usize) -> Array2<bool> {
-    let mut m = Array2::from_elem((n_q, n_k), false);
-    for (wq, wk) in p.cu_seqlens_q.windows(2).zip(p.cu_seqlens_k.windows(2)) {
-        for r in 0..wq[1] - wq[0] {
-            for c in 0..(wk[1] - wk[0]).min(r + 1) {
-                m[[wq[0] + r, wk[0] + c]] = true;
-            }
-        }
-    }
-    m
-}
-
-impl AttentionHooks for TopLeftHooks {
-    fn support(&self) -> AttentionSupport {
-        AttentionSupport::ALL
-    }
-    fn varlen_forward(&self, x: Qkv<'_>, p: &Varlen<'_>) -> Result<AttentionOutput, Error> {
-        let mask = top_left_mask(p, x.q.dim().0, x.k.dim().0);
-        x.masked_forward(&ReferenceAttention, mask.view(), p.scale)
-    }
-    fn varlen_backward(
-        &self,
-        x: Qkv<'_>,
-        p: &Varlen<'_>,
-        fwd: &AttentionOutput,
-        g: ArrayView3<f64>,
-    ) -> Result<AttentionGrads, Error> {
-        let mask = top_left_mask(p, x.q.dim().0, x.k.dim().0);
-        x.masked_backward(&ReferenceAttention, (mask.view(), p.scale), fwd, g)
-    }
-}
+const TOP_LEFT: Planted<TopLeftCausal> = Planted(TopLeftCausal);
 
 #[test]
 fn c5_top_left_causal_alignment_is_caught() {

@@ -11,13 +11,16 @@ use packshard_equivalence::vocab::{
     V2_LOGITS,
 };
 use packshard_equivalence::{Judge, Mismatch, Tolerance};
-use packshard_reference::ops::{CrossEntropyOp, EmbeddingOp, LinearCrossEntropyOp};
+use packshard_reference::ops::{
+    CrossEntropyOp, EmbeddingOp, LinearCrossEntropyOp, LinearLoss, LossSupport,
+};
 use packshard_reference::vocab::collective::{run_ranks, Collective, Reduce};
 use packshard_reference::vocab::cross_entropy::CrossEntropy;
 use packshard_reference::vocab::cross_entropy::{check_row, token_loss, STATS_WIDTH};
 use packshard_reference::vocab::embedding::{check_ids, ShardedEmbedding};
 use packshard_reference::vocab::sharded::{merge_stats, RankLoss, ShardedLoss};
 use packshard_reference::vocab::sum;
+use packshard_reference::vocab::ReferenceLinearCrossEntropy;
 use packshard_reference::vocab::{
     cross_entropy, linear_cross_entropy, LossConfig, ShardLayout, ShardMap, ShardedAlgorithm,
     SmoothingConvention, SoftmaxStats,
@@ -300,9 +303,23 @@ impl VocabHooks for Alg1 {
         vec![ShardedAlgorithm::Alg1]
     }
 
+    /// No softcap: declared, and refused in every form (the softcap's
+    /// controls are tests/vocab_options.rs).
+    fn options(&self) -> LossSupport {
+        LossSupport::BASIC
+    }
+
     fn cross_entropy(&self, c: CeCall<'_>) -> Result<CrossEntropy, Error> {
         // The faults are planted in the sharded path.
-        cross_entropy(c.input, c.targets, c.config, c.want_grad)
+        let ce = cross_entropy(c.input, c.targets, c.config, c.want_grad)?;
+        LossSupport::BASIC.check(c.config)?;
+        Ok(ce)
+    }
+
+    fn linear_cross_entropy(&self, c: LinearCall<'_>) -> Result<LinearLoss, Error> {
+        let l = c.unsharded(&ReferenceLinearCrossEntropy)?;
+        LossSupport::BASIC.check(c.config)?;
+        Ok(l)
     }
 
     fn sharded_cross_entropy(
@@ -325,6 +342,7 @@ impl VocabHooks for Alg1 {
             config,
             false,
         )?;
+        LossSupport::BASIC.check(config)?;
         let parts = map.split_columns(logits, "logits")?;
         self.run(map, &parts, None, targets, config, want_grad)
     }
@@ -349,6 +367,7 @@ impl VocabHooks for Alg1 {
             config,
             false,
         )?;
+        LossSupport::BASIC.check(config)?;
         let parts = map.split_rows(weight, "weight")?;
         // Padding rows may hold NaN: a planted fault that reads them shows as NaN.
         let parts: Vec<Array2<f64>> = parts

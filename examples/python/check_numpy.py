@@ -72,7 +72,9 @@ def attention(q, k, v, cu_seqlens, causal, scale, grad_output, bug=None):
 def cross_entropy(logits, targets, p, bug=None):
     """Cross-entropy of logits [n, w] (columns vocab_size.. are padding, never
     read) against targets [n], with ignore_index, label smoothing (PyTorch's
-    or Megatron's convention), z-loss and mean / sum / none reduction.
+    or Megatron's convention), z-loss, the logit softcap c * tanh(z / c)
+    (Gemma 2; applied first, a -inf logit stays -inf) and mean / sum / none
+    reduction.
 
     Returns loss, per_token_loss [n], logsumexp [n] and grad_logits [n, w].
     A sharded run (num_shards, algorithm) must equal the unsharded one, so
@@ -82,6 +84,10 @@ def cross_entropy(logits, targets, p, bug=None):
     n, w = logits.shape
     v = p.get("vocab_size", w)
     z = logits[:, :v]
+    cap = p.get("softcap")
+    if cap is not None:
+        th = np.tanh(z / dt.type(cap))
+        z = np.where(np.isneginf(z), -np.inf, dt.type(cap) * th)
     a = dt.type(p["label_smoothing"])
     c = dt.type(p["z_loss"])
     ignored = targets == p["ignore_index"]
@@ -112,6 +118,8 @@ def cross_entropy(logits, targets, p, bug=None):
         loss = per_token.sum()
         weight = dt.type(1)
     grad = weight * (prob - q + 2 * c * lse * prob)
+    if cap is not None:  # through the cap: d(c tanh(x / c))/dx = 1 - tanh^2
+        grad = grad * (1 - th**2)
     grad = np.where(ignored[:, None], 0, grad)
     grad_logits = np.zeros_like(logits)
     grad_logits[:, :v] = grad

@@ -18,6 +18,8 @@ pub mod attention;
 pub mod convert;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod decoder_layer;
+pub mod decoder_model;
 pub mod layer;
 pub mod matmul;
 pub mod ops;

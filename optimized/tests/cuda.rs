@@ -626,6 +626,30 @@ fn the_op_refuses_bad_input_and_other_algorithms() {
         }
     }
     assert_eq!(op.algorithms(), vec![ShardedAlgorithm::Alg2]);
+    // The softcap (docs/FAULTS.md O1) is declared unsupported and refused by
+    // name in both forms, never answered with the uncapped loss.
+    assert!(!op.options().softcap);
+    let capped = LossConfig::default().with_softcap(30.0);
+    let refused = [
+        op.sharded_linear_cross_entropy(
+            ShardedAlgorithm::Alg2,
+            &map,
+            h.view(),
+            w.view(),
+            &c.targets,
+            &capped,
+            true,
+        )
+        .map(|_| ()),
+        op.linear_cross_entropy(h.view(), w.view(), &c.targets, &capped, false)
+            .map(|_| ()),
+    ];
+    for r in refused {
+        match r {
+            Err(Error::InvalidArgument { field, .. }) => assert_eq!(field, "softcap"),
+            other => panic!("{other:?}"),
+        }
+    }
 }
 
 #[test]

@@ -26,6 +26,7 @@
 #![allow(clippy::result_large_err)]
 
 pub mod bench;
+pub mod causal_lm;
 pub mod eval;
 pub mod fuzzing;
 pub mod golden;

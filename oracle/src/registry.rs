@@ -17,12 +17,15 @@
 
 use std::fmt;
 
+use packshard_equivalence::causal::{CausalForm, CausalLmImpl, ReferenceCausalLm};
 use packshard_equivalence::compare::{Judge, RelativeRule, Tolerance};
 use packshard_optimized::ops::{
     CrossEntropyF32, DenseMaskedAttention, EncoderLayerF32, LinearCeFused, LinearCeMaterialized,
-    ScalarAttention, TiledAttention,
+    LinearCeTiled, ScalarAttention, TiledAttention,
 };
 use packshard_optimized::vocab::Chunks;
+
+use crate::causal_lm::F32LayersCausalLm;
 use packshard_reference::attention::ReferenceAttention;
 use packshard_reference::bert::layer::ReferenceLayer;
 pub use packshard_reference::ops::Precision;
@@ -152,16 +155,20 @@ pub enum Family {
     Embedding,
     /// [`EncoderLayerOp`]: no eval op (the suites and `packshard bench` run it).
     EncoderLayer,
+    /// [`CausalLmImpl`]: a decoder's causal-LM training step on a packed or
+    /// padded batch; no eval op (the causal-LM suite runs it).
+    CausalLm,
 }
 
 impl Family {
     /// Every family.
-    pub const ALL: [Family; 5] = [
+    pub const ALL: [Family; 6] = [
         Family::Attention,
         Family::CrossEntropy,
         Family::LinearCrossEntropy,
         Family::Embedding,
         Family::EncoderLayer,
+        Family::CausalLm,
     ];
 
     /// Its name (the `packshard eval` op where it has one).
@@ -172,13 +179,14 @@ impl Family {
             Family::LinearCrossEntropy => "linear_cross_entropy",
             Family::Embedding => "embedding",
             Family::EncoderLayer => "encoder_layer",
+            Family::CausalLm => "causal_lm",
         }
     }
 
     /// The `packshard eval` op whose `impl` takes this family's entries.
     pub fn eval_op(self) -> Option<&'static str> {
         match self {
-            Family::EncoderLayer => None,
+            Family::EncoderLayer | Family::CausalLm => None,
             other => Some(other.name()),
         }
     }
@@ -228,6 +236,7 @@ pub fn of(family: Family) -> Vec<Info> {
         Family::LinearCrossEntropy => info(family, &linear_cross_entropy()),
         Family::Embedding => info(family, &embedding()),
         Family::EncoderLayer => info(family, &encoder_layer()),
+        Family::CausalLm => info(family, &causal_lm()),
     }
 }
 
@@ -289,7 +298,7 @@ pub fn attention() -> Vec<Entry<dyn AttentionOp>> {
         },
         Entry {
             name: "attention_varlen_tiled",
-            changed: "f32; online softmax per 64 x 64 (query, key) tile of each cu_seqlens segment, pulp SIMD, rayon over (segment, head); saves lse, never builds the mask",
+            changed: "f32; online softmax per 64 x 64 (query, key) tile of each cu_seqlens segment, pulp SIMD, rayon over (segment, head); saves lse, never builds the mask; causal, GQA and cu_seqlens_k != cu_seqlens_q (bottom-right)",
             precision: Precision::F32,
             judge: F32_EXACT_FORMS,
             fuzz_judge: Judge::Rewrite(Tolerance::F32_REWRITE),
@@ -319,7 +328,7 @@ pub fn attention() -> Vec<Entry<dyn AttentionOp>> {
         },
         Entry {
             name: "attention_dense_masked",
-            changed: "the same tiles over whole rows with a [len, len] boolean mask: every score is computed (the padded / block-diagonal-mask baseline)",
+            changed: "the same tiles over whole rows with a [len, len] boolean mask: every score is computed (the padded / block-diagonal-mask baseline); GQA, self-attention only",
             precision: Precision::F32,
             judge: F32_FORMS,
             fuzz_judge: Judge::Rewrite(Tolerance::F32_REWRITE),
@@ -329,7 +338,7 @@ pub fn attention() -> Vec<Entry<dyn AttentionOp>> {
         },
         Entry {
             name: "attention_varlen_scalar",
-            changed: "the slow twin of attention_varlen_tiled: f32, plain loops, no SIMD, threads or tiles; the textbook softmax per query",
+            changed: "the slow twin of attention_varlen_tiled: f32, plain loops, no SIMD, threads or tiles; the textbook softmax per query; causal, GQA, cross",
             precision: Precision::F32,
             judge: F32_EXACT_FORMS,
             fuzz_judge: Judge::Rewrite(Tolerance::F32_REWRITE),
@@ -474,6 +483,20 @@ pub fn linear_cross_entropy() -> Vec<Entry<dyn LinearCrossEntropyOp>> {
                 }))
             }),
         },
+        Entry {
+            name: "linear_ce_tiled",
+            changed: "f32; tiles of 1024 tokens x 512 entries: pass 1 row statistics, pass 2 gradients from recomputed logits (4 products), holds one tile, never a row of v; sharded: alg2 as linear_ce_fused",
+            precision: Precision::F32,
+            judge: F32_FORMS,
+            fuzz_judge: F32_FUZZ,
+            needs: Needs::Nothing,
+            make: || Ok(Box::new(LinearCeTiled::default())),
+            small: Some(|| {
+                Ok(Box::new(LinearCeTiled {
+                    chunks: SMALL_CHUNKS,
+                }))
+            }),
+        },
     ];
     #[cfg(feature = "cuda")]
     list.extend(cuda::linear_cross_entropy());
@@ -515,6 +538,53 @@ pub fn encoder_layer() -> Vec<Entry<dyn EncoderLayerOp>> {
             fuzz_judge: F32_FUZZ,
             needs: Needs::Nothing,
             make: || Ok(Box::new(EncoderLayerF32)),
+            small: None,
+        },
+    ]
+}
+
+/// Every [`CausalLmImpl`]: a decoder's training step on a causal-LM batch
+/// (labels, weights, boundaries and positions derived by the implementation).
+pub fn causal_lm() -> Vec<Entry<dyn CausalLmImpl>> {
+    vec![
+        Entry {
+            name: REFERENCE,
+            changed: "the f64 reference decoder (RMSNorm/LayerNorm, RoPE, GQA, SwiGLU/GELU) with the reference attention, one causal varlen call over the documents",
+            precision: Precision::F64,
+            judge: F64,
+            fuzz_judge: F64,
+            needs: Needs::Nothing,
+            make: || Ok(Box::new(ReferenceCausalLm {
+                attention: &ReferenceAttention,
+                form: CausalForm::Varlen,
+            })),
+            small: None,
+        },
+        Entry {
+            name: "causal_lm_f32_attention",
+            changed: "the reference decoder with attention_varlen_tiled (f32, causal GQA varlen): judged against the same pipeline with the baseline's f32 attention",
+            precision: Precision::F32,
+            judge: Judge::Relative {
+                rule: RelativeRule::F32,
+                inputs: Precision::F64,
+                packed: Tolerance::F32_REWRITE,
+            },
+            fuzz_judge: Judge::Rewrite(Tolerance::F32_REWRITE),
+            needs: Needs::Nothing,
+            make: || Ok(Box::new(ReferenceCausalLm {
+                attention: &TiledAttention::F32,
+                form: CausalForm::Varlen,
+            })),
+            small: None,
+        },
+        Entry {
+            name: "causal_lm_f32_layers",
+            changed: "every decoder layer in f32 (gemm projections, RMSNorm, RoPE, tiled causal GQA attention, SwiGLU); embedding, final norm, head and loss as the reference; Llama configs only",
+            precision: Precision::F32,
+            judge: Judge::Rewrite(Tolerance::F32_REWRITE),
+            fuzz_judge: Judge::Rewrite(Tolerance::F32_REWRITE),
+            needs: Needs::Nothing,
+            make: || Ok(Box::new(F32LayersCausalLm)),
             small: None,
         },
     ]

@@ -10,7 +10,7 @@
 //! change here.
 
 use packshard_equivalence::compare::{Judge, Tolerance};
-use packshard_equivalence::{attention, bert, vocab};
+use packshard_equivalence::{attention, bert, causal, vocab};
 use packshard_oracle::registry::{self, Entry};
 use packshard_reference::bert::PackedAttention;
 
@@ -100,6 +100,26 @@ fn every_encoder_layer_passes_the_layer_suite() {
             .map_err(|m| m.to_string())
     });
     assert!(ran >= 2, "only {ran} encoder layers ran");
+}
+
+#[test]
+fn every_causal_lm_passes_the_causal_suite() {
+    let ran = every(&registry::causal_lm(), |imp, e| {
+        causal::run_causal_suite(imp, e.judge, CASES)
+            .map(|r| {
+                format!(
+                    "{} cases ({} skipped), packed vs padded grads max rel {:.2e}, truth max rel {:.2e}, relative tensors {} (max {:.3} x the baseline's error)",
+                    r.cases,
+                    r.skipped,
+                    r.grads.max_rel,
+                    r.truth.max_rel,
+                    r.relative.count,
+                    r.relative.max_ratio()
+                )
+            })
+            .map_err(|m| m.to_string())
+    });
+    assert!(ran >= 3, "only {ran} causal LMs ran");
 }
 
 /// Inside the whole model, an attention whose two forms agree bit for bit

@@ -10,7 +10,8 @@ use packshard_equivalence::fuzz::{fuzz_random, vocab::run_linear};
 use packshard_equivalence::planted::{LinearCall, Planted, VocabHooks};
 use packshard_optimized::ops::LinearCeFused;
 use packshard_optimized::vocab::{
-    cross_entropy, linear_cross_entropy_fused, linear_cross_entropy_materialized, Chunks,
+    cross_entropy, linear_cross_entropy_fused, linear_cross_entropy_materialized,
+    linear_cross_entropy_tiled, Chunks,
 };
 use packshard_oracle::registry::{self, SMALL_CHUNKS};
 use packshard_reference::ops::{LinearCrossEntropyOp, LinearLoss};
@@ -60,6 +61,12 @@ fn fused_equals_materialized_and_the_reference() {
             z_loss: 1e-3,
             ..LossConfig::default()
         },
+        // docs/FAULTS.md O1 with every other option; the last tile (25 of
+        // 100 entries) ends mid-tile (O6).
+        LossConfig::default()
+            .with_softcap(2.0)
+            .with_smoothing(0.1, SmoothingConvention::Megatron)
+            .with_z_loss(1e-3),
     ];
     for config in configs {
         let chunks = Chunks {
@@ -70,6 +77,10 @@ fn fused_equals_materialized_and_the_reference() {
             .expect("fused");
         let m = linear_cross_entropy_materialized(x.view(), w.view(), &t, &config, true)
             .expect("materialized");
+        // Tiles of 16 x 100: the last vocabulary tile (25) ends mid-tile.
+        let tl = linear_cross_entropy_tiled(x.view(), w.view(), &t, &config, true, chunks)
+            .expect("tiled");
+        assert_eq!(tl.logits_buffer_bytes, 4 * 16 * 100);
         let r = packshard_reference::vocab::linear_cross_entropy(
             x.mapv(f64::from).view(),
             w.mapv(f64::from).view(),
@@ -88,6 +99,7 @@ fn fused_equals_materialized_and_the_reference() {
             f.ce.loss,
             r.ce.loss
         );
+        assert!(rel(tl.ce.loss, r.ce.loss) < 1e-5, "tiled {}", tl.ce.loss);
         assert!(
             rel(m.ce.loss, r.ce.loss) < 1e-5,
             "{} vs {}",
@@ -102,6 +114,14 @@ fn fused_equals_materialized_and_the_reference() {
             ("fused grad_weight", max_rel(&gw, &rw)),
             ("materialized grad_hidden", max_rel(&mh, &rh)),
             ("materialized grad_weight", max_rel(&mw, &rw)),
+            (
+                "tiled grad_hidden",
+                max_rel(tl.grad_hidden.as_ref().unwrap(), &rh),
+            ),
+            (
+                "tiled grad_weight",
+                max_rel(tl.grad_weight.as_ref().unwrap(), &rw),
+            ),
         ] {
             // f32 products of 59 (h) or 97 (n) terms: a few hundred ulp of
             // f32 relative to the largest entry at most.
@@ -109,6 +129,11 @@ fn fused_equals_materialized_and_the_reference() {
         }
         // Not a vacuous comparison: the gradients are not zero.
         assert!(gh.iter().any(|x| x.abs() > 1e-3));
+        // The materialized kernel returns dL/dlogits (issue #17); the fused never holds them.
+        assert!(f.ce.grad_logits.is_none());
+        let mg = m.ce.grad_logits.expect("materialized dL/dlogits");
+        let e = max_rel(&mg, r.ce.grad_logits.as_ref().unwrap());
+        assert!(e < 1e-5, "materialized grad_logits: {e:e} ({config:?})");
     }
 }
 

@@ -206,22 +206,18 @@ fn time_attention<'py>(
 }
 
 /// The options of a loss call (`cross_entropy`, `linear_cross_entropy`,
-/// `loss_judged`), one dict from the Python side; a key missing or `None`
-/// takes the contract's default (docs/INTERFACE.md).
+/// `loss_judged`), one dict from the Python side: the six loss options always
+/// present, the sharding ones (`num_shards`, `algorithm`, `layout`) and
+/// `softcap` optional;
+/// `None` takes the contract's default (docs/INTERFACE.md).
 #[derive(FromPyObject, Default)]
 #[pyo3(from_item_all)]
 struct LossOptions {
-    #[pyo3(default)]
     ignore_index: Option<i64>,
-    #[pyo3(default)]
     label_smoothing: Option<f64>,
-    #[pyo3(default)]
     smoothing: Option<String>,
-    #[pyo3(default)]
     z_loss: Option<f64>,
-    #[pyo3(default)]
     reduction: Option<String>,
-    #[pyo3(default)]
     vocab_size: Option<usize>,
     #[pyo3(default)]
     num_shards: Option<usize>,
@@ -229,6 +225,9 @@ struct LossOptions {
     algorithm: Option<String>,
     #[pyo3(default)]
     layout: Option<String>,
+    /// `c` of the logit softcap `c * tanh(z / c)` (docs/FAULTS.md O1).
+    #[pyo3(default)]
+    softcap: Option<f64>,
 }
 
 fn loss_args(
@@ -255,6 +254,7 @@ fn loss_args(
                 .map(str::parse::<Reduction>)
                 .transpose()?
                 .unwrap_or_default(),
+            softcap: o.softcap,
         })
     };
     Ok(LossArgs {
@@ -362,6 +362,9 @@ fn eval_json(py: Python<'_>, case: String) -> PyResult<String> {
     r.map(|v| v.to_string()).map_err(|e| raise(py, e))
 }
 
+/// One generated case: `(args, describe, size, input)`.
+type GeneratedCase = (Py<PyAny>, String, usize, usize);
+
 /// `n` generated cases of `op` from `seed`: `[(args, describe, size, input)]`.
 #[pyfunction]
 #[pyo3(name = "cases")]
@@ -370,7 +373,7 @@ fn generated_cases(
     op: String,
     n: usize,
     seed: u64,
-) -> PyResult<Vec<(Py<PyAny>, String, usize, usize)>> {
+) -> PyResult<Vec<GeneratedCase>> {
     let cs = py
         .detach(|| crate::cases::generate(&op, n, seed))
         .map_err(|e| raise(py, e))?;

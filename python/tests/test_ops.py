@@ -99,6 +99,33 @@ def test_cross_entropy_matches_eval_sharded_and_not():
                                    rtol=1e-10, atol=1e-12)
 
 
+def test_softcap_is_the_capped_logits_cross_entropy():
+    """``softcap`` c: the loss of ``c * tanh(z / c)`` (numpy here), its gradient
+    through the cap, sharded too; a bad c is refused naming ``softcap``."""
+    z = 20.0 * RNG.standard_normal((5, 7))
+    t = [0, 6, 3, -100, 2]
+    c = 3.0
+    capped = c * np.tanh(z / c)
+    lse = np.log(np.exp(capped - capped.max(1, keepdims=True)).sum(1)) + capped.max(1)
+    keep = [i for i in range(5) if t[i] != -100]
+    want = np.mean([lse[i] - capped[i, t[i]] for i in keep])
+    for kw in ({}, {"num_shards": 3, "algorithm": "alg2"}, {"num_shards": 2, "algorithm": "naive"}):
+        r = packshard.cross_entropy(z, t, softcap=c, want_grad=True, **kw)
+        assert abs(r["loss"] - want) <= 1e-12 * abs(want)
+        soft = np.exp(capped - lse[:, None])
+        for i in keep:
+            soft[i, t[i]] -= 1.0
+        soft[3] = 0.0
+        want_g = soft * (1.0 - np.tanh(z / c) ** 2) / len(keep)
+        np.testing.assert_allclose(r["grad_logits"], want_g, rtol=1e-9, atol=1e-14)
+    plain = packshard.cross_entropy(z, t)["loss"]
+    assert abs(plain - want) > 1.0, "the cap changes the loss of logits this large"
+    for bad in (0.0, -1.0, float("inf")):
+        with pytest.raises(PackshardError) as e:
+            packshard.cross_entropy(z, t, softcap=bad)
+        assert e.value.field == "softcap", e.value.message
+
+
 def _num(x):
     if isinstance(x, np.ndarray):
         return [_num(v) for v in x] if x.ndim else _num(float(x))

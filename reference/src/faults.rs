@@ -75,6 +75,22 @@ pub const CATALOGUE: &[FaultKind] = &[
         title: "a shard whose logits are all -inf",
     },
     FaultKind {
+        id: "O1",
+        title: "logit softcap computed as z * tanh(z)",
+    },
+    FaultKind {
+        id: "O3",
+        title: "z-loss added when it is off",
+    },
+    FaultKind {
+        id: "O4",
+        title: "label smoothing on huge logits gives inf",
+    },
+    FaultKind {
+        id: "O6",
+        title: "a placeholder target matches a padded column",
+    },
+    FaultKind {
         id: "C1",
         title: "labels shifted over the whole pack",
     },
@@ -210,6 +226,33 @@ pub const V6_LOGITS: [f64; 6] = [
 /// V6: the target (in the finite shard).
 pub const V6_TARGET: i64 = 2;
 
+/// O1: the softcap `c` of the example (logits [`V1_LOGITS`], target [`V1_TARGET`]).
+pub const O1_SOFTCAP: f64 = 2.0;
+/// O1: the loss with the logits capped to `c * tanh(z / c)`, to 5 places.
+pub const O1_LOSS: f64 = 1.18683;
+/// O1: the loss of the fault `z * tanh(z)` (flash-attention PR 2402), to 5 places.
+pub const O1_LOSS_FAULT: f64 = 0.79840;
+/// O1: the places the losses are given to.
+pub const O1_PLACES: f64 = 5e-6;
+/// O3: the shift added to [`V1_LOGITS`] (so that `logsumexp` is 33.633).
+pub const O3_SHIFT: f64 = 30.0;
+/// O3: the loss with `z_loss = 0`, to 5 places (plain cross-entropy).
+pub const O3_LOSS: f64 = 0.63301;
+/// O3: the loss of the fault (`1e-4 * logsumexp^2` added although off), to 5 places.
+pub const O3_LOSS_FAULT: f64 = 0.74613;
+/// O3: the coefficient the fault uses when the option is off.
+pub const O3_FAULT_COEFFICIENT: f64 = 1e-4;
+/// O4: the scale of [`V1_LOGITS`].
+pub const O4_SCALE: f64 = 1000.0;
+/// O4: the PyTorch label smoothing of the example.
+pub const O4_SMOOTHING: f64 = 0.1;
+/// O4: the loss (`0.1 / 8 x 19000`), finite; the fault gives `inf`.
+pub const O4_LOSS: f64 = 237.5;
+/// O6: the padding of the [`V2_LOGITS`] example (`v = 10` padded to 12).
+pub const O6_PADDING: [f64; 2] = [9.0, -4.0];
+/// O6: the loss of the fault (the first padding column read as the target
+/// logit on the last shard): [`V2_LOSS`] minus 9, to 6 places.
+pub const O6_LOSS_FAULT: f64 = -7.525970;
 /// C1: a pack `[a b | c d]` (ids 10..13) as document ids.
 pub const C1_DOC_IDS: [usize; 4] = [1, 1, 2, 2];
 /// C1: its input ids.
@@ -279,6 +322,48 @@ mod tests {
             .unwrap()
             .loss;
         assert!((l - V2_LOSS).abs() < V2_PLACES, "{l}");
+    }
+
+    #[test]
+    fn o1_values_are_the_reference_losses() {
+        use crate::vocab::{cross_entropy, LossConfig};
+        let z = ndarray::Array2::from_shape_vec((1, 8), V1_LOGITS.to_vec()).unwrap();
+        let capped = LossConfig::default().with_softcap(O1_SOFTCAP);
+        let l = cross_entropy(z.view(), &[V1_TARGET], &capped, false)
+            .unwrap()
+            .loss;
+        assert!((l - O1_LOSS).abs() < O1_PLACES, "{l}");
+        let fault = z.mapv(|x| x * x.tanh());
+        let l = cross_entropy(fault.view(), &[V1_TARGET], &LossConfig::default(), false)
+            .unwrap()
+            .loss;
+        assert!((l - O1_LOSS_FAULT).abs() < O1_PLACES, "{l}");
+    }
+
+    #[test]
+    fn o3_and_o4_values_are_the_reference_losses() {
+        use crate::vocab::cross_entropy::token_loss;
+        use crate::vocab::{cross_entropy, LossConfig, SmoothingConvention};
+        let z = ndarray::Array2::from_shape_vec((1, 8), V1_LOGITS.to_vec()).unwrap();
+        let shifted = z.mapv(|x| x + O3_SHIFT);
+        let off = LossConfig::default();
+        let ce = cross_entropy(shifted.view(), &[V1_TARGET], &off, false).unwrap();
+        assert!((ce.loss - O3_LOSS).abs() < O1_PLACES, "{}", ce.loss);
+        // Bit for bit the cross-entropy of the statistics, no term added.
+        assert_eq!(ce.loss.to_bits(), ce.stats[0].cross_entropy().to_bits());
+        let t = Some(V1_TARGET as usize);
+        assert_eq!(
+            token_loss(&ce.stats[0], t, &off).to_bits(),
+            ce.loss.to_bits()
+        );
+        let lse = ce.stats[0].logsumexp();
+        let fault = ce.loss + O3_FAULT_COEFFICIENT * lse * lse;
+        assert!((fault - O3_LOSS_FAULT).abs() < O1_PLACES, "{fault}");
+        let huge = z.mapv(|x| x * O4_SCALE);
+        let smoothed = off.with_smoothing(O4_SMOOTHING, SmoothingConvention::PyTorch);
+        let l = cross_entropy(huge.view(), &[V1_TARGET], &smoothed, true).unwrap();
+        assert!((l.loss - O4_LOSS).abs() < 1e-9, "{}", l.loss);
+        assert!(l.grad_logits.unwrap().iter().all(|g| g.is_finite()));
     }
 
     #[test]

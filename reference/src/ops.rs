@@ -22,8 +22,9 @@
 //!
 //! **No silent fallback.** An implementation answers with its own numbers or
 //! with an error: what it does not implement (an algorithm, grouped-query
-//! attention, a causal mask) it declares ([`AttentionOp::support`],
-//! [`CrossEntropyOp::algorithms`]) and refuses with
+//! attention, a causal mask, a loss option such as the softcap) it declares
+//! ([`AttentionOp::support`], [`CrossEntropyOp::algorithms`],
+//! [`CrossEntropyOp::options`]) and refuses with
 //! [`Error::InvalidArgument`]; it never hands the call to the reference.
 //!
 //! Shape legend as in the crate docs: `n_q`/`n_k` query/key tokens, `h`
@@ -308,6 +309,43 @@ pub fn check_algorithm(declared: &[ShardedAlgorithm], algorithm: ShardedAlgorith
     ))
 }
 
+/// The [`LossConfig`] options an output-layer implementation implements
+/// beyond those every implementation must (`ignore_index`, label smoothing
+/// in both conventions, z-loss, every reduction). What it does not, it
+/// declares ([`CrossEntropyOp::options`], [`LinearCrossEntropyOp::options`])
+/// and refuses ([`LossSupport::check`]), as for algorithms.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LossSupport {
+    /// Logit soft-capping ([`LossConfig::softcap`]).
+    pub softcap: bool,
+}
+
+impl LossSupport {
+    /// Every option (the reference).
+    pub const ALL: LossSupport = LossSupport { softcap: true };
+    /// Only the options every implementation must have.
+    pub const BASIC: LossSupport = LossSupport { softcap: false };
+
+    /// Whether `config` is within the support.
+    pub fn covers(&self, config: &LossConfig) -> bool {
+        self.softcap || config.softcap.is_none()
+    }
+
+    /// Refuses a `config` that uses an option outside the support.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] naming the option (`softcap`).
+    pub fn check(&self, config: &LossConfig) -> Result<()> {
+        if let (false, Some(c)) = (self.softcap, config.softcap) {
+            return Err(Error::invalid(
+                "softcap",
+                format!("this implementation has no logit soft-capping (softcap {c} asked for)"),
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// Cross-entropy of given logits (Vaswani et al. with PyTorch's and
 /// Megatron-LM's options: `ignore_index`, label smoothing, z-loss,
 /// reduction; [`LossConfig`]), unsharded and split by vocabulary over `p`
@@ -318,6 +356,11 @@ pub trait CrossEntropyOp: Send + Sync {
     /// The sharded algorithms it implements (the unsharded form always).
     fn algorithms(&self) -> Vec<ShardedAlgorithm> {
         ShardedAlgorithm::ALL.to_vec()
+    }
+
+    /// The loss options it implements beyond the basic ones (all by default).
+    fn options(&self) -> LossSupport {
+        LossSupport::ALL
     }
 
     /// Unsharded: `logits: [n, v]`, `targets: [n]`; `grad_logits: [n, v]`
@@ -371,6 +414,11 @@ pub trait LinearCrossEntropyOp: Send + Sync {
     /// The sharded algorithms it implements (the unsharded form always).
     fn algorithms(&self) -> Vec<ShardedAlgorithm> {
         ShardedAlgorithm::ALL.to_vec()
+    }
+
+    /// The loss options it implements beyond the basic ones (all by default).
+    fn options(&self) -> LossSupport {
+        LossSupport::ALL
     }
 
     /// Unsharded: `hidden: [n, h]`, `weight: [v, h]`, `targets: [n]`.

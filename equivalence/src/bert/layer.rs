@@ -134,7 +134,11 @@ pub fn run_layer_suite(
         Some(rule) => Some(run_layer_relative_suite(imp, cases, rule)?),
         None => None,
     };
-    Ok(LayerReport { packed, relative })
+    Ok(LayerReport {
+        packed,
+        relative,
+        general: None,
+    })
 }
 
 /// As [`run_layer_suite`] with packed == padded judged under `tol`.

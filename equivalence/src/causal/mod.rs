@@ -16,9 +16,14 @@
 //!   parameter gradient, within `judge.packed()`;
 //! - **padded == truth**: the same against the f64 reference decoder run by
 //!   this suite on the documents themselves (labels, weights and positions
-//!   written out here, not taken from the implementation), under
-//!   [`Tolerance::F64_REWRITE`] — so a fault both forms share (positions
-//!   restarted in a continuation chunk, C6) is seen too.
+//!   written out here, not taken from the implementation), under a
+//!   [`Judge::Rewrite`]'s tolerance ([`Tolerance::F64_REWRITE`] for an f64
+//!   rewrite) — so a fault both forms share (positions
+//!   restarted in a continuation chunk, C6) is seen too. Under a
+//!   [`Judge::Relative`] (an implementation computing in f32) each tensor's
+//!   error against the truth is held to the rule against the error of the
+//!   same computation in the baseline's f32 ([`CausalLmImpl::baseline32`]),
+//!   as the attention and layer suites hold their f32 kernels.
 //!
 //! [`check_chunk`] is the continuation property (C5, C6): a document's tail
 //! run by the implementation as a chunk over its cached keys and values
@@ -50,7 +55,9 @@ use proptest::test_runner::TestCaseError;
 use rand::{Rng, SeedableRng};
 
 pub use crate::attention::Observed;
-use crate::compare::{Judge, Mismatch, Tolerance};
+use crate::compare::{
+    assert_within_k_with_scale, Judge, Mismatch, RelativeRule, RelativeTotals, Tolerance,
+};
 
 const IMPL: &str = "implementation";
 
@@ -117,6 +124,19 @@ pub trait CausalLmImpl {
         batch: &CausalBatch,
         past: &KvCache,
     ) -> Result<Array2<f64>, Error>;
+    /// The yardstick of a [`Judge::Relative`]: the same computation with
+    /// the baseline's f32 arithmetic where this implementation computes in
+    /// f32 or bf16 ([`crate::baseline32`]); `None` (the default) for an f64
+    /// rewrite, which the suite then judges under [`Judge::Rewrite`] only.
+    fn baseline32(&self) -> Option<Box<dyn CausalLmImpl + '_>> {
+        None
+    }
+    /// Whether it implements `config` (the suite's random cases skip the
+    /// others; its fixed cases are Llama-shaped). All, by default.
+    fn supports(&self, config: &DecoderConfig) -> bool {
+        let _ = config;
+        true
+    }
 }
 
 /// How the reference implementation attends on a batch.
@@ -159,15 +179,21 @@ pub fn run_varlen(
         past: None,
     };
     let run = model.run(attention, &input, labels, weights)?;
-    let mut logits = Array2::zeros((batch.input_ids.len(), model.config.vocab_size));
-    for (t, &s) in slots.iter().enumerate() {
-        logits.row_mut(s).assign(&run.logits.row(t));
-    }
     Ok(CausalRun {
-        logits,
+        logits: scatter_logits(batch, slots, &run.logits),
         loss: run.loss,
         grads: run.grads.params,
     })
+}
+
+/// `[n_slots, v]`: row `t` of `logits: [n_tok, v]` at slot `slots[t]`, 0
+/// elsewhere (how a varlen implementation hands back the batch's logits).
+pub fn scatter_logits(batch: &CausalBatch, slots: &[usize], logits: &Array2<f64>) -> Array2<f64> {
+    let mut out = Array2::zeros((batch.input_ids.len(), logits.ncols()));
+    for (t, &s) in slots.iter().enumerate() {
+        out.row_mut(s).assign(&logits.row(t));
+    }
+    out
 }
 
 /// The continuation-chunk twin of [`run_varlen`]: the logits of the tokens
@@ -196,11 +222,7 @@ pub fn chunk_varlen(
         past: Some(past),
     };
     let fwd = model.forward(attention, &input)?;
-    let mut logits = Array2::zeros((batch.input_ids.len(), model.config.vocab_size));
-    for (t, &s) in slots.iter().enumerate() {
-        logits.row_mut(s).assign(&fwd.logits.row(t));
-    }
-    Ok(logits)
+    Ok(scatter_logits(batch, slots, &fwd.logits))
 }
 
 /// The reference pipeline: labels by [`next_token_labels`], weights by
@@ -280,6 +302,16 @@ impl CausalLmImpl for ReferenceCausalLm<'_> {
         let (slots, cu) = varlen_from_doc_ids(&batch.doc_ids)?;
         let positions: Vec<usize> = slots.iter().map(|&s| batch.position_ids[s]).collect();
         chunk_varlen(model, self.attention, batch, &slots, &cu, &positions, past)
+    }
+
+    /// The same pipeline with [`crate::baseline32::Baseline32Attention`]:
+    /// the decoder's attention in the baseline's f32, the rest in f64 (the
+    /// computation of a pipeline whose attention is an f32 kernel).
+    fn baseline32(&self) -> Option<Box<dyn CausalLmImpl + '_>> {
+        Some(Box::new(ReferenceCausalLm {
+            attention: &crate::baseline32::Baseline32Attention,
+            form: CausalForm::Varlen,
+        }))
     }
 }
 
@@ -514,6 +546,9 @@ pub struct CausalReport {
     pub grads: Observed,
     /// Padded vs the suite's own reference run (all quantities).
     pub truth: Observed,
+    /// Under a [`Judge::Relative`]: padded vs the truth, each tensor's error
+    /// against the baseline's ([`CausalLmImpl::baseline32`]).
+    pub relative: RelativeTotals,
     /// Cases with a row shared by two or more documents (C1, C2, C3, P7 show).
     pub shared_rows: usize,
     /// Cases with a one-token document beside another (C3).
@@ -524,6 +559,9 @@ pub struct CausalReport {
     pub continuations: usize,
     /// Cases with an EOS target (C2).
     pub eos: usize,
+    /// Random cases skipped: a config the implementation does not support
+    /// ([`CausalLmImpl::supports`]).
+    pub skipped: usize,
 }
 
 fn doc_rows(b: &CausalBatch, d: usize) -> Vec<usize> {
@@ -539,49 +577,6 @@ fn finite(what: &str, v: &[f64]) -> Result<(), Mismatch> {
     }
 }
 
-/// Compares every parameter gradient of `got` with `want` under `tol`,
-/// tensor by tensor (by Hugging Face name), the absolute floor relative to
-/// the largest gradient of `want` (a tensor of small gradients is judged
-/// against the scale of the whole backward, as the BERT suite does);
-/// records the error in `seen`.
-///
-/// # Errors
-/// A [`Mismatch`] naming `what`, the tensor and the index; a tensor count or
-/// a non-finite value of `got`.
-pub fn grads_close(
-    what: &str,
-    want: &DecoderParams,
-    got: &DecoderParams,
-    tol: Tolerance,
-    seen: &mut Observed,
-) -> Result<(), Mismatch> {
-    let (a, b) = (want.named(), got.named());
-    if a.len() != b.len() {
-        return Err(Mismatch::new(
-            what,
-            format!("{} tensors, expected {}", b.len(), a.len()),
-        ));
-    }
-    let global = a
-        .iter()
-        .flat_map(|(_, t)| t.iter().copied())
-        .fold(0.0f64, |m, v| m.max(v.abs()));
-    for ((name, x), (_, y)) in a.iter().zip(&b) {
-        let (vx, vy): (Vec<f64>, Vec<f64>) =
-            (x.iter().copied().collect(), y.iter().copied().collect());
-        finite(&format!("{what} {name}"), &vy)?;
-        seen.close_scaled(
-            &format!("{what} {name}"),
-            &vx,
-            &vy,
-            x.shape(),
-            tol,
-            Some(global),
-        )?;
-    }
-    Ok(())
-}
-
 /// Checks `imp` on one case (see the module docs) under `judge`.
 ///
 /// # Errors
@@ -591,13 +586,17 @@ pub fn check_causal(
     case: &CausalCase,
     judge: Judge,
 ) -> Result<CausalReport, Mismatch> {
-    let Judge::Rewrite(tol) = judge else {
-        return Err(Mismatch::new(
-            "judge",
-            "the causal-LM suite judges f64 rewrites only (the relative rule for f32 decoders is not wired yet)",
-        ));
-    };
+    let tol = judge.packed();
     let err = |what: &str, e: Error| Mismatch::new(what, format!("{IMPL}: {e}"));
+    let baseline = match judge.relative_rule() {
+        None => None,
+        Some(_) => Some(imp.baseline32().ok_or_else(|| {
+            Mismatch::new(
+                "judge",
+                format!("a relative judge needs the implementation's f32 baseline ({} has none: CausalLmImpl::baseline32)", imp.name()),
+            )
+        })?),
+    };
     let padded_b = case
         .padded()
         .map_err(|e| Mismatch::new("case", e.to_string()))?;
@@ -613,6 +612,22 @@ pub fn check_causal(
     let (truth_logits, truth_loss, truth_grads) = case
         .truth()
         .map_err(|e| Mismatch::new("truth", e.to_string()))?;
+    let base_run = match &baseline {
+        Some(b) => Some(
+            b.run(&case.model, &padded_b, case.reduction)
+                .map_err(|e| err("baseline (padded)", e))?,
+        ),
+        None => None,
+    };
+    let mut truth = Truth {
+        tol: match judge {
+            Judge::Rewrite(t) => t,
+            Judge::Relative { .. } => Tolerance::F64_REWRITE,
+        },
+        rule: judge.relative_rule().zip(base_run.as_ref()),
+        seen: Observed::default(),
+        totals: RelativeTotals::default(),
+    };
     let v = case.model.config.vocab_size;
     let mut r = CausalReport {
         cases: 1,
@@ -645,12 +660,12 @@ pub fn check_causal(
         let (lp, lk) = (gather(&padded, &rows_pad), gather(&packed, &rows_pack));
         finite(&format!("packed document {d}: logits"), &lk)?;
         let shape = [rows_pad.len(), v];
-        r.truth.close(
+        truth.close(
             &format!("truth vs padded: document {d}: logits"),
-            &want.iter().copied().collect::<Vec<_>>(),
-            &lp,
+            (&want.iter().copied().collect::<Vec<_>>(), &lp),
+            |b| gather(b, &rows_pad),
             &shape,
-            Tolerance::F64_REWRITE,
+            None,
         )?;
         r.logits.close(
             &format!("packed vs padded: document {d}: logits"),
@@ -660,12 +675,12 @@ pub fn check_causal(
             tol,
         )?;
     }
-    r.truth.close(
+    truth.close(
         "truth vs padded: loss",
-        &[truth_loss],
-        &[padded.loss],
+        (&[truth_loss], &[padded.loss]),
+        |b| vec![b.loss],
         &[1],
-        Tolerance::F64_REWRITE,
+        None,
     )?;
     r.loss.close(
         "packed vs padded: loss",
@@ -674,13 +689,9 @@ pub fn check_causal(
         &[1],
         tol,
     )?;
-    grads_close(
-        "truth vs padded: grad",
-        &truth_grads,
-        &padded.grads,
-        Tolerance::F64_REWRITE,
-        &mut r.truth,
-    )?;
+    truth.grads("truth vs padded: grad", &truth_grads, &padded.grads)?;
+    r.truth = truth.seen;
+    r.relative = truth.totals;
     grads_close(
         "packed vs padded: grad",
         &padded.grads,
@@ -727,15 +738,20 @@ impl CausalReport {
         self.loss.merge(o.loss);
         self.grads.merge(o.grads);
         self.truth.merge(o.truth);
+        self.relative.merge(&o.relative);
         self.shared_rows += o.shared_rows;
         self.one_token += o.one_token;
         self.gaps += o.gaps;
         self.continuations += o.continuations;
         self.eos += o.eos;
+        self.skipped += o.skipped;
     }
 }
 
 mod chunk;
+mod judge;
 mod suite;
 pub use chunk::{check_bottom_right, check_chunk, run_chunk_suite};
+pub use judge::grads_close;
+use judge::Truth;
 pub use suite::{causal_cases, configs, fault_cases, run_causal_suite, MAX_ROW};

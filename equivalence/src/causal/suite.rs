@@ -141,7 +141,7 @@ pub fn fault_cases() -> Vec<(
 
 /// The whole suite for one implementation: the fault cases under every
 /// reduction (a fixed small GQA config) and `cases` random ones (fixed
-/// proptest seed).
+/// proptest seed); under a [`Judge::Relative`], the rule's suite totals too.
 ///
 /// # Errors
 /// The first failure with its case.
@@ -170,6 +170,10 @@ pub fn run_causal_suite(
     let mut runner = crate::runner(cases);
     runner
         .run(&causal_cases(), |case| {
+            if !imp.supports(&case.model.config) {
+                acc.borrow_mut().skipped += 1;
+                return Ok(());
+            }
             let r =
                 check_causal(imp, &case, judge).map_err(|m| TestCaseError::fail(m.to_string()))?;
             acc.borrow_mut().merge(&r);
@@ -181,5 +185,11 @@ pub fn run_causal_suite(
                 e.to_string(),
             )
         })?;
-    Ok(acc.into_inner())
+    let report = acc.into_inner();
+    if let Some(rule) = judge.relative_rule() {
+        report
+            .relative
+            .check(&format!("{IMPL} causal-LM suite ({})", imp.name()), rule)?;
+    }
+    Ok(report)
 }

@@ -2,6 +2,7 @@
 
 #[allow(clippy::wildcard_imports)]
 use super::*;
+use packshard_reference::faults;
 
 /// docs/FAULTS.md V1 logits (`V = 8`, target 4).
 pub const V1_LOGITS: [f64; 8] = [1.0, 2.0, 0.0, -1.0, 3.0, 0.5, 1.5, -2.0];
@@ -78,6 +79,78 @@ pub fn check_cross_entropy_faults(imp: &dyn CrossEntropyOp, rule: Rule) -> Resul
                         }
                     }
                 }
+            }
+        }
+        // O1: the softcap c * tanh(z / c), composed with every algorithm.
+        for p in [1, 2, 3] {
+            let case = CeCase {
+                map: map(8, p, ShardLayout::Padded),
+                logits: row(&V1_LOGITS),
+                targets: vec![4],
+                config: LossConfig::default().with_softcap(faults::O1_SOFTCAP),
+            };
+            let name = format!("O1 {algorithm} p {p}");
+            check_cross_entropy_with(imp, algorithm, &case, true, rule)
+                .map_err(|m| named(&name, m))?;
+            if imp.options().softcap {
+                let out = checked_loss(imp, algorithm, &case, rule, &name)?;
+                o1_loss(&name, out.loss())?;
+            }
+        }
+        // O3: z-loss off is plain cross-entropy; O4: smoothing on huge logits is finite.
+        let examples = [
+            (
+                "O3",
+                V1_LOGITS.map(|x| x + faults::O3_SHIFT),
+                LossConfig::default(),
+                faults::O3_LOSS,
+            ),
+            (
+                "O4",
+                V1_LOGITS.map(|x| x * faults::O4_SCALE),
+                LossConfig::default()
+                    .with_smoothing(faults::O4_SMOOTHING, SmoothingConvention::PyTorch),
+                faults::O4_LOSS,
+            ),
+        ];
+        for (id, logits, config, want) in examples {
+            let case = CeCase {
+                map: map(8, 3, ShardLayout::Uneven),
+                logits: row(&logits),
+                targets: vec![4],
+                config,
+            };
+            let name = format!("{id} {algorithm}");
+            let out = checked_loss(imp, algorithm, &case, rule, &name)?;
+            check_cross_entropy_unsharded(imp, &case, true, rule).map_err(|m| named(&name, m))?;
+            if (out.loss() - want).abs() > faults::O1_PLACES * want.max(1.0) {
+                return fail(
+                    &name,
+                    format!("loss {:.5}, docs/FAULTS.md says {want:.5}", out.loss()),
+                );
+            }
+        }
+        // O6: the placeholder of a target on another shard never reads padding.
+        let mut z = V2_LOGITS.to_vec();
+        z.extend(faults::O6_PADDING);
+        for target in [7, 0] {
+            let case = CeCase {
+                map: map(10, 3, ShardLayout::Padded),
+                logits: row(&z),
+                targets: vec![target],
+                config: LossConfig::default(),
+            };
+            let name = format!("O6 {algorithm} target {target}");
+            let out = checked_loss(imp, algorithm, &case, rule, &name)?;
+            if target == 7 && format!("{:.6}", out.loss()) != "1.474030" {
+                return fail(
+                    &name,
+                    format!(
+                        "loss {:.6}, docs/FAULTS.md says 1.474030 (the fault gives {:.6})",
+                        out.loss(),
+                        faults::O6_LOSS_FAULT
+                    ),
+                );
             }
         }
         // V2: the padded entries never enter the softmax.
@@ -187,6 +260,31 @@ pub fn check_linear_faults(imp: &dyn LinearCrossEntropyOp, rule: Rule) -> Result
                 );
             }
         }
+        // O1: the softcap on the output layer (h = 1, weight = the V1 logits).
+        let case = LinearCase {
+            map: map(8, 3, ShardLayout::Uneven),
+            hidden: row(&[1.0]),
+            weight: Array2::from_shape_vec((8, 1), V1_LOGITS.to_vec()).expect("8 x 1"),
+            targets: vec![4],
+            config: LossConfig::default().with_softcap(faults::O1_SOFTCAP),
+        };
+        let name = format!("O1 linear {algorithm}");
+        check_linear_with(imp, algorithm, &case, true, rule).map_err(|m| named(&name, m))?;
+        check_linear_unsharded(imp, &case, true, rule).map_err(|m| named(&name, m))?;
+        if imp.options().softcap {
+            let out = imp
+                .sharded_linear_cross_entropy(
+                    algorithm,
+                    &case.map,
+                    case.hidden.view(),
+                    case.weight.view(),
+                    &case.targets,
+                    &case.config,
+                    false,
+                )
+                .map_err(|e| Mismatch::new(&name, e.to_string()))?;
+            o1_loss(&name, out.loss())?;
+        }
         for layout in LAYOUTS {
             let v = 250_682;
             let hidden = Array2::from_shape_fn((3, 2), |(i, k)| i as f64 * 0.5 - k as f64);
@@ -202,6 +300,21 @@ pub fn check_linear_faults(imp: &dyn LinearCrossEntropyOp, rule: Rule) -> Result
             check_linear_with(imp, algorithm, &case, true, rule)
                 .map_err(|m| named(&format!("V4 linear {algorithm} {}", layout.name()), m))?;
         }
+    }
+    Ok(())
+}
+
+/// The loss of the docs/FAULTS.md O1 example, or the mismatch naming `name`.
+fn o1_loss(name: &str, loss: f64) -> Result<(), Mismatch> {
+    if (loss - faults::O1_LOSS).abs() > faults::O1_PLACES {
+        return fail(
+            name,
+            format!(
+                "loss {loss:.5}, docs/FAULTS.md says {:.5} (z * tanh(z) gives {:.5})",
+                faults::O1_LOSS,
+                faults::O1_LOSS_FAULT
+            ),
+        );
     }
     Ok(())
 }

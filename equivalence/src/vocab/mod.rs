@@ -43,7 +43,7 @@ use std::cell::RefCell;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use ndarray::{Array2, ArrayView2, Axis, Slice};
-use packshard_reference::ops::{CrossEntropyOp, EmbeddingOp, LinearCrossEntropyOp};
+use packshard_reference::ops::{CrossEntropyOp, EmbeddingOp, LinearCrossEntropyOp, LossSupport};
 use packshard_reference::vocab::cross_entropy::LinearCrossEntropy;
 use packshard_reference::vocab::embedding::{embedding_backward, embedding_forward};
 use packshard_reference::vocab::sharded::{RankLoss, ShardedLoss};
@@ -182,6 +182,37 @@ fn no_panic<T>(name: &str, f: impl FnOnce() -> T) -> Result<T, Mismatch> {
     })
 }
 
+/// An implementation that declares an option of `config` unsupported
+/// ([`LossSupport`]) must refuse the call, never answer it (no silent
+/// fallback): `Some(check)` with the check that it failed — with the
+/// reference's error where the reference fails too, else an
+/// [`Error::InvalidArgument`] naming the option — and `None` when the
+/// option is supported (the call is then compared as usual).
+fn refused<T>(
+    support: LossSupport,
+    config: &LossConfig,
+    reference_ok: impl FnOnce() -> bool,
+    actual: impl FnOnce() -> Result<T, Error>,
+) -> Option<Result<(), Mismatch>> {
+    if support.covers(config) {
+        return None;
+    }
+    let ok = reference_ok();
+    Some(match no_panic(IMPL, actual) {
+        Err(m) => Err(m),
+        Ok(Ok(_)) => fail(
+            "softcap",
+            "the implementation declares no softcap yet answered a call with one",
+        ),
+        Ok(Err(Error::InvalidArgument { field, .. })) if field == "softcap" || !ok => Ok(()),
+        Ok(Err(_)) if !ok => Ok(()),
+        Ok(Err(e)) => fail(
+            "softcap",
+            format!("the refusal of an unsupported softcap must name it, got: {e}"),
+        ),
+    })
+}
+
 /// Both failed alike, or both succeeded (then `Some` of the results).
 fn same_outcome<A, B>(
     expected: Result<A, Error>,
@@ -234,6 +265,17 @@ pub fn check_cross_entropy_with(
     want_grad: bool,
     rule: Rule,
 ) -> Result<(), Mismatch> {
+    if let Some(r) = refused(
+        imp.options(),
+        &case.config,
+        || ce_ok(case),
+        || {
+            let (z, t) = (case.logits.view(), &case.targets);
+            imp.sharded_cross_entropy(algorithm, &case.map, z, t, &case.config, want_grad)
+        },
+    ) {
+        return r;
+    }
     let run = |c: &CeCase| {
         imp.sharded_cross_entropy(
             algorithm,
@@ -272,6 +314,9 @@ pub fn check_cross_entropy_unsharded(
         imp.cross_entropy(c.logits.view(), &c.targets, &c.config, want_grad)
             .map(|ce| one_rank(&c.map, ce, None, None))
     };
+    if let Some(r) = refused(imp.options(), &one.config, || ce_ok(&one), || run(&one)) {
+        return r;
+    }
     ce_with(&run, None, &one, want_grad, rule)
 }
 
@@ -297,6 +342,20 @@ fn one_rank(
             peak_bytes: 0,
         }],
     }
+}
+
+/// Whether the reference accepts `case` (its real columns).
+fn ce_ok(case: &CeCase) -> bool {
+    let v = case.map.vocab_size().min(case.logits.ncols());
+    let real = case.logits.slice_axis(Axis(1), Slice::from(..v));
+    cross_entropy(real, &case.targets, &case.config, false).is_ok()
+}
+
+/// Whether the reference accepts `case` (the real rows of its weight).
+fn linear_ok(case: &LinearCase) -> bool {
+    let v = case.map.vocab_size().min(case.weight.nrows());
+    let real = case.weight.slice_axis(Axis(0), Slice::from(..v));
+    linear_cross_entropy(case.hidden.view(), real, &case.targets, &case.config, false).is_ok()
 }
 
 type RunCe<'a> = dyn Fn(&CeCase) -> Result<ShardedLoss, Error> + 'a;
@@ -353,6 +412,17 @@ pub fn check_linear_with(
     want_grad: bool,
     rule: Rule,
 ) -> Result<(), Mismatch> {
+    if let Some(r) = refused(
+        imp.options(),
+        &case.config,
+        || linear_ok(case),
+        || {
+            let (x, w, t) = (case.hidden.view(), case.weight.view(), &case.targets);
+            imp.sharded_linear_cross_entropy(algorithm, &case.map, x, w, t, &case.config, want_grad)
+        },
+    ) {
+        return r;
+    }
     let run = |c: &LinearCase| {
         imp.sharded_linear_cross_entropy(
             algorithm,
@@ -397,6 +467,9 @@ pub fn check_linear_unsharded(
         )
         .map(|l| one_rank(&c.map, l.ce, l.grad_hidden, l.grad_weight))
     };
+    if let Some(r) = refused(imp.options(), &one.config, || linear_ok(&one), || run(&one)) {
+        return r;
+    }
     linear_with(&run, None, &one, want_grad, rule)
 }
 

@@ -26,7 +26,8 @@ pub fn shard_maps() -> impl Strategy<Value = ShardMap> {
 }
 
 /// Loss options: `ignore_index` -100 or -1; no smoothing half the time, else
-/// `a` in `[0, 1]` in either convention; z-loss 0 or up to 0.1; any reduction.
+/// `a` in `[0, 1]` in either convention; z-loss 0 or up to 0.1; any
+/// reduction; a softcap in `[0.5, 50]` a third of the time (docs/FAULTS.md O1).
 pub fn loss_configs() -> impl Strategy<Value = LossConfig> {
     (
         prop::sample::select(vec![-100i64, -1]),
@@ -37,14 +38,16 @@ pub fn loss_configs() -> impl Strategy<Value = LossConfig> {
         ]),
         prop_oneof![2 => Just(0.0), 1 => 1e-4f64..0.1],
         prop::sample::select(vec![Reduction::Mean, Reduction::Sum, Reduction::None]),
+        prop_oneof![2 => Just(None), 1 => (0.5f64..50.0).prop_map(Some)],
     )
         .prop_map(
-            |(ignore_index, a, smoothing, z_loss, reduction)| LossConfig {
+            |(ignore_index, a, smoothing, z_loss, reduction, softcap)| LossConfig {
                 ignore_index,
                 label_smoothing: a,
                 smoothing,
                 z_loss,
                 reduction,
+                softcap,
             },
         )
 }

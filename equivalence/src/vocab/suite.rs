@@ -21,6 +21,10 @@ pub struct Coverage {
     pub smoothing: u32,
     /// Compared cases with z-loss.
     pub z_loss: u32,
+    /// Compared cases with a softcap (docs/FAULTS.md O1; counted, not
+    /// required: a third of the configurations, too few in the 16-case
+    /// negative-control runs — tests/vocab_options.rs requires them).
+    pub softcap: u32,
     /// Compared cases with a `±1e4` logit.
     pub huge: u32,
     /// Compared cases with a shard whose logits are all `-inf` (masked or all padding).
@@ -89,6 +93,7 @@ impl Coverage {
         self.ignored += u32::from(targets.contains(&config.ignore_index));
         self.smoothing += u32::from(config.label_smoothing > 0.0);
         self.z_loss += u32::from(config.z_loss > 0.0);
+        self.softcap += u32::from(config.softcap.is_some());
         let real = logits.slice_axis(Axis(1), Slice::from(..v));
         self.huge += u32::from(real.iter().any(|x| x.abs() == 1e4));
         let empty = map.shards().iter().any(|s| {

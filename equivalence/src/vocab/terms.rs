@@ -3,6 +3,7 @@
 //! sharded run's losses, gradients and counts under it.
 
 use super::*;
+use packshard_reference::vocab::softcap;
 
 thread_local! {
     /// The largest `|actual - expected| / (ulp x (|expected| + terms))` this
@@ -139,6 +140,9 @@ impl Terms {
         config: &LossConfig,
         expected: &CrossEntropy,
     ) -> Terms {
+        // With a softcap the statistics are those of the capped logits.
+        let capped = config.softcap.map(|c| logits.mapv(|z| softcap::cap(z, c)));
+        let logits = capped.as_ref().map_or(logits, |z| z.view());
         let (n, v) = logits.dim();
         let parsed: Vec<Option<usize>> = (0..n)
             .map(|i| config.target(targets, i, v).ok().flatten())

@@ -18,7 +18,8 @@ fn acc_transposed<S: Simd>(
     mm_acc(simd, BLOCK_K, dp, BLOCK_Q, tr, BLOCK_Q, x, dp, out, dp);
 }
 
-/// The backward of one item: `(dq, dk, dv)`, each `[len, d]`.
+/// The backward of one item: `dq: [q_len, d]`, `dk, dv: [k_len, d]` (this
+/// query head's share of its key head's gradients).
 #[inline(always)]
 fn backward_item<S: Simd, T: Element>(
     simd: S,
@@ -28,17 +29,20 @@ fn backward_item<S: Simd, T: Element>(
     dout: &[f32],
     it: &Item,
 ) -> [Vec<f32>; 3] {
-    let (h, d, len) = (pb.h, pb.d, it.len);
+    let (h, h_kv, d, len, k_len) = (pb.h, pb.h_kv, pb.d, it.q_len, it.k_len);
     let dp = round_up(d.max(1), mm_col_multiple::<S>());
-    let lp = round_up(len, BLOCK_K);
-    let qh = gather(pb.q, h, d, it, lp, dp);
-    let kh = gather(pb.k, h, d, it, lp, dp);
-    let kt = gather_t(pb.k, h, d, it, lp, dp);
-    let vt = gather_t(pb.v, h, d, it, lp, dp);
-    let doh = gather(dout, h, d, it, lp, dp);
-    let oh = gather(out, h, d, it, lp, dp);
+    let (lp, lpk) = (round_up(len, BLOCK_Q), round_up(k_len, BLOCK_K));
+    let (queries, keys) = (it.queries(), it.keys());
+    let qh = gather(pb.q, h, d, queries, lp, dp);
+    let kh = gather(pb.k, h_kv, d, keys, lpk, dp);
+    let kt = gather_t(pb.k, h_kv, d, keys, lpk, dp);
+    let vt = gather_t(pb.v, h_kv, d, keys, lpk, dp);
+    let doh = gather(dout, h, d, queries, lp, dp);
+    let oh = gather(out, h, d, queries, lp, dp);
     let n = lse.len() / h;
-    let row_lse: Vec<f32> = (0..len).map(|i| lse[it.head * n + it.start + i]).collect();
+    let row_lse: Vec<f32> = (0..len)
+        .map(|i| lse[it.head * n + it.q_start + i])
+        .collect();
     // delta_i = dO_i . O_i, summed in the order (and with the fused
     // multiply-adds) of the dP tile product, so that a one-key segment,
     // where O = V exactly, gets dP - delta = 0 exactly (as the reference).
@@ -51,22 +55,22 @@ fn backward_item<S: Simd, T: Element>(
         })
         .collect();
     let mut dq = vec![0.0f32; lp * dp];
-    let mut dk = vec![0.0f32; len * d];
-    let mut dv = vec![0.0f32; len * d];
+    let mut dk = vec![0.0f32; k_len * d];
+    let mut dv = vec![0.0f32; k_len * d];
     let mut s = vec![0.0f32; BLOCK_Q * BLOCK_K];
     let mut dpt = vec![0.0f32; BLOCK_Q * BLOCK_K];
     let mut tr = vec![0.0f32; BLOCK_K * BLOCK_Q];
     let mut dk_t = vec![0.0f32; BLOCK_K * dp];
     let mut dv_t = vec![0.0f32; BLOCK_K * dp];
     let scale_v = simd.splat_f32s(pb.scale);
-    for k0 in (0..len).step_by(BLOCK_K) {
+    for k0 in (0..k_len).step_by(BLOCK_K) {
         dk_t.fill(0.0);
         dv_t.fill(0.0);
         for q0 in (0..len).step_by(BLOCK_Q) {
             if causal_skip(it, q0, k0) {
                 continue;
             }
-            scores(simd, &mut s, &qh, &kt, lp, dp, it, q0, k0, pb.scale);
+            scores(simd, &mut s, &qh, &kt, lpk, dp, it, q0, k0, pb.scale);
             // P = exp(S - lse); 0 for padded rows and rows with no key.
             let mut block_lse = [f32::NEG_INFINITY; BLOCK_Q];
             for (r, l) in block_lse.iter_mut().enumerate() {
@@ -87,7 +91,7 @@ fn backward_item<S: Simd, T: Element>(
                 &doh[q0 * dp..],
                 dp,
                 &vt[k0..],
-                lp,
+                lpk,
                 &mut dpt,
                 BLOCK_K,
             );
@@ -116,7 +120,7 @@ fn backward_item<S: Simd, T: Element>(
             // dK_tile += dS^T Q_blk
             acc_transposed(simd, (&s, &mut tr), &qh[q0 * dp..], &mut dk_t, dp);
         }
-        for j in 0..(len - k0).min(BLOCK_K) {
+        for j in 0..(k_len - k0).min(BLOCK_K) {
             let key = k0 + j;
             dk[key * d..(key + 1) * d].copy_from_slice(&dk_t[j * dp..j * dp + d]);
             dv[key * d..(key + 1) * d].copy_from_slice(&dv_t[j * dp..j * dp + d]);
@@ -145,15 +149,16 @@ impl<T: Element> WithSimd for Backward<'_, '_, '_, T> {
     }
 }
 
-/// Runs every item's backward in parallel and scatters the results.
+/// Runs every item's backward in parallel and scatters the results (the
+/// key gradients added over the query heads of a group, in item order).
 pub(super) fn run_backward<T: Element>(
     pb: &Problem<T>,
-    n: usize,
+    (n, n_k): (usize, usize),
     items: &[Item],
     fwd: &AttentionOutput32,
     dout: &[f32],
 ) -> AttentionGrads32 {
-    let (h, d) = (pb.h, pb.d);
+    let (h, h_kv, d) = (pb.h, pb.h_kv, pb.d);
     let arch = simd::arch();
     let fo = fwd.output.as_standard_layout();
     let fl = fwd.lse.as_standard_layout();
@@ -171,17 +176,17 @@ pub(super) fn run_backward<T: Element>(
             })
         })
         .collect();
-    let mut grads = [
-        Array3::zeros((n, h, d)),
-        Array3::zeros((n, h, d)),
-        Array3::zeros((n, h, d)),
-    ];
-    for (it, part) in items.iter().zip(parts) {
-        for (g, p) in grads.iter_mut().zip(&part) {
-            scatter(g.as_slice_mut().expect("fresh array"), (h, d), it, p);
-        }
+    let mut grad_q = Array3::zeros((n, h, d));
+    let mut grad_k = Array3::zeros((n_k, h_kv, d));
+    let mut grad_v = Array3::zeros((n_k, h_kv, d));
+    for (it, [dq, dk, dv]) in items.iter().zip(parts) {
+        let gq = grad_q.as_slice_mut().expect("fresh array");
+        scatter(gq, (h, d), it.queries(), &dq);
+        let gk = grad_k.as_slice_mut().expect("fresh array");
+        scatter_add(gk, (h_kv, d), it.keys(), &dk);
+        let gv = grad_v.as_slice_mut().expect("fresh array");
+        scatter_add(gv, (h_kv, d), it.keys(), &dv);
     }
-    let [grad_q, grad_k, grad_v] = grads;
     AttentionGrads32 {
         grad_q,
         grad_k,

@@ -35,9 +35,10 @@
 
 use half::bf16;
 use ndarray::{Array2, Array3, ArrayView2, ArrayView3, CowArray, Ix3};
-use packshard_reference::bert::attention::{
-    check_cu_seqlens, check_grad_shapes, check_mask_shape, check_qkv_same_shapes,
+use packshard_reference::attention::{
+    check_grad_shapes, check_mask_shape, check_qkv_shapes, check_varlen,
 };
+use packshard_reference::ops::Varlen;
 use packshard_reference::{Error, Result};
 use pulp::{Simd, WithSimd};
 use rayon::prelude::*;
@@ -99,23 +100,73 @@ enum Mask<'a> {
     Dense(&'a ArrayView2<'a, bool>),
 }
 
+/// One (segment, query head) of a problem: queries `q_start..q_start +
+/// q_len` of head `head` over keys `k_start..k_start + k_len` of key head
+/// `kv_head` (`head / (h / h_kv)`, grouped-query attention).
 #[derive(Clone, Copy)]
 struct Item<'a> {
-    /// First token of the segment (row).
-    start: usize,
-    /// Tokens in it.
-    len: usize,
+    /// First query of the segment (row).
+    q_start: usize,
+    /// Queries in it.
+    q_len: usize,
+    /// First key of the segment (row).
+    k_start: usize,
+    /// Keys in it.
+    k_len: usize,
     head: usize,
+    kv_head: usize,
     mask: Mask<'a>,
 }
 
-/// The input tensors of a problem, flat `[n_tok, h, d]` (row-major).
+impl Item<'_> {
+    /// Query `i` (of the item) may see keys `< key_limit(i)`: bottom-right
+    /// causal alignment, `c <= i + k_len - q_len` (0 for the top `q_len -
+    /// k_len` rows of a segment with more queries than keys).
+    fn key_limit(&self, i: usize) -> usize {
+        match self.mask {
+            Mask::Segment { causal: true } => (i + self.k_len + 1)
+                .saturating_sub(self.q_len)
+                .min(self.k_len),
+            _ => self.k_len,
+        }
+    }
+
+    /// `(start, len, head)` of the query rows.
+    fn queries(&self) -> Rows {
+        Rows {
+            start: self.q_start,
+            len: self.q_len,
+            head: self.head,
+        }
+    }
+
+    /// `(start, len, head)` of the key rows.
+    fn keys(&self) -> Rows {
+        Rows {
+            start: self.k_start,
+            len: self.k_len,
+            head: self.kv_head,
+        }
+    }
+}
+
+/// Rows `start..start + len` of head `head` of a flat `[n, heads, d]` tensor.
+#[derive(Clone, Copy)]
+struct Rows {
+    start: usize,
+    len: usize,
+    head: usize,
+}
+
+/// The input tensors of a problem, flat `q: [n_q, h, d]`, `k, v: [n_k,
+/// h_kv, d]` (row-major).
 #[derive(Clone, Copy)]
 struct Problem<'a, T> {
     q: &'a [T],
     k: &'a [T],
     v: &'a [T],
     h: usize,
+    h_kv: usize,
     d: usize,
     scale: f32,
 }
@@ -124,11 +175,11 @@ fn round_up(x: usize, to: usize) -> usize {
     x.div_ceil(to) * to
 }
 
-/// `[rows, dp]` tile of head `head` rows `start..start + len` (zero-padded).
-fn gather<T: Element>(x: &[T], h: usize, d: usize, it: &Item, rows: usize, dp: usize) -> Vec<f32> {
+/// `[rows, dp]` tile of the rows `at` of `x: [n, h, d]` (zero-padded).
+fn gather<T: Element>(x: &[T], h: usize, d: usize, at: Rows, rows: usize, dp: usize) -> Vec<f32> {
     let mut out = vec![0.0f32; rows * dp];
-    for i in 0..it.len {
-        let src = &x[((it.start + i) * h + it.head) * d..][..d];
+    for i in 0..at.len {
+        let src = &x[((at.start + i) * h + at.head) * d..][..d];
         for (o, &s) in out[i * dp..i * dp + d].iter_mut().zip(src) {
             *o = s.to_f32();
         }
@@ -137,17 +188,10 @@ fn gather<T: Element>(x: &[T], h: usize, d: usize, it: &Item, rows: usize, dp: u
 }
 
 /// `[dp, rows]`: the transpose of [`gather`].
-fn gather_t<T: Element>(
-    x: &[T],
-    h: usize,
-    d: usize,
-    it: &Item,
-    rows: usize,
-    dp: usize,
-) -> Vec<f32> {
+fn gather_t<T: Element>(x: &[T], h: usize, d: usize, at: Rows, rows: usize, dp: usize) -> Vec<f32> {
     let mut out = vec![0.0f32; dp * rows];
-    for i in 0..it.len {
-        let src = &x[((it.start + i) * h + it.head) * d..][..d];
+    for i in 0..at.len {
+        let src = &x[((at.start + i) * h + at.head) * d..][..d];
         for (c, &s) in src.iter().enumerate() {
             out[c * rows + i] = s.to_f32();
         }
@@ -158,22 +202,18 @@ fn gather_t<T: Element>(
 /// Sets the scores of keys a query may not see to `-inf` (after scaling):
 /// `s: [BLOCK_Q, BLOCK_K]` for queries `q0..` and keys `k0..` of the item.
 fn apply_mask(s: &mut [f32], it: &Item, q0: usize, k0: usize) {
-    let len = it.len;
     for r in 0..BLOCK_Q {
         let i = q0 + r;
         let row = &mut s[r * BLOCK_K..(r + 1) * BLOCK_K];
         match it.mask {
-            Mask::Segment { causal } => {
-                let mut end = len.saturating_sub(k0).min(BLOCK_K);
-                if causal {
-                    end = end.min((i + 1).saturating_sub(k0));
-                }
+            Mask::Segment { .. } => {
+                let end = it.key_limit(i).saturating_sub(k0).min(BLOCK_K);
                 row[end..].fill(f32::NEG_INFINITY);
             }
             Mask::Dense(allowed) => {
                 for (j, x) in row.iter_mut().enumerate() {
                     let key = k0 + j;
-                    if i >= len || key >= len || !allowed[[i, key]] {
+                    if i >= it.q_len || key >= it.k_len || !allowed[[i, key]] {
                         *x = f32::NEG_INFINITY;
                     }
                 }
@@ -186,7 +226,8 @@ fn apply_mask(s: &mut [f32], it: &Item, q0: usize, k0: usize) {
 /// `q0` by causality (then skipping it changes nothing: its terms are exact
 /// zeros).
 fn causal_skip(it: &Item, q0: usize, k0: usize) -> bool {
-    matches!(it.mask, Mask::Segment { causal: true }) && k0 > q0 + BLOCK_Q - 1
+    matches!(it.mask, Mask::Segment { causal: true })
+        && k0 >= it.key_limit((q0 + BLOCK_Q - 1).min(it.q_len.saturating_sub(1)))
 }
 
 /// `S = scale Q_blk K_tile^T` with the mask: `s: [BLOCK_Q, BLOCK_K]`.
@@ -197,7 +238,7 @@ fn scores<S: Simd>(
     s: &mut [f32],
     qh: &[f32],
     kt: &[f32],
-    lp: usize,
+    lpk: usize,
     dp: usize,
     it: &Item,
     q0: usize,
@@ -213,7 +254,7 @@ fn scores<S: Simd>(
         &qh[q0 * dp..],
         dp,
         &kt[k0..],
-        lp,
+        lpk,
         s,
         BLOCK_K,
     );
@@ -229,12 +270,12 @@ fn scores<S: Simd>(
 /// end `o = acc / l`, `lse = m + ln l`.
 #[inline(always)]
 fn forward_item<S: Simd, T: Element>(simd: S, pb: &Problem<T>, it: &Item) -> (Vec<f32>, Vec<f32>) {
-    let (h, d, len) = (pb.h, pb.d, it.len);
+    let (h, h_kv, d, len) = (pb.h, pb.h_kv, pb.d, it.q_len);
     let dp = round_up(d.max(1), mm_col_multiple::<S>());
-    let lp = round_up(len, BLOCK_K);
-    let qh = gather(pb.q, h, d, it, lp, dp);
-    let kt = gather_t(pb.k, h, d, it, lp, dp);
-    let vh = gather(pb.v, h, d, it, lp, dp);
+    let (lpq, lpk) = (round_up(len, BLOCK_Q), round_up(it.k_len, BLOCK_K));
+    let qh = gather(pb.q, h, d, it.queries(), lpq, dp);
+    let kt = gather_t(pb.k, h_kv, d, it.keys(), lpk, dp);
+    let vh = gather(pb.v, h_kv, d, it.keys(), lpk, dp);
     let mut out = vec![0.0f32; len * d];
     let mut lse = vec![f32::NEG_INFINITY; len];
     let mut s = vec![0.0f32; BLOCK_Q * BLOCK_K];
@@ -246,11 +287,11 @@ fn forward_item<S: Simd, T: Element>(simd: S, pb: &Problem<T>, it: &Item) -> (Ve
         acc.fill(0.0);
         m.fill(f32::NEG_INFINITY);
         l.fill(0.0);
-        for k0 in (0..len).step_by(BLOCK_K) {
+        for k0 in (0..it.k_len).step_by(BLOCK_K) {
             if causal_skip(it, q0, k0) {
                 break;
             }
-            scores(simd, &mut s, &qh, &kt, lp, dp, it, q0, k0, pb.scale);
+            scores(simd, &mut s, &qh, &kt, lpk, dp, it, q0, k0, pb.scale);
             for r in 0..BLOCK_Q {
                 let row = &mut s[r * BLOCK_K..(r + 1) * BLOCK_K];
                 if r >= rows {
@@ -340,12 +381,22 @@ impl<T: Element> WithSimd for Forward<'_, '_, '_, T> {
     }
 }
 
-/// Writes an item's rows `part: [len, d]` into `flat: [n, h, d]` at its
-/// tokens and head.
-fn scatter(flat: &mut [f32], (h, d): (usize, usize), it: &Item, part: &[f32]) {
-    for i in 0..it.len {
-        let at = ((it.start + i) * h + it.head) * d;
-        flat[at..at + d].copy_from_slice(&part[i * d..(i + 1) * d]);
+/// Writes rows `part: [len, d]` into `flat: [n, h, d]` at the rows `at`.
+fn scatter(flat: &mut [f32], (h, d): (usize, usize), at: Rows, part: &[f32]) {
+    for i in 0..at.len {
+        let o = ((at.start + i) * h + at.head) * d;
+        flat[o..o + d].copy_from_slice(&part[i * d..(i + 1) * d]);
+    }
+}
+
+/// Adds rows `part: [len, d]` into `flat: [n, h_kv, d]` at the rows `at`
+/// (the key gradients of the query heads of a group).
+fn scatter_add(flat: &mut [f32], (h, d): (usize, usize), at: Rows, part: &[f32]) {
+    for i in 0..at.len {
+        let o = ((at.start + i) * h + at.head) * d;
+        for (x, &p) in flat[o..o + d].iter_mut().zip(&part[i * d..(i + 1) * d]) {
+            *x += p;
+        }
     }
 }
 
@@ -364,9 +415,9 @@ fn run_forward<T: Element>(pb: &Problem<T>, n: usize, items: &[Item]) -> Attenti
     let mut lse = Array2::from_elem((h, n), f32::NEG_INFINITY);
     let out_flat = output.as_slice_mut().expect("fresh array");
     for (it, (o, l)) in items.iter().zip(parts) {
-        scatter(out_flat, (h, d), it, &o);
-        for i in 0..it.len {
-            lse[[it.head, it.start + i]] = l[i];
+        scatter(out_flat, (h, d), it.queries(), &o);
+        for (i, &x) in l.iter().enumerate() {
+            lse[[it.head, it.q_start + i]] = x;
         }
     }
     AttentionOutput32 { output, lse }
@@ -395,27 +446,41 @@ fn standard<'a, T: Element>(x: &'a ArrayView3<'a, T>) -> CowArray<'a, T, Ix3> {
 }
 
 fn check_inputs<T: Element>(q: &ArrayView3<T>, k: &ArrayView3<T>, v: &ArrayView3<T>) -> Result<()> {
-    check_qkv_same_shapes(q.shape(), k.shape(), v.shape())?;
+    check_qkv_shapes(q.shape(), k.shape(), v.shape())?;
     check_finite("q", q)?;
     check_finite("k", k)?;
     check_finite("v", v)
 }
 
-fn segment_items(cu_seqlens: &[usize], h: usize, causal: bool) -> Vec<Item<'static>> {
-    let mut items: Vec<Item> = cu_seqlens
+/// The items of a varlen problem: one per (segment with queries and keys,
+/// query head); a segment without keys has no item (its rows keep output 0,
+/// `lse = -inf`: P8).
+fn segment_items(
+    (cu_q, cu_k): (&[usize], &[usize]),
+    (h, h_kv): (usize, usize),
+    causal: bool,
+) -> Vec<Item<'static>> {
+    let group = h / h_kv.max(1);
+    let mut items: Vec<Item> = cu_q
         .windows(2)
-        .filter(|w| w[1] > w[0])
-        .flat_map(|w| {
+        .zip(cu_k.windows(2))
+        .filter(|(wq, wk)| wq[1] > wq[0] && wk[1] > wk[0])
+        .flat_map(|(wq, wk)| {
             (0..h).map(move |head| Item {
-                start: w[0],
-                len: w[1] - w[0],
+                q_start: wq[0],
+                q_len: wq[1] - wq[0],
+                k_start: wk[0],
+                k_len: wk[1] - wk[0],
                 head,
+                kv_head: head / group,
                 mask: Mask::Segment { causal },
             })
         })
         .collect();
-    // Longest first, so that the big items do not finish last.
-    items.sort_by_key(|it| std::cmp::Reverse(it.len));
+    // Most work first, so that the big items do not finish last (stable:
+    // the heads of a group keep their order, and so their key gradients
+    // their order of summation).
+    items.sort_by_key(|it| std::cmp::Reverse(it.q_len * it.k_len));
     items
 }
 
@@ -433,6 +498,7 @@ fn with_problem<T: Element, R>(
         k: ks.as_slice().expect("standard layout"),
         v: vs.as_slice().expect("standard layout"),
         h,
+        h_kv: k.dim().1,
         d,
         scale,
     };
@@ -458,19 +524,20 @@ fn backward<T: Element>(
 ) -> AttentionGrads32 {
     let go = grad_output.as_standard_layout();
     let go = go.as_slice().expect("standard layout");
-    with_problem(qkv, scale, |pb, n| run_backward(pb, n, items, fwd, go))
+    let n_k = qkv.1.dim().0;
+    with_problem(qkv, scale, |pb, n| {
+        run_backward(pb, (n, n_k), items, fwd, go)
+    })
 }
 
-/// Varlen attention forward: `q, k, v: [n_tok, h, d]` (`f32` or `bf16`),
-/// `cu_seqlens: [b + 1]`; queries attend to the keys of their own segment
-/// (up to themselves if `causal`). Returns `output: [n_tok, h, d]` and `lse:
-/// [h, n_tok]`. Empty segments are allowed.
+/// Varlen self-attention forward: `q, k, v: [n_tok, h, d]` (`f32` or
+/// `bf16`), `cu_seqlens: [b + 1]`; queries attend to the keys of their own
+/// segment (up to themselves if `causal`). Returns `output: [n_tok, h, d]`
+/// and `lse: [h, n_tok]`. Empty segments are allowed. The self-attention
+/// case of [`varlen_attention_general`].
 ///
 /// # Errors
-/// As `packshard_reference::bert::attention::varlen_attention`:
-/// [`Error::ShapeMismatch`] for `k`/`v`, [`Error::InvalidArgument`] naming
-/// `cu_seqlens[i]`; and [`Error::NonFiniteInput`] naming `q`, `k` or `v`
-/// with the flat index (the `attention` op's check).
+/// As [`varlen_attention_general`].
 pub fn varlen_attention<T: Element>(
     q: ArrayView3<T>,
     k: ArrayView3<T>,
@@ -479,14 +546,39 @@ pub fn varlen_attention<T: Element>(
     causal: bool,
     scale: f32,
 ) -> Result<AttentionOutput32> {
+    varlen_attention_general(q, k, v, &Varlen::new(cu_seqlens, causal, f64::from(scale)))
+}
+
+/// Varlen attention forward in flash-attention's `flash_attn_varlen_func`
+/// form: `q: [n_q, h, d]`, `k, v: [n_k, h_kv, d]` (`f32` or `bf16`, `h_kv`
+/// dividing `h`: query head `a` reads key head `a / (h / h_kv)`,
+/// grouped-query attention), segment `s` its queries
+/// `cu_seqlens_q[s]..cu_seqlens_q[s + 1]` over its keys
+/// `cu_seqlens_k[s]..cu_seqlens_k[s + 1]`, causal masks bottom-right aligned
+/// (query `r` of `l_q` sees key `c` of `l_k` when `c <= r + l_k - l_q`: a
+/// query with no key gets output 0 and `lse = -inf`, docs/FAULTS.md C5, P8).
+/// `p.scale` is used in f32. Returns `output: [n_q, h, d]`, `lse: [h, n_q]`.
+///
+/// # Errors
+/// As `packshard_reference::attention::varlen_attention_general`:
+/// [`Error::ShapeMismatch`] for `k`/`v`, [`Error::InvalidArgument`] naming
+/// `cu_seqlens[i]` (`cu_seqlens_q[i]`, `cu_seqlens_k[i]`); and
+/// [`Error::NonFiniteInput`] naming `q`, `k` or `v` with the flat index (the
+/// `attention` op's check).
+pub fn varlen_attention_general<T: Element>(
+    q: ArrayView3<T>,
+    k: ArrayView3<T>,
+    v: ArrayView3<T>,
+    p: &Varlen<'_>,
+) -> Result<AttentionOutput32> {
     check_inputs(&q, &k, &v)?;
-    let (n, h, _) = q.dim();
-    check_cu_seqlens(cu_seqlens, n)?;
-    Ok(forward(
-        (&q, &k, &v),
-        scale,
-        &segment_items(cu_seqlens, h, causal),
-    ))
+    check_varlen(p, q.dim().0, k.dim().0)?;
+    let items = segment_items(
+        (p.cu_seqlens_q, p.cu_seqlens_k),
+        (q.dim().1, k.dim().1),
+        p.causal,
+    );
+    Ok(forward((&q, &k, &v), p.scale as f32, &items))
 }
 
 fn check_backward<T: Element>(
@@ -496,7 +588,7 @@ fn check_backward<T: Element>(
     fwd: &AttentionOutput32,
     grad_output: &ArrayView3<f32>,
 ) -> Result<()> {
-    check_qkv_same_shapes(q.shape(), k.shape(), v.shape())?;
+    check_qkv_shapes(q.shape(), k.shape(), v.shape())?;
     check_grad_shapes(
         grad_output.shape(),
         fwd.output.shape(),
@@ -513,8 +605,7 @@ fn check_backward<T: Element>(
 /// h, d]`; returns `grad_q`, `grad_k`, `grad_v`, each `[n_tok, h, d]`.
 ///
 /// # Errors
-/// As [`varlen_attention`], and [`Error::ShapeMismatch`] for `grad_output`
-/// or the forward's `lse`, [`Error::NonFiniteInput`] for `grad_output`.
+/// As [`varlen_attention_general_backward`].
 #[allow(clippy::too_many_arguments)]
 pub fn varlen_attention_backward<T: Element>(
     q: ArrayView3<T>,
@@ -526,24 +617,62 @@ pub fn varlen_attention_backward<T: Element>(
     fwd: &AttentionOutput32,
     grad_output: ArrayView3<f32>,
 ) -> Result<AttentionGrads32> {
-    check_backward(&q, &k, &v, fwd, &grad_output)?;
-    let (n, h, _) = q.dim();
-    check_cu_seqlens(cu_seqlens, n)?;
-    let items = segment_items(cu_seqlens, h, causal);
-    Ok(backward((&q, &k, &v), scale, &items, fwd, &grad_output))
+    let p = Varlen::new(cu_seqlens, causal, f64::from(scale));
+    varlen_attention_general_backward(q, k, v, &p, fwd, grad_output)
 }
 
-fn dense_items<'a>(masks: &'a [ArrayView2<'a, bool>], row_len: usize, h: usize) -> Vec<Item<'a>> {
+/// Backward of [`varlen_attention_general`]: `fwd` its result,
+/// `grad_output: [n_q, h, d]`; returns `grad_q: [n_q, h, d]` and `grad_k,
+/// grad_v: [n_k, h_kv, d]`, each key head's gradient summed over the query
+/// heads of its group (in head order).
+///
+/// # Errors
+/// As [`varlen_attention_general`], and [`Error::ShapeMismatch`] for
+/// `grad_output` or the forward's `lse`, [`Error::NonFiniteInput`] for
+/// `grad_output`.
+pub fn varlen_attention_general_backward<T: Element>(
+    q: ArrayView3<T>,
+    k: ArrayView3<T>,
+    v: ArrayView3<T>,
+    p: &Varlen<'_>,
+    fwd: &AttentionOutput32,
+    grad_output: ArrayView3<f32>,
+) -> Result<AttentionGrads32> {
+    check_backward(&q, &k, &v, fwd, &grad_output)?;
+    check_varlen(p, q.dim().0, k.dim().0)?;
+    let items = segment_items(
+        (p.cu_seqlens_q, p.cu_seqlens_k),
+        (q.dim().1, k.dim().1),
+        p.causal,
+    );
+    Ok(backward(
+        (&q, &k, &v),
+        p.scale as f32,
+        &items,
+        fwd,
+        &grad_output,
+    ))
+}
+
+fn dense_items<'a>(
+    masks: &'a [ArrayView2<'a, bool>],
+    row_len: usize,
+    (h, h_kv): (usize, usize),
+) -> Vec<Item<'a>> {
     let mut items = Vec::with_capacity(masks.len() * h);
+    let group = h / h_kv.max(1);
     for (r, mask) in masks.iter().enumerate() {
         if row_len == 0 {
             continue;
         }
         for head in 0..h {
             items.push(Item {
-                start: r * row_len,
-                len: row_len,
+                q_start: r * row_len,
+                q_len: row_len,
+                k_start: r * row_len,
+                k_len: row_len,
                 head,
+                kv_head: head / group,
                 mask: Mask::Dense(mask),
             });
         }
@@ -552,7 +681,7 @@ fn dense_items<'a>(masks: &'a [ArrayView2<'a, bool>], row_len: usize, h: usize) 
 }
 
 fn check_dense<T: Element>(
-    q: &ArrayView3<T>,
+    (q, k): (&ArrayView3<T>, &ArrayView3<T>),
     row_len: usize,
     masks: &[ArrayView2<bool>],
 ) -> Result<()> {
@@ -564,13 +693,21 @@ fn check_dense<T: Element>(
             actual: vec![n],
         });
     }
+    if k.dim().0 != n {
+        return Err(Error::ShapeMismatch {
+            field: "k".into(),
+            expected: format!("[{n}, h_kv, d]: the rows of q"),
+            actual: k.shape().to_vec(),
+        });
+    }
     for m in masks {
         check_mask_shape(m.shape(), row_len)?;
     }
     Ok(())
 }
 
-/// Dense masked attention: `q, k, v: [rows * row_len, h, d]` hold `rows =
+/// Dense masked attention: `q: [rows * row_len, h, d]` and `k, v: [rows *
+/// row_len, h_kv, d]` (`h_kv` dividing `h`, as [`varlen_attention_general`]) hold `rows =
 /// masks.len()` rows of `row_len` tokens; token `i` of row `r` may attend to
 /// key `j` of the same row where `masks[r][[i, j]]`. The same tiles as
 /// [`varlen_attention`] over whole rows: every `[row_len, row_len]` score is
@@ -589,13 +726,9 @@ pub fn dense_masked_attention<T: Element>(
     scale: f32,
 ) -> Result<AttentionOutput32> {
     check_inputs(&q, &k, &v)?;
-    check_dense(&q, row_len, masks)?;
-    let h = q.dim().1;
-    Ok(forward(
-        (&q, &k, &v),
-        scale,
-        &dense_items(masks, row_len, h),
-    ))
+    check_dense((&q, &k), row_len, masks)?;
+    let items = dense_items(masks, row_len, (q.dim().1, k.dim().1));
+    Ok(forward((&q, &k, &v), scale, &items))
 }
 
 /// Backward of [`dense_masked_attention`]. Queries with no allowed key get
@@ -615,9 +748,8 @@ pub fn dense_masked_attention_backward<T: Element>(
     grad_output: ArrayView3<f32>,
 ) -> Result<AttentionGrads32> {
     check_backward(&q, &k, &v, fwd, &grad_output)?;
-    check_dense(&q, row_len, masks)?;
-    let h = q.dim().1;
-    let items = dense_items(masks, row_len, h);
+    check_dense((&q, &k), row_len, masks)?;
+    let items = dense_items(masks, row_len, (q.dim().1, k.dim().1));
     Ok(backward((&q, &k, &v), scale, &items, fwd, &grad_output))
 }
 

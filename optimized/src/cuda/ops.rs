@@ -22,7 +22,8 @@ use packshard_reference::attention::{
     check_mask_shape, check_varlen, AttentionGrads, AttentionOutput,
 };
 use packshard_reference::ops::{
-    check_algorithm, AttentionOp, AttentionSupport, LinearCrossEntropyOp, LinearLoss, Varlen,
+    check_algorithm, AttentionOp, AttentionSupport, LinearCrossEntropyOp, LinearLoss, LossSupport,
+    Varlen,
 };
 use packshard_reference::vocab::cross_entropy::CrossEntropy;
 use packshard_reference::vocab::sharded::{check_inputs, ShardedLoss};
@@ -276,8 +277,10 @@ impl<B: AttentionKernels + 'static> AttentionOp for CudaAttention<B> {
 /// `packshard-oracle`'s registry lists both (`linear_cross_entropy_cuda`,
 /// `linear_cross_entropy_cuda_emulated`).
 ///
-/// Every [`LossConfig`] (`ignore_index`, label smoothing in either
-/// convention, z-loss, every reduction); `naive` and `alg1` are declared
+/// Every [`LossConfig`] option but the softcap (`ignore_index`, label
+/// smoothing in either convention, z-loss, every reduction; the softcap is
+/// declared unsupported, [`LinearCrossEntropyOp::options`], and refused
+/// with an error naming `softcap`); `naive` and `alg1` are declared
 /// unsupported ([`LinearCrossEntropyOp::algorithms`]) and refused, as is a
 /// hidden size whose row does not fit the kernels' 48 KiB of shared memory.
 /// At the boundary as every f32 kernel: inputs rounded to f32 (finite
@@ -328,6 +331,11 @@ impl<B: ShardKernels + Sync + 'static> LinearCrossEntropyOp for CudaLinearCrossE
         vec![ShardedAlgorithm::Alg2]
     }
 
+    /// No logit soft-capping (the kernels of `vocab.cu` do not cap): refused.
+    fn options(&self) -> LossSupport {
+        LossSupport::BASIC
+    }
+
     fn linear_cross_entropy(
         &self,
         hidden: ArrayView2<f64>,
@@ -339,6 +347,7 @@ impl<B: ShardKernels + Sync + 'static> LinearCrossEntropyOp for CudaLinearCrossE
         let x = to_f32("hidden", hidden)?;
         let w = to_f32("weight", weight)?;
         check_linear_inputs(x.view(), w.view(), targets, config)?;
+        self.options().check(config)?;
         let map = ShardMap::new(w.nrows(), 1, ShardLayout::Uneven)?;
         let mut l = vocab::sharded_linear_cross_entropy(
             self.kernels,
@@ -387,6 +396,7 @@ impl<B: ShardKernels + Sync + 'static> LinearCrossEntropyOp for CudaLinearCrossE
         map.check_width("weight", w.nrows(), w.shape(), "[v, h]")?;
         check_inputs(x.nrows(), targets, config, v)?;
         check_linear(x.view(), w.view(), v, 0)?;
+        self.options().check(config)?;
         vocab::sharded_linear_cross_entropy(
             self.kernels,
             map,

@@ -9,8 +9,8 @@ use packshard_reference::ops::{AttentionOp, AttentionSupport, Precision, Varlen}
 use packshard_reference::{Error, Result};
 
 use crate::attention::{
-    dense_masked_attention, dense_masked_attention_backward, varlen_attention,
-    varlen_attention_backward, AttentionGrads32, AttentionOutput32,
+    dense_masked_attention, dense_masked_attention_backward, varlen_attention_general,
+    varlen_attention_general_backward, AttentionGrads32, AttentionOutput32,
 };
 use crate::convert::{to_bf16, to_f32, to_f64};
 
@@ -60,7 +60,7 @@ macro_rules! with_inputs {
 }
 
 /// Checks a varlen problem as the reference does, then what this kernel
-/// supports (self-attention, `h_kv == h`, causal or not).
+/// supports.
 fn check_problem(
     support: AttentionSupport,
     q: &ArrayView3<f64>,
@@ -76,7 +76,6 @@ fn check_problem(
 
 fn check_dense_heads(q: &ArrayView3<f64>, k: &ArrayView3<f64>, v: &ArrayView3<f64>) -> Result<()> {
     check_qkv_shapes(q.shape(), k.shape(), v.shape())?;
-    AttentionSupport::SELF_MHA.check(&Varlen::new(&[], false, 1.0), q.dim().1, k.dim().1)?;
     if k.dim().0 != q.dim().0 {
         return Err(Error::invalid(
             "k",
@@ -92,8 +91,10 @@ fn check_dense_heads(q: &ArrayView3<f64>, k: &ArrayView3<f64>, v: &ArrayView3<f6
 
 /// `attention_varlen_tiled` (f32 inputs) and `attention_varlen_tiled_bf16`
 /// (bf16 inputs, f32 accumulation): the varlen form through
-/// [`varlen_attention`] (online softmax per 64 x 64 tile of each segment,
-/// never a mask), the masked form through [`dense_masked_attention`].
+/// [`varlen_attention_general`] (online softmax per 64 x 64 tile of each
+/// segment, never a mask; grouped-query attention, `cu_seqlens_k !=
+/// cu_seqlens_q` with bottom-right causal masks: [`AttentionSupport::ALL`]),
+/// the masked form (square `[n, n]` masks) through [`dense_masked_attention`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TiledAttention {
     /// What `q`, `k`, `v` are rounded to: [`Precision::F32`] or [`Precision::Bf16`].
@@ -113,7 +114,7 @@ impl TiledAttention {
 
 impl AttentionOp for TiledAttention {
     fn support(&self) -> AttentionSupport {
-        AttentionSupport::SELF_MHA
+        AttentionSupport::ALL
     }
 
     fn varlen_forward(
@@ -124,14 +125,9 @@ impl AttentionOp for TiledAttention {
         p: &Varlen<'_>,
     ) -> Result<AttentionOutput> {
         check_problem(self.support(), &q, &k, &v, p)?;
-        let out = with_inputs!(self.precision, q, k, v, |q, k, v| varlen_attention(
-            q,
-            k,
-            v,
-            p.cu_seqlens_q,
-            p.causal,
-            p.scale as f32
-        )?);
+        let out = with_inputs!(self.precision, q, k, v, |q, k, v| {
+            varlen_attention_general(q, k, v, p)?
+        });
         Ok(widen(out))
     }
 
@@ -148,16 +144,7 @@ impl AttentionOp for TiledAttention {
         let f = narrow(fwd)?;
         let go = to_f32("grad_output", grad_output)?;
         let g = with_inputs!(self.precision, q, k, v, |q, k, v| {
-            varlen_attention_backward(
-                q,
-                k,
-                v,
-                p.cu_seqlens_q,
-                p.causal,
-                p.scale as f32,
-                &f,
-                go.view(),
-            )?
+            varlen_attention_general_backward(q, k, v, p, &f, go.view())?
         });
         Ok(widen_grads(g))
     }
@@ -267,8 +254,12 @@ impl DenseMaskedAttention {
 }
 
 impl AttentionOp for DenseMaskedAttention {
+    /// Self-attention (its mask is square), grouped-query or not.
     fn support(&self) -> AttentionSupport {
-        AttentionSupport::SELF_MHA
+        AttentionSupport {
+            cross: false,
+            ..AttentionSupport::ALL
+        }
     }
 
     fn varlen_forward(

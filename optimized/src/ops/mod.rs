@@ -13,6 +13,7 @@
 //! | [`CrossEntropyF32`] | `cross_entropy_f32` | f32 |
 //! | [`LinearCeMaterialized`] | `linear_ce_materialized` | f32 |
 //! | [`LinearCeFused`] | `linear_ce_fused` | f32 |
+//! | [`LinearCeTiled`] | `linear_ce_tiled` | f32 |
 //! | [`EncoderLayerF32`] | `encoder_layer` | f32 |
 
 mod attention;
@@ -23,4 +24,4 @@ mod vocab;
 pub use attention::{DenseMaskedAttention, TiledAttention, MAX_DENSE_TOKENS};
 pub use layer::EncoderLayerF32;
 pub use scalar_attention::ScalarAttention;
-pub use vocab::{CrossEntropyF32, LinearCeFused, LinearCeMaterialized};
+pub use vocab::{CrossEntropyF32, LinearCeFused, LinearCeMaterialized, LinearCeTiled};

@@ -7,12 +7,14 @@
 //! kernel (`RelativeRule::F32` against the f64 reference), so the two are
 //! checked against each other through the reference.
 //!
-//! Shapes as [`AttentionOp`]'s: `q, k, v: [n, h, d]`, self-attention with
-//! `h_kv == h`, causal or not; results widened to f64.
+//! Shapes as [`AttentionOp`]'s: `q: [n_q, h, d]`, `k, v: [n_k, h_kv, d]`
+//! with `h_kv` dividing `h` (query head `a` reads key head `a / (h /
+//! h_kv)`), `cu_seqlens_k` other than `cu_seqlens_q` with bottom-right
+//! causal masks ([`AttentionSupport::ALL`]); results widened to f64.
 
 use ndarray::{Array2, Array3, ArrayView2, ArrayView3};
 use packshard_reference::attention::{
-    check_grad_shapes, check_mask_shape, check_qkv_same_shapes, check_scores, check_varlen,
+    check_grad_shapes, check_mask_shape2, check_qkv_shapes, check_scores, check_varlen,
     AttentionGrads, AttentionOutput,
 };
 use packshard_reference::ops::{AttentionOp, AttentionSupport, Varlen};
@@ -25,14 +27,26 @@ use crate::convert::{to_f32, to_f64};
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ScalarAttention;
 
-/// `q, k, v` in f32, refusing non-finite inputs as the kernels do (also the
-/// boundary of the CUDA attention, `crate::cuda::ops`).
+/// `q, k, v` in f32 (all of one shape), refusing non-finite inputs as the
+/// kernels do (the boundary of the CUDA attention, `crate::cuda::ops`).
+#[cfg(feature = "cuda")]
 pub(crate) fn inputs(
     q: &ArrayView3<f64>,
     k: &ArrayView3<f64>,
     v: &ArrayView3<f64>,
 ) -> Result<[Array3<f32>; 3]> {
-    check_qkv_same_shapes(q.shape(), k.shape(), v.shape())?;
+    packshard_reference::attention::check_qkv_same_shapes(q.shape(), k.shape(), v.shape())?;
+    grouped_inputs(q, k, v)
+}
+
+/// `q: [n_q, h, d]` and `k, v: [n_k, h_kv, d]` in f32, refusing non-finite
+/// inputs.
+fn grouped_inputs(
+    q: &ArrayView3<f64>,
+    k: &ArrayView3<f64>,
+    v: &ArrayView3<f64>,
+) -> Result<[Array3<f32>; 3]> {
+    check_qkv_shapes(q.shape(), k.shape(), v.shape())?;
     let out = [
         to_f32("q", q.view())?,
         to_f32("k", k.view())?,
@@ -44,7 +58,7 @@ pub(crate) fn inputs(
     Ok(out)
 }
 
-/// Which keys a query may see: the whole problem as `[n, n]`.
+/// Which keys a query may see: the whole problem as `[n_q, n_k]`.
 trait Mask {
     fn allowed(&self, i: usize, j: usize) -> bool;
 }
@@ -55,16 +69,21 @@ impl Mask for ArrayView2<'_, bool> {
     }
 }
 
-/// Same segment of `cu`, and `j <= i` when causal (self-attention).
-struct Segments<'a> {
-    cu: &'a [usize],
-    causal: bool,
-}
+/// Query `i` in segment `s` of `cu_seqlens_q`, key `j` in the same segment
+/// of `cu_seqlens_k`, and when causal `j - k_s <= i - q_s + l_k - l_q`
+/// (bottom-right aligned: docs/FAULTS.md C5).
+struct Segments<'a>(&'a Varlen<'a>);
 
 impl Mask for Segments<'_> {
     fn allowed(&self, i: usize, j: usize) -> bool {
-        let seg = |t: usize| self.cu.partition_point(|&c| c <= t);
-        seg(i) == seg(j) && (!self.causal || j <= i)
+        let (cu_q, cu_k) = (self.0.cu_seqlens_q, self.0.cu_seqlens_k);
+        let s = cu_q.partition_point(|&c| c <= i) - 1;
+        if !(cu_k[s]..cu_k[s + 1]).contains(&j) {
+            return false;
+        }
+        // j - k_s <= i - q_s + l_k - l_q, with every term non-negative.
+        !self.0.causal
+            || j - cu_k[s] + (cu_q[s + 1] - cu_q[s]) <= i - cu_q[s] + (cu_k[s + 1] - cu_k[s])
     }
 }
 
@@ -74,15 +93,17 @@ fn forward(
     scale: f32,
 ) -> (Array3<f32>, Array2<f32>) {
     let (n, h, d) = q.dim();
+    let (n_k, group) = (k.dim().0, h / k.dim().1);
     let mut out = Array3::<f32>::zeros((n, h, d));
     let mut lse = Array2::<f32>::from_elem((h, n), f32::NEG_INFINITY);
-    let mut scores = Vec::with_capacity(n);
+    let mut scores = Vec::with_capacity(n_k);
     for a in 0..h {
+        let kv = a / group;
         for i in 0..n {
             scores.clear();
-            for j in 0..n {
+            for j in 0..n_k {
                 if mask.allowed(i, j) {
-                    let dot: f32 = (0..d).map(|c| q[[i, a, c]] * k[[j, a, c]]).sum();
+                    let dot: f32 = (0..d).map(|c| q[[i, a, c]] * k[[j, kv, c]]).sum();
                     scores.push((j, scale * dot));
                 }
             }
@@ -96,7 +117,7 @@ fn forward(
             for &(j, s) in &scores {
                 let p = (s - l).exp();
                 for c in 0..d {
-                    out[[i, a, c]] += p * v[[j, a, c]];
+                    out[[i, a, c]] += p * v[[j, kv, c]];
                 }
             }
         }
@@ -104,7 +125,8 @@ fn forward(
     (out, lse)
 }
 
-/// Backward from the forward's output and `lse`: `ds = p (dp - delta) scale`.
+/// Backward from the forward's output and `lse`: `ds = p (dp - delta) scale`;
+/// a key head's gradients summed over the query heads of its group.
 fn backward(
     [q, k, v]: &[Array3<f32>; 3],
     mask: &dyn Mask,
@@ -113,30 +135,32 @@ fn backward(
     go: &Array3<f32>,
 ) -> [Array3<f32>; 3] {
     let (n, h, d) = q.dim();
+    let (n_k, group) = (k.dim().0, h / k.dim().1);
     let (mut gq, mut gk, mut gv) = (
         Array3::<f32>::zeros((n, h, d)),
-        Array3::<f32>::zeros((n, h, d)),
-        Array3::<f32>::zeros((n, h, d)),
+        Array3::<f32>::zeros(k.dim()),
+        Array3::<f32>::zeros(k.dim()),
     );
     for a in 0..h {
+        let kv = a / group;
         for i in 0..n {
             let l = lse[[a, i]];
             if l == f32::NEG_INFINITY {
                 continue;
             }
             let delta: f32 = (0..d).map(|c| go[[i, a, c]] * out[[i, a, c]]).sum();
-            for j in 0..n {
+            for j in 0..n_k {
                 if !mask.allowed(i, j) {
                     continue;
                 }
-                let dot: f32 = (0..d).map(|c| q[[i, a, c]] * k[[j, a, c]]).sum();
+                let dot: f32 = (0..d).map(|c| q[[i, a, c]] * k[[j, kv, c]]).sum();
                 let p = (scale * dot - l).exp();
-                let dp: f32 = (0..d).map(|c| go[[i, a, c]] * v[[j, a, c]]).sum();
+                let dp: f32 = (0..d).map(|c| go[[i, a, c]] * v[[j, kv, c]]).sum();
                 let ds = p * (dp - delta) * scale;
                 for c in 0..d {
-                    gv[[j, a, c]] += p * go[[i, a, c]];
-                    gq[[i, a, c]] += ds * k[[j, a, c]];
-                    gk[[j, a, c]] += ds * q[[i, a, c]];
+                    gv[[j, kv, c]] += p * go[[i, a, c]];
+                    gq[[i, a, c]] += ds * k[[j, kv, c]];
+                    gk[[j, kv, c]] += ds * q[[i, a, c]];
                 }
             }
         }
@@ -180,7 +204,7 @@ pub(crate) fn saved(
 
 impl AttentionOp for ScalarAttention {
     fn support(&self) -> AttentionSupport {
-        AttentionSupport::SELF_MHA
+        AttentionSupport::ALL
     }
 
     fn varlen_forward(
@@ -190,15 +214,10 @@ impl AttentionOp for ScalarAttention {
         v: ArrayView3<f64>,
         p: &Varlen<'_>,
     ) -> Result<AttentionOutput> {
-        let x = inputs(&q, &k, &v)?;
+        let x = grouped_inputs(&q, &k, &v)?;
         check_varlen(p, q.dim().0, k.dim().0)?;
-        self.support().check(p, q.dim().1, k.dim().1)?;
         check_scores(&q, &k, p.scale)?;
-        let mask = Segments {
-            cu: p.cu_seqlens_q,
-            causal: p.causal,
-        };
-        Ok(widen(forward(&x, &mask, p.scale as f32)))
+        Ok(widen(forward(&x, &Segments(p), p.scale as f32)))
     }
 
     fn varlen_backward(
@@ -210,18 +229,13 @@ impl AttentionOp for ScalarAttention {
         fwd: &AttentionOutput,
         grad_output: ArrayView3<f64>,
     ) -> Result<AttentionGrads> {
-        let x = inputs(&q, &k, &v)?;
+        let x = grouped_inputs(&q, &k, &v)?;
         check_varlen(p, q.dim().0, k.dim().0)?;
-        self.support().check(p, q.dim().1, k.dim().1)?;
         check_scores(&q, &k, p.scale)?;
         let (out, lse, go) = saved(fwd, grad_output, q.dim())?;
-        let mask = Segments {
-            cu: p.cu_seqlens_q,
-            causal: p.causal,
-        };
         Ok(widen_grads(backward(
             &x,
-            &mask,
+            &Segments(p),
             p.scale as f32,
             (&out, &lse),
             &go,
@@ -236,8 +250,8 @@ impl AttentionOp for ScalarAttention {
         allowed: ArrayView2<bool>,
         scale: f64,
     ) -> Result<AttentionOutput> {
-        let x = inputs(&q, &k, &v)?;
-        check_mask_shape(allowed.shape(), q.dim().0)?;
+        let x = grouped_inputs(&q, &k, &v)?;
+        check_mask_shape2(allowed.shape(), q.dim().0, k.dim().0)?;
         check_scores(&q, &k, scale)?;
         Ok(widen(forward(&x, &allowed, scale as f32)))
     }
@@ -252,8 +266,8 @@ impl AttentionOp for ScalarAttention {
         fwd: &AttentionOutput,
         grad_output: ArrayView3<f64>,
     ) -> Result<AttentionGrads> {
-        let x = inputs(&q, &k, &v)?;
-        check_mask_shape(allowed.shape(), q.dim().0)?;
+        let x = grouped_inputs(&q, &k, &v)?;
+        check_mask_shape2(allowed.shape(), q.dim().0, k.dim().0)?;
         check_scores(&q, &k, scale)?;
         let (out, lse, go) = saved(fwd, grad_output, q.dim())?;
         Ok(widen_grads(backward(

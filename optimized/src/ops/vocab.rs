@@ -12,8 +12,8 @@ use packshard_reference::{Error, Result};
 
 use crate::convert::{to_f32, to_f32_real, to_f64};
 use crate::vocab::{
-    alg2, cross_entropy, linear_cross_entropy_fused, linear_cross_entropy_materialized, Chunks,
-    CrossEntropy32, LinearCrossEntropy32,
+    alg2, cross_entropy, linear_cross_entropy_fused, linear_cross_entropy_materialized,
+    linear_cross_entropy_tiled, Chunks, CrossEntropy32, LinearCrossEntropy32,
 };
 
 /// The results of an f32 cross-entropy, widened (exactly) to the reference's type.
@@ -28,13 +28,10 @@ fn widen_ce(ce: CrossEntropy32) -> CrossEntropy {
 }
 
 fn widen_linear(l: LinearCrossEntropy32) -> LinearLoss {
-    let mut ce = widen_ce(l.ce);
-    // The contract's linear op returns dL/dhidden and dL/dweight; the
-    // materialized kernel's dL/dlogits is an intermediate it does not return
-    // (issue #17 adds it).
-    ce.grad_logits = None;
+    // dL/dlogits where the kernel holds it (materialized); the fused ones
+    // never do (`LinearLoss::ce`).
     LinearLoss {
-        ce,
+        ce: widen_ce(l.ce),
         grad_hidden: l.grad_hidden.map(|g| to_f64(g.view())),
         grad_weight: l.grad_weight.map(|g| to_f64(g.view())),
         logits_buffer_bytes: Some(l.logits_buffer_bytes),
@@ -84,8 +81,9 @@ impl CrossEntropyOp for CrossEntropyF32 {
 }
 
 /// `linear_ce_materialized`: f32; one gemm to the whole `[n, v]` logits, the
-/// SIMD row pass, two gemms for the gradients. Unsharded only: the baseline
-/// of [`LinearCeFused`].
+/// SIMD row pass, two gemms for the gradients; returns `dL/dlogits` `[n, v]`
+/// with `want_grad` (the buffer it holds anyway). Unsharded only: the
+/// baseline of [`LinearCeFused`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct LinearCeMaterialized;
 
@@ -174,17 +172,93 @@ impl LinearCrossEntropyOp for LinearCeFused {
         want_grad: bool,
     ) -> Result<ShardedLoss> {
         check_algorithm(&self.algorithms(), algorithm)?;
+        let call = (hidden, weight, targets, config, want_grad);
+        sharded_alg2(map, call, self.chunks)
+    }
+}
+
+/// The f64 inputs of one output-layer call: `(hidden, weight, targets,
+/// config, want_grad)`.
+type LinearInputs<'a> = (
+    ArrayView2<'a, f64>,
+    ArrayView2<'a, f64>,
+    &'a [i64],
+    &'a LossConfig,
+    bool,
+);
+
+/// `alg2`'s shard kernel in `chunks`, the sharded form of both fused ops.
+fn sharded_alg2(map: &ShardMap, call: LinearInputs<'_>, chunks: Chunks) -> Result<ShardedLoss> {
+    let (hidden, weight, targets, config, want_grad) = call;
+    let x = to_f32("hidden", hidden)?;
+    let w = to_f32_real("weight", weight, Axis(0), map.vocab_size())?;
+    alg2::sharded_linear_cross_entropy(
+        map,
+        x.view(),
+        w.view(),
+        targets,
+        config,
+        want_grad,
+        chunks,
+        false,
+    )
+}
+
+/// `linear_ce_tiled`: f32; tiles of `chunks.tokens` tokens x `chunks.vocab`
+/// entries — pass 1 the row statistics, pass 2 the gradients from
+/// recomputed logits — holding one `[tokens, vocab]` tile, never a row of
+/// `v` ([`crate::vocab::linear_cross_entropy_tiled`]); sharded, `alg2` as
+/// [`LinearCeFused`]. Returns no `dL/dlogits`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LinearCeTiled {
+    /// The tile sizes.
+    pub chunks: Chunks,
+}
+
+impl Default for LinearCeTiled {
+    /// 1024 tokens x 512 entries (2 MiB of f32).
+    fn default() -> Self {
+        LinearCeTiled {
+            chunks: Chunks {
+                tokens: 1024,
+                vocab: 512,
+            },
+        }
+    }
+}
+
+impl LinearCrossEntropyOp for LinearCeTiled {
+    fn algorithms(&self) -> Vec<ShardedAlgorithm> {
+        vec![alg2::ALGORITHM]
+    }
+
+    fn linear_cross_entropy(
+        &self,
+        hidden: ArrayView2<f64>,
+        weight: ArrayView2<f64>,
+        targets: &[i64],
+        config: &LossConfig,
+        want_grad: bool,
+    ) -> Result<LinearLoss> {
         let x = to_f32("hidden", hidden)?;
-        let w = to_f32_real("weight", weight, Axis(0), map.vocab_size())?;
-        alg2::sharded_linear_cross_entropy(
-            map,
-            x.view(),
-            w.view(),
-            targets,
-            config,
-            want_grad,
-            self.chunks,
-            false,
-        )
+        let w = to_f32("weight", weight)?;
+        let (x, w, c) = (x.view(), w.view(), self.chunks);
+        let l = linear_cross_entropy_tiled(x, w, targets, config, want_grad, c)?;
+        Ok(widen_linear(l))
+    }
+
+    fn sharded_linear_cross_entropy(
+        &self,
+        algorithm: ShardedAlgorithm,
+        map: &ShardMap,
+        hidden: ArrayView2<f64>,
+        weight: ArrayView2<f64>,
+        targets: &[i64],
+        config: &LossConfig,
+        want_grad: bool,
+    ) -> Result<ShardedLoss> {
+        check_algorithm(&self.algorithms(), algorithm)?;
+        let call = (hidden, weight, targets, config, want_grad);
+        sharded_alg2(map, call, self.chunks)
     }
 }

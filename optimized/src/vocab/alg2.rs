@@ -59,6 +59,7 @@ struct DeltaOp<'a> {
     z: &'a mut [f32],
     q: RowQ,
     l: SoftmaxStats,
+    cap: Option<f64>,
 }
 
 impl WithSimd for DeltaOp<'_> {
@@ -71,10 +72,10 @@ impl WithSimd for DeltaOp<'_> {
             self.z,
             &self.q,
             1.0,
-            l.max,
-            l.sum_exp(),
+            (l.max, l.sum_exp()),
             1.0,
             1.0,
+            self.cap,
             |x, q| local_delta(&l, x, q),
         );
     }
@@ -86,14 +87,15 @@ struct TOp<'a> {
     w: f64,
     l: SoftmaxStats,
     g: SoftmaxStats,
-    z_loss: f64,
+    /// `(z_loss, softcap)`.
+    options: (f64, Option<f64>),
 }
 
 impl WithSimd for TOp<'_> {
     type Output = ();
     #[inline(always)]
     fn with_simd<S: Simd>(self, simd: S) {
-        let (l, g, c) = (self.l, self.g, self.z_loss);
+        let (l, g, (c, cap)) = (self.l, self.g, self.options);
         let (alpha, am1) = alphas(&l, &g);
         let zl = if c == 0.0 {
             0.0
@@ -107,10 +109,10 @@ impl WithSimd for TOp<'_> {
             self.z,
             &self.q,
             self.w,
-            l.max,
-            l.sum_exp(),
+            (l.max, l.sum_exp()),
             alpha * (1.0 + zl),
             alpha - am1,
+            cap,
             |x, q| alpha * local_delta(&l, x, q) + am1 * q + zl * alpha * local_prob(&l, x),
         );
     }
@@ -182,7 +184,7 @@ impl Shard<'_> {
         local: &[SoftmaxStats],
         global: &[SoftmaxStats],
     ) {
-        let z_loss = self.rows.config.z_loss;
+        let options = (self.rows.config.z_loss, self.rows.config.softcap);
         let rows = &self.rows;
         for_rows(buf, self.real, j0, tile, |arch, r, z| {
             let i = i0 + r;
@@ -192,7 +194,7 @@ impl Shard<'_> {
                 w: rows.weights[i],
                 l: local[i],
                 g: global[i],
-                z_loss,
+                options,
             })
         });
     }
@@ -228,6 +230,8 @@ pub fn cross_entropy_rank(
         .slice(s![.., ..sh.real])
         .as_standard_layout()
         .into_owned();
+    let flat = z.as_slice_mut().expect("standard");
+    cap_tile(flat, sh.real, 0, sh.real, config.softcap);
     let mut local = vec![SoftmaxStats::EMPTY; n];
     merge_tile_stats(
         z.as_slice().expect("standard"),
@@ -296,7 +300,7 @@ pub fn linear_cross_entropy_rank(
     let tn = chunks.tokens.min(n).max(1);
     let tv = chunks.vocab;
     let mut buf = Array2::<f32>::zeros((tn, real));
-    let c = config.z_loss;
+    let (c, cap) = (config.z_loss, config.softcap);
     let layout = Alg2Record::new(h, want_grad, c);
     let (blocks, width) = (layout.blocks, layout.width());
     let mut record = vec![0.0f64; width * n];
@@ -310,12 +314,28 @@ pub fn linear_cross_entropy_rank(
         vec![0.0; h]
     };
     let mut d_chunk = Array2::<f32>::zeros((tn, h));
+    // With a softcap B_i = Σ_j q_ij (dy/dz)_ij W_j has no column-sum form:
+    // one more product per tile, of `q dy/dz` (docs/FAULTS.md O1).
+    let capped_b = cap.is_some() && blocks > 0;
+    let mut qf = capped_b.then(|| {
+        (
+            Array2::<f32>::zeros((tn, tv.min(real).max(1))),
+            Array2::<f32>::zeros((tn, h)),
+        )
+    });
     // S pass.
     for (i0, m) in spans(n, tn) {
         let x = hidden.slice(s![i0..i0 + m, ..]);
         let mut b = rows_view(&mut buf, m);
         for (j0, tile) in spans(real, tv) {
             logits_tile(&mut b, x, w_real, (j0, tile));
+            cap_tile(
+                b.as_slice_mut().expect("standard rows"),
+                real,
+                j0,
+                tile,
+                cap,
+            );
             merge_tile_stats(
                 b.as_slice().expect("standard rows"),
                 real,
@@ -329,7 +349,25 @@ pub fn linear_cross_entropy_rank(
         if blocks > 0 {
             let mut d = d_chunk.slice_mut(s![..m, ..]);
             d.fill(0.0);
+            if let Some((_, bq)) = qf.as_mut() {
+                bq.fill(0.0);
+            }
             for (j0, tile) in spans(real, tv) {
+                if let (Some((f, bq)), Some(c)) = (qf.as_mut(), cap) {
+                    let mut f = f.slice_mut(s![..m, ..tile]);
+                    for ((r, j), fx) in f.indexed_iter_mut() {
+                        let y = b[[r, j0 + j]] as f64;
+                        let q = sh.rows.q[i0 + r].at(j0 + j);
+                        *fx = (q * softcap::grad_factor(y, c)) as f32;
+                    }
+                    matmul(
+                        bq.slice_mut(s![..m, ..]),
+                        f.view(),
+                        w_real.slice(s![j0..j0 + tile, ..]),
+                        true,
+                        Threads::All,
+                    );
+                }
                 for_rows(
                     b.as_slice_mut().expect("standard rows"),
                     real,
@@ -340,6 +378,7 @@ pub fn linear_cross_entropy_rank(
                             z,
                             q: sh.rows.q[i0 + r].tile(j0, tile),
                             l: local[i0 + r],
+                            cap,
                         })
                     },
                 );
@@ -357,6 +396,9 @@ pub fn linear_cross_entropy_rank(
                 let b_ik = |k: usize| {
                     if !q.active {
                         return 0.0;
+                    }
+                    if let Some((_, bq)) = qf.as_ref() {
+                        return bq[[r, k]] as f64;
                     }
                     let t = q
                         .target
@@ -390,6 +432,13 @@ pub fn linear_cross_entropy_rank(
         let mut b = rows_view(&mut buf, m);
         for (j0, tile) in spans(real, tv) {
             logits_tile(&mut b, x, w_real, (j0, tile));
+            cap_tile(
+                b.as_slice_mut().expect("standard rows"),
+                real,
+                j0,
+                tile,
+                cap,
+            );
             sh.t_tile(
                 b.as_slice_mut().expect("standard rows"),
                 j0,

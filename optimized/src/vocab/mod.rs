@@ -29,6 +29,9 @@
 //!   tile the gradient in place, `dL/dhidden += G W`, `dL/dW += G^T x`. Only
 //!   a `[tokens, v]` buffer exists; the products are the materialized path's
 //!   (no recomputation).
+//! - [`linear_cross_entropy_tiled`]: tiles of tokens x vocabulary, one
+//!   `[tokens, vocab]` tile buffer; pass 1 the row statistics, pass 2 the
+//!   gradients from recomputed logits (four products, [`tiled`]).
 //! - [`alg2`]: one shard of the sharded algorithm: the S pass (local
 //!   statistics and the input-gradient partials `s_i D_i`, `B_i` of the
 //!   merged record, chunked) and the T pass (the weight gradient of the
@@ -37,6 +40,7 @@
 
 use ndarray::{s, Array1, Array2, ArrayView2, ArrayViewMut2};
 use packshard_reference::vocab::cross_entropy::{check_row, token_loss};
+use packshard_reference::vocab::softcap;
 use packshard_reference::vocab::{LossConfig, SoftmaxStats};
 use packshard_reference::{Error, Result};
 use pulp::{Simd, WithSimd};
@@ -83,7 +87,8 @@ pub struct CrossEntropy32 {
     pub stats: Vec<SoftmaxStats>,
     /// Tokens whose target is not ignored.
     pub num_tokens: usize,
-    /// `[n, v]`: `dL/dlogits` (only [`cross_entropy`] returns it).
+    /// `[n, v]`: `dL/dlogits` with gradients ([`cross_entropy`] and
+    /// [`linear_cross_entropy_materialized`]; the fused kernels never hold it).
     pub grad_logits: Option<Array2<f32>>,
 }
 
@@ -202,8 +207,10 @@ fn check_shapes(n: usize, v: usize, targets: &[i64]) -> Result<()> {
 
 pub mod alg2;
 mod rows;
+mod tiled;
 
 use rows::*;
+pub use tiled::linear_cross_entropy_tiled;
 
 // ---- unsharded ------------------------------------------------------------------
 
@@ -228,6 +235,8 @@ pub fn cross_entropy(
     config.validate(v)?;
     let rows = Rows::new(targets, config, v, 0, v)?;
     let mut buf = logits.as_standard_layout().into_owned();
+    let flat = buf.as_slice_mut().expect("standard layout");
+    cap_tile(flat, v, 0, v, config.softcap);
     let mut stats = vec![SoftmaxStats::EMPTY; n];
     merge_tile_stats(
         buf.as_slice().expect("standard layout"),
@@ -303,6 +312,13 @@ pub fn linear_cross_entropy_materialized(
     let rows = Rows::new(targets, config, v, 0, v)?;
     let mut logits = Array2::zeros((n, v));
     matmul(logits.view_mut(), hidden, weight.t(), false, Threads::All);
+    cap_tile(
+        logits.as_slice_mut().expect("fresh"),
+        v,
+        0,
+        v,
+        config.softcap,
+    );
     let mut stats = vec![SoftmaxStats::EMPTY; n];
     merge_tile_stats(
         logits.as_slice().expect("fresh"),
@@ -338,7 +354,8 @@ pub fn linear_cross_entropy_materialized(
             per_token_loss,
             stats,
             num_tokens: rows.num_tokens(),
-            grad_logits: None,
+            // The buffer holds dL/dlogits now: returned, not dropped.
+            grad_logits: want_grad.then_some(logits),
         },
         grad_hidden,
         grad_weight,
@@ -390,6 +407,8 @@ pub fn linear_cross_entropy_fused(
         let mut b = buf.slice_mut(s![..m, ..]);
         for (j0, tile) in spans(v, chunks.vocab) {
             logits_tile(&mut b, x, weight, (j0, tile));
+            let flat = b.as_slice_mut().expect("rows of a standard buffer");
+            cap_tile(flat, v, j0, tile, config.softcap);
             merge_tile_stats(
                 b.as_slice().expect("rows of a standard buffer"),
                 v,
@@ -402,7 +421,7 @@ pub fn linear_cross_entropy_fused(
         }
         // The whole row's statistics exist now: losses are checked at the
         // end, gradients can be formed tile by tile.
-        if let Some((gh, gw)) = grads.as_mut() {
+        if let Some(grads) = grads.as_mut() {
             for j0 in (0..v).step_by(chunks.vocab) {
                 let tile = (v - j0).min(chunks.vocab);
                 gradient_tile(
@@ -415,29 +434,53 @@ pub fn linear_cross_entropy_fused(
                     &stats[i0..i0 + m],
                 );
                 let g = b.slice(s![.., j0..j0 + tile]);
-                matmul(
-                    gh.slice_mut(s![i0..i0 + m, ..]),
-                    g,
-                    weight.slice(s![j0..j0 + tile, ..]),
-                    true,
-                    Threads::All,
-                );
-                matmul(
-                    gw.slice_mut(s![j0..j0 + tile, ..]),
-                    g.t(),
-                    x,
-                    true,
-                    Threads::All,
-                );
+                accumulate_tile_grads(g, (x, weight), (i0, j0), grads);
             }
         }
     }
-    let (per_token_loss, loss) = rows.losses(&stats)?;
-    let (grad_hidden, grad_weight) = match grads {
-        Some((gh, gw)) => (Some(gh), Some(gw)),
-        None => (None, None),
-    };
-    Ok(LinearCrossEntropy32 {
+    let forward = rows.losses(&stats)?;
+    Ok(fused_result(&rows, stats, forward, grads, 4 * tn * v))
+}
+
+/// `dL/dhidden[i0..] += G W[j0..]` and `dL/dW[j0..] += G^T x` for the
+/// gradient tile `g: [m, tile]` of the tokens `x: [m, h]` (rows `i0..` of
+/// the hidden states) and the vocabulary rows `j0..j0 + tile`.
+fn accumulate_tile_grads(
+    g: ArrayView2<f32>,
+    (x, weight): (ArrayView2<f32>, ArrayView2<f32>),
+    (i0, j0): (usize, usize),
+    (gh, gw): &mut (Array2<f32>, Array2<f32>),
+) {
+    let (m, tile) = g.dim();
+    let w_tile = weight.slice(s![j0..j0 + tile, ..]);
+    matmul(
+        gh.slice_mut(s![i0..i0 + m, ..]),
+        g,
+        w_tile,
+        true,
+        Threads::All,
+    );
+    matmul(
+        gw.slice_mut(s![j0..j0 + tile, ..]),
+        g.t(),
+        x,
+        true,
+        Threads::All,
+    );
+}
+
+/// The result of a fused kernel (no `dL/dlogits`): the row statistics, the
+/// losses `forward`, the gradients `(dL/dhidden, dL/dW)` and the bytes of
+/// its logits buffer.
+fn fused_result(
+    rows: &Rows,
+    stats: Vec<SoftmaxStats>,
+    (per_token_loss, loss): (Array1<f64>, f64),
+    grads: Option<(Array2<f32>, Array2<f32>)>,
+    logits_buffer_bytes: usize,
+) -> LinearCrossEntropy32 {
+    let (grad_hidden, grad_weight) = grads.unzip();
+    LinearCrossEntropy32 {
         ce: CrossEntropy32 {
             loss,
             per_token_loss,
@@ -447,8 +490,8 @@ pub fn linear_cross_entropy_fused(
         },
         grad_hidden,
         grad_weight,
-        logits_buffer_bytes: 4 * tn * v,
-    })
+        logits_buffer_bytes,
+    }
 }
 
 /// `[rows, cols]` mutable view helper for the shard passes.

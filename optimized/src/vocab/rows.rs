@@ -130,7 +130,9 @@ pub(super) fn row_stats<S: Simd>(simd: S, z: &[f32], q: &RowQ) -> SoftmaxStats {
 /// Overwrites `z` with `w * f(z_j, q_j)` where, for the bulk of the row,
 /// `f = a * p - b * q + c * p` with `p = exp(z - m) / s` (vectorised), and
 /// for the columns at the maximum `m` or holding the target, `exact(z, q)`
-/// (the reference's formula in f64). `p = 0` at `-inf`.
+/// (the reference's formula in f64). `p = 0` at `-inf`. With a softcap
+/// `cap`, `z` holds capped logits `y` and each entry is also multiplied by
+/// `dy/dz = (1 - y / c)(1 + y / c)` (1 at `-inf`; docs/FAULTS.md O1).
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 pub(super) fn gradient_row<S: Simd>(
@@ -138,47 +140,77 @@ pub(super) fn gradient_row<S: Simd>(
     z: &mut [f32],
     q: &RowQ,
     w: f64,
-    m: f64,
-    s: f64,
+    (m, s): (f64, f64),
     a: f64,
     b: f64,
+    cap: Option<f64>,
     exact: impl Fn(f64, f64) -> f64,
 ) {
     if w == 0.0 || !q.active {
         z.fill(0.0);
         return;
     }
+    let factor = |x: f32| softcap::chain(1.0, x as f64, cap);
     // The special columns first, from the logits.
     let mut special: Vec<(usize, f32)> = Vec::new();
     if m != f64::NEG_INFINITY {
         let m32 = m as f32;
         for (j, &x) in z.iter().enumerate() {
             if x == m32 {
-                special.push((j, (w * exact(x as f64, q.at(j))) as f32));
+                special.push((j, (w * exact(x as f64, q.at(j)) * factor(x)) as f32));
             }
         }
     }
     if let Some(t) = q.target {
         if !special.iter().any(|&(j, _)| j == t) {
-            special.push((t, (w * exact(z[t] as f64, q.at(t))) as f32));
+            special.push((t, (w * exact(z[t] as f64, q.at(t)) * factor(z[t])) as f32));
         }
     }
     if m == f64::NEG_INFINITY || s == 0.0 {
         // No softmax mass here: p = 0, the gradient is -b q.
-        let v = (-w * b * q.qo) as f32;
-        z.fill(v);
+        let v = -w * b * q.qo;
+        match cap {
+            None => z.fill(v as f32),
+            Some(_) => z.iter_mut().for_each(|x| *x = (v * factor(*x)) as f32),
+        }
     } else {
         let shift = simd.splat_f32s(m as f32);
         let coef = simd.splat_f32s((w * a / s) as f32);
         let off = simd.splat_f32s((-w * b * q.qo) as f32);
-        simd::map_in_place(simd, z, f32::NEG_INFINITY, |x| {
+        let dy = |x| {
             let p = simd::exp(simd, simd.sub_f32s(x, shift));
             simd.mul_add_f32s(p, coef, off)
-        });
+        };
+        match cap {
+            None => simd::map_in_place(simd, z, f32::NEG_INFINITY, dy),
+            Some(c) => {
+                let (one, inv) = (simd.splat_f32s(1.0), simd.splat_f32s((1.0 / c) as f32));
+                let masked = simd.splat_f32s(f32::NEG_INFINITY);
+                simd::map_in_place(simd, z, f32::NEG_INFINITY, |x| {
+                    let t = simd.mul_f32s(x, inv);
+                    let f = simd.mul_f32s(simd.sub_f32s(one, t), simd.add_f32s(one, t));
+                    let f = simd.select_f32s(simd.equal_f32s(x, masked), one, f);
+                    simd.mul_f32s(dy(x), f)
+                });
+            }
+        }
     }
     for (j, v) in special {
         z[j] = v;
     }
+}
+
+/// `c * tanh(y / c)` in f32 over columns `j0..j0 + tile` of every row of
+/// `buf: [n, width]` (`-inf` kept; nothing without a softcap): the logits
+/// capped before anything reads them (docs/FAULTS.md O1).
+pub(super) fn cap_tile(buf: &mut [f32], width: usize, j0: usize, tile: usize, cap: Option<f64>) {
+    let Some(c) = cap else { return };
+    let c = c as f32;
+    for_rows(buf, width, j0, tile, |_, _, z| {
+        for x in z.iter_mut().filter(|x| **x != f32::NEG_INFINITY) {
+            *x = c * (*x / c).tanh();
+        }
+    });
 }
 
 /// The unsharded gradient of a row with statistics `st`: `w ((p - q) + 2 c
@@ -190,7 +222,7 @@ pub(super) fn unsharded_gradient_row<S: Simd>(
     q: &RowQ,
     w: f64,
     st: &SoftmaxStats,
-    z_loss: f64,
+    (z_loss, cap): (f64, Option<f64>),
 ) {
     let zl = if z_loss == 0.0 {
         0.0
@@ -202,10 +234,10 @@ pub(super) fn unsharded_gradient_row<S: Simd>(
         z,
         q,
         w,
-        st.max,
-        st.sum_exp(),
+        (st.max, st.sum_exp()),
         1.0 + zl,
         1.0,
+        cap,
         |x, qj| st.gradient(x, qj, z_loss),
     );
 }
@@ -270,14 +302,15 @@ pub(super) struct GradOp<'a> {
     pub(super) q: RowQ,
     pub(super) w: f64,
     pub(super) st: SoftmaxStats,
-    pub(super) z_loss: f64,
+    /// `(z_loss, softcap)`.
+    pub(super) options: (f64, Option<f64>),
 }
 
 impl WithSimd for GradOp<'_> {
     type Output = ();
     #[inline(always)]
     fn with_simd<S: Simd>(self, simd: S) {
-        unsharded_gradient_row(simd, self.z, &self.q, self.w, &self.st, self.z_loss);
+        unsharded_gradient_row(simd, self.z, &self.q, self.w, &self.st, self.options);
     }
 }
 
@@ -353,10 +386,24 @@ pub(super) fn merge_tile_stats(
     i0: usize,
     stats: &mut [SoftmaxStats],
 ) {
+    merge_stats_at(buf, width, (j0, j0, tile), rows, i0, stats);
+}
+
+/// As [`merge_tile_stats`] for a buffer that holds only a tile: the buffer
+/// columns `at..at + tile` of every row of `buf: [rows, width]` are the
+/// vocabulary columns `col..col + tile`.
+pub(super) fn merge_stats_at(
+    buf: &[f32],
+    width: usize,
+    (at, col, tile): (usize, usize, usize),
+    rows: &Rows,
+    i0: usize,
+    stats: &mut [SoftmaxStats],
+) {
     let arch = simd::arch();
     stats.par_iter_mut().enumerate().for_each(|(r, st)| {
-        let z = &buf[r * width + j0..r * width + j0 + tile];
-        let q = rows.q[i0 + r].tile(j0, tile);
+        let z = &buf[r * width + at..r * width + at + tile];
+        let q = rows.q[i0 + r].tile(col, tile);
         let t = arch.dispatch(StatsOp { z, q });
         *st = st.merge(t);
     });
@@ -373,15 +420,28 @@ pub(super) fn gradient_tile(
     i0: usize,
     stats: &[SoftmaxStats],
 ) {
-    let z_loss = rows.config.z_loss;
-    for_rows(buf, width, j0, tile, |arch, r, z| {
+    gradient_at(buf, width, (j0, j0, tile), rows, i0, stats);
+}
+
+/// As [`gradient_tile`] for a buffer that holds only a tile (see
+/// [`merge_stats_at`]).
+pub(super) fn gradient_at(
+    buf: &mut [f32],
+    width: usize,
+    (at, col, tile): (usize, usize, usize),
+    rows: &Rows,
+    i0: usize,
+    stats: &[SoftmaxStats],
+) {
+    let options = (rows.config.z_loss, rows.config.softcap);
+    for_rows(buf, width, at, tile, |arch, r, z| {
         let i = i0 + r;
         arch.dispatch(GradOp {
             z,
-            q: rows.q[i].tile(j0, tile),
+            q: rows.q[i].tile(col, tile),
             w: rows.weights[i],
             st: stats[r],
-            z_loss,
+            options,
         })
     });
 }

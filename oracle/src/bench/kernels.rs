@@ -6,12 +6,13 @@
 use ndarray::{Array2, Array3};
 use packshard_optimized::attention::{dense_masked_attention, varlen_attention, varlen_pairs};
 use packshard_optimized::layer::{layer_backward, layer_flops, layer_forward, LayerParams32};
+use packshard_optimized::ops::LinearCeTiled;
 use packshard_optimized::vocab::{
-    linear_cross_entropy_fused, linear_cross_entropy_materialized, MAX_MATERIALIZED_LOGITS,
+    linear_cross_entropy_fused, linear_cross_entropy_materialized, linear_cross_entropy_tiled,
+    MAX_MATERIALIZED_LOGITS,
 };
 use packshard_reference::attention::{AttentionLayout, ReferenceAttention};
 use packshard_reference::bert::{BertConfig, BertParams};
-use packshard_reference::packing::{pack_lengths, Algorithm, PackingConfig};
 use packshard_reference::vocab::LossConfig;
 use packshard_reference::{Error, Result};
 use rand::{Rng, SeedableRng};
@@ -96,29 +97,8 @@ pub fn layer(cfg: &BenchConfig) -> Result<LayerReport> {
         .iter()
         .map(|&l| uniform2(&mut rng, (l, hd), 1.0))
         .collect();
-    let plan = pack_lengths(&batch.lengths, &PackingConfig::new(Algorithm::Spfhp, msl))?;
-    let place_packed = |src: &[Array2<f32>]| {
-        let mut out = Array2::<f32>::zeros((batch.packed_slots(), hd));
-        for (pi, pack) in plan.packs.iter().enumerate() {
-            let mut o = pi * msl;
-            for s in pack {
-                out.slice_mut(ndarray::s![o..o + s.length, ..])
-                    .assign(&src[s.sequence]);
-                o += s.length;
-            }
-        }
-        out
-    };
-    let place_padded = |src: &[Array2<f32>]| {
-        let mut out = Array2::<f32>::zeros((batch.padded_slots(), hd));
-        for (i, x) in src.iter().enumerate() {
-            out.slice_mut(ndarray::s![i * msl..i * msl + x.nrows(), ..])
-                .assign(x);
-        }
-        out
-    };
-    let (xp, gp) = (place_packed(&real_x), place_packed(&real_g));
-    let (xd, gd) = (place_padded(&real_x), place_padded(&real_g));
+    let (xp, gp) = (batch.place_packed(&real_x), batch.place_packed(&real_g));
+    let (xd, gd) = (batch.place_padded(&real_x), batch.place_padded(&real_g));
     let packed = AttentionLayout::Varlen {
         cu_seqlens: batch.cu_seqlens.clone(),
     };
@@ -132,21 +112,7 @@ pub fn layer(cfg: &BenchConfig) -> Result<LayerReport> {
     // Check: packed == padded on the real tokens.
     let (op, _) = run(&xp, &gp, &packed)?;
     let (od, _) = run(&xd, &gd, &padded)?;
-    let mut worst = 0.0f64;
-    let scale = od.iter().fold(0.0f32, |m, x| m.max(x.abs())) as f64;
-    for (pi, pack) in plan.packs.iter().enumerate() {
-        let mut o = pi * msl;
-        for s in pack {
-            for r in 0..s.length {
-                for c in 0..hd {
-                    let a = op[[o + r, c]] as f64;
-                    let b = od[[s.sequence * msl + r, c]] as f64;
-                    worst = worst.max((a - b).abs() / scale);
-                }
-            }
-            o += s.length;
-        }
-    }
+    let worst = batch.packed_vs_padded(&op, &od);
     if worst > 1e-4 {
         return Err(Error::invalid(
             "layer",
@@ -376,6 +342,10 @@ pub struct CeReport {
     pub fused_s: f64,
     /// Peak heap bytes of the fused path.
     pub fused_peak: Option<usize>,
+    /// Seconds, tiled over tokens and vocabulary (`linear_ce_tiled`).
+    pub tiled_s: f64,
+    /// Peak heap bytes of the tiled path.
+    pub tiled_peak: Option<usize>,
     /// Bytes of the gradients both return (`[n, h] + [v, h]` f32).
     pub output_bytes: usize,
     /// Bytes of the `[n, v]` f32 logits.
@@ -402,6 +372,17 @@ pub fn cross_entropy(cfg: &BenchConfig) -> Result<Vec<CeReport>> {
         let (f, fused_peak) = peak_since(fused);
         let f = f?;
         let fused_s = time_warm(cfg.reps, fused);
+        let tiles = LinearCeTiled::default().chunks;
+        let tiled = || linear_cross_entropy_tiled(x.view(), w.view(), &t, &config, true, tiles);
+        let (tl, tiled_peak) = peak_since(tiled);
+        let rel = (tl?.ce.loss - f.ce.loss).abs() / f.ce.loss.abs();
+        if rel > 1e-4 {
+            return Err(Error::invalid(
+                "cross_entropy",
+                format!("tiled and fused losses differ by {rel:e}: not timing"),
+            ));
+        }
+        let tiled_s = time_warm(cfg.reps, tiled);
         let (mut materialized_s, mut materialized_peak) = (None, None);
         if n * v <= MAX_MATERIALIZED_LOGITS {
             let mat = || linear_cross_entropy_materialized(x.view(), w.view(), &t, &config, true);
@@ -426,6 +407,8 @@ pub fn cross_entropy(cfg: &BenchConfig) -> Result<Vec<CeReport>> {
             materialized_peak,
             fused_s,
             fused_peak,
+            tiled_s,
+            tiled_peak,
             output_bytes: 4 * (n * hd + v * hd),
             logits_bytes: 4 * n * v,
         });

@@ -16,6 +16,12 @@
 //!   mask), the same kernels; the f64 reference layer on the first few
 //!   sequences; achieved GFLOP/s ([`layer_flops`]) against the `gemm`
 //!   matmul rate measured in the same run.
+//! - [`decoder_layer`]: the f32 Llama decoder layer (RMSNorm, RoPE, causal
+//!   grouped-query attention, SwiGLU), forward + backward, on the same
+//!   `wikipedia-512` lengths: packed (documents back to back in SPFHP packs,
+//!   causal varlen attention per document) against padded (a row of
+//!   `max_len` per sequence, one causal segment), with the time ratio set
+//!   against the slot ratio (issue #15: at least 0.95 x).
 //! - [`attention`]: varlen attention forward alone over the same packs,
 //!   against the dense masked kernel over the same packs (block-diagonal
 //!   mask, every `max_len^2` score computed) and, with the `candle` feature,
@@ -39,9 +45,11 @@ use packshard_reference::{Error, Result};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+mod decoder;
 mod kernels;
 mod registry;
 
+pub use decoder::{decoder_layer, DecoderReport};
 pub use kernels::{attention, cross_entropy, layer, AttentionReport, CeReport, LayerReport};
 pub use registry::{registry, ImplTiming};
 
@@ -205,6 +213,8 @@ pub struct Batch {
     pub cu_seqlens: Vec<usize>,
     /// Packs.
     pub num_packs: usize,
+    /// Each pack's sequences in order, as `(sequence, length)`.
+    pub packs: Vec<Vec<(usize, usize)>>,
 }
 
 impl Batch {
@@ -230,7 +240,64 @@ impl Batch {
             max_len,
             cu_seqlens: cu,
             num_packs: plan.packs.len(),
+            packs: plan
+                .packs
+                .iter()
+                .map(|p| p.iter().map(|s| (s.sequence, s.length)).collect())
+                .collect(),
         })
+    }
+
+    /// Per-sequence rows `src[i]: [lengths[i], w]` placed in the packed rows
+    /// (`[packed_slots, w]`, zeros on padding).
+    pub fn place_packed(&self, src: &[Array2<f32>]) -> Array2<f32> {
+        let w = src.first().map_or(0, |x| x.ncols());
+        let mut out = Array2::<f32>::zeros((self.packed_slots(), w));
+        for (pi, pack) in self.packs.iter().enumerate() {
+            let mut o = pi * self.max_len;
+            for &(seq, len) in pack {
+                out.slice_mut(ndarray::s![o..o + len, ..]).assign(&src[seq]);
+                o += len;
+            }
+        }
+        out
+    }
+
+    /// The same rows placed one sequence per row of `max_len`
+    /// (`[padded_slots, w]`, zeros on padding).
+    pub fn place_padded(&self, src: &[Array2<f32>]) -> Array2<f32> {
+        let w = src.first().map_or(0, |x| x.ncols());
+        let msl = self.max_len;
+        let mut out = Array2::<f32>::zeros((self.padded_slots(), w));
+        for (i, x) in src.iter().enumerate() {
+            out.slice_mut(ndarray::s![i * msl..i * msl + x.nrows(), ..])
+                .assign(x);
+        }
+        out
+    }
+
+    /// The largest difference, relative to the padded run's largest value,
+    /// between a packed and a padded result (`[slots, w]` each) on the real
+    /// tokens.
+    pub fn packed_vs_padded(&self, packed: &Array2<f32>, padded: &Array2<f32>) -> f64 {
+        let scale = padded.iter().fold(0.0f32, |m, x| m.max(x.abs())) as f64;
+        let mut worst = 0.0f64;
+        for (pi, pack) in self.packs.iter().enumerate() {
+            let mut o = pi * self.max_len;
+            for &(seq, len) in pack {
+                for r in 0..len {
+                    for (a, b) in packed
+                        .row(o + r)
+                        .iter()
+                        .zip(padded.row(seq * self.max_len + r))
+                    {
+                        worst = worst.max((*a as f64 - *b as f64).abs() / scale);
+                    }
+                }
+                o += len;
+            }
+        }
+        worst
     }
 
     /// Token slots of the packed rows.

@@ -4,8 +4,10 @@
 //! the reference's measured in the same run.
 
 use ndarray::{Array1, Array2, Array3};
+use packshard_equivalence::causal::CausalCase;
 use packshard_reference::attention::AttentionLayout;
 use packshard_reference::bert::{BertConfig, BertParams};
+use packshard_reference::decoder::{CausalReduction, DecoderConfig};
 use packshard_reference::ops::{Precision, Varlen};
 use packshard_reference::vocab::LossConfig;
 use packshard_reference::{Error, Result};
@@ -277,6 +279,42 @@ pub fn registry(cfg: &BenchConfig) -> Result<Vec<ImplTiming>> {
                 flat(&r.grad_x),
                 layer_grads(&r.grads),
             ])
+        },
+    )?);
+
+    // The causal LM: a two-layer GQA decoder on a packed batch of
+    // wikipedia-512 lengths (rows of 64).
+    let lengths = wikipedia_lengths(12, 64, cfg.seed + 2)?;
+    let n_docs = lengths.len();
+    let case = CausalCase::seeded(
+        DecoderConfig::tiny(64, 4, 2, 8, 64, 2),
+        &lengths,
+        &vec![0; n_docs],
+        &vec![0; n_docs],
+        64,
+        false,
+        CausalReduction::PerToken,
+        cfg.seed,
+    );
+    let packed = case.packed()?;
+    out.extend(time_family(
+        Family::CausalLm,
+        &registry::causal_lm(),
+        &format!(
+            "fwd+bwd, {} documents in {} rows of 64, hidden 32, 4 heads over 2, 2 layers",
+            n_docs,
+            packed.rows()
+        ),
+        reps,
+        |op| {
+            let r = op.run(&case.model, &packed, CausalReduction::PerToken)?;
+            let grads = r
+                .grads
+                .named()
+                .iter()
+                .flat_map(|(_, t)| t.iter().copied().collect::<Vec<_>>())
+                .collect();
+            Ok(vec![flat(&r.logits), vec![r.loss], grads])
         },
     )?);
     Ok(out)

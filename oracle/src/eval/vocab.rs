@@ -14,13 +14,14 @@ use serde_json::{json, Map, Value};
 use super::{make, num, Case, EvalError, Tensor};
 use crate::registry::{self, Entry};
 
-const LOSS_FIELDS: [&str; 10] = [
+const LOSS_FIELDS: [&str; 11] = [
     "targets",
     "ignore_index",
     "label_smoothing",
     "smoothing",
     "z_loss",
     "reduction",
+    "softcap",
     "num_shards",
     "algorithm",
     "vocab_size",
@@ -69,6 +70,7 @@ fn loss_options(case: &Case, width: usize) -> Result<(LossConfig, usize, Run), E
         reduction: case
             .opt_parse::<Reduction>("reduction")?
             .unwrap_or_default(),
+        softcap: case.opt_f64("softcap")?,
     };
     let v = vocab_size(case, width)?;
     Ok((config, v, run_of(case, v)?))

@@ -161,7 +161,12 @@ pub fn cross_entropy(
     let mut lses = vec![0f32; n];
     let mut grad = Array2::<f64>::zeros((n, v));
     for i in 0..n {
-        let z: Vec<f32> = (0..v).map(|j| logits[[i, j]] as f32).collect();
+        // The softcap first (docs/FAULTS.md O1), in f32; `-inf` kept.
+        let cap = |x: f32| match config.softcap {
+            Some(c) if x != f32::NEG_INFINITY => r(c as f32 * (x / c as f32).tanh()),
+            _ => x,
+        };
+        let z: Vec<f32> = (0..v).map(|j| cap(logits[[i, j]] as f32)).collect();
         let m = z.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let s: f32 = z.iter().map(|&x| (x - m).exp()).sum();
         let lse = m + s.ln();
@@ -179,7 +184,15 @@ pub fn cross_entropy(
         for (j, &zj) in z.iter().enumerate() {
             let q = if j == t { qt } else { qo };
             let p = (zj - lse).exp();
-            grad[[i, j]] = f64::from(r(w * (p - q + 2.0 * zl * lse * p)));
+            let dy = w * (p - q + 2.0 * zl * lse * p);
+            let dz = match config.softcap {
+                Some(c) if zj != f32::NEG_INFINITY => {
+                    let t = zj / c as f32;
+                    dy * ((1.0 - t) * (1.0 + t))
+                }
+                _ => dy,
+            };
+            grad[[i, j]] = f64::from(r(dz));
         }
     }
     let sum: f32 = per_token.iter().sum();

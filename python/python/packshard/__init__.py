@@ -104,8 +104,9 @@ def attention(q, k, v, cu_seqlens, *, causal=False, scale=None, grad_output=None
 
 
 def _loss_options(ignore_index, label_smoothing, smoothing, z_loss, reduction, vocab_size,
-                  num_shards, algorithm, layout):
+                  num_shards, algorithm, layout, softcap):
     return {
+        "softcap": None if softcap is None else float(softcap),
         "ignore_index": None if ignore_index is None else int(ignore_index),
         "label_smoothing": None if label_smoothing is None else float(label_smoothing),
         "smoothing": smoothing,
@@ -120,13 +121,14 @@ def _loss_options(ignore_index, label_smoothing, smoothing, z_loss, reduction, v
 
 def cross_entropy(logits, targets, *, ignore_index=-100, label_smoothing=0.0, smoothing=None,
                   z_loss=0.0, reduction="mean", vocab_size=None, num_shards=None, algorithm=None,
-                  layout=None, want_grad=False, impl=REFERENCE):
+                  layout=None, softcap=None, want_grad=False, impl=REFERENCE):
     """Cross-entropy of ``logits`` ``[n, w]`` against ``targets`` ``[n]``.
 
     Columns ``vocab_size..w`` are padding, never read (NaN allowed there);
     ``-inf`` logits are masked entries. Unsharded by default; ``num_shards``
     runs the vocabulary-parallel form (``algorithm`` ``naive``, ``alg1``,
-    ``alg2`` (default), ``layout`` ``uneven`` or ``padded``). Returns a dict:
+    ``alg2`` (default), ``layout`` ``uneven`` or ``padded``). ``softcap`` ``c``
+    caps the logits to ``c * tanh(z / c)`` first (Gemma 2). Returns a dict:
     ``loss``, ``per_token_loss`` ``[n]``, ``logsumexp`` ``[n]``,
     ``num_tokens``, ``algorithm``, ``grad_logits`` ``[n, w]`` with
     ``want_grad`` (padding columns 0), and for sharded runs ``num_shards``,
@@ -136,14 +138,14 @@ def cross_entropy(logits, targets, *, ignore_index=-100, label_smoothing=0.0, sm
     return _native.cross_entropy(
         logits, _ints(targets, "targets"),
         _loss_options(ignore_index, label_smoothing, smoothing, z_loss, reduction, vocab_size,
-                      num_shards, algorithm, layout),
+                      num_shards, algorithm, layout, softcap),
         bool(want_grad), impl)
 
 
 def linear_cross_entropy(hidden, weight, targets, *, ignore_index=-100, label_smoothing=0.0,
                          smoothing=None, z_loss=0.0, reduction="mean", vocab_size=None,
-                         num_shards=None, algorithm=None, layout=None, want_grad=False,
-                         impl=REFERENCE):
+                         num_shards=None, algorithm=None, layout=None, softcap=None,
+                         want_grad=False, impl=REFERENCE):
     """The output layer ``hidden @ weight.T`` and its cross-entropy.
 
     ``hidden`` ``[n, h]``, ``weight`` ``[w, h]`` (rows ``vocab_size..`` padding),
@@ -156,7 +158,7 @@ def linear_cross_entropy(hidden, weight, targets, *, ignore_index=-100, label_sm
     return _native.linear_cross_entropy(
         hidden, weight, _ints(targets, "targets"),
         _loss_options(ignore_index, label_smoothing, smoothing, z_loss, reduction, vocab_size,
-                      num_shards, algorithm, layout),
+                      num_shards, algorithm, layout, softcap),
         bool(want_grad), impl)
 
 

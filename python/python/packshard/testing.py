@@ -73,7 +73,7 @@ def judged(op, args, precision="f32"):
             None if lin else _f(a["logits"]), _f(a["hidden"]) if lin else None,
             _f(a["weight"]) if lin else None, np.asarray(a["targets"], dtype=np.int64),
             {k: a.get(k) for k in ("ignore_index", "label_smoothing", "smoothing", "z_loss",
-                                   "reduction", "vocab_size")},
+                                   "reduction", "vocab_size", "softcap")},
             bool(a.get("want_grad", False)), precision)
     if op == "embedding":
         from . import embedding

@@ -22,7 +22,7 @@
 //! key-value heads, `d` head dim, `v` vocabulary, `b` segments. Every backward
 //! is checked against central finite differences in this module's tests.
 
-mod layer;
+pub mod layer;
 pub mod model;
 pub mod ops;
 pub mod packing;

@@ -24,6 +24,7 @@
 
 use ndarray::{Array1, Array2, ArrayView2, Axis, Slice};
 
+use super::softcap;
 use super::sum::{self, Neumaier};
 use super::{check_logits_size, LossConfig};
 use crate::error::{check_finite, Error, Result};
@@ -324,8 +325,10 @@ pub fn log_softmax(logits: ArrayView2<f64>) -> Array2<f64> {
 
 /// Cross-entropy of `logits: [n, v]` against `targets: [n]` (PyTorch
 /// `cross_entropy` semantics: `ignore_index`, `label_smoothing`, reductions;
-/// plus Megatron's smoothing convention and the z-loss), and its gradient
-/// `[n, v]` when `want_grad`.
+/// plus Megatron's smoothing convention, the z-loss and logit soft-capping),
+/// and its gradient `[n, v]` (with respect to the raw logits) when
+/// `want_grad`. With a softcap the statistics (`stats`, `logsumexp`) are
+/// those of the capped logits.
 ///
 /// Logits may be `-inf` (masked entries).
 ///
@@ -346,6 +349,9 @@ pub fn cross_entropy(
     check_logits("logits", logits, v, v, 0)?;
     config.validate(v)?;
     let targets = config.targets(targets, v)?;
+    // Soft-capping comes before everything else (docs/FAULTS.md O1).
+    let capped = config.softcap.map(|c| logits.mapv(|z| softcap::cap(z, c)));
+    let logits = capped.as_ref().map_or(logits, |c| c.view());
     let (q_target, q_other) = config.target_distribution(v);
     let q = |i: usize, j: usize| match targets[i] {
         None => 0.0,
@@ -368,7 +374,9 @@ pub fn cross_entropy(
         let mut grad = Array2::zeros((n, v));
         for ((i, j), g) in grad.indexed_iter_mut() {
             if weights[i] != 0.0 {
-                *g = weights[i] * stats[i].gradient(logits[[i, j]], q(i, j), config.z_loss);
+                let z = logits[[i, j]];
+                let dy = weights[i] * stats[i].gradient(z, q(i, j), config.z_loss);
+                *g = softcap::chain(dy, z, config.softcap);
             }
         }
         grad

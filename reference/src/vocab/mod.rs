@@ -45,6 +45,7 @@ pub mod cross_entropy;
 pub mod embedding;
 pub mod ops;
 pub mod sharded;
+pub mod softcap;
 pub mod sum;
 
 #[cfg(test)]
@@ -165,6 +166,10 @@ pub struct LossConfig {
     pub z_loss: f64,
     /// How per-token losses are reduced.
     pub reduction: Reduction,
+    /// Logit soft-capping `c`: every logit `z` becomes `c * tanh(z / c)`
+    /// before anything else ([`softcap`]; Gemma 2's
+    /// `final_logit_softcapping`, flash-attention's `softcap`). `None`: off.
+    pub softcap: Option<f64>,
 }
 
 impl Default for LossConfig {
@@ -175,6 +180,7 @@ impl Default for LossConfig {
             smoothing: SmoothingConvention::PyTorch,
             z_loss: 0.0,
             reduction: Reduction::Mean,
+            softcap: None,
         }
     }
 }
@@ -199,6 +205,12 @@ impl LossConfig {
         self
     }
 
+    /// Builder: logit soft-capping `c` ([`LossConfig::softcap`]).
+    pub fn with_softcap(mut self, c: f64) -> Self {
+        self.softcap = Some(c);
+        self
+    }
+
     /// Builder: ignore index.
     pub fn with_ignore_index(mut self, i: i64) -> Self {
         self.ignore_index = i;
@@ -209,8 +221,9 @@ impl LossConfig {
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for smoothing outside `[0, 1]`, a negative or
-    /// non-finite z-loss, or Megatron smoothing with `v = 1` (no other class
-    /// to spread the mass over).
+    /// non-finite z-loss, a softcap that is not finite and `> 0` (field
+    /// `softcap`), or Megatron smoothing with `v = 1` (no other class to
+    /// spread the mass over).
     pub fn validate(&self, v: usize) -> Result<()> {
         let a = self.label_smoothing;
         if !(0.0..=1.0).contains(&a) {
@@ -224,6 +237,14 @@ impl LossConfig {
                 "z_loss",
                 format!("{} must be finite and >= 0", self.z_loss),
             ));
+        }
+        if let Some(c) = self.softcap {
+            if !(c.is_finite() && c > 0.0) {
+                return Err(Error::invalid(
+                    "softcap",
+                    format!("{c} must be finite and > 0 (logits become c * tanh(z / c))"),
+                ));
+            }
         }
         if a > 0.0 && self.smoothing == SmoothingConvention::Megatron && v < 2 {
             return Err(Error::invalid(

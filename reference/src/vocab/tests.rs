@@ -312,6 +312,12 @@ fn gradients_match_finite_differences() {
         LossConfig::default()
             .with_z_loss(0.1)
             .with_reduction(Reduction::None),
+        // O1: the softcap composes with smoothing, z-loss and ignore_index.
+        LossConfig::default().with_softcap(0.7),
+        LossConfig::default()
+            .with_softcap(1.5)
+            .with_smoothing(0.2, SmoothingConvention::Megatron)
+            .with_z_loss(0.05),
     ] {
         let u =
             linear_cross_entropy(hidden.view(), weight.view(), &targets, &config, true).unwrap();
@@ -666,5 +672,76 @@ fn s_and_t_passes_split_by_other_work_equal_the_monolithic_rank_code() {
                 assert_eq!((s_barriers, t_barriers), (s_want, t_want), "{alg}");
             }
         }
+    }
+}
+
+#[test]
+fn o1_softcap_is_applied_first_sharded_as_unsharded() {
+    let hidden = Array2::from_shape_fn((5, 3), |(i, k)| ((i * 5 + k * 3) % 7) as f64 - 3.0);
+    let weight = Array2::from_shape_fn((7, 3), |(j, k)| ((j * 2 + k * 5) % 11) as f64 / 2.0 - 2.0);
+    let targets = [3, -100, 0, 6, 2];
+    let c = 2.0;
+    let config = LossConfig::default()
+        .with_softcap(c)
+        .with_smoothing(0.1, SmoothingConvention::PyTorch)
+        .with_z_loss(1e-3);
+    let u = linear_cross_entropy(hidden.view(), weight.view(), &targets, &config, true).unwrap();
+    // The capped logits through the uncapped loss give the same loss.
+    let capped = u.logits.mapv(|z| c * (z / c).tanh());
+    let plain = LossConfig {
+        softcap: None,
+        ..config
+    };
+    let direct = cross_entropy(capped.view(), &targets, &plain, false).unwrap();
+    assert!((direct.loss - u.ce.loss).abs() < 1e-14 * u.ce.loss.abs().max(1.0));
+    assert!(u.ce.logsumexp().iter().all(|l| *l < c + 7f64.ln() + 1e-12));
+    for algorithm in ShardedAlgorithm::ALL {
+        for layout in layouts() {
+            let map = ShardMap::new(7, 3, layout).unwrap();
+            let mut w = weight.clone();
+            if map.padded_vocab_size() > 7 {
+                w = Array2::from_shape_fn((map.padded_vocab_size(), 3), |(j, k)| {
+                    if j < 7 {
+                        weight[[j, k]]
+                    } else {
+                        1e3
+                    }
+                });
+            }
+            let s = sharded_linear_cross_entropy(
+                algorithm,
+                &map,
+                hidden.view(),
+                w.view(),
+                &targets,
+                &config,
+                true,
+            )
+            .unwrap();
+            assert!((s.loss() - u.ce.loss).abs() < 1e-12, "{algorithm}");
+            let close = |a: &Array2<f64>, b: &Array2<f64>| {
+                a.iter().zip(b).all(|(x, y)| (x - y).abs() < 1e-12)
+            };
+            assert!(close(
+                s.grad_hidden().unwrap(),
+                u.grad_hidden.as_ref().unwrap()
+            ));
+            assert!(close(
+                &s.grad_weight().unwrap(),
+                u.grad_weight.as_ref().unwrap()
+            ));
+            assert!(close(
+                &s.grad_logits().unwrap(),
+                u.ce.grad_logits.as_ref().unwrap()
+            ));
+        }
+    }
+    for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+        let config = LossConfig::default().with_softcap(bad);
+        let err = cross_entropy(u.logits.view(), &targets, &config, false).unwrap_err();
+        assert!(
+            matches!(&err, Error::InvalidArgument { field, .. } if field == "softcap"),
+            "{err}"
+        );
     }
 }

@@ -39,6 +39,9 @@ fn loss_params(
         ("z_loss", json!(config.z_loss)),
         ("reduction", json!(config.reduction.name())),
     ]);
+    if let Some(c) = config.softcap {
+        p.insert("softcap".into(), json!(c));
+    }
     if w > v {
         p.insert("vocab_size".into(), json!(v));
     }
@@ -181,6 +184,16 @@ pub(super) fn cross_entropy_cases(dtype: Dtype) -> Result<Vec<GoldenCase>, Golde
     {
         v1[[0, j]] = x;
     }
+    // O1: the V1 row again, and rows of large logits the softcap bounds.
+    let mut o1 = grid(4, 9, 27).mapv(|x| 4.0 * x);
+    for (j, &x) in [1.0, 2.0, 0.0, -1.0, 3.0, 0.5, 1.5, -2.0]
+        .iter()
+        .enumerate()
+    {
+        o1[[0, j]] = x;
+    }
+    o1[[0, 8]] = f64::NAN; // padding: 8 real columns padded to 9
+    o1[[1, 3]] = inf; // masked, on the ignored row (smoothing puts mass on every entry)
     let mut basic = grid(6, 11, 21);
     basic[[4, 2]] = inf;
     Ok(vec![
@@ -245,6 +258,24 @@ pub(super) fn cross_entropy_cases(dtype: Dtype) -> Result<Vec<GoldenCase>, Golde
                 algorithm: ShardedAlgorithm::Alg1,
                 shards: 2,
                 layout: ShardLayout::Uneven,
+            }),
+            dtype,
+        )?,
+        cross_entropy_case(
+            "cross_entropy_softcap_alg2",
+            "alg2 over 3 padded shards, softcap 2 with PyTorch smoothing 0.1, z-loss 1e-3 and an ignored target; row 0 is docs/FAULTS.md O1's logits (loss 1.18683 without the smoothing)",
+            o1,
+            8,
+            vec![4, -100, 7, 0],
+            LossConfig::default()
+                .with_softcap(2.0)
+                .with_smoothing(0.1, SmoothingConvention::PyTorch)
+                .with_z_loss(1e-3)
+                .with_reduction(Reduction::None),
+            Some(Sharding {
+                algorithm: ShardedAlgorithm::Alg2,
+                shards: 3,
+                layout: ShardLayout::Padded,
             }),
             dtype,
         )?,
@@ -391,6 +422,23 @@ pub(super) fn linear_cases(dtype: Dtype) -> Result<Vec<GoldenCase>, GoldenError>
                 layout: ShardLayout::Uneven,
             }),
             32,
+            dtype,
+        )?,
+        linear_case(
+            "linear_cross_entropy_softcap",
+            "the output layer with softcap 0.5 (docs/FAULTS.md O1), Megatron smoothing 0.2, z-loss 1e-2, alg2 over 3 uneven shards",
+            (5, 4, 13),
+            vec![12, 0, -100, 6, 3],
+            LossConfig::default()
+                .with_softcap(0.5)
+                .with_smoothing(0.2, SmoothingConvention::Megatron)
+                .with_z_loss(1e-2),
+            Some(Sharding {
+                algorithm: ShardedAlgorithm::Alg2,
+                shards: 3,
+                layout: ShardLayout::Uneven,
+            }),
+            33,
             dtype,
         )?,
     ])

@@ -6,6 +6,7 @@ use super::super::collective::{Collective, Reduce};
 use super::super::cross_entropy::{
     check_row, count_and_sum, target_term, token_loss, SoftmaxStats, STATS_WIDTH,
 };
+use super::super::softcap;
 use super::super::sum;
 use super::super::LossConfig;
 use crate::error::Result;
@@ -36,6 +37,19 @@ impl<'a> RankRun<'a> {
             q: config.target_distribution(v),
             meter: Meter::default(),
         })
+    }
+
+    /// Soft-caps the real columns of this shard's logits `z: [n, w_r]` in
+    /// place (docs/FAULTS.md O1; nothing without a softcap).
+    pub(super) fn cap(&self, z: &mut Array2<f64>) {
+        if let Some(c) = self.config.softcap {
+            softcap::cap_columns(z.view_mut(), self.shard.real, c);
+        }
+    }
+
+    /// `dL/dz` of a raw logit from `dL/dy` of its capped value `y`.
+    fn chain(&self, grad: f64, capped: f64) -> f64 {
+        softcap::chain(grad, capped, self.config.softcap)
     }
 
     /// `q_ij` of token `i` for local column `j` (0 for padding and ignored tokens).
@@ -247,7 +261,8 @@ impl<'a> RankRun<'a> {
             *x = if weights[i] == 0.0 || j >= self.shard.real {
                 0.0
             } else {
-                weights[i] * global[i].gradient(*x, self.q(i, j), self.config.z_loss)
+                let dy = weights[i] * global[i].gradient(*x, self.q(i, j), self.config.z_loss);
+                self.chain(dy, *x)
             };
         }
         // Barrier 3: the input gradient.
@@ -318,7 +333,7 @@ impl<'a> RankRun<'a> {
                     alpha * ((zij - l.max).exp() / l.sum_exp())
                 };
                 let delta = if zij == g.max { g.delta(zij, q) } else { p - q };
-                weights[i] * (delta + 2.0 * c * g.logsumexp() * p)
+                self.chain(weights[i] * (delta + 2.0 * c * g.logsumexp() * p), zij)
             };
         }
         // Barrier 2: the input gradient.
@@ -361,11 +376,17 @@ impl<'a> RankRun<'a> {
             record[i * width..i * width + STATS_WIDTH].copy_from_slice(&l.to_record());
         }
         if let (true, Some((_, w_real))) = (input_grad, lin) {
-            // D_i = (softmax'_i - q_i) W_i, B_i = q_i W_i, A_i = softmax'_i W_i.
+            // D_i = (softmax'_i - q_i) W_i, B_i = q_i W_i, A_i = softmax'_i W_i
+            // (with a softcap every term carries its logit's factor dy/dz).
             self.meter.hold(blocks * n * h);
-            let d = sum::matmul_with(n, |i, j| delta(i, j, z[[i, j]]), w_real);
-            let b = self.target_rows(w_real);
-            let a = (blocks == 3).then(|| sum::matmul_with(n, |i, j| prob(i, z[[i, j]]), w_real));
+            let f = |i: usize, j: usize, x: f64| self.chain(x, z[[i, j]]);
+            let d = sum::matmul_with(n, |i, j| f(i, j, delta(i, j, z[[i, j]])), w_real);
+            let b = match self.config.softcap {
+                None => self.target_rows(w_real),
+                Some(_) => sum::matmul_with(n, |i, j| f(i, j, self.q(i, j)), w_real),
+            };
+            let a = (blocks == 3)
+                .then(|| sum::matmul_with(n, |i, j| f(i, j, prob(i, z[[i, j]])), w_real));
             for (i, l) in local.iter().enumerate() {
                 layout.write_partials(
                     &mut record,
@@ -441,7 +462,7 @@ impl<'a> RankRun<'a> {
                 };
                 let d = alpha * delta(i, j, *x) + alpha_minus_1 * q;
                 let p = alpha * prob(i, *x);
-                weights[i] * (d + 2.0 * c * g.logsumexp() * p)
+                self.chain(weights[i] * (d + 2.0 * c * g.logsumexp() * p), *x)
             };
         }
         let (_, gw) = self.linear_grads(&z, lin, false)?;

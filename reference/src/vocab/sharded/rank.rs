@@ -124,6 +124,7 @@ fn output_rank_setup<'a>(
     let w_real = weight.slice_axis(Axis(0), Slice::from(..shard.real));
     z.slice_axis_mut(Axis(1), Slice::from(..shard.real))
         .assign(&hidden.dot(&w_real.t()));
+    rank.cap(&mut z);
     Ok((rank, z))
 }
 
@@ -295,6 +296,7 @@ pub fn cross_entropy_rank(
     let mut z = logits.to_owned();
     z.slice_axis_mut(Axis(1), Slice::from(shard.real..))
         .fill(f64::NEG_INFINITY);
+    rank.cap(&mut z);
     rank.run(z, None, want_grad)
 }
 
