@@ -85,11 +85,7 @@ impl AttentionCase {
 impl AttentionCase {
     /// `cu_seqlens: [b + 1]` of the lengths.
     pub fn cu_seqlens(&self) -> Vec<usize> {
-        let mut cu = vec![0];
-        for l in &self.lengths {
-            cu.push(cu.last().unwrap() + l);
-        }
-        cu
+        crate::cu_seqlens_of(self.lengths.iter().copied())
     }
 
     /// A case with deterministic values from `seed` (uniform in [-2, 2],

@@ -54,14 +54,6 @@ pub struct GeneralCase {
     pub grad_output: Array3<f64>,
 }
 
-fn offsets(lengths: impl Iterator<Item = usize>) -> Vec<usize> {
-    let mut cu = vec![0];
-    for l in lengths {
-        cu.push(cu.last().unwrap() + l);
-    }
-    cu
-}
-
 impl GeneralCase {
     /// A case with values uniform in [-2, 2] from `seed`.
     pub fn seeded(
@@ -89,12 +81,12 @@ impl GeneralCase {
 
     /// `cu_seqlens_q: [b + 1]`.
     pub fn cu_q(&self) -> Vec<usize> {
-        offsets(self.segments.iter().map(|s| s.0))
+        crate::cu_seqlens_of(self.segments.iter().map(|s| s.0))
     }
 
     /// `cu_seqlens_k: [b + 1]`.
     pub fn cu_k(&self) -> Vec<usize> {
-        offsets(self.segments.iter().map(|s| s.1))
+        crate::cu_seqlens_of(self.segments.iter().map(|s| s.1))
     }
 
     /// Whether it has grouped-query heads, other key offsets.

@@ -45,6 +45,16 @@ pub mod vocab;
 
 pub use compare::{Judge, Mismatch, RelativeRule, RelativeTotals, Tolerance};
 
+/// `cu_seqlens: [b + 1]` of segment `lengths` (leading 0, running sums:
+/// flash-attention's varlen offsets).
+pub fn cu_seqlens_of(lengths: impl IntoIterator<Item = usize>) -> Vec<usize> {
+    let mut cu = vec![0];
+    for l in lengths {
+        cu.push(cu[cu.len() - 1] + l);
+    }
+    cu
+}
+
 /// The proptest runner every suite uses: `cases` cases from a fixed ChaCha
 /// seed (a failure reproduces run after run), no failure files written.
 pub fn runner(cases: u32) -> proptest::test_runner::TestRunner {

@@ -150,10 +150,7 @@ fn layer_baseline_is_the_reference_in_f32() {
         let mut draw = |_| round_f32(2.0 * rng.random::<f64>() - 1.0);
         let x = Array2::from_shape_fn((n, 8), &mut draw);
         let go = Array2::from_shape_fn((n, 8), &mut draw);
-        let mut cu = vec![0usize];
-        for l in &lengths {
-            cu.push(cu.last().unwrap() + l);
-        }
+        let cu = packshard_equivalence::cu_seqlens_of(lengths.iter().copied());
         let layout = AttentionLayout::Varlen {
             cu_seqlens: cu.clone(),
         };

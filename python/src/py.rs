@@ -210,7 +210,7 @@ fn time_attention<'py>(
 /// present, the sharding ones (`num_shards`, `algorithm`, `layout`) and
 /// `softcap` optional;
 /// `None` takes the contract's default (docs/INTERFACE.md).
-#[derive(FromPyObject, Default)]
+#[derive(FromPyObject)]
 #[pyo3(from_item_all)]
 struct LossOptions {
     ignore_index: Option<i64>,

@@ -45,10 +45,7 @@ pub fn check_layer_with(
     let n: usize = lengths.iter().sum();
     let x = Array2::from_shape_fn((n, width), |_| 2.0 * rng.random::<f64>() - 1.0);
     let go = Array2::from_shape_fn((n, width), |_| 2.0 * rng.random::<f64>() - 1.0);
-    let mut cu = vec![0usize];
-    for l in lengths {
-        cu.push(cu.last().unwrap() + l);
-    }
+    let cu = crate::cu_seqlens_of(lengths.iter().copied());
     // Padded: real tokens, then padding rows of garbage with zero grad_output.
     let b = lengths.len();
     let mut xp = Array2::from_elem((b * row_len, width), 7.5);
@@ -213,10 +210,7 @@ pub fn check_layer_relative(
     };
     let x = Array2::from_shape_fn((n, width), |(i, j)| draw(i * width + j));
     let go = Array2::from_shape_fn((n, width), |(i, j)| draw(i * width + j + 3));
-    let mut cu = vec![0usize];
-    for l in lengths {
-        cu.push(cu.last().unwrap() + l);
-    }
+    let cu = crate::cu_seqlens_of(lengths.iter().copied());
     let layout = AttentionLayout::Varlen {
         cu_seqlens: cu.clone(),
     };
