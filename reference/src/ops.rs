@@ -145,6 +145,15 @@ impl AttentionSupport {
         gqa: true,
         cross: true,
     };
+    /// Bidirectional self-attention with `h_kv == h`: what every
+    /// implementation must do, and all an [`AttentionOp`] claims unless it
+    /// declares more (a kernel that never applies a causal mask must not
+    /// claim one by default).
+    pub const BIDIRECTIONAL: AttentionSupport = AttentionSupport {
+        causal: false,
+        gqa: false,
+        cross: false,
+    };
     /// Self-attention with `h_kv == h`, causal or not.
     pub const SELF_MHA: AttentionSupport = AttentionSupport {
         causal: true,
@@ -191,9 +200,10 @@ impl AttentionSupport {
 /// ([`Error::ShapeMismatch`]), offsets ([`Error::InvalidArgument`] naming
 /// `cu_seqlens[i]`), non-finite inputs ([`Error::NonFiniteInput`]).
 pub trait AttentionOp: Send + Sync {
-    /// What it implements beyond bidirectional self-attention with `h_kv == h`.
+    /// What it implements beyond bidirectional self-attention with `h_kv == h`
+    /// (by default nothing: [`AttentionSupport::BIDIRECTIONAL`]).
     fn support(&self) -> AttentionSupport {
-        AttentionSupport::SELF_MHA
+        AttentionSupport::BIDIRECTIONAL
     }
 
     /// The varlen forward.

@@ -5,16 +5,15 @@
 //! It implements [`AttentionOp`], packshard's op trait for attention in
 //! its packed (`q, k, v: [n_tok, h, d]` with `cu_seqlens: [b + 1]`, as
 //! flash-attention's `flash_attn_varlen_func`) and padded (`[L, h, d]` with a
-//! boolean mask) forms. It declares what it implements (bidirectional
-//! self-attention with as many key heads as query heads: the trait's default
-//! also claims causal masks, which this kernel does not apply) and refuses
-//! causal masks, grouped-query attention and `cu_seqlens_k != cu_seqlens_q`. `tests/differential.rs` fuzzes it against the f64
+//! boolean mask) forms. It keeps the trait's default support (bidirectional
+//! self-attention with as many key heads as query heads) and refuses causal
+//! masks, grouped-query attention and `cu_seqlens_k != cu_seqlens_q`. `tests/differential.rs` fuzzes it against the f64
 //! reference; `fuzz/` does the same under libFuzzer.
 
 use ndarray::{Array2, Array3, ArrayView2, ArrayView3};
 use packshard_reference::bert::attention::check_cu_seqlens;
 use packshard_reference::bert::{AttentionGrads, AttentionOutput};
-use packshard_reference::ops::{AttentionOp, AttentionSupport, Varlen};
+use packshard_reference::ops::{AttentionOp, Varlen};
 use packshard_reference::Error;
 
 /// The kernel: one query at a time, softmax with the row maximum subtracted.
@@ -173,15 +172,6 @@ impl NaiveAttention {
 }
 
 impl AttentionOp for NaiveAttention {
-    /// Bidirectional self-attention with `h_kv == h` only: no causal mask.
-    fn support(&self) -> AttentionSupport {
-        AttentionSupport {
-            causal: false,
-            gqa: false,
-            cross: false,
-        }
-    }
-
     fn varlen_forward(
         &self,
         q: ArrayView3<f64>,
