@@ -13,7 +13,7 @@ use packshard_equivalence::fuzz::attention::{self as fa, AttentionFuzzCase};
 use packshard_equivalence::fuzz::packing::{self as fp, PackFuzzCase};
 use packshard_equivalence::fuzz::vocab as fv;
 use packshard_equivalence::fuzz::{fuzz_random, replay_dirs, Failure, Outcome, ReplayError};
-use packshard_equivalence::packing::{Batcher, Packer, Reference as RefPacking};
+use packshard_equivalence::packing::{BatchInput, Batcher, Packer, Reference as RefPacking};
 use packshard_equivalence::planted::{
     AttentionHooks, CeCall, EmbeddingCall, Planted, Qkv, VocabHooks,
 };
@@ -455,20 +455,14 @@ impl Batcher for BrokenPacking {
     fn name(&self) -> String {
         "broken batcher".into()
     }
-    fn batch(
-        &self,
-        sequences: &[Vec<i64>],
-        config: &PackingConfig,
-        pad: i64,
-        offset: i64,
-    ) -> Result<(PackingPlan, PackedBatch), Error> {
-        let (plan, mut batch) = RefPacking.batch(sequences, config, pad, offset)?;
+    fn batch(&self, x: BatchInput<'_>) -> Result<(PackingPlan, PackedBatch), Error> {
+        let (plan, mut batch) = RefPacking.batch(x)?;
         if self.0 == PackFault::PositionsRunOn {
             for (p, pack) in plan.packs.iter().enumerate() {
                 let mut col = 0;
                 for seg in pack {
                     for _ in 0..seg.length {
-                        batch.position_ids[[p, col]] = offset + col as i64;
+                        batch.position_ids[[p, col]] = x.position_offset + col as i64;
                         col += 1;
                     }
                 }
