@@ -327,17 +327,7 @@ fn causal_errors_follow_the_contract() {
             "invalid_argument",
         ),
     ];
-    let mut lines = String::new();
-    for (name, case, kind) in cases {
-        let (code, v) = eval(&case);
-        assert_eq!(code, 2, "{name}: {v}");
-        assert_eq!(v["error"]["kind"], kind, "{name}: {v}");
-        lines.push_str(&format!(
-            "{name}: {kind} | {}\n",
-            v["error"]["message"].as_str().unwrap()
-        ));
-    }
-    insta::assert_snapshot!(lines);
+    insta::assert_snapshot!(common::error_lines(&cases, usize::MAX));
 }
 
 #[test]

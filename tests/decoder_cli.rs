@@ -308,18 +308,7 @@ fn decoder_errors_follow_the_contract() {
             "invalid_argument",
         ),
     ];
-    let mut lines = String::new();
-    for (name, case, kind) in cases {
-        let (code, v) = eval(&case);
-        assert_eq!(code, 2, "{name}: {v}");
-        assert_eq!(v["error"]["kind"], kind, "{name}: {v}");
-        let msg = v["error"]["message"].as_str().unwrap();
-        lines.push_str(&format!(
-            "{name}: {kind} | {}\n",
-            &msg[..msg.len().min(240)]
-        ));
-    }
-    insta::assert_snapshot!(lines);
+    insta::assert_snapshot!(common::error_lines(&cases, 240));
 }
 
 #[test]

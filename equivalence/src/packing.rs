@@ -334,13 +334,9 @@ pub fn check_batch(
                     ),
                     ("sequence_ids", batch.sequence_ids[[p, col]], k as i64 + 1),
                 ];
+                let at = format!("pack {p} column {col} (segment {k}, token {t})");
                 for (name, got, want) in checks {
-                    if got != want {
-                        return fail(
-                            name,
-                            format!("pack {p} column {col} (segment {k}, token {t}): got {got}, expected {want}"),
-                        );
-                    }
+                    expect_eq(name, &at, got, want)?;
                 }
             }
             at += seg.length;
@@ -354,41 +350,34 @@ pub fn check_batch(
                 ("position_ids", batch.position_ids[[p, col]], 0),
             ];
             for (name, got, want) in checks {
-                if got != want {
-                    return fail(
-                        name,
-                        format!("pack {p} padding column {col}: got {got}, expected {want}"),
-                    );
-                }
+                expect_eq(name, &format!("pack {p} padding column {col}"), got, want)?;
             }
         }
-        if batch.cu_seqlens[p] != cu {
-            return fail(
-                "cu_seqlens",
-                format!(
-                    "pack {p}: got {:?}, expected {cu:?} (padding excluded)",
-                    batch.cu_seqlens[p]
-                ),
-            );
-        }
+        let at = format!("pack {p}");
+        expect_eq(
+            "cu_seqlens",
+            &(at.clone() + " (padding excluded)"),
+            &batch.cu_seqlens[p],
+            &cu,
+        )?;
         let index: Vec<usize> = pack.iter().map(|s| s.sequence).collect();
-        if batch.sequence_index[p] != index {
-            return fail(
-                "sequence_index",
-                format!(
-                    "pack {p}: got {:?}, expected {index:?}",
-                    batch.sequence_index[p]
-                ),
-            );
-        }
+        expect_eq("sequence_index", &at, &batch.sequence_index[p], &index)?;
     }
-    if batch.max_seqlen != max_seqlen {
-        return fail(
-            "max_seqlen",
-            format!("got {}, expected {max_seqlen}", batch.max_seqlen),
-        );
-    }
+    expect_eq("max_seqlen", "the batch", batch.max_seqlen, max_seqlen)?;
     Ok(())
+}
+
+/// A [`Mismatch`] naming `what` at `at` unless `got == want`.
+fn expect_eq<T: PartialEq + std::fmt::Debug>(
+    what: &str,
+    at: &str,
+    got: T,
+    want: T,
+) -> Result<(), Mismatch> {
+    if got == want {
+        return Ok(());
+    }
+    fail(what, format!("{at}: got {got:?}, expected {want:?}"))
 }
 
 /// Runs `packer` on `lengths` and checks the outcome: under `overlong =

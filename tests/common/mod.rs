@@ -41,6 +41,23 @@ pub fn eval(case: &serde_json::Value) -> (i32, serde_json::Value) {
     eval_text(&case.to_string())
 }
 
+/// Runs every `(name, case, kind)`, each of which must be refused (exit 2)
+/// with error `kind`, and returns one line per case, `name: kind |
+/// message` (the message cut at `max_chars` bytes), for a snapshot of the
+/// contract's messages.
+pub fn error_lines(cases: &[(&str, serde_json::Value, &str)], max_chars: usize) -> String {
+    let mut lines = String::new();
+    for (name, case, kind) in cases {
+        let (code, v) = eval(case);
+        assert_eq!(code, 2, "{name}: {v}");
+        assert_eq!(v["error"]["kind"], *kind, "{name}: {v}");
+        let msg = v["error"]["message"].as_str().unwrap();
+        let msg = &msg[..msg.len().min(max_chars)];
+        lines.push_str(&format!("{name}: {kind} | {msg}\n"));
+    }
+    lines
+}
+
 /// The op names `packshard eval --list` prints, and its whole answer.
 pub fn eval_list() -> (Vec<String>, serde_json::Value) {
     let o = packshard(&["eval", "--list"], None);
