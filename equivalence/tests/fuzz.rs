@@ -237,6 +237,11 @@ fn find(body: impl FnMut(&[u8]) -> Result<Outcome, Failure>) -> Failure {
     }
 }
 
+/// The failure the attention fuzz target finds in a kernel planted with `fault`.
+fn find_attention(fault: AttentionFault) -> Failure {
+    find(|d| fa::run(&Planted(BrokenAttention(fault)), TOL, d))
+}
+
 /// A numeric failure reads well: the tensor, an index, both values, the tolerance.
 fn assert_readable(f: &Failure, tensor: &str) {
     let text = f.to_string();
@@ -249,25 +254,13 @@ fn assert_readable(f: &Failure, tensor: &str) {
 
 #[test]
 fn attention_leak_across_segments_is_found() {
-    let f = find(|d| {
-        fa::run(
-            &Planted(BrokenAttention(AttentionFault::LeakAcrossSegments)),
-            TOL,
-            d,
-        )
-    });
+    let f = find_attention(AttentionFault::LeakAcrossSegments);
     assert_readable(&f, "output (sequence ");
 }
 
 #[test]
 fn attention_panic_on_an_empty_segment_is_found() {
-    let f = find(|d| {
-        fa::run(
-            &Planted(BrokenAttention(AttentionFault::PanicOnEmptySegment)),
-            TOL,
-            d,
-        )
-    });
+    let f = find_attention(AttentionFault::PanicOnEmptySegment);
     assert_eq!(f.mismatch.what, "varlen_forward");
     assert!(
         f.mismatch.detail.contains("panicked: segment starting at"),
@@ -278,13 +271,7 @@ fn attention_panic_on_an_empty_segment_is_found() {
 
 #[test]
 fn attention_overflow_without_max_subtraction_is_found() {
-    let f = find(|d| {
-        fa::run(
-            &Planted(BrokenAttention(AttentionFault::NoMaxSubtraction)),
-            TOL,
-            d,
-        )
-    });
+    let f = find_attention(AttentionFault::NoMaxSubtraction);
     // exp overflows to inf on a large score: NaN or inf where a finite value is expected.
     assert!(
         f.mismatch.what.starts_with("output (sequence ")
@@ -299,25 +286,13 @@ fn attention_overflow_without_max_subtraction_is_found() {
 
 #[test]
 fn attention_unscaled_grad_k_is_found() {
-    let f = find(|d| {
-        fa::run(
-            &Planted(BrokenAttention(AttentionFault::UnscaledGradK)),
-            TOL,
-            d,
-        )
-    });
+    let f = find_attention(AttentionFault::UnscaledGradK);
     assert_readable(&f, "grad_k (sequence ");
 }
 
 #[test]
 fn attention_accepting_malformed_cu_seqlens_is_found() {
-    let f = find(|d| {
-        fa::run(
-            &Planted(BrokenAttention(AttentionFault::AcceptsMalformedCuSeqlens)),
-            TOL,
-            d,
-        )
-    });
+    let f = find_attention(AttentionFault::AcceptsMalformedCuSeqlens);
     assert_eq!(f.mismatch.what, "varlen_forward", "{f}");
     assert!(
         f.mismatch.detail.contains("must be refused")
