@@ -5,7 +5,7 @@
 
 use ndarray::{Array2, Array3};
 use packshard_optimized::attention::{dense_masked_attention, varlen_attention, varlen_pairs};
-use packshard_optimized::layer::{layer_backward, layer_flops, layer_forward, LayerParams32};
+use packshard_optimized::layer::{layer_backward, layer_flops, layer_forward, layer_params_f32};
 use packshard_optimized::ops::LinearCeTiled;
 use packshard_optimized::vocab::{
     linear_cross_entropy_fused, linear_cross_entropy_materialized, linear_cross_entropy_tiled,
@@ -84,7 +84,7 @@ pub fn layer(cfg: &BenchConfig) -> Result<LayerReport> {
         .into_iter()
         .next()
         .expect("one layer");
-    let p = LayerParams32::from_reference(&p64)?;
+    let p = layer_params_f32(&p64)?;
     let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed + 1);
     // Real tokens' inputs, placed in packed and padded rows.
     let real_x: Vec<Array2<f32>> = batch
