@@ -61,7 +61,7 @@ fn a_histogram_header_says_which_column_is_which() {
     let plain = temp("length-count.csv");
     std::fs::write(&plain, "length,count\n3,10\n5,2\n").unwrap();
     let run = |p: &PathBuf| {
-        let o = pack("--histogram", &p, "-a ffd --json");
+        let o = pack("--histogram", p, "-a ffd --json");
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
         let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
         (
