@@ -20,35 +20,14 @@ use packshard::reference::bert::{
     BertConfig, BertModel, LossWeights, PackedAttention, Reduction, Targets, TokenBatch,
     IGNORE_INDEX,
 };
-use packshard::reference::packing::{Algorithm, Histogram, PackedBatch, PackingConfig};
+use packshard::reference::packing::{Algorithm, PackedBatch, PackingConfig};
 use rand::{Rng, SeedableRng};
 
 const MSL: usize = 64;
 
-fn lengths(n: usize) -> Vec<usize> {
-    // Sample the real Wikipedia-512 histogram, scaled to MSL.
-    let h = Histogram::embedded("wikipedia-512").unwrap();
-    let counts = h.counts();
-    let total: u64 = counts.iter().sum();
-    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
-    (0..n)
-        .map(|_| {
-            let mut r = rng.random_range(0..total);
-            let mut len = 0;
-            for (l, &c) in counts.iter().enumerate() {
-                if r < c {
-                    len = l;
-                    break;
-                }
-                r -= c;
-            }
-            (len * MSL).div_ceil(512).max(1)
-        })
-        .collect()
-}
-
 fn bert(c: &mut Criterion) {
-    let ls = lengths(48);
+    // The real Wikipedia-512 histogram, scaled to MSL.
+    let ls = packshard::bench::wikipedia_lengths(48, MSL, 3).unwrap();
     let config = BertConfig::tiny(1000, 64, 4, 2, 256, MSL);
     let model = BertModel::random(config, 1).unwrap();
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(4);

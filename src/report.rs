@@ -222,33 +222,24 @@ pub fn header(
         100.0 * padding
     );
     if let Some(m) = rows.first() {
-        let plural = |n: u64| if n == 1 { "" } else { "s" };
-        if m.truncated_sequences > 0 {
-            let _ = writeln!(
-                out,
-                "overlong: {} sequence{} truncated to {max_seq_len} tokens, {} token{} dropped",
-                m.truncated_sequences,
-                plural(m.truncated_sequences),
-                m.dropped_tokens,
-                plural(m.dropped_tokens)
-            );
+        let count = |n: u64, unit: &str| format!("{n} {unit}{}", if n == 1 { "" } else { "s" });
+        let (sequences, tokens) = (|n| count(n, "sequence"), count(m.dropped_tokens, "token"));
+        let what = if m.truncated_sequences > 0 {
+            let n = sequences(m.truncated_sequences);
+            format!("{n} truncated to {max_seq_len} tokens, {tokens} dropped")
         } else if m.dropped_sequences > 0 {
-            let _ = writeln!(
-                out,
-                "overlong: {} sequence{} dropped, {} token{} with them",
-                m.dropped_sequences,
-                plural(m.dropped_sequences),
-                m.dropped_tokens,
-                plural(m.dropped_tokens)
-            );
+            format!(
+                "{} dropped, {tokens} with them",
+                sequences(m.dropped_sequences)
+            )
         } else if m.split_sequences > 0 {
-            let _ = writeln!(
-                out,
-                "overlong: {} sequence{} split into pieces of at most {max_seq_len} tokens ({} segments packed), no token dropped",
-                m.split_sequences,
-                plural(m.split_sequences),
-                m.num_segments
-            );
+            let (n, k) = (sequences(m.split_sequences), m.num_segments);
+            format!("{n} split into pieces of at most {max_seq_len} tokens ({k} segments packed), no token dropped")
+        } else {
+            String::new()
+        };
+        if !what.is_empty() {
+            let _ = writeln!(out, "overlong: {what}");
         }
     }
     out

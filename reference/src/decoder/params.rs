@@ -58,6 +58,18 @@ pub struct DecoderConfig {
 }
 
 impl DecoderConfig {
+    /// `(hidden, h * d, h_kv * d, inter)`: the widths of the hidden state,
+    /// the queries, the keys and values, and the MLP (the caller bounds the
+    /// sizes with [`DecoderConfig::validate`]).
+    pub fn widths(&self) -> (usize, usize, usize, usize) {
+        (
+            self.hidden_size,
+            self.num_heads * self.head_dim,
+            self.num_kv_heads * self.head_dim,
+            self.intermediate_size,
+        )
+    }
+
     /// A small Llama-shaped config: RMSNorm, SwiGLU, untied head, theta 10000,
     /// eps 1e-6.
     pub fn tiny(
@@ -305,12 +317,7 @@ impl DecoderParams {
         config.validate()?;
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
         let c = config;
-        let (hid, qd, kvd, inter) = (
-            c.hidden_size,
-            c.num_heads * c.head_dim,
-            c.num_kv_heads * c.head_dim,
-            c.intermediate_size,
-        );
+        let (hid, qd, kvd, inter) = c.widths();
         let mut mat = |rows: usize, cols: usize, scale: f64| {
             Array2::from_shape_fn((rows, cols), |_| scale * (2.0 * rng.random::<f64>() - 1.0))
         };
@@ -381,12 +388,7 @@ impl DecoderParams {
     /// (empty ones included), in the same order.
     pub fn shapes(config: &DecoderConfig) -> Vec<(String, Vec<usize>)> {
         let c = config;
-        let (hid, qd, kvd, inter) = (
-            c.hidden_size,
-            c.num_heads * c.head_dim,
-            c.num_kv_heads * c.head_dim,
-            c.intermediate_size,
-        );
+        let (hid, qd, kvd, inter) = c.widths();
         let b = if c.norm == Norm::LayerNorm { hid } else { 0 };
         let gate = if c.mlp == Mlp::SwiGlu { inter } else { 0 };
         let mut out = vec![(
