@@ -23,6 +23,12 @@ pub struct RankBalance {
     pub timing: RankTiming,
 }
 
+/// The legend of the memory panel: the parts of each rank's bar.
+pub const MEMORY_PARTS: [&str; 2] = ["parameters", "peak activations"];
+
+/// The legend of the time panel.
+pub const TIME_PARTS: [&str; 3] = ["compute", "communication", "idle"];
+
 /// Draws the balance report as one SVG document (960 x 800 pixels): memory
 /// per rank (MB, stacked parameters + peak activations) and time per rank
 /// (seconds, stacked compute + communication + idle), bars grouped by
@@ -52,12 +58,10 @@ pub fn balance_svg(title: &str, ranks: &[RankBalance]) -> Result<String, String>
         let root = SVGBackend::with_string(&mut svg, (960, 800)).into_drawing_area();
         root.fill(&WHITE).map_err(err)?;
         let panels = root.split_evenly((2, 1));
-        let memory_parts = [("parameters", BLUE), ("peak activations", CYAN)];
-        let time_parts = [
-            ("compute", GREEN),
-            ("communication", MAGENTA),
-            ("idle", RED),
-        ];
+        let [params, activations] = MEMORY_PARTS;
+        let memory_parts = [(params, BLUE), (activations, CYAN)];
+        let [compute, communication, idle] = TIME_PARTS;
+        let time_parts = [(compute, GREEN), (communication, MAGENTA), (idle, RED)];
         stacked_bars(
             &panels[0],
             &format!("{title}: memory per rank"),
@@ -172,12 +176,11 @@ mod tests {
             "baseline r0",
             "baseline r1",
             "vocab-parallel alg2 r1",
-            "parameters",
-            "peak activations",
-            "compute",
-            "communication",
-            "idle",
-        ] {
+        ]
+        .into_iter()
+        .chain(MEMORY_PARTS)
+        .chain(TIME_PARTS)
+        {
             // plotters writes each text on its own line inside <text>.
             assert!(
                 svg.lines().any(|l| l.trim() == needle),
