@@ -39,7 +39,7 @@ pub fn packing_svg(
     max_seq_len: usize,
     rows: &[PlotRow<'_>],
 ) -> Result<String, String> {
-    let err = |e: DrawingAreaErrorKind<std::io::Error>| format!("plot: {e}");
+    let err = plot_error;
     let counts = histogram.counts();
     let longest = histogram.longest().max(max_seq_len).max(1);
     let width = (longest + 1).div_ceil(MAX_BINS);
@@ -67,23 +67,17 @@ pub fn packing_svg(
 
         // 1. The length histogram.
         let y_max = bins.iter().map(|b| b.1).fold(1.0, f64::max) * 1.05;
-        let mut chart = ChartBuilder::on(&panels[0])
-            .caption(format!("{name}: sequence lengths"), ("sans-serif", 20))
-            .margin(12)
-            .x_label_area_size(36)
-            .y_label_area_size(72)
-            .build_cartesian_2d(0.0..x_max, 0.0..y_max)
-            .map_err(err)?;
-        chart
-            .configure_mesh()
-            .x_desc("length (tokens)")
-            .y_desc(if width == 1 {
-                "sequences"
-            } else {
-                "sequences per bin"
-            })
-            .draw()
-            .map_err(err)?;
+        let y_desc = if width == 1 {
+            "sequences"
+        } else {
+            "sequences per bin"
+        };
+        let mut chart = panel(
+            &panels[0],
+            &format!("{name}: sequence lengths"),
+            (0.0..x_max, 0.0..y_max),
+            ("length (tokens)", y_desc),
+        )?;
         chart
             .draw_series(bins.iter().map(|&(s, n, _, _)| {
                 Rectangle::new([(s as f64, 0.0), ((s + width) as f64, n)], BLUE.filled())
@@ -91,12 +85,7 @@ pub fn packing_svg(
             .map_err(err)?
             .label("sequences")
             .legend(|(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], BLUE.filled()));
-        chart
-            .configure_series_labels()
-            .background_style(WHITE.mix(0.8))
-            .border_style(BLACK)
-            .draw()
-            .map_err(err)?;
+        legend(&mut chart, SeriesLabelPosition::MiddleRight)?;
 
         // 2. Real and padding tokens of a padded batch, by length.
         let y_max = bins.iter().map(|b| b.2.max(b.3)).fold(1.0, f64::max) * 1.05;
@@ -105,22 +94,12 @@ pub fn packing_svg(
         } else {
             0.0
         };
-        let mut chart = ChartBuilder::on(&panels[1])
-            .caption(
-                format!("padded to {max_seq_len}: {share:.2}% of the slots are padding"),
-                ("sans-serif", 20),
-            )
-            .margin(12)
-            .x_label_area_size(36)
-            .y_label_area_size(72)
-            .build_cartesian_2d(0.0..x_max, 0.0..y_max)
-            .map_err(err)?;
-        chart
-            .configure_mesh()
-            .x_desc("length (tokens)")
-            .y_desc("tokens")
-            .draw()
-            .map_err(err)?;
+        let mut chart = panel(
+            &panels[1],
+            &format!("padded to {max_seq_len}: {share:.2}% of the slots are padding"),
+            (0.0..x_max, 0.0..y_max),
+            ("length (tokens)", "tokens"),
+        )?;
         let mid = |s: usize| s as f64 + width as f64 / 2.0;
         type Pick = fn(&(usize, f64, f64, f64)) -> f64;
         let (real, padding): (Pick, Pick) = (|b| b.2, |b| b.3);
@@ -139,27 +118,18 @@ pub fn packing_svg(
                     PathElement::new(vec![(x, y), (x + 16, y)], colour.stroke_width(2))
                 });
         }
-        chart
-            .configure_series_labels()
-            .background_style(WHITE.mix(0.8))
-            .border_style(BLACK)
-            .draw()
-            .map_err(err)?;
+        legend(&mut chart, SeriesLabelPosition::MiddleRight)?;
 
         // 3. Pack fill per algorithm: the share of packs at least x% full.
-        let mut chart = ChartBuilder::on(&panels[2])
-            .caption("pack fill per algorithm", ("sans-serif", 20))
-            .margin(12)
-            .x_label_area_size(36)
-            .y_label_area_size(72)
-            .build_cartesian_2d(0.0..100.0, 0.0..1.02)
-            .map_err(err)?;
-        chart
-            .configure_mesh()
-            .x_desc("fill (% of max_seq_len)")
-            .y_desc("share of packs at least this full")
-            .draw()
-            .map_err(err)?;
+        let mut chart = panel(
+            &panels[2],
+            "pack fill per algorithm",
+            (0.0..100.0, 0.0..1.02),
+            (
+                "fill (% of max_seq_len)",
+                "share of packs at least this full",
+            ),
+        )?;
         for (i, row) in rows.iter().enumerate() {
             let color = Palette99::pick(i).to_rgba();
             let curve = fill_curve(row.strategies, max_seq_len);
@@ -171,16 +141,55 @@ pub fn packing_svg(
                     PathElement::new(vec![(x, y), (x + 16, y)], color.stroke_width(2))
                 });
         }
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::LowerLeft)
-            .background_style(WHITE.mix(0.8))
-            .border_style(BLACK)
-            .draw()
-            .map_err(err)?;
+        legend(&mut chart, SeriesLabelPosition::LowerLeft)?;
         root.present().map_err(err)?;
     }
     Ok(svg)
+}
+
+/// A panel's chart of `x` by `y`, its caption and axis descriptions drawn.
+type Panel<'a, 'b> = ChartContext<'a, SVGBackend<'b>, Cartesian2d<F64, F64>>;
+/// A linear f64 axis.
+type F64 = plotters::coord::types::RangedCoordf64;
+
+fn plot_error(e: DrawingAreaErrorKind<std::io::Error>) -> String {
+    format!("plot: {e}")
+}
+
+/// A panel of `area`: `caption`, the ranges `(x, y)`, the axes' `(x, y)` descriptions.
+fn panel<'a, 'b>(
+    area: &'a DrawingArea<SVGBackend<'b>, plotters::coord::Shift>,
+    caption: &str,
+    (x, y): (std::ops::Range<f64>, std::ops::Range<f64>),
+    (x_desc, y_desc): (&str, &str),
+) -> Result<Panel<'a, 'b>, String> {
+    let mut chart = ChartBuilder::on(area)
+        .caption(caption, ("sans-serif", 20))
+        .margin(12)
+        .x_label_area_size(36)
+        .y_label_area_size(72)
+        .build_cartesian_2d(x, y)
+        .map_err(plot_error)?;
+    let mut mesh = chart.configure_mesh();
+    mesh.x_desc(x_desc)
+        .y_desc(y_desc)
+        .draw()
+        .map_err(plot_error)?;
+    Ok(chart)
+}
+
+/// The legend of the series drawn on `chart`, at `position`.
+fn legend<'a, 'b: 'a>(
+    chart: &mut Panel<'a, 'b>,
+    position: SeriesLabelPosition,
+) -> Result<(), String> {
+    chart
+        .configure_series_labels()
+        .position(position)
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()
+        .map_err(plot_error)
 }
 
 /// `(x, share of packs at least x% full)` for x = 0, 1, ..., 100.
