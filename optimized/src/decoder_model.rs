@@ -90,13 +90,7 @@ pub fn decoder_run_f32(
     let mut x = Array2::zeros((n, c.hidden_size));
     for (i, &id) in input_ids.iter().enumerate() {
         if id < 0 || id as u64 >= c.vocab_size as u64 {
-            return Err(Error::IndexOutOfRange {
-                field: "input_ids".into(),
-                index: i,
-                value: id,
-                lo: 0,
-                hi: c.vocab_size as i64,
-            });
+            return Err(Error::out_of_range("input_ids", i, id, c.vocab_size));
         }
         x.row_mut(i).assign(&p.embed.row(id as usize));
     }

@@ -475,13 +475,12 @@ pub fn embedding_finish(
     }
     for (i, &pos) in positions.iter().enumerate() {
         if pos >= position.nrows() {
-            return Err(Error::IndexOutOfRange {
-                field: "positions".into(),
-                index: i,
-                value: pos as i64,
-                lo: 0,
-                hi: position.nrows() as i64,
-            });
+            return Err(Error::out_of_range(
+                "positions",
+                i,
+                pos as i64,
+                position.nrows(),
+            ));
         }
         let mut row = word_rows.row_mut(i);
         row += &position.row(pos);

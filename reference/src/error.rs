@@ -95,6 +95,18 @@ impl Error {
         }
     }
 
+    /// Shorthand for [`Error::IndexOutOfRange`] with the range `0..hi`:
+    /// `field[index]` holds `value`.
+    pub fn out_of_range(field: impl Into<String>, index: usize, value: i64, hi: usize) -> Self {
+        Error::IndexOutOfRange {
+            field: field.into(),
+            index,
+            value,
+            lo: 0,
+            hi: i64::try_from(hi).unwrap_or(i64::MAX),
+        }
+    }
+
     /// Shorthand for [`Error::InvalidArgument`].
     pub fn invalid(field: impl Into<String>, message: impl Into<String>) -> Self {
         Error::InvalidArgument {

@@ -174,14 +174,9 @@ pub(super) fn decoder_forward_backward(value: &Value) -> Result<Value, EvalError
     )?;
     for (i, &id) in input_ids.iter().enumerate() {
         if id < 0 || id as u64 >= c.vocab_size as u64 {
-            return Err(packshard_reference::Error::IndexOutOfRange {
-                field: "input_ids".into(),
-                index: i,
-                value: id,
-                lo: 0,
-                hi: c.vocab_size as i64,
-            }
-            .into());
+            return Err(
+                packshard_reference::Error::out_of_range("input_ids", i, id, c.vocab_size).into(),
+            );
         }
     }
     let mut given = Vec::new();
@@ -266,14 +261,9 @@ pub(super) fn decoder_forward_backward(value: &Value) -> Result<Value, EvalError
     // Labels outside 0..v are refused by the loss; check before weighing.
     for (i, &t) in labels.iter().enumerate() {
         if t != IGNORE_INDEX && (t < 0 || t as u64 >= c.vocab_size as u64) {
-            return Err(packshard_reference::Error::IndexOutOfRange {
-                field: "labels".into(),
-                index: i,
-                value: t,
-                lo: 0,
-                hi: c.vocab_size as i64,
-            }
-            .into());
+            return Err(
+                packshard_reference::Error::out_of_range("labels", i, t, c.vocab_size).into(),
+            );
         }
     }
     let weights = loss_weights(&labels, &doc_ids, reduction, cu.len() - 1)?;

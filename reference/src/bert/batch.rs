@@ -272,13 +272,7 @@ impl TokenBatch {
                 });
             }
             if let Some(i) = values.iter().position(|&v| v >= hi) {
-                return Err(Error::IndexOutOfRange {
-                    field: field.into(),
-                    index: i,
-                    value: values[i] as i64,
-                    lo: 0,
-                    hi: hi as i64,
-                });
+                return Err(Error::out_of_range(field, i, values[i] as i64, hi));
             }
         }
         if self.layout.num_tokens() != n {

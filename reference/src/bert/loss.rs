@@ -97,13 +97,7 @@ pub fn cross_entropy(
     for (i, row) in logits.rows().into_iter().enumerate() {
         let t = targets[i];
         if t >= c {
-            return Err(Error::IndexOutOfRange {
-                field: "targets".into(),
-                index: i,
-                value: t as i64,
-                lo: 0,
-                hi: c as i64,
-            });
+            return Err(Error::out_of_range("targets", i, t as i64, c));
         }
         let mx = row.fold(f64::NEG_INFINITY, |a, &b| a.max(b));
         let sum: f64 = row.iter().map(|&z| (z - mx).exp()).sum();

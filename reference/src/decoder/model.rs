@@ -254,13 +254,7 @@ impl DecoderModel {
         }
         for (i, &id) in input.input_ids.iter().enumerate() {
             if id < 0 || id as u64 >= c.vocab_size as u64 {
-                return Err(Error::IndexOutOfRange {
-                    field: "input_ids".into(),
-                    index: i,
-                    value: id,
-                    lo: 0,
-                    hi: c.vocab_size as i64,
-                });
+                return Err(Error::out_of_range("input_ids", i, id, c.vocab_size));
             }
         }
         input.attention.check(n)?;
@@ -503,13 +497,7 @@ pub fn token_cross_entropy(
             continue;
         }
         if t < 0 || t as u64 >= v as u64 {
-            return Err(Error::IndexOutOfRange {
-                field: "labels".into(),
-                index: i,
-                value: t,
-                lo: 0,
-                hi: v as i64,
-            });
+            return Err(Error::out_of_range("labels", i, t, v));
         }
         let row = logits.row(i);
         let m = row.fold(f64::NEG_INFINITY, |a, &b| a.max(b));

@@ -225,13 +225,7 @@ pub fn doc_ids_from_varlen(
     let mut ids = vec![0; n_slots];
     for (i, &slot) in slots.iter().enumerate() {
         if slot >= n_slots {
-            return Err(Error::IndexOutOfRange {
-                field: "slots".into(),
-                index: i,
-                value: slot as i64,
-                lo: 0,
-                hi: n_slots as i64,
-            });
+            return Err(Error::out_of_range("slots", i, slot as i64, n_slots));
         }
         if i > 0 && slots[i - 1] >= slot {
             return Err(Error::invalid(format!("slots[{i}]"), "slots must increase"));
@@ -310,13 +304,7 @@ pub fn cu_seqlens_from_seq_idx(seq_idx: &[usize], num_segments: usize) -> Result
     let mut counts = vec![0usize; num_segments];
     for (i, &s) in seq_idx.iter().enumerate() {
         if s >= num_segments {
-            return Err(Error::IndexOutOfRange {
-                field: "seq_idx".into(),
-                index: i,
-                value: s as i64,
-                lo: 0,
-                hi: num_segments as i64,
-            });
+            return Err(Error::out_of_range("seq_idx", i, s as i64, num_segments));
         }
         if i > 0 && seq_idx[i - 1] > s {
             return Err(Error::invalid(

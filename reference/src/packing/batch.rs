@@ -96,22 +96,20 @@ impl PackedBatch {
             let mut at = 0usize;
             for (k, seg) in pack.iter().enumerate() {
                 let Some(tokens) = sequences.get(seg.sequence) else {
-                    return Err(Error::IndexOutOfRange {
-                        field: "plan".into(),
-                        index: p,
-                        value: seg.sequence as i64,
-                        lo: 0,
-                        hi: sequences.len() as i64,
-                    });
+                    return Err(Error::out_of_range(
+                        "plan",
+                        p,
+                        seg.sequence as i64,
+                        sequences.len(),
+                    ));
                 };
                 if seg.offset + seg.length > tokens.len() {
-                    return Err(Error::IndexOutOfRange {
-                        field: "plan".into(),
-                        index: p,
-                        value: (seg.offset + seg.length) as i64,
-                        lo: 0,
-                        hi: tokens.len() as i64 + 1,
-                    });
+                    return Err(Error::out_of_range(
+                        "plan",
+                        p,
+                        (seg.offset + seg.length) as i64,
+                        tokens.len() + 1,
+                    ));
                 }
                 if at + seg.length > max_seq_len {
                     return Err(Error::invalid(
