@@ -20,7 +20,7 @@ use ndarray::{Array2, Array3, ArrayView3, Axis};
 use packshard_reference::bert::attention::{
     varlen_attention, varlen_attention_backward, AttentionGrads, AttentionOutput,
 };
-use packshard_reference::ops::{AttentionOp, Varlen};
+use packshard_reference::ops::{AttentionOp, Grad, Masked, Qkv, Varlen};
 use packshard_reference::Error;
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
@@ -63,7 +63,7 @@ impl AttentionCase {
     pub fn varlen_forward(&self, imp: &dyn AttentionOp) -> Result<AttentionOutput, Error> {
         let cu = self.cu_seqlens();
         let p = Varlen::new(&cu, false, self.scale);
-        imp.varlen_forward(self.q.view(), self.k.view(), self.v.view(), &p)
+        imp.varlen_forward(Qkv::new(self.q.view(), self.k.view(), self.v.view()), &p)
     }
 
     /// `imp`'s varlen backward of `fwd` on the case, with its `grad_output`.
@@ -78,7 +78,11 @@ impl AttentionCase {
         let cu = self.cu_seqlens();
         let p = Varlen::new(&cu, false, self.scale);
         let (q, k, v) = (self.q.view(), self.k.view(), self.v.view());
-        imp.varlen_backward(q, k, v, &p, fwd, self.grad_output.view())
+        imp.varlen_backward(
+            Qkv::new(q, k, v),
+            &p,
+            Grad::new(fwd, self.grad_output.view()),
+        )
     }
 }
 
@@ -264,17 +268,16 @@ pub fn check_attention_with(
         let pg = rows(&case.grad_output, at, len, l, 1.0);
         let mask = Array2::from_shape_fn((l, l), |(i, j)| i < len && j < len);
         let pf = imp
-            .masked_forward(pq.view(), pk.view(), pv.view(), mask.view(), case.scale)
+            .masked_forward(
+                Qkv::new(pq.view(), pk.view(), pv.view()),
+                Masked::new(mask.view(), case.scale),
+            )
             .map_err(|e| err("masked_forward", e))?;
         let pgr = imp
             .masked_backward(
-                pq.view(),
-                pk.view(),
-                pv.view(),
-                mask.view(),
-                case.scale,
-                &pf,
-                pg.view(),
+                Qkv::new(pq.view(), pk.view(), pv.view()),
+                Masked::new(mask.view(), case.scale),
+                Grad::new(&pf, pg.view()),
             )
             .map_err(|e| err("masked_backward", e))?;
         // Padding rows: no allowed key, so exactly 0 and no gradient (P8).
@@ -363,9 +366,7 @@ pub fn check_attention_with(
             .mapv_inplace(|x| 5.0 - x);
         let f2 = imp
             .varlen_forward(
-                q2.view(),
-                case.k.view(),
-                v2.view(),
+                Qkv::new(q2.view(), case.k.view(), v2.view()),
                 &Varlen::new(&cu, false, case.scale),
             )
             .map_err(|e| err("varlen_forward", e))?;

@@ -25,7 +25,7 @@ use ndarray::{Array3, ArrayView3, Axis, Slice};
 use packshard_reference::attention::{
     varlen_attention_general, varlen_attention_general_backward, AttentionGrads, AttentionOutput,
 };
-use packshard_reference::ops::{AttentionOp, AttentionSupport, Varlen};
+use packshard_reference::ops::{AttentionOp, AttentionSupport, Grad, Qkv, Varlen};
 use packshard_reference::Error;
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
@@ -123,7 +123,7 @@ fn run(
 ) -> Result<(AttentionOutput, AttentionGrads), Mismatch> {
     let err = |what: &str, e: Error| Mismatch::new(what, format!("{IMPL}: {e}"));
     let fwd = imp
-        .varlen_forward(q, k, v, p)
+        .varlen_forward(Qkv::new(q, k, v), p)
         .map_err(|e| err("varlen_forward", e))?;
     let (n_q, h, d) = q.dim();
     if fwd.output.dim() != (n_q, h, d) || fwd.lse.dim() != (h, n_q) {
@@ -137,7 +137,7 @@ fn run(
         ));
     }
     let grads = imp
-        .varlen_backward(q, k, v, p, &fwd, g)
+        .varlen_backward(Qkv::new(q, k, v), p, Grad::new(&fwd, g))
         .map_err(|e| err("varlen_backward", e))?;
     if grads.grad_q.dim() != q.dim() || grads.grad_k.dim() != k.dim() {
         return Err(Mismatch::new(

@@ -17,7 +17,7 @@
 use ndarray::{Array2, Array3};
 use packshard_oracle::eval::evaluate;
 use packshard_oracle::registry::{self, Precision};
-use packshard_reference::ops::Varlen;
+use packshard_reference::ops::{Grad, Qkv, Varlen};
 use packshard_reference::vocab::{LossConfig, ShardLayout, ShardMap, ShardedAlgorithm};
 use serde_json::{json, Value};
 
@@ -126,9 +126,15 @@ fn every_attention_answers_with_its_own_numbers() {
             .unwrap()
             .make()
             .unwrap();
-        let f = r.varlen_forward(q.view(), k.view(), v.view(), &p).unwrap();
+        let f = r
+            .varlen_forward(Qkv::new(q.view(), k.view(), v.view()), &p)
+            .unwrap();
         let g = r
-            .varlen_backward(q.view(), k.view(), v.view(), &p, &f, go.view())
+            .varlen_backward(
+                Qkv::new(q.view(), k.view(), v.view()),
+                &p,
+                Grad::new(&f, go.view()),
+            )
             .unwrap();
         [&f.output, &g.grad_q, &g.grad_k, &g.grad_v]
             .iter()
@@ -139,9 +145,15 @@ fn every_attention_answers_with_its_own_numbers() {
     let mut ran = 0;
     for entry in &list {
         let Ok(op) = entry.make() else { continue };
-        let f = op.varlen_forward(q.view(), k.view(), v.view(), &p).unwrap();
+        let f = op
+            .varlen_forward(Qkv::new(q.view(), k.view(), v.view()), &p)
+            .unwrap();
         let g = op
-            .varlen_backward(q.view(), k.view(), v.view(), &p, &f, go.view())
+            .varlen_backward(
+                Qkv::new(q.view(), k.view(), v.view()),
+                &p,
+                Grad::new(&f, go.view()),
+            )
             .unwrap();
         let mine: Vec<Vec<f64>> = [&f.output, &g.grad_q, &g.grad_k, &g.grad_v]
             .iter()

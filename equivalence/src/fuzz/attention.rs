@@ -33,7 +33,7 @@ use super::{brief, catch_panic, Failure, Outcome};
 use crate::attention::{AttentionCase, IMPL};
 use crate::compare::Judge;
 use crate::compare::{assert_close_with_scale, Mismatch, Tolerance};
-use packshard_reference::ops::{AttentionOp, Varlen};
+use packshard_reference::ops::{AttentionOp, Grad, Masked, Qkv, Varlen};
 
 /// Most segments in a case.
 pub const MAX_SEGMENTS: usize = 8;
@@ -421,7 +421,7 @@ pub fn check(
     let (q, k, v, go) = (c.q.view(), c.k.view(), c.v.view(), c.grad_output.view());
     let expected = varlen_attention(q, k, v, cu, false, c.scale);
     let actual = catch_panic("varlen_forward", || {
-        imp.varlen_forward(q, k, v, &Varlen::new(cu, false, c.scale))
+        imp.varlen_forward(Qkv::new(q, k, v), &Varlen::new(cu, false, c.scale))
     })?;
     let Some((ef, af)) = outcome("varlen_forward", expected, actual, cu)? else {
         return Ok(Outcome::errors_alike());
@@ -435,7 +435,11 @@ pub fn check(
     )?;
     let eg = varlen_attention_backward(q, k, v, cu, false, c.scale, &ef, go);
     let ag = catch_panic("varlen_backward", || {
-        imp.varlen_backward(q, k, v, &Varlen::new(cu, false, c.scale), &af, go)
+        imp.varlen_backward(
+            Qkv::new(q, k, v),
+            &Varlen::new(cu, false, c.scale),
+            Grad::new(&af, go),
+        )
     })?;
     let Some((eg, ag)) = outcome::<AttentionGrads, AttentionGrads>("varlen_backward", eg, ag, cu)?
     else {
@@ -511,7 +515,10 @@ fn check_padded(
             )
         };
         let pf = catch_panic("masked_forward", || {
-            imp.masked_forward(pq.view(), pk.view(), pv.view(), mask.view(), c.scale)
+            imp.masked_forward(
+                Qkv::new(pq.view(), pk.view(), pv.view()),
+                Masked::new(mask.view(), c.scale),
+            )
         })?
         .map_err(|e| err("masked_forward", e))?;
         check_shapes(
@@ -523,13 +530,9 @@ fn check_padded(
         )?;
         let pgr = catch_panic("masked_backward", || {
             imp.masked_backward(
-                pq.view(),
-                pk.view(),
-                pv.view(),
-                mask.view(),
-                c.scale,
-                &pf,
-                pg.view(),
+                Qkv::new(pq.view(), pk.view(), pv.view()),
+                Masked::new(mask.view(), c.scale),
+                Grad::new(&pf, pg.view()),
             )
         })?
         .map_err(|e| err("masked_backward", e))?;
@@ -642,9 +645,7 @@ fn check_no_leak(
     });
     let after = catch_panic("varlen_forward", || {
         imp.varlen_forward(
-            q2.view(),
-            k2.view(),
-            v2.view(),
+            Qkv::new(q2.view(), k2.view(), v2.view()),
             &Varlen::new(&cu, false, c.scale),
         )
     })?
