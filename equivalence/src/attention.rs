@@ -16,11 +16,11 @@
 //! Padding slots hold planted garbage (large values) and padding rows get a
 //! non-zero `grad_output`, so an implementation that lets padding in is seen.
 
-use ndarray::{Array2, Array3, ArrayView3, Axis};
+use ndarray::{Array3, ArrayView3, Axis};
 use packshard_reference::bert::attention::{
     varlen_attention, varlen_attention_backward, AttentionGrads, AttentionOutput,
 };
-use packshard_reference::ops::{AttentionOp, Grad, Masked, Qkv, Varlen};
+use packshard_reference::ops::{AttentionOp, Grad, Qkv, Varlen};
 use packshard_reference::Error;
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
@@ -30,6 +30,9 @@ use crate::compare::{
     assert_close_with_scale, assert_within_k_with_scale, error_stats, Judge, Mismatch,
     RelativeError, RelativeRule, RelativeTotals, Tolerance,
 };
+
+mod padded;
+pub(crate) use padded::{PaddedSegment, PaddingLeak};
 
 /// The name failures give the implementation under test (the registry
 /// adds the entry's name).
@@ -56,14 +59,18 @@ pub struct AttentionCase {
 }
 
 impl AttentionCase {
+    /// The case's `q, k, v`.
+    pub fn qkv(&self) -> Qkv<'_> {
+        Qkv::new(self.q.view(), self.k.view(), self.v.view())
+    }
+
     /// `imp`'s varlen forward on the case (bidirectional, its `cu_seqlens`).
     ///
     /// # Errors
     /// `imp`'s.
     pub fn varlen_forward(&self, imp: &dyn AttentionOp) -> Result<AttentionOutput, Error> {
         let cu = self.cu_seqlens();
-        let p = Varlen::new(&cu, false, self.scale);
-        imp.varlen_forward(Qkv::new(self.q.view(), self.k.view(), self.v.view()), &p)
+        imp.varlen_forward(self.qkv(), &Varlen::new(&cu, false, self.scale))
     }
 
     /// `imp`'s varlen backward of `fwd` on the case, with its `grad_output`.
@@ -76,13 +83,8 @@ impl AttentionCase {
         fwd: &AttentionOutput,
     ) -> Result<AttentionGrads, Error> {
         let cu = self.cu_seqlens();
-        let p = Varlen::new(&cu, false, self.scale);
-        let (q, k, v) = (self.q.view(), self.k.view(), self.v.view());
-        imp.varlen_backward(
-            Qkv::new(q, k, v),
-            &p,
-            Grad::new(fwd, self.grad_output.view()),
-        )
+        let g = Grad::new(fwd, self.grad_output.view());
+        imp.varlen_backward(self.qkv(), &Varlen::new(&cu, false, self.scale), g)
     }
 }
 
@@ -201,17 +203,6 @@ impl Observed {
     }
 }
 
-fn rows(x: &Array3<f64>, from: usize, len: usize, row_len: usize, fill: f64) -> Array3<f64> {
-    let (_, h, d) = x.dim();
-    Array3::from_shape_fn((row_len, h, d), |(i, a, c)| {
-        if i < len {
-            x[[from + i, a, c]]
-        } else {
-            fill * (1.0 + (i * 7 + a * 3 + c) as f64)
-        }
-    })
-}
-
 fn flat(x: ArrayView3<f64>) -> Vec<f64> {
     x.iter().copied().collect()
 }
@@ -256,65 +247,37 @@ pub fn check_attention_with(
         .varlen_backward(imp, &fwd)
         .map_err(|e| err("varlen_backward", e))?;
     let mut seen = Observed::default();
-    let big = 1e3; // planted garbage in padding slots
     for (s, &len) in case.lengths.iter().enumerate() {
         let at = cu[s];
-        let l = case.row_len;
-        let (pq, pk, pv) = (
-            rows(&case.q, at, len, l, big),
-            rows(&case.k, at, len, l, -big),
-            rows(&case.v, at, len, l, big),
-        );
-        let pg = rows(&case.grad_output, at, len, l, 1.0);
-        let mask = Array2::from_shape_fn((l, l), |(i, j)| i < len && j < len);
-        let pf = imp
-            .masked_forward(
-                Qkv::new(pq.view(), pk.view(), pv.view()),
-                Masked::new(mask.view(), case.scale),
-            )
-            .map_err(|e| err("masked_forward", e))?;
-        let pgr = imp
-            .masked_backward(
-                Qkv::new(pq.view(), pk.view(), pv.view()),
-                Masked::new(mask.view(), case.scale),
-                Grad::new(&pf, pg.view()),
-            )
+        let padded = PaddedSegment::of(case, at, len);
+        let pf = padded.forward(imp).map_err(|e| err("masked_forward", e))?;
+        let pgr = padded
+            .backward(imp, &pf)
             .map_err(|e| err("masked_backward", e))?;
         // Padding rows: no allowed key, so exactly 0 and no gradient (P8).
-        for (name, t) in [
-            ("output", &pf.output),
-            ("grad_q", &pgr.grad_q),
-            ("grad_k", &pgr.grad_k),
-            ("grad_v", &pgr.grad_v),
-        ] {
-            for i in len..l {
-                if let Some((c, &x)) = t
-                    .index_axis(Axis(0), i)
-                    .iter()
-                    .enumerate()
-                    .find(|(_, x)| **x != 0.0)
-                {
-                    return Err(Mismatch::new(
-                        format!("sequence {s}: padded {name}"),
-                        format!(
-                            "padding row {i} (no allowed key) holds {x:e} at flat {c}; it must be exactly 0, never NaN (docs/FAULTS.md P8)"
-                        ),
-                    ));
-                }
+        match padded.leak(&pf, &pgr) {
+            Some(PaddingLeak::Value {
+                name,
+                row: i,
+                at: c,
+                x,
+            }) => {
+                return Err(Mismatch::new(
+                    format!("sequence {s}: padded {name}"),
+                    format!(
+                        "padding row {i} (no allowed key) holds {x:e} at flat {c}; it must be exactly 0, never NaN (docs/FAULTS.md P8)"
+                    ),
+                ));
             }
-        }
-        for i in len..l {
-            for a in 0..h {
-                if pf.lse[[a, i]] != f64::NEG_INFINITY {
-                    return Err(Mismatch::new(
-                        format!("sequence {s}: padded lse"),
-                        format!(
-                            "padding row {i} head {a}: lse {:e}, expected -inf (empty softmax, P8)",
-                            pf.lse[[a, i]]
-                        ),
-                    ));
-                }
+            Some(PaddingLeak::Lse { row: i, head: a, x }) => {
+                return Err(Mismatch::new(
+                    format!("sequence {s}: padded lse"),
+                    format!(
+                        "padding row {i} head {a}: lse {x:e}, expected -inf (empty softmax, P8)"
+                    ),
+                ));
             }
+            None => {}
         }
         let pick = |x: &Array3<f64>| flat(x.slice_axis(Axis(0), (0..len).into()));
         let mine = |x: &Array3<f64>| flat(x.slice_axis(Axis(0), (at..at + len).into()));

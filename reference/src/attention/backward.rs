@@ -148,17 +148,17 @@ pub fn layout_backward<A: AttentionOp + ?Sized>(
     x: Qkv<'_>,
     layout: &AttentionLayout,
     scale: f64,
-    up: Grad<'_>,
+    g: Grad<'_>,
 ) -> Result<AttentionGrads> {
     check_qkv(&x.q, &x.k, &x.v)?;
     let (n, h, d) = x.q.dim();
     check_layout(layout, n)?;
     match layout {
         AttentionLayout::Varlen { cu_seqlens } => {
-            op.varlen_backward(x, &Varlen::new(cu_seqlens, false, scale), up)
+            op.varlen_backward(x, &Varlen::new(cu_seqlens, false, scale), g)
         }
         AttentionLayout::Dense { row_len, allowed } => {
-            let (fwd, grad_output) = (up.fwd, up.grad_output);
+            let (fwd, grad_output) = (g.fwd, g.grad_output);
             check_grad(&grad_output, fwd, (n, h, d))?;
             let mut grads = zero_grads((n, h, d), x.k.dim());
             for (r, mask) in allowed.iter().enumerate() {
