@@ -17,9 +17,8 @@
 //! non-zero `grad_output`, so an implementation that lets padding in is seen.
 
 use ndarray::{Array3, ArrayView3, Axis};
-use packshard_reference::bert::attention::{
-    varlen_attention, varlen_attention_backward, AttentionGrads, AttentionOutput,
-};
+use packshard_reference::attention::ReferenceAttention;
+use packshard_reference::bert::attention::{AttentionGrads, AttentionOutput};
 use packshard_reference::ops::{AttentionOp, Grad, Qkv, Varlen};
 use packshard_reference::Error;
 use proptest::prelude::*;
@@ -86,6 +85,35 @@ impl AttentionCase {
         let g = Grad::new(fwd, self.grad_output.view());
         imp.varlen_backward(self.qkv(), &Varlen::new(&cu, false, self.scale), g)
     }
+
+    /// `imp`'s varlen forward, then its backward of that forward.
+    ///
+    /// # Errors
+    /// `imp`'s.
+    pub fn varlen_pass(
+        &self,
+        imp: &dyn AttentionOp,
+    ) -> Result<(AttentionOutput, AttentionGrads), Error> {
+        let cu = self.cu_seqlens();
+        let p = Varlen::new(&cu, false, self.scale);
+        varlen_pass(imp, self.qkv(), &p, self.grad_output.view())
+    }
+}
+
+/// `imp`'s varlen forward on `x` over `p`, then its backward of that
+/// forward with `grad_output: [n_q, h, d]`.
+///
+/// # Errors
+/// `imp`'s.
+pub fn varlen_pass(
+    imp: &dyn AttentionOp,
+    x: Qkv<'_>,
+    p: &Varlen<'_>,
+    grad_output: ArrayView3<f64>,
+) -> Result<(AttentionOutput, AttentionGrads), Error> {
+    let fwd = imp.varlen_forward(x, p)?;
+    let grads = imp.varlen_backward(x, p, Grad::new(&fwd, grad_output))?;
+    Ok((fwd, grads))
 }
 
 impl AttentionCase {
@@ -582,42 +610,15 @@ pub fn check_attention_relative(
     round: fn(f64) -> f64,
 ) -> Result<RelativeReport, Mismatch> {
     let c = case.rounded(round);
-    let cu = c.cu_seqlens();
     let (n, h, d) = c.q.dim();
     let err = |what: &str, e: Error| Mismatch::new(what, format!("{}: {e}", IMPL));
-    let want = varlen_attention(c.q.view(), c.k.view(), c.v.view(), &cu, false, c.scale)
+    let (want, want_g) = c
+        .varlen_pass(&ReferenceAttention)
         .map_err(|e| err("reference", e))?;
-    let want_g = varlen_attention_backward(
-        c.q.view(),
-        c.k.view(),
-        c.v.view(),
-        &cu,
-        false,
-        c.scale,
-        &want,
-        c.grad_output.view(),
-    )
-    .map_err(|e| err("reference", e))?;
-    let (q32, k32, v32, g32) = (
-        baseline32::to_f32(&c.q.view()),
-        baseline32::to_f32(&c.k.view()),
-        baseline32::to_f32(&c.v.view()),
-        baseline32::to_f32(&c.grad_output.view()),
-    );
-    let scale32 = c.scale as f32;
-    let (bo, bl) =
-        baseline32::varlen_attention(q32.view(), k32.view(), v32.view(), &cu, false, scale32);
-    let bg = baseline32::varlen_attention_backward(
-        q32.view(),
-        k32.view(),
-        v32.view(),
-        &cu,
-        false,
-        scale32,
-        bo.view(),
-        bl.view(),
-        g32.view(),
-    );
+    // The f32 baseline on the same inputs, its results widened (exactly).
+    let (base, base_g) = c
+        .varlen_pass(&baseline32::Baseline32Attention)
+        .map_err(|e| err("baseline", e))?;
     let fwd = c
         .varlen_forward(imp)
         .map_err(|e| err("varlen_forward", e))?;
@@ -626,7 +627,6 @@ pub fn check_attention_relative(
         .map_err(|e| err("varlen_backward", e))?;
     let mut report = RelativeReport::default();
     let shape = [n, h, d];
-    let to64 = |x: &Array3<f32>| x.iter().map(|&v| f64::from(v)).collect::<Vec<f64>>();
     // The three gradients are one gradient vector: those of q and k are zero
     // by symmetry for a one-token segment (dP = delta), and then computed as
     // round-off of terms as large as v's gradient; their floor is relative
@@ -636,25 +636,25 @@ pub fn check_attention_relative(
         .flat_map(|t| t.iter())
         .fold(0.0f64, |m, v| m.max(v.abs()));
     for (name, e, b, a, scale) in [
-        ("output", &want.output, &bo, &fwd.output, None),
+        ("output", &want.output, &base.output, &fwd.output, None),
         (
             "grad_q",
             &want_g.grad_q,
-            &bg[0],
+            &base_g.grad_q,
             &grads.grad_q,
             Some(grad_scale),
         ),
         (
             "grad_k",
             &want_g.grad_k,
-            &bg[1],
+            &base_g.grad_k,
             &grads.grad_k,
             Some(grad_scale),
         ),
         (
             "grad_v",
             &want_g.grad_v,
-            &bg[2],
+            &base_g.grad_v,
             &grads.grad_v,
             Some(grad_scale),
         ),
@@ -666,10 +666,10 @@ pub fn check_attention_relative(
             ));
         }
         let r =
-            assert_within_k_with_scale(name, &flat3(e), &to64(b), &flat3(a), &shape, rule, scale)?;
+            assert_within_k_with_scale(name, &flat3(e), &flat3(b), &flat3(a), &shape, rule, scale)?;
         report.note(name, r);
     }
-    let lse_b: Vec<f64> = bl.iter().map(|&v| f64::from(v)).collect();
+    let lse_b: Vec<f64> = base.lse.iter().copied().collect();
     let lse_e: Vec<f64> = want.lse.iter().copied().collect();
     let lse_a: Vec<f64> = fwd.lse.iter().copied().collect();
     let r = assert_within_k_with_scale("lse", &lse_e, &lse_b, &lse_a, &[h, n], rule, None)?;

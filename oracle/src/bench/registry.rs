@@ -4,11 +4,12 @@
 //! the reference's measured in the same run.
 
 use ndarray::{Array1, Array2, Array3};
+use packshard_equivalence::attention::varlen_pass;
 use packshard_equivalence::causal::CausalCase;
 use packshard_reference::attention::AttentionLayout;
 use packshard_reference::bert::{BertConfig, BertParams};
 use packshard_reference::decoder::{CausalReduction, DecoderConfig};
-use packshard_reference::ops::{Grad, Precision, Qkv, Varlen};
+use packshard_reference::ops::{Precision, Qkv, Varlen};
 use packshard_reference::vocab::LossConfig;
 use packshard_reference::{Error, Result};
 use rand::{Rng, SeedableRng};
@@ -192,12 +193,8 @@ pub fn registry(cfg: &BenchConfig) -> Result<Vec<ImplTiming>> {
         ),
         reps,
         |op| {
-            let f = op.varlen_forward(Qkv::new(q.view(), k.view(), v.view()), &p)?;
-            let g = op.varlen_backward(
-                Qkv::new(q.view(), k.view(), v.view()),
-                &p,
-                Grad::new(&f, go.view()),
-            )?;
+            let x = Qkv::new(q.view(), k.view(), v.view());
+            let (f, g) = varlen_pass(op, x, &p, go.view())?;
             Ok(vec![
                 flat(&f.output),
                 flat(&g.grad_q),

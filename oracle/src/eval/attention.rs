@@ -41,10 +41,10 @@ fn run(
     grad_output: Option<&Array3<f64>>,
 ) -> Result<(AttentionOutput, Option<AttentionGrads>), EvalError> {
     let op = super::make(&registry::attention(), imp)?;
-    let (q, k, v) = (q.view(), k.view(), v.view());
-    let fwd = op.varlen_forward(Qkv::new(q, k, v), p)?;
+    let x = Qkv::new(q.view(), k.view(), v.view());
+    let fwd = op.varlen_forward(x, p)?;
     let g = match grad_output {
-        Some(go) => Some(op.varlen_backward(Qkv::new(q, k, v), p, Grad::new(&fwd, go.view()))?),
+        Some(go) => Some(op.varlen_backward(x, p, Grad::new(&fwd, go.view()))?),
         None => None,
     };
     Ok((fwd, g))
