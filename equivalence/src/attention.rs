@@ -17,7 +17,7 @@
 //! non-zero `grad_output`, so an implementation that lets padding in is seen.
 
 use ndarray::{Array3, ArrayView3, Axis};
-use packshard_reference::attention::ReferenceAttention;
+use packshard_reference::attention::{varlen_pass, ReferenceAttention};
 use packshard_reference::bert::attention::{AttentionGrads, AttentionOutput};
 use packshard_reference::ops::{AttentionOp, Grad, Qkv, Varlen};
 use packshard_reference::Error;
@@ -98,22 +98,6 @@ impl AttentionCase {
         let p = Varlen::new(&cu, false, self.scale);
         varlen_pass(imp, self.qkv(), &p, self.grad_output.view())
     }
-}
-
-/// `imp`'s varlen forward on `x` over `p`, then its backward of that
-/// forward with `grad_output: [n_q, h, d]`.
-///
-/// # Errors
-/// `imp`'s.
-pub fn varlen_pass(
-    imp: &dyn AttentionOp,
-    x: Qkv<'_>,
-    p: &Varlen<'_>,
-    grad_output: ArrayView3<f64>,
-) -> Result<(AttentionOutput, AttentionGrads), Error> {
-    let fwd = imp.varlen_forward(x, p)?;
-    let grads = imp.varlen_backward(x, p, Grad::new(&fwd, grad_output))?;
-    Ok((fwd, grads))
 }
 
 impl AttentionCase {

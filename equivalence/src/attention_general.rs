@@ -22,14 +22,16 @@
 //! between the two forms. The reference comparison sees them.
 
 use ndarray::{Array3, ArrayView3, Axis, Slice};
-use packshard_reference::attention::{AttentionGrads, AttentionOutput, ReferenceAttention};
+use packshard_reference::attention::{
+    varlen_pass, AttentionGrads, AttentionOutput, ReferenceAttention,
+};
 use packshard_reference::ops::{AttentionOp, AttentionSupport, Grad, Qkv, Varlen};
 use packshard_reference::Error;
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
 use rand::{Rng, SeedableRng};
 
-use crate::attention::{varlen_pass, Observed, RelativeReport, IMPL};
+use crate::attention::{Observed, RelativeReport, IMPL};
 use crate::baseline32::Baseline32Attention;
 use crate::compare::{assert_close_with_scale, assert_within_k_with_scale, Judge, Mismatch};
 

@@ -15,9 +15,9 @@
 //! that quietly ran the f64 reference would fail (2).
 
 use ndarray::{Array2, Array3};
-use packshard_equivalence::attention::varlen_pass;
 use packshard_oracle::eval::evaluate;
 use packshard_oracle::registry::{self, Precision};
+use packshard_reference::attention::varlen_pass;
 use packshard_reference::ops::{AttentionOp, Qkv, Varlen};
 use packshard_reference::vocab::{LossConfig, ShardLayout, ShardMap, ShardedAlgorithm};
 use serde_json::{json, Value};

@@ -9,9 +9,9 @@ use std::time::Instant;
 
 use ndarray::{ArrayView2, ArrayView3};
 use numpy::{PyArrayDyn, PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArray3};
-use packshard_equivalence::attention::varlen_pass;
 use packshard_oracle::eval::{self, EvalError};
 use packshard_oracle::registry::{self, Family};
+use packshard_reference::attention::varlen_pass;
 use packshard_reference::ops::{Qkv, Varlen};
 use packshard_reference::vocab::{LossConfig, Reduction, SmoothingConvention};
 use pyo3::exceptions::PyValueError;

@@ -4,8 +4,8 @@
 //! the reference's measured in the same run.
 
 use ndarray::{Array1, Array2, Array3};
-use packshard_equivalence::attention::varlen_pass;
 use packshard_equivalence::causal::CausalCase;
+use packshard_reference::attention::varlen_pass;
 use packshard_reference::attention::AttentionLayout;
 use packshard_reference::bert::{BertConfig, BertParams};
 use packshard_reference::decoder::{CausalReduction, DecoderConfig};

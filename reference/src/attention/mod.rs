@@ -429,6 +429,22 @@ pub fn layout_forward<A: AttentionOp + ?Sized>(
     }
 }
 
+/// `op`'s varlen forward on `x` over `p`, then its backward of that forward
+/// with `grad_output: [n_q, h, d]`.
+///
+/// # Errors
+/// `op`'s.
+pub fn varlen_pass<A: AttentionOp + ?Sized>(
+    op: &A,
+    x: Qkv<'_>,
+    p: &Varlen<'_>,
+    grad_output: ArrayView3<f64>,
+) -> Result<(AttentionOutput, AttentionGrads)> {
+    let fwd = op.varlen_forward(x, p)?;
+    let grads = op.varlen_backward(x, p, Grad::new(&fwd, grad_output))?;
+    Ok((fwd, grads))
+}
+
 /// The reference attention: [`varlen_attention_general`] and
 /// [`masked_attention`], everything the op family allows (causal, GQA,
 /// `cu_seqlens_q != cu_seqlens_k`).
