@@ -6,21 +6,12 @@
 
 mod common;
 
-use common::packshard;
+use common::eval;
 use packshard::reference::faults::{
     C1_DOC_IDS, C1_INPUT_IDS, C1_LABELS, C2_LENGTHS, C3_CU_SEQLENS, C3_POSITION_IDS, C4_CU_SEQLENS,
     C4_DOC_IDS, C4_SLOTS, C6_POSITIONS, C7_PREDICTED, C7_ROW_LENGTHS,
 };
 use serde_json::{json, Value};
-
-fn eval(case: &Value) -> (i32, Value) {
-    let o = packshard(&["eval", "-"], Some(&case.to_string()));
-    let text = String::from_utf8_lossy(&o.stdout).to_string();
-    (
-        o.status.code().unwrap(),
-        serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}")),
-    )
-}
 
 fn ok(case: Value) -> Value {
     let (code, v) = eval(&case);
@@ -336,31 +327,14 @@ fn causal_errors_follow_the_contract() {
             "invalid_argument",
         ),
     ];
-    let mut lines = String::new();
-    for (name, case, kind) in cases {
-        let (code, v) = eval(&case);
-        assert_eq!(code, 2, "{name}: {v}");
-        assert_eq!(v["error"]["kind"], kind, "{name}: {v}");
-        lines.push_str(&format!(
-            "{name}: {kind} | {}\n",
-            v["error"]["message"].as_str().unwrap()
-        ));
-    }
-    insta::assert_snapshot!(lines);
+    insta::assert_snapshot!(common::error_lines(&cases, usize::MAX));
 }
 
 #[test]
 fn eval_list_has_the_causal_ops() {
-    let o = packshard(&["eval", "--list"], None);
-    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
-    let ops: Vec<&str> = v["ops"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|o| o["op"].as_str().unwrap())
-        .collect();
+    let (ops, _) = common::eval_list();
     assert!(
-        ops.contains(&"causal_labels") && ops.contains(&"causal_conversions"),
+        ops.iter().any(|o| o == "causal_labels") && ops.iter().any(|o| o == "causal_conversions"),
         "{ops:?}"
     );
 }

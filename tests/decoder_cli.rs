@@ -6,22 +6,13 @@
 
 mod common;
 
-use common::packshard;
+use common::eval;
 use packshard::reference::attention::ReferenceAttention;
 use packshard::reference::decoder::{
     loss_weights, next_token_labels, CausalReduction, DecoderAttention, DecoderConfig,
     DecoderInput, DecoderModel,
 };
 use serde_json::{json, Map, Value};
-
-fn eval(case: &Value) -> (i32, Value) {
-    let o = packshard(&["eval", "-"], Some(&case.to_string()));
-    let text = String::from_utf8_lossy(&o.stdout).to_string();
-    (
-        o.status.code().unwrap(),
-        serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}")),
-    )
-}
 
 fn flat(v: &Value) -> Vec<f64> {
     match v {
@@ -317,18 +308,7 @@ fn decoder_errors_follow_the_contract() {
             "invalid_argument",
         ),
     ];
-    let mut lines = String::new();
-    for (name, case, kind) in cases {
-        let (code, v) = eval(&case);
-        assert_eq!(code, 2, "{name}: {v}");
-        assert_eq!(v["error"]["kind"], kind, "{name}: {v}");
-        let msg = v["error"]["message"].as_str().unwrap();
-        lines.push_str(&format!(
-            "{name}: {kind} | {}\n",
-            &msg[..msg.len().min(240)]
-        ));
-    }
-    insta::assert_snapshot!(lines);
+    insta::assert_snapshot!(common::error_lines(&cases, 240));
 }
 
 #[test]

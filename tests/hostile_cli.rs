@@ -72,74 +72,32 @@ fn printing_commands() -> Vec<(Vec<String>, Option<String>)> {
     one_case_results(&golden, &results, None);
     let lengths = tmp("lengths.txt");
     std::fs::write(&lengths, "5\n7\n3\n9\n").unwrap();
-    let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+    // The words of a command line, then paths (kept whole).
+    let args = |words: &str, paths: &[&PathBuf]| -> Vec<String> {
+        let words = words.split_whitespace().map(String::from);
+        words
+            .chain(paths.iter().map(|p| p.to_str().unwrap().to_string()))
+            .collect()
+    };
     let case = json!({"op": "pack", "lengths": [5, 7, 3], "max_seq_len": 8}).to_string();
+    let vocab = "vocab --vocab-size 7 --hidden 3 --tokens 2 --shards";
     vec![
         (
-            s(&[
-                "pack",
-                "--lengths",
-                lengths.to_str().unwrap(),
-                "--max-seq-len",
-                "16",
-                "--json",
-            ]),
+            args("pack --max-seq-len 16 --json --lengths", &[&lengths]),
             None,
         ),
+        (args("pack --max-seq-len 16 --lengths", &[&lengths]), None),
+        (args(&format!("{vocab} 1,2"), &[]), None),
+        (args(&format!("{vocab} 2 --json"), &[]), None),
+        (args("bench --list", &[]), None),
+        (args("golden --out", &[&tmp("golden-out")]), None),
+        (args("check", &[&golden, &results]), None),
+        (args("eval -", &[]), Some(case.clone())),
         (
-            s(&[
-                "pack",
-                "--lengths",
-                lengths.to_str().unwrap(),
-                "--max-seq-len",
-                "16",
-            ]),
-            None,
-        ),
-        (
-            s(&[
-                "vocab",
-                "--vocab-size",
-                "7",
-                "--hidden",
-                "3",
-                "--tokens",
-                "2",
-                "--shards",
-                "1,2",
-            ]),
-            None,
-        ),
-        (
-            s(&[
-                "vocab",
-                "--vocab-size",
-                "7",
-                "--hidden",
-                "3",
-                "--tokens",
-                "2",
-                "--shards",
-                "2",
-                "--json",
-            ]),
-            None,
-        ),
-        (s(&["bench", "--list"]), None),
-        (
-            s(&["golden", "--out", tmp("golden-out").to_str().unwrap()]),
-            None,
-        ),
-        (
-            s(&["check", golden.to_str().unwrap(), results.to_str().unwrap()]),
-            None,
-        ),
-        (s(&["eval", "-"]), Some(case.clone())),
-        (
-            s(&["eval", "--jsonl", "-"]),
+            args("eval --jsonl -", &[]),
             Some(format!("{case}\n{case}\n")),
         ),
-        (s(&["eval", "--list"]), None),
+        (args("eval --list", &[]), None),
     ]
 }
 
@@ -252,8 +210,7 @@ fn attention_case(qk: f64, scale: Option<f64>, impl_: &str) -> Value {
 }
 
 fn attention_impls() -> Vec<String> {
-    let o = packshard(&["eval", "--list"], None);
-    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+    let (_, v) = common::eval_list();
     let op = v["ops"]
         .as_array()
         .unwrap()

@@ -161,13 +161,7 @@ fn pack_errors_are_one_line_and_exit_2() {
     insta::assert_snapshot!(String::from_utf8_lossy(&o.stderr), @"packshard: histogram[101]: sequence of length 101 is longer than max_seq_len 100");
 }
 
-fn eval(case: &str) -> (i32, serde_json::Value) {
-    let o = packshard(&["eval", "-"], Some(case));
-    (
-        o.status.code().unwrap(),
-        serde_json::from_str(&stdout(&o)).expect("eval prints JSON"),
-    )
-}
+use common::eval_text as eval;
 
 #[test]
 fn eval_pack_small_plans() {
@@ -292,13 +286,9 @@ fn eval_jsonl_answers_every_line() {
 
 #[test]
 fn eval_list_names_the_ops() {
-    let o = packshard(&["eval", "--list"], None);
-    let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
-    let ops: Vec<&str> = v["ops"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|o| o["op"].as_str().unwrap())
-        .collect();
-    assert!(ops.contains(&"pack") && ops.contains(&"batch"), "{ops:?}");
+    let (ops, _) = common::eval_list();
+    assert!(
+        ops.iter().any(|o| o == "pack") && ops.iter().any(|o| o == "batch"),
+        "{ops:?}"
+    );
 }

@@ -2,7 +2,7 @@
 //! every refusal is exit 2 with one line naming the field, never a panic, and
 //! nothing silently wrong (negative padding, swapped columns, skipped fields).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Output;
 use std::time::{Duration, Instant};
 
@@ -20,6 +20,13 @@ fn stdout(o: &Output) -> String {
 }
 
 /// Exit 2, one line on stderr, no panic; returns the line.
+/// `packshard pack <source> <path> <words...>` (`source`: `--lengths` or `--histogram`).
+fn pack(source: &str, path: &Path, words: &str) -> Output {
+    let mut args = vec!["pack", source, path.to_str().unwrap()];
+    args.extend(words.split_whitespace());
+    packshard(&args, None)
+}
+
 fn refused(o: &Output) -> String {
     let err = String::from_utf8_lossy(&o.stderr).into_owned();
     assert_eq!(
@@ -54,17 +61,7 @@ fn a_histogram_header_says_which_column_is_which() {
     let plain = temp("length-count.csv");
     std::fs::write(&plain, "length,count\n3,10\n5,2\n").unwrap();
     let run = |p: &PathBuf| {
-        let o = packshard(
-            &[
-                "pack",
-                "--histogram",
-                p.to_str().unwrap(),
-                "-a",
-                "ffd",
-                "--json",
-            ],
-            None,
-        );
+        let o = pack("--histogram", p, "-a ffd --json");
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
         let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
         (
@@ -93,13 +90,7 @@ fn overlong_policies_never_print_negative_padding_and_say_what_was_lost() {
         ("drop", "overlong: 2 sequences dropped, 650 tokens with them"),
         ("split", "overlong: 2 sequences split into pieces of at most 100 tokens (10 segments packed), no token dropped"),
     ] {
-        let o = packshard(
-            &[
-                "pack", "--lengths", path.to_str().unwrap(), "--max-seq-len", "100",
-                "--overlong", policy, "--no-bound",
-            ],
-            None,
-        );
+        let o = pack("--lengths", &path, &format!("--max-seq-len 100 --overlong {policy} --no-bound"));
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
         let out = stdout(&o);
         let first = out.lines().next().unwrap();
@@ -125,18 +116,7 @@ fn many_lengths_stream_into_a_histogram_and_empty_ones_count_against_the_plan_li
         });
     }
     std::fs::write(&path, text).unwrap();
-    let o = packshard(
-        &[
-            "pack",
-            "--lengths",
-            path.to_str().unwrap(),
-            "--max-seq-len",
-            "256",
-            "-a",
-            "spfhp",
-        ],
-        None,
-    );
+    let o = pack("--lengths", &path, "--max-seq-len 256 -a spfhp");
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let out = stdout(&o);
     assert!(
@@ -149,18 +129,18 @@ fn many_lengths_stream_into_a_histogram_and_empty_ones_count_against_the_plan_li
     );
     // A plan per sequence cannot list them all.
     let plan = temp("many-plan.json");
+    let (lengths, plan_out) = (path.to_str().unwrap(), plan.to_str().unwrap());
+    let args = [
+        "pack",
+        "--max-seq-len",
+        "256",
+        "-a",
+        "spfhp",
+        "--lengths",
+        lengths,
+    ];
     let err = refused(&packshard(
-        &[
-            "pack",
-            "--lengths",
-            path.to_str().unwrap(),
-            "--max-seq-len",
-            "256",
-            "-a",
-            "spfhp",
-            "--plan-out",
-            plan.to_str().unwrap(),
-        ],
+        &[&args[..], &["--plan-out", plan_out]].concat(),
         None,
     ));
     assert!(
@@ -180,18 +160,10 @@ fn huge_max_seq_len_is_fast_or_refused_before_any_work() {
     std::fs::write(&path, text).unwrap();
     for algorithm in ["spfhp", "lpfhp", "ffd", "bfd"] {
         let start = Instant::now();
-        let o = packshard(
-            &[
-                "pack",
-                "--histogram",
-                path.to_str().unwrap(),
-                "--max-seq-len",
-                "16777216",
-                "-a",
-                algorithm,
-                "--no-bound",
-            ],
-            None,
+        let o = pack(
+            "--histogram",
+            &path,
+            &format!("--max-seq-len 16777216 -a {algorithm} --no-bound"),
         );
         assert!(
             o.status.success(),
@@ -207,16 +179,7 @@ fn huge_max_seq_len_is_fast_or_refused_before_any_work() {
     }
     // The whole table: NNLSHP is refused before anything is packed.
     let start = Instant::now();
-    let err = refused(&packshard(
-        &[
-            "pack",
-            "--histogram",
-            path.to_str().unwrap(),
-            "--max-seq-len",
-            "16777216",
-        ],
-        None,
-    ));
+    let err = refused(&pack("--histogram", &path, "--max-seq-len 16777216"));
     assert!(
         err.starts_with("packshard: max_sequences_per_pack: depth 3 at max_seq_len 16777216"),
         "{err}"
@@ -262,13 +225,7 @@ fn a_batch_over_the_memory_budget_is_refused_naming_the_field() {
     assert_eq!(v["num_packs"], 1);
 }
 
-fn eval_default(case: &str) -> (i32, serde_json::Value) {
-    let o = packshard(&["eval", "-"], Some(case));
-    (
-        o.status.code().unwrap_or(-1),
-        serde_json::from_str(&stdout(&o)).unwrap(),
-    )
-}
+use common::eval_text as eval_default;
 
 #[test]
 fn eval_pack_computes_the_bound_only_when_cheap_or_asked() {

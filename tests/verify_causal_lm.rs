@@ -9,11 +9,11 @@ use std::process::Command;
 
 use packshard::assets;
 use packshard::equivalence::causal::{
-    reference_causal_lm, run_varlen, CausalBatch, CausalForm, CausalLmImpl, CausalRun,
+    reference_causal_lm, run_varlen, CausalBatch, CausalForm, CausalLmImpl, CausalRun, VarlenTokens,
 };
 use packshard::reference::attention::ReferenceAttention;
 use packshard::reference::decoder::{
-    loss_weights, varlen_from_doc_ids, CausalReduction, DecoderConfig, DecoderModel, KvCache,
+    loss_weights, CausalReduction, DecoderConfig, DecoderModel, KvCache,
 };
 use packshard::reference::packing::Algorithm;
 use packshard::reference::vocab::IGNORE_INDEX;
@@ -216,11 +216,9 @@ impl CausalLmImpl for LabelsAcrossThePack {
             })
             .collect();
         let weights = loss_weights(&labels, &b.doc_ids, reduction, b.num_documents)?;
-        let (slots, cu) = varlen_from_doc_ids(&b.doc_ids)?;
-        let at = |s: &usize| (b.position_ids[*s], labels[*s], weights[*s]);
-        let (pos, (lab, w)): (Vec<usize>, (Vec<i64>, Vec<f64>)) =
-            slots.iter().map(at).map(|(p, l, w)| (p, (l, w))).unzip();
-        run_varlen(model, &ReferenceAttention, b, &slots, &cu, &pos, &lab, &w)
+        let t = VarlenTokens::of(b)?;
+        let (labels, weights) = (t.gather(&labels), t.gather(&weights));
+        run_varlen(model, &ReferenceAttention, b, &t, &labels, &weights)
     }
 
     fn chunk_logits(

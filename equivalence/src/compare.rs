@@ -169,16 +169,7 @@ pub fn assert_close_with_scale(
     tol: Tolerance,
     scale: Option<f64>,
 ) -> Result<(), Mismatch> {
-    if expected.len() != actual.len() {
-        return Err(Mismatch::new(
-            what,
-            format!(
-                "length {} where {} was expected (shape {shape:?})",
-                actual.len(),
-                expected.len()
-            ),
-        ));
-    }
+    check_len(what, expected.len(), actual.len(), shape)?;
     let scale = expected
         .iter()
         .filter(|v| v.is_finite())
@@ -265,13 +256,13 @@ impl RelativeRule {
     /// 23 x spread of two legitimate f32 implementations, see the type's
     /// docs) and a floor of 4 ulp of the tensor's scale; a planted fault is
     /// 10^3 x or more (the negative controls).
-    pub const F32: RelativeRule = RelativeRule {
-        name: "f32: 4 x the error of the reference run in f32 over the suite, 32 x per tensor",
-        k: 4.0,
-        k_tensor: 32.0,
-        floor: 4.0,
-        eps: f32::EPSILON as f64,
-    };
+    pub const F32: RelativeRule = RelativeRule::new(
+        "f32: 4 x the error of the reference run in f32 over the suite, 32 x per tensor",
+        4.0,
+        32.0,
+        4.0,
+        f32::EPSILON as f64,
+    );
 
     /// f32 kernels on single adversarial cases (the fuzz targets): as
     /// [`RelativeRule::F32`] but with a floor of 256 ulp of the tensor's
@@ -286,10 +277,8 @@ impl RelativeRule {
     /// faults of the negative controls are `1e-3` of it or more.
     pub const F32_FUZZ: RelativeRule = RelativeRule {
         name: "f32 fuzz: 32 x the error of the reference run in f32, floor 256 ulp of the scale",
-        k: 4.0,
-        k_tensor: 32.0,
         floor: 256.0,
-        eps: f32::EPSILON as f64,
+        ..RelativeRule::F32
     };
 
     /// A custom rule.
@@ -460,6 +449,62 @@ fn max_finite(x: &[f64]) -> f64 {
         .fold(0.0f64, |m, v| m.max(v.abs()))
 }
 
+/// A [`Mismatch`] when `actual` holds `n` values where `expected` (of `shape`) holds `m`.
+fn check_len(what: &str, m: usize, n: usize, shape: &[usize]) -> Result<(), Mismatch> {
+    if n == m {
+        return Ok(());
+    }
+    Err(Mismatch::new(
+        what,
+        format!("length {n} where {m} was expected (shape {shape:?})"),
+    ))
+}
+
+/// Which tensor [`max_error`] compares with the reference (its messages name it).
+#[derive(Debug, Clone, Copy)]
+enum Against {
+    /// The implementation under test.
+    Actual,
+    /// The f32 baseline that sets the allowance.
+    Baseline,
+}
+
+/// The largest error of `other` against `expected` over the values where
+/// both are finite; a [`Mismatch`] when the lengths differ or a non-finite
+/// value disagrees (those must agree exactly).
+fn max_error(
+    what: &str,
+    expected: &[f64],
+    other: &[f64],
+    shape: &[usize],
+    against: Against,
+) -> Result<f64, Mismatch> {
+    let (n, m) = (other.len(), expected.len());
+    match against {
+        Against::Actual => check_len(what, m, n, shape)?,
+        Against::Baseline if n != m => {
+            let detail = format!("the baseline has {n} values, the reference {m}");
+            return Err(Mismatch::new(what, detail));
+        }
+        Against::Baseline => {}
+    }
+    let (error, bad) = finite_max_error(expected, other);
+    let Some(i) = bad else {
+        return Ok(error);
+    };
+    let (at, e, o) = (unravel(i, shape), expected[i], other[i]);
+    Err(match against {
+        Against::Actual => Mismatch::new(
+            what,
+            format!("at {at:?}: expected {e:e}, got {o:e} (non-finite values must agree exactly)"),
+        ),
+        Against::Baseline => Mismatch::new(
+            format!("{what} (baseline)"),
+            format!("at {at:?}: the reference gives {e:e}, the f32 baseline {o:e}"),
+        ),
+    })
+}
+
 fn relative_core(
     what: &str,
     expected: &[f64],
@@ -469,28 +514,7 @@ fn relative_core(
     rule: RelativeRule,
     scale: Option<f64>,
 ) -> Result<RelativeError, Mismatch> {
-    if expected.len() != actual.len() {
-        return Err(Mismatch::new(
-            what,
-            format!(
-                "length {} where {} was expected (shape {shape:?})",
-                actual.len(),
-                expected.len()
-            ),
-        ));
-    }
-    let (error, bad) = finite_max_error(expected, actual);
-    if let Some(i) = bad {
-        return Err(Mismatch::new(
-            what,
-            format!(
-                "at {:?}: expected {:e}, got {:e} (non-finite values must agree exactly)",
-                unravel(i, shape),
-                expected[i],
-                actual[i]
-            ),
-        ));
-    }
+    let error = max_error(what, expected, actual, shape, Against::Actual)?;
     let scale = max_finite(expected).max(scale.unwrap_or(0.0));
     let seen = RelativeError {
         error,
@@ -561,28 +585,7 @@ pub fn assert_within_k_with_scale(
     rule: RelativeRule,
     scale: Option<f64>,
 ) -> Result<RelativeError, Mismatch> {
-    if baseline.len() != expected.len() {
-        return Err(Mismatch::new(
-            what,
-            format!(
-                "the baseline has {} values, the reference {}",
-                baseline.len(),
-                expected.len()
-            ),
-        ));
-    }
-    let (base, bad) = finite_max_error(expected, baseline);
-    if let Some(i) = bad {
-        return Err(Mismatch::new(
-            format!("{what} (baseline)"),
-            format!(
-                "at {:?}: the reference gives {:e}, the f32 baseline {:e}",
-                unravel(i, shape),
-                expected[i],
-                baseline[i]
-            ),
-        ));
-    }
+    let base = max_error(what, expected, baseline, shape, Against::Baseline)?;
     relative_core(what, expected, actual, shape, base, rule, scale)
 }
 

@@ -36,13 +36,48 @@ pub trait Batcher {
     ///
     /// # Errors
     /// As [`Packer::pack`].
-    fn batch(
-        &self,
-        sequences: &[Vec<i64>],
-        config: &PackingConfig,
-        pad_token_id: i64,
-        position_offset: i64,
-    ) -> Result<(PackingPlan, PackedBatch), Error>;
+    fn batch(&self, input: BatchInput<'_>) -> Result<(PackingPlan, PackedBatch), Error>;
+}
+
+/// One batching call's inputs.
+#[derive(Debug, Clone, Copy)]
+pub struct BatchInput<'a> {
+    /// Token ids, one vector per sequence (empty ones allowed).
+    pub sequences: &'a [Vec<i64>],
+    /// How to pack them.
+    pub config: &'a PackingConfig,
+    /// The token id of padding slots.
+    pub pad_token_id: i64,
+    /// The first position id of every sequence (0 for BERT, 2 for RoBERTa).
+    pub position_offset: i64,
+}
+
+impl<'a> BatchInput<'a> {
+    /// `sequences` under `config`, padded with id 0, positions from `position_offset`.
+    pub fn new(sequences: &'a [Vec<i64>], config: &'a PackingConfig, position_offset: i64) -> Self {
+        BatchInput {
+            sequences,
+            config,
+            pad_token_id: 0,
+            position_offset,
+        }
+    }
+
+    /// The same input padded with `pad_token_id`.
+    pub fn with_pad(self, pad_token_id: i64) -> Self {
+        BatchInput {
+            pad_token_id,
+            ..self
+        }
+    }
+
+    /// The same input with positions from `position_offset`.
+    pub fn with_offset(self, position_offset: i64) -> Self {
+        BatchInput {
+            position_offset,
+            ..self
+        }
+    }
 }
 
 /// The reference packer and batcher of `packshard-reference`.
@@ -62,14 +97,8 @@ impl Batcher for Reference {
     fn name(&self) -> String {
         "reference".into()
     }
-    fn batch(
-        &self,
-        sequences: &[Vec<i64>],
-        config: &PackingConfig,
-        pad_token_id: i64,
-        position_offset: i64,
-    ) -> Result<(PackingPlan, PackedBatch), Error> {
-        PackedBatch::from_sequences(sequences, config, pad_token_id, position_offset)
+    fn batch(&self, x: BatchInput<'_>) -> Result<(PackingPlan, PackedBatch), Error> {
+        PackedBatch::from_sequences(x.sequences, x.config, x.pad_token_id, x.position_offset)
     }
 }
 
@@ -245,13 +274,16 @@ pub fn check_plan(
 /// # Errors
 /// The first violation, as a [`Mismatch`] naming the field, pack and column.
 pub fn check_batch(
-    sequences: &[Vec<i64>],
-    config: &PackingConfig,
-    pad_token_id: i64,
-    position_offset: i64,
+    input: BatchInput<'_>,
     plan: &PackingPlan,
     batch: &PackedBatch,
 ) -> Result<(), Mismatch> {
+    let BatchInput {
+        sequences,
+        config,
+        pad_token_id,
+        position_offset,
+    } = input;
     let lengths: Vec<usize> = sequences.iter().map(Vec::len).collect();
     check_plan(&lengths, config, plan)?;
     let msl = config.max_seq_len;
@@ -302,13 +334,9 @@ pub fn check_batch(
                     ),
                     ("sequence_ids", batch.sequence_ids[[p, col]], k as i64 + 1),
                 ];
+                let at = format!("pack {p} column {col} (segment {k}, token {t})");
                 for (name, got, want) in checks {
-                    if got != want {
-                        return fail(
-                            name,
-                            format!("pack {p} column {col} (segment {k}, token {t}): got {got}, expected {want}"),
-                        );
-                    }
+                    expect_eq(name, &at, got, want)?;
                 }
             }
             at += seg.length;
@@ -322,41 +350,34 @@ pub fn check_batch(
                 ("position_ids", batch.position_ids[[p, col]], 0),
             ];
             for (name, got, want) in checks {
-                if got != want {
-                    return fail(
-                        name,
-                        format!("pack {p} padding column {col}: got {got}, expected {want}"),
-                    );
-                }
+                expect_eq(name, &format!("pack {p} padding column {col}"), got, want)?;
             }
         }
-        if batch.cu_seqlens[p] != cu {
-            return fail(
-                "cu_seqlens",
-                format!(
-                    "pack {p}: got {:?}, expected {cu:?} (padding excluded)",
-                    batch.cu_seqlens[p]
-                ),
-            );
-        }
+        let at = format!("pack {p}");
+        expect_eq(
+            "cu_seqlens",
+            &(at.clone() + " (padding excluded)"),
+            &batch.cu_seqlens[p],
+            &cu,
+        )?;
         let index: Vec<usize> = pack.iter().map(|s| s.sequence).collect();
-        if batch.sequence_index[p] != index {
-            return fail(
-                "sequence_index",
-                format!(
-                    "pack {p}: got {:?}, expected {index:?}",
-                    batch.sequence_index[p]
-                ),
-            );
-        }
+        expect_eq("sequence_index", &at, &batch.sequence_index[p], &index)?;
     }
-    if batch.max_seqlen != max_seqlen {
-        return fail(
-            "max_seqlen",
-            format!("got {}, expected {max_seqlen}", batch.max_seqlen),
-        );
-    }
+    expect_eq("max_seqlen", "the batch", batch.max_seqlen, max_seqlen)?;
     Ok(())
+}
+
+/// A [`Mismatch`] naming `what` at `at` unless `got == want`.
+fn expect_eq<T: PartialEq + std::fmt::Debug>(
+    what: &str,
+    at: &str,
+    got: T,
+    want: T,
+) -> Result<(), Mismatch> {
+    if got == want {
+        return Ok(());
+    }
+    fail(what, format!("{at}: got {got:?}, expected {want:?}"))
 }
 
 /// Runs `packer` on `lengths` and checks the outcome: under `overlong =
@@ -399,19 +420,10 @@ pub fn check_packer(
 ///
 /// # Errors
 /// A [`Mismatch`] describing the failure.
-pub fn check_batcher(
-    batcher: &dyn Batcher,
-    sequences: &[Vec<i64>],
-    config: &PackingConfig,
-    pad_token_id: i64,
-    position_offset: i64,
-) -> Result<(), Mismatch> {
+pub fn check_batcher(batcher: &dyn Batcher, input: BatchInput<'_>) -> Result<(), Mismatch> {
+    let (sequences, config) = (input.sequences, input.config);
     let first_overlong = sequences.iter().position(|s| s.len() > config.max_seq_len);
-    match (
-        batcher.batch(sequences, config, pad_token_id, position_offset),
-        first_overlong,
-        config.overlong,
-    ) {
+    match (batcher.batch(input), first_overlong, config.overlong) {
         (Err(Error::SequenceTooLong { index, .. }), Some(i), Overlong::Error) if index == i => {
             Ok(())
         }
@@ -422,14 +434,7 @@ pub fn check_batcher(
                 batcher.name()
             ),
         ),
-        (Ok((plan, batch)), _, _) => check_batch(
-            sequences,
-            config,
-            pad_token_id,
-            position_offset,
-            &plan,
-            &batch,
-        ),
+        (Ok((plan, batch)), _, _) => check_batch(input, &plan, &batch),
         (Err(e), _, _) => fail("batch", format!("{}: unexpected error {e}", batcher.name())),
     }
 }
@@ -537,7 +542,8 @@ pub fn run_suite<I: Packer + Batcher>(imp: &I, cases: u32) -> Result<(), Mismatc
     for (name, lengths, config, offset) in fault_cases() {
         let with_case = |m: Mismatch| Mismatch::new(format!("{name}: {}", m.what), m.detail);
         check_packer(imp, &lengths, &config).map_err(with_case)?;
-        check_batcher(imp, &tokens_for(&lengths), &config, 0, offset).map_err(with_case)?;
+        check_batcher(imp, BatchInput::new(&tokens_for(&lengths), &config, offset))
+            .map_err(with_case)?;
     }
     let mut runner = crate::runner(cases);
     let result = runner.run(
@@ -545,7 +551,7 @@ pub fn run_suite<I: Packer + Batcher>(imp: &I, cases: u32) -> Result<(), Mismatc
         |(seqs, config, offset, pad)| {
             let lengths: Vec<usize> = seqs.iter().map(Vec::len).collect();
             check_packer(imp, &lengths, &config).map_err(|m| TestCaseError::fail(m.to_string()))?;
-            check_batcher(imp, &seqs, &config, pad, offset)
+            check_batcher(imp, BatchInput::new(&seqs, &config, offset).with_pad(pad))
                 .map_err(|m| TestCaseError::fail(m.to_string()))?;
             Ok(())
         },

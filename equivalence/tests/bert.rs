@@ -10,8 +10,8 @@ use packshard_equivalence::planted::{AttentionHooks, Planted};
 use packshard_equivalence::{Judge, Tolerance};
 use packshard_reference::bert::layer::ReferenceLayer;
 use packshard_reference::bert::{
-    AttentionLayout, AttentionOutput, BertConfig, BertModel, BertOutput, LossWeights,
-    PackedAttention, Reduction, ReferenceAttention, Targets, TokenBatch, IGNORE_INDEX,
+    AttentionLayout, AttentionOutput, BertConfig, BertOutput, LossWeights, PackedAttention,
+    Reduction, ReferenceAttention, TokenBatch, IGNORE_INDEX,
 };
 use packshard_reference::ops::{AttentionOp, Masked, Qkv, Varlen};
 use packshard_reference::packing::{Algorithm, PackedBatch};
@@ -97,31 +97,27 @@ impl BertImpl for Broken {
     fn name(&self) -> String {
         "broken".into()
     }
-    fn padded(
-        &self,
-        model: &BertModel,
-        seqs: &[Vec<i64>],
-        tt: &[Vec<i64>],
-        t: &Targets,
-        r: Reduction,
-        row_len: usize,
-        offset: usize,
-    ) -> Result<BertOutput, Error> {
-        let batch = TokenBatch::padded(seqs, Some(tt), row_len, model.config.pad_token_id, offset)?;
+    fn padded(&self, case: &BertCase) -> Result<BertOutput, Error> {
+        let (model, t) = (&case.model, &case.targets);
+        let tt = Some(&case.token_type_ids[..]);
+        let pad = model.config.pad_token_id;
+        let batch = TokenBatch::padded(
+            &case.sequences,
+            tt,
+            case.max_seq_len,
+            pad,
+            case.position_offset,
+        )?;
         let kernel: &dyn AttentionOp = match self.0 {
             Fault::NanOnEmptyRows => &Planted(NanKernel),
             _ => &ReferenceAttention,
         };
-        model.run_with(kernel, &batch, t, &LossWeights::new(t, r), true, None)
+        let w = LossWeights::new(t, case.reduction);
+        model.run_with(kernel, &batch, t, &w, true, None)
     }
-    fn packed(
-        &self,
-        model: &BertModel,
-        batch: &PackedBatch,
-        tt: &[Vec<i64>],
-        t: &Targets,
-        r: Reduction,
-    ) -> Result<BertOutput, Error> {
+    fn packed(&self, case: &BertCase, batch: &PackedBatch) -> Result<BertOutput, Error> {
+        let (model, t, r) = (&case.model, &case.targets, case.reduction);
+        let tt = &case.token_type_ids[..];
         let b = t.nsp_labels.len();
         let mut batch = batch.clone();
         if let Fault::PositionsRunOn = self.0 {

@@ -8,7 +8,7 @@ use ndarray::Array2;
 use packshard_equivalence::causal::{
     check_bottom_right, chunk_varlen, fault_cases, reference_causal_lm, run_causal_suite,
     run_chunk_suite, run_varlen, CausalBatch, CausalForm, CausalLmImpl, CausalRun,
-    ReferenceCausalLm,
+    ReferenceCausalLm, VarlenTokens,
 };
 use packshard_equivalence::planted::{Planted, TopLeftCausal};
 use packshard_equivalence::{Judge, Mismatch, Tolerance};
@@ -208,35 +208,23 @@ impl CausalLmImpl for Faulty {
             }
             _ => {}
         }
-        let mut positions: Vec<usize> = slots.iter().map(|&s| b.position_ids[s]).collect();
+        let mut t = VarlenTokens::new(b, slots, cu);
         if let Fault::PositionsRestarted = self.0 {
-            positions = position_ids_from_cu_seqlens(&cu, 0)?;
+            t.positions = position_ids_from_cu_seqlens(&t.cu_seqlens, 0)?;
         }
-        let labels_g: Vec<i64> = slots.iter().map(|&s| labels[s]).collect();
-        let weights_g: Vec<f64> = slots.iter().map(|&s| weights[s]).collect();
+        let labels_g = t.gather(&labels);
         let mut run = run_varlen(
             model,
             &ReferenceAttention,
             b,
-            &slots,
-            &cu,
-            &positions,
+            &t,
             &labels_g,
-            &weights_g,
+            &t.gather(&weights),
         )?;
         if let Fault::GradientsPerPackRow = self.0 {
             let declared = loss_weights(&labels, &b.doc_ids, reduction, b.num_documents)?;
-            let declared: Vec<f64> = slots.iter().map(|&s| declared[s]).collect();
-            let right = run_varlen(
-                model,
-                &ReferenceAttention,
-                b,
-                &slots,
-                &cu,
-                &positions,
-                &labels_g,
-                &declared,
-            )?;
+            let declared = t.gather(&declared);
+            let right = run_varlen(model, &ReferenceAttention, b, &t, &labels_g, &declared)?;
             run.loss = right.loss;
         }
         Ok(run)
@@ -248,12 +236,11 @@ impl CausalLmImpl for Faulty {
         b: &CausalBatch,
         past: &KvCache,
     ) -> Result<Array2<f64>, Error> {
-        let (slots, cu) = varlen_from_doc_ids(&b.doc_ids)?;
-        let positions = match self.0 {
-            Fault::PositionsRestarted => position_ids_from_cu_seqlens(&cu, 0)?,
-            _ => slots.iter().map(|&s| b.position_ids[s]).collect(),
-        };
-        chunk_varlen(model, &ReferenceAttention, b, &slots, &cu, &positions, past)
+        let mut t = VarlenTokens::of(b)?;
+        if let Fault::PositionsRestarted = self.0 {
+            t.positions = position_ids_from_cu_seqlens(&t.cu_seqlens, 0)?;
+        }
+        chunk_varlen(model, &ReferenceAttention, b, &t, past)
     }
 }
 

@@ -13,7 +13,7 @@ use packshard_equivalence::fuzz::attention::{self as fa, AttentionFuzzCase};
 use packshard_equivalence::fuzz::packing::{self as fp, PackFuzzCase};
 use packshard_equivalence::fuzz::vocab as fv;
 use packshard_equivalence::fuzz::{fuzz_random, replay_dirs, Failure, Outcome, ReplayError};
-use packshard_equivalence::packing::{Batcher, Packer, Reference as RefPacking};
+use packshard_equivalence::packing::{BatchInput, Batcher, Packer, Reference as RefPacking};
 use packshard_equivalence::planted::{AttentionHooks, CeCall, EmbeddingCall, Planted, VocabHooks};
 use packshard_equivalence::{Judge, Tolerance};
 use packshard_reference::attention::ReferenceAttention as RefAttention;
@@ -234,6 +234,11 @@ fn find(body: impl FnMut(&[u8]) -> Result<Outcome, Failure>) -> Failure {
     }
 }
 
+/// The failure the attention fuzz target finds in a kernel planted with `fault`.
+fn find_attention(fault: AttentionFault) -> Failure {
+    find(|d| fa::run(&Planted(BrokenAttention(fault)), TOL, d))
+}
+
 /// A numeric failure reads well: the tensor, an index, both values, the tolerance.
 fn assert_readable(f: &Failure, tensor: &str) {
     let text = f.to_string();
@@ -246,25 +251,13 @@ fn assert_readable(f: &Failure, tensor: &str) {
 
 #[test]
 fn attention_leak_across_segments_is_found() {
-    let f = find(|d| {
-        fa::run(
-            &Planted(BrokenAttention(AttentionFault::LeakAcrossSegments)),
-            TOL,
-            d,
-        )
-    });
+    let f = find_attention(AttentionFault::LeakAcrossSegments);
     assert_readable(&f, "output (sequence ");
 }
 
 #[test]
 fn attention_panic_on_an_empty_segment_is_found() {
-    let f = find(|d| {
-        fa::run(
-            &Planted(BrokenAttention(AttentionFault::PanicOnEmptySegment)),
-            TOL,
-            d,
-        )
-    });
+    let f = find_attention(AttentionFault::PanicOnEmptySegment);
     assert_eq!(f.mismatch.what, "varlen_forward");
     assert!(
         f.mismatch.detail.contains("panicked: segment starting at"),
@@ -275,13 +268,7 @@ fn attention_panic_on_an_empty_segment_is_found() {
 
 #[test]
 fn attention_overflow_without_max_subtraction_is_found() {
-    let f = find(|d| {
-        fa::run(
-            &Planted(BrokenAttention(AttentionFault::NoMaxSubtraction)),
-            TOL,
-            d,
-        )
-    });
+    let f = find_attention(AttentionFault::NoMaxSubtraction);
     // exp overflows to inf on a large score: NaN or inf where a finite value is expected.
     assert!(
         f.mismatch.what.starts_with("output (sequence ")
@@ -296,25 +283,13 @@ fn attention_overflow_without_max_subtraction_is_found() {
 
 #[test]
 fn attention_unscaled_grad_k_is_found() {
-    let f = find(|d| {
-        fa::run(
-            &Planted(BrokenAttention(AttentionFault::UnscaledGradK)),
-            TOL,
-            d,
-        )
-    });
+    let f = find_attention(AttentionFault::UnscaledGradK);
     assert_readable(&f, "grad_k (sequence ");
 }
 
 #[test]
 fn attention_accepting_malformed_cu_seqlens_is_found() {
-    let f = find(|d| {
-        fa::run(
-            &Planted(BrokenAttention(AttentionFault::AcceptsMalformedCuSeqlens)),
-            TOL,
-            d,
-        )
-    });
+    let f = find_attention(AttentionFault::AcceptsMalformedCuSeqlens);
     assert_eq!(f.mismatch.what, "varlen_forward", "{f}");
     assert!(
         f.mismatch.detail.contains("must be refused")
@@ -452,20 +427,14 @@ impl Batcher for BrokenPacking {
     fn name(&self) -> String {
         "broken batcher".into()
     }
-    fn batch(
-        &self,
-        sequences: &[Vec<i64>],
-        config: &PackingConfig,
-        pad: i64,
-        offset: i64,
-    ) -> Result<(PackingPlan, PackedBatch), Error> {
-        let (plan, mut batch) = RefPacking.batch(sequences, config, pad, offset)?;
+    fn batch(&self, x: BatchInput<'_>) -> Result<(PackingPlan, PackedBatch), Error> {
+        let (plan, mut batch) = RefPacking.batch(x)?;
         if self.0 == PackFault::PositionsRunOn {
             for (p, pack) in plan.packs.iter().enumerate() {
                 let mut col = 0;
                 for seg in pack {
                     for _ in 0..seg.length {
-                        batch.position_ids[[p, col]] = offset + col as i64;
+                        batch.position_ids[[p, col]] = x.position_offset + col as i64;
                         col += 1;
                     }
                 }

@@ -2,7 +2,8 @@
 //! values, and negative controls: each planted fault must be caught.
 
 use packshard_equivalence::packing::{
-    check_batch, check_batcher, check_packer, run_suite, tokens_for, Batcher, Packer, Reference,
+    check_batch, check_batcher, check_packer, run_suite, tokens_for, BatchInput, Batcher, Packer,
+    Reference,
 };
 use packshard_reference::packing::{
     pack_lengths, Algorithm, Overlong, PackedBatch, PackingConfig, PackingPlan,
@@ -27,14 +28,8 @@ fn reference_passes_the_suite() {
         fn name(&self) -> String {
             "counting reference".into()
         }
-        fn batch(
-            &self,
-            s: &[Vec<i64>],
-            c: &PackingConfig,
-            pad: i64,
-            off: i64,
-        ) -> Result<(PackingPlan, PackedBatch), Error> {
-            Reference.batch(s, c, pad, off)
+        fn batch(&self, x: BatchInput<'_>) -> Result<(PackingPlan, PackedBatch), Error> {
+            Reference.batch(x)
         }
     }
     run_suite(&Counting, 512).unwrap();
@@ -45,7 +40,7 @@ fn reference_passes_the_suite() {
 fn batch_of(lengths: &[usize], msl: usize, offset: i64) -> PackedBatch {
     let config = PackingConfig::new(Algorithm::Spfhp, msl);
     Reference
-        .batch(&tokens_for(lengths), &config, 0, offset)
+        .batch(BatchInput::new(&tokens_for(lengths), &config, offset))
         .unwrap()
         .1
 }
@@ -96,14 +91,8 @@ impl Batcher for Broken {
     fn name(&self) -> String {
         "broken".into()
     }
-    fn batch(
-        &self,
-        sequences: &[Vec<i64>],
-        config: &PackingConfig,
-        pad: i64,
-        offset: i64,
-    ) -> Result<(PackingPlan, PackedBatch), Error> {
-        let (plan, mut batch) = Reference.batch(sequences, config, pad, offset)?;
+    fn batch(&self, x: BatchInput<'_>) -> Result<(PackingPlan, PackedBatch), Error> {
+        let (plan, mut batch) = Reference.batch(x)?;
         (self.0)(&mut batch, &plan);
         Ok((plan, batch))
     }
@@ -120,7 +109,7 @@ impl Packer for Broken {
 
 fn caught(b: &Broken, lengths: &[usize], msl: usize, offset: i64, field: &str) {
     let config = PackingConfig::new(Algorithm::Spfhp, msl);
-    let err = check_batcher(b, &tokens_for(lengths), &config, 0, offset)
+    let err = check_batcher(b, BatchInput::new(&tokens_for(lengths), &config, offset))
         .expect_err("the planted fault must be caught");
     assert!(err.what.contains(field), "caught, but as {err}");
     assert!(run_suite(b, 64).is_err(), "the suite must catch it too");
@@ -303,8 +292,9 @@ fn p4_negative_control_empty_sequences_not_reported() {
 fn check_batch_rejects_wrong_tokens() {
     let config = PackingConfig::new(Algorithm::Spfhp, 8);
     let seqs = tokens_for(&[3, 4]);
-    let (plan, mut batch) = Reference.batch(&seqs, &config, 0, 0).unwrap();
+    let input = BatchInput::new(&seqs, &config, 0);
+    let (plan, mut batch) = Reference.batch(input).unwrap();
     batch.input_ids[[0, 1]] += 1;
-    let err = check_batch(&seqs, &config, 0, 0, &plan, &batch).unwrap_err();
+    let err = check_batch(input, &plan, &batch).unwrap_err();
     assert_eq!(err.what, "input_ids");
 }

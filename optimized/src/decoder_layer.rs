@@ -78,68 +78,17 @@ impl DecoderShape {
     }
 }
 
-/// One layer's parameters in f32 (names and shapes of
-/// [`DecoderLayerParams`], without the LayerNorm biases).
-#[derive(Debug, Clone, PartialEq)]
-pub struct DecoderLayerParams32 {
-    /// `[hidden]`.
-    pub attn_norm_g: Array1<f32>,
-    /// `[h * d, hidden]`.
-    pub wq: Array2<f32>,
-    /// `[h_kv * d, hidden]`.
-    pub wk: Array2<f32>,
-    /// `[h_kv * d, hidden]`.
-    pub wv: Array2<f32>,
-    /// `[hidden, h * d]`.
-    pub wo: Array2<f32>,
-    /// `[hidden]`.
-    pub mlp_norm_g: Array1<f32>,
-    /// `[inter, hidden]`.
-    pub w_gate: Array2<f32>,
-    /// `[inter, hidden]`.
-    pub w_up: Array2<f32>,
-    /// `[hidden, inter]`.
-    pub w_down: Array2<f32>,
-}
+/// One layer's parameters in f32: the reference's type, names and shapes
+/// (the LayerNorm biases, which RMSNorm has not, are `[0]`).
+pub type DecoderLayerParams32 = DecoderLayerParams<f32>;
 
-impl DecoderLayerParams32 {
-    /// The reference parameters rounded to f32.
-    ///
-    /// # Errors
-    /// [`Error::InvalidArgument`] for a value beyond the f32 range, naming
-    /// the tensor by its Hugging Face name.
-    pub fn from_reference(p: &DecoderLayerParams) -> Result<Self> {
-        let m = |name: &str, a: &Array2<f64>| to_f32(name, a.view());
-        let v = |name: &str, a: &Array1<f64>| to_f32(name, a.view());
-        Ok(DecoderLayerParams32 {
-            attn_norm_g: v("input_layernorm.weight", &p.attn_norm_g)?,
-            wq: m("self_attn.q_proj.weight", &p.wq)?,
-            wk: m("self_attn.k_proj.weight", &p.wk)?,
-            wv: m("self_attn.v_proj.weight", &p.wv)?,
-            wo: m("self_attn.o_proj.weight", &p.wo)?,
-            mlp_norm_g: v("post_attention_layernorm.weight", &p.mlp_norm_g)?,
-            w_gate: m("mlp.gate_proj.weight", &p.w_gate)?,
-            w_up: m("mlp.up_proj.weight", &p.w_up)?,
-            w_down: m("mlp.down_proj.weight", &p.w_down)?,
-        })
-    }
-
-    /// Zeros of the same shapes (a gradient accumulator).
-    pub fn zeros_like(&self) -> Self {
-        let m = |a: &Array2<f32>| Array2::zeros(a.dim());
-        let v = |a: &Array1<f32>| Array1::zeros(a.dim());
-        DecoderLayerParams32 {
-            attn_norm_g: v(&self.attn_norm_g),
-            wq: m(&self.wq),
-            wk: m(&self.wk),
-            wv: m(&self.wv),
-            wo: m(&self.wo),
-            mlp_norm_g: v(&self.mlp_norm_g),
-            w_gate: m(&self.w_gate),
-            w_up: m(&self.w_up),
-            w_down: m(&self.w_down),
-        }
-    }
+/// The reference parameters rounded to f32.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] for a value beyond the f32 range, naming the
+/// tensor by its Hugging Face name.
+pub fn decoder_layer_params_f32(p: &DecoderLayerParams) -> Result<DecoderLayerParams32> {
+    p.try_map(|n, a| to_f32(n, a.view()), |n, a| to_f32(n, a.view()))
 }
 
 /// What the backward needs.

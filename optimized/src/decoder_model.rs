@@ -20,7 +20,8 @@ use packshard_reference::{Error, Result};
 
 use crate::convert::to_f32;
 use crate::decoder_layer::{
-    decoder_layer_backward, decoder_layer_forward, DecoderLayerParams32, DecoderShape,
+    decoder_layer_backward, decoder_layer_forward, decoder_layer_params_f32, DecoderLayerParams32,
+    DecoderShape,
 };
 
 /// One training step's results.
@@ -84,7 +85,7 @@ pub fn decoder_run_f32(
     let layers: Vec<DecoderLayerParams32> = p
         .layers
         .iter()
-        .map(DecoderLayerParams32::from_reference)
+        .map(decoder_layer_params_f32)
         .collect::<Result<_>>()?;
     let mut x = Array2::zeros((n, c.hidden_size));
     for (i, &id) in input_ids.iter().enumerate() {

@@ -35,155 +35,25 @@ use crate::simd;
 /// Rows per chunk of the row-parallel passes and of the token reductions.
 const ROWS: usize = 64;
 
-/// `$ty { field: $m(hf_name, &$src.field) .. }` over the sixteen tensors of
-/// a layer, `$m` for the matrices and `$v` for the vectors (with a trailing
-/// `?`, each call's error is returned).
-macro_rules! layer_fields {
-    ($ty:ident, $src:expr, $m:expr, $v:expr $(, $try:tt)?) => {
-        $ty {
-            query_w: $m("attention.self.query.weight", &$src.query_w)$($try)?,
-            query_b: $v("attention.self.query.bias", &$src.query_b)$($try)?,
-            key_w: $m("attention.self.key.weight", &$src.key_w)$($try)?,
-            key_b: $v("attention.self.key.bias", &$src.key_b)$($try)?,
-            value_w: $m("attention.self.value.weight", &$src.value_w)$($try)?,
-            value_b: $v("attention.self.value.bias", &$src.value_b)$($try)?,
-            attn_out_w: $m("attention.output.dense.weight", &$src.attn_out_w)$($try)?,
-            attn_out_b: $v("attention.output.dense.bias", &$src.attn_out_b)$($try)?,
-            attn_ln_g: $v("attention.output.LayerNorm.weight", &$src.attn_ln_g)$($try)?,
-            attn_ln_b: $v("attention.output.LayerNorm.bias", &$src.attn_ln_b)$($try)?,
-            inter_w: $m("intermediate.dense.weight", &$src.inter_w)$($try)?,
-            inter_b: $v("intermediate.dense.bias", &$src.inter_b)$($try)?,
-            out_w: $m("output.dense.weight", &$src.out_w)$($try)?,
-            out_b: $v("output.dense.bias", &$src.out_b)$($try)?,
-            out_ln_g: $v("output.LayerNorm.weight", &$src.out_ln_g)$($try)?,
-            out_ln_b: $v("output.LayerNorm.bias", &$src.out_ln_b)$($try)?,
-        }
-    };
+/// The parameters of one layer in f32: the reference's type, names and
+/// shapes (`hidden` = `hidden_size`, `inter` = `intermediate_size`).
+pub type LayerParams32 = LayerParams<f32>;
+
+/// The reference parameters rounded to f32.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] for a value beyond the f32 range (the field
+/// names the tensor by its Hugging Face name); [`Error::ShapeMismatch`]
+/// for shapes that do not fit one layer.
+pub fn layer_params_f32(p: &LayerParams) -> Result<LayerParams32> {
+    let out = p.try_map(|n, a| to_f32(n, a.view()), |n, a| to_f32(n, a.view()))?;
+    out.check_shapes()?;
+    Ok(out)
 }
 
-/// The parameters of one layer in f32, with the reference's names and shapes
-/// (`hidden` = `hidden_size`, `inter` = `intermediate_size`).
-#[derive(Debug, Clone, PartialEq)]
-pub struct LayerParams32 {
-    /// `[hidden, hidden]`.
-    pub query_w: Array2<f32>,
-    /// `[hidden]`.
-    pub query_b: Array1<f32>,
-    /// `[hidden, hidden]`.
-    pub key_w: Array2<f32>,
-    /// `[hidden]`.
-    pub key_b: Array1<f32>,
-    /// `[hidden, hidden]`.
-    pub value_w: Array2<f32>,
-    /// `[hidden]`.
-    pub value_b: Array1<f32>,
-    /// `[hidden, hidden]`.
-    pub attn_out_w: Array2<f32>,
-    /// `[hidden]`.
-    pub attn_out_b: Array1<f32>,
-    /// `[hidden]`.
-    pub attn_ln_g: Array1<f32>,
-    /// `[hidden]`.
-    pub attn_ln_b: Array1<f32>,
-    /// `[inter, hidden]`.
-    pub inter_w: Array2<f32>,
-    /// `[inter]`.
-    pub inter_b: Array1<f32>,
-    /// `[hidden, inter]`.
-    pub out_w: Array2<f32>,
-    /// `[hidden]`.
-    pub out_b: Array1<f32>,
-    /// `[hidden]`.
-    pub out_ln_g: Array1<f32>,
-    /// `[hidden]`.
-    pub out_ln_b: Array1<f32>,
-}
-
-impl LayerParams32 {
-    /// The reference parameters rounded to f32.
-    ///
-    /// # Errors
-    /// [`Error::InvalidArgument`] for a value beyond the f32 range (the field
-    /// names the tensor by its Hugging Face name); [`Error::ShapeMismatch`]
-    /// for shapes that do not fit one layer.
-    pub fn from_reference(p: &LayerParams) -> Result<Self> {
-        let m = |name: &str, a: &Array2<f64>| to_f32(name, a.view());
-        let v = |name: &str, a: &Array1<f64>| to_f32(name, a.view());
-        let out = layer_fields!(LayerParams32, p, m, v, ?);
-        out.check()?;
-        Ok(out)
-    }
-
-    /// The values as reference parameters (exact).
-    pub fn to_reference(&self) -> LayerParams {
-        let m = |_: &str, a: &Array2<f32>| a.mapv(f64::from);
-        let v = |_: &str, a: &Array1<f32>| a.mapv(f64::from);
-        layer_fields!(LayerParams, self, m, v)
-    }
-
-    /// `hidden`.
-    pub fn hidden(&self) -> usize {
-        self.query_w.nrows()
-    }
-
-    /// `inter`.
-    pub fn intermediate(&self) -> usize {
-        self.inter_w.nrows()
-    }
-
-    /// Zeros of the same shapes (to hold gradients).
-    pub fn zeros_like(&self) -> Self {
-        let m = |_: &str, a: &Array2<f32>| Array2::zeros(a.dim());
-        let v = |_: &str, a: &Array1<f32>| Array1::zeros(a.dim());
-        layer_fields!(LayerParams32, self, m, v)
-    }
-
-    /// Checks that the shapes fit one layer of width `hidden = query.weight`'s rows.
-    ///
-    /// # Errors
-    /// [`Error::ShapeMismatch`] naming the first tensor that does not fit.
-    pub fn check(&self) -> Result<()> {
-        let (hd, it) = (self.hidden(), self.intermediate());
-        let want2 = [
-            ("attention.self.query.weight", &self.query_w, [hd, hd]),
-            ("attention.self.key.weight", &self.key_w, [hd, hd]),
-            ("attention.self.value.weight", &self.value_w, [hd, hd]),
-            ("attention.output.dense.weight", &self.attn_out_w, [hd, hd]),
-            ("intermediate.dense.weight", &self.inter_w, [it, hd]),
-            ("output.dense.weight", &self.out_w, [hd, it]),
-        ];
-        for (name, a, shape) in want2 {
-            if a.shape() != shape {
-                return Err(Error::ShapeMismatch {
-                    field: name.into(),
-                    expected: format!("{shape:?}"),
-                    actual: a.shape().to_vec(),
-                });
-            }
-        }
-        let want1 = [
-            ("attention.self.query.bias", &self.query_b, hd),
-            ("attention.self.key.bias", &self.key_b, hd),
-            ("attention.self.value.bias", &self.value_b, hd),
-            ("attention.output.dense.bias", &self.attn_out_b, hd),
-            ("attention.output.LayerNorm.weight", &self.attn_ln_g, hd),
-            ("attention.output.LayerNorm.bias", &self.attn_ln_b, hd),
-            ("intermediate.dense.bias", &self.inter_b, it),
-            ("output.dense.bias", &self.out_b, hd),
-            ("output.LayerNorm.weight", &self.out_ln_g, hd),
-            ("output.LayerNorm.bias", &self.out_ln_b, hd),
-        ];
-        for (name, a, len) in want1 {
-            if a.len() != len {
-                return Err(Error::ShapeMismatch {
-                    field: name.into(),
-                    expected: format!("[{len}]"),
-                    actual: a.shape().to_vec(),
-                });
-            }
-        }
-        Ok(())
-    }
+/// f32 parameters (or gradients) as reference parameters (exact).
+pub fn widen_layer_params(p: &LayerParams32) -> LayerParams {
+    p.map(|a| a.mapv(f64::from), |a| a.mapv(f64::from))
 }
 
 /// What the backward of one layer needs.
@@ -471,7 +341,7 @@ fn check_input(
     x: &ArrayView2<f32>,
     layout: &AttentionLayout,
 ) -> Result<()> {
-    p.check()?;
+    p.check_shapes()?;
     let hidden = p.hidden();
     if num_heads == 0 || !hidden.is_multiple_of(num_heads) {
         return Err(Error::invalid(

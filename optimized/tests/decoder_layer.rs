@@ -7,7 +7,7 @@
 use ndarray::{Array2, Axis, Slice};
 use packshard_equivalence::compare::{assert_close_with_scale, Mismatch, Tolerance};
 use packshard_optimized::decoder_layer::{
-    decoder_layer_backward, decoder_layer_forward, DecoderLayerParams32, DecoderShape,
+    decoder_layer_backward, decoder_layer_forward, decoder_layer_params_f32, DecoderShape,
 };
 use packshard_reference::attention::ReferenceAttention;
 use packshard_reference::decoder::layer::{
@@ -68,7 +68,7 @@ type Run = (Array2<f32>, Array2<f32>, Vec<(&'static str, Vec<f64>)>);
 
 fn run32(c: &Case, cu_seqlens: &[usize]) -> Result<Run, Error> {
     let s = DecoderShape::of(&c.config)?;
-    let p = DecoderLayerParams32::from_reference(&c.params.layers[0])?;
+    let p = decoder_layer_params_f32(&c.params.layers[0])?;
     let pos = positions(&c.lengths);
     let x = c.x.mapv(|v| v as f32);
     let dy = c.dy.mapv(|v| v as f32);

@@ -1,4 +1,6 @@
 //! Helpers shared by the integration tests that run the `packshard` binary.
+//! (Each test binary uses some of them.)
+#![allow(dead_code)]
 
 use std::io::Write;
 use std::process::{Command, Output, Stdio};
@@ -23,4 +25,44 @@ pub fn packshard(args: &[&str], stdin: Option<&str>) -> Output {
     }
     drop(child.stdin.take());
     child.wait_with_output().expect("wait for packshard")
+}
+
+/// `packshard eval -` on one case (JSON text): its exit status and the one
+/// JSON value it prints.
+pub fn eval_text(case: &str) -> (i32, serde_json::Value) {
+    let o = packshard(&["eval", "-"], Some(case));
+    let text = String::from_utf8_lossy(&o.stdout).to_string();
+    let v = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
+    (o.status.code().expect("an exit status"), v)
+}
+
+/// [`eval_text`] of a JSON value.
+pub fn eval(case: &serde_json::Value) -> (i32, serde_json::Value) {
+    eval_text(&case.to_string())
+}
+
+/// Runs every `(name, case, kind)`, each of which must be refused (exit 2)
+/// with error `kind`, and returns one line per case, `name: kind |
+/// message` (the message cut at `max_chars` bytes), for a snapshot of the
+/// contract's messages.
+pub fn error_lines(cases: &[(&str, serde_json::Value, &str)], max_chars: usize) -> String {
+    let mut lines = String::new();
+    for (name, case, kind) in cases {
+        let (code, v) = eval(case);
+        assert_eq!(code, 2, "{name}: {v}");
+        assert_eq!(v["error"]["kind"], *kind, "{name}: {v}");
+        let msg = v["error"]["message"].as_str().unwrap();
+        let msg = &msg[..msg.len().min(max_chars)];
+        lines.push_str(&format!("{name}: {kind} | {msg}\n"));
+    }
+    lines
+}
+
+/// The op names `packshard eval --list` prints, and its whole answer.
+pub fn eval_list() -> (Vec<String>, serde_json::Value) {
+    let o = packshard(&["eval", "--list"], None);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("--list prints JSON");
+    let ops = v["ops"].as_array().expect("an ops list");
+    let names = ops.iter().map(|o| o["op"].as_str().unwrap().to_string());
+    (names.collect(), v)
 }

@@ -40,6 +40,15 @@ fn ok_or_refused(o: &Output, what: &str) {
     );
 }
 
+/// The one-line JSON error of a refused `eval` (status 2): its kind and message.
+fn refusal(o: &Output, what: &str) -> (String, String) {
+    assert_eq!(o.status.code(), Some(2), "{what}: {}", stderr(o));
+    assert_clean(o, what);
+    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+    let text = |k: &str| v["error"][k].as_str().unwrap().to_string();
+    (text("kind"), text("message"))
+}
+
 const BUDGET: &str = "1073741824"; // 1 GiB
 const CAP_MIB: u64 = 4096; // the budget plus the binary, threads and allocator arenas
 
@@ -132,16 +141,9 @@ fn every_subcommand_at_its_documented_limits_under_an_address_space_cap() {
     )
     .unwrap();
     let o = capped(CAP_MIB, &env, &["eval", "-"], Some(&case));
-    assert_clean(&o, "eval batch 2^24 slots");
-    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
-    assert_eq!(v["error"]["kind"], "invalid_argument", "{v}");
-    assert!(
-        v["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("memory budget"),
-        "{v}"
-    );
+    let (kind, m) = refusal(&o, "eval batch 2^24 slots");
+    assert_eq!(kind, "invalid_argument", "{m}");
+    assert!(m.contains("memory budget"), "{m}");
     // vocab: the largest buffers within the budget run; a hidden size whose
     // buffers are over it is refused before the weights are drawn.
     let vocab = |v: &str, hidden: &str| {
@@ -228,87 +230,33 @@ fn eval_largest_case_under_an_address_space_cap() {
         format!("{fitted}{}", " ".repeat(cap + 1 - fitted.len())),
     )
     .unwrap();
-    let o = eval_under_budget(&case_path);
-    assert_eq!(o.status.code(), Some(2));
-    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
-    assert!(
-        v["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("memory budget"),
-        "{v}"
-    );
+    let (_, m) = refusal(&eval_under_budget(&case_path), "one byte over");
+    assert!(m.contains("memory budget"), "{m}");
     // A case whose output is far larger than its text: [n, v] logits.
     let case = json!({"op": "linear_cross_entropy", "hidden": vec![vec![1.0]; 20000],
         "weight": vec![vec![1.0]; 3000], "targets": vec![0; 20000]});
     std::fs::write(&case_path, case.to_string()).unwrap();
-    let o = eval_under_budget(&case_path);
-    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
-    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
-    assert!(
-        v["error"]["message"].as_str().unwrap().contains("weight: "),
-        "{v}"
-    );
-    assert!(
-        v["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("memory budget"),
-        "{v}"
-    );
+    let (_, m) = refusal(&eval_under_budget(&case_path), "[n, v] logits");
+    assert!(m.contains("weight: ") && m.contains("memory budget"), "{m}");
     // An embedding whose lookup is far larger than its text.
     let case = json!({"op": "embedding", "ids": vec![0; 200000], "weight": [vec![0.5; 2000]]});
     std::fs::write(&case_path, case.to_string()).unwrap();
-    let o = eval_under_budget(&case_path);
-    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
-    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
-    assert!(
-        v["error"]["message"].as_str().unwrap().starts_with("ids: "),
-        "{v}"
-    );
+    let (_, m) = refusal(&eval_under_budget(&case_path), "embedding lookup");
+    assert!(m.starts_with("ids: "), "{m}");
 }
 
 #[test]
 fn vocab_sizes_are_checked_before_allocating() {
-    for args in [
-        vec!["vocab", "--vocab-size", "4", "--hidden", "16777216"],
-        vec![
-            "vocab",
-            "--vocab-size",
-            "4",
-            "--hidden",
-            "4000000",
-            "--tokens",
-            "4096",
-        ],
-        vec!["vocab", "--vocab-size", "0"],
-        vec!["vocab", "--hidden", "0"],
-        vec![
-            "vocab",
-            "--vocab-size",
-            "7",
-            "--hidden",
-            "3",
-            "--shards",
-            "0",
-        ],
-        vec![
-            "vocab",
-            "--vocab-size",
-            "70000",
-            "--hidden",
-            "3",
-            "--shards",
-            "70000",
-        ],
-        vec![
-            "vocab",
-            "--vocab-size",
-            "18446744073709551615",
-            "--hidden",
-            "18446744073709551615",
-        ],
+    for line in [
+        "vocab --vocab-size 4 --hidden 16777216",
+        "vocab --vocab-size 4 --hidden 4000000 --tokens 4096",
+        "vocab --vocab-size 0",
+        "vocab --hidden 0",
+        "vocab --vocab-size 7 --hidden 3 --shards 0",
+        "vocab --vocab-size 70000 --hidden 3 --shards 70000",
+        "vocab --vocab-size 18446744073709551615 --hidden 18446744073709551615",
     ] {
+        let args: Vec<&str> = line.split_whitespace().collect();
         let o = capped(CAP_MIB, &[("PACKSHARD_MEMORY_BUDGET", BUDGET)], &args, None);
         assert_eq!(o.status.code(), Some(2), "{args:?}: {}", stderr(&o));
         assert_clean(&o, &format!("{args:?}"));

@@ -21,6 +21,13 @@ pub fn check_layer(
     check_layer_with(imp, config, lengths, row_len, seed, Tolerance::F64_REWRITE)
 }
 
+/// The first layer of a random model of `config` (seeded).
+fn first_layer(config: &BertConfig, seed: u64) -> Result<LayerParams, Mismatch> {
+    let model = BertModel::random(config.clone(), seed);
+    let mut model = model.map_err(|e| Mismatch::new("config", e.to_string()))?;
+    Ok(model.params.layers.swap_remove(0))
+}
+
 /// As [`check_layer`] with packed == padded judged under `tol` (an f32 layer:
 /// [`Tolerance::F32_REWRITE`]; its matrix products block differently for the
 /// padded and the packed row counts).
@@ -37,11 +44,7 @@ pub fn check_layer_with(
 ) -> Result<Observed, Mismatch> {
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
     let width = config.hidden_size;
-    let params = BertModel::random(config.clone(), seed)
-        .map_err(|e| Mismatch::new("config", e.to_string()))?
-        .params
-        .layers
-        .remove(0);
+    let params = first_layer(config, seed)?;
     let n: usize = lengths.iter().sum();
     let x = Array2::from_shape_fn((n, width), |_| 2.0 * rng.random::<f64>() - 1.0);
     let go = Array2::from_shape_fn((n, width), |_| 2.0 * rng.random::<f64>() - 1.0);
@@ -197,11 +200,7 @@ pub fn check_layer_relative(
     let round = baseline32::round_f32;
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
     let width = config.hidden_size;
-    let params = BertModel::random(config.clone(), seed)
-        .map_err(|e| Mismatch::new("config", e.to_string()))?
-        .params
-        .layers
-        .remove(0);
+    let params = first_layer(config, seed)?;
     let params = round_layer(&params, round);
     let n: usize = lengths.iter().sum();
     let mut draw = |k: usize| {

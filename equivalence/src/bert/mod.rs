@@ -117,35 +117,19 @@ fn finite(what: &str, values: &[f64]) -> Result<(), Mismatch> {
 pub trait BertImpl {
     /// A short name for reports.
     fn name(&self) -> String;
-    /// The padded batch: sequence `s` in row `s` of `row_len` tokens,
-    /// positions from `position_offset`, with gradients.
+    /// The padded batch: sequence `s` of the case in row `s` of
+    /// `case.max_seq_len` tokens, positions from `case.position_offset`,
+    /// with gradients.
     ///
     /// # Errors
     /// Input errors.
-    #[allow(clippy::too_many_arguments)]
-    fn padded(
-        &self,
-        model: &BertModel,
-        sequences: &[Vec<i64>],
-        token_type_ids: &[Vec<i64>],
-        targets: &Targets,
-        reduction: Reduction,
-        row_len: usize,
-        position_offset: usize,
-    ) -> Result<BertOutput, Error>;
-    /// The packed batch (built by the reference packer from the same
-    /// sequences), with gradients.
+    fn padded(&self, case: &BertCase) -> Result<BertOutput, Error>;
+    /// The packed batch (`batch`: the case's sequences as the reference
+    /// packer packs them, [`BertCase::packed_batch`]), with gradients.
     ///
     /// # Errors
     /// Input errors.
-    fn packed(
-        &self,
-        model: &BertModel,
-        batch: &PackedBatch,
-        token_type_ids: &[Vec<i64>],
-        targets: &Targets,
-        reduction: Reduction,
-    ) -> Result<BertOutput, Error>;
+    fn packed(&self, case: &BertCase, batch: &PackedBatch) -> Result<BertOutput, Error>;
 }
 
 /// The reference model with a given attention inside (any [`AttentionOp`]:
@@ -163,42 +147,30 @@ impl BertImpl for BertWith<'_> {
     fn name(&self) -> String {
         format!("reference BERT ({:?})", self.packed)
     }
-    fn padded(
-        &self,
-        model: &BertModel,
-        sequences: &[Vec<i64>],
-        token_type_ids: &[Vec<i64>],
-        targets: &Targets,
-        reduction: Reduction,
-        row_len: usize,
-        position_offset: usize,
-    ) -> Result<BertOutput, Error> {
+    fn padded(&self, case: &BertCase) -> Result<BertOutput, Error> {
         let batch = TokenBatch::padded(
-            sequences,
-            Some(token_type_ids),
-            row_len,
-            model.config.pad_token_id,
-            position_offset,
+            &case.sequences,
+            Some(&case.token_type_ids),
+            case.max_seq_len,
+            case.model.config.pad_token_id,
+            case.position_offset,
         )?;
-        let w = LossWeights::new(targets, reduction);
-        model.run_with(self.attention, &batch, targets, &w, true, None)
+        self.run(case, &batch)
     }
-    fn packed(
-        &self,
-        model: &BertModel,
-        batch: &PackedBatch,
-        token_type_ids: &[Vec<i64>],
-        targets: &Targets,
-        reduction: Reduction,
-    ) -> Result<BertOutput, Error> {
-        let tb = TokenBatch::packed(
-            batch,
-            targets.nsp_labels.len(),
-            Some(token_type_ids),
-            self.packed,
-        )?;
-        let w = LossWeights::new(targets, reduction);
-        model.run_with(self.attention, &tb, targets, &w, true, None)
+    fn packed(&self, case: &BertCase, batch: &PackedBatch) -> Result<BertOutput, Error> {
+        let nsp = case.targets.nsp_labels.len();
+        let tt = Some(&case.token_type_ids[..]);
+        let batch = TokenBatch::packed(batch, nsp, tt, self.packed)?;
+        self.run(case, &batch)
+    }
+}
+
+impl BertWith<'_> {
+    /// The model on `batch` with the case's targets and reduction, with gradients.
+    fn run(&self, case: &BertCase, batch: &TokenBatch) -> Result<BertOutput, Error> {
+        let w = LossWeights::new(&case.targets, case.reduction);
+        case.model
+            .run_with(self.attention, batch, &case.targets, &w, true, None)
     }
 }
 
@@ -484,26 +456,8 @@ pub fn compare_outputs(
 pub fn check_bert(imp: &dyn BertImpl, case: &BertCase) -> Result<Observed, Mismatch> {
     let err = |what: &str, e: Error| Mismatch::new(what, format!("{}: {e}", IMPL));
     let batch = case.packed_batch().map_err(|e| err("pack", e))?;
-    let padded = imp
-        .padded(
-            &case.model,
-            &case.sequences,
-            &case.token_type_ids,
-            &case.targets,
-            case.reduction,
-            case.max_seq_len,
-            case.position_offset,
-        )
-        .map_err(|e| err("padded", e))?;
-    let packed = imp
-        .packed(
-            &case.model,
-            &batch,
-            &case.token_type_ids,
-            &case.targets,
-            case.reduction,
-        )
-        .map_err(|e| err("packed", e))?;
+    let padded = imp.padded(case).map_err(|e| err("padded", e))?;
+    let packed = imp.packed(case, &batch).map_err(|e| err("packed", e))?;
     let mut seen = Observed::default();
     compare_outputs(&padded, &packed, &mut seen)?;
     Ok(seen)

@@ -150,37 +150,83 @@ pub enum CausalForm {
     BlockCausal,
 }
 
-/// Runs `model` on the tokens at `slots` (varlen over `cu_seqlens`) and
-/// scatters the logits back to `[n_slots, v]`: the step every varlen
-/// implementation ends with, given its own slots, boundaries, positions,
-/// labels and weights (each `[n_tok]`).
+/// The tokens one varlen call runs, taken out of a [`CausalBatch`]'s slot
+/// grid: their slots (`[n_tok]`, in order), the boundaries `cu_seqlens` of
+/// their documents and their position ids (`[n_tok]`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct VarlenTokens {
+    /// The slot of each token.
+    pub slots: Vec<usize>,
+    /// `[num_documents + 1]`, over the tokens.
+    pub cu_seqlens: Vec<usize>,
+    /// Each token's position id.
+    pub positions: Vec<usize>,
+}
+
+impl VarlenTokens {
+    /// The batch's real tokens, documents by [`varlen_from_doc_ids`], at
+    /// the batch's positions.
+    ///
+    /// # Errors
+    /// As [`varlen_from_doc_ids`].
+    pub fn of(batch: &CausalBatch) -> Result<Self, Error> {
+        let (slots, cu_seqlens) = varlen_from_doc_ids(&batch.doc_ids)?;
+        Ok(Self::new(batch, slots, cu_seqlens))
+    }
+
+    /// The tokens at `slots` with documents `cu_seqlens`, at the batch's positions.
+    pub fn new(batch: &CausalBatch, slots: Vec<usize>, cu_seqlens: Vec<usize>) -> Self {
+        let positions = slots.iter().map(|&s| batch.position_ids[s]).collect();
+        VarlenTokens {
+            slots,
+            cu_seqlens,
+            positions,
+        }
+    }
+
+    /// `per_slot` (one value per slot of the batch) at the tokens' slots.
+    pub fn gather<T: Copy>(&self, per_slot: &[T]) -> Vec<T> {
+        self.slots.iter().map(|&s| per_slot[s]).collect()
+    }
+
+    /// Runs `model`'s forward with `attention` over these tokens (after the
+    /// key/value cache `past` when given), and `f` on its input.
+    fn with_input<R>(
+        &self,
+        batch: &CausalBatch,
+        past: Option<&KvCache>,
+        f: impl FnOnce(&DecoderInput<'_>) -> Result<R, Error>,
+    ) -> Result<R, Error> {
+        let ids = self.gather(&batch.input_ids);
+        let att = DecoderAttention::Varlen {
+            cu_seqlens: self.cu_seqlens.clone(),
+        };
+        f(&DecoderInput {
+            input_ids: &ids,
+            position_ids: &self.positions,
+            attention: &att,
+            past,
+        })
+    }
+}
+
+/// Runs `model` on `tokens` (varlen) and scatters the logits back to
+/// `[n_slots, v]`: the step every varlen implementation ends with, given
+/// its own tokens, labels and weights (each `[n_tok]`).
 ///
 /// # Errors
 /// The model's.
-#[allow(clippy::too_many_arguments)]
 pub fn run_varlen(
     model: &DecoderModel,
     attention: &dyn AttentionOp,
     batch: &CausalBatch,
-    slots: &[usize],
-    cu_seqlens: &[usize],
-    positions: &[usize],
+    tokens: &VarlenTokens,
     labels: &[i64],
     weights: &[f64],
 ) -> Result<CausalRun, Error> {
-    let ids: Vec<i64> = slots.iter().map(|&s| batch.input_ids[s]).collect();
-    let att = DecoderAttention::Varlen {
-        cu_seqlens: cu_seqlens.to_vec(),
-    };
-    let input = DecoderInput {
-        input_ids: &ids,
-        position_ids: positions,
-        attention: &att,
-        past: None,
-    };
-    let run = model.run(attention, &input, labels, weights)?;
+    let run = tokens.with_input(batch, None, |x| model.run(attention, x, labels, weights))?;
     Ok(CausalRun {
-        logits: scatter_logits(batch, slots, &run.logits),
+        logits: scatter_logits(batch, &tokens.slots, &run.logits),
         loss: run.loss,
         grads: run.grads.params,
     })
@@ -196,9 +242,8 @@ pub fn scatter_logits(batch: &CausalBatch, slots: &[usize], logits: &Array2<f64>
     out
 }
 
-/// The continuation-chunk twin of [`run_varlen`]: the logits of the tokens
-/// at `slots` (varlen over `cu_seqlens`, at `positions`) over the cache
-/// `past`, scattered back to `[n_slots, v]`.
+/// The continuation-chunk twin of [`run_varlen`]: the logits of `tokens`
+/// over the cache `past`, scattered back to `[n_slots, v]`.
 ///
 /// # Errors
 /// The model's.
@@ -206,23 +251,11 @@ pub fn chunk_varlen(
     model: &DecoderModel,
     attention: &dyn AttentionOp,
     batch: &CausalBatch,
-    slots: &[usize],
-    cu_seqlens: &[usize],
-    positions: &[usize],
+    tokens: &VarlenTokens,
     past: &KvCache,
 ) -> Result<Array2<f64>, Error> {
-    let ids: Vec<i64> = slots.iter().map(|&s| batch.input_ids[s]).collect();
-    let att = DecoderAttention::Varlen {
-        cu_seqlens: cu_seqlens.to_vec(),
-    };
-    let input = DecoderInput {
-        input_ids: &ids,
-        position_ids: positions,
-        attention: &att,
-        past: Some(past),
-    };
-    let fwd = model.forward(attention, &input)?;
-    Ok(scatter_logits(batch, slots, &fwd.logits))
+    let fwd = tokens.with_input(batch, Some(past), |x| model.forward(attention, x))?;
+    Ok(scatter_logits(batch, &tokens.slots, &fwd.logits))
 }
 
 /// The reference pipeline: labels by [`next_token_labels`], weights by
@@ -259,20 +292,9 @@ impl CausalLmImpl for ReferenceCausalLm<'_> {
         let weights = loss_weights(&labels, &batch.doc_ids, reduction, batch.num_documents)?;
         match self.form {
             CausalForm::Varlen => {
-                let (slots, cu) = varlen_from_doc_ids(&batch.doc_ids)?;
-                let positions: Vec<usize> = slots.iter().map(|&s| batch.position_ids[s]).collect();
-                let labels: Vec<i64> = slots.iter().map(|&s| labels[s]).collect();
-                let weights: Vec<f64> = slots.iter().map(|&s| weights[s]).collect();
-                run_varlen(
-                    model,
-                    self.attention,
-                    batch,
-                    &slots,
-                    &cu,
-                    &positions,
-                    &labels,
-                    &weights,
-                )
+                let t = VarlenTokens::of(batch)?;
+                let (labels, weights) = (t.gather(&labels), t.gather(&weights));
+                run_varlen(model, self.attention, batch, &t, &labels, &weights)
             }
             CausalForm::BlockCausal => {
                 let att = DecoderAttention::block_causal(&batch.doc_ids, batch.row_len)?;
@@ -299,9 +321,8 @@ impl CausalLmImpl for ReferenceCausalLm<'_> {
         batch: &CausalBatch,
         past: &KvCache,
     ) -> Result<Array2<f64>, Error> {
-        let (slots, cu) = varlen_from_doc_ids(&batch.doc_ids)?;
-        let positions: Vec<usize> = slots.iter().map(|&s| batch.position_ids[s]).collect();
-        chunk_varlen(model, self.attention, batch, &slots, &cu, &positions, past)
+        let t = VarlenTokens::of(batch)?;
+        chunk_varlen(model, self.attention, batch, &t, past)
     }
 
     /// The same pipeline with [`crate::baseline32::Baseline32Attention`]:

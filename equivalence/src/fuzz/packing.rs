@@ -13,7 +13,7 @@ use packshard_reference::packing::{Algorithm, Overlong, PackingConfig};
 
 use super::{brief, catch_panic, Failure, Outcome};
 use crate::compare::Mismatch;
-use crate::packing::{check_batcher, check_packer, Batcher, Packer};
+use crate::packing::{check_batcher, check_packer, BatchInput, Batcher, Packer};
 
 /// Most sequences of a case (the rest of the bytes is ignored).
 pub const MAX_SEQUENCES: usize = 64;
@@ -122,11 +122,11 @@ pub fn run<I: Packer + Batcher>(imp: &I, data: &[u8]) -> Result<Outcome, Failure
     let config = case.config();
     let lengths = case.lengths();
     let sequences = case.sequences();
-    let (pad, offset) = (i64::from(case.pad), i64::from(case.position_offset));
+    let offset = i64::from(case.position_offset);
+    let input = BatchInput::new(&sequences, &config, offset).with_pad(i64::from(case.pad));
     if config.max_seq_len == 0 || config.max_sequences_per_pack == Some(0) {
         let packed = catch_panic("pack", || imp.pack(&lengths, &config)).map_err(fail)?;
-        let batched =
-            catch_panic("batch", || imp.batch(&sequences, &config, pad, offset)).map_err(fail)?;
+        let batched = catch_panic("batch", || imp.batch(input)).map_err(fail)?;
         if packed.is_ok() || batched.is_ok() {
             return Err(fail(Mismatch::new(
                 "config",
@@ -140,7 +140,7 @@ pub fn run<I: Packer + Batcher>(imp: &I, data: &[u8]) -> Result<Outcome, Failure
         // must be a typed error (issue #14), naming `position_offset` where
         // the same batch at `|offset|` is valid. The batch is then checked
         // at `|offset|`.
-        let at = |o: i64| catch_panic("batch", || imp.batch(&sequences, &config, pad, o));
+        let at = |o: i64| catch_panic("batch", || imp.batch(input.with_offset(o)));
         let refused = at(offset).map_err(fail)?;
         let valid = at(-offset).map_err(fail)?.is_ok();
         match refused {
@@ -159,15 +159,13 @@ pub fn run<I: Packer + Batcher>(imp: &I, data: &[u8]) -> Result<Outcome, Failure
             Err(_) => {}
         }
     }
-    let offset = offset.abs();
+    let input = input.with_offset(offset.abs());
     catch_panic("pack", || check_packer(imp, &lengths, &config))
         .and_then(|r| r)
         .map_err(fail)?;
-    catch_panic("batch", || {
-        check_batcher(imp, &sequences, &config, pad, offset)
-    })
-    .and_then(|r| r)
-    .map_err(fail)?;
+    catch_panic("batch", || check_batcher(imp, input))
+        .and_then(|r| r)
+        .map_err(fail)?;
     let overlong = lengths.iter().any(|&l| l > config.max_seq_len);
     Ok(if overlong && config.overlong == Overlong::Error {
         Outcome::errors_alike()

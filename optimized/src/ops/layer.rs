@@ -7,7 +7,7 @@ use packshard_reference::ops::{EncoderLayerOp, LayerPass};
 use packshard_reference::Result;
 
 use crate::convert::{to_f32, to_f64};
-use crate::layer::{layer_backward, layer_forward, LayerParams32};
+use crate::layer::{layer_backward, layer_forward, layer_params_f32, widen_layer_params};
 
 /// `encoder_layer`: the f32 BERT layer — matmuls through `gemm`, SIMD
 /// LayerNorm and GELU, varlen attention on packed rows (the dense masked
@@ -25,7 +25,7 @@ impl EncoderLayerOp for EncoderLayerF32 {
         layout: &AttentionLayout,
         grad_output: ArrayView2<f64>,
     ) -> Result<LayerPass> {
-        let p = LayerParams32::from_reference(params)?;
+        let p = layer_params_f32(params)?;
         let x = to_f32("hidden", x)?;
         let go = to_f32("grad_output", grad_output)?;
         let (out, cache) = layer_forward(&p, num_heads, eps as f32, x.view(), layout)?;
@@ -33,7 +33,7 @@ impl EncoderLayerOp for EncoderLayerF32 {
         Ok(LayerPass {
             output: to_f64(out.view()),
             grad_x: to_f64(dx.view()),
-            grads: g.to_reference(),
+            grads: widen_layer_params(&g),
         })
     }
 }

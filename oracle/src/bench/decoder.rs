@@ -3,7 +3,7 @@
 
 use ndarray::Array2;
 use packshard_optimized::decoder_layer::{
-    decoder_layer_backward, decoder_layer_forward, DecoderLayerParams32, DecoderShape,
+    decoder_layer_backward, decoder_layer_forward, decoder_layer_params_f32, DecoderShape,
 };
 use packshard_reference::decoder::{DecoderConfig, DecoderParams};
 use packshard_reference::{Error, Result};
@@ -73,7 +73,7 @@ pub fn decoder_layer(cfg: &BenchConfig) -> Result<DecoderReport> {
     let config = DecoderConfig::tiny(8, heads, kv, hd / heads, cfg.intermediate, 1);
     let shape = DecoderShape::of(&config)?;
     let p64 = DecoderParams::random(&config, cfg.seed)?;
-    let p = DecoderLayerParams32::from_reference(&p64.layers[0])?;
+    let p = decoder_layer_params_f32(&p64.layers[0])?;
     let batch = Batch::new(wikipedia_lengths(cfg.sequences, msl, cfg.seed)?, msl)?;
     let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed + 2);
     let mut per_seq = || -> Vec<Array2<f32>> {

@@ -5,7 +5,7 @@
 
 use ndarray::{Array2, Array3};
 use packshard_optimized::attention::{dense_masked_attention, varlen_attention, varlen_pairs};
-use packshard_optimized::layer::{layer_backward, layer_flops, layer_forward, LayerParams32};
+use packshard_optimized::layer::{layer_backward, layer_flops, layer_forward, layer_params_f32};
 use packshard_optimized::ops::LinearCeTiled;
 use packshard_optimized::vocab::{
     linear_cross_entropy_fused, linear_cross_entropy_materialized, linear_cross_entropy_tiled,
@@ -84,7 +84,7 @@ pub fn layer(cfg: &BenchConfig) -> Result<LayerReport> {
         .into_iter()
         .next()
         .expect("one layer");
-    let p = LayerParams32::from_reference(&p64)?;
+    let p = layer_params_f32(&p64)?;
     let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed + 1);
     // Real tokens' inputs, placed in packed and padded rows.
     let real_x: Vec<Array2<f32>> = batch
@@ -246,8 +246,15 @@ pub fn attention(cfg: &BenchConfig) -> Result<AttentionReport> {
     let dense_s = time_warm(cfg.reps, || {
         dense_masked_attention(q.view(), k.view(), v.view(), msl, &mviews, scale)
     });
-    let (candle_s, candle_max_abs) =
-        candle_peer(&q, &k, &v, cu, msl, scale, &ours.output, cfg.reps)?;
+    let peer = PeerInput {
+        qkv: [&q, &k, &v],
+        cu,
+        max_len: msl,
+        scale,
+        ours: &ours.output,
+        reps: cfg.reps,
+    };
+    let (candle_s, candle_max_abs) = candle_peer(&peer)?;
     Ok(AttentionReport {
         segments: cu.len() - 1,
         num_packs: batch.num_packs,
@@ -260,18 +267,26 @@ pub fn attention(cfg: &BenchConfig) -> Result<AttentionReport> {
     })
 }
 
-#[cfg(feature = "candle")]
-#[allow(clippy::too_many_arguments)]
-fn candle_peer(
-    q: &Array3<f32>,
-    k: &Array3<f32>,
-    v: &Array3<f32>,
-    cu: &[usize],
+/// What the candle peer is timed on: the inputs, our output to check it
+/// against, and how many repetitions.
+#[cfg_attr(not(feature = "candle"), allow(dead_code))]
+struct PeerInput<'a> {
+    /// `q, k, v: [n, h, d]`.
+    qkv: [&'a Array3<f32>; 3],
+    /// The packs' `cu_seqlens` over all rows.
+    cu: &'a [usize],
+    /// The longest segment (`max_seqlen`).
     max_len: usize,
+    /// The softmax scale.
     scale: f32,
-    ours: &Array3<f32>,
+    /// Our varlen output.
+    ours: &'a Array3<f32>,
+    /// Timed repetitions.
     reps: usize,
-) -> Result<(Option<f64>, Option<f64>)> {
+}
+
+#[cfg(feature = "candle")]
+fn candle_peer(x: &PeerInput<'_>) -> Result<(Option<f64>, Option<f64>)> {
     use candle_core::{Device, Tensor};
     let err = |e: candle_core::Error| Error::invalid("candle", e.to_string());
     let dev = Device::Cpu;
@@ -283,8 +298,10 @@ fn candle_peer(
         )
         .map_err(err)
     };
+    let [q, k, v] = x.qkv;
     let (tq, tk, tv) = (t(q)?, t(k)?, t(v)?);
-    let lens: Vec<u32> = cu.windows(2).map(|w| (w[1] - w[0]) as u32).collect();
+    let (max_len, scale) = (x.max_len, x.scale);
+    let lens: Vec<u32> = x.cu.windows(2).map(|w| (w[1] - w[0]) as u32).collect();
     let sl = Tensor::from_slice(&lens, lens.len(), &dev).map_err(err)?;
     let call = || {
         candle_nn::attention::flash_attn_varlen_cpu(
@@ -295,7 +312,7 @@ fn candle_peer(
     let flat: Vec<f32> = out.flatten_all().map_err(err)?.to_vec1().map_err(err)?;
     let max_abs = flat
         .iter()
-        .zip(ours.iter())
+        .zip(x.ours.iter())
         .map(|(a, b)| f64::from((a - b).abs()))
         .fold(0.0, f64::max);
     if max_abs > 1e-3 {
@@ -304,22 +321,12 @@ fn candle_peer(
             format!("flash_attn_varlen_cpu differs from ours by {max_abs}: not timing"),
         ));
     }
-    let s = time_warm(reps, || call().map(|_| ()));
+    let s = time_warm(x.reps, || call().map(|_| ()));
     Ok((Some(s), Some(max_abs)))
 }
 
 #[cfg(not(feature = "candle"))]
-#[allow(clippy::too_many_arguments)]
-fn candle_peer(
-    _: &Array3<f32>,
-    _: &Array3<f32>,
-    _: &Array3<f32>,
-    _: &[usize],
-    _: usize,
-    _: f32,
-    _: &Array3<f32>,
-    _: usize,
-) -> Result<(Option<f64>, Option<f64>)> {
+fn candle_peer(_: &PeerInput<'_>) -> Result<(Option<f64>, Option<f64>)> {
     Ok((None, None))
 }
 

@@ -61,12 +61,7 @@ pub(super) fn causal_labels(value: &Value) -> Result<Value, EvalError> {
             "num_documents",
         ],
     )?;
-    if case.opt_bool("want_grad")? == Some(true) {
-        return Err(EvalError::invalid(
-            "want_grad",
-            "causal_labels has no gradients",
-        ));
-    }
+    no_gradients(&case, "causal_labels")?;
     let input_ids = case.i64_list("input_ids")?;
     let n = input_ids.len();
     // labels, doc ids, three weight vectors.
@@ -165,12 +160,7 @@ pub(super) fn causal_conversions(value: &Value) -> Result<Value, EvalError> {
             "first_offset",
         ],
     )?;
-    if case.opt_bool("want_grad")? == Some(true) {
-        return Err(EvalError::invalid(
-            "want_grad",
-            "causal_conversions has no gradients",
-        ));
-    }
+    no_gradients(&case, "causal_conversions")?;
     let from = one_of(&case, &["position_ids", "cu_seqlens", "seq_idx", "doc_ids"])?;
     if case.has("num_segments") && from != "seq_idx" {
         return Err(EvalError::invalid(
@@ -252,4 +242,13 @@ pub(super) fn causal_conversions(value: &Value) -> Result<Value, EvalError> {
         "n_tok": n_tok,
         "n_slots": n_slots,
     }))
+}
+
+/// Refuses `want_grad: true` for an op without gradients.
+fn no_gradients(case: &Case, op: &str) -> Result<(), EvalError> {
+    if case.opt_bool("want_grad")? == Some(true) {
+        let message = format!("{op} has no gradients");
+        return Err(EvalError::invalid("want_grad", message));
+    }
+    Ok(())
 }

@@ -36,6 +36,9 @@ const CONFIG_FIELDS: [&str; 12] = [
     "norm_eps",
 ];
 
+/// How many of [`CONFIG_FIELDS`], from the first, are sizes.
+const SIZES: usize = 7;
+
 /// The other fields.
 const INPUT_FIELDS: [&str; 6] = [
     "input_ids",
@@ -54,15 +57,7 @@ pub const MAX_DECODER_WORK: u64 = 1 << 32;
 fn config(case: &Case) -> Result<DecoderConfig, EvalError> {
     // Each size at most MAX_TENSOR, so the products of two that the
     // config's checks form cannot overflow.
-    for field in [
-        "vocab_size",
-        "hidden_size",
-        "num_heads",
-        "num_kv_heads",
-        "head_dim",
-        "intermediate_size",
-        "num_layers",
-    ] {
+    for &field in &CONFIG_FIELDS[..SIZES] {
         if let Some(v) = case.opt_usize(field)? {
             if v > MAX_TENSOR {
                 return Err(EvalError::invalid(

@@ -1,10 +1,11 @@
 //! Gradient checks by central finite differences ([`crate::testutil`]), P8
 //! rows, and small facts.
 
-use ndarray::{Array2, ArrayViewMutD};
+use ndarray::{Array1, Array2, ArrayViewMutD};
 
 use super::ops::{gelu, gelu_grad};
 use super::*;
+use crate::error::Error;
 use crate::packing::{Algorithm, PackedBatch, PackingConfig};
 use crate::testutil::fd_check;
 
@@ -320,4 +321,44 @@ fn safetensors_round_trip_and_missing_heads_are_seeded() {
     );
     let e = BertParams::from_safetensors(&config, b"not a file", 42).unwrap_err();
     assert_eq!(e.kind(), "invalid_argument");
+}
+
+#[test]
+fn layer_shape_check_names_the_tensor_that_does_not_fit() {
+    let p = BertParams::random(&tiny(), 3).layers.remove(0);
+    assert!(p.check_shapes().is_ok());
+    assert_eq!((p.hidden(), p.intermediate()), (8, 16));
+    // A wrong intermediate bias, then a wrong output weight: each named.
+    let mut bad = p.clone();
+    bad.inter_b = Array1::zeros(15);
+    match bad.check_shapes() {
+        Err(Error::ShapeMismatch {
+            field,
+            expected,
+            actual,
+        }) => {
+            assert_eq!(field, "intermediate.dense.bias");
+            assert_eq!((expected.as_str(), actual), ("[16]", vec![15]));
+        }
+        other => panic!("{other:?}"),
+    }
+    let mut bad = p.clone();
+    bad.out_w = Array2::zeros((8, 15));
+    let err = bad.check_shapes().unwrap_err().to_string();
+    assert!(err.contains("output.dense.weight"), "{err}");
+    // map and zeros_like keep every shape; try_map stops at the first error.
+    let z = p.zeros_like();
+    assert!(z.check_shapes().is_ok() && z.query_w.iter().all(|&x| x == 0.0));
+    let halves = p.map(|a| a.mapv(|x| x / 2.0), |a| a.mapv(|x| x / 2.0));
+    assert_eq!(halves.out_ln_b[3], p.out_ln_b[3] / 2.0);
+    let mut seen = Vec::new();
+    let first_vector = p.try_map(
+        |n, a| {
+            seen.push(n.to_string());
+            Ok(a.clone())
+        },
+        |n, _| Err::<Array1<f64>, _>(n.to_string()),
+    );
+    assert_eq!(first_vector.unwrap_err(), "attention.self.query.bias");
+    assert_eq!(seen, ["attention.self.query.weight"]);
 }

@@ -6,7 +6,7 @@
 //! loader also accepts). The MLM decoder weight is tied to
 //! `embeddings.word_embeddings.weight` and has no tensor of its own.
 
-use ndarray::{Array1, Array2, ArrayViewD, ArrayViewMutD};
+use ndarray::{Array1, Array2, ArrayViewD, ArrayViewMutD, LinalgScalar};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use safetensors::{Dtype, SafeTensors};
@@ -14,42 +14,43 @@ use safetensors::{Dtype, SafeTensors};
 use super::config::BertConfig;
 use crate::error::{Error, Result};
 
-/// The parameters of one encoder layer. `hidden` = `hidden_size`, `inter` =
-/// `intermediate_size`.
+/// The parameters of one encoder layer, in f64 (the reference) or another
+/// element type `A` (an f32 kernel's copy). `hidden` = `hidden_size`,
+/// `inter` = `intermediate_size`.
 #[derive(Debug, Clone, PartialEq)]
-pub struct LayerParams {
+pub struct LayerParams<A = f64> {
     /// `attention.self.query.weight: [hidden, hidden]`.
-    pub query_w: Array2<f64>,
+    pub query_w: Array2<A>,
     /// `attention.self.query.bias: [hidden]`.
-    pub query_b: Array1<f64>,
+    pub query_b: Array1<A>,
     /// `attention.self.key.weight: [hidden, hidden]`.
-    pub key_w: Array2<f64>,
+    pub key_w: Array2<A>,
     /// `attention.self.key.bias: [hidden]`.
-    pub key_b: Array1<f64>,
+    pub key_b: Array1<A>,
     /// `attention.self.value.weight: [hidden, hidden]`.
-    pub value_w: Array2<f64>,
+    pub value_w: Array2<A>,
     /// `attention.self.value.bias: [hidden]`.
-    pub value_b: Array1<f64>,
+    pub value_b: Array1<A>,
     /// `attention.output.dense.weight: [hidden, hidden]`.
-    pub attn_out_w: Array2<f64>,
+    pub attn_out_w: Array2<A>,
     /// `attention.output.dense.bias: [hidden]`.
-    pub attn_out_b: Array1<f64>,
+    pub attn_out_b: Array1<A>,
     /// `attention.output.LayerNorm.weight: [hidden]`.
-    pub attn_ln_g: Array1<f64>,
+    pub attn_ln_g: Array1<A>,
     /// `attention.output.LayerNorm.bias: [hidden]`.
-    pub attn_ln_b: Array1<f64>,
+    pub attn_ln_b: Array1<A>,
     /// `intermediate.dense.weight: [inter, hidden]`.
-    pub inter_w: Array2<f64>,
+    pub inter_w: Array2<A>,
     /// `intermediate.dense.bias: [inter]`.
-    pub inter_b: Array1<f64>,
+    pub inter_b: Array1<A>,
     /// `output.dense.weight: [hidden, inter]`.
-    pub out_w: Array2<f64>,
+    pub out_w: Array2<A>,
     /// `output.dense.bias: [hidden]`.
-    pub out_b: Array1<f64>,
+    pub out_b: Array1<A>,
     /// `output.LayerNorm.weight: [hidden]`.
-    pub out_ln_g: Array1<f64>,
+    pub out_ln_g: Array1<A>,
     /// `output.LayerNorm.bias: [hidden]`.
-    pub out_ln_b: Array1<f64>,
+    pub out_ln_b: Array1<A>,
 }
 
 /// All parameters of BERT with its pre-training heads (also used, with the
@@ -225,31 +226,115 @@ enum Fill {
     Around(f64, f64),
 }
 
-impl LayerParams {
-    /// Zeros of this layer's shapes (a gradient accumulator).
-    pub fn zeros_like(&self) -> Self {
-        let z1 = |a: &Array1<f64>| Array1::zeros(a.raw_dim());
-        let z2 = |a: &Array2<f64>| Array2::zeros(a.raw_dim());
-        LayerParams {
-            query_w: z2(&self.query_w),
-            query_b: z1(&self.query_b),
-            key_w: z2(&self.key_w),
-            key_b: z1(&self.key_b),
-            value_w: z2(&self.value_w),
-            value_b: z1(&self.value_b),
-            attn_out_w: z2(&self.attn_out_w),
-            attn_out_b: z1(&self.attn_out_b),
-            attn_ln_g: z1(&self.attn_ln_g),
-            attn_ln_b: z1(&self.attn_ln_b),
-            inter_w: z2(&self.inter_w),
-            inter_b: z1(&self.inter_b),
-            out_w: z2(&self.out_w),
-            out_b: z1(&self.out_b),
-            out_ln_g: z1(&self.out_ln_g),
-            out_ln_b: z1(&self.out_ln_b),
+impl<A> LayerParams<A> {
+    /// Each tensor through `m` (the matrices) or `v` (the vectors), called
+    /// with the tensor's Hugging Face name within the layer
+    /// (`attention.self.query.weight`, ...) in field order.
+    ///
+    /// # Errors
+    /// The first error of `m` or `v`.
+    pub fn try_map<B, E>(
+        &self,
+        mut m: impl FnMut(&str, &Array2<A>) -> std::result::Result<Array2<B>, E>,
+        mut v: impl FnMut(&str, &Array1<A>) -> std::result::Result<Array1<B>, E>,
+    ) -> std::result::Result<LayerParams<B>, E> {
+        Ok(LayerParams {
+            query_w: m("attention.self.query.weight", &self.query_w)?,
+            query_b: v("attention.self.query.bias", &self.query_b)?,
+            key_w: m("attention.self.key.weight", &self.key_w)?,
+            key_b: v("attention.self.key.bias", &self.key_b)?,
+            value_w: m("attention.self.value.weight", &self.value_w)?,
+            value_b: v("attention.self.value.bias", &self.value_b)?,
+            attn_out_w: m("attention.output.dense.weight", &self.attn_out_w)?,
+            attn_out_b: v("attention.output.dense.bias", &self.attn_out_b)?,
+            attn_ln_g: v("attention.output.LayerNorm.weight", &self.attn_ln_g)?,
+            attn_ln_b: v("attention.output.LayerNorm.bias", &self.attn_ln_b)?,
+            inter_w: m("intermediate.dense.weight", &self.inter_w)?,
+            inter_b: v("intermediate.dense.bias", &self.inter_b)?,
+            out_w: m("output.dense.weight", &self.out_w)?,
+            out_b: v("output.dense.bias", &self.out_b)?,
+            out_ln_g: v("output.LayerNorm.weight", &self.out_ln_g)?,
+            out_ln_b: v("output.LayerNorm.bias", &self.out_ln_b)?,
+        })
+    }
+
+    /// Each tensor through `m` (the matrices) or `v` (the vectors).
+    pub fn map<B>(
+        &self,
+        m: impl Fn(&Array2<A>) -> Array2<B>,
+        v: impl Fn(&Array1<A>) -> Array1<B>,
+    ) -> LayerParams<B> {
+        let mapped = self.try_map(
+            |_, a| Ok::<_, std::convert::Infallible>(m(a)),
+            |_, a| Ok(v(a)),
+        );
+        match mapped {
+            Ok(p) => p,
+            Err(never) => match never {},
         }
     }
 
+    /// `hidden`: the query weight's rows.
+    pub fn hidden(&self) -> usize {
+        self.query_w.nrows()
+    }
+
+    /// `inter`: the intermediate weight's rows.
+    pub fn intermediate(&self) -> usize {
+        self.inter_w.nrows()
+    }
+
+    /// Checks that the shapes fit one layer of width [`Self::hidden`] and
+    /// intermediate size [`Self::intermediate`].
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] naming the first tensor (by its Hugging Face
+    /// name) that does not fit.
+    pub fn check_shapes(&self) -> Result<()> {
+        let (hd, it) = (self.hidden(), self.intermediate());
+        let fits = |name: &str, shape: &[usize], want: &[usize]| {
+            if shape == want {
+                return Ok(());
+            }
+            Err(Error::ShapeMismatch {
+                field: name.into(),
+                expected: format!("{want:?}"),
+                actual: shape.to_vec(),
+            })
+        };
+        let checked = self.try_map(
+            |name, a| {
+                let want = match name {
+                    "intermediate.dense.weight" => [it, hd],
+                    "output.dense.weight" => [hd, it],
+                    _ => [hd, hd],
+                };
+                fits(name, a.shape(), &want).map(|()| Array2::<()>::default((0, 0)))
+            },
+            |name, a| {
+                let want = if name == "intermediate.dense.bias" {
+                    it
+                } else {
+                    hd
+                };
+                fits(name, a.shape(), &[want]).map(|()| Array1::<()>::default(0))
+            },
+        );
+        checked.map(|_| ())
+    }
+}
+
+impl<A: LinalgScalar> LayerParams<A> {
+    /// Zeros of this layer's shapes (a gradient accumulator).
+    pub fn zeros_like(&self) -> Self {
+        self.map(
+            |a| Array2::zeros(a.raw_dim()),
+            |a| Array1::zeros(a.raw_dim()),
+        )
+    }
+}
+
+impl LayerParams {
     fn zeros(c: &BertConfig) -> Self {
         let (h, i) = (c.hidden_size, c.intermediate_size);
         LayerParams {

@@ -1,7 +1,7 @@
 //! The decoder's configuration and parameters, named as Hugging Face's
 //! `LlamaForCausalLM` names them.
 
-use ndarray::{Array1, Array2, ArrayViewD, ArrayViewMutD};
+use ndarray::{Array1, Array2, ArrayViewD, ArrayViewMutD, LinalgScalar};
 use rand::{Rng, SeedableRng};
 
 use crate::error::{Error, Result};
@@ -144,33 +144,88 @@ impl DecoderConfig {
     }
 }
 
-/// One decoder layer's parameters (HF `LlamaDecoderLayer`). Tensors a
+/// One decoder layer's parameters (HF `LlamaDecoderLayer`), in f64 (the
+/// reference) or another element type `A` (an f32 kernel's copy). Tensors a
 /// configuration does not use are empty (`[0]` biases under RMSNorm, a
 /// `[0, hidden]` gate under GELU).
 #[derive(Debug, Clone, PartialEq)]
-pub struct DecoderLayerParams {
+pub struct DecoderLayerParams<A = f64> {
     /// `input_layernorm.weight: [hidden]`.
-    pub attn_norm_g: Array1<f64>,
+    pub attn_norm_g: Array1<A>,
     /// `input_layernorm.bias: [hidden]` (LayerNorm) or `[0]`.
-    pub attn_norm_b: Array1<f64>,
+    pub attn_norm_b: Array1<A>,
     /// `self_attn.q_proj.weight: [h * d, hidden]`.
-    pub wq: Array2<f64>,
+    pub wq: Array2<A>,
     /// `self_attn.k_proj.weight: [h_kv * d, hidden]`.
-    pub wk: Array2<f64>,
+    pub wk: Array2<A>,
     /// `self_attn.v_proj.weight: [h_kv * d, hidden]`.
-    pub wv: Array2<f64>,
+    pub wv: Array2<A>,
     /// `self_attn.o_proj.weight: [hidden, h * d]`.
-    pub wo: Array2<f64>,
+    pub wo: Array2<A>,
     /// `post_attention_layernorm.weight: [hidden]`.
-    pub mlp_norm_g: Array1<f64>,
+    pub mlp_norm_g: Array1<A>,
     /// `post_attention_layernorm.bias: [hidden]` (LayerNorm) or `[0]`.
-    pub mlp_norm_b: Array1<f64>,
+    pub mlp_norm_b: Array1<A>,
     /// `mlp.gate_proj.weight: [inter, hidden]` (SwiGLU) or `[0, hidden]`.
-    pub w_gate: Array2<f64>,
+    pub w_gate: Array2<A>,
     /// `mlp.up_proj.weight: [inter, hidden]`.
-    pub w_up: Array2<f64>,
+    pub w_up: Array2<A>,
     /// `mlp.down_proj.weight: [hidden, inter]`.
-    pub w_down: Array2<f64>,
+    pub w_down: Array2<A>,
+}
+
+impl<A> DecoderLayerParams<A> {
+    /// Each tensor through `m` (the matrices) or `v` (the vectors), called
+    /// with the tensor's Hugging Face name within the layer
+    /// (`input_layernorm.weight`, ...) in field order.
+    ///
+    /// # Errors
+    /// The first error of `m` or `v`.
+    pub fn try_map<B, E>(
+        &self,
+        mut m: impl FnMut(&str, &Array2<A>) -> std::result::Result<Array2<B>, E>,
+        mut v: impl FnMut(&str, &Array1<A>) -> std::result::Result<Array1<B>, E>,
+    ) -> std::result::Result<DecoderLayerParams<B>, E> {
+        Ok(DecoderLayerParams {
+            attn_norm_g: v("input_layernorm.weight", &self.attn_norm_g)?,
+            attn_norm_b: v("input_layernorm.bias", &self.attn_norm_b)?,
+            wq: m("self_attn.q_proj.weight", &self.wq)?,
+            wk: m("self_attn.k_proj.weight", &self.wk)?,
+            wv: m("self_attn.v_proj.weight", &self.wv)?,
+            wo: m("self_attn.o_proj.weight", &self.wo)?,
+            mlp_norm_g: v("post_attention_layernorm.weight", &self.mlp_norm_g)?,
+            mlp_norm_b: v("post_attention_layernorm.bias", &self.mlp_norm_b)?,
+            w_gate: m("mlp.gate_proj.weight", &self.w_gate)?,
+            w_up: m("mlp.up_proj.weight", &self.w_up)?,
+            w_down: m("mlp.down_proj.weight", &self.w_down)?,
+        })
+    }
+
+    /// Each tensor through `m` (the matrices) or `v` (the vectors).
+    pub fn map<B>(
+        &self,
+        m: impl Fn(&Array2<A>) -> Array2<B>,
+        v: impl Fn(&Array1<A>) -> Array1<B>,
+    ) -> DecoderLayerParams<B> {
+        let mapped = self.try_map(
+            |_, a| Ok::<_, std::convert::Infallible>(m(a)),
+            |_, a| Ok(v(a)),
+        );
+        match mapped {
+            Ok(p) => p,
+            Err(never) => match never {},
+        }
+    }
+}
+
+impl<A: LinalgScalar> DecoderLayerParams<A> {
+    /// The same shapes, all zero (a gradient accumulator).
+    pub fn zeros_like(&self) -> Self {
+        self.map(
+            |a| Array2::zeros(a.raw_dim()),
+            |a| Array1::zeros(a.raw_dim()),
+        )
+    }
 }
 
 /// Every parameter of a decoder (HF `LlamaForCausalLM`).
@@ -308,23 +363,7 @@ impl DecoderParams {
         let z2 = |a: &Array2<f64>| Array2::zeros(a.raw_dim());
         DecoderParams {
             embed: z2(&self.embed),
-            layers: self
-                .layers
-                .iter()
-                .map(|l| DecoderLayerParams {
-                    attn_norm_g: z1(&l.attn_norm_g),
-                    attn_norm_b: z1(&l.attn_norm_b),
-                    wq: z2(&l.wq),
-                    wk: z2(&l.wk),
-                    wv: z2(&l.wv),
-                    wo: z2(&l.wo),
-                    mlp_norm_g: z1(&l.mlp_norm_g),
-                    mlp_norm_b: z1(&l.mlp_norm_b),
-                    w_gate: z2(&l.w_gate),
-                    w_up: z2(&l.w_up),
-                    w_down: z2(&l.w_down),
-                })
-                .collect(),
+            layers: self.layers.iter().map(|l| l.zeros_like()).collect(),
             final_norm_g: z1(&self.final_norm_g),
             final_norm_b: z1(&self.final_norm_b),
             lm_head: z2(&self.lm_head),

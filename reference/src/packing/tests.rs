@@ -74,39 +74,23 @@ fn every_algorithm_packs_squad_exactly() {
 
 // Small cases worked by hand.
 
+/// A strategy used once: packs of `lengths`.
+fn one(lengths: &[usize]) -> Strategy {
+    Strategy {
+        lengths: lengths.to_vec(),
+        count: 1,
+    }
+}
+
 #[test]
 fn spfhp_puts_short_sequences_into_the_emptiest_pack() {
     // msl 10: [7], [6] open; a 3 goes to the pack with most room (the 6), the next 3 to the 7.
     let h = Histogram::from_lengths(&[7, 6, 3, 3]).unwrap();
     let p = run(&h, Algorithm::Spfhp, 10, None);
-    assert_eq!(
-        p.strategies,
-        vec![
-            Strategy {
-                lengths: vec![7, 3],
-                count: 1
-            },
-            Strategy {
-                lengths: vec![6, 3],
-                count: 1
-            }
-        ]
-    );
+    assert_eq!(p.strategies, vec![one(&[7, 3]), one(&[6, 3])]);
     // LPFHP best-fits: the first 3 goes to the 7 (perfect fit), the second to the 6.
     let p = run(&h, Algorithm::Lpfhp, 10, None);
-    assert_eq!(
-        p.strategies,
-        vec![
-            Strategy {
-                lengths: vec![7, 3],
-                count: 1
-            },
-            Strategy {
-                lengths: vec![6, 3],
-                count: 1
-            }
-        ]
-    );
+    assert_eq!(p.strategies, vec![one(&[7, 3]), one(&[6, 3])]);
 }
 
 #[test]
@@ -114,17 +98,13 @@ fn spfhp_and_lpfhp_differ_where_the_paper_says() {
     // msl 10, lengths 6, 5, 3: SPFHP puts the 3 into the shortest pack (the 5,
     // 5 free), LPFHP into the best fit (the 6, 4 free).
     let h = Histogram::from_lengths(&[6, 5, 3]).unwrap();
-    let s = |l: &[usize]| Strategy {
-        lengths: l.to_vec(),
-        count: 1,
-    };
     assert_eq!(
         run(&h, Algorithm::Spfhp, 10, None).strategies,
-        vec![s(&[6]), s(&[5, 3])]
+        vec![one(&[6]), one(&[5, 3])]
     );
     assert_eq!(
         run(&h, Algorithm::Lpfhp, 10, None).strategies,
-        vec![s(&[6, 3]), s(&[5])]
+        vec![one(&[6, 3]), one(&[5])]
     );
 }
 
@@ -133,13 +113,7 @@ fn lpfhp_distributes_repeats_into_one_pack() {
     // 4 sequences of length 2 in packs of 8: one pack [2, 2, 2, 2].
     let h = Histogram::from_lengths(&[2, 2, 2, 2]).unwrap();
     let p = run(&h, Algorithm::Lpfhp, 8, None);
-    assert_eq!(
-        p.strategies,
-        vec![Strategy {
-            lengths: vec![2, 2, 2, 2],
-            count: 1
-        }]
-    );
+    assert_eq!(p.strategies, vec![one(&[2, 2, 2, 2])]);
     // ... or two packs of two under a limit of 2.
     let p = run(&h, Algorithm::Lpfhp, 8, Some(2));
     assert_eq!(
@@ -156,17 +130,13 @@ fn ffd_and_bfd_differ_where_an_earlier_bin_is_looser() {
     // msl 10, lengths 7 5 4 1: bins A=[7] (3 left), B=[5,4] (1 left); the 1 goes
     // to A under first fit and to B (the tighter) under best fit.
     let h = Histogram::from_lengths(&[7, 5, 4, 1]).unwrap();
-    let s = |l: &[usize]| Strategy {
-        lengths: l.to_vec(),
-        count: 1,
-    };
     assert_eq!(
         run(&h, Algorithm::Ffd, 10, None).strategies,
-        vec![s(&[7, 1]), s(&[5, 4])]
+        vec![one(&[7, 1]), one(&[5, 4])]
     );
     assert_eq!(
         run(&h, Algorithm::Bfd, 10, None).strategies,
-        vec![s(&[7]), s(&[5, 4, 1])]
+        vec![one(&[7]), one(&[5, 4, 1])]
     );
 }
 
