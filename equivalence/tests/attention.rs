@@ -11,7 +11,7 @@ use packshard_equivalence::Tolerance;
 use packshard_reference::attention::ReferenceAttention;
 use packshard_reference::bert::{AttentionGrads, AttentionOutput};
 use packshard_reference::ops::{AttentionOp, Grad, Masked, Qkv, Varlen};
-use packshard_reference::Error;
+use packshard_reference::Result;
 
 #[test]
 fn reference_passes_the_attention_suite() {
@@ -19,7 +19,7 @@ fn reference_passes_the_attention_suite() {
     static CALLS: AtomicUsize = AtomicUsize::new(0);
     struct Counting;
     impl AttentionHooks for Counting {
-        fn varlen_forward(&self, x: Qkv<'_>, p: &Varlen<'_>) -> Result<AttentionOutput, Error> {
+        fn varlen_forward(&self, x: Qkv<'_>, p: &Varlen<'_>) -> Result<AttentionOutput> {
             CALLS.fetch_add(1, Ordering::Relaxed);
             ReferenceAttention.varlen_forward(x, p)
         }
@@ -47,23 +47,18 @@ struct Broken {
 }
 
 impl AttentionHooks for Broken {
-    fn varlen_forward(&self, x: Qkv<'_>, p: &Varlen<'_>) -> Result<AttentionOutput, Error> {
+    fn varlen_forward(&self, x: Qkv<'_>, p: &Varlen<'_>) -> Result<AttentionOutput> {
         let whole = [0, x.q.dim().0];
         let one = Varlen::new(&whole, p.causal, p.scale);
         ReferenceAttention.varlen_forward(x, if self.ignore_cu_seqlens { &one } else { p })
     }
-    fn varlen_backward(
-        &self,
-        x: Qkv<'_>,
-        p: &Varlen<'_>,
-        g: Grad<'_>,
-    ) -> Result<AttentionGrads, Error> {
+    fn varlen_backward(&self, x: Qkv<'_>, p: &Varlen<'_>, g: Grad<'_>) -> Result<AttentionGrads> {
         let whole = [0, x.q.dim().0];
         let one = Varlen::new(&whole, p.causal, p.scale);
         let p = if self.ignore_cu_seqlens { &one } else { p };
         ReferenceAttention.varlen_backward(x, p, g)
     }
-    fn masked_forward(&self, x: Qkv<'_>, m: Masked<'_>) -> Result<AttentionOutput, Error> {
+    fn masked_forward(&self, x: Qkv<'_>, m: Masked<'_>) -> Result<AttentionOutput> {
         let mut out = ReferenceAttention.masked_forward(x, m)?;
         if self.nan_on_empty_rows {
             for (i, row) in m.allowed.rows().into_iter().enumerate() {

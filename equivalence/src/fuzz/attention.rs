@@ -345,6 +345,12 @@ fn rows(x: &Array3<f64>, a: usize, b: usize) -> ArrayView3<'_, f64> {
     x.slice_axis(Axis(0), Slice::from(a..b))
 }
 
+/// The terms of tokens `a..b` of `c` (one segment, bidirectional).
+fn segment_terms(c: &AttentionCase, a: usize, b: usize) -> AttentionTerms {
+    let r = |x| rows(x, a, b);
+    AttentionTerms::of(r(&c.q), r(&c.k), r(&c.v), r(&c.grad_output), c.scale, false)
+}
+
 fn flat(x: ArrayView3<f64>) -> Vec<f64> {
     x.iter().copied().collect()
 }
@@ -530,14 +536,7 @@ fn check_padded(
         if len == 0 {
             continue;
         }
-        let terms = AttentionTerms::of(
-            rows(&c.q, a, b),
-            rows(&c.k, a, b),
-            rows(&c.v, a, b),
-            rows(&c.grad_output, a, b),
-            c.scale,
-            false,
-        );
+        let terms = segment_terms(c, a, b);
         let mine = |x: &Array3<f64>| flat(rows(x, 0, len));
         let theirs = |x: &Array3<f64>| flat(rows(x, a, b));
         let lse = |from: usize| {
@@ -636,14 +635,7 @@ fn compare_segments(
         if len == 0 {
             continue;
         }
-        let terms = AttentionTerms::of(
-            rows(&c.q, a, b),
-            rows(&c.k, a, b),
-            rows(&c.v, a, b),
-            rows(&c.grad_output, a, b),
-            c.scale,
-            false,
-        );
+        let terms = segment_terms(c, a, b);
         let seg = |x: &Array3<f64>| flat(rows(x, a, b));
         let lse = |x: &ndarray::Array2<f64>| -> Vec<f64> {
             x.slice_axis(Axis(1), Slice::from(a..b))

@@ -14,7 +14,7 @@ use ndarray::{Array2, Array3, ArrayView3};
 use packshard_reference::bert::attention::check_cu_seqlens;
 use packshard_reference::bert::{AttentionGrads, AttentionOutput};
 use packshard_reference::ops::{AttentionOp, Grad, Masked, Qkv, Varlen};
-use packshard_reference::Error;
+use packshard_reference::{Error, Result};
 
 /// The kernel: one query at a time, softmax with the row maximum subtracted.
 #[derive(Debug, Clone, Copy, Default)]
@@ -75,7 +75,7 @@ fn attend(
     }
 }
 
-fn check_shapes(Qkv { q, k, v }: &Qkv<'_>) -> Result<(), Error> {
+fn check_shapes(Qkv { q, k, v }: &Qkv<'_>) -> Result<()> {
     for (name, t) in [("k", k), ("v", v)] {
         if t.dim() != q.dim() {
             return Err(Error::ShapeMismatch {
@@ -109,7 +109,7 @@ impl NaiveAttention {
         cu_seqlens: &[usize],
         scale: f64,
         dout: Option<&ArrayView3<f64>>,
-    ) -> Result<(AttentionOutput, AttentionGrads), Error> {
+    ) -> Result<(AttentionOutput, AttentionGrads)> {
         check_shapes(&x)?;
         // Bad cu_seqlens must be an error, not a panic or a silent result:
         // packshard's own checker gives the reference's error.
@@ -130,7 +130,7 @@ impl NaiveAttention {
         x: Qkv<'_>,
         m: Masked<'_>,
         dout: Option<&ArrayView3<f64>>,
-    ) -> Result<(AttentionOutput, AttentionGrads), Error> {
+    ) -> Result<(AttentionOutput, AttentionGrads)> {
         check_shapes(&x)?;
         let n = x.q.dim().0;
         if m.allowed.dim() != (n, n) {
@@ -151,32 +151,22 @@ impl NaiveAttention {
 }
 
 impl AttentionOp for NaiveAttention {
-    fn varlen_forward(&self, x: Qkv<'_>, p: &Varlen<'_>) -> Result<AttentionOutput, Error> {
+    fn varlen_forward(&self, x: Qkv<'_>, p: &Varlen<'_>) -> Result<AttentionOutput> {
         self.support().check(p, x.q.dim().1, x.k.dim().1)?;
         Ok(Self::varlen(x, p.cu_seqlens_q, p.scale, None)?.0)
     }
 
-    fn varlen_backward(
-        &self,
-        x: Qkv<'_>,
-        p: &Varlen<'_>,
-        g: Grad<'_>,
-    ) -> Result<AttentionGrads, Error> {
+    fn varlen_backward(&self, x: Qkv<'_>, p: &Varlen<'_>, g: Grad<'_>) -> Result<AttentionGrads> {
         self.support().check(p, x.q.dim().1, x.k.dim().1)?;
         // Recomputes the forward (as flash-attention does) rather than trusting `g.fwd`.
         Ok(Self::varlen(x, p.cu_seqlens_q, p.scale, Some(&g.grad_output))?.1)
     }
 
-    fn masked_forward(&self, x: Qkv<'_>, m: Masked<'_>) -> Result<AttentionOutput, Error> {
+    fn masked_forward(&self, x: Qkv<'_>, m: Masked<'_>) -> Result<AttentionOutput> {
         Ok(Self::masked(x, m, None)?.0)
     }
 
-    fn masked_backward(
-        &self,
-        x: Qkv<'_>,
-        m: Masked<'_>,
-        g: Grad<'_>,
-    ) -> Result<AttentionGrads, Error> {
+    fn masked_backward(&self, x: Qkv<'_>, m: Masked<'_>, g: Grad<'_>) -> Result<AttentionGrads> {
         Ok(Self::masked(x, m, Some(&g.grad_output))?.1)
     }
 }
