@@ -21,7 +21,7 @@ use packshard::bench::{wikipedia_lengths, Batch};
 use packshard::optimized::attention::varlen_pairs;
 use packshard::reference::attention::AttentionLayout;
 use packshard::reference::bert::{BertConfig, BertParams};
-use packshard::reference::ops::{Precision, Varlen};
+use packshard::reference::ops::{Precision, Qkv, Varlen};
 use packshard::reference::vocab::LossConfig;
 use packshard::registry;
 use rand::{Rng, SeedableRng};
@@ -52,7 +52,10 @@ fn attention(c: &mut Criterion) {
         if entry.precision == Precision::F64 {
             continue;
         }
-        let run = || op.varlen_forward(q.view(), k.view(), v.view(), &p).unwrap();
+        let run = || {
+            op.varlen_forward(Qkv::new(q.view(), k.view(), v.view()), &p)
+                .unwrap()
+        };
         let got: Vec<f64> = run().output.iter().copied().collect();
         match &first {
             None => first = Some(got),

@@ -4,7 +4,8 @@
 
 use ndarray::Array3;
 use packshard::eval::evaluate;
-use packshard::reference::bert::attention::{varlen_attention, varlen_attention_backward};
+use packshard::reference::attention::{varlen_pass, ReferenceAttention};
+use packshard::reference::ops::{Qkv, Varlen};
 use serde_json::{json, Value};
 
 fn tensor(n: usize, h: usize, d: usize, seed: f64) -> Array3<f64> {
@@ -45,18 +46,9 @@ fn attention_op_matches_the_reference_with_gradients() {
         }))
         .unwrap();
         let scale = 1.0 / 3f64.sqrt();
-        let f = varlen_attention(q.view(), k.view(), v.view(), &cu, causal, scale).unwrap();
-        let b = varlen_attention_backward(
-            q.view(),
-            k.view(),
-            v.view(),
-            &cu,
-            causal,
-            scale,
-            &f,
-            g.view(),
-        )
-        .unwrap();
+        let x = Qkv::new(q.view(), k.view(), v.view());
+        let p = Varlen::new(&cu, causal, scale);
+        let (f, b) = varlen_pass(&ReferenceAttention, x, &p, g.view()).unwrap();
         assert_eq!(
             flat(&out["output"]),
             f.output.iter().copied().collect::<Vec<_>>()

@@ -16,11 +16,10 @@
 //! Padding slots hold planted garbage (large values) and padding rows get a
 //! non-zero `grad_output`, so an implementation that lets padding in is seen.
 
-use ndarray::{Array2, Array3, ArrayView3, Axis};
-use packshard_reference::bert::attention::{
-    varlen_attention, varlen_attention_backward, AttentionGrads, AttentionOutput,
-};
-use packshard_reference::ops::{AttentionOp, Varlen};
+use ndarray::{Array3, ArrayView3, Axis};
+use packshard_reference::attention::{varlen_pass, ReferenceAttention};
+use packshard_reference::bert::attention::{AttentionGrads, AttentionOutput};
+use packshard_reference::ops::{AttentionOp, Grad, Qkv, Varlen};
 use packshard_reference::Error;
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
@@ -30,6 +29,9 @@ use crate::compare::{
     assert_close_with_scale, assert_within_k_with_scale, error_stats, Judge, Mismatch,
     RelativeError, RelativeRule, RelativeTotals, Tolerance,
 };
+
+mod padded;
+pub(crate) use padded::{PaddedSegment, PaddingLeak};
 
 /// The name failures give the implementation under test (the registry
 /// adds the entry's name).
@@ -56,14 +58,18 @@ pub struct AttentionCase {
 }
 
 impl AttentionCase {
+    /// The case's `q, k, v`.
+    pub fn qkv(&self) -> Qkv<'_> {
+        Qkv::new(self.q.view(), self.k.view(), self.v.view())
+    }
+
     /// `imp`'s varlen forward on the case (bidirectional, its `cu_seqlens`).
     ///
     /// # Errors
     /// `imp`'s.
     pub fn varlen_forward(&self, imp: &dyn AttentionOp) -> Result<AttentionOutput, Error> {
         let cu = self.cu_seqlens();
-        let p = Varlen::new(&cu, false, self.scale);
-        imp.varlen_forward(self.q.view(), self.k.view(), self.v.view(), &p)
+        imp.varlen_forward(self.qkv(), &Varlen::new(&cu, false, self.scale))
     }
 
     /// `imp`'s varlen backward of `fwd` on the case, with its `grad_output`.
@@ -76,9 +82,21 @@ impl AttentionCase {
         fwd: &AttentionOutput,
     ) -> Result<AttentionGrads, Error> {
         let cu = self.cu_seqlens();
+        let g = Grad::new(fwd, self.grad_output.view());
+        imp.varlen_backward(self.qkv(), &Varlen::new(&cu, false, self.scale), g)
+    }
+
+    /// `imp`'s varlen forward, then its backward of that forward.
+    ///
+    /// # Errors
+    /// `imp`'s.
+    pub fn varlen_pass(
+        &self,
+        imp: &dyn AttentionOp,
+    ) -> Result<(AttentionOutput, AttentionGrads), Error> {
+        let cu = self.cu_seqlens();
         let p = Varlen::new(&cu, false, self.scale);
-        let (q, k, v) = (self.q.view(), self.k.view(), self.v.view());
-        imp.varlen_backward(q, k, v, &p, fwd, self.grad_output.view())
+        varlen_pass(imp, self.qkv(), &p, self.grad_output.view())
     }
 }
 
@@ -197,17 +215,6 @@ impl Observed {
     }
 }
 
-fn rows(x: &Array3<f64>, from: usize, len: usize, row_len: usize, fill: f64) -> Array3<f64> {
-    let (_, h, d) = x.dim();
-    Array3::from_shape_fn((row_len, h, d), |(i, a, c)| {
-        if i < len {
-            x[[from + i, a, c]]
-        } else {
-            fill * (1.0 + (i * 7 + a * 3 + c) as f64)
-        }
-    })
-}
-
 fn flat(x: ArrayView3<f64>) -> Vec<f64> {
     x.iter().copied().collect()
 }
@@ -252,66 +259,37 @@ pub fn check_attention_with(
         .varlen_backward(imp, &fwd)
         .map_err(|e| err("varlen_backward", e))?;
     let mut seen = Observed::default();
-    let big = 1e3; // planted garbage in padding slots
     for (s, &len) in case.lengths.iter().enumerate() {
         let at = cu[s];
-        let l = case.row_len;
-        let (pq, pk, pv) = (
-            rows(&case.q, at, len, l, big),
-            rows(&case.k, at, len, l, -big),
-            rows(&case.v, at, len, l, big),
-        );
-        let pg = rows(&case.grad_output, at, len, l, 1.0);
-        let mask = Array2::from_shape_fn((l, l), |(i, j)| i < len && j < len);
-        let pf = imp
-            .masked_forward(pq.view(), pk.view(), pv.view(), mask.view(), case.scale)
-            .map_err(|e| err("masked_forward", e))?;
-        let pgr = imp
-            .masked_backward(
-                pq.view(),
-                pk.view(),
-                pv.view(),
-                mask.view(),
-                case.scale,
-                &pf,
-                pg.view(),
-            )
+        let padded = PaddedSegment::of(case, at, len);
+        let pf = padded.forward(imp).map_err(|e| err("masked_forward", e))?;
+        let pgr = padded
+            .backward(imp, &pf)
             .map_err(|e| err("masked_backward", e))?;
         // Padding rows: no allowed key, so exactly 0 and no gradient (P8).
-        for (name, t) in [
-            ("output", &pf.output),
-            ("grad_q", &pgr.grad_q),
-            ("grad_k", &pgr.grad_k),
-            ("grad_v", &pgr.grad_v),
-        ] {
-            for i in len..l {
-                if let Some((c, &x)) = t
-                    .index_axis(Axis(0), i)
-                    .iter()
-                    .enumerate()
-                    .find(|(_, x)| **x != 0.0)
-                {
-                    return Err(Mismatch::new(
-                        format!("sequence {s}: padded {name}"),
-                        format!(
-                            "padding row {i} (no allowed key) holds {x:e} at flat {c}; it must be exactly 0, never NaN (docs/FAULTS.md P8)"
-                        ),
-                    ));
-                }
+        match padded.leak(&pf, &pgr) {
+            Some(PaddingLeak::Value {
+                name,
+                row: i,
+                at: c,
+                x,
+            }) => {
+                return Err(Mismatch::new(
+                    format!("sequence {s}: padded {name}"),
+                    format!(
+                        "padding row {i} (no allowed key) holds {x:e} at flat {c}; it must be exactly 0, never NaN (docs/FAULTS.md P8)"
+                    ),
+                ));
             }
-        }
-        for i in len..l {
-            for a in 0..h {
-                if pf.lse[[a, i]] != f64::NEG_INFINITY {
-                    return Err(Mismatch::new(
-                        format!("sequence {s}: padded lse"),
-                        format!(
-                            "padding row {i} head {a}: lse {:e}, expected -inf (empty softmax, P8)",
-                            pf.lse[[a, i]]
-                        ),
-                    ));
-                }
+            Some(PaddingLeak::Lse { row: i, head: a, x }) => {
+                return Err(Mismatch::new(
+                    format!("sequence {s}: padded lse"),
+                    format!(
+                        "padding row {i} head {a}: lse {x:e}, expected -inf (empty softmax, P8)"
+                    ),
+                ));
             }
+            None => {}
         }
         let pick = |x: &Array3<f64>| flat(x.slice_axis(Axis(0), (0..len).into()));
         let mine = |x: &Array3<f64>| flat(x.slice_axis(Axis(0), (at..at + len).into()));
@@ -363,9 +341,7 @@ pub fn check_attention_with(
             .mapv_inplace(|x| 5.0 - x);
         let f2 = imp
             .varlen_forward(
-                q2.view(),
-                case.k.view(),
-                v2.view(),
+                Qkv::new(q2.view(), case.k.view(), v2.view()),
                 &Varlen::new(&cu, false, case.scale),
             )
             .map_err(|e| err("varlen_forward", e))?;
@@ -618,42 +594,15 @@ pub fn check_attention_relative(
     round: fn(f64) -> f64,
 ) -> Result<RelativeReport, Mismatch> {
     let c = case.rounded(round);
-    let cu = c.cu_seqlens();
     let (n, h, d) = c.q.dim();
     let err = |what: &str, e: Error| Mismatch::new(what, format!("{}: {e}", IMPL));
-    let want = varlen_attention(c.q.view(), c.k.view(), c.v.view(), &cu, false, c.scale)
+    let (want, want_g) = c
+        .varlen_pass(&ReferenceAttention)
         .map_err(|e| err("reference", e))?;
-    let want_g = varlen_attention_backward(
-        c.q.view(),
-        c.k.view(),
-        c.v.view(),
-        &cu,
-        false,
-        c.scale,
-        &want,
-        c.grad_output.view(),
-    )
-    .map_err(|e| err("reference", e))?;
-    let (q32, k32, v32, g32) = (
-        baseline32::to_f32(&c.q.view()),
-        baseline32::to_f32(&c.k.view()),
-        baseline32::to_f32(&c.v.view()),
-        baseline32::to_f32(&c.grad_output.view()),
-    );
-    let scale32 = c.scale as f32;
-    let (bo, bl) =
-        baseline32::varlen_attention(q32.view(), k32.view(), v32.view(), &cu, false, scale32);
-    let bg = baseline32::varlen_attention_backward(
-        q32.view(),
-        k32.view(),
-        v32.view(),
-        &cu,
-        false,
-        scale32,
-        bo.view(),
-        bl.view(),
-        g32.view(),
-    );
+    // The f32 baseline on the same inputs, its results widened (exactly).
+    let (base, base_g) = c
+        .varlen_pass(&baseline32::Baseline32Attention)
+        .map_err(|e| err("baseline", e))?;
     let fwd = c
         .varlen_forward(imp)
         .map_err(|e| err("varlen_forward", e))?;
@@ -662,7 +611,6 @@ pub fn check_attention_relative(
         .map_err(|e| err("varlen_backward", e))?;
     let mut report = RelativeReport::default();
     let shape = [n, h, d];
-    let to64 = |x: &Array3<f32>| x.iter().map(|&v| f64::from(v)).collect::<Vec<f64>>();
     // The three gradients are one gradient vector: those of q and k are zero
     // by symmetry for a one-token segment (dP = delta), and then computed as
     // round-off of terms as large as v's gradient; their floor is relative
@@ -672,25 +620,25 @@ pub fn check_attention_relative(
         .flat_map(|t| t.iter())
         .fold(0.0f64, |m, v| m.max(v.abs()));
     for (name, e, b, a, scale) in [
-        ("output", &want.output, &bo, &fwd.output, None),
+        ("output", &want.output, &base.output, &fwd.output, None),
         (
             "grad_q",
             &want_g.grad_q,
-            &bg[0],
+            &base_g.grad_q,
             &grads.grad_q,
             Some(grad_scale),
         ),
         (
             "grad_k",
             &want_g.grad_k,
-            &bg[1],
+            &base_g.grad_k,
             &grads.grad_k,
             Some(grad_scale),
         ),
         (
             "grad_v",
             &want_g.grad_v,
-            &bg[2],
+            &base_g.grad_v,
             &grads.grad_v,
             Some(grad_scale),
         ),
@@ -702,10 +650,10 @@ pub fn check_attention_relative(
             ));
         }
         let r =
-            assert_within_k_with_scale(name, &flat3(e), &to64(b), &flat3(a), &shape, rule, scale)?;
+            assert_within_k_with_scale(name, &flat3(e), &flat3(b), &flat3(a), &shape, rule, scale)?;
         report.note(name, r);
     }
-    let lse_b: Vec<f64> = bl.iter().map(|&v| f64::from(v)).collect();
+    let lse_b: Vec<f64> = base.lse.iter().copied().collect();
     let lse_e: Vec<f64> = want.lse.iter().copied().collect();
     let lse_a: Vec<f64> = fwd.lse.iter().copied().collect();
     let r = assert_within_k_with_scale("lse", &lse_e, &lse_b, &lse_a, &[h, n], rule, None)?;

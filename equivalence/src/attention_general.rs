@@ -23,16 +23,16 @@
 
 use ndarray::{Array3, ArrayView3, Axis, Slice};
 use packshard_reference::attention::{
-    varlen_attention_general, varlen_attention_general_backward, AttentionGrads, AttentionOutput,
+    varlen_pass, AttentionGrads, AttentionOutput, ReferenceAttention,
 };
-use packshard_reference::ops::{AttentionOp, AttentionSupport, Varlen};
+use packshard_reference::ops::{AttentionOp, AttentionSupport, Grad, Qkv, Varlen};
 use packshard_reference::Error;
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
 use rand::{Rng, SeedableRng};
 
 use crate::attention::{Observed, RelativeReport, IMPL};
-use crate::baseline32;
+use crate::baseline32::Baseline32Attention;
 use crate::compare::{assert_close_with_scale, assert_within_k_with_scale, Judge, Mismatch};
 
 /// One problem: segments of `(queries, keys)`, heads, and the tensors.
@@ -123,7 +123,7 @@ fn run(
 ) -> Result<(AttentionOutput, AttentionGrads), Mismatch> {
     let err = |what: &str, e: Error| Mismatch::new(what, format!("{IMPL}: {e}"));
     let fwd = imp
-        .varlen_forward(q, k, v, p)
+        .varlen_forward(Qkv::new(q, k, v), p)
         .map_err(|e| err("varlen_forward", e))?;
     let (n_q, h, d) = q.dim();
     if fwd.output.dim() != (n_q, h, d) || fwd.lse.dim() != (h, n_q) {
@@ -137,7 +137,7 @@ fn run(
         ));
     }
     let grads = imp
-        .varlen_backward(q, k, v, p, &fwd, g)
+        .varlen_backward(Qkv::new(q, k, v), p, Grad::new(&fwd, g))
         .map_err(|e| err("varlen_backward", e))?;
     if grads.grad_q.dim() != q.dim() || grads.grad_k.dim() != k.dim() {
         return Err(Mismatch::new(
@@ -235,40 +235,21 @@ fn check_reference(
 ) -> Result<(), Mismatch> {
     let (cu_q, cu_k) = (c.cu_q(), c.cu_k());
     let p = Varlen::cross(&cu_q, &cu_k, c.causal, c.scale);
-    let (q, k, v) = (c.q.view(), c.k.view(), c.v.view());
+    let x = Qkv::new(c.q.view(), c.k.view(), c.v.view());
+    let pass = |op: &dyn AttentionOp| varlen_pass(op, x, &p, c.grad_output.view());
     let err = |e: Error| Mismatch::new("reference", e.to_string());
-    let want = varlen_attention_general(q, k, v, &p).map_err(err)?;
-    let want_g =
-        varlen_attention_general_backward(q, k, v, &p, &want, c.grad_output.view()).map_err(err)?;
+    let (want, want_g) = pass(&ReferenceAttention).map_err(err)?;
     // The gradients are one vector (see `attention::check_attention_relative`).
     let grad_scale = [&want_g.grad_q, &want_g.grad_k, &want_g.grad_v]
         .iter()
         .flat_map(|t| t.iter())
         .fold(0.0f64, |m, v| m.max(v.abs()));
     let lse_shape = [want.lse.dim().0, want.lse.dim().1];
-    let baseline = judge.relative_rule().map(|rule| {
-        let b = |x: &Array3<f64>| baseline32::to_f32(&x.view());
-        let (q32, k32, v32, g32) = (b(&c.q), b(&c.k), b(&c.v), b(&c.grad_output));
-        let (bo, bl) = baseline32::varlen_attention_general(
-            q32.view(),
-            k32.view(),
-            v32.view(),
-            (&cu_q, &cu_k),
-            c.causal,
-            c.scale as f32,
-        );
-        let bg = baseline32::varlen_attention_general_backward(
-            (q32.view(), k32.view(), v32.view()),
-            (&cu_q, &cu_k),
-            c.causal,
-            c.scale as f32,
-            (bo.view(), bl.view()),
-            g32.view(),
-        );
-        let w = |x: &Array3<f32>| baseline32::to_f64(&x.view());
-        let [bq, bk, bv] = &bg;
-        (rule, [w(&bo), w(bq), w(bk), w(bv)], bl.mapv(f64::from))
-    });
+    // The f32 baseline on the same inputs, its results widened (exactly).
+    let baseline = match judge.relative_rule() {
+        Some(rule) => Some((rule, pass(&Baseline32Attention).map_err(err)?)),
+        None => None,
+    };
     let tensors = [
         ("output", &want.output, &fwd.output, None),
         ("grad_q", &want_g.grad_q, &grads.grad_q, Some(grad_scale)),
@@ -281,11 +262,12 @@ fn check_reference(
         let (e, a) = (flat(e.view()), flat(a.view()));
         match &baseline {
             None => assert_close_with_scale(&what, &e, &a, &shape, judge.packed(), scale)?,
-            Some((rule, b, _)) => {
+            Some((rule, (bo, bg))) => {
+                let b = [&bo.output, &bg.grad_q, &bg.grad_k, &bg.grad_v][i];
                 let r = assert_within_k_with_scale(
                     &what,
                     &e,
-                    &flat(b[i].view()),
+                    &flat(b.view()),
                     &a,
                     &shape,
                     *rule,
@@ -308,8 +290,8 @@ fn check_reference(
             judge.packed(),
             None,
         ),
-        Some((rule, _, bl)) => {
-            let b: Vec<f64> = bl.iter().copied().collect();
+        Some((rule, (bo, _))) => {
+            let b: Vec<f64> = bo.lse.iter().copied().collect();
             let r = assert_within_k_with_scale(
                 "against the reference: lse",
                 &e,

@@ -22,8 +22,9 @@ use packshard_reference::attention::{
 };
 use packshard_reference::bert::attention::AttentionLayout;
 use packshard_reference::bert::LayerParams;
-use packshard_reference::ops::{AttentionOp, AttentionSupport, Varlen};
+use packshard_reference::ops::{AttentionOp, AttentionSupport, Grad, Masked, Qkv, Varlen};
 use packshard_reference::vocab::{LossConfig, Reduction};
+use packshard_reference::Result;
 
 /// `x` rounded to the nearest `f32`.
 pub fn round_f32(x: f64) -> f64 {
@@ -216,12 +217,7 @@ pub fn varlen_attention_general_backward(
 pub struct Baseline32Attention;
 
 impl Baseline32Attention {
-    fn inputs(
-        q: &ArrayView3<f64>,
-        k: &ArrayView3<f64>,
-        v: &ArrayView3<f64>,
-        p: &Varlen<'_>,
-    ) -> packshard_reference::Result<[Array3<f32>; 3]> {
+    fn inputs(Qkv { q, k, v }: &Qkv<'_>, p: &Varlen<'_>) -> Result<[Array3<f32>; 3]> {
         check_qkv_shapes(q.shape(), k.shape(), v.shape())?;
         check_varlen(p, q.dim().0, k.dim().0)?;
         Ok([to_f32(q), to_f32(k), to_f32(v)])
@@ -233,14 +229,8 @@ impl AttentionOp for Baseline32Attention {
         AttentionSupport::ALL
     }
 
-    fn varlen_forward(
-        &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
-        p: &Varlen<'_>,
-    ) -> packshard_reference::Result<AttentionOutput> {
-        let [q, k, v] = Self::inputs(&q, &k, &v, p)?;
+    fn varlen_forward(&self, x: Qkv<'_>, p: &Varlen<'_>) -> Result<AttentionOutput> {
+        let [q, k, v] = Self::inputs(&x, p)?;
         let cu = (p.cu_seqlens_q, p.cu_seqlens_k);
         let (o, l) =
             varlen_attention_general(q.view(), k.view(), v.view(), cu, p.causal, p.scale as f32);
@@ -250,20 +240,12 @@ impl AttentionOp for Baseline32Attention {
         })
     }
 
-    fn varlen_backward(
-        &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
-        p: &Varlen<'_>,
-        fwd: &AttentionOutput,
-        grad_output: ArrayView3<f64>,
-    ) -> packshard_reference::Result<AttentionGrads> {
-        let [q, k, v] = Self::inputs(&q, &k, &v, p)?;
-        let (o, l, g) = (
-            to_f32(&fwd.output.view()),
-            to_f32(&fwd.lse.view()),
-            to_f32(&grad_output),
+    fn varlen_backward(&self, x: Qkv<'_>, p: &Varlen<'_>, g: Grad<'_>) -> Result<AttentionGrads> {
+        let [q, k, v] = Self::inputs(&x, p)?;
+        let (o, l, go) = (
+            to_f32(&g.fwd.output.view()),
+            to_f32(&g.fwd.lse.view()),
+            to_f32(&g.grad_output),
         );
         let [gq, gk, gv] = varlen_attention_general_backward(
             (q.view(), k.view(), v.view()),
@@ -271,7 +253,7 @@ impl AttentionOp for Baseline32Attention {
             p.causal,
             p.scale as f32,
             (o.view(), l.view()),
-            g.view(),
+            go.view(),
         );
         Ok(AttentionGrads {
             grad_q: to_f64(&gq.view()),
@@ -280,27 +262,11 @@ impl AttentionOp for Baseline32Attention {
         })
     }
 
-    fn masked_forward(
-        &self,
-        _: ArrayView3<f64>,
-        _: ArrayView3<f64>,
-        _: ArrayView3<f64>,
-        _: ArrayView2<bool>,
-        _: f64,
-    ) -> packshard_reference::Result<AttentionOutput> {
+    fn masked_forward(&self, _: Qkv<'_>, _: Masked<'_>) -> Result<AttentionOutput> {
         Err(masked_refused())
     }
 
-    fn masked_backward(
-        &self,
-        _: ArrayView3<f64>,
-        _: ArrayView3<f64>,
-        _: ArrayView3<f64>,
-        _: ArrayView2<bool>,
-        _: f64,
-        _: &AttentionOutput,
-        _: ArrayView3<f64>,
-    ) -> packshard_reference::Result<AttentionGrads> {
+    fn masked_backward(&self, _: Qkv<'_>, _: Masked<'_>, _: Grad<'_>) -> Result<AttentionGrads> {
         Err(masked_refused())
     }
 }

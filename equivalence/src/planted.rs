@@ -2,10 +2,11 @@
 //! implements [`AttentionHooks`] or [`VocabHooks`] states only the calls it
 //! breaks, and [`Planted`] makes it an op ([`AttentionOp`], [`CrossEntropyOp`],
 //! [`LinearCrossEntropyOp`], [`EmbeddingOp`]) whose every other call is the
-//! f64 reference's. The call's inputs travel as one value ([`Qkv`],
-//! [`CeCall`], [`LinearCall`], [`EmbeddingCall`]) that can run the same call
-//! on any implementation, so a hook reads as "the reference (or a kernel) on
-//! these inputs, then the fault".
+//! f64 reference's. The call's inputs travel as one value (the op's own
+//! [`Qkv`], [`Varlen`], [`Masked`], [`Grad`] for attention; [`CeCall`],
+//! [`LinearCall`], [`EmbeddingCall`]) that can run the same call on any
+//! implementation, so a hook reads as "the reference (or a kernel) on these
+//! inputs, then the fault".
 
 use ndarray::{ArrayView2, ArrayView3};
 use packshard_reference::attention::ReferenceAttention;
@@ -14,6 +15,7 @@ use packshard_reference::ops::{
     AttentionOp, AttentionSupport, CrossEntropyOp, Embedding, EmbeddingOp, LinearCrossEntropyOp,
     LinearLoss, LossSupport, Varlen,
 };
+use packshard_reference::ops::{Grad, Masked, Qkv};
 use packshard_reference::vocab::cross_entropy::CrossEntropy;
 use packshard_reference::vocab::embedding::ShardedEmbedding;
 use packshard_reference::vocab::sharded::ShardedLoss;
@@ -30,68 +32,6 @@ pub struct Planted<F>(pub F);
 
 // ---- attention --------------------------------------------------------------
 
-/// One attention call's inputs: `q: [n_q, h, d]`, `k, v: [n_k, h_kv, d]`.
-#[derive(Debug, Clone, Copy)]
-pub struct Qkv<'a> {
-    /// `[n_q, h, d]`.
-    pub q: ArrayView3<'a, f64>,
-    /// `[n_k, h_kv, d]`.
-    pub k: ArrayView3<'a, f64>,
-    /// `[n_k, h_kv, d]`.
-    pub v: ArrayView3<'a, f64>,
-}
-
-impl Qkv<'_> {
-    /// `op`'s varlen forward on these inputs.
-    ///
-    /// # Errors
-    /// `op`'s.
-    pub fn varlen_forward(self, op: &dyn AttentionOp, p: &Varlen<'_>) -> Result<AttentionOutput> {
-        op.varlen_forward(self.q, self.k, self.v, p)
-    }
-
-    /// `op`'s varlen backward on these inputs.
-    ///
-    /// # Errors
-    /// `op`'s.
-    pub fn varlen_backward(
-        self,
-        op: &dyn AttentionOp,
-        p: &Varlen<'_>,
-        fwd: &AttentionOutput,
-        g: ArrayView3<f64>,
-    ) -> Result<AttentionGrads> {
-        op.varlen_backward(self.q, self.k, self.v, p, fwd, g)
-    }
-
-    /// `op`'s masked forward on these inputs: `allowed: [n_q, n_k]`.
-    ///
-    /// # Errors
-    /// `op`'s.
-    pub fn masked_forward(
-        self,
-        op: &dyn AttentionOp,
-        allowed: ArrayView2<bool>,
-        scale: f64,
-    ) -> Result<AttentionOutput> {
-        op.masked_forward(self.q, self.k, self.v, allowed, scale)
-    }
-
-    /// `op`'s masked backward on these inputs.
-    ///
-    /// # Errors
-    /// `op`'s.
-    pub fn masked_backward(
-        self,
-        op: &dyn AttentionOp,
-        (allowed, scale): (ArrayView2<bool>, f64),
-        fwd: &AttentionOutput,
-        g: ArrayView3<f64>,
-    ) -> Result<AttentionGrads> {
-        op.masked_backward(self.q, self.k, self.v, allowed, scale, fwd, g)
-    }
-}
-
 /// The calls of an [`AttentionOp`], each the reference's unless overridden.
 pub trait AttentionHooks: Send + Sync {
     /// As [`AttentionOp::support`] (its default).
@@ -104,48 +44,31 @@ pub trait AttentionHooks: Send + Sync {
     /// # Errors
     /// The reference's, or the planted fault's.
     fn varlen_forward(&self, x: Qkv<'_>, p: &Varlen<'_>) -> Result<AttentionOutput> {
-        x.varlen_forward(&ReferenceAttention, p)
+        ReferenceAttention.varlen_forward(x, p)
     }
 
     /// As [`AttentionOp::varlen_backward`].
     ///
     /// # Errors
     /// The reference's, or the planted fault's.
-    fn varlen_backward(
-        &self,
-        x: Qkv<'_>,
-        p: &Varlen<'_>,
-        fwd: &AttentionOutput,
-        g: ArrayView3<f64>,
-    ) -> Result<AttentionGrads> {
-        x.varlen_backward(&ReferenceAttention, p, fwd, g)
+    fn varlen_backward(&self, x: Qkv<'_>, p: &Varlen<'_>, g: Grad<'_>) -> Result<AttentionGrads> {
+        ReferenceAttention.varlen_backward(x, p, g)
     }
 
     /// As [`AttentionOp::masked_forward`].
     ///
     /// # Errors
     /// The reference's, or the planted fault's.
-    fn masked_forward(
-        &self,
-        x: Qkv<'_>,
-        allowed: ArrayView2<bool>,
-        scale: f64,
-    ) -> Result<AttentionOutput> {
-        x.masked_forward(&ReferenceAttention, allowed, scale)
+    fn masked_forward(&self, x: Qkv<'_>, m: Masked<'_>) -> Result<AttentionOutput> {
+        ReferenceAttention.masked_forward(x, m)
     }
 
-    /// As [`AttentionOp::masked_backward`]: `mask` is `(allowed, scale)`.
+    /// As [`AttentionOp::masked_backward`].
     ///
     /// # Errors
     /// The reference's, or the planted fault's.
-    fn masked_backward(
-        &self,
-        x: Qkv<'_>,
-        mask: (ArrayView2<bool>, f64),
-        fwd: &AttentionOutput,
-        g: ArrayView3<f64>,
-    ) -> Result<AttentionGrads> {
-        x.masked_backward(&ReferenceAttention, mask, fwd, g)
+    fn masked_backward(&self, x: Qkv<'_>, m: Masked<'_>, g: Grad<'_>) -> Result<AttentionGrads> {
+        ReferenceAttention.masked_backward(x, m, g)
     }
 }
 
@@ -154,51 +77,20 @@ impl<F: AttentionHooks> AttentionOp for Planted<F> {
         self.0.support()
     }
 
-    fn varlen_forward(
-        &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
-        p: &Varlen<'_>,
-    ) -> Result<AttentionOutput> {
-        self.0.varlen_forward(Qkv { q, k, v }, p)
+    fn varlen_forward(&self, x: Qkv<'_>, p: &Varlen<'_>) -> Result<AttentionOutput> {
+        self.0.varlen_forward(x, p)
     }
 
-    fn varlen_backward(
-        &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
-        p: &Varlen<'_>,
-        fwd: &AttentionOutput,
-        grad_output: ArrayView3<f64>,
-    ) -> Result<AttentionGrads> {
-        self.0.varlen_backward(Qkv { q, k, v }, p, fwd, grad_output)
+    fn varlen_backward(&self, x: Qkv<'_>, p: &Varlen<'_>, g: Grad<'_>) -> Result<AttentionGrads> {
+        self.0.varlen_backward(x, p, g)
     }
 
-    fn masked_forward(
-        &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
-        allowed: ArrayView2<bool>,
-        scale: f64,
-    ) -> Result<AttentionOutput> {
-        self.0.masked_forward(Qkv { q, k, v }, allowed, scale)
+    fn masked_forward(&self, x: Qkv<'_>, m: Masked<'_>) -> Result<AttentionOutput> {
+        self.0.masked_forward(x, m)
     }
 
-    fn masked_backward(
-        &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
-        allowed: ArrayView2<bool>,
-        scale: f64,
-        fwd: &AttentionOutput,
-        grad_output: ArrayView3<f64>,
-    ) -> Result<AttentionGrads> {
-        self.0
-            .masked_backward(Qkv { q, k, v }, (allowed, scale), fwd, grad_output)
+    fn masked_backward(&self, x: Qkv<'_>, m: Masked<'_>, g: Grad<'_>) -> Result<AttentionGrads> {
+        self.0.masked_backward(x, m, g)
     }
 }
 
@@ -232,17 +124,11 @@ impl AttentionHooks for TopLeftCausal {
     }
     fn varlen_forward(&self, x: Qkv<'_>, p: &Varlen<'_>) -> Result<AttentionOutput> {
         let mask = top_left_mask(p, x.q.dim().0, x.k.dim().0);
-        x.masked_forward(&ReferenceAttention, mask.view(), p.scale)
+        ReferenceAttention.masked_forward(x, Masked::new(mask.view(), p.scale))
     }
-    fn varlen_backward(
-        &self,
-        x: Qkv<'_>,
-        p: &Varlen<'_>,
-        fwd: &AttentionOutput,
-        g: ArrayView3<f64>,
-    ) -> Result<AttentionGrads> {
+    fn varlen_backward(&self, x: Qkv<'_>, p: &Varlen<'_>, g: Grad<'_>) -> Result<AttentionGrads> {
         let mask = top_left_mask(p, x.q.dim().0, x.k.dim().0);
-        x.masked_backward(&ReferenceAttention, (mask.view(), p.scale), fwd, g)
+        ReferenceAttention.masked_backward(x, Masked::new(mask.view(), p.scale), g)
     }
 }
 
@@ -257,6 +143,12 @@ impl ModuloKvHeads {
     fn spread(x: ArrayView3<f64>, h: usize) -> ndarray::Array3<f64> {
         let (n, h_kv, d) = x.dim();
         ndarray::Array3::from_shape_fn((n, h, d), |(j, a, c)| x[[j, a % h_kv, c]])
+    }
+
+    /// `k` and `v` of `x` spread over the `h` query heads.
+    fn spread_kv(x: &Qkv<'_>) -> (ndarray::Array3<f64>, ndarray::Array3<f64>) {
+        let h = x.q.dim().1;
+        (Self::spread(x.k, h), Self::spread(x.v, h))
     }
 
     /// `[n_k, h_kv, d]`: the gradient of head `a` added into `a % h_kv`.
@@ -279,20 +171,13 @@ impl AttentionHooks for ModuloKvHeads {
         AttentionSupport::ALL
     }
     fn varlen_forward(&self, x: Qkv<'_>, p: &Varlen<'_>) -> Result<AttentionOutput> {
-        let h = x.q.dim().1;
-        let (k, v) = (Self::spread(x.k, h), Self::spread(x.v, h));
-        ReferenceAttention.varlen_forward(x.q, k.view(), v.view(), p)
+        let (k, v) = Self::spread_kv(&x);
+        ReferenceAttention.varlen_forward(Qkv::new(x.q, k.view(), v.view()), p)
     }
-    fn varlen_backward(
-        &self,
-        x: Qkv<'_>,
-        p: &Varlen<'_>,
-        fwd: &AttentionOutput,
-        g: ArrayView3<f64>,
-    ) -> Result<AttentionGrads> {
-        let (h, h_kv) = (x.q.dim().1, x.k.dim().1);
-        let (k, v) = (Self::spread(x.k, h), Self::spread(x.v, h));
-        let gr = ReferenceAttention.varlen_backward(x.q, k.view(), v.view(), p, fwd, g)?;
+    fn varlen_backward(&self, x: Qkv<'_>, p: &Varlen<'_>, g: Grad<'_>) -> Result<AttentionGrads> {
+        let h_kv = x.k.dim().1;
+        let (k, v) = Self::spread_kv(&x);
+        let gr = ReferenceAttention.varlen_backward(Qkv::new(x.q, k.view(), v.view()), p, g)?;
         Ok(AttentionGrads {
             grad_q: gr.grad_q,
             grad_k: Self::fold(&gr.grad_k, h_kv),

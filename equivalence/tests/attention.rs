@@ -2,16 +2,16 @@
 //! that ignores `cu_seqlens` (P2) and one whose fully masked rows give NaN
 //! (P8) must both be rejected, for the right reason.
 
-use ndarray::{ArrayView2, ArrayView3, Axis};
+use ndarray::Axis;
 use packshard_equivalence::attention::{
     check_attention, fault_cases, run_attention_suite, AttentionCase,
 };
-use packshard_equivalence::planted::{AttentionHooks, Planted, Qkv};
+use packshard_equivalence::planted::{AttentionHooks, Planted};
 use packshard_equivalence::Tolerance;
 use packshard_reference::attention::ReferenceAttention;
 use packshard_reference::bert::{AttentionGrads, AttentionOutput};
-use packshard_reference::ops::Varlen;
-use packshard_reference::Error;
+use packshard_reference::ops::{AttentionOp, Grad, Masked, Qkv, Varlen};
+use packshard_reference::Result;
 
 #[test]
 fn reference_passes_the_attention_suite() {
@@ -19,9 +19,9 @@ fn reference_passes_the_attention_suite() {
     static CALLS: AtomicUsize = AtomicUsize::new(0);
     struct Counting;
     impl AttentionHooks for Counting {
-        fn varlen_forward(&self, x: Qkv<'_>, p: &Varlen<'_>) -> Result<AttentionOutput, Error> {
+        fn varlen_forward(&self, x: Qkv<'_>, p: &Varlen<'_>) -> Result<AttentionOutput> {
             CALLS.fetch_add(1, Ordering::Relaxed);
-            x.varlen_forward(&ReferenceAttention, p)
+            ReferenceAttention.varlen_forward(x, p)
         }
     }
     let seen = run_attention_suite(&Planted(Counting), 256).unwrap();
@@ -47,36 +47,22 @@ struct Broken {
 }
 
 impl AttentionHooks for Broken {
-    fn varlen_forward(&self, x: Qkv<'_>, p: &Varlen<'_>) -> Result<AttentionOutput, Error> {
+    fn varlen_forward(&self, x: Qkv<'_>, p: &Varlen<'_>) -> Result<AttentionOutput> {
         let whole = [0, x.q.dim().0];
         let one = Varlen::new(&whole, p.causal, p.scale);
-        x.varlen_forward(
-            &ReferenceAttention,
-            if self.ignore_cu_seqlens { &one } else { p },
-        )
+        ReferenceAttention.varlen_forward(x, if self.ignore_cu_seqlens { &one } else { p })
     }
-    fn varlen_backward(
-        &self,
-        x: Qkv<'_>,
-        p: &Varlen<'_>,
-        f: &AttentionOutput,
-        g: ArrayView3<f64>,
-    ) -> Result<AttentionGrads, Error> {
+    fn varlen_backward(&self, x: Qkv<'_>, p: &Varlen<'_>, g: Grad<'_>) -> Result<AttentionGrads> {
         let whole = [0, x.q.dim().0];
         let one = Varlen::new(&whole, p.causal, p.scale);
         let p = if self.ignore_cu_seqlens { &one } else { p };
-        x.varlen_backward(&ReferenceAttention, p, f, g)
+        ReferenceAttention.varlen_backward(x, p, g)
     }
-    fn masked_forward(
-        &self,
-        x: Qkv<'_>,
-        m: ArrayView2<bool>,
-        s: f64,
-    ) -> Result<AttentionOutput, Error> {
-        let mut out = x.masked_forward(&ReferenceAttention, m, s)?;
+    fn masked_forward(&self, x: Qkv<'_>, m: Masked<'_>) -> Result<AttentionOutput> {
+        let mut out = ReferenceAttention.masked_forward(x, m)?;
         if self.nan_on_empty_rows {
-            for i in 0..m.nrows() {
-                if !m.row(i).iter().any(|&a| a) {
+            for (i, row) in m.allowed.rows().into_iter().enumerate() {
+                if !row.iter().any(|&a| a) {
                     out.output.index_axis_mut(Axis(0), i).fill(f64::NAN);
                     out.lse.column_mut(i).fill(f64::NAN);
                 }

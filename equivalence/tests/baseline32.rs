@@ -6,7 +6,7 @@
 use ndarray::{Array2, Array3};
 use packshard_equivalence::attention::attention_cases;
 use packshard_equivalence::baseline32::{self, round_f32};
-use packshard_reference::bert::attention::{varlen_attention, varlen_attention_backward};
+use packshard_reference::attention::ReferenceAttention;
 use packshard_reference::vocab::{cross_entropy, LossConfig};
 use proptest::strategy::{Strategy, ValueTree};
 use proptest::test_runner::TestRunner;
@@ -33,19 +33,7 @@ fn attention_baseline_is_the_reference_in_f32() {
             .current()
             .rounded(round_f32);
         let cu = c.cu_seqlens();
-        let want =
-            varlen_attention(c.q.view(), c.k.view(), c.v.view(), &cu, false, c.scale).unwrap();
-        let wg = varlen_attention_backward(
-            c.q.view(),
-            c.k.view(),
-            c.v.view(),
-            &cu,
-            false,
-            c.scale,
-            &want,
-            c.grad_output.view(),
-        )
-        .unwrap();
+        let (want, wg) = c.varlen_pass(&ReferenceAttention).unwrap();
         let f = |x: &Array3<f64>| x.mapv(|v| v as f32);
         let (q, k, v, go) = (f(&c.q), f(&c.k), f(&c.v), f(&c.grad_output));
         let scale = c.scale as f32;

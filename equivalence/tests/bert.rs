@@ -2,18 +2,18 @@
 //! and negative controls for docs/FAULTS.md P1, P2, P5, P7, P8: each planted fault
 //! must make the suite fail, for the right reason.
 
-use ndarray::{Array2, ArrayView2};
+use ndarray::Array2;
 use packshard_equivalence::bert::{
     check_bert, fault_cases, reference_bert, run_bert_suite, run_layer_suite, BertCase, BertImpl,
 };
-use packshard_equivalence::planted::{AttentionHooks, Planted, Qkv};
+use packshard_equivalence::planted::{AttentionHooks, Planted};
 use packshard_equivalence::{Judge, Tolerance};
 use packshard_reference::bert::layer::ReferenceLayer;
 use packshard_reference::bert::{
     AttentionLayout, AttentionOutput, BertConfig, BertOutput, LossWeights, PackedAttention,
     Reduction, ReferenceAttention, TokenBatch, IGNORE_INDEX,
 };
-use packshard_reference::ops::{AttentionOp, Varlen};
+use packshard_reference::ops::{AttentionOp, Masked, Qkv, Varlen};
 use packshard_reference::packing::{Algorithm, PackedBatch};
 use packshard_reference::Error;
 
@@ -84,19 +84,10 @@ fn nan_on_empty(mut out: AttentionOutput) -> AttentionOutput {
 
 impl AttentionHooks for NanKernel {
     fn varlen_forward(&self, x: Qkv<'_>, p: &Varlen<'_>) -> Result<AttentionOutput, Error> {
-        Ok(nan_on_empty(x.varlen_forward(&ReferenceAttention, p)?))
+        Ok(nan_on_empty(ReferenceAttention.varlen_forward(x, p)?))
     }
-    fn masked_forward(
-        &self,
-        x: Qkv<'_>,
-        allowed: ArrayView2<bool>,
-        scale: f64,
-    ) -> Result<AttentionOutput, Error> {
-        Ok(nan_on_empty(x.masked_forward(
-            &ReferenceAttention,
-            allowed,
-            scale,
-        )?))
+    fn masked_forward(&self, x: Qkv<'_>, m: Masked<'_>) -> Result<AttentionOutput, Error> {
+        Ok(nan_on_empty(ReferenceAttention.masked_forward(x, m)?))
     }
 }
 

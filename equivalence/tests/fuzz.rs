@@ -14,13 +14,11 @@ use packshard_equivalence::fuzz::packing::{self as fp, PackFuzzCase};
 use packshard_equivalence::fuzz::vocab as fv;
 use packshard_equivalence::fuzz::{fuzz_random, replay_dirs, Failure, Outcome, ReplayError};
 use packshard_equivalence::packing::{BatchInput, Batcher, Packer, Reference as RefPacking};
-use packshard_equivalence::planted::{
-    AttentionHooks, CeCall, EmbeddingCall, Planted, Qkv, VocabHooks,
-};
+use packshard_equivalence::planted::{AttentionHooks, CeCall, EmbeddingCall, Planted, VocabHooks};
 use packshard_equivalence::{Judge, Tolerance};
 use packshard_reference::attention::ReferenceAttention as RefAttention;
 use packshard_reference::bert::{AttentionGrads, AttentionOutput};
-use packshard_reference::ops::Varlen;
+use packshard_reference::ops::{AttentionOp, Grad, Qkv, Varlen};
 use packshard_reference::packing::{Overlong, PackedBatch, PackingConfig, PackingPlan};
 use packshard_reference::vocab::embedding::ShardedEmbedding;
 use packshard_reference::vocab::sharded::ShardedLoss;
@@ -166,7 +164,7 @@ impl AttentionHooks for BrokenAttention {
         let at = |cu| Varlen::new(cu, false, s);
         let r = &RefAttention;
         match self.0 {
-            AttentionFault::LeakAcrossSegments => x.varlen_forward(r, &at(&whole)),
+            AttentionFault::LeakAcrossSegments => r.varlen_forward(x, &at(&whole)),
             AttentionFault::PanicOnEmptySegment => {
                 for w in cu.windows(2) {
                     assert!(
@@ -175,10 +173,10 @@ impl AttentionHooks for BrokenAttention {
                         w[0]
                     );
                 }
-                x.varlen_forward(r, &at(cu))
+                r.varlen_forward(x, &at(cu))
             }
             AttentionFault::NoMaxSubtraction => {
-                x.varlen_forward(r, &at(cu))?;
+                r.varlen_forward(x, &at(cu))?;
                 Ok(naive_forward(x.q, x.k, x.v, cu, s))
             }
             AttentionFault::AcceptsMalformedCuSeqlens => {
@@ -194,33 +192,32 @@ impl AttentionHooks for BrokenAttention {
                 if fixed.len() == 1 {
                     fixed.push(n);
                 }
-                x.varlen_forward(r, &at(&fixed))
+                r.varlen_forward(x, &at(&fixed))
             }
-            AttentionFault::UnscaledGradK => x.varlen_forward(r, &at(cu)),
+            AttentionFault::UnscaledGradK => r.varlen_forward(x, &at(cu)),
         }
     }
     fn varlen_backward(
         &self,
         x: Qkv<'_>,
         p: &Varlen<'_>,
-        f: &AttentionOutput,
-        g: ArrayView3<f64>,
+        up: Grad<'_>,
     ) -> Result<AttentionGrads, Error> {
         let (cu, s) = (p.cu_seqlens_q, p.scale);
         let whole = [0, x.q.dim().0];
         let at = |cu| Varlen::new(cu, false, s);
         let r = &RefAttention;
         match self.0 {
-            AttentionFault::LeakAcrossSegments => x.varlen_backward(r, &at(&whole), f, g),
+            AttentionFault::LeakAcrossSegments => r.varlen_backward(x, &at(&whole), up),
             AttentionFault::UnscaledGradK => {
-                let mut grads = x.varlen_backward(r, &at(cu), f, g)?;
+                let mut grads = r.varlen_backward(x, &at(cu), up)?;
                 grads.grad_k.mapv_inplace(|x| x / s);
                 Ok(grads)
             }
             _ => {
                 // Consistent with this forward: the reference's own forward.
-                let f = x.varlen_forward(r, &at(cu))?;
-                x.varlen_backward(r, &at(cu), &f, g)
+                let f = r.varlen_forward(x, &at(cu))?;
+                r.varlen_backward(x, &at(cu), Grad::new(&f, up.grad_output))
             }
         }
     }
@@ -540,7 +537,7 @@ struct SubToleranceLeak;
 
 impl AttentionHooks for SubToleranceLeak {
     fn varlen_forward(&self, x: Qkv<'_>, p: &Varlen<'_>) -> Result<AttentionOutput, Error> {
-        let mut out = x.varlen_forward(&RefAttention, p)?;
+        let mut out = RefAttention.varlen_forward(x, p)?;
         let last = out.output.dim().0 - 1;
         out.output[[last, 0, 0]] += 2e-15 * x.q[[0, 0, 0]];
         Ok(out)

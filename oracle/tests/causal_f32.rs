@@ -8,11 +8,11 @@
 //! through the same suite, packed == padded and against the f64 truth
 //! within an f32 tolerance; with labels shifted over the pack (C1) caught.
 
-use ndarray::{Array2, ArrayView3};
+use ndarray::Array2;
 use packshard_equivalence::causal::{
     run_causal_suite, CausalBatch, CausalForm, CausalLmImpl, CausalRun, ReferenceCausalLm,
 };
-use packshard_equivalence::planted::{AttentionHooks, Planted, Qkv};
+use packshard_equivalence::planted::{AttentionHooks, Planted};
 use packshard_equivalence::{Judge, RelativeRule, Tolerance};
 use packshard_optimized::ops::{ScalarAttention, TiledAttention};
 use packshard_oracle::causal_lm::{run_f32_layers, F32LayersCausalLm};
@@ -20,7 +20,7 @@ use packshard_reference::attention::{AttentionGrads, AttentionOutput};
 use packshard_reference::decoder::{
     loss_weights, next_token_labels, CausalReduction, DecoderConfig, DecoderModel, KvCache,
 };
-use packshard_reference::ops::{AttentionOp, AttentionSupport, Precision, Varlen};
+use packshard_reference::ops::{AttentionOp, AttentionSupport, Grad, Precision, Qkv, Varlen};
 use packshard_reference::Result;
 
 /// The f32 attention inside the f64 decoder: f64 inputs (the pipeline
@@ -73,21 +73,12 @@ impl AttentionHooks for AcrossDocuments {
     }
     fn varlen_forward(&self, x: Qkv<'_>, p: &Varlen<'_>) -> Result<AttentionOutput> {
         let (cq, ck) = whole(p);
-        x.varlen_forward(
-            &TiledAttention::F32,
-            &Varlen::cross(&cq, &ck, p.causal, p.scale),
-        )
+        TiledAttention::F32.varlen_forward(x, &Varlen::cross(&cq, &ck, p.causal, p.scale))
     }
-    fn varlen_backward(
-        &self,
-        x: Qkv<'_>,
-        p: &Varlen<'_>,
-        fwd: &AttentionOutput,
-        g: ArrayView3<f64>,
-    ) -> Result<AttentionGrads> {
+    fn varlen_backward(&self, x: Qkv<'_>, p: &Varlen<'_>, g: Grad<'_>) -> Result<AttentionGrads> {
         let (cq, ck) = whole(p);
         let p1 = Varlen::cross(&cq, &ck, p.causal, p.scale);
-        x.varlen_backward(&TiledAttention::F32, &p1, fwd, g)
+        TiledAttention::F32.varlen_backward(x, &p1, g)
     }
 }
 

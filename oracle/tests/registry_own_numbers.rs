@@ -17,7 +17,8 @@
 use ndarray::{Array2, Array3};
 use packshard_oracle::eval::evaluate;
 use packshard_oracle::registry::{self, Precision};
-use packshard_reference::ops::Varlen;
+use packshard_reference::attention::varlen_pass;
+use packshard_reference::ops::{AttentionOp, Qkv, Varlen};
 use packshard_reference::vocab::{LossConfig, ShardLayout, ShardMap, ShardedAlgorithm};
 use serde_json::{json, Value};
 
@@ -121,33 +122,27 @@ fn every_attention_answers_with_its_own_numbers() {
     let cu = [0usize, 4, 4, 9];
     let p = Varlen::new(&cu, false, 0.45);
     let list = registry::attention();
-    let reference = {
-        let r = registry::find(&list, registry::REFERENCE)
-            .unwrap()
-            .make()
-            .unwrap();
-        let f = r.varlen_forward(q.view(), k.view(), v.view(), &p).unwrap();
-        let g = r
-            .varlen_backward(q.view(), k.view(), v.view(), &p, &f, go.view())
-            .unwrap();
+    let x = Qkv::new(q.view(), k.view(), v.view());
+    // Output, the three gradients and lse, flat.
+    let numbers = |op: &dyn AttentionOp| -> Vec<Vec<f64>> {
+        let (f, g) = varlen_pass(op, x, &p, go.view()).unwrap();
         [&f.output, &g.grad_q, &g.grad_k, &g.grad_v]
             .iter()
             .map(|a| a.iter().copied().collect::<Vec<f64>>())
             .chain([f.lse.iter().copied().collect()])
-            .collect::<Vec<_>>()
+            .collect()
     };
+    let reference = numbers(
+        registry::find(&list, registry::REFERENCE)
+            .unwrap()
+            .make()
+            .unwrap()
+            .as_ref(),
+    );
     let mut ran = 0;
     for entry in &list {
         let Ok(op) = entry.make() else { continue };
-        let f = op.varlen_forward(q.view(), k.view(), v.view(), &p).unwrap();
-        let g = op
-            .varlen_backward(q.view(), k.view(), v.view(), &p, &f, go.view())
-            .unwrap();
-        let mine: Vec<Vec<f64>> = [&f.output, &g.grad_q, &g.grad_k, &g.grad_v]
-            .iter()
-            .map(|a| a.iter().copied().collect::<Vec<f64>>())
-            .chain([f.lse.iter().copied().collect()])
-            .collect();
+        let mine = numbers(op.as_ref());
         // (1) eval runs exactly this constructor.
         let mut case = json!({"op": "attention", "q": json3(&q), "k": json3(&k), "v": json3(&v),
                               "cu_seqlens": cu, "scale": 0.45, "want_grad": true,

@@ -18,7 +18,7 @@ use packshard_oracle::eval::{make, EvalError};
 use packshard_oracle::registry;
 use packshard_reference::attention::default_scale;
 use packshard_reference::error::check_finite;
-use packshard_reference::ops::Varlen;
+use packshard_reference::ops::{Grad, Qkv, Varlen};
 use packshard_reference::vocab::sharded::ShardedLoss;
 use packshard_reference::vocab::{CrossEntropy, LossConfig, ShardLayout};
 
@@ -144,9 +144,10 @@ pub fn attention(imp: &str, a: &AttentionArgs<'_>) -> Result<Fields, EvalError> 
         check_finite("grad_output", go.iter())?;
     }
     let p = Varlen::new(&a.cu_seqlens, a.causal, a.scale());
-    let fwd = op.varlen_forward(a.q, a.k, a.v, &p)?;
+    let x = Qkv::new(a.q, a.k, a.v);
+    let fwd = op.varlen_forward(x, &p)?;
     let grads = match a.grad_output {
-        Some(go) => Some(op.varlen_backward(a.q, a.k, a.v, &p, &fwd, go)?),
+        Some(go) => Some(op.varlen_backward(x, &p, Grad::new(&fwd, go))?),
         None => None,
     };
     let mut out: Fields = vec![("output", t3(fwd.output)), ("lse", t2(fwd.lse))];

@@ -11,7 +11,8 @@ use ndarray::{ArrayView2, ArrayView3};
 use numpy::{PyArrayDyn, PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArray3};
 use packshard_oracle::eval::{self, EvalError};
 use packshard_oracle::registry::{self, Family};
-use packshard_reference::ops::Varlen;
+use packshard_reference::attention::varlen_pass;
+use packshard_reference::ops::{Qkv, Varlen};
 use packshard_reference::vocab::{LossConfig, Reduction, SmoothingConvention};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -194,8 +195,7 @@ fn time_attention<'py>(
         let mut times = Vec::with_capacity(reps);
         for _ in 0..reps {
             let t = Instant::now();
-            let fwd = op.varlen_forward(q, k, v, &p)?;
-            let g = op.varlen_backward(q, k, v, &p, &fwd, go)?;
+            let g = varlen_pass(op.as_ref(), Qkv::new(q, k, v), &p, go)?;
             std::hint::black_box(&g);
             times.push(t.elapsed().as_secs_f64());
         }

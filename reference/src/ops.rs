@@ -189,12 +189,81 @@ impl AttentionSupport {
     }
 }
 
+/// One attention call's inputs: `q: [n_q, h, d]`, `k, v: [n_k, h_kv, d]`
+/// (`h_kv` divides `h`; query head `a` reads key head `a / (h / h_kv)`).
+#[derive(Debug, Clone, Copy)]
+pub struct Qkv<'a> {
+    /// `[n_q, h, d]`: queries.
+    pub q: ArrayView3<'a, f64>,
+    /// `[n_k, h_kv, d]`: keys.
+    pub k: ArrayView3<'a, f64>,
+    /// `[n_k, h_kv, d]`: values.
+    pub v: ArrayView3<'a, f64>,
+}
+
+impl<'a> Qkv<'a> {
+    /// The three views as one value.
+    pub fn new(q: ArrayView3<'a, f64>, k: ArrayView3<'a, f64>, v: ArrayView3<'a, f64>) -> Self {
+        Qkv { q, k, v }
+    }
+
+    /// Query rows `rows` over key rows `rows` (one row of a dense layout).
+    pub fn rows(self, rows: ndarray::Slice) -> Self {
+        let axis = ndarray::Axis(0);
+        Qkv {
+            q: self.q.slice_axis_move(axis, rows),
+            k: self.k.slice_axis_move(axis, rows),
+            v: self.v.slice_axis_move(axis, rows),
+        }
+    }
+}
+
+/// One dense attention problem, the arguments of the masked form besides
+/// the tensors: `allowed: [n_q, n_k]`, `allowed[[i, j]]` when query `i` may
+/// attend to key `j` (Hugging Face's additive `0 / -inf` mask as booleans).
+#[derive(Debug, Clone, Copy)]
+pub struct Masked<'a> {
+    /// `[n_q, n_k]`: query `i` may attend to key `j`.
+    pub allowed: ArrayView2<'a, bool>,
+    /// Multiplies `q . k` (`1/sqrt(d)` by default, [`crate::attention::default_scale`]).
+    pub scale: f64,
+}
+
+impl<'a> Masked<'a> {
+    /// `allowed: [n_q, n_k]` with `scale`.
+    pub fn new(allowed: ArrayView2<'a, bool>, scale: f64) -> Self {
+        Masked { allowed, scale }
+    }
+}
+
+/// The gradient a backward receives besides the call's inputs:
+/// `grad_output: [n_q, h, d]`, the loss's gradient with respect to the
+/// forward's output, with that forward's result `fwd` (`output: [n_q, h,
+/// d]`, `lse: [h, n_q]`, from which flash-attention's backward recomputes
+/// the probabilities).
+#[derive(Debug, Clone, Copy)]
+pub struct Grad<'a> {
+    /// The forward's result on the same inputs.
+    pub fwd: &'a AttentionOutput,
+    /// `[n_q, h, d]`.
+    pub grad_output: ArrayView3<'a, f64>,
+}
+
+impl<'a> Grad<'a> {
+    /// The forward's result and the incoming gradient as one value.
+    pub fn new(fwd: &'a AttentionOutput, grad_output: ArrayView3<'a, f64>) -> Self {
+        Grad { fwd, grad_output }
+    }
+}
+
 /// Attention in its two forms: variable-length over `cu_seqlens` (the packed
-/// batch) and dense with a boolean mask (the padded batch, or a packed one
-/// with a block-diagonal mask). Shapes: `q: [n_q, h, d]`, `k, v: [n_k, h_kv,
-/// d]`; results `output: [n_q, h, d]`, `lse: [h, n_q]` (natural log, `-inf`
-/// for a query with no allowed key, whose output and gradients are 0:
-/// docs/FAULTS.md P8), `grad_q: [n_q, h, d]`, `grad_k, grad_v: [n_k, h_kv, d]`.
+/// batch, [`Varlen`]) and dense with a boolean mask (the padded batch, or a
+/// packed one with a block-diagonal mask, [`Masked`]). Shapes: the inputs
+/// [`Qkv`] (`q: [n_q, h, d]`, `k, v: [n_k, h_kv, d]`); results `output: [n_q,
+/// h, d]`, `lse: [h, n_q]` (natural log, `-inf` for a query with no allowed
+/// key, whose output and gradients are 0: docs/FAULTS.md P8), `grad_q: [n_q,
+/// h, d]`, `grad_k, grad_v: [n_k, h_kv, d]`; a backward's [`Grad`]
+/// (`fwd`, `grad_output: [n_q, h, d]`).
 ///
 /// Errors are the reference's ([`crate::attention`]): shapes
 /// ([`Error::ShapeMismatch`]), offsets ([`Error::InvalidArgument`] naming
@@ -206,94 +275,53 @@ pub trait AttentionOp: Send + Sync {
         AttentionSupport::BIDIRECTIONAL
     }
 
-    /// The varlen forward.
+    /// The varlen forward: the segments of `p` (causal ones bottom-right
+    /// aligned).
     ///
     /// # Errors
     /// See the trait docs.
-    fn varlen_forward(
-        &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
-        p: &Varlen<'_>,
-    ) -> Result<AttentionOutput>;
+    fn varlen_forward(&self, x: Qkv<'_>, p: &Varlen<'_>) -> Result<AttentionOutput>;
 
-    /// The varlen backward: `fwd` the forward's result, `grad_output: [n_q, h, d]`.
+    /// The varlen backward of the forward `g.fwd` on the same inputs.
     ///
     /// # Errors
     /// See the trait docs.
-    fn varlen_backward(
-        &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
-        p: &Varlen<'_>,
-        fwd: &AttentionOutput,
-        grad_output: ArrayView3<f64>,
-    ) -> Result<AttentionGrads>;
+    fn varlen_backward(&self, x: Qkv<'_>, p: &Varlen<'_>, g: Grad<'_>) -> Result<AttentionGrads>;
 
-    /// The dense forward: `allowed: [n_q, n_k]`, `allowed[[i, j]]` when query
-    /// `i` may attend to key `j`.
+    /// The dense forward: query `i` attends to key `j` when
+    /// `m.allowed[[i, j]]` (`[n_q, n_k]`).
     ///
     /// # Errors
     /// See the trait docs.
-    fn masked_forward(
-        &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
-        allowed: ArrayView2<bool>,
-        scale: f64,
-    ) -> Result<AttentionOutput>;
+    fn masked_forward(&self, x: Qkv<'_>, m: Masked<'_>) -> Result<AttentionOutput>;
 
-    /// The dense backward.
+    /// The dense backward of the forward `g.fwd` on the same inputs.
     ///
     /// # Errors
     /// See the trait docs.
-    #[allow(clippy::too_many_arguments)]
-    fn masked_backward(
-        &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
-        allowed: ArrayView2<bool>,
-        scale: f64,
-        fwd: &AttentionOutput,
-        grad_output: ArrayView3<f64>,
-    ) -> Result<AttentionGrads>;
+    fn masked_backward(&self, x: Qkv<'_>, m: Masked<'_>, g: Grad<'_>) -> Result<AttentionGrads>;
 
     /// The forward over a model's [`AttentionLayout`] (one varlen call, or
     /// one masked call per dense row: [`crate::attention::layout_forward`]).
     ///
     /// # Errors
     /// See the trait docs.
-    fn forward(
-        &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
-        layout: &AttentionLayout,
-        scale: f64,
-    ) -> Result<AttentionOutput> {
-        crate::attention::layout_forward(self, q, k, v, layout, scale)
+    fn forward(&self, x: Qkv<'_>, layout: &AttentionLayout, scale: f64) -> Result<AttentionOutput> {
+        crate::attention::layout_forward(self, x, layout, scale)
     }
 
     /// The backward over a model's [`AttentionLayout`].
     ///
     /// # Errors
     /// See the trait docs.
-    #[allow(clippy::too_many_arguments)]
     fn backward(
         &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
+        x: Qkv<'_>,
         layout: &AttentionLayout,
         scale: f64,
-        fwd: &AttentionOutput,
-        grad_output: ArrayView3<f64>,
+        g: Grad<'_>,
     ) -> Result<AttentionGrads> {
-        crate::attention::layout_backward(self, q, k, v, layout, scale, fwd, grad_output)
+        crate::attention::layout_backward(self, x, layout, scale, g)
     }
 }
 

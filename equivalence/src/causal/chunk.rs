@@ -139,9 +139,7 @@ pub fn check_bottom_right(
     let scale = 1.0 / (d as f64).sqrt();
     let cross = op
         .varlen_forward(
-            q.view(),
-            k.view(),
-            v.view(),
+            Qkv::new(q.view(), k.view(), v.view()),
             &Varlen::cross(&[0, 3, 5], &[0, 1, 5], true, scale),
         )
         .map_err(|x| e("attention chunk", x))?;
@@ -168,9 +166,7 @@ pub fn check_bottom_right(
     let v4 = v.slice_axis(Axis(0), (1..5).into()).to_owned();
     let full = op
         .varlen_forward(
-            q4.view(),
-            k4.view(),
-            v4.view(),
+            Qkv::new(q4.view(), k4.view(), v4.view()),
             &Varlen::new(&[0, 4], true, scale),
         )
         .map_err(|x| e("attention whole", x))?;

@@ -47,7 +47,7 @@ use packshard_reference::decoder::{
     loss_weights, next_token_labels, varlen_from_doc_ids, CausalReduction, DecoderAttention,
     DecoderConfig, DecoderInput, DecoderModel, DecoderParams, KvCache, Mlp, Norm,
 };
-use packshard_reference::ops::{AttentionOp, Varlen};
+use packshard_reference::ops::{AttentionOp, Qkv, Varlen};
 use packshard_reference::vocab::IGNORE_INDEX;
 use packshard_reference::Error;
 use proptest::prelude::*;

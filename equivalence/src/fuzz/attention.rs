@@ -23,17 +23,17 @@
 //! bit-for-bit unchanged (P2).
 
 use arbitrary::{Arbitrary, Unstructured};
-use ndarray::{Array2, Array3, ArrayView3, Axis, Slice};
+use ndarray::{Array3, ArrayView3, Axis, Slice};
 use packshard_reference::bert::attention::{varlen_attention, varlen_attention_backward};
 use packshard_reference::bert::{AttentionGrads, AttentionOutput};
 use packshard_reference::Error;
 
 use super::values::{plants, Gen};
 use super::{brief, catch_panic, Failure, Outcome};
-use crate::attention::{AttentionCase, IMPL};
+use crate::attention::{AttentionCase, PaddedSegment, PaddingLeak, IMPL};
 use crate::compare::Judge;
 use crate::compare::{assert_close_with_scale, Mismatch, Tolerance};
-use packshard_reference::ops::{AttentionOp, Varlen};
+use packshard_reference::ops::{AttentionOp, Grad, Qkv, Varlen};
 
 /// Most segments in a case.
 pub const MAX_SEGMENTS: usize = 8;
@@ -345,6 +345,12 @@ fn rows(x: &Array3<f64>, a: usize, b: usize) -> ArrayView3<'_, f64> {
     x.slice_axis(Axis(0), Slice::from(a..b))
 }
 
+/// The terms of tokens `a..b` of `c` (one segment, bidirectional).
+fn segment_terms(c: &AttentionCase, a: usize, b: usize) -> AttentionTerms {
+    let r = |x| rows(x, a, b);
+    AttentionTerms::of(r(&c.q), r(&c.k), r(&c.v), r(&c.grad_output), c.scale, false)
+}
+
 fn flat(x: ArrayView3<f64>) -> Vec<f64> {
     x.iter().copied().collect()
 }
@@ -379,11 +385,29 @@ fn outcome<A, B>(
     }
 }
 
+/// `f`'s shapes: `output: [n, h, d]`, `lse: [h, n]`.
+fn output_shapes(
+    what: &str,
+    dim: (usize, usize, usize),
+    f: &AttentionOutput,
+) -> Result<(), Mismatch> {
+    let tensors = [("output", f.output.shape()), ("lse", f.lse.shape())];
+    check_shapes(what, dim, &tensors)
+}
+
+/// `g`'s shapes: `grad_q, grad_k, grad_v: [n, h, d]`.
+fn grad_shapes(what: &str, dim: (usize, usize, usize), g: &AttentionGrads) -> Result<(), Mismatch> {
+    let tensors = [
+        ("grad_q", g.grad_q.shape()),
+        ("grad_k", g.grad_k.shape()),
+        ("grad_v", g.grad_v.shape()),
+    ];
+    check_shapes(what, dim, &tensors)
+}
+
 fn check_shapes(
     what: &str,
-    n: usize,
-    h: usize,
-    d: usize,
+    (n, h, d): (usize, usize, usize),
     tensors: &[(&str, &[usize])],
 ) -> Result<(), Mismatch> {
     for (name, shape) in tensors {
@@ -421,21 +445,19 @@ pub fn check(
     let (q, k, v, go) = (c.q.view(), c.k.view(), c.v.view(), c.grad_output.view());
     let expected = varlen_attention(q, k, v, cu, false, c.scale);
     let actual = catch_panic("varlen_forward", || {
-        imp.varlen_forward(q, k, v, &Varlen::new(cu, false, c.scale))
+        imp.varlen_forward(Qkv::new(q, k, v), &Varlen::new(cu, false, c.scale))
     })?;
     let Some((ef, af)) = outcome("varlen_forward", expected, actual, cu)? else {
         return Ok(Outcome::errors_alike());
     };
-    check_shapes(
-        "varlen_forward",
-        n,
-        h,
-        d,
-        &[("output", af.output.shape()), ("lse", af.lse.shape())],
-    )?;
+    output_shapes("varlen_forward", (n, h, d), &af)?;
     let eg = varlen_attention_backward(q, k, v, cu, false, c.scale, &ef, go);
     let ag = catch_panic("varlen_backward", || {
-        imp.varlen_backward(q, k, v, &Varlen::new(cu, false, c.scale), &af, go)
+        imp.varlen_backward(
+            Qkv::new(q, k, v),
+            &Varlen::new(cu, false, c.scale),
+            Grad::new(&af, go),
+        )
     })?;
     let Some((eg, ag)) = outcome::<AttentionGrads, AttentionGrads>("varlen_backward", eg, ag, cu)?
     else {
@@ -444,17 +466,7 @@ pub fn check(
             "both sides refused a case whose forward they accepted",
         ));
     };
-    check_shapes(
-        "varlen_backward",
-        n,
-        h,
-        d,
-        &[
-            ("grad_q", ag.grad_q.shape()),
-            ("grad_k", ag.grad_k.shape()),
-            ("grad_v", ag.grad_v.shape()),
-        ],
-    )?;
+    grad_shapes("varlen_backward", (n, h, d), &ag)?;
     let (values, worst) = compare_segments(tol, c, cu, (&ef, &eg), (&af, &ag))?;
     let (padded_values, padded_worst) = check_padded(imp, tol, c, (&ef, &eg))?;
     check_no_leak(imp, c, &af)?;
@@ -462,19 +474,6 @@ pub fn check(
         values + padded_values,
         worst.max(padded_worst),
     ))
-}
-
-/// One segment in a padded row of `row_len`: its tokens, then padding slots
-/// holding planted garbage (`fill x (1 + ...)`, large and distinct).
-fn padded_row(x: &Array3<f64>, a: usize, len: usize, row_len: usize, fill: f64) -> Array3<f64> {
-    let (_, h, d) = x.dim();
-    Array3::from_shape_fn((row_len, h, d), |(i, j, c)| {
-        if i < len {
-            x[[a + i, j, c]]
-        } else {
-            fill * (1.0 + (i * 7 + j * 3 + c) as f64)
-        }
-    })
 }
 
 /// The padded form: every segment alone in a row of `row_len` with the
@@ -496,97 +495,48 @@ fn check_padded(
     for (s, w) in cu.windows(2).enumerate() {
         let (a, b) = (w[0], w[1]);
         let len = b - a;
-        let big = 1e3;
-        let (pq, pk, pv, pg) = (
-            padded_row(&c.q, a, len, l, big),
-            padded_row(&c.k, a, len, l, -big),
-            padded_row(&c.v, a, len, l, big),
-            padded_row(&c.grad_output, a, len, l, 1.0),
-        );
-        let mask = Array2::from_shape_fn((l, l), |(i, j)| i < len && j < len);
+        let padded = PaddedSegment::of(c, a, len);
         let err = |what: &str, e: Error| {
             Mismatch::new(
                 what,
                 format!("sequence {s} padded to {l}: unexpected error {e}"),
             )
         };
-        let pf = catch_panic("masked_forward", || {
-            imp.masked_forward(pq.view(), pk.view(), pv.view(), mask.view(), c.scale)
-        })?
-        .map_err(|e| err("masked_forward", e))?;
-        check_shapes(
-            "masked_forward",
-            l,
-            h,
-            d,
-            &[("output", pf.output.shape()), ("lse", pf.lse.shape())],
-        )?;
-        let pgr = catch_panic("masked_backward", || {
-            imp.masked_backward(
-                pq.view(),
-                pk.view(),
-                pv.view(),
-                mask.view(),
-                c.scale,
-                &pf,
-                pg.view(),
-            )
-        })?
-        .map_err(|e| err("masked_backward", e))?;
-        check_shapes(
-            "masked_backward",
-            l,
-            h,
-            d,
-            &[
-                ("grad_q", pgr.grad_q.shape()),
-                ("grad_k", pgr.grad_k.shape()),
-                ("grad_v", pgr.grad_v.shape()),
-            ],
-        )?;
+        let pf = catch_panic("masked_forward", || padded.forward(imp))?
+            .map_err(|e| err("masked_forward", e))?;
+        output_shapes("masked_forward", (l, h, d), &pf)?;
+        let pgr = catch_panic("masked_backward", || padded.backward(imp, &pf))?
+            .map_err(|e| err("masked_backward", e))?;
+        grad_shapes("masked_backward", (l, h, d), &pgr)?;
         // P8: a padding query has no allowed key: exactly 0, never NaN.
-        for (name, t) in [
-            ("output", &pf.output),
-            ("grad_q", &pgr.grad_q),
-            ("grad_k", &pgr.grad_k),
-            ("grad_v", &pgr.grad_v),
-        ] {
-            for i in len..l {
-                let row = t.index_axis(Axis(0), i);
-                if let Some((k, &x)) = row.iter().enumerate().find(|(_, x)| **x != 0.0) {
-                    return Err(Mismatch::new(
-                        format!("padded {name} (sequence {s})"),
-                        format!(
-                            "padding row {i} of {l} (no allowed key) holds {x:e} at [{}, {}]; it must be exactly 0, never NaN (docs/FAULTS.md P8)",
-                            k / d,
-                            k % d
-                        ),
-                    ));
-                }
+        match padded.leak(&pf, &pgr) {
+            Some(PaddingLeak::Value {
+                name,
+                row: i,
+                at: k,
+                x,
+            }) => {
+                return Err(Mismatch::new(
+                    format!("padded {name} (sequence {s})"),
+                    format!(
+                        "padding row {i} of {l} (no allowed key) holds {x:e} at [{}, {}]; it must be exactly 0, never NaN (docs/FAULTS.md P8)",
+                        k / d,
+                        k % d
+                    ),
+                ));
             }
-        }
-        for i in len..l {
-            for j in 0..h {
-                let x = pf.lse[[j, i]];
-                if x != f64::NEG_INFINITY {
-                    return Err(Mismatch::new(
-                        format!("padded lse (sequence {s})"),
-                        format!("padding row {i} head {j}: lse {x:e}, expected -inf (an empty softmax, docs/FAULTS.md P8)"),
-                    ));
-                }
+            Some(PaddingLeak::Lse { row: i, head: j, x }) => {
+                return Err(Mismatch::new(
+                    format!("padded lse (sequence {s})"),
+                    format!("padding row {i} head {j}: lse {x:e}, expected -inf (an empty softmax, docs/FAULTS.md P8)"),
+                ));
             }
+            None => {}
         }
         if len == 0 {
             continue;
         }
-        let terms = AttentionTerms::of(
-            rows(&c.q, a, b),
-            rows(&c.k, a, b),
-            rows(&c.v, a, b),
-            rows(&c.grad_output, a, b),
-            c.scale,
-            false,
-        );
+        let terms = segment_terms(c, a, b);
         let mine = |x: &Array3<f64>| flat(rows(x, 0, len));
         let theirs = |x: &Array3<f64>| flat(rows(x, a, b));
         let lse = |from: usize| {
@@ -642,9 +592,7 @@ fn check_no_leak(
     });
     let after = catch_panic("varlen_forward", || {
         imp.varlen_forward(
-            q2.view(),
-            k2.view(),
-            v2.view(),
+            Qkv::new(q2.view(), k2.view(), v2.view()),
             &Varlen::new(&cu, false, c.scale),
         )
     })?
@@ -687,14 +635,7 @@ fn compare_segments(
         if len == 0 {
             continue;
         }
-        let terms = AttentionTerms::of(
-            rows(&c.q, a, b),
-            rows(&c.k, a, b),
-            rows(&c.v, a, b),
-            rows(&c.grad_output, a, b),
-            c.scale,
-            false,
-        );
+        let terms = segment_terms(c, a, b);
         let seg = |x: &Array3<f64>| flat(rows(x, a, b));
         let lse = |x: &ndarray::Array2<f64>| -> Vec<f64> {
             x.slice_axis(Axis(1), Slice::from(a..b))

@@ -10,11 +10,11 @@
 //! masks, grouped-query attention and `cu_seqlens_k != cu_seqlens_q`. `tests/differential.rs` fuzzes it against the f64
 //! reference; `fuzz/` does the same under libFuzzer.
 
-use ndarray::{Array2, Array3, ArrayView2, ArrayView3};
+use ndarray::{Array2, Array3, ArrayView3};
 use packshard_reference::bert::attention::check_cu_seqlens;
 use packshard_reference::bert::{AttentionGrads, AttentionOutput};
-use packshard_reference::ops::{AttentionOp, Varlen};
-use packshard_reference::Error;
+use packshard_reference::ops::{AttentionOp, Grad, Masked, Qkv, Varlen};
+use packshard_reference::{Error, Result};
 
 /// The kernel: one query at a time, softmax with the row maximum subtracted.
 #[derive(Debug, Clone, Copy, Default)]
@@ -22,11 +22,8 @@ pub struct NaiveAttention;
 
 /// Forward and backward of the queries in `rows` of one head, each over the
 /// keys `allowed(i)` gives (indices into the same tensors).
-#[allow(clippy::too_many_arguments)]
 fn attend(
-    q: &ArrayView3<f64>,
-    k: &ArrayView3<f64>,
-    v: &ArrayView3<f64>,
+    Qkv { q, k, v }: &Qkv<'_>,
     head: usize,
     rows: std::ops::Range<usize>,
     allowed: &dyn Fn(usize) -> Vec<usize>,
@@ -78,11 +75,7 @@ fn attend(
     }
 }
 
-fn check_shapes(
-    q: &ArrayView3<f64>,
-    k: &ArrayView3<f64>,
-    v: &ArrayView3<f64>,
-) -> Result<(), Error> {
+fn check_shapes(Qkv { q, k, v }: &Qkv<'_>) -> Result<()> {
     for (name, t) in [("k", k), ("v", v)] {
         if t.dim() != q.dim() {
             return Err(Error::ShapeMismatch {
@@ -112,112 +105,68 @@ fn zeros(q: &ArrayView3<f64>) -> (AttentionOutput, AttentionGrads) {
 
 impl NaiveAttention {
     fn varlen(
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
+        x: Qkv<'_>,
         cu_seqlens: &[usize],
         scale: f64,
         dout: Option<&ArrayView3<f64>>,
-    ) -> Result<(AttentionOutput, AttentionGrads), Error> {
-        check_shapes(&q, &k, &v)?;
+    ) -> Result<(AttentionOutput, AttentionGrads)> {
+        check_shapes(&x)?;
         // Bad cu_seqlens must be an error, not a panic or a silent result:
         // packshard's own checker gives the reference's error.
-        check_cu_seqlens(cu_seqlens, q.dim().0)?;
-        let (mut out, mut grads) = zeros(&q);
+        check_cu_seqlens(cu_seqlens, x.q.dim().0)?;
+        let (mut out, mut grads) = zeros(&x.q);
         for w in cu_seqlens.windows(2) {
             let (a, b) = (w[0], w[1]);
-            for head in 0..q.dim().1 {
+            for head in 0..x.q.dim().1 {
                 let back = dout.map(|g| (g, &mut grads));
-                attend(
-                    &q,
-                    &k,
-                    &v,
-                    head,
-                    a..b,
-                    &|_| (a..b).collect(),
-                    scale,
-                    &mut out,
-                    back,
-                );
+                let keys = |_| (a..b).collect();
+                attend(&x, head, a..b, &keys, scale, &mut out, back);
             }
         }
         Ok((out, grads))
     }
 
     fn masked(
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
-        allowed: ArrayView2<bool>,
-        scale: f64,
+        x: Qkv<'_>,
+        m: Masked<'_>,
         dout: Option<&ArrayView3<f64>>,
-    ) -> Result<(AttentionOutput, AttentionGrads), Error> {
-        check_shapes(&q, &k, &v)?;
-        let n = q.dim().0;
-        if allowed.dim() != (n, n) {
+    ) -> Result<(AttentionOutput, AttentionGrads)> {
+        check_shapes(&x)?;
+        let n = x.q.dim().0;
+        if m.allowed.dim() != (n, n) {
             return Err(Error::ShapeMismatch {
                 field: "allowed".into(),
                 expected: format!("[{n}, {n}]"),
-                actual: allowed.shape().to_vec(),
+                actual: m.allowed.shape().to_vec(),
             });
         }
-        let (mut out, mut grads) = zeros(&q);
-        let keys = |i: usize| (0..n).filter(|&j| allowed[[i, j]]).collect();
-        for head in 0..q.dim().1 {
+        let (mut out, mut grads) = zeros(&x.q);
+        let keys = |i: usize| (0..n).filter(|&j| m.allowed[[i, j]]).collect();
+        for head in 0..x.q.dim().1 {
             let back = dout.map(|g| (g, &mut grads));
-            attend(&q, &k, &v, head, 0..n, &keys, scale, &mut out, back);
+            attend(&x, head, 0..n, &keys, m.scale, &mut out, back);
         }
         Ok((out, grads))
     }
 }
 
 impl AttentionOp for NaiveAttention {
-    fn varlen_forward(
-        &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
-        p: &Varlen<'_>,
-    ) -> Result<AttentionOutput, Error> {
-        self.support().check(p, q.dim().1, k.dim().1)?;
-        Ok(Self::varlen(q, k, v, p.cu_seqlens_q, p.scale, None)?.0)
+    fn varlen_forward(&self, x: Qkv<'_>, p: &Varlen<'_>) -> Result<AttentionOutput> {
+        self.support().check(p, x.q.dim().1, x.k.dim().1)?;
+        Ok(Self::varlen(x, p.cu_seqlens_q, p.scale, None)?.0)
     }
 
-    fn varlen_backward(
-        &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
-        p: &Varlen<'_>,
-        _fwd: &AttentionOutput,
-        grad_output: ArrayView3<f64>,
-    ) -> Result<AttentionGrads, Error> {
-        self.support().check(p, q.dim().1, k.dim().1)?;
-        // Recomputes the forward (as flash-attention does) rather than trusting `_fwd`.
-        Ok(Self::varlen(q, k, v, p.cu_seqlens_q, p.scale, Some(&grad_output))?.1)
+    fn varlen_backward(&self, x: Qkv<'_>, p: &Varlen<'_>, g: Grad<'_>) -> Result<AttentionGrads> {
+        self.support().check(p, x.q.dim().1, x.k.dim().1)?;
+        // Recomputes the forward (as flash-attention does) rather than trusting `g.fwd`.
+        Ok(Self::varlen(x, p.cu_seqlens_q, p.scale, Some(&g.grad_output))?.1)
     }
 
-    fn masked_forward(
-        &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
-        allowed: ArrayView2<bool>,
-        scale: f64,
-    ) -> Result<AttentionOutput, Error> {
-        Ok(Self::masked(q, k, v, allowed, scale, None)?.0)
+    fn masked_forward(&self, x: Qkv<'_>, m: Masked<'_>) -> Result<AttentionOutput> {
+        Ok(Self::masked(x, m, None)?.0)
     }
 
-    fn masked_backward(
-        &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
-        allowed: ArrayView2<bool>,
-        scale: f64,
-        _fwd: &AttentionOutput,
-        grad_output: ArrayView3<f64>,
-    ) -> Result<AttentionGrads, Error> {
-        Ok(Self::masked(q, k, v, allowed, scale, Some(&grad_output))?.1)
+    fn masked_backward(&self, x: Qkv<'_>, m: Masked<'_>, g: Grad<'_>) -> Result<AttentionGrads> {
+        Ok(Self::masked(x, m, Some(&g.grad_output))?.1)
     }
 }

@@ -17,7 +17,7 @@
 
 use std::sync::OnceLock;
 
-use ndarray::{Array2, Array3, ArrayView2, ArrayView3, Axis};
+use ndarray::{Array2, Array3, ArrayView2, Axis};
 use packshard_reference::attention::{
     check_mask_shape, check_varlen, AttentionGrads, AttentionOutput,
 };
@@ -37,6 +37,7 @@ use super::{CudaError, Gpu};
 use crate::convert::{to_f32, to_f32_real};
 use crate::ops::scalar_attention::{inputs, saved, widen, widen_grads};
 use crate::vocab::{check_linear, check_linear_inputs};
+use packshard_reference::ops::{Grad, Masked, Qkv};
 
 /// The CUDA attention kernels on backend `B` (see the module docs).
 pub struct CudaAttention<B: AttentionKernels + 'static> {
@@ -129,37 +130,26 @@ fn shape3(x: &[f32], s: AttnShape) -> Array3<f32> {
 /// non-finite ones reported) and their [`AttnShape`].
 type Inputs = ([Array3<f32>; 3], AttnShape);
 
-fn checked(q: &ArrayView3<f64>, k: &ArrayView3<f64>, v: &ArrayView3<f64>) -> Result<Inputs> {
-    let x = inputs(q, k, v)?;
-    let (n_tok, h, d) = q.dim();
-    Ok((x, AttnShape { n_tok, h, d }))
+fn checked(x: &Qkv<'_>) -> Result<Inputs> {
+    let x32 = inputs(x)?;
+    let (n_tok, h, d) = x.q.dim();
+    Ok((x32, AttnShape { n_tok, h, d }))
 }
 
 impl<B: AttentionKernels + 'static> CudaAttention<B> {
     /// Checks a varlen problem as the reference does, then the support.
-    fn varlen(
-        &self,
-        q: &ArrayView3<f64>,
-        k: &ArrayView3<f64>,
-        v: &ArrayView3<f64>,
-        p: &Varlen<'_>,
-    ) -> Result<Inputs> {
-        let x = checked(q, k, v)?;
-        check_varlen(p, q.dim().0, k.dim().0)?;
-        self.support().check(p, q.dim().1, k.dim().1)?;
-        Ok(x)
+    fn varlen(&self, x: &Qkv<'_>, p: &Varlen<'_>) -> Result<Inputs> {
+        let x32 = checked(x)?;
+        check_varlen(p, x.q.dim().0, x.k.dim().0)?;
+        self.support().check(p, x.q.dim().1, x.k.dim().1)?;
+        Ok(x32)
     }
 
     /// Checks a masked problem as the reference does.
-    fn masked(
-        q: &ArrayView3<f64>,
-        k: &ArrayView3<f64>,
-        v: &ArrayView3<f64>,
-        allowed: &ArrayView2<bool>,
-    ) -> Result<(Inputs, Vec<bool>)> {
-        let x = checked(q, k, v)?;
-        check_mask_shape(allowed.shape(), q.dim().0)?;
-        Ok((x, allowed.iter().copied().collect()))
+    fn masked(x: &Qkv<'_>, m: &Masked<'_>) -> Result<(Inputs, Vec<bool>)> {
+        let x32 = checked(x)?;
+        check_mask_shape(m.allowed.shape(), x.q.dim().0)?;
+        Ok((x32, m.allowed.iter().copied().collect()))
     }
 
     fn forward(
@@ -182,10 +172,9 @@ impl<B: AttentionKernels + 'static> CudaAttention<B> {
         ([q, k, v], s): Inputs,
         form: Form<'_>,
         scale: f64,
-        fwd: &AttentionOutput,
-        grad_output: ArrayView3<f64>,
+        g: Grad<'_>,
     ) -> Result<AttentionGrads> {
-        let (out, lse, go) = saved(fwd, grad_output, q.dim())?;
+        let (out, lse, go) = saved(g, q.dim())?;
         let fwd32 = AttnForward {
             output: flat(&out).to_vec(),
             lse: flat(&lse).to_vec(),
@@ -217,54 +206,24 @@ impl<B: AttentionKernels + 'static> AttentionOp for CudaAttention<B> {
         }
     }
 
-    fn varlen_forward(
-        &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
-        p: &Varlen<'_>,
-    ) -> Result<AttentionOutput> {
-        let x = self.varlen(&q, &k, &v, p)?;
+    fn varlen_forward(&self, x: Qkv<'_>, p: &Varlen<'_>) -> Result<AttentionOutput> {
+        let x = self.varlen(&x, p)?;
         self.forward(x, Form::Packed(p.cu_seqlens_q), p.scale)
     }
 
-    fn varlen_backward(
-        &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
-        p: &Varlen<'_>,
-        fwd: &AttentionOutput,
-        grad_output: ArrayView3<f64>,
-    ) -> Result<AttentionGrads> {
-        let x = self.varlen(&q, &k, &v, p)?;
-        self.backward(x, Form::Packed(p.cu_seqlens_q), p.scale, fwd, grad_output)
+    fn varlen_backward(&self, x: Qkv<'_>, p: &Varlen<'_>, g: Grad<'_>) -> Result<AttentionGrads> {
+        let x = self.varlen(&x, p)?;
+        self.backward(x, Form::Packed(p.cu_seqlens_q), p.scale, g)
     }
 
-    fn masked_forward(
-        &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
-        allowed: ArrayView2<bool>,
-        scale: f64,
-    ) -> Result<AttentionOutput> {
-        let (x, a) = Self::masked(&q, &k, &v, &allowed)?;
-        self.forward(x, Form::Masked(&a), scale)
+    fn masked_forward(&self, x: Qkv<'_>, m: Masked<'_>) -> Result<AttentionOutput> {
+        let (x, a) = Self::masked(&x, &m)?;
+        self.forward(x, Form::Masked(&a), m.scale)
     }
 
-    fn masked_backward(
-        &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
-        allowed: ArrayView2<bool>,
-        scale: f64,
-        fwd: &AttentionOutput,
-        grad_output: ArrayView3<f64>,
-    ) -> Result<AttentionGrads> {
-        let (x, a) = Self::masked(&q, &k, &v, &allowed)?;
-        self.backward(x, Form::Masked(&a), scale, fwd, grad_output)
+    fn masked_backward(&self, x: Qkv<'_>, m: Masked<'_>, g: Grad<'_>) -> Result<AttentionGrads> {
+        let (x, a) = Self::masked(&x, &m)?;
+        self.backward(x, Form::Masked(&a), m.scale, g)
     }
 }
 

@@ -1,11 +1,13 @@
 //! The f32/bf16 attention kernels as [`AttentionOp`]s: inputs rounded on
 //! entry ([`crate::convert`]), results widened on exit.
 
-use ndarray::{Array2, ArrayView2, ArrayView3};
+use ndarray::{Array2, Array3};
 use packshard_reference::attention::{
     check_qkv_shapes, check_scores, check_varlen, AttentionGrads, AttentionOutput,
 };
-use packshard_reference::ops::{AttentionOp, AttentionSupport, Precision, Varlen};
+use packshard_reference::ops::{
+    AttentionOp, AttentionSupport, Grad, Masked, Precision, Qkv, Varlen,
+};
 use packshard_reference::{Error, Result};
 
 use crate::attention::{
@@ -33,39 +35,40 @@ fn widen_grads(g: AttentionGrads32) -> AttentionGrads {
     }
 }
 
-/// A forward result handed back to the backward (f32 values held in f64).
-fn narrow(fwd: &AttentionOutput) -> Result<AttentionOutput32> {
-    Ok(AttentionOutput32 {
-        output: to_f32("output", fwd.output.view())?,
-        lse: fwd.lse.mapv(|v| v as f32),
-    })
+/// A backward's forward result (f32 values held in f64) and incoming
+/// gradient, in f32.
+fn narrow(g: Grad<'_>) -> Result<(AttentionOutput32, Array3<f32>)> {
+    let fwd = AttentionOutput32 {
+        output: to_f32("output", g.fwd.output.view())?,
+        lse: g.fwd.lse.mapv(|v| v as f32),
+    };
+    Ok((fwd, to_f32("grad_output", g.grad_output)?))
 }
 
-/// Runs `$call` with `q, k, v` rounded to `$precision` (f32 or bf16).
+/// Runs `$call` with `q, k, v` of `$x` rounded to `$precision` (f32 or bf16).
 macro_rules! with_inputs {
-    ($precision:expr, $q:expr, $k:expr, $v:expr, |$qq:ident, $kk:ident, $vv:ident| $call:expr) => {
+    ($precision:expr, $x:expr, |$qq:ident, $kk:ident, $vv:ident| $call:expr) => {{
+        let Qkv { q, k, v } = $x;
         match $precision {
             Precision::Bf16 => {
-                let ($qq, $kk, $vv) = (to_bf16("q", $q)?, to_bf16("k", $k)?, to_bf16("v", $v)?);
+                let ($qq, $kk, $vv) = (to_bf16("q", q)?, to_bf16("k", k)?, to_bf16("v", v)?);
                 let ($qq, $kk, $vv) = ($qq.view(), $kk.view(), $vv.view());
                 $call
             }
             _ => {
-                let ($qq, $kk, $vv) = (to_f32("q", $q)?, to_f32("k", $k)?, to_f32("v", $v)?);
+                let ($qq, $kk, $vv) = (to_f32("q", q)?, to_f32("k", k)?, to_f32("v", v)?);
                 let ($qq, $kk, $vv) = ($qq.view(), $kk.view(), $vv.view());
                 $call
             }
         }
-    };
+    }};
 }
 
 /// Checks a varlen problem as the reference does, then what this kernel
 /// supports.
 fn check_problem(
     support: AttentionSupport,
-    q: &ArrayView3<f64>,
-    k: &ArrayView3<f64>,
-    v: &ArrayView3<f64>,
+    Qkv { q, k, v }: &Qkv<'_>,
     p: &Varlen<'_>,
 ) -> Result<()> {
     check_qkv_shapes(q.shape(), k.shape(), v.shape())?;
@@ -74,7 +77,8 @@ fn check_problem(
     check_scores(q, k, p.scale)
 }
 
-fn check_dense_heads(q: &ArrayView3<f64>, k: &ArrayView3<f64>, v: &ArrayView3<f64>) -> Result<()> {
+/// Checks a dense problem: the square mask this kernel needs, the scores.
+fn check_dense(Qkv { q, k, v }: &Qkv<'_>, scale: f64) -> Result<()> {
     check_qkv_shapes(q.shape(), k.shape(), v.shape())?;
     if k.dim().0 != q.dim().0 {
         return Err(Error::invalid(
@@ -86,7 +90,7 @@ fn check_dense_heads(q: &ArrayView3<f64>, k: &ArrayView3<f64>, v: &ArrayView3<f6
             ),
         ));
     }
-    Ok(())
+    check_scores(q, k, scale)
 }
 
 /// `attention_varlen_tiled` (f32 inputs) and `attention_varlen_tiled_bf16`
@@ -117,103 +121,53 @@ impl AttentionOp for TiledAttention {
         AttentionSupport::ALL
     }
 
-    fn varlen_forward(
-        &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
-        p: &Varlen<'_>,
-    ) -> Result<AttentionOutput> {
-        check_problem(self.support(), &q, &k, &v, p)?;
-        let out = with_inputs!(self.precision, q, k, v, |q, k, v| {
+    fn varlen_forward(&self, x: Qkv<'_>, p: &Varlen<'_>) -> Result<AttentionOutput> {
+        check_problem(self.support(), &x, p)?;
+        let out = with_inputs!(self.precision, x, |q, k, v| {
             varlen_attention_general(q, k, v, p)?
         });
         Ok(widen(out))
     }
 
-    fn varlen_backward(
-        &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
-        p: &Varlen<'_>,
-        fwd: &AttentionOutput,
-        grad_output: ArrayView3<f64>,
-    ) -> Result<AttentionGrads> {
-        check_problem(self.support(), &q, &k, &v, p)?;
-        let f = narrow(fwd)?;
-        let go = to_f32("grad_output", grad_output)?;
-        let g = with_inputs!(self.precision, q, k, v, |q, k, v| {
+    fn varlen_backward(&self, x: Qkv<'_>, p: &Varlen<'_>, g: Grad<'_>) -> Result<AttentionGrads> {
+        check_problem(self.support(), &x, p)?;
+        let (f, go) = narrow(g)?;
+        let g = with_inputs!(self.precision, x, |q, k, v| {
             varlen_attention_general_backward(q, k, v, p, &f, go.view())?
         });
         Ok(widen_grads(g))
     }
 
-    fn masked_forward(
-        &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
-        allowed: ArrayView2<bool>,
-        scale: f64,
-    ) -> Result<AttentionOutput> {
-        dense_forward(self.precision, q, k, v, allowed, scale)
+    fn masked_forward(&self, x: Qkv<'_>, m: Masked<'_>) -> Result<AttentionOutput> {
+        dense_forward(self.precision, x, m)
     }
 
-    fn masked_backward(
-        &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
-        allowed: ArrayView2<bool>,
-        scale: f64,
-        fwd: &AttentionOutput,
-        grad_output: ArrayView3<f64>,
-    ) -> Result<AttentionGrads> {
-        dense_backward(self.precision, q, k, v, allowed, scale, fwd, grad_output)
+    fn masked_backward(&self, x: Qkv<'_>, m: Masked<'_>, g: Grad<'_>) -> Result<AttentionGrads> {
+        dense_backward(self.precision, x, m, g)
     }
 }
 
-fn dense_forward(
-    precision: Precision,
-    q: ArrayView3<f64>,
-    k: ArrayView3<f64>,
-    v: ArrayView3<f64>,
-    allowed: ArrayView2<bool>,
-    scale: f64,
-) -> Result<AttentionOutput> {
-    check_dense_heads(&q, &k, &v)?;
-    check_scores(&q, &k, scale)?;
-    let n = q.dim().0;
-    let out = with_inputs!(precision, q, k, v, |q, k, v| dense_masked_attention(
-        q,
-        k,
-        v,
-        n,
-        &[allowed],
-        scale as f32
-    )?);
+fn dense_forward(precision: Precision, x: Qkv<'_>, m: Masked<'_>) -> Result<AttentionOutput> {
+    check_dense(&x, m.scale)?;
+    let n = x.q.dim().0;
+    let out = with_inputs!(precision, x, |q, k, v| {
+        dense_masked_attention(q, k, v, n, &[m.allowed], m.scale as f32)?
+    });
     Ok(widen(out))
 }
 
-#[allow(clippy::too_many_arguments)]
 fn dense_backward(
     precision: Precision,
-    q: ArrayView3<f64>,
-    k: ArrayView3<f64>,
-    v: ArrayView3<f64>,
-    allowed: ArrayView2<bool>,
-    scale: f64,
-    fwd: &AttentionOutput,
-    grad_output: ArrayView3<f64>,
+    x: Qkv<'_>,
+    m: Masked<'_>,
+    g: Grad<'_>,
 ) -> Result<AttentionGrads> {
-    check_dense_heads(&q, &k, &v)?;
-    check_scores(&q, &k, scale)?;
-    let n = q.dim().0;
-    let f = narrow(fwd)?;
-    let go = to_f32("grad_output", grad_output)?;
-    let g = with_inputs!(precision, q, k, v, |q, k, v| {
-        dense_masked_attention_backward(q, k, v, n, &[allowed], scale as f32, &f, go.view())?
+    check_dense(&x, m.scale)?;
+    let n = x.q.dim().0;
+    let (f, go) = narrow(g)?;
+    let (allowed, scale) = ([m.allowed], m.scale as f32);
+    let g = with_inputs!(precision, x, |q, k, v| {
+        dense_masked_attention_backward(q, k, v, n, &allowed, scale, &f, go.view())?
     });
     Ok(widen_grads(g))
 }
@@ -234,15 +188,10 @@ fn segment_mask(p: &Varlen<'_>, n: usize) -> Array2<bool> {
 }
 
 impl DenseMaskedAttention {
-    fn mask(
-        &self,
-        q: &ArrayView3<f64>,
-        k: &ArrayView3<f64>,
-        v: &ArrayView3<f64>,
-        p: &Varlen<'_>,
-    ) -> Result<Array2<bool>> {
-        check_problem(self.support(), q, k, v, p)?;
-        let n = q.dim().0;
+    /// The `[n, n]` mask of a varlen problem, checked.
+    fn mask(&self, x: &Qkv<'_>, p: &Varlen<'_>) -> Result<Array2<bool>> {
+        check_problem(self.support(), x, p)?;
+        let n = x.q.dim().0;
         if n > MAX_DENSE_TOKENS {
             return Err(Error::invalid(
                 "q",
@@ -262,60 +211,21 @@ impl AttentionOp for DenseMaskedAttention {
         }
     }
 
-    fn varlen_forward(
-        &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
-        p: &Varlen<'_>,
-    ) -> Result<AttentionOutput> {
-        let mask = self.mask(&q, &k, &v, p)?;
-        dense_forward(Precision::F32, q, k, v, mask.view(), p.scale)
+    fn varlen_forward(&self, x: Qkv<'_>, p: &Varlen<'_>) -> Result<AttentionOutput> {
+        let mask = self.mask(&x, p)?;
+        dense_forward(Precision::F32, x, Masked::new(mask.view(), p.scale))
     }
 
-    fn varlen_backward(
-        &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
-        p: &Varlen<'_>,
-        fwd: &AttentionOutput,
-        grad_output: ArrayView3<f64>,
-    ) -> Result<AttentionGrads> {
-        let mask = self.mask(&q, &k, &v, p)?;
-        dense_backward(
-            Precision::F32,
-            q,
-            k,
-            v,
-            mask.view(),
-            p.scale,
-            fwd,
-            grad_output,
-        )
+    fn varlen_backward(&self, x: Qkv<'_>, p: &Varlen<'_>, g: Grad<'_>) -> Result<AttentionGrads> {
+        let mask = self.mask(&x, p)?;
+        dense_backward(Precision::F32, x, Masked::new(mask.view(), p.scale), g)
     }
 
-    fn masked_forward(
-        &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
-        allowed: ArrayView2<bool>,
-        scale: f64,
-    ) -> Result<AttentionOutput> {
-        dense_forward(Precision::F32, q, k, v, allowed, scale)
+    fn masked_forward(&self, x: Qkv<'_>, m: Masked<'_>) -> Result<AttentionOutput> {
+        dense_forward(Precision::F32, x, m)
     }
 
-    fn masked_backward(
-        &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
-        allowed: ArrayView2<bool>,
-        scale: f64,
-        fwd: &AttentionOutput,
-        grad_output: ArrayView3<f64>,
-    ) -> Result<AttentionGrads> {
-        dense_backward(Precision::F32, q, k, v, allowed, scale, fwd, grad_output)
+    fn masked_backward(&self, x: Qkv<'_>, m: Masked<'_>, g: Grad<'_>) -> Result<AttentionGrads> {
+        dense_backward(Precision::F32, x, m, g)
     }
 }

@@ -12,12 +12,12 @@
 //! h_kv)`), `cu_seqlens_k` other than `cu_seqlens_q` with bottom-right
 //! causal masks ([`AttentionSupport::ALL`]); results widened to f64.
 
-use ndarray::{Array2, Array3, ArrayView2, ArrayView3};
+use ndarray::{Array2, Array3};
 use packshard_reference::attention::{
     check_grad_shapes, check_mask_shape2, check_qkv_shapes, check_scores, check_varlen,
     AttentionGrads, AttentionOutput,
 };
-use packshard_reference::ops::{AttentionOp, AttentionSupport, Varlen};
+use packshard_reference::ops::{AttentionOp, AttentionSupport, Grad, Masked, Qkv, Varlen};
 use packshard_reference::Result;
 
 use crate::attention::check_finite;
@@ -30,22 +30,14 @@ pub struct ScalarAttention;
 /// `q, k, v` in f32 (all of one shape), refusing non-finite inputs as the
 /// kernels do (the boundary of the CUDA attention, `crate::cuda::ops`).
 #[cfg(feature = "cuda")]
-pub(crate) fn inputs(
-    q: &ArrayView3<f64>,
-    k: &ArrayView3<f64>,
-    v: &ArrayView3<f64>,
-) -> Result<[Array3<f32>; 3]> {
-    packshard_reference::attention::check_qkv_same_shapes(q.shape(), k.shape(), v.shape())?;
-    grouped_inputs(q, k, v)
+pub(crate) fn inputs(x: &Qkv<'_>) -> Result<[Array3<f32>; 3]> {
+    packshard_reference::attention::check_qkv_same_shapes(x.q.shape(), x.k.shape(), x.v.shape())?;
+    grouped_inputs(x)
 }
 
 /// `q: [n_q, h, d]` and `k, v: [n_k, h_kv, d]` in f32, refusing non-finite
 /// inputs.
-fn grouped_inputs(
-    q: &ArrayView3<f64>,
-    k: &ArrayView3<f64>,
-    v: &ArrayView3<f64>,
-) -> Result<[Array3<f32>; 3]> {
+fn grouped_inputs(Qkv { q, k, v }: &Qkv<'_>) -> Result<[Array3<f32>; 3]> {
     check_qkv_shapes(q.shape(), k.shape(), v.shape())?;
     let out = [
         to_f32("q", q.view())?,
@@ -58,14 +50,24 @@ fn grouped_inputs(
     Ok(out)
 }
 
-/// Which keys a query may see: the whole problem as `[n_q, n_k]`.
+/// Which keys a query may see: the whole problem as `[n_q, n_k]`, checked
+/// against `n_q` queries over `n_k` keys as the reference checks it, with
+/// its scale.
 trait Mask {
     fn allowed(&self, i: usize, j: usize) -> bool;
+    fn check(&self, n_q: usize, n_k: usize) -> Result<()>;
+    fn scale(&self) -> f64;
 }
 
-impl Mask for ArrayView2<'_, bool> {
+impl Mask for Masked<'_> {
     fn allowed(&self, i: usize, j: usize) -> bool {
-        self[[i, j]]
+        self.allowed[[i, j]]
+    }
+    fn check(&self, n_q: usize, n_k: usize) -> Result<()> {
+        check_mask_shape2(self.allowed.shape(), n_q, n_k)
+    }
+    fn scale(&self) -> f64 {
+        self.scale
     }
 }
 
@@ -85,13 +87,36 @@ impl Mask for Segments<'_> {
         !self.0.causal
             || j - cu_k[s] + (cu_q[s + 1] - cu_q[s]) <= i - cu_q[s] + (cu_k[s + 1] - cu_k[s])
     }
+    fn check(&self, n_q: usize, n_k: usize) -> Result<()> {
+        check_varlen(self.0, n_q, n_k)
+    }
+    fn scale(&self) -> f64 {
+        self.0.scale
+    }
 }
 
-fn forward(
-    [q, k, v]: &[Array3<f32>; 3],
-    mask: &dyn Mask,
-    scale: f32,
-) -> (Array3<f32>, Array2<f32>) {
+/// `x` in f32, after the checks the reference makes: shapes and finite
+/// values, the mask, the scores.
+fn checked(x: &Qkv<'_>, mask: &dyn Mask) -> Result<[Array3<f32>; 3]> {
+    let x32 = grouped_inputs(x)?;
+    mask.check(x.q.dim().0, x.k.dim().0)?;
+    check_scores(&x.q, &x.k, mask.scale())?;
+    Ok(x32)
+}
+
+fn run_forward(x: Qkv<'_>, mask: &dyn Mask) -> Result<AttentionOutput> {
+    let x32 = checked(&x, mask)?;
+    Ok(widen(forward(&x32, mask)))
+}
+
+fn run_backward(x: Qkv<'_>, mask: &dyn Mask, g: Grad<'_>) -> Result<AttentionGrads> {
+    let x32 = checked(&x, mask)?;
+    let (out, lse, go) = saved(g, x.q.dim())?;
+    Ok(widen_grads(backward(&x32, mask, (&out, &lse), &go)))
+}
+
+fn forward([q, k, v]: &[Array3<f32>; 3], mask: &dyn Mask) -> (Array3<f32>, Array2<f32>) {
+    let scale = mask.scale() as f32;
     let (n, h, d) = q.dim();
     let (n_k, group) = (k.dim().0, h / k.dim().1);
     let mut out = Array3::<f32>::zeros((n, h, d));
@@ -130,10 +155,10 @@ fn forward(
 fn backward(
     [q, k, v]: &[Array3<f32>; 3],
     mask: &dyn Mask,
-    scale: f32,
     (out, lse): (&Array3<f32>, &Array2<f32>),
     go: &Array3<f32>,
 ) -> [Array3<f32>; 3] {
+    let scale = mask.scale() as f32;
     let (n, h, d) = q.dim();
     let (n_k, group) = (k.dim().0, h / k.dim().1);
     let (mut gq, mut gk, mut gv) = (
@@ -185,8 +210,7 @@ pub(crate) fn widen_grads([gq, gk, gv]: [Array3<f32>; 3]) -> AttentionGrads {
 
 /// The forward's results and the incoming gradient in f32, shapes checked.
 pub(crate) fn saved(
-    fwd: &AttentionOutput,
-    grad_output: ArrayView3<f64>,
+    Grad { fwd, grad_output }: Grad<'_>,
     dim: (usize, usize, usize),
 ) -> Result<(Array3<f32>, Array2<f32>, Array3<f32>)> {
     check_grad_shapes(
@@ -207,75 +231,19 @@ impl AttentionOp for ScalarAttention {
         AttentionSupport::ALL
     }
 
-    fn varlen_forward(
-        &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
-        p: &Varlen<'_>,
-    ) -> Result<AttentionOutput> {
-        let x = grouped_inputs(&q, &k, &v)?;
-        check_varlen(p, q.dim().0, k.dim().0)?;
-        check_scores(&q, &k, p.scale)?;
-        Ok(widen(forward(&x, &Segments(p), p.scale as f32)))
+    fn varlen_forward(&self, x: Qkv<'_>, p: &Varlen<'_>) -> Result<AttentionOutput> {
+        run_forward(x, &Segments(p))
     }
 
-    fn varlen_backward(
-        &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
-        p: &Varlen<'_>,
-        fwd: &AttentionOutput,
-        grad_output: ArrayView3<f64>,
-    ) -> Result<AttentionGrads> {
-        let x = grouped_inputs(&q, &k, &v)?;
-        check_varlen(p, q.dim().0, k.dim().0)?;
-        check_scores(&q, &k, p.scale)?;
-        let (out, lse, go) = saved(fwd, grad_output, q.dim())?;
-        Ok(widen_grads(backward(
-            &x,
-            &Segments(p),
-            p.scale as f32,
-            (&out, &lse),
-            &go,
-        )))
+    fn varlen_backward(&self, x: Qkv<'_>, p: &Varlen<'_>, g: Grad<'_>) -> Result<AttentionGrads> {
+        run_backward(x, &Segments(p), g)
     }
 
-    fn masked_forward(
-        &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
-        allowed: ArrayView2<bool>,
-        scale: f64,
-    ) -> Result<AttentionOutput> {
-        let x = grouped_inputs(&q, &k, &v)?;
-        check_mask_shape2(allowed.shape(), q.dim().0, k.dim().0)?;
-        check_scores(&q, &k, scale)?;
-        Ok(widen(forward(&x, &allowed, scale as f32)))
+    fn masked_forward(&self, x: Qkv<'_>, m: Masked<'_>) -> Result<AttentionOutput> {
+        run_forward(x, &m)
     }
 
-    fn masked_backward(
-        &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
-        allowed: ArrayView2<bool>,
-        scale: f64,
-        fwd: &AttentionOutput,
-        grad_output: ArrayView3<f64>,
-    ) -> Result<AttentionGrads> {
-        let x = grouped_inputs(&q, &k, &v)?;
-        check_mask_shape2(allowed.shape(), q.dim().0, k.dim().0)?;
-        check_scores(&q, &k, scale)?;
-        let (out, lse, go) = saved(fwd, grad_output, q.dim())?;
-        Ok(widen_grads(backward(
-            &x,
-            &allowed,
-            scale as f32,
-            (&out, &lse),
-            &go,
-        )))
+    fn masked_backward(&self, x: Qkv<'_>, m: Masked<'_>, g: Grad<'_>) -> Result<AttentionGrads> {
+        run_backward(x, &m, g)
     }
 }

@@ -5,10 +5,11 @@
 
 use ndarray::{Array1, Array2, Array3};
 use packshard_equivalence::causal::CausalCase;
+use packshard_reference::attention::varlen_pass;
 use packshard_reference::attention::AttentionLayout;
 use packshard_reference::bert::{BertConfig, BertParams};
 use packshard_reference::decoder::{CausalReduction, DecoderConfig};
-use packshard_reference::ops::{Precision, Varlen};
+use packshard_reference::ops::{Precision, Qkv, Varlen};
 use packshard_reference::vocab::LossConfig;
 use packshard_reference::{Error, Result};
 use rand::{Rng, SeedableRng};
@@ -192,8 +193,8 @@ pub fn registry(cfg: &BenchConfig) -> Result<Vec<ImplTiming>> {
         ),
         reps,
         |op| {
-            let f = op.varlen_forward(q.view(), k.view(), v.view(), &p)?;
-            let g = op.varlen_backward(q.view(), k.view(), v.view(), &p, &f, go.view())?;
+            let x = Qkv::new(q.view(), k.view(), v.view());
+            let (f, g) = varlen_pass(op, x, &p, go.view())?;
             Ok(vec![
                 flat(&f.output),
                 flat(&g.grad_q),

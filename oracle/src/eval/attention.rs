@@ -4,7 +4,7 @@
 
 use ndarray::{Array3, ArrayView2, ArrayView3};
 use packshard_reference::attention::{default_scale, AttentionGrads, AttentionOutput};
-use packshard_reference::ops::Varlen;
+use packshard_reference::ops::{Grad, Qkv, Varlen};
 use serde_json::{json, Value};
 
 use crate::registry;
@@ -41,10 +41,10 @@ fn run(
     grad_output: Option<&Array3<f64>>,
 ) -> Result<(AttentionOutput, Option<AttentionGrads>), EvalError> {
     let op = super::make(&registry::attention(), imp)?;
-    let (q, k, v) = (q.view(), k.view(), v.view());
-    let fwd = op.varlen_forward(q, k, v, p)?;
+    let x = Qkv::new(q.view(), k.view(), v.view());
+    let fwd = op.varlen_forward(x, p)?;
     let g = match grad_output {
-        Some(go) => Some(op.varlen_backward(q, k, v, p, &fwd, go.view())?),
+        Some(go) => Some(op.varlen_backward(x, p, Grad::new(&fwd, go.view()))?),
         None => None,
     };
     Ok((fwd, g))

@@ -7,7 +7,7 @@ use ndarray::{Array3, ArrayView2, ArrayView3, Axis, Slice};
 use super::check::{check_grad, check_layout, check_qkv};
 use super::{score, AttentionGrads, AttentionLayout, AttentionOutput, Block, Blocks};
 use crate::error::Result;
-use crate::ops::{AttentionOp, Varlen};
+use crate::ops::{AttentionOp, Grad, Masked, Qkv, Varlen};
 
 /// Backward of one block, given the forward's `lse` (probabilities are
 /// recomputed as `exp(s - lse)`, as flash-attention does). Key and value
@@ -63,7 +63,11 @@ pub fn masked_attention_backward(
     fwd: &AttentionOutput,
     grad_output: ArrayView3<f64>,
 ) -> Result<AttentionGrads> {
-    backward(q, k, v, Blocks::Dense(allowed, scale), fwd, grad_output)
+    backward(
+        Qkv::new(q, k, v),
+        Blocks::Dense(Masked::new(allowed, scale)),
+        Grad::new(fwd, grad_output),
+    )
 }
 
 fn zero_grads(qdim: (usize, usize, usize), kdim: (usize, usize, usize)) -> AttentionGrads {
@@ -88,25 +92,23 @@ pub fn varlen_attention_general_backward(
     fwd: &AttentionOutput,
     grad_output: ArrayView3<f64>,
 ) -> Result<AttentionGrads> {
-    backward(q, k, v, Blocks::Varlen(p), fwd, grad_output)
+    backward(
+        Qkv::new(q, k, v),
+        Blocks::Varlen(p),
+        Grad::new(fwd, grad_output),
+    )
 }
 
 /// The backward of either form.
-fn backward(
-    q: ArrayView3<f64>,
-    k: ArrayView3<f64>,
-    v: ArrayView3<f64>,
-    blocks: Blocks<'_>,
-    fwd: &AttentionOutput,
-    grad_output: ArrayView3<f64>,
-) -> Result<AttentionGrads> {
-    blocks.check((&q, &k, &v), Some((&grad_output, fwd)))?;
+pub(super) fn backward(x: Qkv<'_>, blocks: Blocks<'_>, g: Grad<'_>) -> Result<AttentionGrads> {
+    blocks.check(&x, Some(&g))?;
+    let Qkv { q, k, v } = x;
     let (n, h, d) = q.dim();
     let (n_k, h_kv, _) = k.dim();
     let mut grads = zero_grads((n, h, d), (n_k, h_kv, d));
-    let (out, lse) = (fwd.output.view(), fwd.lse.view());
+    let (out, lse) = (g.fwd.output.view(), g.fwd.lse.view());
     blocks.for_each((n, h), (n_k, h_kv), &mut |b| {
-        head_backward((&q, &k, &v), (&out, &grad_output, &lse), b, &mut grads);
+        head_backward((&q, &k, &v), (&out, &g.grad_output, &lse), b, &mut grads);
     });
     Ok(grads)
 }
@@ -141,32 +143,24 @@ pub fn varlen_attention_backward(
 ///
 /// # Errors
 /// Those of the op, [`check_layout`]'s and [`check_grad_shapes`]'.
-#[allow(clippy::too_many_arguments)]
 pub fn layout_backward<A: AttentionOp + ?Sized>(
     op: &A,
-    q: ArrayView3<f64>,
-    k: ArrayView3<f64>,
-    v: ArrayView3<f64>,
+    x: Qkv<'_>,
     layout: &AttentionLayout,
     scale: f64,
-    fwd: &AttentionOutput,
-    grad_output: ArrayView3<f64>,
+    g: Grad<'_>,
 ) -> Result<AttentionGrads> {
-    check_qkv(&q, &k, &v)?;
-    let (n, h, d) = q.dim();
+    check_qkv(&x.q, &x.k, &x.v)?;
+    let (n, h, d) = x.q.dim();
     check_layout(layout, n)?;
     match layout {
-        AttentionLayout::Varlen { cu_seqlens } => op.varlen_backward(
-            q,
-            k,
-            v,
-            &Varlen::new(cu_seqlens, false, scale),
-            fwd,
-            grad_output,
-        ),
+        AttentionLayout::Varlen { cu_seqlens } => {
+            op.varlen_backward(x, &Varlen::new(cu_seqlens, false, scale), g)
+        }
         AttentionLayout::Dense { row_len, allowed } => {
+            let (fwd, grad_output) = (g.fwd, g.grad_output);
             check_grad(&grad_output, fwd, (n, h, d))?;
-            let mut grads = zero_grads((n, h, d), k.dim());
+            let mut grads = zero_grads((n, h, d), x.k.dim());
             for (r, mask) in allowed.iter().enumerate() {
                 let rows = Slice::from(r * row_len..(r + 1) * row_len);
                 let sub = AttentionOutput {
@@ -174,13 +168,9 @@ pub fn layout_backward<A: AttentionOp + ?Sized>(
                     lse: fwd.lse.slice_axis(Axis(1), rows).to_owned(),
                 };
                 let g = op.masked_backward(
-                    q.slice_axis(Axis(0), rows),
-                    k.slice_axis(Axis(0), rows),
-                    v.slice_axis(Axis(0), rows),
-                    mask.view(),
-                    scale,
-                    &sub,
-                    grad_output.slice_axis(Axis(0), rows),
+                    x.rows(rows),
+                    Masked::new(mask.view(), scale),
+                    Grad::new(&sub, grad_output.slice_axis(Axis(0), rows)),
                 )?;
                 grads.grad_q.slice_axis_mut(Axis(0), rows).assign(&g.grad_q);
                 grads.grad_k.slice_axis_mut(Axis(0), rows).assign(&g.grad_k);

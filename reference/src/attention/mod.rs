@@ -35,7 +35,7 @@
 use ndarray::{Array2, Array3, ArrayView2, ArrayView3, Axis, Slice};
 
 use crate::error::Result;
-use crate::ops::{AttentionOp, AttentionSupport, Varlen};
+use crate::ops::{AttentionOp, AttentionSupport, Grad, Masked, Qkv, Varlen};
 
 mod backward;
 mod check;
@@ -156,7 +156,7 @@ fn head_pairs(h: usize, h_kv: usize) -> impl Iterator<Item = (usize, usize)> {
 /// and backward, run the same per-head code over its blocks.
 #[derive(Clone, Copy)]
 enum Blocks<'a> {
-    Dense(ArrayView2<'a, bool>, f64),
+    Dense(Masked<'a>),
     Varlen(&'a Varlen<'a>),
 }
 
@@ -166,7 +166,7 @@ type BlockFn<'f> = dyn FnMut(&Block<'_>) + 'f;
 impl Blocks<'_> {
     fn scale(&self) -> f64 {
         match self {
-            Blocks::Dense(_, scale) => *scale,
+            Blocks::Dense(m) => m.scale,
             Blocks::Varlen(p) => p.scale,
         }
     }
@@ -174,20 +174,16 @@ impl Blocks<'_> {
     /// Every check of the problem in the order the forms have always made
     /// them: `q, k, v`, the mask (or `cu_seqlens`), the backward's
     /// `grad_output` and forward (`grad`), the scores, the work.
-    fn check(
-        &self,
-        (q, k, v): (&ArrayView3<f64>, &ArrayView3<f64>, &ArrayView3<f64>),
-        grad: Option<(&ArrayView3<f64>, &AttentionOutput)>,
-    ) -> Result<()> {
+    fn check(&self, Qkv { q, k, v }: &Qkv<'_>, grad: Option<&Grad<'_>>) -> Result<()> {
         check_qkv(q, k, v)?;
         let (n, h, d) = q.dim();
         let n_k = k.dim().0;
         match self {
-            Blocks::Dense(allowed, _) => check_mask_shape2(allowed.shape(), n, n_k)?,
+            Blocks::Dense(m) => check_mask_shape2(m.allowed.shape(), n, n_k)?,
             Blocks::Varlen(p) => check_varlen(p, n, n_k)?,
         }
-        if let Some((grad_output, fwd)) = grad {
-            check_grad(grad_output, fwd, (n, h, d))?;
+        if let Some(g) = grad {
+            check_grad(&g.grad_output, g.fwd, (n, h, d))?;
         }
         check_scores(q, k, self.scale())?;
         match self {
@@ -203,8 +199,8 @@ impl Blocks<'_> {
     /// the dense mask, or each segment (causal: bottom-right aligned).
     fn for_each(&self, (n, h): (usize, usize), (n_k, h_kv): (usize, usize), f: &mut BlockFn<'_>) {
         match self {
-            Blocks::Dense(allowed, _) => {
-                let ok = |i: usize, j: usize| allowed[[i, j]];
+            Blocks::Dense(m) => {
+                let ok = |i: usize, j: usize| m.allowed[[i, j]];
                 for heads in head_pairs(h, h_kv) {
                     f(&Block {
                         heads,
@@ -236,13 +232,9 @@ impl Blocks<'_> {
 }
 
 /// The forward of either form.
-fn forward(
-    q: ArrayView3<f64>,
-    k: ArrayView3<f64>,
-    v: ArrayView3<f64>,
-    blocks: Blocks<'_>,
-) -> Result<AttentionOutput> {
-    blocks.check((&q, &k, &v), None)?;
+fn forward(x: Qkv<'_>, blocks: Blocks<'_>) -> Result<AttentionOutput> {
+    blocks.check(&x, None)?;
+    let Qkv { q, k, v } = x;
     let (n, h, d) = q.dim();
     let (n_k, h_kv, _) = k.dim();
     let mut output = Array3::zeros((n, h, d));
@@ -269,7 +261,10 @@ pub fn masked_attention(
     allowed: ArrayView2<bool>,
     scale: f64,
 ) -> Result<AttentionOutput> {
-    forward(q, k, v, Blocks::Dense(allowed, scale))
+    forward(
+        Qkv::new(q, k, v),
+        Blocks::Dense(Masked::new(allowed, scale)),
+    )
 }
 
 /// Variable-length attention, the form of flash-attention's
@@ -292,7 +287,7 @@ pub fn varlen_attention_general(
     v: ArrayView3<f64>,
     p: &Varlen<'_>,
 ) -> Result<AttentionOutput> {
-    forward(q, k, v, Blocks::Varlen(p))
+    forward(Qkv::new(q, k, v), Blocks::Varlen(p))
 }
 
 /// Self-attention over one `cu_seqlens` (queries and keys the same tokens):
@@ -409,37 +404,45 @@ impl AttentionLayout {
 /// Those of the op, and [`check_layout`]'s.
 pub fn layout_forward<A: AttentionOp + ?Sized>(
     op: &A,
-    q: ArrayView3<f64>,
-    k: ArrayView3<f64>,
-    v: ArrayView3<f64>,
+    x: Qkv<'_>,
     layout: &AttentionLayout,
     scale: f64,
 ) -> Result<AttentionOutput> {
-    check_qkv(&q, &k, &v)?;
-    let (n, h, d) = q.dim();
+    check_qkv(&x.q, &x.k, &x.v)?;
+    let (n, h, d) = x.q.dim();
     check_layout(layout, n)?;
     match layout {
         AttentionLayout::Varlen { cu_seqlens } => {
-            op.varlen_forward(q, k, v, &Varlen::new(cu_seqlens, false, scale))
+            op.varlen_forward(x, &Varlen::new(cu_seqlens, false, scale))
         }
         AttentionLayout::Dense { row_len, allowed } => {
             let mut output = Array3::zeros((n, h, d));
             let mut lse = Array2::zeros((h, n));
             for (r, mask) in allowed.iter().enumerate() {
                 let rows = Slice::from(r * row_len..(r + 1) * row_len);
-                let f = op.masked_forward(
-                    q.slice_axis(Axis(0), rows),
-                    k.slice_axis(Axis(0), rows),
-                    v.slice_axis(Axis(0), rows),
-                    mask.view(),
-                    scale,
-                )?;
+                let f = op.masked_forward(x.rows(rows), Masked::new(mask.view(), scale))?;
                 output.slice_axis_mut(Axis(0), rows).assign(&f.output);
                 lse.slice_axis_mut(Axis(1), rows).assign(&f.lse);
             }
             Ok(AttentionOutput { output, lse })
         }
     }
+}
+
+/// `op`'s varlen forward on `x` over `p`, then its backward of that forward
+/// with `grad_output: [n_q, h, d]`.
+///
+/// # Errors
+/// `op`'s.
+pub fn varlen_pass<A: AttentionOp + ?Sized>(
+    op: &A,
+    x: Qkv<'_>,
+    p: &Varlen<'_>,
+    grad_output: ArrayView3<f64>,
+) -> Result<(AttentionOutput, AttentionGrads)> {
+    let fwd = op.varlen_forward(x, p)?;
+    let grads = op.varlen_backward(x, p, Grad::new(&fwd, grad_output))?;
+    Ok((fwd, grads))
 }
 
 /// The reference attention: [`varlen_attention_general`] and
@@ -453,50 +456,20 @@ impl AttentionOp for ReferenceAttention {
         AttentionSupport::ALL
     }
 
-    fn varlen_forward(
-        &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
-        p: &Varlen<'_>,
-    ) -> Result<AttentionOutput> {
-        varlen_attention_general(q, k, v, p)
+    fn varlen_forward(&self, x: Qkv<'_>, p: &Varlen<'_>) -> Result<AttentionOutput> {
+        forward(x, Blocks::Varlen(p))
     }
 
-    fn varlen_backward(
-        &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
-        p: &Varlen<'_>,
-        fwd: &AttentionOutput,
-        grad_output: ArrayView3<f64>,
-    ) -> Result<AttentionGrads> {
-        varlen_attention_general_backward(q, k, v, p, fwd, grad_output)
+    fn varlen_backward(&self, x: Qkv<'_>, p: &Varlen<'_>, g: Grad<'_>) -> Result<AttentionGrads> {
+        backward::backward(x, Blocks::Varlen(p), g)
     }
 
-    fn masked_forward(
-        &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
-        allowed: ArrayView2<bool>,
-        scale: f64,
-    ) -> Result<AttentionOutput> {
-        masked_attention(q, k, v, allowed, scale)
+    fn masked_forward(&self, x: Qkv<'_>, m: Masked<'_>) -> Result<AttentionOutput> {
+        forward(x, Blocks::Dense(m))
     }
 
-    fn masked_backward(
-        &self,
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
-        allowed: ArrayView2<bool>,
-        scale: f64,
-        fwd: &AttentionOutput,
-        grad_output: ArrayView3<f64>,
-    ) -> Result<AttentionGrads> {
-        masked_attention_backward(q, k, v, allowed, scale, fwd, grad_output)
+    fn masked_backward(&self, x: Qkv<'_>, m: Masked<'_>, g: Grad<'_>) -> Result<AttentionGrads> {
+        backward::backward(x, Blocks::Dense(m), g)
     }
 }
 

@@ -20,7 +20,7 @@ use super::ops::{
 use super::weights::LayerParams;
 use crate::attention::{AttentionLayout, AttentionOutput};
 use crate::error::{Error, Result};
-use crate::ops::{AttentionOp, EncoderLayerOp, LayerPass};
+use crate::ops::{AttentionOp, EncoderLayerOp, Grad, LayerPass, Qkv};
 
 /// What the backward of one layer needs.
 #[derive(Debug, Clone)]
@@ -78,7 +78,7 @@ pub fn layer_forward(
     let q = heads(linear(x, p.query_w.view(), p.query_b.view()), num_heads)?;
     let k = heads(linear(x, p.key_w.view(), p.key_b.view()), num_heads)?;
     let v = heads(linear(x, p.value_w.view(), p.value_b.view()), num_heads)?;
-    let attention = kernel.forward(q.view(), k.view(), v.view(), layout, scale)?;
+    let attention = kernel.forward(Qkv::new(q.view(), k.view(), v.view()), layout, scale)?;
     let a = flat(&attention.output);
     let mut r1 = linear(a.view(), p.attn_out_w.view(), p.attn_out_b.view());
     r1 += &x;
@@ -164,13 +164,10 @@ pub fn layer_backward(
     );
     let da = heads(da, num_heads)?;
     let ag = kernel.backward(
-        cache.q.view(),
-        cache.k.view(),
-        cache.v.view(),
+        Qkv::new(cache.q.view(), cache.k.view(), cache.v.view()),
         layout,
         scale,
-        &cache.attention,
-        da.view(),
+        Grad::new(&cache.attention, da.view()),
     )?;
     let x = cache.input.view();
     let mut dx = dr1;

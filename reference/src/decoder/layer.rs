@@ -14,7 +14,7 @@ use super::params::{DecoderConfig, DecoderLayerParams, Mlp, Norm};
 use crate::attention::{AttentionLayout, AttentionOutput};
 use crate::bert::ops::{gelu_backward, gelu_map, layer_norm, layer_norm_backward, LayerNormCache};
 use crate::error::{Error, Result};
-use crate::ops::{AttentionOp, Varlen};
+use crate::ops::{AttentionOp, Grad, Qkv, Varlen};
 
 /// A norm's intermediates.
 #[derive(Debug, Clone)]
@@ -220,9 +220,7 @@ pub fn decoder_layer_forward(
                 }
             };
             let out = op.varlen_forward(
-                q.view(),
-                k_all.view(),
-                v_all.view(),
+                Qkv::new(q.view(), k_all.view(), v_all.view()),
                 &Varlen::cross(cu_seqlens, &cu_k, true, scale),
             )?;
             (k_all, v_all, cu_k, out)
@@ -238,7 +236,7 @@ pub fn decoder_layer_forward(
                 row_len: *row_len,
                 allowed: allowed.clone(),
             };
-            let out = op.forward(q.view(), k.view(), v.view(), &layout, scale)?;
+            let out = op.forward(Qkv::new(q.view(), k.view(), v.view()), &layout, scale)?;
             (k.clone(), v.clone(), Vec::new(), out)
         }
     };
@@ -352,12 +350,9 @@ pub fn decoder_layer_backward(
     let (dq, dk_all, dv_all) = match attention {
         DecoderAttention::Varlen { cu_seqlens } => {
             let ag = op.varlen_backward(
-                cache.q.view(),
-                cache.k_all.view(),
-                cache.v_all.view(),
+                Qkv::new(cache.q.view(), cache.k_all.view(), cache.v_all.view()),
                 &Varlen::cross(cu_seqlens, &cache.cu_seqlens_k, true, scale),
-                &cache.attention,
-                da.view(),
+                Grad::new(&cache.attention, da.view()),
             )?;
             (ag.grad_q, ag.grad_k, ag.grad_v)
         }
@@ -367,13 +362,10 @@ pub fn decoder_layer_backward(
                 allowed: allowed.clone(),
             };
             let ag = op.backward(
-                cache.q.view(),
-                cache.k.view(),
-                cache.v.view(),
+                Qkv::new(cache.q.view(), cache.k.view(), cache.v.view()),
                 &layout,
                 scale,
-                &cache.attention,
-                da.view(),
+                Grad::new(&cache.attention, da.view()),
             )?;
             (ag.grad_q, ag.grad_k, ag.grad_v)
         }

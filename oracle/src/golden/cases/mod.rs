@@ -6,9 +6,8 @@ use ndarray::{Array2, Array3, ArrayView2, Axis, Slice};
 use packshard_equivalence::attention::AttentionCase;
 use packshard_equivalence::fuzz::attention::AttentionTerms;
 use packshard_equivalence::vocab::Terms;
-use packshard_reference::bert::attention::{
-    default_scale, varlen_attention, varlen_attention_backward,
-};
+use packshard_reference::attention::{default_scale, varlen_pass, ReferenceAttention};
+use packshard_reference::ops::{Qkv, Varlen};
 use packshard_reference::packing::{pack_lengths, Algorithm, Overlong, PackedBatch, PackingConfig};
 use packshard_reference::vocab::embedding::{embedding_backward, embedding_forward};
 use packshard_reference::vocab::{
@@ -262,17 +261,9 @@ fn attention_case(
     );
     let cu = c.cu_seqlens();
     let scale = default_scale(d);
-    let fwd = varlen_attention(q.view(), k.view(), v.view(), &cu, causal, scale)?;
-    let grads = varlen_attention_backward(
-        q.view(),
-        k.view(),
-        v.view(),
-        &cu,
-        causal,
-        scale,
-        &fwd,
-        go.view(),
-    )?;
+    let x = Qkv::new(q.view(), k.view(), v.view());
+    let p = Varlen::new(&cu, causal, scale);
+    let (fwd, grads) = varlen_pass(&ReferenceAttention, x, &p, go.view())?;
     let mut terms = [0.0f64; 5];
     for w in cu.windows(2) {
         let rows = |x: &Array3<f64>| x.slice_axis(Axis(0), Slice::from(w[0]..w[1])).to_owned();
