@@ -24,6 +24,7 @@ use packshard::reference::bert::{BertConfig, BertParams};
 use packshard::reference::ops::{Precision, Varlen};
 use packshard::reference::vocab::LossConfig;
 use packshard::registry;
+use packshard_reference::vocab::LossCall;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -83,7 +84,7 @@ fn cross_entropy(c: &mut Criterion) {
             continue;
         }
         let run = || {
-            op.linear_cross_entropy(x.view(), w.view(), &t, &config, true)
+            op.linear_cross_entropy(x.view(), w.view(), &LossCall::with_flag(&t, &config, true))
                 .unwrap()
                 .ce
                 .loss

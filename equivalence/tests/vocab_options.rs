@@ -18,7 +18,7 @@ use packshard_reference::ops::{CrossEntropyOp, LossSupport};
 use packshard_reference::vocab::cross_entropy::CrossEntropy;
 use packshard_reference::vocab::sharded::ShardedLoss;
 use packshard_reference::vocab::{
-    LossConfig, ReferenceCrossEntropy, ShardLayout, ShardMap, ShardedAlgorithm,
+    LossCall, LossConfig, ReferenceCrossEntropy, ShardLayout, ShardMap, ShardedAlgorithm,
 };
 use packshard_reference::Result;
 
@@ -31,12 +31,12 @@ struct ZTanhZ;
 
 /// `c` with its softcap replaced by `z * tanh(z)` on the logits.
 fn planted<'a>(c: CeCall<'a>, z: &'a Array2<f64>, config: &'a LossConfig) -> CeCall<'a> {
-    CeCall::new(z.view(), c.targets, config, c.want_grad)
+    CeCall::new(z.view(), LossCall { config, ..c.call })
 }
 
 fn fault(c: &CeCall<'_>) -> (Array2<f64>, LossConfig) {
     let z = c.input.mapv(|x| {
-        if c.config.softcap.is_some() && x.is_finite() {
+        if c.call.config.softcap.is_some() && x.is_finite() {
             x * x.tanh()
         } else {
             x
@@ -44,7 +44,7 @@ fn fault(c: &CeCall<'_>) -> (Array2<f64>, LossConfig) {
     });
     let config = LossConfig {
         softcap: None,
-        ..*c.config
+        ..*c.call.config
     };
     (z, config)
 }
@@ -80,8 +80,12 @@ impl VocabHooks for ConfigFault {
     }
 
     fn cross_entropy(&self, c: CeCall<'_>) -> Result<CrossEntropy> {
-        let config = (self.rewrite)(c.config);
-        CeCall::new(c.input, c.targets, &config, c.want_grad).unsharded(&ReferenceCrossEntropy)
+        let config = (self.rewrite)(c.call.config);
+        let call = LossCall {
+            config: &config,
+            ..c.call
+        };
+        c.with_call(call).unsharded(&ReferenceCrossEntropy)
     }
 
     fn sharded_cross_entropy(
@@ -90,9 +94,13 @@ impl VocabHooks for ConfigFault {
         map: &ShardMap,
         c: CeCall<'_>,
     ) -> Result<ShardedLoss> {
-        let config = (self.rewrite)(c.config);
-        let call = CeCall::new(c.input, c.targets, &config, c.want_grad);
-        call.sharded(&ReferenceCrossEntropy, algorithm, map)
+        let config = (self.rewrite)(c.call.config);
+        let call = LossCall {
+            config: &config,
+            ..c.call
+        };
+        c.with_call(call)
+            .sharded(&ReferenceCrossEntropy, algorithm, map)
     }
 }
 
@@ -115,7 +123,7 @@ impl VocabHooks for Refuses {
     }
 
     fn cross_entropy(&self, c: CeCall<'_>) -> Result<CrossEntropy> {
-        LossSupport::BASIC.check(c.config)?;
+        LossSupport::BASIC.check(&c.call)?;
         c.unsharded(&ReferenceCrossEntropy)
     }
 
@@ -125,7 +133,7 @@ impl VocabHooks for Refuses {
         map: &ShardMap,
         c: CeCall<'_>,
     ) -> Result<ShardedLoss> {
-        LossSupport::BASIC.check(c.config)?;
+        LossSupport::BASIC.check(&c.call)?;
         c.sharded(&ReferenceCrossEntropy, algorithm, map)
     }
 }
@@ -136,6 +144,7 @@ fn o1_case() -> CeCase {
         logits: Array2::from_shape_vec((1, 8), V1_LOGITS.to_vec()).unwrap(),
         targets: vec![faults::V1_TARGET],
         config: LossConfig::default().with_softcap(faults::O1_SOFTCAP),
+        grad_output: None,
     }
 }
 
@@ -152,12 +161,7 @@ fn o1_the_reference_passes_both_suites_with_softcaps() {
 fn o1_negative_control_z_tanh_z() {
     let op = Planted(ZTanhZ);
     let loss = op
-        .cross_entropy(
-            o1_case().logits.view(),
-            &o1_case().targets,
-            &o1_case().config,
-            false,
-        )
+        .cross_entropy(o1_case().logits.view(), &o1_case().call(false))
         .unwrap()
         .loss;
     assert!(
@@ -183,7 +187,7 @@ fn o1_an_implementation_that_refuses_the_softcap_passes() {
     assert!(coverage.cases >= 32, "{coverage:?}");
     let c = o1_case();
     let err = Planted(Refuses)
-        .cross_entropy(c.logits.view(), &c.targets, &c.config, false)
+        .cross_entropy(c.logits.view(), &c.call(false))
         .unwrap_err();
     assert!(err.to_string().contains("softcap"), "{err}");
 }
@@ -211,12 +215,12 @@ struct LogAfterExp;
 fn log_after_exp(
     logits: ndarray::ArrayView2<f64>,
     v: usize,
-    targets: &[i64],
-    config: &LossConfig,
+    call: &LossCall,
     lse: &[f64],
 ) -> (Vec<f64>, f64) {
+    let config = call.config;
     let parsed = config
-        .targets(targets, v)
+        .targets(call.targets, v)
         .expect("the reference accepted them");
     let (qt, qo) = config.target_distribution(v);
     let per_token: Vec<f64> = (0..logits.nrows())
@@ -250,11 +254,12 @@ fn with_losses(mut out: ShardedLoss, per_token: &[f64], loss: f64) -> ShardedLos
 impl VocabHooks for LogAfterExp {
     fn cross_entropy(&self, c: CeCall<'_>) -> Result<CrossEntropy> {
         let mut ce = c.unsharded(&ReferenceCrossEntropy)?;
-        if c.config.softcap.is_some() {
+        if c.call.config.softcap.is_some() {
             return Ok(ce); // the fault is in the uncapped path
         }
         let lse = ce.logsumexp().to_vec();
-        let (per_token, loss) = log_after_exp(c.input, c.input.ncols(), c.targets, c.config, &lse);
+        let v = c.input.ncols();
+        let (per_token, loss) = log_after_exp(c.input, v, &c.call, &lse);
         ce.per_token_loss = per_token.into();
         ce.loss = loss;
         Ok(ce)
@@ -267,12 +272,12 @@ impl VocabHooks for LogAfterExp {
         c: CeCall<'_>,
     ) -> Result<ShardedLoss> {
         let out = c.sharded(&ReferenceCrossEntropy, algorithm, map)?;
-        if c.config.softcap.is_some() {
+        if c.call.config.softcap.is_some() {
             return Ok(out);
         }
         let lse = out.logsumexp().to_vec();
         let v = map.vocab_size();
-        let (per_token, loss) = log_after_exp(c.input, v, c.targets, c.config, &lse);
+        let (per_token, loss) = log_after_exp(c.input, v, &c.call, &lse);
         Ok(with_losses(out, &per_token, loss))
     }
 }
@@ -288,12 +293,13 @@ fn o3_negative_control_the_z_loss_added_when_off() {
             .unwrap(),
         targets: vec![faults::V1_TARGET],
         config: LossConfig::default(),
+        grad_output: None,
     };
     let op = Planted(Z_LOSS_WHEN_OFF);
     let e = check_cross_entropy(&op, ShardedAlgorithm::Alg2, &case, false).unwrap_err();
     assert!(e.to_string().contains("loss"), "{e}");
     let got = op
-        .cross_entropy(case.logits.view(), &case.targets, &case.config, false)
+        .cross_entropy(case.logits.view(), &case.call(false))
         .unwrap()
         .loss;
     assert!(
@@ -313,12 +319,12 @@ fn o4_negative_control_the_log_of_an_underflowed_softmax() {
         packshard_reference::vocab::SmoothingConvention::PyTorch,
     );
     let fine = Planted(LogAfterExp)
-        .cross_entropy(z.view(), &[4], &config, false)
+        .cross_entropy(z.view(), &LossCall::with_flag(&[4], &config, false))
         .unwrap();
     assert!(fine.loss.is_finite());
     let huge = z.mapv(|x| x * faults::O4_SCALE);
     let bad = Planted(LogAfterExp)
-        .cross_entropy(huge.view(), &[4], &config, false)
+        .cross_entropy(huge.view(), &LossCall::with_flag(&[4], &config, false))
         .unwrap();
     assert_eq!(bad.loss, f64::INFINITY);
 }
@@ -342,7 +348,8 @@ impl VocabHooks for PlaceholderOnPadding {
         if map.padded_vocab_size() == v || c.input.ncols() <= v {
             return Ok(out);
         }
-        let parsed = c.config.targets(c.targets, v)?;
+        let config = c.call.config;
+        let parsed = config.targets(c.call.targets, v)?;
         let mut per_token = out.per_token_loss().to_vec();
         for (i, t) in parsed.iter().enumerate() {
             if let Some(t) = *t {
@@ -351,7 +358,7 @@ impl VocabHooks for PlaceholderOnPadding {
                 }
             }
         }
-        let loss = c.config.reduce(&per_token, &parsed);
+        let loss = config.reduce(&per_token, &parsed);
         Ok(with_losses(out, &per_token, loss))
     }
 }
@@ -369,9 +376,7 @@ fn o6_negative_control_a_placeholder_target_on_a_padded_column() {
             ShardedAlgorithm::Alg2,
             &map,
             z.view(),
-            &[7],
-            &LossConfig::default(),
-            false,
+            &LossCall::with_flag(&[7], &LossConfig::default(), false),
         )
         .unwrap();
     assert_eq!(

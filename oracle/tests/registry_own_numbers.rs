@@ -18,7 +18,7 @@ use ndarray::{Array2, Array3};
 use packshard_oracle::eval::evaluate;
 use packshard_oracle::registry::{self, Precision};
 use packshard_reference::ops::Varlen;
-use packshard_reference::vocab::{LossConfig, ShardLayout, ShardMap, ShardedAlgorithm};
+use packshard_reference::vocab::{LossCall, LossConfig, ShardLayout, ShardMap, ShardedAlgorithm};
 use serde_json::{json, Value};
 
 fn wave3(shape: (usize, usize, usize), seed: f64) -> Array3<f64> {
@@ -179,7 +179,7 @@ fn every_cross_entropy_answers_with_its_own_numbers() {
         .unwrap()
         .make()
         .unwrap()
-        .cross_entropy(logits.view(), &targets, &config, true)
+        .cross_entropy(logits.view(), &LossCall::with_flag(&targets, &config, true))
         .unwrap();
     let ref_out = vec![
         reference
@@ -196,7 +196,7 @@ fn every_cross_entropy_answers_with_its_own_numbers() {
     for entry in &list {
         let Ok(op) = entry.make() else { continue };
         let ce = op
-            .cross_entropy(logits.view(), &targets, &config, true)
+            .cross_entropy(logits.view(), &LossCall::with_flag(&targets, &config, true))
             .unwrap();
         let stored = vec![ce
             .grad_logits
@@ -230,8 +230,12 @@ fn every_cross_entropy_answers_with_its_own_numbers() {
         check_precision(entry.name, entry.precision, &stored, &computed, &ref_out);
         // Every declared algorithm runs sharded; an undeclared one is refused.
         for algorithm in ShardedAlgorithm::ALL {
-            let r =
-                op.sharded_cross_entropy(algorithm, &map, logits.view(), &targets, &config, true);
+            let r = op.sharded_cross_entropy(
+                algorithm,
+                &map,
+                logits.view(),
+                &LossCall::with_flag(&targets, &config, true),
+            );
             assert_eq!(
                 r.is_ok(),
                 op.algorithms().contains(&algorithm),
@@ -255,7 +259,11 @@ fn every_output_layer_answers_with_its_own_numbers() {
         .unwrap()
         .make()
         .unwrap()
-        .linear_cross_entropy(hidden.view(), weight.view(), &targets, &config, true)
+        .linear_cross_entropy(
+            hidden.view(),
+            weight.view(),
+            &LossCall::with_flag(&targets, &config, true),
+        )
         .unwrap();
     let ref_out = vec![
         reference
@@ -277,7 +285,11 @@ fn every_output_layer_answers_with_its_own_numbers() {
             };
             let Ok(op) = made else { continue };
             let l = op
-                .linear_cross_entropy(hidden.view(), weight.view(), &targets, &config, true)
+                .linear_cross_entropy(
+                    hidden.view(),
+                    weight.view(),
+                    &LossCall::with_flag(&targets, &config, true),
+                )
                 .unwrap();
             let stored = vec![
                 l.grad_hidden

@@ -20,7 +20,7 @@ use packshard_reference::attention::default_scale;
 use packshard_reference::error::check_finite;
 use packshard_reference::ops::Varlen;
 use packshard_reference::vocab::sharded::ShardedLoss;
-use packshard_reference::vocab::{CrossEntropy, LossConfig, ShardLayout};
+use packshard_reference::vocab::{CrossEntropy, LossCall, LossConfig, ShardLayout};
 
 /// One field of a result.
 #[derive(Debug, Clone, PartialEq)]
@@ -386,7 +386,10 @@ pub fn cross_entropy(
         Run::Unsharded => {
             let op = make(&list, imp)?;
             let real = logits.slice_axis(Axis(1), Slice::from(..v));
-            let ce = op.cross_entropy(real, &a.targets, &a.config, a.want_grad)?;
+            let ce = op.cross_entropy(
+                real,
+                &LossCall::with_flag(&a.targets, &a.config, a.want_grad),
+            )?;
             (unsharded_fields(&ce), ce.grad_logits)
         }
         Run::Sharded(algorithm, map) => {
@@ -396,9 +399,7 @@ pub fn cross_entropy(
                 algorithm,
                 &map,
                 logits,
-                &a.targets,
-                &a.config,
-                a.want_grad,
+                &LossCall::with_flag(&a.targets, &a.config, a.want_grad),
             )?;
             let n = predicted(&a.targets, &a.config);
             (sharded_fields(&s, n, algorithm.name()), s.grad_logits())
@@ -429,7 +430,11 @@ pub fn linear_cross_entropy(
         Run::Unsharded => {
             let op = make(&list, imp)?;
             let real = weight.slice_axis(Axis(0), Slice::from(..v));
-            let l = op.linear_cross_entropy(hidden, real, &a.targets, &a.config, a.want_grad)?;
+            let l = op.linear_cross_entropy(
+                hidden,
+                real,
+                &LossCall::with_flag(&a.targets, &a.config, a.want_grad),
+            )?;
             let mut out = unsharded_fields(&l.ce);
             if let Some(b) = l.logits_buffer_bytes {
                 out.push(("logits_buffer_bytes", Out::Usize(b)));
@@ -444,9 +449,7 @@ pub fn linear_cross_entropy(
                 &map,
                 hidden,
                 weight,
-                &a.targets,
-                &a.config,
-                a.want_grad,
+                &LossCall::with_flag(&a.targets, &a.config, a.want_grad),
             )?;
             let n = predicted(&a.targets, &a.config);
             let out = sharded_fields(&s, n, algorithm.name());
@@ -509,7 +512,10 @@ pub fn loss_judged(
                 });
             }
             let z32 = baseline32::to_f32(&real_r.view());
-            let b = baseline32::cross_entropy(z32.view(), &a.targets, &a.config, a.want_grad);
+            let b = baseline32::cross_entropy(
+                z32.view(),
+                &LossCall::with_flag(&a.targets, &a.config, a.want_grad),
+            );
             let mut base = ce32_fields(&b);
             if let Some(g) = &b.grad_logits {
                 let g = baseline32::to_f64(&g.view());
@@ -541,9 +547,7 @@ pub fn loss_judged(
             let (b, grads) = baseline32::linear_cross_entropy(
                 h32.view(),
                 w32.view(),
-                &a.targets,
-                &a.config,
-                a.want_grad,
+                &LossCall::with_flag(&a.targets, &a.config, a.want_grad),
             );
             let mut base = ce32_fields(&b);
             if let Some(g) = &b.grad_logits {

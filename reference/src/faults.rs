@@ -305,49 +305,59 @@ mod tests {
 
     #[test]
     fn v1_and_v2_values_are_the_reference_losses() {
-        use crate::vocab::{cross_entropy, LossConfig, SmoothingConvention};
+        use crate::vocab::{cross_entropy, LossCall, LossConfig, SmoothingConvention};
         let z = ndarray::Array2::from_shape_vec((1, 8), V1_LOGITS.to_vec()).unwrap();
         for (conv, want) in [
             (SmoothingConvention::PyTorch, V1_LOSS_PYTORCH),
             (SmoothingConvention::Megatron, V1_LOSS_MEGATRON),
         ] {
             let c = LossConfig::default().with_smoothing(V1_SMOOTHING, conv);
-            let l = cross_entropy(z.view(), &[V1_TARGET], &c, false)
+            let l = cross_entropy(z.view(), &LossCall::with_flag(&[V1_TARGET], &c, false))
                 .unwrap()
                 .loss;
             assert!((l - want).abs() < V1_PLACES, "{conv:?}: {l}");
         }
         let z = ndarray::Array2::from_shape_vec((1, 10), V2_LOGITS.to_vec()).unwrap();
-        let l = cross_entropy(z.view(), &[V2_TARGET], &LossConfig::default(), false)
-            .unwrap()
-            .loss;
+        let l = cross_entropy(
+            z.view(),
+            &LossCall::with_flag(&[V2_TARGET], &LossConfig::default(), false),
+        )
+        .unwrap()
+        .loss;
         assert!((l - V2_LOSS).abs() < V2_PLACES, "{l}");
     }
 
     #[test]
     fn o1_values_are_the_reference_losses() {
-        use crate::vocab::{cross_entropy, LossConfig};
+        use crate::vocab::{cross_entropy, LossCall, LossConfig};
         let z = ndarray::Array2::from_shape_vec((1, 8), V1_LOGITS.to_vec()).unwrap();
         let capped = LossConfig::default().with_softcap(O1_SOFTCAP);
-        let l = cross_entropy(z.view(), &[V1_TARGET], &capped, false)
+        let l = cross_entropy(z.view(), &LossCall::with_flag(&[V1_TARGET], &capped, false))
             .unwrap()
             .loss;
         assert!((l - O1_LOSS).abs() < O1_PLACES, "{l}");
         let fault = z.mapv(|x| x * x.tanh());
-        let l = cross_entropy(fault.view(), &[V1_TARGET], &LossConfig::default(), false)
-            .unwrap()
-            .loss;
+        let l = cross_entropy(
+            fault.view(),
+            &LossCall::with_flag(&[V1_TARGET], &LossConfig::default(), false),
+        )
+        .unwrap()
+        .loss;
         assert!((l - O1_LOSS_FAULT).abs() < O1_PLACES, "{l}");
     }
 
     #[test]
     fn o3_and_o4_values_are_the_reference_losses() {
         use crate::vocab::cross_entropy::token_loss;
-        use crate::vocab::{cross_entropy, LossConfig, SmoothingConvention};
+        use crate::vocab::{cross_entropy, LossCall, LossConfig, SmoothingConvention};
         let z = ndarray::Array2::from_shape_vec((1, 8), V1_LOGITS.to_vec()).unwrap();
         let shifted = z.mapv(|x| x + O3_SHIFT);
         let off = LossConfig::default();
-        let ce = cross_entropy(shifted.view(), &[V1_TARGET], &off, false).unwrap();
+        let ce = cross_entropy(
+            shifted.view(),
+            &LossCall::with_flag(&[V1_TARGET], &off, false),
+        )
+        .unwrap();
         assert!((ce.loss - O3_LOSS).abs() < O1_PLACES, "{}", ce.loss);
         // Bit for bit the cross-entropy of the statistics, no term added.
         assert_eq!(ce.loss.to_bits(), ce.stats[0].cross_entropy().to_bits());
@@ -361,7 +371,11 @@ mod tests {
         assert!((fault - O3_LOSS_FAULT).abs() < O1_PLACES, "{fault}");
         let huge = z.mapv(|x| x * O4_SCALE);
         let smoothed = off.with_smoothing(O4_SMOOTHING, SmoothingConvention::PyTorch);
-        let l = cross_entropy(huge.view(), &[V1_TARGET], &smoothed, true).unwrap();
+        let l = cross_entropy(
+            huge.view(),
+            &LossCall::with_flag(&[V1_TARGET], &smoothed, true),
+        )
+        .unwrap();
         assert!((l.loss - O4_LOSS).abs() < 1e-9, "{}", l.loss);
         assert!(l.grad_logits.unwrap().iter().all(|g| g.is_finite()));
     }
@@ -380,15 +394,13 @@ mod tests {
 
     #[test]
     fn v3_gradient_is_the_reference_gradient() {
-        use crate::vocab::{linear_cross_entropy, LossConfig};
+        use crate::vocab::{linear_cross_entropy, LossCall, LossConfig};
         let x = ndarray::Array2::from_shape_vec((1, 2), V3_HIDDEN.to_vec()).unwrap();
         let w = ndarray::Array2::from_shape_fn((4, 2), |(i, j)| V3_WEIGHT[i][j]);
         let l = linear_cross_entropy(
             x.view(),
             w.view(),
-            &[V3_TARGET],
-            &LossConfig::default(),
-            true,
+            &LossCall::with_flag(&[V3_TARGET], &LossConfig::default(), true),
         )
         .unwrap();
         let g = l.grad_hidden.unwrap();

@@ -29,8 +29,13 @@ fn checked_loss(
     check_cross_entropy_with(imp, algorithm, case, true, rule)
         .map_err(|m| Mismatch::new(format!("{name}: {}", m.what), m.detail))?;
     let (z, t) = (case.logits.view(), &case.targets);
-    imp.sharded_cross_entropy(algorithm, &case.map, z, t, &case.config, false)
-        .map_err(|e| Mismatch::new(name, e.to_string()))
+    imp.sharded_cross_entropy(
+        algorithm,
+        &case.map,
+        z,
+        &LossCall::with_flag(t, &case.config, false),
+    )
+    .map_err(|e| Mismatch::new(name, e.to_string()))
 }
 
 pub(super) const LAYOUTS: [ShardLayout; 2] = [ShardLayout::Uneven, ShardLayout::Padded];
@@ -60,6 +65,7 @@ pub fn check_cross_entropy_faults(imp: &dyn CrossEntropyOp, rule: Rule) -> Resul
                         logits: row(&V1_LOGITS),
                         targets: vec![4],
                         config,
+                        grad_output: None,
                     };
                     let name = format!(
                         "V1 {algorithm} {} p {p} {}",
@@ -88,6 +94,7 @@ pub fn check_cross_entropy_faults(imp: &dyn CrossEntropyOp, rule: Rule) -> Resul
                 logits: row(&V1_LOGITS),
                 targets: vec![4],
                 config: LossConfig::default().with_softcap(faults::O1_SOFTCAP),
+                grad_output: None,
             };
             let name = format!("O1 {algorithm} p {p}");
             check_cross_entropy_with(imp, algorithm, &case, true, rule)
@@ -119,6 +126,7 @@ pub fn check_cross_entropy_faults(imp: &dyn CrossEntropyOp, rule: Rule) -> Resul
                 logits: row(&logits),
                 targets: vec![4],
                 config,
+                grad_output: None,
             };
             let name = format!("{id} {algorithm}");
             let out = checked_loss(imp, algorithm, &case, rule, &name)?;
@@ -139,6 +147,7 @@ pub fn check_cross_entropy_faults(imp: &dyn CrossEntropyOp, rule: Rule) -> Resul
                 logits: row(&z),
                 targets: vec![target],
                 config: LossConfig::default(),
+                grad_output: None,
             };
             let name = format!("O6 {algorithm} target {target}");
             let out = checked_loss(imp, algorithm, &case, rule, &name)?;
@@ -167,6 +176,7 @@ pub fn check_cross_entropy_faults(imp: &dyn CrossEntropyOp, rule: Rule) -> Resul
                 logits: row(&z),
                 targets: vec![7],
                 config: LossConfig::default(),
+                grad_output: None,
             };
             let name = format!("V2 {algorithm} padding {padding:?}");
             let out = checked_loss(imp, algorithm, &case, rule, &name)?;
@@ -188,6 +198,7 @@ pub fn check_cross_entropy_faults(imp: &dyn CrossEntropyOp, rule: Rule) -> Resul
                 logits,
                 targets: vec![0, v as i64 - 1],
                 config: LossConfig::default().with_smoothing(0.1, SmoothingConvention::PyTorch),
+                grad_output: None,
             };
             check_cross_entropy_with(imp, algorithm, &case, true, rule)
                 .map_err(|m| named(&format!("V4 {algorithm} {}", layout.name()), m))?;
@@ -199,6 +210,7 @@ pub fn check_cross_entropy_faults(imp: &dyn CrossEntropyOp, rule: Rule) -> Resul
             logits: row(&[1.0, 2.0, 0.0, -1.0, inf, inf, inf, inf]),
             targets: vec![1],
             config: LossConfig::default(),
+            grad_output: None,
         };
         check_cross_entropy_with(imp, algorithm, &case, true, rule)
             .map_err(|m| named(&format!("V6 {algorithm} all -inf shard"), m))?;
@@ -207,6 +219,7 @@ pub fn check_cross_entropy_faults(imp: &dyn CrossEntropyOp, rule: Rule) -> Resul
             logits: row(&[0.5, -1.0, 2.0, 1.0, 0.0, 3.0, -2.0, 1.5, 0.25]),
             targets: vec![5],
             config: LossConfig::default(),
+            grad_output: None,
         };
         check_cross_entropy_with(imp, algorithm, &case, true, rule)
             .map_err(|m| named(&format!("V6 {algorithm} all-padding shard"), m))?;
@@ -231,6 +244,7 @@ pub fn check_linear_faults(imp: &dyn LinearCrossEntropyOp, rule: Rule) -> Result
                 .expect("4 x 2"),
             targets: vec![2],
             config: LossConfig::default(),
+            grad_output: None,
         };
         let name = format!("V3 {algorithm}");
         check_linear_with(imp, algorithm, &case, true, rule).map_err(|m| named(&name, m))?;
@@ -240,9 +254,7 @@ pub fn check_linear_faults(imp: &dyn LinearCrossEntropyOp, rule: Rule) -> Result
                 &case.map,
                 case.hidden.view(),
                 case.weight.view(),
-                &[2],
-                &case.config,
-                true,
+                &LossCall::with_flag(&[2], &case.config, true),
             )
             .map_err(|e| Mismatch::new(&name, e.to_string()))?;
         for r in &out.ranks {
@@ -267,6 +279,7 @@ pub fn check_linear_faults(imp: &dyn LinearCrossEntropyOp, rule: Rule) -> Result
             weight: Array2::from_shape_vec((8, 1), V1_LOGITS.to_vec()).expect("8 x 1"),
             targets: vec![4],
             config: LossConfig::default().with_softcap(faults::O1_SOFTCAP),
+            grad_output: None,
         };
         let name = format!("O1 linear {algorithm}");
         check_linear_with(imp, algorithm, &case, true, rule).map_err(|m| named(&name, m))?;
@@ -278,9 +291,7 @@ pub fn check_linear_faults(imp: &dyn LinearCrossEntropyOp, rule: Rule) -> Result
                     &case.map,
                     case.hidden.view(),
                     case.weight.view(),
-                    &case.targets,
-                    &case.config,
-                    false,
+                    &LossCall::with_flag(&case.targets, &case.config, false),
                 )
                 .map_err(|e| Mismatch::new(&name, e.to_string()))?;
             o1_loss(&name, out.loss())?;
@@ -296,6 +307,7 @@ pub fn check_linear_faults(imp: &dyn LinearCrossEntropyOp, rule: Rule) -> Result
                 weight,
                 targets: vec![125_000, -100, 31_336],
                 config: LossConfig::default(),
+                grad_output: None,
             };
             check_linear_with(imp, algorithm, &case, true, rule)
                 .map_err(|m| named(&format!("V4 linear {algorithm} {}", layout.name()), m))?;

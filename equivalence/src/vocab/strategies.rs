@@ -129,6 +129,7 @@ pub fn ce_cases() -> impl Strategy<Value = CeCase> {
                 logits,
                 targets,
                 config,
+                grad_output: None,
             }
         })
 }
@@ -172,6 +173,7 @@ pub fn linear_cases() -> impl Strategy<Value = LinearCase> {
                 weight,
                 targets,
                 config,
+                grad_output: None,
             }
         })
 }

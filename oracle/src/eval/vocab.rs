@@ -6,8 +6,8 @@
 use ndarray::{Array2, Axis, Slice};
 use packshard_reference::vocab::sharded::ShardedLoss;
 use packshard_reference::vocab::{
-    CollectiveCounts, CrossEntropy, LossConfig, Reduction, ShardLayout, ShardMap, ShardedAlgorithm,
-    SmoothingConvention,
+    CollectiveCounts, CrossEntropy, LossCall, LossConfig, Reduction, ShardLayout, ShardMap,
+    ShardedAlgorithm, SmoothingConvention,
 };
 use serde_json::{json, Map, Value};
 
@@ -295,7 +295,7 @@ pub(super) fn cross_entropy_op(value: &Value, imp: &str) -> Result<Value, EvalEr
         Run::Unsharded => {
             let op = make(&list, imp)?;
             let real = logits.slice_axis(Axis(1), Slice::from(..v));
-            let ce = op.cross_entropy(real, &targets, &config, want_grad)?;
+            let ce = op.cross_entropy(real, &LossCall::with_flag(&targets, &config, want_grad))?;
             (unsharded_json("cross_entropy", &ce), ce.grad_logits)
         }
         Run::Sharded(algorithm, map) => {
@@ -307,9 +307,7 @@ pub(super) fn cross_entropy_op(value: &Value, imp: &str) -> Result<Value, EvalEr
                 algorithm,
                 &map,
                 logits.view(),
-                &targets,
-                &config,
-                want_grad,
+                &LossCall::with_flag(&targets, &config, want_grad),
             )?;
             let out = sharded_json("cross_entropy", algorithm, &s, predicted(&targets, &config));
             (out, s.grad_logits())
@@ -348,7 +346,11 @@ pub(super) fn linear_cross_entropy_op(value: &Value, imp: &str) -> Result<Value,
         Run::Unsharded => {
             let op = make(&list, imp)?;
             let real = weight.slice_axis(Axis(0), Slice::from(..v));
-            let l = op.linear_cross_entropy(hidden.view(), real, &targets, &config, want_grad)?;
+            let l = op.linear_cross_entropy(
+                hidden.view(),
+                real,
+                &LossCall::with_flag(&targets, &config, want_grad),
+            )?;
             let mut out = unsharded_json("linear_cross_entropy", &l.ce);
             if imp != registry::REFERENCE {
                 out.insert("impl".into(), json!(imp));
@@ -375,9 +377,7 @@ pub(super) fn linear_cross_entropy_op(value: &Value, imp: &str) -> Result<Value,
                 &map,
                 hidden.view(),
                 weight.view(),
-                &targets,
-                &config,
-                want_grad,
+                &LossCall::with_flag(&targets, &config, want_grad),
             )?;
             let mut out = sharded_json(
                 "linear_cross_entropy",

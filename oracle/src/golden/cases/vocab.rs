@@ -2,6 +2,7 @@
 //! every sharded algorithm and layout), the output layer and the embedding.
 
 use super::*;
+use packshard_reference::vocab::LossCall;
 
 /// Seeded values uniform in `[-r, r]`, every seventh x 8 (planted outliers).
 fn seeded(n: usize, r: f64, seed: u64) -> Vec<f64> {
@@ -96,10 +97,11 @@ fn cross_entropy_case(
         debug_assert!(map.padded_vocab_size() <= w || s.layout == ShardLayout::Uneven);
     }
     let real = logits.slice_axis(Axis(1), Slice::from(..v));
-    let ce = cross_entropy(real, &targets, &config, true)?;
-    let terms = Terms::new(real, &targets, &config, &ce);
+    let call = LossCall::with_flag(&targets, &config, true);
+    let ce = cross_entropy(real, &call)?;
+    let terms = Terms::new(real, &call, &ce);
     let grad = ce.grad_logits.as_ref().expect("asked for");
-    let low = (dtype != Dtype::F64).then(|| lowp::cross_entropy(real, &targets, &config, dtype));
+    let low = (dtype != Dtype::F64).then(|| lowp::cross_entropy(real, &call, dtype));
     let lse: Vec<f64> = ce.logsumexp().to_vec();
     let what = "vocab::Terms";
     let l = |f: &dyn Fn(&lowp::CrossEntropy) -> Vec<f64>| low.as_ref().map(f).unwrap_or_default();
@@ -311,8 +313,9 @@ fn linear_case(
     let hidden = Array2::from_shape_vec((n, h), round(seeded(n * h, 1.0, seed))).expect("n x h");
     let weight =
         Array2::from_shape_vec((v, h), round(seeded(v * h, 1.0, seed + 100))).expect("v x h");
-    let l = linear_cross_entropy(hidden.view(), weight.view(), &targets, &config, true)?;
-    let terms = Terms::new(l.logits.view(), &targets, &config, &l.ce);
+    let call = LossCall::with_flag(&targets, &config, true);
+    let l = linear_cross_entropy(hidden.view(), weight.view(), &call)?;
+    let terms = Terms::new(l.logits.view(), &call, &l.ce);
     // Each logit is itself a rounded sum of h products: its terms.
     let logit_terms = hidden
         .mapv(f64::abs)
@@ -329,9 +332,8 @@ fn linear_case(
     let gt = &terms.grad_logits;
     let hidden_terms = max_abs(&flat(&gt.dot(&weight.mapv(f64::abs)))) * (1.0 + logit_terms);
     let weight_terms = max_abs(&flat(&gt.t().dot(&hidden.mapv(f64::abs)))) * (1.0 + logit_terms);
-    let low = (dtype != Dtype::F64).then(|| {
-        lowp::linear_cross_entropy(hidden.view(), weight.view(), &targets, &config, dtype)
-    });
+    let low = (dtype != Dtype::F64)
+        .then(|| lowp::linear_cross_entropy(hidden.view(), weight.view(), &call, dtype));
     let what = "vocab::Terms with the logits' own rounding";
     #[allow(clippy::type_complexity)]
     let lw = |f: &dyn Fn(&(lowp::CrossEntropy, Array2<f64>, Array2<f64>)) -> Vec<f64>| {
