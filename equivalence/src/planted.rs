@@ -18,8 +18,8 @@ use packshard_reference::vocab::cross_entropy::CrossEntropy;
 use packshard_reference::vocab::embedding::ShardedEmbedding;
 use packshard_reference::vocab::sharded::ShardedLoss;
 use packshard_reference::vocab::{
-    LossCall, ReferenceCrossEntropy, ReferenceEmbedding, ReferenceLinearCrossEntropy, ShardMap,
-    ShardedAlgorithm,
+    GradRequest, LossCall, ReferenceCrossEntropy, ReferenceEmbedding, ReferenceLinearCrossEntropy,
+    ShardMap, ShardedAlgorithm,
 };
 use packshard_reference::Result;
 
@@ -539,6 +539,60 @@ impl<F: VocabHooks> LinearCrossEntropyOp for Planted<F> {
     ) -> Result<ShardedLoss> {
         let c = LinearCall::new((hidden, weight), *call);
         self.0.sharded_linear_cross_entropy(algorithm, map, c)
+    }
+}
+
+/// docs/FAULTS.md O2's fault (Liger-Kernel PR 1298): the backward scales
+/// every row by `grad_output[0]`, a per-token upstream gradient read as a
+/// scalar; everything else is the reference's (a scalar upstream gradient,
+/// under `sum` and `mean`, is then right).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct FirstUpstreamOnly;
+
+impl FirstUpstreamOnly {
+    /// `run` on `c` with its upstream gradient `[n]` replaced by `[n]`
+    /// copies of its first value.
+    fn scalar<X, T>(
+        c: LossInputs<'_, X>,
+        run: impl FnOnce(LossInputs<'_, X>) -> Result<T>,
+    ) -> Result<T> {
+        let Some(g) = c.call.grad.upstream() else {
+            return run(c);
+        };
+        let first = vec![g.first().copied().unwrap_or(f64::NAN); g.len()];
+        let grad = GradRequest::Upstream(&first);
+        let call = LossCall { grad, ..c.call };
+        run(c.with_call(call))
+    }
+}
+
+impl VocabHooks for FirstUpstreamOnly {
+    fn cross_entropy(&self, c: CeCall<'_>) -> Result<CrossEntropy> {
+        Self::scalar(c, |c| c.unsharded(&ReferenceCrossEntropy))
+    }
+
+    fn sharded_cross_entropy(
+        &self,
+        algorithm: ShardedAlgorithm,
+        map: &ShardMap,
+        c: CeCall<'_>,
+    ) -> Result<ShardedLoss> {
+        Self::scalar(c, |c| c.sharded(&ReferenceCrossEntropy, algorithm, map))
+    }
+
+    fn linear_cross_entropy(&self, c: LinearCall<'_>) -> Result<LinearLoss> {
+        Self::scalar(c, |c| c.unsharded(&ReferenceLinearCrossEntropy))
+    }
+
+    fn sharded_linear_cross_entropy(
+        &self,
+        algorithm: ShardedAlgorithm,
+        map: &ShardMap,
+        c: LinearCall<'_>,
+    ) -> Result<ShardedLoss> {
+        Self::scalar(c, |c| {
+            c.sharded(&ReferenceLinearCrossEntropy, algorithm, map)
+        })
     }
 }
 

@@ -1,14 +1,15 @@
-//! The output layer's options (docs/FAULTS.md O1, O3, O4, O6): the suites on
-//! the reference with the softcap, and negative controls — the softcap
-//! computed as `z * tanh(z)` (flash-attention PR 2402), an implementation
-//! that declares no softcap yet answers with the uncapped loss (a silent
-//! fallback), the z-loss added when off (OLMo-core PR 702), the log of an
+//! The output layer's options (docs/FAULTS.md O1–O4, O6): the suites on
+//! the reference with the softcap and per-token upstream gradients, and
+//! negative controls — the softcap computed as `z * tanh(z)`
+//! (flash-attention PR 2402), an implementation that declares no softcap yet
+//! answers with the uncapped loss (a silent fallback), every row's gradient
+//! scaled by `grad_output[0]` (Liger-Kernel PR 1298), the z-loss added when off (OLMo-core PR 702), the log of an
 //! underflowed softmax under label smoothing (Megatron-LM issue 7464), a
 //! placeholder target that reads a padded column (Apple CCE PR 59) — each
 //! caught, for the right reason.
 
 use ndarray::Array2;
-use packshard_equivalence::planted::{CeCall, Planted, VocabHooks};
+use packshard_equivalence::planted::{CeCall, FirstUpstreamOnly, Planted, VocabHooks};
 use packshard_equivalence::vocab::{
     check_cross_entropy, run_cross_entropy_suite, run_linear_suite, CeCase, V1_LOGITS, V2_LOGITS,
 };
@@ -18,7 +19,8 @@ use packshard_reference::ops::{CrossEntropyOp, LossSupport};
 use packshard_reference::vocab::cross_entropy::CrossEntropy;
 use packshard_reference::vocab::sharded::ShardedLoss;
 use packshard_reference::vocab::{
-    LossCall, LossConfig, ReferenceCrossEntropy, ShardLayout, ShardMap, ShardedAlgorithm,
+    GradRequest, LossCall, LossConfig, Reduction, ReferenceCrossEntropy, ShardLayout, ShardMap,
+    ShardedAlgorithm,
 };
 use packshard_reference::Result;
 
@@ -149,12 +151,77 @@ fn o1_case() -> CeCase {
 }
 
 #[test]
-fn o1_the_reference_passes_both_suites_with_softcaps() {
+fn o1_o2_the_reference_passes_both_suites_with_softcaps_and_grad_outputs() {
     struct Reference;
     impl VocabHooks for Reference {}
     let coverage = run_cross_entropy_suite(&Planted(Reference), RULE, 96).unwrap();
     assert!(coverage.softcap >= 10, "{coverage:?}");
+    assert!(coverage.grad_output >= 5, "{coverage:?}");
     run_linear_suite(&Planted(Reference), RULE, 48).unwrap();
+}
+
+/// The docs/FAULTS.md O2 example's call: targets 4 and 1, reduction
+/// `none`, `grad_output = [1, 0]`.
+fn o2_call(config: &LossConfig) -> LossCall<'_> {
+    let g = GradRequest::Upstream(&faults::O2_GRAD_OUTPUT);
+    LossCall::new(&faults::O2_TARGETS, config, g)
+}
+
+#[test]
+fn o2_negative_control_every_row_scaled_by_grad_output_0() {
+    let op = Planted(FirstUpstreamOnly);
+    let z = Array2::from_shape_fn((2, 8), |(_, j)| V1_LOGITS[j]);
+    let none = LossConfig::default().with_reduction(Reduction::None);
+    let g = op.cross_entropy(z.view(), &o2_call(&none)).unwrap();
+    let g = g.grad_logits.unwrap();
+    assert!(
+        (g[[1, 1]] - faults::O2_GRAD_FAULT).abs() < faults::O1_PLACES,
+        "{g}"
+    );
+    // The suites' O2 examples catch it, in both op families ...
+    let m = run_cross_entropy_suite(&op, RULE, 16).unwrap_err();
+    assert!(m.to_string().contains("O2"), "{m}");
+    let m = run_linear_suite(&op, RULE, 16).unwrap_err();
+    assert!(m.to_string().contains("O2"), "{m}");
+    // ... and the per-case check on another per-token case, for the gradient.
+    let case = CeCase {
+        map: ShardMap::new(8, 3, ShardLayout::Padded).unwrap(),
+        logits: Array2::from_shape_fn((3, 9), |(i, j)| ((i * 5 + j * 3) % 7) as f64 - 3.0),
+        targets: vec![0, 7, 3],
+        config: none,
+        grad_output: Some(vec![0.5, -1.0, 0.0]),
+    };
+    let e = check_cross_entropy(&op, ShardedAlgorithm::Alg1, &case, true).unwrap_err();
+    assert!(e.to_string().contains("grad_logits"), "{e}");
+    // A scalar upstream gradient (sum, mean) is all the fault reads: right.
+    let case = CeCase {
+        config: LossConfig::default(),
+        grad_output: Some(vec![-0.5]),
+        ..case
+    };
+    check_cross_entropy(&op, ShardedAlgorithm::Alg1, &case, true).unwrap();
+}
+
+#[test]
+fn o2_an_implementation_that_refuses_grad_output_passes() {
+    let coverage = run_cross_entropy_suite(&Planted(Refuses), RULE, 32).unwrap();
+    assert!(coverage.grad_output >= 1, "{coverage:?}");
+    let none = LossConfig::default().with_reduction(Reduction::None);
+    let z = Array2::from_shape_fn((2, 8), |(_, j)| V1_LOGITS[j]);
+    let err = Planted(Refuses)
+        .cross_entropy(z.view(), &o2_call(&none))
+        .unwrap_err();
+    assert!(err.to_string().contains("grad_output"), "{err}");
+    // Answering it while declaring no support is caught.
+    let answers = ConfigFault {
+        rewrite: |c| *c,
+        options: LossSupport {
+            softcap: true,
+            grad_output: false,
+        },
+    };
+    let m = run_cross_entropy_suite(&Planted(answers), RULE, 16).unwrap_err();
+    assert!(m.to_string().contains("declares no grad_output"), "{m}");
 }
 
 #[test]

@@ -79,6 +79,10 @@ pub const CATALOGUE: &[FaultKind] = &[
         title: "logit softcap computed as z * tanh(z)",
     },
     FaultKind {
+        id: "O2",
+        title: "a per-token grad_output read as a scalar",
+    },
+    FaultKind {
         id: "O3",
         title: "z-loss added when it is off",
     },
@@ -234,6 +238,15 @@ pub const O1_LOSS: f64 = 1.18683;
 pub const O1_LOSS_FAULT: f64 = 0.79840;
 /// O1: the places the losses are given to.
 pub const O1_PLACES: f64 = 5e-6;
+/// O2: the targets of the two tokens (both with the logits [`V1_LOGITS`]),
+/// reduction `none`.
+pub const O2_TARGETS: [i64; 2] = [V1_TARGET, 1];
+/// O2: the upstream gradient `grad_output: [n]` of the example.
+pub const O2_GRAD_OUTPUT: [f64; 2] = [1.0, 0.0];
+/// O2: the second token's gradient at its target (column 1) under the
+/// fault (every row scaled by `grad_output[0]`, Liger-Kernel PR 1298):
+/// `softmax(V1)_1 - 1`, to 5 places; the right value is 0.
+pub const O2_GRAD_FAULT: f64 = -0.80466;
 /// O3: the shift added to [`V1_LOGITS`] (so that `logsumexp` is 33.633).
 pub const O3_SHIFT: f64 = 30.0;
 /// O3: the loss with `z_loss = 0`, to 5 places (plain cross-entropy).
@@ -325,6 +338,27 @@ mod tests {
         .unwrap()
         .loss;
         assert!((l - V2_LOSS).abs() < V2_PLACES, "{l}");
+    }
+
+    #[test]
+    fn o2_values_are_the_reference_gradients() {
+        use crate::vocab::{cross_entropy, GradRequest, LossCall, LossConfig, Reduction};
+        let z = ndarray::Array2::from_shape_fn((2, 8), |(_, j)| V1_LOGITS[j]);
+        let none = LossConfig::default().with_reduction(Reduction::None);
+        let grad = |g: &[f64]| {
+            let call = LossCall::new(&O2_TARGETS, &none, GradRequest::Upstream(g));
+            cross_entropy(z.view(), &call).unwrap().grad_logits.unwrap()
+        };
+        let g = grad(&O2_GRAD_OUTPUT);
+        assert!(g.row(1).iter().all(|&x| x == 0.0), "{g}");
+        let loss_only = cross_entropy(z.view(), &LossCall::with_flag(&O2_TARGETS, &none, true))
+            .unwrap()
+            .grad_logits
+            .unwrap();
+        assert_eq!(g.row(0), loss_only.row(0));
+        // The fault: grad_output[0] for every row.
+        let fault = grad(&[O2_GRAD_OUTPUT[0]; 2]);
+        assert!((fault[[1, 1]] - O2_GRAD_FAULT).abs() < O1_PLACES, "{fault}");
     }
 
     #[test]

@@ -104,6 +104,23 @@ pub fn check_cross_entropy_faults(imp: &dyn CrossEntropyOp, rule: Rule) -> Resul
                 o1_loss(&name, out.loss())?;
             }
         }
+        // O2: a per-token upstream gradient, the second token's 0.
+        for p in [1, 3] {
+            let case = o2_case(map(8, p, ShardLayout::Uneven));
+            let name = format!("O2 {algorithm} p {p}");
+            check_cross_entropy_with(imp, algorithm, &case, true, rule)
+                .map_err(|m| named(&name, m))?;
+            check_cross_entropy_unsharded(imp, &case, true, rule).map_err(|m| named(&name, m))?;
+            if imp.options().grad_output {
+                let (z, call) = (case.logits.view(), case.call(true));
+                let out = imp
+                    .sharded_cross_entropy(algorithm, &case.map, z, &call)
+                    .map_err(|e| Mismatch::new(&name, e.to_string()))?;
+                for r in &out.ranks {
+                    o2_zero_row(&name, r.rank, r.grad_logits.as_ref())?;
+                }
+            }
+        }
         // O3: z-loss off is plain cross-entropy; O4: smoothing on huge logits is finite.
         let examples = [
             (
@@ -296,6 +313,28 @@ pub fn check_linear_faults(imp: &dyn LinearCrossEntropyOp, rule: Rule) -> Result
                 .map_err(|e| Mismatch::new(&name, e.to_string()))?;
             o1_loss(&name, out.loss())?;
         }
+        // O2: the output layer (h = 1, weight = the V1 logits, hidden 1 for
+        // both tokens): the second token's dL/dhidden is 0.
+        let case = LinearCase {
+            map: map(8, 3, ShardLayout::Uneven),
+            hidden: Array2::ones((2, 1)),
+            weight: Array2::from_shape_vec((8, 1), V1_LOGITS.to_vec()).expect("8 x 1"),
+            targets: faults::O2_TARGETS.to_vec(),
+            config: LossConfig::default().with_reduction(Reduction::None),
+            grad_output: Some(faults::O2_GRAD_OUTPUT.to_vec()),
+        };
+        let name = format!("O2 linear {algorithm}");
+        check_linear_with(imp, algorithm, &case, true, rule).map_err(|m| named(&name, m))?;
+        check_linear_unsharded(imp, &case, true, rule).map_err(|m| named(&name, m))?;
+        if imp.options().grad_output {
+            let (x, w) = (case.hidden.view(), case.weight.view());
+            let out = imp
+                .sharded_linear_cross_entropy(algorithm, &case.map, x, w, &case.call(true))
+                .map_err(|e| Mismatch::new(&name, e.to_string()))?;
+            for r in &out.ranks {
+                o2_zero_row(&name, r.rank, r.grad_hidden.as_ref())?;
+            }
+        }
         for layout in LAYOUTS {
             let v = 250_682;
             let hidden = Array2::from_shape_fn((3, 2), |(i, k)| i as f64 * 0.5 - k as f64);
@@ -314,6 +353,38 @@ pub fn check_linear_faults(imp: &dyn LinearCrossEntropyOp, rule: Rule) -> Result
         }
     }
     Ok(())
+}
+
+/// The docs/FAULTS.md O2 example over `map` (`v = 8`): two tokens with the
+/// V1 logits, targets 4 and 1, reduction `none`, `grad_output = [1, 0]`.
+fn o2_case(map: ShardMap) -> CeCase {
+    CeCase {
+        map,
+        logits: Array2::from_shape_fn((2, 8), |(_, j)| V1_LOGITS[j]),
+        targets: faults::O2_TARGETS.to_vec(),
+        config: LossConfig::default().with_reduction(Reduction::None),
+        grad_output: Some(faults::O2_GRAD_OUTPUT.to_vec()),
+    }
+}
+
+/// The second token's row of a rank's gradient (`grad_logits` or
+/// `grad_hidden`) is exactly 0 under the O2 example's `grad_output[1] = 0`,
+/// or the mismatch naming `name`.
+fn o2_zero_row(name: &str, rank: usize, grad: Option<&Array2<f64>>) -> Result<(), Mismatch> {
+    let Some(g) = grad else {
+        return Ok(()); // a fused kernel holds no dL/dz: judged by dL/dhidden
+    };
+    match g.row(1).iter().find(|x| **x != 0.0) {
+        None => Ok(()),
+        Some(x) => fail(
+            name,
+            format!(
+                "rank {rank}: the second token's gradient holds {x}, docs/FAULTS.md says 0 \
+                 (grad_output [1, 0]; every row scaled by grad_output[0] gives {} at its target)",
+                faults::O2_GRAD_FAULT
+            ),
+        ),
+    }
 }
 
 /// The loss of the docs/FAULTS.md O1 example, or the mismatch naming `name`.

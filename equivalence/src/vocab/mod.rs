@@ -101,44 +101,20 @@ pub struct LinearCase {
     pub grad_output: Option<Vec<f64>>,
 }
 
-/// The loss call of a case (targets, options, upstream gradient) asking
-/// for gradients when `want_grad`.
-fn case_call<'a>(
-    targets: &'a [i64],
-    config: &'a LossConfig,
-    grad_output: Option<&'a [f64]>,
-    want_grad: bool,
-) -> LossCall<'a> {
-    let grad = match (want_grad, grad_output) {
-        (false, _) => GradRequest::None,
-        (true, None) => GradRequest::Loss,
-        (true, Some(g)) => GradRequest::Upstream(g),
-    };
-    LossCall::new(targets, config, grad)
-}
-
 impl CeCase {
     /// The case's loss call, asking for gradients when `want_grad` (with
     /// the case's upstream gradient, where it has one).
     pub fn call(&self, want_grad: bool) -> LossCall<'_> {
-        case_call(
-            &self.targets,
-            &self.config,
-            self.grad_output.as_deref(),
-            want_grad,
-        )
+        let grad = GradRequest::of(want_grad, self.grad_output.as_deref());
+        LossCall::new(&self.targets, &self.config, grad)
     }
 }
 
 impl LinearCase {
     /// As [`CeCase::call`].
     pub fn call(&self, want_grad: bool) -> LossCall<'_> {
-        case_call(
-            &self.targets,
-            &self.config,
-            self.grad_output.as_deref(),
-            want_grad,
-        )
+        let grad = GradRequest::of(want_grad, self.grad_output.as_deref());
+        LossCall::new(&self.targets, &self.config, grad)
     }
 }
 

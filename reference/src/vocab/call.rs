@@ -35,6 +35,17 @@ impl<'a> GradRequest<'a> {
         }
     }
 
+    /// The request of a call that asks for gradients when `want_grad`,
+    /// with `upstream` where given (ignored without `want_grad`: a forward
+    /// pass reads no upstream gradient).
+    pub fn of(want_grad: bool, upstream: Option<&'a [f64]>) -> Self {
+        match (want_grad, upstream) {
+            (false, _) => GradRequest::None,
+            (true, None) => GradRequest::Loss,
+            (true, Some(g)) => GradRequest::Upstream(g),
+        }
+    }
+
     /// Whether gradients are asked for.
     pub fn wanted(&self) -> bool {
         !matches!(self, GradRequest::None)
@@ -146,5 +157,114 @@ impl<'a> LossCall<'a> {
             .enumerate()
             .map(|(i, t)| if t.is_some() { w * scale(i) } else { 0.0 })
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use ndarray::Array2;
+
+    use super::*;
+    use crate::vocab::sharded::{sharded_cross_entropy, sharded_linear_cross_entropy};
+    use crate::vocab::ShardedAlgorithm;
+    use crate::vocab::{cross_entropy, linear_cross_entropy, ShardLayout, ShardMap};
+
+    fn logits() -> Array2<f64> {
+        Array2::from_shape_fn((3, 5), |(i, j)| ((i * 3 + j * 7) % 5) as f64 - 2.0)
+    }
+
+    const TARGETS: [i64; 3] = [1, -100, 4];
+
+    /// Every form of the reference on `call`: unsharded, and each algorithm
+    /// over 2 shards, the logits and the output layer (`h = 5`, `hidden`
+    /// the identity so the logits are the weight's rows).
+    fn every_form(call: &LossCall) -> Vec<Result<()>> {
+        let z = logits();
+        let map = ShardMap::new(5, 2, ShardLayout::Uneven).unwrap();
+        let hidden = Array2::from_shape_fn((3, 5), |(i, k)| z[[i, k]]);
+        let weight = Array2::<f64>::eye(5);
+        let mut out = vec![
+            cross_entropy(z.view(), call).map(|_| ()),
+            linear_cross_entropy(hidden.view(), weight.view(), call).map(|_| ()),
+        ];
+        for a in ShardedAlgorithm::ALL {
+            out.push(sharded_cross_entropy(a, &map, z.view(), call).map(|_| ()));
+            let (x, w) = (hidden.view(), weight.view());
+            out.push(sharded_linear_cross_entropy(a, &map, x, w, call).map(|_| ()));
+        }
+        out
+    }
+
+    #[test]
+    fn a_grad_output_of_another_length_is_a_shape_error_naming_it() {
+        let none = LossConfig::default().with_reduction(Reduction::None);
+        let sum = LossConfig::default().with_reduction(Reduction::Sum);
+        for (config, g) in [
+            (&none, &[1.0, 2.0][..]),
+            (&none, &[1.0][..]),
+            (&sum, &[1.0, 1.0, 1.0][..]),
+        ] {
+            let call = LossCall::new(&TARGETS, config, GradRequest::Upstream(g));
+            for r in every_form(&call) {
+                match r {
+                    Err(Error::ShapeMismatch { field, actual, .. }) => {
+                        assert_eq!((field.as_str(), actual), ("grad_output", vec![g.len()]));
+                    }
+                    other => panic!("{other:?}"),
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_non_finite_grad_output_is_named_with_its_index() {
+        let none = LossConfig::default().with_reduction(Reduction::None);
+        for bad in [f64::NAN, f64::INFINITY] {
+            let g = [1.0, 0.0, bad];
+            let call = LossCall::new(&TARGETS, &none, GradRequest::Upstream(&g));
+            for r in every_form(&call) {
+                match r {
+                    Err(Error::NonFiniteInput { field, index, .. }) => {
+                        assert_eq!((field.as_str(), index), ("grad_output", 2));
+                    }
+                    other => panic!("{other:?}"),
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_upstream_gradient_scales_each_row() {
+        let z = logits();
+        for reduction in [Reduction::None, Reduction::Sum, Reduction::Mean] {
+            let config = LossConfig::default().with_reduction(reduction);
+            let g: Vec<f64> = match reduction {
+                Reduction::None => vec![0.5, 3.0, -2.0],
+                _ => vec![-1.5],
+            };
+            let call = LossCall::new(&TARGETS, &config, GradRequest::Upstream(&g));
+            let scaled = cross_entropy(z.view(), &call).unwrap();
+            let plain = LossCall::with_flag(&TARGETS, &config, true);
+            let plain = cross_entropy(z.view(), &plain).unwrap();
+            assert_eq!(scaled.loss, plain.loss);
+            let (a, b) = (scaled.grad_logits.unwrap(), plain.grad_logits.unwrap());
+            for ((i, j), x) in a.indexed_iter() {
+                let s = if reduction == Reduction::None {
+                    g[i]
+                } else {
+                    g[0]
+                };
+                assert_eq!(*x, s * b[[i, j]], "{reduction} [{i}, {j}]");
+            }
+            // The ignored token's row stays 0 whatever its upstream value.
+            assert!(a.row(1).iter().all(|x| *x == 0.0));
+        }
+        // No gradient asked for: no upstream gradient read, none returned.
+        let config = LossConfig::default();
+        let call = LossCall::with_flag(&TARGETS, &config, false);
+        assert!(cross_entropy(z.view(), &call)
+            .unwrap()
+            .grad_logits
+            .is_none());
     }
 }
