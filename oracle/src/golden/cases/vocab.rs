@@ -2,7 +2,8 @@
 //! every sharded algorithm and layout), the output layer and the embedding.
 
 use super::*;
-use packshard_reference::vocab::LossCall;
+use packshard_reference::faults;
+use packshard_reference::vocab::{GradRequest, LossCall};
 
 /// Seeded values uniform in `[-r, r]`, every seventh x 8 (planted outliers).
 fn seeded(n: usize, r: f64, seed: u64) -> Vec<f64> {
@@ -87,9 +88,12 @@ fn cross_entropy_case(
     targets: Vec<i64>,
     config: LossConfig,
     sharding: Option<Sharding>,
+    grad_output: Option<Vec<f64>>,
     dtype: Dtype,
 ) -> Result<GoldenCase, GoldenError> {
     let logits = logits.mapv(|x| dtype.round(x));
+    let grad_output =
+        grad_output.map(|g| g.into_iter().map(|x| dtype.round(x)).collect::<Vec<f64>>());
     let (n, w) = logits.dim();
     if let Some(s) = &sharding {
         // The split must exist (p <= v) and cover the given columns.
@@ -97,7 +101,8 @@ fn cross_entropy_case(
         debug_assert!(map.padded_vocab_size() <= w || s.layout == ShardLayout::Uneven);
     }
     let real = logits.slice_axis(Axis(1), Slice::from(..v));
-    let call = LossCall::with_flag(&targets, &config, true);
+    let grad = GradRequest::of(true, grad_output.as_deref());
+    let call = LossCall::new(&targets, &config, grad);
     let ce = cross_entropy(real, &call)?;
     let terms = Terms::new(real, &call, &ce);
     let grad = ce.grad_logits.as_ref().expect("asked for");
@@ -148,10 +153,13 @@ fn cross_entropy_case(
         op: "cross_entropy",
         description: description.into(),
         params: loss_params(&config, v, w, sharding.as_ref()),
-        inputs: vec![
+        inputs: [
             Tensor::float("logits", &[n, w], flat(&logits), dtype),
             Tensor::int("targets", &[n], targets),
-        ],
+        ]
+        .into_iter()
+        .chain(grad_output.map(|g| Tensor::float("grad_output", &[g.len()], g, dtype)))
+        .collect(),
         outputs,
     })
 }
@@ -196,6 +204,12 @@ pub(super) fn cross_entropy_cases(dtype: Dtype) -> Result<Vec<GoldenCase>, Golde
     }
     o1[[0, 8]] = f64::NAN; // padding: 8 real columns padded to 9
     o1[[1, 3]] = inf; // masked, on the ignored row (smoothing puts mass on every entry)
+                      // O2: the V1 row twice (targets 4 and 1), then two of the grid.
+    let mut o2 = grid(4, 8, 28);
+    for (j, &x) in faults::V1_LOGITS.iter().enumerate() {
+        o2[[0, j]] = x;
+        o2[[1, j]] = x;
+    }
     let mut basic = grid(6, 11, 21);
     basic[[4, 2]] = inf;
     Ok(vec![
@@ -206,6 +220,7 @@ pub(super) fn cross_entropy_cases(dtype: Dtype) -> Result<Vec<GoldenCase>, Golde
             11,
             vec![3, -100, 10, 0, 7, -100],
             LossConfig::default(),
+            None,
             None,
             dtype,
         )?,
@@ -221,6 +236,7 @@ pub(super) fn cross_entropy_cases(dtype: Dtype) -> Result<Vec<GoldenCase>, Golde
                 .with_z_loss(1e-4)
                 .with_reduction(Reduction::Sum),
             None,
+            None,
             dtype,
         )?,
         cross_entropy_case(
@@ -232,6 +248,7 @@ pub(super) fn cross_entropy_cases(dtype: Dtype) -> Result<Vec<GoldenCase>, Golde
             LossConfig::default()
                 .with_smoothing(0.1, SmoothingConvention::Megatron)
                 .with_reduction(Reduction::None),
+            None,
             None,
             dtype,
         )?,
@@ -247,6 +264,7 @@ pub(super) fn cross_entropy_cases(dtype: Dtype) -> Result<Vec<GoldenCase>, Golde
                 shards: 3,
                 layout: ShardLayout::Padded,
             }),
+            None,
             dtype,
         )?,
         cross_entropy_case(
@@ -261,6 +279,7 @@ pub(super) fn cross_entropy_cases(dtype: Dtype) -> Result<Vec<GoldenCase>, Golde
                 shards: 2,
                 layout: ShardLayout::Uneven,
             }),
+            None,
             dtype,
         )?,
         cross_entropy_case(
@@ -279,6 +298,7 @@ pub(super) fn cross_entropy_cases(dtype: Dtype) -> Result<Vec<GoldenCase>, Golde
                 shards: 3,
                 layout: ShardLayout::Padded,
             }),
+            None,
             dtype,
         )?,
         cross_entropy_case(
@@ -293,6 +313,22 @@ pub(super) fn cross_entropy_cases(dtype: Dtype) -> Result<Vec<GoldenCase>, Golde
                 shards: 8,
                 layout: ShardLayout::Uneven,
             }),
+            None,
+            dtype,
+        )?,
+        cross_entropy_case(
+            "cross_entropy_grad_output_alg1",
+            "alg1 over 3 uneven shards, no reduction with a per-token grad_output [1, 0, 2, -0.5]; rows 0 and 1 are docs/FAULTS.md O2 (the second token's gradient is 0)",
+            o2,
+            8,
+            vec![4, 1, -100, 6],
+            LossConfig::default().with_reduction(Reduction::None),
+            Some(Sharding {
+                algorithm: ShardedAlgorithm::Alg1,
+                shards: 3,
+                layout: ShardLayout::Uneven,
+            }),
+            Some(vec![1.0, 0.0, 2.0, -0.5]),
             dtype,
         )?,
     ])
