@@ -71,36 +71,20 @@ fn fused_equals_materialized_and_the_reference() {
             .with_z_loss(1e-3),
     ];
     for config in configs {
+        let call = LossCall::with_flag(&t, &config, true);
         let chunks = Chunks {
             tokens: 16,
             vocab: 100,
         };
-        let f = linear_cross_entropy_fused(
-            x.view(),
-            w.view(),
-            &LossCall::with_flag(&t, &config, true),
-            chunks,
-        )
-        .expect("fused");
-        let m = linear_cross_entropy_materialized(
-            x.view(),
-            w.view(),
-            &LossCall::with_flag(&t, &config, true),
-        )
-        .expect("materialized");
+        let f = linear_cross_entropy_fused(x.view(), w.view(), &call, chunks).expect("fused");
+        let m = linear_cross_entropy_materialized(x.view(), w.view(), &call).expect("materialized");
         // Tiles of 16 x 100: the last vocabulary tile (25) ends mid-tile.
-        let tl = linear_cross_entropy_tiled(
-            x.view(),
-            w.view(),
-            &LossCall::with_flag(&t, &config, true),
-            chunks,
-        )
-        .expect("tiled");
+        let tl = linear_cross_entropy_tiled(x.view(), w.view(), &call, chunks).expect("tiled");
         assert_eq!(tl.logits_buffer_bytes, 4 * 16 * 100);
         let r = packshard_reference::vocab::linear_cross_entropy(
             x.mapv(f64::from).view(),
             w.mapv(f64::from).view(),
-            &LossCall::with_flag(&t, &config, true),
+            &call,
         )
         .expect("reference");
         assert_eq!(f.logits_buffer_bytes, 4 * 16 * v);

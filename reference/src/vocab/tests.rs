@@ -30,20 +30,14 @@ fn v1_label_smoothing_is_global_for_every_shard_count() {
         (SmoothingConvention::Megatron, "0.90444"),
     ] {
         let config = LossConfig::default().with_smoothing(0.1, convention);
-        let unsharded =
-            cross_entropy(logits.view(), &LossCall::with_flag(&[4], &config, true)).unwrap();
+        let call = LossCall::with_flag(&[4], &config, true);
+        let unsharded = cross_entropy(logits.view(), &call).unwrap();
         assert_eq!(format!("{:.5}", unsharded.loss), want, "{convention:?}");
         for p in 1..=8 {
             for layout in layouts() {
                 let map = ShardMap::new(8, p, layout).unwrap();
                 for alg in ShardedAlgorithm::ALL {
-                    let s = sharded_cross_entropy(
-                        alg,
-                        &map,
-                        logits.view(),
-                        &LossCall::with_flag(&[4], &config, true),
-                    )
-                    .unwrap();
+                    let s = sharded_cross_entropy(alg, &map, logits.view(), &call).unwrap();
                     for r in &s.ranks {
                         assert_eq!(
                             format!("{:.5}", r.loss),
@@ -95,14 +89,9 @@ fn v2_padded_vocabulary_entries_never_enter_the_softmax() {
     ] {
         let mut z = real.to_vec();
         z.extend(padding);
+        let call = LossCall::with_flag(&[7], &config, true);
         for alg in ShardedAlgorithm::ALL {
-            let s = sharded_cross_entropy(
-                alg,
-                &map,
-                row(&z).view(),
-                &LossCall::with_flag(&[7], &config, true),
-            )
-            .unwrap();
+            let s = sharded_cross_entropy(alg, &map, row(&z).view(), &call).unwrap();
             assert_eq!(format!("{:.6}", s.loss()), "1.474030", "{alg} {padding:?}");
             // Padding columns get no gradient.
             let last = s.ranks[2].grad_logits.as_ref().unwrap();
@@ -247,17 +236,12 @@ fn v6_an_all_minus_inf_shard_contributes_nothing() {
     let inf = f64::NEG_INFINITY;
     let z = [1.0, 2.0, 0.0, -1.0, inf, inf, inf, inf];
     let config = LossConfig::default();
-    let u = cross_entropy(row(&z).view(), &LossCall::with_flag(&[1], &config, true)).unwrap();
+    let call = LossCall::with_flag(&[1], &config, true);
+    let u = cross_entropy(row(&z).view(), &call).unwrap();
     assert!(u.loss.is_finite());
     let map = ShardMap::new(8, 2, ShardLayout::Uneven).unwrap();
     for alg in ShardedAlgorithm::ALL {
-        let s = sharded_cross_entropy(
-            alg,
-            &map,
-            row(&z).view(),
-            &LossCall::with_flag(&[1], &config, true),
-        )
-        .unwrap();
+        let s = sharded_cross_entropy(alg, &map, row(&z).view(), &call).unwrap();
         assert_eq!(
             s.ranks[1].local[0].sum_exp(),
             0.0,
@@ -273,15 +257,10 @@ fn v6_an_all_minus_inf_shard_contributes_nothing() {
     let map = ShardMap::new(9, 4, ShardLayout::Padded).unwrap();
     assert_eq!(map.shard(3).real, 0);
     let z9 = row(&[0.5, -1.0, 2.0, 1.0, 0.0, 3.0, -2.0, 1.5, 0.25]);
-    let u = cross_entropy(z9.view(), &LossCall::with_flag(&[5], &config, true)).unwrap();
+    let call = LossCall::with_flag(&[5], &config, true);
+    let u = cross_entropy(z9.view(), &call).unwrap();
     for alg in ShardedAlgorithm::ALL {
-        let s = sharded_cross_entropy(
-            alg,
-            &map,
-            z9.view(),
-            &LossCall::with_flag(&[5], &config, true),
-        )
-        .unwrap();
+        let s = sharded_cross_entropy(alg, &map, z9.view(), &call).unwrap();
         assert!(
             (s.loss() - u.loss).abs() <= 4.0 * f64::EPSILON * u.loss,
             "{alg}"
@@ -618,14 +597,11 @@ fn collective_counts_per_algorithm() {
         (ShardedAlgorithm::Alg1, 2, 2, 4 * n + n * h),
         (ShardedAlgorithm::Alg2, 1, 1, (4 + 2 * h) * n),
     ] {
-        let s = sharded_linear_cross_entropy(
-            alg,
-            &map,
-            x.view(),
-            w.view(),
-            &LossCall::with_flag(&[0, 4, 2], &config, true),
-        )
-        .unwrap();
+        let run = |want_grad| {
+            let call = LossCall::with_flag(&[0, 4, 2], &config, want_grad);
+            sharded_linear_cross_entropy(alg, &map, x.view(), w.view(), &call).unwrap()
+        };
+        let s = run(true);
         let c = s.counts();
         assert_eq!(
             (c.barriers, c.calls, c.elements),
@@ -633,14 +609,7 @@ fn collective_counts_per_algorithm() {
             "{alg}"
         );
         assert_eq!(c.barriers, alg.barriers(true, true));
-        let f = sharded_linear_cross_entropy(
-            alg,
-            &map,
-            x.view(),
-            w.view(),
-            &LossCall::with_flag(&[0, 4, 2], &config, false),
-        )
-        .unwrap();
+        let f = run(false);
         assert_eq!(
             f.counts().barriers,
             alg.barriers(true, false),
