@@ -141,33 +141,40 @@ pub struct LinearCeFused {
     pub chunks: Chunks,
 }
 
-impl LinearCrossEntropyOp for LinearCeFused {
-    fn algorithms(&self) -> Vec<ShardedAlgorithm> {
-        vec![alg2::ALGORITHM]
-    }
+/// The op of a chunked f32 kernel `$kernel` (`fn(hidden, weight, call,
+/// chunks)`): unsharded, the kernel in the op's `chunks`; sharded, `alg2`'s
+/// shard kernel in the same chunks ([`sharded_alg2`]).
+macro_rules! chunked_linear_op {
+    ($op:ty, $kernel:path) => {
+        impl LinearCrossEntropyOp for $op {
+            fn algorithms(&self) -> Vec<ShardedAlgorithm> {
+                vec![alg2::ALGORITHM]
+            }
 
-    fn linear_cross_entropy(
-        &self,
-        hidden: ArrayView2<f64>,
-        weight: ArrayView2<f64>,
-        call: &LossCall,
-    ) -> Result<LinearLoss> {
-        unsharded_f32(hidden, weight, |x, w| {
-            linear_cross_entropy_fused(x, w, call, self.chunks)
-        })
-    }
+            fn linear_cross_entropy(
+                &self,
+                hidden: ArrayView2<f64>,
+                weight: ArrayView2<f64>,
+                call: &LossCall,
+            ) -> Result<LinearLoss> {
+                unsharded_f32(hidden, weight, |x, w| $kernel(x, w, call, self.chunks))
+            }
 
-    fn sharded_linear_cross_entropy(
-        &self,
-        algorithm: ShardedAlgorithm,
-        map: &ShardMap,
-        hidden: ArrayView2<f64>,
-        weight: ArrayView2<f64>,
-        call: &LossCall,
-    ) -> Result<ShardedLoss> {
-        sharded_alg2(algorithm, map, (hidden, weight), call, self.chunks)
-    }
+            fn sharded_linear_cross_entropy(
+                &self,
+                algorithm: ShardedAlgorithm,
+                map: &ShardMap,
+                hidden: ArrayView2<f64>,
+                weight: ArrayView2<f64>,
+                call: &LossCall,
+            ) -> Result<ShardedLoss> {
+                sharded_alg2(algorithm, map, (hidden, weight), call, self.chunks)
+            }
+        }
+    };
 }
+
+chunked_linear_op!(LinearCeFused, linear_cross_entropy_fused);
 
 /// `linear_ce_tiled`: f32; tiles of `chunks.tokens` tokens x `chunks.vocab`
 /// entries — pass 1 the row statistics, pass 2 the gradients from
@@ -192,30 +199,4 @@ impl Default for LinearCeTiled {
     }
 }
 
-impl LinearCrossEntropyOp for LinearCeTiled {
-    fn algorithms(&self) -> Vec<ShardedAlgorithm> {
-        vec![alg2::ALGORITHM]
-    }
-
-    fn linear_cross_entropy(
-        &self,
-        hidden: ArrayView2<f64>,
-        weight: ArrayView2<f64>,
-        call: &LossCall,
-    ) -> Result<LinearLoss> {
-        unsharded_f32(hidden, weight, |x, w| {
-            linear_cross_entropy_tiled(x, w, call, self.chunks)
-        })
-    }
-
-    fn sharded_linear_cross_entropy(
-        &self,
-        algorithm: ShardedAlgorithm,
-        map: &ShardMap,
-        hidden: ArrayView2<f64>,
-        weight: ArrayView2<f64>,
-        call: &LossCall,
-    ) -> Result<ShardedLoss> {
-        sharded_alg2(algorithm, map, (hidden, weight), call, self.chunks)
-    }
-}
+chunked_linear_op!(LinearCeTiled, linear_cross_entropy_tiled);

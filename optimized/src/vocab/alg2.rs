@@ -492,20 +492,7 @@ pub fn sharded_cross_entropy(
     map.check_width("logits", w, &[n, w], "[n, v]")?;
     check_inputs(n, call, v)?;
     check_logits("logits", logits, v, v, 0)?;
-    let parts: Vec<Array2<f32>> = map
-        .shards()
-        .iter()
-        .map(|s| {
-            Array2::from_shape_fn((n, s.width), |(i, j)| {
-                let g = s.start + j;
-                if g < w {
-                    logits[[i, g]]
-                } else {
-                    f32::NAN
-                }
-            })
-        })
-        .collect();
+    let parts = map.split_along(logits, ndarray::Axis(1), f32::NAN);
     let ranks = run_ranks(map.num_shards(), |comm| {
         cross_entropy_rank(comm, map, parts[comm.rank()].view(), call)
     })?;
@@ -532,22 +519,7 @@ pub fn sharded_linear_cross_entropy(
     check_inputs(n, call, v)?;
     check_linear(hidden, weight, v, 0)?;
     check_chunks(kernel.0)?;
-    let h = hidden.ncols();
-    let rows = weight.nrows();
-    let parts: Vec<Array2<f32>> = map
-        .shards()
-        .iter()
-        .map(|s| {
-            Array2::from_shape_fn((s.width, h), |(j, k)| {
-                let g = s.start + j;
-                if g < rows {
-                    weight[[g, k]]
-                } else {
-                    f32::NAN
-                }
-            })
-        })
-        .collect();
+    let parts = map.split_along(weight, ndarray::Axis(0), f32::NAN);
     let ranks = run_ranks(map.num_shards(), |comm| {
         linear_cross_entropy_rank(comm, map, hidden, parts[comm.rank()].view(), call, kernel)
     })?;
