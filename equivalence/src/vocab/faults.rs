@@ -28,14 +28,34 @@ fn checked_loss(
 ) -> Result<ShardedLoss, Mismatch> {
     check_cross_entropy_with(imp, algorithm, case, true, rule)
         .map_err(|m| Mismatch::new(format!("{name}: {}", m.what), m.detail))?;
-    let (z, t) = (case.logits.view(), &case.targets);
-    imp.sharded_cross_entropy(
-        algorithm,
-        &case.map,
-        z,
-        &LossCall::with_flag(t, &case.config, false),
-    )
-    .map_err(|e| Mismatch::new(name, e.to_string()))
+    sharded_ce(imp, algorithm, case, false, name)
+}
+
+/// `imp`'s sharded cross-entropy on `case`, an error as the mismatch
+/// naming `name`.
+fn sharded_ce(
+    imp: &dyn CrossEntropyOp,
+    algorithm: ShardedAlgorithm,
+    case: &CeCase,
+    want_grad: bool,
+    name: &str,
+) -> Result<ShardedLoss, Mismatch> {
+    let (z, call) = (case.logits.view(), case.call(want_grad));
+    imp.sharded_cross_entropy(algorithm, &case.map, z, &call)
+        .map_err(|e| Mismatch::new(name, e.to_string()))
+}
+
+/// As [`sharded_ce`] for the output layer.
+fn sharded_linear(
+    imp: &dyn LinearCrossEntropyOp,
+    algorithm: ShardedAlgorithm,
+    case: &LinearCase,
+    want_grad: bool,
+    name: &str,
+) -> Result<ShardedLoss, Mismatch> {
+    let (x, w, call) = (case.hidden.view(), case.weight.view(), case.call(want_grad));
+    imp.sharded_linear_cross_entropy(algorithm, &case.map, x, w, &call)
+        .map_err(|e| Mismatch::new(name, e.to_string()))
 }
 
 pub(super) const LAYOUTS: [ShardLayout; 2] = [ShardLayout::Uneven, ShardLayout::Padded];
@@ -112,10 +132,7 @@ pub fn check_cross_entropy_faults(imp: &dyn CrossEntropyOp, rule: Rule) -> Resul
                 .map_err(|m| named(&name, m))?;
             check_cross_entropy_unsharded(imp, &case, true, rule).map_err(|m| named(&name, m))?;
             if imp.options().grad_output {
-                let (z, call) = (case.logits.view(), case.call(true));
-                let out = imp
-                    .sharded_cross_entropy(algorithm, &case.map, z, &call)
-                    .map_err(|e| Mismatch::new(&name, e.to_string()))?;
+                let out = sharded_ce(imp, algorithm, &case, true, &name)?;
                 for r in &out.ranks {
                     o2_zero_row(&name, r.rank, r.grad_logits.as_ref())?;
                 }
@@ -265,15 +282,7 @@ pub fn check_linear_faults(imp: &dyn LinearCrossEntropyOp, rule: Rule) -> Result
         };
         let name = format!("V3 {algorithm}");
         check_linear_with(imp, algorithm, &case, true, rule).map_err(|m| named(&name, m))?;
-        let out = imp
-            .sharded_linear_cross_entropy(
-                algorithm,
-                &case.map,
-                case.hidden.view(),
-                case.weight.view(),
-                &LossCall::with_flag(&[2], &case.config, true),
-            )
-            .map_err(|e| Mismatch::new(&name, e.to_string()))?;
+        let out = sharded_linear(imp, algorithm, &case, true, &name)?;
         for r in &out.ranks {
             let g = r
                 .grad_hidden
@@ -302,15 +311,7 @@ pub fn check_linear_faults(imp: &dyn LinearCrossEntropyOp, rule: Rule) -> Result
         check_linear_with(imp, algorithm, &case, true, rule).map_err(|m| named(&name, m))?;
         check_linear_unsharded(imp, &case, true, rule).map_err(|m| named(&name, m))?;
         if imp.options().softcap {
-            let out = imp
-                .sharded_linear_cross_entropy(
-                    algorithm,
-                    &case.map,
-                    case.hidden.view(),
-                    case.weight.view(),
-                    &LossCall::with_flag(&case.targets, &case.config, false),
-                )
-                .map_err(|e| Mismatch::new(&name, e.to_string()))?;
+            let out = sharded_linear(imp, algorithm, &case, false, &name)?;
             o1_loss(&name, out.loss())?;
         }
         // O2: the output layer (h = 1, weight = the V1 logits, hidden 1 for
@@ -327,10 +328,7 @@ pub fn check_linear_faults(imp: &dyn LinearCrossEntropyOp, rule: Rule) -> Result
         check_linear_with(imp, algorithm, &case, true, rule).map_err(|m| named(&name, m))?;
         check_linear_unsharded(imp, &case, true, rule).map_err(|m| named(&name, m))?;
         if imp.options().grad_output {
-            let (x, w) = (case.hidden.view(), case.weight.view());
-            let out = imp
-                .sharded_linear_cross_entropy(algorithm, &case.map, x, w, &case.call(true))
-                .map_err(|e| Mismatch::new(&name, e.to_string()))?;
+            let out = sharded_linear(imp, algorithm, &case, true, &name)?;
             for r in &out.ranks {
                 o2_zero_row(&name, r.rank, r.grad_hidden.as_ref())?;
             }
