@@ -23,7 +23,7 @@ use packshard_reference::attention::{
 use packshard_reference::bert::attention::AttentionLayout;
 use packshard_reference::bert::LayerParams;
 use packshard_reference::ops::{AttentionOp, AttentionSupport, Varlen};
-use packshard_reference::vocab::{LossCall, Reduction};
+use packshard_reference::vocab::{LossConfig, Reduction};
 
 /// `x` rounded to the nearest `f32`.
 pub fn round_f32(x: f64) -> f64 {
@@ -610,12 +610,16 @@ fn row_stats(z: ArrayView1<f32>, q: impl Fn(usize) -> f32) -> Stats {
 
 /// Cross-entropy of `logits: [n, v]` (finite or `-inf`) against `targets:
 /// [n]` under `config` (`call`), in f32, with `grad_logits` when `call`
-/// asks for it (each row scaled by [`LossCall::token_weights`], the
-/// upstream gradient multiplied in). Targets are assumed valid (in range or
+/// asks for it (each row scaled by
+/// [`packshard_reference::vocab::LossCall::token_weights`], the upstream
+/// gradient multiplied in). Targets are assumed valid (in range or
 /// `ignore_index`), rows of `-inf` only where ignored: run it after the
 /// reference accepted the input.
-pub fn cross_entropy(logits: ArrayView2<f32>, call: &LossCall) -> CrossEntropy32 {
-    let (targets, config) = (call.targets, call.config);
+pub fn cross_entropy(
+    logits: ArrayView2<f32>,
+    call: &packshard_reference::vocab::LossCall,
+) -> CrossEntropy32 {
+    let (targets, config): (&[i64], &LossConfig) = (call.targets, call.config);
     let (n, v) = logits.dim();
     // The softcap first (docs/FAULTS.md O1), `-inf` kept.
     let cap = config.softcap.map(|c| c as f32);
@@ -723,7 +727,7 @@ pub type LinearGrads32 = (Array2<f32>, Array2<f32>);
 pub fn linear_cross_entropy(
     hidden: ArrayView2<f32>,
     weight: ArrayView2<f32>,
-    call: &LossCall,
+    call: &packshard_reference::vocab::LossCall,
 ) -> (CrossEntropy32, Option<LinearGrads32>) {
     let logits = hidden.dot(&weight.t());
     let ce = cross_entropy(logits.view(), call);

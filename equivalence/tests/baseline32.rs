@@ -7,7 +7,7 @@ use ndarray::{Array2, Array3};
 use packshard_equivalence::attention::attention_cases;
 use packshard_equivalence::baseline32::{self, round_f32};
 use packshard_reference::bert::attention::{varlen_attention, varlen_attention_backward};
-use packshard_reference::vocab::{cross_entropy, LossCall, LossConfig};
+use packshard_reference::vocab::{cross_entropy, LossConfig};
 use proptest::strategy::{Strategy, ValueTree};
 use proptest::test_runner::TestRunner;
 use rand::{Rng, SeedableRng};
@@ -96,12 +96,9 @@ fn cross_entropy_baseline_is_the_reference_in_f32() {
             z_loss: if trial % 4 == 1 { 1e-3 } else { 0.0 },
             ..LossConfig::default()
         };
-        let want =
-            cross_entropy(logits.view(), &LossCall::with_flag(&targets, &config, true)).unwrap();
-        let got = baseline32::cross_entropy(
-            logits.mapv(|x| x as f32).view(),
-            &LossCall::with_flag(&targets, &config, true),
-        );
+        let call = packshard_reference::vocab::LossCall::with_flag(&targets, &config, true);
+        let want = cross_entropy(logits.view(), &call).unwrap();
+        let got = baseline32::cross_entropy(logits.mapv(|x| x as f32).view(), &call);
         let lse = want.logsumexp();
         for (name, e) in [
             ("loss", rel_err([got.loss], [&want.loss])),
