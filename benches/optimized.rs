@@ -24,6 +24,7 @@ use packshard::reference::bert::{BertConfig, BertParams};
 use packshard::reference::ops::{Precision, Qkv, Varlen};
 use packshard::reference::vocab::LossConfig;
 use packshard::registry;
+use packshard_reference::vocab::LossCall;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -86,7 +87,7 @@ fn cross_entropy(c: &mut Criterion) {
             continue;
         }
         let run = || {
-            op.linear_cross_entropy(x.view(), w.view(), &t, &config, true)
+            op.linear_cross_entropy(x.view(), w.view(), &LossCall::with_flag(&t, &config, true))
                 .unwrap()
                 .ce
                 .loss

@@ -12,6 +12,7 @@ use packshard::reference::vocab::{
     linear_cross_entropy, LossConfig, ShardLayout, ShardMap, ShardedAlgorithm,
 };
 use packshard::vocab_report::{random_inputs, MINILM_HIDDEN, MINILM_VOCAB};
+use packshard_reference::vocab::LossCall;
 
 fn vocab(c: &mut Criterion) {
     let n = 16;
@@ -20,10 +21,20 @@ fn vocab(c: &mut Criterion) {
     let mut group = c.benchmark_group("vocab/30522x384");
     group.throughput(Throughput::Elements(n as u64));
     group.sample_size(10);
-    let u = linear_cross_entropy(hidden.view(), weight.view(), &targets, &config, true).unwrap();
+    let u = linear_cross_entropy(
+        hidden.view(),
+        weight.view(),
+        &LossCall::with_flag(&targets, &config, true),
+    )
+    .unwrap();
     group.bench_function("unsharded", |b| {
         b.iter(|| {
-            linear_cross_entropy(hidden.view(), weight.view(), &targets, &config, true).unwrap()
+            linear_cross_entropy(
+                hidden.view(),
+                weight.view(),
+                &LossCall::with_flag(&targets, &config, true),
+            )
+            .unwrap()
         })
     });
     let map = ShardMap::new(MINILM_VOCAB, 4, ShardLayout::Uneven).unwrap();
@@ -34,9 +45,7 @@ fn vocab(c: &mut Criterion) {
                 &map,
                 hidden.view(),
                 weight.view(),
-                &targets,
-                &config,
-                true,
+                &LossCall::with_flag(&targets, &config, true),
             )
             .unwrap()
         };

@@ -19,7 +19,7 @@ use std::time::Instant;
 use ndarray::Array2;
 use packshard_reference::vocab::sharded::sharded_linear_cross_entropy;
 use packshard_reference::vocab::{
-    linear_cross_entropy, LossConfig, ShardLayout, ShardMap, ShardedAlgorithm,
+    linear_cross_entropy, LossCall, LossConfig, ShardLayout, ShardMap, ShardedAlgorithm,
 };
 use packshard_reference::Error;
 use rand::{Rng, SeedableRng};
@@ -251,7 +251,11 @@ pub fn measure(config: &VocabReportConfig) -> Result<Report, Error> {
     };
     let (v, h) = weight.dim();
     let start = Instant::now();
-    let u = linear_cross_entropy(hidden.view(), weight.view(), &targets, &config.loss, true)?;
+    let u = linear_cross_entropy(
+        hidden.view(),
+        weight.view(),
+        &LossCall::with_flag(&targets, &config.loss, true),
+    )?;
     let unsharded_seconds = start.elapsed().as_secs_f64();
     let gh = u.grad_hidden.as_ref().expect("asked for gradients");
     let gw = u.grad_weight.as_ref().expect("asked for gradients");
@@ -278,9 +282,7 @@ pub fn measure(config: &VocabReportConfig) -> Result<Report, Error> {
                 &map,
                 hidden.view(),
                 weight.view(),
-                &targets,
-                &config.loss,
-                true,
+                &LossCall::with_flag(&targets, &config.loss, true),
             )?;
             let seconds = start.elapsed().as_secs_f64();
             let c = s.counts();

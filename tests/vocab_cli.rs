@@ -413,3 +413,92 @@ fn o1_softcap_through_eval() {
         assert_eq!(format!("{:.5}", f(&r["loss"])), "1.18683", "{imp} -> {r}");
     }
 }
+
+#[test]
+fn o2_per_token_grad_output_through_eval() {
+    // docs/FAULTS.md O2: two tokens with the V1 logits, targets 4 and 1,
+    // reduction none, grad_output [1, 0]: the second token's gradient is 0.
+    let base = json!({"op": "cross_entropy", "logits": [V1, V1], "targets": [4, 1],
+                      "reduction": "none", "grad_output": [1.0, 0.0], "want_grad": true});
+    let plain = eval(
+        &json!({"op": "cross_entropy", "logits": [V1], "targets": [4],
+                             "want_grad": true}),
+    );
+    let cases = variants(&base, &[1, 2, 3, 8]);
+    for (case, r) in cases.iter().zip(eval_all(&cases)) {
+        let g = &r["grad_logits"];
+        let (g0, want) = (floats(&g[0]), floats(&plain["grad_logits"][0]));
+        let close = g0.iter().zip(&want).all(|(a, b)| (a - b).abs() < 1e-12);
+        assert!(close, "{case} -> {r}");
+        assert!(floats(&g[1]).iter().all(|x| *x == 0.0), "{case} -> {r}");
+        assert_eq!(format!("{:.5}", f(&r["per_token_loss"][1])), "1.63301");
+    }
+    let mut f32_case = base.clone();
+    f32_case["impl"] = json!("cross_entropy_f32");
+    let r = eval(&f32_case);
+    let zero = floats(&r["grad_logits"][1]).iter().all(|x| *x == 0.0);
+    assert!(zero, "cross_entropy_f32 -> {r}");
+    // The output layer, every CPU impl: the second token's dL/dhidden is 0.
+    let weight: Vec<[f64; 1]> = V1.iter().map(|&x| [x]).collect();
+    for imp in [
+        "reference",
+        "linear_ce_materialized",
+        "linear_ce_fused",
+        "linear_ce_tiled",
+    ] {
+        let r = eval(
+            &json!({"op": "linear_cross_entropy", "hidden": [[1.0], [1.0]],
+                             "weight": weight, "targets": [4, 1], "reduction": "none",
+                             "grad_output": [1.0, 0.0], "want_grad": true, "impl": imp}),
+        );
+        assert_eq!(f(&r["grad_hidden"][1][0]), 0.0, "{imp} -> {r}");
+        assert!(f(&r["grad_hidden"][0][0]) != 0.0, "{imp} -> {r}");
+    }
+    // The contract: a scalar under mean, the length, finiteness, want_grad.
+    let cases = [
+        (
+            json!({"reduction": "mean", "grad_output": [1.0, 0.0]}),
+            "shape_mismatch",
+        ),
+        (
+            json!({"reduction": "none", "grad_output": [1.0]}),
+            "shape_mismatch",
+        ),
+        (
+            json!({"reduction": "none", "grad_output": [1.0, "nan"]}),
+            "non_finite_input",
+        ),
+        (
+            json!({"reduction": "none", "grad_output": [1.0, 0.0], "want_grad": false}),
+            "invalid_argument",
+        ),
+    ];
+    for (extra, kind) in cases {
+        let mut c = json!({"op": "cross_entropy", "logits": [V1, V1], "targets": [4, 1],
+                           "want_grad": true});
+        for (k, v) in extra.as_object().unwrap() {
+            c[k] = v.clone();
+        }
+        let r = eval(&c);
+        assert_eq!(r["error"]["kind"], kind, "{c} -> {r}");
+        assert!(
+            r["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("grad_output"),
+            "{c} -> {r}"
+        );
+    }
+    let r = eval(
+        &json!({"op": "cross_entropy", "logits": [V1, V1], "targets": [4, 1],
+                         "grad_output": [-2.0], "want_grad": true, "reduction": "sum"}),
+    );
+    let g1 = floats(&r["grad_logits"][1]);
+    assert!((g1[1] - (-2.0 * faults_o2_fault())).abs() < 1e-5, "{r}");
+}
+
+/// The second token's own gradient at its target (docs/FAULTS.md O2's
+/// fault value): what a scalar upstream gradient of 1 gives it.
+fn faults_o2_fault() -> f64 {
+    packshard::reference::faults::O2_GRAD_FAULT
+}

@@ -22,6 +22,7 @@ use packshard::reference::vocab::{
     linear_cross_entropy, LossConfig, ShardLayout, ShardMap, ShardedAlgorithm, SmoothingConvention,
 };
 use packshard::vocab_report::{load_tensor, WORD_EMBEDDINGS};
+use packshard_reference::vocab::LossCall;
 
 /// Tokens in the batch: enough for real statistics, small enough for CI
 /// (each f64 pass over 30522 x 384 costs ~n x 12 M multiply-adds).
@@ -90,13 +91,21 @@ fn minilm_embeddings_and_hamlet_sharded_equal_unsharded() {
             .with_smoothing(0.1, SmoothingConvention::Megatron)
             .with_z_loss(1e-4),
     ] {
-        let expected =
-            linear_cross_entropy(hidden.view(), weight.view(), &targets, &config, true).unwrap();
+        let expected = linear_cross_entropy(
+            hidden.view(),
+            weight.view(),
+            &LossCall::with_flag(&targets, &config, true),
+        )
+        .unwrap();
         let loss = expected.ce.loss;
         // Real text through real embeddings: a loss well below uniform (ln 30522 = 10.3)
         // would mean the layer leaks the target; well above, something is off.
         assert!(loss.is_finite() && loss > 1.0 && loss < 40.0, "{loss}");
-        let terms = Terms::new(expected.logits.view(), &targets, &config, &expected.ce);
+        let terms = Terms::new(
+            expected.logits.view(),
+            &LossCall::with_flag(&targets, &config, true),
+            &expected.ce,
+        );
         assert!(terms.loss.is_finite());
         let splits: &[(usize, ShardLayout)] = if config.label_smoothing == 0.0 {
             &[(7, ShardLayout::Uneven), (8, ShardLayout::Padded)]
@@ -111,6 +120,7 @@ fn minilm_embeddings_and_hamlet_sharded_equal_unsharded() {
                 weight: weight.clone(),
                 targets: targets.clone(),
                 config,
+                grad_output: None,
             };
             // With smoothing and z-loss, alg2 (its merge carries the most);
             // the random suite covers those options for every algorithm.
@@ -125,9 +135,7 @@ fn minilm_embeddings_and_hamlet_sharded_equal_unsharded() {
                     &map,
                     hidden.view(),
                     weight.view(),
-                    &targets,
-                    &config,
-                    true,
+                    &LossCall::with_flag(&targets, &config, true),
                 )
                 .unwrap();
                 compare_linear(Some(algorithm), &case, &expected, &s, true)

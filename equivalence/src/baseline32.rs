@@ -575,15 +575,17 @@ fn row_stats(z: ArrayView1<f32>, q: impl Fn(usize) -> f32) -> Stats {
 }
 
 /// Cross-entropy of `logits: [n, v]` (finite or `-inf`) against `targets:
-/// [n]` under `config`, in f32, with `grad_logits` when `want_grad`.
-/// Targets are assumed valid (in range or `ignore_index`), rows of `-inf`
-/// only where ignored: run it after the reference accepted the input.
+/// [n]` under `config` (`call`), in f32, with `grad_logits` when `call`
+/// asks for it (each row scaled by
+/// [`packshard_reference::vocab::LossCall::token_weights`], the upstream
+/// gradient multiplied in). Targets are assumed valid (in range or
+/// `ignore_index`), rows of `-inf` only where ignored: run it after the
+/// reference accepted the input.
 pub fn cross_entropy(
     logits: ArrayView2<f32>,
-    targets: &[i64],
-    config: &LossConfig,
-    want_grad: bool,
+    call: &packshard_reference::vocab::LossCall,
 ) -> CrossEntropy32 {
+    let (targets, config): (&[i64], &LossConfig) = (call.targets, call.config);
     let (n, v) = logits.dim();
     // The softcap first (docs/FAULTS.md O1), `-inf` kept.
     let cap = config.softcap.map(|c| c as f32);
@@ -628,13 +630,19 @@ pub fn cross_entropy(
         .collect();
     let valid = parsed.iter().filter(|t| t.is_some()).count();
     let sum: f32 = per_token_loss.iter().sum();
-    let (loss, w) = match config.reduction {
-        Reduction::Mean if valid > 0 => (sum / valid as f32, 1.0 / valid as f32),
-        Reduction::Mean => (0.0, 0.0),
-        Reduction::Sum | Reduction::None => (sum, 1.0),
+    let loss = match config.reduction {
+        Reduction::Mean if valid > 0 => sum / valid as f32,
+        Reduction::Mean => 0.0,
+        Reduction::Sum | Reduction::None => sum,
     };
-    let grad_logits = want_grad.then(|| {
+    let weights: Vec<f32> = call
+        .token_weights(&parsed)
+        .iter()
+        .map(|&w| w as f32)
+        .collect();
+    let grad_logits = call.want_grad().then(|| {
         Array2::from_shape_fn((n, v), |(i, j)| {
+            let w = weights[i];
             if parsed[i].is_none() || w == 0.0 {
                 return 0.0;
             }
@@ -680,17 +688,15 @@ pub fn cross_entropy(
 pub type LinearGrads32 = (Array2<f32>, Array2<f32>);
 
 /// The output layer in f32: `logits = hidden @ weight^T` (`hidden: [n, h]`,
-/// `weight: [v, h]`), [`cross_entropy`], and with `want_grad` `(grad_hidden
-/// [n, h], grad_weight [v, h])`.
+/// `weight: [v, h]`), [`cross_entropy`], and when `call` asks for
+/// gradients `(grad_hidden [n, h], grad_weight [v, h])`.
 pub fn linear_cross_entropy(
     hidden: ArrayView2<f32>,
     weight: ArrayView2<f32>,
-    targets: &[i64],
-    config: &LossConfig,
-    want_grad: bool,
+    call: &packshard_reference::vocab::LossCall,
 ) -> (CrossEntropy32, Option<LinearGrads32>) {
     let logits = hidden.dot(&weight.t());
-    let ce = cross_entropy(logits.view(), targets, config, want_grad);
+    let ce = cross_entropy(logits.view(), call);
     let grads = ce
         .grad_logits
         .as_ref()

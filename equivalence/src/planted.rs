@@ -20,8 +20,8 @@ use packshard_reference::vocab::cross_entropy::CrossEntropy;
 use packshard_reference::vocab::embedding::ShardedEmbedding;
 use packshard_reference::vocab::sharded::ShardedLoss;
 use packshard_reference::vocab::{
-    LossConfig, ReferenceCrossEntropy, ReferenceEmbedding, ReferenceLinearCrossEntropy, ShardMap,
-    ShardedAlgorithm,
+    GradRequest, LossCall, ReferenceCrossEntropy, ReferenceEmbedding, ReferenceLinearCrossEntropy,
+    ShardMap, ShardedAlgorithm,
 };
 use packshard_reference::Result;
 
@@ -189,38 +189,36 @@ impl AttentionHooks for ModuloKvHeads {
 // ---- vocabulary parallelism ---------------------------------------------------
 
 /// One loss call's inputs: `input` the logits ([`CeCall`]) or the hidden
-/// states and the output layer's weight ([`LinearCall`]), `targets: [n]`.
+/// states and the output layer's weight ([`LinearCall`]), and the call
+/// (`targets: [n]`, options, gradient request).
 #[derive(Debug, Clone, Copy)]
-pub struct LossCall<'a, X> {
+pub struct LossInputs<'a, X> {
     /// `logits: [n, v]`, or `(hidden: [n, h], weight: [v, h])`; sharded,
     /// `w >= v` columns of logits or rows of the weight.
     pub input: X,
-    /// `[n]`.
-    pub targets: &'a [i64],
-    /// The loss's options.
-    pub config: &'a LossConfig,
-    /// Whether the gradients are asked for.
-    pub want_grad: bool,
+    /// The targets, the loss's options and the gradient request.
+    pub call: LossCall<'a>,
 }
 
-impl<'a, X> LossCall<'a, X> {
+impl<'a, X> LossInputs<'a, X> {
     /// The call's inputs as one value.
-    pub fn new(input: X, targets: &'a [i64], config: &'a LossConfig, want_grad: bool) -> Self {
-        LossCall {
-            input,
-            targets,
-            config,
-            want_grad,
-        }
+    pub fn new(input: X, call: LossCall<'a>) -> Self {
+        LossInputs { input, call }
+    }
+
+    /// The same inputs with another call (another config, another
+    /// gradient request).
+    pub fn with_call(self, call: LossCall<'a>) -> Self {
+        LossInputs { call, ..self }
     }
 }
 
 /// A cross-entropy call: `input` the logits, `[n, v]` (`[n, w]` sharded).
-pub type CeCall<'a> = LossCall<'a, ArrayView2<'a, f64>>;
+pub type CeCall<'a> = LossInputs<'a, ArrayView2<'a, f64>>;
 
 /// An output-layer call: `input` is `(hidden: [n, h], weight: [v, h])`
 /// (`[w, h]` sharded).
-pub type LinearCall<'a> = LossCall<'a, (ArrayView2<'a, f64>, ArrayView2<'a, f64>)>;
+pub type LinearCall<'a> = LossInputs<'a, (ArrayView2<'a, f64>, ArrayView2<'a, f64>)>;
 
 impl CeCall<'_> {
     /// `op`'s unsharded cross-entropy on these inputs.
@@ -228,7 +226,7 @@ impl CeCall<'_> {
     /// # Errors
     /// `op`'s.
     pub fn unsharded(self, op: &dyn CrossEntropyOp) -> Result<CrossEntropy> {
-        op.cross_entropy(self.input, self.targets, self.config, self.want_grad)
+        op.cross_entropy(self.input, &self.call)
     }
 
     /// `op`'s sharded cross-entropy on these inputs.
@@ -241,8 +239,7 @@ impl CeCall<'_> {
         algorithm: ShardedAlgorithm,
         map: &ShardMap,
     ) -> Result<ShardedLoss> {
-        let (z, t) = (self.input, self.targets);
-        op.sharded_cross_entropy(algorithm, map, z, t, self.config, self.want_grad)
+        op.sharded_cross_entropy(algorithm, map, self.input, &self.call)
     }
 }
 
@@ -252,8 +249,8 @@ impl LinearCall<'_> {
     /// # Errors
     /// `op`'s.
     pub fn unsharded(self, op: &dyn LinearCrossEntropyOp) -> Result<LinearLoss> {
-        let ((x, w), t) = (self.input, self.targets);
-        op.linear_cross_entropy(x, w, t, self.config, self.want_grad)
+        let (x, w) = self.input;
+        op.linear_cross_entropy(x, w, &self.call)
     }
 
     /// `op`'s sharded output layer on these inputs.
@@ -266,8 +263,8 @@ impl LinearCall<'_> {
         algorithm: ShardedAlgorithm,
         map: &ShardMap,
     ) -> Result<ShardedLoss> {
-        let ((x, w), t) = (self.input, self.targets);
-        op.sharded_linear_cross_entropy(algorithm, map, x, w, t, self.config, self.want_grad)
+        let (x, w) = self.input;
+        op.sharded_linear_cross_entropy(algorithm, map, x, w, &self.call)
     }
 }
 
@@ -312,6 +309,12 @@ pub trait VocabHooks: Send + Sync {
     /// The loss options it declares (both op families; all by default).
     fn options(&self) -> LossSupport {
         LossSupport::ALL
+    }
+
+    /// The upstream gradient the four loss calls see in place of
+    /// `grad_output` (a fault in how it is read); `None` keeps it.
+    fn upstream(&self, _grad_output: &[f64]) -> Option<Vec<f64>> {
+        None
     }
 
     /// As [`CrossEntropyOp::cross_entropy`].
@@ -382,16 +385,10 @@ impl<F: VocabHooks> CrossEntropyOp for Planted<F> {
         self.0.options()
     }
 
-    fn cross_entropy(
-        &self,
-        logits: ArrayView2<f64>,
-        targets: &[i64],
-        config: &LossConfig,
-        want_grad: bool,
-    ) -> Result<CrossEntropy> {
-        let input = logits;
-        self.0
-            .cross_entropy(LossCall::new(input, targets, config, want_grad))
+    fn cross_entropy(&self, logits: ArrayView2<f64>, call: &LossCall) -> Result<CrossEntropy> {
+        with_upstream(&self.0, call, |call| {
+            self.0.cross_entropy(CeCall::new(logits, call))
+        })
     }
 
     fn sharded_cross_entropy(
@@ -399,12 +396,12 @@ impl<F: VocabHooks> CrossEntropyOp for Planted<F> {
         algorithm: ShardedAlgorithm,
         map: &ShardMap,
         logits: ArrayView2<f64>,
-        targets: &[i64],
-        config: &LossConfig,
-        want_grad: bool,
+        call: &LossCall,
     ) -> Result<ShardedLoss> {
-        let c = LossCall::new(logits, targets, config, want_grad);
-        self.0.sharded_cross_entropy(algorithm, map, c)
+        with_upstream(&self.0, call, |call| {
+            let c = CeCall::new(logits, call);
+            self.0.sharded_cross_entropy(algorithm, map, c)
+        })
     }
 }
 
@@ -421,13 +418,12 @@ impl<F: VocabHooks> LinearCrossEntropyOp for Planted<F> {
         &self,
         hidden: ArrayView2<f64>,
         weight: ArrayView2<f64>,
-        targets: &[i64],
-        config: &LossConfig,
-        want_grad: bool,
+        call: &LossCall,
     ) -> Result<LinearLoss> {
-        let input = (hidden, weight);
-        self.0
-            .linear_cross_entropy(LossCall::new(input, targets, config, want_grad))
+        with_upstream(&self.0, call, |call| {
+            let c = LinearCall::new((hidden, weight), call);
+            self.0.linear_cross_entropy(c)
+        })
     }
 
     fn sharded_linear_cross_entropy(
@@ -436,12 +432,42 @@ impl<F: VocabHooks> LinearCrossEntropyOp for Planted<F> {
         map: &ShardMap,
         hidden: ArrayView2<f64>,
         weight: ArrayView2<f64>,
-        targets: &[i64],
-        config: &LossConfig,
-        want_grad: bool,
+        call: &LossCall,
     ) -> Result<ShardedLoss> {
-        let c = LossCall::new((hidden, weight), targets, config, want_grad);
-        self.0.sharded_linear_cross_entropy(algorithm, map, c)
+        with_upstream(&self.0, call, |call| {
+            let c = LinearCall::new((hidden, weight), call);
+            self.0.sharded_linear_cross_entropy(algorithm, map, c)
+        })
+    }
+}
+
+/// docs/FAULTS.md O2's fault (Liger-Kernel PR 1298): the backward scales
+/// every row by `grad_output[0]`, a per-token upstream gradient read as a
+/// scalar; everything else is the reference's (a scalar upstream gradient,
+/// under `sum` and `mean`, is then right).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct FirstUpstreamOnly;
+
+impl VocabHooks for FirstUpstreamOnly {
+    fn upstream(&self, grad_output: &[f64]) -> Option<Vec<f64>> {
+        let first = grad_output.first().copied().unwrap_or(f64::NAN);
+        Some(vec![first; grad_output.len()])
+    }
+}
+
+/// `run` on `call`, its upstream gradient as `hooks` rewrite it
+/// ([`VocabHooks::upstream`]).
+fn with_upstream<T>(
+    hooks: &impl VocabHooks,
+    call: &LossCall,
+    run: impl FnOnce(LossCall<'_>) -> Result<T>,
+) -> Result<T> {
+    match call.grad.upstream().and_then(|g| hooks.upstream(g)) {
+        Some(g) => run(LossCall {
+            grad: GradRequest::Upstream(&g),
+            ..*call
+        }),
+        None => run(*call),
     }
 }
 

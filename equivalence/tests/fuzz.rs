@@ -23,7 +23,7 @@ use packshard_reference::packing::{Overlong, PackedBatch, PackingConfig, Packing
 use packshard_reference::vocab::embedding::ShardedEmbedding;
 use packshard_reference::vocab::sharded::ShardedLoss;
 use packshard_reference::vocab::{
-    ReferenceCrossEntropy, ReferenceEmbedding, ReferenceLinearCrossEntropy,
+    LossCall, ReferenceCrossEntropy, ReferenceEmbedding, ReferenceLinearCrossEntropy,
 };
 use packshard_reference::vocab::{ShardMap, ShardedAlgorithm};
 use packshard_reference::Error;
@@ -321,17 +321,24 @@ impl VocabHooks for BrokenVocab {
         let r = &ReferenceCrossEntropy;
         if self.0 == VocabFault::IgnoresIgnoreIndex {
             let t: Vec<i64> = c
+                .call
                 .targets
                 .iter()
-                .map(|&t| if t == c.config.ignore_index { 0 } else { t })
+                .map(|&t| {
+                    if t == c.call.config.ignore_index {
+                        0
+                    } else {
+                        t
+                    }
+                })
                 .collect();
-            let config = &c.config.with_ignore_index(i64::MIN);
-            let c = CeCall {
+            let config = &c.call.config.with_ignore_index(i64::MIN);
+            let call = LossCall {
                 targets: &t,
                 config,
-                ..c
+                ..c.call
             };
-            return c.sharded(r, algorithm, map);
+            return c.with_call(call).sharded(r, algorithm, map);
         }
         c.sharded(r, algorithm, map)
     }

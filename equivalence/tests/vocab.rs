@@ -22,8 +22,8 @@ use packshard_reference::vocab::sharded::{merge_stats, RankLoss, ShardedLoss};
 use packshard_reference::vocab::sum;
 use packshard_reference::vocab::ReferenceLinearCrossEntropy;
 use packshard_reference::vocab::{
-    cross_entropy, linear_cross_entropy, LossConfig, ShardLayout, ShardMap, ShardedAlgorithm,
-    SmoothingConvention, SoftmaxStats,
+    cross_entropy, linear_cross_entropy, LossCall, LossConfig, ShardLayout, ShardMap,
+    ShardedAlgorithm, SmoothingConvention, SoftmaxStats,
 };
 use packshard_reference::Error;
 
@@ -102,9 +102,7 @@ impl Alg1 {
         map: &ShardMap,
         parts: &[Array2<f64>],
         lin: Option<(ArrayView2<f64>, &[Array2<f64>])>,
-        targets: &[i64],
-        config: &LossConfig,
-        want_grad: bool,
+        call: &LossCall,
     ) -> Result<ShardedLoss, Error> {
         let (v, p) = (map.vocab_size(), map.num_shards());
         if self.0 == Fault::AssertDivisible {
@@ -113,7 +111,7 @@ impl Alg1 {
                 "the vocabulary ({v}) must be divisible by the shards ({p})"
             );
         }
-        let targets = config.targets(targets, v)?;
+        let targets = call.config.targets(call.targets, v)?;
         let ranks = run_ranks(p, |comm| {
             let r = comm.rank();
             let z = match lin {
@@ -126,8 +124,7 @@ impl Alg1 {
                 z,
                 lin.map(|(x, w)| (x, w[r].view())),
                 &targets,
-                config,
-                want_grad,
+                call,
             )
         })?;
         Ok(ShardedLoss {
@@ -144,9 +141,9 @@ impl Alg1 {
         mut z: Array2<f64>,
         lin: Linear<'_>,
         targets: &[Option<usize>],
-        config: &LossConfig,
-        want_grad: bool,
+        call: &LossCall,
     ) -> Result<RankLoss, Error> {
+        let (config, want_grad) = (call.config, call.want_grad());
         let fault = self.0;
         let shard = map.shard(comm.rank());
         let (n, width) = z.dim();
@@ -264,7 +261,7 @@ impl Alg1 {
             return Ok(out);
         }
         // T pass: the logit gradient from the global statistics.
-        let weights = config.token_weights(targets);
+        let weights = call.token_weights(targets);
         let mut g = Array2::zeros((n, width));
         for ((i, j), x) in g.indexed_iter_mut() {
             if weights[i] != 0.0 && j < enter {
@@ -311,14 +308,14 @@ impl VocabHooks for Alg1 {
 
     fn cross_entropy(&self, c: CeCall<'_>) -> Result<CrossEntropy, Error> {
         // The faults are planted in the sharded path.
-        let ce = cross_entropy(c.input, c.targets, c.config, c.want_grad)?;
-        LossSupport::BASIC.check(c.config)?;
+        let ce = cross_entropy(c.input, &c.call)?;
+        LossSupport::BASIC.check(&c.call)?;
         Ok(ce)
     }
 
     fn linear_cross_entropy(&self, c: LinearCall<'_>) -> Result<LinearLoss, Error> {
         let l = c.unsharded(&ReferenceLinearCrossEntropy)?;
-        LossSupport::BASIC.check(c.config)?;
+        LossSupport::BASIC.check(&c.call)?;
         Ok(l)
     }
 
@@ -330,21 +327,15 @@ impl VocabHooks for Alg1 {
     ) -> Result<ShardedLoss, Error> {
         let CeCall {
             input: logits,
-            targets,
-            config,
-            want_grad,
+            call,
         } = c;
         // Bad input fails as in the reference.
         let v = map.vocab_size();
-        cross_entropy(
-            logits.slice_axis(Axis(1), Slice::from(..v)),
-            targets,
-            config,
-            false,
-        )?;
-        LossSupport::BASIC.check(config)?;
+        let forward = LossCall::with_flag(call.targets, call.config, false);
+        cross_entropy(logits.slice_axis(Axis(1), Slice::from(..v)), &forward)?;
+        LossSupport::BASIC.check(&call)?;
         let parts = map.split_columns(logits, "logits")?;
-        self.run(map, &parts, None, targets, config, want_grad)
+        self.run(map, &parts, None, &call)
     }
 
     fn sharded_linear_cross_entropy(
@@ -355,26 +346,23 @@ impl VocabHooks for Alg1 {
     ) -> Result<ShardedLoss, Error> {
         let LinearCall {
             input: (hidden, weight),
-            targets,
-            config,
-            want_grad,
+            call,
         } = c;
         let v = map.vocab_size();
+        let forward = LossCall::with_flag(call.targets, call.config, false);
         linear_cross_entropy(
             hidden,
             weight.slice_axis(Axis(0), Slice::from(..v)),
-            targets,
-            config,
-            false,
+            &forward,
         )?;
-        LossSupport::BASIC.check(config)?;
+        LossSupport::BASIC.check(&call)?;
         let parts = map.split_rows(weight, "weight")?;
         // Padding rows may hold NaN: a planted fault that reads them shows as NaN.
         let parts: Vec<Array2<f64>> = parts
             .into_iter()
             .map(|p| p.mapv(|x| if x.is_finite() { x } else { 1e3 }))
             .collect();
-        self.run(map, &[], Some((hidden, &parts)), targets, config, want_grad)
+        self.run(map, &[], Some((hidden, &parts)), &call)
     }
 
     fn sharded_embedding(
@@ -501,6 +489,7 @@ fn v1_negative_control_smoothing_with_a_shard_local_mean() {
         logits: row(&V1_LOGITS),
         targets: vec![4],
         config,
+        grad_output: None,
     };
     let err = check_cross_entropy(&planted, ShardedAlgorithm::Alg1, &case, false).unwrap_err();
     assert_eq!(err.what, "loss (rank 0)", "{err}");
@@ -510,9 +499,7 @@ fn v1_negative_control_smoothing_with_a_shard_local_mean() {
             ShardedAlgorithm::Alg1,
             &case.map,
             case.logits.view(),
-            &[4],
-            &config,
-            false,
+            &LossCall::with_flag(&[4], &config, false),
         )
         .unwrap();
     assert_ne!(out.ranks[0].loss, out.ranks[1].loss);
@@ -535,6 +522,7 @@ fn v2_negative_control_padded_entries_in_the_softmax() {
         logits: row(&z),
         targets: vec![7],
         config: LossConfig::default(),
+        grad_output: None,
     };
     let err = check_cross_entropy(&planted, ShardedAlgorithm::Alg1, &case, false).unwrap_err();
     assert_eq!(err.what, "loss (rank 0)", "{err}");
@@ -558,6 +546,7 @@ fn v3_case() -> LinearCase {
             .unwrap(),
         targets: vec![2],
         config: LossConfig::default(),
+        grad_output: None,
     }
 }
 
@@ -579,6 +568,7 @@ fn v4_negative_control_an_assertion_on_divisibility() {
         logits,
         targets: vec![0, v as i64 - 1],
         config: LossConfig::default(),
+        grad_output: None,
     };
     let err = check_cross_entropy(&planted, ShardedAlgorithm::Alg1, &case, false).unwrap_err();
     assert_eq!(err.what, "panic", "{err}");
@@ -589,6 +579,7 @@ fn v4_negative_control_an_assertion_on_divisibility() {
         logits: row(&V1_LOGITS),
         targets: vec![4],
         config: LossConfig::default(),
+        grad_output: None,
     };
     check_cross_entropy(&planted, ShardedAlgorithm::Alg1, &even, true).unwrap();
     // The suite's first V-case with p not dividing v is V1 with p = 3.
@@ -633,6 +624,7 @@ fn v6_negative_control_nan_from_an_all_minus_inf_shard() {
         logits: row(&[1.0, 2.0, 0.0, -1.0, inf, inf, inf, inf]),
         targets: vec![1],
         config: LossConfig::default(),
+        grad_output: None,
     };
     let err = check_cross_entropy(&planted, ShardedAlgorithm::Alg1, &case, false).unwrap_err();
     assert_eq!(err.what, "loss (rank 0)", "{err}");

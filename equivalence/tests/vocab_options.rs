@@ -1,14 +1,15 @@
-//! The output layer's options (docs/FAULTS.md O1, O3, O4, O6): the suites on
-//! the reference with the softcap, and negative controls — the softcap
-//! computed as `z * tanh(z)` (flash-attention PR 2402), an implementation
-//! that declares no softcap yet answers with the uncapped loss (a silent
-//! fallback), the z-loss added when off (OLMo-core PR 702), the log of an
+//! The output layer's options (docs/FAULTS.md O1–O4, O6): the suites on
+//! the reference with the softcap and per-token upstream gradients, and
+//! negative controls — the softcap computed as `z * tanh(z)`
+//! (flash-attention PR 2402), an implementation that declares no softcap yet
+//! answers with the uncapped loss (a silent fallback), every row's gradient
+//! scaled by `grad_output[0]` (Liger-Kernel PR 1298), the z-loss added when off (OLMo-core PR 702), the log of an
 //! underflowed softmax under label smoothing (Megatron-LM issue 7464), a
 //! placeholder target that reads a padded column (Apple CCE PR 59) — each
 //! caught, for the right reason.
 
 use ndarray::Array2;
-use packshard_equivalence::planted::{CeCall, Planted, VocabHooks};
+use packshard_equivalence::planted::{CeCall, FirstUpstreamOnly, Planted, VocabHooks};
 use packshard_equivalence::vocab::{
     check_cross_entropy, run_cross_entropy_suite, run_linear_suite, CeCase, V1_LOGITS, V2_LOGITS,
 };
@@ -18,7 +19,8 @@ use packshard_reference::ops::{CrossEntropyOp, LossSupport};
 use packshard_reference::vocab::cross_entropy::CrossEntropy;
 use packshard_reference::vocab::sharded::ShardedLoss;
 use packshard_reference::vocab::{
-    LossConfig, ReferenceCrossEntropy, ShardLayout, ShardMap, ShardedAlgorithm,
+    GradRequest, LossCall, LossConfig, Reduction, ReferenceCrossEntropy, ShardLayout, ShardMap,
+    ShardedAlgorithm,
 };
 use packshard_reference::Result;
 
@@ -31,12 +33,12 @@ struct ZTanhZ;
 
 /// `c` with its softcap replaced by `z * tanh(z)` on the logits.
 fn planted<'a>(c: CeCall<'a>, z: &'a Array2<f64>, config: &'a LossConfig) -> CeCall<'a> {
-    CeCall::new(z.view(), c.targets, config, c.want_grad)
+    CeCall::new(z.view(), LossCall { config, ..c.call })
 }
 
 fn fault(c: &CeCall<'_>) -> (Array2<f64>, LossConfig) {
     let z = c.input.mapv(|x| {
-        if c.config.softcap.is_some() && x.is_finite() {
+        if c.call.config.softcap.is_some() && x.is_finite() {
             x * x.tanh()
         } else {
             x
@@ -44,7 +46,7 @@ fn fault(c: &CeCall<'_>) -> (Array2<f64>, LossConfig) {
     });
     let config = LossConfig {
         softcap: None,
-        ..*c.config
+        ..*c.call.config
     };
     (z, config)
 }
@@ -80,8 +82,12 @@ impl VocabHooks for ConfigFault {
     }
 
     fn cross_entropy(&self, c: CeCall<'_>) -> Result<CrossEntropy> {
-        let config = (self.rewrite)(c.config);
-        CeCall::new(c.input, c.targets, &config, c.want_grad).unsharded(&ReferenceCrossEntropy)
+        let config = (self.rewrite)(c.call.config);
+        let call = LossCall {
+            config: &config,
+            ..c.call
+        };
+        c.with_call(call).unsharded(&ReferenceCrossEntropy)
     }
 
     fn sharded_cross_entropy(
@@ -90,9 +96,13 @@ impl VocabHooks for ConfigFault {
         map: &ShardMap,
         c: CeCall<'_>,
     ) -> Result<ShardedLoss> {
-        let config = (self.rewrite)(c.config);
-        let call = CeCall::new(c.input, c.targets, &config, c.want_grad);
-        call.sharded(&ReferenceCrossEntropy, algorithm, map)
+        let config = (self.rewrite)(c.call.config);
+        let call = LossCall {
+            config: &config,
+            ..c.call
+        };
+        c.with_call(call)
+            .sharded(&ReferenceCrossEntropy, algorithm, map)
     }
 }
 
@@ -115,7 +125,7 @@ impl VocabHooks for Refuses {
     }
 
     fn cross_entropy(&self, c: CeCall<'_>) -> Result<CrossEntropy> {
-        LossSupport::BASIC.check(c.config)?;
+        LossSupport::BASIC.check(&c.call)?;
         c.unsharded(&ReferenceCrossEntropy)
     }
 
@@ -125,7 +135,7 @@ impl VocabHooks for Refuses {
         map: &ShardMap,
         c: CeCall<'_>,
     ) -> Result<ShardedLoss> {
-        LossSupport::BASIC.check(c.config)?;
+        LossSupport::BASIC.check(&c.call)?;
         c.sharded(&ReferenceCrossEntropy, algorithm, map)
     }
 }
@@ -136,28 +146,89 @@ fn o1_case() -> CeCase {
         logits: Array2::from_shape_vec((1, 8), V1_LOGITS.to_vec()).unwrap(),
         targets: vec![faults::V1_TARGET],
         config: LossConfig::default().with_softcap(faults::O1_SOFTCAP),
+        grad_output: None,
     }
 }
 
 #[test]
-fn o1_the_reference_passes_both_suites_with_softcaps() {
+fn o1_o2_the_reference_passes_both_suites_with_softcaps_and_grad_outputs() {
     struct Reference;
     impl VocabHooks for Reference {}
     let coverage = run_cross_entropy_suite(&Planted(Reference), RULE, 96).unwrap();
     assert!(coverage.softcap >= 10, "{coverage:?}");
+    assert!(coverage.grad_output >= 5, "{coverage:?}");
     run_linear_suite(&Planted(Reference), RULE, 48).unwrap();
+}
+
+/// The docs/FAULTS.md O2 example's call: targets 4 and 1, reduction
+/// `none`, `grad_output = [1, 0]`.
+fn o2_call(config: &LossConfig) -> LossCall<'_> {
+    let g = GradRequest::Upstream(&faults::O2_GRAD_OUTPUT);
+    LossCall::new(&faults::O2_TARGETS, config, g)
+}
+
+#[test]
+fn o2_negative_control_every_row_scaled_by_grad_output_0() {
+    let op = Planted(FirstUpstreamOnly);
+    let z = Array2::from_shape_fn((2, 8), |(_, j)| V1_LOGITS[j]);
+    let none = LossConfig::default().with_reduction(Reduction::None);
+    let g = op.cross_entropy(z.view(), &o2_call(&none)).unwrap();
+    let g = g.grad_logits.unwrap();
+    assert!(
+        (g[[1, 1]] - faults::O2_GRAD_FAULT).abs() < faults::O1_PLACES,
+        "{g}"
+    );
+    // The suites' O2 examples catch it, in both op families ...
+    let m = run_cross_entropy_suite(&op, RULE, 16).unwrap_err();
+    assert!(m.to_string().contains("O2"), "{m}");
+    let m = run_linear_suite(&op, RULE, 16).unwrap_err();
+    assert!(m.to_string().contains("O2"), "{m}");
+    // ... and the per-case check on another per-token case, for the gradient.
+    let case = CeCase {
+        map: ShardMap::new(8, 3, ShardLayout::Padded).unwrap(),
+        logits: Array2::from_shape_fn((3, 9), |(i, j)| ((i * 5 + j * 3) % 7) as f64 - 3.0),
+        targets: vec![0, 7, 3],
+        config: none,
+        grad_output: Some(vec![0.5, -1.0, 0.0]),
+    };
+    let e = check_cross_entropy(&op, ShardedAlgorithm::Alg1, &case, true).unwrap_err();
+    assert!(e.to_string().contains("grad_logits"), "{e}");
+    // A scalar upstream gradient (sum, mean) is all the fault reads: right.
+    let case = CeCase {
+        config: LossConfig::default(),
+        grad_output: Some(vec![-0.5]),
+        ..case
+    };
+    check_cross_entropy(&op, ShardedAlgorithm::Alg1, &case, true).unwrap();
+}
+
+#[test]
+fn o2_an_implementation_that_refuses_grad_output_passes() {
+    let coverage = run_cross_entropy_suite(&Planted(Refuses), RULE, 32).unwrap();
+    assert!(coverage.grad_output >= 1, "{coverage:?}");
+    let none = LossConfig::default().with_reduction(Reduction::None);
+    let z = Array2::from_shape_fn((2, 8), |(_, j)| V1_LOGITS[j]);
+    let err = Planted(Refuses)
+        .cross_entropy(z.view(), &o2_call(&none))
+        .unwrap_err();
+    assert!(err.to_string().contains("grad_output"), "{err}");
+    // Answering it while declaring no support is caught.
+    let answers = ConfigFault {
+        rewrite: |c| *c,
+        options: LossSupport {
+            softcap: true,
+            grad_output: false,
+        },
+    };
+    let m = run_cross_entropy_suite(&Planted(answers), RULE, 16).unwrap_err();
+    assert!(m.to_string().contains("declares no grad_output"), "{m}");
 }
 
 #[test]
 fn o1_negative_control_z_tanh_z() {
     let op = Planted(ZTanhZ);
     let loss = op
-        .cross_entropy(
-            o1_case().logits.view(),
-            &o1_case().targets,
-            &o1_case().config,
-            false,
-        )
+        .cross_entropy(o1_case().logits.view(), &o1_case().call(false))
         .unwrap()
         .loss;
     assert!(
@@ -183,7 +254,7 @@ fn o1_an_implementation_that_refuses_the_softcap_passes() {
     assert!(coverage.cases >= 32, "{coverage:?}");
     let c = o1_case();
     let err = Planted(Refuses)
-        .cross_entropy(c.logits.view(), &c.targets, &c.config, false)
+        .cross_entropy(c.logits.view(), &c.call(false))
         .unwrap_err();
     assert!(err.to_string().contains("softcap"), "{err}");
 }
@@ -211,12 +282,12 @@ struct LogAfterExp;
 fn log_after_exp(
     logits: ndarray::ArrayView2<f64>,
     v: usize,
-    targets: &[i64],
-    config: &LossConfig,
+    call: &LossCall,
     lse: &[f64],
 ) -> (Vec<f64>, f64) {
+    let config = call.config;
     let parsed = config
-        .targets(targets, v)
+        .targets(call.targets, v)
         .expect("the reference accepted them");
     let (qt, qo) = config.target_distribution(v);
     let per_token: Vec<f64> = (0..logits.nrows())
@@ -250,11 +321,12 @@ fn with_losses(mut out: ShardedLoss, per_token: &[f64], loss: f64) -> ShardedLos
 impl VocabHooks for LogAfterExp {
     fn cross_entropy(&self, c: CeCall<'_>) -> Result<CrossEntropy> {
         let mut ce = c.unsharded(&ReferenceCrossEntropy)?;
-        if c.config.softcap.is_some() {
+        if c.call.config.softcap.is_some() {
             return Ok(ce); // the fault is in the uncapped path
         }
         let lse = ce.logsumexp().to_vec();
-        let (per_token, loss) = log_after_exp(c.input, c.input.ncols(), c.targets, c.config, &lse);
+        let v = c.input.ncols();
+        let (per_token, loss) = log_after_exp(c.input, v, &c.call, &lse);
         ce.per_token_loss = per_token.into();
         ce.loss = loss;
         Ok(ce)
@@ -267,12 +339,12 @@ impl VocabHooks for LogAfterExp {
         c: CeCall<'_>,
     ) -> Result<ShardedLoss> {
         let out = c.sharded(&ReferenceCrossEntropy, algorithm, map)?;
-        if c.config.softcap.is_some() {
+        if c.call.config.softcap.is_some() {
             return Ok(out);
         }
         let lse = out.logsumexp().to_vec();
         let v = map.vocab_size();
-        let (per_token, loss) = log_after_exp(c.input, v, c.targets, c.config, &lse);
+        let (per_token, loss) = log_after_exp(c.input, v, &c.call, &lse);
         Ok(with_losses(out, &per_token, loss))
     }
 }
@@ -288,12 +360,13 @@ fn o3_negative_control_the_z_loss_added_when_off() {
             .unwrap(),
         targets: vec![faults::V1_TARGET],
         config: LossConfig::default(),
+        grad_output: None,
     };
     let op = Planted(Z_LOSS_WHEN_OFF);
     let e = check_cross_entropy(&op, ShardedAlgorithm::Alg2, &case, false).unwrap_err();
     assert!(e.to_string().contains("loss"), "{e}");
     let got = op
-        .cross_entropy(case.logits.view(), &case.targets, &case.config, false)
+        .cross_entropy(case.logits.view(), &case.call(false))
         .unwrap()
         .loss;
     assert!(
@@ -313,12 +386,12 @@ fn o4_negative_control_the_log_of_an_underflowed_softmax() {
         packshard_reference::vocab::SmoothingConvention::PyTorch,
     );
     let fine = Planted(LogAfterExp)
-        .cross_entropy(z.view(), &[4], &config, false)
+        .cross_entropy(z.view(), &LossCall::with_flag(&[4], &config, false))
         .unwrap();
     assert!(fine.loss.is_finite());
     let huge = z.mapv(|x| x * faults::O4_SCALE);
     let bad = Planted(LogAfterExp)
-        .cross_entropy(huge.view(), &[4], &config, false)
+        .cross_entropy(huge.view(), &LossCall::with_flag(&[4], &config, false))
         .unwrap();
     assert_eq!(bad.loss, f64::INFINITY);
 }
@@ -342,7 +415,8 @@ impl VocabHooks for PlaceholderOnPadding {
         if map.padded_vocab_size() == v || c.input.ncols() <= v {
             return Ok(out);
         }
-        let parsed = c.config.targets(c.targets, v)?;
+        let config = c.call.config;
+        let parsed = config.targets(c.call.targets, v)?;
         let mut per_token = out.per_token_loss().to_vec();
         for (i, t) in parsed.iter().enumerate() {
             if let Some(t) = *t {
@@ -351,7 +425,7 @@ impl VocabHooks for PlaceholderOnPadding {
                 }
             }
         }
-        let loss = c.config.reduce(&per_token, &parsed);
+        let loss = config.reduce(&per_token, &parsed);
         Ok(with_losses(out, &per_token, loss))
     }
 }
@@ -369,9 +443,7 @@ fn o6_negative_control_a_placeholder_target_on_a_padded_column() {
             ShardedAlgorithm::Alg2,
             &map,
             z.view(),
-            &[7],
-            &LossConfig::default(),
-            false,
+            &LossCall::with_flag(&[7], &LossConfig::default(), false),
         )
         .unwrap();
     assert_eq!(

@@ -5,7 +5,8 @@ use ndarray::Array2;
 use packshard_equivalence::planted::{Planted, VocabHooks};
 use packshard_equivalence::vocab::{check_linear, LinearCase};
 use packshard_reference::vocab::{
-    linear_cross_entropy, LossConfig, ShardLayout, ShardMap, ShardedAlgorithm, SmoothingConvention,
+    linear_cross_entropy, LossCall, LossConfig, ShardLayout, ShardMap, ShardedAlgorithm,
+    SmoothingConvention,
 };
 
 /// The reference's vocabulary ops as one value.
@@ -36,6 +37,7 @@ fn linear(
         weight,
         targets,
         config,
+        grad_output: None,
     }
 }
 
@@ -198,7 +200,12 @@ fn regression_many_ties_at_the_maximum_v4() {
     let weight = Array2::from_shape_fn((v, 2), |(j, k)| ((j * 3 + k * 5) % 23) as f64 / 11.0 - 1.0);
     let targets = vec![125_000, -100, 31_336];
     let config = LossConfig::default();
-    let u = linear_cross_entropy(hidden.view(), weight.view(), &targets, &config, true).unwrap();
+    let u = linear_cross_entropy(
+        hidden.view(),
+        weight.view(),
+        &LossCall::with_flag(&targets, &config, true),
+    )
+    .unwrap();
     let truth = [0.175_003_330_106_761_2, -0.260_697_938_460_850_2];
     let gh = u.grad_hidden.unwrap();
     for (k, t) in truth.iter().enumerate() {

@@ -69,12 +69,14 @@ def attention(q, k, v, cu_seqlens, causal, scale, grad_output, bug=None):
     return {"output": out, "lse": lse, "grad_q": dq, "grad_k": dk, "grad_v": dv}
 
 
-def cross_entropy(logits, targets, p, bug=None):
+def cross_entropy(logits, targets, p, bug=None, grad_output=None):
     """Cross-entropy of logits [n, w] (columns vocab_size.. are padding, never
     read) against targets [n], with ignore_index, label smoothing (PyTorch's
     or Megatron's convention), z-loss, the logit softcap c * tanh(z / c)
     (Gemma 2; applied first, a -inf logit stays -inf) and mean / sum / none
-    reduction.
+    reduction. The gradients are those of the loss times the upstream
+    gradient grad_output, where given: [n] under reduction none (token i's
+    gradient times grad_output[i]), [1] under sum and mean.
 
     Returns loss, per_token_loss [n], logsumexp [n] and grad_logits [n, w].
     A sharded run (num_shards, algorithm) must equal the unsharded one, so
@@ -117,6 +119,9 @@ def cross_entropy(logits, targets, p, bug=None):
     else:  # sum, and none (whose loss is the sum)
         loss = per_token.sum()
         weight = dt.type(1)
+    if grad_output is not None:
+        g = grad_output.astype(dt)
+        weight = weight * (g[:, None] if p["reduction"] == "none" else g[0])
     grad = weight * (prob - q + 2 * c * lse * prob)
     if cap is not None:  # through the cap: d(c tanh(x / c))/dx = 1 - tanh^2
         grad = grad * (1 - th**2)
@@ -131,12 +136,12 @@ def cross_entropy(logits, targets, p, bug=None):
     }
 
 
-def linear_cross_entropy(hidden, weight, targets, p, bug=None):
+def linear_cross_entropy(hidden, weight, targets, p, bug=None, grad_output=None):
     """The output layer logits = hidden [n, h] @ weight[:v]^T and its
     cross-entropy; grad_hidden [n, h], grad_weight [w, h]."""
     v = p.get("vocab_size", weight.shape[0])
     logits = hidden @ weight[:v].T
-    ce = cross_entropy(logits, targets, dict(p, vocab_size=v), bug)
+    ce = cross_entropy(logits, targets, dict(p, vocab_size=v), bug, grad_output)
     g = ce.pop("grad_logits")
     grad_weight = np.zeros_like(weight)
     grad_weight[:v] = g.T @ hidden
@@ -159,9 +164,14 @@ def run_case(case, inputs, bug):
             p["causal"], p["scale"], inputs["grad_output"], bug,
         )
     if op == "cross_entropy":
-        return cross_entropy(inputs["logits"], inputs["targets"], p, bug)
+        return cross_entropy(
+            inputs["logits"], inputs["targets"], p, bug, inputs.get("grad_output"),
+        )
     if op == "linear_cross_entropy":
-        return linear_cross_entropy(inputs["hidden"], inputs["weight"], inputs["targets"], p, bug)
+        return linear_cross_entropy(
+            inputs["hidden"], inputs["weight"], inputs["targets"], p, bug,
+            inputs.get("grad_output"),
+        )
     if op == "embedding":
         return embedding(inputs["ids"], inputs["weight"], inputs["grad_output"], p)
     return None

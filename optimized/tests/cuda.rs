@@ -31,7 +31,7 @@ use packshard_optimized::cuda::vocab::{
 use packshard_optimized::cuda::{self, nvrtc_dir, nvrtc_ready, CudaError, Gpu, CI_ARCH, KERNELS};
 use packshard_reference::ops::LinearCrossEntropyOp;
 use packshard_reference::vocab::{
-    linear_cross_entropy, LossConfig, Reduction, ShardLayout, ShardMap, ShardedAlgorithm,
+    linear_cross_entropy, LossCall, LossConfig, Reduction, ShardLayout, ShardMap, ShardedAlgorithm,
     SmoothingConvention,
 };
 use packshard_reference::Error;
@@ -398,8 +398,12 @@ fn check_alg2(
             if cfg.smoothing == SmoothingConvention::Megatron && v < 2 {
                 continue;
             }
-            let r = linear_cross_entropy(h64.view(), w64.view(), &c.targets, &cfg, true)
-                .map_err(|e| Mismatch::new("reference", e.to_string()))?;
+            let r = linear_cross_entropy(
+                h64.view(),
+                w64.view(),
+                &LossCall::with_flag(&c.targets, &cfg, true),
+            )
+            .map_err(|e| Mismatch::new("reference", e.to_string()))?;
             for &p in shard_counts {
                 for layout in [ShardLayout::Uneven, ShardLayout::Padded] {
                     if p > v {
@@ -413,9 +417,7 @@ fn check_alg2(
                         &map,
                         h32.view(),
                         w32.view(),
-                        &c.targets,
-                        &cfg,
-                        true,
+                        &LossCall::with_flag(&c.targets, &cfg, true),
                     )
                     .map_err(|e| Mismatch::new(&what, e.to_string()))?;
                     assert!(g.ranks_agree(), "{what}: ranks disagree");
@@ -596,7 +598,13 @@ fn the_op_refuses_bad_input_and_other_algorithms() {
     let mut t = c.targets.clone();
     t[2] = 10;
     let sharded = |h: &Array2<f64>, w: &Array2<f64>, t: &[i64], a: ShardedAlgorithm| {
-        op.sharded_linear_cross_entropy(a, &map, h.view(), w.view(), t, &cfg, true)
+        op.sharded_linear_cross_entropy(
+            a,
+            &map,
+            h.view(),
+            w.view(),
+            &LossCall::with_flag(t, &cfg, true),
+        )
     };
     match sharded(&h, &w, &t, ShardedAlgorithm::Alg2) {
         Err(Error::IndexOutOfRange {
@@ -607,7 +615,7 @@ fn the_op_refuses_bad_input_and_other_algorithms() {
         }) => assert_eq!((field.as_str(), index, value), ("targets", 2, 10)),
         other => panic!("{other:?}"),
     }
-    match op.linear_cross_entropy(h.view(), w.view(), &t, &cfg, true) {
+    match op.linear_cross_entropy(h.view(), w.view(), &LossCall::with_flag(&t, &cfg, true)) {
         Err(Error::IndexOutOfRange { index, .. }) => assert_eq!(index, 2),
         other => panic!("{other:?}"),
     }
@@ -636,13 +644,15 @@ fn the_op_refuses_bad_input_and_other_algorithms() {
             &map,
             h.view(),
             w.view(),
-            &c.targets,
-            &capped,
-            true,
+            &LossCall::with_flag(&c.targets, &capped, true),
         )
         .map(|_| ()),
-        op.linear_cross_entropy(h.view(), w.view(), &c.targets, &capped, false)
-            .map(|_| ()),
+        op.linear_cross_entropy(
+            h.view(),
+            w.view(),
+            &LossCall::with_flag(&c.targets, &capped, false),
+        )
+        .map(|_| ()),
     ];
     for r in refused {
         match r {

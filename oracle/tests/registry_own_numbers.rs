@@ -169,12 +169,13 @@ fn every_cross_entropy_answers_with_its_own_numbers() {
     let logits = wave2((6, 11), 0.37, 6.0);
     let targets = [0i64, 10, -100, 4, 5, 9];
     let config = LossConfig::default();
+    let call = packshard_reference::vocab::LossCall::with_flag(&targets, &config, true);
     let list = registry::cross_entropy();
     let reference = registry::find(&list, registry::REFERENCE)
         .unwrap()
         .make()
         .unwrap()
-        .cross_entropy(logits.view(), &targets, &config, true)
+        .cross_entropy(logits.view(), &call)
         .unwrap();
     let ref_out = vec![
         reference
@@ -190,9 +191,7 @@ fn every_cross_entropy_answers_with_its_own_numbers() {
     let mut ran = 0;
     for entry in &list {
         let Ok(op) = entry.make() else { continue };
-        let ce = op
-            .cross_entropy(logits.view(), &targets, &config, true)
-            .unwrap();
+        let ce = op.cross_entropy(logits.view(), &call).unwrap();
         let stored = vec![ce
             .grad_logits
             .clone()
@@ -225,8 +224,7 @@ fn every_cross_entropy_answers_with_its_own_numbers() {
         check_precision(entry.name, entry.precision, &stored, &computed, &ref_out);
         // Every declared algorithm runs sharded; an undeclared one is refused.
         for algorithm in ShardedAlgorithm::ALL {
-            let r =
-                op.sharded_cross_entropy(algorithm, &map, logits.view(), &targets, &config, true);
+            let r = op.sharded_cross_entropy(algorithm, &map, logits.view(), &call);
             assert_eq!(
                 r.is_ok(),
                 op.algorithms().contains(&algorithm),
@@ -245,12 +243,13 @@ fn every_output_layer_answers_with_its_own_numbers() {
     let weight = wave2((13, 5), 0.53, 2.0);
     let targets = [0i64, 12, -100, 4, 5, 9, 3];
     let config = LossConfig::default();
+    let call = packshard_reference::vocab::LossCall::with_flag(&targets, &config, true);
     let list = registry::linear_cross_entropy();
     let reference = registry::find(&list, registry::REFERENCE)
         .unwrap()
         .make()
         .unwrap()
-        .linear_cross_entropy(hidden.view(), weight.view(), &targets, &config, true)
+        .linear_cross_entropy(hidden.view(), weight.view(), &call)
         .unwrap();
     let ref_out = vec![
         reference
@@ -272,7 +271,7 @@ fn every_output_layer_answers_with_its_own_numbers() {
             };
             let Ok(op) = made else { continue };
             let l = op
-                .linear_cross_entropy(hidden.view(), weight.view(), &targets, &config, true)
+                .linear_cross_entropy(hidden.view(), weight.view(), &call)
                 .unwrap();
             let stored = vec![
                 l.grad_hidden

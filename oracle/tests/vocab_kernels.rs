@@ -16,7 +16,9 @@ use packshard_optimized::vocab::{
 use packshard_oracle::registry::{self, SMALL_CHUNKS};
 use packshard_reference::ops::{LinearCrossEntropyOp, LinearLoss};
 use packshard_reference::vocab::sharded::ShardedLoss;
-use packshard_reference::vocab::{LossConfig, ShardMap, ShardedAlgorithm, SmoothingConvention};
+use packshard_reference::vocab::{
+    LossCall, LossConfig, ShardMap, ShardedAlgorithm, SmoothingConvention,
+};
 use packshard_reference::Error;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -69,24 +71,20 @@ fn fused_equals_materialized_and_the_reference() {
             .with_z_loss(1e-3),
     ];
     for config in configs {
+        let call = LossCall::with_flag(&t, &config, true);
         let chunks = Chunks {
             tokens: 16,
             vocab: 100,
         };
-        let f = linear_cross_entropy_fused(x.view(), w.view(), &t, &config, true, chunks)
-            .expect("fused");
-        let m = linear_cross_entropy_materialized(x.view(), w.view(), &t, &config, true)
-            .expect("materialized");
+        let f = linear_cross_entropy_fused(x.view(), w.view(), &call, chunks).expect("fused");
+        let m = linear_cross_entropy_materialized(x.view(), w.view(), &call).expect("materialized");
         // Tiles of 16 x 100: the last vocabulary tile (25) ends mid-tile.
-        let tl = linear_cross_entropy_tiled(x.view(), w.view(), &t, &config, true, chunks)
-            .expect("tiled");
+        let tl = linear_cross_entropy_tiled(x.view(), w.view(), &call, chunks).expect("tiled");
         assert_eq!(tl.logits_buffer_bytes, 4 * 16 * 100);
         let r = packshard_reference::vocab::linear_cross_entropy(
             x.mapv(f64::from).view(),
             w.mapv(f64::from).view(),
-            &t,
-            &config,
-            true,
+            &call,
         )
         .expect("reference");
         assert_eq!(f.logits_buffer_bytes, 4 * 16 * v);
@@ -146,9 +144,12 @@ fn cross_entropy_on_logits_matches_the_reference() {
     z[[4, 7]] = f32::NEG_INFINITY;
     let t: Vec<i64> = (0..n as i64).map(|i| (i * 7) % v as i64).collect();
     let config = LossConfig::default();
-    let o = cross_entropy(z.view(), &t, &config, true).expect("f32");
-    let r = packshard_reference::vocab::cross_entropy(z.mapv(f64::from).view(), &t, &config, true)
-        .expect("reference");
+    let o = cross_entropy(z.view(), &LossCall::with_flag(&t, &config, true)).expect("f32");
+    let r = packshard_reference::vocab::cross_entropy(
+        z.mapv(f64::from).view(),
+        &LossCall::with_flag(&t, &config, true),
+    )
+    .expect("reference");
     assert!(
         (o.loss - r.loss).abs() <= 1e-5 * r.loss.abs(),
         "{} {}",
@@ -169,8 +170,12 @@ fn bad_input_gets_the_reference_errors() {
     let x64 = x.mapv(f64::from);
     let w64 = w.mapv(f64::from);
     let ref_err = |x: &Array2<f64>, w: &Array2<f64>, t: &[i64]| {
-        packshard_reference::vocab::linear_cross_entropy(x.view(), w.view(), t, &config, true)
-            .expect_err("reference must refuse")
+        packshard_reference::vocab::linear_cross_entropy(
+            x.view(),
+            w.view(),
+            &LossCall::with_flag(t, &config, true),
+        )
+        .expect_err("reference must refuse")
     };
     let same = |ours: Error, theirs: Error| {
         assert_eq!(ours.kind(), theirs.kind(), "{ours} vs {theirs}");
@@ -179,36 +184,56 @@ fn bad_input_gets_the_reference_errors() {
     // Wrong number of targets.
     let short = &t[..4];
     same(
-        linear_cross_entropy_fused(x.view(), w.view(), short, &config, true, chunks).unwrap_err(),
+        linear_cross_entropy_fused(
+            x.view(),
+            w.view(),
+            &LossCall::with_flag(short, &config, true),
+            chunks,
+        )
+        .unwrap_err(),
         ref_err(&x64, &w64, short),
     );
     // Mismatched hidden width.
     let w5 = Array2::<f32>::zeros((11, 5));
     same(
-        linear_cross_entropy_fused(x.view(), w5.view(), &t, &config, true, chunks).unwrap_err(),
+        linear_cross_entropy_fused(
+            x.view(),
+            w5.view(),
+            &LossCall::with_flag(&t, &config, true),
+            chunks,
+        )
+        .unwrap_err(),
         ref_err(&x64, &w5.mapv(f64::from), &t),
     );
     // NaN in the weight, at a named index.
     let mut wn = w.clone();
     wn[[6, 2]] = f32::NAN;
-    let ours =
-        linear_cross_entropy_materialized(x.view(), wn.view(), &t, &config, true).unwrap_err();
+    let ours = linear_cross_entropy_materialized(
+        x.view(),
+        wn.view(),
+        &LossCall::with_flag(&t, &config, true),
+    )
+    .unwrap_err();
     same(ours.clone(), ref_err(&x64, &wn.mapv(f64::from), &t));
     assert_eq!(ours.kind(), "non_finite_input");
     // A target out of range.
     let mut tb = t.clone();
     tb[2] = 11;
     same(
-        linear_cross_entropy_fused(x.view(), w.view(), &tb, &config, true, chunks).unwrap_err(),
+        linear_cross_entropy_fused(
+            x.view(),
+            w.view(),
+            &LossCall::with_flag(&tb, &config, true),
+            chunks,
+        )
+        .unwrap_err(),
         ref_err(&x64, &w64, &tb),
     );
     // Chunks of zero.
     let e = linear_cross_entropy_fused(
         x.view(),
         w.view(),
-        &t,
-        &config,
-        true,
+        &LossCall::with_flag(&t, &config, true),
         Chunks {
             tokens: 0,
             vocab: 4,
@@ -221,13 +246,11 @@ fn bad_input_gets_the_reference_errors() {
     z[[1, 2]] = f32::INFINITY;
     let theirs = packshard_reference::vocab::cross_entropy(
         z.mapv(f64::from).view(),
-        &[0, 1],
-        &config,
-        false,
+        &LossCall::with_flag(&[0, 1], &config, false),
     )
     .unwrap_err();
     same(
-        cross_entropy(z.view(), &[0, 1], &config, false).unwrap_err(),
+        cross_entropy(z.view(), &LossCall::with_flag(&[0, 1], &config, false)).unwrap_err(),
         theirs,
     );
 }
@@ -319,15 +342,14 @@ fn logsumexp_far_below_its_terms_is_judged_at_their_size() {
         weight: Array2::from_shape_vec((2, 1), vec![0.0, -100.0]).unwrap(),
         targets: vec![1, 0, 0, -100],
         config,
+        grad_output: None,
     };
     // The case is the issue's: the kernel's logsumexp of row 0 is 0 where
     // the reference's is 3.7e-44.
     let reference = packshard_reference::vocab::linear_cross_entropy(
         case.hidden.view(),
         case.weight.view(),
-        &case.targets,
-        &case.config,
-        false,
+        &LossCall::with_flag(&case.targets, &case.config, false),
     )
     .unwrap();
     let want = reference.ce.logsumexp()[0];
@@ -341,9 +363,7 @@ fn logsumexp_far_below_its_terms_is_judged_at_their_size() {
             &case.map,
             case.hidden.view(),
             case.weight.view(),
-            &case.targets,
-            &case.config,
-            false,
+            &LossCall::with_flag(&case.targets, &case.config, false),
         )
         .unwrap();
     assert_eq!(got.ranks[0].global[0].logsumexp(), 0.0);

@@ -33,7 +33,7 @@ use packshard_reference::bert::layer::{layer_backward, layer_forward, LayerCache
 use packshard_reference::bert::ops::{layer_norm, layer_norm_backward, LayerNormCache};
 use packshard_reference::bert::{BertConfig, BertParams, LayerParams};
 use packshard_reference::vocab::embedding::{check_ids, embedding_forward};
-use packshard_reference::vocab::{linear_cross_entropy, LossConfig};
+use packshard_reference::vocab::{linear_cross_entropy, LossCall, LossConfig};
 use packshard_reference::{Error, Result};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -632,9 +632,7 @@ pub fn reference_step(
         let out = linear_cross_entropy(
             hidden.view(),
             params.output.view(),
-            &mb.targets,
-            &loss_config,
-            true,
+            &LossCall::with_flag(&mb.targets, &loss_config, true),
         )?;
         losses.push(out.ce.loss);
         loss += out.ce.loss * inv_m;

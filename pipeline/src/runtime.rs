@@ -13,7 +13,7 @@ use packshard_reference::bert::LayerParams;
 use packshard_reference::vocab::collective::Collective;
 use packshard_reference::vocab::embedding::{embedding_forward, embedding_rank};
 use packshard_reference::vocab::sharded::{linear_cross_entropy_rank_s, OutputSPass};
-use packshard_reference::vocab::{linear_cross_entropy, ShardLayout, ShardMap};
+use packshard_reference::vocab::{linear_cross_entropy, LossCall, ShardLayout, ShardMap};
 use packshard_reference::{Error, Result};
 
 use crate::collective::{EventClass, MpiCollective, Trace};
@@ -584,9 +584,7 @@ impl Exec<'_> {
                 let out = linear_cross_entropy(
                     hidden.view(),
                     self.output()?.view(),
-                    &mb.targets,
-                    &config.loss_config(),
-                    true,
+                    &LossCall::with_flag(&mb.targets, &config.loss_config(), true),
                 )?;
                 self.losses[m] = Some(out.ce.loss);
                 let (gx, gw) = scaled_output_grads(out.grad_hidden, out.grad_weight, self.inv_m)?;
@@ -616,9 +614,7 @@ impl Exec<'_> {
                     &self.plan.map,
                     hidden.view(),
                     self.output()?.view(),
-                    &self.mbs[m].targets,
-                    &config.loss_config(),
-                    true,
+                    &LossCall::with_flag(&self.mbs[m].targets, &config.loss_config(), true),
                 )?;
                 self.losses[m] = Some(s.loss());
                 if self.rank == last {

@@ -20,7 +20,7 @@ use packshard_reference::attention::default_scale;
 use packshard_reference::error::check_finite;
 use packshard_reference::ops::{Grad, Qkv, Varlen};
 use packshard_reference::vocab::sharded::ShardedLoss;
-use packshard_reference::vocab::{CrossEntropy, LossConfig, ShardLayout};
+use packshard_reference::vocab::{CrossEntropy, GradRequest, LossCall, LossConfig, ShardLayout};
 
 /// One field of a result.
 #[derive(Debug, Clone, PartialEq)]
@@ -316,9 +316,18 @@ pub struct LossArgs {
     pub layout: Option<String>,
     /// Also the gradients of the loss.
     pub want_grad: bool,
+    /// The upstream gradient, with `want_grad`: `[n]` under the reduction
+    /// `none`, `[1]` otherwise (docs/FAULTS.md O2).
+    pub grad_output: Option<Vec<f64>>,
 }
 
 impl LossArgs {
+    /// The loss call of these arguments.
+    pub fn call(&self) -> LossCall<'_> {
+        let grad = GradRequest::of(self.want_grad, self.grad_output.as_deref());
+        LossCall::new(&self.targets, &self.config, grad)
+    }
+
     fn run(&self, width: usize) -> Result<(usize, Run), EvalError> {
         let v = check_vocab_size(self.vocab_size, width)?;
         let layout = match &self.layout {
@@ -387,20 +396,13 @@ pub fn cross_entropy(
         Run::Unsharded => {
             let op = make(&list, imp)?;
             let real = logits.slice_axis(Axis(1), Slice::from(..v));
-            let ce = op.cross_entropy(real, &a.targets, &a.config, a.want_grad)?;
+            let ce = op.cross_entropy(real, &a.call())?;
             (unsharded_fields(&ce), ce.grad_logits)
         }
         Run::Sharded(algorithm, map) => {
             check_declared(&list, |k| k.algorithms(), imp, algorithm)?;
             let op = make(&list, imp)?;
-            let s = op.sharded_cross_entropy(
-                algorithm,
-                &map,
-                logits,
-                &a.targets,
-                &a.config,
-                a.want_grad,
-            )?;
+            let s = op.sharded_cross_entropy(algorithm, &map, logits, &a.call())?;
             let n = predicted(&a.targets, &a.config);
             (sharded_fields(&s, n, algorithm.name()), s.grad_logits())
         }
@@ -430,7 +432,7 @@ pub fn linear_cross_entropy(
         Run::Unsharded => {
             let op = make(&list, imp)?;
             let real = weight.slice_axis(Axis(0), Slice::from(..v));
-            let l = op.linear_cross_entropy(hidden, real, &a.targets, &a.config, a.want_grad)?;
+            let l = op.linear_cross_entropy(hidden, real, &a.call())?;
             let mut out = unsharded_fields(&l.ce);
             if let Some(b) = l.logits_buffer_bytes {
                 out.push(("logits_buffer_bytes", Out::Usize(b)));
@@ -440,15 +442,7 @@ pub fn linear_cross_entropy(
         Run::Sharded(algorithm, map) => {
             check_declared(&list, |k| k.algorithms(), imp, algorithm)?;
             let op = make(&list, imp)?;
-            let s = op.sharded_linear_cross_entropy(
-                algorithm,
-                &map,
-                hidden,
-                weight,
-                &a.targets,
-                &a.config,
-                a.want_grad,
-            )?;
+            let s = op.sharded_linear_cross_entropy(algorithm, &map, hidden, weight, &a.call())?;
             let n = predicted(&a.targets, &a.config);
             let out = sharded_fields(&s, n, algorithm.name());
             (
@@ -510,7 +504,7 @@ pub fn loss_judged(
                 });
             }
             let z32 = baseline32::to_f32(&real_r.view());
-            let b = baseline32::cross_entropy(z32.view(), &a.targets, &a.config, a.want_grad);
+            let b = baseline32::cross_entropy(z32.view(), &a.call());
             let mut base = ce32_fields(&b);
             if let Some(g) = &b.grad_logits {
                 let g = baseline32::to_f64(&g.view());
@@ -539,13 +533,7 @@ pub fn loss_judged(
             }
             let h32 = baseline32::to_f32(&hr.view());
             let w32 = baseline32::to_f32(&real_r.view());
-            let (b, grads) = baseline32::linear_cross_entropy(
-                h32.view(),
-                w32.view(),
-                &a.targets,
-                &a.config,
-                a.want_grad,
-            );
+            let (b, grads) = baseline32::linear_cross_entropy(h32.view(), w32.view(), &a.call());
             let mut base = ce32_fields(&b);
             if let Some(g) = &b.grad_logits {
                 base.push(("grad_logits", t2(baseline32::to_f64(&g.view()))));

@@ -228,6 +228,10 @@ struct LossOptions {
     /// `c` of the logit softcap `c * tanh(z / c)` (docs/FAULTS.md O1).
     #[pyo3(default)]
     softcap: Option<f64>,
+    /// The upstream gradient (docs/FAULTS.md O2): `[n]` under the reduction
+    /// `none`, `[1]` otherwise; needs `want_grad`.
+    #[pyo3(default)]
+    grad_output: Option<Vec<f64>>,
 }
 
 fn loss_args(
@@ -236,6 +240,10 @@ fn loss_args(
     o: LossOptions,
     want_grad: bool,
 ) -> PyResult<LossArgs> {
+    if o.grad_output.is_some() && !want_grad {
+        let e = EvalError::invalid("grad_output", "given without want_grad=True");
+        return Err(raise(py, e));
+    }
     let d = LossConfig::default();
     let parse = || -> Result<LossConfig, EvalError> {
         Ok(LossConfig {
@@ -265,6 +273,7 @@ fn loss_args(
         algorithm: o.algorithm,
         layout: o.layout,
         want_grad,
+        grad_output: o.grad_output,
     })
 }
 

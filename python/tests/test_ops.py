@@ -169,3 +169,33 @@ def test_registry_is_listed():
     names = {(r["op"], r["name"]) for r in packshard.implementations()}
     assert ("attention", "attention_varlen_tiled") in names
     assert ("cross_entropy", "reference") in names
+
+
+def test_a_per_token_grad_output_scales_each_row():
+    """docs/FAULTS.md O2: under ``reduction="none"`` token i's gradient is its
+    own loss's times ``grad_output[i]`` (a 0 gives 0), in every form and
+    impl; a scalar under sum and mean; bad ones refused naming it."""
+    z = RNG.standard_normal((4, 9))
+    t = [1, 8, -100, 4]
+    g = np.array([1.0, 0.0, 3.0, -0.5])
+    plain = packshard.cross_entropy(z, t, reduction="none", want_grad=True)["grad_logits"]
+    for kw in ({}, {"num_shards": 3, "algorithm": "alg1"}, {"impl": "cross_entropy_f32"}):
+        r = packshard.cross_entropy(z, t, reduction="none", want_grad=True, grad_output=g, **kw)
+        np.testing.assert_allclose(r["grad_logits"], plain * g[:, None], rtol=1e-6, atol=1e-12)
+        assert not r["grad_logits"][1].any()
+    s = packshard.cross_entropy(z, t, reduction="sum", want_grad=True, grad_output=[-2.0])
+    np.testing.assert_allclose(s["grad_logits"], -2.0 * plain, rtol=1e-12, atol=1e-15)
+    w = RNG.standard_normal((9, 3))
+    x = RNG.standard_normal((4, 3))
+    for impl in ("reference", "linear_ce_fused"):
+        r = packshard.linear_cross_entropy(x, w, t, reduction="none", want_grad=True,
+                                           grad_output=g, impl=impl)
+        assert not r["grad_hidden"][1].any(), impl
+    for bad, kind in (([1.0, 0.0], "shape_mismatch"), ([1.0, 0.0, float("nan"), 1.0],
+                                                       "non_finite_input")):
+        with pytest.raises(PackshardError) as e:
+            packshard.cross_entropy(z, t, reduction="none", want_grad=True, grad_output=bad)
+        assert e.value.kind == kind and "grad_output" in e.value.message, e.value
+    with pytest.raises(PackshardError) as e:
+        packshard.cross_entropy(z, t, reduction="none", grad_output=g)
+    assert e.value.field == "grad_output", e.value.message

@@ -79,6 +79,10 @@ pub const CATALOGUE: &[FaultKind] = &[
         title: "logit softcap computed as z * tanh(z)",
     },
     FaultKind {
+        id: "O2",
+        title: "a per-token grad_output read as a scalar",
+    },
+    FaultKind {
         id: "O3",
         title: "z-loss added when it is off",
     },
@@ -234,6 +238,15 @@ pub const O1_LOSS: f64 = 1.18683;
 pub const O1_LOSS_FAULT: f64 = 0.79840;
 /// O1: the places the losses are given to.
 pub const O1_PLACES: f64 = 5e-6;
+/// O2: the targets of the two tokens (both with the logits [`V1_LOGITS`]),
+/// reduction `none`.
+pub const O2_TARGETS: [i64; 2] = [V1_TARGET, 1];
+/// O2: the upstream gradient `grad_output: [n]` of the example.
+pub const O2_GRAD_OUTPUT: [f64; 2] = [1.0, 0.0];
+/// O2: the second token's gradient at its target (column 1) under the
+/// fault (every row scaled by `grad_output[0]`, Liger-Kernel PR 1298):
+/// `softmax(V1)_1 - 1`, to 5 places; the right value is 0.
+pub const O2_GRAD_FAULT: f64 = -0.80466;
 /// O3: the shift added to [`V1_LOGITS`] (so that `logsumexp` is 33.633).
 pub const O3_SHIFT: f64 = 30.0;
 /// O3: the loss with `z_loss = 0`, to 5 places (plain cross-entropy).
@@ -305,49 +318,80 @@ mod tests {
 
     #[test]
     fn v1_and_v2_values_are_the_reference_losses() {
-        use crate::vocab::{cross_entropy, LossConfig, SmoothingConvention};
+        use crate::vocab::{cross_entropy, LossCall, LossConfig, SmoothingConvention};
         let z = ndarray::Array2::from_shape_vec((1, 8), V1_LOGITS.to_vec()).unwrap();
         for (conv, want) in [
             (SmoothingConvention::PyTorch, V1_LOSS_PYTORCH),
             (SmoothingConvention::Megatron, V1_LOSS_MEGATRON),
         ] {
             let c = LossConfig::default().with_smoothing(V1_SMOOTHING, conv);
-            let l = cross_entropy(z.view(), &[V1_TARGET], &c, false)
+            let l = cross_entropy(z.view(), &LossCall::with_flag(&[V1_TARGET], &c, false))
                 .unwrap()
                 .loss;
             assert!((l - want).abs() < V1_PLACES, "{conv:?}: {l}");
         }
         let z = ndarray::Array2::from_shape_vec((1, 10), V2_LOGITS.to_vec()).unwrap();
-        let l = cross_entropy(z.view(), &[V2_TARGET], &LossConfig::default(), false)
-            .unwrap()
-            .loss;
+        let l = cross_entropy(
+            z.view(),
+            &LossCall::with_flag(&[V2_TARGET], &LossConfig::default(), false),
+        )
+        .unwrap()
+        .loss;
         assert!((l - V2_LOSS).abs() < V2_PLACES, "{l}");
     }
 
     #[test]
+    fn o2_values_are_the_reference_gradients() {
+        use crate::vocab::{cross_entropy, GradRequest, LossCall, LossConfig, Reduction};
+        let z = ndarray::Array2::from_shape_fn((2, 8), |(_, j)| V1_LOGITS[j]);
+        let none = LossConfig::default().with_reduction(Reduction::None);
+        let grad = |g: &[f64]| {
+            let call = LossCall::new(&O2_TARGETS, &none, GradRequest::Upstream(g));
+            cross_entropy(z.view(), &call).unwrap().grad_logits.unwrap()
+        };
+        let g = grad(&O2_GRAD_OUTPUT);
+        assert!(g.row(1).iter().all(|&x| x == 0.0), "{g}");
+        let loss_only = cross_entropy(z.view(), &LossCall::with_flag(&O2_TARGETS, &none, true))
+            .unwrap()
+            .grad_logits
+            .unwrap();
+        assert_eq!(g.row(0), loss_only.row(0));
+        // The fault: grad_output[0] for every row.
+        let fault = grad(&[O2_GRAD_OUTPUT[0]; 2]);
+        assert!((fault[[1, 1]] - O2_GRAD_FAULT).abs() < O1_PLACES, "{fault}");
+    }
+
+    #[test]
     fn o1_values_are_the_reference_losses() {
-        use crate::vocab::{cross_entropy, LossConfig};
+        use crate::vocab::{cross_entropy, LossCall, LossConfig};
         let z = ndarray::Array2::from_shape_vec((1, 8), V1_LOGITS.to_vec()).unwrap();
         let capped = LossConfig::default().with_softcap(O1_SOFTCAP);
-        let l = cross_entropy(z.view(), &[V1_TARGET], &capped, false)
+        let l = cross_entropy(z.view(), &LossCall::with_flag(&[V1_TARGET], &capped, false))
             .unwrap()
             .loss;
         assert!((l - O1_LOSS).abs() < O1_PLACES, "{l}");
         let fault = z.mapv(|x| x * x.tanh());
-        let l = cross_entropy(fault.view(), &[V1_TARGET], &LossConfig::default(), false)
-            .unwrap()
-            .loss;
+        let l = cross_entropy(
+            fault.view(),
+            &LossCall::with_flag(&[V1_TARGET], &LossConfig::default(), false),
+        )
+        .unwrap()
+        .loss;
         assert!((l - O1_LOSS_FAULT).abs() < O1_PLACES, "{l}");
     }
 
     #[test]
     fn o3_and_o4_values_are_the_reference_losses() {
         use crate::vocab::cross_entropy::token_loss;
-        use crate::vocab::{cross_entropy, LossConfig, SmoothingConvention};
+        use crate::vocab::{cross_entropy, LossCall, LossConfig, SmoothingConvention};
         let z = ndarray::Array2::from_shape_vec((1, 8), V1_LOGITS.to_vec()).unwrap();
         let shifted = z.mapv(|x| x + O3_SHIFT);
         let off = LossConfig::default();
-        let ce = cross_entropy(shifted.view(), &[V1_TARGET], &off, false).unwrap();
+        let ce = cross_entropy(
+            shifted.view(),
+            &LossCall::with_flag(&[V1_TARGET], &off, false),
+        )
+        .unwrap();
         assert!((ce.loss - O3_LOSS).abs() < O1_PLACES, "{}", ce.loss);
         // Bit for bit the cross-entropy of the statistics, no term added.
         assert_eq!(ce.loss.to_bits(), ce.stats[0].cross_entropy().to_bits());
@@ -361,7 +405,11 @@ mod tests {
         assert!((fault - O3_LOSS_FAULT).abs() < O1_PLACES, "{fault}");
         let huge = z.mapv(|x| x * O4_SCALE);
         let smoothed = off.with_smoothing(O4_SMOOTHING, SmoothingConvention::PyTorch);
-        let l = cross_entropy(huge.view(), &[V1_TARGET], &smoothed, true).unwrap();
+        let l = cross_entropy(
+            huge.view(),
+            &LossCall::with_flag(&[V1_TARGET], &smoothed, true),
+        )
+        .unwrap();
         assert!((l.loss - O4_LOSS).abs() < 1e-9, "{}", l.loss);
         assert!(l.grad_logits.unwrap().iter().all(|g| g.is_finite()));
     }
@@ -380,15 +428,13 @@ mod tests {
 
     #[test]
     fn v3_gradient_is_the_reference_gradient() {
-        use crate::vocab::{linear_cross_entropy, LossConfig};
+        use crate::vocab::{linear_cross_entropy, LossCall, LossConfig};
         let x = ndarray::Array2::from_shape_vec((1, 2), V3_HIDDEN.to_vec()).unwrap();
         let w = ndarray::Array2::from_shape_fn((4, 2), |(i, j)| V3_WEIGHT[i][j]);
         let l = linear_cross_entropy(
             x.view(),
             w.view(),
-            &[V3_TARGET],
-            &LossConfig::default(),
-            true,
+            &LossCall::with_flag(&[V3_TARGET], &LossConfig::default(), true),
         )
         .unwrap();
         let g = l.grad_hidden.unwrap();

@@ -40,7 +40,7 @@ use crate::error::{Error, Result};
 use crate::vocab::cross_entropy::CrossEntropy;
 use crate::vocab::embedding::ShardedEmbedding;
 use crate::vocab::sharded::ShardedLoss;
-use crate::vocab::{LossConfig, ShardMap, ShardedAlgorithm};
+use crate::vocab::{LossCall, ShardMap, ShardedAlgorithm};
 
 /// What an implementation computes in. Inputs are rounded to it on entry
 /// and results widened to f64 on exit.
@@ -347,37 +347,57 @@ pub fn check_algorithm(declared: &[ShardedAlgorithm], algorithm: ShardedAlgorith
     ))
 }
 
-/// The [`LossConfig`] options an output-layer implementation implements
+/// The [`crate::vocab::LossConfig`] options an output-layer implementation implements
 /// beyond those every implementation must (`ignore_index`, label smoothing
 /// in both conventions, z-loss, every reduction). What it does not, it
 /// declares ([`CrossEntropyOp::options`], [`LinearCrossEntropyOp::options`])
 /// and refuses ([`LossSupport::check`]), as for algorithms.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LossSupport {
-    /// Logit soft-capping ([`LossConfig::softcap`]).
+    /// Logit soft-capping ([`crate::vocab::LossConfig::softcap`]).
     pub softcap: bool,
+    /// A per-token or scalar upstream gradient
+    /// ([`crate::vocab::GradRequest::Upstream`]; docs/FAULTS.md O2).
+    pub grad_output: bool,
 }
 
 impl LossSupport {
     /// Every option (the reference).
-    pub const ALL: LossSupport = LossSupport { softcap: true };
+    pub const ALL: LossSupport = LossSupport {
+        softcap: true,
+        grad_output: true,
+    };
     /// Only the options every implementation must have.
-    pub const BASIC: LossSupport = LossSupport { softcap: false };
+    pub const BASIC: LossSupport = LossSupport {
+        softcap: false,
+        grad_output: false,
+    };
 
-    /// Whether `config` is within the support.
-    pub fn covers(&self, config: &LossConfig) -> bool {
-        self.softcap || config.softcap.is_none()
+    /// Whether `call` is within the support.
+    pub fn covers(&self, call: &LossCall) -> bool {
+        (self.softcap || call.config.softcap.is_none())
+            && (self.grad_output || call.grad.upstream().is_none())
     }
 
-    /// Refuses a `config` that uses an option outside the support.
+    /// Refuses a `call` that uses an option outside the support.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] naming the option (`softcap`).
-    pub fn check(&self, config: &LossConfig) -> Result<()> {
-        if let (false, Some(c)) = (self.softcap, config.softcap) {
+    /// [`Error::InvalidArgument`] naming the option (`softcap`,
+    /// `grad_output`).
+    pub fn check(&self, call: &LossCall) -> Result<()> {
+        if let (false, Some(c)) = (self.softcap, call.config.softcap) {
             return Err(Error::invalid(
                 "softcap",
                 format!("this implementation has no logit soft-capping (softcap {c} asked for)"),
+            ));
+        }
+        if let (false, Some(g)) = (self.grad_output, call.grad.upstream()) {
+            return Err(Error::invalid(
+                "grad_output",
+                format!(
+                    "this implementation takes no upstream gradient (grad_output of {} values given)",
+                    g.len()
+                ),
             ));
         }
         Ok(())
@@ -386,7 +406,7 @@ impl LossSupport {
 
 /// Cross-entropy of given logits (Vaswani et al. with PyTorch's and
 /// Megatron-LM's options: `ignore_index`, label smoothing, z-loss,
-/// reduction; [`LossConfig`]), unsharded and split by vocabulary over `p`
+/// reduction; [`crate::vocab::LossConfig`]), unsharded and split by vocabulary over `p`
 /// shards (Yeung et al., arXiv:2411.05288).
 ///
 /// Errors are the reference's ([`crate::vocab::cross_entropy()`]).
@@ -401,18 +421,13 @@ pub trait CrossEntropyOp: Send + Sync {
         LossSupport::ALL
     }
 
-    /// Unsharded: `logits: [n, v]`, `targets: [n]`; `grad_logits: [n, v]`
-    /// with `want_grad`.
+    /// Unsharded: `logits: [n, v]`, `call.targets: [n]`; `grad_logits: [n,
+    /// v]` when `call` asks for gradients (scaled by its upstream gradient,
+    /// [`LossCall::token_weights`]).
     ///
     /// # Errors
     /// See the trait docs.
-    fn cross_entropy(
-        &self,
-        logits: ArrayView2<f64>,
-        targets: &[i64],
-        config: &LossConfig,
-        want_grad: bool,
-    ) -> Result<CrossEntropy>;
+    fn cross_entropy(&self, logits: ArrayView2<f64>, call: &LossCall) -> Result<CrossEntropy>;
 
     /// Sharded by `map`: `logits: [n, w]` (`w >= v`; columns `v..` are
     /// padding values that must never be read), every rank's results.
@@ -424,9 +439,7 @@ pub trait CrossEntropyOp: Send + Sync {
         algorithm: ShardedAlgorithm,
         map: &ShardMap,
         logits: ArrayView2<f64>,
-        targets: &[i64],
-        config: &LossConfig,
-        want_grad: bool,
+        call: &LossCall,
     ) -> Result<ShardedLoss>;
 }
 
@@ -459,7 +472,7 @@ pub trait LinearCrossEntropyOp: Send + Sync {
         LossSupport::ALL
     }
 
-    /// Unsharded: `hidden: [n, h]`, `weight: [v, h]`, `targets: [n]`.
+    /// Unsharded: `hidden: [n, h]`, `weight: [v, h]`, `call.targets: [n]`.
     ///
     /// # Errors
     /// See the trait docs.
@@ -467,9 +480,7 @@ pub trait LinearCrossEntropyOp: Send + Sync {
         &self,
         hidden: ArrayView2<f64>,
         weight: ArrayView2<f64>,
-        targets: &[i64],
-        config: &LossConfig,
-        want_grad: bool,
+        call: &LossCall,
     ) -> Result<LinearLoss>;
 
     /// Sharded by `map`: `weight: [w, h]` (`w >= v`; rows `v..` are padding
@@ -477,16 +488,13 @@ pub trait LinearCrossEntropyOp: Send + Sync {
     ///
     /// # Errors
     /// See the trait docs; [`check_algorithm`] for an undeclared algorithm.
-    #[allow(clippy::too_many_arguments)]
     fn sharded_linear_cross_entropy(
         &self,
         algorithm: ShardedAlgorithm,
         map: &ShardMap,
         hidden: ArrayView2<f64>,
         weight: ArrayView2<f64>,
-        targets: &[i64],
-        config: &LossConfig,
-        want_grad: bool,
+        call: &LossCall,
     ) -> Result<ShardedLoss>;
 }
 

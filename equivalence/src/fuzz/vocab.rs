@@ -201,6 +201,7 @@ impl<'a> Arbitrary<'a> for CeFuzzCase {
                 logits,
                 targets,
                 config,
+                grad_output: None,
             },
             want_grad,
             values,
@@ -288,6 +289,7 @@ impl<'a> Arbitrary<'a> for LinearFuzzCase {
                 weight,
                 targets,
                 config,
+                grad_output: None,
             },
             want_grad,
             values,
@@ -435,7 +437,7 @@ pub fn run_cross_entropy(
     }
     let v = c.map.vocab_size();
     let real = c.logits.slice_axis(Axis(1), Slice::from(..v));
-    let failed = cross_entropy(real, &c.targets, &c.config, false).is_err();
+    let failed = cross_entropy(real, &c.call(false)).is_err();
     let n = c.targets.len();
     let per_form = 2 * n + 1 + if case.want_grad { n * v } else { 0 };
     Ok(vocab_outcome(
@@ -470,14 +472,9 @@ pub fn run_linear(
     }
     let v = c.map.vocab_size();
     let real = c.weight.slice_axis(Axis(0), Slice::from(..v));
-    let failed = packshard_reference::vocab::linear_cross_entropy(
-        c.hidden.view(),
-        real,
-        &c.targets,
-        &c.config,
-        false,
-    )
-    .is_err();
+    let failed =
+        packshard_reference::vocab::linear_cross_entropy(c.hidden.view(), real, &c.call(false))
+            .is_err();
     let (n, h) = c.hidden.dim();
     let per_form = 2 * n
         + 1

@@ -28,8 +28,33 @@ fn checked_loss(
 ) -> Result<ShardedLoss, Mismatch> {
     check_cross_entropy_with(imp, algorithm, case, true, rule)
         .map_err(|m| Mismatch::new(format!("{name}: {}", m.what), m.detail))?;
-    let (z, t) = (case.logits.view(), &case.targets);
-    imp.sharded_cross_entropy(algorithm, &case.map, z, t, &case.config, false)
+    sharded_ce(imp, algorithm, case, false, name)
+}
+
+/// `imp`'s sharded cross-entropy on `case`, an error as the mismatch
+/// naming `name`.
+fn sharded_ce(
+    imp: &dyn CrossEntropyOp,
+    algorithm: ShardedAlgorithm,
+    case: &CeCase,
+    want_grad: bool,
+    name: &str,
+) -> Result<ShardedLoss, Mismatch> {
+    let (z, call) = (case.logits.view(), case.call(want_grad));
+    imp.sharded_cross_entropy(algorithm, &case.map, z, &call)
+        .map_err(|e| Mismatch::new(name, e.to_string()))
+}
+
+/// As [`sharded_ce`] for the output layer.
+fn sharded_linear(
+    imp: &dyn LinearCrossEntropyOp,
+    algorithm: ShardedAlgorithm,
+    case: &LinearCase,
+    want_grad: bool,
+    name: &str,
+) -> Result<ShardedLoss, Mismatch> {
+    let (x, w, call) = (case.hidden.view(), case.weight.view(), case.call(want_grad));
+    imp.sharded_linear_cross_entropy(algorithm, &case.map, x, w, &call)
         .map_err(|e| Mismatch::new(name, e.to_string()))
 }
 
@@ -60,6 +85,7 @@ pub fn check_cross_entropy_faults(imp: &dyn CrossEntropyOp, rule: Rule) -> Resul
                         logits: row(&V1_LOGITS),
                         targets: vec![4],
                         config,
+                        grad_output: None,
                     };
                     let name = format!(
                         "V1 {algorithm} {} p {p} {}",
@@ -88,6 +114,7 @@ pub fn check_cross_entropy_faults(imp: &dyn CrossEntropyOp, rule: Rule) -> Resul
                 logits: row(&V1_LOGITS),
                 targets: vec![4],
                 config: LossConfig::default().with_softcap(faults::O1_SOFTCAP),
+                grad_output: None,
             };
             let name = format!("O1 {algorithm} p {p}");
             check_cross_entropy_with(imp, algorithm, &case, true, rule)
@@ -95,6 +122,20 @@ pub fn check_cross_entropy_faults(imp: &dyn CrossEntropyOp, rule: Rule) -> Resul
             if imp.options().softcap {
                 let out = checked_loss(imp, algorithm, &case, rule, &name)?;
                 o1_loss(&name, out.loss())?;
+            }
+        }
+        // O2: a per-token upstream gradient, the second token's 0.
+        for p in [1, 3] {
+            let case = o2_case(map(8, p, ShardLayout::Uneven));
+            let name = format!("O2 {algorithm} p {p}");
+            check_cross_entropy_with(imp, algorithm, &case, true, rule)
+                .map_err(|m| named(&name, m))?;
+            check_cross_entropy_unsharded(imp, &case, true, rule).map_err(|m| named(&name, m))?;
+            if imp.options().grad_output {
+                let out = sharded_ce(imp, algorithm, &case, true, &name)?;
+                for r in &out.ranks {
+                    o2_zero_row(&name, r.rank, r.grad_logits.as_ref())?;
+                }
             }
         }
         // O3: z-loss off is plain cross-entropy; O4: smoothing on huge logits is finite.
@@ -119,6 +160,7 @@ pub fn check_cross_entropy_faults(imp: &dyn CrossEntropyOp, rule: Rule) -> Resul
                 logits: row(&logits),
                 targets: vec![4],
                 config,
+                grad_output: None,
             };
             let name = format!("{id} {algorithm}");
             let out = checked_loss(imp, algorithm, &case, rule, &name)?;
@@ -139,6 +181,7 @@ pub fn check_cross_entropy_faults(imp: &dyn CrossEntropyOp, rule: Rule) -> Resul
                 logits: row(&z),
                 targets: vec![target],
                 config: LossConfig::default(),
+                grad_output: None,
             };
             let name = format!("O6 {algorithm} target {target}");
             let out = checked_loss(imp, algorithm, &case, rule, &name)?;
@@ -167,6 +210,7 @@ pub fn check_cross_entropy_faults(imp: &dyn CrossEntropyOp, rule: Rule) -> Resul
                 logits: row(&z),
                 targets: vec![7],
                 config: LossConfig::default(),
+                grad_output: None,
             };
             let name = format!("V2 {algorithm} padding {padding:?}");
             let out = checked_loss(imp, algorithm, &case, rule, &name)?;
@@ -188,6 +232,7 @@ pub fn check_cross_entropy_faults(imp: &dyn CrossEntropyOp, rule: Rule) -> Resul
                 logits,
                 targets: vec![0, v as i64 - 1],
                 config: LossConfig::default().with_smoothing(0.1, SmoothingConvention::PyTorch),
+                grad_output: None,
             };
             check_cross_entropy_with(imp, algorithm, &case, true, rule)
                 .map_err(|m| named(&format!("V4 {algorithm} {}", layout.name()), m))?;
@@ -199,6 +244,7 @@ pub fn check_cross_entropy_faults(imp: &dyn CrossEntropyOp, rule: Rule) -> Resul
             logits: row(&[1.0, 2.0, 0.0, -1.0, inf, inf, inf, inf]),
             targets: vec![1],
             config: LossConfig::default(),
+            grad_output: None,
         };
         check_cross_entropy_with(imp, algorithm, &case, true, rule)
             .map_err(|m| named(&format!("V6 {algorithm} all -inf shard"), m))?;
@@ -207,6 +253,7 @@ pub fn check_cross_entropy_faults(imp: &dyn CrossEntropyOp, rule: Rule) -> Resul
             logits: row(&[0.5, -1.0, 2.0, 1.0, 0.0, 3.0, -2.0, 1.5, 0.25]),
             targets: vec![5],
             config: LossConfig::default(),
+            grad_output: None,
         };
         check_cross_entropy_with(imp, algorithm, &case, true, rule)
             .map_err(|m| named(&format!("V6 {algorithm} all-padding shard"), m))?;
@@ -231,20 +278,11 @@ pub fn check_linear_faults(imp: &dyn LinearCrossEntropyOp, rule: Rule) -> Result
                 .expect("4 x 2"),
             targets: vec![2],
             config: LossConfig::default(),
+            grad_output: None,
         };
         let name = format!("V3 {algorithm}");
         check_linear_with(imp, algorithm, &case, true, rule).map_err(|m| named(&name, m))?;
-        let out = imp
-            .sharded_linear_cross_entropy(
-                algorithm,
-                &case.map,
-                case.hidden.view(),
-                case.weight.view(),
-                &[2],
-                &case.config,
-                true,
-            )
-            .map_err(|e| Mismatch::new(&name, e.to_string()))?;
+        let out = sharded_linear(imp, algorithm, &case, true, &name)?;
         for r in &out.ranks {
             let g = r
                 .grad_hidden
@@ -267,23 +305,33 @@ pub fn check_linear_faults(imp: &dyn LinearCrossEntropyOp, rule: Rule) -> Result
             weight: Array2::from_shape_vec((8, 1), V1_LOGITS.to_vec()).expect("8 x 1"),
             targets: vec![4],
             config: LossConfig::default().with_softcap(faults::O1_SOFTCAP),
+            grad_output: None,
         };
         let name = format!("O1 linear {algorithm}");
         check_linear_with(imp, algorithm, &case, true, rule).map_err(|m| named(&name, m))?;
         check_linear_unsharded(imp, &case, true, rule).map_err(|m| named(&name, m))?;
         if imp.options().softcap {
-            let out = imp
-                .sharded_linear_cross_entropy(
-                    algorithm,
-                    &case.map,
-                    case.hidden.view(),
-                    case.weight.view(),
-                    &case.targets,
-                    &case.config,
-                    false,
-                )
-                .map_err(|e| Mismatch::new(&name, e.to_string()))?;
+            let out = sharded_linear(imp, algorithm, &case, false, &name)?;
             o1_loss(&name, out.loss())?;
+        }
+        // O2: the output layer (h = 1, weight = the V1 logits, hidden 1 for
+        // both tokens): the second token's dL/dhidden is 0.
+        let case = LinearCase {
+            map: map(8, 3, ShardLayout::Uneven),
+            hidden: Array2::ones((2, 1)),
+            weight: Array2::from_shape_vec((8, 1), V1_LOGITS.to_vec()).expect("8 x 1"),
+            targets: faults::O2_TARGETS.to_vec(),
+            config: LossConfig::default().with_reduction(Reduction::None),
+            grad_output: Some(faults::O2_GRAD_OUTPUT.to_vec()),
+        };
+        let name = format!("O2 linear {algorithm}");
+        check_linear_with(imp, algorithm, &case, true, rule).map_err(|m| named(&name, m))?;
+        check_linear_unsharded(imp, &case, true, rule).map_err(|m| named(&name, m))?;
+        if imp.options().grad_output {
+            let out = sharded_linear(imp, algorithm, &case, true, &name)?;
+            for r in &out.ranks {
+                o2_zero_row(&name, r.rank, r.grad_hidden.as_ref())?;
+            }
         }
         for layout in LAYOUTS {
             let v = 250_682;
@@ -296,12 +344,45 @@ pub fn check_linear_faults(imp: &dyn LinearCrossEntropyOp, rule: Rule) -> Result
                 weight,
                 targets: vec![125_000, -100, 31_336],
                 config: LossConfig::default(),
+                grad_output: None,
             };
             check_linear_with(imp, algorithm, &case, true, rule)
                 .map_err(|m| named(&format!("V4 linear {algorithm} {}", layout.name()), m))?;
         }
     }
     Ok(())
+}
+
+/// The docs/FAULTS.md O2 example over `map` (`v = 8`): two tokens with the
+/// V1 logits, targets 4 and 1, reduction `none`, `grad_output = [1, 0]`.
+fn o2_case(map: ShardMap) -> CeCase {
+    CeCase {
+        map,
+        logits: Array2::from_shape_fn((2, 8), |(_, j)| V1_LOGITS[j]),
+        targets: faults::O2_TARGETS.to_vec(),
+        config: LossConfig::default().with_reduction(Reduction::None),
+        grad_output: Some(faults::O2_GRAD_OUTPUT.to_vec()),
+    }
+}
+
+/// The second token's row of a rank's gradient (`grad_logits` or
+/// `grad_hidden`) is exactly 0 under the O2 example's `grad_output[1] = 0`,
+/// or the mismatch naming `name`.
+fn o2_zero_row(name: &str, rank: usize, grad: Option<&Array2<f64>>) -> Result<(), Mismatch> {
+    let Some(g) = grad else {
+        return Ok(()); // a fused kernel holds no dL/dz: judged by dL/dhidden
+    };
+    match g.row(1).iter().find(|x| **x != 0.0) {
+        None => Ok(()),
+        Some(x) => fail(
+            name,
+            format!(
+                "rank {rank}: the second token's gradient holds {x}, docs/FAULTS.md says 0 \
+                 (grad_output [1, 0]; every row scaled by grad_output[0] gives {} at its target)",
+                faults::O2_GRAD_FAULT
+            ),
+        ),
+    }
 }
 
 /// The loss of the docs/FAULTS.md O1 example, or the mismatch naming `name`.

@@ -48,8 +48,8 @@ use packshard_reference::vocab::cross_entropy::LinearCrossEntropy;
 use packshard_reference::vocab::embedding::{embedding_backward, embedding_forward};
 use packshard_reference::vocab::sharded::{RankLoss, ShardedLoss};
 use packshard_reference::vocab::{
-    cross_entropy, linear_cross_entropy, CrossEntropy, LossConfig, Reduction, ShardLayout,
-    ShardMap, ShardedAlgorithm, SmoothingConvention,
+    cross_entropy, linear_cross_entropy, CrossEntropy, GradRequest, LossCall, LossConfig,
+    Reduction, ShardLayout, ShardMap, ShardedAlgorithm, SmoothingConvention,
 };
 use packshard_reference::Error;
 use proptest::prelude::*;
@@ -66,7 +66,7 @@ use crate::compare::{
 const IMPL: &str = "implementation";
 
 /// A cross-entropy case: `logits: [n, w]` (`w >= v`, columns `v..` padding
-/// values), `targets: [n]`.
+/// values), `targets: [n]`, an optional upstream gradient.
 #[derive(Debug, Clone, PartialEq)]
 pub struct CeCase {
     /// The split.
@@ -77,6 +77,10 @@ pub struct CeCase {
     pub targets: Vec<i64>,
     /// Loss options.
     pub config: LossConfig,
+    /// The upstream gradient the gradients are asked with: `[n]` for the
+    /// reduction `none`, `[1]` otherwise ([`GradRequest::Upstream`];
+    /// docs/FAULTS.md O2). `None`: the gradients of the loss itself.
+    pub grad_output: Option<Vec<f64>>,
 }
 
 /// An output-layer case: `hidden: [n, h]`, `weight: [w, h]` (`w >= v`, rows
@@ -93,6 +97,25 @@ pub struct LinearCase {
     pub targets: Vec<i64>,
     /// Loss options.
     pub config: LossConfig,
+    /// The upstream gradient, as [`CeCase::grad_output`].
+    pub grad_output: Option<Vec<f64>>,
+}
+
+impl CeCase {
+    /// The case's loss call, asking for gradients when `want_grad` (with
+    /// the case's upstream gradient, where it has one).
+    pub fn call(&self, want_grad: bool) -> LossCall<'_> {
+        let grad = GradRequest::of(want_grad, self.grad_output.as_deref());
+        LossCall::new(&self.targets, &self.config, grad)
+    }
+}
+
+impl LinearCase {
+    /// As [`CeCase::call`].
+    pub fn call(&self, want_grad: bool) -> LossCall<'_> {
+        let grad = GradRequest::of(want_grad, self.grad_output.as_deref());
+        LossCall::new(&self.targets, &self.config, grad)
+    }
 }
 
 /// An embedding case: `ids: [n]`, `weight: [w, h]` (`w >= v`), `grad_output: [n, h]`.
@@ -182,33 +205,38 @@ fn no_panic<T>(name: &str, f: impl FnOnce() -> T) -> Result<T, Mismatch> {
     })
 }
 
-/// An implementation that declares an option of `config` unsupported
+/// An implementation that declares an option of `call` unsupported
 /// ([`LossSupport`]) must refuse the call, never answer it (no silent
 /// fallback): `Some(check)` with the check that it failed — with the
 /// reference's error where the reference fails too, else an
-/// [`Error::InvalidArgument`] naming the option — and `None` when the
-/// option is supported (the call is then compared as usual).
+/// [`Error::InvalidArgument`] naming the option (`softcap`, `grad_output`)
+/// — and `None` when the call is supported (it is then compared as usual).
 fn refused<T>(
     support: LossSupport,
-    config: &LossConfig,
+    call: &LossCall,
     reference_ok: impl FnOnce() -> bool,
     actual: impl FnOnce() -> Result<T, Error>,
 ) -> Option<Result<(), Mismatch>> {
-    if support.covers(config) {
+    if support.covers(call) {
         return None;
     }
+    let option = if support.softcap || call.config.softcap.is_none() {
+        "grad_output"
+    } else {
+        "softcap"
+    };
     let ok = reference_ok();
     Some(match no_panic(IMPL, actual) {
         Err(m) => Err(m),
         Ok(Ok(_)) => fail(
-            "softcap",
-            "the implementation declares no softcap yet answered a call with one",
+            option,
+            format!("the implementation declares no {option} yet answered a call with one"),
         ),
-        Ok(Err(Error::InvalidArgument { field, .. })) if field == "softcap" || !ok => Ok(()),
+        Ok(Err(Error::InvalidArgument { field, .. })) if field == option || !ok => Ok(()),
         Ok(Err(_)) if !ok => Ok(()),
         Ok(Err(e)) => fail(
-            "softcap",
-            format!("the refusal of an unsupported softcap must name it, got: {e}"),
+            option,
+            format!("the refusal of an unsupported {option} must name it, got: {e}"),
         ),
     })
 }
@@ -265,27 +293,13 @@ pub fn check_cross_entropy_with(
     want_grad: bool,
     rule: Rule,
 ) -> Result<(), Mismatch> {
-    if let Some(r) = refused(
-        imp.options(),
-        &case.config,
-        || ce_ok(case),
-        || {
-            let (z, t) = (case.logits.view(), &case.targets);
-            imp.sharded_cross_entropy(algorithm, &case.map, z, t, &case.config, want_grad)
-        },
-    ) {
+    let run = |c: &CeCase| {
+        imp.sharded_cross_entropy(algorithm, &c.map, c.logits.view(), &c.call(want_grad))
+    };
+    let call = case.call(want_grad);
+    if let Some(r) = refused(imp.options(), &call, || ce_ok(case), || run(case)) {
         return r;
     }
-    let run = |c: &CeCase| {
-        imp.sharded_cross_entropy(
-            algorithm,
-            &c.map,
-            c.logits.view(),
-            &c.targets,
-            &c.config,
-            want_grad,
-        )
-    };
     ce_with(&run, Some(algorithm), case, want_grad, rule)
 }
 
@@ -311,10 +325,11 @@ pub fn check_cross_entropy_unsharded(
         ..case.clone()
     };
     let run = |c: &CeCase| {
-        imp.cross_entropy(c.logits.view(), &c.targets, &c.config, want_grad)
+        imp.cross_entropy(c.logits.view(), &c.call(want_grad))
             .map(|ce| one_rank(&c.map, ce, None, None))
     };
-    if let Some(r) = refused(imp.options(), &one.config, || ce_ok(&one), || run(&one)) {
+    let call = one.call(want_grad);
+    if let Some(r) = refused(imp.options(), &call, || ce_ok(&one), || run(&one)) {
         return r;
     }
     ce_with(&run, None, &one, want_grad, rule)
@@ -348,14 +363,14 @@ fn one_rank(
 fn ce_ok(case: &CeCase) -> bool {
     let v = case.map.vocab_size().min(case.logits.ncols());
     let real = case.logits.slice_axis(Axis(1), Slice::from(..v));
-    cross_entropy(real, &case.targets, &case.config, false).is_ok()
+    cross_entropy(real, &case.call(false)).is_ok()
 }
 
 /// Whether the reference accepts `case` (the real rows of its weight).
 fn linear_ok(case: &LinearCase) -> bool {
     let v = case.map.vocab_size().min(case.weight.nrows());
     let real = case.weight.slice_axis(Axis(0), Slice::from(..v));
-    linear_cross_entropy(case.hidden.view(), real, &case.targets, &case.config, false).is_ok()
+    linear_cross_entropy(case.hidden.view(), real, &case.call(false)).is_ok()
 }
 
 type RunCe<'a> = dyn Fn(&CeCase) -> Result<ShardedLoss, Error> + 'a;
@@ -375,12 +390,12 @@ fn ce_with(
     let real = case
         .logits
         .slice_axis(Axis(1), Slice::from(..v.min(case.logits.ncols())));
-    let expected = cross_entropy(real, &case.targets, &case.config, want_grad);
+    let expected = cross_entropy(real, &case.call(want_grad));
     let actual = no_panic(IMPL, || run(case))?;
     let Some((expected, actual)) = same_outcome(expected, actual)? else {
         return Ok(());
     };
-    let terms = Terms::new(real, &case.targets, &case.config, &expected);
+    let terms = Terms::new(real, &case.call(want_grad), &expected);
     check_loss(
         algorithm, &case.map, &expected, &terms, &actual, false, want_grad,
     )
@@ -412,28 +427,14 @@ pub fn check_linear_with(
     want_grad: bool,
     rule: Rule,
 ) -> Result<(), Mismatch> {
-    if let Some(r) = refused(
-        imp.options(),
-        &case.config,
-        || linear_ok(case),
-        || {
-            let (x, w, t) = (case.hidden.view(), case.weight.view(), &case.targets);
-            imp.sharded_linear_cross_entropy(algorithm, &case.map, x, w, t, &case.config, want_grad)
-        },
-    ) {
+    let run = |c: &LinearCase| {
+        let (x, w) = (c.hidden.view(), c.weight.view());
+        imp.sharded_linear_cross_entropy(algorithm, &c.map, x, w, &c.call(want_grad))
+    };
+    let call = case.call(want_grad);
+    if let Some(r) = refused(imp.options(), &call, || linear_ok(case), || run(case)) {
         return r;
     }
-    let run = |c: &LinearCase| {
-        imp.sharded_linear_cross_entropy(
-            algorithm,
-            &c.map,
-            c.hidden.view(),
-            c.weight.view(),
-            &c.targets,
-            &c.config,
-            want_grad,
-        )
-    };
     linear_with(&run, Some(algorithm), case, want_grad, rule)
 }
 
@@ -458,16 +459,11 @@ pub fn check_linear_unsharded(
         ..case.clone()
     };
     let run = |c: &LinearCase| {
-        imp.linear_cross_entropy(
-            c.hidden.view(),
-            c.weight.view(),
-            &c.targets,
-            &c.config,
-            want_grad,
-        )
-        .map(|l| one_rank(&c.map, l.ce, l.grad_hidden, l.grad_weight))
+        imp.linear_cross_entropy(c.hidden.view(), c.weight.view(), &c.call(want_grad))
+            .map(|l| one_rank(&c.map, l.ce, l.grad_hidden, l.grad_weight))
     };
-    if let Some(r) = refused(imp.options(), &one.config, || linear_ok(&one), || run(&one)) {
+    let call = one.call(want_grad);
+    if let Some(r) = refused(imp.options(), &call, || linear_ok(&one), || run(&one)) {
         return r;
     }
     linear_with(&run, None, &one, want_grad, rule)
@@ -487,13 +483,7 @@ fn linear_with(
     let real = case
         .weight
         .slice_axis(Axis(0), Slice::from(..v.min(case.weight.nrows())));
-    let expected = linear_cross_entropy(
-        case.hidden.view(),
-        real,
-        &case.targets,
-        &case.config,
-        want_grad,
-    );
+    let expected = linear_cross_entropy(case.hidden.view(), real, &case.call(want_grad));
     let actual = no_panic(IMPL, || run(case))?;
     let Some((mut expected, actual)) = same_outcome(expected, actual)? else {
         return Ok(());
@@ -523,12 +513,7 @@ pub fn compare_linear(
     let real = case
         .weight
         .slice_axis(Axis(0), Slice::from(..v.min(case.weight.nrows())));
-    let terms = Terms::new(
-        expected.logits.view(),
-        &case.targets,
-        &case.config,
-        &expected.ce,
-    );
+    let terms = Terms::new(expected.logits.view(), &case.call(want_grad), &expected.ce);
     let g = &terms.grad_logits;
     if let Some(want) = &expected.grad_hidden {
         let hidden_terms = g.dot(&real.mapv(f64::abs));

@@ -185,14 +185,14 @@ pub(super) fn check_cross_entropy_relative(
     let real = case
         .logits
         .slice_axis(Axis(1), Slice::from(..v.min(case.logits.ncols())));
-    let expected = cross_entropy(real, &case.targets, &case.config, want_grad);
+    let expected = cross_entropy(real, &case.call(want_grad));
     let actual = no_panic(IMPL, || run(&case))?;
     let Some((expected, actual)) = same_outcome(expected, actual)? else {
         return Ok(());
     };
     let real32 = real.mapv(|x| x as f32);
-    let base = baseline32::cross_entropy(real32.view(), &case.targets, &case.config, want_grad);
-    let terms = Terms::new(real, &case.targets, &case.config, &expected);
+    let base = baseline32::cross_entropy(real32.view(), &case.call(want_grad));
+    let terms = Terms::new(real, &case.call(want_grad), &expected);
     check_loss_relative(
         algorithm, &case.map, &expected, &base, &actual, false, want_grad, rule, &terms,
     )
@@ -214,13 +214,7 @@ pub(super) fn check_linear_relative(
     let real = case
         .weight
         .slice_axis(Axis(0), Slice::from(..v.min(case.weight.nrows())));
-    let expected = linear_cross_entropy(
-        case.hidden.view(),
-        real,
-        &case.targets,
-        &case.config,
-        want_grad,
-    );
+    let expected = linear_cross_entropy(case.hidden.view(), real, &case.call(want_grad));
     let actual = no_panic(IMPL, || run(&case))?;
     let Some((mut expected, actual)) = same_outcome(expected, actual)? else {
         return Ok(());
@@ -231,19 +225,9 @@ pub(super) fn check_linear_relative(
         expected.ce.grad_logits = None;
     }
     let (h32, w32) = (case.hidden.mapv(|x| x as f32), real.mapv(|x| x as f32));
-    let (base, base_grads) = baseline32::linear_cross_entropy(
-        h32.view(),
-        w32.view(),
-        &case.targets,
-        &case.config,
-        want_grad,
-    );
-    let terms = Terms::new(
-        expected.logits.view(),
-        &case.targets,
-        &case.config,
-        &expected.ce,
-    );
+    let (base, base_grads) =
+        baseline32::linear_cross_entropy(h32.view(), w32.view(), &case.call(want_grad));
+    let terms = Terms::new(expected.logits.view(), &case.call(want_grad), &expected.ce);
     // The gradients are sums over the vocabulary (`dL/dhidden`) or the
     // tokens (`dL/dW`) of terms `|dL/dz| x |W|` or `|dL/dz| x |hidden|` that
     // can cancel to ~0 (exactly 0 by symmetry): their scale is at least the

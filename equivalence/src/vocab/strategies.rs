@@ -90,9 +90,38 @@ fn masked_shards(n: usize, p: usize) -> impl Strategy<Value = Vec<Option<usize>>
     prop::collection::vec(prop_oneof![5 => Just(None), 1 => (0..p).prop_map(Some)], n)
 }
 
+/// The upstream gradient of half the random cases (docs/FAULTS.md O2):
+/// `[n]` under the reduction `none`, `[1]` otherwise; each value 0, 1 or
+/// in `[-2, 2]` (a quarter, a quarter, a half). Derived from the case's
+/// targets and `v` by its own seeded stream, not drawn from proptest's: the
+/// other values of every case stay those of the seeds before the option
+/// existed.
+pub fn upstream(targets: &[i64], v: usize, config: &LossConfig) -> Option<Vec<f64>> {
+    use rand::{Rng, SeedableRng};
+    let seed = targets.iter().fold(v as u64, |h, &t| {
+        h.wrapping_mul(0x0000_0100_0000_01B3).wrapping_add(t as u64)
+    });
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    if rng.random::<bool>() {
+        return None;
+    }
+    let len = if config.reduction == Reduction::None {
+        targets.len()
+    } else {
+        1
+    };
+    let value = |rng: &mut rand_chacha::ChaCha8Rng| match rng.random_range(0..4) {
+        0 => 0.0,
+        1 => 1.0,
+        _ => rng.random_range(-2.0..=2.0),
+    };
+    Some((0..len).map(|_| value(&mut rng)).collect())
+}
+
 /// Random cross-entropy cases: sizes first (`map`, `n`), then logits with
 /// planted `±1e4` and `-inf`, whole shards masked to `-inf`, padding columns
-/// holding anything, targets on every shard and ignored.
+/// holding anything, targets on every shard and ignored, and half the time
+/// an upstream gradient ([`upstream`]).
 pub fn ce_cases() -> impl Strategy<Value = CeCase> {
     (shard_maps(), 1usize..=MAX_N, loss_configs())
         .prop_flat_map(|(map, n, config)| {
@@ -125,6 +154,7 @@ pub fn ce_cases() -> impl Strategy<Value = CeCase> {
                 }
             }
             CeCase {
+                grad_output: upstream(&targets, v, &config),
                 map,
                 logits,
                 targets,
@@ -140,7 +170,7 @@ pub fn activation() -> impl Strategy<Value = f64> {
 }
 
 /// Random output-layer cases: `h` in `1..=MAX_H`, planted outliers, padding
-/// rows holding anything.
+/// rows holding anything, half the time an upstream gradient ([`upstream`]).
 pub fn linear_cases() -> impl Strategy<Value = LinearCase> {
     (shard_maps(), 1usize..=MAX_N, 1usize..=MAX_H, loss_configs())
         .prop_flat_map(|(map, n, h, config)| {
@@ -167,6 +197,7 @@ pub fn linear_cases() -> impl Strategy<Value = LinearCase> {
                 }
             });
             LinearCase {
+                grad_output: upstream(&targets, v, &config),
                 map,
                 hidden,
                 weight,

@@ -25,6 +25,10 @@ pub struct Coverage {
     /// required: a third of the configurations, too few in the 16-case
     /// negative-control runs — tests/vocab_options.rs requires them).
     pub softcap: u32,
+    /// Compared cases with a per-token upstream gradient (reduction `none`;
+    /// docs/FAULTS.md O2; counted, not required, as the softcap:
+    /// tests/vocab_options.rs requires them).
+    pub grad_output: u32,
     /// Compared cases with a `±1e4` logit.
     pub huge: u32,
     /// Compared cases with a shard whose logits are all `-inf` (masked or all padding).
@@ -66,13 +70,9 @@ impl std::fmt::Display for Coverage {
 }
 
 impl Coverage {
-    fn note(
-        &mut self,
-        map: &ShardMap,
-        logits: ArrayView2<f64>,
-        targets: &[i64],
-        config: &LossConfig,
-    ) {
+    fn note(&mut self, case: &CeCase) {
+        let (map, logits, targets, config) =
+            (&case.map, case.logits.view(), &case.targets, &case.config);
         self.compared += 1;
         let (v, p) = (map.vocab_size(), map.num_shards());
         for &t in targets {
@@ -94,6 +94,8 @@ impl Coverage {
         self.smoothing += u32::from(config.label_smoothing > 0.0);
         self.z_loss += u32::from(config.z_loss > 0.0);
         self.softcap += u32::from(config.softcap.is_some());
+        self.grad_output +=
+            u32::from(case.grad_output.is_some() && config.reduction == Reduction::None);
         let real = logits.slice_axis(Axis(1), Slice::from(..v));
         self.huge += u32::from(real.iter().any(|x| x.abs() == 1e4));
         let empty = map.shards().iter().any(|s| {
@@ -203,8 +205,8 @@ pub fn run_cross_entropy_suite(
             c.cases += 1;
             let v = case.map.vocab_size();
             let real = case.logits.slice_axis(Axis(1), Slice::from(..v));
-            if cross_entropy(real, &case.targets, &case.config, false).is_ok() {
-                c.note(&case.map, case.logits.view(), &case.targets, &case.config);
+            if cross_entropy(real, &case.call(false)).is_ok() {
+                c.note(&case);
             } else {
                 c.errors += 1;
             }

@@ -134,12 +134,11 @@ impl Terms {
     /// from the rounding of its argument (and alg1/alg2 round it as `(z_j -
     /// m_i) + (m_i - m)`), so its terms are `p_j (1 + |z_j - m|)`; everything
     /// built from the probabilities inherits that.
-    pub fn new(
-        logits: ArrayView2<f64>,
-        targets: &[i64],
-        config: &LossConfig,
-        expected: &CrossEntropy,
-    ) -> Terms {
+    ///
+    /// Each row's gradient weight is the magnitude of its
+    /// [`LossCall::token_weights`] (an upstream gradient may be negative).
+    pub fn new(logits: ArrayView2<f64>, call: &LossCall, expected: &CrossEntropy) -> Terms {
+        let (targets, config) = (call.targets, call.config);
         // With a softcap the statistics are those of the capped logits.
         let capped = config.softcap.map(|c| logits.mapv(|z| softcap::cap(z, c)));
         let logits = capped.as_ref().map_or(logits, |z| z.view());
@@ -147,7 +146,11 @@ impl Terms {
         let parsed: Vec<Option<usize>> = (0..n)
             .map(|i| config.target(targets, i, v).ok().flatten())
             .collect();
-        let weights = config.token_weights(&parsed);
+        let weights: Vec<f64> = call
+            .token_weights(&parsed)
+            .iter()
+            .map(|w| w.abs())
+            .collect();
         let (q_t, q_o) = config.target_distribution(v);
         let mut grad_logits = Array2::zeros((n, v));
         let mut per_token_loss = Vec::with_capacity(n);

@@ -27,7 +27,7 @@ use packshard_reference::ops::{
 };
 use packshard_reference::vocab::cross_entropy::CrossEntropy;
 use packshard_reference::vocab::sharded::{check_inputs, ShardedLoss};
-use packshard_reference::vocab::{LossConfig, ShardLayout, ShardMap, ShardedAlgorithm};
+use packshard_reference::vocab::{LossCall, ShardLayout, ShardMap, ShardedAlgorithm};
 use packshard_reference::{Error, Result};
 
 use super::attention::{AttentionKernels, AttnForward, AttnShape, BackwardCall, Call, Form};
@@ -290,37 +290,34 @@ impl<B: ShardKernels + Sync + 'static> LinearCrossEntropyOp for CudaLinearCrossE
         vec![ShardedAlgorithm::Alg2]
     }
 
-    /// No logit soft-capping (the kernels of `vocab.cu` do not cap): refused.
+    /// No logit soft-capping (the kernels of `vocab.cu` do not cap):
+    /// refused. An upstream gradient is a per-row scale of the gradient
+    /// kernels (`row_scale`, from [`LossCall::token_weights`]): taken.
     fn options(&self) -> LossSupport {
-        LossSupport::BASIC
+        LossSupport {
+            softcap: false,
+            grad_output: true,
+        }
     }
 
     fn linear_cross_entropy(
         &self,
         hidden: ArrayView2<f64>,
         weight: ArrayView2<f64>,
-        targets: &[i64],
-        config: &LossConfig,
-        want_grad: bool,
+        call: &LossCall,
     ) -> Result<LinearLoss> {
         let x = to_f32("hidden", hidden)?;
         let w = to_f32("weight", weight)?;
-        check_linear_inputs(x.view(), w.view(), targets, config)?;
-        self.options().check(config)?;
+        check_linear_inputs(x.view(), w.view(), call)?;
+        self.options().check(call)?;
         let map = ShardMap::new(w.nrows(), 1, ShardLayout::Uneven)?;
-        let mut l = vocab::sharded_linear_cross_entropy(
-            self.kernels,
-            &map,
-            x.view(),
-            w.view(),
-            targets,
-            config,
-            want_grad,
-        )
-        .map_err(reference_error)?;
+        let mut l =
+            vocab::sharded_linear_cross_entropy(self.kernels, &map, x.view(), w.view(), call)
+                .map_err(reference_error)?;
         let r = l.ranks.swap_remove(0);
-        let num_tokens = config
-            .targets(targets, map.vocab_size())?
+        let num_tokens = call
+            .config
+            .targets(call.targets, map.vocab_size())?
             .iter()
             .flatten()
             .count();
@@ -344,27 +341,17 @@ impl<B: ShardKernels + Sync + 'static> LinearCrossEntropyOp for CudaLinearCrossE
         map: &ShardMap,
         hidden: ArrayView2<f64>,
         weight: ArrayView2<f64>,
-        targets: &[i64],
-        config: &LossConfig,
-        want_grad: bool,
+        call: &LossCall,
     ) -> Result<ShardedLoss> {
         check_algorithm(&self.algorithms(), algorithm)?;
         let v = map.vocab_size();
         let x = to_f32("hidden", hidden)?;
         let w = to_f32_real("weight", weight, Axis(0), v)?;
         map.check_width("weight", w.nrows(), w.shape(), "[v, h]")?;
-        check_inputs(x.nrows(), targets, config, v)?;
+        check_inputs(x.nrows(), call, v)?;
         check_linear(x.view(), w.view(), v, 0)?;
-        self.options().check(config)?;
-        vocab::sharded_linear_cross_entropy(
-            self.kernels,
-            map,
-            x.view(),
-            w.view(),
-            targets,
-            config,
-            want_grad,
-        )
-        .map_err(reference_error)
+        self.options().check(call)?;
+        vocab::sharded_linear_cross_entropy(self.kernels, map, x.view(), w.view(), call)
+            .map_err(reference_error)
     }
 }

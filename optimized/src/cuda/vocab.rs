@@ -21,15 +21,17 @@
 //! 4. T pass, no communication: `∂L/∂W_i` from `∂L/∂z_i = w (p - q + 2 c lse
 //!    p)` against the global statistics.
 //!
-//! Every [`LossConfig`] is supported: `ignore_index`, label smoothing in
-//! either convention, z-loss, every reduction. Kernel launches stay on the
+//! Every [`LossConfig`](packshard_reference::vocab::LossConfig) option but
+//! the softcap is supported: `ignore_index`, label smoothing in either
+//! convention, z-loss, every reduction, an upstream gradient (`grad_output`,
+//! a per-row scale). Kernel launches stay on the
 //! calling thread; only the merge runs on the `p` in-process ranks.
 
 use cudarc::driver::{CudaSlice, LaunchArgs, PushKernelArg};
 use ndarray::{s, Array2, ArrayView2};
 use packshard_reference::vocab::cross_entropy::{check_row, token_loss, STATS_WIDTH};
 use packshard_reference::vocab::sharded::{Alg2Record, RankLoss, ShardedLoss};
-use packshard_reference::vocab::{run_ranks, LossConfig, ShardMap, SoftmaxStats};
+use packshard_reference::vocab::{run_ranks, LossCall, ShardMap, SoftmaxStats};
 use packshard_reference::Error;
 
 use super::{check_len, driver, to_i32, CudaError, Gpu, Launch, Result};
@@ -413,7 +415,7 @@ fn local_stats(
 
 /// `alg2` over the shards of `map` with `kernels` for each shard's work:
 /// `hidden: [n, hd]`, `weight: [k, hd]` (`k >= v`; only the real rows `..v`
-/// are read), `targets: [n]`; every rank's results as the reference's
+/// are read), `call.targets: [n]`; every rank's results as the reference's
 /// `sharded_linear_cross_entropy` gives them (no `∂L/∂z`: the kernels never
 /// hold the logits).
 ///
@@ -427,10 +429,9 @@ pub fn sharded_linear_cross_entropy(
     map: &ShardMap,
     hidden: ArrayView2<f32>,
     weight: ArrayView2<f32>,
-    targets: &[i64],
-    config: &LossConfig,
-    want_grad: bool,
+    call: &LossCall,
 ) -> Result<ShardedLoss> {
+    let (config, want_grad) = (call.config, call.want_grad());
     let (n, hd) = hidden.dim();
     let v = map.vocab_size();
     let hidden = hidden.as_standard_layout();
@@ -438,9 +439,9 @@ pub fn sharded_linear_cross_entropy(
     let weight = weight.slice(s![..v, ..]);
     let weight = weight.as_standard_layout();
     let weight = weight.as_slice().expect("standard layout");
-    let parsed = config.targets(targets, v)?;
+    let parsed = config.targets(call.targets, v)?;
     let (qt, qo) = config.target_distribution(v);
-    let token_weights = config.token_weights(&parsed);
+    let token_weights = call.token_weights(&parsed);
     let q = |i: usize| parsed[i].map(|_| (qt, qo));
     let q_target: Vec<f32> = parsed
         .iter()

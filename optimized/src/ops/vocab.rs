@@ -7,7 +7,7 @@ use ndarray::{ArrayView2, Axis};
 use packshard_reference::ops::{check_algorithm, CrossEntropyOp, LinearCrossEntropyOp, LinearLoss};
 use packshard_reference::vocab::cross_entropy::CrossEntropy;
 use packshard_reference::vocab::sharded::ShardedLoss;
-use packshard_reference::vocab::{LossConfig, ShardMap, ShardedAlgorithm};
+use packshard_reference::vocab::{LossCall, ShardMap, ShardedAlgorithm};
 use packshard_reference::{Error, Result};
 
 use crate::convert::{to_f32, to_f32_real, to_f64};
@@ -27,15 +27,39 @@ fn widen_ce(ce: CrossEntropy32) -> CrossEntropy {
     }
 }
 
-fn widen_linear(l: LinearCrossEntropy32) -> LinearLoss {
-    // dL/dlogits where the kernel holds it (materialized); the fused ones
-    // never do (`LinearLoss::ce`).
-    LinearLoss {
+/// An unsharded f32 output-layer `kernel` on `hidden: [n, h]` and `weight:
+/// [v, h]` narrowed to f32, its results widened (exactly) to the reference's
+/// type: `dL/dlogits` where the kernel holds it (materialized); the fused
+/// ones never do (`LinearLoss::ce`).
+fn unsharded_f32(
+    hidden: ArrayView2<f64>,
+    weight: ArrayView2<f64>,
+    kernel: impl FnOnce(ArrayView2<f32>, ArrayView2<f32>) -> Result<LinearCrossEntropy32>,
+) -> Result<LinearLoss> {
+    let x = to_f32("hidden", hidden)?;
+    let w = to_f32("weight", weight)?;
+    let l = kernel(x.view(), w.view())?;
+    Ok(LinearLoss {
         ce: widen_ce(l.ce),
         grad_hidden: l.grad_hidden.map(|g| to_f64(g.view())),
         grad_weight: l.grad_weight.map(|g| to_f64(g.view())),
         logits_buffer_bytes: Some(l.logits_buffer_bytes),
-    }
+    })
+}
+
+/// `alg2`'s shard kernel in `chunks` on `(hidden: [n, h], weight: [w, h])`,
+/// the sharded form of both fused ops (an undeclared `algorithm` refused).
+fn sharded_alg2(
+    algorithm: ShardedAlgorithm,
+    map: &ShardMap,
+    (hidden, weight): (ArrayView2<f64>, ArrayView2<f64>),
+    call: &LossCall,
+    chunks: Chunks,
+) -> Result<ShardedLoss> {
+    check_algorithm(&[alg2::ALGORITHM], algorithm)?;
+    let x = to_f32("hidden", hidden)?;
+    let w = to_f32_real("weight", weight, Axis(0), map.vocab_size())?;
+    alg2::sharded_linear_cross_entropy(map, x.view(), w.view(), call, (chunks, false))
 }
 
 /// `cross_entropy_f32`: the f32 SIMD row pass over the logits, tile
@@ -49,20 +73,9 @@ impl CrossEntropyOp for CrossEntropyF32 {
         vec![alg2::ALGORITHM]
     }
 
-    fn cross_entropy(
-        &self,
-        logits: ArrayView2<f64>,
-        targets: &[i64],
-        config: &LossConfig,
-        want_grad: bool,
-    ) -> Result<CrossEntropy> {
+    fn cross_entropy(&self, logits: ArrayView2<f64>, call: &LossCall) -> Result<CrossEntropy> {
         let z = to_f32("logits", logits)?;
-        Ok(widen_ce(cross_entropy(
-            z.view(),
-            targets,
-            config,
-            want_grad,
-        )?))
+        Ok(widen_ce(cross_entropy(z.view(), call)?))
     }
 
     fn sharded_cross_entropy(
@@ -70,20 +83,18 @@ impl CrossEntropyOp for CrossEntropyF32 {
         algorithm: ShardedAlgorithm,
         map: &ShardMap,
         logits: ArrayView2<f64>,
-        targets: &[i64],
-        config: &LossConfig,
-        want_grad: bool,
+        call: &LossCall,
     ) -> Result<ShardedLoss> {
         check_algorithm(&self.algorithms(), algorithm)?;
         let z = to_f32_real("logits", logits, Axis(1), map.vocab_size())?;
-        alg2::sharded_cross_entropy(map, z.view(), targets, config, want_grad)
+        alg2::sharded_cross_entropy(map, z.view(), call)
     }
 }
 
 /// `linear_ce_materialized`: f32; one gemm to the whole `[n, v]` logits, the
 /// SIMD row pass, two gemms for the gradients; returns `dL/dlogits` `[n, v]`
-/// with `want_grad` (the buffer it holds anyway). Unsharded only: the
-/// baseline of [`LinearCeFused`].
+/// when gradients are asked for (the buffer it holds anyway). Unsharded
+/// only: the baseline of [`LinearCeFused`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct LinearCeMaterialized;
 
@@ -96,14 +107,11 @@ impl LinearCrossEntropyOp for LinearCeMaterialized {
         &self,
         hidden: ArrayView2<f64>,
         weight: ArrayView2<f64>,
-        targets: &[i64],
-        config: &LossConfig,
-        want_grad: bool,
+        call: &LossCall,
     ) -> Result<LinearLoss> {
-        let x = to_f32("hidden", hidden)?;
-        let w = to_f32("weight", weight)?;
-        let l = linear_cross_entropy_materialized(x.view(), w.view(), targets, config, want_grad)?;
-        Ok(widen_linear(l))
+        unsharded_f32(hidden, weight, |x, w| {
+            linear_cross_entropy_materialized(x, w, call)
+        })
     }
 
     fn sharded_linear_cross_entropy(
@@ -112,9 +120,7 @@ impl LinearCrossEntropyOp for LinearCeMaterialized {
         _map: &ShardMap,
         _hidden: ArrayView2<f64>,
         _weight: ArrayView2<f64>,
-        _targets: &[i64],
-        _config: &LossConfig,
-        _want_grad: bool,
+        _call: &LossCall,
     ) -> Result<ShardedLoss> {
         // Refuses every algorithm: this kernel declares none.
         check_algorithm(&self.algorithms(), algorithm)?;
@@ -135,74 +141,40 @@ pub struct LinearCeFused {
     pub chunks: Chunks,
 }
 
-impl LinearCrossEntropyOp for LinearCeFused {
-    fn algorithms(&self) -> Vec<ShardedAlgorithm> {
-        vec![alg2::ALGORITHM]
-    }
+/// The op of a chunked f32 kernel `$kernel` (`fn(hidden, weight, call,
+/// chunks)`): unsharded, the kernel in the op's `chunks`; sharded, `alg2`'s
+/// shard kernel in the same chunks ([`sharded_alg2`]).
+macro_rules! chunked_linear_op {
+    ($op:ty, $kernel:path) => {
+        impl LinearCrossEntropyOp for $op {
+            fn algorithms(&self) -> Vec<ShardedAlgorithm> {
+                vec![alg2::ALGORITHM]
+            }
 
-    fn linear_cross_entropy(
-        &self,
-        hidden: ArrayView2<f64>,
-        weight: ArrayView2<f64>,
-        targets: &[i64],
-        config: &LossConfig,
-        want_grad: bool,
-    ) -> Result<LinearLoss> {
-        let x = to_f32("hidden", hidden)?;
-        let w = to_f32("weight", weight)?;
-        let l = linear_cross_entropy_fused(
-            x.view(),
-            w.view(),
-            targets,
-            config,
-            want_grad,
-            self.chunks,
-        )?;
-        Ok(widen_linear(l))
-    }
+            fn linear_cross_entropy(
+                &self,
+                hidden: ArrayView2<f64>,
+                weight: ArrayView2<f64>,
+                call: &LossCall,
+            ) -> Result<LinearLoss> {
+                unsharded_f32(hidden, weight, |x, w| $kernel(x, w, call, self.chunks))
+            }
 
-    fn sharded_linear_cross_entropy(
-        &self,
-        algorithm: ShardedAlgorithm,
-        map: &ShardMap,
-        hidden: ArrayView2<f64>,
-        weight: ArrayView2<f64>,
-        targets: &[i64],
-        config: &LossConfig,
-        want_grad: bool,
-    ) -> Result<ShardedLoss> {
-        check_algorithm(&self.algorithms(), algorithm)?;
-        let call = (hidden, weight, targets, config, want_grad);
-        sharded_alg2(map, call, self.chunks)
-    }
+            fn sharded_linear_cross_entropy(
+                &self,
+                algorithm: ShardedAlgorithm,
+                map: &ShardMap,
+                hidden: ArrayView2<f64>,
+                weight: ArrayView2<f64>,
+                call: &LossCall,
+            ) -> Result<ShardedLoss> {
+                sharded_alg2(algorithm, map, (hidden, weight), call, self.chunks)
+            }
+        }
+    };
 }
 
-/// The f64 inputs of one output-layer call: `(hidden, weight, targets,
-/// config, want_grad)`.
-type LinearInputs<'a> = (
-    ArrayView2<'a, f64>,
-    ArrayView2<'a, f64>,
-    &'a [i64],
-    &'a LossConfig,
-    bool,
-);
-
-/// `alg2`'s shard kernel in `chunks`, the sharded form of both fused ops.
-fn sharded_alg2(map: &ShardMap, call: LinearInputs<'_>, chunks: Chunks) -> Result<ShardedLoss> {
-    let (hidden, weight, targets, config, want_grad) = call;
-    let x = to_f32("hidden", hidden)?;
-    let w = to_f32_real("weight", weight, Axis(0), map.vocab_size())?;
-    alg2::sharded_linear_cross_entropy(
-        map,
-        x.view(),
-        w.view(),
-        targets,
-        config,
-        want_grad,
-        chunks,
-        false,
-    )
-}
+chunked_linear_op!(LinearCeFused, linear_cross_entropy_fused);
 
 /// `linear_ce_tiled`: f32; tiles of `chunks.tokens` tokens x `chunks.vocab`
 /// entries — pass 1 the row statistics, pass 2 the gradients from
@@ -227,38 +199,4 @@ impl Default for LinearCeTiled {
     }
 }
 
-impl LinearCrossEntropyOp for LinearCeTiled {
-    fn algorithms(&self) -> Vec<ShardedAlgorithm> {
-        vec![alg2::ALGORITHM]
-    }
-
-    fn linear_cross_entropy(
-        &self,
-        hidden: ArrayView2<f64>,
-        weight: ArrayView2<f64>,
-        targets: &[i64],
-        config: &LossConfig,
-        want_grad: bool,
-    ) -> Result<LinearLoss> {
-        let x = to_f32("hidden", hidden)?;
-        let w = to_f32("weight", weight)?;
-        let (x, w, c) = (x.view(), w.view(), self.chunks);
-        let l = linear_cross_entropy_tiled(x, w, targets, config, want_grad, c)?;
-        Ok(widen_linear(l))
-    }
-
-    fn sharded_linear_cross_entropy(
-        &self,
-        algorithm: ShardedAlgorithm,
-        map: &ShardMap,
-        hidden: ArrayView2<f64>,
-        weight: ArrayView2<f64>,
-        targets: &[i64],
-        config: &LossConfig,
-        want_grad: bool,
-    ) -> Result<ShardedLoss> {
-        check_algorithm(&self.algorithms(), algorithm)?;
-        let call = (hidden, weight, targets, config, want_grad);
-        sharded_alg2(map, call, self.chunks)
-    }
-}
+chunked_linear_op!(LinearCeTiled, linear_cross_entropy_tiled);

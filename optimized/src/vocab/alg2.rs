@@ -132,10 +132,9 @@ fn shard<'a>(
     comm: &'a dyn Collective,
     map: &ShardMap,
     n: usize,
-    targets: &[i64],
-    config: &'a LossConfig,
+    call: &LossCall<'a>,
 ) -> Result<Shard<'a>> {
-    check_rank_inputs(comm, map, n, targets, config)?;
+    check_rank_inputs(comm, map, n, call)?;
     let v = map.vocab_size();
     let s = map.shard(comm.rank());
     Ok(Shard {
@@ -144,7 +143,7 @@ fn shard<'a>(
         start: s.start,
         width: s.width,
         real: s.real,
-        rows: Rows::new(targets, config, v, s.start, s.real)?,
+        rows: Rows::new(call, v, s.start, s.real)?,
     })
 }
 
@@ -212,12 +211,11 @@ pub fn cross_entropy_rank(
     comm: &dyn Collective,
     map: &ShardMap,
     logits: ArrayView2<f32>,
-    targets: &[i64],
-    config: &LossConfig,
-    want_grad: bool,
+    call: &LossCall,
 ) -> Result<RankLoss> {
+    let (config, want_grad) = (call.config, call.want_grad());
     let n = logits.nrows();
-    let sh = shard(comm, map, n, targets, config)?;
+    let sh = shard(comm, map, n, call)?;
     if logits.ncols() != sh.width {
         return Err(Error::ShapeMismatch {
             field: "logits".into(),
@@ -264,28 +262,25 @@ pub fn cross_entropy_rank(
 
 /// `alg2` on one rank for the output layer: `hidden: [n, h]`
 /// (replicated), this rank's rows `weight: [w_r, h]` (padding rows never
-/// read), `targets: [n]`. Chunked as `chunks` says; with `want_grad`,
-/// `dL/dhidden` (replicated) and this shard's `dL/dW` (padding rows 0), and
-/// with `keep_grad_logits` also `dL/dz` of the shard `[n, w_r]` (for
+/// read), `call.targets: [n]`. Chunked as `chunks` says; when `call` asks
+/// for gradients, `dL/dhidden` (replicated) and this shard's `dL/dW`
+/// (padding rows 0), and with `keep_grad_logits` also `dL/dz` of the shard `[n, w_r]` (for
 /// checking: that buffer is what the fused kernel avoids).
 ///
 /// # Errors
 /// As the reference's `linear_cross_entropy_rank` (with
 /// [`F32_LOGIT_BOUND`]); [`Error::InvalidArgument`] (`chunks`).
-#[allow(clippy::too_many_arguments)]
 pub fn linear_cross_entropy_rank(
     comm: &dyn Collective,
     map: &ShardMap,
     hidden: ArrayView2<f32>,
     weight: ArrayView2<f32>,
-    targets: &[i64],
-    config: &LossConfig,
-    want_grad: bool,
-    chunks: Chunks,
-    keep_grad_logits: bool,
+    call: &LossCall,
+    (chunks, keep_grad_logits): (Chunks, bool),
 ) -> Result<RankLoss> {
+    let (config, want_grad) = (call.config, call.want_grad());
     let (n, h) = hidden.dim();
-    let sh = shard(comm, map, n, targets, config)?;
+    let sh = shard(comm, map, n, call)?;
     if weight.nrows() != sh.width {
         return Err(Error::ShapeMismatch {
             field: "weight".into(),
@@ -490,93 +485,43 @@ fn finish(
 pub fn sharded_cross_entropy(
     map: &ShardMap,
     logits: ArrayView2<f32>,
-    targets: &[i64],
-    config: &LossConfig,
-    want_grad: bool,
+    call: &LossCall,
 ) -> Result<ShardedLoss> {
     let (n, w) = logits.dim();
     let v = map.vocab_size();
     map.check_width("logits", w, &[n, w], "[n, v]")?;
-    check_inputs(n, targets, config, v)?;
+    check_inputs(n, call, v)?;
     check_logits("logits", logits, v, v, 0)?;
-    let parts: Vec<Array2<f32>> = map
-        .shards()
-        .iter()
-        .map(|s| {
-            Array2::from_shape_fn((n, s.width), |(i, j)| {
-                let g = s.start + j;
-                if g < w {
-                    logits[[i, g]]
-                } else {
-                    f32::NAN
-                }
-            })
-        })
-        .collect();
+    let parts = map.split_along(logits, ndarray::Axis(1), f32::NAN);
     let ranks = run_ranks(map.num_shards(), |comm| {
-        cross_entropy_rank(
-            comm,
-            map,
-            parts[comm.rank()].view(),
-            targets,
-            config,
-            want_grad,
-        )
+        cross_entropy_rank(comm, map, parts[comm.rank()].view(), call)
     })?;
     Ok(finish(map, ranks))
 }
 
 /// `alg2` on `p` in-process ranks for the output layer: `hidden: [n, h]`,
-/// `weight: [w, h]` (`w >= v`, rows `v..` padding, never read).
+/// `weight: [w, h]` (`w >= v`, rows `v..` padding, never read); `kernel`
+/// is `(chunks, keep_grad_logits)` of [`linear_cross_entropy_rank`].
 ///
 /// # Errors
 /// As the reference's `sharded_linear_cross_entropy` (with
 /// [`F32_LOGIT_BOUND`] and no bound on `n * v`).
-#[allow(clippy::too_many_arguments)]
 pub fn sharded_linear_cross_entropy(
     map: &ShardMap,
     hidden: ArrayView2<f32>,
     weight: ArrayView2<f32>,
-    targets: &[i64],
-    config: &LossConfig,
-    want_grad: bool,
-    chunks: Chunks,
-    keep_grad_logits: bool,
+    call: &LossCall,
+    kernel: (Chunks, bool),
 ) -> Result<ShardedLoss> {
     let n = hidden.nrows();
     let v = map.vocab_size();
     map.check_width("weight", weight.nrows(), weight.shape(), "[v, h]")?;
-    check_inputs(n, targets, config, v)?;
+    check_inputs(n, call, v)?;
     check_linear(hidden, weight, v, 0)?;
-    check_chunks(chunks)?;
-    let h = hidden.ncols();
-    let rows = weight.nrows();
-    let parts: Vec<Array2<f32>> = map
-        .shards()
-        .iter()
-        .map(|s| {
-            Array2::from_shape_fn((s.width, h), |(j, k)| {
-                let g = s.start + j;
-                if g < rows {
-                    weight[[g, k]]
-                } else {
-                    f32::NAN
-                }
-            })
-        })
-        .collect();
+    check_chunks(kernel.0)?;
+    let parts = map.split_along(weight, ndarray::Axis(0), f32::NAN);
     let ranks = run_ranks(map.num_shards(), |comm| {
-        linear_cross_entropy_rank(
-            comm,
-            map,
-            hidden,
-            parts[comm.rank()].view(),
-            targets,
-            config,
-            want_grad,
-            chunks,
-            keep_grad_logits,
-        )
+        linear_cross_entropy_rank(comm, map, hidden, parts[comm.rank()].view(), call, kernel)
     })?;
     Ok(finish(map, ranks))
 }

@@ -39,9 +39,9 @@
 //!   collectives and merge functions between them.
 
 use ndarray::{s, Array1, Array2, ArrayView2, ArrayViewMut2};
-use packshard_reference::vocab::cross_entropy::{check_row, token_loss};
+use packshard_reference::vocab::cross_entropy::{check_row, check_shapes, token_loss};
 use packshard_reference::vocab::softcap;
-use packshard_reference::vocab::{LossConfig, SoftmaxStats};
+use packshard_reference::vocab::{LossCall, LossConfig, SoftmaxStats};
 use packshard_reference::{Error, Result};
 use pulp::{Simd, WithSimd};
 use rayon::prelude::*;
@@ -187,24 +187,6 @@ pub fn check_linear(
     Ok(())
 }
 
-fn check_shapes(n: usize, v: usize, targets: &[i64]) -> Result<()> {
-    if targets.len() != n {
-        return Err(Error::ShapeMismatch {
-            field: "targets".into(),
-            expected: format!("[n] with n = {n} (the rows of the logits)"),
-            actual: vec![targets.len()],
-        });
-    }
-    if v == 0 {
-        return Err(Error::ShapeMismatch {
-            field: "logits".into(),
-            expected: "[n, v] with v >= 1".into(),
-            actual: vec![n, v],
-        });
-    }
-    Ok(())
-}
-
 pub mod alg2;
 mod rows;
 mod tiled;
@@ -223,17 +205,13 @@ pub use tiled::linear_cross_entropy_tiled;
 /// [`Error::NonFiniteInput`] (`logits`, NaN or `+inf`), the option errors,
 /// [`Error::IndexOutOfRange`] (`targets`), [`Error::InvalidArgument`]
 /// (`logits[i]` all `-inf` with a target).
-pub fn cross_entropy(
-    logits: ArrayView2<f32>,
-    targets: &[i64],
-    config: &LossConfig,
-    want_grad: bool,
-) -> Result<CrossEntropy32> {
+pub fn cross_entropy(logits: ArrayView2<f32>, call: &LossCall) -> Result<CrossEntropy32> {
+    let config = call.config;
     let (n, v) = logits.dim();
-    check_shapes(n, v, targets)?;
+    check_shapes(n, v, call)?;
     check_logits("logits", logits, v, v, 0)?;
     config.validate(v)?;
-    let rows = Rows::new(targets, config, v, 0, v)?;
+    let rows = Rows::new(call, v, 0, v)?;
     let mut buf = logits.as_standard_layout().into_owned();
     let flat = buf.as_slice_mut().expect("standard layout");
     cap_tile(flat, v, 0, v, config.softcap);
@@ -248,7 +226,7 @@ pub fn cross_entropy(
         &mut stats,
     );
     let (per_token_loss, loss) = rows.losses(&stats)?;
-    let grad_logits = if want_grad {
+    let grad_logits = if call.want_grad() {
         gradient_tile(
             buf.as_slice_mut().expect("standard layout"),
             v,
@@ -274,14 +252,13 @@ pub fn cross_entropy(
 pub(crate) fn check_linear_inputs(
     hidden: ArrayView2<f32>,
     weight: ArrayView2<f32>,
-    targets: &[i64],
-    config: &LossConfig,
+    call: &LossCall,
 ) -> Result<()> {
     let (n, v) = (hidden.nrows(), weight.nrows());
-    check_shapes(n, v, targets)?;
+    check_shapes(n, v, call)?;
     check_linear(hidden, weight, v, 0)?;
-    config.validate(v)?;
-    config.targets(targets, v)?;
+    call.config.validate(v)?;
+    call.config.targets(call.targets, v)?;
     Ok(())
 }
 
@@ -297,11 +274,10 @@ pub(crate) fn check_linear_inputs(
 pub fn linear_cross_entropy_materialized(
     hidden: ArrayView2<f32>,
     weight: ArrayView2<f32>,
-    targets: &[i64],
-    config: &LossConfig,
-    want_grad: bool,
+    call: &LossCall,
 ) -> Result<LinearCrossEntropy32> {
-    check_linear_inputs(hidden, weight, targets, config)?;
+    check_linear_inputs(hidden, weight, call)?;
+    let (config, want_grad) = (call.config, call.want_grad());
     let (n, v) = (hidden.nrows(), weight.nrows());
     if n.checked_mul(v).is_none_or(|x| x > MAX_MATERIALIZED_LOGITS) {
         return Err(Error::invalid(
@@ -309,7 +285,7 @@ pub fn linear_cross_entropy_materialized(
             format!("{n} tokens x {v} vocabulary entries is over the {MAX_MATERIALIZED_LOGITS} logits the materialized path may hold"),
         ));
     }
-    let rows = Rows::new(targets, config, v, 0, v)?;
+    let rows = Rows::new(call, v, 0, v)?;
     let mut logits = Array2::zeros((n, v));
     matmul(logits.view_mut(), hidden, weight.t(), false, Threads::All);
     cap_tile(
@@ -384,15 +360,14 @@ fn check_chunks(chunks: Chunks) -> Result<()> {
 pub fn linear_cross_entropy_fused(
     hidden: ArrayView2<f32>,
     weight: ArrayView2<f32>,
-    targets: &[i64],
-    config: &LossConfig,
-    want_grad: bool,
+    call: &LossCall,
     chunks: Chunks,
 ) -> Result<LinearCrossEntropy32> {
-    check_linear_inputs(hidden, weight, targets, config)?;
+    check_linear_inputs(hidden, weight, call)?;
+    let (config, want_grad) = (call.config, call.want_grad());
     check_chunks(chunks)?;
     let (n, v) = (hidden.nrows(), weight.nrows());
-    let rows = Rows::new(targets, config, v, 0, v)?;
+    let rows = Rows::new(call, v, 0, v)?;
     let tn = chunks.tokens.min(n).max(1);
     let mut buf = Array2::<f32>::zeros((tn, v));
     let mut stats = vec![SoftmaxStats::EMPTY; n];

@@ -325,16 +325,11 @@ pub(super) struct Rows<'a> {
 impl<'a> Rows<'a> {
     /// Targets checked against `v` (global ids), restricted to the columns
     /// `start..start + real` of a shard (`start = 0, real = v` unsharded).
-    pub(super) fn new(
-        targets: &[i64],
-        config: &'a LossConfig,
-        v: usize,
-        start: usize,
-        real: usize,
-    ) -> Result<Self> {
-        let parsed = config.targets(targets, v)?;
+    pub(super) fn new(call: &LossCall<'a>, v: usize, start: usize, real: usize) -> Result<Self> {
+        let config = call.config;
+        let parsed = config.targets(call.targets, v)?;
         let (qt, qo) = config.target_distribution(v);
-        let weights = config.token_weights(&parsed);
+        let weights = call.token_weights(&parsed);
         let q = parsed
             .iter()
             .map(|t| RowQ {

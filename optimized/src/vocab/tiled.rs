@@ -29,15 +29,14 @@ use super::*;
 pub fn linear_cross_entropy_tiled(
     hidden: ArrayView2<f32>,
     weight: ArrayView2<f32>,
-    targets: &[i64],
-    config: &LossConfig,
-    want_grad: bool,
+    call: &LossCall,
     chunks: Chunks,
 ) -> Result<LinearCrossEntropy32> {
-    check_linear_inputs(hidden, weight, targets, config)?;
+    check_linear_inputs(hidden, weight, call)?;
+    let (config, want_grad) = (call.config, call.want_grad());
     check_chunks(chunks)?;
     let (n, v) = (hidden.nrows(), weight.nrows());
-    let rows = Rows::new(targets, config, v, 0, v)?;
+    let rows = Rows::new(call, v, 0, v)?;
     let (tn, tv) = (chunks.tokens.min(n).max(1), chunks.vocab.min(v));
     let mut buf = Array2::<f32>::zeros((tn, tv));
     let mut stats = vec![SoftmaxStats::EMPTY; n];

@@ -13,7 +13,7 @@ use packshard_optimized::vocab::{
 };
 use packshard_reference::attention::{AttentionLayout, ReferenceAttention};
 use packshard_reference::bert::{BertConfig, BertParams};
-use packshard_reference::vocab::LossConfig;
+use packshard_reference::vocab::{LossCall, LossConfig};
 use packshard_reference::{Error, Result};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -374,13 +374,14 @@ pub fn cross_entropy(cfg: &BenchConfig) -> Result<Vec<CeReport>> {
         let w = uniform2(&mut rng, (v, hd), 0.1);
         let t: Vec<i64> = (0..n).map(|_| rng.random_range(0..v as i64)).collect();
         let config = LossConfig::default();
+        let call = LossCall::with_flag(&t, &config, true);
         let chunks = cfg.ce_chunks;
-        let fused = || linear_cross_entropy_fused(x.view(), w.view(), &t, &config, true, chunks);
+        let fused = || linear_cross_entropy_fused(x.view(), w.view(), &call, chunks);
         let (f, fused_peak) = peak_since(fused);
         let f = f?;
         let fused_s = time_warm(cfg.reps, fused);
         let tiles = LinearCeTiled::default().chunks;
-        let tiled = || linear_cross_entropy_tiled(x.view(), w.view(), &t, &config, true, tiles);
+        let tiled = || linear_cross_entropy_tiled(x.view(), w.view(), &call, tiles);
         let (tl, tiled_peak) = peak_since(tiled);
         let rel = (tl?.ce.loss - f.ce.loss).abs() / f.ce.loss.abs();
         if rel > 1e-4 {
@@ -392,7 +393,7 @@ pub fn cross_entropy(cfg: &BenchConfig) -> Result<Vec<CeReport>> {
         let tiled_s = time_warm(cfg.reps, tiled);
         let (mut materialized_s, mut materialized_peak) = (None, None);
         if n * v <= MAX_MATERIALIZED_LOGITS {
-            let mat = || linear_cross_entropy_materialized(x.view(), w.view(), &t, &config, true);
+            let mat = || linear_cross_entropy_materialized(x.view(), w.view(), &call);
             let (m, peak) = peak_since(mat);
             let m = m?;
             let rel = (m.ce.loss - f.ce.loss).abs() / m.ce.loss.abs();

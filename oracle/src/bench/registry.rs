@@ -209,13 +209,14 @@ pub fn registry(cfg: &BenchConfig) -> Result<Vec<ImplTiming>> {
     let logits = array2(&mut rng, (nt, vocab), 8.0);
     let t = targets(&mut rng, nt, vocab);
     let config = LossConfig::default();
+    let call = packshard_reference::vocab::LossCall::with_flag(&t, &config, true);
     out.extend(time_family(
         Family::CrossEntropy,
         &registry::cross_entropy(),
         &format!("fwd+bwd, logits [{nt}, {vocab}]"),
         reps,
         |op| {
-            let ce = op.cross_entropy(logits.view(), &t, &config, true)?;
+            let ce = op.cross_entropy(logits.view(), &call)?;
             let g = ce.grad_logits.map(|g| flat(&g)).unwrap_or_default();
             Ok(vec![flat(&ce.per_token_loss), g])
         },
@@ -230,7 +231,7 @@ pub fn registry(cfg: &BenchConfig) -> Result<Vec<ImplTiming>> {
         &format!("fwd+bwd, [{nt}, {hd}] x [{vocab}, {hd}]"),
         reps,
         |op| {
-            let l = op.linear_cross_entropy(hidden.view(), weight.view(), &t, &config, true)?;
+            let l = op.linear_cross_entropy(hidden.view(), weight.view(), &call)?;
             let gh = l.grad_hidden.map(|g| flat(&g)).unwrap_or_default();
             let gw = l.grad_weight.map(|g| flat(&g)).unwrap_or_default();
             Ok(vec![flat(&l.ce.per_token_loss), gh, gw])

@@ -6,16 +6,17 @@
 use ndarray::{Array2, Axis, Slice};
 use packshard_reference::vocab::sharded::ShardedLoss;
 use packshard_reference::vocab::{
-    CollectiveCounts, CrossEntropy, LossConfig, Reduction, ShardLayout, ShardMap, ShardedAlgorithm,
-    SmoothingConvention,
+    CollectiveCounts, CrossEntropy, GradRequest, LossCall, LossConfig, Reduction, ShardLayout,
+    ShardMap, ShardedAlgorithm, SmoothingConvention,
 };
 use serde_json::{json, Map, Value};
 
 use super::{make, num, Case, EvalError, Tensor};
 use crate::registry::{self, Entry};
 
-const LOSS_FIELDS: [&str; 11] = [
+const LOSS_FIELDS: [&str; 12] = [
     "targets",
+    "grad_output",
     "ignore_index",
     "label_smoothing",
     "smoothing",
@@ -43,6 +44,25 @@ fn counts_json(c: CollectiveCounts) -> Value {
 fn array2(t: Tensor) -> Array2<f64> {
     Array2::from_shape_vec((t.shape[0], t.shape[1]), t.data)
         .expect("a 2-d tensor's data fills its shape")
+}
+
+/// The gradient request of a loss case: `want_grad` (default false) and
+/// the optional upstream gradient `grad_output` (`[n]` under the reduction
+/// `none`, `[1]` under `sum` and `mean`; docs/FAULTS.md O2), which needs
+/// `want_grad: true` (as the embedding's).
+fn grad_request(case: &Case) -> Result<(bool, Option<Vec<f64>>), EvalError> {
+    let want_grad = case.opt_bool("want_grad")?.unwrap_or(false);
+    if !case.has("grad_output") {
+        return Ok((want_grad, None));
+    }
+    if !want_grad {
+        return Err(EvalError::invalid(
+            "grad_output",
+            "given without want_grad: true",
+        ));
+    }
+    let g = case.tensor("grad_output", 1, "[n] (reduction none) or [1]")?;
+    Ok((true, Some(g.data)))
 }
 
 /// Which algorithm runs: `unsharded` (the default without `num_shards`) or a
@@ -285,17 +305,22 @@ pub(super) fn cross_entropy_op(value: &Value, imp: &str) -> Result<Value, EvalEr
     let mut allowed = LOSS_FIELDS.to_vec();
     allowed.push("logits");
     let case = Case::new(value, &allowed)?;
-    let want_grad = case.opt_bool("want_grad")?.unwrap_or(false);
+    let (want_grad, upstream) = grad_request(&case)?;
     let logits = array2(case.tensor("logits", 2, "[n, v]")?);
     let targets = case.i64_list("targets")?;
     let width = logits.ncols();
     let (config, v, run) = loss_options(&case, width)?;
+    let call = LossCall::new(
+        &targets,
+        &config,
+        GradRequest::of(want_grad, upstream.as_deref()),
+    );
     let list = registry::cross_entropy();
     let (mut out, grad) = match run {
         Run::Unsharded => {
             let op = make(&list, imp)?;
             let real = logits.slice_axis(Axis(1), Slice::from(..v));
-            let ce = op.cross_entropy(real, &targets, &config, want_grad)?;
+            let ce = op.cross_entropy(real, &call)?;
             (unsharded_json("cross_entropy", &ce), ce.grad_logits)
         }
         Run::Sharded(algorithm, map) => {
@@ -303,14 +328,7 @@ pub(super) fn cross_entropy_op(value: &Value, imp: &str) -> Result<Value, EvalEr
             // that it declares no algorithm.
             let op = make(&list, imp)?;
             check_declared(&list, |k| k.algorithms(), imp, algorithm)?;
-            let s = op.sharded_cross_entropy(
-                algorithm,
-                &map,
-                logits.view(),
-                &targets,
-                &config,
-                want_grad,
-            )?;
+            let s = op.sharded_cross_entropy(algorithm, &map, logits.view(), &call)?;
             let out = sharded_json("cross_entropy", algorithm, &s, predicted(&targets, &config));
             (out, s.grad_logits())
         }
@@ -331,12 +349,17 @@ pub(super) fn linear_cross_entropy_op(value: &Value, imp: &str) -> Result<Value,
     let mut allowed = LOSS_FIELDS.to_vec();
     allowed.extend(["hidden", "weight"]);
     let case = Case::new(value, &allowed)?;
-    let want_grad = case.opt_bool("want_grad")?.unwrap_or(false);
+    let (want_grad, upstream) = grad_request(&case)?;
     let hidden = array2(case.tensor("hidden", 2, "[n, h]")?);
     let weight = array2(case.tensor("weight", 2, "[v, h]")?);
     let targets = case.i64_list("targets")?;
     let rows = weight.nrows();
     let (config, v, run) = loss_options(&case, rows)?;
+    let call = LossCall::new(
+        &targets,
+        &config,
+        GradRequest::of(want_grad, upstream.as_deref()),
+    );
     // The `[n, v]` logits (and their gradient) are not in the input.
     super::check_values(
         "weight",
@@ -348,7 +371,7 @@ pub(super) fn linear_cross_entropy_op(value: &Value, imp: &str) -> Result<Value,
         Run::Unsharded => {
             let op = make(&list, imp)?;
             let real = weight.slice_axis(Axis(0), Slice::from(..v));
-            let l = op.linear_cross_entropy(hidden.view(), real, &targets, &config, want_grad)?;
+            let l = op.linear_cross_entropy(hidden.view(), real, &call)?;
             let mut out = unsharded_json("linear_cross_entropy", &l.ce);
             if imp != registry::REFERENCE {
                 out.insert("impl".into(), json!(imp));
@@ -375,9 +398,7 @@ pub(super) fn linear_cross_entropy_op(value: &Value, imp: &str) -> Result<Value,
                 &map,
                 hidden.view(),
                 weight.view(),
-                &targets,
-                &config,
-                want_grad,
+                &call,
             )?;
             let mut out = sharded_json(
                 "linear_cross_entropy",

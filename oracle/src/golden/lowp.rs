@@ -15,7 +15,7 @@
 //! Inputs are the stored (already rounded) golden inputs, as f64.
 
 use ndarray::{Array2, Array3, ArrayView2, ArrayView3};
-use packshard_reference::vocab::{LossConfig, Reduction};
+use packshard_reference::vocab::{LossCall, Reduction};
 
 use super::io::Dtype;
 
@@ -142,12 +142,8 @@ pub struct CrossEntropy {
 /// the options of `config` (the reference's semantics: ignored tokens 0,
 /// smoothing conventions, z-loss, reductions). Targets must be valid and
 /// no non-ignored row all `-inf` (the golden cases are).
-pub fn cross_entropy(
-    logits: ArrayView2<f64>,
-    targets: &[i64],
-    config: &LossConfig,
-    dtype: Dtype,
-) -> CrossEntropy {
+pub fn cross_entropy(logits: ArrayView2<f64>, call: &LossCall, dtype: Dtype) -> CrossEntropy {
+    let (targets, config) = (call.targets, call.config);
     let (n, v) = logits.dim();
     let r = |x: f32| st(dtype, x);
     let parsed: Vec<Option<usize>> = (0..n)
@@ -155,7 +151,7 @@ pub fn cross_entropy(
         .collect();
     let (qt, qo) = config.target_distribution(v);
     let (qt, qo) = (qt as f32, qo as f32);
-    let weights = config.token_weights(&parsed);
+    let weights = call.token_weights(&parsed);
     let zl = config.z_loss as f32;
     let mut per_token = vec![0f32; n];
     let mut lses = vec![0f32; n];
@@ -229,12 +225,11 @@ fn matmul_t(a: ArrayView2<f64>, b: ArrayView2<f64>, dtype: Dtype) -> Array2<f64>
 pub fn linear_cross_entropy(
     hidden: ArrayView2<f64>,
     weight: ArrayView2<f64>,
-    targets: &[i64],
-    config: &LossConfig,
+    call: &LossCall,
     dtype: Dtype,
 ) -> (CrossEntropy, Array2<f64>, Array2<f64>) {
     let logits = matmul_t(hidden, weight, dtype);
-    let ce = cross_entropy(logits.view(), targets, config, dtype);
+    let ce = cross_entropy(logits.view(), call, dtype);
     let g = &ce.grad_logits;
     let grad_hidden = matmul_t(g.view(), weight.t(), dtype);
     let grad_weight = matmul_t(g.t(), hidden.t(), dtype);

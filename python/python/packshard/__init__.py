@@ -104,9 +104,11 @@ def attention(q, k, v, cu_seqlens, *, causal=False, scale=None, grad_output=None
 
 
 def _loss_options(ignore_index, label_smoothing, smoothing, z_loss, reduction, vocab_size,
-                  num_shards, algorithm, layout, softcap):
+                  num_shards, algorithm, layout, softcap, grad_output=None):
     return {
         "softcap": None if softcap is None else float(softcap),
+        "grad_output": None if grad_output is None
+        else _np.asarray(grad_output, dtype=_np.float64).reshape(-1).tolist(),
         "ignore_index": None if ignore_index is None else int(ignore_index),
         "label_smoothing": None if label_smoothing is None else float(label_smoothing),
         "smoothing": smoothing,
@@ -121,14 +123,17 @@ def _loss_options(ignore_index, label_smoothing, smoothing, z_loss, reduction, v
 
 def cross_entropy(logits, targets, *, ignore_index=-100, label_smoothing=0.0, smoothing=None,
                   z_loss=0.0, reduction="mean", vocab_size=None, num_shards=None, algorithm=None,
-                  layout=None, softcap=None, want_grad=False, impl=REFERENCE):
+                  layout=None, softcap=None, want_grad=False, grad_output=None, impl=REFERENCE):
     """Cross-entropy of ``logits`` ``[n, w]`` against ``targets`` ``[n]``.
 
     Columns ``vocab_size..w`` are padding, never read (NaN allowed there);
     ``-inf`` logits are masked entries. Unsharded by default; ``num_shards``
     runs the vocabulary-parallel form (``algorithm`` ``naive``, ``alg1``,
     ``alg2`` (default), ``layout`` ``uneven`` or ``padded``). ``softcap`` ``c``
-    caps the logits to ``c * tanh(z / c)`` first (Gemma 2). Returns a dict:
+    caps the logits to ``c * tanh(z / c)`` first (Gemma 2). ``grad_output``
+    (with ``want_grad``) is the upstream gradient: ``[n]`` under
+    ``reduction="none"`` (token ``i``'s gradient times ``grad_output[i]``),
+    ``[1]`` otherwise. Returns a dict:
     ``loss``, ``per_token_loss`` ``[n]``, ``logsumexp`` ``[n]``,
     ``num_tokens``, ``algorithm``, ``grad_logits`` ``[n, w]`` with
     ``want_grad`` (padding columns 0), and for sharded runs ``num_shards``,
@@ -138,14 +143,14 @@ def cross_entropy(logits, targets, *, ignore_index=-100, label_smoothing=0.0, sm
     return _native.cross_entropy(
         logits, _ints(targets, "targets"),
         _loss_options(ignore_index, label_smoothing, smoothing, z_loss, reduction, vocab_size,
-                      num_shards, algorithm, layout, softcap),
+                      num_shards, algorithm, layout, softcap, grad_output),
         bool(want_grad), impl)
 
 
 def linear_cross_entropy(hidden, weight, targets, *, ignore_index=-100, label_smoothing=0.0,
                          smoothing=None, z_loss=0.0, reduction="mean", vocab_size=None,
                          num_shards=None, algorithm=None, layout=None, softcap=None,
-                         want_grad=False, impl=REFERENCE):
+                         want_grad=False, grad_output=None, impl=REFERENCE):
     """The output layer ``hidden @ weight.T`` and its cross-entropy.
 
     ``hidden`` ``[n, h]``, ``weight`` ``[w, h]`` (rows ``vocab_size..`` padding),
@@ -158,7 +163,7 @@ def linear_cross_entropy(hidden, weight, targets, *, ignore_index=-100, label_sm
     return _native.linear_cross_entropy(
         hidden, weight, _ints(targets, "targets"),
         _loss_options(ignore_index, label_smoothing, smoothing, z_loss, reduction, vocab_size,
-                      num_shards, algorithm, layout, softcap),
+                      num_shards, algorithm, layout, softcap, grad_output),
         bool(want_grad), impl)
 
 

@@ -26,7 +26,7 @@ use ndarray::{Array1, Array2, ArrayView2, Axis, Slice};
 
 use super::softcap;
 use super::sum::{self, Neumaier};
-use super::{check_logits_size, LossConfig};
+use super::{check_logits_size, LossCall, LossConfig};
 use crate::error::{check_finite, Error, Result};
 
 /// The per-row summary of a set of logits `z_j` with target weights `q_j`
@@ -326,29 +326,28 @@ pub fn log_softmax(logits: ArrayView2<f64>) -> Array2<f64> {
 /// Cross-entropy of `logits: [n, v]` against `targets: [n]` (PyTorch
 /// `cross_entropy` semantics: `ignore_index`, `label_smoothing`, reductions;
 /// plus Megatron's smoothing convention, the z-loss and logit soft-capping),
-/// and its gradient `[n, v]` (with respect to the raw logits) when
-/// `want_grad`. With a softcap the statistics (`stats`, `logsumexp`) are
+/// and its gradient `[n, v]` (with respect to the raw logits) when `call`
+/// asks for it, each row scaled by [`LossCall::token_weights`] (the upstream
+/// gradient multiplied in). With a softcap the statistics (`stats`, `logsumexp`) are
 /// those of the capped logits.
 ///
 /// Logits may be `-inf` (masked entries).
 ///
 /// # Errors
 /// [`Error::ShapeMismatch`] (`targets` of another length, an empty
-/// vocabulary); [`Error::NonFiniteInput`] for NaN or `+inf` logits;
+/// vocabulary, a `grad_output` of another length than
+/// [`LossCall::upstream_len`]); [`Error::NonFiniteInput`] for a non-finite
+/// `grad_output`; [`Error::NonFiniteInput`] for NaN or `+inf` logits;
 /// [`Error::IndexOutOfRange`] for a target outside `0..v` that is not
 /// `ignore_index`; [`Error::InvalidArgument`] for bad options or a non-ignored
 /// row of `-inf` logits.
-pub fn cross_entropy(
-    logits: ArrayView2<f64>,
-    targets: &[i64],
-    config: &LossConfig,
-    want_grad: bool,
-) -> Result<CrossEntropy> {
+pub fn cross_entropy(logits: ArrayView2<f64>, call: &LossCall) -> Result<CrossEntropy> {
+    let config = call.config;
     let (n, v) = logits.dim();
-    check_shapes(n, v, targets)?;
+    check_shapes(n, v, call)?;
     check_logits("logits", logits, v, v, 0)?;
     config.validate(v)?;
-    let targets = config.targets(targets, v)?;
+    let targets = config.targets(call.targets, v)?;
     // Soft-capping comes before everything else (docs/FAULTS.md O1).
     let capped = config.softcap.map(|c| logits.mapv(|z| softcap::cap(z, c)));
     let logits = capped.as_ref().map_or(logits, |c| c.view());
@@ -369,8 +368,8 @@ pub fn cross_entropy(
         .map(|i| token_loss(&stats[i], targets[i], config))
         .collect();
     let loss = config.reduce(per_token_loss.as_slice().unwrap_or(&[]), &targets);
-    let grad_logits = want_grad.then(|| {
-        let weights = config.token_weights(&targets);
+    let grad_logits = call.want_grad().then(|| {
+        let weights = call.token_weights(&targets);
         let mut grad = Array2::zeros((n, v));
         for ((i, j), g) in grad.indexed_iter_mut() {
             if weights[i] != 0.0 {
@@ -390,7 +389,16 @@ pub fn cross_entropy(
     })
 }
 
-fn check_shapes(n: usize, v: usize, targets: &[i64]) -> Result<()> {
+/// The shape checks of a loss call on `n` rows of `v` vocabulary entries:
+/// `targets: [n]`, `v >= 1`, and the upstream gradient
+/// ([`LossCall::check_upstream`]). Shared by the other implementations (the
+/// optimized kernels).
+///
+/// # Errors
+/// [`Error::ShapeMismatch`] naming `targets`, `logits` or `grad_output`;
+/// [`Error::NonFiniteInput`] naming `grad_output`.
+pub fn check_shapes(n: usize, v: usize, call: &LossCall) -> Result<()> {
+    let targets = call.targets;
     if targets.len() != n {
         return Err(Error::ShapeMismatch {
             field: "targets".into(),
@@ -405,7 +413,7 @@ fn check_shapes(n: usize, v: usize, targets: &[i64]) -> Result<()> {
             actual: vec![n, v],
         });
     }
-    Ok(())
+    call.check_upstream(n)
 }
 
 /// The largest `h * max|hidden| * max|weight|` accepted: no logit can then
@@ -479,7 +487,7 @@ pub struct LinearCrossEntropy {
 }
 
 /// The output layer and its loss: `logits = hidden @ weight^T` (`hidden: [n,
-/// h]`, `weight: [v, h]`), then [`cross_entropy`]; with `want_grad` the
+/// h]`, `weight: [v, h]`), then [`cross_entropy`]; when `call` asks for them the
 /// gradients of the logits, the hidden states and the weights.
 ///
 /// # Errors
@@ -487,13 +495,11 @@ pub struct LinearCrossEntropy {
 pub fn linear_cross_entropy(
     hidden: ArrayView2<f64>,
     weight: ArrayView2<f64>,
-    targets: &[i64],
-    config: &LossConfig,
-    want_grad: bool,
+    call: &LossCall,
 ) -> Result<LinearCrossEntropy> {
-    check_shapes(hidden.nrows(), weight.nrows(), targets)?;
+    check_shapes(hidden.nrows(), weight.nrows(), call)?;
     let logits = logits(hidden, weight)?;
-    let ce = cross_entropy(logits.view(), targets, config, want_grad)?;
+    let ce = cross_entropy(logits.view(), call)?;
     let (grad_hidden, grad_weight) = match &ce.grad_logits {
         Some(g) => (
             Some(sum::matmul(g.view(), weight)),

@@ -40,6 +40,7 @@
 //! - [`embedding`]: the vocabulary-parallel input embedding.
 //! - [`sum`]: compensated sums for the reductions over the vocabulary.
 
+pub mod call;
 pub mod collective;
 pub mod cross_entropy;
 pub mod embedding;
@@ -54,6 +55,7 @@ mod tests;
 use std::fmt;
 use std::str::FromStr;
 
+pub use call::{GradRequest, LossCall};
 pub use collective::{run_ranks, Collective, CollectiveCounts, InProcess, Reduce};
 pub use cross_entropy::{cross_entropy, linear_cross_entropy, CrossEntropy, SoftmaxStats};
 pub use embedding::{embedding_backward, embedding_forward};
@@ -298,21 +300,6 @@ impl LossConfig {
     pub fn targets(&self, targets: &[i64], v: usize) -> Result<Vec<Option<usize>>> {
         (0..targets.len())
             .map(|i| self.target(targets, i, v))
-            .collect()
-    }
-
-    /// `d loss / d per_token_loss_i` for each token: 0 for ignored tokens,
-    /// otherwise `1 / num_tokens` (mean) or 1 (sum, none).
-    pub fn token_weights(&self, targets: &[Option<usize>]) -> Vec<f64> {
-        let valid = targets.iter().filter(|t| t.is_some()).count();
-        let w = match self.reduction {
-            Reduction::Mean if valid > 0 => 1.0 / valid as f64,
-            Reduction::Mean => 0.0,
-            Reduction::Sum | Reduction::None => 1.0,
-        };
-        targets
-            .iter()
-            .map(|t| if t.is_some() { w } else { 0.0 })
             .collect()
     }
 

@@ -11,7 +11,7 @@ use super::embedding::{
     embedding_backward, embedding_forward, sharded_embedding, ShardedEmbedding,
 };
 use super::sharded::{sharded_cross_entropy, sharded_linear_cross_entropy, ShardedLoss};
-use super::{LossConfig, ShardMap, ShardedAlgorithm};
+use super::{LossCall, ShardMap, ShardedAlgorithm};
 use crate::error::Result;
 use crate::ops::{CrossEntropyOp, Embedding, EmbeddingOp, LinearCrossEntropyOp, LinearLoss};
 
@@ -20,14 +20,8 @@ use crate::ops::{CrossEntropyOp, Embedding, EmbeddingOp, LinearCrossEntropyOp, L
 pub struct ReferenceCrossEntropy;
 
 impl CrossEntropyOp for ReferenceCrossEntropy {
-    fn cross_entropy(
-        &self,
-        logits: ArrayView2<f64>,
-        targets: &[i64],
-        config: &LossConfig,
-        want_grad: bool,
-    ) -> Result<CrossEntropy> {
-        cross_entropy(logits, targets, config, want_grad)
+    fn cross_entropy(&self, logits: ArrayView2<f64>, call: &LossCall) -> Result<CrossEntropy> {
+        cross_entropy(logits, call)
     }
 
     fn sharded_cross_entropy(
@@ -35,11 +29,9 @@ impl CrossEntropyOp for ReferenceCrossEntropy {
         algorithm: ShardedAlgorithm,
         map: &ShardMap,
         logits: ArrayView2<f64>,
-        targets: &[i64],
-        config: &LossConfig,
-        want_grad: bool,
+        call: &LossCall,
     ) -> Result<ShardedLoss> {
-        sharded_cross_entropy(algorithm, map, logits, targets, config, want_grad)
+        sharded_cross_entropy(algorithm, map, logits, call)
     }
 }
 
@@ -52,11 +44,9 @@ impl LinearCrossEntropyOp for ReferenceLinearCrossEntropy {
         &self,
         hidden: ArrayView2<f64>,
         weight: ArrayView2<f64>,
-        targets: &[i64],
-        config: &LossConfig,
-        want_grad: bool,
+        call: &LossCall,
     ) -> Result<LinearLoss> {
-        let l = linear_cross_entropy(hidden, weight, targets, config, want_grad)?;
+        let l = linear_cross_entropy(hidden, weight, call)?;
         Ok(LinearLoss {
             ce: l.ce,
             grad_hidden: l.grad_hidden,
@@ -71,11 +61,9 @@ impl LinearCrossEntropyOp for ReferenceLinearCrossEntropy {
         map: &ShardMap,
         hidden: ArrayView2<f64>,
         weight: ArrayView2<f64>,
-        targets: &[i64],
-        config: &LossConfig,
-        want_grad: bool,
+        call: &LossCall,
     ) -> Result<ShardedLoss> {
-        sharded_linear_cross_entropy(algorithm, map, hidden, weight, targets, config, want_grad)
+        sharded_linear_cross_entropy(algorithm, map, hidden, weight, call)
     }
 }
 

@@ -30,14 +30,14 @@ fn v1_label_smoothing_is_global_for_every_shard_count() {
         (SmoothingConvention::Megatron, "0.90444"),
     ] {
         let config = LossConfig::default().with_smoothing(0.1, convention);
-        let unsharded = cross_entropy(logits.view(), &[4], &config, true).unwrap();
+        let call = LossCall::with_flag(&[4], &config, true);
+        let unsharded = cross_entropy(logits.view(), &call).unwrap();
         assert_eq!(format!("{:.5}", unsharded.loss), want, "{convention:?}");
         for p in 1..=8 {
             for layout in layouts() {
                 let map = ShardMap::new(8, p, layout).unwrap();
                 for alg in ShardedAlgorithm::ALL {
-                    let s = sharded_cross_entropy(alg, &map, logits.view(), &[4], &config, true)
-                        .unwrap();
+                    let s = sharded_cross_entropy(alg, &map, logits.view(), &call).unwrap();
                     for r in &s.ranks {
                         assert_eq!(
                             format!("{:.5}", r.loss),
@@ -63,7 +63,7 @@ fn v1_pytorch_convention_matches_an_independent_formula() {
         .map(|j| ((1.0 - a) * f64::from(u8::from(j == 4)) + a / 8.0) * lp[[0, j]])
         .sum::<f64>();
     let config = LossConfig::default().with_smoothing(a, SmoothingConvention::PyTorch);
-    let got = cross_entropy(logits.view(), &[4], &config, false)
+    let got = cross_entropy(logits.view(), &LossCall::with_flag(&[4], &config, false))
         .unwrap()
         .loss;
     assert!((got - want).abs() < 1e-15, "{got} vs {want}");
@@ -73,7 +73,11 @@ fn v1_pytorch_convention_matches_an_independent_formula() {
 fn v2_padded_vocabulary_entries_never_enter_the_softmax() {
     let real = [2.0, 1.0, 0.5, 3.0, -1.0, 0.0, 1.5, 2.5, -0.5, 1.0];
     let config = LossConfig::default();
-    let unsharded = cross_entropy(row(&real).view(), &[7], &config, false).unwrap();
+    let unsharded = cross_entropy(
+        row(&real).view(),
+        &LossCall::with_flag(&[7], &config, false),
+    )
+    .unwrap();
     assert_eq!(format!("{:.6}", unsharded.loss), "1.474030");
     let map = ShardMap::new(10, 3, ShardLayout::Padded).unwrap();
     assert_eq!(map.padded_vocab_size(), 12);
@@ -85,8 +89,9 @@ fn v2_padded_vocabulary_entries_never_enter_the_softmax() {
     ] {
         let mut z = real.to_vec();
         z.extend(padding);
+        let call = LossCall::with_flag(&[7], &config, true);
         for alg in ShardedAlgorithm::ALL {
-            let s = sharded_cross_entropy(alg, &map, row(&z).view(), &[7], &config, true).unwrap();
+            let s = sharded_cross_entropy(alg, &map, row(&z).view(), &call).unwrap();
             assert_eq!(format!("{:.6}", s.loss()), "1.474030", "{alg} {padding:?}");
             // Padding columns get no gradient.
             let last = s.ranks[2].grad_logits.as_ref().unwrap();
@@ -100,7 +105,12 @@ fn v3_input_gradient_is_summed_over_shards() {
     let x = array![[1.0, -1.0]];
     let w = array![[1.0, 0.0], [0.0, 1.0], [0.5, 0.5], [-1.0, 2.0]];
     let config = LossConfig::default();
-    let u = linear_cross_entropy(x.view(), w.view(), &[2], &config, true).unwrap();
+    let u = linear_cross_entropy(
+        x.view(),
+        w.view(),
+        &LossCall::with_flag(&[2], &config, true),
+    )
+    .unwrap();
     let g = u.grad_hidden.unwrap();
     assert_eq!(
         format!("{:.4} {:.4}", g[[0, 0]], g[[0, 1]]),
@@ -108,8 +118,14 @@ fn v3_input_gradient_is_summed_over_shards() {
     );
     let map = ShardMap::new(4, 2, ShardLayout::Uneven).unwrap();
     for alg in ShardedAlgorithm::ALL {
-        let s = sharded_linear_cross_entropy(alg, &map, x.view(), w.view(), &[2], &config, true)
-            .unwrap();
+        let s = sharded_linear_cross_entropy(
+            alg,
+            &map,
+            x.view(),
+            w.view(),
+            &LossCall::with_flag(&[2], &config, true),
+        )
+        .unwrap();
         for r in &s.ranks {
             let g = r.grad_hidden.as_ref().unwrap();
             assert_eq!(
@@ -142,15 +158,13 @@ fn v4_a_vocabulary_not_divisible_by_the_shard_count() {
     });
     let targets = [0, 125_000, v as i64 - 1];
     let config = LossConfig::default();
-    let u = cross_entropy(logits.view(), &targets, &config, true).unwrap();
+    let u = cross_entropy(logits.view(), &LossCall::with_flag(&targets, &config, true)).unwrap();
     for map in [uneven, padded] {
         let s = sharded_cross_entropy(
             ShardedAlgorithm::Alg2,
             &map,
             logits.view(),
-            &targets,
-            &config,
-            true,
+            &LossCall::with_flag(&targets, &config, true),
         )
         .unwrap();
         let rel = (s.loss() - u.loss).abs() / u.loss;
@@ -222,11 +236,12 @@ fn v6_an_all_minus_inf_shard_contributes_nothing() {
     let inf = f64::NEG_INFINITY;
     let z = [1.0, 2.0, 0.0, -1.0, inf, inf, inf, inf];
     let config = LossConfig::default();
-    let u = cross_entropy(row(&z).view(), &[1], &config, true).unwrap();
+    let call = LossCall::with_flag(&[1], &config, true);
+    let u = cross_entropy(row(&z).view(), &call).unwrap();
     assert!(u.loss.is_finite());
     let map = ShardMap::new(8, 2, ShardLayout::Uneven).unwrap();
     for alg in ShardedAlgorithm::ALL {
-        let s = sharded_cross_entropy(alg, &map, row(&z).view(), &[1], &config, true).unwrap();
+        let s = sharded_cross_entropy(alg, &map, row(&z).view(), &call).unwrap();
         assert_eq!(
             s.ranks[1].local[0].sum_exp(),
             0.0,
@@ -242,9 +257,10 @@ fn v6_an_all_minus_inf_shard_contributes_nothing() {
     let map = ShardMap::new(9, 4, ShardLayout::Padded).unwrap();
     assert_eq!(map.shard(3).real, 0);
     let z9 = row(&[0.5, -1.0, 2.0, 1.0, 0.0, 3.0, -2.0, 1.5, 0.25]);
-    let u = cross_entropy(z9.view(), &[5], &config, true).unwrap();
+    let call = LossCall::with_flag(&[5], &config, true);
+    let u = cross_entropy(z9.view(), &call).unwrap();
     for alg in ShardedAlgorithm::ALL {
-        let s = sharded_cross_entropy(alg, &map, z9.view(), &[5], &config, true).unwrap();
+        let s = sharded_cross_entropy(alg, &map, z9.view(), &call).unwrap();
         assert!(
             (s.loss() - u.loss).abs() <= 4.0 * f64::EPSILON * u.loss,
             "{alg}"
@@ -257,7 +273,7 @@ fn a_row_of_minus_inf_is_an_error_unless_ignored() {
     let inf = f64::NEG_INFINITY;
     let z = Array2::from_shape_vec((2, 3), vec![0.0, 1.0, 2.0, inf, inf, inf]).unwrap();
     let config = LossConfig::default();
-    let e = cross_entropy(z.view(), &[0, 1], &config, false).unwrap_err();
+    let e = cross_entropy(z.view(), &LossCall::with_flag(&[0, 1], &config, false)).unwrap_err();
     assert_eq!(
         e.to_string(),
         "logits[1]: every logit is -inf, so the softmax is undefined (the target is not ignored)"
@@ -265,11 +281,17 @@ fn a_row_of_minus_inf_is_an_error_unless_ignored() {
     let map = ShardMap::new(3, 3, ShardLayout::Uneven).unwrap();
     for alg in ShardedAlgorithm::ALL {
         assert_eq!(
-            sharded_cross_entropy(alg, &map, z.view(), &[0, 1], &config, false).unwrap_err(),
+            sharded_cross_entropy(
+                alg,
+                &map,
+                z.view(),
+                &LossCall::with_flag(&[0, 1], &config, false)
+            )
+            .unwrap_err(),
             e
         );
     }
-    let ok = cross_entropy(z.view(), &[0, -100], &config, true).unwrap();
+    let ok = cross_entropy(z.view(), &LossCall::with_flag(&[0, -100], &config, true)).unwrap();
     assert_eq!(ok.per_token_loss[1], 0.0);
     assert_eq!(ok.num_tokens, 1);
     assert!(ok.grad_logits.unwrap().row(1).iter().all(|&g| g == 0.0));
@@ -319,13 +341,21 @@ fn gradients_match_finite_differences() {
             .with_smoothing(0.2, SmoothingConvention::Megatron)
             .with_z_loss(0.05),
     ] {
-        let u =
-            linear_cross_entropy(hidden.view(), weight.view(), &targets, &config, true).unwrap();
+        let u = linear_cross_entropy(
+            hidden.view(),
+            weight.view(),
+            &LossCall::with_flag(&targets, &config, true),
+        )
+        .unwrap();
         let loss = |x: &Array2<f64>, w: &Array2<f64>| {
-            linear_cross_entropy(x.view(), w.view(), &targets, &config, false)
-                .unwrap()
-                .ce
-                .loss
+            linear_cross_entropy(
+                x.view(),
+                w.view(),
+                &LossCall::with_flag(&targets, &config, false),
+            )
+            .unwrap()
+            .ce
+            .loss
         };
         let eps = 1e-5;
         assert_grad_close(
@@ -343,7 +373,7 @@ fn gradients_match_finite_differences() {
             "grad_logits",
             u.ce.grad_logits.as_ref().unwrap(),
             &numeric_grad(&z, eps, |z| {
-                cross_entropy(z.view(), &targets, &config, false)
+                cross_entropy(z.view(), &LossCall::with_flag(&targets, &config, false))
                     .unwrap()
                     .loss
             }),
@@ -354,12 +384,14 @@ fn gradients_match_finite_differences() {
 #[test]
 fn z_loss_adds_c_times_logsumexp_squared() {
     let z = row(&[0.3, -1.2, 2.0]);
-    let plain = cross_entropy(z.view(), &[0], &LossConfig::default(), false).unwrap();
+    let plain = cross_entropy(
+        z.view(),
+        &LossCall::with_flag(&[0], &LossConfig::default(), false),
+    )
+    .unwrap();
     let with = cross_entropy(
         z.view(),
-        &[0],
-        &LossConfig::default().with_z_loss(1e-2),
-        false,
+        &LossCall::with_flag(&[0], &LossConfig::default().with_z_loss(1e-2), false),
     )
     .unwrap();
     let lse = plain.logsumexp()[0];
@@ -373,7 +405,11 @@ fn z_loss_adds_c_times_logsumexp_squared() {
 fn confident_predictions_keep_relative_precision() {
     // Loss exp(-40) ≈ 4.2e-18: as logsumexp - z_t it would be 0.
     let z = row(&[40.0, 0.0, 0.0]);
-    let u = cross_entropy(z.view(), &[0], &LossConfig::default(), true).unwrap();
+    let u = cross_entropy(
+        z.view(),
+        &LossCall::with_flag(&[0], &LossConfig::default(), true),
+    )
+    .unwrap();
     let want = 2.0 * (-40.0f64).exp();
     assert!(
         (u.loss - want).abs() <= 4.0 * f64::EPSILON * want,
@@ -388,8 +424,13 @@ fn confident_predictions_keep_relative_precision() {
     );
     let map = ShardMap::new(3, 3, ShardLayout::Uneven).unwrap();
     for alg in ShardedAlgorithm::ALL {
-        let s =
-            sharded_cross_entropy(alg, &map, z.view(), &[0], &LossConfig::default(), true).unwrap();
+        let s = sharded_cross_entropy(
+            alg,
+            &map,
+            z.view(),
+            &LossCall::with_flag(&[0], &LossConfig::default(), true),
+        )
+        .unwrap();
         assert!(
             (s.loss() - want).abs() <= 4.0 * f64::EPSILON * want,
             "{alg}: {}",
@@ -556,9 +597,11 @@ fn collective_counts_per_algorithm() {
         (ShardedAlgorithm::Alg1, 2, 2, 4 * n + n * h),
         (ShardedAlgorithm::Alg2, 1, 1, (4 + 2 * h) * n),
     ] {
-        let s =
-            sharded_linear_cross_entropy(alg, &map, x.view(), w.view(), &[0, 4, 2], &config, true)
-                .unwrap();
+        let run = |want_grad| {
+            let call = LossCall::with_flag(&[0, 4, 2], &config, want_grad);
+            sharded_linear_cross_entropy(alg, &map, x.view(), w.view(), &call).unwrap()
+        };
+        let s = run(true);
         let c = s.counts();
         assert_eq!(
             (c.barriers, c.calls, c.elements),
@@ -566,9 +609,7 @@ fn collective_counts_per_algorithm() {
             "{alg}"
         );
         assert_eq!(c.barriers, alg.barriers(true, true));
-        let f =
-            sharded_linear_cross_entropy(alg, &map, x.view(), w.view(), &[0, 4, 2], &config, false)
-                .unwrap();
+        let f = run(false);
         assert_eq!(
             f.counts().barriers,
             alg.barriers(true, false),
@@ -604,9 +645,7 @@ fn s_and_t_passes_split_by_other_work_equal_the_monolithic_rank_code() {
                     &map,
                     hidden_a.view(),
                     w,
-                    &targets_a,
-                    &config,
-                    true,
+                    &LossCall::with_flag(&targets_a, &config, true),
                 )?;
                 let whole_b = linear_cross_entropy_rank(
                     comm,
@@ -614,9 +653,7 @@ fn s_and_t_passes_split_by_other_work_equal_the_monolithic_rank_code() {
                     &map,
                     hidden_b.view(),
                     w,
-                    &targets_b,
-                    &config,
-                    true,
+                    &LossCall::with_flag(&targets_b, &config, true),
                 )?;
                 let before = comm.counts().barriers;
                 let s_a = linear_cross_entropy_rank_s(
@@ -625,9 +662,7 @@ fn s_and_t_passes_split_by_other_work_equal_the_monolithic_rank_code() {
                     &map,
                     hidden_a.view(),
                     w,
-                    &targets_a,
-                    &config,
-                    true,
+                    &LossCall::with_flag(&targets_a, &config, true),
                 )?;
                 let s_b = linear_cross_entropy_rank_s(
                     comm,
@@ -635,9 +670,7 @@ fn s_and_t_passes_split_by_other_work_equal_the_monolithic_rank_code() {
                     &map,
                     hidden_b.view(),
                     w,
-                    &targets_b,
-                    &config,
-                    true,
+                    &LossCall::with_flag(&targets_b, &config, true),
                 )?;
                 let s_barriers = comm.counts().barriers - before;
                 assert_eq!(s_a.loss().to_bits(), whole_a.loss.to_bits());
@@ -685,14 +718,20 @@ fn o1_softcap_is_applied_first_sharded_as_unsharded() {
         .with_softcap(c)
         .with_smoothing(0.1, SmoothingConvention::PyTorch)
         .with_z_loss(1e-3);
-    let u = linear_cross_entropy(hidden.view(), weight.view(), &targets, &config, true).unwrap();
+    let u = linear_cross_entropy(
+        hidden.view(),
+        weight.view(),
+        &LossCall::with_flag(&targets, &config, true),
+    )
+    .unwrap();
     // The capped logits through the uncapped loss give the same loss.
     let capped = u.logits.mapv(|z| c * (z / c).tanh());
     let plain = LossConfig {
         softcap: None,
         ..config
     };
-    let direct = cross_entropy(capped.view(), &targets, &plain, false).unwrap();
+    let direct =
+        cross_entropy(capped.view(), &LossCall::with_flag(&targets, &plain, false)).unwrap();
     assert!((direct.loss - u.ce.loss).abs() < 1e-14 * u.ce.loss.abs().max(1.0));
     assert!(u.ce.logsumexp().iter().all(|l| *l < c + 7f64.ln() + 1e-12));
     for algorithm in ShardedAlgorithm::ALL {
@@ -713,9 +752,7 @@ fn o1_softcap_is_applied_first_sharded_as_unsharded() {
                 &map,
                 hidden.view(),
                 w.view(),
-                &targets,
-                &config,
-                true,
+                &LossCall::with_flag(&targets, &config, true),
             )
             .unwrap();
             assert!((s.loss() - u.ce.loss).abs() < 1e-12, "{algorithm}");
@@ -738,7 +775,11 @@ fn o1_softcap_is_applied_first_sharded_as_unsharded() {
     }
     for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
         let config = LossConfig::default().with_softcap(bad);
-        let err = cross_entropy(u.logits.view(), &targets, &config, false).unwrap_err();
+        let err = cross_entropy(
+            u.logits.view(),
+            &LossCall::with_flag(&targets, &config, false),
+        )
+        .unwrap_err();
         assert!(
             matches!(&err, Error::InvalidArgument { field, .. } if field == "softcap"),
             "{err}"

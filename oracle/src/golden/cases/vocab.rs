@@ -2,6 +2,8 @@
 //! every sharded algorithm and layout), the output layer and the embedding.
 
 use super::*;
+use packshard_reference::faults;
+use packshard_reference::vocab::{GradRequest, LossCall};
 
 /// Seeded values uniform in `[-r, r]`, every seventh x 8 (planted outliers).
 fn seeded(n: usize, r: f64, seed: u64) -> Vec<f64> {
@@ -86,9 +88,12 @@ fn cross_entropy_case(
     targets: Vec<i64>,
     config: LossConfig,
     sharding: Option<Sharding>,
+    grad_output: Option<Vec<f64>>,
     dtype: Dtype,
 ) -> Result<GoldenCase, GoldenError> {
     let logits = logits.mapv(|x| dtype.round(x));
+    let grad_output =
+        grad_output.map(|g| g.into_iter().map(|x| dtype.round(x)).collect::<Vec<f64>>());
     let (n, w) = logits.dim();
     if let Some(s) = &sharding {
         // The split must exist (p <= v) and cover the given columns.
@@ -96,10 +101,12 @@ fn cross_entropy_case(
         debug_assert!(map.padded_vocab_size() <= w || s.layout == ShardLayout::Uneven);
     }
     let real = logits.slice_axis(Axis(1), Slice::from(..v));
-    let ce = cross_entropy(real, &targets, &config, true)?;
-    let terms = Terms::new(real, &targets, &config, &ce);
+    let grad = GradRequest::of(true, grad_output.as_deref());
+    let call = LossCall::new(&targets, &config, grad);
+    let ce = cross_entropy(real, &call)?;
+    let terms = Terms::new(real, &call, &ce);
     let grad = ce.grad_logits.as_ref().expect("asked for");
-    let low = (dtype != Dtype::F64).then(|| lowp::cross_entropy(real, &targets, &config, dtype));
+    let low = (dtype != Dtype::F64).then(|| lowp::cross_entropy(real, &call, dtype));
     let lse: Vec<f64> = ce.logsumexp().to_vec();
     let what = "vocab::Terms";
     let l = |f: &dyn Fn(&lowp::CrossEntropy) -> Vec<f64>| low.as_ref().map(f).unwrap_or_default();
@@ -146,10 +153,13 @@ fn cross_entropy_case(
         op: "cross_entropy",
         description: description.into(),
         params: loss_params(&config, v, w, sharding.as_ref()),
-        inputs: vec![
+        inputs: [
             Tensor::float("logits", &[n, w], flat(&logits), dtype),
             Tensor::int("targets", &[n], targets),
-        ],
+        ]
+        .into_iter()
+        .chain(grad_output.map(|g| Tensor::float("grad_output", &[g.len()], g, dtype)))
+        .collect(),
         outputs,
     })
 }
@@ -194,6 +204,12 @@ pub(super) fn cross_entropy_cases(dtype: Dtype) -> Result<Vec<GoldenCase>, Golde
     }
     o1[[0, 8]] = f64::NAN; // padding: 8 real columns padded to 9
     o1[[1, 3]] = inf; // masked, on the ignored row (smoothing puts mass on every entry)
+                      // O2: the V1 row twice (targets 4 and 1), then two of the grid.
+    let mut o2 = grid(4, 8, 28);
+    for (j, &x) in faults::V1_LOGITS.iter().enumerate() {
+        o2[[0, j]] = x;
+        o2[[1, j]] = x;
+    }
     let mut basic = grid(6, 11, 21);
     basic[[4, 2]] = inf;
     Ok(vec![
@@ -204,6 +220,7 @@ pub(super) fn cross_entropy_cases(dtype: Dtype) -> Result<Vec<GoldenCase>, Golde
             11,
             vec![3, -100, 10, 0, 7, -100],
             LossConfig::default(),
+            None,
             None,
             dtype,
         )?,
@@ -219,6 +236,7 @@ pub(super) fn cross_entropy_cases(dtype: Dtype) -> Result<Vec<GoldenCase>, Golde
                 .with_z_loss(1e-4)
                 .with_reduction(Reduction::Sum),
             None,
+            None,
             dtype,
         )?,
         cross_entropy_case(
@@ -230,6 +248,7 @@ pub(super) fn cross_entropy_cases(dtype: Dtype) -> Result<Vec<GoldenCase>, Golde
             LossConfig::default()
                 .with_smoothing(0.1, SmoothingConvention::Megatron)
                 .with_reduction(Reduction::None),
+            None,
             None,
             dtype,
         )?,
@@ -245,6 +264,7 @@ pub(super) fn cross_entropy_cases(dtype: Dtype) -> Result<Vec<GoldenCase>, Golde
                 shards: 3,
                 layout: ShardLayout::Padded,
             }),
+            None,
             dtype,
         )?,
         cross_entropy_case(
@@ -259,6 +279,7 @@ pub(super) fn cross_entropy_cases(dtype: Dtype) -> Result<Vec<GoldenCase>, Golde
                 shards: 2,
                 layout: ShardLayout::Uneven,
             }),
+            None,
             dtype,
         )?,
         cross_entropy_case(
@@ -277,6 +298,7 @@ pub(super) fn cross_entropy_cases(dtype: Dtype) -> Result<Vec<GoldenCase>, Golde
                 shards: 3,
                 layout: ShardLayout::Padded,
             }),
+            None,
             dtype,
         )?,
         cross_entropy_case(
@@ -291,6 +313,22 @@ pub(super) fn cross_entropy_cases(dtype: Dtype) -> Result<Vec<GoldenCase>, Golde
                 shards: 8,
                 layout: ShardLayout::Uneven,
             }),
+            None,
+            dtype,
+        )?,
+        cross_entropy_case(
+            "cross_entropy_grad_output_alg1",
+            "alg1 over 3 uneven shards, no reduction with a per-token grad_output [1, 0, 2, -0.5]; rows 0 and 1 are docs/FAULTS.md O2 (the second token's gradient is 0)",
+            o2,
+            8,
+            vec![4, 1, -100, 6],
+            LossConfig::default().with_reduction(Reduction::None),
+            Some(Sharding {
+                algorithm: ShardedAlgorithm::Alg1,
+                shards: 3,
+                layout: ShardLayout::Uneven,
+            }),
+            Some(vec![1.0, 0.0, 2.0, -0.5]),
             dtype,
         )?,
     ])
@@ -311,8 +349,9 @@ fn linear_case(
     let hidden = Array2::from_shape_vec((n, h), round(seeded(n * h, 1.0, seed))).expect("n x h");
     let weight =
         Array2::from_shape_vec((v, h), round(seeded(v * h, 1.0, seed + 100))).expect("v x h");
-    let l = linear_cross_entropy(hidden.view(), weight.view(), &targets, &config, true)?;
-    let terms = Terms::new(l.logits.view(), &targets, &config, &l.ce);
+    let call = LossCall::with_flag(&targets, &config, true);
+    let l = linear_cross_entropy(hidden.view(), weight.view(), &call)?;
+    let terms = Terms::new(l.logits.view(), &call, &l.ce);
     // Each logit is itself a rounded sum of h products: its terms.
     let logit_terms = hidden
         .mapv(f64::abs)
@@ -329,9 +368,8 @@ fn linear_case(
     let gt = &terms.grad_logits;
     let hidden_terms = max_abs(&flat(&gt.dot(&weight.mapv(f64::abs)))) * (1.0 + logit_terms);
     let weight_terms = max_abs(&flat(&gt.t().dot(&hidden.mapv(f64::abs)))) * (1.0 + logit_terms);
-    let low = (dtype != Dtype::F64).then(|| {
-        lowp::linear_cross_entropy(hidden.view(), weight.view(), &targets, &config, dtype)
-    });
+    let low = (dtype != Dtype::F64)
+        .then(|| lowp::linear_cross_entropy(hidden.view(), weight.view(), &call, dtype));
     let what = "vocab::Terms with the logits' own rounding";
     #[allow(clippy::type_complexity)]
     let lw = |f: &dyn Fn(&(lowp::CrossEntropy, Array2<f64>, Array2<f64>)) -> Vec<f64>| {

@@ -207,20 +207,7 @@ impl ShardMap {
     pub fn split_columns(&self, full: ArrayView2<f64>, field: &str) -> Result<Vec<Array2<f64>>> {
         let (n, w) = full.dim();
         self.check_width(field, w, &[n, w], "[n, v]")?;
-        Ok(self
-            .shards()
-            .iter()
-            .map(|s| {
-                Array2::from_shape_fn((n, s.width), |(i, j)| {
-                    let g = s.start + j;
-                    if g < w {
-                        full[[i, g]]
-                    } else {
-                        f64::NAN
-                    }
-                })
-            })
-            .collect())
+        Ok(self.split_along(full, Axis(1), f64::NAN))
     }
 
     /// Splits `full: [w, h]` (`w >= v` rows, rows `v..` padding) into the `p`
@@ -231,20 +218,37 @@ impl ShardMap {
     pub fn split_rows(&self, full: ArrayView2<f64>, field: &str) -> Result<Vec<Array2<f64>>> {
         let (w, h) = full.dim();
         self.check_width(field, w, &[w, h], "[v, h]")?;
-        Ok(self
-            .shards()
+        Ok(self.split_along(full, Axis(0), f64::NAN))
+    }
+
+    /// Splits `full` along the vocabulary `axis` (the columns of `[n, w]`,
+    /// `Axis(1)`, or the rows of `[w, h]`, `Axis(0)`) into the `p` shards,
+    /// slots past the given `w` entries holding `fill`, for any element
+    /// type (the f32 kernels split with NaN too). The caller checks `w >=
+    /// v` ([`ShardMap::check_width`]).
+    pub fn split_along<A: Clone>(
+        &self,
+        full: ArrayView2<A>,
+        axis: Axis,
+        fill: A,
+    ) -> Vec<Array2<A>> {
+        let w = full.len_of(axis);
+        let columns = axis == Axis(1);
+        self.shards()
             .iter()
             .map(|s| {
-                Array2::from_shape_fn((s.width, h), |(j, k)| {
-                    let g = s.start + j;
-                    if g < w {
-                        full[[g, k]]
-                    } else {
-                        f64::NAN
+                let mut shape = full.raw_dim();
+                shape[axis.index()] = s.width;
+                Array2::from_shape_fn(shape, |(i, j)| {
+                    let g = s.start + if columns { j } else { i };
+                    match (g < w, columns) {
+                        (false, _) => fill.clone(),
+                        (true, true) => full[[i, g]].clone(),
+                        (true, false) => full[[g, j]].clone(),
                     }
                 })
             })
-            .collect())
+            .collect()
     }
 
     /// Checks that `w` columns (rows) cover the `v` real entries: `field`

@@ -58,7 +58,7 @@ use serde::Serialize;
 
 use super::collective::{run_ranks, CollectiveCounts};
 use super::cross_entropy::{check_linear, check_logits, SoftmaxStats};
-use super::{check_logits_size, LossConfig};
+use super::{check_logits_size, LossCall};
 use crate::error::{Error, Result};
 
 pub use map::{Shard, ShardLayout, ShardMap, MAX_SHARDS};
@@ -225,27 +225,17 @@ pub fn sharded_cross_entropy(
     algorithm: ShardedAlgorithm,
     map: &ShardMap,
     logits: ArrayView2<f64>,
-    targets: &[i64],
-    config: &LossConfig,
-    want_grad: bool,
+    call: &LossCall,
 ) -> Result<ShardedLoss> {
     let (n, w) = logits.dim();
     let v = map.vocab_size();
     map.check_width("logits", w, &[n, w], "[n, v]")?;
-    check_inputs(n, targets, config, v)?;
+    check_inputs(n, call, v)?;
     check_logits("logits", logits, v, v, 0)?;
     check_logits_size("logits", n, map.padded_vocab_size())?;
     let parts = map.split_columns(logits, "logits")?;
     let ranks = run_ranks(map.num_shards(), |comm| {
-        cross_entropy_rank(
-            comm,
-            algorithm,
-            map,
-            parts[comm.rank()].view(),
-            targets,
-            config,
-            want_grad,
-        )
+        cross_entropy_rank(comm, algorithm, map, parts[comm.rank()].view(), call)
     })?;
     Ok(ShardedLoss {
         map: *map,
@@ -263,28 +253,18 @@ pub fn sharded_linear_cross_entropy(
     map: &ShardMap,
     hidden: ArrayView2<f64>,
     weight: ArrayView2<f64>,
-    targets: &[i64],
-    config: &LossConfig,
-    want_grad: bool,
+    call: &LossCall,
 ) -> Result<ShardedLoss> {
     let n = hidden.nrows();
     let v = map.vocab_size();
     map.check_width("weight", weight.nrows(), weight.shape(), "[v, h]")?;
-    check_inputs(n, targets, config, v)?;
+    check_inputs(n, call, v)?;
     check_linear(hidden, weight, v, 0)?;
     check_logits_size("weight", n, map.padded_vocab_size())?;
     let parts = map.split_rows(weight, "weight")?;
     let ranks = run_ranks(map.num_shards(), |comm| {
-        linear_cross_entropy_rank(
-            comm,
-            algorithm,
-            map,
-            hidden,
-            parts[comm.rank()].view(),
-            targets,
-            config,
-            want_grad,
-        )
+        let weight = parts[comm.rank()].view();
+        linear_cross_entropy_rank(comm, algorithm, map, hidden, weight, call)
     })?;
     Ok(ShardedLoss {
         map: *map,
@@ -298,17 +278,18 @@ pub fn sharded_linear_cross_entropy(
 /// optimized `alg2`).
 ///
 /// # Errors
-/// [`Error::ShapeMismatch`] naming `targets`; [`LossConfig::validate`]'s and
-/// [`LossConfig::targets`]'.
-pub fn check_inputs(n: usize, targets: &[i64], config: &LossConfig, v: usize) -> Result<()> {
-    if targets.len() != n {
+/// [`Error::ShapeMismatch`] naming `targets`; [`super::LossConfig::validate`]'s and
+/// [`super::LossConfig::targets`]'.
+pub fn check_inputs(n: usize, call: &LossCall, v: usize) -> Result<()> {
+    if call.targets.len() != n {
         return Err(Error::ShapeMismatch {
             field: "targets".into(),
             expected: format!("[n] with n = {n} (the rows of the logits)"),
-            actual: vec![targets.len()],
+            actual: vec![call.targets.len()],
         });
     }
-    config.validate(v)?;
-    config.targets(targets, v)?;
+    call.check_upstream(n)?;
+    call.config.validate(v)?;
+    call.config.targets(call.targets, v)?;
     Ok(())
 }

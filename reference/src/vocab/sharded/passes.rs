@@ -8,7 +8,7 @@ use super::super::cross_entropy::{
 };
 use super::super::softcap;
 use super::super::sum;
-use super::super::LossConfig;
+use super::super::LossCall;
 use crate::error::Result;
 
 use super::merge::{merge_stats, Alg2Record};
@@ -23,17 +23,19 @@ impl<'a> RankRun<'a> {
         algorithm: ShardedAlgorithm,
         map: &ShardMap,
         n: usize,
-        targets: &[i64],
-        config: &LossConfig,
+        call: &LossCall,
     ) -> Result<Self> {
-        check_rank_inputs(comm, map, n, targets, config)?;
+        check_rank_inputs(comm, map, n, call)?;
         let v = map.vocab_size();
+        let config = call.config;
+        let targets = config.targets(call.targets, v)?;
         Ok(RankRun {
             comm,
             algorithm,
             shard: map.shard(comm.rank()),
             config: *config,
-            targets: config.targets(targets, v)?,
+            weights: call.token_weights(&targets),
+            targets,
             q: config.target_distribution(v),
             meter: Meter::default(),
         })
@@ -256,7 +258,7 @@ impl<'a> RankRun<'a> {
             ..
         } = s;
         // Backward: ∂L/∂z = w_i (softmax - q + 2 c lse softmax), in place.
-        let weights = self.config.token_weights(&self.targets);
+        let weights = &self.weights;
         for ((i, j), x) in z.indexed_iter_mut() {
             *x = if weights[i] == 0.0 || j >= self.shard.real {
                 0.0
@@ -316,7 +318,7 @@ impl<'a> RankRun<'a> {
             ..
         } = s;
         // T pass: softmax = alpha_i softmax'_i, alpha_i = s_i exp(m_i - m) / S.
-        let weights = self.config.token_weights(&self.targets);
+        let weights = &self.weights;
         let c = self.config.z_loss;
         for ((i, j), x) in z.indexed_iter_mut() {
             let (g, l, zij) = (&global[i], &local[i], *x);
@@ -412,12 +414,12 @@ impl<'a> RankRun<'a> {
                 grad_hidden: None,
             });
         }
-        let weights = self.config.token_weights(&self.targets);
+        let weights = &self.weights;
         // ∂L/∂x = w_i (Y / S + 2 c lse U / S), Y / S = Σ_j (p_j - q_j) W_j and
         // U / S = Σ_j p_j W_j: no more communication.
         let gx = input_grad.then(|| {
             self.meter.hold(n * h);
-            layout.input_grad(&record, &global, &weights, c)
+            layout.input_grad(&record, &global, weights, c)
         });
         Ok(SState {
             z,
@@ -442,7 +444,7 @@ impl<'a> RankRun<'a> {
         } = s;
         let real = self.shard.real;
         let c = self.config.z_loss;
-        let weights = self.config.token_weights(&self.targets);
+        let weights = &self.weights;
         let delta = |i: usize, j: usize, zij: f64| local_delta(&local[i], zij, self.q(i, j));
         let prob = |i: usize, zij: f64| local_probability(&local[i], zij);
         // T pass: p = alpha_i softmax'_i and p - q = alpha_i (softmax'_i - q)

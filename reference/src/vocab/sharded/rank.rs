@@ -5,7 +5,7 @@ use ndarray::{Array1, Array2, ArrayView2, Axis, Slice};
 
 use super::super::collective::Collective;
 use super::super::cross_entropy::{check_linear, check_logits, SoftmaxStats, STATS_WIDTH};
-use super::super::{check_logits_size, LossConfig};
+use super::super::{check_logits_size, LossCall, LossConfig};
 use crate::error::{Error, Result};
 
 use super::super::collective::CollectiveCounts;
@@ -80,20 +80,17 @@ impl Meter {
 /// target errors as the unsharded [`super::linear_cross_entropy`] (every rank
 /// finds the replicated ones; a bad value in a weight shard is found by its
 /// rank); collective failures.
-#[allow(clippy::too_many_arguments)]
 pub fn linear_cross_entropy_rank(
     comm: &dyn Collective,
     algorithm: ShardedAlgorithm,
     map: &ShardMap,
     hidden: ArrayView2<f64>,
     weight: ArrayView2<f64>,
-    targets: &[i64],
-    config: &LossConfig,
-    want_grad: bool,
+    call: &LossCall,
 ) -> Result<RankLoss> {
-    let (rank, z) = output_rank_setup(comm, algorithm, map, hidden, weight, targets, config)?;
+    let (rank, z) = output_rank_setup(comm, algorithm, map, (hidden, weight), call)?;
     let w_real = weight.slice_axis(Axis(0), Slice::from(..rank.shard.real));
-    rank.run(z, Some((hidden, w_real)), want_grad)
+    rank.run(z, Some((hidden, w_real)), call.want_grad())
 }
 
 /// Checks one rank's output-layer inputs and computes its logits `[n, w_r]`
@@ -102,12 +99,10 @@ fn output_rank_setup<'a>(
     comm: &'a dyn Collective,
     algorithm: ShardedAlgorithm,
     map: &ShardMap,
-    hidden: ArrayView2<f64>,
-    weight: ArrayView2<f64>,
-    targets: &[i64],
-    config: &LossConfig,
+    (hidden, weight): (ArrayView2<f64>, ArrayView2<f64>),
+    call: &LossCall,
 ) -> Result<(RankRun<'a>, Array2<f64>)> {
-    let rank = RankRun::new(comm, algorithm, map, hidden.nrows(), targets, config)?;
+    let rank = RankRun::new(comm, algorithm, map, hidden.nrows(), call)?;
     let shard = rank.shard;
     if weight.nrows() != shard.width {
         return Err(Error::ShapeMismatch {
@@ -148,6 +143,7 @@ pub struct OutputSPass {
     shard: Shard,
     config: LossConfig,
     targets: Vec<Option<usize>>,
+    weights: Vec<f64>,
     q: (f64, f64),
     meter: Meter,
     state: SState,
@@ -224,6 +220,7 @@ impl OutputSPass {
             shard: self.shard,
             config: self.config,
             targets: self.targets,
+            weights: self.weights,
             q: self.q,
             meter: self.meter,
         };
@@ -237,26 +234,24 @@ impl OutputSPass {
 ///
 /// # Errors
 /// As [`linear_cross_entropy_rank`].
-#[allow(clippy::too_many_arguments)]
 pub fn linear_cross_entropy_rank_s(
     comm: &dyn Collective,
     algorithm: ShardedAlgorithm,
     map: &ShardMap,
     hidden: ArrayView2<f64>,
     weight: ArrayView2<f64>,
-    targets: &[i64],
-    config: &LossConfig,
-    want_grad: bool,
+    call: &LossCall,
 ) -> Result<OutputSPass> {
-    let (rank, z) = output_rank_setup(comm, algorithm, map, hidden, weight, targets, config)?;
+    let (rank, z) = output_rank_setup(comm, algorithm, map, (hidden, weight), call)?;
     let shard = rank.shard;
     let w_real = weight.slice_axis(Axis(0), Slice::from(..shard.real));
-    let state = rank.s_pass(z, Some((hidden, w_real)), want_grad)?;
+    let state = rank.s_pass(z, Some((hidden, w_real)), call.want_grad())?;
     Ok(OutputSPass {
         algorithm,
         shard,
         config: rank.config,
         targets: rank.targets,
+        weights: rank.weights,
         q: rank.q,
         meter: rank.meter,
         state,
@@ -271,18 +266,15 @@ pub fn linear_cross_entropy_rank_s(
 /// # Errors
 /// As [`linear_cross_entropy_rank`], for the logits as the unsharded
 /// [`super::cross_entropy()`] checks them (flat indices are global).
-#[allow(clippy::too_many_arguments)]
 pub fn cross_entropy_rank(
     comm: &dyn Collective,
     algorithm: ShardedAlgorithm,
     map: &ShardMap,
     logits: ArrayView2<f64>,
-    targets: &[i64],
-    config: &LossConfig,
-    want_grad: bool,
+    call: &LossCall,
 ) -> Result<RankLoss> {
     let n = logits.nrows();
-    let rank = RankRun::new(comm, algorithm, map, n, targets, config)?;
+    let rank = RankRun::new(comm, algorithm, map, n, call)?;
     let shard = rank.shard;
     if logits.ncols() != shard.width {
         return Err(Error::ShapeMismatch {
@@ -297,7 +289,7 @@ pub fn cross_entropy_rank(
     z.slice_axis_mut(Axis(1), Slice::from(shard.real..))
         .fill(f64::NEG_INFINITY);
     rank.cap(&mut z);
-    rank.run(z, None, want_grad)
+    rank.run(z, None, call.want_grad())
 }
 
 /// The state of one rank's run.
@@ -307,6 +299,8 @@ pub(super) struct RankRun<'a> {
     pub(super) shard: Shard,
     pub(super) config: LossConfig,
     pub(super) targets: Vec<Option<usize>>,
+    /// `[n]`: each token's gradient weight ([`LossCall::token_weights`]).
+    pub(super) weights: Vec<f64>,
     /// `(q_target, q_other)`.
     pub(super) q: (f64, f64),
     pub(super) meter: Meter,
@@ -349,8 +343,7 @@ pub fn check_rank_inputs(
     comm: &dyn Collective,
     map: &ShardMap,
     n: usize,
-    targets: &[i64],
-    config: &LossConfig,
+    call: &LossCall,
 ) -> Result<()> {
     if comm.size() != map.num_shards() {
         return Err(Error::invalid(
@@ -362,12 +355,13 @@ pub fn check_rank_inputs(
             ),
         ));
     }
-    if targets.len() != n {
+    if call.targets.len() != n {
         return Err(Error::ShapeMismatch {
             field: "targets".into(),
             expected: format!("[n] with n = {n}"),
-            actual: vec![targets.len()],
+            actual: vec![call.targets.len()],
         });
     }
-    config.validate(map.vocab_size())
+    call.check_upstream(n)?;
+    call.config.validate(map.vocab_size())
 }
