@@ -21,7 +21,7 @@ use packshard::bench::{wikipedia_lengths, Batch};
 use packshard::optimized::attention::varlen_pairs;
 use packshard::reference::attention::AttentionLayout;
 use packshard::reference::bert::{BertConfig, BertParams};
-use packshard::reference::ops::{Precision, Qkv, Varlen};
+use packshard::reference::ops::{Layer, LayerInput, Precision, Qkv, Varlen};
 use packshard::reference::vocab::LossConfig;
 use packshard::registry;
 use packshard_reference::vocab::LossCall;
@@ -126,8 +126,11 @@ fn layer(c: &mut Criterion) {
             let g = Array2::from_shape_fn((n, hd), |_| rng.random_range(-1.0f64..1.0));
             group.bench_function(format!("{}_{name}", entry.name), |b| {
                 b.iter(|| {
-                    op.forward_backward(&p, heads, 1e-12, x.view(), layout, g.view())
-                        .unwrap()
+                    op.forward_backward(
+                        Layer::new(&p, heads, 1e-12),
+                        LayerInput::new(x.view(), layout, g.view()),
+                    )
+                    .unwrap()
                 })
             });
         }

@@ -123,7 +123,7 @@ fn layer_baseline_is_the_reference_in_f32() {
     use packshard_reference::attention::ReferenceAttention;
     use packshard_reference::bert::layer::ReferenceLayer;
     use packshard_reference::bert::{AttentionLayout, BertConfig, BertModel};
-    use packshard_reference::ops::EncoderLayerOp;
+    use packshard_reference::ops::{EncoderLayerOp, Layer, LayerInput};
 
     for (seed, lengths) in [(1u64, vec![3usize, 5]), (2, vec![7, 1, 4])] {
         let config = BertConfig::tiny(9, 8, 2, 1, 12, 16);
@@ -144,7 +144,10 @@ fn layer_baseline_is_the_reference_in_f32() {
         };
         let eps = config.layer_norm_eps;
         let want = ReferenceLayer(ReferenceAttention)
-            .forward_backward(&params, 2, eps, x.view(), &layout, go.view())
+            .forward_backward(
+                Layer::new(&params, 2, eps),
+                LayerInput::new(x.view(), &layout, go.view()),
+            )
             .unwrap();
         let (x32, go32) = (x.mapv(|v| v as f32), go.mapv(|v| v as f32));
         let (out, dx, g) =

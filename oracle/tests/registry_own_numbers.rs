@@ -18,7 +18,7 @@ use ndarray::{Array2, Array3};
 use packshard_oracle::eval::evaluate;
 use packshard_oracle::registry::{self, Precision};
 use packshard_reference::attention::varlen_pass;
-use packshard_reference::ops::{AttentionOp, Qkv, Varlen};
+use packshard_reference::ops::{AttentionOp, Layer, LayerInput, Qkv, Varlen};
 use packshard_reference::vocab::{LossConfig, ShardLayout, ShardMap, ShardedAlgorithm};
 use serde_json::{json, Value};
 
@@ -326,7 +326,10 @@ fn every_encoder_layer_answers_with_its_own_numbers() {
     let run = |name: &str| {
         let op = registry::find(&list, name).unwrap().make().ok()?;
         let r = op
-            .forward_backward(&params, 3, 1e-12, x.view(), &layout, g.view())
+            .forward_backward(
+                Layer::new(&params, 3, 1e-12),
+                LayerInput::new(x.view(), &layout, g.view()),
+            )
             .unwrap();
         Some(vec![
             r.output.iter().copied().collect::<Vec<_>>(),

@@ -548,22 +548,61 @@ pub struct LayerPass {
     pub grads: LayerParams,
 }
 
+/// One encoder layer: its parameters, heads and LayerNorm epsilon.
+#[derive(Debug, Clone, Copy)]
+pub struct Layer<'a> {
+    /// The parameters (`hidden` = their width).
+    pub params: &'a LayerParams,
+    /// Attention heads (`hidden / num_heads` = head dim).
+    pub num_heads: usize,
+    /// LayerNorm's epsilon (`layer_norm_eps`).
+    pub eps: f64,
+}
+
+impl<'a> Layer<'a> {
+    /// A layer of `params` with `num_heads` heads and LayerNorm epsilon `eps`.
+    pub fn new(params: &'a LayerParams, num_heads: usize, eps: f64) -> Self {
+        Layer {
+            params,
+            num_heads,
+            eps,
+        }
+    }
+}
+
+/// One pass through a layer: the input `x: [n, hidden]` over a token
+/// `layout`, and the upstream gradient `grad_output: [n, hidden]`.
+#[derive(Debug, Clone, Copy)]
+pub struct LayerInput<'a> {
+    /// `[n, hidden]`.
+    pub x: ArrayView2<'a, f64>,
+    /// Which tokens attend to which.
+    pub layout: &'a AttentionLayout,
+    /// `[n, hidden]`.
+    pub grad_output: ArrayView2<'a, f64>,
+}
+
+impl<'a> LayerInput<'a> {
+    /// `x` over `layout`, with the upstream gradient `grad_output`.
+    pub fn new(
+        x: ArrayView2<'a, f64>,
+        layout: &'a AttentionLayout,
+        grad_output: ArrayView2<'a, f64>,
+    ) -> Self {
+        LayerInput {
+            x,
+            layout,
+            grad_output,
+        }
+    }
+}
+
 /// One BERT encoder layer (post-LayerNorm, Hugging Face's `BertLayer`),
-/// forward and backward, over a token layout: `x: [n, hidden]`,
-/// `grad_output: [n, hidden]`.
+/// forward and backward, over a token layout.
 pub trait EncoderLayerOp: Send + Sync {
     /// Forward and backward.
     ///
     /// # Errors
     /// Shape or layout errors, as [`crate::bert::layer::layer_forward`].
-    #[allow(clippy::too_many_arguments)]
-    fn forward_backward(
-        &self,
-        params: &LayerParams,
-        num_heads: usize,
-        eps: f64,
-        x: ArrayView2<f64>,
-        layout: &AttentionLayout,
-        grad_output: ArrayView2<f64>,
-    ) -> Result<LayerPass>;
+    fn forward_backward(&self, layer: Layer<'_>, input: LayerInput<'_>) -> Result<LayerPass>;
 }

@@ -73,11 +73,17 @@ pub fn check_layer_with(
     let eps = config.layer_norm_eps;
     let e = |w: &str, e: Error| Mismatch::new(w, format!("{}: {e}", IMPL));
     let (op, dxp, gpp) = imp
-        .forward_backward(&params, heads, eps, xp.view(), &dense, gp.view())
+        .forward_backward(
+            Layer::new(&params, heads, eps),
+            LayerInput::new(xp.view(), &dense, gp.view()),
+        )
         .map(parts)
         .map_err(|x| e("padded layer", x))?;
     let (ov, dxv, gpv) = imp
-        .forward_backward(&params, heads, eps, x.view(), &varlen, go.view())
+        .forward_backward(
+            Layer::new(&params, heads, eps),
+            LayerInput::new(x.view(), &varlen, go.view()),
+        )
         .map(parts)
         .map_err(|x| e("varlen layer", x))?;
     let mut seen = Observed::default();
@@ -216,14 +222,20 @@ pub fn check_layer_relative(
     let (heads, eps) = (config.num_attention_heads, config.layer_norm_eps);
     let e = |w: &str, e: Error| Mismatch::new(w, e.to_string());
     let (want_out, want_dx, want_g) = ReferenceLayer(ReferenceAttention)
-        .forward_backward(&params, heads, eps, x.view(), &layout, go.view())
+        .forward_backward(
+            Layer::new(&params, heads, eps),
+            LayerInput::new(x.view(), &layout, go.view()),
+        )
         .map(parts)
         .map_err(|x| e("reference layer", x))?;
     let (x32, go32) = (x.mapv(|v| v as f32), go.mapv(|v| v as f32));
     let (b_out, b_dx, b_g) =
         baseline32::layer_forward_backward(&params, heads, eps, x32.view(), &cu, go32.view());
     let (out, dx, g) = imp
-        .forward_backward(&params, heads, eps, x.view(), &layout, go.view())
+        .forward_backward(
+            Layer::new(&params, heads, eps),
+            LayerInput::new(x.view(), &layout, go.view()),
+        )
         .map(parts)
         .map_err(|x| e(IMPL, x))?;
     let mut report = RelativeReport::default();

@@ -23,7 +23,7 @@ use packshard_reference::bert::{
     AttentionLayout, BertConfig, BertModel, BertOutput, LayerParams, LossWeights, PackedAttention,
     Reduction, Targets, TokenBatch, IGNORE_INDEX,
 };
-use packshard_reference::ops::{AttentionOp, EncoderLayerOp, LayerPass};
+use packshard_reference::ops::{AttentionOp, EncoderLayerOp, Layer, LayerInput, LayerPass};
 use packshard_reference::packing::{Algorithm, PackedBatch, PackingConfig};
 use packshard_reference::Error;
 use proptest::prelude::*;

@@ -1,9 +1,6 @@
 //! The f32 encoder layer as an [`EncoderLayerOp`].
 
-use ndarray::ArrayView2;
-use packshard_reference::attention::AttentionLayout;
-use packshard_reference::bert::LayerParams;
-use packshard_reference::ops::{EncoderLayerOp, LayerPass};
+use packshard_reference::ops::{EncoderLayerOp, Layer, LayerInput, LayerPass};
 use packshard_reference::Result;
 
 use crate::convert::{to_f32, to_f64};
@@ -16,18 +13,11 @@ use crate::layer::{layer_backward, layer_forward, layer_params_f32, widen_layer_
 pub struct EncoderLayerF32;
 
 impl EncoderLayerOp for EncoderLayerF32 {
-    fn forward_backward(
-        &self,
-        params: &LayerParams,
-        num_heads: usize,
-        eps: f64,
-        x: ArrayView2<f64>,
-        layout: &AttentionLayout,
-        grad_output: ArrayView2<f64>,
-    ) -> Result<LayerPass> {
-        let p = layer_params_f32(params)?;
-        let x = to_f32("hidden", x)?;
-        let go = to_f32("grad_output", grad_output)?;
+    fn forward_backward(&self, layer: Layer<'_>, input: LayerInput<'_>) -> Result<LayerPass> {
+        let (p, num_heads, eps) = (layer_params_f32(layer.params)?, layer.num_heads, layer.eps);
+        let x = to_f32("hidden", input.x)?;
+        let go = to_f32("grad_output", input.grad_output)?;
+        let layout = input.layout;
         let (out, cache) = layer_forward(&p, num_heads, eps as f32, x.view(), layout)?;
         let (dx, g) = layer_backward(&p, num_heads, &cache, layout, go.view())?;
         Ok(LayerPass {

@@ -9,7 +9,7 @@ use packshard_reference::attention::varlen_pass;
 use packshard_reference::attention::AttentionLayout;
 use packshard_reference::bert::{BertConfig, BertParams};
 use packshard_reference::decoder::{CausalReduction, DecoderConfig};
-use packshard_reference::ops::{Precision, Qkv, Varlen};
+use packshard_reference::ops::{Layer, LayerInput, Precision, Qkv, Varlen};
 use packshard_reference::vocab::LossConfig;
 use packshard_reference::{Error, Result};
 use rand::{Rng, SeedableRng};
@@ -275,7 +275,10 @@ pub fn registry(cfg: &BenchConfig) -> Result<Vec<ImplTiming>> {
         &format!("fwd+bwd, {nl} tokens, hidden 64, 4 heads, 256"),
         reps,
         |op| {
-            let r = op.forward_backward(&params, 4, 1e-12, x.view(), &layout, gl.view())?;
+            let r = op.forward_backward(
+                Layer::new(&params, 4, 1e-12),
+                LayerInput::new(x.view(), &layout, gl.view()),
+            )?;
             Ok(vec![
                 flat(&r.output),
                 flat(&r.grad_x),

@@ -20,7 +20,7 @@ use super::ops::{
 use super::weights::LayerParams;
 use crate::attention::{AttentionLayout, AttentionOutput};
 use crate::error::{Error, Result};
-use crate::ops::{AttentionOp, EncoderLayerOp, Grad, LayerPass, Qkv};
+use crate::ops::{AttentionOp, EncoderLayerOp, Grad, Layer, LayerInput, LayerPass, Qkv};
 
 /// What the backward of one layer needs.
 #[derive(Debug, Clone)]
@@ -202,15 +202,17 @@ pub fn layer_backward(
 pub struct ReferenceLayer<A = crate::attention::ReferenceAttention>(pub A);
 
 impl<A: AttentionOp> EncoderLayerOp for ReferenceLayer<A> {
-    fn forward_backward(
-        &self,
-        params: &LayerParams,
-        num_heads: usize,
-        eps: f64,
-        x: ArrayView2<f64>,
-        layout: &AttentionLayout,
-        grad_output: ArrayView2<f64>,
-    ) -> Result<LayerPass> {
+    fn forward_backward(&self, layer: Layer<'_>, input: LayerInput<'_>) -> Result<LayerPass> {
+        let Layer {
+            params,
+            num_heads,
+            eps,
+        } = layer;
+        let LayerInput {
+            x,
+            layout,
+            grad_output,
+        } = input;
         let (output, cache) = layer_forward(params, num_heads, eps, &self.0, x, layout)?;
         let mut grads = params.zeros_like();
         let grad_x = layer_backward(
