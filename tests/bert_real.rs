@@ -7,6 +7,8 @@
 //! Assets come from `scripts/fetch_assets.sh`; without them these tests skip
 //! unless `PACKSHARD_REQUIRE_ASSETS=1` (CI), which makes them fail.
 
+mod common;
+
 use std::process::Command;
 
 use packshard::assets;
@@ -155,12 +157,7 @@ fn verify_bert_command_passes_on_a_small_real_sample() {
         .args(["--max-lines", "10", "--max-seq-len", "16"])
         .output()
         .unwrap();
-    let out = String::from_utf8_lossy(&o.stdout);
-    assert!(
-        o.status.success(),
-        "{out}\n{}",
-        String::from_utf8_lossy(&o.stderr)
-    );
+    let out = common::succeeded(&o);
     for want in [
         "sequences",
         "efficiency",

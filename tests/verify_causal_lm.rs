@@ -5,6 +5,8 @@
 //! packed attention forms, and a planted C1 (labels shifted over the whole
 //! pack, docs/FAULTS.md) is reported as a mismatch of the loss.
 
+mod common;
+
 use std::process::Command;
 
 use packshard::assets;
@@ -47,12 +49,7 @@ fn verify_causal_lm_command_passes_on_a_small_real_sample() {
             .args(["--packed-attention", form, "--algorithm", "lpfhp"])
             .output()
             .unwrap();
-        let out = String::from_utf8_lossy(&o.stdout);
-        assert!(
-            o.status.success(),
-            "{out}\n{}",
-            String::from_utf8_lossy(&o.stderr)
-        );
+        let out = common::succeeded(&o);
         for want in [
             "Llama shape",
             "2 key-value heads",

@@ -36,6 +36,15 @@ pub fn eval_text(case: &str) -> (i32, serde_json::Value) {
     (o.status.code().expect("an exit status"), v)
 }
 
+/// The standard output of a run that must have succeeded (else a panic
+/// showing both streams).
+pub fn succeeded(o: &Output) -> String {
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{out}\n{err}");
+    out
+}
+
 /// [`eval_text`] of a JSON value.
 pub fn eval(case: &serde_json::Value) -> (i32, serde_json::Value) {
     eval_text(&case.to_string())
