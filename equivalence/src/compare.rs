@@ -440,7 +440,7 @@ pub fn assert_close_relative_to(
     baseline_error: f64,
     rule: RelativeRule,
 ) -> Result<RelativeError, Mismatch> {
-    relative_core(what, expected, actual, shape, baseline_error, rule, None)
+    relative_core(what, expected, actual, shape, baseline_error, rule, (None, 0.0))
 }
 
 fn max_finite(x: &[f64]) -> f64 {
@@ -512,7 +512,7 @@ fn relative_core(
     shape: &[usize],
     baseline_error: f64,
     rule: RelativeRule,
-    scale: Option<f64>,
+    (scale, traded): (Option<f64>, f64),
 ) -> Result<RelativeError, Mismatch> {
     let error = max_error(what, expected, actual, shape, Against::Actual)?;
     let scale = max_finite(expected).max(scale.unwrap_or(0.0));
@@ -523,7 +523,7 @@ fn relative_core(
         floor: rule.floor * rule.eps * scale,
         values: expected.len(),
     };
-    let allowed = rule.k_tensor * baseline_error + seen.floor;
+    let allowed = rule.k_tensor * baseline_error + seen.floor + traded;
     if error <= allowed {
         return Ok(seen);
     }
@@ -535,7 +535,7 @@ fn relative_core(
     Err(Mismatch::new(
         what,
         format!(
-            "max error {:e} at {:?} (expected {:e}, got {:e}) is {:.3} x the baseline's {:e}; allowed {:e} = {} x baseline + {} eps x scale {:e} ({})",
+            "max error {:e} at {:?} (expected {:e}, got {:e}) is {:.3} x the baseline's {:e}; allowed {:e} = {} x baseline + {} eps x scale {:e}{} ({})",
             error,
             unravel(worst, shape),
             expected[worst],
@@ -546,6 +546,11 @@ fn relative_core(
             rule.k_tensor,
             rule.floor,
             scale,
+            if traded > 0.0 {
+                format!(" + the {traded:e} it reports it traded")
+            } else {
+                String::new()
+            },
             rule.name
         ),
     ))
@@ -585,8 +590,27 @@ pub fn assert_within_k_with_scale(
     rule: RelativeRule,
     scale: Option<f64>,
 ) -> Result<RelativeError, Mismatch> {
+    assert_within_k_traded(what, expected, baseline, actual, shape, rule, (scale, 0.0))
+}
+
+/// As [`assert_within_k_with_scale`] with the allowance widened by
+/// `traded`: the error an approximate implementation reports it introduced
+/// on purpose (`packshard_reference::ops::TradedError`), so that an error
+/// beyond rounding **and** that report still fails.
+///
+/// # Errors
+/// As [`assert_within_k`].
+pub fn assert_within_k_traded(
+    what: &str,
+    expected: &[f64],
+    baseline: &[f64],
+    actual: &[f64],
+    shape: &[usize],
+    rule: RelativeRule,
+    allowance: (Option<f64>, f64),
+) -> Result<RelativeError, Mismatch> {
     let base = max_error(what, expected, baseline, shape, Against::Baseline)?;
-    relative_core(what, expected, actual, shape, base, rule, scale)
+    relative_core(what, expected, actual, shape, base, rule, allowance)
 }
 
 #[cfg(test)]

@@ -13,7 +13,7 @@ use packshard_reference::{Error, Result};
 use crate::convert::{to_f32, to_f32_real, to_f64};
 use crate::vocab::{
     alg2, cross_entropy, linear_cross_entropy_fused, linear_cross_entropy_materialized,
-    linear_cross_entropy_tiled, Chunks, CrossEntropy32, LinearCrossEntropy32,
+    linear_cross_entropy_tiled, linear_cross_entropy_tiled_filtered, Chunks, CrossEntropy32, LinearCrossEntropy32,
 };
 
 /// The results of an f32 cross-entropy, widened (exactly) to the reference's type.
@@ -44,7 +44,18 @@ fn unsharded_f32(
         grad_hidden: l.grad_hidden.map(|g| to_f64(g.view())),
         grad_weight: l.grad_weight.map(|g| to_f64(g.view())),
         logits_buffer_bytes: Some(l.logits_buffer_bytes),
+        traded: l.traded,
     })
+}
+
+/// The sharded form of a kernel `name` that declares no algorithm: refuses
+/// every one.
+fn unsharded_only(name: &str, algorithm: ShardedAlgorithm) -> Result<ShardedLoss> {
+    check_algorithm(&[], algorithm)?;
+    Err(Error::invalid(
+        "algorithm",
+        format!("{name} is unsharded only"),
+    ))
 }
 
 /// `alg2`'s shard kernel in `chunks` on `(hidden: [n, h], weight: [w, h])`,
@@ -122,12 +133,7 @@ impl LinearCrossEntropyOp for LinearCeMaterialized {
         _weight: ArrayView2<f64>,
         _call: &LossCall,
     ) -> Result<ShardedLoss> {
-        // Refuses every algorithm: this kernel declares none.
-        check_algorithm(&self.algorithms(), algorithm)?;
-        Err(Error::invalid(
-            "algorithm",
-            "linear_ce_materialized is unsharded only",
-        ))
+        unsharded_only("linear_ce_materialized", algorithm)
     }
 }
 
@@ -200,3 +206,62 @@ impl Default for LinearCeTiled {
 }
 
 chunked_linear_op!(LinearCeTiled, linear_cross_entropy_tiled);
+
+/// `linear_ce_tiled_filtered`: [`LinearCeTiled`] with Cut Cross-Entropy's
+/// gradient filtering (Wijmans et al. 2024, §4.3): a gradient tile whose
+/// every `|dL/dz_ij|` is at most `threshold x |w_i|` skips its two products
+/// ([`crate::vocab::linear_cross_entropy_tiled_filtered`]); the result's
+/// [`LinearLoss::traded`] bounds the error that costs `dL/dhidden` and
+/// `dL/dW`. Unsharded only (the filter is the tiled kernel's; `alg2`'s
+/// shard kernel has none).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LinearCeTiledFiltered {
+    /// The tile sizes.
+    pub chunks: Chunks,
+    /// The filter's threshold on the softmax's scale (finite, `>= 0`).
+    pub threshold: f32,
+}
+
+impl LinearCeTiledFiltered {
+    /// Cut Cross-Entropy's default threshold, 2^-12 (Wijmans et al. 2024,
+    /// §4.3).
+    pub const CCE_THRESHOLD: f32 = 1.0 / 4096.0;
+}
+
+impl Default for LinearCeTiledFiltered {
+    /// [`LinearCeTiled`]'s tiles, [`Self::CCE_THRESHOLD`].
+    fn default() -> Self {
+        LinearCeTiledFiltered {
+            chunks: LinearCeTiled::default().chunks,
+            threshold: Self::CCE_THRESHOLD,
+        }
+    }
+}
+
+impl LinearCrossEntropyOp for LinearCeTiledFiltered {
+    fn algorithms(&self) -> Vec<ShardedAlgorithm> {
+        Vec::new()
+    }
+
+    fn linear_cross_entropy(
+        &self,
+        hidden: ArrayView2<f64>,
+        weight: ArrayView2<f64>,
+        call: &LossCall,
+    ) -> Result<LinearLoss> {
+        unsharded_f32(hidden, weight, |x, w| {
+            linear_cross_entropy_tiled_filtered(x, w, call, self.chunks, self.threshold)
+        })
+    }
+
+    fn sharded_linear_cross_entropy(
+        &self,
+        algorithm: ShardedAlgorithm,
+        _map: &ShardMap,
+        _hidden: ArrayView2<f64>,
+        _weight: ArrayView2<f64>,
+        _call: &LossCall,
+    ) -> Result<ShardedLoss> {
+        unsharded_only("linear_ce_tiled_filtered", algorithm)
+    }
+}

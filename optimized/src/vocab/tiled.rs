@@ -16,6 +16,9 @@
 //! computed twice); working memory one tile plus the `[n]` statistics.
 //! Sharded, the op runs `alg2`'s shard kernel as
 //! [`super::linear_cross_entropy_fused`]'s does ([`super::alg2`]).
+//!
+//! [`linear_cross_entropy_tiled_filtered`] adds Cut Cross-Entropy's gradient
+//! filtering to pass 2 and reports the error it trades ([`TradedError`]).
 
 use super::*;
 
@@ -31,6 +34,100 @@ pub fn linear_cross_entropy_tiled(
     weight: ArrayView2<f32>,
     call: &LossCall,
     chunks: Chunks,
+) -> Result<LinearCrossEntropy32> {
+    tiled(hidden, weight, call, chunks, None)
+}
+
+/// [`linear_cross_entropy_tiled`] with gradient filtering (Cut
+/// Cross-Entropy, Wijmans et al. 2024, §4.3, whose default `threshold` is
+/// 2^-12): in pass 2, a tile of `dL/dz` whose every entry satisfies
+/// `|dL/dz_ij| <= threshold * |w_i|` (`w_i` the row's weight,
+/// [`LossCall::token_weights`]: the test is on the softmax's scale) skips
+/// its two products. The losses and statistics are exact as
+/// [`linear_cross_entropy_tiled`]'s; the gradients lose the skipped terms,
+/// and [`LinearCrossEntropy32::traded`] bounds that loss per element:
+/// `dL/dhidden` by `max_i (Σ_{skipped j} |dL/dz_ij|) x max|W|`, `dL/dW` by
+/// `max_j (Σ_{skipped i} |dL/dz_ij|) x max|hidden|` (each skipped term
+/// `dL/dz_ij W_jk` is at most that in size), with the number of skipped
+/// tiles. `threshold = 0` skips only all-zero tiles (ignored rows): the
+/// results of [`linear_cross_entropy_tiled`], bound 0.
+///
+/// # Errors
+/// As [`linear_cross_entropy_tiled`]; [`Error::InvalidArgument`]
+/// (`threshold`) for a negative or non-finite threshold.
+pub fn linear_cross_entropy_tiled_filtered(
+    hidden: ArrayView2<f32>,
+    weight: ArrayView2<f32>,
+    call: &LossCall,
+    chunks: Chunks,
+    threshold: f32,
+) -> Result<LinearCrossEntropy32> {
+    if !(threshold.is_finite() && threshold >= 0.0) {
+        return Err(Error::invalid(
+            "threshold",
+            format!("{threshold}: must be finite and at least 0"),
+        ));
+    }
+    tiled(hidden, weight, call, chunks, Some(threshold))
+}
+
+/// The gradient mass a filtering kernel skipped: `[n]` row sums and `[v]`
+/// column sums of `|dL/dz|` over the skipped tiles, and their count.
+struct Skipped {
+    rows: Vec<f64>,
+    cols: Vec<f64>,
+    tiles: usize,
+}
+
+impl Skipped {
+    /// Whether the gradient tile `g: [m, tile]` of rows `i0..` is below
+    /// `threshold` times each row's `|weight|` everywhere.
+    fn below(g: ArrayView2<f32>, threshold: f32, weights: &[f64]) -> bool {
+        g.outer_iter().zip(weights).all(|(row, w)| {
+            let limit = f64::from(threshold) * w.abs();
+            row.iter().all(|&x| f64::from(x.abs()) <= limit)
+        })
+    }
+
+    /// Notes the skipped tile `g` at rows `i0..`, columns `j0..`.
+    fn note(&mut self, g: ArrayView2<f32>, (i0, j0): (usize, usize)) {
+        for (r, row) in g.outer_iter().enumerate() {
+            for (c, &x) in row.iter().enumerate() {
+                let a = f64::from(x.abs());
+                self.rows[i0 + r] += a;
+                self.cols[j0 + c] += a;
+            }
+        }
+        self.tiles += 1;
+    }
+
+    /// The bound on each gradient's per-element error (see
+    /// [`linear_cross_entropy_tiled_filtered`]).
+    fn bound(&self, hidden: ArrayView2<f32>, weight: ArrayView2<f32>) -> TradedError {
+        let max_abs = |a: ArrayView2<f32>| a.iter().fold(0.0f64, |m, &x| m.max(f64::from(x.abs())));
+        let largest = |xs: &[f64]| xs.iter().copied().fold(0.0, f64::max);
+        if self.tiles == 0 {
+            return TradedError {
+                grad_hidden: 0.0,
+                grad_weight: 0.0,
+                skipped_tiles: 0,
+            };
+        }
+        TradedError {
+            grad_hidden: largest(&self.rows) * max_abs(weight),
+            grad_weight: largest(&self.cols) * max_abs(hidden),
+            skipped_tiles: self.tiles,
+        }
+    }
+}
+
+/// The tiled kernel, filtering its gradient tiles below `filter` when given.
+fn tiled(
+    hidden: ArrayView2<f32>,
+    weight: ArrayView2<f32>,
+    call: &LossCall,
+    chunks: Chunks,
+    filter: Option<f32>,
 ) -> Result<LinearCrossEntropy32> {
     check_linear_inputs(hidden, weight, call)?;
     let (config, want_grad) = (call.config, call.want_grad());
@@ -66,6 +163,11 @@ pub fn linear_cross_entropy_tiled(
         let zeros = |a: ArrayView2<f32>| Array2::<f32>::zeros(a.dim());
         (zeros(hidden), zeros(weight))
     });
+    let mut skipped = Skipped {
+        rows: vec![0.0; if filter.is_some() { n } else { 0 }],
+        cols: vec![0.0; if filter.is_some() { v } else { 0 }],
+        tiles: 0,
+    };
     if let Some(grads) = grads.as_mut() {
         for (i0, m) in spans(n, tn) {
             let x = hidden.slice(s![i0..i0 + m, ..]);
@@ -74,9 +176,17 @@ pub fn linear_cross_entropy_tiled(
                 let flat = &mut buf.as_slice_mut().expect("standard")[..m * tv];
                 gradient_at(flat, tv, (0, j0, tile), &rows, i0, &stats[i0..i0 + m]);
                 let g = buf.slice(s![..m, ..tile]);
+                if let Some(threshold) = filter {
+                    if Skipped::below(g, threshold, &rows.weights[i0..i0 + m]) {
+                        skipped.note(g, (i0, j0));
+                        continue;
+                    }
+                }
                 accumulate_tile_grads(g, (x, weight), (i0, j0), grads);
             }
         }
     }
-    Ok(fused_result(&rows, stats, forward, grads, 4 * tn * tv))
+    let mut out = fused_result(&rows, stats, forward, grads, 4 * tn * tv);
+    out.traded = filter.map(|_| skipped.bound(hidden, weight));
+    Ok(out)
 }
