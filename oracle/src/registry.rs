@@ -499,7 +499,7 @@ pub fn linear_cross_entropy() -> Vec<Entry<dyn LinearCrossEntropyOp>> {
         },
         Entry {
             name: "linear_ce_tiled_filtered",
-            changed: "linear_ce_tiled with Cut Cross-Entropy's gradient filtering: a tile of dL/dz whose entries are all at most 2^-12 x the row's weight skips its two products; trades gradient error for time and reports a bound on it (judged within rounding plus that bound); unsharded only",
+            changed: "linear_ce_tiled with Cut Cross-Entropy's gradient filtering: a tile of dL/dz whose entries off the targets are all at most 2^-12 x the row's weight skips its two products (its target entries applied one row each); trades gradient error for time and reports a bound on it (judged within rounding plus that bound); unsharded only",
             precision: Precision::F32,
             judge: F32_FORMS,
             fuzz_judge: F32_FUZZ,

@@ -235,3 +235,38 @@ fn the_suite_allows_the_reported_trade_and_nothing_more() {
         assert!(m.to_string().contains("grad_weight"), "case {k}: {m}");
     }
 }
+
+/// Threshold 1 skips every tile (`|dL/dz_ij| = w_i p_j <= w_i` off the
+/// target), yet the target entries are applied (CCE's indexed term):
+/// `dL/dhidden_i = w_i (p_t - 1) W_t`, `p_t = exp(-loss_i)`, `w_i = 1 /
+/// tokens` under `mean`.
+#[test]
+fn skipped_tiles_keep_their_target_terms() {
+    let (n, h, v) = (9, 5, 13);
+    let (x, w, t) = random(n, h, v, 3);
+    let config = LossConfig::default();
+    let call = LossCall::with_flag(&t, &config, true);
+    let chunks = Chunks {
+        tokens: 2,
+        vocab: 4,
+    };
+    let f = linear_cross_entropy_tiled_filtered(x.view(), w.view(), &call, chunks, 1.0).unwrap();
+    let traded = f.traded.unwrap();
+    assert_eq!(traded.skipped_tiles, n.div_ceil(2) * v.div_ceil(4));
+    let gh = f.grad_hidden.unwrap();
+    let tokens = f.ce.num_tokens as f64;
+    for i in 0..n {
+        for k in 0..h {
+            let want = match usize::try_from(t[i]) {
+                Ok(ti) => {
+                    let p = (-f.ce.per_token_loss[i]).exp();
+                    (p - 1.0) / tokens * f64::from(w[[ti, k]])
+                }
+                Err(_) => 0.0,
+            };
+            let got = f64::from(gh[[i, k]]);
+            assert!((got - want).abs() <= 1e-6, "[{i}, {k}]: {got} vs {want}");
+        }
+    }
+    assert!(traded.grad_hidden > 0.0 && traded.grad_weight > 0.0, "{traded:?}");
+}

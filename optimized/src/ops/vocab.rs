@@ -209,7 +209,8 @@ chunked_linear_op!(LinearCeTiled, linear_cross_entropy_tiled);
 
 /// `linear_ce_tiled_filtered`: [`LinearCeTiled`] with Cut Cross-Entropy's
 /// gradient filtering (Wijmans et al. 2024, §4.3): a gradient tile whose
-/// every `|dL/dz_ij|` is at most `threshold x |w_i|` skips its two products
+/// every `|dL/dz_ij|` off the targets is at most `threshold x |w_i|` skips
+/// its two products (the target entries applied alone)
 /// ([`crate::vocab::linear_cross_entropy_tiled_filtered`]); the result's
 /// [`LinearLoss::traded`] bounds the error that costs `dL/dhidden` and
 /// `dL/dW`. Unsharded only (the filter is the tiled kernel's; `alg2`'s

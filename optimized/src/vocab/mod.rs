@@ -34,7 +34,8 @@
 //!   gradients from recomputed logits (four products, [`tiled`]).
 //! - [`linear_cross_entropy_tiled_filtered`]: the tiled kernel with Cut
 //!   Cross-Entropy's gradient filtering (a tile of `dL/dz` below a threshold
-//!   skips its two products), reporting a bound on the error it trades.
+//!   off the targets skips its two products), reporting a bound on the error
+//!   it trades.
 //! - [`alg2`]: one shard of the sharded algorithm: the S pass (local
 //!   statistics and the input-gradient partials `s_i D_i`, `B_i` of the
 //!   merged record, chunked) and the T pass (the weight gradient of the
