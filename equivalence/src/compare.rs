@@ -440,7 +440,15 @@ pub fn assert_close_relative_to(
     baseline_error: f64,
     rule: RelativeRule,
 ) -> Result<RelativeError, Mismatch> {
-    relative_core(what, expected, actual, shape, baseline_error, rule, (None, 0.0))
+    relative_core(
+        what,
+        expected,
+        actual,
+        shape,
+        baseline_error,
+        rule,
+        (None, 0.0),
+    )
 }
 
 fn max_finite(x: &[f64]) -> f64 {

@@ -116,7 +116,10 @@ fn the_reported_bound_holds() {
         let scale = want.iter().fold(0.0f64, |m, &x| m.max(f64::from(x.abs())));
         let d = max_diff(got, want);
         assert!(d <= bound + 1e-5 * scale, "{what}: {d:e} over {bound:e}");
-        assert!(d >= 0.1 * bound && bound > 1e-3 * scale, "{what}: {d:e}, {bound:e}");
+        assert!(
+            d >= 0.1 * bound && bound > 1e-3 * scale,
+            "{what}: {d:e}, {bound:e}"
+        );
     }
 }
 
@@ -225,13 +228,9 @@ fn the_suite_allows_the_reported_trade_and_nothing_more() {
         let m = check_linear_unsharded(&Planted(Filtered(op, Report::Nothing)), case, true, rule)
             .expect_err("skipping while reporting no trade must fail");
         assert!(m.to_string().contains("grad_hidden"), "case {k}: {m}");
-        let m = check_linear_unsharded(
-            &Planted(Filtered(op, Report::HiddenOnly)),
-            case,
-            true,
-            rule,
-        )
-        .expect_err("an unreported dL/dW trade must fail");
+        let m =
+            check_linear_unsharded(&Planted(Filtered(op, Report::HiddenOnly)), case, true, rule)
+                .expect_err("an unreported dL/dW trade must fail");
         assert!(m.to_string().contains("grad_weight"), "case {k}: {m}");
     }
 }
@@ -268,5 +267,8 @@ fn skipped_tiles_keep_their_target_terms() {
             assert!((got - want).abs() <= 1e-6, "[{i}, {k}]: {got} vs {want}");
         }
     }
-    assert!(traded.grad_hidden > 0.0 && traded.grad_weight > 0.0, "{traded:?}");
+    assert!(
+        traded.grad_hidden > 0.0 && traded.grad_weight > 0.0,
+        "{traded:?}"
+    );
 }

@@ -327,6 +327,16 @@ pub fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
                     LinearCeTiled::default().chunks.tokens,
                     LinearCeTiled::default().chunks.vocab
                 );
+                let (bh, bw) = r.filtered_bounds;
+                println!(
+                    "  filtered     {:.3} s ({:.2}x tiled; threshold 2^-12: {} of {} tiles skipped, reported bounds dL/dhidden {:.2e}, dL/dW {:.2e})",
+                    r.filtered_s,
+                    r.filtered_s / r.tiled_s,
+                    r.filtered_skipped,
+                    r.filtered_tiles,
+                    bh,
+                    bw
+                );
                 if let (Some(m), Some(mp)) = (r.materialized_s, r.materialized_peak) {
                     let work = |p: usize| p.saturating_sub(r.output_bytes) as f64;
                     for (name, s, peak, target) in [
@@ -347,6 +357,9 @@ pub fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
                              "materialized_s": r.materialized_s, "materialized_peak_bytes": r.materialized_peak,
                              "fused_s": r.fused_s, "fused_peak_bytes": r.fused_peak,
                              "tiled_s": r.tiled_s, "tiled_peak_bytes": r.tiled_peak,
+                             "filtered_s": r.filtered_s, "filtered_skipped_tiles": r.filtered_skipped,
+                             "filtered_tiles": r.filtered_tiles,
+                             "filtered_bounds": [r.filtered_bounds.0, r.filtered_bounds.1],
                              "output_bytes": r.output_bytes, "logits_bytes": r.logits_bytes}));
         }
         out.insert("cross_entropy".into(), json!(rows));

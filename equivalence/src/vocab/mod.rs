@@ -466,7 +466,12 @@ pub fn check_linear_unsharded(
     };
     let run = |c: &LinearCase| {
         imp.linear_cross_entropy(c.hidden.view(), c.weight.view(), &c.call(want_grad))
-            .map(|l| (one_rank(&c.map, l.ce, l.grad_hidden, l.grad_weight), l.traded))
+            .map(|l| {
+                (
+                    one_rank(&c.map, l.ce, l.grad_hidden, l.grad_weight),
+                    l.traded,
+                )
+            })
     };
     let call = one.call(want_grad);
     if let Some(r) = refused(imp.options(), &call, || linear_ok(&one), || run(&one)) {

@@ -35,7 +35,13 @@ fn relative_with_scale(
     rule: RelativeRule,
     scale: Option<f64>,
 ) -> Result<(), Mismatch> {
-    traded_relative(what, (expected, baseline, actual), shape, rule, (scale, 0.0))
+    traded_relative(
+        what,
+        (expected, baseline, actual),
+        shape,
+        rule,
+        (scale, 0.0),
+    )
 }
 
 /// [`relative_with_scale`] with the allowance widened by the error the
@@ -51,8 +57,15 @@ fn traded_relative(
     rule: RelativeRule,
     (scale, traded): (Option<f64>, f64),
 ) -> Result<(), Mismatch> {
-    let mut r =
-        assert_within_k_traded(what, expected, baseline, actual, shape, rule, (scale, traded))?;
+    let mut r = assert_within_k_traded(
+        what,
+        expected,
+        baseline,
+        actual,
+        shape,
+        rule,
+        (scale, traded),
+    )?;
     r.error = (r.error - traded).max(0.0);
     RELATIVE.with(|rep| rep.borrow_mut().note(what, r));
     Ok(())
@@ -64,7 +77,10 @@ fn traded_bounds(traded: Option<TradedError>) -> Result<(f64, f64), Mismatch> {
     let Some(t) = traded else {
         return Ok((0.0, 0.0));
     };
-    for (what, b) in [("grad_hidden", t.grad_hidden), ("grad_weight", t.grad_weight)] {
+    for (what, b) in [
+        ("grad_hidden", t.grad_hidden),
+        ("grad_weight", t.grad_weight),
+    ] {
         if !(b.is_finite() && b >= 0.0) {
             return fail(
                 "traded",

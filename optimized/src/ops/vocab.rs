@@ -13,7 +13,8 @@ use packshard_reference::{Error, Result};
 use crate::convert::{to_f32, to_f32_real, to_f64};
 use crate::vocab::{
     alg2, cross_entropy, linear_cross_entropy_fused, linear_cross_entropy_materialized,
-    linear_cross_entropy_tiled, linear_cross_entropy_tiled_filtered, Chunks, CrossEntropy32, LinearCrossEntropy32,
+    linear_cross_entropy_tiled, linear_cross_entropy_tiled_filtered, Chunks, CrossEntropy32,
+    LinearCrossEntropy32,
 };
 
 /// The results of an f32 cross-entropy, widened (exactly) to the reference's type.

@@ -43,8 +43,8 @@
 //!   collectives and merge functions between them.
 
 use ndarray::{s, Array1, Array2, ArrayView2, ArrayViewMut2};
-use packshard_reference::vocab::cross_entropy::{check_row, check_shapes, token_loss};
 use packshard_reference::ops::TradedError;
+use packshard_reference::vocab::cross_entropy::{check_row, check_shapes, token_loss};
 use packshard_reference::vocab::softcap;
 use packshard_reference::vocab::{LossCall, LossConfig, SoftmaxStats};
 use packshard_reference::{Error, Result};

@@ -6,10 +6,10 @@
 use ndarray::{Array2, Array3};
 use packshard_optimized::attention::{dense_masked_attention, varlen_attention, varlen_pairs};
 use packshard_optimized::layer::{layer_backward, layer_flops, layer_forward, layer_params_f32};
-use packshard_optimized::ops::LinearCeTiled;
+use packshard_optimized::ops::{LinearCeTiled, LinearCeTiledFiltered};
 use packshard_optimized::vocab::{
     linear_cross_entropy_fused, linear_cross_entropy_materialized, linear_cross_entropy_tiled,
-    MAX_MATERIALIZED_LOGITS,
+    linear_cross_entropy_tiled_filtered, MAX_MATERIALIZED_LOGITS,
 };
 use packshard_reference::attention::{AttentionLayout, ReferenceAttention};
 use packshard_reference::bert::{BertConfig, BertParams};
@@ -353,6 +353,15 @@ pub struct CeReport {
     pub tiled_s: f64,
     /// Peak heap bytes of the tiled path.
     pub tiled_peak: Option<usize>,
+    /// Seconds, tiled with gradient filtering (`linear_ce_tiled_filtered`,
+    /// its default threshold 2^-12).
+    pub filtered_s: f64,
+    /// The tiles the filtered path skipped, of `filtered_tiles`.
+    pub filtered_skipped: usize,
+    /// The gradient tiles of the tiled paths.
+    pub filtered_tiles: usize,
+    /// The bounds the filtered path reported on `(dL/dhidden, dL/dW)`.
+    pub filtered_bounds: (f64, f64),
     /// Bytes of the gradients both return (`[n, h] + [v, h]` f32).
     pub output_bytes: usize,
     /// Bytes of the `[n, v]` f32 logits.
@@ -391,6 +400,14 @@ pub fn cross_entropy(cfg: &BenchConfig) -> Result<Vec<CeReport>> {
             ));
         }
         let tiled_s = time_warm(cfg.reps, tiled);
+        let filter = LinearCeTiledFiltered::default();
+        let filtered = || {
+            linear_cross_entropy_tiled_filtered(x.view(), w.view(), &call, tiles, filter.threshold)
+        };
+        let traded = filtered()?.traded.ok_or_else(|| {
+            Error::invalid("cross_entropy", "the filtered kernel reported no trade")
+        })?;
+        let filtered_s = time_warm(cfg.reps, filtered);
         let (mut materialized_s, mut materialized_peak) = (None, None);
         if n * v <= MAX_MATERIALIZED_LOGITS {
             let mat = || linear_cross_entropy_materialized(x.view(), w.view(), &call);
@@ -417,6 +434,10 @@ pub fn cross_entropy(cfg: &BenchConfig) -> Result<Vec<CeReport>> {
             fused_peak,
             tiled_s,
             tiled_peak,
+            filtered_s,
+            filtered_skipped: traded.skipped_tiles,
+            filtered_tiles: n.div_ceil(tiles.tokens) * v.div_ceil(tiles.vocab),
+            filtered_bounds: (traded.grad_hidden, traded.grad_weight),
             output_bytes: 4 * (n * hd + v * hd),
             logits_bytes: 4 * n * v,
         });
