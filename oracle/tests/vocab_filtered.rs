@@ -5,6 +5,9 @@
 //! most of the gradient, the same kernel reporting nothing (or only half)
 //! fails (negative controls).
 
+mod common;
+
+use common::random;
 use ndarray::Array2;
 use packshard_equivalence::planted::{LinearCall, Planted, VocabHooks};
 use packshard_equivalence::vocab::{check_linear_unsharded, LinearCase, Rule};
@@ -19,26 +22,6 @@ use packshard_reference::vocab::{
     LossCall, LossConfig, Reduction, ShardLayout, ShardMap, ShardedAlgorithm,
 };
 use packshard_reference::Error;
-use rand::{Rng, SeedableRng};
-use rand_chacha::ChaCha8Rng;
-
-/// `hidden: [n, h]` in (-1, 1), `weight: [v, h]` in (-0.5, 0.5), targets
-/// with every 7th token ignored.
-fn random(n: usize, h: usize, v: usize, seed: u64) -> (Array2<f32>, Array2<f32>, Vec<i64>) {
-    let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let hidden = Array2::from_shape_fn((n, h), |_| rng.random_range(-1.0f32..1.0));
-    let weight = Array2::from_shape_fn((v, h), |_| rng.random_range(-0.5f32..0.5));
-    let targets = (0..n)
-        .map(|i| {
-            if i % 7 == 3 {
-                -100
-            } else {
-                rng.random_range(0..v as i64)
-            }
-        })
-        .collect();
-    (hidden, weight, targets)
-}
 
 fn max_diff(a: &Array2<f32>, b: &Array2<f32>) -> f64 {
     a.iter()

@@ -110,33 +110,44 @@ impl CrossEntropyOp for CrossEntropyF32 {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct LinearCeMaterialized;
 
-impl LinearCrossEntropyOp for LinearCeMaterialized {
-    fn algorithms(&self) -> Vec<ShardedAlgorithm> {
-        Vec::new()
-    }
+/// The op of an unsharded-only f32 kernel named `$name`: `$kernel(op, x,
+/// w, call)` on the f32 inputs; every sharded algorithm refused
+/// ([`unsharded_only`]).
+macro_rules! unsharded_linear_op {
+    ($op:ty, $name:literal, $kernel:expr) => {
+        impl LinearCrossEntropyOp for $op {
+            fn algorithms(&self) -> Vec<ShardedAlgorithm> {
+                Vec::new()
+            }
 
-    fn linear_cross_entropy(
-        &self,
-        hidden: ArrayView2<f64>,
-        weight: ArrayView2<f64>,
-        call: &LossCall,
-    ) -> Result<LinearLoss> {
-        unsharded_f32(hidden, weight, |x, w| {
-            linear_cross_entropy_materialized(x, w, call)
-        })
-    }
+            fn linear_cross_entropy(
+                &self,
+                hidden: ArrayView2<f64>,
+                weight: ArrayView2<f64>,
+                call: &LossCall,
+            ) -> Result<LinearLoss> {
+                unsharded_f32(hidden, weight, |x, w| $kernel(self, x, w, call))
+            }
 
-    fn sharded_linear_cross_entropy(
-        &self,
-        algorithm: ShardedAlgorithm,
-        _map: &ShardMap,
-        _hidden: ArrayView2<f64>,
-        _weight: ArrayView2<f64>,
-        _call: &LossCall,
-    ) -> Result<ShardedLoss> {
-        unsharded_only("linear_ce_materialized", algorithm)
-    }
+            fn sharded_linear_cross_entropy(
+                &self,
+                algorithm: ShardedAlgorithm,
+                _map: &ShardMap,
+                _hidden: ArrayView2<f64>,
+                _weight: ArrayView2<f64>,
+                _call: &LossCall,
+            ) -> Result<ShardedLoss> {
+                unsharded_only($name, algorithm)
+            }
+        }
+    };
 }
+
+unsharded_linear_op!(
+    LinearCeMaterialized,
+    "linear_ce_materialized",
+    |_: &LinearCeMaterialized, x, w, call| linear_cross_entropy_materialized(x, w, call)
+);
 
 /// `linear_ce_fused`: f32; chunks of `chunks.tokens` tokens x `chunks.vocab`
 /// entries — logits, statistics and gradients per tile while in cache —
@@ -240,30 +251,10 @@ impl Default for LinearCeTiledFiltered {
     }
 }
 
-impl LinearCrossEntropyOp for LinearCeTiledFiltered {
-    fn algorithms(&self) -> Vec<ShardedAlgorithm> {
-        Vec::new()
+unsharded_linear_op!(
+    LinearCeTiledFiltered,
+    "linear_ce_tiled_filtered",
+    |op: &LinearCeTiledFiltered, x, w, call| {
+        linear_cross_entropy_tiled_filtered(x, w, call, op.chunks, op.threshold)
     }
-
-    fn linear_cross_entropy(
-        &self,
-        hidden: ArrayView2<f64>,
-        weight: ArrayView2<f64>,
-        call: &LossCall,
-    ) -> Result<LinearLoss> {
-        unsharded_f32(hidden, weight, |x, w| {
-            linear_cross_entropy_tiled_filtered(x, w, call, self.chunks, self.threshold)
-        })
-    }
-
-    fn sharded_linear_cross_entropy(
-        &self,
-        algorithm: ShardedAlgorithm,
-        _map: &ShardMap,
-        _hidden: ArrayView2<f64>,
-        _weight: ArrayView2<f64>,
-        _call: &LossCall,
-    ) -> Result<ShardedLoss> {
-        unsharded_only("linear_ce_tiled_filtered", algorithm)
-    }
-}
+);
