@@ -671,6 +671,20 @@ mod tests {
     }
 
     #[test]
+    fn a_reported_trade_widens_the_allowance_by_itself_only() {
+        let rule = RelativeRule::new("test", 4.0, 8.0, 4.0, f32::EPSILON as f64);
+        let (e, b) = ([1.0, 2.0], [1.0 + 1e-6, 2.0]);
+        // Allowed without a trade: 8 x 1e-6 + 4 eps32 x 2 = 8.95e-6.
+        let a = [1.0, 2.0 + 1e-3];
+        let within = |traded| assert_within_k_traded("t", &e, &b, &a, &[2], rule, (None, traded));
+        let m = within(0.0).unwrap_err();
+        assert!(!m.detail.contains("traded"), "{m}");
+        assert!(within(1e-3).is_ok());
+        let m = within(0.9e-3).unwrap_err();
+        assert!(m.detail.contains("+ the 9e-4 it reports it traded"), "{m}");
+    }
+
+    #[test]
     fn the_relative_rule_scales_with_the_baseline_and_names_the_worst_index() {
         let rule = RelativeRule::new("test", 4.0, 8.0, 4.0, f32::EPSILON as f64);
         let e = [1.0, 2.0, -4.0];

@@ -132,6 +132,8 @@ enum Report {
     Nothing,
     /// The `dL/dhidden` bound only (`dL/dW`'s stated as 0).
     HiddenOnly,
+    /// A bound that is not a size (NaN).
+    NotASize,
 }
 
 struct Filtered(LinearCeTiledFiltered, Report);
@@ -148,6 +150,11 @@ impl VocabHooks for Filtered {
             Report::HiddenOnly => {
                 if let Some(t) = out.traded.as_mut() {
                     t.grad_weight = 0.0;
+                }
+            }
+            Report::NotASize => {
+                if let Some(t) = out.traded.as_mut() {
+                    t.grad_hidden = f64::NAN;
                 }
             }
         }
@@ -191,7 +198,8 @@ fn cases() -> Vec<LinearCase> {
 /// The suite judges the trade by the report: with a threshold of 0.05 the
 /// honest kernel passes the registry entry's rule (unsharded, as it
 /// declares), the same kernel claiming no trade, or none on `dL/dW`, fails on
-/// the gradient it misreports; the losses are judged as always.
+/// the gradient it misreports, and a bound that is not a size fails as
+/// such; the losses are judged as always.
 #[test]
 #[allow(clippy::result_large_err)]
 fn the_suite_allows_the_reported_trade_and_nothing_more() {
@@ -215,6 +223,9 @@ fn the_suite_allows_the_reported_trade_and_nothing_more() {
             check_linear_unsharded(&Planted(Filtered(op, Report::HiddenOnly)), case, true, rule)
                 .expect_err("an unreported dL/dW trade must fail");
         assert!(m.to_string().contains("grad_weight"), "case {k}: {m}");
+        let m = check_linear_unsharded(&Planted(Filtered(op, Report::NotASize)), case, true, rule)
+            .expect_err("a NaN bound must fail");
+        assert!(m.to_string().contains("traded"), "case {k}: {m}");
     }
 }
 
