@@ -445,6 +445,7 @@ fn o2_per_token_grad_output_through_eval() {
         "linear_ce_materialized",
         "linear_ce_fused",
         "linear_ce_tiled",
+        "linear_ce_tiled_filtered",
     ] {
         let r = eval(
             &json!({"op": "linear_cross_entropy", "hidden": [[1.0], [1.0]],

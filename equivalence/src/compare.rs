@@ -440,7 +440,15 @@ pub fn assert_close_relative_to(
     baseline_error: f64,
     rule: RelativeRule,
 ) -> Result<RelativeError, Mismatch> {
-    relative_core(what, expected, actual, shape, baseline_error, rule, None)
+    relative_core(
+        what,
+        expected,
+        actual,
+        shape,
+        baseline_error,
+        rule,
+        (None, 0.0),
+    )
 }
 
 fn max_finite(x: &[f64]) -> f64 {
@@ -512,7 +520,7 @@ fn relative_core(
     shape: &[usize],
     baseline_error: f64,
     rule: RelativeRule,
-    scale: Option<f64>,
+    (scale, traded): (Option<f64>, f64),
 ) -> Result<RelativeError, Mismatch> {
     let error = max_error(what, expected, actual, shape, Against::Actual)?;
     let scale = max_finite(expected).max(scale.unwrap_or(0.0));
@@ -523,7 +531,7 @@ fn relative_core(
         floor: rule.floor * rule.eps * scale,
         values: expected.len(),
     };
-    let allowed = rule.k_tensor * baseline_error + seen.floor;
+    let allowed = rule.k_tensor * baseline_error + seen.floor + traded;
     if error <= allowed {
         return Ok(seen);
     }
@@ -535,7 +543,7 @@ fn relative_core(
     Err(Mismatch::new(
         what,
         format!(
-            "max error {:e} at {:?} (expected {:e}, got {:e}) is {:.3} x the baseline's {:e}; allowed {:e} = {} x baseline + {} eps x scale {:e} ({})",
+            "max error {:e} at {:?} (expected {:e}, got {:e}) is {:.3} x the baseline's {:e}; allowed {:e} = {} x baseline + {} eps x scale {:e}{} ({})",
             error,
             unravel(worst, shape),
             expected[worst],
@@ -546,6 +554,11 @@ fn relative_core(
             rule.k_tensor,
             rule.floor,
             scale,
+            if traded > 0.0 {
+                format!(" + the {traded:e} it reports it traded")
+            } else {
+                String::new()
+            },
             rule.name
         ),
     ))
@@ -585,8 +598,27 @@ pub fn assert_within_k_with_scale(
     rule: RelativeRule,
     scale: Option<f64>,
 ) -> Result<RelativeError, Mismatch> {
+    assert_within_k_traded(what, expected, baseline, actual, shape, rule, (scale, 0.0))
+}
+
+/// As [`assert_within_k_with_scale`] with the allowance widened by
+/// `traded`: the error an approximate implementation reports it introduced
+/// on purpose (`packshard_reference::ops::TradedError`), so that an error
+/// beyond rounding **and** that report still fails.
+///
+/// # Errors
+/// As [`assert_within_k`].
+pub fn assert_within_k_traded(
+    what: &str,
+    expected: &[f64],
+    baseline: &[f64],
+    actual: &[f64],
+    shape: &[usize],
+    rule: RelativeRule,
+    allowance: (Option<f64>, f64),
+) -> Result<RelativeError, Mismatch> {
     let base = max_error(what, expected, baseline, shape, Against::Baseline)?;
-    relative_core(what, expected, actual, shape, base, rule, scale)
+    relative_core(what, expected, actual, shape, base, rule, allowance)
 }
 
 #[cfg(test)]
@@ -636,6 +668,20 @@ mod tests {
             Tolerance::new("loose", 1.0, 1.0)
         )
         .is_err());
+    }
+
+    #[test]
+    fn a_reported_trade_widens_the_allowance_by_itself_only() {
+        let rule = RelativeRule::new("test", 4.0, 8.0, 4.0, f32::EPSILON as f64);
+        let (e, b) = ([1.0, 2.0], [1.0 + 1e-6, 2.0]);
+        // Allowed without a trade: 8 x 1e-6 + 4 eps32 x 2 = 8.95e-6.
+        let a = [1.0, 2.0 + 1e-3];
+        let within = |traded| assert_within_k_traded("t", &e, &b, &a, &[2], rule, (None, traded));
+        let m = within(0.0).unwrap_err();
+        assert!(!m.detail.contains("traded"), "{m}");
+        assert!(within(1e-3).is_ok());
+        let m = within(0.9e-3).unwrap_err();
+        assert!(m.detail.contains("+ the 9e-4 it reports it traded"), "{m}");
     }
 
     #[test]

@@ -21,7 +21,7 @@ use packshard_equivalence::causal::{CausalForm, CausalLmImpl, ReferenceCausalLm}
 use packshard_equivalence::compare::{Judge, RelativeRule, Tolerance};
 use packshard_optimized::ops::{
     CrossEntropyF32, DenseMaskedAttention, EncoderLayerF32, LinearCeFused, LinearCeMaterialized,
-    LinearCeTiled, ScalarAttention, TiledAttention,
+    LinearCeTiled, LinearCeTiledFiltered, ScalarAttention, TiledAttention,
 };
 use packshard_optimized::vocab::Chunks;
 
@@ -494,6 +494,21 @@ pub fn linear_cross_entropy() -> Vec<Entry<dyn LinearCrossEntropyOp>> {
             small: Some(|| {
                 Ok(Box::new(LinearCeTiled {
                     chunks: SMALL_CHUNKS,
+                }))
+            }),
+        },
+        Entry {
+            name: "linear_ce_tiled_filtered",
+            changed: "linear_ce_tiled with Cut Cross-Entropy's gradient filtering: a tile of dL/dz whose entries off the targets are all at most 2^-12 x the row's weight skips its two products (its target entries applied one row each); trades gradient error for time and reports a bound on it (judged within rounding plus that bound); unsharded only",
+            precision: Precision::F32,
+            judge: F32_FORMS,
+            fuzz_judge: F32_FUZZ,
+            needs: Needs::Nothing,
+            make: || Ok(Box::new(LinearCeTiledFiltered::default())),
+            small: Some(|| {
+                Ok(Box::new(LinearCeTiledFiltered {
+                    chunks: SMALL_CHUNKS,
+                    ..LinearCeTiledFiltered::default()
                 }))
             }),
         },

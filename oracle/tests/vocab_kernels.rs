@@ -5,6 +5,8 @@
 //! the negative control of the fuzz rule (a 1e-3 fault in `dL/dhidden` must
 //! fail the single-case rule every f32 output layer is fuzzed under).
 
+mod common;
+
 use ndarray::Array2;
 use packshard_equivalence::fuzz::{fuzz_random, vocab::run_linear};
 use packshard_equivalence::planted::{LinearCall, Planted, VocabHooks};
@@ -23,22 +25,11 @@ use packshard_reference::Error;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+/// [`common::random`] with a planted outlier: a row of large weights (a
+/// dominant logit for every token), so the softmax is far from uniform.
 fn random(n: usize, h: usize, v: usize, seed: u64) -> (Array2<f32>, Array2<f32>, Vec<i64>) {
-    let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let hidden = Array2::from_shape_fn((n, h), |_| rng.random_range(-1.0f32..1.0));
-    let mut weight = Array2::from_shape_fn((v, h), |_| rng.random_range(-0.5f32..0.5));
-    // Planted outliers: a row of large weights (a dominant logit for every
-    // token), so the softmax is far from uniform.
+    let (hidden, mut weight, targets) = common::random(n, h, v, seed);
     weight.row_mut(v / 3).mapv_inplace(|x| 8.0 * x);
-    let targets = (0..n)
-        .map(|i| {
-            if i % 7 == 3 {
-                -100
-            } else {
-                rng.random_range(0..v as i64)
-            }
-        })
-        .collect();
     (hidden, weight, targets)
 }
 

@@ -455,6 +455,25 @@ pub struct LinearLoss {
     pub grad_weight: Option<Array2<f64>>,
     /// Bytes of the largest logits buffer it held at once, where it reports it.
     pub logits_buffer_bytes: Option<usize>,
+    /// What an approximate kernel traded for speed (gradient filtering,
+    /// Wijmans et al. 2024, §4.3); `None` for an implementation that trades
+    /// nothing. The suites widen the gradients' allowance by it, and only them.
+    pub traded: Option<TradedError>,
+}
+
+/// A rigorous bound on the error a kernel introduced on purpose in the
+/// output layer's gradients (beyond rounding), as it reports it: the suites
+/// add it to the allowance of `dL/dhidden` and `dL/dW` (and nothing else),
+/// so an error beyond it still fails.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TradedError {
+    /// The largest absolute error of any element of `dL/dhidden` it allows
+    /// itself (same units as the gradient).
+    pub grad_hidden: f64,
+    /// The largest absolute error of any element of `dL/dW`.
+    pub grad_weight: f64,
+    /// Tiles of `dL/dlogits` whose products were skipped.
+    pub skipped_tiles: usize,
 }
 
 /// The output layer `logits = hidden @ weight^T` and its cross-entropy,

@@ -4,7 +4,7 @@
 use std::process::ExitCode;
 
 use clap::Args;
-use packshard::bench::{self, BenchConfig};
+use packshard::bench::{self, BenchConfig, FilterReport};
 use packshard::optimized::ops::LinearCeTiled;
 use packshard::registry;
 use serde_json::json;
@@ -327,6 +327,21 @@ pub fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
                     LinearCeTiled::default().chunks.tokens,
                     LinearCeTiled::default().chunks.vocab
                 );
+                for (what, f) in [
+                    ("", &r.filtered),
+                    (" (peaked: W's first 512 rows x15)", &r.filtered_peaked),
+                ] {
+                    println!(
+                        "  filtered{what} {:.3} s, tiled {:.3} s ({:.2}x; threshold 2^-12: {} of {} tiles skipped, reported bounds dL/dhidden {:.2e}, dL/dW {:.2e})",
+                        f.filtered_s,
+                        f.tiled_s,
+                        f.filtered_s / f.tiled_s,
+                        f.skipped,
+                        f.tiles,
+                        f.bounds.0,
+                        f.bounds.1
+                    );
+                }
                 if let (Some(m), Some(mp)) = (r.materialized_s, r.materialized_peak) {
                     let work = |p: usize| p.saturating_sub(r.output_bytes) as f64;
                     for (name, s, peak, target) in [
@@ -347,6 +362,8 @@ pub fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
                              "materialized_s": r.materialized_s, "materialized_peak_bytes": r.materialized_peak,
                              "fused_s": r.fused_s, "fused_peak_bytes": r.fused_peak,
                              "tiled_s": r.tiled_s, "tiled_peak_bytes": r.tiled_peak,
+                             "filtered": filter_json(&r.filtered),
+                             "filtered_peaked": filter_json(&r.filtered_peaked),
                              "output_bytes": r.output_bytes, "logits_bytes": r.logits_bytes}));
         }
         out.insert("cross_entropy".into(), json!(rows));
@@ -355,4 +372,10 @@ pub fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
         println!("{}", serde_json::Value::Object(out));
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// A [`FilterReport`] as JSON.
+fn filter_json(f: &FilterReport) -> serde_json::Value {
+    json!({"tiled_s": f.tiled_s, "filtered_s": f.filtered_s, "skipped_tiles": f.skipped,
+           "tiles": f.tiles, "bounds": [f.bounds.0, f.bounds.1]})
 }

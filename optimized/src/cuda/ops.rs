@@ -332,6 +332,7 @@ impl<B: ShardKernels + Sync + 'static> LinearCrossEntropyOp for CudaLinearCrossE
             grad_hidden: r.grad_hidden,
             grad_weight: r.grad_weight,
             logits_buffer_bytes: None,
+            traded: None,
         })
     }
 

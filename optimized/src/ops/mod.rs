@@ -14,6 +14,7 @@
 //! | [`LinearCeMaterialized`] | `linear_ce_materialized` | f32 |
 //! | [`LinearCeFused`] | `linear_ce_fused` | f32 |
 //! | [`LinearCeTiled`] | `linear_ce_tiled` | f32 |
+//! | [`LinearCeTiledFiltered`] | `linear_ce_tiled_filtered` | f32, gradients filtered (reports the error traded) |
 //! | [`EncoderLayerF32`] | `encoder_layer` | f32 |
 
 mod attention;
@@ -24,4 +25,6 @@ mod vocab;
 pub use attention::{DenseMaskedAttention, TiledAttention, MAX_DENSE_TOKENS};
 pub use layer::EncoderLayerF32;
 pub use scalar_attention::ScalarAttention;
-pub use vocab::{CrossEntropyF32, LinearCeFused, LinearCeMaterialized, LinearCeTiled};
+pub use vocab::{
+    CrossEntropyF32, LinearCeFused, LinearCeMaterialized, LinearCeTiled, LinearCeTiledFiltered,
+};

@@ -13,7 +13,8 @@ use packshard_reference::{Error, Result};
 use crate::convert::{to_f32, to_f32_real, to_f64};
 use crate::vocab::{
     alg2, cross_entropy, linear_cross_entropy_fused, linear_cross_entropy_materialized,
-    linear_cross_entropy_tiled, Chunks, CrossEntropy32, LinearCrossEntropy32,
+    linear_cross_entropy_tiled, linear_cross_entropy_tiled_filtered, Chunks, CrossEntropy32,
+    LinearCrossEntropy32,
 };
 
 /// The results of an f32 cross-entropy, widened (exactly) to the reference's type.
@@ -44,7 +45,18 @@ fn unsharded_f32(
         grad_hidden: l.grad_hidden.map(|g| to_f64(g.view())),
         grad_weight: l.grad_weight.map(|g| to_f64(g.view())),
         logits_buffer_bytes: Some(l.logits_buffer_bytes),
+        traded: l.traded,
     })
+}
+
+/// The sharded form of a kernel `name` that declares no algorithm: refuses
+/// every one.
+fn unsharded_only(name: &str, algorithm: ShardedAlgorithm) -> Result<ShardedLoss> {
+    check_algorithm(&[], algorithm)?;
+    Err(Error::invalid(
+        "algorithm",
+        format!("{name} is unsharded only"),
+    ))
 }
 
 /// `alg2`'s shard kernel in `chunks` on `(hidden: [n, h], weight: [w, h])`,
@@ -98,38 +110,44 @@ impl CrossEntropyOp for CrossEntropyF32 {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct LinearCeMaterialized;
 
-impl LinearCrossEntropyOp for LinearCeMaterialized {
-    fn algorithms(&self) -> Vec<ShardedAlgorithm> {
-        Vec::new()
-    }
+/// The op of an unsharded-only f32 kernel named `$name`: `$kernel(op, x,
+/// w, call)` on the f32 inputs; every sharded algorithm refused
+/// ([`unsharded_only`]).
+macro_rules! unsharded_linear_op {
+    ($op:ty, $name:literal, $kernel:expr) => {
+        impl LinearCrossEntropyOp for $op {
+            fn algorithms(&self) -> Vec<ShardedAlgorithm> {
+                Vec::new()
+            }
 
-    fn linear_cross_entropy(
-        &self,
-        hidden: ArrayView2<f64>,
-        weight: ArrayView2<f64>,
-        call: &LossCall,
-    ) -> Result<LinearLoss> {
-        unsharded_f32(hidden, weight, |x, w| {
-            linear_cross_entropy_materialized(x, w, call)
-        })
-    }
+            fn linear_cross_entropy(
+                &self,
+                hidden: ArrayView2<f64>,
+                weight: ArrayView2<f64>,
+                call: &LossCall,
+            ) -> Result<LinearLoss> {
+                unsharded_f32(hidden, weight, |x, w| $kernel(self, x, w, call))
+            }
 
-    fn sharded_linear_cross_entropy(
-        &self,
-        algorithm: ShardedAlgorithm,
-        _map: &ShardMap,
-        _hidden: ArrayView2<f64>,
-        _weight: ArrayView2<f64>,
-        _call: &LossCall,
-    ) -> Result<ShardedLoss> {
-        // Refuses every algorithm: this kernel declares none.
-        check_algorithm(&self.algorithms(), algorithm)?;
-        Err(Error::invalid(
-            "algorithm",
-            "linear_ce_materialized is unsharded only",
-        ))
-    }
+            fn sharded_linear_cross_entropy(
+                &self,
+                algorithm: ShardedAlgorithm,
+                _map: &ShardMap,
+                _hidden: ArrayView2<f64>,
+                _weight: ArrayView2<f64>,
+                _call: &LossCall,
+            ) -> Result<ShardedLoss> {
+                unsharded_only($name, algorithm)
+            }
+        }
+    };
 }
+
+unsharded_linear_op!(
+    LinearCeMaterialized,
+    "linear_ce_materialized",
+    |_: &LinearCeMaterialized, x, w, call| linear_cross_entropy_materialized(x, w, call)
+);
 
 /// `linear_ce_fused`: f32; chunks of `chunks.tokens` tokens x `chunks.vocab`
 /// entries — logits, statistics and gradients per tile while in cache —
@@ -200,3 +218,43 @@ impl Default for LinearCeTiled {
 }
 
 chunked_linear_op!(LinearCeTiled, linear_cross_entropy_tiled);
+
+/// `linear_ce_tiled_filtered`: [`LinearCeTiled`] with Cut Cross-Entropy's
+/// gradient filtering (Wijmans et al. 2024, §4.3): a gradient tile whose
+/// every `|dL/dz_ij|` off the targets is at most `threshold x |w_i|` skips
+/// its two products (the target entries applied alone)
+/// ([`crate::vocab::linear_cross_entropy_tiled_filtered`]); the result's
+/// [`LinearLoss::traded`] bounds the error that costs `dL/dhidden` and
+/// `dL/dW`. Unsharded only (the filter is the tiled kernel's; `alg2`'s
+/// shard kernel has none).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LinearCeTiledFiltered {
+    /// The tile sizes.
+    pub chunks: Chunks,
+    /// The filter's threshold on the softmax's scale (finite, `>= 0`).
+    pub threshold: f32,
+}
+
+impl LinearCeTiledFiltered {
+    /// Cut Cross-Entropy's default threshold, 2^-12 (Wijmans et al. 2024,
+    /// §4.3).
+    pub const CCE_THRESHOLD: f32 = 1.0 / 4096.0;
+}
+
+impl Default for LinearCeTiledFiltered {
+    /// [`LinearCeTiled`]'s tiles, [`Self::CCE_THRESHOLD`].
+    fn default() -> Self {
+        LinearCeTiledFiltered {
+            chunks: LinearCeTiled::default().chunks,
+            threshold: Self::CCE_THRESHOLD,
+        }
+    }
+}
+
+unsharded_linear_op!(
+    LinearCeTiledFiltered,
+    "linear_ce_tiled_filtered",
+    |op: &LinearCeTiledFiltered, x, w, call| {
+        linear_cross_entropy_tiled_filtered(x, w, call, op.chunks, op.threshold)
+    }
+);

@@ -32,6 +32,10 @@
 //! - [`linear_cross_entropy_tiled`]: tiles of tokens x vocabulary, one
 //!   `[tokens, vocab]` tile buffer; pass 1 the row statistics, pass 2 the
 //!   gradients from recomputed logits (four products, [`tiled`]).
+//! - [`linear_cross_entropy_tiled_filtered`]: the tiled kernel with Cut
+//!   Cross-Entropy's gradient filtering (a tile of `dL/dz` below a threshold
+//!   off the targets skips its two products), reporting a bound on the error
+//!   it trades.
 //! - [`alg2`]: one shard of the sharded algorithm: the S pass (local
 //!   statistics and the input-gradient partials `s_i D_i`, `B_i` of the
 //!   merged record, chunked) and the T pass (the weight gradient of the
@@ -39,6 +43,7 @@
 //!   collectives and merge functions between them.
 
 use ndarray::{s, Array1, Array2, ArrayView2, ArrayViewMut2};
+use packshard_reference::ops::TradedError;
 use packshard_reference::vocab::cross_entropy::{check_row, check_shapes, token_loss};
 use packshard_reference::vocab::softcap;
 use packshard_reference::vocab::{LossCall, LossConfig, SoftmaxStats};
@@ -111,6 +116,9 @@ pub struct LinearCrossEntropy32 {
     /// Bytes of the logits buffer the kernel held (`[n, v]` materialized,
     /// `[tokens, v]` fused), f32.
     pub logits_buffer_bytes: usize,
+    /// What the kernel traded for speed ([`linear_cross_entropy_tiled_filtered`]
+    /// only; `None` for every exact kernel).
+    pub traded: Option<TradedError>,
 }
 
 // ---- validation (the reference's checks, for f32 inputs) ----------------------
@@ -192,7 +200,7 @@ mod rows;
 mod tiled;
 
 use rows::*;
-pub use tiled::linear_cross_entropy_tiled;
+pub use tiled::{linear_cross_entropy_tiled, linear_cross_entropy_tiled_filtered};
 
 // ---- unsharded ------------------------------------------------------------------
 
@@ -336,6 +344,7 @@ pub fn linear_cross_entropy_materialized(
         grad_hidden,
         grad_weight,
         logits_buffer_bytes: 4 * n * v,
+        traded: None,
     })
 }
 
@@ -466,6 +475,7 @@ fn fused_result(
         grad_hidden,
         grad_weight,
         logits_buffer_bytes,
+        traded: None,
     }
 }
 

@@ -3,13 +3,13 @@
 //! (and candle's), the fused output layer's time and memory against the
 //! materialized one (see the module docs of [`super`]).
 
-use ndarray::{Array2, Array3};
+use ndarray::{s, Array2, Array3, ArrayView2};
 use packshard_optimized::attention::{dense_masked_attention, varlen_attention, varlen_pairs};
 use packshard_optimized::layer::{layer_backward, layer_flops, layer_forward, layer_params_f32};
-use packshard_optimized::ops::LinearCeTiled;
+use packshard_optimized::ops::{LinearCeTiled, LinearCeTiledFiltered};
 use packshard_optimized::vocab::{
     linear_cross_entropy_fused, linear_cross_entropy_materialized, linear_cross_entropy_tiled,
-    MAX_MATERIALIZED_LOGITS,
+    linear_cross_entropy_tiled_filtered, MAX_MATERIALIZED_LOGITS,
 };
 use packshard_reference::attention::{AttentionLayout, ReferenceAttention};
 use packshard_reference::bert::{BertConfig, BertParams};
@@ -353,10 +353,60 @@ pub struct CeReport {
     pub tiled_s: f64,
     /// Peak heap bytes of the tiled path.
     pub tiled_peak: Option<usize>,
+    /// The filtered path on these inputs (its `tiled_s` is [`Self::tiled_s`]).
+    pub filtered: FilterReport,
+    /// Both tiled paths on a peaked softmax: the weight's first 512 rows
+    /// (one vocabulary tile: the frequent tokens of a frequency-sorted
+    /// vocabulary, as Cut Cross-Entropy sorts it) 15 x larger.
+    pub filtered_peaked: FilterReport,
     /// Bytes of the gradients both return (`[n, h] + [v, h]` f32).
     pub output_bytes: usize,
     /// Bytes of the `[n, v]` f32 logits.
     pub logits_bytes: usize,
+}
+
+/// The tiled kernel with gradient filtering (`linear_ce_tiled_filtered`,
+/// threshold 2^-12) against the tiled one, on one input.
+#[derive(Debug, Clone, Copy)]
+pub struct FilterReport {
+    /// Seconds, tiled.
+    pub tiled_s: f64,
+    /// Seconds, filtered.
+    pub filtered_s: f64,
+    /// The tiles whose products it skipped, of `tiles`.
+    pub skipped: usize,
+    /// The gradient tiles.
+    pub tiles: usize,
+    /// The bounds it reported on `(dL/dhidden, dL/dW)`.
+    pub bounds: (f64, f64),
+}
+
+/// [`FilterReport`] of `x: [n, h]` and `w: [v, h]` in the tiled kernel's
+/// tiles (`tiled_s` measured here unless given).
+fn time_filtered(
+    reps: usize,
+    (x, w): (ArrayView2<f32>, ArrayView2<f32>),
+    call: &LossCall,
+    tiled_s: Option<f64>,
+) -> Result<FilterReport> {
+    let tiles = LinearCeTiled::default().chunks;
+    let threshold = LinearCeTiledFiltered::default().threshold;
+    let filtered = || linear_cross_entropy_tiled_filtered(x, w, call, tiles, threshold);
+    let traded = filtered()?
+        .traded
+        .ok_or_else(|| Error::invalid("cross_entropy", "the filtered kernel reported no trade"))?;
+    let filtered_s = time_warm(reps, filtered);
+    let tiled_s = match tiled_s {
+        Some(s) => s,
+        None => time_warm(reps, || linear_cross_entropy_tiled(x, w, call, tiles)),
+    };
+    Ok(FilterReport {
+        tiled_s,
+        filtered_s,
+        skipped: traded.skipped_tiles,
+        tiles: x.nrows().div_ceil(tiles.tokens) * w.nrows().div_ceil(tiles.vocab),
+        bounds: (traded.grad_hidden, traded.grad_weight),
+    })
 }
 
 /// Runs the cross-entropy measurement for each of `cfg.ce_sizes`.
@@ -391,6 +441,14 @@ pub fn cross_entropy(cfg: &BenchConfig) -> Result<Vec<CeReport>> {
             ));
         }
         let tiled_s = time_warm(cfg.reps, tiled);
+        let filtered = time_filtered(cfg.reps, (x.view(), w.view()), &call, Some(tiled_s))?;
+        let mut peaked = w.clone();
+        let frequent = v.min(512);
+        peaked
+            .slice_mut(s![..frequent, ..])
+            .mapv_inplace(|a| 15.0 * a);
+        let filtered_peaked = time_filtered(cfg.reps, (x.view(), peaked.view()), &call, None)?;
+        drop(peaked);
         let (mut materialized_s, mut materialized_peak) = (None, None);
         if n * v <= MAX_MATERIALIZED_LOGITS {
             let mat = || linear_cross_entropy_materialized(x.view(), w.view(), &call);
@@ -417,6 +475,8 @@ pub fn cross_entropy(cfg: &BenchConfig) -> Result<Vec<CeReport>> {
             fused_peak,
             tiled_s,
             tiled_peak,
+            filtered,
+            filtered_peaked,
             output_bytes: 4 * (n * hd + v * hd),
             logits_bytes: 4 * n * v,
         });

@@ -50,7 +50,9 @@ mod kernels;
 mod registry;
 
 pub use decoder::{decoder_layer, DecoderReport};
-pub use kernels::{attention, cross_entropy, layer, AttentionReport, CeReport, LayerReport};
+pub use kernels::{
+    attention, cross_entropy, layer, AttentionReport, CeReport, FilterReport, LayerReport,
+};
 pub use registry::{registry, ImplTiming};
 
 pub use packshard_optimized::alloc::{peak_since, CountingAlloc};

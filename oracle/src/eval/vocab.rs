@@ -379,6 +379,13 @@ pub(super) fn linear_cross_entropy_op(value: &Value, imp: &str) -> Result<Value,
             if let Some(bytes) = l.logits_buffer_bytes {
                 out.insert("logits_buffer_bytes".into(), json!(bytes));
             }
+            if let Some(t) = l.traded {
+                out.insert(
+                    "traded".into(),
+                    json!({"grad_hidden": t.grad_hidden, "grad_weight": t.grad_weight,
+                           "skipped_tiles": t.skipped_tiles}),
+                );
+            }
             grads(
                 &mut out,
                 l.ce.grad_logits.as_ref(),

@@ -52,6 +52,7 @@ impl LinearCrossEntropyOp for ReferenceLinearCrossEntropy {
             grad_hidden: l.grad_hidden,
             grad_weight: l.grad_weight,
             logits_buffer_bytes: None,
+            traded: None,
         })
     }
 
