@@ -1,0 +1,121 @@
+//! Unit tests of [`super`]: the tolerance rules and their messages.
+
+use super::*;
+
+#[test]
+fn close_values_pass_and_far_values_name_the_index() {
+    let e = [1.0, -2.0, 3.0, 4.0];
+    assert!(assert_close("t", &e, &e, &[2, 2], Tolerance::EXACT).is_ok());
+    let mut a = e;
+    a[3] += 1e-15;
+    assert!(assert_close("t", &e, &a, &[2, 2], Tolerance::F64_REWRITE).is_ok());
+    a[2] = 3.001;
+    let m = assert_close("t", &e, &a, &[2, 2], Tolerance::F64_REWRITE).unwrap_err();
+    assert!(
+        m.detail
+            .contains("first at [1, 0]: expected 3e0, got 3.001e0"),
+        "{m}"
+    );
+    assert!(m.detail.contains("1 of 4 elements differ"), "{m}");
+}
+
+#[test]
+fn nan_never_passes_and_infinities_must_match() {
+    let m = assert_close(
+        "t",
+        &[0.0],
+        &[f64::NAN],
+        &[1],
+        Tolerance::new("loose", 1.0, 1.0),
+    );
+    assert!(m.is_err());
+    assert!(assert_close(
+        "t",
+        &[f64::NEG_INFINITY],
+        &[f64::NEG_INFINITY],
+        &[1],
+        Tolerance::EXACT
+    )
+    .is_ok());
+    assert!(assert_close(
+        "t",
+        &[f64::NEG_INFINITY],
+        &[-1e308],
+        &[1],
+        Tolerance::new("loose", 1.0, 1.0)
+    )
+    .is_err());
+}
+
+#[test]
+fn a_reported_trade_widens_the_allowance_by_itself_only() {
+    let rule = RelativeRule::new("test", 4.0, 8.0, 4.0, f32::EPSILON as f64);
+    let (e, b) = ([1.0, 2.0], [1.0 + 1e-6, 2.0]);
+    // Allowed without a trade: 8 x 1e-6 + 4 eps32 x 2 = 8.95e-6.
+    let a = [1.0, 2.0 + 1e-3];
+    let within = |traded| assert_within_k_traded("t", &e, &b, &a, &[2], rule, (None, traded));
+    let m = within(0.0).unwrap_err();
+    assert!(!m.detail.contains("traded"), "{m}");
+    assert!(within(1e-3).is_ok());
+    let m = within(0.9e-3).unwrap_err();
+    assert!(m.detail.contains("+ the 9e-4 it reports it traded"), "{m}");
+}
+
+#[test]
+fn the_relative_rule_scales_with_the_baseline_and_names_the_worst_index() {
+    let rule = RelativeRule::new("test", 4.0, 8.0, 4.0, f32::EPSILON as f64);
+    let e = [1.0, 2.0, -4.0];
+    let b = [1.0 + 1e-6, 2.0, -4.0];
+    // 7.9e-6 <= 8 x 1e-6 + 4 eps32 x 4: passes; 9e-6 does not.
+    let ok = assert_within_k("t", &e, &b, &[1.0, 2.0 - 7.9e-6, -4.0], &[3], rule).unwrap();
+    assert!((ok.ratio() - 7.9).abs() < 1e-3, "{ok:?}");
+    let m = assert_within_k("t", &e, &b, &[1.0, 2.0, -4.0 + 1e-5], &[3], rule).unwrap_err();
+    assert!(m.detail.contains("at [2]"), "{m}");
+    // An exact baseline leaves only the floor: 4 x 2^-23 x 4 = 1.9e-6.
+    assert!(assert_within_k("t", &e, &e, &[1.0, 2.0, -4.0 + 1.5e-6], &[3], rule).is_ok());
+    assert!(assert_within_k("t", &e, &e, &[1.0, 2.0, -4.0 + 2.5e-6], &[3], rule).is_err());
+    // A larger scale widens the floor: 4 x 2^-23 x 4 = 1.9e-6 >= 1e-6
+    // (at scale 1 the floor is 4.8e-7).
+    let z = [0.0, 0.0];
+    assert!(assert_within_k("t", &z, &z, &[1e-6, 0.0], &[2], rule).is_err());
+    assert!(assert_within_k_with_scale("t", &z, &z, &[1e-6, 0.0], &[2], rule, Some(4.0)).is_ok());
+    // Non-finite values must agree.
+    let inf = [f64::NEG_INFINITY, 1.0];
+    assert!(assert_within_k("t", &inf, &inf, &inf, &[2], rule).is_ok());
+    assert!(assert_within_k("t", &inf, &inf, &[-1e30, 1.0], &[2], rule).is_err());
+    assert!(assert_within_k("t", &inf, &[0.0, 1.0], &inf, &[2], rule).is_err());
+}
+
+#[test]
+fn the_suite_tier_compares_relative_errors_over_all_tensors() {
+    let rule = RelativeRule::new("test", 2.0, 8.0, 4.0, f32::EPSILON as f64);
+    let mut t = RelativeTotals::default();
+    let seen = |error, baseline, scale| RelativeError {
+        error,
+        baseline,
+        scale,
+        floor: 0.0,
+        values: 1,
+    };
+    assert!(t.check("t", rule).is_err(), "no comparison: vacuous");
+    t.add(&seen(1e-6, 1e-6, 1.0));
+    t.add(&seen(3e-6, 1e-6, 2.0)); // 1.5e-6 vs 0.5e-6 relative
+    assert_eq!(t.max_ratio(), 1.5);
+    assert!(t.check("t", rule).is_ok());
+    t.add(&seen(1e-5, 1e-6, 1.0));
+    assert!(t.check("t", rule).is_err(), "{t:?}");
+}
+
+#[test]
+fn the_absolute_floor_scales_with_the_tensor() {
+    // 1e-3 off on an element near zero of a tensor whose scale is 1e12 is round-off.
+    assert!(assert_close(
+        "t",
+        &[1e12, 0.0],
+        &[1e12, 1e-3],
+        &[2],
+        Tolerance::F64_REWRITE
+    )
+    .is_ok());
+    assert!(assert_close("t", &[1.0, 0.0], &[1.0, 1e-3], &[2], Tolerance::F64_REWRITE).is_err());
+}
