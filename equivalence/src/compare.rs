@@ -440,6 +440,7 @@ pub fn assert_close_relative_to(
     baseline_error: f64,
     rule: RelativeRule,
 ) -> Result<RelativeError, Mismatch> {
+    let allowance = Allowance::default();
     relative_core(
         what,
         expected,
@@ -447,7 +448,7 @@ pub fn assert_close_relative_to(
         shape,
         baseline_error,
         rule,
-        (None, 0.0),
+        allowance,
     )
 }
 
@@ -520,7 +521,7 @@ fn relative_core(
     shape: &[usize],
     baseline_error: f64,
     rule: RelativeRule,
-    (scale, traded): (Option<f64>, f64),
+    Allowance { scale, traded }: Allowance,
 ) -> Result<RelativeError, Mismatch> {
     let error = max_error(what, expected, actual, shape, Against::Actual)?;
     let scale = max_finite(expected).max(scale.unwrap_or(0.0));
@@ -598,7 +599,20 @@ pub fn assert_within_k_with_scale(
     rule: RelativeRule,
     scale: Option<f64>,
 ) -> Result<RelativeError, Mismatch> {
-    assert_within_k_traded(what, expected, baseline, actual, shape, rule, (scale, 0.0))
+    let allowance = Allowance { scale, traded: 0.0 };
+    assert_within_k_traded(what, expected, baseline, actual, shape, rule, allowance)
+}
+
+/// What a relative check allows beyond the rule: the scale of its floor
+/// (`None`: the expected tensor's own largest magnitude; see
+/// [`assert_close_with_scale`]) and the error an approximate implementation
+/// reports it `traded` on purpose (0 for every exact-math kernel).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Allowance {
+    /// At least the tensor's largest magnitude when given.
+    pub scale: Option<f64>,
+    /// The reported trade, added to the allowance as it is.
+    pub traded: f64,
 }
 
 /// As [`assert_within_k_with_scale`] with the allowance widened by
@@ -615,7 +629,7 @@ pub fn assert_within_k_traded(
     actual: &[f64],
     shape: &[usize],
     rule: RelativeRule,
-    allowance: (Option<f64>, f64),
+    allowance: Allowance,
 ) -> Result<RelativeError, Mismatch> {
     let base = max_error(what, expected, baseline, shape, Against::Baseline)?;
     relative_core(what, expected, actual, shape, base, rule, allowance)

@@ -53,7 +53,20 @@ fn a_reported_trade_widens_the_allowance_by_itself_only() {
     let (e, b) = ([1.0, 2.0], [1.0 + 1e-6, 2.0]);
     // Allowed without a trade: 8 x 1e-6 + 4 eps32 x 2 = 8.95e-6.
     let a = [1.0, 2.0 + 1e-3];
-    let within = |traded| assert_within_k_traded("t", &e, &b, &a, &[2], rule, (None, traded));
+    let within = |traded| {
+        assert_within_k_traded(
+            "t",
+            &e,
+            &b,
+            &a,
+            &[2],
+            rule,
+            Allowance {
+                scale: None,
+                traded,
+            },
+        )
+    };
     let m = within(0.0).unwrap_err();
     assert!(!m.detail.contains("traded"), "{m}");
     assert!(within(1e-3).is_ok());

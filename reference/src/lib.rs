@@ -42,6 +42,41 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+/// `map` and `zeros_like` of a per-layer parameter struct `$ty<A>`, derived
+/// from its `try_map` (each tensor through a function for the matrices and
+/// one for the vectors, with its Hugging Face name).
+macro_rules! layer_maps {
+    ($ty:ident) => {
+        impl<A> $ty<A> {
+            /// Each tensor through `m` (the matrices) or `v` (the vectors).
+            pub fn map<B>(
+                &self,
+                m: impl Fn(&ndarray::Array2<A>) -> ndarray::Array2<B>,
+                v: impl Fn(&ndarray::Array1<A>) -> ndarray::Array1<B>,
+            ) -> $ty<B> {
+                let mapped = self.try_map(
+                    |_, a| Ok::<_, std::convert::Infallible>(m(a)),
+                    |_, a| Ok(v(a)),
+                );
+                match mapped {
+                    Ok(p) => p,
+                    Err(never) => match never {},
+                }
+            }
+        }
+
+        impl<A: ndarray::LinalgScalar> $ty<A> {
+            /// The same shapes, all zero (a gradient accumulator).
+            pub fn zeros_like(&self) -> Self {
+                self.map(
+                    |a| ndarray::Array2::zeros(a.raw_dim()),
+                    |a| ndarray::Array1::zeros(a.raw_dim()),
+                )
+            }
+        }
+    };
+}
+
 pub mod attention;
 pub mod bert;
 pub mod decoder;

@@ -35,13 +35,8 @@ fn relative_with_scale(
     rule: RelativeRule,
     scale: Option<f64>,
 ) -> Result<(), Mismatch> {
-    traded_relative(
-        what,
-        (expected, baseline, actual),
-        shape,
-        rule,
-        (scale, 0.0),
-    )
+    let allowance = Allowance { scale, traded: 0.0 };
+    traded_relative(what, (expected, baseline, actual), shape, rule, allowance)
 }
 
 /// [`relative_with_scale`] with the allowance widened by the error the
@@ -55,18 +50,10 @@ fn traded_relative(
     (expected, baseline, actual): (&[f64], &[f64], &[f64]),
     shape: &[usize],
     rule: RelativeRule,
-    (scale, traded): (Option<f64>, f64),
+    allowance: Allowance,
 ) -> Result<(), Mismatch> {
-    let mut r = assert_within_k_traded(
-        what,
-        expected,
-        baseline,
-        actual,
-        shape,
-        rule,
-        (scale, traded),
-    )?;
-    r.error = (r.error - traded).max(0.0);
+    let mut r = assert_within_k_traded(what, expected, baseline, actual, shape, rule, allowance)?;
+    r.error = (r.error - allowance.traded).max(0.0);
     RELATIVE.with(|rep| rep.borrow_mut().note(what, r));
     Ok(())
 }
@@ -310,7 +297,10 @@ pub(super) fn check_linear_relative(
                 (&flat64(want), &flat32(bh), &flat64(got)),
                 want.shape(),
                 rule,
-                (with_floor(want, hidden_scale), traded_hidden),
+                Allowance {
+                    scale: with_floor(want, hidden_scale),
+                    traded: traded_hidden,
+                },
             )?;
         }
     }
@@ -324,7 +314,10 @@ pub(super) fn check_linear_relative(
             (&flat64(want), &flat32(bw), &flat64(&got)),
             want.shape(),
             rule,
-            (with_floor(want, weight_scale), traded_weight),
+            Allowance {
+                scale: with_floor(want, weight_scale),
+                traded: traded_weight,
+            },
         )?;
         padding_rows_have_no_gradient(&case.map, &actual)?;
     }

@@ -6,7 +6,7 @@
 //! loader also accepts). The MLM decoder weight is tied to
 //! `embeddings.word_embeddings.weight` and has no tensor of its own.
 
-use ndarray::{Array1, Array2, ArrayViewD, ArrayViewMutD, LinalgScalar};
+use ndarray::{Array1, Array2, ArrayViewD, ArrayViewMutD};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use safetensors::{Dtype, SafeTensors};
@@ -258,22 +258,6 @@ impl<A> LayerParams<A> {
         })
     }
 
-    /// Each tensor through `m` (the matrices) or `v` (the vectors).
-    pub fn map<B>(
-        &self,
-        m: impl Fn(&Array2<A>) -> Array2<B>,
-        v: impl Fn(&Array1<A>) -> Array1<B>,
-    ) -> LayerParams<B> {
-        let mapped = self.try_map(
-            |_, a| Ok::<_, std::convert::Infallible>(m(a)),
-            |_, a| Ok(v(a)),
-        );
-        match mapped {
-            Ok(p) => p,
-            Err(never) => match never {},
-        }
-    }
-
     /// `hidden`: the query weight's rows.
     pub fn hidden(&self) -> usize {
         self.query_w.nrows()
@@ -324,15 +308,7 @@ impl<A> LayerParams<A> {
     }
 }
 
-impl<A: LinalgScalar> LayerParams<A> {
-    /// Zeros of this layer's shapes (a gradient accumulator).
-    pub fn zeros_like(&self) -> Self {
-        self.map(
-            |a| Array2::zeros(a.raw_dim()),
-            |a| Array1::zeros(a.raw_dim()),
-        )
-    }
-}
+layer_maps!(LayerParams);
 
 impl LayerParams {
     fn zeros(c: &BertConfig) -> Self {

@@ -1,7 +1,7 @@
 //! The decoder's configuration and parameters, named as Hugging Face's
 //! `LlamaForCausalLM` names them.
 
-use ndarray::{Array1, Array2, ArrayViewD, ArrayViewMutD, LinalgScalar};
+use ndarray::{Array1, Array2, ArrayViewD, ArrayViewMutD};
 use rand::{Rng, SeedableRng};
 
 use crate::error::{Error, Result};
@@ -212,33 +212,9 @@ impl<A> DecoderLayerParams<A> {
             w_down: m("mlp.down_proj.weight", &self.w_down)?,
         })
     }
-
-    /// Each tensor through `m` (the matrices) or `v` (the vectors).
-    pub fn map<B>(
-        &self,
-        m: impl Fn(&Array2<A>) -> Array2<B>,
-        v: impl Fn(&Array1<A>) -> Array1<B>,
-    ) -> DecoderLayerParams<B> {
-        let mapped = self.try_map(
-            |_, a| Ok::<_, std::convert::Infallible>(m(a)),
-            |_, a| Ok(v(a)),
-        );
-        match mapped {
-            Ok(p) => p,
-            Err(never) => match never {},
-        }
-    }
 }
 
-impl<A: LinalgScalar> DecoderLayerParams<A> {
-    /// The same shapes, all zero (a gradient accumulator).
-    pub fn zeros_like(&self) -> Self {
-        self.map(
-            |a| Array2::zeros(a.raw_dim()),
-            |a| Array1::zeros(a.raw_dim()),
-        )
-    }
-}
+layer_maps!(DecoderLayerParams);
 
 /// Every parameter of a decoder (HF `LlamaForCausalLM`).
 #[derive(Debug, Clone, PartialEq)]
