@@ -316,27 +316,32 @@ mod tests {
         assert_eq!(kind("Z9"), None);
     }
 
+    /// The reference cross-entropy of the logits `z` (`[n, v]`) at
+    /// `targets` under `config`, with gradients when `want_grad`.
+    fn ce(
+        z: &ndarray::Array2<f64>,
+        targets: &[i64],
+        config: &crate::vocab::LossConfig,
+        want_grad: bool,
+    ) -> crate::vocab::CrossEntropy {
+        use crate::vocab::{cross_entropy, LossCall};
+        cross_entropy(z.view(), &LossCall::with_flag(targets, config, want_grad)).unwrap()
+    }
+
     #[test]
     fn v1_and_v2_values_are_the_reference_losses() {
-        use crate::vocab::{cross_entropy, LossCall, LossConfig, SmoothingConvention};
+        use crate::vocab::{LossConfig, SmoothingConvention};
         let z = ndarray::Array2::from_shape_vec((1, 8), V1_LOGITS.to_vec()).unwrap();
         for (conv, want) in [
             (SmoothingConvention::PyTorch, V1_LOSS_PYTORCH),
             (SmoothingConvention::Megatron, V1_LOSS_MEGATRON),
         ] {
             let c = LossConfig::default().with_smoothing(V1_SMOOTHING, conv);
-            let l = cross_entropy(z.view(), &LossCall::with_flag(&[V1_TARGET], &c, false))
-                .unwrap()
-                .loss;
+            let l = ce(&z, &[V1_TARGET], &c, false).loss;
             assert!((l - want).abs() < V1_PLACES, "{conv:?}: {l}");
         }
         let z = ndarray::Array2::from_shape_vec((1, 10), V2_LOGITS.to_vec()).unwrap();
-        let l = cross_entropy(
-            z.view(),
-            &LossCall::with_flag(&[V2_TARGET], &LossConfig::default(), false),
-        )
-        .unwrap()
-        .loss;
+        let l = ce(&z, &[V2_TARGET], &LossConfig::default(), false).loss;
         assert!((l - V2_LOSS).abs() < V2_PLACES, "{l}");
     }
 
@@ -351,10 +356,7 @@ mod tests {
         };
         let g = grad(&O2_GRAD_OUTPUT);
         assert!(g.row(1).iter().all(|&x| x == 0.0), "{g}");
-        let loss_only = cross_entropy(z.view(), &LossCall::with_flag(&O2_TARGETS, &none, true))
-            .unwrap()
-            .grad_logits
-            .unwrap();
+        let loss_only = ce(&z, &O2_TARGETS, &none, true).grad_logits.unwrap();
         assert_eq!(g.row(0), loss_only.row(0));
         // The fault: grad_output[0] for every row.
         let fault = grad(&[O2_GRAD_OUTPUT[0]; 2]);
@@ -363,53 +365,38 @@ mod tests {
 
     #[test]
     fn o1_values_are_the_reference_losses() {
-        use crate::vocab::{cross_entropy, LossCall, LossConfig};
+        use crate::vocab::LossConfig;
         let z = ndarray::Array2::from_shape_vec((1, 8), V1_LOGITS.to_vec()).unwrap();
         let capped = LossConfig::default().with_softcap(O1_SOFTCAP);
-        let l = cross_entropy(z.view(), &LossCall::with_flag(&[V1_TARGET], &capped, false))
-            .unwrap()
-            .loss;
+        let l = ce(&z, &[V1_TARGET], &capped, false).loss;
         assert!((l - O1_LOSS).abs() < O1_PLACES, "{l}");
         let fault = z.mapv(|x| x * x.tanh());
-        let l = cross_entropy(
-            fault.view(),
-            &LossCall::with_flag(&[V1_TARGET], &LossConfig::default(), false),
-        )
-        .unwrap()
-        .loss;
+        let l = ce(&fault, &[V1_TARGET], &LossConfig::default(), false).loss;
         assert!((l - O1_LOSS_FAULT).abs() < O1_PLACES, "{l}");
     }
 
     #[test]
     fn o3_and_o4_values_are_the_reference_losses() {
         use crate::vocab::cross_entropy::token_loss;
-        use crate::vocab::{cross_entropy, LossCall, LossConfig, SmoothingConvention};
+        use crate::vocab::{LossConfig, SmoothingConvention};
         let z = ndarray::Array2::from_shape_vec((1, 8), V1_LOGITS.to_vec()).unwrap();
         let shifted = z.mapv(|x| x + O3_SHIFT);
         let off = LossConfig::default();
-        let ce = cross_entropy(
-            shifted.view(),
-            &LossCall::with_flag(&[V1_TARGET], &off, false),
-        )
-        .unwrap();
-        assert!((ce.loss - O3_LOSS).abs() < O1_PLACES, "{}", ce.loss);
+        let ce0 = ce(&shifted, &[V1_TARGET], &off, false);
+        assert!((ce0.loss - O3_LOSS).abs() < O1_PLACES, "{}", ce0.loss);
         // Bit for bit the cross-entropy of the statistics, no term added.
-        assert_eq!(ce.loss.to_bits(), ce.stats[0].cross_entropy().to_bits());
+        assert_eq!(ce0.loss.to_bits(), ce0.stats[0].cross_entropy().to_bits());
         let t = Some(V1_TARGET as usize);
         assert_eq!(
-            token_loss(&ce.stats[0], t, &off).to_bits(),
-            ce.loss.to_bits()
+            token_loss(&ce0.stats[0], t, &off).to_bits(),
+            ce0.loss.to_bits()
         );
-        let lse = ce.stats[0].logsumexp();
-        let fault = ce.loss + O3_FAULT_COEFFICIENT * lse * lse;
+        let lse = ce0.stats[0].logsumexp();
+        let fault = ce0.loss + O3_FAULT_COEFFICIENT * lse * lse;
         assert!((fault - O3_LOSS_FAULT).abs() < O1_PLACES, "{fault}");
         let huge = z.mapv(|x| x * O4_SCALE);
         let smoothed = off.with_smoothing(O4_SMOOTHING, SmoothingConvention::PyTorch);
-        let l = cross_entropy(
-            huge.view(),
-            &LossCall::with_flag(&[V1_TARGET], &smoothed, true),
-        )
-        .unwrap();
+        let l = ce(&huge, &[V1_TARGET], &smoothed, true);
         assert!((l.loss - O4_LOSS).abs() < 1e-9, "{}", l.loss);
         assert!(l.grad_logits.unwrap().iter().all(|g| g.is_finite()));
     }

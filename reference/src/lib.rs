@@ -42,12 +42,52 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
-/// `map` and `zeros_like` of a per-layer parameter struct `$ty<A>`, derived
-/// from its `try_map` (each tensor through a function for the matrices and
-/// one for the vectors, with its Hugging Face name).
-macro_rules! layer_maps {
-    ($ty:ident) => {
+/// The tensor-wise methods of a per-layer parameter struct `$ty<A>`, from
+/// one table of its fields in declaration order, each a matrix (`m`,
+/// `Array2<A>`) or a vector (`v`, `Array1<A>`) with its Hugging Face name
+/// within the layer: `try_map`, `map`, `zeros_like`, `from_fn`, `named` and
+/// `named_mut`, all visiting the tensors in that order.
+macro_rules! layer_params {
+    ($ty:ident { $($field:ident: $kind:ident $name:literal),* $(,)? }) => {
         impl<A> $ty<A> {
+            /// Each tensor through `m` (the matrices) or `v` (the vectors),
+            /// called with the tensor's Hugging Face name within the layer
+            /// in field order.
+            ///
+            /// # Errors
+            /// The first error of `m` or `v`.
+            pub fn try_map<B, E>(
+                &self,
+                mut m: impl FnMut(&str, &ndarray::Array2<A>) -> std::result::Result<ndarray::Array2<B>, E>,
+                mut v: impl FnMut(&str, &ndarray::Array1<A>) -> std::result::Result<ndarray::Array1<B>, E>,
+            ) -> std::result::Result<$ty<B>, E> {
+                Ok($ty {
+                    $($field: layer_params!(@pick $kind, m, v)($name, &self.$field)?,)*
+                })
+            }
+
+            /// Each tensor built from its Hugging Face name within the
+            /// layer by `m` (the matrices) or `v` (the vectors), in field order.
+            pub fn from_fn(
+                mut m: impl FnMut(&str) -> ndarray::Array2<A>,
+                mut v: impl FnMut(&str) -> ndarray::Array1<A>,
+            ) -> Self {
+                $ty {
+                    $($field: layer_params!(@pick $kind, m, v)($name),)*
+                }
+            }
+
+            /// Each tensor, as a view, with its Hugging Face name within the
+            /// layer, in field order.
+            pub fn named(&self) -> Vec<(&'static str, ndarray::ArrayViewD<'_, A>)> {
+                vec![$(($name, self.$field.view().into_dyn())),*]
+            }
+
+            /// As `named`, mutable.
+            pub fn named_mut(&mut self) -> Vec<(&'static str, ndarray::ArrayViewMutD<'_, A>)> {
+                vec![$(($name, self.$field.view_mut().into_dyn())),*]
+            }
+
             /// Each tensor through `m` (the matrices) or `v` (the vectors).
             pub fn map<B>(
                 &self,
@@ -75,6 +115,8 @@ macro_rules! layer_maps {
             }
         }
     };
+    (@pick m, $m:ident, $v:ident) => { $m };
+    (@pick v, $m:ident, $v:ident) => { $v };
 }
 
 pub mod attention;

@@ -52,18 +52,7 @@ pub fn layer_norm(
     beta: ArrayView1<f64>,
     eps: f64,
 ) -> (Array2<f64>, LayerNormCache) {
-    let (n, width) = x.dim();
-    let mut x_hat = Array2::zeros((n, width));
-    let mut inv_std = Array1::zeros(n);
-    for (i, row) in x.rows().into_iter().enumerate() {
-        let mean = row.sum() / width as f64;
-        let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / width as f64;
-        let s = 1.0 / (var + eps).sqrt();
-        inv_std[i] = s;
-        Zip::from(x_hat.row_mut(i))
-            .and(row)
-            .for_each(|h, &v| *h = (v - mean) * s);
-    }
+    let (x_hat, inv_std) = normalize_rows(x, eps, true);
     let mut y = &x_hat * &gamma;
     y += &beta;
     (y, LayerNormCache { x_hat, inv_std })
@@ -82,14 +71,60 @@ pub fn layer_norm_backward(
 ) -> Array2<f64> {
     grad_gamma += &(&dy * &cache.x_hat).sum_axis(Axis(0));
     grad_beta += &dy.sum_axis(Axis(0));
+    normalize_rows_backward(&cache.x_hat, &cache.inv_std, gamma, dy, true)
+}
+
+/// The normalized rows of `x: [n, hidden]` and each row's inverse scale
+/// `[n]`, shared by [`layer_norm`] and RMSNorm
+/// ([`crate::decoder::ops::rms_norm`]): `x_hat = (x - mean) / sqrt(var + eps)`
+/// (biased variance) when `centered`, else `x_hat = x / sqrt(mean(x^2) + eps)`
+/// (the mean taken as 0, which leaves every value bit for bit unchanged).
+pub(crate) fn normalize_rows(
+    x: ArrayView2<f64>,
+    eps: f64,
+    centered: bool,
+) -> (Array2<f64>, Array1<f64>) {
+    let (n, width) = x.dim();
+    let mut x_hat = Array2::zeros((n, width));
+    let mut inv = Array1::zeros(n);
+    for (i, row) in x.rows().into_iter().enumerate() {
+        let mean = if centered {
+            row.sum() / width as f64
+        } else {
+            0.0
+        };
+        let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / width as f64;
+        let s = 1.0 / (var + eps).sqrt();
+        inv[i] = s;
+        Zip::from(x_hat.row_mut(i))
+            .and(row)
+            .for_each(|h, &v| *h = (v - mean) * s);
+    }
+    (x_hat, inv)
+}
+
+/// `dx` (`[n, hidden]`) of [`normalize_rows`] followed by the gain `gamma`:
+/// `inv * (g - mean(g) - x_hat * mean(g * x_hat))` with `g = dy * gamma`, the
+/// `mean(g)` term only when `centered` (the mean was subtracted).
+pub(crate) fn normalize_rows_backward(
+    x_hat: &Array2<f64>,
+    inv: &Array1<f64>,
+    gamma: ArrayView1<f64>,
+    dy: ArrayView2<f64>,
+    centered: bool,
+) -> Array2<f64> {
     let (n, width) = dy.dim();
     let mut dx = Array2::zeros((n, width));
     for i in 0..n {
         let g: Array1<f64> = &dy.row(i) * &gamma;
-        let xh = cache.x_hat.row(i);
-        let mean_g = g.sum() / width as f64;
+        let xh = x_hat.row(i);
+        let mean_g = if centered {
+            g.sum() / width as f64
+        } else {
+            0.0
+        };
         let mean_gx = g.iter().zip(xh).map(|(a, b)| a * b).sum::<f64>() / width as f64;
-        let s = cache.inv_std[i];
+        let s = inv[i];
         Zip::from(dx.row_mut(i))
             .and(&g)
             .and(xh)

@@ -89,130 +89,59 @@ pub struct BertParams {
     pub nsp_b: Array1<f64>,
 }
 
+/// Every tensor of `$s` (a [`BertParams`]) with its Hugging Face name, as
+/// `$view` views, the layers' through `$layer` over `$iter` (`view`,
+/// `named` and `iter`, or `view_mut`, `named_mut` and `iter_mut`).
 macro_rules! named_tensors {
-    ($s:expr, $view:ident, $iter:ident) => {{
+    ($s:expr, $view:ident, $layer:ident, $iter:ident) => {{
+        let s = $s;
         let mut out = vec![
             (
-                "embeddings.word_embeddings.weight".to_string(),
-                $s.word_embeddings.$view().into_dyn(),
+                "embeddings.word_embeddings.weight",
+                s.word_embeddings.$view().into_dyn(),
             ),
             (
-                "embeddings.position_embeddings.weight".to_string(),
-                $s.position_embeddings.$view().into_dyn(),
+                "embeddings.position_embeddings.weight",
+                s.position_embeddings.$view().into_dyn(),
             ),
             (
-                "embeddings.token_type_embeddings.weight".to_string(),
-                $s.token_type_embeddings.$view().into_dyn(),
+                "embeddings.token_type_embeddings.weight",
+                s.token_type_embeddings.$view().into_dyn(),
             ),
-            (
-                "embeddings.LayerNorm.weight".to_string(),
-                $s.emb_ln_g.$view().into_dyn(),
-            ),
-            (
-                "embeddings.LayerNorm.bias".to_string(),
-                $s.emb_ln_b.$view().into_dyn(),
-            ),
-        ];
-        for (i, l) in $s.layers.$iter().enumerate() {
-            let p = format!("encoder.layer.{i}.");
-            out.push((
-                format!("{p}attention.self.query.weight"),
-                l.query_w.$view().into_dyn(),
-            ));
-            out.push((
-                format!("{p}attention.self.query.bias"),
-                l.query_b.$view().into_dyn(),
-            ));
-            out.push((
-                format!("{p}attention.self.key.weight"),
-                l.key_w.$view().into_dyn(),
-            ));
-            out.push((
-                format!("{p}attention.self.key.bias"),
-                l.key_b.$view().into_dyn(),
-            ));
-            out.push((
-                format!("{p}attention.self.value.weight"),
-                l.value_w.$view().into_dyn(),
-            ));
-            out.push((
-                format!("{p}attention.self.value.bias"),
-                l.value_b.$view().into_dyn(),
-            ));
-            out.push((
-                format!("{p}attention.output.dense.weight"),
-                l.attn_out_w.$view().into_dyn(),
-            ));
-            out.push((
-                format!("{p}attention.output.dense.bias"),
-                l.attn_out_b.$view().into_dyn(),
-            ));
-            out.push((
-                format!("{p}attention.output.LayerNorm.weight"),
-                l.attn_ln_g.$view().into_dyn(),
-            ));
-            out.push((
-                format!("{p}attention.output.LayerNorm.bias"),
-                l.attn_ln_b.$view().into_dyn(),
-            ));
-            out.push((
-                format!("{p}intermediate.dense.weight"),
-                l.inter_w.$view().into_dyn(),
-            ));
-            out.push((
-                format!("{p}intermediate.dense.bias"),
-                l.inter_b.$view().into_dyn(),
-            ));
-            out.push((
-                format!("{p}output.dense.weight"),
-                l.out_w.$view().into_dyn(),
-            ));
-            out.push((format!("{p}output.dense.bias"), l.out_b.$view().into_dyn()));
-            out.push((
-                format!("{p}output.LayerNorm.weight"),
-                l.out_ln_g.$view().into_dyn(),
-            ));
-            out.push((
-                format!("{p}output.LayerNorm.bias"),
-                l.out_ln_b.$view().into_dyn(),
-            ));
+            ("embeddings.LayerNorm.weight", s.emb_ln_g.$view().into_dyn()),
+            ("embeddings.LayerNorm.bias", s.emb_ln_b.$view().into_dyn()),
+        ]
+        .into_iter()
+        .map(|(name, t)| (name.to_string(), t))
+        .collect::<Vec<_>>();
+        for (i, l) in s.layers.$iter().enumerate() {
+            let named = l.$layer().into_iter();
+            out.extend(named.map(|(name, t)| (format!("encoder.layer.{i}.{name}"), t)));
         }
-        out.push((
-            "pooler.dense.weight".to_string(),
-            $s.pooler_w.$view().into_dyn(),
-        ));
-        out.push((
-            "pooler.dense.bias".to_string(),
-            $s.pooler_b.$view().into_dyn(),
-        ));
-        out.push((
-            "cls.predictions.transform.dense.weight".to_string(),
-            $s.mlm_dense_w.$view().into_dyn(),
-        ));
-        out.push((
-            "cls.predictions.transform.dense.bias".to_string(),
-            $s.mlm_dense_b.$view().into_dyn(),
-        ));
-        out.push((
-            "cls.predictions.transform.LayerNorm.weight".to_string(),
-            $s.mlm_ln_g.$view().into_dyn(),
-        ));
-        out.push((
-            "cls.predictions.transform.LayerNorm.bias".to_string(),
-            $s.mlm_ln_b.$view().into_dyn(),
-        ));
-        out.push((
-            "cls.predictions.bias".to_string(),
-            $s.mlm_bias.$view().into_dyn(),
-        ));
-        out.push((
-            "cls.seq_relationship.weight".to_string(),
-            $s.nsp_w.$view().into_dyn(),
-        ));
-        out.push((
-            "cls.seq_relationship.bias".to_string(),
-            $s.nsp_b.$view().into_dyn(),
-        ));
+        let tail = [
+            ("pooler.dense.weight", s.pooler_w.$view().into_dyn()),
+            ("pooler.dense.bias", s.pooler_b.$view().into_dyn()),
+            (
+                "cls.predictions.transform.dense.weight",
+                s.mlm_dense_w.$view().into_dyn(),
+            ),
+            (
+                "cls.predictions.transform.dense.bias",
+                s.mlm_dense_b.$view().into_dyn(),
+            ),
+            (
+                "cls.predictions.transform.LayerNorm.weight",
+                s.mlm_ln_g.$view().into_dyn(),
+            ),
+            (
+                "cls.predictions.transform.LayerNorm.bias",
+                s.mlm_ln_b.$view().into_dyn(),
+            ),
+            ("cls.predictions.bias", s.mlm_bias.$view().into_dyn()),
+            ("cls.seq_relationship.weight", s.nsp_w.$view().into_dyn()),
+            ("cls.seq_relationship.bias", s.nsp_b.$view().into_dyn()),
+        ];
+        out.extend(tail.map(|(name, t)| (name.to_string(), t)));
         out
     }};
 }
@@ -226,38 +155,26 @@ enum Fill {
     Around(f64, f64),
 }
 
-impl<A> LayerParams<A> {
-    /// Each tensor through `m` (the matrices) or `v` (the vectors), called
-    /// with the tensor's Hugging Face name within the layer
-    /// (`attention.self.query.weight`, ...) in field order.
-    ///
-    /// # Errors
-    /// The first error of `m` or `v`.
-    pub fn try_map<B, E>(
-        &self,
-        mut m: impl FnMut(&str, &Array2<A>) -> std::result::Result<Array2<B>, E>,
-        mut v: impl FnMut(&str, &Array1<A>) -> std::result::Result<Array1<B>, E>,
-    ) -> std::result::Result<LayerParams<B>, E> {
-        Ok(LayerParams {
-            query_w: m("attention.self.query.weight", &self.query_w)?,
-            query_b: v("attention.self.query.bias", &self.query_b)?,
-            key_w: m("attention.self.key.weight", &self.key_w)?,
-            key_b: v("attention.self.key.bias", &self.key_b)?,
-            value_w: m("attention.self.value.weight", &self.value_w)?,
-            value_b: v("attention.self.value.bias", &self.value_b)?,
-            attn_out_w: m("attention.output.dense.weight", &self.attn_out_w)?,
-            attn_out_b: v("attention.output.dense.bias", &self.attn_out_b)?,
-            attn_ln_g: v("attention.output.LayerNorm.weight", &self.attn_ln_g)?,
-            attn_ln_b: v("attention.output.LayerNorm.bias", &self.attn_ln_b)?,
-            inter_w: m("intermediate.dense.weight", &self.inter_w)?,
-            inter_b: v("intermediate.dense.bias", &self.inter_b)?,
-            out_w: m("output.dense.weight", &self.out_w)?,
-            out_b: v("output.dense.bias", &self.out_b)?,
-            out_ln_g: v("output.LayerNorm.weight", &self.out_ln_g)?,
-            out_ln_b: v("output.LayerNorm.bias", &self.out_ln_b)?,
-        })
-    }
+layer_params!(LayerParams {
+    query_w: m "attention.self.query.weight",
+    query_b: v "attention.self.query.bias",
+    key_w: m "attention.self.key.weight",
+    key_b: v "attention.self.key.bias",
+    value_w: m "attention.self.value.weight",
+    value_b: v "attention.self.value.bias",
+    attn_out_w: m "attention.output.dense.weight",
+    attn_out_b: v "attention.output.dense.bias",
+    attn_ln_g: v "attention.output.LayerNorm.weight",
+    attn_ln_b: v "attention.output.LayerNorm.bias",
+    inter_w: m "intermediate.dense.weight",
+    inter_b: v "intermediate.dense.bias",
+    out_w: m "output.dense.weight",
+    out_b: v "output.dense.bias",
+    out_ln_g: v "output.LayerNorm.weight",
+    out_ln_b: v "output.LayerNorm.bias",
+});
 
+impl<A> LayerParams<A> {
     /// `hidden`: the query weight's rows.
     pub fn hidden(&self) -> usize {
         self.query_w.nrows()
@@ -288,49 +205,44 @@ impl<A> LayerParams<A> {
         };
         let checked = self.try_map(
             |name, a| {
-                let want = match name {
-                    "intermediate.dense.weight" => [it, hd],
-                    "output.dense.weight" => [hd, it],
-                    _ => [hd, hd],
-                };
+                let want = matrix_shape(name, hd, it);
                 fits(name, a.shape(), &want).map(|()| Array2::<()>::default((0, 0)))
             },
             |name, a| {
-                let want = if name == "intermediate.dense.bias" {
-                    it
-                } else {
-                    hd
-                };
-                fits(name, a.shape(), &[want]).map(|()| Array1::<()>::default(0))
+                let want = [vector_len(name, hd, it)];
+                fits(name, a.shape(), &want).map(|()| Array1::<()>::default(0))
             },
         );
         checked.map(|_| ())
     }
 }
 
-layer_maps!(LayerParams);
-
 impl LayerParams {
     fn zeros(c: &BertConfig) -> Self {
-        let (h, i) = (c.hidden_size, c.intermediate_size);
-        LayerParams {
-            query_w: Array2::zeros((h, h)),
-            query_b: Array1::zeros(h),
-            key_w: Array2::zeros((h, h)),
-            key_b: Array1::zeros(h),
-            value_w: Array2::zeros((h, h)),
-            value_b: Array1::zeros(h),
-            attn_out_w: Array2::zeros((h, h)),
-            attn_out_b: Array1::zeros(h),
-            attn_ln_g: Array1::zeros(h),
-            attn_ln_b: Array1::zeros(h),
-            inter_w: Array2::zeros((i, h)),
-            inter_b: Array1::zeros(i),
-            out_w: Array2::zeros((h, i)),
-            out_b: Array1::zeros(h),
-            out_ln_g: Array1::zeros(h),
-            out_ln_b: Array1::zeros(h),
-        }
+        let (hd, it) = (c.hidden_size, c.intermediate_size);
+        LayerParams::from_fn(
+            |name| Array2::zeros(matrix_shape(name, hd, it)),
+            |name| Array1::zeros(vector_len(name, hd, it)),
+        )
+    }
+}
+
+/// The shape of the layer matrix named `name` (within the layer) at width
+/// `hd` and intermediate size `it`.
+fn matrix_shape(name: &str, hd: usize, it: usize) -> [usize; 2] {
+    match name {
+        "intermediate.dense.weight" => [it, hd],
+        "output.dense.weight" => [hd, it],
+        _ => [hd, hd],
+    }
+}
+
+/// The length of the layer vector named `name`, as [`matrix_shape`].
+fn vector_len(name: &str, hd: usize, it: usize) -> usize {
+    if name == "intermediate.dense.bias" {
+        it
+    } else {
+        hd
     }
 }
 
@@ -369,12 +281,12 @@ impl BertParams {
 
     /// Every tensor with its Hugging Face name, in a fixed order.
     pub fn named(&self) -> Vec<(String, ArrayViewD<'_, f64>)> {
-        named_tensors!(self, view, iter)
+        named_tensors!(self, view, named, iter)
     }
 
     /// Every tensor, mutable, in the order of [`BertParams::named`].
     pub fn named_mut(&mut self) -> Vec<(String, ArrayViewMutD<'_, f64>)> {
-        named_tensors!(self, view_mut, iter_mut)
+        named_tensors!(self, view_mut, named_mut, iter_mut)
     }
 
     /// Random parameters for tests, deterministic in `seed` (ChaCha8): matrices

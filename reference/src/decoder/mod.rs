@@ -39,6 +39,19 @@ pub use packing::{
 };
 pub use params::{DecoderConfig, DecoderLayerParams, DecoderParams, Mlp, Norm};
 
+/// Asserts that the error `$e` is an `Error::$variant` whose `field` is
+/// `$field` (the test modules' check of a typed error).
+#[cfg(test)]
+macro_rules! assert_error_field {
+    ($e:expr, $variant:ident, $field:expr) => {{
+        let e = &$e;
+        assert!(
+            matches!(e, crate::error::Error::$variant { field, .. } if field == $field),
+            "{e}"
+        );
+    }};
+}
+
 #[cfg(test)]
 mod packing_tests;
 #[cfg(test)]

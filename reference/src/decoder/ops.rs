@@ -11,6 +11,7 @@
 
 use ndarray::{Array1, Array2, Array3, ArrayView1, ArrayView2, ArrayView3, ArrayViewMut2, Axis};
 
+use crate::bert::ops::{normalize_rows, normalize_rows_backward};
 use crate::error::{Error, Result};
 
 /// `y = x W^T` (`torch.nn.Linear(bias=False)`, Llama's projections):
@@ -51,17 +52,7 @@ pub fn rms_norm(
     gamma: ArrayView1<f64>,
     eps: f64,
 ) -> (Array2<f64>, RmsNormCache) {
-    let (n, width) = x.dim();
-    let mut x_hat = Array2::zeros((n, width));
-    let mut inv_rms = Array1::zeros(n);
-    for (i, row) in x.rows().into_iter().enumerate() {
-        let ms = row.iter().map(|v| v * v).sum::<f64>() / width as f64;
-        let r = 1.0 / (ms + eps).sqrt();
-        inv_rms[i] = r;
-        for (o, &v) in x_hat.row_mut(i).iter_mut().zip(row) {
-            *o = v * r;
-        }
-    }
+    let (x_hat, inv_rms) = normalize_rows(x, eps, false);
     let y = &x_hat * &gamma;
     (y, RmsNormCache { x_hat, inv_rms })
 }
@@ -76,18 +67,7 @@ pub fn rms_norm_backward(
     mut grad_gamma: ndarray::ArrayViewMut1<f64>,
 ) -> Array2<f64> {
     grad_gamma += &(&dy * &cache.x_hat).sum_axis(Axis(0));
-    let (n, width) = dy.dim();
-    let mut dx = Array2::zeros((n, width));
-    for i in 0..n {
-        let g: Array1<f64> = &dy.row(i) * &gamma;
-        let xh = cache.x_hat.row(i);
-        let mean_gx = g.iter().zip(xh).map(|(a, b)| a * b).sum::<f64>() / width as f64;
-        let r = cache.inv_rms[i];
-        for ((d, &gv), &x) in dx.row_mut(i).iter_mut().zip(&g).zip(xh) {
-            *d = r * (gv - x * mean_gx);
-        }
-    }
-    dx
+    normalize_rows_backward(&cache.x_hat, &cache.inv_rms, gamma, dy, false)
 }
 
 /// The rotary frequencies `theta^(-2i / d)`, `i = 0..d/2` (Su et al. 2021,

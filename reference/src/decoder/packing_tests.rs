@@ -41,10 +41,7 @@ fn c4_padding_between_documents() {
     assert_eq!(slots, C4_SLOTS);
     assert_eq!(cu, C4_CU_SEQLENS);
     let e = varlen_from_doc_ids(&[1, 1, 2, 1]).unwrap_err();
-    assert!(
-        matches!(&e, Error::InvalidArgument { field, .. } if field == "doc_ids[3]"),
-        "{e}"
-    );
+    assert_error_field!(e, InvalidArgument, "doc_ids[3]");
 }
 
 #[test]
@@ -77,19 +74,13 @@ fn c7_the_token_count_of_a_packed_batch() {
     let w = loss_weights(&labels, &doc_ids, CausalReduction::PerRow, 5).unwrap();
     assert_eq!(w[0], 1.0 / 5.0);
     let e = loss_weights(&labels, &doc_ids, CausalReduction::PerRow, 3).unwrap_err();
-    assert!(
-        matches!(&e, Error::InvalidArgument { field, .. } if field == "num_documents"),
-        "{e}"
-    );
+    assert_error_field!(e, InvalidArgument, "num_documents");
 }
 
 #[test]
 fn conversion_errors_are_typed() {
     let e = cu_seqlens_from_seq_idx(&[0, 1, 0], 2).unwrap_err();
-    assert!(
-        matches!(&e, Error::InvalidArgument { field, .. } if field == "seq_idx[2]"),
-        "{e}"
-    );
+    assert_error_field!(e, InvalidArgument, "seq_idx[2]");
     let e = cu_seqlens_from_seq_idx(&[0, 3], 2).unwrap_err();
     assert!(matches!(
         e,
@@ -109,15 +100,9 @@ fn conversion_errors_are_typed() {
         }
     ));
     let e = next_token_labels(&[1, 2], &[1], None).unwrap_err();
-    assert!(
-        matches!(&e, Error::ShapeMismatch { field, .. } if field == "doc_ids"),
-        "{e}"
-    );
+    assert_error_field!(e, ShapeMismatch, "doc_ids");
     let e = loss_weights(&[3, X], &[0, 1], CausalReduction::PerToken, 1).unwrap_err();
-    assert!(
-        matches!(&e, Error::InvalidArgument { field, .. } if field == "labels[0]"),
-        "{e}"
-    );
+    assert_error_field!(e, InvalidArgument, "labels[0]");
 }
 
 /// A packed row: document lengths (0 = an empty document, which has no

@@ -186,35 +186,19 @@ pub struct DecoderLayerParams<A = f64> {
     pub w_down: Array2<A>,
 }
 
-impl<A> DecoderLayerParams<A> {
-    /// Each tensor through `m` (the matrices) or `v` (the vectors), called
-    /// with the tensor's Hugging Face name within the layer
-    /// (`input_layernorm.weight`, ...) in field order.
-    ///
-    /// # Errors
-    /// The first error of `m` or `v`.
-    pub fn try_map<B, E>(
-        &self,
-        mut m: impl FnMut(&str, &Array2<A>) -> std::result::Result<Array2<B>, E>,
-        mut v: impl FnMut(&str, &Array1<A>) -> std::result::Result<Array1<B>, E>,
-    ) -> std::result::Result<DecoderLayerParams<B>, E> {
-        Ok(DecoderLayerParams {
-            attn_norm_g: v("input_layernorm.weight", &self.attn_norm_g)?,
-            attn_norm_b: v("input_layernorm.bias", &self.attn_norm_b)?,
-            wq: m("self_attn.q_proj.weight", &self.wq)?,
-            wk: m("self_attn.k_proj.weight", &self.wk)?,
-            wv: m("self_attn.v_proj.weight", &self.wv)?,
-            wo: m("self_attn.o_proj.weight", &self.wo)?,
-            mlp_norm_g: v("post_attention_layernorm.weight", &self.mlp_norm_g)?,
-            mlp_norm_b: v("post_attention_layernorm.bias", &self.mlp_norm_b)?,
-            w_gate: m("mlp.gate_proj.weight", &self.w_gate)?,
-            w_up: m("mlp.up_proj.weight", &self.w_up)?,
-            w_down: m("mlp.down_proj.weight", &self.w_down)?,
-        })
-    }
-}
-
-layer_maps!(DecoderLayerParams);
+layer_params!(DecoderLayerParams {
+    attn_norm_g: v "input_layernorm.weight",
+    attn_norm_b: v "input_layernorm.bias",
+    wq: m "self_attn.q_proj.weight",
+    wk: m "self_attn.k_proj.weight",
+    wv: m "self_attn.v_proj.weight",
+    wo: m "self_attn.o_proj.weight",
+    mlp_norm_g: v "post_attention_layernorm.weight",
+    mlp_norm_b: v "post_attention_layernorm.bias",
+    w_gate: m "mlp.gate_proj.weight",
+    w_up: m "mlp.up_proj.weight",
+    w_down: m "mlp.down_proj.weight",
+});
 
 /// Every parameter of a decoder (HF `LlamaForCausalLM`).
 #[derive(Debug, Clone, PartialEq)]
@@ -232,51 +216,25 @@ pub struct DecoderParams {
 }
 
 /// Every tensor of `$params` (a [`DecoderParams`]) with its Hugging Face
-/// name, as `$view` views (`view` over `iter`, or `view_mut` over `iter_mut`).
+/// name, as `$view` views, the layers' through `$layer` over `$iter` (`view`,
+/// `named` and `iter`, or `view_mut`, `named_mut` and `iter_mut`).
 macro_rules! named_tensors {
-    ($params:expr, $iter:ident, $view:ident) => {{
+    ($params:expr, $view:ident, $layer:ident, $iter:ident) => {{
         let params = $params;
         let mut out = vec![(
             "model.embed_tokens.weight".to_string(),
             params.embed.$view().into_dyn(),
         )];
         for (i, l) in params.layers.$iter().enumerate() {
-            let p = |s: &str| format!("model.layers.{i}.{s}");
-            out.extend([
-                (
-                    p("input_layernorm.weight"),
-                    l.attn_norm_g.$view().into_dyn(),
-                ),
-                (p("input_layernorm.bias"), l.attn_norm_b.$view().into_dyn()),
-                (p("self_attn.q_proj.weight"), l.wq.$view().into_dyn()),
-                (p("self_attn.k_proj.weight"), l.wk.$view().into_dyn()),
-                (p("self_attn.v_proj.weight"), l.wv.$view().into_dyn()),
-                (p("self_attn.o_proj.weight"), l.wo.$view().into_dyn()),
-                (
-                    p("post_attention_layernorm.weight"),
-                    l.mlp_norm_g.$view().into_dyn(),
-                ),
-                (
-                    p("post_attention_layernorm.bias"),
-                    l.mlp_norm_b.$view().into_dyn(),
-                ),
-                (p("mlp.gate_proj.weight"), l.w_gate.$view().into_dyn()),
-                (p("mlp.up_proj.weight"), l.w_up.$view().into_dyn()),
-                (p("mlp.down_proj.weight"), l.w_down.$view().into_dyn()),
-            ]);
+            let named = l.$layer().into_iter();
+            out.extend(named.map(|(name, t)| (format!("model.layers.{i}.{name}"), t)));
         }
-        out.push((
-            "model.norm.weight".to_string(),
-            params.final_norm_g.$view().into_dyn(),
-        ));
-        out.push((
-            "model.norm.bias".to_string(),
-            params.final_norm_b.$view().into_dyn(),
-        ));
-        out.push((
-            "lm_head.weight".to_string(),
-            params.lm_head.$view().into_dyn(),
-        ));
+        let tail = [
+            ("model.norm.weight", params.final_norm_g.$view().into_dyn()),
+            ("model.norm.bias", params.final_norm_b.$view().into_dyn()),
+            ("lm_head.weight", params.lm_head.$view().into_dyn()),
+        ];
+        out.extend(tail.map(|(name, t)| (name.to_string(), t)));
         out
     }};
 }
@@ -422,13 +380,13 @@ impl DecoderParams {
     }
 
     fn named_all(&self) -> Vec<(String, ArrayViewD<'_, f64>)> {
-        named_tensors!(self, iter, view)
+        named_tensors!(self, view, named, iter)
     }
 
     /// As [`DecoderParams::named`], mutable.
     pub fn named_mut(&mut self) -> Vec<(String, ArrayViewMutD<'_, f64>)> {
         let mut out: Vec<(String, ArrayViewMutD<'_, f64>)> =
-            named_tensors!(self, iter_mut, view_mut);
+            named_tensors!(self, view_mut, named_mut, iter_mut);
         out.retain(|(_, t)| !t.is_empty());
         out
     }

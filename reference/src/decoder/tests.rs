@@ -600,15 +600,9 @@ fn forward_err(
 #[test]
 fn bad_inputs_are_typed_errors() {
     let bad = DecoderModel::random(DecoderConfig::tiny(7, 4, 3, 2, 5, 1), 0).unwrap_err();
-    assert!(
-        matches!(&bad, Error::InvalidArgument { field, .. } if field == "num_kv_heads"),
-        "{bad}"
-    );
+    assert_error_field!(bad, InvalidArgument, "num_kv_heads");
     let bad = DecoderModel::random(DecoderConfig::tiny(7, 2, 1, 3, 5, 1), 0).unwrap_err();
-    assert!(
-        matches!(&bad, Error::InvalidArgument { field, .. } if field == "head_dim"),
-        "{bad}"
-    );
+    assert_error_field!(bad, InvalidArgument, "head_dim");
     let model = DecoderModel::random(DecoderConfig::tiny(7, 2, 1, 2, 5, 1), 0).unwrap();
     let att = DecoderAttention::Varlen {
         cu_seqlens: vec![0, 3],
@@ -638,10 +632,7 @@ fn bad_inputs_are_typed_errors() {
         }
     );
     let e = run(&[1, 2, 3], &[0, 1], &att, &[1, 2, 3]).unwrap_err();
-    assert!(
-        matches!(&e, Error::ShapeMismatch { field, .. } if field == "position_ids"),
-        "{e}"
-    );
+    assert_error_field!(e, ShapeMismatch, "position_ids");
     let e = run(&[1, 2, 3], &[0, 1, 2], &att, &[1, -100, -1]).unwrap_err();
     assert_eq!(
         e,
@@ -662,35 +653,23 @@ fn bad_inputs_are_typed_errors() {
         &[1, 2, 3],
     )
     .unwrap_err();
-    assert!(
-        matches!(&e, Error::InvalidArgument { field, .. } if field == "cu_seqlens[1]"),
-        "{e}"
-    );
+    assert_error_field!(e, InvalidArgument, "cu_seqlens[1]");
     let dense = DecoderAttention::padded_rows(&[3], 3);
     let past = KvCache {
         cu_seqlens: vec![0, 0],
         layers: vec![(Array3::zeros((0, 1, 2)), Array3::zeros((0, 1, 2)))],
     };
     let e = forward_err(&model, &dense, Some(&past));
-    assert!(
-        matches!(&e, Error::InvalidArgument { field, .. } if field == "past"),
-        "{e}"
-    );
+    assert_error_field!(e, InvalidArgument, "past");
     let past = KvCache {
         cu_seqlens: vec![0, 2],
         layers: vec![(Array3::zeros((2, 2, 2)), Array3::zeros((2, 1, 2)))],
     };
     let e = forward_err(&model, &att, Some(&past));
-    assert!(
-        matches!(&e, Error::ShapeMismatch { field, .. } if field == "past.layers[0].k"),
-        "{e}"
-    );
+    assert_error_field!(e, ShapeMismatch, "past.layers[0].k");
 
     let mut broken = model.clone();
     broken.params.layers[0].wk = Array2::zeros((3, 4));
     let e = forward_err(&broken, &att, None);
-    assert!(
-        matches!(&e, Error::ShapeMismatch { field, .. } if field == "model.layers.0.self_attn.k_proj.weight"),
-        "{e}"
-    );
+    assert_error_field!(e, ShapeMismatch, "model.layers.0.self_attn.k_proj.weight");
 }

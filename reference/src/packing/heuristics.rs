@@ -111,10 +111,7 @@ impl OpenPacks {
     fn largest_in(&self, lo: usize, hi: usize) -> Option<usize> {
         match &self.keys {
             Keys::Dense { bits, .. } => {
-                let hi = hi.min(bits.len() * 64 - 1);
-                if lo > hi {
-                    return None;
-                }
+                let hi = clamp_hi(bits, lo, hi)?;
                 let mut w = hi / 64;
                 // Bits at or below `hi` in its word.
                 let mut word = bits[w] & (u64::MAX >> (63 - hi % 64));
@@ -138,10 +135,7 @@ impl OpenPacks {
     fn smallest_in(&self, lo: usize, hi: usize) -> Option<usize> {
         match &self.keys {
             Keys::Dense { bits, .. } => {
-                let hi = hi.min(bits.len() * 64 - 1);
-                if lo > hi {
-                    return None;
-                }
+                let hi = clamp_hi(bits, lo, hi)?;
                 let mut w = lo / 64;
                 // Bits at or above `lo` in its word.
                 let mut word = bits[w] & (u64::MAX << (lo % 64));
@@ -221,6 +215,13 @@ impl OpenPacks {
             })
             .collect()
     }
+}
+
+/// `hi` clamped to the last key the dense `bits` can hold, or `None` when
+/// `lo..=hi` is then empty.
+fn clamp_hi(bits: &[u64], lo: usize, hi: usize) -> Option<usize> {
+    let hi = hi.min(bits.len() * 64 - 1);
+    (lo <= hi).then_some(hi)
 }
 
 /// Shortest-pack-first histogram packing (SPFHP).

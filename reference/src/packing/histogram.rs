@@ -241,20 +241,19 @@ mod tests {
     use super::*;
 
     #[test]
-    fn embedded_wikipedia_matches_published_totals() {
+    fn embedded_histograms_match_published_totals() {
+        // (name, max_length, num_sequences, real_tokens)
+        for (name, max_length, sequences, tokens) in [
+            ("wikipedia-512", 512, 16_279_552, 4_164_796_173),
+            ("squad-384", 384, 88_641, 15_249_479),
+        ] {
+            let h = Histogram::embedded(name).unwrap();
+            assert_eq!(h.max_length(), max_length, "{name}");
+            assert_eq!(h.num_sequences(), sequences, "{name}");
+            assert_eq!(h.real_tokens(), tokens, "{name}");
+        }
         let h = Histogram::embedded("wikipedia-512").unwrap();
-        assert_eq!(h.max_length(), 512);
-        assert_eq!(h.num_sequences(), 16_279_552);
-        assert_eq!(h.real_tokens(), 4_164_796_173);
         assert!((h.padding_fraction(512) - 0.50033).abs() < 5e-6);
-    }
-
-    #[test]
-    fn embedded_squad_matches_published_totals() {
-        let h = Histogram::embedded("squad-384").unwrap();
-        assert_eq!(h.max_length(), 384);
-        assert_eq!(h.num_sequences(), 88_641);
-        assert_eq!(h.real_tokens(), 15_249_479);
     }
 
     #[test]

@@ -272,30 +272,20 @@ fn p3_split_keeps_every_token() {
 
 #[test]
 fn p3_truncate_and_drop_report_what_they_lose() {
-    let plan = pack_lengths(
-        &[4, 2, 3, 1],
-        &PackingConfig::new(Algorithm::Ffd, 3).with_overlong(Overlong::Truncate),
-    )
-    .unwrap();
+    let pack = |overlong| {
+        let config = PackingConfig::new(Algorithm::Ffd, 3).with_overlong(overlong);
+        pack_lengths(&[4, 2, 3, 1], &config).unwrap()
+    };
+    let plan = pack(Overlong::Truncate);
+    let m = &plan.metrics;
     assert_eq!(
-        (
-            plan.metrics.real_tokens,
-            plan.metrics.dropped_tokens,
-            plan.metrics.truncated_sequences
-        ),
+        (m.real_tokens, m.dropped_tokens, m.truncated_sequences),
         (9, 1, 1)
     );
-    let plan = pack_lengths(
-        &[4, 2, 3, 1],
-        &PackingConfig::new(Algorithm::Ffd, 3).with_overlong(Overlong::Drop),
-    )
-    .unwrap();
+    let plan = pack(Overlong::Drop);
+    let m = &plan.metrics;
     assert_eq!(
-        (
-            plan.metrics.real_tokens,
-            plan.metrics.dropped_tokens,
-            plan.metrics.dropped_sequences
-        ),
+        (m.real_tokens, m.dropped_tokens, m.dropped_sequences),
         (6, 4, 1)
     );
     assert_eq!(plan.dropped_sequences, vec![0]);

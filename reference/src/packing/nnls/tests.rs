@@ -195,13 +195,29 @@ fn weighted_pair(rng: &mut impl rand::Rng, m: usize, n: usize) -> (SparseColumns
     (fast, plain)
 }
 
+/// `trials` problems from [`weighted_pair`] drawn from a ChaCha8 seeded with
+/// `seed`, trial `t` with `m = m0 + t % spread` rows and `cols_per_row * m`
+/// columns; `check(t, rng, m, fast, plain)` runs on each (and draws the rest
+/// of the trial from the same `rng`).
+fn each_weighted_pair(
+    seed: u64,
+    trials: usize,
+    (m0, spread, cols_per_row): (usize, usize, usize),
+    mut check: impl FnMut(usize, &mut rand_chacha::ChaCha8Rng, usize, SparseColumns, SparseColumns),
+) {
+    use rand::SeedableRng;
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    for trial in 0..trials {
+        let m = m0 + trial % spread;
+        let (fast, plain) = weighted_pair(&mut rng, m, cols_per_row * m);
+        check(trial, &mut rng, m, fast, plain);
+    }
+}
+
 #[test]
 fn multiset_pricing_picks_the_column_the_plain_pricing_picks() {
-    use rand::{Rng, SeedableRng};
-    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
-    for trial in 0..50 {
-        let m = 5 + trial % 30;
-        let (fast, plain) = weighted_pair(&mut rng, m, 4 * m);
+    use rand::Rng;
+    each_weighted_pair(5, 50, (5, 30, 4), |trial, rng, m, fast, plain| {
         for j in 0..fast.cols() {
             assert_eq!(fast.col(j), plain.col(j), "trial {trial}: column {j}");
         }
@@ -230,16 +246,13 @@ fn multiset_pricing_picks_the_column_the_plain_pricing_picks() {
             }
             assert_eq!(pf.most_positive(&r, 1e-12), Some(j), "trial {trial}");
         }
-    }
+    });
 }
 
 #[test]
 fn multiset_and_plain_problems_reach_the_same_optimum() {
-    use rand::{Rng, SeedableRng};
-    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(13);
-    for trial in 0..40 {
-        let m = 4 + trial % 25;
-        let (fast, plain) = weighted_pair(&mut rng, m, 3 * m);
+    use rand::Rng;
+    each_weighted_pair(13, 40, (4, 25, 3), |trial, rng, m, fast, plain| {
         let b: Vec<f64> = (0..m)
             .map(|_| f64::from(rng.random_range(0..60u8)))
             .collect();
@@ -259,7 +272,7 @@ fn multiset_and_plain_problems_reach_the_same_optimum() {
             (of - op).abs() <= 1e-9 * (1.0 + op),
             "trial {trial}: {of} vs {op}"
         );
-    }
+    });
 }
 
 #[test]
