@@ -116,6 +116,17 @@ impl Error {
     }
 }
 
+/// `Ok(())` when `ok`, else an [`Error::InvalidArgument`] naming `field` with
+/// the message `message()` (built only on failure): one rule of a
+/// validation chain.
+pub fn ensure(ok: bool, field: &str, message: impl FnOnce() -> String) -> Result<()> {
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::invalid(field, message()))
+    }
+}
+
 /// Returns the first non-finite value of `values` as an [`Error::NonFiniteInput`].
 ///
 /// `field` names the tensor; the index in the error is the flat row-major index.

@@ -58,8 +58,14 @@ macro_rules! layer_params {
             /// The first error of `m` or `v`.
             pub fn try_map<B, E>(
                 &self,
-                mut m: impl FnMut(&str, &ndarray::Array2<A>) -> std::result::Result<ndarray::Array2<B>, E>,
-                mut v: impl FnMut(&str, &ndarray::Array1<A>) -> std::result::Result<ndarray::Array1<B>, E>,
+                mut m: impl FnMut(
+                    &str,
+                    &ndarray::Array2<A>,
+                ) -> std::result::Result<ndarray::Array2<B>, E>,
+                mut v: impl FnMut(
+                    &str,
+                    &ndarray::Array1<A>,
+                ) -> std::result::Result<ndarray::Array1<B>, E>,
             ) -> std::result::Result<$ty<B>, E> {
                 Ok($ty {
                     $($field: layer_params!(@pick $kind, m, v)($name, &self.$field)?,)*
@@ -117,6 +123,43 @@ macro_rules! layer_params {
     };
     (@pick m, $m:ident, $v:ident) => { $m };
     (@pick v, $m:ident, $v:ident) => { $v };
+}
+
+/// `named_all` and `named_all_mut` of a model's parameter struct `$ty`:
+/// every tensor (as a view, or a mutable one) with its Hugging Face name, in
+/// a fixed order: the `head` fields, then each of `layers` (the layer's
+/// [`layer_params!`] names after `$prefix{i}.`), then the `tail` fields.
+macro_rules! model_params {
+    (
+        $ty:ident,
+        $prefix:literal,
+        head [$($h:ident $hn:literal),* $(,)?],
+        tail [$($t:ident $tn:literal),* $(,)?] $(,)?
+    ) => {
+        impl $ty {
+            fn named_all(&self) -> Vec<(String, ndarray::ArrayViewD<'_, f64>)> {
+                model_params!(@list self, view, named, iter, $prefix, [$($h $hn),*], [$($t $tn),*])
+            }
+
+            fn named_all_mut(&mut self) -> Vec<(String, ndarray::ArrayViewMutD<'_, f64>)> {
+                model_params!(
+                    @list self, view_mut, named_mut, iter_mut, $prefix, [$($h $hn),*], [$($t $tn),*]
+                )
+            }
+        }
+    };
+    (
+        @list $s:ident, $view:ident, $layer:ident, $iter:ident, $prefix:literal,
+        [$($h:ident $hn:literal),*], [$($t:ident $tn:literal),*]
+    ) => {{
+        let mut out = vec![$(($hn.to_string(), $s.$h.$view().into_dyn())),*];
+        for (i, l) in $s.layers.$iter().enumerate() {
+            let named = l.$layer().into_iter();
+            out.extend(named.map(|(name, t)| (format!("{}{i}.{name}", $prefix), t)));
+        }
+        out.extend([$(($tn.to_string(), $s.$t.$view().into_dyn())),*]);
+        out
+    }};
 }
 
 pub mod attention;

@@ -2,7 +2,7 @@
 
 use serde::Deserialize;
 
-use crate::error::{Error, Result};
+use crate::error::{ensure, Error, Result};
 
 /// Largest vocabulary accepted (2^22 rows): 100x BERT's, bounds the
 /// allocations a `config.json` can ask for.
@@ -165,57 +165,46 @@ impl BertConfig {
                 ));
             }
         }
-        if self.num_parameters() > MAX_PARAMETERS {
-            return Err(Error::invalid(
-                "vocab_size",
+        ensure(
+            self.num_parameters() <= MAX_PARAMETERS,
+            "vocab_size",
+            || {
                 format!(
                     "the configuration has {} parameters, over the supported {MAX_PARAMETERS}",
                     self.num_parameters()
-                ),
-            ));
-        }
-        if !self.hidden_size.is_multiple_of(self.num_attention_heads) {
-            return Err(Error::invalid(
-                "num_attention_heads",
+                )
+            },
+        )?;
+        ensure(
+            self.hidden_size.is_multiple_of(self.num_attention_heads),
+            "num_attention_heads",
+            || {
                 format!(
                     "{} heads do not divide hidden_size {}",
                     self.num_attention_heads, self.hidden_size
-                ),
-            ));
-        }
-        if self.pad_token_id >= self.vocab_size {
-            return Err(Error::invalid(
-                "pad_token_id",
-                format!(
-                    "{} is not below vocab_size {}",
-                    self.pad_token_id, self.vocab_size
-                ),
-            ));
-        }
-        if !(self.layer_norm_eps.is_finite() && self.layer_norm_eps > 0.0) {
-            return Err(Error::invalid(
-                "layer_norm_eps",
-                format!("{} must be positive and finite", self.layer_norm_eps),
-            ));
-        }
-        if self.hidden_act != "gelu" {
-            return Err(Error::invalid(
-                "hidden_act",
-                format!(
-                    "{:?} is not supported; the reference implements the exact erf GELU (\"gelu\")",
-                    self.hidden_act
-                ),
-            ));
-        }
-        if self.position_embedding_type != "absolute" {
-            return Err(Error::invalid(
-                "position_embedding_type",
-                format!(
-                    "{:?} is not supported (only \"absolute\")",
-                    self.position_embedding_type
-                ),
-            ));
-        }
+                )
+            },
+        )?;
+        ensure(self.pad_token_id < self.vocab_size, "pad_token_id", || {
+            format!(
+                "{} is not below vocab_size {}",
+                self.pad_token_id, self.vocab_size
+            )
+        })?;
+        let eps = self.layer_norm_eps;
+        ensure(eps.is_finite() && eps > 0.0, "layer_norm_eps", || {
+            format!("{eps} must be positive and finite")
+        })?;
+        ensure(self.hidden_act == "gelu", "hidden_act", || {
+            format!(
+                "{:?} is not supported; the reference implements the exact erf GELU (\"gelu\")",
+                self.hidden_act
+            )
+        })?;
+        let position = &self.position_embedding_type;
+        ensure(position == "absolute", "position_embedding_type", || {
+            format!("{position:?} is not supported (only \"absolute\")")
+        })?;
         Ok(())
     }
 }

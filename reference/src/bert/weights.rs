@@ -89,62 +89,28 @@ pub struct BertParams {
     pub nsp_b: Array1<f64>,
 }
 
-/// Every tensor of `$s` (a [`BertParams`]) with its Hugging Face name, as
-/// `$view` views, the layers' through `$layer` over `$iter` (`view`,
-/// `named` and `iter`, or `view_mut`, `named_mut` and `iter_mut`).
-macro_rules! named_tensors {
-    ($s:expr, $view:ident, $layer:ident, $iter:ident) => {{
-        let s = $s;
-        let mut out = vec![
-            (
-                "embeddings.word_embeddings.weight",
-                s.word_embeddings.$view().into_dyn(),
-            ),
-            (
-                "embeddings.position_embeddings.weight",
-                s.position_embeddings.$view().into_dyn(),
-            ),
-            (
-                "embeddings.token_type_embeddings.weight",
-                s.token_type_embeddings.$view().into_dyn(),
-            ),
-            ("embeddings.LayerNorm.weight", s.emb_ln_g.$view().into_dyn()),
-            ("embeddings.LayerNorm.bias", s.emb_ln_b.$view().into_dyn()),
-        ]
-        .into_iter()
-        .map(|(name, t)| (name.to_string(), t))
-        .collect::<Vec<_>>();
-        for (i, l) in s.layers.$iter().enumerate() {
-            let named = l.$layer().into_iter();
-            out.extend(named.map(|(name, t)| (format!("encoder.layer.{i}.{name}"), t)));
-        }
-        let tail = [
-            ("pooler.dense.weight", s.pooler_w.$view().into_dyn()),
-            ("pooler.dense.bias", s.pooler_b.$view().into_dyn()),
-            (
-                "cls.predictions.transform.dense.weight",
-                s.mlm_dense_w.$view().into_dyn(),
-            ),
-            (
-                "cls.predictions.transform.dense.bias",
-                s.mlm_dense_b.$view().into_dyn(),
-            ),
-            (
-                "cls.predictions.transform.LayerNorm.weight",
-                s.mlm_ln_g.$view().into_dyn(),
-            ),
-            (
-                "cls.predictions.transform.LayerNorm.bias",
-                s.mlm_ln_b.$view().into_dyn(),
-            ),
-            ("cls.predictions.bias", s.mlm_bias.$view().into_dyn()),
-            ("cls.seq_relationship.weight", s.nsp_w.$view().into_dyn()),
-            ("cls.seq_relationship.bias", s.nsp_b.$view().into_dyn()),
-        ];
-        out.extend(tail.map(|(name, t)| (name.to_string(), t)));
-        out
-    }};
-}
+model_params!(
+    BertParams,
+    "encoder.layer.",
+    head [
+        word_embeddings "embeddings.word_embeddings.weight",
+        position_embeddings "embeddings.position_embeddings.weight",
+        token_type_embeddings "embeddings.token_type_embeddings.weight",
+        emb_ln_g "embeddings.LayerNorm.weight",
+        emb_ln_b "embeddings.LayerNorm.bias",
+    ],
+    tail [
+        pooler_w "pooler.dense.weight",
+        pooler_b "pooler.dense.bias",
+        mlm_dense_w "cls.predictions.transform.dense.weight",
+        mlm_dense_b "cls.predictions.transform.dense.bias",
+        mlm_ln_g "cls.predictions.transform.LayerNorm.weight",
+        mlm_ln_b "cls.predictions.transform.LayerNorm.bias",
+        mlm_bias "cls.predictions.bias",
+        nsp_w "cls.seq_relationship.weight",
+        nsp_b "cls.seq_relationship.bias",
+    ],
+);
 
 /// How [`BertParams::init`] fills a tensor.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -281,12 +247,12 @@ impl BertParams {
 
     /// Every tensor with its Hugging Face name, in a fixed order.
     pub fn named(&self) -> Vec<(String, ArrayViewD<'_, f64>)> {
-        named_tensors!(self, view, named, iter)
+        self.named_all()
     }
 
     /// Every tensor, mutable, in the order of [`BertParams::named`].
     pub fn named_mut(&mut self) -> Vec<(String, ArrayViewMutD<'_, f64>)> {
-        named_tensors!(self, view_mut, named_mut, iter_mut)
+        self.named_all_mut()
     }
 
     /// Random parameters for tests, deterministic in `seed` (ChaCha8): matrices
@@ -378,18 +344,8 @@ impl BertParams {
             }
             let data = view.data();
             match view.dtype() {
-                Dtype::F32 => {
-                    for (dst, chunk) in t.iter_mut().zip(data.chunks_exact(4)) {
-                        *dst = f32::from_le_bytes([chunk[0], chunk[1], chunk[2], chunk[3]]) as f64;
-                    }
-                }
-                Dtype::F64 => {
-                    for (dst, chunk) in t.iter_mut().zip(data.chunks_exact(8)) {
-                        let mut b = [0u8; 8];
-                        b.copy_from_slice(chunk);
-                        *dst = f64::from_le_bytes(b);
-                    }
-                }
+                Dtype::F32 => read_le(&mut t, data, |b| f64::from(f32::from_le_bytes(b))),
+                Dtype::F64 => read_le(&mut t, data, f64::from_le_bytes),
                 other => {
                     return Err(Error::invalid(
                         name,
@@ -411,6 +367,15 @@ impl BertParams {
     /// Total number of scalars.
     pub fn num_values(&self) -> usize {
         self.named().iter().map(|(_, t)| t.len()).sum()
+    }
+}
+
+/// Fills `t` with the little-endian `N`-byte values of `data`, each read by `read`.
+fn read_le<const N: usize>(t: &mut ArrayViewMutD<f64>, data: &[u8], read: impl Fn([u8; N]) -> f64) {
+    for (dst, chunk) in t.iter_mut().zip(data.chunks_exact(N)) {
+        let mut b = [0u8; N];
+        b.copy_from_slice(chunk);
+        *dst = read(b);
     }
 }
 

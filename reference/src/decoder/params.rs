@@ -4,7 +4,7 @@
 use ndarray::{Array1, Array2, ArrayViewD, ArrayViewMutD};
 use rand::{Rng, SeedableRng};
 
-use crate::error::{Error, Result};
+use crate::error::{ensure, Error, Result};
 
 /// The most elements one parameter tensor (or the logits `n * v`) may hold
 /// (2^28, 2 GiB of f64): sizes from input are bounded before allocation.
@@ -114,44 +114,31 @@ impl DecoderConfig {
                 return Err(Error::invalid(field, "must be at least 1"));
             }
         }
-        if !self.num_heads.is_multiple_of(self.num_kv_heads) {
-            return Err(Error::invalid(
-                "num_kv_heads",
-                format!(
-                    "{} does not divide num_heads = {} (grouped-query attention shares each key/value head among h / h_kv query heads)",
-                    self.num_kv_heads, self.num_heads
-                ),
-            ));
-        }
-        if !self.head_dim.is_multiple_of(2) {
-            return Err(Error::invalid(
-                "head_dim",
-                format!(
-                    "is {}: rotary embeddings need an even head dim",
-                    self.head_dim
-                ),
-            ));
-        }
-        let widest = [
-            self.vocab_size,
-            self.num_heads * self.head_dim,
-            self.intermediate_size,
-        ]
-        .into_iter()
-        .max()
-        .unwrap_or(0);
-        if widest.saturating_mul(self.hidden_size) > MAX_TENSOR || self.num_layers > 1 << 10 {
-            return Err(Error::invalid(
-                "hidden_size",
-                "the model is over the supported size",
-            ));
-        }
-        if !(self.rope_theta.is_finite() && self.rope_theta > 1.0) {
-            return Err(Error::invalid("rope_theta", "must be finite and above 1"));
-        }
-        if !(self.norm_eps.is_finite() && self.norm_eps >= 0.0) {
-            return Err(Error::invalid("norm_eps", "must be finite and >= 0"));
-        }
+        let (h, h_kv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        ensure(h.is_multiple_of(h_kv), "num_kv_heads", || {
+            format!(
+                "{h_kv} does not divide num_heads = {h} (grouped-query attention shares each key/value head among h / h_kv query heads)"
+            )
+        })?;
+        ensure(d.is_multiple_of(2), "head_dim", || {
+            format!("is {d}: rotary embeddings need an even head dim")
+        })?;
+        let widest = [self.vocab_size, h * d, self.intermediate_size]
+            .into_iter()
+            .max()
+            .unwrap_or(0);
+        ensure(
+            widest.saturating_mul(self.hidden_size) <= MAX_TENSOR && self.num_layers <= 1 << 10,
+            "hidden_size",
+            || "the model is over the supported size".into(),
+        )?;
+        let (theta, eps) = (self.rope_theta, self.norm_eps);
+        ensure(theta.is_finite() && theta > 1.0, "rope_theta", || {
+            "must be finite and above 1".into()
+        })?;
+        ensure(eps.is_finite() && eps >= 0.0, "norm_eps", || {
+            "must be finite and >= 0".into()
+        })?;
         Ok(())
     }
 }
@@ -215,29 +202,16 @@ pub struct DecoderParams {
     pub lm_head: Array2<f64>,
 }
 
-/// Every tensor of `$params` (a [`DecoderParams`]) with its Hugging Face
-/// name, as `$view` views, the layers' through `$layer` over `$iter` (`view`,
-/// `named` and `iter`, or `view_mut`, `named_mut` and `iter_mut`).
-macro_rules! named_tensors {
-    ($params:expr, $view:ident, $layer:ident, $iter:ident) => {{
-        let params = $params;
-        let mut out = vec![(
-            "model.embed_tokens.weight".to_string(),
-            params.embed.$view().into_dyn(),
-        )];
-        for (i, l) in params.layers.$iter().enumerate() {
-            let named = l.$layer().into_iter();
-            out.extend(named.map(|(name, t)| (format!("model.layers.{i}.{name}"), t)));
-        }
-        let tail = [
-            ("model.norm.weight", params.final_norm_g.$view().into_dyn()),
-            ("model.norm.bias", params.final_norm_b.$view().into_dyn()),
-            ("lm_head.weight", params.lm_head.$view().into_dyn()),
-        ];
-        out.extend(tail.map(|(name, t)| (name.to_string(), t)));
-        out
-    }};
-}
+model_params!(
+    DecoderParams,
+    "model.layers.",
+    head [embed "model.embed_tokens.weight"],
+    tail [
+        final_norm_g "model.norm.weight",
+        final_norm_b "model.norm.bias",
+        lm_head "lm_head.weight",
+    ],
+);
 
 impl DecoderParams {
     /// Seeded random parameters for `config` (ChaCha8): projections uniform
@@ -379,14 +353,9 @@ impl DecoderParams {
         Ok(())
     }
 
-    fn named_all(&self) -> Vec<(String, ArrayViewD<'_, f64>)> {
-        named_tensors!(self, view, named, iter)
-    }
-
     /// As [`DecoderParams::named`], mutable.
     pub fn named_mut(&mut self) -> Vec<(String, ArrayViewMutD<'_, f64>)> {
-        let mut out: Vec<(String, ArrayViewMutD<'_, f64>)> =
-            named_tensors!(self, view_mut, named_mut, iter_mut);
+        let mut out = self.named_all_mut();
         out.retain(|(_, t)| !t.is_empty());
         out
     }
