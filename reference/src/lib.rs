@@ -42,13 +42,24 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
-/// The tensor-wise methods of a per-layer parameter struct `$ty<A>`, from
-/// one table of its fields in declaration order, each a matrix (`m`,
-/// `Array2<A>`) or a vector (`v`, `Array1<A>`) with its Hugging Face name
-/// within the layer: `try_map`, `map`, `zeros_like`, `from_fn`, `named` and
-/// `named_mut`, all visiting the tensors in that order.
+/// A per-layer parameter struct `$ty<A = f64>` (f64 for the reference,
+/// another element type `A` for a kernel's copy), declared from one table of
+/// its fields in declaration order, each an `Array2<A>` (a matrix) or an
+/// `Array1<A>` (a vector) with its Hugging Face name within the layer, and
+/// the tensor-wise methods that table gives: `try_map`, `map`, `zeros_like`,
+/// `from_fn`, `named` and `named_mut`, all visiting the tensors in that order.
 macro_rules! layer_params {
-    ($ty:ident { $($field:ident: $kind:ident $name:literal),* $(,)? }) => {
+    (
+        $(#[$meta:meta])*
+        pub struct $ty:ident {
+            $($(#[$fmeta:meta])* $field:ident: $arr:ident $name:literal),* $(,)?
+        }
+    ) => {
+        $(#[$meta])*
+        pub struct $ty<A = f64> {
+            $($(#[$fmeta])* pub $field: ndarray::$arr<A>,)*
+        }
+
         impl<A> $ty<A> {
             /// Each tensor through `m` (the matrices) or `v` (the vectors),
             /// called with the tensor's Hugging Face name within the layer
@@ -68,7 +79,7 @@ macro_rules! layer_params {
                 ) -> std::result::Result<ndarray::Array1<B>, E>,
             ) -> std::result::Result<$ty<B>, E> {
                 Ok($ty {
-                    $($field: layer_params!(@pick $kind, m, v)($name, &self.$field)?,)*
+                    $($field: layer_params!(@pick $arr, m, v)($name, &self.$field)?,)*
                 })
             }
 
@@ -79,7 +90,7 @@ macro_rules! layer_params {
                 mut v: impl FnMut(&str) -> ndarray::Array1<A>,
             ) -> Self {
                 $ty {
-                    $($field: layer_params!(@pick $kind, m, v)($name),)*
+                    $($field: layer_params!(@pick $arr, m, v)($name),)*
                 }
             }
 
@@ -121,21 +132,34 @@ macro_rules! layer_params {
             }
         }
     };
-    (@pick m, $m:ident, $v:ident) => { $m };
-    (@pick v, $m:ident, $v:ident) => { $v };
+    (@pick Array2, $m:ident, $v:ident) => { $m };
+    (@pick Array1, $m:ident, $v:ident) => { $v };
 }
 
-/// `named_all` and `named_all_mut` of a model's parameter struct `$ty`:
-/// every tensor (as a view, or a mutable one) with its Hugging Face name, in
-/// a fixed order: the `head` fields, then each of `layers` (the layer's
-/// [`layer_params!`] names after `$prefix{i}.`), then the `tail` fields.
+/// A model's parameter struct `$ty` (f64), declared from one table of its
+/// fields in declaration order (the `head` tensors, the `layers`, the `tail`
+/// tensors; each tensor an `Array2` or `Array1` with its Hugging Face name),
+/// and its `named_all` and `named_all_mut`: every tensor (as a view, or a
+/// mutable one) with its name, in that order, a layer's tensors named
+/// `$prefix{i}.` and the layer's [`layer_params!`] name.
 macro_rules! model_params {
     (
-        $ty:ident,
-        $prefix:literal,
-        head [$($h:ident $hn:literal),* $(,)?],
-        tail [$($t:ident $tn:literal),* $(,)?] $(,)?
+        $(#[$meta:meta])*
+        pub struct $ty:ident {
+            head { $($(#[$hmeta:meta])* $h:ident: $harr:ident $hn:literal),* $(,)? }
+            $(#[$lmeta:meta])*
+            layers: Vec<$layer:ident> $prefix:literal,
+            tail { $($(#[$tmeta:meta])* $t:ident: $tarr:ident $tn:literal),* $(,)? }
+        }
     ) => {
+        $(#[$meta])*
+        pub struct $ty {
+            $($(#[$hmeta])* pub $h: ndarray::$harr<f64>,)*
+            $(#[$lmeta])*
+            pub layers: Vec<$layer>,
+            $($(#[$tmeta])* pub $t: ndarray::$tarr<f64>,)*
+        }
+
         impl $ty {
             fn named_all(&self) -> Vec<(String, ndarray::ArrayViewD<'_, f64>)> {
                 model_params!(@list self, view, named, iter, $prefix, [$($h $hn),*], [$($t $tn),*])

@@ -14,103 +14,88 @@ use safetensors::{Dtype, SafeTensors};
 use super::config::BertConfig;
 use crate::error::{Error, Result};
 
-/// The parameters of one encoder layer, in f64 (the reference) or another
-/// element type `A` (an f32 kernel's copy). `hidden` = `hidden_size`,
-/// `inter` = `intermediate_size`.
-#[derive(Debug, Clone, PartialEq)]
-pub struct LayerParams<A = f64> {
-    /// `attention.self.query.weight: [hidden, hidden]`.
-    pub query_w: Array2<A>,
-    /// `attention.self.query.bias: [hidden]`.
-    pub query_b: Array1<A>,
-    /// `attention.self.key.weight: [hidden, hidden]`.
-    pub key_w: Array2<A>,
-    /// `attention.self.key.bias: [hidden]`.
-    pub key_b: Array1<A>,
-    /// `attention.self.value.weight: [hidden, hidden]`.
-    pub value_w: Array2<A>,
-    /// `attention.self.value.bias: [hidden]`.
-    pub value_b: Array1<A>,
-    /// `attention.output.dense.weight: [hidden, hidden]`.
-    pub attn_out_w: Array2<A>,
-    /// `attention.output.dense.bias: [hidden]`.
-    pub attn_out_b: Array1<A>,
-    /// `attention.output.LayerNorm.weight: [hidden]`.
-    pub attn_ln_g: Array1<A>,
-    /// `attention.output.LayerNorm.bias: [hidden]`.
-    pub attn_ln_b: Array1<A>,
-    /// `intermediate.dense.weight: [inter, hidden]`.
-    pub inter_w: Array2<A>,
-    /// `intermediate.dense.bias: [inter]`.
-    pub inter_b: Array1<A>,
-    /// `output.dense.weight: [hidden, inter]`.
-    pub out_w: Array2<A>,
-    /// `output.dense.bias: [hidden]`.
-    pub out_b: Array1<A>,
-    /// `output.LayerNorm.weight: [hidden]`.
-    pub out_ln_g: Array1<A>,
-    /// `output.LayerNorm.bias: [hidden]`.
-    pub out_ln_b: Array1<A>,
+layer_params! {
+    /// The parameters of one encoder layer, in f64 (the reference) or another
+    /// element type `A` (an f32 kernel's copy). `hidden` = `hidden_size`,
+    /// `inter` = `intermediate_size`.
+    #[derive(Debug, Clone, PartialEq)]
+    pub struct LayerParams {
+        /// `attention.self.query.weight: [hidden, hidden]`.
+        query_w: Array2 "attention.self.query.weight",
+        /// `attention.self.query.bias: [hidden]`.
+        query_b: Array1 "attention.self.query.bias",
+        /// `attention.self.key.weight: [hidden, hidden]`.
+        key_w: Array2 "attention.self.key.weight",
+        /// `attention.self.key.bias: [hidden]`.
+        key_b: Array1 "attention.self.key.bias",
+        /// `attention.self.value.weight: [hidden, hidden]`.
+        value_w: Array2 "attention.self.value.weight",
+        /// `attention.self.value.bias: [hidden]`.
+        value_b: Array1 "attention.self.value.bias",
+        /// `attention.output.dense.weight: [hidden, hidden]`.
+        attn_out_w: Array2 "attention.output.dense.weight",
+        /// `attention.output.dense.bias: [hidden]`.
+        attn_out_b: Array1 "attention.output.dense.bias",
+        /// `attention.output.LayerNorm.weight: [hidden]`.
+        attn_ln_g: Array1 "attention.output.LayerNorm.weight",
+        /// `attention.output.LayerNorm.bias: [hidden]`.
+        attn_ln_b: Array1 "attention.output.LayerNorm.bias",
+        /// `intermediate.dense.weight: [inter, hidden]`.
+        inter_w: Array2 "intermediate.dense.weight",
+        /// `intermediate.dense.bias: [inter]`.
+        inter_b: Array1 "intermediate.dense.bias",
+        /// `output.dense.weight: [hidden, inter]`.
+        out_w: Array2 "output.dense.weight",
+        /// `output.dense.bias: [hidden]`.
+        out_b: Array1 "output.dense.bias",
+        /// `output.LayerNorm.weight: [hidden]`.
+        out_ln_g: Array1 "output.LayerNorm.weight",
+        /// `output.LayerNorm.bias: [hidden]`.
+        out_ln_b: Array1 "output.LayerNorm.bias",
+    }
 }
 
-/// All parameters of BERT with its pre-training heads (also used, with the
-/// same shapes, to hold their gradients).
-#[derive(Debug, Clone, PartialEq)]
-pub struct BertParams {
-    /// `embeddings.word_embeddings.weight: [v, hidden]` (also the MLM decoder weight).
-    pub word_embeddings: Array2<f64>,
-    /// `embeddings.position_embeddings.weight: [max_position_embeddings, hidden]`.
-    pub position_embeddings: Array2<f64>,
-    /// `embeddings.token_type_embeddings.weight: [type_vocab_size, hidden]`.
-    pub token_type_embeddings: Array2<f64>,
-    /// `embeddings.LayerNorm.weight: [hidden]`.
-    pub emb_ln_g: Array1<f64>,
-    /// `embeddings.LayerNorm.bias: [hidden]`.
-    pub emb_ln_b: Array1<f64>,
-    /// `encoder.layer.{i}.*`.
-    pub layers: Vec<LayerParams>,
-    /// `pooler.dense.weight: [hidden, hidden]`.
-    pub pooler_w: Array2<f64>,
-    /// `pooler.dense.bias: [hidden]`.
-    pub pooler_b: Array1<f64>,
-    /// `cls.predictions.transform.dense.weight: [hidden, hidden]`.
-    pub mlm_dense_w: Array2<f64>,
-    /// `cls.predictions.transform.dense.bias: [hidden]`.
-    pub mlm_dense_b: Array1<f64>,
-    /// `cls.predictions.transform.LayerNorm.weight: [hidden]`.
-    pub mlm_ln_g: Array1<f64>,
-    /// `cls.predictions.transform.LayerNorm.bias: [hidden]`.
-    pub mlm_ln_b: Array1<f64>,
-    /// `cls.predictions.bias: [v]`, the decoder bias.
-    pub mlm_bias: Array1<f64>,
-    /// `cls.seq_relationship.weight: [2, hidden]`.
-    pub nsp_w: Array2<f64>,
-    /// `cls.seq_relationship.bias: [2]`.
-    pub nsp_b: Array1<f64>,
+model_params! {
+    /// All parameters of BERT with its pre-training heads (also used, with the
+    /// same shapes, to hold their gradients).
+    #[derive(Debug, Clone, PartialEq)]
+    pub struct BertParams {
+        head {
+            /// `embeddings.word_embeddings.weight: [v, hidden]` (also the MLM decoder weight).
+            word_embeddings: Array2 "embeddings.word_embeddings.weight",
+            /// `embeddings.position_embeddings.weight: [max_position_embeddings, hidden]`.
+            position_embeddings: Array2 "embeddings.position_embeddings.weight",
+            /// `embeddings.token_type_embeddings.weight: [type_vocab_size, hidden]`.
+            token_type_embeddings: Array2 "embeddings.token_type_embeddings.weight",
+            /// `embeddings.LayerNorm.weight: [hidden]`.
+            emb_ln_g: Array1 "embeddings.LayerNorm.weight",
+            /// `embeddings.LayerNorm.bias: [hidden]`.
+            emb_ln_b: Array1 "embeddings.LayerNorm.bias",
+        }
+        /// `encoder.layer.{i}.*`.
+        layers: Vec<LayerParams> "encoder.layer.",
+        tail {
+            /// `pooler.dense.weight: [hidden, hidden]`.
+            pooler_w: Array2 "pooler.dense.weight",
+            /// `pooler.dense.bias: [hidden]`.
+            pooler_b: Array1 "pooler.dense.bias",
+            /// `cls.predictions.transform.dense.weight: [hidden, hidden]`.
+            mlm_dense_w: Array2 "cls.predictions.transform.dense.weight",
+            /// `cls.predictions.transform.dense.bias: [hidden]`.
+            mlm_dense_b: Array1 "cls.predictions.transform.dense.bias",
+            /// `cls.predictions.transform.LayerNorm.weight: [hidden]`.
+            mlm_ln_g: Array1 "cls.predictions.transform.LayerNorm.weight",
+            /// `cls.predictions.transform.LayerNorm.bias: [hidden]`.
+            mlm_ln_b: Array1 "cls.predictions.transform.LayerNorm.bias",
+            /// `cls.predictions.bias: [v]`, the decoder bias.
+            mlm_bias: Array1 "cls.predictions.bias",
+            /// `cls.seq_relationship.weight: [2, hidden]`.
+            nsp_w: Array2 "cls.seq_relationship.weight",
+            /// `cls.seq_relationship.bias: [2]`.
+            nsp_b: Array1 "cls.seq_relationship.bias",
+        }
+    }
 }
-
-model_params!(
-    BertParams,
-    "encoder.layer.",
-    head [
-        word_embeddings "embeddings.word_embeddings.weight",
-        position_embeddings "embeddings.position_embeddings.weight",
-        token_type_embeddings "embeddings.token_type_embeddings.weight",
-        emb_ln_g "embeddings.LayerNorm.weight",
-        emb_ln_b "embeddings.LayerNorm.bias",
-    ],
-    tail [
-        pooler_w "pooler.dense.weight",
-        pooler_b "pooler.dense.bias",
-        mlm_dense_w "cls.predictions.transform.dense.weight",
-        mlm_dense_b "cls.predictions.transform.dense.bias",
-        mlm_ln_g "cls.predictions.transform.LayerNorm.weight",
-        mlm_ln_b "cls.predictions.transform.LayerNorm.bias",
-        mlm_bias "cls.predictions.bias",
-        nsp_w "cls.seq_relationship.weight",
-        nsp_b "cls.seq_relationship.bias",
-    ],
-);
 
 /// How [`BertParams::init`] fills a tensor.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -120,25 +105,6 @@ enum Fill {
     /// `c + Uniform[-a, a]`.
     Around(f64, f64),
 }
-
-layer_params!(LayerParams {
-    query_w: m "attention.self.query.weight",
-    query_b: v "attention.self.query.bias",
-    key_w: m "attention.self.key.weight",
-    key_b: v "attention.self.key.bias",
-    value_w: m "attention.self.value.weight",
-    value_b: v "attention.self.value.bias",
-    attn_out_w: m "attention.output.dense.weight",
-    attn_out_b: v "attention.output.dense.bias",
-    attn_ln_g: v "attention.output.LayerNorm.weight",
-    attn_ln_b: v "attention.output.LayerNorm.bias",
-    inter_w: m "intermediate.dense.weight",
-    inter_b: v "intermediate.dense.bias",
-    out_w: m "output.dense.weight",
-    out_b: v "output.dense.bias",
-    out_ln_g: v "output.LayerNorm.weight",
-    out_ln_b: v "output.LayerNorm.bias",
-});
 
 impl<A> LayerParams<A> {
     /// `hidden`: the query weight's rows.

@@ -143,75 +143,58 @@ impl DecoderConfig {
     }
 }
 
-/// One decoder layer's parameters (HF `LlamaDecoderLayer`), in f64 (the
-/// reference) or another element type `A` (an f32 kernel's copy). Tensors a
-/// configuration does not use are empty (`[0]` biases under RMSNorm, a
-/// `[0, hidden]` gate under GELU).
-#[derive(Debug, Clone, PartialEq)]
-pub struct DecoderLayerParams<A = f64> {
-    /// `input_layernorm.weight: [hidden]`.
-    pub attn_norm_g: Array1<A>,
-    /// `input_layernorm.bias: [hidden]` (LayerNorm) or `[0]`.
-    pub attn_norm_b: Array1<A>,
-    /// `self_attn.q_proj.weight: [h * d, hidden]`.
-    pub wq: Array2<A>,
-    /// `self_attn.k_proj.weight: [h_kv * d, hidden]`.
-    pub wk: Array2<A>,
-    /// `self_attn.v_proj.weight: [h_kv * d, hidden]`.
-    pub wv: Array2<A>,
-    /// `self_attn.o_proj.weight: [hidden, h * d]`.
-    pub wo: Array2<A>,
-    /// `post_attention_layernorm.weight: [hidden]`.
-    pub mlp_norm_g: Array1<A>,
-    /// `post_attention_layernorm.bias: [hidden]` (LayerNorm) or `[0]`.
-    pub mlp_norm_b: Array1<A>,
-    /// `mlp.gate_proj.weight: [inter, hidden]` (SwiGLU) or `[0, hidden]`.
-    pub w_gate: Array2<A>,
-    /// `mlp.up_proj.weight: [inter, hidden]`.
-    pub w_up: Array2<A>,
-    /// `mlp.down_proj.weight: [hidden, inter]`.
-    pub w_down: Array2<A>,
+layer_params! {
+    /// One decoder layer's parameters (HF `LlamaDecoderLayer`), in f64 (the
+    /// reference) or another element type `A` (an f32 kernel's copy). Tensors a
+    /// configuration does not use are empty (`[0]` biases under RMSNorm, a
+    /// `[0, hidden]` gate under GELU).
+    #[derive(Debug, Clone, PartialEq)]
+    pub struct DecoderLayerParams {
+        /// `input_layernorm.weight: [hidden]`.
+        attn_norm_g: Array1 "input_layernorm.weight",
+        /// `input_layernorm.bias: [hidden]` (LayerNorm) or `[0]`.
+        attn_norm_b: Array1 "input_layernorm.bias",
+        /// `self_attn.q_proj.weight: [h * d, hidden]`.
+        wq: Array2 "self_attn.q_proj.weight",
+        /// `self_attn.k_proj.weight: [h_kv * d, hidden]`.
+        wk: Array2 "self_attn.k_proj.weight",
+        /// `self_attn.v_proj.weight: [h_kv * d, hidden]`.
+        wv: Array2 "self_attn.v_proj.weight",
+        /// `self_attn.o_proj.weight: [hidden, h * d]`.
+        wo: Array2 "self_attn.o_proj.weight",
+        /// `post_attention_layernorm.weight: [hidden]`.
+        mlp_norm_g: Array1 "post_attention_layernorm.weight",
+        /// `post_attention_layernorm.bias: [hidden]` (LayerNorm) or `[0]`.
+        mlp_norm_b: Array1 "post_attention_layernorm.bias",
+        /// `mlp.gate_proj.weight: [inter, hidden]` (SwiGLU) or `[0, hidden]`.
+        w_gate: Array2 "mlp.gate_proj.weight",
+        /// `mlp.up_proj.weight: [inter, hidden]`.
+        w_up: Array2 "mlp.up_proj.weight",
+        /// `mlp.down_proj.weight: [hidden, inter]`.
+        w_down: Array2 "mlp.down_proj.weight",
+    }
 }
 
-layer_params!(DecoderLayerParams {
-    attn_norm_g: v "input_layernorm.weight",
-    attn_norm_b: v "input_layernorm.bias",
-    wq: m "self_attn.q_proj.weight",
-    wk: m "self_attn.k_proj.weight",
-    wv: m "self_attn.v_proj.weight",
-    wo: m "self_attn.o_proj.weight",
-    mlp_norm_g: v "post_attention_layernorm.weight",
-    mlp_norm_b: v "post_attention_layernorm.bias",
-    w_gate: m "mlp.gate_proj.weight",
-    w_up: m "mlp.up_proj.weight",
-    w_down: m "mlp.down_proj.weight",
-});
-
-/// Every parameter of a decoder (HF `LlamaForCausalLM`).
-#[derive(Debug, Clone, PartialEq)]
-pub struct DecoderParams {
-    /// `model.embed_tokens.weight: [v, hidden]`.
-    pub embed: Array2<f64>,
-    /// `model.layers`.
-    pub layers: Vec<DecoderLayerParams>,
-    /// `model.norm.weight: [hidden]`.
-    pub final_norm_g: Array1<f64>,
-    /// `model.norm.bias: [hidden]` (LayerNorm) or `[0]`.
-    pub final_norm_b: Array1<f64>,
-    /// `lm_head.weight: [v, hidden]`, or `[0, hidden]` when tied to `embed`.
-    pub lm_head: Array2<f64>,
+model_params! {
+    /// Every parameter of a decoder (HF `LlamaForCausalLM`).
+    #[derive(Debug, Clone, PartialEq)]
+    pub struct DecoderParams {
+        head {
+            /// `model.embed_tokens.weight: [v, hidden]`.
+            embed: Array2 "model.embed_tokens.weight",
+        }
+        /// `model.layers`.
+        layers: Vec<DecoderLayerParams> "model.layers.",
+        tail {
+            /// `model.norm.weight: [hidden]`.
+            final_norm_g: Array1 "model.norm.weight",
+            /// `model.norm.bias: [hidden]` (LayerNorm) or `[0]`.
+            final_norm_b: Array1 "model.norm.bias",
+            /// `lm_head.weight: [v, hidden]`, or `[0, hidden]` when tied to `embed`.
+            lm_head: Array2 "lm_head.weight",
+        }
+    }
 }
-
-model_params!(
-    DecoderParams,
-    "model.layers.",
-    head [embed "model.embed_tokens.weight"],
-    tail [
-        final_norm_g "model.norm.weight",
-        final_norm_b "model.norm.bias",
-        lm_head "lm_head.weight",
-    ],
-);
 
 impl DecoderParams {
     /// Seeded random parameters for `config` (ChaCha8): projections uniform
