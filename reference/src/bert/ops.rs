@@ -32,14 +32,20 @@ pub fn linear_backward(
     dy.dot(&weight)
 }
 
-/// The intermediates of [`layer_norm`] that its backward needs.
-#[derive(Debug, Clone)]
-pub struct LayerNormCache {
-    /// `x_hat = (x - mean) / sqrt(var + eps)`: `[n, hidden]`.
+/// The intermediates of a normalization ([`layer_norm`], or RMSNorm:
+/// [`crate::decoder::ops::rms_norm`]) that its backward needs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NormCache {
+    /// The normalized rows `[n, hidden]`: `x_hat = (x - mean) / sqrt(var + eps)`
+    /// (LayerNorm) or `x / sqrt(mean(x^2) + eps)` (RMSNorm).
     pub x_hat: Array2<f64>,
-    /// `1 / sqrt(var + eps)` per row: `[n]`.
-    pub inv_std: Array1<f64>,
+    /// The inverse scale per row `[n]`: `1 / sqrt(var + eps)` (LayerNorm) or
+    /// `1 / sqrt(mean(x^2) + eps)` (RMSNorm).
+    pub inv: Array1<f64>,
 }
+
+/// The intermediates of [`layer_norm`] that its backward needs.
+pub type LayerNormCache = NormCache;
 
 /// LayerNorm over the last axis (Ba et al. 2016; `torch.nn.LayerNorm`):
 /// `y = gamma * (x - mean) / sqrt(var + eps) + beta` with the biased variance.
@@ -52,10 +58,10 @@ pub fn layer_norm(
     beta: ArrayView1<f64>,
     eps: f64,
 ) -> (Array2<f64>, LayerNormCache) {
-    let (x_hat, inv_std) = normalize_rows(x, eps, true);
-    let mut y = &x_hat * &gamma;
+    let cache = normalize_rows(x, eps, true);
+    let mut y = &cache.x_hat * &gamma;
     y += &beta;
-    (y, LayerNormCache { x_hat, inv_std })
+    (y, cache)
 }
 
 /// Backward of [`layer_norm`]: returns `dx` (`[n, hidden]`) and adds
@@ -71,19 +77,15 @@ pub fn layer_norm_backward(
 ) -> Array2<f64> {
     grad_gamma += &(&dy * &cache.x_hat).sum_axis(Axis(0));
     grad_beta += &dy.sum_axis(Axis(0));
-    normalize_rows_backward(&cache.x_hat, &cache.inv_std, gamma, dy, true)
+    normalize_rows_backward(cache, gamma, dy, true)
 }
 
 /// The normalized rows of `x: [n, hidden]` and each row's inverse scale
-/// `[n]`, shared by [`layer_norm`] and RMSNorm
+/// `[n]` (a [`NormCache`]), shared by [`layer_norm`] and RMSNorm
 /// ([`crate::decoder::ops::rms_norm`]): `x_hat = (x - mean) / sqrt(var + eps)`
 /// (biased variance) when `centered`, else `x_hat = x / sqrt(mean(x^2) + eps)`
 /// (the mean taken as 0, which leaves every value bit for bit unchanged).
-pub(crate) fn normalize_rows(
-    x: ArrayView2<f64>,
-    eps: f64,
-    centered: bool,
-) -> (Array2<f64>, Array1<f64>) {
+pub(crate) fn normalize_rows(x: ArrayView2<f64>, eps: f64, centered: bool) -> NormCache {
     let (n, width) = x.dim();
     let mut x_hat = Array2::zeros((n, width));
     let mut inv = Array1::zeros(n);
@@ -100,15 +102,14 @@ pub(crate) fn normalize_rows(
             .and(row)
             .for_each(|h, &v| *h = (v - mean) * s);
     }
-    (x_hat, inv)
+    NormCache { x_hat, inv }
 }
 
 /// `dx` (`[n, hidden]`) of [`normalize_rows`] followed by the gain `gamma`:
 /// `inv * (g - mean(g) - x_hat * mean(g * x_hat))` with `g = dy * gamma`, the
 /// `mean(g)` term only when `centered` (the mean was subtracted).
 pub(crate) fn normalize_rows_backward(
-    x_hat: &Array2<f64>,
-    inv: &Array1<f64>,
+    cache: &NormCache,
     gamma: ArrayView1<f64>,
     dy: ArrayView2<f64>,
     centered: bool,
@@ -117,14 +118,14 @@ pub(crate) fn normalize_rows_backward(
     let mut dx = Array2::zeros((n, width));
     for i in 0..n {
         let g: Array1<f64> = &dy.row(i) * &gamma;
-        let xh = x_hat.row(i);
+        let xh = cache.x_hat.row(i);
         let mean_g = if centered {
             g.sum() / width as f64
         } else {
             0.0
         };
         let mean_gx = g.iter().zip(xh).map(|(a, b)| a * b).sum::<f64>() / width as f64;
-        let s = inv[i];
+        let s = cache.inv[i];
         Zip::from(dx.row_mut(i))
             .and(&g)
             .and(xh)

@@ -9,9 +9,9 @@
 //! weight add up. LayerNorm and the exact GELU are the BERT reference's
 //! ([`crate::bert::ops`]).
 
-use ndarray::{Array1, Array2, Array3, ArrayView1, ArrayView2, ArrayView3, ArrayViewMut2, Axis};
+use ndarray::{Array2, Array3, ArrayView1, ArrayView2, ArrayView3, ArrayViewMut2, Axis};
 
-use crate::bert::ops::{normalize_rows, normalize_rows_backward};
+use crate::bert::ops::{normalize_rows, normalize_rows_backward, NormCache};
 use crate::error::{Error, Result};
 
 /// `y = x W^T` (`torch.nn.Linear(bias=False)`, Llama's projections):
@@ -33,13 +33,7 @@ pub fn linear_nb_backward(
 }
 
 /// The intermediates of [`rms_norm`] that its backward needs.
-#[derive(Debug, Clone, PartialEq)]
-pub struct RmsNormCache {
-    /// `x_hat = x / sqrt(mean(x^2) + eps)`: `[n, hidden]`.
-    pub x_hat: Array2<f64>,
-    /// `1 / sqrt(mean(x^2) + eps)` per row: `[n]`.
-    pub inv_rms: Array1<f64>,
-}
+pub type RmsNormCache = NormCache;
 
 /// RMSNorm over the last axis (Zhang & Sennrich 2019; Hugging Face's
 /// `LlamaRMSNorm`): `y = gamma * x / sqrt(mean(x^2) + eps)`, no mean
@@ -52,9 +46,9 @@ pub fn rms_norm(
     gamma: ArrayView1<f64>,
     eps: f64,
 ) -> (Array2<f64>, RmsNormCache) {
-    let (x_hat, inv_rms) = normalize_rows(x, eps, false);
-    let y = &x_hat * &gamma;
-    (y, RmsNormCache { x_hat, inv_rms })
+    let cache = normalize_rows(x, eps, false);
+    let y = &cache.x_hat * &gamma;
+    (y, cache)
 }
 
 /// Backward of [`rms_norm`]: adds `sum_rows(dy * x_hat)` to `grad_gamma` and
@@ -67,7 +61,7 @@ pub fn rms_norm_backward(
     mut grad_gamma: ndarray::ArrayViewMut1<f64>,
 ) -> Array2<f64> {
     grad_gamma += &(&dy * &cache.x_hat).sum_axis(Axis(0));
-    normalize_rows_backward(&cache.x_hat, &cache.inv_rms, gamma, dy, false)
+    normalize_rows_backward(cache, gamma, dy, false)
 }
 
 /// The rotary frequencies `theta^(-2i / d)`, `i = 0..d/2` (Su et al. 2021,

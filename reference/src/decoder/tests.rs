@@ -100,6 +100,21 @@ fn loss_of(model: &DecoderModel, c: &Case, past: Option<&KvCache>) -> f64 {
     l.iter().zip(&c.weights).map(|(a, b)| a * b).sum()
 }
 
+/// The central difference `(L(+eps) - L(-eps)) / 2 eps` of `loss` in the
+/// value that `nudge(state, delta)` moves by `delta` (moved back after).
+fn central_difference<S>(
+    state: &mut S,
+    nudge: impl Fn(&mut S, f64),
+    loss: impl Fn(&S) -> f64,
+) -> f64 {
+    nudge(state, FD_EPS);
+    let up = loss(state);
+    nudge(state, -2.0 * FD_EPS);
+    let down = loss(state);
+    nudge(state, FD_EPS);
+    (up - down) / (2.0 * FD_EPS)
+}
+
 fn fd_ok(what: &str, analytic: f64, fd: f64) {
     let err = (fd - analytic).abs();
     assert!(
@@ -133,16 +148,8 @@ fn fd_model(name: &str, model: &DecoderModel, c: &Case, past: Option<&KvCache>) 
                 assert_eq!(named[t].0, *gname);
                 *named[t].1.iter_mut().nth(i).unwrap() += delta;
             };
-            nudge(&mut m, FD_EPS);
-            let up = loss_of(&m, c, past);
-            nudge(&mut m, -2.0 * FD_EPS);
-            let down = loss_of(&m, c, past);
-            nudge(&mut m, FD_EPS);
-            fd_ok(
-                &format!("{name} {gname}[{i}]"),
-                analytic,
-                (up - down) / (2.0 * FD_EPS),
-            );
+            let fd = central_difference(&mut m, nudge, |m| loss_of(m, c, past));
+            fd_ok(&format!("{name} {gname}[{i}]"), analytic, fd);
             checked += 1;
             nonzero += usize::from(analytic.abs() > 1e-6);
         }
@@ -168,16 +175,8 @@ fn fd_model(name: &str, model: &DecoderModel, c: &Case, past: Option<&KvCache>) 
                         };
                         *t.iter_mut().nth(i).unwrap() += delta;
                     };
-                    at(&mut kv2, FD_EPS);
-                    let up = loss_of(model, c, Some(&kv2));
-                    at(&mut kv2, -2.0 * FD_EPS);
-                    let down = loss_of(model, c, Some(&kv2));
-                    at(&mut kv2, FD_EPS);
-                    fd_ok(
-                        &format!("{name} past[{l}].{which}[{i}]"),
-                        analytic,
-                        (up - down) / (2.0 * FD_EPS),
-                    );
+                    let fd = central_difference(&mut kv2, at, |kv| loss_of(model, c, Some(kv)));
+                    fd_ok(&format!("{name} past[{l}].{which}[{i}]"), analytic, fd);
                     checked += 1;
                 }
             }
