@@ -33,6 +33,31 @@ fn cu(lengths: &[usize]) -> Vec<usize> {
     c
 }
 
+/// The reference forward of `model` on `ids` at positions `pos` under
+/// `attention` (after the cache `past`).
+fn forward(
+    model: &DecoderModel,
+    ids: &[i64],
+    pos: &[usize],
+    attention: &DecoderAttention,
+    past: Option<&KvCache>,
+) -> DecoderForward {
+    let input = DecoderInput {
+        input_ids: ids,
+        position_ids: pos,
+        attention,
+        past,
+    };
+    model.forward(&ReferenceAttention, &input).unwrap()
+}
+
+/// Varlen attention over segments of `lengths`.
+fn varlen(lengths: &[usize]) -> DecoderAttention {
+    DecoderAttention::Varlen {
+        cu_seqlens: cu(lengths),
+    }
+}
+
 fn positions(lengths: &[usize], offsets: &[usize]) -> Vec<usize> {
     lengths
         .iter()
@@ -227,14 +252,7 @@ fn decoder_backward_matches_finite_differences_varlen() {
         ),
     ] {
         let model = DecoderModel::random(cfg, 11).unwrap();
-        let c = case(
-            &model,
-            DecoderAttention::Varlen {
-                cu_seqlens: cu(&lengths),
-            },
-            pos.clone(),
-            3,
-        );
+        let c = case(&model, varlen(&lengths), pos.clone(), 3);
         let n = fd_model(name, &model, &c, None);
         assert!(n > 150, "{name}: {n}");
     }
@@ -273,14 +291,7 @@ fn decoder_cache_gradients_match_finite_differences() {
         layers,
     };
     let lengths = [2, 1, 3];
-    let c = case(
-        &model,
-        DecoderAttention::Varlen {
-            cu_seqlens: cu(&lengths),
-        },
-        positions(&lengths, &[3, 0, 1]),
-        6,
-    );
+    let c = case(&model, varlen(&lengths), positions(&lengths, &[3, 0, 1]), 6);
     fd_model("chunk over a cache", &model, &c, Some(&past));
 }
 
@@ -301,21 +312,9 @@ fn a_continuation_chunk_over_its_cache_equals_the_tail_of_the_whole_document() {
             .collect();
         let split = [4, 1];
         let all_ids: Vec<i64> = docs.concat();
-        let whole = DecoderAttention::Varlen {
-            cu_seqlens: cu(&[7, 4]),
-        };
+        let whole = varlen(&[7, 4]);
         let pos_whole = positions(&[7, 4], &[0, 0]);
-        let full = model
-            .forward(
-                &ReferenceAttention,
-                &DecoderInput {
-                    input_ids: &all_ids,
-                    position_ids: &pos_whole,
-                    attention: &whole,
-                    past: None,
-                },
-            )
-            .unwrap();
+        let full = forward(&model, &all_ids, &pos_whole, &whole, None);
         let pre_ids: Vec<i64> = docs
             .iter()
             .zip(split)
@@ -326,17 +325,7 @@ fn a_continuation_chunk_over_its_cache_equals_the_tail_of_the_whole_document() {
             cu_seqlens: pre_cu.clone(),
         };
         let pre_pos = positions(&split, &[0, 0]);
-        let pre = model
-            .forward(
-                &ReferenceAttention,
-                &DecoderInput {
-                    input_ids: &pre_ids,
-                    position_ids: &pre_pos,
-                    attention: &pre_att,
-                    past: None,
-                },
-            )
-            .unwrap();
+        let pre = forward(&model, &pre_ids, &pre_pos, &pre_att, None);
         let cache = pre.present(&pre_cu);
         let rest = [3, 3];
         let chunk_ids: Vec<i64> = docs
@@ -344,21 +333,9 @@ fn a_continuation_chunk_over_its_cache_equals_the_tail_of_the_whole_document() {
             .zip(split)
             .flat_map(|(d, s)| d[s..].to_vec())
             .collect();
-        let chunk_att = DecoderAttention::Varlen {
-            cu_seqlens: cu(&rest),
-        };
+        let chunk_att = varlen(&rest);
         let chunk_pos = positions(&rest, &split);
-        let chunk = model
-            .forward(
-                &ReferenceAttention,
-                &DecoderInput {
-                    input_ids: &chunk_ids,
-                    position_ids: &chunk_pos,
-                    attention: &chunk_att,
-                    past: Some(&cache),
-                },
-            )
-            .unwrap();
+        let chunk = forward(&model, &chunk_ids, &chunk_pos, &chunk_att, Some(&cache));
         let want: Vec<f64> = [4usize, 5, 6, 8, 9, 10]
             .iter()
             .flat_map(|&r| full.logits.row(r).to_vec())
@@ -366,17 +343,7 @@ fn a_continuation_chunk_over_its_cache_equals_the_tail_of_the_whole_document() {
         close("chunk logits", &want, &flat(&chunk.logits), REWRITE);
         // The fault: the chunk's positions restarted at 0 (C6) moves the logits.
         let restarted = positions(&rest, &[0, 0]);
-        let wrong = model
-            .forward(
-                &ReferenceAttention,
-                &DecoderInput {
-                    input_ids: &chunk_ids,
-                    position_ids: &restarted,
-                    attention: &chunk_att,
-                    past: Some(&cache),
-                },
-            )
-            .unwrap();
+        let wrong = forward(&model, &chunk_ids, &restarted, &chunk_att, Some(&cache));
         let diff = (&wrong.logits - &chunk.logits)
             .iter()
             .fold(0.0f64, |m, v| m.max(v.abs()));
@@ -403,14 +370,7 @@ fn gqa_equals_mha_with_repeated_key_value_heads() {
     mha.params.layers[0].wk = rep(&gqa.params.layers[0].wk);
     mha.params.layers[0].wv = rep(&gqa.params.layers[0].wv);
     let lengths = [4, 2];
-    let c = case(
-        &gqa,
-        DecoderAttention::Varlen {
-            cu_seqlens: cu(&lengths),
-        },
-        positions(&lengths, &[0, 0]),
-        1,
-    );
+    let c = case(&gqa, varlen(&lengths), positions(&lengths, &[0, 0]), 1);
     let input = DecoderInput {
         input_ids: &c.ids,
         position_ids: &c.pos,
@@ -493,25 +453,10 @@ fn causal_and_per_segment() {
     let model =
         DecoderModel::random(config(Norm::RmsNorm, Mlp::SwiGlu, false, 2, 1, 2, 2), 3).unwrap();
     let lengths = [4, 3];
-    let att = DecoderAttention::Varlen {
-        cu_seqlens: cu(&lengths),
-    };
+    let att = varlen(&lengths);
     let pos = positions(&lengths, &[0, 0]);
     let ids: Vec<i64> = vec![1, 2, 3, 4, 5, 6, 0];
-    let logits = |ids: &[i64]| {
-        model
-            .forward(
-                &ReferenceAttention,
-                &DecoderInput {
-                    input_ids: ids,
-                    position_ids: &pos,
-                    attention: &att,
-                    past: None,
-                },
-            )
-            .unwrap()
-            .logits
-    };
+    let logits = |ids: &[i64]| forward(&model, ids, &pos, &att, None).logits;
     let base = logits(&ids);
     // A later token of document 0 moves only itself and later rows of document 0.
     let mut changed = ids.clone();
@@ -534,14 +479,7 @@ fn dense_padded_rows_equal_varlen() {
     let model =
         DecoderModel::random(config(Norm::LayerNorm, Mlp::SwiGlu, true, 2, 1, 4, 2), 8).unwrap();
     let lengths = [3, 5, 1];
-    let c = case(
-        &model,
-        DecoderAttention::Varlen {
-            cu_seqlens: cu(&lengths),
-        },
-        positions(&lengths, &[0, 0, 0]),
-        2,
-    );
+    let c = case(&model, varlen(&lengths), positions(&lengths, &[0, 0, 0]), 2);
     let input = DecoderInput {
         input_ids: &c.ids,
         position_ids: &c.pos,
@@ -557,17 +495,7 @@ fn dense_padded_rows_equal_varlen() {
     }
     let pos: Vec<usize> = (0..3).flat_map(|_| 0..row_len).collect();
     let att = DecoderAttention::padded_rows(&lengths, row_len);
-    let dense = model
-        .forward(
-            &ReferenceAttention,
-            &DecoderInput {
-                input_ids: &ids,
-                position_ids: &pos,
-                attention: &att,
-                past: None,
-            },
-        )
-        .unwrap();
+    let dense = forward(&model, &ids, &pos, &att, None);
     for (s, &l) in lengths.iter().enumerate() {
         for t in 0..l {
             close(
