@@ -3,7 +3,7 @@
 //! grouped-query heads, then the MLP, as the diagram in [`super::model`]
 //! shows.
 
-use ndarray::{Array2, Array3, ArrayView1, ArrayView2, ArrayViewMut1, Axis, Slice};
+use ndarray::{Array1, Array2, Array3, ArrayView2, Axis, Slice};
 
 use super::model::DecoderAttention;
 use super::ops::{
@@ -25,35 +25,39 @@ pub enum NormCache {
     Layer(LayerNormCache),
 }
 
+/// The norm of `c` (`c.norm`, epsilon `c.norm_eps`) of `x: [n, hidden]`
+/// with the gain `g` and bias `b: [hidden]` (the bias is `[0]` and unused
+/// under RMSNorm).
 pub(super) fn norm_forward(
-    kind: Norm,
+    c: &DecoderConfig,
     x: ArrayView2<f64>,
-    g: ArrayView1<f64>,
-    b: ArrayView1<f64>,
-    eps: f64,
+    g: &Array1<f64>,
+    b: &Array1<f64>,
 ) -> (Array2<f64>, NormCache) {
-    match kind {
+    match c.norm {
         Norm::RmsNorm => {
-            let (y, c) = rms_norm(x, g, eps);
-            (y, NormCache::Rms(c))
+            let (y, cache) = rms_norm(x, g.view(), c.norm_eps);
+            (y, NormCache::Rms(cache))
         }
         Norm::LayerNorm => {
-            let (y, c) = layer_norm(x, g, b, eps);
-            (y, NormCache::Layer(c))
+            let (y, cache) = layer_norm(x, g.view(), b.view(), c.norm_eps);
+            (y, NormCache::Layer(cache))
         }
     }
 }
 
+/// Backward of [`norm_forward`] with the gain `g`: returns `dx` and adds to
+/// the gain's and the bias's gradients `(gg, gb)` (the bias's untouched under
+/// RMSNorm).
 pub(super) fn norm_backward(
     cache: &NormCache,
-    g: ArrayView1<f64>,
+    g: &Array1<f64>,
     dy: ArrayView2<f64>,
-    gg: ArrayViewMut1<f64>,
-    gb: ArrayViewMut1<f64>,
+    (gg, gb): (&mut Array1<f64>, &mut Array1<f64>),
 ) -> Array2<f64> {
     match cache {
-        NormCache::Rms(c) => rms_norm_backward(c, g, dy, gg),
-        NormCache::Layer(c) => layer_norm_backward(c, g, dy, gg, gb),
+        NormCache::Rms(c) => rms_norm_backward(c, g.view(), dy, gg.view_mut()),
+        NormCache::Layer(c) => layer_norm_backward(c, g.view(), dy, gg.view_mut(), gb.view_mut()),
     }
 }
 
@@ -187,13 +191,7 @@ pub fn decoder_layer_forward(
     }
     let inv_freq = rope_inv_freq(c.head_dim, c.rope_theta)?;
     let scale = crate::attention::default_scale(c.head_dim);
-    let (h1, norm1) = norm_forward(
-        c.norm,
-        x,
-        p.attn_norm_g.view(),
-        p.attn_norm_b.view(),
-        c.norm_eps,
-    );
+    let (h1, norm1) = norm_forward(c, x, &p.attn_norm_g, &p.attn_norm_b);
     let q = rope(
         split_heads(linear_nb(h1.view(), p.wq.view()), c.num_heads).view(),
         positions,
@@ -242,13 +240,7 @@ pub fn decoder_layer_forward(
     };
     let mut x1 = linear_nb(join_heads(&out.output).view(), p.wo.view());
     x1 += &x;
-    let (h2, norm2) = norm_forward(
-        c.norm,
-        x1.view(),
-        p.mlp_norm_g.view(),
-        p.mlp_norm_b.view(),
-        c.norm_eps,
-    );
+    let (h2, norm2) = norm_forward(c, x1.view(), &p.mlp_norm_g, &p.mlp_norm_b);
     let up = linear_nb(h2.view(), p.w_up.view());
     let (gate, act) = match c.mlp {
         Mlp::SwiGlu => {
@@ -335,10 +327,9 @@ pub fn decoder_layer_backward(
     };
     let mut dx1 = norm_backward(
         &cache.norm2,
-        p.mlp_norm_g.view(),
+        &p.mlp_norm_g,
         dh2.view(),
-        g.mlp_norm_g.view_mut(),
-        g.mlp_norm_b.view_mut(),
+        (&mut g.mlp_norm_g, &mut g.mlp_norm_b),
     );
     dx1 += &dy;
     // x1 = x + a Wo^T
@@ -388,10 +379,9 @@ pub fn decoder_layer_backward(
     dh1 += &linear_nb_backward(h1, p.wv.view(), dv.view(), g.wv.view_mut());
     let mut dx = norm_backward(
         &cache.norm1,
-        p.attn_norm_g.view(),
+        &p.attn_norm_g,
         dh1.view(),
-        g.attn_norm_g.view_mut(),
-        g.attn_norm_b.view_mut(),
+        (&mut g.attn_norm_g, &mut g.attn_norm_b),
     );
     dx += &dx1;
     Ok((dx, past_grads))

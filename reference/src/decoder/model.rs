@@ -343,13 +343,7 @@ impl DecoderModel {
             layers.push(cache);
             x = y;
         }
-        let (hidden, final_norm) = norm_forward(
-            c.norm,
-            x.view(),
-            p.final_norm_g.view(),
-            p.final_norm_b.view(),
-            c.norm_eps,
-        );
+        let (hidden, final_norm) = norm_forward(c, x.view(), &p.final_norm_g, &p.final_norm_b);
         let logits = linear_nb(hidden.view(), self.head());
         Ok(DecoderForward {
             logits,
@@ -394,10 +388,9 @@ impl DecoderModel {
         );
         let mut dx = norm_backward(
             &fwd.final_norm,
-            p.final_norm_g.view(),
+            &p.final_norm_g,
             dhidden.view(),
-            g.final_norm_g.view_mut(),
-            g.final_norm_b.view_mut(),
+            (&mut g.final_norm_g, &mut g.final_norm_b),
         );
         let past_cu = input.past.map(|kv| kv.cu_seqlens.as_slice());
         let mut past_grads = input.past.map(|_| Vec::with_capacity(c.num_layers));
