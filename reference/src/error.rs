@@ -127,6 +127,25 @@ pub fn ensure(ok: bool, field: &str, message: impl FnOnce() -> String) -> Result
     }
 }
 
+/// `Ok(())` when the length `len` of the list `field` is `want`, else an
+/// [`Error::ShapeMismatch`] naming `field` that expects `[dim] = [want]`,
+/// followed by ` (why)` unless `why` is empty.
+pub fn check_len(field: &str, len: usize, dim: &str, want: usize, why: &str) -> Result<()> {
+    if len == want {
+        return Ok(());
+    }
+    let why = if why.is_empty() {
+        String::new()
+    } else {
+        format!(" ({why})")
+    };
+    Err(Error::ShapeMismatch {
+        field: field.into(),
+        expected: format!("[{dim}] = [{want}]{why}"),
+        actual: vec![len],
+    })
+}
+
 /// Returns the first non-finite value of `values` as an [`Error::NonFiniteInput`].
 ///
 /// `field` names the tensor; the index in the error is the flat row-major index.

@@ -16,7 +16,7 @@
 
 use ndarray::{Array1, Array2, ArrayView2};
 
-use crate::error::{Error, Result};
+use crate::error::{check_len, Error, Result};
 
 /// HF's ignore index: a label of -100 is not predicted.
 pub use crate::vocab::IGNORE_INDEX;
@@ -85,13 +85,7 @@ pub fn cross_entropy(
     targets: &[usize],
 ) -> Result<(Array1<f64>, Array1<f64>)> {
     let (m, c) = logits.dim();
-    if targets.len() != m {
-        return Err(Error::ShapeMismatch {
-            field: "targets".into(),
-            expected: format!("[m] = [{m}] (rows of logits)"),
-            actual: vec![targets.len()],
-        });
-    }
+    check_len("targets", targets.len(), "m", m, "rows of logits")?;
     let mut loss = Array1::zeros(m);
     let mut lse = Array1::zeros(m);
     for (i, row) in logits.rows().into_iter().enumerate() {

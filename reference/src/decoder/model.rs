@@ -30,7 +30,7 @@ use super::layer::{norm_backward, norm_forward};
 use super::ops::{linear_nb, linear_nb_backward};
 use super::params::{DecoderConfig, DecoderParams, MAX_TENSOR};
 use crate::attention::check_cu_seqlens;
-use crate::error::{check_finite, Error, Result};
+use crate::error::{check_finite, check_len, Error, Result};
 use crate::ops::AttentionOp;
 use crate::vocab::IGNORE_INDEX;
 
@@ -245,13 +245,13 @@ impl DecoderModel {
                 format!("{n} tokens is over the supported batch size"),
             ));
         }
-        if input.position_ids.len() != n {
-            return Err(Error::ShapeMismatch {
-                field: "position_ids".into(),
-                expected: format!("[n] = [{n}] (one per input id)"),
-                actual: vec![input.position_ids.len()],
-            });
-        }
+        check_len(
+            "position_ids",
+            input.position_ids.len(),
+            "n",
+            n,
+            "one per input id",
+        )?;
         for (i, &id) in input.input_ids.iter().enumerate() {
             if id < 0 || id as u64 >= c.vocab_size as u64 {
                 return Err(Error::out_of_range("input_ids", i, id, c.vocab_size));
@@ -282,13 +282,13 @@ impl DecoderModel {
                     actual: vec![past.cu_seqlens.len()],
                 });
             }
-            if past.layers.len() != c.num_layers {
-                return Err(Error::ShapeMismatch {
-                    field: "past.layers".into(),
-                    expected: format!("[num_layers] = [{}]", c.num_layers),
-                    actual: vec![past.layers.len()],
-                });
-            }
+            check_len(
+                "past.layers",
+                past.layers.len(),
+                "num_layers",
+                c.num_layers,
+                "",
+            )?;
             let want = [n_past, c.num_kv_heads, c.head_dim];
             for (l, (k, v)) in past.layers.iter().enumerate() {
                 for (name, t) in [("k", k), ("v", v)] {
@@ -441,13 +441,7 @@ impl DecoderModel {
         weights: &[f64],
     ) -> Result<DecoderRun> {
         let n = input.input_ids.len();
-        if weights.len() != n {
-            return Err(Error::ShapeMismatch {
-                field: "weights".into(),
-                expected: format!("[n] = [{n}]"),
-                actual: vec![weights.len()],
-            });
-        }
+        check_len("weights", weights.len(), "n", n, "")?;
         check_finite("weights", weights)?;
         let fwd = self.forward(op, input)?;
         let (token_losses, grad) = token_cross_entropy(fwd.logits.view(), labels, weights)?;
@@ -476,13 +470,7 @@ pub fn token_cross_entropy(
     weights: &[f64],
 ) -> Result<(Vec<f64>, Array2<f64>)> {
     let (n, v) = logits.dim();
-    if labels.len() != n {
-        return Err(Error::ShapeMismatch {
-            field: "labels".into(),
-            expected: format!("[n] = [{n}] (rows of logits)"),
-            actual: vec![labels.len()],
-        });
-    }
+    check_len("labels", labels.len(), "n", n, "rows of logits")?;
     let mut loss = vec![0.0; n];
     let mut grad = Array2::zeros((n, v));
     for (i, &t) in labels.iter().enumerate() {

@@ -12,7 +12,7 @@
 use ndarray::{Array2, Array3, ArrayView1, ArrayView2, ArrayView3, ArrayViewMut2, Axis};
 
 use crate::bert::ops::{normalize_rows, normalize_rows_backward, NormCache};
-use crate::error::{Error, Result};
+use crate::error::{check_len, Error, Result};
 
 /// `y = x W^T` (`torch.nn.Linear(bias=False)`, Llama's projections):
 /// `x: [n, in]`, `weight: [out, in]`; returns `[n, out]`.
@@ -119,13 +119,13 @@ fn rope_signed(
     sign: f64,
 ) -> Result<Array3<f64>> {
     let (n, heads, d) = x.dim();
-    if positions.len() != n {
-        return Err(Error::ShapeMismatch {
-            field: "position_ids".into(),
-            expected: format!("[n] = [{n}] (one position per token)"),
-            actual: vec![positions.len()],
-        });
-    }
+    check_len(
+        "position_ids",
+        positions.len(),
+        "n",
+        n,
+        "one position per token",
+    )?;
     if 2 * inv_freq.len() != d {
         return Err(Error::ShapeMismatch {
             field: "inv_freq".into(),

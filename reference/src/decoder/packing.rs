@@ -22,7 +22,7 @@
 //! when configured, an EOS id; padding predicts nothing (C1, C2).
 
 use crate::attention::check_cu_seqlens;
-use crate::error::{Error, Result};
+use crate::error::{check_len, Error, Result};
 use crate::vocab::IGNORE_INDEX;
 
 /// How the next-token loss of a batch is normalised. Each is a weight per
@@ -96,7 +96,13 @@ pub fn next_token_labels(
     doc_ids: &[usize],
     eos: Option<i64>,
 ) -> Result<Vec<i64>> {
-    check_one_doc_id_each(doc_ids, input_ids.len(), "input id")?;
+    check_len(
+        "doc_ids",
+        doc_ids.len(),
+        "n_slots",
+        input_ids.len(),
+        "one per input id",
+    )?;
     check_doc_ids(doc_ids)?;
     Ok((0..input_ids.len())
         .map(|i| match doc_ids[i] {
@@ -105,21 +111,6 @@ pub fn next_token_labels(
             _ => eos.unwrap_or(IGNORE_INDEX),
         })
         .collect())
-}
-
-/// `doc_ids` must hold one id per `what` (`n` of them, the slots).
-///
-/// # Errors
-/// [`Error::ShapeMismatch`] naming `doc_ids`.
-fn check_one_doc_id_each(doc_ids: &[usize], n: usize, what: &str) -> Result<()> {
-    if doc_ids.len() == n {
-        return Ok(());
-    }
-    Err(Error::ShapeMismatch {
-        field: "doc_ids".into(),
-        expected: format!("[n_slots] = [{n}] (one per {what})"),
-        actual: vec![doc_ids.len()],
-    })
 }
 
 /// The weight of each slot's loss under `reduction` (0 for a slot that
@@ -137,7 +128,13 @@ pub fn loss_weights(
     reduction: CausalReduction,
     num_documents: usize,
 ) -> Result<Vec<f64>> {
-    check_one_doc_id_each(doc_ids, labels.len(), "label")?;
+    check_len(
+        "doc_ids",
+        doc_ids.len(),
+        "n_slots",
+        labels.len(),
+        "one per label",
+    )?;
     let mut per_doc: std::collections::HashMap<usize, usize> = Default::default();
     let mut present = std::collections::HashSet::new();
     for (i, (&l, &d)) in labels.iter().zip(doc_ids).enumerate() {

@@ -4,7 +4,7 @@
 use ndarray::{Array1, Array2, ArrayViewD, ArrayViewMutD};
 use rand::{Rng, SeedableRng};
 
-use crate::error::{ensure, Error, Result};
+use crate::error::{check_len, ensure, Error, Result};
 
 /// The most elements one parameter tensor (or the logits `n * v`) may hold
 /// (2^28, 2 GiB of f64): sizes from input are bounded before allocation.
@@ -316,13 +316,13 @@ impl DecoderParams {
     /// [`Error::ShapeMismatch`] naming the tensor (`model.layers.0.self_attn.k_proj.weight`,
     /// `model.layers` for a wrong layer count); [`Error::NonFiniteInput`].
     pub fn check(&self, config: &DecoderConfig) -> Result<()> {
-        if self.layers.len() != config.num_layers {
-            return Err(Error::ShapeMismatch {
-                field: "model.layers".into(),
-                expected: format!("[num_layers] = [{}]", config.num_layers),
-                actual: vec![self.layers.len()],
-            });
-        }
+        check_len(
+            "model.layers",
+            self.layers.len(),
+            "num_layers",
+            config.num_layers,
+            "",
+        )?;
         for ((name, t), (_, want)) in self.named_all().iter().zip(Self::shapes(config)) {
             if t.shape() != want.as_slice() {
                 return Err(Error::ShapeMismatch {
