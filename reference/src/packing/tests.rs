@@ -8,9 +8,34 @@ fn wiki() -> Histogram {
     Histogram::embedded("wikipedia-512").unwrap()
 }
 
-fn run(h: &Histogram, algorithm: Algorithm, msl: usize, limit: Option<usize>) -> HistogramPacking {
+/// `h` packed by `algorithm` at `msl` with at most `limit` sequences a pack:
+/// the config and the packing.
+fn pack(
+    h: &Histogram,
+    algorithm: Algorithm,
+    msl: usize,
+    limit: Option<usize>,
+) -> (PackingConfig, HistogramPacking) {
     let config = PackingConfig::new(algorithm, msl).with_max_sequences_per_pack(limit);
     let packing = pack_histogram(h, &config).unwrap();
+    (config, packing)
+}
+
+/// The histogram of `counts`, and [`pack`]'s config and packing of it.
+fn pack_counts(
+    counts: Vec<u64>,
+    algorithm: Algorithm,
+    msl: usize,
+    limit: Option<usize>,
+) -> (Histogram, PackingConfig, HistogramPacking) {
+    let h = Histogram::from_counts(counts);
+    let (config, packing) = pack(&h, algorithm, msl, limit);
+    (h, config, packing)
+}
+
+/// [`pack`]'s packing, its strategies checked.
+fn run(h: &Histogram, algorithm: Algorithm, msl: usize, limit: Option<usize>) -> HistogramPacking {
+    let (config, packing) = pack(h, algorithm, msl, limit);
     check_strategies(h, &packing.strategies, msl, config.limit()).unwrap();
     packing
 }
@@ -358,9 +383,7 @@ proptest! {
 
     #[test]
     fn every_sequence_in_exactly_one_pack((msl, counts, limit) in histogram_case(), algorithm in any_algorithm()) {
-        let h = Histogram::from_counts(counts);
-        let config = PackingConfig::new(algorithm, msl).with_max_sequences_per_pack(limit);
-        let p = pack_histogram(&h, &config).unwrap();
+        let (h, config, p) = pack_counts(counts, algorithm, msl, limit);
         prop_assert_eq!(check_strategies(&h, &p.strategies, msl, config.limit()), Ok(()));
         let m = &p.metrics;
         prop_assert_eq!(m.real_tokens, h.real_tokens());
@@ -636,9 +659,7 @@ proptest! {
 
     #[test]
     fn no_algorithm_beats_the_lp_bound((msl, counts, limit) in histogram_case(), algorithm in any_algorithm()) {
-        let h = Histogram::from_counts(counts);
-        let config = PackingConfig::new(algorithm, msl).with_max_sequences_per_pack(limit);
-        let p = pack_histogram(&h, &config).unwrap();
+        let (h, config, p) = pack_counts(counts, algorithm, msl, limit);
         // The LP at the plan's own limit bounds it, whatever the algorithm.
         let fitted: Vec<u64> = h.counts().iter().copied().chain(std::iter::repeat(0)).take(msl + 1).collect();
         let lp = lphp::lp_bound(&fitted, msl, config.limit()).unwrap();

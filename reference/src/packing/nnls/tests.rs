@@ -122,10 +122,7 @@ fn random_packing_shaped_problems_meet_the_kkt_conditions() {
         let n = 3 * m;
         let mut a = SparseColumns::new(m);
         for _ in 0..n {
-            let mut rows: Vec<usize> = (0..rng.random_range(1..=3))
-                .map(|_| rng.random_range(0..m))
-                .collect();
-            rows.sort_unstable();
+            let mut rows = random_rows(&mut rng, m);
             rows.dedup();
             a.push(
                 rows.into_iter()
@@ -162,6 +159,16 @@ fn random_packing_shaped_problems_meet_the_kkt_conditions() {
     }
 }
 
+/// One to three random rows in `0..m`, sorted (repeats kept): a column's
+/// rows in the NNLSHP-shaped test problems.
+fn random_rows(rng: &mut impl rand::Rng, m: usize) -> Vec<usize> {
+    let mut rows: Vec<usize> = (0..rng.random_range(1..=3))
+        .map(|_| rng.random_range(0..m))
+        .collect();
+    rows.sort_unstable();
+    rows
+}
+
 /// A random NNLSHP-shaped problem twice: as weighted multisets (the fast
 /// pricing) and as plain sparse columns with the same values.
 fn weighted_pair(rng: &mut impl rand::Rng, m: usize, n: usize) -> (SparseColumns, SparseColumns) {
@@ -177,10 +184,7 @@ fn weighted_pair(rng: &mut impl rand::Rng, m: usize, n: usize) -> (SparseColumns
     let mut fast = SparseColumns::weighted(weight.clone());
     let mut plain = SparseColumns::new(m);
     for _ in 0..n {
-        let mut rows: Vec<usize> = (0..rng.random_range(1..=3))
-            .map(|_| rng.random_range(0..m))
-            .collect();
-        rows.sort_unstable();
+        let rows = random_rows(rng, m);
         fast.push_multiset(&rows);
         let mut entries: Vec<(usize, f64)> = Vec::new();
         for &r in &rows {
