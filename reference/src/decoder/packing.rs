@@ -22,7 +22,7 @@
 //! when configured, an EOS id; padding predicts nothing (C1, C2).
 
 use crate::attention::check_cu_seqlens;
-use crate::error::{check_len, Error, Result};
+use crate::error::{check_len, ensure, Error, Result};
 use crate::vocab::IGNORE_INDEX;
 
 /// How the next-token loss of a batch is normalised. Each is a weight per
@@ -152,15 +152,10 @@ pub fn loss_weights(
         }
         *per_doc.entry(d).or_default() += 1;
     }
-    if present.len() > num_documents {
-        return Err(Error::invalid(
-            "num_documents",
-            format!(
-                "is {num_documents}, but the batch holds {} documents",
-                present.len()
-            ),
-        ));
-    }
+    let held = present.len();
+    ensure(held <= num_documents, "num_documents", || {
+        format!("is {num_documents}, but the batch holds {held} documents")
+    })?;
     let total: usize = per_doc.values().sum();
     let with_any = per_doc.len();
     Ok(labels

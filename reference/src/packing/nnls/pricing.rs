@@ -51,14 +51,14 @@ impl PaddedColumns {
         grads: &mut [f64],
     ) -> Option<usize> {
         match self.width {
-            1 => self.most_positive_of::<1>(r, blocked, tol, grads),
-            2 => self.most_positive_of::<2>(r, blocked, tol, grads),
-            3 => self.most_positive_of::<3>(r, blocked, tol, grads),
-            4 => self.most_positive_of::<4>(r, blocked, tol, grads),
+            1 => self.gradients_of::<1>(r, grads),
+            2 => self.gradients_of::<2>(r, grads),
+            3 => self.gradients_of::<3>(r, grads),
+            4 => self.gradients_of::<4>(r, grads),
             _ => {
                 let w = self.width;
                 let sums = self.rows.chunks_exact(w).zip(self.vals.chunks_exact(w));
-                Self::best(
+                return Self::best(
                     sums.map(|(rows, vals)| {
                         rows.iter()
                             .zip(vals)
@@ -66,18 +66,14 @@ impl PaddedColumns {
                     }),
                     blocked,
                     tol,
-                )
+                );
             }
         }
+        Self::best(grads.iter().copied(), blocked, tol)
     }
 
-    fn most_positive_of<const W: usize>(
-        &self,
-        r: &[f64],
-        blocked: &[bool],
-        tol: f64,
-        grads: &mut [f64],
-    ) -> Option<usize> {
+    /// Every column's gradient `a_j^T r` into `grads`, the columns `W` wide.
+    fn gradients_of<const W: usize>(&self, r: &[f64], grads: &mut [f64]) {
         let (rows, _) = self.rows.as_chunks::<W>();
         let (vals, _) = self.vals.as_chunks::<W>();
         let mask = self.mask;
@@ -89,7 +85,6 @@ impl PaddedColumns {
             }
             *g = s;
         }
-        Self::best(grads.iter().copied(), blocked, tol)
     }
 
     fn best(grads: impl Iterator<Item = f64>, blocked: &[bool], tol: f64) -> Option<usize> {
