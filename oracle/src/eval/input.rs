@@ -48,6 +48,26 @@ impl<'a> Case<'a> {
         self.obj.get(name).is_some_and(|v| !v.is_null())
     }
 
+    /// Which of two exclusive fields the case gives: `true` for `first`,
+    /// `false` for `second`.
+    ///
+    /// # Errors
+    /// `invalid_argument` on `second` when both are given; `missing_field`
+    /// on `first` when neither is.
+    pub fn either(&self, first: &str, second: &str) -> Result<bool, EvalError> {
+        match (self.has(first), self.has(second)) {
+            (true, true) => Err(EvalError::invalid(
+                second,
+                format!("give either {first} or {second}, not both"),
+            )),
+            (false, false) => Err(EvalError::new(
+                "missing_field",
+                format!("{first}: required field is missing (or give {second})"),
+            )),
+            (given_first, _) => Ok(given_first),
+        }
+    }
+
     fn get(&self, name: &str) -> Option<&'a Value> {
         self.obj.get(name).filter(|v| !v.is_null())
     }
