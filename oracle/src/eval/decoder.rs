@@ -11,14 +11,14 @@ use packshard_reference::decoder::packing::{
     CausalReduction,
 };
 use packshard_reference::decoder::params::MAX_TENSOR;
-use packshard_reference::decoder::{
-    DecoderAttention, DecoderConfig, DecoderInput, DecoderModel, DecoderParams, Mlp, Norm,
-};
+use packshard_reference::decoder::{DecoderConfig, DecoderModel, DecoderParams, Mlp, Norm};
 use packshard_reference::vocab::IGNORE_INDEX;
 use serde_json::{json, Value};
 
 use super::attention::nested2;
+use super::causal::one_per_input_id;
 use super::{check_values, num, Case, EvalError};
+use crate::causal_lm::VarlenInput;
 
 /// The config fields (the names of [`DecoderConfig`], so its errors name them).
 const CONFIG_FIELDS: [&str; 12] = [
@@ -243,14 +243,7 @@ pub(super) fn decoder_forward_backward(value: &Value) -> Result<Value, EvalError
                 ));
             }
             let l = case.i64_list("labels")?;
-            if l.len() != n {
-                return Err(packshard_reference::Error::ShapeMismatch {
-                    field: "labels".into(),
-                    expected: format!("[n] = [{n}] (one per input id)"),
-                    actual: vec![l.len()],
-                }
-                .into());
-            }
+            one_per_input_id("labels", "n", l.len(), n)?;
             l
         }
         false => next_token_labels(&input_ids, &doc_ids, case.opt_i64("eos_token_id")?)?,
@@ -280,15 +273,8 @@ pub(super) fn decoder_forward_backward(value: &Value) -> Result<Value, EvalError
         config: cfg.clone(),
         params,
     };
-    let attention = DecoderAttention::Varlen {
-        cu_seqlens: cu.clone(),
-    };
-    let input = DecoderInput {
-        input_ids: &input_ids,
-        position_ids: &position_ids,
-        attention: &attention,
-        past: None,
-    };
+    let varlen = VarlenInput::new(&input_ids, &position_ids, &cu);
+    let input = varlen.input();
     let op = ReferenceAttention;
     let mut out = json!({"op": "decoder_forward_backward"});
     let (logits, per_token_loss, loss) = if want_grad {

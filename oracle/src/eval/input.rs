@@ -278,6 +278,27 @@ fn flatten(
     Ok(())
 }
 
+/// Every number of a JSON value, nested arrays flattened in row-major
+/// order, the strings `inf`, `-inf`, `nan` read as [`tensor_leaf`] does:
+/// a result field read back, whatever its shape.
+///
+/// # Errors
+/// `invalid_argument` naming `path` for a leaf that is no number.
+pub fn numbers(value: &Value, path: &str) -> Result<Vec<f64>, EvalError> {
+    fn collect(value: &Value, path: &str, out: &mut Vec<f64>) -> Result<(), EvalError> {
+        match value {
+            Value::Array(items) => items.iter().try_for_each(|x| collect(x, path, out)),
+            leaf => {
+                out.push(tensor_leaf(leaf, path)?);
+                Ok(())
+            }
+        }
+    }
+    let mut out = Vec::new();
+    collect(value, path, &mut out)?;
+    Ok(out)
+}
+
 /// A tensor element: a JSON number, or one of the strings `inf`, `-inf`,
 /// `nan` (JSON has no literal for them; masked logits need `-inf`). Each op
 /// decides whether non-finite values are allowed.
