@@ -240,12 +240,8 @@ fn fault(kind: &str, p: usize, rank: usize, says: &[&str]) -> Launch {
 /// error naming the field, printed by that rank, and the job aborts.
 #[test]
 fn bad_input_on_one_rank_ends_every_rank_with_its_message() {
-    let run = fault(
-        "bad-input",
-        3,
-        1,
-        &["packshard-pipeline: rank 1: cu_seqlens[2]: is 14, must equal the 13 tokens"],
-    );
+    let says = "packshard-pipeline: rank 1: cu_seqlens[2]: is 14, must equal the 13 tokens";
+    let run = fault("bad-input", 3, 1, &[says]);
     assert_eq!(run.code, Some(2), "{}", run.output);
 }
 
@@ -253,15 +249,11 @@ fn bad_input_on_one_rank_ends_every_rank_with_its_message() {
 /// line and aborts the job.
 #[test]
 fn a_panic_on_one_rank_ends_every_rank_with_its_message() {
-    let run = fault(
-        "panic",
-        4,
-        2,
-        &[
-            "packshard-pipeline: rank 2: panicked at",
-            "fault injection: rank 2 panics in the forward of microbatch 1",
-        ],
-    );
+    let says = [
+        "packshard-pipeline: rank 2: panicked at",
+        "fault injection: rank 2 panics in the forward of microbatch 1",
+    ];
+    let run = fault("panic", 4, 2, &says);
     assert_eq!(run.code, Some(101), "{}", run.output);
 }
 
@@ -269,15 +261,11 @@ fn a_panic_on_one_rank_ends_every_rank_with_its_message() {
 /// death, names the rank and kills the others.
 #[test]
 fn a_killed_rank_ends_every_rank() {
-    let run = fault(
-        "kill",
-        2,
-        1,
-        &[
-            "rank 1: fault injection: killing this process",
-            "process rank 1",
-        ],
-    );
+    let says = [
+        "rank 1: fault injection: killing this process",
+        "process rank 1",
+    ];
+    let run = fault("kill", 2, 1, &says);
     assert!(run.code.is_some_and(|c| c != 0), "{}", run.output);
 }
 
