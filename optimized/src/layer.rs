@@ -545,30 +545,14 @@ pub fn layer_backward(
     };
     let mut dx = dr1;
     let x = cache.x.view();
-    linear_backward(
-        x,
-        &p.query_w,
-        &flat(ag.grad_q),
-        &mut g.query_w,
-        &mut g.query_b,
-        Some(dx.view_mut()),
-    );
-    linear_backward(
-        x,
-        &p.key_w,
-        &flat(ag.grad_k),
-        &mut g.key_w,
-        &mut g.key_b,
-        Some(dx.view_mut()),
-    );
-    linear_backward(
-        x,
-        &p.value_w,
-        &flat(ag.grad_v),
-        &mut g.value_w,
-        &mut g.value_b,
-        Some(dx.view_mut()),
-    );
+    // Query, key and value projections, in that order, into `dx`.
+    for (w, dy, gw, gb) in [
+        (&p.query_w, ag.grad_q, &mut g.query_w, &mut g.query_b),
+        (&p.key_w, ag.grad_k, &mut g.key_w, &mut g.key_b),
+        (&p.value_w, ag.grad_v, &mut g.value_w, &mut g.value_b),
+    ] {
+        linear_backward(x, w, &flat(dy), gw, gb, Some(dx.view_mut()));
+    }
     Ok((dx, g))
 }
 
