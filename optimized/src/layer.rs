@@ -32,8 +32,9 @@ use crate::convert::to_f32;
 use crate::matmul::{matmul, Threads};
 use crate::simd;
 
-/// Rows per chunk of the row-parallel passes and of the token reductions.
-const ROWS: usize = 64;
+/// Rows per chunk of the row-parallel passes and of the token reductions
+/// (the decoder layer's too).
+pub(crate) const ROWS: usize = 64;
 
 /// The parameters of one layer in f32: the reference's type, names and
 /// shapes (`hidden` = `hidden_size`, `inter` = `intermediate_size`).
@@ -75,7 +76,7 @@ pub struct LayerCache32 {
 }
 
 /// Splits a row-major matrix into chunks of [`ROWS`] rows for rayon.
-fn row_chunks(a: &mut Array2<f32>) -> rayon::slice::ChunksMut<'_, f32> {
+pub(crate) fn row_chunks(a: &mut Array2<f32>) -> rayon::slice::ChunksMut<'_, f32> {
     let w = a.ncols().max(1);
     a.as_slice_mut()
         .expect("fresh arrays are standard layout")
@@ -328,7 +329,8 @@ fn linear_backward(
     }
 }
 
-fn heads(x: &Array2<f32>, h: usize) -> ArrayView3<'_, f32> {
+/// `x: [n, h * d]` viewed as `[n, h, d]`.
+pub(crate) fn heads(x: &Array2<f32>, h: usize) -> ArrayView3<'_, f32> {
     let (n, width) = x.dim();
     x.view()
         .into_shape_with_order((n, h, width / h))
