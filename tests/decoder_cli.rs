@@ -7,10 +7,10 @@
 mod common;
 
 use common::eval;
+use packshard::oracle::causal_lm::VarlenInput;
 use packshard::reference::attention::ReferenceAttention;
 use packshard::reference::decoder::{
-    loss_weights, next_token_labels, CausalReduction, DecoderAttention, DecoderConfig,
-    DecoderInput, DecoderModel,
+    loss_weights, next_token_labels, CausalReduction, DecoderConfig, DecoderModel,
 };
 use serde_json::{json, Map, Value};
 
@@ -109,17 +109,9 @@ fn eval_is_the_reference_bit_for_bit() {
     let labels = next_token_labels(&ids, &docs, None).unwrap();
     assert_eq!(labels, [1, 4, -100, 5, 9, 2, -100]);
     let weights = loss_weights(&labels, &docs, CausalReduction::PerDocument, 3).unwrap();
-    let attention = DecoderAttention::Varlen {
-        cu_seqlens: cu.to_vec(),
-    };
-    let input = DecoderInput {
-        input_ids: &ids,
-        position_ids: &pos,
-        attention: &attention,
-        past: None,
-    };
+    let input = VarlenInput::new(&ids, &pos, &cu);
     let run = m
-        .run(&ReferenceAttention, &input, &labels, &weights)
+        .run(&ReferenceAttention, &input.input(), &labels, &weights)
         .unwrap();
     assert_eq!(v["labels"], json!(labels));
     assert_eq!(flat(&v["loss_weights"]), weights);

@@ -35,6 +35,17 @@ fn text(o: &ProcOutput) -> String {
     )
 }
 
+/// Runs `packshard args`: it exits with `code` and its output says each of
+/// `needles`.
+fn says(args: &[&str], code: i32, needles: &[&str]) -> ProcOutput {
+    let o = packshard(args);
+    assert_eq!(o.status.code(), Some(code), "{}", text(&o));
+    for needle in needles {
+        assert!(text(&o).contains(needle), "want {needle:?} in {}", text(&o));
+    }
+    o
+}
+
 /// A results file: `(name, shape, values)` as F64.
 fn write_results(path: &Path, tensors: &[(String, Vec<usize>, Vec<f64>)]) {
     let ts: Vec<Tensor> = tensors
@@ -384,9 +395,7 @@ fn low_precision_rules_hold_the_reference_in_that_precision() {
 fn cli_golden_then_check_exit_codes_and_bad_input() {
     let dir = temp_dir("cli");
     let d = dir.to_str().unwrap();
-    let o = packshard(&["golden", "--out", d]);
-    assert!(o.status.success(), "{}", text(&o));
-    assert!(text(&o).contains("wrote 25 golden cases"), "{}", text(&o));
+    says(&["golden", "--out", d], 0, &["wrote 25 golden cases"]);
     let cases = cases::all(Dtype::F64).unwrap();
     let results = dir.join("r.safetensors");
     let r = results.to_str().unwrap();
@@ -399,34 +408,24 @@ fn cli_golden_then_check_exit_codes_and_bad_input() {
 
     // Only one case given: pass, the others skipped and listed; --all refuses.
     write_results(&results, &attention);
-    let o = packshard(&["check", d, r]);
-    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
-    assert!(
-        text(&o).contains("checked 1 cases, 5 outputs")
-            && text(&o).contains("skipped (no outputs in the results): pack_spfhp"),
-        "{}",
-        text(&o)
+    let skipped = "skipped (no outputs in the results): pack_spfhp";
+    says(
+        &["check", d, r],
+        0,
+        &["checked 1 cases, 5 outputs", skipped],
     );
-    let o = packshard(&["check", d, r, "--all"]);
-    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
-    assert!(
-        text(&o).contains("missing pack_spfhp/num_packs"),
-        "{}",
-        text(&o)
+    says(
+        &["check", d, r, "--all"],
+        2,
+        &["missing pack_spfhp/num_packs"],
     );
 
     // A value out of tolerance: exit 1 with the table.
     let mut bad = attention.clone();
     bad[0].2[0] += 1.0;
     write_results(&results, &bad);
-    let o = packshard(&["check", d, r]);
-    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
-    assert!(
-        text(&o).contains("FAIL (1 of 128)")
-            && text(&o).contains("attention_varlen/output: first at [0, 0, 0]"),
-        "{}",
-        text(&o)
-    );
+    let first = "attention_varlen/output: first at [0, 0, 0]";
+    says(&["check", d, r], 1, &["FAIL (1 of 128)", first]);
 
     // Bad input, exit 2, one line naming the tensors.
     #[allow(clippy::type_complexity)]
@@ -457,13 +456,7 @@ fn cli_golden_then_check_exit_codes_and_bad_input() {
     ];
     for (tensors, message) in cases_of_bad_input {
         write_results(&results, &tensors);
-        let o = packshard(&["check", d, r]);
-        assert_eq!(o.status.code(), Some(2), "{}", text(&o));
-        assert!(
-            text(&o).contains(message),
-            "want {message:?} in {}",
-            text(&o)
-        );
+        let o = says(&["check", d, r], 2, &[message]);
         assert_eq!(
             String::from_utf8_lossy(&o.stderr).lines().count(),
             1,
@@ -473,16 +466,9 @@ fn cli_golden_then_check_exit_codes_and_bad_input() {
     }
     // Not a safetensors file; a directory that is not a golden set; a modified golden set.
     std::fs::write(&results, b"not safetensors").unwrap();
-    let o = packshard(&["check", d, r]);
-    assert_eq!(o.status.code(), Some(2));
-    assert!(text(&o).contains("not a safetensors file"), "{}", text(&o));
-    let o = packshard(&["check", "/nonexistent-golden", r]);
-    assert_eq!(o.status.code(), Some(2));
-    assert!(
-        text(&o).contains("/nonexistent-golden/manifest.json"),
-        "{}",
-        text(&o)
-    );
+    says(&["check", d, r], 2, &["not a safetensors file"]);
+    let manifest = "/nonexistent-golden/manifest.json";
+    says(&["check", "/nonexistent-golden", r], 2, &[manifest]);
     let exp = dir.join("expected/cross_entropy.safetensors");
     let mut tampered = load("x", &std::fs::read(&exp).unwrap()).unwrap();
     tampered.sort_by(|a, b| a.0.cmp(&b.0));
@@ -499,28 +485,30 @@ fn cli_golden_then_check_exit_codes_and_bad_input() {
         .collect();
     std::fs::write(&exp, serialize(&ts).unwrap()).unwrap();
     write_results(&results, &attention);
-    let o = packshard(&["check", d, r]);
-    assert_eq!(o.status.code(), Some(2));
-    assert!(
-        text(&o).contains("does not match the manifest's sha256"),
-        "{}",
-        text(&o)
+    says(
+        &["check", d, r],
+        2,
+        &["does not match the manifest's sha256"],
     );
 
     // golden refuses a directory holding other files, and a bad dtype.
     let other = temp_dir("other");
     std::fs::create_dir_all(&other).unwrap();
     std::fs::write(other.join("notes.txt"), "mine").unwrap();
-    let o = packshard(&["golden", "--out", other.to_str().unwrap()]);
-    assert_eq!(o.status.code(), Some(2));
-    assert!(text(&o).contains("holds notes.txt"), "{}", text(&o));
+    says(
+        &["golden", "--out", other.to_str().unwrap()],
+        2,
+        &["holds notes.txt"],
+    );
     assert_eq!(
         std::fs::read_to_string(other.join("notes.txt")).unwrap(),
         "mine"
     );
-    let o = packshard(&["golden", "--out", d, "--dtype", "f16"]);
-    assert_eq!(o.status.code(), Some(2));
-    assert!(text(&o).contains("dtype: unknown \"f16\""), "{}", text(&o));
+    says(
+        &["golden", "--out", d, "--dtype", "f16"],
+        2,
+        &["dtype: unknown \"f16\""],
+    );
     // Rewriting an earlier set is fine (once the results file is moved out).
     let o = packshard(&["golden", "--out", d, "--dtype", "bf16"]);
     assert!(text(&o).contains("holds r.safetensors"), "{}", text(&o));

@@ -2,7 +2,7 @@
 //! expected series (length histogram, real and padding tokens, one fill curve
 //! per algorithm row).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 mod common;
 use common::packshard;
@@ -11,6 +11,17 @@ fn temp(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("packshard-plot-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     dir.join(name)
+}
+
+/// `packshard pack ARGS --plot SVG`, which must succeed: its standard
+/// output.
+fn plot(args: &[&str], svg: &Path) -> String {
+    let mut all = vec!["pack"];
+    all.extend(args);
+    all.extend(["--plot", svg.to_str().unwrap()]);
+    let o = packshard(&all, None);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    String::from_utf8_lossy(&o.stdout).into_owned()
 }
 
 /// The texts of every `<text>` element of the SVG at `path`, after checking
@@ -34,19 +45,8 @@ fn svg_texts(path: &PathBuf) -> (Vec<String>, usize) {
 #[test]
 fn plot_of_the_squad_table_has_every_series() {
     let svg = temp("squad.svg");
-    let o = packshard(
-        &[
-            "pack",
-            "--dataset",
-            "squad-384",
-            "--no-bound",
-            "--plot",
-            svg.to_str().unwrap(),
-        ],
-        None,
-    );
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    assert!(String::from_utf8_lossy(&o.stdout).contains("plot written to"));
+    let out = plot(&["--dataset", "squad-384", "--no-bound"], &svg);
+    assert!(out.contains("plot written to"));
     let (texts, lines) = svg_texts(&svg);
     for needle in [
         "squad-384: sequence lengths",
@@ -74,21 +74,11 @@ fn plot_of_explicit_lengths() {
     let lengths = temp("lengths.txt");
     std::fs::write(&lengths, "5 9 13 2 2 7 30 31\n").unwrap();
     let svg = temp("lengths.svg");
-    let o = packshard(
-        &[
-            "pack",
-            "--lengths",
-            lengths.to_str().unwrap(),
-            "--max-seq-len",
-            "32",
-            "-a",
-            "lpfhp",
-            "--plot",
-            svg.to_str().unwrap(),
-        ],
-        None,
+    let lengths = lengths.to_str().unwrap();
+    plot(
+        &["--lengths", lengths, "--max-seq-len", "32", "-a", "lpfhp"],
+        &svg,
     );
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let (texts, _) = svg_texts(&svg);
     assert!(
         texts.iter().any(|t| t.starts_with("lpfhp unlimited: ")),

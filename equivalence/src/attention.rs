@@ -22,7 +22,6 @@ use packshard_reference::bert::attention::{AttentionGrads, AttentionOutput};
 use packshard_reference::ops::{AttentionOp, Grad, Qkv, Varlen};
 use packshard_reference::Error;
 use proptest::prelude::*;
-use proptest::test_runner::TestCaseError;
 
 use crate::baseline32;
 use crate::compare::{
@@ -149,6 +148,12 @@ impl AttentionCase {
             ..self.clone()
         }
     }
+
+    /// `[q, k, v, grad_output]` as f32 (exact on a case [`Self::rounded`]
+    /// to f32).
+    pub fn inputs_f32(&self) -> [Array3<f32>; 4] {
+        [&self.q, &self.k, &self.v, &self.grad_output].map(|x| x.mapv(|v| v as f32))
+    }
 }
 
 /// What a passing run saw.
@@ -245,16 +250,7 @@ pub fn check_attention_with(
     let fwd = case
         .varlen_forward(imp)
         .map_err(|e| err("varlen_forward", e))?;
-    if fwd.output.dim() != (n, h, d) || fwd.lse.dim() != (h, n) {
-        return Err(Mismatch::new(
-            "varlen_forward",
-            format!(
-                "output {:?} and lse {:?}, expected [{n}, {h}, {d}] and [{h}, {n}]",
-                fwd.output.shape(),
-                fwd.lse.shape()
-            ),
-        ));
-    }
+    check_forward_shapes(&fwd, (n, h, d))?;
     let grads = case
         .varlen_backward(imp, &fwd)
         .map_err(|e| err("varlen_backward", e))?;
@@ -381,6 +377,21 @@ pub fn attention_cases() -> impl Strategy<Value = AttentionCase> {
         .prop_map(|(lengths, h, d, pad, seed)| AttentionCase::seeded(&lengths, h, d, pad, seed))
 }
 
+/// The first `n` [`attention_cases`] of proptest's deterministic runner
+/// (`TestRunner::deterministic`), rounded to f32: the cases on which the f32
+/// baseline and the relative rule's own tests measure f32 error.
+pub fn deterministic_f32_cases(n: usize) -> impl Iterator<Item = AttentionCase> {
+    use proptest::strategy::ValueTree;
+    let mut runner = proptest::test_runner::TestRunner::deterministic();
+    let strategy = attention_cases();
+    (0..n).map(move |_| {
+        let tree = strategy
+            .new_tree(&mut runner)
+            .expect("a strategy without filters");
+        tree.current().rounded(baseline32::round_f32)
+    })
+}
+
 /// The docs/FAULTS.md examples and edge shapes, as `(name, lengths, extra padding)`.
 pub fn fault_cases() -> Vec<(&'static str, Vec<usize>, usize)> {
     vec![
@@ -420,17 +431,30 @@ pub fn run_attention_suite_with(
             seen.merge(o);
         }
     }
-    let mut runner = crate::runner(cases);
-    let acc = std::cell::RefCell::new(seen);
-    runner
-        .run(&attention_cases(), |case| {
-            let o = check_attention_with(imp, &case, tol)
-                .map_err(|m| TestCaseError::fail(m.to_string()))?;
-            acc.borrow_mut().merge(o);
-            Ok(())
-        })
-        .map_err(|e| Mismatch::new(format!("{} attention suite", IMPL), e.to_string()))?;
-    Ok(acc.into_inner())
+    let suite = format!("{} attention suite", IMPL);
+    crate::run_cases(cases, &attention_cases(), &suite, seen, |seen, case| {
+        seen.merge(check_attention_with(imp, &case, tol)?);
+        Ok(())
+    })
+}
+
+/// A [`Mismatch`] naming `varlen_forward` unless `fwd` holds `output: [n_q,
+/// h, d]` and `lse: [h, n_q]`.
+pub(crate) fn check_forward_shapes(
+    fwd: &AttentionOutput,
+    (n_q, h, d): (usize, usize, usize),
+) -> Result<(), Mismatch> {
+    if fwd.output.dim() == (n_q, h, d) && fwd.lse.dim() == (h, n_q) {
+        return Ok(());
+    }
+    Err(Mismatch::new(
+        "varlen_forward",
+        format!(
+            "output {:?} and lse {:?}, expected [{n_q}, {h}, {d}] and [{h}, {n_q}]",
+            fwd.output.shape(),
+            fwd.lse.shape()
+        ),
+    ))
 }
 
 /// What [`run_suite`] saw.
@@ -709,20 +733,12 @@ pub fn run_attention_relative_suite(
         report
             .merge(check_attention_relative(imp, &case, rule, round).map_err(|m| named(name, m))?);
     }
-    let mut runner = crate::runner(cases);
-    let acc = std::cell::RefCell::new(report);
-    runner
-        .run(&attention_cases(), |case| {
-            let r = check_attention_relative(imp, &case, rule, round)
-                .map_err(|m| TestCaseError::fail(m.to_string()))?;
-            acc.borrow_mut().merge(r);
-            Ok(())
-        })
-        .map_err(|e| Mismatch::new(format!("{} relative attention suite", IMPL), e.to_string()))?;
-    let report = acc.into_inner();
+    let suite = format!("{} relative attention suite", IMPL);
+    let report = crate::run_cases(cases, &attention_cases(), &suite, report, |report, case| {
+        report.merge(check_attention_relative(imp, &case, rule, round)?);
+        Ok(())
+    })?;
     report.require_nonvacuous(10)?;
-    report
-        .totals
-        .check(&format!("{} relative attention suite", IMPL), rule)?;
+    report.totals.check(&suite, rule)?;
     Ok(report)
 }

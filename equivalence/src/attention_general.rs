@@ -28,10 +28,9 @@ use packshard_reference::attention::{
 use packshard_reference::ops::{AttentionOp, AttentionSupport, Grad, Qkv, Varlen};
 use packshard_reference::Error;
 use proptest::prelude::*;
-use proptest::test_runner::TestCaseError;
 use rand::{Rng, SeedableRng};
 
-use crate::attention::{Observed, RelativeReport, IMPL};
+use crate::attention::{check_forward_shapes, Observed, RelativeReport, IMPL};
 use crate::baseline32::Baseline32Attention;
 use crate::compare::{assert_close_with_scale, assert_within_k_with_scale, Judge, Mismatch};
 
@@ -125,17 +124,7 @@ fn run(
     let fwd = imp
         .varlen_forward(Qkv::new(q, k, v), p)
         .map_err(|e| err("varlen_forward", e))?;
-    let (n_q, h, d) = q.dim();
-    if fwd.output.dim() != (n_q, h, d) || fwd.lse.dim() != (h, n_q) {
-        return Err(Mismatch::new(
-            "varlen_forward",
-            format!(
-                "output {:?} and lse {:?}, expected [{n_q}, {h}, {d}] and [{h}, {n_q}]",
-                fwd.output.shape(),
-                fwd.lse.shape()
-            ),
-        ));
-    }
+    check_forward_shapes(&fwd, q.dim())?;
     let grads = imp
         .varlen_backward(Qkv::new(q, k, v), p, Grad::new(&fwd, g))
         .map_err(|e| err("varlen_backward", e))?;
@@ -491,19 +480,13 @@ pub fn run_general_suite(
             report.merge(check_general(imp, &case, judge).map_err(|m| m.within(name))?);
         }
     }
-    let acc = std::cell::RefCell::new(report);
-    crate::runner(cases)
-        .run(&general_cases(support), |case| {
-            let r =
-                check_general(imp, &case, judge).map_err(|m| TestCaseError::fail(m.to_string()))?;
-            acc.borrow_mut().merge(r);
-            Ok(())
-        })
-        .map_err(|e| Mismatch::new(format!("{IMPL} GQA/cross attention suite"), e.to_string()))?;
-    let report = acc.into_inner();
+    let suite = format!("{IMPL} GQA/cross attention suite");
+    let report = crate::run_cases(cases, &general_cases(support), &suite, report, |r, case| {
+        r.merge(check_general(imp, &case, judge)?);
+        Ok(())
+    })?;
     if let (Some(rule), Some(rel)) = (judge.relative_rule(), &report.relative) {
-        rel.totals
-            .check(&format!("{IMPL} GQA/cross attention suite"), rule)?;
+        rel.totals.check(&suite, rule)?;
     }
     Ok(Some(report))
 }

@@ -356,38 +356,6 @@ fn gelu_grad(x: f32) -> f32 {
     cdf + x * pdf
 }
 
-struct Params32 {
-    w: [Array2<f32>; 6],
-    b: [Array1<f32>; 10],
-}
-
-fn params32(p: &LayerParams) -> Params32 {
-    let m = |a: &Array2<f64>| a.mapv(|v| v as f32);
-    let v = |a: &Array1<f64>| a.mapv(|v| v as f32);
-    Params32 {
-        w: [
-            m(&p.query_w),
-            m(&p.key_w),
-            m(&p.value_w),
-            m(&p.attn_out_w),
-            m(&p.inter_w),
-            m(&p.out_w),
-        ],
-        b: [
-            v(&p.query_b),
-            v(&p.key_b),
-            v(&p.value_b),
-            v(&p.attn_out_b),
-            v(&p.attn_ln_g),
-            v(&p.attn_ln_b),
-            v(&p.inter_b),
-            v(&p.out_b),
-            v(&p.out_ln_g),
-            v(&p.out_ln_b),
-        ],
-    }
-}
-
 /// One encoder layer (`reference::bert::layer`) forward and backward in f32
 /// over a varlen layout `cu_seqlens`: `x, grad_output: [n, hidden]`,
 /// parameters rounded to f32. Returns `(output, grad_x)` and the parameter
@@ -403,7 +371,7 @@ pub fn layer_forward_backward(
     cu_seqlens: &[usize],
     grad_output: ArrayView2<f32>,
 ) -> (Array2<f32>, Array2<f32>, LayerParams) {
-    let p = params32(params);
+    let p = params.map(|a| a.mapv(|v| v as f32), |a| a.mapv(|v| v as f32));
     let eps = eps as f32;
     let (n, width) = x.dim();
     let d = width / num_heads;
@@ -412,62 +380,38 @@ pub fn layer_forward_backward(
         a.into_shape_with_order((n, num_heads, d))
             .expect("[n, h, d]")
     };
-    let q = heads(linear(x, &p.w[0], &p.b[0]));
-    let k = heads(linear(x, &p.w[1], &p.b[1]));
-    let v = heads(linear(x, &p.w[2], &p.b[2]));
+    let q = heads(linear(x, &p.query_w, &p.query_b));
+    let k = heads(linear(x, &p.key_w, &p.key_b));
+    let v = heads(linear(x, &p.value_w, &p.value_b));
     let (att, lse) = varlen_attention(q.view(), k.view(), v.view(), cu_seqlens, false, scale);
     let a = att
         .clone()
         .into_shape_with_order((n, width))
         .expect("[n, hidden]");
-    let mut r1 = linear(a.view(), &p.w[3], &p.b[3]);
+    let mut r1 = linear(a.view(), &p.attn_out_w, &p.attn_out_b);
     r1 += &x;
-    let (h1, xh1, is1) = layer_norm(r1.view(), &p.b[4], &p.b[5], eps);
-    let pre = linear(h1.view(), &p.w[4], &p.b[6]);
+    let (h1, xh1, is1) = layer_norm(r1.view(), &p.attn_ln_g, &p.attn_ln_b, eps);
+    let pre = linear(h1.view(), &p.inter_w, &p.inter_b);
     let act = pre.mapv(gelu);
-    let mut r2 = linear(act.view(), &p.w[5], &p.b[7]);
+    let mut r2 = linear(act.view(), &p.out_w, &p.out_b);
     r2 += &h1;
-    let (out, xh2, is2) = layer_norm(r2.view(), &p.b[8], &p.b[9], eps);
+    let (out, xh2, is2) = layer_norm(r2.view(), &p.out_ln_g, &p.out_ln_b, eps);
 
-    let mut g = params.clone();
-    for t in [
-        &mut g.query_w,
-        &mut g.key_w,
-        &mut g.value_w,
-        &mut g.attn_out_w,
-        &mut g.inter_w,
-        &mut g.out_w,
-    ] {
-        t.fill(0.0);
-    }
-    for t in [
-        &mut g.query_b,
-        &mut g.key_b,
-        &mut g.value_b,
-        &mut g.attn_out_b,
-        &mut g.attn_ln_g,
-        &mut g.attn_ln_b,
-        &mut g.inter_b,
-        &mut g.out_b,
-        &mut g.out_ln_g,
-        &mut g.out_ln_b,
-    ] {
-        t.fill(0.0);
-    }
+    let mut g = params.zeros_like();
     let dr2 = layer_norm_backward(
         &xh2,
         &is2,
-        &p.b[8],
+        &p.out_ln_g,
         grad_output,
         &mut g.out_ln_g,
         &mut g.out_ln_b,
     );
-    let dact = linear_backward(act.view(), &p.w[5], dr2.view(), &mut g.out_w, &mut g.out_b);
+    let dact = linear_backward(act.view(), &p.out_w, dr2.view(), &mut g.out_w, &mut g.out_b);
     let mut dpre = dact;
     dpre.zip_mut_with(&pre, |d, &x| *d *= gelu_grad(x));
     let mut dh1 = linear_backward(
         h1.view(),
-        &p.w[4],
+        &p.inter_w,
         dpre.view(),
         &mut g.inter_w,
         &mut g.inter_b,
@@ -476,14 +420,14 @@ pub fn layer_forward_backward(
     let dr1 = layer_norm_backward(
         &xh1,
         &is1,
-        &p.b[4],
+        &p.attn_ln_g,
         dh1.view(),
         &mut g.attn_ln_g,
         &mut g.attn_ln_b,
     );
     let da = linear_backward(
         a.view(),
-        &p.w[3],
+        &p.attn_out_w,
         dr1.view(),
         &mut g.attn_out_w,
         &mut g.attn_out_b,
@@ -502,9 +446,21 @@ pub fn layer_forward_backward(
     );
     let flat = |t: Array3<f32>| t.into_shape_with_order((n, width)).expect("[n, hidden]");
     let mut dx = dr1;
-    dx += &linear_backward(x, &p.w[0], flat(dq).view(), &mut g.query_w, &mut g.query_b);
-    dx += &linear_backward(x, &p.w[1], flat(dk).view(), &mut g.key_w, &mut g.key_b);
-    dx += &linear_backward(x, &p.w[2], flat(dv).view(), &mut g.value_w, &mut g.value_b);
+    dx += &linear_backward(
+        x,
+        &p.query_w,
+        flat(dq).view(),
+        &mut g.query_w,
+        &mut g.query_b,
+    );
+    dx += &linear_backward(x, &p.key_w, flat(dk).view(), &mut g.key_w, &mut g.key_b);
+    dx += &linear_backward(
+        x,
+        &p.value_w,
+        flat(dv).view(),
+        &mut g.value_w,
+        &mut g.value_b,
+    );
     (out, dx, g)
 }
 

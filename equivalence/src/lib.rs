@@ -68,3 +68,27 @@ pub fn runner(cases: u32) -> proptest::test_runner::TestRunner {
         TestRng::deterministic_rng(RngAlgorithm::ChaCha),
     )
 }
+
+/// Runs `check` on `cases` cases of `strategy` (the [`runner`]'s fixed
+/// seed), each adding what it saw to `report`; the first failure, shrunk by
+/// proptest, is a [`Mismatch`] naming `suite` with proptest's account of the
+/// case.
+///
+/// # Errors
+/// That failure.
+pub fn run_cases<S: proptest::strategy::Strategy, R>(
+    cases: u32,
+    strategy: &S,
+    suite: &str,
+    report: R,
+    check: impl Fn(&mut R, S::Value) -> Result<(), Mismatch>,
+) -> Result<R, Mismatch> {
+    use proptest::test_runner::TestCaseError;
+    let acc = std::cell::RefCell::new(report);
+    runner(cases)
+        .run(strategy, |case| {
+            check(&mut acc.borrow_mut(), case).map_err(|m| TestCaseError::fail(m.to_string()))
+        })
+        .map_err(|e| Mismatch::new(suite, e.to_string()))?;
+    Ok(acc.into_inner())
+}

@@ -12,7 +12,6 @@ use packshard_reference::packing::{
 };
 use packshard_reference::Error;
 use proptest::prelude::*;
-use proptest::test_runner::TestCaseError;
 
 use crate::compare::Mismatch;
 
@@ -545,21 +544,17 @@ pub fn run_suite<I: Packer + Batcher>(imp: &I, cases: u32) -> Result<(), Mismatc
         check_batcher(imp, BatchInput::new(&tokens_for(&lengths), &config, offset))
             .map_err(with_case)?;
     }
-    let mut runner = crate::runner(cases);
-    let result = runner.run(
-        &(sequences(), configs(), 0i64..=2, -1i64..=1),
-        |(seqs, config, offset, pad)| {
+    let suite = format!("{} packing suite", Packer::name(imp));
+    let strategy = (sequences(), configs(), 0i64..=2, -1i64..=1);
+    crate::run_cases(
+        cases,
+        &strategy,
+        &suite,
+        (),
+        |(), (seqs, config, offset, pad)| {
             let lengths: Vec<usize> = seqs.iter().map(Vec::len).collect();
-            check_packer(imp, &lengths, &config).map_err(|m| TestCaseError::fail(m.to_string()))?;
+            check_packer(imp, &lengths, &config)?;
             check_batcher(imp, BatchInput::new(&seqs, &config, offset).with_pad(pad))
-                .map_err(|m| TestCaseError::fail(m.to_string()))?;
-            Ok(())
         },
-    );
-    result.map_err(|e| {
-        Mismatch::new(
-            format!("{} packing suite", Packer::name(imp)),
-            e.to_string(),
-        )
-    })
+    )
 }

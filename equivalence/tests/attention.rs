@@ -7,7 +7,7 @@ use packshard_equivalence::attention::{
     check_attention, fault_cases, run_attention_suite, AttentionCase,
 };
 use packshard_equivalence::planted::{AttentionHooks, Planted};
-use packshard_equivalence::Tolerance;
+use packshard_equivalence::{Mismatch, Tolerance};
 use packshard_reference::attention::ReferenceAttention;
 use packshard_reference::bert::{AttentionGrads, AttentionOutput};
 use packshard_reference::ops::{AttentionOp, Grad, Masked, Qkv, Varlen};
@@ -39,6 +39,7 @@ fn reference_passes_the_attention_suite() {
 }
 
 /// The reference with one fault planted.
+#[derive(Default)]
 struct Broken {
     /// P2: run the whole batch as one segment (an all-ones mask).
     ignore_cu_seqlens: bool,
@@ -80,36 +81,39 @@ fn fault_case(prefix: &str) -> AttentionCase {
     AttentionCase::seeded(&lengths, 2, 3, pad, 1)
 }
 
+/// `broken` on the fault case named `prefix`: the check catches it as a
+/// mismatch of a tensor whose name contains `what` (returned for further
+/// checks), the suite catches it, and the reference passes the same case
+/// (the check is not failing for another reason).
+fn negative_control(broken: Broken, prefix: &str, what: &str) -> Mismatch {
+    let broken = Planted(broken);
+    let err = check_attention(&broken, &fault_case(prefix)).expect_err("the fault must be caught");
+    assert!(err.what.contains(what), "caught, but as {err}");
+    assert!(run_attention_suite(&broken, 16).is_err());
+    check_attention(&ReferenceAttention, &fault_case(prefix)).unwrap();
+    err
+}
+
 #[test]
 fn p2_negative_control_attention_across_sequences() {
-    let broken = Planted(Broken {
+    let broken = Broken {
         ignore_cu_seqlens: true,
-        nan_on_empty_rows: false,
-    });
-    let err = check_attention(&broken, &fault_case("P2")).expect_err("a leak must be caught");
-    assert!(
-        err.what.contains("sequence 0: output"),
-        "caught, but as {err}"
-    );
-    assert!(run_attention_suite(&broken, 16).is_err());
-    // The reference on the same case passes: the check is not failing for another reason.
-    check_attention(&ReferenceAttention, &fault_case("P2")).unwrap();
+        ..Broken::default()
+    };
+    negative_control(broken, "P2", "sequence 0: output");
 }
 
 #[test]
 fn p8_negative_control_nan_on_fully_masked_rows() {
-    let broken = Planted(Broken {
-        ignore_cu_seqlens: false,
+    let broken = Broken {
         nan_on_empty_rows: true,
-    });
-    let err = check_attention(&broken, &fault_case("P8")).expect_err("NaN rows must be caught");
-    assert!(err.what.contains("padded output"), "caught, but as {err}");
+        ..Broken::default()
+    };
+    let err = negative_control(broken, "P8", "padded output");
     assert!(
         err.detail.contains("P8") && err.detail.contains("NaN"),
         "{err}"
     );
-    assert!(run_attention_suite(&broken, 16).is_err());
-    check_attention(&ReferenceAttention, &fault_case("P8")).unwrap();
 }
 
 /// The tile cases every blocked kernel is run on cross what their doc says

@@ -3,13 +3,11 @@
 //! so that a broken baseline (which would loosen or tighten every f32
 //! kernel's tolerance) fails in the crate that owns it.
 
-use ndarray::{Array2, Array3};
-use packshard_equivalence::attention::attention_cases;
+use ndarray::Array2;
+use packshard_equivalence::attention::deterministic_f32_cases;
 use packshard_equivalence::baseline32::{self, round_f32};
 use packshard_reference::attention::ReferenceAttention;
 use packshard_reference::vocab::{cross_entropy, LossConfig};
-use proptest::strategy::{Strategy, ValueTree};
-use proptest::test_runner::TestRunner;
 use rand::{Rng, SeedableRng};
 
 /// `max |a - b|` over `max |b|` (1 where `b` is all 0).
@@ -24,18 +22,11 @@ fn rel_err<'a>(a: impl IntoIterator<Item = f32>, b: impl IntoIterator<Item = &'a
 
 #[test]
 fn attention_baseline_is_the_reference_in_f32() {
-    let mut runner = TestRunner::deterministic();
     let mut compared = 0;
-    for _ in 0..200 {
-        let c = attention_cases()
-            .new_tree(&mut runner)
-            .unwrap()
-            .current()
-            .rounded(round_f32);
+    for c in deterministic_f32_cases(200) {
         let cu = c.cu_seqlens();
         let (want, wg) = c.varlen_pass(&ReferenceAttention).unwrap();
-        let f = |x: &Array3<f64>| x.mapv(|v| v as f32);
-        let (q, k, v, go) = (f(&c.q), f(&c.k), f(&c.v), f(&c.grad_output));
+        let [q, k, v, go] = c.inputs_f32();
         let scale = c.scale as f32;
         let (out, lse) =
             baseline32::varlen_attention(q.view(), k.view(), v.view(), &cu, false, scale);

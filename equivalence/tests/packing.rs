@@ -107,6 +107,16 @@ impl Packer for Broken {
     }
 }
 
+/// `f(column, position id)` on every real (non-padding) token of `b`.
+fn each_real_position(b: &mut PackedBatch, f: impl Fn(usize, &mut i64)) {
+    let ids = b.sequence_ids.clone();
+    for ((p, c), v) in b.position_ids.indexed_iter_mut() {
+        if ids[[p, c]] != 0 {
+            f(c, v);
+        }
+    }
+}
+
 fn caught(b: &Broken, lengths: &[usize], msl: usize, offset: i64, field: &str) {
     let config = PackingConfig::new(Algorithm::Spfhp, msl);
     let err = check_batcher(b, BatchInput::new(&tokens_for(lengths), &config, offset))
@@ -119,14 +129,7 @@ fn caught(b: &Broken, lengths: &[usize], msl: usize, offset: i64, field: &str) {
 fn p1_negative_control_positions_running_on() {
     caught(
         // Positions counted along the whole row: 0..299 instead of 0..199, 0..99.
-        &Broken(|b, _| {
-            let ids = b.sequence_ids.clone();
-            for ((p, c), v) in b.position_ids.indexed_iter_mut() {
-                if ids[[p, c]] != 0 {
-                    *v = c as i64;
-                }
-            }
-        }),
+        &Broken(|b, _| each_real_position(b, |c, v| *v = c as i64)),
         &[100, 200],
         300,
         0,
@@ -172,14 +175,7 @@ fn p5_negative_control_cu_seqlens_with_padding() {
 #[test]
 fn p6_negative_control_offset_ignored() {
     caught(
-        &Broken(|b, _| {
-            let ids = b.sequence_ids.clone();
-            for ((p, c), v) in b.position_ids.indexed_iter_mut() {
-                if ids[[p, c]] != 0 {
-                    *v -= 2;
-                }
-            }
-        }),
+        &Broken(|b, _| each_real_position(b, |_, v| *v -= 2)),
         &[3],
         8,
         2,

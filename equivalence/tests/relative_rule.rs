@@ -2,8 +2,6 @@
 //! (`RelativeRule`): two legitimate f32 transcriptions of the same reference
 //! math disagree by far more on single small tensors than over a run.
 
-use packshard_equivalence::baseline32::round_f32;
-
 /// The reason for the per-tensor tier of the rule: the same reference math
 /// transcribed to f32 with and without fused multiply-adds (same order) has
 /// max errors on one small gradient tensor that differ by over 8 x, while
@@ -11,10 +9,8 @@ use packshard_equivalence::baseline32::round_f32;
 #[test]
 fn two_legitimate_f32_baselines_differ_by_over_8x_on_single_small_tensors() {
     use ndarray::Array3;
-    use packshard_equivalence::attention::attention_cases;
+    use packshard_equivalence::attention::deterministic_f32_cases;
     use packshard_reference::attention::ReferenceAttention;
-    use proptest::strategy::{Strategy, ValueTree};
-    use proptest::test_runner::TestRunner;
 
     /// `grad_q` of varlen attention in f32, with or without FMA.
     fn grad_q(x: [&Array3<f32>; 4], cu: &[usize], scale: f32, fma: bool) -> Array3<f32> {
@@ -54,18 +50,12 @@ fn two_legitimate_f32_baselines_differ_by_over_8x_on_single_small_tensors() {
         gq
     }
 
-    let mut runner = TestRunner::deterministic();
     let (mut worst, mut max_plain, mut max_fma) = (0.0f64, 0.0f64, 0.0f64);
-    for _ in 0..1000 {
-        let case = attention_cases()
-            .new_tree(&mut runner)
-            .unwrap()
-            .current()
-            .rounded(round_f32);
+    for case in deterministic_f32_cases(1000) {
         let cu = case.cu_seqlens();
         let (_, wg) = case.varlen_pass(&ReferenceAttention).unwrap();
-        let f = |x: &ndarray::Array3<f64>| x.mapv(|v| v as f32);
-        let x = [&f(&case.q), &f(&case.k), &f(&case.v), &f(&case.grad_output)];
+        let inputs = case.inputs_f32();
+        let x = [&inputs[0], &inputs[1], &inputs[2], &inputs[3]];
         let scale = wg.grad_q.iter().fold(0.0f64, |m, v| m.max(v.abs()));
         let err = |g: Array3<f32>| {
             g.iter()

@@ -18,7 +18,7 @@
 //! they never see the padding after them. Only the Llama configuration
 //! (RMSNorm, SwiGLU) is implemented; LayerNorm and GELU are refused.
 
-use ndarray::{Array1, Array2, ArrayView2, ArrayView3, Axis};
+use ndarray::{Array1, Array2, ArrayView2, Axis};
 use packshard_reference::decoder::{DecoderConfig, DecoderLayerParams, Mlp, Norm};
 use packshard_reference::ops::Varlen;
 use packshard_reference::{Error, Result};
@@ -28,10 +28,8 @@ use crate::attention::{
     varlen_attention_general, varlen_attention_general_backward, AttentionOutput32,
 };
 use crate::convert::to_f32;
+use crate::layer::{heads, row_chunks, ROWS};
 use crate::matmul::{matmul, Threads};
-
-/// Rows per chunk of the row-parallel passes.
-const ROWS: usize = 64;
 
 /// The sizes of a layer (from a [`DecoderConfig`]).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -110,13 +108,6 @@ pub struct DecoderLayerCache32 {
     act: Array2<f32>,
 }
 
-fn rows_mut(a: &mut Array2<f32>) -> rayon::slice::ChunksMut<'_, f32> {
-    let w = a.ncols().max(1);
-    a.as_slice_mut()
-        .expect("fresh arrays are standard layout")
-        .par_chunks_mut(ROWS * w)
-}
-
 /// `x W^T`: `x: [n, in]`, `w: [out, in]`.
 fn linear(x: ArrayView2<f32>, w: &Array2<f32>) -> Array2<f32> {
     let mut y = Array2::zeros((x.nrows(), w.nrows()));
@@ -155,7 +146,7 @@ fn rms_norm(
     let w = x.ncols().max(1);
     let inv = inv_rms(x, eps);
     let mut x_hat = x.clone();
-    rows_mut(&mut x_hat).enumerate().for_each(|(c, chunk)| {
+    row_chunks(&mut x_hat).enumerate().for_each(|(c, chunk)| {
         for (i, row) in chunk.chunks_mut(w).enumerate() {
             let r = inv[c * ROWS + i];
             row.iter_mut().for_each(|v| *v *= r);
@@ -177,7 +168,7 @@ fn rms_norm_backward(
     let w = dy.ncols();
     let mut dx = dy * gamma;
     let xh = x_hat.as_slice().expect("standard layout");
-    rows_mut(&mut dx).enumerate().for_each(|(c, chunk)| {
+    row_chunks(&mut dx).enumerate().for_each(|(c, chunk)| {
         for (i, row) in chunk.chunks_mut(w.max(1)).enumerate() {
             let t = c * ROWS + i;
             let xr = &xh[t * w..(t + 1) * w];
@@ -220,13 +211,6 @@ fn rope(x: &mut Array2<f32>, heads: usize, positions: &[usize], theta: f64, sign
 
 fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
-}
-
-fn heads(x: &Array2<f32>, h: usize) -> ArrayView3<'_, f32> {
-    let (n, w) = x.dim();
-    x.view()
-        .into_shape_with_order((n, h, w / h))
-        .expect("a standard [n, h * d] array reshapes")
 }
 
 fn check(

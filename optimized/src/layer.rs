@@ -32,8 +32,9 @@ use crate::convert::to_f32;
 use crate::matmul::{matmul, Threads};
 use crate::simd;
 
-/// Rows per chunk of the row-parallel passes and of the token reductions.
-const ROWS: usize = 64;
+/// Rows per chunk of the row-parallel passes and of the token reductions
+/// (the decoder layer's too).
+pub(crate) const ROWS: usize = 64;
 
 /// The parameters of one layer in f32: the reference's type, names and
 /// shapes (`hidden` = `hidden_size`, `inter` = `intermediate_size`).
@@ -75,7 +76,7 @@ pub struct LayerCache32 {
 }
 
 /// Splits a row-major matrix into chunks of [`ROWS`] rows for rayon.
-fn row_chunks(a: &mut Array2<f32>) -> rayon::slice::ChunksMut<'_, f32> {
+pub(crate) fn row_chunks(a: &mut Array2<f32>) -> rayon::slice::ChunksMut<'_, f32> {
     let w = a.ncols().max(1);
     a.as_slice_mut()
         .expect("fresh arrays are standard layout")
@@ -328,7 +329,8 @@ fn linear_backward(
     }
 }
 
-fn heads(x: &Array2<f32>, h: usize) -> ArrayView3<'_, f32> {
+/// `x: [n, h * d]` viewed as `[n, h, d]`.
+pub(crate) fn heads(x: &Array2<f32>, h: usize) -> ArrayView3<'_, f32> {
     let (n, width) = x.dim();
     x.view()
         .into_shape_with_order((n, h, width / h))
@@ -545,30 +547,14 @@ pub fn layer_backward(
     };
     let mut dx = dr1;
     let x = cache.x.view();
-    linear_backward(
-        x,
-        &p.query_w,
-        &flat(ag.grad_q),
-        &mut g.query_w,
-        &mut g.query_b,
-        Some(dx.view_mut()),
-    );
-    linear_backward(
-        x,
-        &p.key_w,
-        &flat(ag.grad_k),
-        &mut g.key_w,
-        &mut g.key_b,
-        Some(dx.view_mut()),
-    );
-    linear_backward(
-        x,
-        &p.value_w,
-        &flat(ag.grad_v),
-        &mut g.value_w,
-        &mut g.value_b,
-        Some(dx.view_mut()),
-    );
+    // Query, key and value projections, in that order, into `dx`.
+    for (w, dy, gw, gb) in [
+        (&p.query_w, ag.grad_q, &mut g.query_w, &mut g.query_b),
+        (&p.key_w, ag.grad_k, &mut g.key_w, &mut g.key_b),
+        (&p.value_w, ag.grad_v, &mut g.value_w, &mut g.value_b),
+    ] {
+        linear_backward(x, w, &flat(dy), gw, gb, Some(dx.view_mut()));
+    }
     Ok((dx, g))
 }
 

@@ -21,7 +21,8 @@
 #![cfg(feature = "cuda")]
 
 use ndarray::Array2;
-use packshard_equivalence::compare::{assert_close_with_scale, Mismatch, Tolerance};
+use packshard_equivalence::attention::Observed;
+use packshard_equivalence::compare::{Mismatch, Tolerance};
 use packshard_optimized::cuda::attention::{AttentionKernels, AttnShape, Call, Form};
 use packshard_optimized::cuda::emu::Emulator;
 use packshard_optimized::cuda::ops::CudaLinearCrossEntropy;
@@ -388,7 +389,7 @@ fn check_alg2(
     shard_counts: &[usize],
 ) -> Result<(usize, f64), Mismatch> {
     let mut checked = 0;
-    let mut worst = 0.0f64;
+    let mut seen = Observed::default();
     for &(n, hd, v, seed) in sizes {
         let c = linear_case(n, hd, v, seed);
         let h32 = Array2::from_shape_vec((n, hd), c.hidden.clone()).unwrap();
@@ -422,32 +423,26 @@ fn check_alg2(
                     .map_err(|e| Mismatch::new(&what, e.to_string()))?;
                     assert!(g.ranks_agree(), "{what}: ranks disagree");
                     assert_eq!(g.counts().barriers, 1, "{what}: one barrier");
-                    close_scaled(
-                        &mut worst,
+                    seen.close(
                         &format!("{what}: loss"),
                         &[r.ce.loss],
                         &[g.loss()],
                         &[1],
                         tol,
-                        None,
                     )?;
-                    close_scaled(
-                        &mut worst,
+                    seen.close(
                         &format!("{what}: per_token_loss"),
                         r.ce.per_token_loss.as_slice().unwrap(),
                         g.per_token_loss().as_slice().unwrap(),
                         &[n],
                         tol,
-                        None,
                     )?;
-                    close_scaled(
-                        &mut worst,
+                    seen.close(
                         &format!("{what}: logsumexp"),
                         r.ce.logsumexp().as_slice().unwrap(),
                         g.logsumexp().as_slice().unwrap(),
                         &[n],
                         tol,
-                        None,
                     )?;
                     // Gradients may cancel to 0 (v = 1: p - q = 1 - 1); judge
                     // them against the size of their terms, `|W|` or `|x|`
@@ -458,8 +453,7 @@ fn check_alg2(
                     };
                     let max_abs = |x: &[f32]| x.iter().fold(0.0f64, |m, &v| m.max(v.abs() as f64));
                     let flat = |a: &Array2<f64>| a.iter().copied().collect::<Vec<f64>>();
-                    close_scaled(
-                        &mut worst,
+                    seen.close_scaled(
                         &format!("{what}: grad_hidden"),
                         &flat(r.grad_hidden.as_ref().unwrap()),
                         &flat(g.grad_hidden().unwrap()),
@@ -467,8 +461,7 @@ fn check_alg2(
                         tol,
                         Some(per_token * max_abs(&c.weight)),
                     )?;
-                    close_scaled(
-                        &mut worst,
+                    seen.close_scaled(
                         &format!("{what}: grad_weight"),
                         &flat(r.grad_weight.as_ref().unwrap()),
                         &flat(&g.grad_weight().unwrap()),
@@ -482,29 +475,7 @@ fn check_alg2(
             }
         }
     }
-    Ok((checked, worst))
-}
-
-/// [`assert_close_with_scale`] (`scale: None`: the tensor's own largest
-/// magnitude), recording the largest `max |diff| / scale`.
-fn close_scaled(
-    worst: &mut f64,
-    what: &str,
-    expected: &[f64],
-    actual: &[f64],
-    shape: &[usize],
-    tol: Tolerance,
-    scale: Option<f64>,
-) -> Result<(), Mismatch> {
-    assert_close_with_scale(what, expected, actual, shape, tol, scale)?;
-    let scale = expected
-        .iter()
-        .fold(scale.unwrap_or(0.0), |m, v| m.max(v.abs()));
-    let e = packshard_equivalence::compare::error_stats(expected, actual).max_abs;
-    if scale > 0.0 {
-        *worst = worst.max(e / scale);
-    }
-    Ok(())
+    Ok((checked, seen.max_rel))
 }
 
 /// The stand-in rounds each kernel output to f32 once and the merge is f64.

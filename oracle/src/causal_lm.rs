@@ -7,10 +7,43 @@ use ndarray::Array2;
 use packshard_equivalence::causal::{scatter_logits, CausalBatch, CausalLmImpl, CausalRun};
 use packshard_optimized::decoder_model::decoder_run_f32;
 use packshard_reference::decoder::{
-    loss_weights, next_token_labels, varlen_from_doc_ids, CausalReduction, DecoderConfig,
-    DecoderModel, KvCache, Mlp, Norm,
+    loss_weights, next_token_labels, varlen_from_doc_ids, CausalReduction, DecoderAttention,
+    DecoderConfig, DecoderInput, DecoderModel, KvCache, Mlp, Norm,
 };
 use packshard_reference::{Error, Result};
+
+/// One varlen batch for the decoder, holding its layout: `input_ids`,
+/// `position_ids: [n]`, the documents back to back at `cu_seqlens: [b + 1]`,
+/// no key/value cache.
+#[derive(Debug, Clone)]
+pub struct VarlenInput<'a> {
+    input_ids: &'a [i64],
+    position_ids: &'a [usize],
+    attention: DecoderAttention,
+}
+
+impl<'a> VarlenInput<'a> {
+    /// The batch of these tokens (`[n]` each) and boundaries (`[b + 1]`).
+    pub fn new(input_ids: &'a [i64], position_ids: &'a [usize], cu_seqlens: &[usize]) -> Self {
+        VarlenInput {
+            input_ids,
+            position_ids,
+            attention: DecoderAttention::Varlen {
+                cu_seqlens: cu_seqlens.to_vec(),
+            },
+        }
+    }
+
+    /// The [`DecoderInput`] `DecoderModel::forward` and `run` take.
+    pub fn input(&self) -> DecoderInput<'_> {
+        DecoderInput {
+            input_ids: self.input_ids,
+            position_ids: self.position_ids,
+            attention: &self.attention,
+            past: None,
+        }
+    }
+}
 
 /// The f32-layer decoder (see the module docs). Llama configurations only
 /// ([`CausalLmImpl::supports`]); no key/value cache.

@@ -16,7 +16,8 @@
 
 use ndarray::{Array2, Array3};
 use packshard_oracle::eval::evaluate;
-use packshard_oracle::registry::{self, Precision};
+use packshard_oracle::eval::input::numbers as read_numbers;
+use packshard_oracle::registry::{self, Entry, Precision};
 use packshard_reference::attention::varlen_pass;
 use packshard_reference::ops::{AttentionOp, Layer, LayerInput, Qkv, Varlen};
 use packshard_reference::vocab::{LossConfig, ShardLayout, ShardMap, ShardedAlgorithm};
@@ -45,12 +46,29 @@ fn json2(a: &Array2<f64>) -> Value {
     json!(a.rows().into_iter().map(|r| r.to_vec()).collect::<Vec<_>>())
 }
 
-fn flat(v: &Value) -> Vec<f64> {
-    match v {
-        Value::Array(items) => items.iter().flat_map(flat).collect(),
-        Value::String(s) if s == "-inf" => vec![f64::NEG_INFINITY],
-        Value::String(s) if s == "inf" => vec![f64::INFINITY],
-        other => vec![other.as_f64().expect("a number")],
+/// The family's f64 reference, as registered.
+fn reference_of<K: ?Sized>(list: &[Entry<K>]) -> Box<K> {
+    registry::find(list, registry::REFERENCE)
+        .unwrap()
+        .make()
+        .unwrap()
+}
+
+/// `case` through `packshard eval` as the `impl` `name` (left out for the
+/// reference): each of `fields` is bit for bit the numbers in `want`.
+fn eval_says<'w>(
+    name: &str,
+    mut case: Value,
+    fields: &[&str],
+    want: impl IntoIterator<Item = &'w Vec<f64>>,
+) {
+    if name != registry::REFERENCE {
+        case["impl"] = json!(name);
+    }
+    let out = evaluate(&case).unwrap();
+    for (field, want) in fields.iter().zip(want) {
+        let got = read_numbers(&out[*field], field).unwrap();
+        assert_eq!(&got, want, "{name}: eval's {field}");
     }
 }
 
@@ -132,31 +150,17 @@ fn every_attention_answers_with_its_own_numbers() {
             .chain([f.lse.iter().copied().collect()])
             .collect()
     };
-    let reference = numbers(
-        registry::find(&list, registry::REFERENCE)
-            .unwrap()
-            .make()
-            .unwrap()
-            .as_ref(),
-    );
+    let reference = numbers(reference_of(&list).as_ref());
     let mut ran = 0;
     for entry in &list {
         let Ok(op) = entry.make() else { continue };
         let mine = numbers(op.as_ref());
         // (1) eval runs exactly this constructor.
-        let mut case = json!({"op": "attention", "q": json3(&q), "k": json3(&k), "v": json3(&v),
-                              "cu_seqlens": cu, "scale": 0.45, "want_grad": true,
-                              "grad_output": json3(&go)});
-        if entry.name != registry::REFERENCE {
-            case["impl"] = json!(entry.name);
-        }
-        let out = evaluate(&case).unwrap();
-        for (field, want) in ["output", "grad_q", "grad_k", "grad_v", "lse"]
-            .iter()
-            .zip(&mine)
-        {
-            assert_eq!(&flat(&out[*field]), want, "{}: eval's {field}", entry.name);
-        }
+        let case = json!({"op": "attention", "q": json3(&q), "k": json3(&k), "v": json3(&v),
+                          "cu_seqlens": cu, "scale": 0.45, "want_grad": true,
+                          "grad_output": json3(&go)});
+        let fields = ["output", "grad_q", "grad_k", "grad_v", "lse"];
+        eval_says(entry.name, case, &fields, &mine);
         // (2) its numbers are its precision's.
         check_precision(entry.name, entry.precision, &mine, &[], &reference);
         ran += 1;
@@ -171,10 +175,7 @@ fn every_cross_entropy_answers_with_its_own_numbers() {
     let config = LossConfig::default();
     let call = packshard_reference::vocab::LossCall::with_flag(&targets, &config, true);
     let list = registry::cross_entropy();
-    let reference = registry::find(&list, registry::REFERENCE)
-        .unwrap()
-        .make()
-        .unwrap()
+    let reference = reference_of(&list)
         .cross_entropy(logits.view(), &call)
         .unwrap();
     let ref_out = vec![
@@ -203,24 +204,10 @@ fn every_cross_entropy_answers_with_its_own_numbers() {
             ce.per_token_loss.to_vec(),
             ce.stats.iter().map(|s| s.logsumexp()).collect(),
         ];
-        let mut case = json!({"op": "cross_entropy", "logits": json2(&logits),
-                              "targets": targets, "want_grad": true});
-        if entry.name != registry::REFERENCE {
-            case["impl"] = json!(entry.name);
-        }
-        let out = evaluate(&case).unwrap();
-        assert_eq!(
-            flat(&out["grad_logits"]),
-            stored[0],
-            "{}: eval's grad_logits",
-            entry.name
-        );
-        assert_eq!(
-            flat(&out["per_token_loss"]),
-            computed[0],
-            "{}: eval's per_token_loss",
-            entry.name
-        );
+        let case = json!({"op": "cross_entropy", "logits": json2(&logits),
+                          "targets": targets, "want_grad": true});
+        let fields = ["grad_logits", "per_token_loss"];
+        eval_says(entry.name, case, &fields, [&stored[0], &computed[0]]);
         check_precision(entry.name, entry.precision, &stored, &computed, &ref_out);
         // Every declared algorithm runs sharded; an undeclared one is refused.
         for algorithm in ShardedAlgorithm::ALL {
@@ -245,10 +232,7 @@ fn every_output_layer_answers_with_its_own_numbers() {
     let config = LossConfig::default();
     let call = packshard_reference::vocab::LossCall::with_flag(&targets, &config, true);
     let list = registry::linear_cross_entropy();
-    let reference = registry::find(&list, registry::REFERENCE)
-        .unwrap()
-        .make()
-        .unwrap()
+    let reference = reference_of(&list)
         .linear_cross_entropy(hidden.view(), weight.view(), &call)
         .unwrap();
     let ref_out = vec![
@@ -284,25 +268,10 @@ fn every_output_layer_answers_with_its_own_numbers() {
             ];
             let computed = vec![l.ce.per_token_loss.to_vec()];
             if !small {
-                let mut case = json!({"op": "linear_cross_entropy", "hidden": json2(&hidden),
-                                      "weight": json2(&weight), "targets": targets,
-                                      "want_grad": true});
-                if entry.name != registry::REFERENCE {
-                    case["impl"] = json!(entry.name);
-                }
-                let out = evaluate(&case).unwrap();
-                assert_eq!(
-                    flat(&out["grad_hidden"]),
-                    stored[0],
-                    "{}: eval's grad_hidden",
-                    entry.name
-                );
-                assert_eq!(
-                    flat(&out["grad_weight"]),
-                    stored[1],
-                    "{}: eval's grad_weight",
-                    entry.name
-                );
+                let case = json!({"op": "linear_cross_entropy", "hidden": json2(&hidden),
+                                  "weight": json2(&weight), "targets": targets,
+                                  "want_grad": true});
+                eval_says(entry.name, case, &["grad_hidden", "grad_weight"], &stored);
             }
             check_precision(entry.name, entry.precision, &stored, &computed, &ref_out);
             ran += 1;

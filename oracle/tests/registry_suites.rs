@@ -52,44 +52,23 @@ fn every<K: ?Sized, R: std::fmt::Display, E: std::fmt::Display>(
     ran
 }
 
-#[test]
-fn every_attention_passes_the_attention_suite() {
-    let ran = every(&registry::attention(), |imp, e| {
-        attention::run_suite(imp, e.judge, CASES)
-    });
-    assert!(ran >= 4, "only {ran} attention implementations ran");
+/// One test per family: `test: entries, suite, at least this many ran`.
+macro_rules! every_passes {
+    ($($test:ident: $list:expr, $suite:path, $min:literal $what:literal;)*) => {$(
+        #[test]
+        fn $test() {
+            let ran = every(&$list, |imp, e| $suite(imp, e.judge, CASES));
+            assert!(ran >= $min, "only {ran} {} ran", $what);
+        }
+    )*};
 }
 
-#[test]
-fn every_cross_entropy_passes_the_vocab_suite() {
-    let ran = every(&registry::cross_entropy(), |imp, e| {
-        vocab::run_cross_entropy_suite(imp, e.judge, CASES)
-    });
-    assert!(ran >= 2, "only {ran} cross-entropy implementations ran");
-}
-
-#[test]
-fn every_output_layer_passes_the_vocab_suite() {
-    let ran = every(&registry::linear_cross_entropy(), |imp, e| {
-        vocab::run_linear_suite(imp, e.judge, CASES)
-    });
-    assert!(ran >= 3, "only {ran} output-layer implementations ran");
-}
-
-#[test]
-fn every_embedding_passes_the_vocab_suite() {
-    let ran = every(&registry::embedding(), |imp, e| {
-        vocab::run_embedding_suite(imp, e.judge, CASES)
-    });
-    assert!(ran >= 1);
-}
-
-#[test]
-fn every_encoder_layer_passes_the_layer_suite() {
-    let ran = every(&registry::encoder_layer(), |imp, e| {
-        bert::run_layer_suite(imp, e.judge, CASES)
-    });
-    assert!(ran >= 2, "only {ran} encoder layers ran");
+every_passes! {
+    every_attention_passes_the_attention_suite: registry::attention(), attention::run_suite, 4 "attention implementations";
+    every_cross_entropy_passes_the_vocab_suite: registry::cross_entropy(), vocab::run_cross_entropy_suite, 2 "cross-entropy implementations";
+    every_output_layer_passes_the_vocab_suite: registry::linear_cross_entropy(), vocab::run_linear_suite, 3 "output-layer implementations";
+    every_embedding_passes_the_vocab_suite: registry::embedding(), vocab::run_embedding_suite, 1 "embeddings";
+    every_encoder_layer_passes_the_layer_suite: registry::encoder_layer(), bert::run_layer_suite, 2 "encoder layers";
 }
 
 #[test]

@@ -306,7 +306,7 @@ impl Params {
             position: Array2::zeros(self.position.dim()),
             ln_g: Array1::zeros(self.ln_g.len()),
             ln_b: Array1::zeros(self.ln_b.len()),
-            layers: self.layers.iter().map(zeros_layer).collect(),
+            layers: self.layers.iter().map(LayerParams::zeros_like).collect(),
             output: Array2::zeros(self.output.dim()),
         }
     }
@@ -320,24 +320,7 @@ impl Params {
             self.ln_b.view_mut().into_dyn(),
         ];
         for p in &mut self.layers {
-            out.extend([
-                p.query_w.view_mut().into_dyn(),
-                p.query_b.view_mut().into_dyn(),
-                p.key_w.view_mut().into_dyn(),
-                p.key_b.view_mut().into_dyn(),
-                p.value_w.view_mut().into_dyn(),
-                p.value_b.view_mut().into_dyn(),
-                p.attn_out_w.view_mut().into_dyn(),
-                p.attn_out_b.view_mut().into_dyn(),
-                p.attn_ln_g.view_mut().into_dyn(),
-                p.attn_ln_b.view_mut().into_dyn(),
-                p.inter_w.view_mut().into_dyn(),
-                p.inter_b.view_mut().into_dyn(),
-                p.out_w.view_mut().into_dyn(),
-                p.out_b.view_mut().into_dyn(),
-                p.out_ln_g.view_mut().into_dyn(),
-                p.out_ln_b.view_mut().into_dyn(),
-            ]);
+            out.extend(layer_tensors_mut(p));
         }
         out.push(self.output.view_mut().into_dyn());
         out
@@ -371,28 +354,26 @@ impl Params {
     }
 }
 
-/// A zero gradient for a layer.
-pub fn zeros_layer(p: &LayerParams) -> LayerParams {
-    let z2 = |a: &Array2<f64>| Array2::zeros(a.dim());
-    let z1 = |a: &Array1<f64>| Array1::zeros(a.len());
-    LayerParams {
-        query_w: z2(&p.query_w),
-        query_b: z1(&p.query_b),
-        key_w: z2(&p.key_w),
-        key_b: z1(&p.key_b),
-        value_w: z2(&p.value_w),
-        value_b: z1(&p.value_b),
-        attn_out_w: z2(&p.attn_out_w),
-        attn_out_b: z1(&p.attn_out_b),
-        attn_ln_g: z1(&p.attn_ln_g),
-        attn_ln_b: z1(&p.attn_ln_b),
-        inter_w: z2(&p.inter_w),
-        inter_b: z1(&p.inter_b),
-        out_w: z2(&p.out_w),
-        out_b: z1(&p.out_b),
-        out_ln_g: z1(&p.out_ln_g),
-        out_ln_b: z1(&p.out_ln_b),
-    }
+/// A layer's tensors, mutable, in the order of [`layer_named`].
+pub fn layer_tensors_mut(p: &mut LayerParams) -> [ArrayViewMutD<'_, f64>; 16] {
+    [
+        p.query_w.view_mut().into_dyn(),
+        p.query_b.view_mut().into_dyn(),
+        p.key_w.view_mut().into_dyn(),
+        p.key_b.view_mut().into_dyn(),
+        p.value_w.view_mut().into_dyn(),
+        p.value_b.view_mut().into_dyn(),
+        p.attn_out_w.view_mut().into_dyn(),
+        p.attn_out_b.view_mut().into_dyn(),
+        p.attn_ln_g.view_mut().into_dyn(),
+        p.attn_ln_b.view_mut().into_dyn(),
+        p.inter_w.view_mut().into_dyn(),
+        p.inter_b.view_mut().into_dyn(),
+        p.out_w.view_mut().into_dyn(),
+        p.out_b.view_mut().into_dyn(),
+        p.out_ln_g.view_mut().into_dyn(),
+        p.out_ln_b.view_mut().into_dyn(),
+    ]
 }
 
 /// The tensors of layer `l` with their Hugging Face names.

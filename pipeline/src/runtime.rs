@@ -18,8 +18,8 @@ use packshard_reference::{Error, Result};
 
 use crate::collective::{EventClass, MpiCollective, Trace};
 use crate::model::{
-    embedding_finish, embedding_finish_backward, layer_named, layers_backward, layers_forward,
-    scaled_output_grads, stage_layers, word_grad_accumulate, zeros_layer, EmbeddingCache,
+    embedding_finish, embedding_finish_backward, layer_named, layer_tensors_mut, layers_backward,
+    layers_forward, scaled_output_grads, stage_layers, word_grad_accumulate, EmbeddingCache,
     Microbatch, ModelConfig, Params,
 };
 use crate::schedule::{schedules, Costs, Op, Placement};
@@ -107,7 +107,7 @@ impl RankParams {
     pub fn zeros_like(&self) -> Self {
         RankParams {
             rank: self.rank,
-            layers: self.layers.iter().map(zeros_layer).collect(),
+            layers: self.layers.iter().map(LayerParams::zeros_like).collect(),
             word: self.word.as_ref().map(|a| Array2::zeros(a.dim())),
             embedding_tail: self.embedding_tail.as_ref().map(|(p, g, b)| {
                 (
@@ -147,24 +147,7 @@ impl RankParams {
     pub fn tensors_mut(&mut self) -> Vec<ArrayViewMutD<'_, f64>> {
         let mut out: Vec<ArrayViewMutD<'_, f64>> = Vec::new();
         for l in &mut self.layers {
-            out.extend([
-                l.query_w.view_mut().into_dyn(),
-                l.query_b.view_mut().into_dyn(),
-                l.key_w.view_mut().into_dyn(),
-                l.key_b.view_mut().into_dyn(),
-                l.value_w.view_mut().into_dyn(),
-                l.value_b.view_mut().into_dyn(),
-                l.attn_out_w.view_mut().into_dyn(),
-                l.attn_out_b.view_mut().into_dyn(),
-                l.attn_ln_g.view_mut().into_dyn(),
-                l.attn_ln_b.view_mut().into_dyn(),
-                l.inter_w.view_mut().into_dyn(),
-                l.inter_b.view_mut().into_dyn(),
-                l.out_w.view_mut().into_dyn(),
-                l.out_b.view_mut().into_dyn(),
-                l.out_ln_g.view_mut().into_dyn(),
-                l.out_ln_b.view_mut().into_dyn(),
-            ]);
+            out.extend(layer_tensors_mut(l));
         }
         if let Some(w) = &mut self.word {
             out.push(w.view_mut().into_dyn());
@@ -429,9 +412,17 @@ impl Exec<'_> {
         Array2::zeros((self.mbs[m].len(), self.h()))
     }
 
+    /// The previous stage's rank (`up`, toward stage 0) or the next one's.
+    fn neighbour(&self, up: bool) -> usize {
+        if up {
+            self.rank - 1
+        } else {
+            self.rank + 1
+        }
+    }
+
     fn peer(&self, up: bool) -> mpi::topology::Process<'_> {
-        let r = if up { self.rank - 1 } else { self.rank + 1 };
-        self.comm.process_at_rank(r as i32)
+        self.comm.process_at_rank(self.neighbour(up) as i32)
     }
 
     fn traced_p2p<T>(&self, peer: usize, trace: &Trace, f: impl FnOnce() -> T) -> T {
@@ -439,6 +430,52 @@ impl Exec<'_> {
         let out = f();
         trace.record(EventClass::P2p { peer }, start, Trace::now());
         out
+    }
+
+    /// Receives microbatch `m`'s `[len, h]` tensor from the neighbour `up`
+    /// (toward stage 0: its output activation) or down (its input gradient).
+    fn receive(&self, m: usize, up: bool, trace: &Trace) -> Array2<f64> {
+        let mut buf = self.zeros(m);
+        let slice = buf.as_slice_mut().expect("fresh arrays are contiguous");
+        self.traced_p2p(self.neighbour(up), trace, || {
+            self.peer(up).receive_into_with_tag(slice, tag(m, !up))
+        });
+        buf
+    }
+
+    /// Sends microbatch `m`'s tensor `x` to the neighbour `up` (this stage's
+    /// input gradient) or down (its output activation).
+    fn send(&self, m: usize, x: &Array2<f64>, up: bool, trace: &Trace) {
+        let slice = x.as_slice().expect("contiguous");
+        self.traced_p2p(self.neighbour(up), trace, || {
+            self.peer(up).send_with_tag(slice, tag(m, up))
+        });
+    }
+
+    /// [`Exec::send`] of microbatch `send`'s `x` and [`Exec::receive`] of
+    /// microbatch `recv`'s tensor from the same neighbour, as one exchange.
+    fn exchange(
+        &self,
+        send: usize,
+        x: &Array2<f64>,
+        recv: usize,
+        up: bool,
+        trace: &Trace,
+    ) -> Array2<f64> {
+        let mut buf = self.zeros(recv);
+        let out = buf.as_slice_mut().expect("contiguous");
+        self.traced_p2p(self.neighbour(up), trace, || {
+            let peer = self.peer(up);
+            send_receive_into_with_tags(
+                x.as_slice().expect("contiguous"),
+                &peer,
+                tag(send, up),
+                out,
+                &peer,
+                tag(recv, !up),
+            )
+        });
+        buf
     }
 
     fn algorithm(&self) -> packshard_reference::vocab::ShardedAlgorithm {
@@ -511,12 +548,8 @@ impl Exec<'_> {
                 }
             }
             Op::RecvAct(m) => {
-                let mut buf = self.zeros(m);
-                let slice = buf.as_slice_mut().expect("fresh arrays are contiguous");
-                self.traced_p2p(self.rank - 1, trace, || {
-                    self.peer(true).receive_into_with_tag(slice, tag(m, false))
-                });
-                self.act_in.insert(m, buf);
+                let x = self.receive(m, true, trace);
+                self.act_in.insert(m, x);
             }
             Op::Forward(m) => {
                 self.inject(m);
@@ -548,35 +581,16 @@ impl Exec<'_> {
             }
             Op::SendAct(m) => {
                 let y = take(&mut self.act_out, m, "the output activation")?;
-                let slice = y.as_slice().expect("contiguous");
-                self.traced_p2p(self.rank + 1, trace, || {
-                    self.peer(false).send_with_tag(slice, tag(m, false))
-                });
+                self.send(m, &y, false, trace);
             }
             Op::SendActRecvGrad { send, recv } => {
                 let y = take(&mut self.act_out, send, "the output activation")?;
-                let mut buf = self.zeros(recv);
-                let out = buf.as_slice_mut().expect("contiguous");
-                self.traced_p2p(self.rank + 1, trace, || {
-                    let peer = self.peer(false);
-                    send_receive_into_with_tags(
-                        y.as_slice().expect("contiguous"),
-                        &peer,
-                        tag(send, false),
-                        out,
-                        &peer,
-                        tag(recv, true),
-                    )
-                });
-                self.grad_out.insert(recv, buf);
+                let dy = self.exchange(send, &y, recv, false, trace);
+                self.grad_out.insert(recv, dy);
             }
             Op::RecvGrad(m) => {
-                let mut buf = self.zeros(m);
-                let slice = buf.as_slice_mut().expect("contiguous");
-                self.traced_p2p(self.rank + 1, trace, || {
-                    self.peer(false).receive_into_with_tag(slice, tag(m, true))
-                });
-                self.grad_out.insert(m, buf);
+                let dy = self.receive(m, false, trace);
+                self.grad_out.insert(m, dy);
             }
             Op::Loss(m) => {
                 let hidden = take(&mut self.act_out, m, "the last hidden state")?;
@@ -670,27 +684,12 @@ impl Exec<'_> {
             }
             Op::SendGrad(m) => {
                 let dx = take(&mut self.grad_in, m, "the input gradient")?;
-                let slice = dx.as_slice().expect("contiguous");
-                self.traced_p2p(self.rank - 1, trace, || {
-                    self.peer(true).send_with_tag(slice, tag(m, true))
-                });
+                self.send(m, &dx, true, trace);
             }
             Op::SendGradRecvAct { send, recv } => {
                 let dx = take(&mut self.grad_in, send, "the input gradient")?;
-                let mut buf = self.zeros(recv);
-                let out = buf.as_slice_mut().expect("contiguous");
-                self.traced_p2p(self.rank - 1, trace, || {
-                    let peer = self.peer(true);
-                    send_receive_into_with_tags(
-                        dx.as_slice().expect("contiguous"),
-                        &peer,
-                        tag(send, true),
-                        out,
-                        &peer,
-                        tag(recv, false),
-                    )
-                });
-                self.act_in.insert(recv, buf);
+                let x = self.exchange(send, &dx, recv, true, trace);
+                self.act_in.insert(recv, x);
             }
             Op::EmbedGrad(m) => {
                 let mut buf = if self.rank == 0 {

@@ -236,6 +236,24 @@ pub fn rank_schedule(
     let push = |units: &mut Vec<Unit>, op: Op| units.push(Unit::Op(op));
     // The op after which each microbatch's gradient has left this rank.
     let mut grad_sent = vec![Op::Backward(0); m_count];
+    // The backward of `j`; above stage 0, then its input gradient up, in one
+    // exchange with microbatch `next`'s activation while there is one.
+    let backward = |units: &mut Vec<Unit>, grad_sent: &mut [Op], j: usize, next: usize| {
+        push(units, Op::Backward(j));
+        grad_sent[j] = Op::Backward(j);
+        if s > 0 {
+            let op = if next < m_count {
+                Op::SendGradRecvAct {
+                    send: j,
+                    recv: next,
+                }
+            } else {
+                Op::SendGrad(j)
+            };
+            push(units, op);
+            grad_sent[j] = op;
+        }
+    };
     if s == last {
         for j in 0..m_count {
             if j == 0 && p > 1 {
@@ -250,20 +268,7 @@ pub fn rank_schedule(
             } else {
                 push(&mut units, Op::Loss(j));
             }
-            push(&mut units, Op::Backward(j));
-            grad_sent[j] = Op::Backward(j);
-            if p > 1 {
-                let op = if j + 1 < m_count {
-                    Op::SendGradRecvAct {
-                        send: j,
-                        recv: j + 1,
-                    }
-                } else {
-                    Op::SendGrad(j)
-                };
-                push(&mut units, op);
-                grad_sent[j] = op;
-            }
+            backward(&mut units, &mut grad_sent, j, j + 1);
         }
     } else {
         let warm = (p - 1 - s).min(m_count);
@@ -291,20 +296,7 @@ pub fn rank_schedule(
             }
             // The blocks the previous stage waits for before it gets ∂L/∂x_in(j).
             emit(&mut units, j + upstream_lead);
-            push(&mut units, Op::Backward(j));
-            grad_sent[j] = Op::Backward(j);
-            if s > 0 {
-                let op = if f + 1 < m_count {
-                    Op::SendGradRecvAct {
-                        send: j,
-                        recv: f + 1,
-                    }
-                } else {
-                    Op::SendGrad(j)
-                };
-                push(&mut units, op);
-                grad_sent[j] = op;
-            }
+            backward(&mut units, &mut grad_sent, j, f + 1);
         }
     }
     emit(&mut units, m_count);
@@ -707,26 +699,18 @@ mod tests {
         let placement = Placement::VocabParallel(ShardedAlgorithm::Alg1);
         let mut sched = schedules(3, 4, placement, &Costs::default());
         // Rank 1 waits for a gradient before the output layer that makes it.
-        let i = sched[1]
-            .iter()
-            .position(|o| *o == Op::BroadcastHidden(1))
-            .unwrap();
-        let j = sched[1]
-            .iter()
-            .position(|o| matches!(o, Op::SendActRecvGrad { recv: 1, .. }))
-            .unwrap();
+        // Where in `ops` the first op `is` stands.
+        let at = |ops: &[Op], is: &dyn Fn(&Op) -> bool| ops.iter().position(is).unwrap();
+        let i = at(&sched[1], &|o| *o == Op::BroadcastHidden(1));
+        let j = at(&sched[1], &|o| {
+            matches!(o, Op::SendActRecvGrad { recv: 1, .. })
+        });
         sched[1].swap(i, j);
         let e = simulate(&sched, placement, &Costs::default()).unwrap_err();
         assert!(e.0.contains("deadlock") || e.0.contains("reaches"), "{e}");
         let mut sched = schedules(2, 3, placement, &Costs::default());
-        let a = sched[0]
-            .iter()
-            .position(|o| *o == Op::EmbedGrad(0))
-            .unwrap();
-        let b = sched[0]
-            .iter()
-            .position(|o| *o == Op::BroadcastHidden(1))
-            .unwrap();
+        let a = at(&sched[0], &|o| *o == Op::EmbedGrad(0));
+        let b = at(&sched[0], &|o| *o == Op::BroadcastHidden(1));
         sched[0].swap(a, b);
         let e = simulate(&sched, placement, &Costs::default()).unwrap_err();
         assert!(e.0.contains("reaches") || e.0.contains("deadlock"), "{e}");

@@ -194,7 +194,10 @@ fn cores() -> usize {
 /// second or two of `MPI_Abort` or a dead process.
 const FAULT_BOUND: Duration = Duration::from_secs(30);
 
-fn fault(kind: &str, p: usize, rank: usize) -> Launch {
+/// Runs `p` ranks with fault `kind` on `rank` at microbatch 1: the job fails
+/// within [`FAULT_BOUND`], no rank finishes, and the output says each of
+/// `says`.
+fn fault(kind: &str, p: usize, rank: usize, says: &[&str]) -> Launch {
     let run = mpirun(
         p,
         &[
@@ -223,6 +226,13 @@ fn fault(kind: &str, p: usize, rank: usize) -> Launch {
         "{kind}: no rank may finish:\n{}",
         run.output
     );
+    for needle in says {
+        assert!(
+            run.output.contains(needle),
+            "{kind}: {needle:?} in\n{}",
+            run.output
+        );
+    }
     run
 }
 
@@ -230,46 +240,33 @@ fn fault(kind: &str, p: usize, rank: usize) -> Launch {
 /// error naming the field, printed by that rank, and the job aborts.
 #[test]
 fn bad_input_on_one_rank_ends_every_rank_with_its_message() {
-    let run = fault("bad-input", 3, 1);
+    let says = "packshard-pipeline: rank 1: cu_seqlens[2]: is 14, must equal the 13 tokens";
+    let run = fault("bad-input", 3, 1, &[says]);
     assert_eq!(run.code, Some(2), "{}", run.output);
-    assert!(
-        run.output
-            .contains("packshard-pipeline: rank 1: cu_seqlens[2]: is 14, must equal the 13 tokens"),
-        "{}",
-        run.output
-    );
 }
 
 /// A panic on one rank: its hook prints the rank, place and message on one
 /// line and aborts the job.
 #[test]
 fn a_panic_on_one_rank_ends_every_rank_with_its_message() {
-    let run = fault("panic", 4, 2);
+    let says = [
+        "packshard-pipeline: rank 2: panicked at",
+        "fault injection: rank 2 panics in the forward of microbatch 1",
+    ];
+    let run = fault("panic", 4, 2, &says);
     assert_eq!(run.code, Some(101), "{}", run.output);
-    assert!(
-        run.output
-            .contains("packshard-pipeline: rank 2: panicked at")
-            && run
-                .output
-                .contains("fault injection: rank 2 panics in the forward of microbatch 1"),
-        "{}",
-        run.output
-    );
 }
 
 /// A rank killed with SIGKILL: it can say nothing after; mpirun notices the
 /// death, names the rank and kills the others.
 #[test]
 fn a_killed_rank_ends_every_rank() {
-    let run = fault("kill", 2, 1);
+    let says = [
+        "rank 1: fault injection: killing this process",
+        "process rank 1",
+    ];
+    let run = fault("kill", 2, 1, &says);
     assert!(run.code.is_some_and(|c| c != 0), "{}", run.output);
-    assert!(
-        run.output
-            .contains("rank 1: fault injection: killing this process")
-            && run.output.contains("process rank 1"),
-        "{}",
-        run.output
-    );
 }
 
 /// Bad arguments are seen alike by every rank: exit 2 with one message, no abort.

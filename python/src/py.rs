@@ -88,6 +88,11 @@ fn fields_to_py(py: Python<'_>, fields: Fields) -> PyResult<Py<PyAny>> {
     d.into_py_any(py)
 }
 
+/// A kernel op's fields as a dict, or its error raised.
+fn fields_result(py: Python<'_>, r: Result<Fields, EvalError>) -> PyResult<Py<PyAny>> {
+    fields_to_py(py, r.map_err(|e| raise(py, e))?)
+}
+
 fn precision(py: Python<'_>, s: &str) -> PyResult<KernelPrecision> {
     KernelPrecision::parse(s).map_err(|e| raise(py, e))
 }
@@ -97,32 +102,47 @@ fn cu(py: Python<'_>, xs: &PyReadonlyArray1<'_, i64>) -> PyResult<Vec<usize>> {
     core::offsets("cu_seqlens", &v).map_err(|e| raise(py, e))
 }
 
-/// `attention(q, k, v, cu_seqlens, causal, scale, grad_output, impl)`.
-#[pyfunction]
-#[pyo3(signature = (q, k, v, cu_seqlens, causal, scale, grad_output, imp))]
-#[allow(clippy::too_many_arguments)]
-fn attention<'py>(
-    py: Python<'py>,
-    q: PyReadonlyArray3<'py, f64>,
-    k: PyReadonlyArray3<'py, f64>,
-    v: PyReadonlyArray3<'py, f64>,
-    cu_seqlens: PyReadonlyArray1<'py, i64>,
-    causal: bool,
-    scale: Option<f64>,
-    grad_output: Option<PyReadonlyArray3<'py, f64>>,
-    imp: String,
-) -> PyResult<Py<PyAny>> {
-    let a = AttentionArgs {
-        q: q.as_array(),
-        k: k.as_array(),
-        v: v.as_array(),
-        cu_seqlens: cu(py, &cu_seqlens)?,
-        causal,
-        scale,
-        grad_output: grad_output.as_ref().map(|g| g.as_array()),
+/// Declares a `#[pyfunction]` `$name(q, k, v, cu_seqlens, causal, scale,
+/// grad_output, $last)`: an attention case's seven arguments as the Python
+/// wrappers pass them (`q`, `k`, `v`, `grad_output`: `[n_tok, h, d]`;
+/// `cu_seqlens: [b + 1]`), bundled into the [`AttentionArgs`] `$a` that
+/// `$body` runs on.
+macro_rules! attention_pyfunction {
+    ($(#[$doc:meta])* fn $name:ident($py:ident, $a:ident, $last:ident: $lt:ty) -> $ret:ty $body:block) => {
+        $(#[$doc])*
+        #[pyfunction]
+        #[pyo3(signature = (q, k, v, cu_seqlens, causal, scale, grad_output, $last))]
+        #[allow(clippy::too_many_arguments)]
+        fn $name<'py>(
+            $py: Python<'py>,
+            q: PyReadonlyArray3<'py, f64>,
+            k: PyReadonlyArray3<'py, f64>,
+            v: PyReadonlyArray3<'py, f64>,
+            cu_seqlens: PyReadonlyArray1<'py, i64>,
+            causal: bool,
+            scale: Option<f64>,
+            grad_output: Option<PyReadonlyArray3<'py, f64>>,
+            $last: $lt,
+        ) -> PyResult<$ret> {
+            let $a = AttentionArgs {
+                q: q.as_array(),
+                k: k.as_array(),
+                v: v.as_array(),
+                cu_seqlens: cu($py, &cu_seqlens)?,
+                causal,
+                scale,
+                grad_output: grad_output.as_ref().map(|g| g.as_array()),
+            };
+            $body
+        }
     };
-    let r = py.detach(|| core::attention(&imp, &a));
-    fields_to_py(py, r.map_err(|e| raise(py, e))?)
+}
+
+attention_pyfunction! {
+    /// `attention(q, k, v, cu_seqlens, causal, scale, grad_output, impl)`.
+    fn attention(py, a, imp: String) -> Py<PyAny> {
+        fields_result(py, py.detach(|| core::attention(&imp, &a)))
+    }
 }
 
 fn judged_to_py(py: Python<'_>, j: core::Judged) -> PyResult<(Py<PyAny>, Py<PyAny>)> {
@@ -134,36 +154,16 @@ fn judged_to_py(py: Python<'_>, j: core::Judged) -> PyResult<(Py<PyAny>, Py<PyAn
     Ok((e, b))
 }
 
-/// The f64 reference (on inputs rounded to `precision`) and the f32 baseline
-/// of an attention case.
-#[pyfunction]
-#[pyo3(signature = (q, k, v, cu_seqlens, causal, scale, grad_output, precision))]
-#[allow(clippy::too_many_arguments)]
-fn attention_judged<'py>(
-    py: Python<'py>,
-    q: PyReadonlyArray3<'py, f64>,
-    k: PyReadonlyArray3<'py, f64>,
-    v: PyReadonlyArray3<'py, f64>,
-    cu_seqlens: PyReadonlyArray1<'py, i64>,
-    causal: bool,
-    scale: Option<f64>,
-    grad_output: Option<PyReadonlyArray3<'py, f64>>,
-    precision: String,
-) -> PyResult<(Py<PyAny>, Py<PyAny>)> {
-    let p = self::precision(py, &precision)?;
-    let a = AttentionArgs {
-        q: q.as_array(),
-        k: k.as_array(),
-        v: v.as_array(),
-        cu_seqlens: cu(py, &cu_seqlens)?,
-        causal,
-        scale,
-        grad_output: grad_output.as_ref().map(|g| g.as_array()),
-    };
-    let j = py
-        .detach(|| core::attention_judged(&a, p))
-        .map_err(|e| raise(py, e))?;
-    judged_to_py(py, j)
+attention_pyfunction! {
+    /// The f64 reference (on inputs rounded to `precision`) and the f32 baseline
+    /// of an attention case.
+    fn attention_judged(py, a, precision: String) -> (Py<PyAny>, Py<PyAny>) {
+        let p = self::precision(py, &precision)?;
+        let j = py
+            .detach(|| core::attention_judged(&a, p))
+            .map_err(|e| raise(py, e))?;
+        judged_to_py(py, j)
+    }
 }
 
 /// The Rust kernel's own time: `reps` forward + backward passes of the
@@ -292,7 +292,7 @@ fn cross_entropy<'py>(
     let a = loss_args(py, &targets, options, want_grad)?;
     let z = logits.as_array();
     let r = py.detach(|| core::cross_entropy(&imp, z, &a));
-    fields_to_py(py, r.map_err(|e| raise(py, e))?)
+    fields_result(py, r)
 }
 
 /// `linear_cross_entropy(hidden, weight, targets, options, want_grad, impl)`:
@@ -311,7 +311,7 @@ fn linear_cross_entropy<'py>(
     let a = loss_args(py, &targets, options, want_grad)?;
     let (h, w) = (hidden.as_array(), weight.as_array());
     let r = py.detach(|| core::linear_cross_entropy(&imp, h, w, &a));
-    fields_to_py(py, r.map_err(|e| raise(py, e))?)
+    fields_result(py, r)
 }
 
 /// The f64 reference and f32 baseline of a loss case (`logits`, or `hidden`
@@ -361,7 +361,7 @@ fn embedding<'py>(
     let go = grad_output.as_ref().map(|g| g.as_array());
     let r =
         py.detach(|| core::embedding(&imp, &ids, w, vocab_size, num_shards, layout.as_deref(), go));
-    fields_to_py(py, r.map_err(|e| raise(py, e))?)
+    fields_result(py, r)
 }
 
 /// One `packshard eval` case as JSON text; the result as JSON text.

@@ -72,38 +72,32 @@ pub fn check_layer_with(
     let heads = config.num_attention_heads;
     let eps = config.layer_norm_eps;
     let e = |w: &str, e: Error| Mismatch::new(w, format!("{}: {e}", IMPL));
-    let (op, dxp, gpp) = imp
-        .forward_backward(
-            Layer::new(&params, heads, eps),
-            LayerInput::new(xp.view(), &dense, gp.view()),
-        )
-        .map(parts)
-        .map_err(|x| e("padded layer", x))?;
-    let (ov, dxv, gpv) = imp
-        .forward_backward(
-            Layer::new(&params, heads, eps),
-            LayerInput::new(x.view(), &varlen, go.view()),
-        )
-        .map(parts)
-        .map_err(|x| e("varlen layer", x))?;
+    let run = |what: &str, input: LayerInput<'_>| {
+        imp.forward_backward(Layer::new(&params, heads, eps), input)
+            .map(parts)
+            .map_err(|x| e(what, x))
+    };
+    let (op, dxp, gpp) = run(
+        "padded layer",
+        LayerInput::new(xp.view(), &dense, gp.view()),
+    )?;
+    let (ov, dxv, gpv) = run(
+        "varlen layer",
+        LayerInput::new(x.view(), &varlen, go.view()),
+    )?;
     let mut seen = Observed::default();
     for (s, &l) in lengths.iter().enumerate() {
         for t in 0..l {
             let (i, j) = (s * row_len + t, cu[s] + t);
-            seen.close(
-                &format!("sequence {s} token {t}: output"),
-                &op.row(i).to_vec(),
-                &ov.row(j).to_vec(),
-                &[width],
-                tol,
-            )?;
-            seen.close(
-                &format!("sequence {s} token {t}: grad_x"),
-                &dxp.row(i).to_vec(),
-                &dxv.row(j).to_vec(),
-                &[width],
-                tol,
-            )?;
+            for (name, padded, packed) in [("output", &op, &ov), ("grad_x", &dxp, &dxv)] {
+                seen.close(
+                    &format!("sequence {s} token {t}: {name}"),
+                    &padded.row(i).to_vec(),
+                    &packed.row(j).to_vec(),
+                    &[width],
+                    tol,
+                )?;
+            }
         }
     }
     let (gp_all, gv_all) = (layer_tensors(&gpp), layer_tensors(&gpv));
@@ -156,24 +150,27 @@ pub fn run_layer_suite_with(
     cases: u32,
     tol: Tolerance,
 ) -> Result<Observed, Mismatch> {
-    let seen = std::cell::RefCell::new(Observed::default());
-    let mut runner = crate::runner(cases);
     let strategy = (
         prop::collection::vec(0usize..=7, 1..=5),
         0usize..=3,
         configs(10),
         any::<u64>(),
     );
-    runner
-        .run(&strategy, |(lengths, pad, config, seed)| {
+    let suite = format!("{} layer suite", IMPL);
+    let seen = Observed::default();
+    crate::run_cases(
+        cases,
+        &strategy,
+        &suite,
+        seen,
+        |seen, (lengths, pad, config, seed)| {
             let row_len = lengths.iter().copied().max().unwrap_or(0) + pad;
-            let o = check_layer_with(imp, &config, &lengths, row_len, seed, tol)
-                .map_err(|m| TestCaseError::fail(m.to_string()))?;
-            seen.borrow_mut().merge(o);
+            seen.merge(check_layer_with(
+                imp, &config, &lengths, row_len, seed, tol,
+            )?);
             Ok(())
-        })
-        .map_err(|e| Mismatch::new(format!("{} layer suite", IMPL), e.to_string()))?;
-    Ok(seen.into_inner())
+        },
+    )
 }
 
 // ---- lower-precision layers against the f64 reference -----------------------------
@@ -318,25 +315,23 @@ pub fn run_layer_relative_suite(
             .map_err(|m| Mismatch::new(format!("{name}: {}", m.what), m.detail))?;
         report.merge(r);
     }
-    let acc = std::cell::RefCell::new(report);
-    let mut runner = crate::runner(cases);
     let strategy = (
         prop::collection::vec(0usize..=9, 1..=5),
         configs(10),
         any::<u64>(),
     );
-    runner
-        .run(&strategy, |(lengths, config, seed)| {
-            let r = check_layer_relative(imp, &config, &lengths, seed, rule)
-                .map_err(|m| TestCaseError::fail(m.to_string()))?;
-            acc.borrow_mut().merge(r);
+    let suite = format!("{} relative layer suite", IMPL);
+    let report = crate::run_cases(
+        cases,
+        &strategy,
+        &suite,
+        report,
+        |r, (lengths, config, seed)| {
+            r.merge(check_layer_relative(imp, &config, &lengths, seed, rule)?);
             Ok(())
-        })
-        .map_err(|e| Mismatch::new(format!("{} relative layer suite", IMPL), e.to_string()))?;
-    let report = acc.into_inner();
+        },
+    )?;
     report.require_nonvacuous(10)?;
-    report
-        .totals
-        .check(&format!("{} relative layer suite", IMPL), rule)?;
+    report.totals.check(&suite, rule)?;
     Ok(report)
 }

@@ -27,7 +27,6 @@ use packshard_reference::ops::{AttentionOp, EncoderLayerOp, Layer, LayerInput, L
 use packshard_reference::packing::{Algorithm, PackedBatch, PackingConfig};
 use packshard_reference::Error;
 use proptest::prelude::*;
-use proptest::test_runner::TestCaseError;
 use rand::{Rng, SeedableRng};
 
 pub use crate::attention::Observed;
@@ -537,13 +536,12 @@ pub struct SuiteReport {
 /// # Errors
 /// The first failure with its case.
 pub fn run_bert_suite(imp: &dyn BertImpl, cases: u32) -> Result<SuiteReport, Mismatch> {
-    let report = std::cell::RefCell::new(SuiteReport::default());
-    let run = |case: &BertCase| -> Result<(), Mismatch> {
+    let mut report = SuiteReport::default();
+    let run = |r: &mut SuiteReport, case: &BertCase| -> Result<(), Mismatch> {
         let o = check_bert(imp, case)?;
         let batch = case
             .packed_batch()
             .map_err(|e| Mismatch::new("pack", e.to_string()))?;
-        let mut r = report.borrow_mut();
         r.observed.merge(o);
         r.cases += 1;
         if batch.cu_seqlens.iter().any(|c| c.len() > 2) {
@@ -571,7 +569,7 @@ pub fn run_bert_suite(imp: &dyn BertImpl, cases: u32) -> Result<SuiteReport, Mis
                 0,
                 i as u64,
             );
-            run(&case).map_err(|m| {
+            run(&mut report, &case).map_err(|m| {
                 Mismatch::new(
                     format!("{name} ({}): {}", reduction.name(), m.what),
                     m.detail,
@@ -579,13 +577,10 @@ pub fn run_bert_suite(imp: &dyn BertImpl, cases: u32) -> Result<SuiteReport, Mis
             })?;
         }
     }
-    let mut runner = crate::runner(cases);
-    runner
-        .run(&bert_cases(), |case| {
-            run(&case).map_err(|m| TestCaseError::fail(m.to_string()))
-        })
-        .map_err(|e| Mismatch::new(format!("{} BERT suite", IMPL), e.to_string()))?;
-    Ok(report.into_inner())
+    let suite = format!("{} BERT suite", IMPL);
+    crate::run_cases(cases, &bert_cases(), &suite, report, |r, case| {
+        run(r, &case)
+    })
 }
 
 mod layer;

@@ -137,6 +137,10 @@ pub fn check_bottom_right(
     let (q, k, v) = (gen(5, h), gen(5, h_kv), gen(5, h_kv));
     let head = gen(2, h);
     let scale = 1.0 / (d as f64).sqrt();
+    // Rows `r` of an output, flattened.
+    let rows = |o: &Array3<f64>, r: std::ops::Range<usize>| -> Vec<f64> {
+        o.slice_axis(Axis(0), r.into()).iter().copied().collect()
+    };
     let cross = op
         .varlen_forward(
             Qkv::new(q.view(), k.view(), v.view()),
@@ -144,12 +148,7 @@ pub fn check_bottom_right(
         )
         .map_err(|x| e("attention chunk", x))?;
     for i in 0..2 {
-        let row: Vec<f64> = cross
-            .output
-            .index_axis(Axis(0), i)
-            .iter()
-            .copied()
-            .collect();
+        let row = rows(&cross.output, i..i + 1);
         if row.iter().any(|&x| x != 0.0) {
             return Err(Mismatch::new(
                 format!("attention: query {i} of 3 over 1 key"),
@@ -170,18 +169,7 @@ pub fn check_bottom_right(
             &Varlen::new(&[0, 4], true, scale),
         )
         .map_err(|x| e("attention whole", x))?;
-    let want: Vec<f64> = full
-        .output
-        .slice_axis(Axis(0), (2..4).into())
-        .iter()
-        .copied()
-        .collect();
-    let got: Vec<f64> = cross
-        .output
-        .slice_axis(Axis(0), (3..5).into())
-        .iter()
-        .copied()
-        .collect();
+    let (want, got) = (rows(&full.output, 2..4), rows(&cross.output, 3..5));
     let mut seen = Observed::default();
     seen.close(
         "attention: 2 queries over 4 keys vs the last 2 of 4 over 4",
@@ -213,24 +201,22 @@ pub fn run_chunk_suite(
         tol,
     )
     .map_err(|m| m.within("C5/C6 chunks of 3 over 4 and 3 over 1 cached keys"))?;
-    let acc = std::cell::RefCell::new(Observed::default());
     let strategy = prop::collection::vec(1usize..=7, 1..=4).prop_flat_map(|ls| {
         let splits: Vec<_> = ls.iter().map(|&l| 0usize..l).collect();
         (Just(ls), splits, configs(), any::<u64>())
     });
-    crate::runner(cases)
-        .run(&strategy, |(ls, sp, config, seed)| {
-            let o = check_chunk(imp, &config, &ls, &sp, seed, tol)
-                .map_err(|m| TestCaseError::fail(m.to_string()))?;
-            acc.borrow_mut().merge(o);
+    let suite = format!("{IMPL} chunk suite ({})", imp.name());
+    let random = Observed::default();
+    let random = crate::run_cases(
+        cases,
+        &strategy,
+        &suite,
+        random,
+        |o, (ls, sp, config, seed)| {
+            o.merge(check_chunk(imp, &config, &ls, &sp, seed, tol)?);
             Ok(())
-        })
-        .map_err(|e| {
-            Mismatch::new(
-                format!("{IMPL} chunk suite ({})", imp.name()),
-                e.to_string(),
-            )
-        })?;
-    seen.merge(acc.into_inner());
+        },
+    )?;
+    seen.merge(random);
     Ok(seen)
 }

@@ -51,7 +51,6 @@ use packshard_reference::ops::{AttentionOp, Qkv, Varlen};
 use packshard_reference::vocab::IGNORE_INDEX;
 use packshard_reference::Error;
 use proptest::prelude::*;
-use proptest::test_runner::TestCaseError;
 use rand::{Rng, SeedableRng};
 
 pub use crate::attention::Observed;

@@ -166,30 +166,17 @@ pub fn run_causal_suite(
             report.merge(&r);
         }
     }
-    let acc = std::cell::RefCell::new(report);
-    let mut runner = crate::runner(cases);
-    runner
-        .run(&causal_cases(), |case| {
-            if !imp.supports(&case.model.config) {
-                acc.borrow_mut().skipped += 1;
-                return Ok(());
-            }
-            let r =
-                check_causal(imp, &case, judge).map_err(|m| TestCaseError::fail(m.to_string()))?;
-            acc.borrow_mut().merge(&r);
-            Ok(())
-        })
-        .map_err(|e| {
-            Mismatch::new(
-                format!("{IMPL} causal-LM suite ({})", imp.name()),
-                e.to_string(),
-            )
-        })?;
-    let report = acc.into_inner();
+    let suite = format!("{IMPL} causal-LM suite ({})", imp.name());
+    let report = crate::run_cases(cases, &causal_cases(), &suite, report, |report, case| {
+        if !imp.supports(&case.model.config) {
+            report.skipped += 1;
+            return Ok(());
+        }
+        report.merge(&check_causal(imp, &case, judge)?);
+        Ok(())
+    })?;
     if let Some(rule) = judge.relative_rule() {
-        report
-            .relative
-            .check(&format!("{IMPL} causal-LM suite ({})", imp.name()), rule)?;
+        report.relative.check(&suite, rule)?;
     }
     Ok(report)
 }

@@ -83,18 +83,7 @@ fn backward_item<S: Simd, T: Element>(
             acc_transposed(simd, (&s, &mut tr), &doh[q0 * dp..], &mut dv_t, dp);
             // dP = dO_blk V_tile^T
             dpt.fill(0.0);
-            mm_acc(
-                simd,
-                BLOCK_Q,
-                BLOCK_K,
-                dp,
-                &doh[q0 * dp..],
-                dp,
-                &vt[k0..],
-                lpk,
-                &mut dpt,
-                BLOCK_K,
-            );
+            acc_by_transposed(simd, &doh[q0 * dp..], (&vt[k0..], lpk), dp, &mut dpt);
             // dS = P (dP - delta) scale, in place of P.
             for r in 0..BLOCK_Q {
                 let dl = simd.splat_f32s(delta.get(q0 + r).copied().unwrap_or(0.0));
@@ -105,18 +94,7 @@ fn backward_item<S: Simd, T: Element>(
                 }
             }
             // dQ_blk += dS K_tile
-            mm_acc(
-                simd,
-                BLOCK_Q,
-                dp,
-                BLOCK_K,
-                &s,
-                BLOCK_K,
-                &kh[k0 * dp..],
-                dp,
-                &mut dq[q0 * dp..],
-                dp,
-            );
+            acc_tile_times(simd, &s, &kh[k0 * dp..], dp, &mut dq[q0 * dp..]);
             // dK_tile += dS^T Q_blk
             acc_transposed(simd, (&s, &mut tr), &qh[q0 * dp..], &mut dk_t, dp);
         }

@@ -230,6 +230,27 @@ fn causal_skip(it: &Item, q0: usize, k0: usize) -> bool {
         && k0 >= it.key_limit((q0 + BLOCK_Q - 1).min(it.q_len.saturating_sub(1)))
 }
 
+/// `out: [BLOCK_Q, BLOCK_K] += x y^T` for the row block `x: [BLOCK_Q, dp]`
+/// and the key block of `y^T` (row stride `lpk`, its first column the
+/// block's first key): the forward's `Q K^T`, the backward's `dO V^T`.
+#[inline(always)]
+fn acc_by_transposed<S: Simd>(
+    simd: S,
+    x: &[f32],
+    (yt, lpk): (&[f32], usize),
+    dp: usize,
+    out: &mut [f32],
+) {
+    mm_acc(simd, BLOCK_Q, BLOCK_K, dp, x, dp, yt, lpk, out, BLOCK_K);
+}
+
+/// `out: [BLOCK_Q, dp] += s y` for a tile `s: [BLOCK_Q, BLOCK_K]` and the
+/// key block `y: [BLOCK_K, dp]`: the forward's `P V`, the backward's `dS K`.
+#[inline(always)]
+fn acc_tile_times<S: Simd>(simd: S, s: &[f32], y: &[f32], dp: usize, out: &mut [f32]) {
+    mm_acc(simd, BLOCK_Q, dp, BLOCK_K, s, BLOCK_K, y, dp, out, dp);
+}
+
 /// `S = scale Q_blk K_tile^T` with the mask: `s: [BLOCK_Q, BLOCK_K]`.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
@@ -246,18 +267,7 @@ fn scores<S: Simd>(
     scale: f32,
 ) {
     s.fill(0.0);
-    mm_acc(
-        simd,
-        BLOCK_Q,
-        BLOCK_K,
-        dp,
-        &qh[q0 * dp..],
-        dp,
-        &kt[k0..],
-        lpk,
-        s,
-        BLOCK_K,
-    );
+    acc_by_transposed(simd, &qh[q0 * dp..], (&kt[k0..], lpk), dp, s);
     simd::scale(simd, scale, s);
     apply_mask(s, it, q0, k0);
 }
@@ -316,18 +326,7 @@ fn forward_item<S: Simd, T: Element>(simd: S, pb: &Problem<T>, it: &Item) -> (Ve
                 }
                 m[r] = m_new;
             }
-            mm_acc(
-                simd,
-                BLOCK_Q,
-                dp,
-                BLOCK_K,
-                &s,
-                BLOCK_K,
-                &vh[k0 * dp..],
-                dp,
-                &mut acc,
-                dp,
-            );
+            acc_tile_times(simd, &s, &vh[k0 * dp..], dp, &mut acc);
         }
         for r in 0..rows {
             let i = q0 + r;

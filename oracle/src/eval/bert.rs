@@ -42,21 +42,9 @@ pub(super) fn bert(value: &Value) -> Result<Value, EvalError> {
         .opt_str("model")?
         .ok_or_else(|| EvalError::new("missing_field", "model: required field is missing"))?;
     let dir = Path::new(dir);
-    let sequences: Vec<Vec<i64>> = match (case.has("texts"), case.has("sequences")) {
-        (true, true) => {
-            return Err(EvalError::invalid(
-                "sequences",
-                "give either texts or sequences, not both",
-            ))
-        }
-        (false, false) => {
-            return Err(EvalError::new(
-                "missing_field",
-                "texts: required field is missing (or give sequences)",
-            ))
-        }
-        (false, true) => case.i64_lists("sequences")?,
-        (true, false) => tokenize_texts(value, dir)?,
+    let sequences: Vec<Vec<i64>> = match case.either("texts", "sequences")? {
+        true => tokenize_texts(value, dir)?,
+        false => case.i64_lists("sequences")?,
     };
     if sequences.len() > MAX_SEQUENCES {
         return Err(EvalError::invalid(

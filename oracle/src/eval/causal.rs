@@ -37,6 +37,28 @@ fn one_of<'f>(case: &Case, fields: &[&'f str]) -> Result<&'f str, EvalError> {
     }
 }
 
+/// Checks that `field`, `len` long, has one entry per input id: `[dim] =
+/// [n]`.
+///
+/// # Errors
+/// `shape_mismatch` naming `field`.
+pub(super) fn one_per_input_id(
+    field: &str,
+    dim: &str,
+    len: usize,
+    n: usize,
+) -> Result<(), EvalError> {
+    if len != n {
+        return Err(packshard_reference::Error::ShapeMismatch {
+            field: field.into(),
+            expected: format!("[{dim}] = [{n}] (one per input id)"),
+            actual: vec![len],
+        }
+        .into());
+    }
+    Ok(())
+}
+
 /// The ids as JSON integers.
 fn ints(xs: &[usize]) -> Value {
     json!(xs)
@@ -93,14 +115,7 @@ pub(super) fn causal_labels(value: &Value) -> Result<Value, EvalError> {
     let (doc_ids, given_docs) = match one_of(&case, &["doc_ids", "cu_seqlens"])? {
         "doc_ids" => {
             let d = case.usize_list("doc_ids")?;
-            if d.len() != n {
-                return Err(packshard_reference::Error::ShapeMismatch {
-                    field: "doc_ids".into(),
-                    expected: format!("[n_slots] = [{n}] (one per input id)"),
-                    actual: vec![d.len()],
-                }
-                .into());
-            }
+            one_per_input_id("doc_ids", "n_slots", d.len(), n)?;
             check_doc_ids(&d)?;
             let docs: std::collections::HashSet<usize> =
                 d.iter().copied().filter(|&x| x != 0).collect();

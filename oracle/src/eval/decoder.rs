@@ -11,14 +11,14 @@ use packshard_reference::decoder::packing::{
     CausalReduction,
 };
 use packshard_reference::decoder::params::MAX_TENSOR;
-use packshard_reference::decoder::{
-    DecoderAttention, DecoderConfig, DecoderInput, DecoderModel, DecoderParams, Mlp, Norm,
-};
+use packshard_reference::decoder::{DecoderConfig, DecoderModel, DecoderParams, Mlp, Norm};
 use packshard_reference::vocab::IGNORE_INDEX;
 use serde_json::{json, Value};
 
 use super::attention::nested2;
+use super::causal::one_per_input_id;
 use super::{check_values, num, Case, EvalError};
+use crate::causal_lm::VarlenInput;
 
 /// The config fields (the names of [`DecoderConfig`], so its errors name them).
 const CONFIG_FIELDS: [&str; 12] = [
@@ -54,6 +54,28 @@ const INPUT_FIELDS: [&str; 6] = [
 /// build).
 pub const MAX_DECODER_WORK: u64 = 1 << 32;
 
+/// `field`'s value among the named `options` (the first when absent).
+///
+/// # Errors
+/// `invalid_argument` naming `field` for any other name.
+fn choice<T: Copy, const N: usize>(
+    case: &Case,
+    field: &str,
+    options: [(&str, T); N],
+) -> Result<T, EvalError> {
+    let given = case.opt_str(field)?.unwrap_or(options[0].0);
+    match options.iter().find(|(name, _)| *name == given) {
+        Some(&(_, value)) => Ok(value),
+        None => {
+            let names: Vec<&str> = options.iter().map(|(name, _)| *name).collect();
+            Err(EvalError::invalid(
+                field,
+                format!("{given:?} is not {}", names.join(" or ")),
+            ))
+        }
+    }
+}
+
 fn config(case: &Case) -> Result<DecoderConfig, EvalError> {
     // Each size at most MAX_TENSOR, so the products of two that the
     // config's checks form cannot overflow.
@@ -69,26 +91,12 @@ fn config(case: &Case) -> Result<DecoderConfig, EvalError> {
     }
     let heads = case.usize("num_heads")?;
     let d = case.usize("head_dim")?;
-    let norm = match case.opt_str("norm")?.unwrap_or("rms_norm") {
-        "rms_norm" => Norm::RmsNorm,
-        "layer_norm" => Norm::LayerNorm,
-        other => {
-            return Err(EvalError::invalid(
-                "norm",
-                format!("{other:?} is not rms_norm or layer_norm"),
-            ))
-        }
-    };
-    let mlp = match case.opt_str("mlp")?.unwrap_or("swiglu") {
-        "swiglu" => Mlp::SwiGlu,
-        "gelu" => Mlp::Gelu,
-        other => {
-            return Err(EvalError::invalid(
-                "mlp",
-                format!("{other:?} is not swiglu or gelu"),
-            ))
-        }
-    };
+    let norm = choice(
+        case,
+        "norm",
+        [("rms_norm", Norm::RmsNorm), ("layer_norm", Norm::LayerNorm)],
+    )?;
+    let mlp = choice(case, "mlp", [("swiglu", Mlp::SwiGlu), ("gelu", Mlp::Gelu)])?;
     let c = DecoderConfig {
         vocab_size: case.usize("vocab_size")?,
         hidden_size: match case.opt_usize("hidden_size")? {
@@ -235,14 +243,7 @@ pub(super) fn decoder_forward_backward(value: &Value) -> Result<Value, EvalError
                 ));
             }
             let l = case.i64_list("labels")?;
-            if l.len() != n {
-                return Err(packshard_reference::Error::ShapeMismatch {
-                    field: "labels".into(),
-                    expected: format!("[n] = [{n}] (one per input id)"),
-                    actual: vec![l.len()],
-                }
-                .into());
-            }
+            one_per_input_id("labels", "n", l.len(), n)?;
             l
         }
         false => next_token_labels(&input_ids, &doc_ids, case.opt_i64("eos_token_id")?)?,
@@ -272,15 +273,8 @@ pub(super) fn decoder_forward_backward(value: &Value) -> Result<Value, EvalError
         config: cfg.clone(),
         params,
     };
-    let attention = DecoderAttention::Varlen {
-        cu_seqlens: cu.clone(),
-    };
-    let input = DecoderInput {
-        input_ids: &input_ids,
-        position_ids: &position_ids,
-        attention: &attention,
-        past: None,
-    };
+    let varlen = VarlenInput::new(&input_ids, &position_ids, &cu);
+    let input = varlen.input();
     let op = ReferenceAttention;
     let mut out = json!({"op": "decoder_forward_backward"});
     let (logits, per_token_loss, loss) = if want_grad {

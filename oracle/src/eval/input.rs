@@ -48,6 +48,26 @@ impl<'a> Case<'a> {
         self.obj.get(name).is_some_and(|v| !v.is_null())
     }
 
+    /// Which of two exclusive fields the case gives: `true` for `first`,
+    /// `false` for `second`.
+    ///
+    /// # Errors
+    /// `invalid_argument` on `second` when both are given; `missing_field`
+    /// on `first` when neither is.
+    pub fn either(&self, first: &str, second: &str) -> Result<bool, EvalError> {
+        match (self.has(first), self.has(second)) {
+            (true, true) => Err(EvalError::invalid(
+                second,
+                format!("give either {first} or {second}, not both"),
+            )),
+            (false, false) => Err(EvalError::new(
+                "missing_field",
+                format!("{first}: required field is missing (or give {second})"),
+            )),
+            (given_first, _) => Ok(given_first),
+        }
+    }
+
     fn get(&self, name: &str) -> Option<&'a Value> {
         self.obj.get(name).filter(|v| !v.is_null())
     }
@@ -256,6 +276,27 @@ fn flatten(
         flatten(item, shape, depth + 1, &format!("{path}[{i}]"), out)?;
     }
     Ok(())
+}
+
+/// Every number of a JSON value, nested arrays flattened in row-major
+/// order, the strings `inf`, `-inf`, `nan` read as [`tensor_leaf`] does:
+/// a result field read back, whatever its shape.
+///
+/// # Errors
+/// `invalid_argument` naming `path` for a leaf that is no number.
+pub fn numbers(value: &Value, path: &str) -> Result<Vec<f64>, EvalError> {
+    fn collect(value: &Value, path: &str, out: &mut Vec<f64>) -> Result<(), EvalError> {
+        match value {
+            Value::Array(items) => items.iter().try_for_each(|x| collect(x, path, out)),
+            leaf => {
+                out.push(tensor_leaf(leaf, path)?);
+                Ok(())
+            }
+        }
+    }
+    let mut out = Vec::new();
+    collect(value, path, &mut out)?;
+    Ok(out)
 }
 
 /// A tensor element: a JSON number, or one of the strings `inf`, `-inf`,

@@ -69,7 +69,30 @@ pub struct Op {
     /// entries (`reference` first, the default), or `reference` alone for
     /// the ops that run no kernel.
     pub impls: Vec<&'static str>,
-    run: fn(&Value, &str) -> Result<Value, EvalError>,
+    run: Runs,
+}
+
+/// What an op runs on a case.
+enum Runs {
+    /// An entry of the family's registry: `run(case, impl)`.
+    Kernel(Family, fn(&Value, &str) -> Result<Value, EvalError>),
+    /// No kernel (`impl` is `reference` alone): `run(case)`.
+    Plain(fn(&Value) -> Result<Value, EvalError>),
+}
+
+impl Op {
+    fn new(name: &'static str, run: Runs, summary: &'static str) -> Op {
+        let impls = match run {
+            Runs::Kernel(family, _) => impls(Some(family)),
+            Runs::Plain(_) => impls(None),
+        };
+        Op {
+            name,
+            summary,
+            impls,
+            run,
+        }
+    }
 }
 
 /// The `impl` values of `family`'s registry entries; `reference` alone
@@ -109,69 +132,22 @@ pub(crate) fn num(x: f64) -> Value {
     }
 }
 
-/// Every op the build has, in the order `--list` prints them.
+/// Every op the build has, in the order `--list` prints them: one row each,
+/// `(op, what runs, summary)`.
+#[rustfmt::skip]
 pub fn ops() -> Vec<Op> {
+    use Runs::{Kernel, Plain};
     vec![
-        Op {
-            name: "pack",
-            summary: "pack lengths or a length histogram (SPFHP, LPFHP, NNLSHP, LPHP, FFD, BFD), with the LP lower bound on packs",
-            impls: impls(None),
-            run: |v, _| pack::pack(v),
-        },
-        Op {
-            name: "batch",
-            summary: "pack token sequences into input_ids, position_ids, sequence_ids, cu_seqlens",
-            impls: impls(None),
-            run: |v, _| pack::batch(v),
-        },
-        Op {
-            name: "attention",
-            summary: "varlen attention over cu_seqlens (flash_attn_varlen_func form): output, lse, gradients",
-            impls: impls(Some(Family::Attention)),
-            run: attention::attention,
-        },
-        Op {
-            name: "bert",
-            summary: "the reference BERT encoder on a real checkpoint: hidden states and pooled outputs, packed or padded",
-            impls: impls(None),
-            run: |v, _| bert::bert(v),
-        },
-        Op {
-            name: "cross_entropy",
-            summary: "cross-entropy of logits, unsharded or vocabulary-parallel (naive, alg1, alg2)",
-            impls: impls(Some(Family::CrossEntropy)),
-            run: vocab::cross_entropy_op,
-        },
-        Op {
-            name: "linear_cross_entropy",
-            summary: "output layer hidden @ weight^T and its cross-entropy, unsharded or vocabulary-parallel",
-            impls: impls(Some(Family::LinearCrossEntropy)),
-            run: vocab::linear_cross_entropy_op,
-        },
-        Op {
-            name: "embedding",
-            summary: "input embedding lookup and its weight gradient, unsharded or vocabulary-parallel",
-            impls: impls(Some(Family::Embedding)),
-            run: vocab::embedding_op,
-        },
-        Op {
-            name: "causal_labels",
-            summary: "causal-LM next-token labels inside each packed document, and each slot's loss weight per reduction",
-            impls: impls(None),
-            run: |v, _| causal::causal_labels(v),
-        },
-        Op {
-            name: "causal_conversions",
-            summary: "position_ids, cu_seqlens, seq_idx and document ids of a packed batch into one another, with max_seqlen",
-            impls: impls(None),
-            run: |v, _| causal::causal_conversions(v),
-        },
-        Op {
-            name: "decoder_forward_backward",
-            summary: "the f64 reference causal decoder on given weights over packed documents: next-token loss, logits and every parameter's gradient",
-            impls: impls(None),
-            run: |v, _| decoder::decoder_forward_backward(v),
-        },
+        Op::new("pack", Plain(pack::pack), "pack lengths or a length histogram (SPFHP, LPFHP, NNLSHP, LPHP, FFD, BFD), with the LP lower bound on packs"),
+        Op::new("batch", Plain(pack::batch), "pack token sequences into input_ids, position_ids, sequence_ids, cu_seqlens"),
+        Op::new("attention", Kernel(Family::Attention, attention::attention), "varlen attention over cu_seqlens (flash_attn_varlen_func form): output, lse, gradients"),
+        Op::new("bert", Plain(bert::bert), "the reference BERT encoder on a real checkpoint: hidden states and pooled outputs, packed or padded"),
+        Op::new("cross_entropy", Kernel(Family::CrossEntropy, vocab::cross_entropy_op), "cross-entropy of logits, unsharded or vocabulary-parallel (naive, alg1, alg2)"),
+        Op::new("linear_cross_entropy", Kernel(Family::LinearCrossEntropy, vocab::linear_cross_entropy_op), "output layer hidden @ weight^T and its cross-entropy, unsharded or vocabulary-parallel"),
+        Op::new("embedding", Kernel(Family::Embedding, vocab::embedding_op), "input embedding lookup and its weight gradient, unsharded or vocabulary-parallel"),
+        Op::new("causal_labels", Plain(causal::causal_labels), "causal-LM next-token labels inside each packed document, and each slot's loss weight per reduction"),
+        Op::new("causal_conversions", Plain(causal::causal_conversions), "position_ids, cu_seqlens, seq_idx and document ids of a packed batch into one another, with max_seqlen"),
+        Op::new("decoder_forward_backward", Plain(decoder::decoder_forward_backward), "the f64 reference causal decoder on given weights over packed documents: next-token loss, logits and every parameter's gradient"),
     ]
 }
 
@@ -239,7 +215,10 @@ pub fn evaluate(case: &Value) -> Result<Value, EvalError> {
             ));
         }
     }
-    (op.run)(case, chosen)
+    match op.run {
+        Runs::Kernel(_, run) => run(case, chosen),
+        Runs::Plain(run) => run(case),
+    }
 }
 
 /// Bytes `eval` holds per value it computes: the f64 (8), its copies in

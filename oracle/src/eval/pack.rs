@@ -25,6 +25,18 @@ fn config(case: &Case) -> Result<PackingConfig, EvalError> {
         .with_overlong(case.opt_parse::<Overlong>("overlong")?.unwrap_or_default()))
 }
 
+/// A `pack` or `batch` case, whose fields are the packing config's and
+/// `extra`, and the config it gives.
+fn packing_case<'a>(
+    value: &'a Value,
+    extra: &[&str],
+) -> Result<(Case<'a>, PackingConfig), EvalError> {
+    let allowed: Vec<&str> = CONFIG_FIELDS.iter().chain(extra).copied().collect();
+    let case = Case::new(value, &allowed)?;
+    let config = config(&case)?;
+    Ok((case, config))
+}
+
 /// The metrics fields of a `pack` result (everything but the wall time, so
 /// results are reproducible).
 pub(crate) fn metrics_json(m: &PackingMetrics) -> serde_json::Map<String, Value> {
@@ -64,25 +76,10 @@ fn bounded(
 /// only where it is cheap). The result carries `bound_packs`,
 /// `bound_efficiency` and `bound_depth` (`null` where not computed).
 pub(super) fn pack(value: &Value) -> Result<Value, EvalError> {
-    let mut allowed = CONFIG_FIELDS.to_vec();
-    allowed.extend(["lengths", "histogram", "bound"]);
-    let case = Case::new(value, &allowed)?;
-    let config = config(&case)?;
+    let (case, config) = packing_case(value, &["lengths", "histogram", "bound"])?;
     let want_bound = case.opt_bool("bound")?;
-    let mut out = match (case.has("lengths"), case.has("histogram")) {
-        (true, true) => {
-            return Err(EvalError::invalid(
-                "histogram",
-                "give either lengths or histogram, not both",
-            ))
-        }
-        (false, false) => {
-            return Err(EvalError::new(
-                "missing_field",
-                "lengths: required field is missing (or give histogram)",
-            ))
-        }
-        (true, false) => {
+    let mut out = match case.either("lengths", "histogram")? {
+        true => {
             let lengths = case.usize_list("lengths")?;
             let plan = pack_lengths(&lengths, &config)?;
             let metrics = bounded(
@@ -107,7 +104,7 @@ pub(super) fn pack(value: &Value) -> Result<Value, EvalError> {
             );
             out
         }
-        (false, true) => {
+        false => {
             let pairs = case.pairs("histogram")?;
             let max = pairs.iter().map(|p| p.0).max().unwrap_or(0);
             if max > MAX_HISTOGRAM_LENGTH {
@@ -140,10 +137,7 @@ pub(super) fn pack(value: &Value) -> Result<Value, EvalError> {
 /// `batch`: `sequences` ([[token ids], ...]), `max_seq_len`, `algorithm`,
 /// `max_sequences_per_pack`, `overlong`, `pad_token_id` (0), `position_offset` (0).
 pub(super) fn batch(value: &Value) -> Result<Value, EvalError> {
-    let mut allowed = CONFIG_FIELDS.to_vec();
-    allowed.extend(["sequences", "pad_token_id", "position_offset"]);
-    let case = Case::new(value, &allowed)?;
-    let config = config(&case)?;
+    let (case, config) = packing_case(value, &["sequences", "pad_token_id", "position_offset"])?;
     let sequences = case.i64_lists("sequences")?;
     let pad = case.opt_i64("pad_token_id")?.unwrap_or(0);
     let offset = case.opt_i64("position_offset")?.unwrap_or(0);

@@ -15,6 +15,7 @@
 //! Inputs are the stored (already rounded) golden inputs, as f64.
 
 use ndarray::{Array2, Array3, ArrayView2, ArrayView3};
+use packshard_reference::attention::{AttentionGrads, AttentionOutput};
 use packshard_reference::vocab::{LossCall, Reduction};
 
 use super::io::Dtype;
@@ -23,24 +24,12 @@ fn st(dtype: Dtype, x: f32) -> f32 {
     dtype.round(f64::from(x)) as f32
 }
 
-/// Attention outputs and gradients in the low precision (as f64 values).
-#[derive(Debug, Clone)]
-pub struct Attention {
-    /// `[n, h, d]`.
-    pub output: Array3<f64>,
-    /// `[h, n]`.
-    pub lse: Array2<f64>,
-    /// `[n, h, d]`.
-    pub grad_q: Array3<f64>,
-    /// `[n, h, d]`.
-    pub grad_k: Array3<f64>,
-    /// `[n, h, d]`.
-    pub grad_v: Array3<f64>,
-}
-
 /// Varlen attention forward and backward in `dtype` (see the module docs):
 /// `q, k, v, grad_output: [n, h, d]`, `cu_seqlens: [b + 1]` (well-formed),
-/// `causal` masking keys after the query within its segment.
+/// `causal` masking keys after the query within its segment. Returns what
+/// [`varlen_pass`](packshard_reference::attention::varlen_pass) does, in the
+/// low precision (as f64 values): `output: [n, h, d]`, `lse: [h, n]`, and
+/// `grad_q`, `grad_k`, `grad_v: [n, h, d]`.
 #[allow(clippy::too_many_arguments)]
 pub fn attention(
     q: ArrayView3<f64>,
@@ -51,7 +40,7 @@ pub fn attention(
     causal: bool,
     scale: f64,
     dtype: Dtype,
-) -> Attention {
+) -> (AttentionOutput, AttentionGrads) {
     let (n, h, d) = q.dim();
     let r = |x: f32| st(dtype, x);
     let f = |x: f64| x as f32;
@@ -116,13 +105,16 @@ pub fn attention(
         }
     }
     let back3 = |x: Array3<f32>| x.mapv(|y| f64::from(r(y)));
-    Attention {
+    let fwd = AttentionOutput {
         output: back3(out),
         lse: lse.mapv(f64::from),
+    };
+    let grads = AttentionGrads {
         grad_q: back3(gq),
         grad_k: back3(gk),
         grad_v: back3(gv),
-    }
+    };
+    (fwd, grads)
 }
 
 /// Cross-entropy outputs in the low precision (as f64 values).

@@ -8,16 +8,27 @@ use ndarray::{Array2, Array3, Axis, Slice};
 use super::*;
 use crate::testutil::{attention_fd, random3};
 
+/// `[q, k, v, grad_output]` of one problem, from seeds `seed..seed + 4` in
+/// that order: `q, grad_output: [n_q, h, d]`, `k, v: [n_k, h_kv, d]`.
+fn random_inputs(
+    (n_q, h): (usize, usize),
+    (n_k, h_kv): (usize, usize),
+    d: usize,
+    seed: u64,
+) -> [Array3<f64>; 4] {
+    [
+        random3(n_q, h, d, seed),
+        random3(n_k, h_kv, d, seed + 1),
+        random3(n_k, h_kv, d, seed + 2),
+        random3(n_q, h, d, seed + 3),
+    ]
+}
+
 #[test]
 fn varlen_attention_gradients_match_finite_differences() {
     // Segments 3, 0 (empty), 1, 4: non-power-of-two sizes, an empty segment.
     let cu = [0usize, 3, 3, 4, 8];
-    let (q, k, v, go) = (
-        random3(8, 3, 5, 1),
-        random3(8, 3, 5, 2),
-        random3(8, 3, 5, 3),
-        random3(8, 3, 5, 4),
-    );
+    let [q, k, v, go] = random_inputs((8, 3), (8, 3), 5, 1);
     for causal in [false, true] {
         let scale = 0.7;
         let fwd = |q: &Array3<f64>, k: &Array3<f64>, v: &Array3<f64>| {
@@ -61,12 +72,7 @@ fn masked_attention_gradients_match_finite_differences_and_empty_rows_are_zero()
     // has no key (docs/FAULTS.md P8).
     let ids = [1, 1, 2, 0, 2];
     let mask = Array2::from_shape_fn((5, 5), |(i, j)| ids[i] != 0 && ids[i] == ids[j]);
-    let (q, k, v, go) = (
-        random3(5, 2, 3, 5),
-        random3(5, 2, 3, 6),
-        random3(5, 2, 3, 7),
-        random3(5, 2, 3, 8),
-    );
+    let [q, k, v, go] = random_inputs((5, 2), (5, 2), 3, 5);
     let fwd = |q: &Array3<f64>, k: &Array3<f64>, v: &Array3<f64>| {
         masked_attention(q.view(), k.view(), v.view(), mask.view(), 0.5).unwrap()
     };
@@ -211,12 +217,7 @@ fn grouped_query_attention_equals_repeated_key_heads() {
     let cu = [0usize, 3, 3, 8];
     for (h_kv, causal) in [(2usize, false), (2, true), (1, true), (3, false)] {
         let group = 6 / h_kv;
-        let (q, k, v, go) = (
-            random3(8, 6, 4, 21),
-            random3(8, h_kv, 4, 22),
-            random3(8, h_kv, 4, 23),
-            random3(8, 6, 4, 24),
-        );
+        let [q, k, v, go] = random_inputs((8, 6), (8, h_kv), 4, 21);
         let p = Varlen::new(&cu, causal, 0.45);
         let gqa = varlen_attention_general(q.view(), k.view(), v.view(), &p).unwrap();
         let (kr, vr) = (repeat_kv(&k, group), repeat_kv(&v, group));
@@ -272,12 +273,7 @@ fn varlen_over_other_keys_equals_its_dense_mask_and_has_exact_gradients() {
     // keys, (0, 3) keys only, (3, 3) self; causal and not; GQA 4 over 2.
     let cu_q = [0usize, 2, 6, 6, 9];
     let cu_k = [0usize, 5, 7, 10, 13];
-    let (q, k, v, go) = (
-        random3(9, 4, 3, 31),
-        random3(13, 2, 3, 32),
-        random3(13, 2, 3, 33),
-        random3(9, 4, 3, 34),
-    );
+    let [q, k, v, go] = random_inputs((9, 4), (13, 2), 3, 31);
     for causal in [false, true] {
         let p = Varlen::cross(&cu_q, &cu_k, causal, 0.8);
         let var = varlen_attention_general(q.view(), k.view(), v.view(), &p).unwrap();
@@ -336,28 +332,15 @@ fn bad_grouped_and_cross_inputs_are_typed_errors() {
     assert_eq!(e.kind(), "shape_mismatch");
     assert!(e.to_string().contains("h_kv dividing h = 6"), "{e}");
     let k = random3(5, 3, 2, 3);
-    let e = varlen_attention_general(
-        q.view(),
-        k.view(),
-        k.view(),
-        &Varlen::cross(&[0, 4], &[0, 2, 5], false, 1.0),
-    )
-    .unwrap_err();
+    // The error of `q` (one segment of 4) over `k` split by `cu_seqlens_k`.
+    let cross_error = |cu_k: &[usize]| {
+        let p = Varlen::cross(&[0, 4], cu_k, false, 1.0);
+        varlen_attention_general(q.view(), k.view(), k.view(), &p).unwrap_err()
+    };
+    let e = cross_error(&[0, 2, 5]);
     assert!(e.to_string().starts_with("cu_seqlens_k"), "{e}");
-    let e = varlen_attention_general(
-        q.view(),
-        k.view(),
-        k.view(),
-        &Varlen::cross(&[0, 4], &[0, 4], false, 1.0),
-    )
-    .unwrap_err();
+    let e = cross_error(&[0, 4]);
     assert!(e.to_string().contains("self-attention"), "{e}");
-    let e = varlen_attention_general(
-        q.view(),
-        k.view(),
-        k.view(),
-        &Varlen::cross(&[0, 4], &[0, 6], false, 1.0),
-    )
-    .unwrap_err();
+    let e = cross_error(&[0, 6]);
     assert!(e.to_string().contains("cu_seqlens_k[1]"), "{e}");
 }

@@ -235,10 +235,9 @@ const DECODER_REL: f64 = 1e-12;
 /// input-embedding gradient and every parameter's gradient. In the `f64`
 /// set only (no lower-precision decoder exists to derive a rule from).
 pub(super) fn decoder_case() -> Result<GoldenCase, GoldenError> {
+    use crate::causal_lm::VarlenInput;
     use packshard_reference::attention::ReferenceAttention;
-    use packshard_reference::decoder::{
-        DecoderAttention, DecoderConfig, DecoderInput, DecoderModel,
-    };
+    use packshard_reference::decoder::{DecoderConfig, DecoderModel};
     let config = DecoderConfig::tiny(11, 4, 2, 2, 6, 2);
     let model = DecoderModel::random(config.clone(), 15)?;
     let ids: Vec<i64> = vec![3, 1, 4, 1, 5, 9, 2, 6, 5];
@@ -248,16 +247,8 @@ pub(super) fn decoder_case() -> Result<GoldenCase, GoldenError> {
     let labels = next_token_labels(&ids, &docs, None)?;
     let weights = loss_weights(&labels, &docs, CausalReduction::PerDocument, cu.len() - 1)?;
     let pos = position_ids_from_cu_seqlens(&cu, 0)?;
-    let attention = DecoderAttention::Varlen {
-        cu_seqlens: cu.clone(),
-    };
-    let input = DecoderInput {
-        input_ids: &ids,
-        position_ids: &pos,
-        attention: &attention,
-        past: None,
-    };
-    let run = model.run(&ReferenceAttention, &input, &labels, &weights)?;
+    let input = VarlenInput::new(&ids, &pos, &cu);
+    let run = model.run(&ReferenceAttention, &input.input(), &labels, &weights)?;
     let float = |name: &str, shape: &[usize], values: Vec<f64>| Output {
         rule: decoder_rule(&values),
         tensor: Tensor::float(name, shape, values, Dtype::F64),

@@ -6,7 +6,9 @@ use ndarray::{Array2, Array3, ArrayView2, Axis, Slice};
 use packshard_equivalence::attention::AttentionCase;
 use packshard_equivalence::fuzz::attention::AttentionTerms;
 use packshard_equivalence::vocab::Terms;
-use packshard_reference::attention::{default_scale, varlen_pass, ReferenceAttention};
+use packshard_reference::attention::{
+    default_scale, varlen_pass, AttentionGrads, AttentionOutput, ReferenceAttention,
+};
 use packshard_reference::ops::{Qkv, Varlen};
 use packshard_reference::packing::{pack_lengths, Algorithm, Overlong, PackedBatch, PackingConfig};
 use packshard_reference::vocab::embedding::{embedding_backward, embedding_forward};
@@ -294,7 +296,10 @@ fn attention_case(
             dtype,
         )
     });
+    let mut low = low.map(|l| attention_flats(&l).into_iter());
     let n = q.dim().0;
+    let nhd = [n, h, d];
+    let shapes: [&[usize]; 5] = [&nhd, &[h, n], &nhd, &nhd, &nhd];
     let what = "AttentionTerms";
     let out = |name: &str, shape: &[usize], e: Vec<f64>, t: f64, l: Option<Vec<f64>>| {
         float_output(name, shape, e, dtype, t, what, &l.unwrap_or_default())
@@ -319,44 +324,27 @@ fn attention_case(
             ),
             Tensor::float("grad_output", &[n, h, d], flat(&go), dtype),
         ],
-        outputs: vec![
-            out(
-                "output",
-                &[n, h, d],
-                flat(&fwd.output),
-                terms[0],
-                low.as_ref().map(|l| flat(&l.output)),
-            ),
-            out(
-                "lse",
-                &[h, n],
-                flat(&fwd.lse),
-                terms[1],
-                low.as_ref().map(|l| flat(&l.lse)),
-            ),
-            out(
-                "grad_q",
-                &[n, h, d],
-                flat(&grads.grad_q),
-                terms[2],
-                low.as_ref().map(|l| flat(&l.grad_q)),
-            ),
-            out(
-                "grad_k",
-                &[n, h, d],
-                flat(&grads.grad_k),
-                terms[3],
-                low.as_ref().map(|l| flat(&l.grad_k)),
-            ),
-            out(
-                "grad_v",
-                &[n, h, d],
-                flat(&grads.grad_v),
-                terms[4],
-                low.as_ref().map(|l| flat(&l.grad_v)),
-            ),
-        ],
+        outputs: ["output", "lse", "grad_q", "grad_k", "grad_v"]
+            .into_iter()
+            .zip(shapes)
+            .zip(attention_flats(&(fwd, grads)))
+            .zip(terms)
+            .map(|(((name, shape), e), t)| {
+                out(name, shape, e, t, low.as_mut().and_then(Iterator::next))
+            })
+            .collect(),
     })
+}
+
+/// `[output, lse, grad_q, grad_k, grad_v]` of an attention pass, flattened.
+fn attention_flats((fwd, grads): &(AttentionOutput, AttentionGrads)) -> [Vec<f64>; 5] {
+    [
+        flat(&fwd.output),
+        flat(&fwd.lse),
+        flat(&grads.grad_q),
+        flat(&grads.grad_k),
+        flat(&grads.grad_v),
+    ]
 }
 
 mod causal;
