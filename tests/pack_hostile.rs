@@ -4,7 +4,6 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Output;
-use std::time::{Duration, Instant};
 
 mod common;
 use common::packshard;
@@ -150,16 +149,18 @@ fn many_lengths_stream_into_a_histogram_and_empty_ones_count_against_the_plan_li
 }
 
 #[test]
-fn huge_max_seq_len_is_fast_or_refused_before_any_work() {
+fn huge_max_seq_len_is_packed_or_refused_before_any_work() {
     // 2,000 distinct lengths at max_seq_len 2^24: SPFHP and LPFHP jump
-    // between open packs instead of scanning every free-space value.
+    // between open packs instead of scanning every free-space value. How
+    // long that takes is measured by the criterion bench `pack/wide-2^24`
+    // (benches/packing.rs), not here: tests on shared machines hold no
+    // timing (CONTRIBUTING). A regression to the free-space scan shows there.
     let path = temp("wide.csv");
     let text: String = (1..=2000)
         .map(|i| format!("{},{}\n", i * 8000, 1 + i % 7))
         .collect();
     std::fs::write(&path, text).unwrap();
     for algorithm in ["spfhp", "lpfhp", "ffd", "bfd"] {
-        let start = Instant::now();
         let o = pack(
             "--histogram",
             &path,
@@ -170,24 +171,12 @@ fn huge_max_seq_len_is_fast_or_refused_before_any_work() {
             "{algorithm}: {}",
             String::from_utf8_lossy(&o.stderr)
         );
-        // Generous for a loaded debug build; it took 20 s before.
-        assert!(
-            start.elapsed() < Duration::from_secs(10),
-            "{algorithm}: {:?}",
-            start.elapsed()
-        );
     }
     // The whole table: NNLSHP is refused before anything is packed.
-    let start = Instant::now();
     let err = refused(&pack("--histogram", &path, "--max-seq-len 16777216"));
     assert!(
         err.starts_with("packshard: max_sequences_per_pack: depth 3 at max_seq_len 16777216"),
         "{err}"
-    );
-    assert!(
-        start.elapsed() < Duration::from_secs(5),
-        "{:?}",
-        start.elapsed()
     );
 }
 
