@@ -12,7 +12,7 @@ use packshard_equivalence::vocab::{
 };
 use packshard_equivalence::{Judge, Mismatch, Tolerance};
 use packshard_reference::ops::{
-    CrossEntropyOp, EmbeddingOp, LinearCrossEntropyOp, LinearLoss, LossSupport,
+    CrossEntropyOp, EmbeddingOp, LinearCrossEntropyOp, LinearInput, LinearLoss, LossSupport,
 };
 use packshard_reference::vocab::collective::{run_ranks, Collective, Reduce};
 use packshard_reference::vocab::cross_entropy::CrossEntropy;
@@ -22,7 +22,7 @@ use packshard_reference::vocab::sharded::{merge_stats, RankLoss, ShardedLoss};
 use packshard_reference::vocab::sum;
 use packshard_reference::vocab::ReferenceLinearCrossEntropy;
 use packshard_reference::vocab::{
-    cross_entropy, linear_cross_entropy, LossCall, LossConfig, ShardLayout, ShardMap,
+    cross_entropy, linear_cross_entropy, LossCall, LossConfig, ShardLayout, ShardMap, ShardPlan,
     ShardedAlgorithm, SmoothingConvention, SoftmaxStats,
 };
 use packshard_reference::Error;
@@ -319,36 +319,30 @@ impl VocabHooks for Alg1 {
         Ok(l)
     }
 
-    fn sharded_cross_entropy(
-        &self,
-        _algorithm: ShardedAlgorithm,
-        map: &ShardMap,
-        c: CeCall<'_>,
-    ) -> Result<ShardedLoss, Error> {
+    fn sharded_cross_entropy(&self, plan: ShardPlan, c: CeCall<'_>) -> Result<ShardedLoss, Error> {
         let CeCall {
             input: logits,
             call,
         } = c;
         // Bad input fails as in the reference.
-        let v = map.vocab_size();
+        let v = plan.map.vocab_size();
         let forward = LossCall::with_flag(call.targets, call.config, false);
         cross_entropy(logits.slice_axis(Axis(1), Slice::from(..v)), &forward)?;
         LossSupport::BASIC.check(&call)?;
-        let parts = map.split_columns(logits, "logits")?;
-        self.run(map, &parts, None, &call)
+        let parts = plan.map.split_columns(logits, "logits")?;
+        self.run(&plan.map, &parts, None, &call)
     }
 
     fn sharded_linear_cross_entropy(
         &self,
-        _algorithm: ShardedAlgorithm,
-        map: &ShardMap,
+        plan: ShardPlan,
         c: LinearCall<'_>,
     ) -> Result<ShardedLoss, Error> {
         let LinearCall {
-            input: (hidden, weight),
+            input: LinearInput { hidden, weight },
             call,
         } = c;
-        let v = map.vocab_size();
+        let v = plan.map.vocab_size();
         let forward = LossCall::with_flag(call.targets, call.config, false);
         linear_cross_entropy(
             hidden,
@@ -356,13 +350,13 @@ impl VocabHooks for Alg1 {
             &forward,
         )?;
         LossSupport::BASIC.check(&call)?;
-        let parts = map.split_rows(weight, "weight")?;
+        let parts = plan.map.split_rows(weight, "weight")?;
         // Padding rows may hold NaN: a planted fault that reads them shows as NaN.
         let parts: Vec<Array2<f64>> = parts
             .into_iter()
             .map(|p| p.mapv(|x| if x.is_finite() { x } else { 1e3 }))
             .collect();
-        self.run(map, &[], Some((hidden, &parts)), &call)
+        self.run(&plan.map, &[], Some((hidden, &parts)), &call)
     }
 
     fn sharded_embedding(
@@ -496,8 +490,7 @@ fn v1_negative_control_smoothing_with_a_shard_local_mean() {
     // ... and each rank gets a different number.
     let out = planted
         .sharded_cross_entropy(
-            ShardedAlgorithm::Alg1,
-            &case.map,
+            ShardPlan::new(ShardedAlgorithm::Alg1, case.map),
             case.logits.view(),
             &LossCall::with_flag(&[4], &config, false),
         )

@@ -41,7 +41,7 @@ fn sharded_ce(
     name: &str,
 ) -> Result<ShardedLoss, Mismatch> {
     let (z, call) = (case.logits.view(), case.call(want_grad));
-    imp.sharded_cross_entropy(algorithm, &case.map, z, &call)
+    imp.sharded_cross_entropy(ShardPlan::new(algorithm, case.map), z, &call)
         .map_err(|e| Mismatch::new(name, e.to_string()))
 }
 
@@ -53,8 +53,8 @@ fn sharded_linear(
     want_grad: bool,
     name: &str,
 ) -> Result<ShardedLoss, Mismatch> {
-    let (x, w, call) = (case.hidden.view(), case.weight.view(), case.call(want_grad));
-    imp.sharded_linear_cross_entropy(algorithm, &case.map, x, w, &call)
+    let call = case.call(want_grad);
+    imp.sharded_linear_cross_entropy(ShardPlan::new(algorithm, case.map), case.input(), &call)
         .map_err(|e| Mismatch::new(name, e.to_string()))
 }
 
