@@ -22,10 +22,10 @@ use packshard_reference::ops::{AttentionOp, Grad, Qkv, Varlen};
 use packshard_reference::packing::{Overlong, PackedBatch, PackingConfig, PackingPlan};
 use packshard_reference::vocab::embedding::ShardedEmbedding;
 use packshard_reference::vocab::sharded::ShardedLoss;
+use packshard_reference::vocab::ShardMap;
 use packshard_reference::vocab::{
     LossCall, ReferenceCrossEntropy, ReferenceEmbedding, ReferenceLinearCrossEntropy, ShardPlan,
 };
-use packshard_reference::vocab::ShardMap;
 use packshard_reference::Error;
 
 const TOL: Judge = Judge::Rewrite(Tolerance::F64_REWRITE);

@@ -479,11 +479,8 @@ fn v1_negative_control_smoothing_with_a_shard_local_mean() {
     let planted = Planted(Alg1(Fault::LocalSmoothing));
     let config = LossConfig::default().with_smoothing(0.1, SmoothingConvention::Megatron);
     let case = CeCase {
-        map: map(8, 2, ShardLayout::Uneven),
-        logits: row(&V1_LOGITS),
-        targets: vec![4],
         config,
-        grad_output: None,
+        ..CeCase::new(map(8, 2, ShardLayout::Uneven), row(&V1_LOGITS), vec![4])
     };
     let err = check_cross_entropy(&planted, ShardedAlgorithm::Alg1, &case, false).unwrap_err();
     assert_eq!(err.what, "loss (rank 0)", "{err}");
@@ -510,13 +507,7 @@ fn v2_negative_control_padded_entries_in_the_softmax() {
     let planted = Planted(Alg1(Fault::PaddingInSoftmax));
     let mut z = V2_LOGITS.to_vec();
     z.extend([9.0, -4.0]);
-    let case = CeCase {
-        map: map(10, 3, ShardLayout::Padded),
-        logits: row(&z),
-        targets: vec![7],
-        config: LossConfig::default(),
-        grad_output: None,
-    };
+    let case = CeCase::new(map(10, 3, ShardLayout::Padded), row(&z), vec![7]);
     let err = check_cross_entropy(&planted, ShardedAlgorithm::Alg1, &case, false).unwrap_err();
     assert_eq!(err.what, "loss (rank 0)", "{err}");
     // Without padding (uneven shards) the same code is right.
@@ -567,13 +558,7 @@ fn v4_negative_control_an_assertion_on_divisibility() {
     assert_eq!(err.what, "panic", "{err}");
     assert!(err.detail.contains("must be divisible"), "{err}");
     // 8 shards of V = 8 divide: the same code passes there.
-    let even = CeCase {
-        map: map(8, 8, ShardLayout::Uneven),
-        logits: row(&V1_LOGITS),
-        targets: vec![4],
-        config: LossConfig::default(),
-        grad_output: None,
-    };
+    let even = CeCase::new(map(8, 8, ShardLayout::Uneven), row(&V1_LOGITS), vec![4]);
     check_cross_entropy(&planted, ShardedAlgorithm::Alg1, &even, true).unwrap();
     // The suite's first V-case with p not dividing v is V1 with p = 3.
     let err = suite_rejects(Fault::AssertDivisible, &["V1 alg1 pytorch p 3"]);
@@ -612,13 +597,11 @@ fn v5_negative_control_a_silent_zero_row() {
 fn v6_negative_control_nan_from_an_all_minus_inf_shard() {
     let planted = Planted(Alg1(Fault::NanFromEmptyShard));
     let inf = f64::NEG_INFINITY;
-    let case = CeCase {
-        map: map(8, 2, ShardLayout::Uneven),
-        logits: row(&[1.0, 2.0, 0.0, -1.0, inf, inf, inf, inf]),
-        targets: vec![1],
-        config: LossConfig::default(),
-        grad_output: None,
-    };
+    let case = CeCase::new(
+        map(8, 2, ShardLayout::Uneven),
+        row(&[1.0, 2.0, 0.0, -1.0, inf, inf, inf, inf]),
+        vec![1],
+    );
     let err = check_cross_entropy(&planted, ShardedAlgorithm::Alg1, &case, false).unwrap_err();
     assert_eq!(err.what, "loss (rank 0)", "{err}");
     assert!(err.detail.contains("got NaN"), "{err}");

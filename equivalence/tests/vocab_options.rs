@@ -126,11 +126,12 @@ impl VocabHooks for Refuses {
 
 fn o1_case() -> CeCase {
     CeCase {
-        map: ShardMap::new(8, 2, ShardLayout::Uneven).unwrap(),
-        logits: Array2::from_shape_vec((1, 8), V1_LOGITS.to_vec()).unwrap(),
-        targets: vec![faults::V1_TARGET],
         config: LossConfig::default().with_softcap(faults::O1_SOFTCAP),
-        grad_output: None,
+        ..CeCase::new(
+            ShardMap::new(8, 2, ShardLayout::Uneven).unwrap(),
+            Array2::from_shape_vec((1, 8), V1_LOGITS.to_vec()).unwrap(),
+            vec![faults::V1_TARGET],
+        )
     }
 }
 

@@ -104,6 +104,18 @@ pub struct LinearCase {
 }
 
 impl CeCase {
+    /// `logits: [n, w]` split by `map`, `targets: [n]`, the default loss
+    /// options, the gradients of the loss itself.
+    pub fn new(map: ShardMap, logits: Array2<f64>, targets: Vec<i64>) -> Self {
+        CeCase {
+            map,
+            logits,
+            targets,
+            config: LossConfig::default(),
+            grad_output: None,
+        }
+    }
+
     /// The case's loss call, asking for gradients when `want_grad` (with
     /// the case's upstream gradient, where it has one).
     pub fn call(&self, want_grad: bool) -> LossCall<'_> {

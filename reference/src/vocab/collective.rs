@@ -363,6 +363,29 @@ fn collective_error(rank: usize, generation: u64, why: &str) -> Error {
     )
 }
 
+/// Refuses a [`Reduce::Merge`] buffer that is not whole records of its
+/// width: the check every [`Collective`] makes before it reduces `ops`
+/// (this in-process one and the pipeline's MPI one).
+///
+/// # Errors
+/// [`Error::InvalidArgument`] naming `collective` and the buffer.
+pub fn check_records(ops: &[Reduce<'_>]) -> Result<()> {
+    for (k, op) in ops.iter().enumerate() {
+        if let Reduce::Merge { data, width, .. } = op {
+            if *width == 0 || data.len() % width != 0 {
+                return Err(Error::invalid(
+                    "collective",
+                    format!(
+                        "buffer {k}: {} values are not records of width {width}",
+                        data.len()
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
 impl Collective for InProcess<'_> {
     fn rank(&self) -> usize {
         self.rank
@@ -373,19 +396,7 @@ impl Collective for InProcess<'_> {
     }
 
     fn all_reduce(&self, ops: &mut [Reduce<'_>]) -> Result<()> {
-        for (k, op) in ops.iter().enumerate() {
-            if let Reduce::Merge { data, width, .. } = op {
-                if *width == 0 || data.len() % width != 0 {
-                    return Err(Error::invalid(
-                        "collective",
-                        format!(
-                            "buffer {k}: {} values are not records of width {width}",
-                            data.len()
-                        ),
-                    ));
-                }
-            }
-        }
+        check_records(ops)?;
         let elements = ops.iter().map(|o| o.data().len()).sum();
         self.count(ops.len() as u64, elements);
         let deposit = Deposit {
