@@ -122,11 +122,7 @@ impl<'c> MpiCollective<'c> {
     }
 
     fn count(&self, calls: u64, elements: usize) {
-        let mut c = self.counts.get();
-        c.calls += calls;
-        c.barriers += 1;
-        c.elements += elements as u64;
-        self.counts.set(c);
+        self.counts.set(self.counts.get().barrier(calls, elements));
     }
 }
 

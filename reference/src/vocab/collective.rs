@@ -98,6 +98,19 @@ pub struct CollectiveCounts {
     pub elements: u64,
 }
 
+impl CollectiveCounts {
+    /// These counts after one more barrier that reduced `calls` buffers of
+    /// `elements` values in all (what every [`Collective`] counts per call).
+    #[must_use]
+    pub fn barrier(self, calls: u64, elements: usize) -> Self {
+        CollectiveCounts {
+            calls: self.calls + calls,
+            barriers: self.barriers + 1,
+            elements: self.elements + elements as u64,
+        }
+    }
+}
+
 /// Collective communication between the `p` ranks that hold the vocabulary
 /// shards, as seen by one rank. Every rank calls the same collectives in the
 /// same order with buffers of the same lengths (SPMD).
@@ -336,11 +349,7 @@ pub struct InProcess<'h> {
 
 impl InProcess<'_> {
     fn count(&self, calls: u64, elements: usize) {
-        let mut c = self.counts.get();
-        c.calls += calls;
-        c.barriers += 1;
-        c.elements += elements as u64;
-        self.counts.set(c);
+        self.counts.set(self.counts.get().barrier(calls, elements));
     }
 
     fn run(&self, deposit: Deposit) -> Result<Vec<Vec<f64>>> {
