@@ -13,7 +13,7 @@ use packshard_reference::attention::ReferenceAttention;
 use packshard_reference::bert::{AttentionGrads, AttentionOutput};
 use packshard_reference::ops::{
     AttentionOp, AttentionSupport, CrossEntropyOp, Embedding, EmbeddingOp, LinearCrossEntropyOp,
-    LinearLoss, LossSupport, Varlen,
+    LinearInput, LinearLoss, LossSupport, Varlen,
 };
 use packshard_reference::ops::{Grad, Masked, Qkv};
 use packshard_reference::vocab::cross_entropy::CrossEntropy;
@@ -21,7 +21,7 @@ use packshard_reference::vocab::embedding::ShardedEmbedding;
 use packshard_reference::vocab::sharded::ShardedLoss;
 use packshard_reference::vocab::{
     GradRequest, LossCall, ReferenceCrossEntropy, ReferenceEmbedding, ReferenceLinearCrossEntropy,
-    ShardMap, ShardedAlgorithm,
+    ShardMap, ShardPlan, ShardedAlgorithm,
 };
 use packshard_reference::Result;
 
@@ -193,7 +193,8 @@ impl AttentionHooks for ModuloKvHeads {
 /// (`targets: [n]`, options, gradient request).
 #[derive(Debug, Clone, Copy)]
 pub struct LossInputs<'a, X> {
-    /// `logits: [n, v]`, or `(hidden: [n, h], weight: [v, h])`; sharded,
+    /// `logits: [n, v]`, or the output layer's [`LinearInput`] (`hidden:
+    /// [n, h]`, `weight: [v, h]`); sharded,
     /// `w >= v` columns of logits or rows of the weight.
     pub input: X,
     /// The targets, the loss's options and the gradient request.
@@ -216,9 +217,9 @@ impl<'a, X> LossInputs<'a, X> {
 /// A cross-entropy call: `input` the logits, `[n, v]` (`[n, w]` sharded).
 pub type CeCall<'a> = LossInputs<'a, ArrayView2<'a, f64>>;
 
-/// An output-layer call: `input` is `(hidden: [n, h], weight: [v, h])`
+/// An output-layer call: `input` is `hidden: [n, h]` and `weight: [v, h]`
 /// (`[w, h]` sharded).
-pub type LinearCall<'a> = LossInputs<'a, (ArrayView2<'a, f64>, ArrayView2<'a, f64>)>;
+pub type LinearCall<'a> = LossInputs<'a, LinearInput<'a>>;
 
 impl CeCall<'_> {
     /// `op`'s unsharded cross-entropy on these inputs.
@@ -233,13 +234,8 @@ impl CeCall<'_> {
     ///
     /// # Errors
     /// `op`'s.
-    pub fn sharded(
-        self,
-        op: &dyn CrossEntropyOp,
-        algorithm: ShardedAlgorithm,
-        map: &ShardMap,
-    ) -> Result<ShardedLoss> {
-        op.sharded_cross_entropy(algorithm, map, self.input, &self.call)
+    pub fn sharded(self, op: &dyn CrossEntropyOp, plan: ShardPlan) -> Result<ShardedLoss> {
+        op.sharded_cross_entropy(plan, self.input, &self.call)
     }
 }
 
@@ -249,22 +245,16 @@ impl LinearCall<'_> {
     /// # Errors
     /// `op`'s.
     pub fn unsharded(self, op: &dyn LinearCrossEntropyOp) -> Result<LinearLoss> {
-        let (x, w) = self.input;
-        op.linear_cross_entropy(x, w, &self.call)
+        let LinearInput { hidden, weight } = self.input;
+        op.linear_cross_entropy(hidden, weight, &self.call)
     }
 
     /// `op`'s sharded output layer on these inputs.
     ///
     /// # Errors
     /// `op`'s.
-    pub fn sharded(
-        self,
-        op: &dyn LinearCrossEntropyOp,
-        algorithm: ShardedAlgorithm,
-        map: &ShardMap,
-    ) -> Result<ShardedLoss> {
-        let (x, w) = self.input;
-        op.sharded_linear_cross_entropy(algorithm, map, x, w, &self.call)
+    pub fn sharded(self, op: &dyn LinearCrossEntropyOp, plan: ShardPlan) -> Result<ShardedLoss> {
+        op.sharded_linear_cross_entropy(plan, self.input, &self.call)
     }
 }
 
@@ -329,13 +319,8 @@ pub trait VocabHooks: Send + Sync {
     ///
     /// # Errors
     /// The reference's, or the planted fault's.
-    fn sharded_cross_entropy(
-        &self,
-        algorithm: ShardedAlgorithm,
-        map: &ShardMap,
-        c: CeCall<'_>,
-    ) -> Result<ShardedLoss> {
-        c.sharded(&ReferenceCrossEntropy, algorithm, map)
+    fn sharded_cross_entropy(&self, plan: ShardPlan, c: CeCall<'_>) -> Result<ShardedLoss> {
+        c.sharded(&ReferenceCrossEntropy, plan)
     }
 
     /// As [`LinearCrossEntropyOp::linear_cross_entropy`].
@@ -352,11 +337,10 @@ pub trait VocabHooks: Send + Sync {
     /// The reference's, or the planted fault's.
     fn sharded_linear_cross_entropy(
         &self,
-        algorithm: ShardedAlgorithm,
-        map: &ShardMap,
+        plan: ShardPlan,
         c: LinearCall<'_>,
     ) -> Result<ShardedLoss> {
-        c.sharded(&ReferenceLinearCrossEntropy, algorithm, map)
+        c.sharded(&ReferenceLinearCrossEntropy, plan)
     }
 
     /// As [`EmbeddingOp::embedding`].
@@ -393,14 +377,13 @@ impl<F: VocabHooks> CrossEntropyOp for Planted<F> {
 
     fn sharded_cross_entropy(
         &self,
-        algorithm: ShardedAlgorithm,
-        map: &ShardMap,
+        plan: ShardPlan,
         logits: ArrayView2<f64>,
         call: &LossCall,
     ) -> Result<ShardedLoss> {
         with_upstream(&self.0, call, |call| {
-            let c = CeCall::new(logits, call);
-            self.0.sharded_cross_entropy(algorithm, map, c)
+            self.0
+                .sharded_cross_entropy(plan, CeCall::new(logits, call))
         })
     }
 }
@@ -421,22 +404,21 @@ impl<F: VocabHooks> LinearCrossEntropyOp for Planted<F> {
         call: &LossCall,
     ) -> Result<LinearLoss> {
         with_upstream(&self.0, call, |call| {
-            let c = LinearCall::new((hidden, weight), call);
+            let c = LinearCall::new(LinearInput::new(hidden, weight), call);
             self.0.linear_cross_entropy(c)
         })
     }
 
     fn sharded_linear_cross_entropy(
         &self,
-        algorithm: ShardedAlgorithm,
-        map: &ShardMap,
-        hidden: ArrayView2<f64>,
-        weight: ArrayView2<f64>,
+        plan: ShardPlan,
+        input: LinearInput<'_>,
         call: &LossCall,
     ) -> Result<ShardedLoss> {
         with_upstream(&self.0, call, |call| {
-            let c = LinearCall::new((hidden, weight), call);
-            self.0.sharded_linear_cross_entropy(algorithm, map, c)
+            let x = LinearInput::new(input.hidden.reborrow(), input.weight.reborrow());
+            self.0
+                .sharded_linear_cross_entropy(plan, LinearCall::new(x, call))
         })
     }
 }

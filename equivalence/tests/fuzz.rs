@@ -22,10 +22,10 @@ use packshard_reference::ops::{AttentionOp, Grad, Qkv, Varlen};
 use packshard_reference::packing::{Overlong, PackedBatch, PackingConfig, PackingPlan};
 use packshard_reference::vocab::embedding::ShardedEmbedding;
 use packshard_reference::vocab::sharded::ShardedLoss;
+use packshard_reference::vocab::ShardMap;
 use packshard_reference::vocab::{
-    LossCall, ReferenceCrossEntropy, ReferenceEmbedding, ReferenceLinearCrossEntropy,
+    LossCall, ReferenceCrossEntropy, ReferenceEmbedding, ReferenceLinearCrossEntropy, ShardPlan,
 };
-use packshard_reference::vocab::{ShardMap, ShardedAlgorithm};
 use packshard_reference::Error;
 
 const TOL: Judge = Judge::Rewrite(Tolerance::F64_REWRITE);
@@ -312,12 +312,7 @@ enum VocabFault {
 struct BrokenVocab(VocabFault);
 
 impl VocabHooks for BrokenVocab {
-    fn sharded_cross_entropy(
-        &self,
-        algorithm: ShardedAlgorithm,
-        map: &ShardMap,
-        c: CeCall<'_>,
-    ) -> Result<ShardedLoss, Error> {
+    fn sharded_cross_entropy(&self, plan: ShardPlan, c: CeCall<'_>) -> Result<ShardedLoss, Error> {
         let r = &ReferenceCrossEntropy;
         if self.0 == VocabFault::IgnoresIgnoreIndex {
             let t: Vec<i64> = c
@@ -338,9 +333,9 @@ impl VocabHooks for BrokenVocab {
                 config,
                 ..c.call
             };
-            return c.with_call(call).sharded(r, algorithm, map);
+            return c.with_call(call).sharded(r, plan);
         }
-        c.sharded(r, algorithm, map)
+        c.sharded(r, plan)
     }
     fn sharded_embedding(
         &self,

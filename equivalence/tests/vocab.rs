@@ -12,7 +12,7 @@ use packshard_equivalence::vocab::{
 };
 use packshard_equivalence::{Judge, Mismatch, Tolerance};
 use packshard_reference::ops::{
-    CrossEntropyOp, EmbeddingOp, LinearCrossEntropyOp, LinearLoss, LossSupport,
+    CrossEntropyOp, EmbeddingOp, LinearCrossEntropyOp, LinearInput, LinearLoss, LossSupport,
 };
 use packshard_reference::vocab::collective::{run_ranks, Collective, Reduce};
 use packshard_reference::vocab::cross_entropy::CrossEntropy;
@@ -22,7 +22,7 @@ use packshard_reference::vocab::sharded::{merge_stats, RankLoss, ShardedLoss};
 use packshard_reference::vocab::sum;
 use packshard_reference::vocab::ReferenceLinearCrossEntropy;
 use packshard_reference::vocab::{
-    cross_entropy, linear_cross_entropy, LossCall, LossConfig, ShardLayout, ShardMap,
+    cross_entropy, linear_cross_entropy, LossCall, LossConfig, ShardLayout, ShardMap, ShardPlan,
     ShardedAlgorithm, SmoothingConvention, SoftmaxStats,
 };
 use packshard_reference::Error;
@@ -319,36 +319,30 @@ impl VocabHooks for Alg1 {
         Ok(l)
     }
 
-    fn sharded_cross_entropy(
-        &self,
-        _algorithm: ShardedAlgorithm,
-        map: &ShardMap,
-        c: CeCall<'_>,
-    ) -> Result<ShardedLoss, Error> {
+    fn sharded_cross_entropy(&self, plan: ShardPlan, c: CeCall<'_>) -> Result<ShardedLoss, Error> {
         let CeCall {
             input: logits,
             call,
         } = c;
         // Bad input fails as in the reference.
-        let v = map.vocab_size();
+        let v = plan.map.vocab_size();
         let forward = LossCall::with_flag(call.targets, call.config, false);
         cross_entropy(logits.slice_axis(Axis(1), Slice::from(..v)), &forward)?;
         LossSupport::BASIC.check(&call)?;
-        let parts = map.split_columns(logits, "logits")?;
-        self.run(map, &parts, None, &call)
+        let parts = plan.map.split_columns(logits, "logits")?;
+        self.run(&plan.map, &parts, None, &call)
     }
 
     fn sharded_linear_cross_entropy(
         &self,
-        _algorithm: ShardedAlgorithm,
-        map: &ShardMap,
+        plan: ShardPlan,
         c: LinearCall<'_>,
     ) -> Result<ShardedLoss, Error> {
         let LinearCall {
-            input: (hidden, weight),
+            input: LinearInput { hidden, weight },
             call,
         } = c;
-        let v = map.vocab_size();
+        let v = plan.map.vocab_size();
         let forward = LossCall::with_flag(call.targets, call.config, false);
         linear_cross_entropy(
             hidden,
@@ -356,13 +350,13 @@ impl VocabHooks for Alg1 {
             &forward,
         )?;
         LossSupport::BASIC.check(&call)?;
-        let parts = map.split_rows(weight, "weight")?;
+        let parts = plan.map.split_rows(weight, "weight")?;
         // Padding rows may hold NaN: a planted fault that reads them shows as NaN.
         let parts: Vec<Array2<f64>> = parts
             .into_iter()
             .map(|p| p.mapv(|x| if x.is_finite() { x } else { 1e3 }))
             .collect();
-        self.run(map, &[], Some((hidden, &parts)), &call)
+        self.run(&plan.map, &[], Some((hidden, &parts)), &call)
     }
 
     fn sharded_embedding(
@@ -485,19 +479,15 @@ fn v1_negative_control_smoothing_with_a_shard_local_mean() {
     let planted = Planted(Alg1(Fault::LocalSmoothing));
     let config = LossConfig::default().with_smoothing(0.1, SmoothingConvention::Megatron);
     let case = CeCase {
-        map: map(8, 2, ShardLayout::Uneven),
-        logits: row(&V1_LOGITS),
-        targets: vec![4],
         config,
-        grad_output: None,
+        ..CeCase::new(map(8, 2, ShardLayout::Uneven), row(&V1_LOGITS), vec![4])
     };
     let err = check_cross_entropy(&planted, ShardedAlgorithm::Alg1, &case, false).unwrap_err();
     assert_eq!(err.what, "loss (rank 0)", "{err}");
     // ... and each rank gets a different number.
     let out = planted
         .sharded_cross_entropy(
-            ShardedAlgorithm::Alg1,
-            &case.map,
+            ShardPlan::new(ShardedAlgorithm::Alg1, case.map),
             case.logits.view(),
             &LossCall::with_flag(&[4], &config, false),
         )
@@ -517,13 +507,7 @@ fn v2_negative_control_padded_entries_in_the_softmax() {
     let planted = Planted(Alg1(Fault::PaddingInSoftmax));
     let mut z = V2_LOGITS.to_vec();
     z.extend([9.0, -4.0]);
-    let case = CeCase {
-        map: map(10, 3, ShardLayout::Padded),
-        logits: row(&z),
-        targets: vec![7],
-        config: LossConfig::default(),
-        grad_output: None,
-    };
+    let case = CeCase::new(map(10, 3, ShardLayout::Padded), row(&z), vec![7]);
     let err = check_cross_entropy(&planted, ShardedAlgorithm::Alg1, &case, false).unwrap_err();
     assert_eq!(err.what, "loss (rank 0)", "{err}");
     // Without padding (uneven shards) the same code is right.
@@ -574,13 +558,7 @@ fn v4_negative_control_an_assertion_on_divisibility() {
     assert_eq!(err.what, "panic", "{err}");
     assert!(err.detail.contains("must be divisible"), "{err}");
     // 8 shards of V = 8 divide: the same code passes there.
-    let even = CeCase {
-        map: map(8, 8, ShardLayout::Uneven),
-        logits: row(&V1_LOGITS),
-        targets: vec![4],
-        config: LossConfig::default(),
-        grad_output: None,
-    };
+    let even = CeCase::new(map(8, 8, ShardLayout::Uneven), row(&V1_LOGITS), vec![4]);
     check_cross_entropy(&planted, ShardedAlgorithm::Alg1, &even, true).unwrap();
     // The suite's first V-case with p not dividing v is V1 with p = 3.
     let err = suite_rejects(Fault::AssertDivisible, &["V1 alg1 pytorch p 3"]);
@@ -619,13 +597,11 @@ fn v5_negative_control_a_silent_zero_row() {
 fn v6_negative_control_nan_from_an_all_minus_inf_shard() {
     let planted = Planted(Alg1(Fault::NanFromEmptyShard));
     let inf = f64::NEG_INFINITY;
-    let case = CeCase {
-        map: map(8, 2, ShardLayout::Uneven),
-        logits: row(&[1.0, 2.0, 0.0, -1.0, inf, inf, inf, inf]),
-        targets: vec![1],
-        config: LossConfig::default(),
-        grad_output: None,
-    };
+    let case = CeCase::new(
+        map(8, 2, ShardLayout::Uneven),
+        row(&[1.0, 2.0, 0.0, -1.0, inf, inf, inf, inf]),
+        vec![1],
+    );
     let err = check_cross_entropy(&planted, ShardedAlgorithm::Alg1, &case, false).unwrap_err();
     assert_eq!(err.what, "loss (rank 0)", "{err}");
     assert!(err.detail.contains("got NaN"), "{err}");

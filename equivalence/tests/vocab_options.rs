@@ -20,7 +20,7 @@ use packshard_reference::vocab::cross_entropy::CrossEntropy;
 use packshard_reference::vocab::sharded::ShardedLoss;
 use packshard_reference::vocab::{
     GradRequest, LossCall, LossConfig, Reduction, ReferenceCrossEntropy, ShardLayout, ShardMap,
-    ShardedAlgorithm,
+    ShardPlan, ShardedAlgorithm,
 };
 use packshard_reference::Result;
 
@@ -57,14 +57,9 @@ impl VocabHooks for ZTanhZ {
         planted(c, &z, &config).unsharded(&ReferenceCrossEntropy)
     }
 
-    fn sharded_cross_entropy(
-        &self,
-        algorithm: ShardedAlgorithm,
-        map: &ShardMap,
-        c: CeCall<'_>,
-    ) -> Result<ShardedLoss> {
+    fn sharded_cross_entropy(&self, plan: ShardPlan, c: CeCall<'_>) -> Result<ShardedLoss> {
         let (z, config) = fault(&c);
-        planted(c, &z, &config).sharded(&ReferenceCrossEntropy, algorithm, map)
+        planted(c, &z, &config).sharded(&ReferenceCrossEntropy, plan)
     }
 }
 
@@ -90,19 +85,13 @@ impl VocabHooks for ConfigFault {
         c.with_call(call).unsharded(&ReferenceCrossEntropy)
     }
 
-    fn sharded_cross_entropy(
-        &self,
-        algorithm: ShardedAlgorithm,
-        map: &ShardMap,
-        c: CeCall<'_>,
-    ) -> Result<ShardedLoss> {
+    fn sharded_cross_entropy(&self, plan: ShardPlan, c: CeCall<'_>) -> Result<ShardedLoss> {
         let config = (self.rewrite)(c.call.config);
         let call = LossCall {
             config: &config,
             ..c.call
         };
-        c.with_call(call)
-            .sharded(&ReferenceCrossEntropy, algorithm, map)
+        c.with_call(call).sharded(&ReferenceCrossEntropy, plan)
     }
 }
 
@@ -129,24 +118,20 @@ impl VocabHooks for Refuses {
         c.unsharded(&ReferenceCrossEntropy)
     }
 
-    fn sharded_cross_entropy(
-        &self,
-        algorithm: ShardedAlgorithm,
-        map: &ShardMap,
-        c: CeCall<'_>,
-    ) -> Result<ShardedLoss> {
+    fn sharded_cross_entropy(&self, plan: ShardPlan, c: CeCall<'_>) -> Result<ShardedLoss> {
         LossSupport::BASIC.check(&c.call)?;
-        c.sharded(&ReferenceCrossEntropy, algorithm, map)
+        c.sharded(&ReferenceCrossEntropy, plan)
     }
 }
 
 fn o1_case() -> CeCase {
     CeCase {
-        map: ShardMap::new(8, 2, ShardLayout::Uneven).unwrap(),
-        logits: Array2::from_shape_vec((1, 8), V1_LOGITS.to_vec()).unwrap(),
-        targets: vec![faults::V1_TARGET],
         config: LossConfig::default().with_softcap(faults::O1_SOFTCAP),
-        grad_output: None,
+        ..CeCase::new(
+            ShardMap::new(8, 2, ShardLayout::Uneven).unwrap(),
+            Array2::from_shape_vec((1, 8), V1_LOGITS.to_vec()).unwrap(),
+            vec![faults::V1_TARGET],
+        )
     }
 }
 
@@ -332,18 +317,13 @@ impl VocabHooks for LogAfterExp {
         Ok(ce)
     }
 
-    fn sharded_cross_entropy(
-        &self,
-        algorithm: ShardedAlgorithm,
-        map: &ShardMap,
-        c: CeCall<'_>,
-    ) -> Result<ShardedLoss> {
-        let out = c.sharded(&ReferenceCrossEntropy, algorithm, map)?;
+    fn sharded_cross_entropy(&self, plan: ShardPlan, c: CeCall<'_>) -> Result<ShardedLoss> {
+        let out = c.sharded(&ReferenceCrossEntropy, plan)?;
         if c.call.config.softcap.is_some() {
             return Ok(out);
         }
         let lse = out.logsumexp().to_vec();
-        let v = map.vocab_size();
+        let v = plan.map.vocab_size();
         let (per_token, loss) = log_after_exp(c.input, v, &c.call, &lse);
         Ok(with_losses(out, &per_token, loss))
     }
@@ -403,13 +383,9 @@ fn o4_negative_control_the_log_of_an_underflowed_softmax() {
 struct PlaceholderOnPadding;
 
 impl VocabHooks for PlaceholderOnPadding {
-    fn sharded_cross_entropy(
-        &self,
-        algorithm: ShardedAlgorithm,
-        map: &ShardMap,
-        c: CeCall<'_>,
-    ) -> Result<ShardedLoss> {
-        let out = c.sharded(&ReferenceCrossEntropy, algorithm, map)?;
+    fn sharded_cross_entropy(&self, plan: ShardPlan, c: CeCall<'_>) -> Result<ShardedLoss> {
+        let out = c.sharded(&ReferenceCrossEntropy, plan)?;
+        let map = &plan.map;
         let v = map.vocab_size();
         let last = map.shard(map.num_shards() - 1);
         if map.padded_vocab_size() == v || c.input.ncols() <= v {
@@ -440,8 +416,7 @@ fn o6_negative_control_a_placeholder_target_on_a_padded_column() {
     let map = ShardMap::new(10, 3, ShardLayout::Padded).unwrap();
     let out = Planted(PlaceholderOnPadding)
         .sharded_cross_entropy(
-            ShardedAlgorithm::Alg2,
-            &map,
+            ShardPlan::new(ShardedAlgorithm::Alg2, map),
             z.view(),
             &LossCall::with_flag(&[7], &LossConfig::default(), false),
         )

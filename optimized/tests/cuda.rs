@@ -30,10 +30,10 @@ use packshard_optimized::cuda::vocab::{
     sharded_linear_cross_entropy, RowInputs, ShardInput, ShardKernels, ShardStats,
 };
 use packshard_optimized::cuda::{self, nvrtc_dir, nvrtc_ready, CudaError, Gpu, CI_ARCH, KERNELS};
-use packshard_reference::ops::LinearCrossEntropyOp;
+use packshard_reference::ops::{LinearCrossEntropyOp, LinearInput};
 use packshard_reference::vocab::{
-    linear_cross_entropy, LossCall, LossConfig, Reduction, ShardLayout, ShardMap, ShardedAlgorithm,
-    SmoothingConvention,
+    linear_cross_entropy, LossCall, LossConfig, Reduction, ShardLayout, ShardMap, ShardPlan,
+    ShardedAlgorithm, SmoothingConvention,
 };
 use packshard_reference::Error;
 
@@ -570,10 +570,8 @@ fn the_op_refuses_bad_input_and_other_algorithms() {
     t[2] = 10;
     let sharded = |h: &Array2<f64>, w: &Array2<f64>, t: &[i64], a: ShardedAlgorithm| {
         op.sharded_linear_cross_entropy(
-            a,
-            &map,
-            h.view(),
-            w.view(),
+            ShardPlan::new(a, map),
+            LinearInput::new(h.view(), w.view()),
             &LossCall::with_flag(t, &cfg, true),
         )
     };
@@ -611,10 +609,8 @@ fn the_op_refuses_bad_input_and_other_algorithms() {
     let capped = LossConfig::default().with_softcap(30.0);
     let refused = [
         op.sharded_linear_cross_entropy(
-            ShardedAlgorithm::Alg2,
-            &map,
-            h.view(),
-            w.view(),
+            ShardPlan::new(ShardedAlgorithm::Alg2, map),
+            LinearInput::new(h.view(), w.view()),
             &LossCall::with_flag(&c.targets, &capped, true),
         )
         .map(|_| ()),

@@ -20,7 +20,7 @@ use packshard_oracle::eval::input::numbers as read_numbers;
 use packshard_oracle::registry::{self, Entry, Precision};
 use packshard_reference::attention::varlen_pass;
 use packshard_reference::ops::{AttentionOp, Layer, LayerInput, Qkv, Varlen};
-use packshard_reference::vocab::{LossConfig, ShardLayout, ShardMap, ShardedAlgorithm};
+use packshard_reference::vocab::{LossConfig, ShardLayout, ShardMap, ShardPlan, ShardedAlgorithm};
 use serde_json::{json, Value};
 
 fn wave3(shape: (usize, usize, usize), seed: f64) -> Array3<f64> {
@@ -211,7 +211,7 @@ fn every_cross_entropy_answers_with_its_own_numbers() {
         check_precision(entry.name, entry.precision, &stored, &computed, &ref_out);
         // Every declared algorithm runs sharded; an undeclared one is refused.
         for algorithm in ShardedAlgorithm::ALL {
-            let r = op.sharded_cross_entropy(algorithm, &map, logits.view(), &call);
+            let r = op.sharded_cross_entropy(ShardPlan::new(algorithm, map), logits.view(), &call);
             assert_eq!(
                 r.is_ok(),
                 op.algorithms().contains(&algorithm),

@@ -19,7 +19,7 @@ use packshard_oracle::registry::{self, SMALL_CHUNKS};
 use packshard_reference::ops::{LinearCrossEntropyOp, LinearLoss, TradedError};
 use packshard_reference::vocab::sharded::ShardedLoss;
 use packshard_reference::vocab::{
-    LossCall, LossConfig, Reduction, ShardLayout, ShardMap, ShardedAlgorithm,
+    LossCall, LossConfig, Reduction, ShardLayout, ShardMap, ShardPlan, ShardedAlgorithm,
 };
 use packshard_reference::Error;
 
@@ -162,11 +162,10 @@ impl VocabHooks for Filtered {
     }
     fn sharded_linear_cross_entropy(
         &self,
-        a: ShardedAlgorithm,
-        map: &ShardMap,
+        plan: ShardPlan,
         c: LinearCall<'_>,
     ) -> Result<ShardedLoss, Error> {
-        c.sharded(&self.0, a, map)
+        c.sharded(&self.0, plan)
     }
 }
 

@@ -19,7 +19,7 @@ use packshard_oracle::registry::{self, SMALL_CHUNKS};
 use packshard_reference::ops::{LinearCrossEntropyOp, LinearLoss};
 use packshard_reference::vocab::sharded::ShardedLoss;
 use packshard_reference::vocab::{
-    LossCall, LossConfig, ShardMap, ShardedAlgorithm, SmoothingConvention,
+    LossCall, LossConfig, ShardMap, ShardPlan, ShardedAlgorithm, SmoothingConvention,
 };
 use packshard_reference::Error;
 use rand::{Rng, SeedableRng};
@@ -269,11 +269,10 @@ fn the_fuzz_rule_catches_a_small_planted_fault() {
         }
         fn sharded_linear_cross_entropy(
             &self,
-            a: ShardedAlgorithm,
-            map: &ShardMap,
+            plan: ShardPlan,
             c: LinearCall<'_>,
         ) -> Result<ShardedLoss, Error> {
-            let mut out = c.sharded(&self.0, a, map)?;
+            let mut out = c.sharded(&self.0, plan)?;
             for r in &mut out.ranks {
                 if let Some(g) = r.grad_hidden.as_mut() {
                     g.mapv_inplace(|x| x * 1.001);
@@ -350,10 +349,8 @@ fn logsumexp_far_below_its_terms_is_judged_at_their_size() {
     );
     let got = fused
         .sharded_linear_cross_entropy(
-            ShardedAlgorithm::Alg2,
-            &case.map,
-            case.hidden.view(),
-            case.weight.view(),
+            ShardPlan::new(ShardedAlgorithm::Alg2, case.map),
+            case.input(),
             &LossCall::with_flag(&case.targets, &case.config, false),
         )
         .unwrap();
@@ -379,11 +376,10 @@ fn logsumexp_far_below_its_terms_is_judged_at_their_size() {
         }
         fn sharded_linear_cross_entropy(
             &self,
-            a: ShardedAlgorithm,
-            map: &ShardMap,
+            plan: ShardPlan,
             c: LinearCall<'_>,
         ) -> Result<ShardedLoss, Error> {
-            let mut out = c.sharded(&self.0, a, map)?;
+            let mut out = c.sharded(&self.0, plan)?;
             for r in &mut out.ranks {
                 for g in &mut r.global {
                     g.max += 1e-3;

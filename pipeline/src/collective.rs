@@ -32,7 +32,7 @@ use std::cell::{Cell, RefCell};
 
 use mpi::topology::{Communicator, SimpleCommunicator};
 use mpi::traits::*;
-use packshard_reference::vocab::collective::{Collective, CollectiveCounts, Reduce};
+use packshard_reference::vocab::collective::{check_records, Collective, CollectiveCounts, Reduce};
 use packshard_reference::{Error, Result};
 
 use crate::schedule::Op;
@@ -122,11 +122,7 @@ impl<'c> MpiCollective<'c> {
     }
 
     fn count(&self, calls: u64, elements: usize) {
-        let mut c = self.counts.get();
-        c.calls += calls;
-        c.barriers += 1;
-        c.elements += elements as u64;
-        self.counts.set(c);
+        self.counts.set(self.counts.get().barrier(calls, elements));
     }
 }
 
@@ -163,19 +159,7 @@ impl Collective for MpiCollective<'_> {
     }
 
     fn all_reduce(&self, ops: &mut [Reduce<'_>]) -> Result<()> {
-        for (k, op) in ops.iter().enumerate() {
-            if let Reduce::Merge { data, width, .. } = op {
-                if *width == 0 || data.len() % width != 0 {
-                    return Err(Error::invalid(
-                        "collective",
-                        format!(
-                            "buffer {k}: {} values are not records of width {width}",
-                            data.len()
-                        ),
-                    ));
-                }
-            }
-        }
+        check_records(ops)?;
         let generation = self.counts.get().barriers;
         let elements: usize = ops.iter().map(|o| o.data().len()).sum();
         self.count(ops.len() as u64, elements);

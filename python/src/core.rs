@@ -18,9 +18,11 @@ use packshard_oracle::eval::{make, EvalError};
 use packshard_oracle::registry;
 use packshard_reference::attention::default_scale;
 use packshard_reference::error::check_finite;
-use packshard_reference::ops::{Grad, Qkv, Varlen};
+use packshard_reference::ops::{Grad, LinearInput, Qkv, Varlen};
 use packshard_reference::vocab::sharded::ShardedLoss;
-use packshard_reference::vocab::{CrossEntropy, GradRequest, LossCall, LossConfig, ShardLayout};
+use packshard_reference::vocab::{
+    CrossEntropy, GradRequest, LossCall, LossConfig, ShardLayout, ShardPlan,
+};
 
 /// One field of a result.
 #[derive(Debug, Clone, PartialEq)]
@@ -402,7 +404,7 @@ pub fn cross_entropy(
         Run::Sharded(algorithm, map) => {
             check_declared(&list, |k| k.algorithms(), imp, algorithm)?;
             let op = make(&list, imp)?;
-            let s = op.sharded_cross_entropy(algorithm, &map, logits, &a.call())?;
+            let s = op.sharded_cross_entropy(ShardPlan::new(algorithm, map), logits, &a.call())?;
             let n = predicted(&a.targets, &a.config);
             (sharded_fields(&s, n, algorithm.name()), s.grad_logits())
         }
@@ -442,7 +444,11 @@ pub fn linear_cross_entropy(
         Run::Sharded(algorithm, map) => {
             check_declared(&list, |k| k.algorithms(), imp, algorithm)?;
             let op = make(&list, imp)?;
-            let s = op.sharded_linear_cross_entropy(algorithm, &map, hidden, weight, &a.call())?;
+            let s = op.sharded_linear_cross_entropy(
+                ShardPlan::new(algorithm, map),
+                LinearInput::new(hidden, weight),
+                &a.call(),
+            )?;
             let n = predicted(&a.targets, &a.config);
             let out = sharded_fields(&s, n, algorithm.name());
             (

@@ -40,7 +40,7 @@ use crate::error::{Error, Result};
 use crate::vocab::cross_entropy::CrossEntropy;
 use crate::vocab::embedding::ShardedEmbedding;
 use crate::vocab::sharded::ShardedLoss;
-use crate::vocab::{LossCall, ShardMap, ShardedAlgorithm};
+use crate::vocab::{LossCall, ShardMap, ShardPlan, ShardedAlgorithm};
 
 /// What an implementation computes in. Inputs are rounded to it on entry
 /// and results widened to f64 on exit.
@@ -429,15 +429,14 @@ pub trait CrossEntropyOp: Send + Sync {
     /// See the trait docs.
     fn cross_entropy(&self, logits: ArrayView2<f64>, call: &LossCall) -> Result<CrossEntropy>;
 
-    /// Sharded by `map`: `logits: [n, w]` (`w >= v`; columns `v..` are
+    /// Sharded by `plan.map` with `plan.algorithm`: `logits: [n, w]` (`w >= v`; columns `v..` are
     /// padding values that must never be read), every rank's results.
     ///
     /// # Errors
     /// See the trait docs; [`check_algorithm`] for an undeclared algorithm.
     fn sharded_cross_entropy(
         &self,
-        algorithm: ShardedAlgorithm,
-        map: &ShardMap,
+        plan: ShardPlan,
         logits: ArrayView2<f64>,
         call: &LossCall,
     ) -> Result<ShardedLoss>;
@@ -502,19 +501,34 @@ pub trait LinearCrossEntropyOp: Send + Sync {
         call: &LossCall,
     ) -> Result<LinearLoss>;
 
-    /// Sharded by `map`: `weight: [w, h]` (`w >= v`; rows `v..` are padding
-    /// values that must never be read).
+    /// Sharded by `plan.map` with `plan.algorithm`: `input.weight: [w, h]`
+    /// (`w >= v`; rows `v..` are padding values that must never be read).
     ///
     /// # Errors
     /// See the trait docs; [`check_algorithm`] for an undeclared algorithm.
     fn sharded_linear_cross_entropy(
         &self,
-        algorithm: ShardedAlgorithm,
-        map: &ShardMap,
-        hidden: ArrayView2<f64>,
-        weight: ArrayView2<f64>,
+        plan: ShardPlan,
+        input: LinearInput<'_>,
         call: &LossCall,
     ) -> Result<ShardedLoss>;
+}
+
+/// The output layer's inputs, which travel together: `hidden: [n, h]` and
+/// `weight: [v, h]` (`[w, h]` with `w >= v` sharded, rows `v..` padding).
+#[derive(Debug, Clone, Copy)]
+pub struct LinearInput<'a> {
+    /// `[n, h]`: the hidden states.
+    pub hidden: ArrayView2<'a, f64>,
+    /// `[v, h]` (`[w, h]` sharded): the output layer's weight.
+    pub weight: ArrayView2<'a, f64>,
+}
+
+impl<'a> LinearInput<'a> {
+    /// `hidden` through `weight`.
+    pub fn new(hidden: ArrayView2<'a, f64>, weight: ArrayView2<'a, f64>) -> Self {
+        LinearInput { hidden, weight }
+    }
 }
 
 /// The unsharded embedding's results.

@@ -41,7 +41,7 @@ fn sharded_ce(
     name: &str,
 ) -> Result<ShardedLoss, Mismatch> {
     let (z, call) = (case.logits.view(), case.call(want_grad));
-    imp.sharded_cross_entropy(algorithm, &case.map, z, &call)
+    imp.sharded_cross_entropy(ShardPlan::new(algorithm, case.map), z, &call)
         .map_err(|e| Mismatch::new(name, e.to_string()))
 }
 
@@ -53,8 +53,8 @@ fn sharded_linear(
     want_grad: bool,
     name: &str,
 ) -> Result<ShardedLoss, Mismatch> {
-    let (x, w, call) = (case.hidden.view(), case.weight.view(), case.call(want_grad));
-    imp.sharded_linear_cross_entropy(algorithm, &case.map, x, w, &call)
+    let call = case.call(want_grad);
+    imp.sharded_linear_cross_entropy(ShardPlan::new(algorithm, case.map), case.input(), &call)
         .map_err(|e| Mismatch::new(name, e.to_string()))
 }
 
@@ -81,11 +81,8 @@ pub fn check_cross_entropy_faults(imp: &dyn CrossEntropyOp, rule: Rule) -> Resul
             for p in 1..=8 {
                 for layout in LAYOUTS {
                     let case = CeCase {
-                        map: map(8, p, layout),
-                        logits: row(&V1_LOGITS),
-                        targets: vec![4],
                         config,
-                        grad_output: None,
+                        ..CeCase::new(map(8, p, layout), row(&V1_LOGITS), vec![4])
                     };
                     let name = format!(
                         "V1 {algorithm} {} p {p} {}",
@@ -110,11 +107,8 @@ pub fn check_cross_entropy_faults(imp: &dyn CrossEntropyOp, rule: Rule) -> Resul
         // O1: the softcap c * tanh(z / c), composed with every algorithm.
         for p in [1, 2, 3] {
             let case = CeCase {
-                map: map(8, p, ShardLayout::Padded),
-                logits: row(&V1_LOGITS),
-                targets: vec![4],
                 config: LossConfig::default().with_softcap(faults::O1_SOFTCAP),
-                grad_output: None,
+                ..CeCase::new(map(8, p, ShardLayout::Padded), row(&V1_LOGITS), vec![4])
             };
             let name = format!("O1 {algorithm} p {p}");
             check_cross_entropy_with(imp, algorithm, &case, true, rule)
@@ -156,11 +150,8 @@ pub fn check_cross_entropy_faults(imp: &dyn CrossEntropyOp, rule: Rule) -> Resul
         ];
         for (id, logits, config, want) in examples {
             let case = CeCase {
-                map: map(8, 3, ShardLayout::Uneven),
-                logits: row(&logits),
-                targets: vec![4],
                 config,
-                grad_output: None,
+                ..CeCase::new(map(8, 3, ShardLayout::Uneven), row(&logits), vec![4])
             };
             let name = format!("{id} {algorithm}");
             let out = checked_loss(imp, algorithm, &case, rule, &name)?;
@@ -176,13 +167,7 @@ pub fn check_cross_entropy_faults(imp: &dyn CrossEntropyOp, rule: Rule) -> Resul
         let mut z = V2_LOGITS.to_vec();
         z.extend(faults::O6_PADDING);
         for target in [7, 0] {
-            let case = CeCase {
-                map: map(10, 3, ShardLayout::Padded),
-                logits: row(&z),
-                targets: vec![target],
-                config: LossConfig::default(),
-                grad_output: None,
-            };
+            let case = CeCase::new(map(10, 3, ShardLayout::Padded), row(&z), vec![target]);
             let name = format!("O6 {algorithm} target {target}");
             let out = checked_loss(imp, algorithm, &case, rule, &name)?;
             if target == 7 && format!("{:.6}", out.loss()) != "1.474030" {
@@ -205,13 +190,7 @@ pub fn check_cross_entropy_faults(imp: &dyn CrossEntropyOp, rule: Rule) -> Resul
         ] {
             let mut z = V2_LOGITS.to_vec();
             z.extend(padding);
-            let case = CeCase {
-                map: map(10, 3, ShardLayout::Padded),
-                logits: row(&z),
-                targets: vec![7],
-                config: LossConfig::default(),
-                grad_output: None,
-            };
+            let case = CeCase::new(map(10, 3, ShardLayout::Padded), row(&z), vec![7]);
             let name = format!("V2 {algorithm} padding {padding:?}");
             let out = checked_loss(imp, algorithm, &case, rule, &name)?;
             if format!("{:.6}", out.loss()) != "1.474030" {
@@ -239,22 +218,18 @@ pub fn check_cross_entropy_faults(imp: &dyn CrossEntropyOp, rule: Rule) -> Resul
         }
         // V6: a shard whose logits are all -inf, and a shard that is all padding.
         let inf = f64::NEG_INFINITY;
-        let case = CeCase {
-            map: map(8, 2, ShardLayout::Uneven),
-            logits: row(&[1.0, 2.0, 0.0, -1.0, inf, inf, inf, inf]),
-            targets: vec![1],
-            config: LossConfig::default(),
-            grad_output: None,
-        };
+        let case = CeCase::new(
+            map(8, 2, ShardLayout::Uneven),
+            row(&[1.0, 2.0, 0.0, -1.0, inf, inf, inf, inf]),
+            vec![1],
+        );
         check_cross_entropy_with(imp, algorithm, &case, true, rule)
             .map_err(|m| named(&format!("V6 {algorithm} all -inf shard"), m))?;
-        let case = CeCase {
-            map: map(9, 4, ShardLayout::Padded),
-            logits: row(&[0.5, -1.0, 2.0, 1.0, 0.0, 3.0, -2.0, 1.5, 0.25]),
-            targets: vec![5],
-            config: LossConfig::default(),
-            grad_output: None,
-        };
+        let case = CeCase::new(
+            map(9, 4, ShardLayout::Padded),
+            row(&[0.5, -1.0, 2.0, 1.0, 0.0, 3.0, -2.0, 1.5, 0.25]),
+            vec![5],
+        );
         check_cross_entropy_with(imp, algorithm, &case, true, rule)
             .map_err(|m| named(&format!("V6 {algorithm} all-padding shard"), m))?;
     }

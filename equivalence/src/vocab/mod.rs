@@ -44,14 +44,14 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use ndarray::{Array2, ArrayView2, Axis, Slice};
 use packshard_reference::ops::{
-    CrossEntropyOp, EmbeddingOp, LinearCrossEntropyOp, LossSupport, TradedError,
+    CrossEntropyOp, EmbeddingOp, LinearCrossEntropyOp, LinearInput, LossSupport, TradedError,
 };
 use packshard_reference::vocab::cross_entropy::LinearCrossEntropy;
 use packshard_reference::vocab::embedding::{embedding_backward, embedding_forward};
 use packshard_reference::vocab::sharded::{RankLoss, ShardedLoss};
 use packshard_reference::vocab::{
     cross_entropy, linear_cross_entropy, CrossEntropy, GradRequest, LossCall, LossConfig,
-    Reduction, ShardLayout, ShardMap, ShardedAlgorithm, SmoothingConvention,
+    Reduction, ShardLayout, ShardMap, ShardPlan, ShardedAlgorithm, SmoothingConvention,
 };
 use packshard_reference::Error;
 use proptest::prelude::*;
@@ -104,6 +104,18 @@ pub struct LinearCase {
 }
 
 impl CeCase {
+    /// `logits: [n, w]` split by `map`, `targets: [n]`, the default loss
+    /// options, the gradients of the loss itself.
+    pub fn new(map: ShardMap, logits: Array2<f64>, targets: Vec<i64>) -> Self {
+        CeCase {
+            map,
+            logits,
+            targets,
+            config: LossConfig::default(),
+            grad_output: None,
+        }
+    }
+
     /// The case's loss call, asking for gradients when `want_grad` (with
     /// the case's upstream gradient, where it has one).
     pub fn call(&self, want_grad: bool) -> LossCall<'_> {
@@ -117,6 +129,11 @@ impl LinearCase {
     pub fn call(&self, want_grad: bool) -> LossCall<'_> {
         let grad = GradRequest::of(want_grad, self.grad_output.as_deref());
         LossCall::new(&self.targets, &self.config, grad)
+    }
+
+    /// The case's hidden states and weight as the op's input.
+    pub fn input(&self) -> LinearInput<'_> {
+        LinearInput::new(self.hidden.view(), self.weight.view())
     }
 }
 
@@ -296,7 +313,8 @@ pub fn check_cross_entropy_with(
     rule: Rule,
 ) -> Result<(), Mismatch> {
     let run = |c: &CeCase| {
-        imp.sharded_cross_entropy(algorithm, &c.map, c.logits.view(), &c.call(want_grad))
+        let plan = ShardPlan::new(algorithm, c.map);
+        imp.sharded_cross_entropy(plan, c.logits.view(), &c.call(want_grad))
     };
     let call = case.call(want_grad);
     if let Some(r) = refused(imp.options(), &call, || ce_ok(case), || run(case)) {
@@ -433,8 +451,8 @@ pub fn check_linear_with(
     rule: Rule,
 ) -> Result<(), Mismatch> {
     let run = |c: &LinearCase| {
-        let (x, w) = (c.hidden.view(), c.weight.view());
-        imp.sharded_linear_cross_entropy(algorithm, &c.map, x, w, &c.call(want_grad))
+        let plan = ShardPlan::new(algorithm, c.map);
+        imp.sharded_linear_cross_entropy(plan, c.input(), &c.call(want_grad))
             .map(|l| (l, None))
     };
     let call = case.call(want_grad);

@@ -22,12 +22,12 @@ use packshard_reference::attention::{
     check_mask_shape, check_varlen, AttentionGrads, AttentionOutput,
 };
 use packshard_reference::ops::{
-    check_algorithm, AttentionOp, AttentionSupport, LinearCrossEntropyOp, LinearLoss, LossSupport,
-    Varlen,
+    check_algorithm, AttentionOp, AttentionSupport, LinearCrossEntropyOp, LinearInput, LinearLoss,
+    LossSupport, Varlen,
 };
 use packshard_reference::vocab::cross_entropy::CrossEntropy;
 use packshard_reference::vocab::sharded::{check_inputs, ShardedLoss};
-use packshard_reference::vocab::{LossCall, ShardLayout, ShardMap, ShardedAlgorithm};
+use packshard_reference::vocab::{LossCall, ShardLayout, ShardMap, ShardPlan, ShardedAlgorithm};
 use packshard_reference::{Error, Result};
 
 use super::attention::{AttentionKernels, AttnForward, AttnShape, BackwardCall, Call, Form};
@@ -338,16 +338,15 @@ impl<B: ShardKernels + Sync + 'static> LinearCrossEntropyOp for CudaLinearCrossE
 
     fn sharded_linear_cross_entropy(
         &self,
-        algorithm: ShardedAlgorithm,
-        map: &ShardMap,
-        hidden: ArrayView2<f64>,
-        weight: ArrayView2<f64>,
+        plan: ShardPlan,
+        input: LinearInput<'_>,
         call: &LossCall,
     ) -> Result<ShardedLoss> {
-        check_algorithm(&self.algorithms(), algorithm)?;
+        check_algorithm(&self.algorithms(), plan.algorithm)?;
+        let map = &plan.map;
         let v = map.vocab_size();
-        let x = to_f32("hidden", hidden)?;
-        let w = to_f32_real("weight", weight, Axis(0), v)?;
+        let x = to_f32("hidden", input.hidden)?;
+        let w = to_f32_real("weight", input.weight, Axis(0), v)?;
         map.check_width("weight", w.nrows(), w.shape(), "[v, h]")?;
         check_inputs(x.nrows(), call, v)?;
         check_linear(x.view(), w.view(), v, 0)?;

@@ -4,10 +4,12 @@
 //! reference).
 
 use ndarray::{ArrayView2, Axis};
-use packshard_reference::ops::{check_algorithm, CrossEntropyOp, LinearCrossEntropyOp, LinearLoss};
+use packshard_reference::ops::{
+    check_algorithm, CrossEntropyOp, LinearCrossEntropyOp, LinearInput, LinearLoss,
+};
 use packshard_reference::vocab::cross_entropy::CrossEntropy;
 use packshard_reference::vocab::sharded::ShardedLoss;
-use packshard_reference::vocab::{LossCall, ShardMap, ShardedAlgorithm};
+use packshard_reference::vocab::{LossCall, ShardPlan, ShardedAlgorithm};
 use packshard_reference::{Error, Result};
 
 use crate::convert::{to_f32, to_f32_real, to_f64};
@@ -59,19 +61,19 @@ fn unsharded_only(name: &str, algorithm: ShardedAlgorithm) -> Result<ShardedLoss
     ))
 }
 
-/// `alg2`'s shard kernel in `chunks` on `(hidden: [n, h], weight: [w, h])`,
-/// the sharded form of both fused ops (an undeclared `algorithm` refused).
+/// `alg2`'s shard kernel in `chunks` on `input` (`hidden: [n, h]`, `weight:
+/// [w, h]`), the sharded form of both fused ops (an undeclared algorithm
+/// refused).
 fn sharded_alg2(
-    algorithm: ShardedAlgorithm,
-    map: &ShardMap,
-    (hidden, weight): (ArrayView2<f64>, ArrayView2<f64>),
+    plan: ShardPlan,
+    input: LinearInput<'_>,
     call: &LossCall,
     chunks: Chunks,
 ) -> Result<ShardedLoss> {
-    check_algorithm(&[alg2::ALGORITHM], algorithm)?;
-    let x = to_f32("hidden", hidden)?;
-    let w = to_f32_real("weight", weight, Axis(0), map.vocab_size())?;
-    alg2::sharded_linear_cross_entropy(map, x.view(), w.view(), call, (chunks, false))
+    check_algorithm(&[alg2::ALGORITHM], plan.algorithm)?;
+    let x = to_f32("hidden", input.hidden)?;
+    let w = to_f32_real("weight", input.weight, Axis(0), plan.map.vocab_size())?;
+    alg2::sharded_linear_cross_entropy(&plan.map, x.view(), w.view(), call, (chunks, false))
 }
 
 /// `cross_entropy_f32`: the f32 SIMD row pass over the logits, tile
@@ -92,32 +94,42 @@ impl CrossEntropyOp for CrossEntropyF32 {
 
     fn sharded_cross_entropy(
         &self,
-        algorithm: ShardedAlgorithm,
-        map: &ShardMap,
+        plan: ShardPlan,
         logits: ArrayView2<f64>,
         call: &LossCall,
     ) -> Result<ShardedLoss> {
-        check_algorithm(&self.algorithms(), algorithm)?;
-        let z = to_f32_real("logits", logits, Axis(1), map.vocab_size())?;
-        alg2::sharded_cross_entropy(map, z.view(), call)
+        check_algorithm(&self.algorithms(), plan.algorithm)?;
+        let z = to_f32_real("logits", logits, Axis(1), plan.map.vocab_size())?;
+        alg2::sharded_cross_entropy(&plan.map, z.view(), call)
     }
 }
 
-/// `linear_ce_materialized`: f32; one gemm to the whole `[n, v]` logits, the
-/// SIMD row pass, two gemms for the gradients; returns `dL/dlogits` `[n, v]`
-/// when gradients are asked for (the buffer it holds anyway). Unsharded
-/// only: the baseline of [`LinearCeFused`].
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct LinearCeMaterialized;
-
-/// The op of an unsharded-only f32 kernel named `$name`: `$kernel(op, x,
-/// w, call)` on the f32 inputs; every sharded algorithm refused
-/// ([`unsharded_only`]).
-macro_rules! unsharded_linear_op {
+/// The [`LinearCrossEntropyOp`] of an f32 kernel, in one of two forms:
+///
+/// - `f32_linear_op!(Op, "name", kernel)`: unsharded only, `kernel(op, x, w,
+///   call)` on the f32 inputs; every sharded algorithm refused
+///   ([`unsharded_only`]).
+/// - `f32_linear_op!(Op, chunked kernel)`: a chunked kernel (`fn(hidden,
+///   weight, call, chunks)`) in the op's `chunks`; sharded, `alg2`'s shard
+///   kernel in the same chunks ([`sharded_alg2`]).
+macro_rules! f32_linear_op {
     ($op:ty, $name:literal, $kernel:expr) => {
+        f32_linear_op!(@impl $op, [], $kernel, |_: &$op, plan: ShardPlan, _, _| {
+            unsharded_only($name, plan.algorithm)
+        });
+    };
+    ($op:ty, chunked $kernel:path) => {
+        f32_linear_op!(
+            @impl $op,
+            [alg2::ALGORITHM],
+            |op: &$op, x, w, call| $kernel(x, w, call, op.chunks),
+            |op: &$op, plan, input, call| sharded_alg2(plan, input, call, op.chunks)
+        );
+    };
+    (@impl $op:ty, $algorithms:expr, $kernel:expr, $sharded:expr) => {
         impl LinearCrossEntropyOp for $op {
             fn algorithms(&self) -> Vec<ShardedAlgorithm> {
-                Vec::new()
+                $algorithms.to_vec()
             }
 
             fn linear_cross_entropy(
@@ -131,19 +143,24 @@ macro_rules! unsharded_linear_op {
 
             fn sharded_linear_cross_entropy(
                 &self,
-                algorithm: ShardedAlgorithm,
-                _map: &ShardMap,
-                _hidden: ArrayView2<f64>,
-                _weight: ArrayView2<f64>,
-                _call: &LossCall,
+                plan: ShardPlan,
+                input: LinearInput<'_>,
+                call: &LossCall,
             ) -> Result<ShardedLoss> {
-                unsharded_only($name, algorithm)
+                $sharded(self, plan, input, call)
             }
         }
     };
 }
 
-unsharded_linear_op!(
+/// `linear_ce_materialized`: f32; one gemm to the whole `[n, v]` logits, the
+/// SIMD row pass, two gemms for the gradients; returns `dL/dlogits` `[n, v]`
+/// when gradients are asked for (the buffer it holds anyway). Unsharded
+/// only: the baseline of [`LinearCeFused`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LinearCeMaterialized;
+
+f32_linear_op!(
     LinearCeMaterialized,
     "linear_ce_materialized",
     |_: &LinearCeMaterialized, x, w, call| linear_cross_entropy_materialized(x, w, call)
@@ -159,40 +176,7 @@ pub struct LinearCeFused {
     pub chunks: Chunks,
 }
 
-/// The op of a chunked f32 kernel `$kernel` (`fn(hidden, weight, call,
-/// chunks)`): unsharded, the kernel in the op's `chunks`; sharded, `alg2`'s
-/// shard kernel in the same chunks ([`sharded_alg2`]).
-macro_rules! chunked_linear_op {
-    ($op:ty, $kernel:path) => {
-        impl LinearCrossEntropyOp for $op {
-            fn algorithms(&self) -> Vec<ShardedAlgorithm> {
-                vec![alg2::ALGORITHM]
-            }
-
-            fn linear_cross_entropy(
-                &self,
-                hidden: ArrayView2<f64>,
-                weight: ArrayView2<f64>,
-                call: &LossCall,
-            ) -> Result<LinearLoss> {
-                unsharded_f32(hidden, weight, |x, w| $kernel(x, w, call, self.chunks))
-            }
-
-            fn sharded_linear_cross_entropy(
-                &self,
-                algorithm: ShardedAlgorithm,
-                map: &ShardMap,
-                hidden: ArrayView2<f64>,
-                weight: ArrayView2<f64>,
-                call: &LossCall,
-            ) -> Result<ShardedLoss> {
-                sharded_alg2(algorithm, map, (hidden, weight), call, self.chunks)
-            }
-        }
-    };
-}
-
-chunked_linear_op!(LinearCeFused, linear_cross_entropy_fused);
+f32_linear_op!(LinearCeFused, chunked linear_cross_entropy_fused);
 
 /// `linear_ce_tiled`: f32; tiles of `chunks.tokens` tokens x `chunks.vocab`
 /// entries — pass 1 the row statistics, pass 2 the gradients from
@@ -217,7 +201,7 @@ impl Default for LinearCeTiled {
     }
 }
 
-chunked_linear_op!(LinearCeTiled, linear_cross_entropy_tiled);
+f32_linear_op!(LinearCeTiled, chunked linear_cross_entropy_tiled);
 
 /// `linear_ce_tiled_filtered`: [`LinearCeTiled`] with Cut Cross-Entropy's
 /// gradient filtering (Wijmans et al. 2024, §4.3): a gradient tile whose
@@ -251,7 +235,7 @@ impl Default for LinearCeTiledFiltered {
     }
 }
 
-unsharded_linear_op!(
+f32_linear_op!(
     LinearCeTiledFiltered,
     "linear_ce_tiled_filtered",
     |op: &LinearCeTiledFiltered, x, w, call| {

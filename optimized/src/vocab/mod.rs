@@ -46,7 +46,7 @@ use ndarray::{s, Array1, Array2, ArrayView2, ArrayViewMut2};
 use packshard_reference::ops::TradedError;
 use packshard_reference::vocab::cross_entropy::{check_row, check_shapes, token_loss};
 use packshard_reference::vocab::softcap;
-use packshard_reference::vocab::{LossCall, LossConfig, SoftmaxStats};
+use packshard_reference::vocab::{CrossEntropy, LossCall, LossConfig, SoftmaxStats};
 use packshard_reference::{Error, Result};
 use pulp::{Simd, WithSimd};
 use rayon::prelude::*;
@@ -81,28 +81,11 @@ impl Default for Chunks {
     }
 }
 
-/// The result of a cross-entropy.
-#[derive(Debug, Clone, PartialEq)]
-pub struct CrossEntropy32 {
-    /// The reduced loss (`none`: the sum of `per_token_loss`).
-    pub loss: f64,
-    /// `[n]`: each token's loss (0 for ignored tokens).
-    pub per_token_loss: Array1<f64>,
-    /// `[n]`: each row's statistics (ignored rows too).
-    pub stats: Vec<SoftmaxStats>,
-    /// Tokens whose target is not ignored.
-    pub num_tokens: usize,
-    /// `[n, v]`: `dL/dlogits` with gradients ([`cross_entropy`] and
-    /// [`linear_cross_entropy_materialized`]; the fused kernels never hold it).
-    pub grad_logits: Option<Array2<f32>>,
-}
-
-impl CrossEntropy32 {
-    /// `[n]`: `logsumexp` of each row.
-    pub fn logsumexp(&self) -> Array1<f64> {
-        self.stats.iter().map(SoftmaxStats::logsumexp).collect()
-    }
-}
+/// The result of an f32 cross-entropy: the reference's fields (the loss
+/// and statistics in f64), `grad_logits: [n, v]` in f32 with gradients
+/// ([`cross_entropy`] and [`linear_cross_entropy_materialized`]; the fused
+/// kernels never hold it).
+pub type CrossEntropy32 = CrossEntropy<f32>;
 
 /// The result of an output layer plus cross-entropy.
 #[derive(Debug, Clone, PartialEq)]

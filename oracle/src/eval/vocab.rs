@@ -4,10 +4,11 @@
 //! registered implementation of the op's family ([`crate::registry`]).
 
 use ndarray::{Array2, Axis, Slice};
+use packshard_reference::ops::LinearInput;
 use packshard_reference::vocab::sharded::ShardedLoss;
 use packshard_reference::vocab::{
     CollectiveCounts, CrossEntropy, GradRequest, LossCall, LossConfig, Reduction, ShardLayout,
-    ShardMap, ShardedAlgorithm, SmoothingConvention,
+    ShardMap, ShardPlan, ShardedAlgorithm, SmoothingConvention,
 };
 use serde_json::{json, Map, Value};
 
@@ -328,7 +329,8 @@ pub(super) fn cross_entropy_op(value: &Value, imp: &str) -> Result<Value, EvalEr
             // that it declares no algorithm.
             let op = make(&list, imp)?;
             check_declared(&list, |k| k.algorithms(), imp, algorithm)?;
-            let s = op.sharded_cross_entropy(algorithm, &map, logits.view(), &call)?;
+            let s =
+                op.sharded_cross_entropy(ShardPlan::new(algorithm, map), logits.view(), &call)?;
             let out = sharded_json("cross_entropy", algorithm, &s, predicted(&targets, &config));
             (out, s.grad_logits())
         }
@@ -401,10 +403,8 @@ pub(super) fn linear_cross_entropy_op(value: &Value, imp: &str) -> Result<Value,
             let op = make(&list, imp)?;
             check_declared(&list, |k| k.algorithms(), imp, algorithm)?;
             let s = op.sharded_linear_cross_entropy(
-                algorithm,
-                &map,
-                hidden.view(),
-                weight.view(),
+                ShardPlan::new(algorithm, map),
+                LinearInput::new(hidden.view(), weight.view()),
                 &call,
             )?;
             let mut out = sharded_json(

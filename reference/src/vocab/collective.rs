@@ -98,6 +98,19 @@ pub struct CollectiveCounts {
     pub elements: u64,
 }
 
+impl CollectiveCounts {
+    /// These counts after one more barrier that reduced `calls` buffers of
+    /// `elements` values in all (what every [`Collective`] counts per call).
+    #[must_use]
+    pub fn barrier(self, calls: u64, elements: usize) -> Self {
+        CollectiveCounts {
+            calls: self.calls + calls,
+            barriers: self.barriers + 1,
+            elements: self.elements + elements as u64,
+        }
+    }
+}
+
 /// Collective communication between the `p` ranks that hold the vocabulary
 /// shards, as seen by one rank. Every rank calls the same collectives in the
 /// same order with buffers of the same lengths (SPMD).
@@ -336,11 +349,7 @@ pub struct InProcess<'h> {
 
 impl InProcess<'_> {
     fn count(&self, calls: u64, elements: usize) {
-        let mut c = self.counts.get();
-        c.calls += calls;
-        c.barriers += 1;
-        c.elements += elements as u64;
-        self.counts.set(c);
+        self.counts.set(self.counts.get().barrier(calls, elements));
     }
 
     fn run(&self, deposit: Deposit) -> Result<Vec<Vec<f64>>> {
@@ -363,6 +372,29 @@ fn collective_error(rank: usize, generation: u64, why: &str) -> Error {
     )
 }
 
+/// Refuses a [`Reduce::Merge`] buffer that is not whole records of its
+/// width: the check every [`Collective`] makes before it reduces `ops`
+/// (this in-process one and the pipeline's MPI one).
+///
+/// # Errors
+/// [`Error::InvalidArgument`] naming `collective` and the buffer.
+pub fn check_records(ops: &[Reduce<'_>]) -> Result<()> {
+    for (k, op) in ops.iter().enumerate() {
+        if let Reduce::Merge { data, width, .. } = op {
+            if *width == 0 || data.len() % width != 0 {
+                return Err(Error::invalid(
+                    "collective",
+                    format!(
+                        "buffer {k}: {} values are not records of width {width}",
+                        data.len()
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
 impl Collective for InProcess<'_> {
     fn rank(&self) -> usize {
         self.rank
@@ -373,19 +405,7 @@ impl Collective for InProcess<'_> {
     }
 
     fn all_reduce(&self, ops: &mut [Reduce<'_>]) -> Result<()> {
-        for (k, op) in ops.iter().enumerate() {
-            if let Reduce::Merge { data, width, .. } = op {
-                if *width == 0 || data.len() % width != 0 {
-                    return Err(Error::invalid(
-                        "collective",
-                        format!(
-                            "buffer {k}: {} values are not records of width {width}",
-                            data.len()
-                        ),
-                    ));
-                }
-            }
-        }
+        check_records(ops)?;
         let elements = ops.iter().map(|o| o.data().len()).sum();
         self.count(ops.len() as u64, elements);
         let deposit = Deposit {

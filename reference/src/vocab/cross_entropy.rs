@@ -290,9 +290,10 @@ pub fn check_logits(
     Ok(())
 }
 
-/// The result of the unsharded cross-entropy.
+/// The result of the unsharded cross-entropy, its `dL/dlogits` in `G` (f64
+/// here; an f32 kernel's own type holds it in f32).
 #[derive(Debug, Clone, PartialEq)]
-pub struct CrossEntropy {
+pub struct CrossEntropy<G = f64> {
     /// The reduced loss (for `reduction = none`: the sum of `per_token_loss`).
     pub loss: f64,
     /// `[n]`: each token's loss (cross-entropy plus z-loss); 0 for ignored tokens.
@@ -302,10 +303,10 @@ pub struct CrossEntropy {
     /// How many targets are not `ignore_index` (the mean's denominator).
     pub num_tokens: usize,
     /// `[n, v]`: `d loss / d logits`, when asked for.
-    pub grad_logits: Option<Array2<f64>>,
+    pub grad_logits: Option<Array2<G>>,
 }
 
-impl CrossEntropy {
+impl<G> CrossEntropy<G> {
     /// `[n]`: `logsumexp` of each row (`-inf` for a row of `-inf`).
     pub fn logsumexp(&self) -> Array1<f64> {
         self.stats.iter().map(SoftmaxStats::logsumexp).collect()

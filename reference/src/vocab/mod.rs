@@ -60,7 +60,7 @@ pub use collective::{run_ranks, Collective, CollectiveCounts, InProcess, Reduce}
 pub use cross_entropy::{cross_entropy, linear_cross_entropy, CrossEntropy, SoftmaxStats};
 pub use embedding::{embedding_backward, embedding_forward};
 pub use ops::{ReferenceCrossEntropy, ReferenceEmbedding, ReferenceLinearCrossEntropy};
-pub use sharded::{ShardLayout, ShardMap, ShardedAlgorithm};
+pub use sharded::{ShardLayout, ShardMap, ShardPlan, ShardedAlgorithm};
 
 use crate::error::{Error, Result};
 

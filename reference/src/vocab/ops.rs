@@ -11,9 +11,11 @@ use super::embedding::{
     embedding_backward, embedding_forward, sharded_embedding, ShardedEmbedding,
 };
 use super::sharded::{sharded_cross_entropy, sharded_linear_cross_entropy, ShardedLoss};
-use super::{LossCall, ShardMap, ShardedAlgorithm};
+use super::{LossCall, ShardMap, ShardPlan};
 use crate::error::Result;
-use crate::ops::{CrossEntropyOp, Embedding, EmbeddingOp, LinearCrossEntropyOp, LinearLoss};
+use crate::ops::{
+    CrossEntropyOp, Embedding, EmbeddingOp, LinearCrossEntropyOp, LinearInput, LinearLoss,
+};
 
 /// The reference cross-entropy: unsharded, `naive`, `alg1` and `alg2`.
 #[derive(Debug, Clone, Copy, Default)]
@@ -26,12 +28,11 @@ impl CrossEntropyOp for ReferenceCrossEntropy {
 
     fn sharded_cross_entropy(
         &self,
-        algorithm: ShardedAlgorithm,
-        map: &ShardMap,
+        plan: ShardPlan,
         logits: ArrayView2<f64>,
         call: &LossCall,
     ) -> Result<ShardedLoss> {
-        sharded_cross_entropy(algorithm, map, logits, call)
+        sharded_cross_entropy(plan.algorithm, &plan.map, logits, call)
     }
 }
 
@@ -58,13 +59,12 @@ impl LinearCrossEntropyOp for ReferenceLinearCrossEntropy {
 
     fn sharded_linear_cross_entropy(
         &self,
-        algorithm: ShardedAlgorithm,
-        map: &ShardMap,
-        hidden: ArrayView2<f64>,
-        weight: ArrayView2<f64>,
+        plan: ShardPlan,
+        input: LinearInput<'_>,
         call: &LossCall,
     ) -> Result<ShardedLoss> {
-        sharded_linear_cross_entropy(algorithm, map, hidden, weight, call)
+        let LinearInput { hidden, weight } = input;
+        sharded_linear_cross_entropy(plan.algorithm, &plan.map, hidden, weight, call)
     }
 }
 

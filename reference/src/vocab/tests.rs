@@ -639,39 +639,19 @@ fn s_and_t_passes_split_by_other_work_equal_the_monolithic_rank_code() {
         for alg in ShardedAlgorithm::ALL {
             let out = run_ranks(p, |comm| {
                 let w = parts[comm.rank()].view();
-                let whole_a = linear_cross_entropy_rank(
-                    comm,
-                    alg,
-                    &map,
-                    hidden_a.view(),
-                    w,
-                    &LossCall::with_flag(&targets_a, &config, true),
-                )?;
-                let whole_b = linear_cross_entropy_rank(
-                    comm,
-                    alg,
-                    &map,
-                    hidden_b.view(),
-                    w,
-                    &LossCall::with_flag(&targets_b, &config, true),
-                )?;
+                // Batch a and batch b, whole and S pass alone, in this order.
+                let call = |targets| LossCall::with_flag(targets, &config, true);
+                let whole = |x: &Array2<f64>, targets| {
+                    linear_cross_entropy_rank(comm, alg, &map, x.view(), w, &call(targets))
+                };
+                let s_pass = |x: &Array2<f64>, targets| {
+                    linear_cross_entropy_rank_s(comm, alg, &map, x.view(), w, &call(targets))
+                };
+                let whole_a = whole(&hidden_a, &targets_a)?;
+                let whole_b = whole(&hidden_b, &targets_b)?;
                 let before = comm.counts().barriers;
-                let s_a = linear_cross_entropy_rank_s(
-                    comm,
-                    alg,
-                    &map,
-                    hidden_a.view(),
-                    w,
-                    &LossCall::with_flag(&targets_a, &config, true),
-                )?;
-                let s_b = linear_cross_entropy_rank_s(
-                    comm,
-                    alg,
-                    &map,
-                    hidden_b.view(),
-                    w,
-                    &LossCall::with_flag(&targets_b, &config, true),
-                )?;
+                let s_a = s_pass(&hidden_a, &targets_a)?;
+                let s_b = s_pass(&hidden_b, &targets_b)?;
                 let s_barriers = comm.counts().barriers - before;
                 assert_eq!(s_a.loss().to_bits(), whole_a.loss.to_bits());
                 assert_eq!(

@@ -28,6 +28,15 @@ struct Sharding {
     layout: ShardLayout,
 }
 
+/// A case's sharding: `algorithm` over `shards` shards in `layout`.
+fn sharded(algorithm: ShardedAlgorithm, shards: usize, layout: ShardLayout) -> Option<Sharding> {
+    Some(Sharding {
+        algorithm,
+        shards,
+        layout,
+    })
+}
+
 fn loss_params(
     config: &LossConfig,
     v: usize,
@@ -259,11 +268,7 @@ pub(super) fn cross_entropy_cases(dtype: Dtype) -> Result<Vec<GoldenCase>, Golde
             10,
             vec![7, 2, -100, 9],
             LossConfig::default(),
-            Some(Sharding {
-                algorithm: ShardedAlgorithm::Alg2,
-                shards: 3,
-                layout: ShardLayout::Padded,
-            }),
+            sharded(ShardedAlgorithm::Alg2, 3, ShardLayout::Padded),
             None,
             dtype,
         )?,
@@ -274,11 +279,7 @@ pub(super) fn cross_entropy_cases(dtype: Dtype) -> Result<Vec<GoldenCase>, Golde
             8,
             vec![1, 5, 0, 3],
             LossConfig::default(),
-            Some(Sharding {
-                algorithm: ShardedAlgorithm::Alg1,
-                shards: 2,
-                layout: ShardLayout::Uneven,
-            }),
+            sharded(ShardedAlgorithm::Alg1, 2, ShardLayout::Uneven),
             None,
             dtype,
         )?,
@@ -293,11 +294,7 @@ pub(super) fn cross_entropy_cases(dtype: Dtype) -> Result<Vec<GoldenCase>, Golde
                 .with_smoothing(0.1, SmoothingConvention::PyTorch)
                 .with_z_loss(1e-3)
                 .with_reduction(Reduction::None),
-            Some(Sharding {
-                algorithm: ShardedAlgorithm::Alg2,
-                shards: 3,
-                layout: ShardLayout::Padded,
-            }),
+            sharded(ShardedAlgorithm::Alg2, 3, ShardLayout::Padded),
             None,
             dtype,
         )?,
@@ -308,11 +305,7 @@ pub(super) fn cross_entropy_cases(dtype: Dtype) -> Result<Vec<GoldenCase>, Golde
             37,
             vec![0, 36, 18],
             LossConfig::default(),
-            Some(Sharding {
-                algorithm: ShardedAlgorithm::Naive,
-                shards: 8,
-                layout: ShardLayout::Uneven,
-            }),
+            sharded(ShardedAlgorithm::Naive, 8, ShardLayout::Uneven),
             None,
             dtype,
         )?,
@@ -323,11 +316,7 @@ pub(super) fn cross_entropy_cases(dtype: Dtype) -> Result<Vec<GoldenCase>, Golde
             8,
             vec![4, 1, -100, 6],
             LossConfig::default().with_reduction(Reduction::None),
-            Some(Sharding {
-                algorithm: ShardedAlgorithm::Alg1,
-                shards: 3,
-                layout: ShardLayout::Uneven,
-            }),
+            sharded(ShardedAlgorithm::Alg1, 3, ShardLayout::Uneven),
             Some(vec![1.0, 0.0, 2.0, -0.5]),
             dtype,
         )?,
@@ -454,11 +443,7 @@ pub(super) fn linear_cases(dtype: Dtype) -> Result<Vec<GoldenCase>, GoldenError>
             (4, 3, 11),
             vec![10, 4, 0, 7],
             LossConfig::default().with_smoothing(0.1, SmoothingConvention::PyTorch),
-            Some(Sharding {
-                algorithm: ShardedAlgorithm::Alg2,
-                shards: 4,
-                layout: ShardLayout::Uneven,
-            }),
+            sharded(ShardedAlgorithm::Alg2, 4, ShardLayout::Uneven),
             32,
             dtype,
         )?,
@@ -471,11 +456,7 @@ pub(super) fn linear_cases(dtype: Dtype) -> Result<Vec<GoldenCase>, GoldenError>
                 .with_softcap(0.5)
                 .with_smoothing(0.2, SmoothingConvention::Megatron)
                 .with_z_loss(1e-2),
-            Some(Sharding {
-                algorithm: ShardedAlgorithm::Alg2,
-                shards: 3,
-                layout: ShardLayout::Uneven,
-            }),
+            sharded(ShardedAlgorithm::Alg2, 3, ShardLayout::Uneven),
             33,
             dtype,
         )?,

@@ -110,6 +110,25 @@ impl ShardedAlgorithm {
     }
 }
 
+/// A sharded run's plan: `algorithm` on the vocabulary split `map` (the two
+/// travel together through every sharded loss,
+/// [`crate::ops::CrossEntropyOp::sharded_cross_entropy`] and
+/// [`crate::ops::LinearCrossEntropyOp::sharded_linear_cross_entropy`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ShardPlan {
+    /// The algorithm every rank runs.
+    pub algorithm: ShardedAlgorithm,
+    /// The split of the vocabulary over the ranks.
+    pub map: ShardMap,
+}
+
+impl ShardPlan {
+    /// `algorithm` on `map`.
+    pub fn new(algorithm: ShardedAlgorithm, map: ShardMap) -> Self {
+        ShardPlan { algorithm, map }
+    }
+}
+
 impl fmt::Display for ShardedAlgorithm {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())
