@@ -32,7 +32,7 @@ use rand::{Rng, SeedableRng};
 pub use crate::attention::Observed;
 use crate::attention::RelativeReport;
 use crate::baseline32;
-use crate::compare::{assert_within_k_with_scale, Judge, Mismatch, RelativeRule, Tolerance};
+use crate::compare::{assert_within_k, Allowance, Judge, Mismatch, RelativeRule, Tolerance};
 
 /// The name failures give the implementation under test.
 const IMPL: &str = "implementation";
