@@ -47,36 +47,27 @@ fn parts(p: LayerPass) -> (Array2<f64>, Array2<f64>, LayerParams) {
 /// [`layer_tensors`] and [`layer_tensors_mut`] read.
 macro_rules! named_layer_params {
     ($p:expr, $view:ident) => {
-        vec![
-            ("query.weight", $p.query_w.$view().into_dyn()),
-            ("query.bias", $p.query_b.$view().into_dyn()),
-            ("key.weight", $p.key_w.$view().into_dyn()),
-            ("key.bias", $p.key_b.$view().into_dyn()),
-            ("value.weight", $p.value_w.$view().into_dyn()),
-            ("value.bias", $p.value_b.$view().into_dyn()),
-            (
-                "attention.output.dense.weight",
-                $p.attn_out_w.$view().into_dyn(),
-            ),
-            (
-                "attention.output.dense.bias",
-                $p.attn_out_b.$view().into_dyn(),
-            ),
-            (
-                "attention.output.LayerNorm.weight",
-                $p.attn_ln_g.$view().into_dyn(),
-            ),
-            (
-                "attention.output.LayerNorm.bias",
-                $p.attn_ln_b.$view().into_dyn(),
-            ),
-            ("intermediate.dense.weight", $p.inter_w.$view().into_dyn()),
-            ("intermediate.dense.bias", $p.inter_b.$view().into_dyn()),
-            ("output.dense.weight", $p.out_w.$view().into_dyn()),
-            ("output.dense.bias", $p.out_b.$view().into_dyn()),
-            ("output.LayerNorm.weight", $p.out_ln_g.$view().into_dyn()),
-            ("output.LayerNorm.bias", $p.out_ln_b.$view().into_dyn()),
-        ]
+        named_layer_params!(@map $p, $view;
+            "query.weight" => query_w,
+            "query.bias" => query_b,
+            "key.weight" => key_w,
+            "key.bias" => key_b,
+            "value.weight" => value_w,
+            "value.bias" => value_b,
+            "attention.output.dense.weight" => attn_out_w,
+            "attention.output.dense.bias" => attn_out_b,
+            "attention.output.LayerNorm.weight" => attn_ln_g,
+            "attention.output.LayerNorm.bias" => attn_ln_b,
+            "intermediate.dense.weight" => inter_w,
+            "intermediate.dense.bias" => inter_b,
+            "output.dense.weight" => out_w,
+            "output.dense.bias" => out_b,
+            "output.LayerNorm.weight" => out_ln_g,
+            "output.LayerNorm.bias" => out_ln_b,
+        )
+    };
+    (@map $p:expr, $view:ident; $($name:literal => $field:ident,)*) => {
+        vec![$(($name, $p.$field.$view().into_dyn())),*]
     };
 }
 
