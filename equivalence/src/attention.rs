@@ -25,7 +25,7 @@ use proptest::prelude::*;
 
 use crate::baseline32;
 use crate::compare::{
-    assert_close_with_scale, assert_within_k_with_scale, error_stats, Judge, Mismatch,
+    assert_close_with_scale, assert_within_k, error_stats, Allowance, Judge, Mismatch,
     RelativeError, RelativeRule, RelativeTotals, Tolerance,
 };
 
@@ -673,14 +673,29 @@ pub fn check_attention_relative(
                 format!("shape {:?}, expected {shape:?}", a.shape()),
             ));
         }
-        let r =
-            assert_within_k_with_scale(name, &flat3(e), &flat3(b), &flat3(a), &shape, rule, scale)?;
+        let r = assert_within_k(
+            name,
+            &flat3(e),
+            &flat3(b),
+            &flat3(a),
+            &shape,
+            rule,
+            Allowance::with_scale(scale),
+        )?;
         report.note(name, r);
     }
     let lse_b: Vec<f64> = base.lse.iter().copied().collect();
     let lse_e: Vec<f64> = want.lse.iter().copied().collect();
     let lse_a: Vec<f64> = fwd.lse.iter().copied().collect();
-    let r = assert_within_k_with_scale("lse", &lse_e, &lse_b, &lse_a, &[h, n], rule, None)?;
+    let r = assert_within_k(
+        "lse",
+        &lse_e,
+        &lse_b,
+        &lse_a,
+        &[h, n],
+        rule,
+        Allowance::default(),
+    )?;
     report.note("lse", r);
     Ok(report)
 }

@@ -32,7 +32,7 @@ use rand::{Rng, SeedableRng};
 
 use crate::attention::{check_forward_shapes, Observed, RelativeReport, IMPL};
 use crate::baseline32::Baseline32Attention;
-use crate::compare::{assert_close_with_scale, assert_within_k_with_scale, Judge, Mismatch};
+use crate::compare::{assert_close_with_scale, assert_within_k, Allowance, Judge, Mismatch};
 
 /// One problem: segments of `(queries, keys)`, heads, and the tensors.
 #[derive(Debug, Clone, PartialEq)]
@@ -253,14 +253,14 @@ fn check_reference(
             None => assert_close_with_scale(&what, &e, &a, &shape, judge.packed(), scale)?,
             Some((rule, (bo, bg))) => {
                 let b = [&bo.output, &bg.grad_q, &bg.grad_k, &bg.grad_v][i];
-                let r = assert_within_k_with_scale(
+                let r = assert_within_k(
                     &what,
                     &e,
                     &flat(b.view()),
                     &a,
                     &shape,
                     *rule,
-                    scale,
+                    Allowance::with_scale(scale),
                 )?;
                 report.note(&what, r);
             }
@@ -281,14 +281,14 @@ fn check_reference(
         ),
         Some((rule, (bo, _))) => {
             let b: Vec<f64> = bo.lse.iter().copied().collect();
-            let r = assert_within_k_with_scale(
+            let r = assert_within_k(
                 "against the reference: lse",
                 &e,
                 &b,
                 &a,
                 &lse_shape,
                 *rule,
-                None,
+                Allowance::default(),
             )?;
             report.note("lse", r);
             Ok(())

@@ -426,7 +426,8 @@ fn finite_max_error(expected: &[f64], actual: &[f64]) -> (f64, Option<usize>) {
 
 /// Checks `actual` against `expected` (both row-major of `shape`) under
 /// `rule`, given the baseline's error `baseline_error = max |baseline -
-/// expected|` (see [`RelativeRule`]).
+/// expected|` (see [`RelativeRule`]), beyond it allowing what `allowance`
+/// states (`Allowance::default()`: nothing).
 ///
 /// # Errors
 /// A [`Mismatch`] naming `what`, the multi-index of the largest error, both
@@ -439,17 +440,48 @@ pub fn assert_close_relative_to(
     shape: &[usize],
     baseline_error: f64,
     rule: RelativeRule,
+    Allowance { scale, traded }: Allowance,
 ) -> Result<RelativeError, Mismatch> {
-    let allowance = Allowance::default();
-    relative_core(
+    let error = max_error(what, expected, actual, shape, Against::Actual)?;
+    let scale = max_finite(expected).max(scale.unwrap_or(0.0));
+    let seen = RelativeError {
+        error,
+        baseline: baseline_error,
+        scale,
+        floor: rule.floor * rule.eps * scale,
+        values: expected.len(),
+    };
+    let allowed = rule.k_tensor * baseline_error + seen.floor + traded;
+    if error <= allowed {
+        return Ok(seen);
+    }
+    let worst = expected
+        .iter()
+        .zip(actual)
+        .position(|(&e, &a)| e.is_finite() && (a - e).abs() == error)
+        .unwrap_or(0);
+    Err(Mismatch::new(
         what,
-        expected,
-        actual,
-        shape,
-        baseline_error,
-        rule,
-        allowance,
-    )
+        format!(
+            "max error {:e} at {:?} (expected {:e}, got {:e}) is {:.3} x the baseline's {:e}; allowed {:e} = {} x baseline + {} eps x scale {:e}{} ({})",
+            error,
+            unravel(worst, shape),
+            expected[worst],
+            actual[worst],
+            seen.ratio(),
+            baseline_error,
+            allowed,
+            rule.k_tensor,
+            rule.floor,
+            scale,
+            if traded > 0.0 {
+                format!(" + the {traded:e} it reports it traded")
+            } else {
+                String::new()
+            },
+            rule.name
+        ),
+    ))
 }
 
 fn max_finite(x: &[f64]) -> f64 {
@@ -514,95 +546,6 @@ fn max_error(
     })
 }
 
-fn relative_core(
-    what: &str,
-    expected: &[f64],
-    actual: &[f64],
-    shape: &[usize],
-    baseline_error: f64,
-    rule: RelativeRule,
-    Allowance { scale, traded }: Allowance,
-) -> Result<RelativeError, Mismatch> {
-    let error = max_error(what, expected, actual, shape, Against::Actual)?;
-    let scale = max_finite(expected).max(scale.unwrap_or(0.0));
-    let seen = RelativeError {
-        error,
-        baseline: baseline_error,
-        scale,
-        floor: rule.floor * rule.eps * scale,
-        values: expected.len(),
-    };
-    let allowed = rule.k_tensor * baseline_error + seen.floor + traded;
-    if error <= allowed {
-        return Ok(seen);
-    }
-    let worst = expected
-        .iter()
-        .zip(actual)
-        .position(|(&e, &a)| e.is_finite() && (a - e).abs() == error)
-        .unwrap_or(0);
-    Err(Mismatch::new(
-        what,
-        format!(
-            "max error {:e} at {:?} (expected {:e}, got {:e}) is {:.3} x the baseline's {:e}; allowed {:e} = {} x baseline + {} eps x scale {:e}{} ({})",
-            error,
-            unravel(worst, shape),
-            expected[worst],
-            actual[worst],
-            seen.ratio(),
-            baseline_error,
-            allowed,
-            rule.k_tensor,
-            rule.floor,
-            scale,
-            if traded > 0.0 {
-                format!(" + the {traded:e} it reports it traded")
-            } else {
-                String::new()
-            },
-            rule.name
-        ),
-    ))
-}
-
-/// As [`assert_close_relative_to`], computing the baseline's error from the
-/// baseline tensor itself (which must agree with `expected` on non-finite
-/// values too).
-///
-/// # Errors
-/// As [`assert_close_relative_to`]; a [`Mismatch`] if the baseline's
-/// non-finite values differ from the reference's.
-pub fn assert_within_k(
-    what: &str,
-    expected: &[f64],
-    baseline: &[f64],
-    actual: &[f64],
-    shape: &[usize],
-    rule: RelativeRule,
-) -> Result<RelativeError, Mismatch> {
-    assert_within_k_with_scale(what, expected, baseline, actual, shape, rule, None)
-}
-
-/// As [`assert_within_k`] with the floor relative to `scale` (when given, at
-/// least the tensor's own largest magnitude): for tensors that are parts of
-/// one larger vector and may be zero by symmetry (see
-/// [`assert_close_with_scale`]).
-///
-/// # Errors
-/// As [`assert_within_k`].
-pub fn assert_within_k_with_scale(
-    what: &str,
-    expected: &[f64],
-    baseline: &[f64],
-    actual: &[f64],
-    shape: &[usize],
-    rule: RelativeRule,
-    scale: Option<f64>,
-) -> Result<RelativeError, Mismatch> {
-    let allowance = Allowance { scale, traded: 0.0 };
-    assert_within_k_traded(what, expected, baseline, actual, shape, rule, allowance)
-}
-
 /// What a relative check allows beyond the rule: the scale of its floor
 /// (`None`: the expected tensor's own largest magnitude; see
 /// [`assert_close_with_scale`]) and the error an approximate implementation
@@ -615,14 +558,29 @@ pub struct Allowance {
     pub traded: f64,
 }
 
-/// As [`assert_within_k_with_scale`] with the allowance widened by
-/// `traded`: the error an approximate implementation reports it introduced
-/// on purpose (`packshard_reference::ops::TradedError`), so that an error
-/// beyond rounding **and** that report still fails.
+impl Allowance {
+    /// The floor relative to `scale` (when given, at least the tensor's own
+    /// largest magnitude), no trade: for tensors that are parts of one
+    /// larger vector and may be zero by symmetry (see
+    /// [`assert_close_with_scale`]).
+    pub fn with_scale(scale: Option<f64>) -> Self {
+        Allowance { scale, traded: 0.0 }
+    }
+}
+
+/// As [`assert_close_relative_to`], computing the baseline's error from the
+/// baseline tensor itself (which must agree with `expected` on non-finite
+/// values too). `allowance` widens the floor's scale
+/// ([`Allowance::with_scale`]) and adds the error an approximate
+/// implementation reports it `traded` on purpose
+/// (`packshard_reference::ops::TradedError`), so that an error beyond
+/// rounding **and** that report still fails; `Allowance::default()` allows
+/// neither.
 ///
 /// # Errors
-/// As [`assert_within_k`].
-pub fn assert_within_k_traded(
+/// As [`assert_close_relative_to`]; a [`Mismatch`] if the baseline's
+/// non-finite values differ from the reference's.
+pub fn assert_within_k(
     what: &str,
     expected: &[f64],
     baseline: &[f64],
@@ -632,8 +590,12 @@ pub fn assert_within_k_traded(
     allowance: Allowance,
 ) -> Result<RelativeError, Mismatch> {
     let base = max_error(what, expected, baseline, shape, Against::Baseline)?;
-    relative_core(what, expected, actual, shape, base, rule, allowance)
+    assert_close_relative_to(what, expected, actual, shape, base, rule, allowance)
 }
+
+/// [`assert_within_k`] under the name the vocabulary suites call it by, for
+/// a check with a reported trade.
+pub use self::assert_within_k as assert_within_k_traded;
 
 #[cfg(test)]
 #[path = "compare_tests.rs"]

@@ -79,24 +79,37 @@ fn the_relative_rule_scales_with_the_baseline_and_names_the_worst_index() {
     let rule = RelativeRule::new("test", 4.0, 8.0, 4.0, f32::EPSILON as f64);
     let e = [1.0, 2.0, -4.0];
     let b = [1.0 + 1e-6, 2.0, -4.0];
+    // Shape `[n]` of the `n` values, no scale, no trade.
+    let within = |e: &[f64], b: &[f64], a: &[f64]| {
+        assert_within_k("t", e, b, a, &[e.len()], rule, Allowance::default())
+    };
     // 7.9e-6 <= 8 x 1e-6 + 4 eps32 x 4: passes; 9e-6 does not.
-    let ok = assert_within_k("t", &e, &b, &[1.0, 2.0 - 7.9e-6, -4.0], &[3], rule).unwrap();
+    let ok = within(&e, &b, &[1.0, 2.0 - 7.9e-6, -4.0]).unwrap();
     assert!((ok.ratio() - 7.9).abs() < 1e-3, "{ok:?}");
-    let m = assert_within_k("t", &e, &b, &[1.0, 2.0, -4.0 + 1e-5], &[3], rule).unwrap_err();
+    let m = within(&e, &b, &[1.0, 2.0, -4.0 + 1e-5]).unwrap_err();
     assert!(m.detail.contains("at [2]"), "{m}");
     // An exact baseline leaves only the floor: 4 x 2^-23 x 4 = 1.9e-6.
-    assert!(assert_within_k("t", &e, &e, &[1.0, 2.0, -4.0 + 1.5e-6], &[3], rule).is_ok());
-    assert!(assert_within_k("t", &e, &e, &[1.0, 2.0, -4.0 + 2.5e-6], &[3], rule).is_err());
+    assert!(within(&e, &e, &[1.0, 2.0, -4.0 + 1.5e-6]).is_ok());
+    assert!(within(&e, &e, &[1.0, 2.0, -4.0 + 2.5e-6]).is_err());
     // A larger scale widens the floor: 4 x 2^-23 x 4 = 1.9e-6 >= 1e-6
     // (at scale 1 the floor is 4.8e-7).
     let z = [0.0, 0.0];
-    assert!(assert_within_k("t", &z, &z, &[1e-6, 0.0], &[2], rule).is_err());
-    assert!(assert_within_k_with_scale("t", &z, &z, &[1e-6, 0.0], &[2], rule, Some(4.0)).is_ok());
+    assert!(within(&z, &z, &[1e-6, 0.0]).is_err());
+    assert!(assert_within_k(
+        "t",
+        &z,
+        &z,
+        &[1e-6, 0.0],
+        &[2],
+        rule,
+        Allowance::with_scale(Some(4.0))
+    )
+    .is_ok());
     // Non-finite values must agree.
     let inf = [f64::NEG_INFINITY, 1.0];
-    assert!(assert_within_k("t", &inf, &inf, &inf, &[2], rule).is_ok());
-    assert!(assert_within_k("t", &inf, &inf, &[-1e30, 1.0], &[2], rule).is_err());
-    assert!(assert_within_k("t", &inf, &[0.0, 1.0], &inf, &[2], rule).is_err());
+    assert!(within(&inf, &inf, &inf).is_ok());
+    assert!(within(&inf, &inf, &[-1e30, 1.0]).is_err());
+    assert!(within(&inf, &[0.0, 1.0], &inf).is_err());
 }
 
 #[test]

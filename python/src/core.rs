@@ -662,14 +662,14 @@ pub fn judge_tensor(
         .fold(0.0f64, |m, (e, a)| m.max((a - e).abs()));
     match (precision, baseline) {
         (KernelPrecision::F32, Some(b)) => {
-            match compare::assert_within_k_with_scale(
+            match compare::assert_within_k(
                 what,
                 expected,
                 b,
                 actual,
                 shape,
                 RelativeRule::F32_FUZZ,
-                scale,
+                compare::Allowance::with_scale(scale),
             ) {
                 Ok(s) => Verdict {
                     failure: None,

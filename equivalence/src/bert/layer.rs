@@ -262,19 +262,26 @@ pub fn check_layer_relative(
                 format!("shape {:?}, expected {:?}", a.shape(), w.shape()),
             ));
         }
-        let r =
-            assert_within_k_with_scale(name, &v64(w), &v32(b), &v64(a), w.shape(), rule, scale)?;
+        let r = assert_within_k(
+            name,
+            &v64(w),
+            &v32(b),
+            &v64(a),
+            w.shape(),
+            rule,
+            Allowance::with_scale(scale),
+        )?;
         report.note(name, r);
     }
     for (((name, w, shape), (_, b, _)), (_, a, _)) in we.into_iter().zip(be).zip(ae) {
-        let r = assert_within_k_with_scale(
+        let r = assert_within_k(
             &format!("grad {name}"),
             &w,
             &b,
             &a,
             &shape,
             rule,
-            Some(global),
+            Allowance::with_scale(Some(global)),
         )?;
         report.note(name, r);
     }

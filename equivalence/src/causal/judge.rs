@@ -81,7 +81,15 @@ impl Truth<'_> {
                 .seen
                 .close_scaled(what, want, got, shape, self.tol, scale),
             Some((rule, b)) => {
-                let e = assert_within_k_with_scale(what, want, &base(b), got, shape, rule, scale)?;
+                let e = assert_within_k(
+                    what,
+                    want,
+                    &base(b),
+                    got,
+                    shape,
+                    rule,
+                    Allowance::with_scale(scale),
+                )?;
                 self.totals.add(&e);
                 Ok(())
             }

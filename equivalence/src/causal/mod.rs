@@ -55,7 +55,7 @@ use rand::{Rng, SeedableRng};
 
 pub use crate::attention::Observed;
 use crate::compare::{
-    assert_within_k_with_scale, Judge, Mismatch, RelativeRule, RelativeTotals, Tolerance,
+    assert_within_k, Allowance, Judge, Mismatch, RelativeRule, RelativeTotals, Tolerance,
 };
 
 const IMPL: &str = "implementation";

@@ -71,25 +71,14 @@ impl Element for bf16 {
     }
 }
 
-/// Output of a forward pass.
-#[derive(Debug, Clone, PartialEq)]
-pub struct AttentionOutput32 {
-    /// `[n_tok, h, d]`.
-    pub output: Array3<f32>,
-    /// `[h, n_tok]`, natural log; `-inf` for a query with no allowed key.
-    pub lse: Array2<f32>,
-}
+/// Output of a forward pass: `output: [n_q, h, d]`, `lse: [h, n_q]` (natural
+/// log; `-inf` for a query with no allowed key), the reference's struct in `f32`.
+pub type AttentionOutput32 = packshard_reference::attention::AttentionOutput<f32>;
 
-/// Gradients of a backward pass, each `[n_tok, h, d]`.
-#[derive(Debug, Clone, PartialEq)]
-pub struct AttentionGrads32 {
-    /// `dL/dq`.
-    pub grad_q: Array3<f32>,
-    /// `dL/dk`.
-    pub grad_k: Array3<f32>,
-    /// `dL/dv`.
-    pub grad_v: Array3<f32>,
-}
+/// Gradients of a backward pass: `grad_q: [n_q, h, d]`, `grad_k, grad_v:
+/// [n_k, h_kv, d]` (each `[n_tok, h, d]` for self-attention), the
+/// reference's struct in `f32`.
+pub type AttentionGrads32 = packshard_reference::attention::AttentionGrads<f32>;
 
 /// Which keys a query of a work item may see.
 #[derive(Clone, Copy)]

@@ -51,24 +51,26 @@ pub use check::{
 };
 use check::{check_grad, check_qkv, check_work};
 
-/// Output of an attention forward pass.
+/// Output of an attention forward pass, in `f64` here (the optimized
+/// kernels' `AttentionOutput32` is the same struct in `f32`).
 #[derive(Debug, Clone, PartialEq)]
-pub struct AttentionOutput {
+pub struct AttentionOutput<T = f64> {
     /// `[n_q, h, d]`.
-    pub output: Array3<f64>,
+    pub output: Array3<T>,
     /// `[h, n_q]`, natural log; `-inf` for a query with no allowed key.
-    pub lse: Array2<f64>,
+    pub lse: Array2<T>,
 }
 
-/// Gradients of an attention pass.
+/// Gradients of an attention pass, in `f64` here (the optimized kernels'
+/// `AttentionGrads32` is the same struct in `f32`).
 #[derive(Debug, Clone, PartialEq)]
-pub struct AttentionGrads {
+pub struct AttentionGrads<T = f64> {
     /// `[n_q, h, d]`.
-    pub grad_q: Array3<f64>,
+    pub grad_q: Array3<T>,
     /// `[n_k, h_kv, d]`: summed over the query heads that share each key head.
-    pub grad_k: Array3<f64>,
+    pub grad_k: Array3<T>,
     /// `[n_k, h_kv, d]`.
-    pub grad_v: Array3<f64>,
+    pub grad_v: Array3<T>,
 }
 
 /// `1 / sqrt(d)`, the scale of Vaswani et al. and flash-attention's default.
