@@ -127,6 +127,15 @@ pub fn ensure(ok: bool, field: &str, message: impl FnOnce() -> String) -> Result
     }
 }
 
+/// `Ok(())` when every size in `sizes` (`(field, value)` pairs) is at least
+/// 1, else an [`Error::InvalidArgument`] naming the first that is 0.
+pub fn ensure_nonzero(sizes: &[(&str, usize)]) -> Result<()> {
+    match sizes.iter().find(|&&(_, v)| v == 0) {
+        Some(&(field, _)) => Err(Error::invalid(field, "must be at least 1")),
+        None => Ok(()),
+    }
+}
+
 /// `Ok(())` when the length `len` of the list `field` is `want`, else an
 /// [`Error::ShapeMismatch`] naming `field` that expects `[dim] = [want]`,
 /// followed by ` (why)` unless `why` is empty.
