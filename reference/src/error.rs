@@ -95,6 +95,22 @@ impl Error {
         }
     }
 
+    /// Shorthand for [`Error::SequenceTooLong`]: `field[index]` is `length`
+    /// tokens, over `max_seq_len`.
+    pub fn too_long(
+        field: impl Into<String>,
+        index: usize,
+        length: usize,
+        max_seq_len: usize,
+    ) -> Self {
+        Error::SequenceTooLong {
+            field: field.into(),
+            index,
+            length,
+            max_seq_len,
+        }
+    }
+
     /// Shorthand for [`Error::IndexOutOfRange`] with the range `0..hi`:
     /// `field[index]` holds `value`.
     pub fn out_of_range(field: impl Into<String>, index: usize, value: i64, hi: usize) -> Self {
