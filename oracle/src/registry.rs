@@ -126,6 +126,41 @@ impl<K: ?Sized + 'static> Entry<K> {
         self.small.unwrap_or(self.make)()
     }
 
+    /// The f64 reference of a family (named [`REFERENCE`]): judged as an f64
+    /// rewrite, needs nothing, no separate small configuration.
+    fn reference(changed: &'static str, make: Make<K>) -> Self {
+        Entry {
+            name: REFERENCE,
+            changed,
+            precision: Precision::F64,
+            judge: F64,
+            fuzz_judge: F64,
+            needs: Needs::Nothing,
+            make,
+            small: None,
+        }
+    }
+
+    /// An f32 kernel that needs nothing, judged by the f32 relative rule in
+    /// every form ([`F32_FORMS`], a fuzz case [`F32_FUZZ`]).
+    fn f32_relative(
+        name: &'static str,
+        changed: &'static str,
+        make: Make<K>,
+        small: Option<Make<K>>,
+    ) -> Self {
+        Entry {
+            name,
+            changed,
+            precision: Precision::F32,
+            judge: F32_FORMS,
+            fuzz_judge: F32_FUZZ,
+            needs: Needs::Nothing,
+            make,
+            small,
+        }
+    }
+
     /// Whether it has a separate small configuration.
     pub fn has_small(&self) -> bool {
         self.small.is_some()
@@ -286,16 +321,10 @@ pub const SMALL_CHUNKS: Chunks = Chunks {
 pub fn attention() -> Vec<Entry<dyn AttentionOp>> {
     #[allow(unused_mut)]
     let mut list: Vec<Entry<dyn AttentionOp>> = vec![
-        Entry {
-            name: REFERENCE,
-            changed: "the f64 reference: plain loops over allowed keys, GQA, cu_seqlens_q/cu_seqlens_k, bottom-right causal",
-            precision: Precision::F64,
-            judge: F64,
-            fuzz_judge: F64,
-            needs: Needs::Nothing,
-            make: || Ok(Box::new(ReferenceAttention)),
-            small: None,
-        },
+        Entry::reference(
+            "the f64 reference: plain loops over allowed keys, GQA, cu_seqlens_q/cu_seqlens_k, bottom-right causal",
+            || Ok(Box::new(ReferenceAttention)),
+        ),
         Entry {
             name: "attention_varlen_tiled",
             changed: "f32; online softmax per 64 x 64 (query, key) tile of each cu_seqlens segment, pulp SIMD, rayon over (segment, head); saves lse, never builds the mask; causal, GQA and cu_seqlens_k != cu_seqlens_q (bottom-right)",
@@ -422,26 +451,16 @@ mod cuda {
 /// Every [`CrossEntropyOp`].
 pub fn cross_entropy() -> Vec<Entry<dyn CrossEntropyOp>> {
     vec![
-        Entry {
-            name: REFERENCE,
-            changed: "the f64 reference: compensated sums over the vocabulary; naive, alg1, alg2 on in-process ranks",
-            precision: Precision::F64,
-            judge: F64,
-            fuzz_judge: F64,
-            needs: Needs::Nothing,
-            make: || Ok(Box::new(ReferenceCrossEntropy)),
-            small: None,
-        },
-        Entry {
-            name: "cross_entropy_f32",
-            changed: "f32 SIMD row pass over the logits, tile statistics merged in f64; sharded: alg2 per rank with the reference's collective",
-            precision: Precision::F32,
-            judge: F32_FORMS,
-            fuzz_judge: F32_FUZZ,
-            needs: Needs::Nothing,
-            make: || Ok(Box::new(CrossEntropyF32)),
-            small: None,
-        },
+        Entry::reference(
+            "the f64 reference: compensated sums over the vocabulary; naive, alg1, alg2 on in-process ranks",
+            || Ok(Box::new(ReferenceCrossEntropy)),
+        ),
+        Entry::f32_relative(
+            "cross_entropy_f32",
+            "f32 SIMD row pass over the logits, tile statistics merged in f64; sharded: alg2 per rank with the reference's collective",
+            || Ok(Box::new(CrossEntropyF32)),
+            None,
+        ),
     ]
 }
 
@@ -449,69 +468,47 @@ pub fn cross_entropy() -> Vec<Entry<dyn CrossEntropyOp>> {
 pub fn linear_cross_entropy() -> Vec<Entry<dyn LinearCrossEntropyOp>> {
     #[allow(unused_mut)]
     let mut list: Vec<Entry<dyn LinearCrossEntropyOp>> = vec![
-        Entry {
-            name: REFERENCE,
-            changed: "the f64 reference: [n, v] logits, then the cross-entropy; naive, alg1, alg2 on in-process ranks",
-            precision: Precision::F64,
-            judge: F64,
-            fuzz_judge: F64,
-            needs: Needs::Nothing,
-            make: || Ok(Box::new(ReferenceLinearCrossEntropy)),
-            small: None,
-        },
-        Entry {
-            name: "linear_ce_materialized",
-            changed: "f32; one gemm to the whole [n, v] logits, the SIMD row pass, two gemms for the gradients (the baseline of the fused kernel)",
-            precision: Precision::F32,
-            judge: F32_FORMS,
-            fuzz_judge: F32_FUZZ,
-            needs: Needs::Nothing,
-            make: || Ok(Box::new(LinearCeMaterialized)),
-            small: None,
-        },
-        Entry {
-            name: "linear_ce_fused",
-            changed: "f32; chunks of 256 tokens x 4096 entries: logits, statistics and gradient per tile while in cache, holds [256, v] not [n, v]; sharded: alg2 S and T passes, logits recomputed",
-            precision: Precision::F32,
-            judge: F32_FORMS,
-            fuzz_judge: F32_FUZZ,
-            needs: Needs::Nothing,
-            make: || Ok(Box::new(LinearCeFused::default())),
-            small: Some(|| {
+        Entry::reference(
+            "the f64 reference: [n, v] logits, then the cross-entropy; naive, alg1, alg2 on in-process ranks",
+            || Ok(Box::new(ReferenceLinearCrossEntropy)),
+        ),
+        Entry::f32_relative(
+            "linear_ce_materialized",
+            "f32; one gemm to the whole [n, v] logits, the SIMD row pass, two gemms for the gradients (the baseline of the fused kernel)",
+            || Ok(Box::new(LinearCeMaterialized)),
+            None,
+        ),
+        Entry::f32_relative(
+            "linear_ce_fused",
+            "f32; chunks of 256 tokens x 4096 entries: logits, statistics and gradient per tile while in cache, holds [256, v] not [n, v]; sharded: alg2 S and T passes, logits recomputed",
+            || Ok(Box::new(LinearCeFused::default())),
+            Some(|| {
                 Ok(Box::new(LinearCeFused {
                     chunks: SMALL_CHUNKS,
                 }))
             }),
-        },
-        Entry {
-            name: "linear_ce_tiled",
-            changed: "f32; tiles of 1024 tokens x 512 entries: pass 1 row statistics, pass 2 gradients from recomputed logits (4 products), holds one tile, never a row of v; sharded: alg2 as linear_ce_fused",
-            precision: Precision::F32,
-            judge: F32_FORMS,
-            fuzz_judge: F32_FUZZ,
-            needs: Needs::Nothing,
-            make: || Ok(Box::new(LinearCeTiled::default())),
-            small: Some(|| {
+        ),
+        Entry::f32_relative(
+            "linear_ce_tiled",
+            "f32; tiles of 1024 tokens x 512 entries: pass 1 row statistics, pass 2 gradients from recomputed logits (4 products), holds one tile, never a row of v; sharded: alg2 as linear_ce_fused",
+            || Ok(Box::new(LinearCeTiled::default())),
+            Some(|| {
                 Ok(Box::new(LinearCeTiled {
                     chunks: SMALL_CHUNKS,
                 }))
             }),
-        },
-        Entry {
-            name: "linear_ce_tiled_filtered",
-            changed: "linear_ce_tiled with Cut Cross-Entropy's gradient filtering: a tile of dL/dz whose entries off the targets are all at most 2^-12 x the row's weight skips its two products (its target entries applied one row each); trades gradient error for time and reports a bound on it (judged within rounding plus that bound); unsharded only",
-            precision: Precision::F32,
-            judge: F32_FORMS,
-            fuzz_judge: F32_FUZZ,
-            needs: Needs::Nothing,
-            make: || Ok(Box::new(LinearCeTiledFiltered::default())),
-            small: Some(|| {
+        ),
+        Entry::f32_relative(
+            "linear_ce_tiled_filtered",
+            "linear_ce_tiled with Cut Cross-Entropy's gradient filtering: a tile of dL/dz whose entries off the targets are all at most 2^-12 x the row's weight skips its two products (its target entries applied one row each); trades gradient error for time and reports a bound on it (judged within rounding plus that bound); unsharded only",
+            || Ok(Box::new(LinearCeTiledFiltered::default())),
+            Some(|| {
                 Ok(Box::new(LinearCeTiledFiltered {
                     chunks: SMALL_CHUNKS,
                     ..LinearCeTiledFiltered::default()
                 }))
             }),
-        },
+        ),
     ];
     #[cfg(feature = "cuda")]
     list.extend(cuda::linear_cross_entropy());
@@ -535,26 +532,16 @@ pub fn embedding() -> Vec<Entry<dyn EmbeddingOp>> {
 /// Every [`EncoderLayerOp`].
 pub fn encoder_layer() -> Vec<Entry<dyn EncoderLayerOp>> {
     vec![
-        Entry {
-            name: REFERENCE,
-            changed: "the f64 reference BERT layer (post-LayerNorm, exact erf GELU) with the reference attention",
-            precision: Precision::F64,
-            judge: F64,
-            fuzz_judge: F64,
-            needs: Needs::Nothing,
-            make: || Ok(Box::new(ReferenceLayer(ReferenceAttention))),
-            small: None,
-        },
-        Entry {
-            name: "encoder_layer",
-            changed: "f32 BERT layer: matmuls through gemm, SIMD LayerNorm and GELU, varlen attention on packed rows (dense masked on padded ones)",
-            precision: Precision::F32,
-            judge: F32_FORMS,
-            fuzz_judge: F32_FUZZ,
-            needs: Needs::Nothing,
-            make: || Ok(Box::new(EncoderLayerF32)),
-            small: None,
-        },
+        Entry::reference(
+            "the f64 reference BERT layer (post-LayerNorm, exact erf GELU) with the reference attention",
+            || Ok(Box::new(ReferenceLayer(ReferenceAttention))),
+        ),
+        Entry::f32_relative(
+            "encoder_layer",
+            "f32 BERT layer: matmuls through gemm, SIMD LayerNorm and GELU, varlen attention on packed rows (dense masked on padded ones)",
+            || Ok(Box::new(EncoderLayerF32)),
+            None,
+        ),
     ]
 }
 

@@ -95,6 +95,22 @@ impl Error {
         }
     }
 
+    /// Shorthand for [`Error::SequenceTooLong`]: `field[index]` is `length`
+    /// tokens, over `max_seq_len`.
+    pub fn too_long(
+        field: impl Into<String>,
+        index: usize,
+        length: usize,
+        max_seq_len: usize,
+    ) -> Self {
+        Error::SequenceTooLong {
+            field: field.into(),
+            index,
+            length,
+            max_seq_len,
+        }
+    }
+
     /// Shorthand for [`Error::IndexOutOfRange`] with the range `0..hi`:
     /// `field[index]` holds `value`.
     pub fn out_of_range(field: impl Into<String>, index: usize, value: i64, hi: usize) -> Self {
@@ -124,6 +140,15 @@ pub fn ensure(ok: bool, field: &str, message: impl FnOnce() -> String) -> Result
         Ok(())
     } else {
         Err(Error::invalid(field, message()))
+    }
+}
+
+/// `Ok(())` when every size in `sizes` (`(field, value)` pairs) is at least
+/// 1, else an [`Error::InvalidArgument`] naming the first that is 0.
+pub fn ensure_nonzero(sizes: &[(&str, usize)]) -> Result<()> {
+    match sizes.iter().find(|&&(_, v)| v == 0) {
+        Some(&(field, _)) => Err(Error::invalid(field, "must be at least 1")),
+        None => Ok(()),
     }
 }
 

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 use std::io::Write;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
 /// Runs the `packshard` binary built for these tests with `args`, writing
@@ -34,6 +35,24 @@ pub fn eval_text(case: &str) -> (i32, serde_json::Value) {
     let text = String::from_utf8_lossy(&o.stdout).to_string();
     let v = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
     (o.status.code().expect("an exit status"), v)
+}
+
+/// `name` inside `packshard-{prefix}-{pid}` under the system temporary
+/// directory, which is created (one such directory per test process).
+pub fn temp_path(prefix: &str, name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("packshard-{prefix}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir.join(name)
+}
+
+/// A run's standard output as text (invalid UTF-8 replaced).
+pub fn stdout_text(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// A run's standard error as text (invalid UTF-8 replaced).
+pub fn stderr_text(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
 /// The standard output of a run that must have succeeded (else a panic
@@ -74,4 +93,23 @@ pub fn eval_list() -> (Vec<String>, serde_json::Value) {
     let ops = v["ops"].as_array().expect("an ops list");
     let names = ops.iter().map(|o| o["op"].as_str().unwrap().to_string());
     (names.collect(), v)
+}
+
+/// Asserts that `packshard eval --list` names every op in `ops`.
+pub fn assert_listed(ops: &[&str]) {
+    let (names, _) = eval_list();
+    for op in ops {
+        assert!(names.iter().any(|n| n == op), "{op} not in {names:?}");
+    }
+}
+
+/// `packshard verify <what> <model_flag> MODEL --text TEXT`, ready for
+/// more arguments (the sample size, the model's shape) before it runs.
+pub fn verify_command(what: &str, model_flag: &str, model: &Path, text: &Path) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_packshard"));
+    c.args(["verify", what, model_flag])
+        .arg(model)
+        .arg("--text")
+        .arg(text);
+    c
 }

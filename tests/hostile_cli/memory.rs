@@ -69,8 +69,8 @@ fn every_subcommand_at_its_documented_limits_under_an_address_space_cap() {
     };
     // pack --lengths: the table streams any file into a histogram; a plan per
     // sequence (--plan-out) lists at most 2^20: at the limit, then one more.
-    let lengths = tmp("limit-lengths.txt");
-    let plan = tmp("limit-plan.json");
+    let lengths = temp_path("hostile", "limit-lengths.txt");
+    let plan = temp_path("hostile", "limit-plan.json");
     let line = |n: usize| {
         (0..n)
             .map(|i| ((i * 37) % 511 + 1).to_string())
@@ -110,7 +110,7 @@ fn every_subcommand_at_its_documented_limits_under_an_address_space_cap() {
         "",
     );
     // pack --histogram at max_seq_len 2^24 with 2,000 rows (SPFHP near-linear), then 2^24 + 1.
-    let histogram = tmp("limit-histogram.csv");
+    let histogram = temp_path("hostile", "limit-histogram.csv");
     let rows: String = (1..=2000u64)
         .map(|i| format!("{},{}\n", i * 8000, 1 + i % 7))
         .collect();
@@ -134,7 +134,7 @@ fn every_subcommand_at_its_documented_limits_under_an_address_space_cap() {
         );
     }
     // eval batch: 2^24 token slots x 320 bytes is over a 1 GiB budget: refused before allocating.
-    let case = tmp("limit-batch.json");
+    let case = temp_path("hostile", "limit-batch.json");
     std::fs::write(
         &case,
         r#"{"op": "batch", "sequences": [[1, 2]], "max_seq_len": 16777216}"#,
@@ -171,7 +171,7 @@ fn every_subcommand_at_its_documented_limits_under_an_address_space_cap() {
     let over = "--hidden: a weight of 64 x 16777216 entries";
     expect(&vocab("64", "16777216"), "vocab 64 x 2^24", 2, over);
     // golden and check: the whole canonical set.
-    let golden = tmp("limit-golden");
+    let golden = temp_path("hostile", "limit-golden");
     let _ = std::fs::remove_dir_all(&golden);
     let o = capped(
         CAP_MIB,
@@ -209,7 +209,7 @@ fn eval_largest_case_under_an_address_space_cap() {
         &format!(r#""targets": {}"#, json!(vec![1; n])),
     );
     // The targets make it longer: trim rows until it fits.
-    let case_path = tmp("largest.json");
+    let case_path = temp_path("hostile", "largest.json");
     let fitted = if text.len() <= cap {
         text
     } else {
@@ -321,7 +321,7 @@ fn safetensors(path: &Path, tensors: &[(&str, Vec<usize>)]) {
 
 #[test]
 fn verify_bert_checks_the_config_against_the_weights_first() {
-    let dir = tmp("bert-model");
+    let dir = temp_path("hostile", "bert-model");
     std::fs::create_dir_all(&dir).unwrap();
     safetensors(
         &dir.join("model.safetensors"),
@@ -332,7 +332,7 @@ fn verify_bert_checks_the_config_against_the_weights_first() {
             ("encoder.layer.0.intermediate.dense.weight", vec![8, 4]),
         ],
     );
-    let text = tmp("text.txt");
+    let text = temp_path("hostile", "text.txt");
     std::fs::write(&text, "to be or not to be\n").unwrap();
     let config = |vocab: usize, hidden: usize, layers: usize| {
         json!({"vocab_size": vocab, "hidden_size": hidden, "num_hidden_layers": layers,

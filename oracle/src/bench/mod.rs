@@ -40,6 +40,7 @@ use ndarray::Array2;
 use packshard_optimized::matmul::{matmul, Threads};
 use packshard_optimized::vocab::Chunks;
 use packshard_reference::attention::AttentionLayout;
+use packshard_reference::error::ensure_nonzero;
 use packshard_reference::packing::{pack_lengths, Algorithm, Histogram, PackingConfig};
 use packshard_reference::{Error, Result};
 use rand::{Rng, SeedableRng};
@@ -128,7 +129,7 @@ impl BenchConfig {
     /// [`Error::InvalidArgument`] naming the field for a zero size, heads
     /// not dividing `hidden`, or `reps` 0.
     pub fn validate(&self) -> Result<()> {
-        for (field, x) in [
+        ensure_nonzero(&[
             ("sequences", self.sequences),
             ("hidden", self.hidden),
             ("heads", self.heads),
@@ -138,11 +139,7 @@ impl BenchConfig {
             ("ce_chunk_tokens", self.ce_chunks.tokens),
             ("ce_chunk_vocab", self.ce_chunks.vocab),
             ("reps", self.reps),
-        ] {
-            if x == 0 {
-                return Err(Error::invalid(field, "must be at least 1"));
-            }
-        }
+        ])?;
         if !self.hidden.is_multiple_of(self.heads) {
             return Err(Error::invalid(
                 "heads",

@@ -99,13 +99,9 @@ pub(super) fn bert(value: &Value) -> Result<Value, EvalError> {
                 .iter()
                 .position(|s| s.len() == row_len)
                 .unwrap_or(0);
-            return Err(packshard_reference::Error::SequenceTooLong {
-                field: "sequences".into(),
-                index: i,
-                length: row_len,
-                max_seq_len,
-            }
-            .into());
+            return Err(
+                packshard_reference::Error::too_long("sequences", i, row_len, max_seq_len).into(),
+            );
         }
         model.encode(&TokenBatch::padded(
             &sequences,

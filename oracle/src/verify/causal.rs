@@ -103,12 +103,7 @@ impl Layout {
     pub fn padded(documents: &[Vec<i64>], row_len: usize) -> Result<Layout, Error> {
         for (d, doc) in documents.iter().enumerate() {
             if doc.len() > row_len {
-                return Err(Error::SequenceTooLong {
-                    field: "documents".into(),
-                    index: d,
-                    length: doc.len(),
-                    max_seq_len: row_len,
-                });
+                return Err(Error::too_long("documents", d, doc.len(), row_len));
             }
         }
         let mut l = blank(documents.len(), row_len, documents.len())?;

@@ -120,12 +120,7 @@ impl TokenBatch {
         };
         for (s, seq) in sequences.iter().enumerate() {
             if seq.len() > row_len {
-                return Err(Error::SequenceTooLong {
-                    field: "sequences".into(),
-                    index: s,
-                    length: seq.len(),
-                    max_seq_len: row_len,
-                });
+                return Err(Error::too_long("sequences", s, seq.len(), row_len));
             }
             for t in 0..row_len {
                 let (id, ty) = match seq.get(t) {

@@ -123,45 +123,17 @@ pub fn layer_backward(
     let width = dout.ncols();
     let scale = crate::attention::default_scale(width / num_heads);
     // out = LN2(r2), r2 = act W2^T + b2 + h1
-    let dr2 = layer_norm_backward(
-        &cache.ln2,
-        p.out_ln_g.view(),
-        dout,
-        g.out_ln_g.view_mut(),
-        g.out_ln_b.view_mut(),
-    );
-    let dact = linear_backward(
-        cache.act.view(),
-        p.out_w.view(),
-        dr2.view(),
-        g.out_w.view_mut(),
-        g.out_b.view_mut(),
-    );
+    let dr2 = param_backward!(layer_norm_backward(&cache.ln2, dout), p => g, out_ln_g, out_ln_b);
+    let dact = param_backward!(linear_backward(cache.act.view(), dr2.view()), p => g, out_w, out_b);
     let dpre = gelu_backward(cache.pre_gelu.view(), dact.view());
-    let mut dh1 = linear_backward(
-        cache.h1.view(),
-        p.inter_w.view(),
-        dpre.view(),
-        g.inter_w.view_mut(),
-        g.inter_b.view_mut(),
-    );
+    let mut dh1 =
+        param_backward!(linear_backward(cache.h1.view(), dpre.view()), p => g, inter_w, inter_b);
     dh1 += &dr2;
     // h1 = LN1(r1), r1 = a Wo^T + bo + x
-    let dr1 = layer_norm_backward(
-        &cache.ln1,
-        p.attn_ln_g.view(),
-        dh1.view(),
-        g.attn_ln_g.view_mut(),
-        g.attn_ln_b.view_mut(),
-    );
+    let dr1 =
+        param_backward!(layer_norm_backward(&cache.ln1, dh1.view()), p => g, attn_ln_g, attn_ln_b);
     let a = flat(&cache.attention.output);
-    let da = linear_backward(
-        a.view(),
-        p.attn_out_w.view(),
-        dr1.view(),
-        g.attn_out_w.view_mut(),
-        g.attn_out_b.view_mut(),
-    );
+    let da = param_backward!(linear_backward(a.view(), dr1.view()), p => g, attn_out_w, attn_out_b);
     let da = heads(da, num_heads)?;
     let ag = kernel.backward(
         Qkv::new(cache.q.view(), cache.k.view(), cache.v.view()),
@@ -171,27 +143,9 @@ pub fn layer_backward(
     )?;
     let x = cache.input.view();
     let mut dx = dr1;
-    dx += &linear_backward(
-        x,
-        p.query_w.view(),
-        flat(&ag.grad_q).view(),
-        g.query_w.view_mut(),
-        g.query_b.view_mut(),
-    );
-    dx += &linear_backward(
-        x,
-        p.key_w.view(),
-        flat(&ag.grad_k).view(),
-        g.key_w.view_mut(),
-        g.key_b.view_mut(),
-    );
-    dx += &linear_backward(
-        x,
-        p.value_w.view(),
-        flat(&ag.grad_v).view(),
-        g.value_w.view_mut(),
-        g.value_b.view_mut(),
-    );
+    dx += &param_backward!(linear_backward(x, flat(&ag.grad_q).view()), p => g, query_w, query_b);
+    dx += &param_backward!(linear_backward(x, flat(&ag.grad_k).view()), p => g, key_w, key_b);
+    dx += &param_backward!(linear_backward(x, flat(&ag.grad_v).view()), p => g, value_w, value_b);
     Ok(dx)
 }
 

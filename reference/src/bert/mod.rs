@@ -25,6 +25,25 @@
 //! central finite differences in this module's tests.
 
 pub use crate::attention;
+
+/// `param_backward!(backward(input, dy), p => g, w, b)` is
+/// `backward(input, p.w, dy, g.w, g.b)`: the backward pass
+/// ([`ops::linear_backward`] or [`ops::layer_norm_backward`]) of the layer
+/// whose parameters are the fields `w` (weight or gamma) and `b` (bias or
+/// beta) of `p`, accumulating their gradients into the same fields of `g`;
+/// the gradient of its input.
+macro_rules! param_backward {
+    ($backward:ident($input:expr, $dy:expr), $p:ident => $g:ident, $w:ident, $b:ident) => {
+        $backward(
+            $input,
+            $p.$w.view(),
+            $dy,
+            $g.$w.view_mut(),
+            $g.$b.view_mut(),
+        )
+    };
+}
+
 pub mod batch;
 pub mod config;
 pub mod layer;

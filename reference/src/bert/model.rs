@@ -331,27 +331,14 @@ impl BertModel {
             let mut dh = Array2::<f64>::zeros((n, width));
             // MLM: decoder (tied), transform LayerNorm, GELU, dense.
             let dlogits = cross_entropy_backward(logits.view(), &mlm_targets, &mlm_lse, &mlm_w);
-            let dt = linear_backward(
-                t.view(),
-                p.word_embeddings.view(),
-                dlogits.view(),
-                g.word_embeddings.view_mut(),
-                g.mlm_bias.view_mut(),
+            let dt = param_backward!(
+                linear_backward(t.view(), dlogits.view()), p => g, word_embeddings, mlm_bias
             );
-            let dt_act = layer_norm_backward(
-                &t_ln,
-                p.mlm_ln_g.view(),
-                dt.view(),
-                g.mlm_ln_g.view_mut(),
-                g.mlm_ln_b.view_mut(),
-            );
+            let dt_act =
+                param_backward!(layer_norm_backward(&t_ln, dt.view()), p => g, mlm_ln_g, mlm_ln_b);
             let dt_pre = gelu_backward(t_pre.view(), dt_act.view());
-            let dsel = linear_backward(
-                sel.view(),
-                p.mlm_dense_w.view(),
-                dt_pre.view(),
-                g.mlm_dense_w.view_mut(),
-                g.mlm_dense_b.view_mut(),
+            let dsel = param_backward!(
+                linear_backward(sel.view(), dt_pre.view()), p => g, mlm_dense_w, mlm_dense_b
             );
             for (r, pick) in picks.iter().enumerate() {
                 let mut row = dh.row_mut(pick.1);
@@ -359,21 +346,11 @@ impl BertModel {
             }
             // NSP head and pooler.
             let dnsp = cross_entropy_backward(nsp_logits.view(), &nsp_targets, &nsp_lse, &nsp_w);
-            let dpooled = linear_backward(
-                pooled.view(),
-                p.nsp_w.view(),
-                dnsp.view(),
-                g.nsp_w.view_mut(),
-                g.nsp_b.view_mut(),
-            );
+            let dpooled =
+                param_backward!(linear_backward(pooled.view(), dnsp.view()), p => g, nsp_w, nsp_b);
             let dz = &dpooled * &pooled.mapv(|y| 1.0 - y * y);
-            let dcls = linear_backward(
-                cls.view(),
-                p.pooler_w.view(),
-                dz.view(),
-                g.pooler_w.view_mut(),
-                g.pooler_b.view_mut(),
-            );
+            let dcls =
+                param_backward!(linear_backward(cls.view(), dz.view()), p => g, pooler_w, pooler_b);
             for (r, &s) in nonempty.iter().enumerate() {
                 let mut row = dh.row_mut(batch.sequences[s][0]);
                 row += &dcls.row(r);
@@ -391,12 +368,8 @@ impl BertModel {
                 )?;
             }
             // Embedding LayerNorm, then the three lookups.
-            let de = layer_norm_backward(
-                &emb_ln,
-                p.emb_ln_g.view(),
-                dh.view(),
-                g.emb_ln_g.view_mut(),
-                g.emb_ln_b.view_mut(),
+            let de = param_backward!(
+                layer_norm_backward(&emb_ln, dh.view()), p => g, emb_ln_g, emb_ln_b
             );
             for i in 0..n {
                 let row = de.row(i);

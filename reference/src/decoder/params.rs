@@ -4,7 +4,7 @@
 use ndarray::{Array1, Array2, ArrayViewD, ArrayViewMutD};
 use rand::{Rng, SeedableRng};
 
-use crate::error::{check_len, ensure, Error, Result};
+use crate::error::{check_len, ensure, ensure_nonzero, Error, Result};
 
 /// The most elements one parameter tensor (or the logits `n * v`) may hold
 /// (2^28, 2 GiB of f64): sizes from input are bounded before allocation.
@@ -102,18 +102,14 @@ impl DecoderConfig {
     /// # Errors
     /// [`Error::InvalidArgument`] naming the field.
     pub fn validate(&self) -> Result<()> {
-        for (field, v) in [
+        ensure_nonzero(&[
             ("vocab_size", self.vocab_size),
             ("hidden_size", self.hidden_size),
             ("num_heads", self.num_heads),
             ("num_kv_heads", self.num_kv_heads),
             ("head_dim", self.head_dim),
             ("intermediate_size", self.intermediate_size),
-        ] {
-            if v == 0 {
-                return Err(Error::invalid(field, "must be at least 1"));
-            }
-        }
+        ])?;
         let (h, h_kv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
         ensure(h.is_multiple_of(h_kv), "num_kv_heads", || {
             format!(

@@ -422,14 +422,7 @@ fn fit_histogram(
             continue;
         }
         match config.overlong {
-            Overlong::Error => {
-                return Err(Error::SequenceTooLong {
-                    field: "histogram".into(),
-                    index: l,
-                    length: l,
-                    max_seq_len: msl,
-                })
-            }
+            Overlong::Error => return Err(Error::too_long("histogram", l, l, msl)),
             Overlong::Split => {
                 add(
                     &mut counts,
@@ -641,14 +634,7 @@ pub fn pack_lengths(lengths: &[usize], config: &PackingConfig) -> Result<Packing
             });
         } else {
             match config.overlong {
-                Overlong::Error => {
-                    return Err(Error::SequenceTooLong {
-                        field: "lengths".into(),
-                        index: i,
-                        length: l,
-                        max_seq_len: msl,
-                    })
-                }
+                Overlong::Error => return Err(Error::too_long("lengths", i, l, msl)),
                 Overlong::Split => {
                     if segments.len() + empty.len() + dropped.len() + l.div_ceil(msl)
                         > MAX_PLAN_SEGMENTS
