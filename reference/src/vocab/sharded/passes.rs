@@ -105,6 +105,37 @@ impl<'a> RankRun<'a> {
         Ok((per_token, loss))
     }
 
+    /// This rank's local statistics (`m_i`, `s_i`, target term) of its
+    /// logits `z: [n, w_r]`.
+    fn local_stats(&self, z: &Array2<f64>) -> Vec<SoftmaxStats> {
+        z.rows()
+            .into_iter()
+            .enumerate()
+            .map(|(i, row)| SoftmaxStats::of(&row.to_vec(), |j| self.q(i, j)))
+            .collect()
+    }
+
+    /// The S state once the global statistics are known: the forward
+    /// ([`Self::finish`], with its all-`-inf` row error) and no input
+    /// gradient yet.
+    fn s_state(
+        &self,
+        z: Array2<f64>,
+        local: Vec<SoftmaxStats>,
+        global: Vec<SoftmaxStats>,
+        want_grad: bool,
+    ) -> Result<SState> {
+        let forward = self.finish(&global)?;
+        Ok(SState {
+            z,
+            local,
+            global,
+            forward,
+            want_grad,
+            grad_hidden: None,
+        })
+    }
+
     pub(super) fn run(self, z: Array2<f64>, lin: Linear<'_>, want_grad: bool) -> Result<RankLoss> {
         let state = self.s_pass(z, lin, want_grad)?;
         self.t_pass(state, lin)
@@ -236,15 +267,7 @@ impl<'a> RankRun<'a> {
                 mass: total_mass(i),
             })
             .collect();
-        let forward = self.finish(&global)?;
-        Ok(SState {
-            z,
-            local,
-            global,
-            forward,
-            want_grad,
-            grad_hidden: None,
-        })
+        self.s_state(z, local, global, want_grad)
     }
 
     /// naive T: `∂L/∂z` from the global statistics, then `∂L/∂x =
@@ -278,12 +301,7 @@ impl<'a> RankRun<'a> {
     pub(super) fn alg1_s(&self, z: Array2<f64>, want_grad: bool) -> Result<SState> {
         let n = z.nrows();
         // S pass.
-        let local: Vec<SoftmaxStats> = z
-            .rows()
-            .into_iter()
-            .enumerate()
-            .map(|(i, row)| SoftmaxStats::of(&row.to_vec(), |j| self.q(i, j)))
-            .collect();
+        let local = self.local_stats(&z);
         // Barrier 1: (m_i, s_i, target) records, online-softmax merge.
         self.meter.hold(STATS_WIDTH * n);
         let mut record: Vec<f64> = local.iter().flat_map(|s| s.to_record()).collect();
@@ -296,15 +314,7 @@ impl<'a> RankRun<'a> {
             .chunks(STATS_WIDTH)
             .map(SoftmaxStats::from_record)
             .collect();
-        let forward = self.finish(&global)?;
-        Ok(SState {
-            z,
-            local,
-            global,
-            forward,
-            want_grad,
-            grad_hidden: None,
-        })
+        self.s_state(z, local, global, want_grad)
     }
 
     /// alg1 T: rescale the local softmax, `∂L/∂z_i`, the input-gradient
@@ -356,12 +366,7 @@ impl<'a> RankRun<'a> {
         let n = z.nrows();
         let c = self.config.z_loss;
         // S pass: local statistics.
-        let local: Vec<SoftmaxStats> = z
-            .rows()
-            .into_iter()
-            .enumerate()
-            .map(|(i, row)| SoftmaxStats::of(&row.to_vec(), |j| self.q(i, j)))
-            .collect();
+        let local = self.local_stats(&z);
         // softmax'_i - q_i (the stable form for a confident target; -q for an
         // all -inf shard) and softmax'_i.
         let delta = |i: usize, j: usize, zij: f64| local_delta(&local[i], zij, self.q(i, j));
@@ -403,31 +408,20 @@ impl<'a> RankRun<'a> {
         }
         // The one barrier.
         let global = layout.all_reduce(self.comm, &mut record)?;
-        let forward = self.finish(&global)?;
+        let state = self.s_state(z, local, global, want_grad)?;
         if !want_grad {
-            return Ok(SState {
-                z,
-                local,
-                global,
-                forward,
-                want_grad,
-                grad_hidden: None,
-            });
+            return Ok(state);
         }
         let weights = &self.weights;
         // ∂L/∂x = w_i (Y / S + 2 c lse U / S), Y / S = Σ_j (p_j - q_j) W_j and
         // U / S = Σ_j p_j W_j: no more communication.
         let gx = input_grad.then(|| {
             self.meter.hold(n * h);
-            layout.input_grad(&record, &global, weights, c)
+            layout.input_grad(&record, &state.global, weights, c)
         });
         Ok(SState {
-            z,
-            local,
-            global,
-            forward,
-            want_grad,
             grad_hidden: gx,
+            ..state
         })
     }
 
