@@ -136,6 +136,20 @@ impl<'a> RankRun<'a> {
         })
     }
 
+    /// `∂L/∂z_i` in place of the logits `z: [n, w_r]`: `w_i dy(i, j, z_ij)`
+    /// through the softcap ([`Self::chain`]), where `dy` is the loss term's
+    /// gradient in its logit; 0 for a token of weight 0 and on padding columns.
+    fn logit_grads_in_place(&self, z: &mut Array2<f64>, dy: impl Fn(usize, usize, f64) -> f64) {
+        let weights = &self.weights;
+        for ((i, j), x) in z.indexed_iter_mut() {
+            *x = if weights[i] == 0.0 || j >= self.shard.real {
+                0.0
+            } else {
+                self.chain(weights[i] * dy(i, j, *x), *x)
+            };
+        }
+    }
+
     pub(super) fn run(self, z: Array2<f64>, lin: Linear<'_>, want_grad: bool) -> Result<RankLoss> {
         let state = self.s_pass(z, lin, want_grad)?;
         self.t_pass(state, lin)
@@ -281,15 +295,9 @@ impl<'a> RankRun<'a> {
             ..
         } = s;
         // Backward: ∂L/∂z = w_i (softmax - q + 2 c lse softmax), in place.
-        let weights = &self.weights;
-        for ((i, j), x) in z.indexed_iter_mut() {
-            *x = if weights[i] == 0.0 || j >= self.shard.real {
-                0.0
-            } else {
-                let dy = weights[i] * global[i].gradient(*x, self.q(i, j), self.config.z_loss);
-                self.chain(dy, *x)
-            };
-        }
+        self.logit_grads_in_place(&mut z, |i, j, zij| {
+            global[i].gradient(zij, self.q(i, j), self.config.z_loss)
+        });
         // Barrier 3: the input gradient.
         let (gx, gw) = self.linear_grads(&z, lin, true)?;
         Ok(self.output(forward, local, global, (Some(z), gx, gw)))
@@ -328,26 +336,21 @@ impl<'a> RankRun<'a> {
             ..
         } = s;
         // T pass: softmax = alpha_i softmax'_i, alpha_i = s_i exp(m_i - m) / S.
-        let weights = &self.weights;
         let c = self.config.z_loss;
-        for ((i, j), x) in z.indexed_iter_mut() {
-            let (g, l, zij) = (&global[i], &local[i], *x);
-            *x = if weights[i] == 0.0 || j >= self.shard.real {
+        self.logit_grads_in_place(&mut z, |i, j, zij| {
+            let (g, l) = (&global[i], &local[i]);
+            let q = self.q(i, j);
+            let p = if zij == f64::NEG_INFINITY {
                 0.0
+            } else if zij == g.max {
+                1.0 / g.sum_exp()
             } else {
-                let q = self.q(i, j);
-                let p = if zij == f64::NEG_INFINITY {
-                    0.0
-                } else if zij == g.max {
-                    1.0 / g.sum_exp()
-                } else {
-                    let alpha = l.sum_exp() * l.scale_to(g.max) / g.sum_exp();
-                    alpha * ((zij - l.max).exp() / l.sum_exp())
-                };
-                let delta = if zij == g.max { g.delta(zij, q) } else { p - q };
-                self.chain(weights[i] * (delta + 2.0 * c * g.logsumexp() * p), zij)
+                let alpha = l.sum_exp() * l.scale_to(g.max) / g.sum_exp();
+                alpha * ((zij - l.max).exp() / l.sum_exp())
             };
-        }
+            let delta = if zij == g.max { g.delta(zij, q) } else { p - q };
+            delta + 2.0 * c * g.logsumexp() * p
+        });
         // Barrier 2: the input gradient.
         let (gx, gw) = self.linear_grads(&z, lin, true)?;
         Ok(self.output(forward, local, global, (Some(z), gx, gw)))
@@ -436,31 +439,25 @@ impl<'a> RankRun<'a> {
             grad_hidden: gx,
             ..
         } = s;
-        let real = self.shard.real;
         let c = self.config.z_loss;
-        let weights = &self.weights;
         let delta = |i: usize, j: usize, zij: f64| local_delta(&local[i], zij, self.q(i, j));
         let prob = |i: usize, zij: f64| local_probability(&local[i], zij);
         // T pass: p = alpha_i softmax'_i and p - q = alpha_i (softmax'_i - q)
         // + (alpha_i - 1) q, with alpha_i - 1 = (s_i - S) / S exactly when
         // m_i = m.
-        for ((i, j), x) in z.indexed_iter_mut() {
+        self.logit_grads_in_place(&mut z, |i, j, zij| {
             let (g, l) = (&global[i], &local[i]);
-            *x = if weights[i] == 0.0 || j >= real {
-                0.0
+            let q = self.q(i, j);
+            let alpha = l.sum_exp() * l.scale_to(g.max) / g.sum_exp();
+            let alpha_minus_1 = if l.max == g.max {
+                (l.rest - g.rest) / g.sum_exp()
             } else {
-                let q = self.q(i, j);
-                let alpha = l.sum_exp() * l.scale_to(g.max) / g.sum_exp();
-                let alpha_minus_1 = if l.max == g.max {
-                    (l.rest - g.rest) / g.sum_exp()
-                } else {
-                    alpha - 1.0
-                };
-                let d = alpha * delta(i, j, *x) + alpha_minus_1 * q;
-                let p = alpha * prob(i, *x);
-                self.chain(weights[i] * (d + 2.0 * c * g.logsumexp() * p), *x)
+                alpha - 1.0
             };
-        }
+            let d = alpha * delta(i, j, zij) + alpha_minus_1 * q;
+            let p = alpha * prob(i, zij);
+            d + 2.0 * c * g.logsumexp() * p
+        });
         let (_, gw) = self.linear_grads(&z, lin, false)?;
         Ok(self.output(forward, local, global, (Some(z), gx, gw)))
     }
