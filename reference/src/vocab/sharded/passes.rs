@@ -150,6 +150,27 @@ impl<'a> RankRun<'a> {
         }
     }
 
+    /// A T pass whose input gradient takes a barrier (naive, alg1): `∂L/∂z`
+    /// in place ([`Self::logit_grads_in_place`], `dy(global_i, local_i, i,
+    /// j, z_ij)`), then `∂L/∂x = allreduce_sum(∂L/∂z_i W_i)` and `∂L/∂W_i`.
+    fn t_then_input_barrier(
+        &self,
+        s: SState,
+        lin: Linear<'_>,
+        dy: impl Fn(&SoftmaxStats, &SoftmaxStats, usize, usize, f64) -> f64,
+    ) -> Result<RankLoss> {
+        let SState {
+            mut z,
+            local,
+            global,
+            forward,
+            ..
+        } = s;
+        self.logit_grads_in_place(&mut z, |i, j, zij| dy(&global[i], &local[i], i, j, zij));
+        let (gx, gw) = self.linear_grads(&z, lin, true)?;
+        Ok(self.output(forward, local, global, (Some(z), gx, gw)))
+    }
+
     pub(super) fn run(self, z: Array2<f64>, lin: Linear<'_>, want_grad: bool) -> Result<RankLoss> {
         let state = self.s_pass(z, lin, want_grad)?;
         self.t_pass(state, lin)
@@ -287,20 +308,11 @@ impl<'a> RankRun<'a> {
     /// naive T: `∂L/∂z` from the global statistics, then `∂L/∂x =
     /// allreduce_sum(∂L/∂z_i W_i)`.
     pub(super) fn naive_t(&self, s: SState, lin: Linear<'_>) -> Result<RankLoss> {
-        let SState {
-            mut z,
-            local,
-            global,
-            forward,
-            ..
-        } = s;
-        // Backward: ∂L/∂z = w_i (softmax - q + 2 c lse softmax), in place.
-        self.logit_grads_in_place(&mut z, |i, j, zij| {
-            global[i].gradient(zij, self.q(i, j), self.config.z_loss)
-        });
-        // Barrier 3: the input gradient.
-        let (gx, gw) = self.linear_grads(&z, lin, true)?;
-        Ok(self.output(forward, local, global, (Some(z), gx, gw)))
+        // Backward: ∂L/∂z = w_i (softmax - q + 2 c lse softmax), in place;
+        // barrier 3: the input gradient.
+        self.t_then_input_barrier(s, lin, |g, _, i, j, zij| {
+            g.gradient(zij, self.q(i, j), self.config.z_loss)
+        })
     }
 
     /// alg1: S pass (local `m_i`, `s_i`, target term) → one merged barrier →
@@ -328,17 +340,10 @@ impl<'a> RankRun<'a> {
     /// alg1 T: rescale the local softmax, `∂L/∂z_i`, the input-gradient
     /// barrier, `∂L/∂W_i`.
     pub(super) fn alg1_t(&self, s: SState, lin: Linear<'_>) -> Result<RankLoss> {
-        let SState {
-            mut z,
-            local,
-            global,
-            forward,
-            ..
-        } = s;
-        // T pass: softmax = alpha_i softmax'_i, alpha_i = s_i exp(m_i - m) / S.
+        // T pass: softmax = alpha_i softmax'_i, alpha_i = s_i exp(m_i - m) / S;
+        // barrier 2: the input gradient.
         let c = self.config.z_loss;
-        self.logit_grads_in_place(&mut z, |i, j, zij| {
-            let (g, l) = (&global[i], &local[i]);
+        self.t_then_input_barrier(s, lin, |g, l, i, j, zij| {
             let q = self.q(i, j);
             let p = if zij == f64::NEG_INFINITY {
                 0.0
@@ -350,10 +355,7 @@ impl<'a> RankRun<'a> {
             };
             let delta = if zij == g.max { g.delta(zij, q) } else { p - q };
             delta + 2.0 * c * g.logsumexp() * p
-        });
-        // Barrier 2: the input gradient.
-        let (gx, gw) = self.linear_grads(&z, lin, true)?;
-        Ok(self.output(forward, local, global, (Some(z), gx, gw)))
+        })
     }
 
     /// alg2: S pass forms the input-gradient partials against the local
