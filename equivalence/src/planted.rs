@@ -437,6 +437,61 @@ impl VocabHooks for FirstUpstreamOnly {
     }
 }
 
+/// An output-layer kernel `K`, then a fault planted in what it returns:
+/// `unsharded` edits each [`LinearLoss`] of its unsharded call, `sharded` each
+/// [`ShardedLoss`] of its sharded call. It declares the kernel's sharded
+/// algorithms (and every loss option, as [`VocabHooks`] does by default);
+/// its other calls are the reference's.
+#[derive(Debug, Clone, Copy)]
+pub struct KernelThenEdit<K, U, S> {
+    kernel: K,
+    unsharded: U,
+    sharded: S,
+}
+
+impl<K, U, S> KernelThenEdit<K, U, S>
+where
+    K: LinearCrossEntropyOp,
+    U: Fn(&mut LinearLoss) + Send + Sync,
+    S: Fn(&mut ShardedLoss) + Send + Sync,
+{
+    /// `kernel` with the edits `unsharded` and `sharded` on its outputs.
+    pub fn new(kernel: K, unsharded: U, sharded: S) -> Self {
+        Self {
+            kernel,
+            unsharded,
+            sharded,
+        }
+    }
+}
+
+impl<K, U, S> VocabHooks for KernelThenEdit<K, U, S>
+where
+    K: LinearCrossEntropyOp,
+    U: Fn(&mut LinearLoss) + Send + Sync,
+    S: Fn(&mut ShardedLoss) + Send + Sync,
+{
+    fn algorithms(&self) -> Vec<ShardedAlgorithm> {
+        self.kernel.algorithms()
+    }
+
+    fn linear_cross_entropy(&self, c: LinearCall<'_>) -> Result<LinearLoss> {
+        let mut out = c.unsharded(&self.kernel)?;
+        (self.unsharded)(&mut out);
+        Ok(out)
+    }
+
+    fn sharded_linear_cross_entropy(
+        &self,
+        plan: ShardPlan,
+        c: LinearCall<'_>,
+    ) -> Result<ShardedLoss> {
+        let mut out = c.sharded(&self.kernel, plan)?;
+        (self.sharded)(&mut out);
+        Ok(out)
+    }
+}
+
 /// `run` on `call`, its upstream gradient as `hooks` rewrite it
 /// ([`VocabHooks::upstream`]).
 fn with_upstream<T>(

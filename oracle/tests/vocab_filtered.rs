@@ -9,18 +9,16 @@ mod common;
 
 use common::random;
 use ndarray::Array2;
-use packshard_equivalence::planted::{LinearCall, Planted, VocabHooks};
+use packshard_equivalence::planted::{KernelThenEdit, Planted, VocabHooks};
 use packshard_equivalence::vocab::{check_linear_unsharded, LinearCase, Rule};
 use packshard_optimized::ops::{LinearCeTiled, LinearCeTiledFiltered};
 use packshard_optimized::vocab::{
-    linear_cross_entropy_tiled, linear_cross_entropy_tiled_filtered, Chunks,
+    linear_cross_entropy_tiled, linear_cross_entropy_tiled_filtered, Chunks, LinearCrossEntropy32,
 };
 use packshard_oracle::registry::{self, SMALL_CHUNKS};
 use packshard_reference::ops::{LinearCrossEntropyOp, LinearLoss, TradedError};
 use packshard_reference::vocab::sharded::ShardedLoss;
-use packshard_reference::vocab::{
-    LossCall, LossConfig, Reduction, ShardLayout, ShardMap, ShardPlan, ShardedAlgorithm,
-};
+use packshard_reference::vocab::{LossCall, LossConfig, Reduction, ShardLayout, ShardMap};
 use packshard_reference::Error;
 
 fn max_diff(a: &Array2<f32>, b: &Array2<f32>) -> f64 {
@@ -30,21 +28,31 @@ fn max_diff(a: &Array2<f32>, b: &Array2<f32>) -> f64 {
         .fold(0.0, f64::max)
 }
 
+/// A random case `(n, h, v, seed)` (default options, gradients asked for) and
+/// chunks `(tokens, vocab)`: its targets, the tiled kernel's results and the
+/// filtered kernel's at `threshold`.
+fn tiled_and_filtered(
+    (n, h, v, seed): (usize, usize, usize, u64),
+    (tokens, vocab): (usize, usize),
+    threshold: f32,
+) -> (Vec<i64>, LinearCrossEntropy32, LinearCrossEntropy32) {
+    let (x, w, t) = random(n, h, v, seed);
+    let config = LossConfig::default();
+    let call = LossCall::with_flag(&t, &config, true);
+    let chunks = Chunks { tokens, vocab };
+    let tiled = linear_cross_entropy_tiled(x.view(), w.view(), &call, chunks).unwrap();
+    let f =
+        linear_cross_entropy_tiled_filtered(x.view(), w.view(), &call, chunks, threshold).unwrap();
+    (t, tiled, f)
+}
+
 /// Threshold 0 skips exactly the all-zero tiles (a chunk of one ignored
 /// token): the tiled kernel's results bit for bit, a bound of 0, and the
 /// count of those tiles.
 #[test]
 fn threshold_zero_skips_only_zero_tiles() {
-    let (n, h, v) = (29, 12, 23);
-    let (x, w, t) = random(n, h, v, 5);
-    let config = LossConfig::default();
-    let call = LossCall::with_flag(&t, &config, true);
-    let chunks = Chunks {
-        tokens: 1,
-        vocab: 7,
-    };
-    let tiled = linear_cross_entropy_tiled(x.view(), w.view(), &call, chunks).unwrap();
-    let f = linear_cross_entropy_tiled_filtered(x.view(), w.view(), &call, chunks, 0.0).unwrap();
+    let v = 23;
+    let (t, tiled, f) = tiled_and_filtered((29, 12, v, 5), (1, 7), 0.0);
     assert_eq!(tiled.traded, None);
     let ignored = t.iter().filter(|&&t| t == -100).count();
     let want = TradedError {
@@ -64,16 +72,8 @@ fn threshold_zero_skips_only_zero_tiles() {
 /// them), and the losses are the tiled kernel's exactly.
 #[test]
 fn the_reported_bound_holds() {
-    let (n, h, v) = (40, 16, 90);
-    let (x, w, t) = random(n, h, v, 9);
-    let config = LossConfig::default();
-    let call = LossCall::with_flag(&t, &config, true);
-    let chunks = Chunks {
-        tokens: 4,
-        vocab: 6,
-    };
-    let tiled = linear_cross_entropy_tiled(x.view(), w.view(), &call, chunks).unwrap();
-    let f = linear_cross_entropy_tiled_filtered(x.view(), w.view(), &call, chunks, 0.05).unwrap();
+    let (n, v) = (40, 90);
+    let (_, tiled, f) = tiled_and_filtered((n, 16, v, 9), (4, 6), 0.05);
     let traded = f.traded.expect("the filtered kernel reports");
     let tiles = n.div_ceil(4) * v.div_ceil(6);
     assert!(
@@ -136,15 +136,10 @@ enum Report {
     NotASize,
 }
 
-struct Filtered(LinearCeTiledFiltered, Report);
-
-impl VocabHooks for Filtered {
-    fn algorithms(&self) -> Vec<ShardedAlgorithm> {
-        self.0.algorithms()
-    }
-    fn linear_cross_entropy(&self, c: LinearCall<'_>) -> Result<LinearLoss, Error> {
-        let mut out = c.unsharded(&self.0)?;
-        match self.1 {
+impl Report {
+    /// Rewrites what `out` says it traded.
+    fn apply(self, out: &mut LinearLoss) {
+        match self {
             Report::Honest => {}
             Report::Nothing => out.traded = None,
             Report::HiddenOnly => {
@@ -158,15 +153,16 @@ impl VocabHooks for Filtered {
                 }
             }
         }
-        Ok(out)
     }
-    fn sharded_linear_cross_entropy(
-        &self,
-        plan: ShardPlan,
-        c: LinearCall<'_>,
-    ) -> Result<ShardedLoss, Error> {
-        c.sharded(&self.0, plan)
-    }
+}
+
+/// `op` reporting what it traded as `report` says.
+fn filtered(op: LinearCeTiledFiltered, report: Report) -> Planted<impl VocabHooks> {
+    Planted(KernelThenEdit::new(
+        op,
+        move |out: &mut LinearLoss| report.apply(out),
+        |_: &mut ShardedLoss| {},
+    ))
 }
 
 /// Cases whose gradients lose much to a threshold of 0.05: `v = 40` (a
@@ -210,19 +206,18 @@ fn the_suite_allows_the_reported_trade_and_nothing_more() {
         threshold: 0.05,
     };
     for (k, case) in cases().iter().enumerate() {
-        let honest = Planted(Filtered(op, Report::Honest));
+        let honest = filtered(op, Report::Honest);
         check_linear_unsharded(&honest, case, true, rule)
             .unwrap_or_else(|m| panic!("case {k}, honest: {m}"));
-        check_linear_unsharded(&Planted(Filtered(op, Report::Nothing)), case, false, rule)
+        check_linear_unsharded(&filtered(op, Report::Nothing), case, false, rule)
             .unwrap_or_else(|m| panic!("case {k}, no gradients: {m}"));
-        let m = check_linear_unsharded(&Planted(Filtered(op, Report::Nothing)), case, true, rule)
+        let m = check_linear_unsharded(&filtered(op, Report::Nothing), case, true, rule)
             .expect_err("skipping while reporting no trade must fail");
         assert!(m.to_string().contains("grad_hidden"), "case {k}: {m}");
-        let m =
-            check_linear_unsharded(&Planted(Filtered(op, Report::HiddenOnly)), case, true, rule)
-                .expect_err("an unreported dL/dW trade must fail");
+        let m = check_linear_unsharded(&filtered(op, Report::HiddenOnly), case, true, rule)
+            .expect_err("an unreported dL/dW trade must fail");
         assert!(m.to_string().contains("grad_weight"), "case {k}: {m}");
-        let m = check_linear_unsharded(&Planted(Filtered(op, Report::NotASize)), case, true, rule)
+        let m = check_linear_unsharded(&filtered(op, Report::NotASize), case, true, rule)
             .expect_err("a NaN bound must fail");
         assert!(m.to_string().contains("traded"), "case {k}: {m}");
     }

@@ -9,7 +9,7 @@ mod common;
 
 use ndarray::Array2;
 use packshard_equivalence::fuzz::{fuzz_random, vocab::run_linear};
-use packshard_equivalence::planted::{LinearCall, Planted, VocabHooks};
+use packshard_equivalence::planted::{KernelThenEdit, Planted};
 use packshard_optimized::ops::LinearCeFused;
 use packshard_optimized::vocab::{
     cross_entropy, linear_cross_entropy_fused, linear_cross_entropy_materialized,
@@ -255,33 +255,6 @@ fn bad_input_gets_the_reference_errors() {
 #[test]
 #[allow(clippy::result_large_err)]
 fn the_fuzz_rule_catches_a_small_planted_fault() {
-    struct Scaled(LinearCeFused);
-    impl VocabHooks for Scaled {
-        fn algorithms(&self) -> Vec<ShardedAlgorithm> {
-            self.0.algorithms()
-        }
-        fn linear_cross_entropy(&self, c: LinearCall<'_>) -> Result<LinearLoss, Error> {
-            let mut out = c.unsharded(&self.0)?;
-            if let Some(g) = out.grad_hidden.as_mut() {
-                g.mapv_inplace(|x| x * 1.001);
-            }
-            Ok(out)
-        }
-        fn sharded_linear_cross_entropy(
-            &self,
-            plan: ShardPlan,
-            c: LinearCall<'_>,
-        ) -> Result<ShardedLoss, Error> {
-            let mut out = c.sharded(&self.0, plan)?;
-            for r in &mut out.ranks {
-                if let Some(g) = r.grad_hidden.as_mut() {
-                    g.mapv_inplace(|x| x * 1.001);
-                }
-            }
-            Ok(out)
-        }
-    }
-
     let entries = registry::linear_cross_entropy();
     let entry = registry::find(&entries, "linear_ce_fused").expect("registered");
     let judge = entry.fuzz_judge;
@@ -291,7 +264,24 @@ fn the_fuzz_rule_catches_a_small_planted_fault() {
     let seen =
         fuzz_random(300, 11, |d| run_linear(&good, judge, d)).unwrap_or_else(|f| panic!("{f}"));
     assert!(seen.compared >= 100, "{seen:?}");
-    let failure = fuzz_random(300, 11, |d| run_linear(&Planted(Scaled(good)), judge, d))
+    // The same kernel with `dL/dhidden` scaled by 1.001 (every rank's too).
+    let scale = |g: &mut Array2<f64>| g.mapv_inplace(|x| x * 1.001);
+    let scaled = Planted(KernelThenEdit::new(
+        good,
+        |out: &mut LinearLoss| {
+            if let Some(g) = out.grad_hidden.as_mut() {
+                scale(g);
+            }
+        },
+        |out: &mut ShardedLoss| {
+            for r in &mut out.ranks {
+                if let Some(g) = r.grad_hidden.as_mut() {
+                    scale(g);
+                }
+            }
+        },
+    ));
+    let failure = fuzz_random(300, 11, |d| run_linear(&scaled, judge, d))
         .expect_err("a 1e-3 fault in dL/dhidden must fail the fuzz rule");
     assert!(failure.to_string().contains("grad_hidden"), "{failure}");
 }
@@ -366,35 +356,18 @@ fn logsumexp_far_below_its_terms_is_judged_at_their_size() {
 
     // Negative control: the same kernel with every rank's logsumexp 1e-3 too
     // large (its global max shifted) fails the case.
-    struct Shifted(LinearCeFused);
-    impl VocabHooks for Shifted {
-        fn algorithms(&self) -> Vec<ShardedAlgorithm> {
-            self.0.algorithms()
-        }
-        fn linear_cross_entropy(&self, c: LinearCall<'_>) -> Result<LinearLoss, Error> {
-            c.unsharded(&self.0)
-        }
-        fn sharded_linear_cross_entropy(
-            &self,
-            plan: ShardPlan,
-            c: LinearCall<'_>,
-        ) -> Result<ShardedLoss, Error> {
-            let mut out = c.sharded(&self.0, plan)?;
+    let shifted = Planted(KernelThenEdit::new(
+        fused,
+        |_: &mut LinearLoss| {},
+        |out: &mut ShardedLoss| {
             for r in &mut out.ranks {
                 for g in &mut r.global {
                     g.max += 1e-3;
                 }
             }
-            Ok(out)
-        }
-    }
-    let m = check_linear_with(
-        &Planted(Shifted(fused)),
-        ShardedAlgorithm::Alg2,
-        &case,
-        false,
-        rule,
-    )
-    .expect_err("a logsumexp 1e-3 off must fail");
+        },
+    ));
+    let m = check_linear_with(&shifted, ShardedAlgorithm::Alg2, &case, false, rule)
+        .expect_err("a logsumexp 1e-3 off must fail");
     assert!(m.to_string().contains("logsumexp"), "{m}");
 }

@@ -129,6 +129,34 @@ fn padding_value(gen: &mut Gen) -> f64 {
     }
 }
 
+/// The split, for failure reports: `v {v} over p {p} ({layout}: {shards})`.
+fn describe_split(map: &ShardMap) -> String {
+    format!(
+        "v {} over p {} ({}: {})",
+        map.vocab_size(),
+        map.num_shards(),
+        map.layout().name(),
+        map.describe()
+    )
+}
+
+/// `from_bytes` for each fuzz case type.
+macro_rules! from_bytes {
+    ($($case:ty),*) => {$(
+        impl $case {
+            /// The case `data` describes (every byte string describes one).
+            ///
+            /// # Errors
+            /// Never in practice: bytes that run out read as zeros.
+            pub fn from_bytes(data: &[u8]) -> arbitrary::Result<Self> {
+                Self::arbitrary(&mut Unstructured::new(data))
+            }
+        }
+    )*};
+}
+
+from_bytes!(CeFuzzCase, LinearFuzzCase, EmbeddingFuzzCase);
+
 fn describe_config(c: &LossConfig) -> String {
     format!(
         "ignore_index {}, label_smoothing {} ({}), z_loss {}, reduction {}",
@@ -210,23 +238,12 @@ impl<'a> Arbitrary<'a> for CeFuzzCase {
 }
 
 impl CeFuzzCase {
-    /// The case `data` describes (every byte string describes one).
-    ///
-    /// # Errors
-    /// Never in practice: bytes that run out read as zeros.
-    pub fn from_bytes(data: &[u8]) -> arbitrary::Result<Self> {
-        Self::arbitrary(&mut Unstructured::new(data))
-    }
-
     /// A one-line description for failure reports.
     pub fn describe(&self) -> String {
         let c = &self.case;
         format!(
-            "v {} over p {} ({}: {}), n {}, targets {}, {}, want_grad {}; {}",
-            c.map.vocab_size(),
-            c.map.num_shards(),
-            c.map.layout().name(),
-            c.map.describe(),
+            "{}, n {}, targets {}, {}, want_grad {}; {}",
+            describe_split(&c.map),
             c.targets.len(),
             brief(&c.targets),
             describe_config(&c.config),
@@ -298,23 +315,12 @@ impl<'a> Arbitrary<'a> for LinearFuzzCase {
 }
 
 impl LinearFuzzCase {
-    /// The case `data` describes (every byte string describes one).
-    ///
-    /// # Errors
-    /// Never in practice: bytes that run out read as zeros.
-    pub fn from_bytes(data: &[u8]) -> arbitrary::Result<Self> {
-        Self::arbitrary(&mut Unstructured::new(data))
-    }
-
     /// A one-line description for failure reports.
     pub fn describe(&self) -> String {
         let c = &self.case;
         format!(
-            "v {} over p {} ({}: {}), n {}, h {}, targets {}, {}, want_grad {}; {}",
-            c.map.vocab_size(),
-            c.map.num_shards(),
-            c.map.layout().name(),
-            c.map.describe(),
+            "{}, n {}, h {}, targets {}, {}, want_grad {}; {}",
+            describe_split(&c.map),
             c.targets.len(),
             c.hidden.ncols(),
             brief(&c.targets),
@@ -374,23 +380,12 @@ impl<'a> Arbitrary<'a> for EmbeddingFuzzCase {
 }
 
 impl EmbeddingFuzzCase {
-    /// The case `data` describes (every byte string describes one).
-    ///
-    /// # Errors
-    /// Never in practice: bytes that run out read as zeros.
-    pub fn from_bytes(data: &[u8]) -> arbitrary::Result<Self> {
-        Self::arbitrary(&mut Unstructured::new(data))
-    }
-
     /// A one-line description for failure reports.
     pub fn describe(&self) -> String {
         let c = &self.case;
         format!(
-            "v {} over p {} ({}: {}), ids {}, h {}; {}",
-            c.map.vocab_size(),
-            c.map.num_shards(),
-            c.map.layout().name(),
-            c.map.describe(),
+            "{}, ids {}, h {}; {}",
+            describe_split(&c.map),
             brief(&c.ids),
             c.weight.ncols(),
             self.values

@@ -105,6 +105,72 @@ impl<'a> RankRun<'a> {
         Ok((per_token, loss))
     }
 
+    /// This rank's local statistics (`m_i`, `s_i`, target term) of its
+    /// logits `z: [n, w_r]`.
+    fn local_stats(&self, z: &Array2<f64>) -> Vec<SoftmaxStats> {
+        z.rows()
+            .into_iter()
+            .enumerate()
+            .map(|(i, row)| SoftmaxStats::of(&row.to_vec(), |j| self.q(i, j)))
+            .collect()
+    }
+
+    /// The S state once the global statistics are known: the forward
+    /// ([`Self::finish`], with its all-`-inf` row error) and no input
+    /// gradient yet.
+    fn s_state(
+        &self,
+        z: Array2<f64>,
+        local: Vec<SoftmaxStats>,
+        global: Vec<SoftmaxStats>,
+        want_grad: bool,
+    ) -> Result<SState> {
+        let forward = self.finish(&global)?;
+        Ok(SState {
+            z,
+            local,
+            global,
+            forward,
+            want_grad,
+            grad_hidden: None,
+        })
+    }
+
+    /// `∂L/∂z_i` in place of the logits `z: [n, w_r]`: `w_i dy(i, j, z_ij)`
+    /// through the softcap ([`Self::chain`]), where `dy` is the loss term's
+    /// gradient in its logit; 0 for a token of weight 0 and on padding columns.
+    fn logit_grads_in_place(&self, z: &mut Array2<f64>, dy: impl Fn(usize, usize, f64) -> f64) {
+        let weights = &self.weights;
+        for ((i, j), x) in z.indexed_iter_mut() {
+            *x = if weights[i] == 0.0 || j >= self.shard.real {
+                0.0
+            } else {
+                self.chain(weights[i] * dy(i, j, *x), *x)
+            };
+        }
+    }
+
+    /// A T pass whose input gradient takes a barrier (naive, alg1): `∂L/∂z`
+    /// in place ([`Self::logit_grads_in_place`], `dy(global_i, local_i, i,
+    /// j, z_ij)`), then `∂L/∂x = allreduce_sum(∂L/∂z_i W_i)` and `∂L/∂W_i`.
+    fn t_then_input_barrier(
+        &self,
+        s: SState,
+        lin: Linear<'_>,
+        dy: impl Fn(&SoftmaxStats, &SoftmaxStats, usize, usize, f64) -> f64,
+    ) -> Result<RankLoss> {
+        let SState {
+            mut z,
+            local,
+            global,
+            forward,
+            ..
+        } = s;
+        self.logit_grads_in_place(&mut z, |i, j, zij| dy(&global[i], &local[i], i, j, zij));
+        let (gx, gw) = self.linear_grads(&z, lin, true)?;
+        Ok(self.output(forward, local, global, (Some(z), gx, gw)))
+    }
+
     pub(super) fn run(self, z: Array2<f64>, lin: Linear<'_>, want_grad: bool) -> Result<RankLoss> {
         let state = self.s_pass(z, lin, want_grad)?;
         self.t_pass(state, lin)
@@ -236,40 +302,17 @@ impl<'a> RankRun<'a> {
                 mass: total_mass(i),
             })
             .collect();
-        let forward = self.finish(&global)?;
-        Ok(SState {
-            z,
-            local,
-            global,
-            forward,
-            want_grad,
-            grad_hidden: None,
-        })
+        self.s_state(z, local, global, want_grad)
     }
 
     /// naive T: `∂L/∂z` from the global statistics, then `∂L/∂x =
     /// allreduce_sum(∂L/∂z_i W_i)`.
     pub(super) fn naive_t(&self, s: SState, lin: Linear<'_>) -> Result<RankLoss> {
-        let SState {
-            mut z,
-            local,
-            global,
-            forward,
-            ..
-        } = s;
-        // Backward: ∂L/∂z = w_i (softmax - q + 2 c lse softmax), in place.
-        let weights = &self.weights;
-        for ((i, j), x) in z.indexed_iter_mut() {
-            *x = if weights[i] == 0.0 || j >= self.shard.real {
-                0.0
-            } else {
-                let dy = weights[i] * global[i].gradient(*x, self.q(i, j), self.config.z_loss);
-                self.chain(dy, *x)
-            };
-        }
-        // Barrier 3: the input gradient.
-        let (gx, gw) = self.linear_grads(&z, lin, true)?;
-        Ok(self.output(forward, local, global, (Some(z), gx, gw)))
+        // Backward: ∂L/∂z = w_i (softmax - q + 2 c lse softmax), in place;
+        // barrier 3: the input gradient.
+        self.t_then_input_barrier(s, lin, |g, _, i, j, zij| {
+            g.gradient(zij, self.q(i, j), self.config.z_loss)
+        })
     }
 
     /// alg1: S pass (local `m_i`, `s_i`, target term) → one merged barrier →
@@ -278,12 +321,7 @@ impl<'a> RankRun<'a> {
     pub(super) fn alg1_s(&self, z: Array2<f64>, want_grad: bool) -> Result<SState> {
         let n = z.nrows();
         // S pass.
-        let local: Vec<SoftmaxStats> = z
-            .rows()
-            .into_iter()
-            .enumerate()
-            .map(|(i, row)| SoftmaxStats::of(&row.to_vec(), |j| self.q(i, j)))
-            .collect();
+        let local = self.local_stats(&z);
         // Barrier 1: (m_i, s_i, target) records, online-softmax merge.
         self.meter.hold(STATS_WIDTH * n);
         let mut record: Vec<f64> = local.iter().flat_map(|s| s.to_record()).collect();
@@ -296,51 +334,28 @@ impl<'a> RankRun<'a> {
             .chunks(STATS_WIDTH)
             .map(SoftmaxStats::from_record)
             .collect();
-        let forward = self.finish(&global)?;
-        Ok(SState {
-            z,
-            local,
-            global,
-            forward,
-            want_grad,
-            grad_hidden: None,
-        })
+        self.s_state(z, local, global, want_grad)
     }
 
     /// alg1 T: rescale the local softmax, `∂L/∂z_i`, the input-gradient
     /// barrier, `∂L/∂W_i`.
     pub(super) fn alg1_t(&self, s: SState, lin: Linear<'_>) -> Result<RankLoss> {
-        let SState {
-            mut z,
-            local,
-            global,
-            forward,
-            ..
-        } = s;
-        // T pass: softmax = alpha_i softmax'_i, alpha_i = s_i exp(m_i - m) / S.
-        let weights = &self.weights;
+        // T pass: softmax = alpha_i softmax'_i, alpha_i = s_i exp(m_i - m) / S;
+        // barrier 2: the input gradient.
         let c = self.config.z_loss;
-        for ((i, j), x) in z.indexed_iter_mut() {
-            let (g, l, zij) = (&global[i], &local[i], *x);
-            *x = if weights[i] == 0.0 || j >= self.shard.real {
+        self.t_then_input_barrier(s, lin, |g, l, i, j, zij| {
+            let q = self.q(i, j);
+            let p = if zij == f64::NEG_INFINITY {
                 0.0
+            } else if zij == g.max {
+                1.0 / g.sum_exp()
             } else {
-                let q = self.q(i, j);
-                let p = if zij == f64::NEG_INFINITY {
-                    0.0
-                } else if zij == g.max {
-                    1.0 / g.sum_exp()
-                } else {
-                    let alpha = l.sum_exp() * l.scale_to(g.max) / g.sum_exp();
-                    alpha * ((zij - l.max).exp() / l.sum_exp())
-                };
-                let delta = if zij == g.max { g.delta(zij, q) } else { p - q };
-                self.chain(weights[i] * (delta + 2.0 * c * g.logsumexp() * p), zij)
+                let alpha = l.sum_exp() * l.scale_to(g.max) / g.sum_exp();
+                alpha * ((zij - l.max).exp() / l.sum_exp())
             };
-        }
-        // Barrier 2: the input gradient.
-        let (gx, gw) = self.linear_grads(&z, lin, true)?;
-        Ok(self.output(forward, local, global, (Some(z), gx, gw)))
+            let delta = if zij == g.max { g.delta(zij, q) } else { p - q };
+            delta + 2.0 * c * g.logsumexp() * p
+        })
     }
 
     /// alg2: S pass forms the input-gradient partials against the local
@@ -356,12 +371,7 @@ impl<'a> RankRun<'a> {
         let n = z.nrows();
         let c = self.config.z_loss;
         // S pass: local statistics.
-        let local: Vec<SoftmaxStats> = z
-            .rows()
-            .into_iter()
-            .enumerate()
-            .map(|(i, row)| SoftmaxStats::of(&row.to_vec(), |j| self.q(i, j)))
-            .collect();
+        let local = self.local_stats(&z);
         // softmax'_i - q_i (the stable form for a confident target; -q for an
         // all -inf shard) and softmax'_i.
         let delta = |i: usize, j: usize, zij: f64| local_delta(&local[i], zij, self.q(i, j));
@@ -403,31 +413,20 @@ impl<'a> RankRun<'a> {
         }
         // The one barrier.
         let global = layout.all_reduce(self.comm, &mut record)?;
-        let forward = self.finish(&global)?;
+        let state = self.s_state(z, local, global, want_grad)?;
         if !want_grad {
-            return Ok(SState {
-                z,
-                local,
-                global,
-                forward,
-                want_grad,
-                grad_hidden: None,
-            });
+            return Ok(state);
         }
         let weights = &self.weights;
         // ∂L/∂x = w_i (Y / S + 2 c lse U / S), Y / S = Σ_j (p_j - q_j) W_j and
         // U / S = Σ_j p_j W_j: no more communication.
         let gx = input_grad.then(|| {
             self.meter.hold(n * h);
-            layout.input_grad(&record, &global, weights, c)
+            layout.input_grad(&record, &state.global, weights, c)
         });
         Ok(SState {
-            z,
-            local,
-            global,
-            forward,
-            want_grad,
             grad_hidden: gx,
+            ..state
         })
     }
 
@@ -442,31 +441,25 @@ impl<'a> RankRun<'a> {
             grad_hidden: gx,
             ..
         } = s;
-        let real = self.shard.real;
         let c = self.config.z_loss;
-        let weights = &self.weights;
         let delta = |i: usize, j: usize, zij: f64| local_delta(&local[i], zij, self.q(i, j));
         let prob = |i: usize, zij: f64| local_probability(&local[i], zij);
         // T pass: p = alpha_i softmax'_i and p - q = alpha_i (softmax'_i - q)
         // + (alpha_i - 1) q, with alpha_i - 1 = (s_i - S) / S exactly when
         // m_i = m.
-        for ((i, j), x) in z.indexed_iter_mut() {
+        self.logit_grads_in_place(&mut z, |i, j, zij| {
             let (g, l) = (&global[i], &local[i]);
-            *x = if weights[i] == 0.0 || j >= real {
-                0.0
+            let q = self.q(i, j);
+            let alpha = l.sum_exp() * l.scale_to(g.max) / g.sum_exp();
+            let alpha_minus_1 = if l.max == g.max {
+                (l.rest - g.rest) / g.sum_exp()
             } else {
-                let q = self.q(i, j);
-                let alpha = l.sum_exp() * l.scale_to(g.max) / g.sum_exp();
-                let alpha_minus_1 = if l.max == g.max {
-                    (l.rest - g.rest) / g.sum_exp()
-                } else {
-                    alpha - 1.0
-                };
-                let d = alpha * delta(i, j, *x) + alpha_minus_1 * q;
-                let p = alpha * prob(i, *x);
-                self.chain(weights[i] * (d + 2.0 * c * g.logsumexp() * p), *x)
+                alpha - 1.0
             };
-        }
+            let d = alpha * delta(i, j, zij) + alpha_minus_1 * q;
+            let p = alpha * prob(i, zij);
+            d + 2.0 * c * g.logsumexp() * p
+        });
         let (_, gw) = self.linear_grads(&z, lin, false)?;
         Ok(self.output(forward, local, global, (Some(z), gx, gw)))
     }
