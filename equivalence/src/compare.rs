@@ -593,10 +593,6 @@ pub fn assert_within_k(
     assert_close_relative_to(what, expected, actual, shape, base, rule, allowance)
 }
 
-/// [`assert_within_k`] under the name the vocabulary suites call it by, for
-/// a check with a reported trade.
-pub use self::assert_within_k as assert_within_k_traded;
-
 #[cfg(test)]
 #[path = "compare_tests.rs"]
 mod tests;

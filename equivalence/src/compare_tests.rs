@@ -54,7 +54,7 @@ fn a_reported_trade_widens_the_allowance_by_itself_only() {
     // Allowed without a trade: 8 x 1e-6 + 4 eps32 x 2 = 8.95e-6.
     let a = [1.0, 2.0 + 1e-3];
     let within = |traded| {
-        assert_within_k_traded(
+        assert_within_k(
             "t",
             &e,
             &b,

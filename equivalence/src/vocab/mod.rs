@@ -60,7 +60,7 @@ use proptest::test_runner::TestCaseError;
 pub use crate::attention::RelativeReport;
 use crate::baseline32;
 use crate::compare::{
-    assert_close, assert_within_k_traded, Allowance, Judge, Mismatch, RelativeRule, Tolerance,
+    assert_close, assert_within_k, Allowance, Judge, Mismatch, RelativeRule, Tolerance,
 };
 
 /// The name failures give the implementation under test (the registry

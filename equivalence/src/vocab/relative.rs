@@ -52,7 +52,7 @@ fn traded_relative(
     rule: RelativeRule,
     allowance: Allowance,
 ) -> Result<(), Mismatch> {
-    let mut r = assert_within_k_traded(what, expected, baseline, actual, shape, rule, allowance)?;
+    let mut r = assert_within_k(what, expected, baseline, actual, shape, rule, allowance)?;
     r.error = (r.error - allowance.traded).max(0.0);
     RELATIVE.with(|rep| rep.borrow_mut().note(what, r));
     Ok(())
