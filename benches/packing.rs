@@ -69,8 +69,7 @@ fn wide(c: &mut Criterion) {
     ] {
         let config = PackingConfig::new(algorithm, msl);
         let packing = pack_histogram(&h, &config).unwrap();
-        let depth = config.max_sequences_per_pack.unwrap_or(usize::MAX);
-        check_strategies(&h, &packing.strategies, msl, depth).unwrap();
+        check_strategies(&h, &packing.strategies, msl, config.limit()).unwrap();
         group.bench_with_input(
             BenchmarkId::new(algorithm.name(), config.setting()),
             &config,
