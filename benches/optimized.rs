@@ -21,7 +21,9 @@ use packshard::bench::{wikipedia_lengths, Batch};
 use packshard::optimized::attention::varlen_pairs;
 use packshard::reference::attention::AttentionLayout;
 use packshard::reference::bert::{BertConfig, BertParams};
-use packshard::reference::ops::{Layer, LayerInput, Precision, Qkv, Varlen};
+use packshard::reference::ops::{
+    Layer, LayerInput, LinearCall, LinearInput, Precision, Qkv, Varlen,
+};
 use packshard::reference::vocab::LossConfig;
 use packshard::registry;
 use packshard_reference::vocab::LossCall;
@@ -87,10 +89,13 @@ fn cross_entropy(c: &mut Criterion) {
             continue;
         }
         let run = || {
-            op.linear_cross_entropy(x.view(), w.view(), &LossCall::with_flag(&t, &config, true))
-                .unwrap()
-                .ce
-                .loss
+            op.linear_cross_entropy(LinearCall::new(
+                LinearInput::new(x.view(), w.view()),
+                LossCall::with_flag(&t, &config, true),
+            ))
+            .unwrap()
+            .ce
+            .loss
         };
         let loss = run();
         match first {

@@ -4,17 +4,18 @@
 //! [`LinearCrossEntropyOp`], [`EmbeddingOp`]) whose every other call is the
 //! f64 reference's. The call's inputs travel as one value (the op's own
 //! [`Qkv`], [`Varlen`], [`Masked`], [`Grad`] for attention; [`CeCall`],
-//! [`LinearCall`], [`EmbeddingCall`]) that can run the same call on any
-//! implementation, so a hook reads as "the reference (or a kernel) on these
+//! [`LinearCall`], [`EmbeddingCall`], re-exported here, for the vocabulary
+//! ops) that can run the same call on any implementation, so a hook reads as "the reference (or a kernel) on these
 //! inputs, then the fault".
 
-use ndarray::{ArrayView2, ArrayView3};
+use ndarray::ArrayView3;
 use packshard_reference::attention::ReferenceAttention;
 use packshard_reference::bert::{AttentionGrads, AttentionOutput};
 use packshard_reference::ops::{
     AttentionOp, AttentionSupport, CrossEntropyOp, Embedding, EmbeddingOp, LinearCrossEntropyOp,
-    LinearInput, LinearLoss, LossSupport, Varlen,
+    LinearInput, LinearLoss, LossOp, LossSupport, Varlen,
 };
+pub use packshard_reference::ops::{CeCall, EmbeddingCall, LinearCall, LossInputs};
 use packshard_reference::ops::{Grad, Masked, Qkv};
 use packshard_reference::vocab::cross_entropy::CrossEntropy;
 use packshard_reference::vocab::embedding::ShardedEmbedding;
@@ -188,106 +189,6 @@ impl AttentionHooks for ModuloKvHeads {
 
 // ---- vocabulary parallelism ---------------------------------------------------
 
-/// One loss call's inputs: `input` the logits ([`CeCall`]) or the hidden
-/// states and the output layer's weight ([`LinearCall`]), and the call
-/// (`targets: [n]`, options, gradient request).
-#[derive(Debug, Clone, Copy)]
-pub struct LossInputs<'a, X> {
-    /// `logits: [n, v]`, or the output layer's [`LinearInput`] (`hidden:
-    /// [n, h]`, `weight: [v, h]`); sharded,
-    /// `w >= v` columns of logits or rows of the weight.
-    pub input: X,
-    /// The targets, the loss's options and the gradient request.
-    pub call: LossCall<'a>,
-}
-
-impl<'a, X> LossInputs<'a, X> {
-    /// The call's inputs as one value.
-    pub fn new(input: X, call: LossCall<'a>) -> Self {
-        LossInputs { input, call }
-    }
-
-    /// The same inputs with another call (another config, another
-    /// gradient request).
-    pub fn with_call(self, call: LossCall<'a>) -> Self {
-        LossInputs { call, ..self }
-    }
-}
-
-/// A cross-entropy call: `input` the logits, `[n, v]` (`[n, w]` sharded).
-pub type CeCall<'a> = LossInputs<'a, ArrayView2<'a, f64>>;
-
-/// An output-layer call: `input` is `hidden: [n, h]` and `weight: [v, h]`
-/// (`[w, h]` sharded).
-pub type LinearCall<'a> = LossInputs<'a, LinearInput<'a>>;
-
-impl CeCall<'_> {
-    /// `op`'s unsharded cross-entropy on these inputs.
-    ///
-    /// # Errors
-    /// `op`'s.
-    pub fn unsharded(self, op: &dyn CrossEntropyOp) -> Result<CrossEntropy> {
-        op.cross_entropy(self.input, &self.call)
-    }
-
-    /// `op`'s sharded cross-entropy on these inputs.
-    ///
-    /// # Errors
-    /// `op`'s.
-    pub fn sharded(self, op: &dyn CrossEntropyOp, plan: ShardPlan) -> Result<ShardedLoss> {
-        op.sharded_cross_entropy(plan, self.input, &self.call)
-    }
-}
-
-impl LinearCall<'_> {
-    /// `op`'s unsharded output layer on these inputs.
-    ///
-    /// # Errors
-    /// `op`'s.
-    pub fn unsharded(self, op: &dyn LinearCrossEntropyOp) -> Result<LinearLoss> {
-        let LinearInput { hidden, weight } = self.input;
-        op.linear_cross_entropy(hidden, weight, &self.call)
-    }
-
-    /// `op`'s sharded output layer on these inputs.
-    ///
-    /// # Errors
-    /// `op`'s.
-    pub fn sharded(self, op: &dyn LinearCrossEntropyOp, plan: ShardPlan) -> Result<ShardedLoss> {
-        op.sharded_linear_cross_entropy(plan, self.input, &self.call)
-    }
-}
-
-/// One embedding call's inputs: `ids: [n]`, `weight: [v, h]` (`[w, h]`
-/// sharded), `grad_output: [n, h]`.
-#[derive(Debug, Clone, Copy)]
-pub struct EmbeddingCall<'a> {
-    /// `[n]`.
-    pub ids: &'a [i64],
-    /// `[v, h]`, or `[w, h]` with `w >= v` sharded.
-    pub weight: ArrayView2<'a, f64>,
-    /// `[n, h]`, where the weight gradient is asked for.
-    pub grad_output: Option<ArrayView2<'a, f64>>,
-}
-
-impl EmbeddingCall<'_> {
-    /// `op`'s unsharded embedding on these inputs.
-    ///
-    /// # Errors
-    /// `op`'s.
-    pub fn unsharded(self, op: &dyn EmbeddingOp) -> Result<Embedding> {
-        op.embedding(self.ids, self.weight, self.grad_output)
-    }
-
-    /// `op`'s sharded embedding on these inputs.
-    ///
-    /// # Errors
-    /// `op`'s.
-    pub fn sharded(self, op: &dyn EmbeddingOp, map: &ShardMap) -> Result<ShardedEmbedding> {
-        op.sharded_embedding(map, self.ids, self.weight, self.grad_output)
-    }
-}
-
 /// The calls of the three vocabulary ops, each the reference's unless
 /// overridden.
 pub trait VocabHooks: Send + Sync {
@@ -360,7 +261,7 @@ pub trait VocabHooks: Send + Sync {
     }
 }
 
-impl<F: VocabHooks> CrossEntropyOp for Planted<F> {
+impl<F: VocabHooks> LossOp for Planted<F> {
     fn algorithms(&self) -> Vec<ShardedAlgorithm> {
         self.0.algorithms()
     }
@@ -368,55 +269,41 @@ impl<F: VocabHooks> CrossEntropyOp for Planted<F> {
     fn options(&self) -> LossSupport {
         self.0.options()
     }
+}
 
-    fn cross_entropy(&self, logits: ArrayView2<f64>, call: &LossCall) -> Result<CrossEntropy> {
-        with_upstream(&self.0, call, |call| {
-            self.0.cross_entropy(CeCall::new(logits, call))
+impl<F: VocabHooks> CrossEntropyOp for Planted<F> {
+    fn cross_entropy(&self, c: CeCall<'_>) -> Result<CrossEntropy> {
+        with_upstream(&self.0, &c.call, |call| {
+            self.0.cross_entropy(c.with_call(call))
         })
     }
 
-    fn sharded_cross_entropy(
-        &self,
-        plan: ShardPlan,
-        logits: ArrayView2<f64>,
-        call: &LossCall,
-    ) -> Result<ShardedLoss> {
-        with_upstream(&self.0, call, |call| {
-            self.0
-                .sharded_cross_entropy(plan, CeCall::new(logits, call))
+    fn sharded_cross_entropy(&self, plan: ShardPlan, c: CeCall<'_>) -> Result<ShardedLoss> {
+        with_upstream(&self.0, &c.call, |call| {
+            self.0.sharded_cross_entropy(plan, c.with_call(call))
         })
     }
 }
 
 impl<F: VocabHooks> LinearCrossEntropyOp for Planted<F> {
-    fn algorithms(&self) -> Vec<ShardedAlgorithm> {
-        self.0.algorithms()
-    }
-
-    fn options(&self) -> LossSupport {
-        self.0.options()
-    }
-
-    fn linear_cross_entropy(
-        &self,
-        hidden: ArrayView2<f64>,
-        weight: ArrayView2<f64>,
-        call: &LossCall,
-    ) -> Result<LinearLoss> {
-        with_upstream(&self.0, call, |call| {
-            let c = LinearCall::new(LinearInput::new(hidden, weight), call);
-            self.0.linear_cross_entropy(c)
+    fn linear_cross_entropy(&self, c: LinearCall<'_>) -> Result<LinearLoss> {
+        // Rebuilt from its views, which shorten to the rewritten call's
+        // lifetime (a `LinearInput` as a whole does not).
+        let LinearInput { hidden, weight } = c.input;
+        with_upstream(&self.0, &c.call, |call| {
+            let x = LinearInput::new(hidden, weight);
+            self.0.linear_cross_entropy(LinearCall::new(x, call))
         })
     }
 
     fn sharded_linear_cross_entropy(
         &self,
         plan: ShardPlan,
-        input: LinearInput<'_>,
-        call: &LossCall,
+        c: LinearCall<'_>,
     ) -> Result<ShardedLoss> {
-        with_upstream(&self.0, call, |call| {
-            let x = LinearInput::new(input.hidden.reborrow(), input.weight.reborrow());
+        let LinearInput { hidden, weight } = c.input;
+        with_upstream(&self.0, &c.call, |call| {
+            let x = LinearInput::new(hidden, weight);
             self.0
                 .sharded_linear_cross_entropy(plan, LinearCall::new(x, call))
         })
@@ -509,31 +396,11 @@ fn with_upstream<T>(
 }
 
 impl<F: VocabHooks> EmbeddingOp for Planted<F> {
-    fn embedding(
-        &self,
-        ids: &[i64],
-        weight: ArrayView2<f64>,
-        grad_output: Option<ArrayView2<f64>>,
-    ) -> Result<Embedding> {
-        self.0.embedding(EmbeddingCall {
-            ids,
-            weight,
-            grad_output,
-        })
+    fn embedding(&self, c: EmbeddingCall<'_>) -> Result<Embedding> {
+        self.0.embedding(c)
     }
 
-    fn sharded_embedding(
-        &self,
-        map: &ShardMap,
-        ids: &[i64],
-        weight: ArrayView2<f64>,
-        grad_output: Option<ArrayView2<f64>>,
-    ) -> Result<ShardedEmbedding> {
-        let c = EmbeddingCall {
-            ids,
-            weight,
-            grad_output,
-        };
+    fn sharded_embedding(&self, map: &ShardMap, c: EmbeddingCall<'_>) -> Result<ShardedEmbedding> {
         self.0.sharded_embedding(map, c)
     }
 }

@@ -488,8 +488,10 @@ fn v1_negative_control_smoothing_with_a_shard_local_mean() {
     let out = planted
         .sharded_cross_entropy(
             ShardPlan::new(ShardedAlgorithm::Alg1, case.map),
-            case.logits.view(),
-            &LossCall::with_flag(&[4], &config, false),
+            CeCall::new(
+                case.logits.view(),
+                LossCall::with_flag(&[4], &config, false),
+            ),
         )
         .unwrap();
     assert_ne!(out.ranks[0].loss, out.ranks[1].loss);

@@ -157,7 +157,9 @@ fn o2_negative_control_every_row_scaled_by_grad_output_0() {
     let op = Planted(FirstUpstreamOnly);
     let z = Array2::from_shape_fn((2, 8), |(_, j)| V1_LOGITS[j]);
     let none = LossConfig::default().with_reduction(Reduction::None);
-    let g = op.cross_entropy(z.view(), &o2_call(&none)).unwrap();
+    let g = op
+        .cross_entropy(CeCall::new(z.view(), o2_call(&none)))
+        .unwrap();
     let g = g.grad_logits.unwrap();
     assert!(
         (g[[1, 1]] - faults::O2_GRAD_FAULT).abs() < faults::O1_PLACES,
@@ -194,7 +196,7 @@ fn o2_an_implementation_that_refuses_grad_output_passes() {
     let none = LossConfig::default().with_reduction(Reduction::None);
     let z = Array2::from_shape_fn((2, 8), |(_, j)| V1_LOGITS[j]);
     let err = Planted(Refuses)
-        .cross_entropy(z.view(), &o2_call(&none))
+        .cross_entropy(CeCall::new(z.view(), o2_call(&none)))
         .unwrap_err();
     assert!(err.to_string().contains("grad_output"), "{err}");
     // Answering it while declaring no support is caught.
@@ -213,7 +215,7 @@ fn o2_an_implementation_that_refuses_grad_output_passes() {
 fn o1_negative_control_z_tanh_z() {
     let op = Planted(ZTanhZ);
     let loss = op
-        .cross_entropy(o1_case().logits.view(), &o1_case().call(false))
+        .cross_entropy(CeCall::new(o1_case().logits.view(), o1_case().call(false)))
         .unwrap()
         .loss;
     assert!(
@@ -239,7 +241,7 @@ fn o1_an_implementation_that_refuses_the_softcap_passes() {
     assert!(coverage.cases >= 32, "{coverage:?}");
     let c = o1_case();
     let err = Planted(Refuses)
-        .cross_entropy(c.logits.view(), &c.call(false))
+        .cross_entropy(CeCall::new(c.logits.view(), c.call(false)))
         .unwrap_err();
     assert!(err.to_string().contains("softcap"), "{err}");
 }
@@ -346,7 +348,7 @@ fn o3_negative_control_the_z_loss_added_when_off() {
     let e = check_cross_entropy(&op, ShardedAlgorithm::Alg2, &case, false).unwrap_err();
     assert!(e.to_string().contains("loss"), "{e}");
     let got = op
-        .cross_entropy(case.logits.view(), &case.call(false))
+        .cross_entropy(CeCall::new(case.logits.view(), case.call(false)))
         .unwrap()
         .loss;
     assert!(
@@ -366,12 +368,18 @@ fn o4_negative_control_the_log_of_an_underflowed_softmax() {
         packshard_reference::vocab::SmoothingConvention::PyTorch,
     );
     let fine = Planted(LogAfterExp)
-        .cross_entropy(z.view(), &LossCall::with_flag(&[4], &config, false))
+        .cross_entropy(CeCall::new(
+            z.view(),
+            LossCall::with_flag(&[4], &config, false),
+        ))
         .unwrap();
     assert!(fine.loss.is_finite());
     let huge = z.mapv(|x| x * faults::O4_SCALE);
     let bad = Planted(LogAfterExp)
-        .cross_entropy(huge.view(), &LossCall::with_flag(&[4], &config, false))
+        .cross_entropy(CeCall::new(
+            huge.view(),
+            LossCall::with_flag(&[4], &config, false),
+        ))
         .unwrap();
     assert_eq!(bad.loss, f64::INFINITY);
 }
@@ -417,8 +425,10 @@ fn o6_negative_control_a_placeholder_target_on_a_padded_column() {
     let out = Planted(PlaceholderOnPadding)
         .sharded_cross_entropy(
             ShardPlan::new(ShardedAlgorithm::Alg2, map),
-            z.view(),
-            &LossCall::with_flag(&[7], &LossConfig::default(), false),
+            CeCall::new(
+                z.view(),
+                LossCall::with_flag(&[7], &LossConfig::default(), false),
+            ),
         )
         .unwrap();
     assert_eq!(

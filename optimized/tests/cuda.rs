@@ -30,7 +30,7 @@ use packshard_optimized::cuda::vocab::{
     sharded_linear_cross_entropy, RowInputs, ShardInput, ShardKernels, ShardStats,
 };
 use packshard_optimized::cuda::{self, nvrtc_dir, nvrtc_ready, CudaError, Gpu, CI_ARCH, KERNELS};
-use packshard_reference::ops::{LinearCrossEntropyOp, LinearInput};
+use packshard_reference::ops::{LinearCall, LinearCrossEntropyOp, LinearInput, LossOp};
 use packshard_reference::vocab::{
     linear_cross_entropy, LossCall, LossConfig, Reduction, ShardLayout, ShardMap, ShardPlan,
     ShardedAlgorithm, SmoothingConvention,
@@ -571,8 +571,10 @@ fn the_op_refuses_bad_input_and_other_algorithms() {
     let sharded = |h: &Array2<f64>, w: &Array2<f64>, t: &[i64], a: ShardedAlgorithm| {
         op.sharded_linear_cross_entropy(
             ShardPlan::new(a, map),
-            LinearInput::new(h.view(), w.view()),
-            &LossCall::with_flag(t, &cfg, true),
+            LinearCall::new(
+                LinearInput::new(h.view(), w.view()),
+                LossCall::with_flag(t, &cfg, true),
+            ),
         )
     };
     match sharded(&h, &w, &t, ShardedAlgorithm::Alg2) {
@@ -584,7 +586,8 @@ fn the_op_refuses_bad_input_and_other_algorithms() {
         }) => assert_eq!((field.as_str(), index, value), ("targets", 2, 10)),
         other => panic!("{other:?}"),
     }
-    match op.linear_cross_entropy(h.view(), w.view(), &LossCall::with_flag(&t, &cfg, true)) {
+    let input = LinearInput::new(h.view(), w.view());
+    match op.linear_cross_entropy(LinearCall::new(input, LossCall::with_flag(&t, &cfg, true))) {
         Err(Error::IndexOutOfRange { index, .. }) => assert_eq!(index, 2),
         other => panic!("{other:?}"),
     }
@@ -610,15 +613,13 @@ fn the_op_refuses_bad_input_and_other_algorithms() {
     let refused = [
         op.sharded_linear_cross_entropy(
             ShardPlan::new(ShardedAlgorithm::Alg2, map),
-            LinearInput::new(h.view(), w.view()),
-            &LossCall::with_flag(&c.targets, &capped, true),
+            LinearCall::new(input, LossCall::with_flag(&c.targets, &capped, true)),
         )
         .map(|_| ()),
-        op.linear_cross_entropy(
-            h.view(),
-            w.view(),
-            &LossCall::with_flag(&c.targets, &capped, false),
-        )
+        op.linear_cross_entropy(LinearCall::new(
+            input,
+            LossCall::with_flag(&c.targets, &capped, false),
+        ))
         .map(|_| ()),
     ];
     for r in refused {

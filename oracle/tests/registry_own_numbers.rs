@@ -19,7 +19,9 @@ use packshard_oracle::eval::evaluate;
 use packshard_oracle::eval::input::numbers as read_numbers;
 use packshard_oracle::registry::{self, Entry, Precision};
 use packshard_reference::attention::varlen_pass;
-use packshard_reference::ops::{AttentionOp, Layer, LayerInput, Qkv, Varlen};
+use packshard_reference::ops::{
+    AttentionOp, CeCall, Layer, LayerInput, LinearCall, LinearInput, Qkv, Varlen,
+};
 use packshard_reference::vocab::{LossConfig, ShardLayout, ShardMap, ShardPlan, ShardedAlgorithm};
 use serde_json::{json, Value};
 
@@ -176,7 +178,7 @@ fn every_cross_entropy_answers_with_its_own_numbers() {
     let call = packshard_reference::vocab::LossCall::with_flag(&targets, &config, true);
     let list = registry::cross_entropy();
     let reference = reference_of(&list)
-        .cross_entropy(logits.view(), &call)
+        .cross_entropy(CeCall::new(logits.view(), call))
         .unwrap();
     let ref_out = vec![
         reference
@@ -192,7 +194,7 @@ fn every_cross_entropy_answers_with_its_own_numbers() {
     let mut ran = 0;
     for entry in &list {
         let Ok(op) = entry.make() else { continue };
-        let ce = op.cross_entropy(logits.view(), &call).unwrap();
+        let ce = op.cross_entropy(CeCall::new(logits.view(), call)).unwrap();
         let stored = vec![ce
             .grad_logits
             .clone()
@@ -211,7 +213,10 @@ fn every_cross_entropy_answers_with_its_own_numbers() {
         check_precision(entry.name, entry.precision, &stored, &computed, &ref_out);
         // Every declared algorithm runs sharded; an undeclared one is refused.
         for algorithm in ShardedAlgorithm::ALL {
-            let r = op.sharded_cross_entropy(ShardPlan::new(algorithm, map), logits.view(), &call);
+            let r = op.sharded_cross_entropy(
+                ShardPlan::new(algorithm, map),
+                CeCall::new(logits.view(), call),
+            );
             assert_eq!(
                 r.is_ok(),
                 op.algorithms().contains(&algorithm),
@@ -233,7 +238,10 @@ fn every_output_layer_answers_with_its_own_numbers() {
     let call = packshard_reference::vocab::LossCall::with_flag(&targets, &config, true);
     let list = registry::linear_cross_entropy();
     let reference = reference_of(&list)
-        .linear_cross_entropy(hidden.view(), weight.view(), &call)
+        .linear_cross_entropy(LinearCall::new(
+            LinearInput::new(hidden.view(), weight.view()),
+            call,
+        ))
         .unwrap();
     let ref_out = vec![
         reference
@@ -255,7 +263,10 @@ fn every_output_layer_answers_with_its_own_numbers() {
             };
             let Ok(op) = made else { continue };
             let l = op
-                .linear_cross_entropy(hidden.view(), weight.view(), &call)
+                .linear_cross_entropy(LinearCall::new(
+                    LinearInput::new(hidden.view(), weight.view()),
+                    call,
+                ))
                 .unwrap();
             let stored = vec![
                 l.grad_hidden

@@ -16,7 +16,7 @@ use packshard_optimized::vocab::{
     linear_cross_entropy_tiled, linear_cross_entropy_tiled_filtered, Chunks, LinearCrossEntropy32,
 };
 use packshard_oracle::registry::{self, SMALL_CHUNKS};
-use packshard_reference::ops::{LinearCrossEntropyOp, LinearLoss, TradedError};
+use packshard_reference::ops::{LinearLoss, LossOp, TradedError};
 use packshard_reference::vocab::sharded::ShardedLoss;
 use packshard_reference::vocab::{LossCall, LossConfig, Reduction, ShardLayout, ShardMap};
 use packshard_reference::Error;

@@ -16,7 +16,7 @@ use packshard_optimized::vocab::{
     linear_cross_entropy_tiled, Chunks,
 };
 use packshard_oracle::registry::{self, SMALL_CHUNKS};
-use packshard_reference::ops::{LinearCrossEntropyOp, LinearLoss};
+use packshard_reference::ops::{LinearCall, LinearCrossEntropyOp, LinearLoss, LossOp};
 use packshard_reference::vocab::sharded::ShardedLoss;
 use packshard_reference::vocab::{
     LossCall, LossConfig, ShardMap, ShardPlan, ShardedAlgorithm, SmoothingConvention,
@@ -340,8 +340,10 @@ fn logsumexp_far_below_its_terms_is_judged_at_their_size() {
     let got = fused
         .sharded_linear_cross_entropy(
             ShardPlan::new(ShardedAlgorithm::Alg2, case.map),
-            case.input(),
-            &LossCall::with_flag(&case.targets, &case.config, false),
+            LinearCall::new(
+                case.input(),
+                LossCall::with_flag(&case.targets, &case.config, false),
+            ),
         )
         .unwrap();
     assert_eq!(got.ranks[0].global[0].logsumexp(), 0.0);

@@ -18,7 +18,7 @@ use packshard_oracle::eval::{make, EvalError};
 use packshard_oracle::registry;
 use packshard_reference::attention::default_scale;
 use packshard_reference::error::check_finite;
-use packshard_reference::ops::{Grad, LinearInput, Qkv, Varlen};
+use packshard_reference::ops::{CeCall, EmbeddingCall, Grad, LinearCall, LinearInput, Qkv, Varlen};
 use packshard_reference::vocab::sharded::ShardedLoss;
 use packshard_reference::vocab::{
     CrossEntropy, GradRequest, LossCall, LossConfig, ShardLayout, ShardPlan,
@@ -398,13 +398,16 @@ pub fn cross_entropy(
         Run::Unsharded => {
             let op = make(&list, imp)?;
             let real = logits.slice_axis(Axis(1), Slice::from(..v));
-            let ce = op.cross_entropy(real, &a.call())?;
+            let ce = op.cross_entropy(CeCall::new(real, a.call()))?;
             (unsharded_fields(&ce), ce.grad_logits)
         }
         Run::Sharded(algorithm, map) => {
             check_declared(&list, |k| k.algorithms(), imp, algorithm)?;
             let op = make(&list, imp)?;
-            let s = op.sharded_cross_entropy(ShardPlan::new(algorithm, map), logits, &a.call())?;
+            let s = op.sharded_cross_entropy(
+                ShardPlan::new(algorithm, map),
+                CeCall::new(logits, a.call()),
+            )?;
             let n = predicted(&a.targets, &a.config);
             (sharded_fields(&s, n, algorithm.name()), s.grad_logits())
         }
@@ -434,7 +437,8 @@ pub fn linear_cross_entropy(
         Run::Unsharded => {
             let op = make(&list, imp)?;
             let real = weight.slice_axis(Axis(0), Slice::from(..v));
-            let l = op.linear_cross_entropy(hidden, real, &a.call())?;
+            let l =
+                op.linear_cross_entropy(LinearCall::new(LinearInput::new(hidden, real), a.call()))?;
             let mut out = unsharded_fields(&l.ce);
             if let Some(b) = l.logits_buffer_bytes {
                 out.push(("logits_buffer_bytes", Out::Usize(b)));
@@ -446,8 +450,7 @@ pub fn linear_cross_entropy(
             let op = make(&list, imp)?;
             let s = op.sharded_linear_cross_entropy(
                 ShardPlan::new(algorithm, map),
-                LinearInput::new(hidden, weight),
-                &a.call(),
+                LinearCall::new(LinearInput::new(hidden, weight), a.call()),
             )?;
             let n = predicted(&a.targets, &a.config);
             let out = sharded_fields(&s, n, algorithm.name());
@@ -595,7 +598,7 @@ pub fn embedding(
             if layout.is_some() {
                 return Err(EvalError::invalid("layout", "needs num_shards"));
             }
-            let e = op.embedding(ids, real, grad_output)?;
+            let e = op.embedding(EmbeddingCall::new(ids, real, grad_output))?;
             out.push(("output", t2(e.output)));
             if let Some(gw) = &e.grad_weight {
                 out.push(("grad_weight", t2(widen_rows(gw, rows))));
@@ -607,7 +610,7 @@ pub fn embedding(
                 .transpose()?
                 .unwrap_or_default();
             let map = packshard_reference::vocab::ShardMap::new(v, p, layout)?;
-            let s = op.sharded_embedding(&map, ids, weight, grad_output)?;
+            let s = op.sharded_embedding(&map, EmbeddingCall::new(ids, weight, grad_output))?;
             let c = s.counts[0];
             out.push(("output", t2(s.outputs[0].clone())));
             if let Some(gw) = s.grad_weight() {

@@ -23,8 +23,8 @@
 //! **No silent fallback.** An implementation answers with its own numbers or
 //! with an error: what it does not implement (an algorithm, grouped-query
 //! attention, a causal mask, a loss option such as the softcap) it declares
-//! ([`AttentionOp::support`], [`CrossEntropyOp::algorithms`],
-//! [`CrossEntropyOp::options`]) and refuses with
+//! ([`AttentionOp::support`], [`LossOp::algorithms`],
+//! [`LossOp::options`]) and refuses with
 //! [`Error::InvalidArgument`]; it never hands the call to the reference.
 //!
 //! Shape legend as in the crate docs: `n_q`/`n_k` query/key tokens, `h`
@@ -350,7 +350,7 @@ pub fn check_algorithm(declared: &[ShardedAlgorithm], algorithm: ShardedAlgorith
 /// The [`crate::vocab::LossConfig`] options an output-layer implementation implements
 /// beyond those every implementation must (`ignore_index`, label smoothing
 /// in both conventions, z-loss, every reduction). What it does not, it
-/// declares ([`CrossEntropyOp::options`], [`LinearCrossEntropyOp::options`])
+/// declares ([`LossOp::options`])
 /// and refuses ([`LossSupport::check`]), as for algorithms.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LossSupport {
@@ -404,13 +404,11 @@ impl LossSupport {
     }
 }
 
-/// Cross-entropy of given logits (Vaswani et al. with PyTorch's and
-/// Megatron-LM's options: `ignore_index`, label smoothing, z-loss,
-/// reduction; [`crate::vocab::LossConfig`]), unsharded and split by vocabulary over `p`
-/// shards (Yeung et al., arXiv:2411.05288).
-///
-/// Errors are the reference's ([`crate::vocab::cross_entropy()`]).
-pub trait CrossEntropyOp: Send + Sync {
+/// What an implementation of either loss family ([`CrossEntropyOp`],
+/// [`LinearCrossEntropyOp`]) declares it implements: the sharded algorithms
+/// and the loss options. A call outside them is refused
+/// ([`check_algorithm`], [`LossSupport::check`]), never answered.
+pub trait LossOp: Send + Sync {
     /// The sharded algorithms it implements (the unsharded form always).
     fn algorithms(&self) -> Vec<ShardedAlgorithm> {
         ShardedAlgorithm::ALL.to_vec()
@@ -420,26 +418,30 @@ pub trait CrossEntropyOp: Send + Sync {
     fn options(&self) -> LossSupport {
         LossSupport::ALL
     }
+}
 
-    /// Unsharded: `logits: [n, v]`, `call.targets: [n]`; `grad_logits: [n,
-    /// v]` when `call` asks for gradients (scaled by its upstream gradient,
-    /// [`LossCall::token_weights`]).
+/// Cross-entropy of given logits (Vaswani et al. with PyTorch's and
+/// Megatron-LM's options: `ignore_index`, label smoothing, z-loss,
+/// reduction; [`crate::vocab::LossConfig`]), unsharded and split by vocabulary over `p`
+/// shards (Yeung et al., arXiv:2411.05288).
+///
+/// Errors are the reference's ([`crate::vocab::cross_entropy()`]).
+pub trait CrossEntropyOp: LossOp {
+    /// Unsharded: `c.input` the logits `[n, v]`, `c.call.targets: [n]`;
+    /// `grad_logits: [n, v]` when `c.call` asks for gradients (scaled by its
+    /// upstream gradient, [`LossCall::token_weights`]).
     ///
     /// # Errors
     /// See the trait docs.
-    fn cross_entropy(&self, logits: ArrayView2<f64>, call: &LossCall) -> Result<CrossEntropy>;
+    fn cross_entropy(&self, c: CeCall<'_>) -> Result<CrossEntropy>;
 
-    /// Sharded by `plan.map` with `plan.algorithm`: `logits: [n, w]` (`w >= v`; columns `v..` are
-    /// padding values that must never be read), every rank's results.
+    /// Sharded by `plan.map` with `plan.algorithm`: `c.input` the logits
+    /// `[n, w]` (`w >= v`; columns `v..` are padding values that must never
+    /// be read), every rank's results.
     ///
     /// # Errors
     /// See the trait docs; [`check_algorithm`] for an undeclared algorithm.
-    fn sharded_cross_entropy(
-        &self,
-        plan: ShardPlan,
-        logits: ArrayView2<f64>,
-        call: &LossCall,
-    ) -> Result<ShardedLoss>;
+    fn sharded_cross_entropy(&self, plan: ShardPlan, c: CeCall<'_>) -> Result<ShardedLoss>;
 }
 
 /// The unsharded output layer's results.
@@ -458,6 +460,25 @@ pub struct LinearLoss {
     /// Wijmans et al. 2024, §4.3); `None` for an implementation that trades
     /// nothing. The suites widen the gradients' allowance by it, and only them.
     pub traded: Option<TradedError>,
+}
+
+impl LinearLoss {
+    /// The results of an implementation that reports no logits buffer and
+    /// trades nothing for speed: `ce`, `grad_hidden: [n, h]`, `grad_weight:
+    /// [v, h]`.
+    pub fn new(
+        ce: CrossEntropy,
+        grad_hidden: Option<Array2<f64>>,
+        grad_weight: Option<Array2<f64>>,
+    ) -> Self {
+        LinearLoss {
+            ce,
+            grad_hidden,
+            grad_weight,
+            logits_buffer_bytes: None,
+            traded: None,
+        }
+    }
 }
 
 /// A rigorous bound on the error a kernel introduced on purpose in the
@@ -479,29 +500,15 @@ pub struct TradedError {
 /// unsharded and vocabulary-parallel.
 ///
 /// Errors are the reference's ([`crate::vocab::linear_cross_entropy()`]).
-pub trait LinearCrossEntropyOp: Send + Sync {
-    /// The sharded algorithms it implements (the unsharded form always).
-    fn algorithms(&self) -> Vec<ShardedAlgorithm> {
-        ShardedAlgorithm::ALL.to_vec()
-    }
-
-    /// The loss options it implements beyond the basic ones (all by default).
-    fn options(&self) -> LossSupport {
-        LossSupport::ALL
-    }
-
-    /// Unsharded: `hidden: [n, h]`, `weight: [v, h]`, `call.targets: [n]`.
+pub trait LinearCrossEntropyOp: LossOp {
+    /// Unsharded: `c.input.hidden: [n, h]`, `c.input.weight: [v, h]`,
+    /// `c.call.targets: [n]`.
     ///
     /// # Errors
     /// See the trait docs.
-    fn linear_cross_entropy(
-        &self,
-        hidden: ArrayView2<f64>,
-        weight: ArrayView2<f64>,
-        call: &LossCall,
-    ) -> Result<LinearLoss>;
+    fn linear_cross_entropy(&self, c: LinearCall<'_>) -> Result<LinearLoss>;
 
-    /// Sharded by `plan.map` with `plan.algorithm`: `input.weight: [w, h]`
+    /// Sharded by `plan.map` with `plan.algorithm`: `c.input.weight: [w, h]`
     /// (`w >= v`; rows `v..` are padding values that must never be read).
     ///
     /// # Errors
@@ -509,8 +516,7 @@ pub trait LinearCrossEntropyOp: Send + Sync {
     fn sharded_linear_cross_entropy(
         &self,
         plan: ShardPlan,
-        input: LinearInput<'_>,
-        call: &LossCall,
+        c: LinearCall<'_>,
     ) -> Result<ShardedLoss>;
 }
 
@@ -531,6 +537,40 @@ impl<'a> LinearInput<'a> {
     }
 }
 
+/// One loss call's inputs, which travel together: `input` the logits
+/// ([`CeCall`]) or the hidden states and the output layer's weight
+/// ([`LinearCall`]), and the call (`targets: [n]`, options, gradient
+/// request). What [`CrossEntropyOp`] and [`LinearCrossEntropyOp`] take.
+#[derive(Debug, Clone, Copy)]
+pub struct LossInputs<'a, X> {
+    /// `logits: [n, v]`, or the output layer's [`LinearInput`] (`hidden:
+    /// [n, h]`, `weight: [v, h]`); sharded,
+    /// `w >= v` columns of logits or rows of the weight.
+    pub input: X,
+    /// The targets, the loss's options and the gradient request.
+    pub call: LossCall<'a>,
+}
+
+impl<'a, X> LossInputs<'a, X> {
+    /// The call's inputs as one value.
+    pub fn new(input: X, call: LossCall<'a>) -> Self {
+        LossInputs { input, call }
+    }
+
+    /// The same inputs with another call (another config, another
+    /// gradient request).
+    pub fn with_call(self, call: LossCall<'a>) -> Self {
+        LossInputs { call, ..self }
+    }
+}
+
+/// A cross-entropy call: `input` the logits, `[n, v]` (`[n, w]` sharded).
+pub type CeCall<'a> = LossInputs<'a, ArrayView2<'a, f64>>;
+
+/// An output-layer call: `input` is `hidden: [n, h]` and `weight: [v, h]`
+/// (`[w, h]` sharded).
+pub type LinearCall<'a> = LossInputs<'a, LinearInput<'a>>;
+
 /// The unsharded embedding's results.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Embedding {
@@ -540,31 +580,54 @@ pub struct Embedding {
     pub grad_weight: Option<Array2<f64>>,
 }
 
+/// One embedding call's inputs, which travel together: `ids: [n]`,
+/// `weight: [v, h]` (`[w, h]` with `w >= v` sharded, rows `v..` padding),
+/// and `grad_output: [n, h]` where the weight gradient is asked for.
+#[derive(Debug, Clone, Copy)]
+pub struct EmbeddingCall<'a> {
+    /// `[n]`: rows of the weight to look up (each in `0..v`).
+    pub ids: &'a [i64],
+    /// `[v, h]`, or `[w, h]` with `w >= v` sharded.
+    pub weight: ArrayView2<'a, f64>,
+    /// `[n, h]`, where the weight gradient is asked for.
+    pub grad_output: Option<ArrayView2<'a, f64>>,
+}
+
+impl<'a> EmbeddingCall<'a> {
+    /// `ids` looked up in `weight`, with the upstream gradient `grad_output`
+    /// where the weight gradient is asked for.
+    pub fn new(
+        ids: &'a [i64],
+        weight: ArrayView2<'a, f64>,
+        grad_output: Option<ArrayView2<'a, f64>>,
+    ) -> Self {
+        EmbeddingCall {
+            ids,
+            weight,
+            grad_output,
+        }
+    }
+}
+
 /// The input embedding lookup `weight[ids]` and its weight gradient,
 /// unsharded and split by vocabulary rows (docs/FAULTS.md V5: an id out of range
 /// is [`Error::IndexOutOfRange`] in both).
 pub trait EmbeddingOp: Send + Sync {
-    /// Unsharded: `ids: [n]`, `weight: [v, h]`, `grad_output: [n, h]`.
+    /// Unsharded: `call.ids: [n]`, `call.weight: [v, h]`,
+    /// `call.grad_output: [n, h]`.
     ///
     /// # Errors
     /// As [`crate::vocab::embedding::embedding_forward`].
-    fn embedding(
-        &self,
-        ids: &[i64],
-        weight: ArrayView2<f64>,
-        grad_output: Option<ArrayView2<f64>>,
-    ) -> Result<Embedding>;
+    fn embedding(&self, call: EmbeddingCall<'_>) -> Result<Embedding>;
 
-    /// Sharded by `map`: `weight: [w, h]` (`w >= v`, rows `v..` padding).
+    /// Sharded by `map`: `call.weight: [w, h]` (`w >= v`, rows `v..` padding).
     ///
     /// # Errors
     /// As [`crate::vocab::embedding::sharded_embedding`].
     fn sharded_embedding(
         &self,
         map: &ShardMap,
-        ids: &[i64],
-        weight: ArrayView2<f64>,
-        grad_output: Option<ArrayView2<f64>>,
+        call: EmbeddingCall<'_>,
     ) -> Result<ShardedEmbedding>;
 }
 

@@ -41,7 +41,7 @@ fn sharded_ce(
     name: &str,
 ) -> Result<ShardedLoss, Mismatch> {
     let (z, call) = (case.logits.view(), case.call(want_grad));
-    imp.sharded_cross_entropy(ShardPlan::new(algorithm, case.map), z, &call)
+    imp.sharded_cross_entropy(ShardPlan::new(algorithm, case.map), CeCall::new(z, call))
         .map_err(|e| Mismatch::new(name, e.to_string()))
 }
 
@@ -54,8 +54,11 @@ fn sharded_linear(
     name: &str,
 ) -> Result<ShardedLoss, Mismatch> {
     let call = case.call(want_grad);
-    imp.sharded_linear_cross_entropy(ShardPlan::new(algorithm, case.map), case.input(), &call)
-        .map_err(|e| Mismatch::new(name, e.to_string()))
+    imp.sharded_linear_cross_entropy(
+        ShardPlan::new(algorithm, case.map),
+        LinearCall::new(case.input(), call),
+    )
+    .map_err(|e| Mismatch::new(name, e.to_string()))
 }
 
 pub(super) const LAYOUTS: [ShardLayout; 2] = [ShardLayout::Uneven, ShardLayout::Padded];
@@ -396,12 +399,18 @@ pub fn check_embedding_faults(imp: &dyn EmbeddingOp, rule: Rule) -> Result<(), M
                 let name = format!("V5 id {bad} p {p} {}", layout.name());
                 check_embedding_with(imp, &case, rule).map_err(|m| named(&name, m))?;
                 if imp
-                    .sharded_embedding(&case.map, &case.ids, weight.view(), None)
+                    .sharded_embedding(
+                        &case.map,
+                        EmbeddingCall::new(&case.ids, weight.view(), None),
+                    )
                     .is_ok()
                 {
                     return fail(&name, "an out-of-range id must be an error");
                 }
-                if imp.embedding(&case.ids, weight.view(), None).is_ok() {
+                if imp
+                    .embedding(EmbeddingCall::new(&case.ids, weight.view(), None))
+                    .is_ok()
+                {
                     return fail(&name, "an out-of-range id must be an error (unsharded)");
                 }
             }

@@ -44,7 +44,8 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use ndarray::{Array2, ArrayView2, Axis, Slice};
 use packshard_reference::ops::{
-    CrossEntropyOp, EmbeddingOp, LinearCrossEntropyOp, LinearInput, LossSupport, TradedError,
+    CeCall, CrossEntropyOp, EmbeddingCall, EmbeddingOp, LinearCall, LinearCrossEntropyOp,
+    LinearInput, LossSupport, TradedError,
 };
 use packshard_reference::vocab::cross_entropy::LinearCrossEntropy;
 use packshard_reference::vocab::embedding::{embedding_backward, embedding_forward};
@@ -314,7 +315,7 @@ pub fn check_cross_entropy_with(
 ) -> Result<(), Mismatch> {
     let run = |c: &CeCase| {
         let plan = ShardPlan::new(algorithm, c.map);
-        imp.sharded_cross_entropy(plan, c.logits.view(), &c.call(want_grad))
+        imp.sharded_cross_entropy(plan, CeCall::new(c.logits.view(), c.call(want_grad)))
     };
     let call = case.call(want_grad);
     if let Some(r) = refused(imp.options(), &call, || ce_ok(case), || run(case)) {
@@ -345,7 +346,7 @@ pub fn check_cross_entropy_unsharded(
         ..case.clone()
     };
     let run = |c: &CeCase| {
-        imp.cross_entropy(c.logits.view(), &c.call(want_grad))
+        imp.cross_entropy(CeCall::new(c.logits.view(), c.call(want_grad)))
             .map(|ce| one_rank(&c.map, ce, None, None))
     };
     let call = one.call(want_grad);
@@ -452,7 +453,7 @@ pub fn check_linear_with(
 ) -> Result<(), Mismatch> {
     let run = |c: &LinearCase| {
         let plan = ShardPlan::new(algorithm, c.map);
-        imp.sharded_linear_cross_entropy(plan, c.input(), &c.call(want_grad))
+        imp.sharded_linear_cross_entropy(plan, LinearCall::new(c.input(), c.call(want_grad)))
             .map(|l| (l, None))
     };
     let call = case.call(want_grad);
@@ -483,7 +484,7 @@ pub fn check_linear_unsharded(
         ..case.clone()
     };
     let run = |c: &LinearCase| {
-        imp.linear_cross_entropy(c.hidden.view(), c.weight.view(), &c.call(want_grad))
+        imp.linear_cross_entropy(LinearCall::new(c.input(), c.call(want_grad)))
             .map(|l| {
                 (
                     one_rank(&c.map, l.ce, l.grad_hidden, l.grad_weight),
@@ -625,9 +626,7 @@ pub fn check_embedding_with(
     let actual = no_panic(IMPL, || {
         imp.sharded_embedding(
             &case.map,
-            &case.ids,
-            case.weight.view(),
-            Some(case.grad_output.view()),
+            EmbeddingCall::new(&case.ids, case.weight.view(), Some(case.grad_output.view())),
         )
     })?;
     let Some(((out, gw), actual)) = same_outcome(expected, actual)? else {
@@ -655,7 +654,11 @@ pub fn check_embedding_with(
     };
     exact("grad_weight", &gw, &got)?;
     let unsharded = no_panic(IMPL, || {
-        imp.embedding(&case.ids, real, Some(case.grad_output.view()))
+        imp.embedding(EmbeddingCall::new(
+            &case.ids,
+            real,
+            Some(case.grad_output.view()),
+        ))
     })?
     .map_err(|e| Mismatch::new("unsharded embedding", e.to_string()))?;
     exact("unsharded output", &out, &unsharded.output)?;

@@ -17,17 +17,17 @@
 
 use std::sync::OnceLock;
 
-use ndarray::{Array2, Array3, ArrayView2, Axis};
+use ndarray::{Array2, Array3, Axis};
 use packshard_reference::attention::{
     check_mask_shape, check_varlen, AttentionGrads, AttentionOutput,
 };
 use packshard_reference::ops::{
-    check_algorithm, AttentionOp, AttentionSupport, LinearCrossEntropyOp, LinearInput, LinearLoss,
-    LossSupport, Varlen,
+    check_algorithm, AttentionOp, AttentionSupport, LinearCall, LinearCrossEntropyOp, LinearLoss,
+    LossOp, LossSupport, Varlen,
 };
 use packshard_reference::vocab::cross_entropy::CrossEntropy;
 use packshard_reference::vocab::sharded::{check_inputs, ShardedLoss};
-use packshard_reference::vocab::{LossCall, ShardLayout, ShardMap, ShardPlan, ShardedAlgorithm};
+use packshard_reference::vocab::{ShardLayout, ShardMap, ShardPlan, ShardedAlgorithm};
 use packshard_reference::{Error, Result};
 
 use super::attention::{AttentionKernels, AttnForward, AttnShape, BackwardCall, Call, Form};
@@ -238,9 +238,9 @@ impl<B: AttentionKernels + 'static> AttentionOp for CudaAttention<B> {
 ///
 /// Every [`LossConfig`] option but the softcap (`ignore_index`, label
 /// smoothing in either convention, z-loss, every reduction; the softcap is
-/// declared unsupported, [`LinearCrossEntropyOp::options`], and refused
+/// declared unsupported, [`LossOp::options`], and refused
 /// with an error naming `softcap`); `naive` and `alg1` are declared
-/// unsupported ([`LinearCrossEntropyOp::algorithms`]) and refused, as is a
+/// unsupported ([`LossOp::algorithms`]) and refused, as is a
 /// hidden size whose row does not fit the kernels' 48 KiB of shared memory.
 /// At the boundary as every f32 kernel: inputs rounded to f32 (finite
 /// values beyond its range refused), the reference's checks and errors;
@@ -284,7 +284,7 @@ impl CudaLinearCrossEntropy<Emulator> {
     }
 }
 
-impl<B: ShardKernels + Sync + 'static> LinearCrossEntropyOp for CudaLinearCrossEntropy<B> {
+impl<B: ShardKernels + Sync + 'static> LossOp for CudaLinearCrossEntropy<B> {
     /// `alg2` only.
     fn algorithms(&self) -> Vec<ShardedAlgorithm> {
         vec![ShardedAlgorithm::Alg2]
@@ -292,22 +292,21 @@ impl<B: ShardKernels + Sync + 'static> LinearCrossEntropyOp for CudaLinearCrossE
 
     /// No logit soft-capping (the kernels of `vocab.cu` do not cap):
     /// refused. An upstream gradient is a per-row scale of the gradient
-    /// kernels (`row_scale`, from [`LossCall::token_weights`]): taken.
+    /// kernels (`row_scale`, from
+    /// [`packshard_reference::vocab::LossCall::token_weights`]): taken.
     fn options(&self) -> LossSupport {
         LossSupport {
             softcap: false,
             grad_output: true,
         }
     }
+}
 
-    fn linear_cross_entropy(
-        &self,
-        hidden: ArrayView2<f64>,
-        weight: ArrayView2<f64>,
-        call: &LossCall,
-    ) -> Result<LinearLoss> {
-        let x = to_f32("hidden", hidden)?;
-        let w = to_f32("weight", weight)?;
+impl<B: ShardKernels + Sync + 'static> LinearCrossEntropyOp for CudaLinearCrossEntropy<B> {
+    fn linear_cross_entropy(&self, c: LinearCall<'_>) -> Result<LinearLoss> {
+        let call = &c.call;
+        let x = to_f32("hidden", c.input.hidden)?;
+        let w = to_f32("weight", c.input.weight)?;
         check_linear_inputs(x.view(), w.view(), call)?;
         self.options().check(call)?;
         let map = ShardMap::new(w.nrows(), 1, ShardLayout::Uneven)?;
@@ -321,32 +320,27 @@ impl<B: ShardKernels + Sync + 'static> LinearCrossEntropyOp for CudaLinearCrossE
             .iter()
             .flatten()
             .count();
-        Ok(LinearLoss {
-            ce: CrossEntropy {
-                loss: r.loss,
-                per_token_loss: r.per_token_loss,
-                stats: r.global,
-                num_tokens,
-                grad_logits: None,
-            },
-            grad_hidden: r.grad_hidden,
-            grad_weight: r.grad_weight,
-            logits_buffer_bytes: None,
-            traded: None,
-        })
+        let ce = CrossEntropy {
+            loss: r.loss,
+            per_token_loss: r.per_token_loss,
+            stats: r.global,
+            num_tokens,
+            grad_logits: None,
+        };
+        Ok(LinearLoss::new(ce, r.grad_hidden, r.grad_weight))
     }
 
     fn sharded_linear_cross_entropy(
         &self,
         plan: ShardPlan,
-        input: LinearInput<'_>,
-        call: &LossCall,
+        c: LinearCall<'_>,
     ) -> Result<ShardedLoss> {
+        let call = &c.call;
         check_algorithm(&self.algorithms(), plan.algorithm)?;
         let map = &plan.map;
         let v = map.vocab_size();
-        let x = to_f32("hidden", input.hidden)?;
-        let w = to_f32_real("weight", input.weight, Axis(0), v)?;
+        let x = to_f32("hidden", c.input.hidden)?;
+        let w = to_f32_real("weight", c.input.weight, Axis(0), v)?;
         map.check_width("weight", w.nrows(), w.shape(), "[v, h]")?;
         check_inputs(x.nrows(), call, v)?;
         check_linear(x.view(), w.view(), v, 0)?;

@@ -5,7 +5,8 @@
 
 use ndarray::{ArrayView2, Axis};
 use packshard_reference::ops::{
-    check_algorithm, CrossEntropyOp, LinearCrossEntropyOp, LinearInput, LinearLoss,
+    check_algorithm, CeCall, CrossEntropyOp, LinearCall, LinearCrossEntropyOp, LinearInput,
+    LinearLoss, LossOp,
 };
 use packshard_reference::vocab::cross_entropy::CrossEntropy;
 use packshard_reference::vocab::sharded::ShardedLoss;
@@ -30,17 +31,16 @@ fn widen_ce(ce: CrossEntropy32) -> CrossEntropy {
     }
 }
 
-/// An unsharded f32 output-layer `kernel` on `hidden: [n, h]` and `weight:
-/// [v, h]` narrowed to f32, its results widened (exactly) to the reference's
-/// type: `dL/dlogits` where the kernel holds it (materialized); the fused
-/// ones never do (`LinearLoss::ce`).
+/// An unsharded f32 output-layer `kernel` on `input` (`hidden: [n, h]`,
+/// `weight: [v, h]`) narrowed to f32, its results widened (exactly) to the
+/// reference's type: `dL/dlogits` where the kernel holds it (materialized);
+/// the fused ones never do (`LinearLoss::ce`).
 fn unsharded_f32(
-    hidden: ArrayView2<f64>,
-    weight: ArrayView2<f64>,
+    input: LinearInput<'_>,
     kernel: impl FnOnce(ArrayView2<f32>, ArrayView2<f32>) -> Result<LinearCrossEntropy32>,
 ) -> Result<LinearLoss> {
-    let x = to_f32("hidden", hidden)?;
-    let w = to_f32("weight", weight)?;
+    let x = to_f32("hidden", input.hidden)?;
+    let w = to_f32("weight", input.weight)?;
     let l = kernel(x.view(), w.view())?;
     Ok(LinearLoss {
         ce: widen_ce(l.ce),
@@ -82,25 +82,22 @@ fn sharded_alg2(
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct CrossEntropyF32;
 
-impl CrossEntropyOp for CrossEntropyF32 {
+impl LossOp for CrossEntropyF32 {
     fn algorithms(&self) -> Vec<ShardedAlgorithm> {
         vec![alg2::ALGORITHM]
     }
+}
 
-    fn cross_entropy(&self, logits: ArrayView2<f64>, call: &LossCall) -> Result<CrossEntropy> {
-        let z = to_f32("logits", logits)?;
-        Ok(widen_ce(cross_entropy(z.view(), call)?))
+impl CrossEntropyOp for CrossEntropyF32 {
+    fn cross_entropy(&self, c: CeCall<'_>) -> Result<CrossEntropy> {
+        let z = to_f32("logits", c.input)?;
+        Ok(widen_ce(cross_entropy(z.view(), &c.call)?))
     }
 
-    fn sharded_cross_entropy(
-        &self,
-        plan: ShardPlan,
-        logits: ArrayView2<f64>,
-        call: &LossCall,
-    ) -> Result<ShardedLoss> {
+    fn sharded_cross_entropy(&self, plan: ShardPlan, c: CeCall<'_>) -> Result<ShardedLoss> {
         check_algorithm(&self.algorithms(), plan.algorithm)?;
-        let z = to_f32_real("logits", logits, Axis(1), plan.map.vocab_size())?;
-        alg2::sharded_cross_entropy(&plan.map, z.view(), call)
+        let z = to_f32_real("logits", c.input, Axis(1), plan.map.vocab_size())?;
+        alg2::sharded_cross_entropy(&plan.map, z.view(), &c.call)
     }
 }
 
@@ -127,27 +124,23 @@ macro_rules! f32_linear_op {
         );
     };
     (@impl $op:ty, $algorithms:expr, $kernel:expr, $sharded:expr) => {
-        impl LinearCrossEntropyOp for $op {
+        impl LossOp for $op {
             fn algorithms(&self) -> Vec<ShardedAlgorithm> {
                 $algorithms.to_vec()
             }
+        }
 
-            fn linear_cross_entropy(
-                &self,
-                hidden: ArrayView2<f64>,
-                weight: ArrayView2<f64>,
-                call: &LossCall,
-            ) -> Result<LinearLoss> {
-                unsharded_f32(hidden, weight, |x, w| $kernel(self, x, w, call))
+        impl LinearCrossEntropyOp for $op {
+            fn linear_cross_entropy(&self, c: LinearCall<'_>) -> Result<LinearLoss> {
+                unsharded_f32(c.input, |x, w| $kernel(self, x, w, &c.call))
             }
 
             fn sharded_linear_cross_entropy(
                 &self,
                 plan: ShardPlan,
-                input: LinearInput<'_>,
-                call: &LossCall,
+                c: LinearCall<'_>,
             ) -> Result<ShardedLoss> {
-                $sharded(self, plan, input, call)
+                $sharded(self, plan, c.input, &c.call)
             }
         }
     };

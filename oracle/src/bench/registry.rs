@@ -9,7 +9,9 @@ use packshard_reference::attention::varlen_pass;
 use packshard_reference::attention::AttentionLayout;
 use packshard_reference::bert::{BertConfig, BertParams};
 use packshard_reference::decoder::{CausalReduction, DecoderConfig};
-use packshard_reference::ops::{Layer, LayerInput, Precision, Qkv, Varlen};
+use packshard_reference::ops::{
+    CeCall, EmbeddingCall, Layer, LayerInput, LinearCall, LinearInput, Precision, Qkv, Varlen,
+};
 use packshard_reference::vocab::LossConfig;
 use packshard_reference::{Error, Result};
 use rand::{Rng, SeedableRng};
@@ -216,7 +218,7 @@ pub fn registry(cfg: &BenchConfig) -> Result<Vec<ImplTiming>> {
         &format!("fwd+bwd, logits [{nt}, {vocab}]"),
         reps,
         |op| {
-            let ce = op.cross_entropy(logits.view(), &call)?;
+            let ce = op.cross_entropy(CeCall::new(logits.view(), call))?;
             let g = ce.grad_logits.map(|g| flat(&g)).unwrap_or_default();
             Ok(vec![flat(&ce.per_token_loss), g])
         },
@@ -231,7 +233,10 @@ pub fn registry(cfg: &BenchConfig) -> Result<Vec<ImplTiming>> {
         &format!("fwd+bwd, [{nt}, {hd}] x [{vocab}, {hd}]"),
         reps,
         |op| {
-            let l = op.linear_cross_entropy(hidden.view(), weight.view(), &call)?;
+            let l = op.linear_cross_entropy(LinearCall::new(
+                LinearInput::new(hidden.view(), weight.view()),
+                call,
+            ))?;
             let gh = l.grad_hidden.map(|g| flat(&g)).unwrap_or_default();
             let gw = l.grad_weight.map(|g| flat(&g)).unwrap_or_default();
             Ok(vec![flat(&l.ce.per_token_loss), gh, gw])
@@ -249,7 +254,7 @@ pub fn registry(cfg: &BenchConfig) -> Result<Vec<ImplTiming>> {
         &format!("fwd+bwd, {} ids in [{vocab}, {hd}]", ids.len()),
         reps,
         |op| {
-            let e = op.embedding(&ids, weight.view(), Some(gout.view()))?;
+            let e = op.embedding(EmbeddingCall::new(&ids, weight.view(), Some(gout.view())))?;
             let gw = e.grad_weight.map(|g| flat(&g)).unwrap_or_default();
             Ok(vec![flat(&e.output), gw])
         },

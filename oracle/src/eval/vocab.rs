@@ -4,7 +4,7 @@
 //! registered implementation of the op's family ([`crate::registry`]).
 
 use ndarray::{Array2, Axis, Slice};
-use packshard_reference::ops::LinearInput;
+use packshard_reference::ops::{CeCall, EmbeddingCall, LinearCall, LinearInput};
 use packshard_reference::vocab::sharded::ShardedLoss;
 use packshard_reference::vocab::{
     CollectiveCounts, CrossEntropy, GradRequest, LossCall, LossConfig, Reduction, ShardLayout,
@@ -321,7 +321,7 @@ pub(super) fn cross_entropy_op(value: &Value, imp: &str) -> Result<Value, EvalEr
         Run::Unsharded => {
             let op = make(&list, imp)?;
             let real = logits.slice_axis(Axis(1), Slice::from(..v));
-            let ce = op.cross_entropy(real, &call)?;
+            let ce = op.cross_entropy(CeCall::new(real, call))?;
             (unsharded_json("cross_entropy", &ce), ce.grad_logits)
         }
         Run::Sharded(algorithm, map) => {
@@ -329,8 +329,10 @@ pub(super) fn cross_entropy_op(value: &Value, imp: &str) -> Result<Value, EvalEr
             // that it declares no algorithm.
             let op = make(&list, imp)?;
             check_declared(&list, |k| k.algorithms(), imp, algorithm)?;
-            let s =
-                op.sharded_cross_entropy(ShardPlan::new(algorithm, map), logits.view(), &call)?;
+            let s = op.sharded_cross_entropy(
+                ShardPlan::new(algorithm, map),
+                CeCall::new(logits.view(), call),
+            )?;
             let out = sharded_json("cross_entropy", algorithm, &s, predicted(&targets, &config));
             (out, s.grad_logits())
         }
@@ -373,7 +375,10 @@ pub(super) fn linear_cross_entropy_op(value: &Value, imp: &str) -> Result<Value,
         Run::Unsharded => {
             let op = make(&list, imp)?;
             let real = weight.slice_axis(Axis(0), Slice::from(..v));
-            let l = op.linear_cross_entropy(hidden.view(), real, &call)?;
+            let l = op.linear_cross_entropy(LinearCall::new(
+                LinearInput::new(hidden.view(), real),
+                call,
+            ))?;
             let mut out = unsharded_json("linear_cross_entropy", &l.ce);
             if imp != registry::REFERENCE {
                 out.insert("impl".into(), json!(imp));
@@ -404,8 +409,7 @@ pub(super) fn linear_cross_entropy_op(value: &Value, imp: &str) -> Result<Value,
             check_declared(&list, |k| k.algorithms(), imp, algorithm)?;
             let s = op.sharded_linear_cross_entropy(
                 ShardPlan::new(algorithm, map),
-                LinearInput::new(hidden.view(), weight.view()),
-                &call,
+                LinearCall::new(LinearInput::new(hidden.view(), weight.view()), call),
             )?;
             let mut out = sharded_json(
                 "linear_cross_entropy",
@@ -494,7 +498,11 @@ pub(super) fn embedding_op(value: &Value, imp: &str) -> Result<Value, EvalError>
             if case.has("layout") {
                 return Err(EvalError::invalid("layout", "needs num_shards"));
             }
-            let e = op.embedding(&ids, real, grad_output.as_ref().map(|g| g.view()))?;
+            let e = op.embedding(EmbeddingCall::new(
+                &ids,
+                real,
+                grad_output.as_ref().map(|g| g.view()),
+            ))?;
             out.insert("output".into(), matrix(&e.output));
             if let Some(gw) = &e.grad_weight {
                 out.insert("grad_weight".into(), matrix(&widen_rows(gw, rows)));
@@ -505,9 +513,7 @@ pub(super) fn embedding_op(value: &Value, imp: &str) -> Result<Value, EvalError>
             let map = ShardMap::new(v, p, layout)?;
             let s = op.sharded_embedding(
                 &map,
-                &ids,
-                weight.view(),
-                grad_output.as_ref().map(|g| g.view()),
+                EmbeddingCall::new(&ids, weight.view(), grad_output.as_ref().map(|g| g.view())),
             )?;
             out.insert("output".into(), matrix(&s.outputs[0]));
             if let Some(gw) = s.grad_weight() {

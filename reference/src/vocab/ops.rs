@@ -2,37 +2,34 @@
 //! ([`CrossEntropyOp`], [`LinearCrossEntropyOp`], [`EmbeddingOp`]): the
 //! unsharded f64 layer of [`super::cross_entropy`] and [`super::embedding`],
 //! and the three sharded algorithms of [`super::sharded`] on `p` in-process
-//! ranks.
-
-use ndarray::ArrayView2;
+//! ranks; and the calls' inputs ([`CeCall`], [`LinearCall`],
+//! [`EmbeddingCall`]) run on any implementation.
 
 use super::cross_entropy::{cross_entropy, linear_cross_entropy, CrossEntropy};
 use super::embedding::{
     embedding_backward, embedding_forward, sharded_embedding, ShardedEmbedding,
 };
 use super::sharded::{sharded_cross_entropy, sharded_linear_cross_entropy, ShardedLoss};
-use super::{LossCall, ShardMap, ShardPlan};
+use super::{ShardMap, ShardPlan};
 use crate::error::Result;
 use crate::ops::{
-    CrossEntropyOp, Embedding, EmbeddingOp, LinearCrossEntropyOp, LinearInput, LinearLoss,
+    CeCall, CrossEntropyOp, Embedding, EmbeddingCall, EmbeddingOp, LinearCall,
+    LinearCrossEntropyOp, LinearLoss, LossOp,
 };
 
 /// The reference cross-entropy: unsharded, `naive`, `alg1` and `alg2`.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct ReferenceCrossEntropy;
 
+impl LossOp for ReferenceCrossEntropy {}
+
 impl CrossEntropyOp for ReferenceCrossEntropy {
-    fn cross_entropy(&self, logits: ArrayView2<f64>, call: &LossCall) -> Result<CrossEntropy> {
-        cross_entropy(logits, call)
+    fn cross_entropy(&self, c: CeCall<'_>) -> Result<CrossEntropy> {
+        cross_entropy(c.input, &c.call)
     }
 
-    fn sharded_cross_entropy(
-        &self,
-        plan: ShardPlan,
-        logits: ArrayView2<f64>,
-        call: &LossCall,
-    ) -> Result<ShardedLoss> {
-        sharded_cross_entropy(plan.algorithm, &plan.map, logits, call)
+    fn sharded_cross_entropy(&self, plan: ShardPlan, c: CeCall<'_>) -> Result<ShardedLoss> {
+        sharded_cross_entropy(plan.algorithm, &plan.map, c.input, &c.call)
     }
 }
 
@@ -40,31 +37,21 @@ impl CrossEntropyOp for ReferenceCrossEntropy {
 #[derive(Debug, Clone, Copy, Default)]
 pub struct ReferenceLinearCrossEntropy;
 
+impl LossOp for ReferenceLinearCrossEntropy {}
+
 impl LinearCrossEntropyOp for ReferenceLinearCrossEntropy {
-    fn linear_cross_entropy(
-        &self,
-        hidden: ArrayView2<f64>,
-        weight: ArrayView2<f64>,
-        call: &LossCall,
-    ) -> Result<LinearLoss> {
-        let l = linear_cross_entropy(hidden, weight, call)?;
-        Ok(LinearLoss {
-            ce: l.ce,
-            grad_hidden: l.grad_hidden,
-            grad_weight: l.grad_weight,
-            logits_buffer_bytes: None,
-            traded: None,
-        })
+    fn linear_cross_entropy(&self, c: LinearCall<'_>) -> Result<LinearLoss> {
+        let l = linear_cross_entropy(c.input.hidden, c.input.weight, &c.call)?;
+        Ok(LinearLoss::new(l.ce, l.grad_hidden, l.grad_weight))
     }
 
     fn sharded_linear_cross_entropy(
         &self,
         plan: ShardPlan,
-        input: LinearInput<'_>,
-        call: &LossCall,
+        c: LinearCall<'_>,
     ) -> Result<ShardedLoss> {
-        let LinearInput { hidden, weight } = input;
-        sharded_linear_cross_entropy(plan.algorithm, &plan.map, hidden, weight, call)
+        let LinearCall { input, call } = c;
+        sharded_linear_cross_entropy(plan.algorithm, &plan.map, input.hidden, input.weight, &call)
     }
 }
 
@@ -73,17 +60,12 @@ impl LinearCrossEntropyOp for ReferenceLinearCrossEntropy {
 pub struct ReferenceEmbedding;
 
 impl EmbeddingOp for ReferenceEmbedding {
-    fn embedding(
-        &self,
-        ids: &[i64],
-        weight: ArrayView2<f64>,
-        grad_output: Option<ArrayView2<f64>>,
-    ) -> Result<Embedding> {
-        let output = embedding_forward(ids, weight)?;
-        let grad_weight = match grad_output {
+    fn embedding(&self, c: EmbeddingCall<'_>) -> Result<Embedding> {
+        let output = embedding_forward(c.ids, c.weight)?;
+        let grad_weight = match c.grad_output {
             Some(g) => {
-                crate::vocab::embedding::check_embedding_grad(g, ids.len(), weight.ncols())?;
-                Some(embedding_backward(ids, g, weight.nrows())?)
+                crate::vocab::embedding::check_embedding_grad(g, c.ids.len(), c.weight.ncols())?;
+                Some(embedding_backward(c.ids, g, c.weight.nrows())?)
             }
             None => None,
         };
@@ -93,13 +75,61 @@ impl EmbeddingOp for ReferenceEmbedding {
         })
     }
 
-    fn sharded_embedding(
-        &self,
-        map: &ShardMap,
-        ids: &[i64],
-        weight: ArrayView2<f64>,
-        grad_output: Option<ArrayView2<f64>>,
-    ) -> Result<ShardedEmbedding> {
-        sharded_embedding(map, ids, weight, grad_output)
+    fn sharded_embedding(&self, map: &ShardMap, c: EmbeddingCall<'_>) -> Result<ShardedEmbedding> {
+        sharded_embedding(map, c.ids, c.weight, c.grad_output)
+    }
+}
+
+impl CeCall<'_> {
+    /// `op`'s unsharded cross-entropy on these inputs.
+    ///
+    /// # Errors
+    /// `op`'s.
+    pub fn unsharded(self, op: &dyn CrossEntropyOp) -> Result<CrossEntropy> {
+        op.cross_entropy(self)
+    }
+
+    /// `op`'s sharded cross-entropy on these inputs.
+    ///
+    /// # Errors
+    /// `op`'s.
+    pub fn sharded(self, op: &dyn CrossEntropyOp, plan: ShardPlan) -> Result<ShardedLoss> {
+        op.sharded_cross_entropy(plan, self)
+    }
+}
+
+impl LinearCall<'_> {
+    /// `op`'s unsharded output layer on these inputs.
+    ///
+    /// # Errors
+    /// `op`'s.
+    pub fn unsharded(self, op: &dyn LinearCrossEntropyOp) -> Result<LinearLoss> {
+        op.linear_cross_entropy(self)
+    }
+
+    /// `op`'s sharded output layer on these inputs.
+    ///
+    /// # Errors
+    /// `op`'s.
+    pub fn sharded(self, op: &dyn LinearCrossEntropyOp, plan: ShardPlan) -> Result<ShardedLoss> {
+        op.sharded_linear_cross_entropy(plan, self)
+    }
+}
+
+impl EmbeddingCall<'_> {
+    /// `op`'s unsharded embedding on these inputs.
+    ///
+    /// # Errors
+    /// `op`'s.
+    pub fn unsharded(self, op: &dyn EmbeddingOp) -> Result<Embedding> {
+        op.embedding(self)
+    }
+
+    /// `op`'s sharded embedding on these inputs.
+    ///
+    /// # Errors
+    /// `op`'s.
+    pub fn sharded(self, op: &dyn EmbeddingOp, map: &ShardMap) -> Result<ShardedEmbedding> {
+        op.sharded_embedding(map, self)
     }
 }
