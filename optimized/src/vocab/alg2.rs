@@ -148,6 +148,22 @@ fn shard<'a>(
 }
 
 impl Shard<'_> {
+    /// Refuses a `field` of `shape` (`form`, e.g. `[n, w_r]`) whose
+    /// vocabulary extent `got` is not this shard's width `w_r`.
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] naming `field`, as the reference.
+    fn check_width(&self, field: &str, got: usize, shape: &[usize], form: &str) -> Result<()> {
+        if got == self.width {
+            return Ok(());
+        }
+        Err(Error::ShapeMismatch {
+            field: field.into(),
+            expected: format!("{form} with w_r = {} (shard {})", self.width, self.rank),
+            actual: shape.to_vec(),
+        })
+    }
+
     #[allow(clippy::too_many_arguments)]
     fn output(
         &self,
@@ -216,13 +232,7 @@ pub fn cross_entropy_rank(
     let (config, want_grad) = (call.config, call.want_grad());
     let n = logits.nrows();
     let sh = shard(comm, map, n, call)?;
-    if logits.ncols() != sh.width {
-        return Err(Error::ShapeMismatch {
-            field: "logits".into(),
-            expected: format!("[n, w_r] with w_r = {} (shard {})", sh.width, sh.rank),
-            actual: logits.shape().to_vec(),
-        });
-    }
+    sh.check_width("logits", logits.ncols(), logits.shape(), "[n, w_r]")?;
     check_logits("logits", logits, sh.real, map.vocab_size(), sh.start)?;
     let mut z = logits
         .slice(s![.., ..sh.real])
@@ -281,13 +291,7 @@ pub fn linear_cross_entropy_rank(
     let (config, want_grad) = (call.config, call.want_grad());
     let (n, h) = hidden.dim();
     let sh = shard(comm, map, n, call)?;
-    if weight.nrows() != sh.width {
-        return Err(Error::ShapeMismatch {
-            field: "weight".into(),
-            expected: format!("[w_r, h] with w_r = {} (shard {})", sh.width, sh.rank),
-            actual: weight.shape().to_vec(),
-        });
-    }
+    sh.check_width("weight", weight.nrows(), weight.shape(), "[w_r, h]")?;
     check_linear(hidden, weight, sh.real, sh.start)?;
     check_chunks(chunks)?;
     let w_real = weight.slice(s![..sh.real, ..]);
@@ -323,14 +327,7 @@ pub fn linear_cross_entropy_rank(
         let x = hidden.slice(s![i0..i0 + m, ..]);
         let mut b = rows_view(&mut buf, m);
         for (j0, tile) in spans(real, tv) {
-            logits_tile(&mut b, x, w_real, (j0, tile));
-            cap_tile(
-                b.as_slice_mut().expect("standard rows"),
-                real,
-                j0,
-                tile,
-                cap,
-            );
+            capped_logits_tile(&mut b, x, w_real, (j0, tile), cap);
             merge_tile_stats(
                 b.as_slice().expect("standard rows"),
                 real,
@@ -426,14 +423,7 @@ pub fn linear_cross_entropy_rank(
         let x = hidden.slice(s![i0..i0 + m, ..]);
         let mut b = rows_view(&mut buf, m);
         for (j0, tile) in spans(real, tv) {
-            logits_tile(&mut b, x, w_real, (j0, tile));
-            cap_tile(
-                b.as_slice_mut().expect("standard rows"),
-                real,
-                j0,
-                tile,
-                cap,
-            );
+            capped_logits_tile(&mut b, x, w_real, (j0, tile), cap);
             sh.t_tile(
                 b.as_slice_mut().expect("standard rows"),
                 j0,

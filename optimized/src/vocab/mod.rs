@@ -205,17 +205,7 @@ pub fn cross_entropy(logits: ArrayView2<f32>, call: &LossCall) -> Result<CrossEn
     let rows = Rows::new(call, v, 0, v)?;
     let mut buf = logits.as_standard_layout().into_owned();
     let flat = buf.as_slice_mut().expect("standard layout");
-    cap_tile(flat, v, 0, v, config.softcap);
-    let mut stats = vec![SoftmaxStats::EMPTY; n];
-    merge_tile_stats(
-        buf.as_slice().expect("standard layout"),
-        v,
-        0,
-        v,
-        &rows,
-        0,
-        &mut stats,
-    );
+    let stats = capped_row_stats(flat, (n, v), &rows, config.softcap);
     let (per_token_loss, loss) = rows.losses(&stats)?;
     let grad_logits = if call.want_grad() {
         gradient_tile(
@@ -279,23 +269,8 @@ pub fn linear_cross_entropy_materialized(
     let rows = Rows::new(call, v, 0, v)?;
     let mut logits = Array2::zeros((n, v));
     matmul(logits.view_mut(), hidden, weight.t(), false, Threads::All);
-    cap_tile(
-        logits.as_slice_mut().expect("fresh"),
-        v,
-        0,
-        v,
-        config.softcap,
-    );
-    let mut stats = vec![SoftmaxStats::EMPTY; n];
-    merge_tile_stats(
-        logits.as_slice().expect("fresh"),
-        v,
-        0,
-        v,
-        &rows,
-        0,
-        &mut stats,
-    );
+    let flat = logits.as_slice_mut().expect("fresh");
+    let stats = capped_row_stats(flat, (n, v), &rows, config.softcap);
     let (per_token_loss, loss) = rows.losses(&stats)?;
     let (mut grad_hidden, mut grad_weight) = (None, None);
     if want_grad {
@@ -331,6 +306,25 @@ pub fn linear_cross_entropy_materialized(
     })
 }
 
+/// The checks every chunked unsharded kernel starts with — the inputs
+/// ([`check_linear_inputs`]), then the chunk sizes — and its rows' targets
+/// (`hidden: [n, h]`, `weight: [v, h]`).
+///
+/// # Errors
+/// As [`check_linear_inputs`]; [`Error::InvalidArgument`] (`chunks`) for a
+/// zero chunk size.
+fn chunked_rows<'a>(
+    hidden: ArrayView2<f32>,
+    weight: ArrayView2<f32>,
+    call: &LossCall<'a>,
+    chunks: Chunks,
+) -> Result<Rows<'a>> {
+    check_linear_inputs(hidden, weight, call)?;
+    check_chunks(chunks)?;
+    let v = weight.nrows();
+    Rows::new(call, v, 0, v)
+}
+
 fn check_chunks(chunks: Chunks) -> Result<()> {
     if chunks.tokens == 0 || chunks.vocab == 0 {
         return Err(Error::invalid(
@@ -355,11 +349,9 @@ pub fn linear_cross_entropy_fused(
     call: &LossCall,
     chunks: Chunks,
 ) -> Result<LinearCrossEntropy32> {
-    check_linear_inputs(hidden, weight, call)?;
+    let rows = chunked_rows(hidden, weight, call, chunks)?;
     let (config, want_grad) = (call.config, call.want_grad());
-    check_chunks(chunks)?;
     let (n, v) = (hidden.nrows(), weight.nrows());
-    let rows = Rows::new(call, v, 0, v)?;
     let tn = chunks.tokens.min(n).max(1);
     let mut buf = Array2::<f32>::zeros((tn, v));
     let mut stats = vec![SoftmaxStats::EMPTY; n];
@@ -373,9 +365,7 @@ pub fn linear_cross_entropy_fused(
         let x = hidden.slice(s![i0..i0 + m, ..]);
         let mut b = buf.slice_mut(s![..m, ..]);
         for (j0, tile) in spans(v, chunks.vocab) {
-            logits_tile(&mut b, x, weight, (j0, tile));
-            let flat = b.as_slice_mut().expect("rows of a standard buffer");
-            cap_tile(flat, v, j0, tile, config.softcap);
+            capped_logits_tile(&mut b, x, weight, (j0, tile), config.softcap);
             merge_tile_stats(
                 b.as_slice().expect("rows of a standard buffer"),
                 v,
@@ -462,7 +452,6 @@ fn fused_result(
     }
 }
 
-/// `[rows, cols]` mutable view helper for the shard passes.
 /// `(start, len)` of the consecutive chunks of `0..n` of at most `size`.
 fn spans(n: usize, size: usize) -> impl Iterator<Item = (usize, usize)> {
     (0..n).step_by(size).map(move |s| (s, (n - s).min(size)))
@@ -485,6 +474,38 @@ fn logits_tile(
     );
 }
 
+/// [`logits_tile`], then the softcap on those columns ([`cap_tile`]; `b`
+/// whole rows of a standard buffer): the logits every tiled pass
+/// (re)computes.
+fn capped_logits_tile(
+    b: &mut ArrayViewMut2<f32>,
+    x: ArrayView2<f32>,
+    weight: ArrayView2<f32>,
+    (j0, tile): (usize, usize),
+    cap: Option<f64>,
+) {
+    logits_tile(b, x, weight, (j0, tile));
+    let width = b.ncols();
+    let flat = b.as_slice_mut().expect("rows of a standard buffer");
+    cap_tile(flat, width, j0, tile, cap);
+}
+
+/// Each row's softmax statistics over the whole of `flat` (`[n, v]`, standard
+/// layout) after capping it in place: the unsharded kernels' one pass over
+/// materialized logits.
+fn capped_row_stats(
+    flat: &mut [f32],
+    (n, v): (usize, usize),
+    rows: &Rows,
+    cap: Option<f64>,
+) -> Vec<SoftmaxStats> {
+    cap_tile(flat, v, 0, v, cap);
+    let mut stats = vec![SoftmaxStats::EMPTY; n];
+    merge_tile_stats(flat, v, 0, v, rows, 0, &mut stats);
+    stats
+}
+
+/// `[rows, cols]` mutable view helper for the shard passes.
 fn rows_view(buf: &mut Array2<f32>, m: usize) -> ArrayViewMut2<'_, f32> {
     buf.slice_mut(s![..m, ..])
 }

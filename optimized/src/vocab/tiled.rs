@@ -177,11 +177,9 @@ fn tiled(
     chunks: Chunks,
     filter: Option<f32>,
 ) -> Result<LinearCrossEntropy32> {
-    check_linear_inputs(hidden, weight, call)?;
+    let rows = chunked_rows(hidden, weight, call, chunks)?;
     let (config, want_grad) = (call.config, call.want_grad());
-    check_chunks(chunks)?;
     let (n, v) = (hidden.nrows(), weight.nrows());
-    let rows = Rows::new(call, v, 0, v)?;
     let (tn, tv) = (chunks.tokens.min(n).max(1), chunks.vocab.min(v));
     let mut buf = Array2::<f32>::zeros((tn, tv));
     let mut stats = vec![SoftmaxStats::EMPTY; n];
