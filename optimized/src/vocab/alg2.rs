@@ -97,11 +97,7 @@ impl WithSimd for TOp<'_> {
     fn with_simd<S: Simd>(self, simd: S) {
         let (l, g, (c, cap)) = (self.l, self.g, self.options);
         let (alpha, am1) = alphas(&l, &g);
-        let zl = if c == 0.0 {
-            0.0
-        } else {
-            2.0 * c * g.logsumexp()
-        };
+        let zl = z_loss_factor(c, &g);
         // w (alpha (p' - q) + (alpha - 1) q + zl alpha p')
         //   = w ((alpha + zl alpha) p' - (alpha - am1) q)
         gradient_row(

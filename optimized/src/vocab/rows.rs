@@ -213,6 +213,18 @@ pub(super) fn cap_tile(buf: &mut [f32], width: usize, j0: usize, tile: usize, ca
     });
 }
 
+/// `2 c lse`: the z-loss's share of a row's `p` term in the gradient, for
+/// the coefficient `c = z_loss` and the row's (global) statistics `st`;
+/// exactly 0 without z-loss (an infinite `lse` never meets `c = 0`).
+#[inline(always)]
+pub(super) fn z_loss_factor(z_loss: f64, st: &SoftmaxStats) -> f64 {
+    if z_loss == 0.0 {
+        0.0
+    } else {
+        2.0 * z_loss * st.logsumexp()
+    }
+}
+
 /// The unsharded gradient of a row with statistics `st`: `w ((p - q) + 2 c
 /// lse p)` (the reference's [`SoftmaxStats::gradient`]).
 #[inline(always)]
@@ -224,11 +236,7 @@ pub(super) fn unsharded_gradient_row<S: Simd>(
     st: &SoftmaxStats,
     (z_loss, cap): (f64, Option<f64>),
 ) {
-    let zl = if z_loss == 0.0 {
-        0.0
-    } else {
-        2.0 * z_loss * st.logsumexp()
-    };
+    let zl = z_loss_factor(z_loss, st);
     gradient_row(
         simd,
         z,
