@@ -21,7 +21,8 @@
 use super::*;
 use packshard_reference::vocab::cross_entropy::STATS_WIDTH;
 use packshard_reference::vocab::sharded::{
-    check_inputs, check_rank_inputs, Alg2Record, RankLoss, ShardedLoss,
+    check_inputs, check_rank_inputs, local_delta, local_probability, Alg2Record, RankLoss,
+    ShardedLoss,
 };
 use packshard_reference::vocab::{run_ranks, Collective, ShardMap, ShardedAlgorithm};
 
@@ -35,24 +36,6 @@ fn alphas(l: &SoftmaxStats, g: &SoftmaxStats) -> (f64, f64) {
         alpha - 1.0
     };
     (alpha, minus_1)
-}
-
-/// `softmax'_i - q_i` of one logit against the local statistics (the
-/// stable form at the maximum; `-q` for an all `-inf` shard).
-fn local_delta(l: &SoftmaxStats, z: f64, q: f64) -> f64 {
-    if l.sum_exp() == 0.0 {
-        -q
-    } else {
-        l.delta(z, q)
-    }
-}
-
-fn local_prob(l: &SoftmaxStats, z: f64) -> f64 {
-    if l.sum_exp() == 0.0 {
-        0.0
-    } else {
-        l.probability(z)
-    }
 }
 
 struct DeltaOp<'a> {
@@ -109,7 +92,7 @@ impl WithSimd for TOp<'_> {
             alpha * (1.0 + zl),
             alpha - am1,
             cap,
-            |x, q| alpha * local_delta(&l, x, q) + am1 * q + zl * alpha * local_prob(&l, x),
+            |x, q| alpha * local_delta(&l, x, q) + am1 * q + zl * alpha * local_probability(&l, x),
         );
     }
 }

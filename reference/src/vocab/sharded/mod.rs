@@ -63,6 +63,7 @@ use crate::error::{Error, Result};
 
 pub use map::{Shard, ShardLayout, ShardMap, MAX_SHARDS};
 pub use merge::{merge_alg2, merge_alg2_z_loss, merge_stats, Alg2Record};
+pub use passes::{local_delta, local_probability};
 pub use rank::{
     check_rank_inputs, cross_entropy_rank, linear_cross_entropy_rank, linear_cross_entropy_rank_s,
     Meter, OutputSPass, RankLoss,

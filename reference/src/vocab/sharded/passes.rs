@@ -467,7 +467,7 @@ impl<'a> RankRun<'a> {
 
 /// `softmax'_j - q_j` of the local softmax `l` (the stable form for a
 /// confident target; `-q` for an all `-inf` shard).
-fn local_delta(l: &SoftmaxStats, zij: f64, q: f64) -> f64 {
+pub fn local_delta(l: &SoftmaxStats, zij: f64, q: f64) -> f64 {
     if l.sum_exp() == 0.0 {
         -q
     } else {
@@ -476,7 +476,7 @@ fn local_delta(l: &SoftmaxStats, zij: f64, q: f64) -> f64 {
 }
 
 /// `softmax'_j` of the local softmax `l` (0 for an all `-inf` shard).
-fn local_probability(l: &SoftmaxStats, zij: f64) -> f64 {
+pub fn local_probability(l: &SoftmaxStats, zij: f64) -> f64 {
     if l.sum_exp() == 0.0 {
         0.0
     } else {
