@@ -774,4 +774,4 @@ mod suite;
 pub use chunk::{check_bottom_right, check_chunk, run_chunk_suite};
 pub use judge::grads_close;
 use judge::Truth;
-pub use suite::{causal_cases, configs, fault_cases, run_causal_suite, MAX_ROW};
+pub use suite::{causal_cases, configs, fault_cases, run_causal_suite, FaultCase, MAX_ROW};
