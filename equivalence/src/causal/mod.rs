@@ -54,11 +54,10 @@ use proptest::prelude::*;
 use rand::{Rng, SeedableRng};
 
 pub use crate::attention::Observed;
+use crate::attention::IMPL;
 use crate::compare::{
     assert_within_k, Allowance, Judge, Mismatch, RelativeRule, RelativeTotals, Tolerance,
 };
-
-const IMPL: &str = "implementation";
 
 /// One batch as a collator hands it over: `rows * row_len` slots.
 #[derive(Debug, Clone, PartialEq)]
