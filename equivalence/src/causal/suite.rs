@@ -84,7 +84,7 @@ impl FaultCase {
         }
     }
 
-    /// With an EOS target after each document.
+    /// With the EOS target on each document's last token.
     fn eos(self) -> Self {
         FaultCase { eos: true, ..self }
     }
