@@ -407,48 +407,72 @@ pub fn general_cases(support: AttentionSupport) -> impl Strategy<Value = General
         })
 }
 
-/// The fixed cases, as `(name, segments, (h, h_kv, d), causal)`: the C5
-/// example, a segment with more queries than keys, MQA and GQA, and
-/// segments that cross a blocked kernel's 64-token tiles.
-#[allow(clippy::type_complexity)]
-pub fn general_fixed_cases() -> Vec<(
-    &'static str,
-    Vec<(usize, usize)>,
-    (usize, usize, usize),
-    bool,
-)> {
+/// A fixed case of the general suite: the layout and heads of a
+/// [`GeneralCase::seeded`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct FixedCase {
+    /// What the case shows.
+    pub name: &'static str,
+    /// `(queries, keys)` of each segment.
+    pub segments: Vec<(usize, usize)>,
+    /// `(h, h_kv, d)`.
+    pub heads: (usize, usize, usize),
+    /// Bottom-right causal masks.
+    pub causal: bool,
+}
+
+impl FixedCase {
+    /// A case with causal masks (most fixed cases have them).
+    fn new(name: &'static str, segments: &[(usize, usize)], heads: (usize, usize, usize)) -> Self {
+        FixedCase {
+            name,
+            segments: segments.to_vec(),
+            heads,
+            causal: true,
+        }
+    }
+
+    /// The case without causal masks (bidirectional).
+    fn bidirectional(self) -> Self {
+        FixedCase {
+            causal: false,
+            ..self
+        }
+    }
+
+    /// The case with values from `seed`.
+    pub fn case(&self, seed: u64) -> GeneralCase {
+        GeneralCase::seeded(&self.segments, self.heads, self.causal, seed)
+    }
+}
+
+/// The fixed cases: the C5 example, a segment with more queries than keys,
+/// MQA and GQA, and segments that cross a blocked kernel's 64-token tiles.
+pub fn general_fixed_cases() -> Vec<FixedCase> {
     vec![
-        ("C5: 2 queries over 5 keys", vec![(2, 5)], (2, 2, 3), true),
-        (
+        FixedCase::new("C5: 2 queries over 5 keys", &[(2, 5)], (2, 2, 3)),
+        FixedCase::new(
             "3 queries over 1 key, then 2 over 4",
-            vec![(3, 1), (2, 4)],
+            &[(3, 1), (2, 4)],
             (4, 2, 3),
-            true,
         ),
-        (
+        FixedCase::new(
             "MQA: 3 query heads over 1",
-            vec![(4, 4), (0, 3), (5, 5)],
+            &[(4, 4), (0, 3), (5, 5)],
             (3, 1, 4),
-            true,
         ),
-        (
+        FixedCase::new(
             "GQA, bidirectional, other keys",
-            vec![(3, 6), (4, 2)],
+            &[(3, 6), (4, 2)],
             (4, 2, 2),
-            false,
-        ),
-        (
+        )
+        .bidirectional(),
+        FixedCase::new(
             "tiles: 70 over 130 and 130 over 70",
-            vec![(70, 130), (130, 70)],
+            &[(70, 130), (130, 70)],
             (4, 2, 16),
-            true,
         ),
-        (
-            "tiles: self 200, GQA",
-            vec![(200, 200), (1, 1)],
-            (4, 1, 8),
-            true,
-        ),
+        FixedCase::new("tiles: self 200, GQA", &[(200, 200), (1, 1)], (4, 1, 8)),
     ]
 }
 
@@ -474,10 +498,10 @@ pub fn run_general_suite(
         return Ok(None);
     }
     let mut report = GeneralReport::default();
-    for (i, (name, segments, heads, causal)) in general_fixed_cases().into_iter().enumerate() {
-        let case = GeneralCase::seeded(&segments, heads, causal, 200 + i as u64);
+    for (i, fixed) in general_fixed_cases().iter().enumerate() {
+        let case = fixed.case(200 + i as u64);
         if supported(support, &case) {
-            report.merge(check_general(imp, &case, judge).map_err(|m| m.within(name))?);
+            report.merge(check_general(imp, &case, judge).map_err(|m| m.within(fixed.name))?);
         }
     }
     let suite = format!("{IMPL} GQA/cross attention suite");

@@ -93,15 +93,13 @@ pub fn decoder_layer_params_f32(p: &DecoderLayerParams) -> Result<DecoderLayerPa
 #[derive(Debug, Clone)]
 pub struct DecoderLayerCache32 {
     x: Array2<f32>,
-    x_hat1: Array2<f32>,
-    inv_rms1: Vec<f32>,
+    norm1: RmsNormCache,
     h1: Array2<f32>,
     q: Array2<f32>,
     k: Array2<f32>,
     v: Array2<f32>,
     attention: AttentionOutput32,
-    x_hat2: Array2<f32>,
-    inv_rms2: Vec<f32>,
+    norm2: RmsNormCache,
     h2: Array2<f32>,
     gate: Array2<f32>,
     up: Array2<f32>,
@@ -137,29 +135,34 @@ fn inv_rms(x: &Array2<f32>, eps: f32) -> Vec<f32> {
         .collect()
 }
 
-/// RMSNorm of the rows of `x`: `(gamma x_hat, x_hat, 1 / rms)`.
-fn rms_norm(
-    x: &Array2<f32>,
-    gamma: &Array1<f32>,
-    eps: f32,
-) -> (Array2<f32>, Array2<f32>, Vec<f32>) {
+/// What [`rms_norm_backward`] needs of an [`rms_norm`] of `x: [n, w]`.
+#[derive(Debug, Clone)]
+struct RmsNormCache {
+    /// `[n, w]`: `x / rms` of each row.
+    x_hat: Array2<f32>,
+    /// `[n]`: `1 / rms` of each row.
+    inv_rms: Vec<f32>,
+}
+
+/// RMSNorm of the rows of `x`: `(gamma x_hat, {x_hat, 1 / rms})`.
+fn rms_norm(x: &Array2<f32>, gamma: &Array1<f32>, eps: f32) -> (Array2<f32>, RmsNormCache) {
     let w = x.ncols().max(1);
-    let inv = inv_rms(x, eps);
+    let inv_rms = inv_rms(x, eps);
     let mut x_hat = x.clone();
     row_chunks(&mut x_hat).enumerate().for_each(|(c, chunk)| {
         for (i, row) in chunk.chunks_mut(w).enumerate() {
-            let r = inv[c * ROWS + i];
+            let r = inv_rms[c * ROWS + i];
             row.iter_mut().for_each(|v| *v *= r);
         }
     });
     let y = &x_hat * gamma;
-    (y, x_hat, inv)
+    (y, RmsNormCache { x_hat, inv_rms })
 }
 
 /// Backward of [`rms_norm`]: adds `sum_rows(dy x_hat)` to `gg`, returns
 /// `dx = r (g - x_hat mean(g x_hat))`, `g = dy gamma`.
 fn rms_norm_backward(
-    (x_hat, inv_rms): (&Array2<f32>, &[f32]),
+    RmsNormCache { x_hat, inv_rms }: &RmsNormCache,
     gamma: &Array1<f32>,
     dy: &Array2<f32>,
     gg: &mut Array1<f32>,
@@ -252,7 +255,7 @@ pub fn decoder_layer_forward(
 ) -> Result<(Array2<f32>, DecoderLayerCache32)> {
     check(s, p, x, positions)?;
     let x = x.as_standard_layout().to_owned();
-    let (h1, x_hat1, inv_rms1) = rms_norm(&x, &p.attn_norm_g, s.eps);
+    let (h1, norm1) = rms_norm(&x, &p.attn_norm_g, s.eps);
     let mut q = linear(h1.view(), &p.wq);
     let mut k = linear(h1.view(), &p.wk);
     let v = linear(h1.view(), &p.wv);
@@ -273,7 +276,7 @@ pub fn decoder_layer_forward(
         .expect("standard layout");
     let mut x1 = linear(a, &p.wo);
     x1 += &x;
-    let (h2, x_hat2, inv_rms2) = rms_norm(&x1, &p.mlp_norm_g, s.eps);
+    let (h2, norm2) = rms_norm(&x1, &p.mlp_norm_g, s.eps);
     let gate = linear(h2.view(), &p.w_gate);
     let up = linear(h2.view(), &p.w_up);
     let mut act = gate.mapv(silu);
@@ -284,15 +287,13 @@ pub fn decoder_layer_forward(
         y,
         DecoderLayerCache32 {
             x,
-            x_hat1,
-            inv_rms1,
+            norm1,
             h1,
             q,
             k,
             v,
             attention,
-            x_hat2,
-            inv_rms2,
+            norm2,
             h2,
             gate,
             up,
@@ -334,12 +335,7 @@ pub fn decoder_layer_backward(
     dup *= &dact;
     let mut dh2 = linear_backward(c.h2.view(), &p.w_gate, dgate.view(), &mut g.w_gate);
     dh2 += &linear_backward(c.h2.view(), &p.w_up, dup.view(), &mut g.w_up);
-    let mut dx1 = rms_norm_backward(
-        (&c.x_hat2, &c.inv_rms2),
-        &p.mlp_norm_g,
-        &dh2,
-        &mut g.mlp_norm_g,
-    );
+    let mut dx1 = rms_norm_backward(&c.norm2, &p.mlp_norm_g, &dh2, &mut g.mlp_norm_g);
     dx1 += &dy;
     let (n, h, d) = c.attention.output.dim();
     let a = c
@@ -369,12 +365,7 @@ pub fn decoder_layer_backward(
     let mut dh1 = linear_backward(h1, &p.wq, dq.view(), &mut g.wq);
     dh1 += &linear_backward(h1, &p.wk, dk.view(), &mut g.wk);
     dh1 += &linear_backward(h1, &p.wv, dv.view(), &mut g.wv);
-    let mut dx = rms_norm_backward(
-        (&c.x_hat1, &c.inv_rms1),
-        &p.attn_norm_g,
-        &dh1,
-        &mut g.attn_norm_g,
-    );
+    let mut dx = rms_norm_backward(&c.norm1, &p.attn_norm_g, &dh1, &mut g.attn_norm_g);
     dx += &dx1;
     Ok((dx, g))
 }

@@ -30,12 +30,9 @@ use proptest::prelude::*;
 use rand::{Rng, SeedableRng};
 
 pub use crate::attention::Observed;
-use crate::attention::RelativeReport;
+use crate::attention::{RelativeReport, IMPL};
 use crate::baseline32;
 use crate::compare::{assert_within_k, Allowance, Judge, Mismatch, RelativeRule, Tolerance};
-
-/// The name failures give the implementation under test.
-const IMPL: &str = "implementation";
 
 /// A layer's results as `(output, grad_x, parameter gradients)`.
 fn parts(p: LayerPass) -> (Array2<f64>, Array2<f64>, LayerParams) {

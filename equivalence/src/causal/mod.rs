@@ -54,11 +54,10 @@ use proptest::prelude::*;
 use rand::{Rng, SeedableRng};
 
 pub use crate::attention::Observed;
+use crate::attention::IMPL;
 use crate::compare::{
     assert_within_k, Allowance, Judge, Mismatch, RelativeRule, RelativeTotals, Tolerance,
 };
-
-const IMPL: &str = "implementation";
 
 /// One batch as a collator hands it over: `rows * row_len` slots.
 #[derive(Debug, Clone, PartialEq)]
@@ -774,4 +773,4 @@ mod suite;
 pub use chunk::{check_bottom_right, check_chunk, run_chunk_suite};
 pub use judge::grads_close;
 use judge::Truth;
-pub use suite::{causal_cases, configs, fault_cases, run_causal_suite, MAX_ROW};
+pub use suite::{causal_cases, configs, fault_cases, run_causal_suite, FaultCase, MAX_ROW};

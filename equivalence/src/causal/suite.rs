@@ -52,90 +52,86 @@ pub fn causal_cases() -> impl Strategy<Value = CausalCase> {
         })
 }
 
-/// The docs/FAULTS.md examples as cases: `(name, lengths, offsets, gaps,
-/// row_len, eos)`.
-#[allow(clippy::type_complexity)]
-pub fn fault_cases() -> Vec<(
-    &'static str,
-    Vec<usize>,
-    Vec<usize>,
-    Vec<usize>,
-    usize,
-    bool,
-)> {
+/// One docs/FAULTS.md example: its documents' lengths and how a row holds
+/// them (the layout arguments of [`CausalCase::seeded`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct FaultCase {
+    /// What the case shows.
+    pub name: &'static str,
+    /// Tokens of each document.
+    pub lengths: Vec<usize>,
+    /// Each document's first position (> 0: a continuation chunk, C6).
+    pub offsets: Vec<usize>,
+    /// Padding slots placed before each document in the packed rows (C4).
+    pub gaps: Vec<usize>,
+    /// Slots per row, packed and padded.
+    pub row_len: usize,
+    /// Whether each document's last token has the EOS target (C2).
+    pub eos: bool,
+}
+
+impl FaultCase {
+    /// Documents of `lengths` in rows of `row_len`: positions from 0, no
+    /// padding between documents, no EOS target.
+    fn new(name: &'static str, lengths: &[usize], row_len: usize) -> Self {
+        FaultCase {
+            name,
+            lengths: lengths.to_vec(),
+            offsets: vec![0; lengths.len()],
+            gaps: vec![0; lengths.len()],
+            row_len,
+            eos: false,
+        }
+    }
+
+    /// With the EOS target on each document's last token.
+    fn eos(self) -> Self {
+        FaultCase { eos: true, ..self }
+    }
+
+    /// With the documents' first positions `offsets`.
+    fn offsets(self, offsets: &[usize]) -> Self {
+        FaultCase {
+            offsets: offsets.to_vec(),
+            ..self
+        }
+    }
+
+    /// With `gaps` padding slots before each document.
+    fn gaps(self, gaps: &[usize]) -> Self {
+        FaultCase {
+            gaps: gaps.to_vec(),
+            ..self
+        }
+    }
+
+    /// The case on `config` with values from `seed`.
+    pub fn case(&self, config: DecoderConfig, reduction: CausalReduction, seed: u64) -> CausalCase {
+        CausalCase::seeded(
+            config,
+            &self.lengths,
+            &self.offsets,
+            &self.gaps,
+            self.row_len,
+            self.eos,
+            reduction,
+            seed,
+        )
+    }
+}
+
+/// The docs/FAULTS.md examples as cases.
+pub fn fault_cases() -> Vec<FaultCase> {
     vec![
-        (
-            "C1 pack [a b | c d]",
-            vec![2, 2],
-            vec![0, 0],
-            vec![0, 0],
-            4,
-            false,
-        ),
-        (
-            "C2 EOS targets, [3, 4] in one row",
-            vec![3, 4],
-            vec![0, 0],
-            vec![0, 0],
-            7,
-            true,
-        ),
-        (
-            "C3 positions [0,1,2,0,0,1]",
-            vec![3, 1, 2],
-            vec![0, 0, 0],
-            vec![0, 0, 0],
-            6,
-            false,
-        ),
-        (
-            "C4 doc ids [1,1,1,0,2,2,0,0]",
-            vec![3, 2],
-            vec![0, 0],
-            vec![0, 1],
-            8,
-            false,
-        ),
-        (
-            "C6 a chunk at positions [5,6,7,8]",
-            vec![4, 3],
-            vec![5, 0],
-            vec![0, 0],
-            8,
-            false,
-        ),
-        (
-            "C7 2 rows of [3, 5]",
-            vec![3, 5, 3, 5],
-            vec![0; 4],
-            vec![0; 4],
-            8,
-            false,
-        ),
-        (
-            "P7 2 and 6 predicted tokens",
-            vec![3, 7],
-            vec![0, 0],
-            vec![0, 0],
-            10,
-            false,
-        ),
-        (
-            "one-token documents",
-            vec![1, 1, 1, 1],
-            vec![0; 4],
-            vec![0; 4],
-            4,
-            true,
-        ),
-        (
-            "an empty document",
-            vec![2, 0, 3],
-            vec![0; 3],
-            vec![0; 3],
-            5,
-            false,
-        ),
+        FaultCase::new("C1 pack [a b | c d]", &[2, 2], 4),
+        FaultCase::new("C2 EOS targets, [3, 4] in one row", &[3, 4], 7).eos(),
+        FaultCase::new("C3 positions [0,1,2,0,0,1]", &[3, 1, 2], 6),
+        FaultCase::new("C4 doc ids [1,1,1,0,2,2,0,0]", &[3, 2], 8).gaps(&[0, 1]),
+        FaultCase::new("C6 a chunk at positions [5,6,7,8]", &[4, 3], 8).offsets(&[5, 0]),
+        FaultCase::new("C7 2 rows of [3, 5]", &[3, 5, 3, 5], 8),
+        FaultCase::new("P7 2 and 6 predicted tokens", &[3, 7], 10),
+        FaultCase::new("one-token documents", &[1, 1, 1, 1], 4).eos(),
+        FaultCase::new("an empty document", &[2, 0, 3], 5),
     ]
 }
 
@@ -151,18 +147,12 @@ pub fn run_causal_suite(
     cases: u32,
 ) -> Result<CausalReport, Mismatch> {
     let mut report = CausalReport::default();
-    for (i, (name, lengths, offsets, gaps, row, eos)) in fault_cases().into_iter().enumerate() {
+    for (i, fault) in fault_cases().iter().enumerate() {
         for reduction in CausalReduction::ALL {
             let config = DecoderConfig::tiny(11, 2, 1, 2, 5, 2);
-            let case = CausalCase::seeded(
-                config, &lengths, &offsets, &gaps, row, eos, reduction, i as u64,
-            );
-            let r = check_causal(imp, &case, judge).map_err(|m| {
-                Mismatch::new(
-                    format!("{name} ({}): {}", reduction.name(), m.what),
-                    m.detail,
-                )
-            })?;
+            let case = fault.case(config, reduction, i as u64);
+            let r = check_causal(imp, &case, judge)
+                .map_err(|m| m.within(&format!("{} ({})", fault.name, reduction.name())))?;
             report.merge(&r);
         }
     }

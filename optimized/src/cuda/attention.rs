@@ -504,23 +504,39 @@ impl Gpu {
         // SAFETY: matches `attn_bwd_delta`; buffers sized [n, h, d] and [h, n].
         driver("launch attn_bwd_delta", unsafe { b.launch(l.config()) })?;
 
-        let l = plan.dq();
-        let f = self.function("attention", l.entry)?;
-        let mut b = s.launch_builder(&f);
-        push_tiled(&mut b, [&bufs.q, &bufs.k, &bufs.v], form, &scalars);
-        b.arg(&bufs.lse).arg(&bufs.delta).arg(&bufs.grad_out);
-        b.arg(&mut bufs.gq);
-        // SAFETY: matches `attn_bwd_dq`.
-        driver("launch attn_bwd_dq", unsafe { b.launch(l.config()) })?;
+        let qkv = [&bufs.q, &bufs.k, &bufs.v];
+        let saved = [&bufs.lse, &bufs.delta, &bufs.grad_out];
+        let tiled = (form, &scalars);
+        self.launch_tiled_backward(plan.dq(), qkv, saved, tiled, &mut [&mut bufs.gq])?;
+        let dkv = &mut [&mut bufs.gk, &mut bufs.gv];
+        self.launch_tiled_backward(plan.dkv(), qkv, saved, tiled, dkv)
+    }
 
-        let l = plan.dkv();
+    /// One of the tiled backward launches, `attn_bwd_dq` (`grads = [gq]`) or
+    /// `attn_bwd_dkv` (`grads = [gk, gv]`): the parameters every tiled kernel
+    /// starts with ([`push_tiled`]), then `lse, delta, grad_output`, then
+    /// the gradients it writes, each `[n_tok, h, d]`.
+    fn launch_tiled_backward(
+        &self,
+        l: Launch,
+        qkv: [&CudaSlice<f32>; 3],
+        [lse, delta, grad_out]: [&CudaSlice<f32>; 3],
+        (form, scalars): (&DeviceForm, &Scalars),
+        grads: &mut [&mut CudaSlice<f32>],
+    ) -> Result<()> {
         let f = self.function("attention", l.entry)?;
-        let mut b = s.launch_builder(&f);
-        push_tiled(&mut b, [&bufs.q, &bufs.k, &bufs.v], form, &scalars);
-        b.arg(&bufs.lse).arg(&bufs.delta).arg(&bufs.grad_out);
-        b.arg(&mut bufs.gk).arg(&mut bufs.gv);
-        // SAFETY: matches `attn_bwd_dkv`.
-        driver("launch attn_bwd_dkv", unsafe { b.launch(l.config()) })?;
+        let mut b = self.stream().launch_builder(&f);
+        push_tiled(&mut b, qkv, form, scalars);
+        b.arg(lse).arg(delta).arg(grad_out);
+        for g in grads.iter_mut() {
+            b.arg(&mut **g);
+        }
+        // SAFETY: matches `attn_bwd_dq` and `attn_bwd_dkv` in attention.cu,
+        // whose parameter lists differ only in the gradients at the end;
+        // buffers sized [n, h, d] and [h, n] (`BwdBuffers`).
+        driver(&format!("launch {}", l.entry), unsafe {
+            b.launch(l.config())
+        })?;
         Ok(())
     }
 }
