@@ -75,15 +75,19 @@ impl DecoderConfig {
     /// `intermediate_size`, `num_layers` (what [`DecoderConfig::validate`]
     /// checks, and what a `decoder_forward_backward` case spells out).
     pub fn sizes(&self) -> [(&'static str, usize); 7] {
-        [
-            ("vocab_size", self.vocab_size),
-            ("hidden_size", self.hidden_size),
-            ("num_heads", self.num_heads),
-            ("num_kv_heads", self.num_kv_heads),
-            ("head_dim", self.head_dim),
-            ("intermediate_size", self.intermediate_size),
-            ("num_layers", self.num_layers),
-        ]
+        // Each name is its field's own (`stringify!`): they cannot drift apart.
+        macro_rules! named {
+            ($($field:ident),*) => { [$((stringify!($field), self.$field)),*] };
+        }
+        named!(
+            vocab_size,
+            hidden_size,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            intermediate_size,
+            num_layers
+        )
     }
 
     /// A small Llama-shaped config: RMSNorm, SwiGLU, untied head, theta 10000,
