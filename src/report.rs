@@ -127,11 +127,7 @@ fn copy_bound(from: &PackingMetrics, to: &mut PackingMetrics) {
 /// run time. Efficiency is in percent to 3 places, speed-ups to 4.
 pub fn table(rows: &[PackingMetrics], show_time: bool) -> String {
     let mut out = String::new();
-    let time_head = if show_time {
-        format!(" {:>10}", "time")
-    } else {
-        String::new()
-    };
+    let time_head = optional_column(show_time, 10, "time");
     let _ = writeln!(
         out,
         "{:<9} {:<12} {:>10} {:>11} {:>10} {:>7} {:>9} {:>8} {:>9}{time_head}",
@@ -146,11 +142,7 @@ pub fn table(rows: &[PackingMetrics], show_time: bool) -> String {
         "seqs/pack"
     );
     for m in rows {
-        let time = if show_time {
-            format!(" {:>10}", format_seconds(m.seconds))
-        } else {
-            String::new()
-        };
+        let time = optional_column(show_time, 10, &format_seconds(m.seconds));
         let gap = m.gap_packs.map_or("-".to_string(), |g| g.to_string());
         let _ = writeln!(
             out,
@@ -182,6 +174,16 @@ pub fn bound_cell(m: &PackingMetrics) -> String {
         (Some(e), Some(_)) => format!("{:.3}% ", 100.0 * e),
         (Some(e), None) => format!("{:.3}%*", 100.0 * e),
         (None, _) => "-".to_string(),
+    }
+}
+
+/// A table's optional last column: `text` right-aligned in `width` after a
+/// space, or nothing when the column is not `shown`.
+pub fn optional_column(shown: bool, width: usize, text: &str) -> String {
+    if shown {
+        format!(" {text:>width$}")
+    } else {
+        String::new()
     }
 }
 

@@ -25,6 +25,8 @@ use packshard_reference::Error;
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
 
+use crate::report::{format_seconds, optional_column};
+
 /// The MiniLM (all-MiniLM-L6-v2, BERT WordPiece) vocabulary size.
 pub const MINILM_VOCAB: usize = 30522;
 /// The MiniLM hidden size.
@@ -355,11 +357,8 @@ pub fn table(report: &Report, errors: Errors) -> String {
         report.vocab_size, report.hidden, report.tokens, report.weights, report.layout
     );
     let _ = writeln!(out, "unsharded loss {:.6}\n", report.loss);
-    let time_head = if errors == Errors::Measured {
-        format!(" {:>9}", "time")
-    } else {
-        String::new()
-    };
+    let measured = errors == Errors::Measured;
+    let time_head = optional_column(measured, 9, "time");
     let _ = writeln!(
         out,
         "{:<9} {:>6} {:>8} {:>5} {:>9} {:>11} {:>9} {:>11} {:>11}{time_head}",
@@ -374,11 +373,7 @@ pub fn table(report: &Report, errors: Errors) -> String {
         "grad_weight"
     );
     for r in &report.rows {
-        let time = if errors == Errors::Measured {
-            format!(" {:>9}", crate::report::format_seconds(r.seconds))
-        } else {
-            String::new()
-        };
+        let time = optional_column(measured, 9, &format_seconds(r.seconds));
         let diff = |d: Diff| {
             if r.algorithm == "unsharded" {
                 "-".to_string()

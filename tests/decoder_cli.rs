@@ -38,18 +38,13 @@ fn model() -> DecoderModel {
 
 /// The case: config fields, the weights by name, `fields`.
 fn case(m: &DecoderModel, fields: Value) -> Value {
-    let c = &m.config;
     let mut o = Map::new();
     o.insert("op".into(), json!("decoder_forward_backward"));
-    for (k, v) in [
-        ("vocab_size", c.vocab_size),
-        ("num_heads", c.num_heads),
-        ("num_kv_heads", c.num_kv_heads),
-        ("head_dim", c.head_dim),
-        ("intermediate_size", c.intermediate_size),
-        ("num_layers", c.num_layers),
-    ] {
-        o.insert(k.into(), json!(v));
+    // `hidden_size` is left out: the op derives it as `h * d`.
+    for (k, v) in m.config.sizes() {
+        if k != "hidden_size" {
+            o.insert(k.into(), json!(v));
+        }
     }
     for (name, t) in m.params.named() {
         let v = match t.ndim() {

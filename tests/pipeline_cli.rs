@@ -23,17 +23,24 @@ fn text(out: &Output) -> (String, String) {
     )
 }
 
+/// `packshard <args>`, which must exit with status 2 (bad usage): its
+/// stdout and stderr.
+fn refused(args: &[&str]) -> (String, String) {
+    let out = packshard(args);
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(2), "{args:?}: {stdout}{stderr}");
+    (stdout, stderr)
+}
+
 #[test]
 fn a_missing_mpirun_is_one_typed_line_and_status_2() {
-    let out = packshard(&[
+    let (stdout, stderr) = refused(&[
         "pipeline",
         "--ranks",
         "2",
         "--mpirun",
         "/nonexistent/mpirun",
     ]);
-    let (stdout, stderr) = text(&out);
-    assert_eq!(out.status.code(), Some(2), "{stdout}{stderr}");
     assert_eq!(stderr.lines().count(), 1, "{stderr}");
     assert!(
         stderr.starts_with("packshard: --mpirun: cannot run `/nonexistent/mpirun`")
@@ -63,9 +70,7 @@ fn bad_ranks_and_iterations_name_the_argument() {
             "packshard: --microbatches: must be at least 1",
         ),
     ] {
-        let out = packshard(&args);
-        let (_, stderr) = text(&out);
-        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        let (_, stderr) = refused(&args);
         assert_eq!(stderr.trim_end(), want, "{args:?}");
     }
 }
@@ -76,15 +81,13 @@ fn a_missing_binary_names_where_it_was_looked_for() {
         skip("mpirun is not installed");
         return;
     }
-    let out = packshard(&[
+    let (_, stderr) = refused(&[
         "pipeline",
         "--ranks",
         "2",
         "--bin",
         "/nonexistent/packshard-pipeline",
     ]);
-    let (_, stderr) = text(&out);
-    assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(
         stderr.starts_with(
             "packshard: --bin: the pipeline binary is not at /nonexistent/packshard-pipeline"

@@ -38,23 +38,23 @@ fn verify_causal_lm_command_passes_on_a_small_real_sample() {
         return;
     };
     for form in ["varlen", "block-causal"] {
-        let o = common::verify_command("causal-lm", "--tokenizer", &a.minilm, &a.shakespeare)
-            .args(["--max-lines", "10", "--max-seq-len", "24", "--layers", "1"])
-            .args(["--packed-attention", form, "--algorithm", "lpfhp"])
-            .output()
-            .unwrap();
-        let out = common::succeeded(&o);
-        for want in [
-            "Llama shape",
-            "2 key-value heads",
-            "vocab 30522",
-            "10 documents",
-            "efficiency",
-            "speed-up",
-            "PASS: packed == padded within f64 rewrite",
-        ] {
-            assert!(out.contains(want), "missing {want:?} in\n{out}");
-        }
+        let out = common::run_succeeded(
+            common::verify_command("causal-lm", "--tokenizer", &a.minilm, &a.shakespeare)
+                .args(["--max-lines", "10", "--max-seq-len", "24", "--layers", "1"])
+                .args(["--packed-attention", form, "--algorithm", "lpfhp"]),
+        );
+        common::assert_mentions(
+            &out,
+            &[
+                "Llama shape",
+                "2 key-value heads",
+                "vocab 30522",
+                "10 documents",
+                "efficiency",
+                "speed-up",
+                "PASS: packed == padded within f64 rewrite",
+            ],
+        );
         // Documents share packs: fewer packs than documents.
         let packs: usize = out
             .split("packs of")

@@ -317,6 +317,28 @@ pub const SMALL_CHUNKS: Chunks = Chunks {
     vocab: 5,
 };
 
+/// [`Entry::f32_relative`] for a linear cross-entropy kernel `$kernel` that
+/// works in tiles (a `chunks` field): registered with its default tiles, and
+/// on [`SMALL_CHUNKS`] (its other fields at their defaults) for small cases.
+macro_rules! tiled_entry {
+    ($kernel:ident, $name:literal, $changed:literal $(,)?) => {
+        Entry::f32_relative(
+            $name,
+            $changed,
+            || Ok(Box::new($kernel::default())),
+            Some(|| {
+                // Most tiled kernels have no field but `chunks`.
+                #[allow(clippy::needless_update)]
+                let small = $kernel {
+                    chunks: SMALL_CHUNKS,
+                    ..$kernel::default()
+                };
+                Ok(Box::new(small))
+            }),
+        )
+    };
+}
+
 /// Every [`AttentionOp`].
 pub fn attention() -> Vec<Entry<dyn AttentionOp>> {
     #[allow(unused_mut)]
@@ -478,36 +500,20 @@ pub fn linear_cross_entropy() -> Vec<Entry<dyn LinearCrossEntropyOp>> {
             || Ok(Box::new(LinearCeMaterialized)),
             None,
         ),
-        Entry::f32_relative(
+        tiled_entry!(
+            LinearCeFused,
             "linear_ce_fused",
             "f32; chunks of 256 tokens x 4096 entries: logits, statistics and gradient per tile while in cache, holds [256, v] not [n, v]; sharded: alg2 S and T passes, logits recomputed",
-            || Ok(Box::new(LinearCeFused::default())),
-            Some(|| {
-                Ok(Box::new(LinearCeFused {
-                    chunks: SMALL_CHUNKS,
-                }))
-            }),
         ),
-        Entry::f32_relative(
+        tiled_entry!(
+            LinearCeTiled,
             "linear_ce_tiled",
             "f32; tiles of 1024 tokens x 512 entries: pass 1 row statistics, pass 2 gradients from recomputed logits (4 products), holds one tile, never a row of v; sharded: alg2 as linear_ce_fused",
-            || Ok(Box::new(LinearCeTiled::default())),
-            Some(|| {
-                Ok(Box::new(LinearCeTiled {
-                    chunks: SMALL_CHUNKS,
-                }))
-            }),
         ),
-        Entry::f32_relative(
+        tiled_entry!(
+            LinearCeTiledFiltered,
             "linear_ce_tiled_filtered",
             "linear_ce_tiled with Cut Cross-Entropy's gradient filtering: a tile of dL/dz whose entries off the targets are all at most 2^-12 x the row's weight skips its two products (its target entries applied one row each); trades gradient error for time and reports a bound on it (judged within rounding plus that bound); unsharded only",
-            || Ok(Box::new(LinearCeTiledFiltered::default())),
-            Some(|| {
-                Ok(Box::new(LinearCeTiledFiltered {
-                    chunks: SMALL_CHUNKS,
-                    ..LinearCeTiledFiltered::default()
-                }))
-            }),
         ),
     ];
     #[cfg(feature = "cuda")]

@@ -478,6 +478,26 @@ impl Exec<'_> {
         buf
     }
 
+    /// What a send of microbatch `m` to the neighbour `up` carries: this
+    /// stage's input gradient, or (down) its output activation.
+    fn outgoing(&mut self, m: usize, up: bool) -> Result<Array2<f64>> {
+        if up {
+            take(&mut self.grad_in, m, "the input gradient")
+        } else {
+            take(&mut self.act_out, m, "the output activation")
+        }
+    }
+
+    /// Keeps microbatch `m`'s tensor `x` received from the neighbour `up`
+    /// (this stage's input activation) or down (its output's gradient).
+    fn arrived(&mut self, m: usize, up: bool, x: Array2<f64>) {
+        if up {
+            self.act_in.insert(m, x);
+        } else {
+            self.grad_out.insert(m, x);
+        }
+    }
+
     fn algorithm(&self) -> packshard_reference::vocab::ShardedAlgorithm {
         match self.plan.placement {
             Placement::VocabParallel(a) => a,
@@ -547,9 +567,10 @@ impl Exec<'_> {
                     self.word_rows.insert(m, rows);
                 }
             }
-            Op::RecvAct(m) => {
-                let x = self.receive(m, true, trace);
-                self.act_in.insert(m, x);
+            Op::RecvAct(m) | Op::RecvGrad(m) => {
+                let up = matches!(op, Op::RecvAct(_));
+                let x = self.receive(m, up, trace);
+                self.arrived(m, up, x);
             }
             Op::Forward(m) => {
                 self.inject(m);
@@ -579,18 +600,16 @@ impl Exec<'_> {
                 self.caches.insert(m, (emb, caches));
                 self.act_out.insert(m, y);
             }
-            Op::SendAct(m) => {
-                let y = take(&mut self.act_out, m, "the output activation")?;
-                self.send(m, &y, false, trace);
+            Op::SendAct(m) | Op::SendGrad(m) => {
+                let up = matches!(op, Op::SendGrad(_));
+                let x = self.outgoing(m, up)?;
+                self.send(m, &x, up, trace);
             }
-            Op::SendActRecvGrad { send, recv } => {
-                let y = take(&mut self.act_out, send, "the output activation")?;
-                let dy = self.exchange(send, &y, recv, false, trace);
-                self.grad_out.insert(recv, dy);
-            }
-            Op::RecvGrad(m) => {
-                let dy = self.receive(m, false, trace);
-                self.grad_out.insert(m, dy);
+            Op::SendActRecvGrad { send, recv } | Op::SendGradRecvAct { send, recv } => {
+                let up = matches!(op, Op::SendGradRecvAct { .. });
+                let x = self.outgoing(send, up)?;
+                let got = self.exchange(send, &x, recv, up, trace);
+                self.arrived(recv, up, got);
             }
             Op::Loss(m) => {
                 let hidden = take(&mut self.act_out, m, "the last hidden state")?;
@@ -681,15 +700,6 @@ impl Exec<'_> {
                 } else {
                     self.grad_in.insert(m, dx);
                 }
-            }
-            Op::SendGrad(m) => {
-                let dx = take(&mut self.grad_in, m, "the input gradient")?;
-                self.send(m, &dx, true, trace);
-            }
-            Op::SendGradRecvAct { send, recv } => {
-                let dx = take(&mut self.grad_in, send, "the input gradient")?;
-                let x = self.exchange(send, &dx, recv, true, trace);
-                self.act_in.insert(recv, x);
             }
             Op::EmbedGrad(m) => {
                 let mut buf = if self.rank == 0 {

@@ -64,6 +64,23 @@ fn mib(b: Option<usize>) -> String {
     })
 }
 
+/// A registry entry as one line of the listings: family, name, precision,
+/// with `needs` what it needs to run, and what it changes.
+fn entry_line(e: &registry::Info, needs: bool) -> String {
+    let needs = if needs {
+        format!("{:<13} ", e.needs.name())
+    } else {
+        String::new()
+    };
+    format!(
+        "{:<20} {:<30} {:<5} {needs}{}",
+        e.family.name(),
+        e.name,
+        e.precision.name(),
+        e.changed
+    )
+}
+
 /// Runs `bench`.
 pub fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
     let mut cfg = if args.quick {
@@ -119,14 +136,7 @@ pub fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
             println!("{}", json!(out["implementations"]));
         } else {
             for e in &entries {
-                println!(
-                    "{:<20} {:<30} {:<5} {:<13} {}",
-                    e.family.name(),
-                    e.name,
-                    e.precision.name(),
-                    e.needs.name(),
-                    e.changed
-                );
+                println!("{}", entry_line(e, true));
             }
         }
         return Ok(ExitCode::SUCCESS);
@@ -144,13 +154,7 @@ pub fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
         );
         println!("registered implementations:");
         for e in &entries {
-            println!(
-                "  {:<20} {:<30} {:<5} {}",
-                e.family.name(),
-                e.name,
-                e.precision.name(),
-                e.changed
-            );
+            println!("  {}", entry_line(e, false));
         }
     }
     if want("registry") {

@@ -64,6 +64,18 @@ pub fn succeeded(o: &Output) -> String {
     out
 }
 
+/// Runs `c`, which must succeed (as [`succeeded`]): its standard output.
+pub fn run_succeeded(c: &mut Command) -> String {
+    succeeded(&c.output().expect("the command runs"))
+}
+
+/// Asserts that `out` contains each of `wants`, naming the first missing.
+pub fn assert_mentions(out: &str, wants: &[&str]) {
+    for want in wants {
+        assert!(out.contains(want), "missing {want:?} in\n{out}");
+    }
+}
+
 /// [`eval_text`] of a JSON value.
 pub fn eval(case: &serde_json::Value) -> (i32, serde_json::Value) {
     eval_text(&case.to_string())

@@ -70,6 +70,26 @@ impl DecoderConfig {
         )
     }
 
+    /// The seven sizes by their field names, in declaration order:
+    /// `vocab_size`, `hidden_size`, `num_heads`, `num_kv_heads`, `head_dim`,
+    /// `intermediate_size`, `num_layers` (what [`DecoderConfig::validate`]
+    /// checks, and what a `decoder_forward_backward` case spells out).
+    pub fn sizes(&self) -> [(&'static str, usize); 7] {
+        // Each name is its field's own (`stringify!`): they cannot drift apart.
+        macro_rules! named {
+            ($($field:ident),*) => { [$((stringify!($field), self.$field)),*] };
+        }
+        named!(
+            vocab_size,
+            hidden_size,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            intermediate_size,
+            num_layers
+        )
+    }
+
     /// A small Llama-shaped config: RMSNorm, SwiGLU, untied head, theta 10000,
     /// eps 1e-6.
     pub fn tiny(
@@ -102,14 +122,9 @@ impl DecoderConfig {
     /// # Errors
     /// [`Error::InvalidArgument`] naming the field.
     pub fn validate(&self) -> Result<()> {
-        ensure_nonzero(&[
-            ("vocab_size", self.vocab_size),
-            ("hidden_size", self.hidden_size),
-            ("num_heads", self.num_heads),
-            ("num_kv_heads", self.num_kv_heads),
-            ("head_dim", self.head_dim),
-            ("intermediate_size", self.intermediate_size),
-        ])?;
+        // Every size but `num_layers` (the last; bounded below).
+        let sizes = self.sizes();
+        ensure_nonzero(&sizes[..sizes.len() - 1])?;
         let (h, h_kv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
         ensure(h.is_multiple_of(h_kv), "num_kv_heads", || {
             format!(
