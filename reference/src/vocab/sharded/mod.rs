@@ -50,9 +50,6 @@ mod merge;
 mod passes;
 mod rank;
 
-use std::fmt;
-use std::str::FromStr;
-
 use ndarray::{Array1, Array2, ArrayView2};
 use serde::Serialize;
 
@@ -88,15 +85,6 @@ impl ShardedAlgorithm {
         ShardedAlgorithm::Alg2,
     ];
 
-    /// The name used in JSON and on the command line.
-    pub fn name(self) -> &'static str {
-        match self {
-            ShardedAlgorithm::Naive => "naive",
-            ShardedAlgorithm::Alg1 => "alg1",
-            ShardedAlgorithm::Alg2 => "alg2",
-        }
-    }
-
     /// The barriers the algorithm needs: for the output layer with gradients
     /// (`linear && want_grad`) 3, 2, 1 for naive, alg1, alg2; otherwise (no
     /// input gradient to all-reduce) 2, 1, 1.
@@ -129,26 +117,11 @@ impl ShardPlan {
     }
 }
 
-impl fmt::Display for ShardedAlgorithm {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl FromStr for ShardedAlgorithm {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<Self> {
-        match s {
-            "naive" => Ok(ShardedAlgorithm::Naive),
-            "alg1" => Ok(ShardedAlgorithm::Alg1),
-            "alg2" => Ok(ShardedAlgorithm::Alg2),
-            _ => Err(Error::invalid(
-                "algorithm",
-                format!("unknown sharded algorithm {s:?}; expected naive, alg1 or alg2"),
-            )),
-        }
-    }
-}
+named_options!(display ShardedAlgorithm, field "algorithm", unknown "sharded algorithm", {
+    Naive => "naive",
+    Alg1 => "alg1",
+    Alg2 => "alg2",
+});
 
 /// The result of a sharded run: every rank's [`RankLoss`].
 #[derive(Debug, Clone, PartialEq)]
