@@ -56,10 +56,10 @@ use serde::Serialize;
 use super::collective::{run_ranks, CollectiveCounts};
 use super::cross_entropy::{check_linear, check_logits, SoftmaxStats};
 use super::{check_logits_size, LossCall};
-use crate::error::{Error, Result};
+use crate::error::Result;
 
 pub use map::{Shard, ShardLayout, ShardMap, MAX_SHARDS};
-pub use merge::{merge_alg2, merge_alg2_z_loss, merge_stats, Alg2Record};
+pub use merge::{merge_alg2, merge_alg2_z_loss, merge_stats, merge_stats_over, Alg2Record};
 pub use rank::{
     check_rank_inputs, cross_entropy_rank, linear_cross_entropy_rank, linear_cross_entropy_rank_s,
     Meter, OutputSPass, RankLoss,
@@ -212,7 +212,7 @@ impl ShardedLoss {
 /// w]` (`w >= v`; columns `v..` are padding values, masked) and `targets: [n]`.
 ///
 /// # Errors
-/// As [`super::cross_entropy()`]; [`Error::ShapeMismatch`] for `w < v`.
+/// As [`super::cross_entropy()`]; [`Error::ShapeMismatch`](crate::error::Error::ShapeMismatch) for `w < v`.
 pub fn sharded_cross_entropy(
     algorithm: ShardedAlgorithm,
     map: &ShardMap,
@@ -239,7 +239,7 @@ pub fn sharded_cross_entropy(
 /// `weight: [w, h]` (`w >= v`; rows `v..` are padding rows, never read).
 ///
 /// # Errors
-/// As [`super::linear_cross_entropy`]; [`Error::ShapeMismatch`] for `w < v`.
+/// As [`super::linear_cross_entropy`]; [`Error::ShapeMismatch`](crate::error::Error::ShapeMismatch) for `w < v`.
 pub fn sharded_linear_cross_entropy(
     algorithm: ShardedAlgorithm,
     map: &ShardMap,
@@ -270,18 +270,10 @@ pub fn sharded_linear_cross_entropy(
 /// optimized `alg2`).
 ///
 /// # Errors
-/// [`Error::ShapeMismatch`] naming `targets`; [`super::LossConfig::validate`]'s and
+/// [`Error::ShapeMismatch`](crate::error::Error::ShapeMismatch) naming `targets`; [`super::LossConfig::validate`]'s and
 /// [`super::LossConfig::targets`]'.
 pub fn check_inputs(n: usize, call: &LossCall, v: usize) -> Result<()> {
-    if call.targets.len() != n {
-        return Err(Error::ShapeMismatch {
-            field: "targets".into(),
-            expected: format!("[n] with n = {n} (the rows of the logits)"),
-            actual: vec![call.targets.len()],
-        });
-    }
-    call.check_upstream(n)?;
-    call.config.validate(v)?;
+    call.check_rows(n, "the rows of the logits", v)?;
     call.config.targets(call.targets, v)?;
     Ok(())
 }
