@@ -405,83 +405,89 @@ fn vocab_outcome(reference_failed: bool, values: usize) -> Outcome {
     }
 }
 
-/// The cross-entropy fuzz body: `data` as a [`CeFuzzCase`], checked in the
-/// unsharded form and for every algorithm `imp` declares under `judge`
-/// ([`Rule::of`]: the terms rule for an f64 implementation, the relative
-/// rule on f32-rounded inputs for a lower-precision one).
-///
-/// # Errors
-/// A [`Failure`] naming the form, the case and the first mismatch.
-pub fn run_cross_entropy(
-    imp: &dyn CrossEntropyOp,
-    judge: Judge,
-    data: &[u8],
-) -> Result<Outcome, Failure> {
-    let Ok(case) = CeFuzzCase::from_bytes(data) else {
-        return Ok(Outcome::default());
-    };
-    let rule = Rule::of(judge);
-    take_worst_ulps();
-    let c = &case.case;
-    let failure = |form: String, m| Failure::new("cross_entropy", form, case.describe(), m);
-    check_cross_entropy_unsharded(imp, c, case.want_grad, rule)
-        .map_err(|m| failure("unsharded".into(), m))?;
-    for algorithm in imp.algorithms() {
-        check_cross_entropy_with(imp, algorithm, c, case.want_grad, rule)
-            .map_err(|m| failure(algorithm.to_string(), m))?;
-    }
-    let v = c.map.vocab_size();
-    let real = c.logits.slice_axis(Axis(1), Slice::from(..v));
-    let failed = cross_entropy(real, &c.call(false)).is_err();
-    let n = c.targets.len();
-    let per_form = 2 * n + 1 + if case.want_grad { n * v } else { 0 };
-    Ok(vocab_outcome(
-        failed,
-        per_form * (imp.algorithms().len() + 1),
-    ))
+/// The loss fuzz targets' bodies, one row each: `data` as the row's case
+/// type; `take_worst_ulps` reset; the row's `unsharded` check, then its
+/// `with` check for every algorithm `imp` declares, under `judge`
+/// ([`Rule::of`]), the first mismatch a [`Failure`] of the row's target
+/// naming the form and the case; else the outcome over every form, with the
+/// case's own `reference_values`.
+macro_rules! loss_fuzz_targets {
+    ($($(#[$doc:meta])* $name:ident($op:ident, $case:ty, $target:literal, $unsharded:ident, $with:ident);)*) => {$(
+        $(#[$doc])*
+        pub fn $name(imp: &dyn $op, judge: Judge, data: &[u8]) -> Result<Outcome, Failure> {
+            let Ok(case) = <$case>::from_bytes(data) else {
+                return Ok(Outcome::default());
+            };
+            let rule = Rule::of(judge);
+            take_worst_ulps();
+            let (c, want_grad) = (&case.case, case.want_grad);
+            let failure = |form: String, m| Failure::new($target, form, case.describe(), m);
+            $unsharded(imp, c, want_grad, rule).map_err(|m| failure("unsharded".into(), m))?;
+            let algorithms = imp.algorithms();
+            for &algorithm in &algorithms {
+                $with(imp, algorithm, c, want_grad, rule)
+                    .map_err(|m| failure(algorithm.to_string(), m))?;
+            }
+            let (failed, per_form) = case.reference_values();
+            Ok(vocab_outcome(failed, per_form * (algorithms.len() + 1)))
+        }
+    )*};
 }
 
-/// The output-layer fuzz body: `data` as a [`LinearFuzzCase`], checked in
-/// the unsharded form and for every algorithm `imp` declares under `judge`
-/// (see [`run_cross_entropy`]).
-///
-/// # Errors
-/// A [`Failure`] naming the form, the case and the first mismatch.
-pub fn run_linear(
-    imp: &dyn LinearCrossEntropyOp,
-    judge: Judge,
-    data: &[u8],
-) -> Result<Outcome, Failure> {
-    let Ok(case) = LinearFuzzCase::from_bytes(data) else {
-        return Ok(Outcome::default());
-    };
-    let rule = Rule::of(judge);
-    take_worst_ulps();
-    let c = &case.case;
-    let failure = |form: String, m| Failure::new("linear_cross_entropy", form, case.describe(), m);
-    check_linear_unsharded(imp, c, case.want_grad, rule)
-        .map_err(|m| failure("unsharded".into(), m))?;
-    for algorithm in imp.algorithms() {
-        check_linear_with(imp, algorithm, c, case.want_grad, rule)
-            .map_err(|m| failure(algorithm.to_string(), m))?;
+loss_fuzz_targets! {
+    /// The cross-entropy fuzz body: `data` as a [`CeFuzzCase`], checked in the
+    /// unsharded form and for every algorithm `imp` declares under `judge`
+    /// ([`Rule::of`]: the terms rule for an f64 implementation, the relative
+    /// rule on f32-rounded inputs for a lower-precision one).
+    ///
+    /// # Errors
+    /// A [`Failure`] naming the form, the case and the first mismatch.
+    run_cross_entropy(
+        CrossEntropyOp, CeFuzzCase, "cross_entropy",
+        check_cross_entropy_unsharded, check_cross_entropy_with
+    );
+    /// The output-layer fuzz body: `data` as a [`LinearFuzzCase`], checked in
+    /// the unsharded form and for every algorithm `imp` declares under `judge`
+    /// (see [`run_cross_entropy`]).
+    ///
+    /// # Errors
+    /// A [`Failure`] naming the form, the case and the first mismatch.
+    run_linear(
+        LinearCrossEntropyOp, LinearFuzzCase, "linear_cross_entropy",
+        check_linear_unsharded, check_linear_with
+    );
+}
+
+impl CeFuzzCase {
+    /// Whether the unsharded reference refuses the case, and the values
+    /// one form of it compares.
+    fn reference_values(&self) -> (bool, usize) {
+        let c = &self.case;
+        let v = c.map.vocab_size();
+        let real = c.logits.slice_axis(Axis(1), Slice::from(..v));
+        let failed = cross_entropy(real, &c.call(false)).is_err();
+        let n = c.targets.len();
+        (failed, 2 * n + 1 + if self.want_grad { n * v } else { 0 })
     }
-    let v = c.map.vocab_size();
-    let real = c.weight.slice_axis(Axis(0), Slice::from(..v));
-    let failed =
-        packshard_reference::vocab::linear_cross_entropy(c.hidden.view(), real, &c.call(false))
-            .is_err();
-    let (n, h) = c.hidden.dim();
-    let per_form = 2 * n
-        + 1
-        + if case.want_grad {
+}
+
+impl LinearFuzzCase {
+    /// As [`CeFuzzCase::reference_values`].
+    fn reference_values(&self) -> (bool, usize) {
+        let c = &self.case;
+        let v = c.map.vocab_size();
+        let real = c.weight.slice_axis(Axis(0), Slice::from(..v));
+        let failed =
+            packshard_reference::vocab::linear_cross_entropy(c.hidden.view(), real, &c.call(false))
+                .is_err();
+        let (n, h) = c.hidden.dim();
+        let grads = if self.want_grad {
             n * v + n * h + v * h
         } else {
             0
         };
-    Ok(vocab_outcome(
-        failed,
-        per_form * (imp.algorithms().len() + 1),
-    ))
+        (failed, 2 * n + 1 + grads)
+    }
 }
 
 /// The embedding fuzz body: `data` as an [`EmbeddingFuzzCase`], checked with
