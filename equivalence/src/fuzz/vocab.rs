@@ -18,7 +18,7 @@
 use arbitrary::{Arbitrary, Unstructured};
 use ndarray::{Array2, Axis, Slice};
 use packshard_reference::vocab::{
-    cross_entropy, LossConfig, Reduction, ShardLayout, ShardMap, SmoothingConvention,
+    cross_entropy, LossCall, LossConfig, Reduction, ShardLayout, ShardMap, SmoothingConvention,
 };
 
 use super::values::{plants, Gen};
@@ -97,6 +97,18 @@ fn loss_config(u: &mut Unstructured<'_>, v: usize) -> arbitrary::Result<LossConf
     })
 }
 
+/// The split ([`shard_map`]), then the tokens `n` in `min_n..=MAX_N`: `(map,
+/// v, w, n)` with `w` the padded vocabulary size.
+fn split_and_tokens(
+    u: &mut Unstructured<'_>,
+    min_n: usize,
+) -> arbitrary::Result<(ShardMap, usize, usize, usize)> {
+    let map = shard_map(u)?;
+    let (v, w) = (map.vocab_size(), map.padded_vocab_size());
+    let n = u.int_in_range(min_n..=MAX_N)?;
+    Ok((map, v, w, n))
+}
+
 /// Targets: mostly real classes (on every shard), `ignore_index` about one
 /// in five, and about one in 128 out of range (`v` or -5).
 fn targets(
@@ -168,22 +180,53 @@ fn describe_config(c: &LossConfig) -> String {
     )
 }
 
-/// An arbitrary cross-entropy case with `want_grad`.
+/// An arbitrary loss case `C` with `want_grad`: [`CeFuzzCase`],
+/// [`LinearFuzzCase`].
 #[derive(Debug, Clone, PartialEq)]
-pub struct CeFuzzCase {
-    /// The split, logits `[n, w]`, targets, options.
-    pub case: CeCase,
+pub struct LossFuzzCase<C> {
+    /// The split, the tensors, targets, options.
+    pub case: C,
     /// Whether gradients are asked for.
     pub want_grad: bool,
     /// How the values were drawn and what was planted, for reports.
     pub values: String,
 }
 
+/// An arbitrary cross-entropy case (the split, logits `[n, w]`, targets,
+/// options) with `want_grad`.
+pub type CeFuzzCase = LossFuzzCase<CeCase>;
+
+/// An arbitrary output-layer case (the split, hidden `[n, h]`, weight `[w,
+/// h]`, targets, options) with `want_grad`.
+pub type LinearFuzzCase = LossFuzzCase<LinearCase>;
+
+impl<C> LossFuzzCase<C> {
+    /// A one-line description for failure reports, of a case on `map` with
+    /// `call`'s targets and options, `sizes` after `n` (e.g. `, h 3`).
+    fn describe_loss(&self, map: &ShardMap, call: &LossCall<'_>, sizes: &str) -> String {
+        format!(
+            "{}, n {}{sizes}, targets {}, {}, want_grad {}; {}",
+            describe_split(map),
+            call.targets.len(),
+            brief(call.targets),
+            describe_config(call.config),
+            self.want_grad,
+            self.values
+        )
+    }
+}
+
+/// `values` (how the values were drawn) followed by what was `planted`.
+fn with_planted(mut values: String, planted: &[String]) -> String {
+    if !planted.is_empty() {
+        values.push_str(&format!("; planted {}", planted.join(", ")));
+    }
+    values
+}
+
 impl<'a> Arbitrary<'a> for CeFuzzCase {
     fn arbitrary(u: &mut Unstructured<'a>) -> arbitrary::Result<Self> {
-        let map = shard_map(u)?;
-        let (v, w) = (map.vocab_size(), map.padded_vocab_size());
-        let n = u.int_in_range(1..=MAX_N)?;
+        let (map, v, w, n) = split_and_tokens(u, 1)?;
         let config = loss_config(u, v)?;
         let want_grad = u.arbitrary::<bool>()?;
         let mut gen = Gen::arbitrary(u)?;
@@ -220,9 +263,6 @@ impl<'a> Arbitrary<'a> for CeFuzzCase {
         if inf_one_in > 0 {
             values.push_str(&format!(", 1 in {inf_one_in} logits -inf"));
         }
-        if !planted.is_empty() {
-            values.push_str(&format!("; planted {}", planted.join(", ")));
-        }
         Ok(CeFuzzCase {
             case: CeCase {
                 map,
@@ -232,7 +272,7 @@ impl<'a> Arbitrary<'a> for CeFuzzCase {
                 grad_output: None,
             },
             want_grad,
-            values,
+            values: with_planted(values, &planted),
         })
     }
 }
@@ -240,35 +280,13 @@ impl<'a> Arbitrary<'a> for CeFuzzCase {
 impl CeFuzzCase {
     /// A one-line description for failure reports.
     pub fn describe(&self) -> String {
-        let c = &self.case;
-        format!(
-            "{}, n {}, targets {}, {}, want_grad {}; {}",
-            describe_split(&c.map),
-            c.targets.len(),
-            brief(&c.targets),
-            describe_config(&c.config),
-            self.want_grad,
-            self.values
-        )
+        self.describe_loss(&self.case.map, &self.case.call(false), "")
     }
-}
-
-/// An arbitrary output-layer case with `want_grad`.
-#[derive(Debug, Clone, PartialEq)]
-pub struct LinearFuzzCase {
-    /// The split, hidden `[n, h]`, weight `[w, h]`, targets, options.
-    pub case: LinearCase,
-    /// Whether gradients are asked for.
-    pub want_grad: bool,
-    /// How the values were drawn and what was planted, for reports.
-    pub values: String,
 }
 
 impl<'a> Arbitrary<'a> for LinearFuzzCase {
     fn arbitrary(u: &mut Unstructured<'a>) -> arbitrary::Result<Self> {
-        let map = shard_map(u)?;
-        let (v, w) = (map.vocab_size(), map.padded_vocab_size());
-        let n = u.int_in_range(1..=MAX_N)?;
+        let (map, v, w, n) = split_and_tokens(u, 1)?;
         let h = u.int_in_range(1..=MAX_H)?;
         let config = loss_config(u, v)?;
         let want_grad = u.arbitrary::<bool>()?;
@@ -295,10 +313,7 @@ impl<'a> Arbitrary<'a> for LinearFuzzCase {
             }
         }
         let targets = targets(u, &mut gen, n, v, config.ignore_index)?;
-        let mut values = gen.describe();
-        if !planted.is_empty() {
-            values.push_str(&format!("; planted {}", planted.join(", ")));
-        }
+        let values = with_planted(gen.describe(), &planted);
         Ok(LinearFuzzCase {
             case: LinearCase {
                 map,
@@ -318,16 +333,7 @@ impl LinearFuzzCase {
     /// A one-line description for failure reports.
     pub fn describe(&self) -> String {
         let c = &self.case;
-        format!(
-            "{}, n {}, h {}, targets {}, {}, want_grad {}; {}",
-            describe_split(&c.map),
-            c.targets.len(),
-            c.hidden.ncols(),
-            brief(&c.targets),
-            describe_config(&c.config),
-            self.want_grad,
-            self.values
-        )
+        self.describe_loss(&c.map, &c.call(false), &format!(", h {}", c.hidden.ncols()))
     }
 }
 
@@ -342,9 +348,7 @@ pub struct EmbeddingFuzzCase {
 
 impl<'a> Arbitrary<'a> for EmbeddingFuzzCase {
     fn arbitrary(u: &mut Unstructured<'a>) -> arbitrary::Result<Self> {
-        let map = shard_map(u)?;
-        let (v, w) = (map.vocab_size(), map.padded_vocab_size());
-        let n = u.int_in_range(0..=MAX_N)?;
+        let (map, v, w, n) = split_and_tokens(u, 0)?;
         let h = u.int_in_range(1..=MAX_H)?;
         let mut gen = Gen::arbitrary(u)?;
         // Ids: repeats are likely (few distinct values), out of range rarely (V5).
