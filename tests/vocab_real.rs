@@ -91,21 +91,13 @@ fn minilm_embeddings_and_hamlet_sharded_equal_unsharded() {
             .with_smoothing(0.1, SmoothingConvention::Megatron)
             .with_z_loss(1e-4),
     ] {
-        let expected = linear_cross_entropy(
-            hidden.view(),
-            weight.view(),
-            &LossCall::with_flag(&targets, &config, true),
-        )
-        .unwrap();
+        let call = LossCall::with_flag(&targets, &config, true);
+        let expected = linear_cross_entropy(hidden.view(), weight.view(), &call).unwrap();
         let loss = expected.ce.loss;
         // Real text through real embeddings: a loss well below uniform (ln 30522 = 10.3)
         // would mean the layer leaks the target; well above, something is off.
         assert!(loss.is_finite() && loss > 1.0 && loss < 40.0, "{loss}");
-        let terms = Terms::new(
-            expected.logits.view(),
-            &LossCall::with_flag(&targets, &config, true),
-            &expected.ce,
-        );
+        let terms = Terms::new(expected.logits.view(), &call, &expected.ce);
         assert!(terms.loss.is_finite());
         let splits: &[(usize, ShardLayout)] = if config.label_smoothing == 0.0 {
             &[(7, ShardLayout::Uneven), (8, ShardLayout::Padded)]
@@ -135,7 +127,7 @@ fn minilm_embeddings_and_hamlet_sharded_equal_unsharded() {
                     &map,
                     hidden.view(),
                     weight.view(),
-                    &LossCall::with_flag(&targets, &config, true),
+                    &call,
                 )
                 .unwrap();
                 compare_linear(Some(algorithm), &case, &expected, &s, true)

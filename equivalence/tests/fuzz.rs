@@ -250,9 +250,13 @@ fn assert_readable(f: &Failure, tensor: &str) {
 }
 
 #[test]
-fn attention_leak_across_segments_is_found() {
-    let f = find_attention(AttentionFault::LeakAcrossSegments);
-    assert_readable(&f, "output (sequence ");
+fn attention_leak_across_segments_and_unscaled_grad_k_are_found() {
+    for (fault, tensor) in [
+        (AttentionFault::LeakAcrossSegments, "output (sequence "),
+        (AttentionFault::UnscaledGradK, "grad_k (sequence "),
+    ] {
+        assert_readable(&find_attention(fault), tensor);
+    }
 }
 
 #[test]
@@ -279,12 +283,6 @@ fn attention_overflow_without_max_subtraction_is_found() {
         f.mismatch.detail.contains("got NaN") || f.mismatch.detail.contains("got inf"),
         "{f}"
     );
-}
-
-#[test]
-fn attention_unscaled_grad_k_is_found() {
-    let f = find_attention(AttentionFault::UnscaledGradK);
-    assert_readable(&f, "grad_k (sequence ");
 }
 
 #[test]

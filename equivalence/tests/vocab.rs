@@ -14,11 +14,11 @@ use packshard_equivalence::{Judge, Mismatch, Tolerance};
 use packshard_reference::ops::{
     CrossEntropyOp, EmbeddingOp, LinearCrossEntropyOp, LinearInput, LinearLoss, LossSupport,
 };
-use packshard_reference::vocab::collective::{run_ranks, Collective, Reduce};
+use packshard_reference::vocab::collective::{run_ranks, Collective};
 use packshard_reference::vocab::cross_entropy::CrossEntropy;
-use packshard_reference::vocab::cross_entropy::{check_row, token_loss, STATS_WIDTH};
+use packshard_reference::vocab::cross_entropy::{check_row, token_loss};
 use packshard_reference::vocab::embedding::{check_ids, ShardedEmbedding};
-use packshard_reference::vocab::sharded::{merge_stats, RankLoss, ShardedLoss};
+use packshard_reference::vocab::sharded::{merge_stats_over, RankLoss, ShardedLoss};
 use packshard_reference::vocab::sum;
 use packshard_reference::vocab::ReferenceLinearCrossEntropy;
 use packshard_reference::vocab::{
@@ -212,16 +212,7 @@ impl Alg1 {
                 }
             })
             .collect();
-        let mut record: Vec<f64> = local.iter().flat_map(|s| s.to_record()).collect();
-        comm.all_reduce(&mut [Reduce::Merge {
-            data: &mut record,
-            width: STATS_WIDTH,
-            op: merge_stats,
-        }])?;
-        let global: Vec<SoftmaxStats> = record
-            .chunks(STATS_WIDTH)
-            .map(SoftmaxStats::from_record)
-            .collect();
+        let global = merge_stats_over(comm, &local)?;
         for (i, g) in global.iter().enumerate() {
             check_row(i, g, targets[i])?;
         }

@@ -18,7 +18,7 @@
 use arbitrary::{Arbitrary, Unstructured};
 use ndarray::{Array2, Axis, Slice};
 use packshard_reference::vocab::{
-    cross_entropy, LossConfig, Reduction, ShardLayout, ShardMap, SmoothingConvention,
+    cross_entropy, LossCall, LossConfig, Reduction, ShardLayout, ShardMap, SmoothingConvention,
 };
 
 use super::values::{plants, Gen};
@@ -97,6 +97,18 @@ fn loss_config(u: &mut Unstructured<'_>, v: usize) -> arbitrary::Result<LossConf
     })
 }
 
+/// The split ([`shard_map`]), then the tokens `n` in `min_n..=MAX_N`: `(map,
+/// v, w, n)` with `w` the padded vocabulary size.
+fn split_and_tokens(
+    u: &mut Unstructured<'_>,
+    min_n: usize,
+) -> arbitrary::Result<(ShardMap, usize, usize, usize)> {
+    let map = shard_map(u)?;
+    let (v, w) = (map.vocab_size(), map.padded_vocab_size());
+    let n = u.int_in_range(min_n..=MAX_N)?;
+    Ok((map, v, w, n))
+}
+
 /// Targets: mostly real classes (on every shard), `ignore_index` about one
 /// in five, and about one in 128 out of range (`v` or -5).
 fn targets(
@@ -168,22 +180,53 @@ fn describe_config(c: &LossConfig) -> String {
     )
 }
 
-/// An arbitrary cross-entropy case with `want_grad`.
+/// An arbitrary loss case `C` with `want_grad`: [`CeFuzzCase`],
+/// [`LinearFuzzCase`].
 #[derive(Debug, Clone, PartialEq)]
-pub struct CeFuzzCase {
-    /// The split, logits `[n, w]`, targets, options.
-    pub case: CeCase,
+pub struct LossFuzzCase<C> {
+    /// The split, the tensors, targets, options.
+    pub case: C,
     /// Whether gradients are asked for.
     pub want_grad: bool,
     /// How the values were drawn and what was planted, for reports.
     pub values: String,
 }
 
+/// An arbitrary cross-entropy case (the split, logits `[n, w]`, targets,
+/// options) with `want_grad`.
+pub type CeFuzzCase = LossFuzzCase<CeCase>;
+
+/// An arbitrary output-layer case (the split, hidden `[n, h]`, weight `[w,
+/// h]`, targets, options) with `want_grad`.
+pub type LinearFuzzCase = LossFuzzCase<LinearCase>;
+
+impl<C> LossFuzzCase<C> {
+    /// A one-line description for failure reports, of a case on `map` with
+    /// `call`'s targets and options, `sizes` after `n` (e.g. `, h 3`).
+    fn describe_loss(&self, map: &ShardMap, call: &LossCall<'_>, sizes: &str) -> String {
+        format!(
+            "{}, n {}{sizes}, targets {}, {}, want_grad {}; {}",
+            describe_split(map),
+            call.targets.len(),
+            brief(call.targets),
+            describe_config(call.config),
+            self.want_grad,
+            self.values
+        )
+    }
+}
+
+/// `values` (how the values were drawn) followed by what was `planted`.
+fn with_planted(mut values: String, planted: &[String]) -> String {
+    if !planted.is_empty() {
+        values.push_str(&format!("; planted {}", planted.join(", ")));
+    }
+    values
+}
+
 impl<'a> Arbitrary<'a> for CeFuzzCase {
     fn arbitrary(u: &mut Unstructured<'a>) -> arbitrary::Result<Self> {
-        let map = shard_map(u)?;
-        let (v, w) = (map.vocab_size(), map.padded_vocab_size());
-        let n = u.int_in_range(1..=MAX_N)?;
+        let (map, v, w, n) = split_and_tokens(u, 1)?;
         let config = loss_config(u, v)?;
         let want_grad = u.arbitrary::<bool>()?;
         let mut gen = Gen::arbitrary(u)?;
@@ -220,9 +263,6 @@ impl<'a> Arbitrary<'a> for CeFuzzCase {
         if inf_one_in > 0 {
             values.push_str(&format!(", 1 in {inf_one_in} logits -inf"));
         }
-        if !planted.is_empty() {
-            values.push_str(&format!("; planted {}", planted.join(", ")));
-        }
         Ok(CeFuzzCase {
             case: CeCase {
                 map,
@@ -232,7 +272,7 @@ impl<'a> Arbitrary<'a> for CeFuzzCase {
                 grad_output: None,
             },
             want_grad,
-            values,
+            values: with_planted(values, &planted),
         })
     }
 }
@@ -240,35 +280,13 @@ impl<'a> Arbitrary<'a> for CeFuzzCase {
 impl CeFuzzCase {
     /// A one-line description for failure reports.
     pub fn describe(&self) -> String {
-        let c = &self.case;
-        format!(
-            "{}, n {}, targets {}, {}, want_grad {}; {}",
-            describe_split(&c.map),
-            c.targets.len(),
-            brief(&c.targets),
-            describe_config(&c.config),
-            self.want_grad,
-            self.values
-        )
+        self.describe_loss(&self.case.map, &self.case.call(false), "")
     }
-}
-
-/// An arbitrary output-layer case with `want_grad`.
-#[derive(Debug, Clone, PartialEq)]
-pub struct LinearFuzzCase {
-    /// The split, hidden `[n, h]`, weight `[w, h]`, targets, options.
-    pub case: LinearCase,
-    /// Whether gradients are asked for.
-    pub want_grad: bool,
-    /// How the values were drawn and what was planted, for reports.
-    pub values: String,
 }
 
 impl<'a> Arbitrary<'a> for LinearFuzzCase {
     fn arbitrary(u: &mut Unstructured<'a>) -> arbitrary::Result<Self> {
-        let map = shard_map(u)?;
-        let (v, w) = (map.vocab_size(), map.padded_vocab_size());
-        let n = u.int_in_range(1..=MAX_N)?;
+        let (map, v, w, n) = split_and_tokens(u, 1)?;
         let h = u.int_in_range(1..=MAX_H)?;
         let config = loss_config(u, v)?;
         let want_grad = u.arbitrary::<bool>()?;
@@ -295,10 +313,7 @@ impl<'a> Arbitrary<'a> for LinearFuzzCase {
             }
         }
         let targets = targets(u, &mut gen, n, v, config.ignore_index)?;
-        let mut values = gen.describe();
-        if !planted.is_empty() {
-            values.push_str(&format!("; planted {}", planted.join(", ")));
-        }
+        let values = with_planted(gen.describe(), &planted);
         Ok(LinearFuzzCase {
             case: LinearCase {
                 map,
@@ -318,16 +333,7 @@ impl LinearFuzzCase {
     /// A one-line description for failure reports.
     pub fn describe(&self) -> String {
         let c = &self.case;
-        format!(
-            "{}, n {}, h {}, targets {}, {}, want_grad {}; {}",
-            describe_split(&c.map),
-            c.targets.len(),
-            c.hidden.ncols(),
-            brief(&c.targets),
-            describe_config(&c.config),
-            self.want_grad,
-            self.values
-        )
+        self.describe_loss(&c.map, &c.call(false), &format!(", h {}", c.hidden.ncols()))
     }
 }
 
@@ -342,9 +348,7 @@ pub struct EmbeddingFuzzCase {
 
 impl<'a> Arbitrary<'a> for EmbeddingFuzzCase {
     fn arbitrary(u: &mut Unstructured<'a>) -> arbitrary::Result<Self> {
-        let map = shard_map(u)?;
-        let (v, w) = (map.vocab_size(), map.padded_vocab_size());
-        let n = u.int_in_range(0..=MAX_N)?;
+        let (map, v, w, n) = split_and_tokens(u, 0)?;
         let h = u.int_in_range(1..=MAX_H)?;
         let mut gen = Gen::arbitrary(u)?;
         // Ids: repeats are likely (few distinct values), out of range rarely (V5).
@@ -405,83 +409,89 @@ fn vocab_outcome(reference_failed: bool, values: usize) -> Outcome {
     }
 }
 
-/// The cross-entropy fuzz body: `data` as a [`CeFuzzCase`], checked in the
-/// unsharded form and for every algorithm `imp` declares under `judge`
-/// ([`Rule::of`]: the terms rule for an f64 implementation, the relative
-/// rule on f32-rounded inputs for a lower-precision one).
-///
-/// # Errors
-/// A [`Failure`] naming the form, the case and the first mismatch.
-pub fn run_cross_entropy(
-    imp: &dyn CrossEntropyOp,
-    judge: Judge,
-    data: &[u8],
-) -> Result<Outcome, Failure> {
-    let Ok(case) = CeFuzzCase::from_bytes(data) else {
-        return Ok(Outcome::default());
-    };
-    let rule = Rule::of(judge);
-    take_worst_ulps();
-    let c = &case.case;
-    let failure = |form: String, m| Failure::new("cross_entropy", form, case.describe(), m);
-    check_cross_entropy_unsharded(imp, c, case.want_grad, rule)
-        .map_err(|m| failure("unsharded".into(), m))?;
-    for algorithm in imp.algorithms() {
-        check_cross_entropy_with(imp, algorithm, c, case.want_grad, rule)
-            .map_err(|m| failure(algorithm.to_string(), m))?;
-    }
-    let v = c.map.vocab_size();
-    let real = c.logits.slice_axis(Axis(1), Slice::from(..v));
-    let failed = cross_entropy(real, &c.call(false)).is_err();
-    let n = c.targets.len();
-    let per_form = 2 * n + 1 + if case.want_grad { n * v } else { 0 };
-    Ok(vocab_outcome(
-        failed,
-        per_form * (imp.algorithms().len() + 1),
-    ))
+/// The loss fuzz targets' bodies, one row each: `data` as the row's case
+/// type; `take_worst_ulps` reset; the row's `unsharded` check, then its
+/// `with` check for every algorithm `imp` declares, under `judge`
+/// ([`Rule::of`]), the first mismatch a [`Failure`] of the row's target
+/// naming the form and the case; else the outcome over every form, with the
+/// case's own `reference_values`.
+macro_rules! loss_fuzz_targets {
+    ($($(#[$doc:meta])* $name:ident($op:ident, $case:ty, $target:literal, $unsharded:ident, $with:ident);)*) => {$(
+        $(#[$doc])*
+        pub fn $name(imp: &dyn $op, judge: Judge, data: &[u8]) -> Result<Outcome, Failure> {
+            let Ok(case) = <$case>::from_bytes(data) else {
+                return Ok(Outcome::default());
+            };
+            let rule = Rule::of(judge);
+            take_worst_ulps();
+            let (c, want_grad) = (&case.case, case.want_grad);
+            let failure = |form: String, m| Failure::new($target, form, case.describe(), m);
+            $unsharded(imp, c, want_grad, rule).map_err(|m| failure("unsharded".into(), m))?;
+            let algorithms = imp.algorithms();
+            for &algorithm in &algorithms {
+                $with(imp, algorithm, c, want_grad, rule)
+                    .map_err(|m| failure(algorithm.to_string(), m))?;
+            }
+            let (failed, per_form) = case.reference_values();
+            Ok(vocab_outcome(failed, per_form * (algorithms.len() + 1)))
+        }
+    )*};
 }
 
-/// The output-layer fuzz body: `data` as a [`LinearFuzzCase`], checked in
-/// the unsharded form and for every algorithm `imp` declares under `judge`
-/// (see [`run_cross_entropy`]).
-///
-/// # Errors
-/// A [`Failure`] naming the form, the case and the first mismatch.
-pub fn run_linear(
-    imp: &dyn LinearCrossEntropyOp,
-    judge: Judge,
-    data: &[u8],
-) -> Result<Outcome, Failure> {
-    let Ok(case) = LinearFuzzCase::from_bytes(data) else {
-        return Ok(Outcome::default());
-    };
-    let rule = Rule::of(judge);
-    take_worst_ulps();
-    let c = &case.case;
-    let failure = |form: String, m| Failure::new("linear_cross_entropy", form, case.describe(), m);
-    check_linear_unsharded(imp, c, case.want_grad, rule)
-        .map_err(|m| failure("unsharded".into(), m))?;
-    for algorithm in imp.algorithms() {
-        check_linear_with(imp, algorithm, c, case.want_grad, rule)
-            .map_err(|m| failure(algorithm.to_string(), m))?;
+loss_fuzz_targets! {
+    /// The cross-entropy fuzz body: `data` as a [`CeFuzzCase`], checked in the
+    /// unsharded form and for every algorithm `imp` declares under `judge`
+    /// ([`Rule::of`]: the terms rule for an f64 implementation, the relative
+    /// rule on f32-rounded inputs for a lower-precision one).
+    ///
+    /// # Errors
+    /// A [`Failure`] naming the form, the case and the first mismatch.
+    run_cross_entropy(
+        CrossEntropyOp, CeFuzzCase, "cross_entropy",
+        check_cross_entropy_unsharded, check_cross_entropy_with
+    );
+    /// The output-layer fuzz body: `data` as a [`LinearFuzzCase`], checked in
+    /// the unsharded form and for every algorithm `imp` declares under `judge`
+    /// (see [`run_cross_entropy`]).
+    ///
+    /// # Errors
+    /// A [`Failure`] naming the form, the case and the first mismatch.
+    run_linear(
+        LinearCrossEntropyOp, LinearFuzzCase, "linear_cross_entropy",
+        check_linear_unsharded, check_linear_with
+    );
+}
+
+impl CeFuzzCase {
+    /// Whether the unsharded reference refuses the case, and the values
+    /// one form of it compares.
+    fn reference_values(&self) -> (bool, usize) {
+        let c = &self.case;
+        let v = c.map.vocab_size();
+        let real = c.logits.slice_axis(Axis(1), Slice::from(..v));
+        let failed = cross_entropy(real, &c.call(false)).is_err();
+        let n = c.targets.len();
+        (failed, 2 * n + 1 + if self.want_grad { n * v } else { 0 })
     }
-    let v = c.map.vocab_size();
-    let real = c.weight.slice_axis(Axis(0), Slice::from(..v));
-    let failed =
-        packshard_reference::vocab::linear_cross_entropy(c.hidden.view(), real, &c.call(false))
-            .is_err();
-    let (n, h) = c.hidden.dim();
-    let per_form = 2 * n
-        + 1
-        + if case.want_grad {
+}
+
+impl LinearFuzzCase {
+    /// As [`CeFuzzCase::reference_values`].
+    fn reference_values(&self) -> (bool, usize) {
+        let c = &self.case;
+        let v = c.map.vocab_size();
+        let real = c.weight.slice_axis(Axis(0), Slice::from(..v));
+        let failed =
+            packshard_reference::vocab::linear_cross_entropy(c.hidden.view(), real, &c.call(false))
+                .is_err();
+        let (n, h) = c.hidden.dim();
+        let grads = if self.want_grad {
             n * v + n * h + v * h
         } else {
             0
         };
-    Ok(vocab_outcome(
-        failed,
-        per_form * (imp.algorithms().len() + 1),
-    ))
+        (failed, 2 * n + 1 + grads)
+    }
 }
 
 /// The embedding fuzz body: `data` as an [`EmbeddingFuzzCase`], checked with

@@ -39,6 +39,7 @@
 //! The embedding is compared [`Tolerance::EXACT`]: a masked lookup plus a sum
 //! of zeros is exact.
 
+use std::borrow::Cow;
 use std::cell::RefCell;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
@@ -400,6 +401,17 @@ type RunCe<'a> = dyn Fn(&CeCase) -> Result<ShardedLoss, Error> + 'a;
 /// ([`packshard_reference::ops::LinearLoss::traded`], unsharded only).
 type RunLinear<'a> = dyn Fn(&LinearCase) -> Result<(ShardedLoss, Option<TradedError>), Error> + 'a;
 
+/// `case` as a check under `rule` runs it: itself under [`Rule::Terms`];
+/// under [`Rule::Relative`] with every input rounded to f32 by `round` (so
+/// the f64 reference and the implementation see the same numbers).
+fn judged<C: Clone>(rule: Rule, case: &C, round: impl FnOnce(&C) -> C) -> Cow<'_, C> {
+    match rule {
+        Rule::Terms => Cow::Borrowed(case),
+        Rule::Relative(_) => Cow::Owned(round(case)),
+    }
+}
+
+/// `run` on the [`judged`] `case` against the reference under `rule`.
 fn ce_with(
     run: &RunCe<'_>,
     algorithm: Option<ShardedAlgorithm>,
@@ -407,9 +419,10 @@ fn ce_with(
     want_grad: bool,
     rule: Rule,
 ) -> Result<(), Mismatch> {
-    if let Rule::Relative(rule) = rule {
-        return check_cross_entropy_relative(run, algorithm, case, want_grad, rule);
-    }
+    let case: &CeCase = &judged(rule, case, |c| CeCase {
+        logits: c.logits.mapv(baseline32::round_f32),
+        ..c.clone()
+    });
     let v = case.map.vocab_size();
     let real = case
         .logits
@@ -420,9 +433,18 @@ fn ce_with(
         return Ok(());
     };
     let terms = Terms::new(real, &case.call(want_grad), &expected);
-    check_loss(
-        algorithm, &case.map, &expected, &terms, &actual, false, want_grad,
-    )
+    match rule {
+        Rule::Terms => check_loss(
+            algorithm, &case.map, &expected, &terms, &actual, false, want_grad,
+        ),
+        Rule::Relative(rule) => {
+            let real32 = real.mapv(|x| x as f32);
+            let base = baseline32::cross_entropy(real32.view(), &case.call(want_grad));
+            check_loss_relative(
+                algorithm, &case.map, &expected, &base, &actual, false, want_grad, rule, &terms,
+            )
+        }
+    }
 }
 
 /// Checks `imp`'s sharded output layer on `case`: as
@@ -499,6 +521,7 @@ pub fn check_linear_unsharded(
     linear_with(&run, None, &one, want_grad, rule)
 }
 
+/// `run` on `case` against the reference under `rule`, as [`ce_with`].
 fn linear_with(
     run: &RunLinear<'_>,
     algorithm: Option<ShardedAlgorithm>,
@@ -506,17 +529,18 @@ fn linear_with(
     want_grad: bool,
     rule: Rule,
 ) -> Result<(), Mismatch> {
-    if let Rule::Relative(rule) = rule {
-        return check_linear_relative(run, algorithm, case, want_grad, rule);
-    }
+    let case: &LinearCase = &judged(rule, case, |c| LinearCase {
+        hidden: c.hidden.mapv(baseline32::round_f32),
+        weight: c.weight.mapv(baseline32::round_f32),
+        ..c.clone()
+    });
     let v = case.map.vocab_size();
     let real = case
         .weight
         .slice_axis(Axis(0), Slice::from(..v.min(case.weight.nrows())));
     let expected = linear_cross_entropy(case.hidden.view(), real, &case.call(want_grad));
-    // Under this rule a reported trade earns no allowance: judged as exact.
-    let actual = no_panic(IMPL, || run(case))?.map(|(l, _)| l);
-    let Some((mut expected, actual)) = same_outcome(expected, actual)? else {
+    let actual = no_panic(IMPL, || run(case))?;
+    let Some((mut expected, (actual, traded))) = same_outcome(expected, actual)? else {
         return Ok(());
     };
     if actual.ranks.iter().all(|r| r.grad_logits.is_none()) {
@@ -524,7 +548,18 @@ fn linear_with(
         // it is judged by dL/dhidden and dL/dW.
         expected.ce.grad_logits = None;
     }
-    compare_linear(algorithm, case, &expected, &actual, want_grad)
+    match rule {
+        // Under this rule a reported trade earns no allowance: judged as exact.
+        Rule::Terms => compare_linear(algorithm, case, &expected, &actual, want_grad),
+        Rule::Relative(rule) => compare_linear_relative(
+            algorithm,
+            case,
+            (real, &expected),
+            (&actual, traded),
+            want_grad,
+            rule,
+        ),
+    }
 }
 
 /// Compares a sharded output-layer run `actual` on `case` with the unsharded
@@ -685,8 +720,8 @@ mod terms;
 
 pub use faults::*;
 pub use relative::Rule;
-use relative::{check_cross_entropy_relative, check_linear_relative};
+use relative::{check_loss_relative, compare_linear_relative};
 pub use strategies::*;
 pub use suite::*;
 pub use terms::{assert_close_terms, Terms, TERMS, UNDERFLOW};
-use terms::{check_counts, check_loss, tensor_terms, WORST_ULPS};
+use terms::{check_counts, check_loss, check_rank_count, rank_logsumexp, tensor_terms, WORST_ULPS};

@@ -24,24 +24,11 @@ thread_local! {
     pub(super) static RELATIVE: RefCell<RelativeReport> = RefCell::new(RelativeReport::default());
 }
 
-/// One tensor under `rule` against the f32 baseline, with a given scale
-/// (`None`: the expected tensor's largest value), noted in [`RELATIVE`].
-fn relative_with_scale(
-    what: &str,
-    expected: &[f64],
-    baseline: &[f64],
-    actual: &[f64],
-    shape: &[usize],
-    rule: RelativeRule,
-    scale: Option<f64>,
-) -> Result<(), Mismatch> {
-    let allowance = Allowance { scale, traded: 0.0 };
-    traded_relative(what, (expected, baseline, actual), shape, rule, allowance)
-}
-
-/// [`relative_with_scale`] with the allowance widened by the error the
-/// implementation reports it `traded` ([`TradedError`]): the rule's
-/// allowance for rounding plus that, nothing more. The suite tier
+/// One tensor under `rule` against the f32 baseline, noted in [`RELATIVE`]:
+/// `allowance` gives the scale of the floor (`None`: the expected tensor's
+/// largest value; [`Allowance::with_scale`]) and widens the allowance by the
+/// error the implementation reports it `traded` ([`TradedError`]): the
+/// rule's allowance for rounding plus that, nothing more. The suite tier
 /// ([`RELATIVE`]) counts the error beyond the trade (every element's error
 /// is its rounding plus at most `traded`), so rounding is judged over the
 /// run as any other implementation's.
@@ -88,7 +75,7 @@ fn flat32(a: &Array2<f32>) -> Vec<f64> {
 
 /// [`check_loss`] under a [`RelativeRule`], with the f32 baseline `base`.
 #[allow(clippy::too_many_arguments)]
-fn check_loss_relative(
+pub(super) fn check_loss_relative(
     algorithm: Option<ShardedAlgorithm>,
     map: &ShardMap,
     expected: &CrossEntropy,
@@ -99,7 +86,6 @@ fn check_loss_relative(
     rule: RelativeRule,
     terms: &Terms,
 ) -> Result<(), Mismatch> {
-    let p = map.num_shards();
     // A token's loss is `logsumexp - Σ_j q_j z_j`: two values of the size of
     // the logits that cancel (to ~0 for a confident prediction). An f32
     // kernel may round `logsumexp = m + ln s` at that size (as
@@ -116,47 +102,38 @@ fn check_loss_relative(
         let scale = finite_max(own).max(finite_max(t));
         (scale > 0.0).then_some(scale)
     };
-    if actual.ranks.len() != p {
-        return fail(
-            "ranks",
-            format!("{} ranks answered, {p} expected", actual.ranks.len()),
-        );
-    }
+    check_rank_count(map, actual)?;
     let n = expected.per_token_loss.len();
     let lse = expected.logsumexp();
     let b_lse: Vec<f64> = base.logsumexp.iter().map(|&x| f64::from(x)).collect();
     let b_tok: Vec<f64> = base.per_token_loss.iter().map(|&x| f64::from(x)).collect();
     for r in &actual.ranks {
         let at = |what: &str| format!("{what} (rank {})", r.rank);
-        relative_with_scale(
+        traded_relative(
             &at("loss"),
-            &[expected.loss],
-            &[f64::from(base.loss)],
-            &[r.loss],
+            (&[expected.loss], &[f64::from(base.loss)], &[r.loss]),
             &[1],
             rule,
-            loss_scale(
+            Allowance::with_scale(loss_scale(
                 &[expected.loss],
                 &[terms.loss, finite_max(&terms.logsumexp)],
-            ),
+            )),
         )?;
-        relative_with_scale(
+        let per_token = expected.per_token_loss.as_slice().unwrap_or(&[]);
+        traded_relative(
             &at("per_token_loss"),
-            expected.per_token_loss.as_slice().unwrap_or(&[]),
-            &b_tok,
-            &r.per_token_loss.to_vec(),
+            (per_token, &b_tok, &r.per_token_loss.to_vec()),
             &[n],
             rule,
-            loss_scale(
-                expected.per_token_loss.as_slice().unwrap_or(&[]),
+            Allowance::with_scale(loss_scale(
+                per_token,
                 &[
                     finite_max(&terms.per_token_loss),
                     finite_max(&terms.logsumexp),
                 ],
-            ),
+            )),
         )?;
-        let got_lse: Vec<f64> = r.global.iter().map(|g| g.logsumexp()).collect();
-        if got_lse.len() == n {
+        if let Some(got_lse) = rank_logsumexp(r, n)? {
             // `logsumexp = m + ln s` is rounded at the size of its terms,
             // not at its own: `|m|`, the probabilities' arguments, and the
             // sum `s = Σ_j exp(z_j - m)`, which holds the term `exp(0) = 1`,
@@ -165,20 +142,16 @@ fn check_loss_relative(
             // `oracle/tests/vocab_kernels.rs`,
             // `logsumexp_far_below_its_terms_is_judged_at_their_size`).
             let lse_values = lse.as_slice().unwrap_or(&[]);
-            relative_with_scale(
+            traded_relative(
                 &at("logsumexp"),
-                lse_values,
-                &b_lse,
-                &got_lse,
+                (lse_values, &b_lse, &got_lse),
                 &[n],
                 rule,
-                loss_scale(lse_values, &[finite_max(&terms.logsumexp) + 1.0]),
+                Allowance::with_scale(loss_scale(
+                    lse_values,
+                    &[finite_max(&terms.logsumexp) + 1.0],
+                )),
             )?;
-        } else if !got_lse.is_empty() {
-            return fail(
-                at("logsumexp"),
-                format!("{} rows, {n} expected", got_lse.len()),
-            );
         }
     }
     if let Some(want) = &expected.grad_logits {
@@ -191,81 +164,33 @@ fn check_loss_relative(
         same_shape("grad_logits", got.shape(), want.shape())?;
         // `p - q` cancels (to exactly 0 where `p = q`): at least the terms' scale.
         let scale = finite_max(&flat64(want)).max(finite_max(&flat64(&terms.grad_logits)));
-        relative_with_scale(
+        traded_relative(
             "grad_logits",
-            &flat64(want),
-            &flat32(b),
-            &flat64(&got),
+            (&flat64(want), &flat32(b), &flat64(&got)),
             want.shape(),
             rule,
-            (scale > 0.0).then_some(scale),
+            Allowance::with_scale((scale > 0.0).then_some(scale)),
         )?;
         padding_columns_have_no_gradient(map, actual)?;
     }
-    match algorithm {
-        Some(algorithm) => check_counts(algorithm, actual, linear, want_grad),
-        None => Ok(()),
-    }
+    check_counts(algorithm, actual, linear, want_grad)
 }
 
-pub(super) fn check_cross_entropy_relative(
-    run: &RunCe<'_>,
-    algorithm: Option<ShardedAlgorithm>,
-    case: &CeCase,
-    want_grad: bool,
-    rule: RelativeRule,
-) -> Result<(), Mismatch> {
-    let case = CeCase {
-        logits: case.logits.mapv(baseline32::round_f32),
-        ..case.clone()
-    };
-    let v = case.map.vocab_size();
-    let real = case
-        .logits
-        .slice_axis(Axis(1), Slice::from(..v.min(case.logits.ncols())));
-    let expected = cross_entropy(real, &case.call(want_grad));
-    let actual = no_panic(IMPL, || run(&case))?;
-    let Some((expected, actual)) = same_outcome(expected, actual)? else {
-        return Ok(());
-    };
-    let real32 = real.mapv(|x| x as f32);
-    let base = baseline32::cross_entropy(real32.view(), &case.call(want_grad));
-    let terms = Terms::new(real, &case.call(want_grad), &expected);
-    check_loss_relative(
-        algorithm, &case.map, &expected, &base, &actual, false, want_grad, rule, &terms,
-    )
-}
-
-pub(super) fn check_linear_relative(
-    run: &RunLinear<'_>,
+/// [`compare_linear`] under a [`RelativeRule`], for the f32-rounded `case`
+/// whose real weight rows are `real`, with the error the implementation
+/// reports it `traded`.
+pub(super) fn compare_linear_relative(
     algorithm: Option<ShardedAlgorithm>,
     case: &LinearCase,
+    (real, expected): (ArrayView2<'_, f64>, &LinearCrossEntropy),
+    (actual, traded): (&ShardedLoss, Option<TradedError>),
     want_grad: bool,
     rule: RelativeRule,
 ) -> Result<(), Mismatch> {
-    let case = LinearCase {
-        hidden: case.hidden.mapv(baseline32::round_f32),
-        weight: case.weight.mapv(baseline32::round_f32),
-        ..case.clone()
-    };
-    let v = case.map.vocab_size();
-    let real = case
-        .weight
-        .slice_axis(Axis(0), Slice::from(..v.min(case.weight.nrows())));
-    let expected = linear_cross_entropy(case.hidden.view(), real, &case.call(want_grad));
-    let actual = no_panic(IMPL, || run(&case))?;
-    let Some((mut expected, (actual, traded))) = same_outcome(expected, actual)? else {
-        return Ok(());
-    };
     // An approximate kernel's gradients are allowed the error it reports
     // it traded on top of rounding (a bound, checked: the error must stay
     // inside it); everything else is judged as any other's.
     let (traded_hidden, traded_weight) = traded_bounds(traded)?;
-    if actual.ranks.iter().all(|r| r.grad_logits.is_none()) {
-        // A fused output layer need not materialize dL/dz (`LinearLoss::ce`):
-        // it is judged by dL/dhidden and dL/dW.
-        expected.ce.grad_logits = None;
-    }
     let (h32, w32) = (case.hidden.mapv(|x| x as f32), real.mapv(|x| x as f32));
     let (base, base_grads) =
         baseline32::linear_cross_entropy(h32.view(), w32.view(), &case.call(want_grad));
@@ -319,14 +244,14 @@ pub(super) fn check_linear_relative(
                 traded: traded_weight,
             },
         )?;
-        padding_rows_have_no_gradient(&case.map, &actual)?;
+        padding_rows_have_no_gradient(&case.map, actual)?;
     }
     check_loss_relative(
         algorithm,
         &case.map,
         &expected.ce,
         &base,
-        &actual,
+        actual,
         true,
         want_grad,
         rule,

@@ -218,13 +218,7 @@ pub(super) fn check_loss(
     linear: bool,
     want_grad: bool,
 ) -> Result<(), Mismatch> {
-    let p = map.num_shards();
-    if actual.ranks.len() != p {
-        return fail(
-            "ranks",
-            format!("{} ranks answered, {p} expected", actual.ranks.len()),
-        );
-    }
+    check_rank_count(map, actual)?;
     let n = expected.per_token_loss.len();
     let lse = expected.logsumexp();
     for r in &actual.ranks {
@@ -244,8 +238,7 @@ pub(super) fn check_loss(
             &terms.per_token_loss,
             &[n],
         )?;
-        let got_lse: Vec<f64> = r.global.iter().map(|g| g.logsumexp()).collect();
-        if got_lse.len() == n {
+        if let Some(got_lse) = rank_logsumexp(r, n)? {
             assert_close_terms(
                 &at("logsumexp"),
                 lse.as_slice().unwrap_or(&[]),
@@ -253,11 +246,6 @@ pub(super) fn check_loss(
                 &terms.logsumexp,
                 &[n],
             )?;
-        } else if !got_lse.is_empty() {
-            return fail(
-                at("logsumexp"),
-                format!("{} rows, {n} expected", got_lse.len()),
-            );
         }
     }
     if let Some(want) = &expected.grad_logits {
@@ -267,18 +255,52 @@ pub(super) fn check_loss(
         tensor_terms("grad_logits", want, &got, &terms.grad_logits)?;
         padding_columns_have_no_gradient(map, actual)?;
     }
-    match algorithm {
-        Some(algorithm) => check_counts(algorithm, actual, linear, want_grad),
-        None => Ok(()),
+    check_counts(algorithm, actual, linear, want_grad)
+}
+
+/// `actual` has one rank per shard of `map`.
+pub(super) fn check_rank_count(map: &ShardMap, actual: &ShardedLoss) -> Result<(), Mismatch> {
+    let p = map.num_shards();
+    if actual.ranks.len() != p {
+        return fail(
+            "ranks",
+            format!("{} ranks answered, {p} expected", actual.ranks.len()),
+        );
+    }
+    Ok(())
+}
+
+/// Rank `r`'s `logsumexp` of each of the `n` rows (from its global
+/// statistics), `None` where it reports no statistics.
+///
+/// # Errors
+/// A [`Mismatch`] naming `logsumexp (rank r)` for another number of rows.
+pub(super) fn rank_logsumexp(r: &RankLoss, n: usize) -> Result<Option<Vec<f64>>, Mismatch> {
+    let got_lse: Vec<f64> = r.global.iter().map(|g| g.logsumexp()).collect();
+    if got_lse.len() == n {
+        Ok(Some(got_lse))
+    } else if got_lse.is_empty() {
+        Ok(None)
+    } else {
+        fail(
+            format!("logsumexp (rank {})", r.rank),
+            format!("{} rows, {n} expected", got_lse.len()),
+        )
     }
 }
 
+/// The collective counts of a sharded run of `algorithm`: the barriers as
+/// [`ShardedAlgorithm::barriers`] says, the same counts on every rank
+/// (nothing to check for an unsharded run, `None`).
 pub(super) fn check_counts(
-    algorithm: ShardedAlgorithm,
+    algorithm: Option<ShardedAlgorithm>,
     actual: &ShardedLoss,
     linear: bool,
     want_grad: bool,
 ) -> Result<(), Mismatch> {
+    let Some(algorithm) = algorithm else {
+        return Ok(());
+    };
     let want = algorithm.barriers(linear, want_grad);
     let first = actual.ranks[0].counts;
     for r in &actual.ranks {

@@ -47,14 +47,32 @@ fn array2(t: Tensor) -> Array2<f64> {
         .expect("a 2-d tensor's data fills its shape")
 }
 
+/// The gradient request of a loss case, as read by [`grad_request`].
+struct Grad {
+    /// `want_grad`.
+    want: bool,
+    /// `grad_output`, where given.
+    upstream: Option<Vec<f64>>,
+}
+
+impl Grad {
+    /// The request a [`LossCall`] carries.
+    fn request(&self) -> GradRequest<'_> {
+        GradRequest::of(self.want, self.upstream.as_deref())
+    }
+}
+
 /// The gradient request of a loss case: `want_grad` (default false) and
 /// the optional upstream gradient `grad_output` (`[n]` under the reduction
 /// `none`, `[1]` under `sum` and `mean`; docs/FAULTS.md O2), which needs
 /// `want_grad: true` (as the embedding's).
-fn grad_request(case: &Case) -> Result<(bool, Option<Vec<f64>>), EvalError> {
+fn grad_request(case: &Case) -> Result<Grad, EvalError> {
     let want_grad = case.opt_bool("want_grad")?.unwrap_or(false);
     if !case.has("grad_output") {
-        return Ok((want_grad, None));
+        return Ok(Grad {
+            want: want_grad,
+            upstream: None,
+        });
     }
     if !want_grad {
         return Err(EvalError::invalid(
@@ -63,7 +81,10 @@ fn grad_request(case: &Case) -> Result<(bool, Option<Vec<f64>>), EvalError> {
         ));
     }
     let g = case.tensor("grad_output", 1, "[n] (reduction none) or [1]")?;
-    Ok((true, Some(g.data)))
+    Ok(Grad {
+        want: true,
+        upstream: Some(g.data),
+    })
 }
 
 /// Which algorithm runs: `unsharded` (the default without `num_shards`) or a
@@ -306,16 +327,12 @@ pub(super) fn cross_entropy_op(value: &Value, imp: &str) -> Result<Value, EvalEr
     let mut allowed = LOSS_FIELDS.to_vec();
     allowed.push("logits");
     let case = Case::new(value, &allowed)?;
-    let (want_grad, upstream) = grad_request(&case)?;
+    let grad = grad_request(&case)?;
     let logits = array2(case.tensor("logits", 2, "[n, v]")?);
     let targets = case.i64_list("targets")?;
     let width = logits.ncols();
     let (config, v, run) = loss_options(&case, width)?;
-    let call = LossCall::new(
-        &targets,
-        &config,
-        GradRequest::of(want_grad, upstream.as_deref()),
-    );
+    let call = LossCall::new(&targets, &config, grad.request());
     let list = registry::cross_entropy();
     let (mut out, grad) = match run {
         Run::Unsharded => {
@@ -353,21 +370,17 @@ pub(super) fn linear_cross_entropy_op(value: &Value, imp: &str) -> Result<Value,
     let mut allowed = LOSS_FIELDS.to_vec();
     allowed.extend(["hidden", "weight"]);
     let case = Case::new(value, &allowed)?;
-    let (want_grad, upstream) = grad_request(&case)?;
+    let grad = grad_request(&case)?;
     let hidden = array2(case.tensor("hidden", 2, "[n, h]")?);
     let weight = array2(case.tensor("weight", 2, "[v, h]")?);
     let targets = case.i64_list("targets")?;
     let rows = weight.nrows();
     let (config, v, run) = loss_options(&case, rows)?;
-    let call = LossCall::new(
-        &targets,
-        &config,
-        GradRequest::of(want_grad, upstream.as_deref()),
-    );
+    let call = LossCall::new(&targets, &config, grad.request());
     // The `[n, v]` logits (and their gradient) are not in the input.
     super::check_values(
         "weight",
-        &[hidden.nrows(), rows.max(v), if want_grad { 2 } else { 1 }],
+        &[hidden.nrows(), rows.max(v), if grad.want { 2 } else { 1 }],
         "the [n, v] logits of hidden @ weight^T",
     )?;
     let list = registry::linear_cross_entropy();

@@ -102,6 +102,30 @@ impl<'a> LossCall<'a> {
         }
     }
 
+    /// The checks of a sharded run on `n` rows of `v` entries that every rank
+    /// (and the whole run) makes first: `targets` is `[n]` (the error expects
+    /// `[n] with n = {n}`, followed by ` (rows)` unless `rows` is empty), then
+    /// [`LossCall::check_upstream`], then [`LossConfig::validate`] for `v`.
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] naming `targets`; those of the two checks.
+    pub(crate) fn check_rows(&self, n: usize, rows: &str, v: usize) -> Result<()> {
+        if self.targets.len() != n {
+            let rows = if rows.is_empty() {
+                String::new()
+            } else {
+                format!(" ({rows})")
+            };
+            return Err(Error::ShapeMismatch {
+                field: "targets".into(),
+                expected: format!("[n] with n = {n}{rows}"),
+                actual: vec![self.targets.len()],
+            });
+        }
+        self.check_upstream(n)?;
+        self.config.validate(v)
+    }
+
     /// Checks the upstream gradient, where one is given, for `n` tokens.
     ///
     /// # Errors

@@ -40,6 +40,50 @@
 //! - [`embedding`]: the vocabulary-parallel input embedding.
 //! - [`sum`]: compensated sums for the reductions over the vocabulary.
 
+/// Writes, from one table of `Variant => "name"` rows, an enum's `name()`
+/// (the name used in JSON and on the command line) and its inverse `FromStr`:
+/// any other string is an [`Error::InvalidArgument`] naming `field`, with
+/// the message `unknown <what> "<s>"; expected <the names, "a, b or c">`.
+/// With `display` first, also `Display` as the name.
+macro_rules! named_options {
+    (display $ty:ident, $($rest:tt)*) => {
+        named_options!($ty, $($rest)*);
+
+        impl std::fmt::Display for $ty {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(self.name())
+            }
+        }
+    };
+    ($ty:ident, field $field:literal, unknown $what:literal, { $($variant:ident => $name:literal),+ $(,)? }) => {
+        impl $ty {
+            /// The name used in JSON and on the command line.
+            pub fn name(self) -> &'static str {
+                match self {
+                    $($ty::$variant => $name,)+
+                }
+            }
+        }
+
+        impl std::str::FromStr for $ty {
+            type Err = crate::error::Error;
+            fn from_str(s: &str) -> crate::error::Result<Self> {
+                match s {
+                    $($name => Ok($ty::$variant),)+
+                    _ => Err(crate::error::Error::invalid(
+                        $field,
+                        format!(
+                            "unknown {} {s:?}; expected {}",
+                            $what,
+                            crate::vocab::or_list(&[$($name),+])
+                        ),
+                    )),
+                }
+            }
+        }
+    };
+}
+
 pub mod call;
 pub mod collective;
 pub mod cross_entropy;
@@ -51,9 +95,6 @@ pub mod sum;
 
 #[cfg(test)]
 mod tests;
-
-use std::fmt;
-use std::str::FromStr;
 
 pub use call::{GradRequest, LossCall};
 pub use collective::{run_ranks, Collective, CollectiveCounts, InProcess, Reduce};
@@ -67,6 +108,15 @@ use crate::error::{Error, Result};
 /// A target that is not predicted: PyTorch's and Hugging Face's default
 /// `ignore_index` (-100), the one constant every loss of the crate uses.
 pub const IGNORE_INDEX: i64 = -100;
+
+/// `names` as a message lists them: `"a, b or c"` (`"a or b"`, `"a"`).
+fn or_list(names: &[&str]) -> String {
+    match names {
+        [] => String::new(),
+        [only] => (*only).to_string(),
+        [init @ .., last] => format!("{} or {last}", init.join(", ")),
+    }
+}
 
 /// How per-token losses become the loss (PyTorch's `reduction`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -84,37 +134,11 @@ pub enum Reduction {
     None,
 }
 
-impl Reduction {
-    /// The name used in JSON and on the command line.
-    pub fn name(self) -> &'static str {
-        match self {
-            Reduction::Mean => "mean",
-            Reduction::Sum => "sum",
-            Reduction::None => "none",
-        }
-    }
-}
-
-impl FromStr for Reduction {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<Self> {
-        match s {
-            "mean" => Ok(Reduction::Mean),
-            "sum" => Ok(Reduction::Sum),
-            "none" => Ok(Reduction::None),
-            _ => Err(Error::invalid(
-                "reduction",
-                format!("unknown reduction {s:?}; expected mean, sum or none"),
-            )),
-        }
-    }
-}
-
-impl fmt::Display for Reduction {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
+named_options!(display Reduction, field "reduction", unknown "reduction", {
+    Mean => "mean",
+    Sum => "sum",
+    None => "none",
+});
 
 /// Where label smoothing puts the mass `a` it takes from the target.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -129,29 +153,10 @@ pub enum SmoothingConvention {
     Megatron,
 }
 
-impl SmoothingConvention {
-    /// The name used in JSON and on the command line.
-    pub fn name(self) -> &'static str {
-        match self {
-            SmoothingConvention::PyTorch => "pytorch",
-            SmoothingConvention::Megatron => "megatron",
-        }
-    }
-}
-
-impl FromStr for SmoothingConvention {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<Self> {
-        match s {
-            "pytorch" => Ok(SmoothingConvention::PyTorch),
-            "megatron" => Ok(SmoothingConvention::Megatron),
-            _ => Err(Error::invalid(
-                "smoothing",
-                format!("unknown label-smoothing convention {s:?}; expected pytorch or megatron"),
-            )),
-        }
-    }
-}
+named_options!(SmoothingConvention, field "smoothing", unknown "label-smoothing convention", {
+    PyTorch => "pytorch",
+    Megatron => "megatron",
+});
 
 /// The options of the cross-entropy loss, shared by every implementation.
 #[derive(Debug, Clone, Copy, PartialEq)]

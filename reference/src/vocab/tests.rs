@@ -105,12 +105,8 @@ fn v3_input_gradient_is_summed_over_shards() {
     let x = array![[1.0, -1.0]];
     let w = array![[1.0, 0.0], [0.0, 1.0], [0.5, 0.5], [-1.0, 2.0]];
     let config = LossConfig::default();
-    let u = linear_cross_entropy(
-        x.view(),
-        w.view(),
-        &LossCall::with_flag(&[2], &config, true),
-    )
-    .unwrap();
+    let call = LossCall::with_flag(&[2], &config, true);
+    let u = linear_cross_entropy(x.view(), w.view(), &call).unwrap();
     let g = u.grad_hidden.unwrap();
     assert_eq!(
         format!("{:.4} {:.4}", g[[0, 0]], g[[0, 1]]),
@@ -118,14 +114,7 @@ fn v3_input_gradient_is_summed_over_shards() {
     );
     let map = ShardMap::new(4, 2, ShardLayout::Uneven).unwrap();
     for alg in ShardedAlgorithm::ALL {
-        let s = sharded_linear_cross_entropy(
-            alg,
-            &map,
-            x.view(),
-            w.view(),
-            &LossCall::with_flag(&[2], &config, true),
-        )
-        .unwrap();
+        let s = sharded_linear_cross_entropy(alg, &map, x.view(), w.view(), &call).unwrap();
         for r in &s.ranks {
             let g = r.grad_hidden.as_ref().unwrap();
             assert_eq!(
@@ -405,11 +394,9 @@ fn z_loss_adds_c_times_logsumexp_squared() {
 fn confident_predictions_keep_relative_precision() {
     // Loss exp(-40) ≈ 4.2e-18: as logsumexp - z_t it would be 0.
     let z = row(&[40.0, 0.0, 0.0]);
-    let u = cross_entropy(
-        z.view(),
-        &LossCall::with_flag(&[0], &LossConfig::default(), true),
-    )
-    .unwrap();
+    let config = LossConfig::default();
+    let call = LossCall::with_flag(&[0], &config, true);
+    let u = cross_entropy(z.view(), &call).unwrap();
     let want = 2.0 * (-40.0f64).exp();
     assert!(
         (u.loss - want).abs() <= 4.0 * f64::EPSILON * want,
@@ -424,13 +411,7 @@ fn confident_predictions_keep_relative_precision() {
     );
     let map = ShardMap::new(3, 3, ShardLayout::Uneven).unwrap();
     for alg in ShardedAlgorithm::ALL {
-        let s = sharded_cross_entropy(
-            alg,
-            &map,
-            z.view(),
-            &LossCall::with_flag(&[0], &LossConfig::default(), true),
-        )
-        .unwrap();
+        let s = sharded_cross_entropy(alg, &map, z.view(), &call).unwrap();
         assert!(
             (s.loss() - want).abs() <= 4.0 * f64::EPSILON * want,
             "{alg}: {}",
@@ -698,12 +679,8 @@ fn o1_softcap_is_applied_first_sharded_as_unsharded() {
         .with_softcap(c)
         .with_smoothing(0.1, SmoothingConvention::PyTorch)
         .with_z_loss(1e-3);
-    let u = linear_cross_entropy(
-        hidden.view(),
-        weight.view(),
-        &LossCall::with_flag(&targets, &config, true),
-    )
-    .unwrap();
+    let call = LossCall::with_flag(&targets, &config, true);
+    let u = linear_cross_entropy(hidden.view(), weight.view(), &call).unwrap();
     // The capped logits through the uncapped loss give the same loss.
     let capped = u.logits.mapv(|z| c * (z / c).tanh());
     let plain = LossConfig {
@@ -727,14 +704,8 @@ fn o1_softcap_is_applied_first_sharded_as_unsharded() {
                     }
                 });
             }
-            let s = sharded_linear_cross_entropy(
-                algorithm,
-                &map,
-                hidden.view(),
-                w.view(),
-                &LossCall::with_flag(&targets, &config, true),
-            )
-            .unwrap();
+            let s = sharded_linear_cross_entropy(algorithm, &map, hidden.view(), w.view(), &call)
+                .unwrap();
             assert!((s.loss() - u.ce.loss).abs() < 1e-12, "{algorithm}");
             let close = |a: &Array2<f64>, b: &Array2<f64>| {
                 a.iter().zip(b).all(|(x, y)| (x - y).abs() < 1e-12)
@@ -764,5 +735,44 @@ fn o1_softcap_is_applied_first_sharded_as_unsharded() {
             matches!(&err, Error::InvalidArgument { field, .. } if field == "softcap"),
             "{err}"
         );
+    }
+}
+
+#[test]
+fn option_names_round_trip_and_unknown_ones_list_the_known() {
+    for r in [Reduction::Mean, Reduction::Sum, Reduction::None] {
+        assert_eq!(r.name().parse::<Reduction>(), Ok(r));
+        assert_eq!(r.to_string(), r.name());
+    }
+    for c in [SmoothingConvention::PyTorch, SmoothingConvention::Megatron] {
+        assert_eq!(c.name().parse::<SmoothingConvention>(), Ok(c));
+    }
+    for l in layouts() {
+        assert_eq!(l.name().parse::<ShardLayout>(), Ok(l));
+    }
+    for a in ShardedAlgorithm::ALL {
+        assert_eq!(a.name().parse::<ShardedAlgorithm>(), Ok(a));
+        assert_eq!(a.to_string(), a.name());
+    }
+    let unknown = [
+        (
+            "max".parse::<Reduction>().map(|_| ()),
+            "reduction: unknown reduction \"max\"; expected mean, sum or none",
+        ),
+        (
+            "x".parse::<SmoothingConvention>().map(|_| ()),
+            "smoothing: unknown label-smoothing convention \"x\"; expected pytorch or megatron",
+        ),
+        (
+            "striped".parse::<ShardLayout>().map(|_| ()),
+            "layout: unknown shard layout \"striped\"; expected uneven or padded",
+        ),
+        (
+            "alg3".parse::<ShardedAlgorithm>().map(|_| ()),
+            "algorithm: unknown sharded algorithm \"alg3\"; expected naive, alg1 or alg2",
+        ),
+    ];
+    for (got, want) in unknown {
+        assert_eq!(got.unwrap_err().to_string(), want);
     }
 }

@@ -1,8 +1,6 @@
 //! Which vocabulary entries each shard holds: even or uneven splits, or
 //! Megatron-style padding to equal shards.
 
-use std::str::FromStr;
-
 use ndarray::{Array2, ArrayView2, Axis, Slice};
 use serde::Serialize;
 
@@ -25,29 +23,10 @@ pub enum ShardLayout {
     Padded,
 }
 
-impl ShardLayout {
-    /// The name used in JSON and on the command line.
-    pub fn name(self) -> &'static str {
-        match self {
-            ShardLayout::Uneven => "uneven",
-            ShardLayout::Padded => "padded",
-        }
-    }
-}
-
-impl FromStr for ShardLayout {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<Self> {
-        match s {
-            "uneven" => Ok(ShardLayout::Uneven),
-            "padded" => Ok(ShardLayout::Padded),
-            _ => Err(Error::invalid(
-                "layout",
-                format!("unknown shard layout {s:?}; expected uneven or padded"),
-            )),
-        }
-    }
-}
+named_options!(ShardLayout, field "layout", unknown "shard layout", {
+    Uneven => "uneven",
+    Padded => "padded",
+});
 
 /// One shard: the columns `start .. start + width` of the (padded)
 /// vocabulary, of which the first `real` are real entries (`< v`).

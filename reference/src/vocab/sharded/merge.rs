@@ -1,12 +1,46 @@
 //! The merges of the records the barriers reduce (the online-softmax merge
 //! and alg2's rescaled input-gradient partials).
 
+use super::super::collective::{Collective, Reduce};
 use super::super::cross_entropy::{SoftmaxStats, STATS_WIDTH};
+use crate::error::Result;
 
 /// The online-softmax merge of two [`SoftmaxStats`] records (alg1's barrier).
 pub fn merge_stats(acc: &mut [f64], next: &[f64]) {
     let merged = SoftmaxStats::from_record(acc).merge(SoftmaxStats::from_record(next));
     acc[..STATS_WIDTH].copy_from_slice(&merged.to_record());
+}
+
+/// alg1's barrier: this rank's `local` statistics (`[n]`, one per token)
+/// merged with every other rank's over `comm` ([`merge_stats`], in rank
+/// order); the whole rows' statistics, `[n]`.
+///
+/// # Errors
+/// The collective's.
+pub fn merge_stats_over(
+    comm: &dyn Collective,
+    local: &[SoftmaxStats],
+) -> Result<Vec<SoftmaxStats>> {
+    let mut record: Vec<f64> = local.iter().flat_map(|s| s.to_record()).collect();
+    comm.all_reduce(&mut [Reduce::Merge {
+        data: &mut record,
+        width: STATS_WIDTH,
+        op: merge_stats,
+    }])?;
+    Ok(record
+        .chunks(STATS_WIDTH)
+        .map(SoftmaxStats::from_record)
+        .collect())
+}
+
+/// The statistics of the records `acc` (set `K`) and `next` (set `L`), each
+/// with its factor to the common maximum `m = max(m_K, m_L)`: `((K, e_K),
+/// (L, e_L))`, `e_K = exp(m_K - m)`.
+fn to_common_max(acc: &[f64], next: &[f64]) -> ((SoftmaxStats, f64), (SoftmaxStats, f64)) {
+    let a = SoftmaxStats::from_record(acc);
+    let b = SoftmaxStats::from_record(next);
+    let m = a.max.max(b.max);
+    ((a, a.scale_to(m)), (b, b.scale_to(m)))
 }
 
 /// alg2's merge of records `[stats (4), Y (h), Z (h)]`.
@@ -32,10 +66,7 @@ pub fn merge_stats(acc: &mut [f64], next: &[f64]) {
 /// to 1, so nothing cancels.
 pub fn merge_alg2(acc: &mut [f64], next: &[f64]) {
     let h = (acc.len() - STATS_WIDTH) / 2;
-    let a = SoftmaxStats::from_record(acc);
-    let b = SoftmaxStats::from_record(next);
-    let m = a.max.max(b.max);
-    let (ea, eb) = (a.scale_to(m), b.scale_to(m));
+    let ((a, ea), (b, eb)) = to_common_max(acc, next);
     let (sa, sb) = (a.sum_exp() * ea, b.sum_exp() * eb);
     let (y_a, z_a) = acc[STATS_WIDTH..].split_at_mut(h);
     let (y_b, z_b) = next[STATS_WIDTH..].split_at(h);
@@ -51,10 +82,7 @@ pub fn merge_alg2(acc: &mut [f64], next: &[f64]) {
 /// Σ_i alpha_i A_i = Σ_j p_j W_j` (the z-loss part of `∂L/∂x`).
 pub fn merge_alg2_z_loss(acc: &mut [f64], next: &[f64]) {
     let h = (acc.len() - STATS_WIDTH) / 3;
-    let a = SoftmaxStats::from_record(acc);
-    let b = SoftmaxStats::from_record(next);
-    let m = a.max.max(b.max);
-    let (ea, eb) = (a.scale_to(m), b.scale_to(m));
+    let ((_, ea), (_, eb)) = to_common_max(acc, next);
     let at = STATS_WIDTH + 2 * h;
     for k in 0..h {
         acc[at + k] = ea * acc[at + k] + eb * next[at + k];

@@ -50,19 +50,16 @@ mod merge;
 mod passes;
 mod rank;
 
-use std::fmt;
-use std::str::FromStr;
-
 use ndarray::{Array1, Array2, ArrayView2};
 use serde::Serialize;
 
 use super::collective::{run_ranks, CollectiveCounts};
 use super::cross_entropy::{check_linear, check_logits, SoftmaxStats};
 use super::{check_logits_size, LossCall};
-use crate::error::{Error, Result};
+use crate::error::Result;
 
 pub use map::{Shard, ShardLayout, ShardMap, MAX_SHARDS};
-pub use merge::{merge_alg2, merge_alg2_z_loss, merge_stats, Alg2Record};
+pub use merge::{merge_alg2, merge_alg2_z_loss, merge_stats, merge_stats_over, Alg2Record};
 pub use passes::{local_delta, local_probability};
 pub use rank::{
     check_rank_inputs, cross_entropy_rank, linear_cross_entropy_rank, linear_cross_entropy_rank_s,
@@ -88,15 +85,6 @@ impl ShardedAlgorithm {
         ShardedAlgorithm::Alg1,
         ShardedAlgorithm::Alg2,
     ];
-
-    /// The name used in JSON and on the command line.
-    pub fn name(self) -> &'static str {
-        match self {
-            ShardedAlgorithm::Naive => "naive",
-            ShardedAlgorithm::Alg1 => "alg1",
-            ShardedAlgorithm::Alg2 => "alg2",
-        }
-    }
 
     /// The barriers the algorithm needs: for the output layer with gradients
     /// (`linear && want_grad`) 3, 2, 1 for naive, alg1, alg2; otherwise (no
@@ -130,26 +118,11 @@ impl ShardPlan {
     }
 }
 
-impl fmt::Display for ShardedAlgorithm {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl FromStr for ShardedAlgorithm {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<Self> {
-        match s {
-            "naive" => Ok(ShardedAlgorithm::Naive),
-            "alg1" => Ok(ShardedAlgorithm::Alg1),
-            "alg2" => Ok(ShardedAlgorithm::Alg2),
-            _ => Err(Error::invalid(
-                "algorithm",
-                format!("unknown sharded algorithm {s:?}; expected naive, alg1 or alg2"),
-            )),
-        }
-    }
-}
+named_options!(display ShardedAlgorithm, field "algorithm", unknown "sharded algorithm", {
+    Naive => "naive",
+    Alg1 => "alg1",
+    Alg2 => "alg2",
+});
 
 /// The result of a sharded run: every rank's [`RankLoss`].
 #[derive(Debug, Clone, PartialEq)]
@@ -240,7 +213,7 @@ impl ShardedLoss {
 /// w]` (`w >= v`; columns `v..` are padding values, masked) and `targets: [n]`.
 ///
 /// # Errors
-/// As [`super::cross_entropy()`]; [`Error::ShapeMismatch`] for `w < v`.
+/// As [`super::cross_entropy()`]; [`Error::ShapeMismatch`](crate::error::Error::ShapeMismatch) for `w < v`.
 pub fn sharded_cross_entropy(
     algorithm: ShardedAlgorithm,
     map: &ShardMap,
@@ -267,7 +240,7 @@ pub fn sharded_cross_entropy(
 /// `weight: [w, h]` (`w >= v`; rows `v..` are padding rows, never read).
 ///
 /// # Errors
-/// As [`super::linear_cross_entropy`]; [`Error::ShapeMismatch`] for `w < v`.
+/// As [`super::linear_cross_entropy`]; [`Error::ShapeMismatch`](crate::error::Error::ShapeMismatch) for `w < v`.
 pub fn sharded_linear_cross_entropy(
     algorithm: ShardedAlgorithm,
     map: &ShardMap,
@@ -298,18 +271,10 @@ pub fn sharded_linear_cross_entropy(
 /// optimized `alg2`).
 ///
 /// # Errors
-/// [`Error::ShapeMismatch`] naming `targets`; [`super::LossConfig::validate`]'s and
+/// [`Error::ShapeMismatch`](crate::error::Error::ShapeMismatch) naming `targets`; [`super::LossConfig::validate`]'s and
 /// [`super::LossConfig::targets`]'.
 pub fn check_inputs(n: usize, call: &LossCall, v: usize) -> Result<()> {
-    if call.targets.len() != n {
-        return Err(Error::ShapeMismatch {
-            field: "targets".into(),
-            expected: format!("[n] with n = {n} (the rows of the logits)"),
-            actual: vec![call.targets.len()],
-        });
-    }
-    call.check_upstream(n)?;
-    call.config.validate(v)?;
+    call.check_rows(n, "the rows of the logits", v)?;
     call.config.targets(call.targets, v)?;
     Ok(())
 }

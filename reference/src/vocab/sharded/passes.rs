@@ -2,7 +2,7 @@
 
 use ndarray::{Array1, Array2, ArrayView2, Axis, Slice};
 
-use super::super::collective::{Collective, Reduce};
+use super::super::collective::Collective;
 use super::super::cross_entropy::{
     check_row, count_and_sum, target_term, token_loss, SoftmaxStats, STATS_WIDTH,
 };
@@ -11,7 +11,7 @@ use super::super::sum;
 use super::super::LossCall;
 use crate::error::Result;
 
-use super::merge::{merge_stats, Alg2Record};
+use super::merge::{merge_stats_over, Alg2Record};
 use super::rank::{
     check_rank_inputs, Grads, Linear, LinearGrads, Meter, RankLoss, RankRun, SState,
 };
@@ -324,16 +324,7 @@ impl<'a> RankRun<'a> {
         let local = self.local_stats(&z);
         // Barrier 1: (m_i, s_i, target) records, online-softmax merge.
         self.meter.hold(STATS_WIDTH * n);
-        let mut record: Vec<f64> = local.iter().flat_map(|s| s.to_record()).collect();
-        self.comm.all_reduce(&mut [Reduce::Merge {
-            data: &mut record,
-            width: STATS_WIDTH,
-            op: merge_stats,
-        }])?;
-        let global: Vec<SoftmaxStats> = record
-            .chunks(STATS_WIDTH)
-            .map(SoftmaxStats::from_record)
-            .collect();
+        let global = merge_stats_over(self.comm, &local)?;
         self.s_state(z, local, global, want_grad)
     }
 

@@ -355,13 +355,5 @@ pub fn check_rank_inputs(
             ),
         ));
     }
-    if call.targets.len() != n {
-        return Err(Error::ShapeMismatch {
-            field: "targets".into(),
-            expected: format!("[n] with n = {n}"),
-            actual: vec![call.targets.len()],
-        });
-    }
-    call.check_upstream(n)?;
-    call.config.validate(map.vocab_size())
+    call.check_rows(n, "", map.vocab_size())
 }
