@@ -5,8 +5,8 @@
 //! f64 reference's. The call's inputs travel as one value (the op's own
 //! [`Qkv`], [`Varlen`], [`Masked`], [`Grad`] for attention; [`CeCall`],
 //! [`LinearCall`], [`EmbeddingCall`], re-exported here, for the vocabulary
-//! ops) that can run the same call on any implementation, so a hook reads as "the reference (or a kernel) on these
-//! inputs, then the fault".
+//! ops) that can run the same call on any implementation, so a hook reads as
+//! "the reference (or a kernel) on these inputs, then the fault".
 
 use ndarray::ArrayView3;
 use packshard_reference::attention::ReferenceAttention;

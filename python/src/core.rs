@@ -261,10 +261,14 @@ pub fn attention_judged(
     let f = |x: &Array3<f64>| baseline32::to_f32(&x.view());
     let (q32, k32, v32) = (f(&q), f(&k), f(&v));
     let scale = a.scale() as f32;
-    // Self-attention: the keys' segments are the queries'.
-    let qkv = (q32.view(), k32.view(), v32.view());
-    let cu = (&a.cu_seqlens[..], &a.cu_seqlens[..]);
-    let (o, lse) = baseline32::varlen_attention_general(qkv.0, qkv.1, qkv.2, cu, a.causal, scale);
+    let (o, lse) = baseline32::varlen_attention(
+        q32.view(),
+        k32.view(),
+        v32.view(),
+        &a.cu_seqlens,
+        a.causal,
+        scale,
+    );
     let w = |x: &Array3<f32>| t3(baseline32::to_f64(&x.view()));
     let mut base: Fields = vec![
         ("output", w(&o)),
@@ -272,12 +276,15 @@ pub fn attention_judged(
     ];
     if let Some(go) = &go {
         let go32 = f(go);
-        let [gq, gk, gv] = baseline32::varlen_attention_general_backward(
-            qkv,
-            cu,
+        let [gq, gk, gv] = baseline32::varlen_attention_backward(
+            q32.view(),
+            k32.view(),
+            v32.view(),
+            &a.cu_seqlens,
             a.causal,
             scale,
-            (o.view(), lse.view()),
+            o.view(),
+            lse.view(),
             go32.view(),
         );
         base.push(("grad_q", w(&gq)));

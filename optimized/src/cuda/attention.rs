@@ -504,41 +504,65 @@ impl Gpu {
         // SAFETY: matches `attn_bwd_delta`; buffers sized [n, h, d] and [h, n].
         driver("launch attn_bwd_delta", unsafe { b.launch(l.config()) })?;
 
-        let qkv = [&bufs.q, &bufs.k, &bufs.v];
-        let saved = [&bufs.lse, &bufs.delta, &bufs.grad_out];
         let tiled = (form, &scalars);
-        self.launch_tiled_backward(plan.dq(), qkv, saved, tiled, &mut [&mut bufs.gq])?;
-        let dkv = &mut [&mut bufs.gk, &mut bufs.gv];
-        self.launch_tiled_backward(plan.dkv(), qkv, saved, tiled, dkv)
+        self.launch_tiled_backward(TiledBackward::Dq, plan, bufs, tiled)?;
+        self.launch_tiled_backward(TiledBackward::Dkv, plan, bufs, tiled)
     }
 
-    /// One of the tiled backward launches, `attn_bwd_dq` (`grads = [gq]`) or
-    /// `attn_bwd_dkv` (`grads = [gk, gv]`): the parameters every tiled kernel
+    /// One of the tiled backward launches, `attn_bwd_dq` (writes `gq`) or
+    /// `attn_bwd_dkv` (writes `gk, gv`): the parameters every tiled kernel
     /// starts with ([`push_tiled`]), then `lse, delta, grad_output`, then
-    /// the gradients it writes, each `[n_tok, h, d]`.
+    /// the gradients it writes, each `[n_tok, h, d]`. `which` chooses the
+    /// kernel and the buffers it writes together.
     fn launch_tiled_backward(
         &self,
-        l: Launch,
-        qkv: [&CudaSlice<f32>; 3],
-        [lse, delta, grad_out]: [&CudaSlice<f32>; 3],
+        which: TiledBackward,
+        plan: &Plan,
+        bufs: &mut BwdBuffers,
         (form, scalars): (&DeviceForm, &Scalars),
-        grads: &mut [&mut CudaSlice<f32>],
     ) -> Result<()> {
+        let BwdBuffers {
+            q,
+            k,
+            v,
+            grad_out,
+            lse,
+            delta,
+            gq,
+            gk,
+            gv,
+            ..
+        } = bufs;
+        let l = match which {
+            TiledBackward::Dq => plan.dq(),
+            TiledBackward::Dkv => plan.dkv(),
+        };
         let f = self.function("attention", l.entry)?;
         let mut b = self.stream().launch_builder(&f);
-        push_tiled(&mut b, qkv, form, scalars);
-        b.arg(lse).arg(delta).arg(grad_out);
-        for g in grads.iter_mut() {
-            b.arg(&mut **g);
-        }
-        // SAFETY: matches `attn_bwd_dq` and `attn_bwd_dkv` in attention.cu,
-        // whose parameter lists differ only in the gradients at the end;
-        // buffers sized [n, h, d] and [h, n] (`BwdBuffers`).
+        push_tiled(&mut b, [&*q, &*k, &*v], form, scalars);
+        b.arg(&*lse).arg(&*delta).arg(&*grad_out);
+        match which {
+            TiledBackward::Dq => b.arg(gq),
+            TiledBackward::Dkv => b.arg(gk).arg(gv),
+        };
+        // SAFETY: matches `attn_bwd_dq` (`which` Dq) or `attn_bwd_dkv`
+        // (`which` Dkv) in attention.cu, whose parameter lists differ only
+        // in the gradients at the end; every buffer is one of `BwdBuffers`,
+        // sized [n, h, d] or [h, n] for `plan`'s shape.
         driver(&format!("launch {}", l.entry), unsafe {
             b.launch(l.config())
         })?;
         Ok(())
     }
+}
+
+/// Which tiled backward kernel [`Gpu::launch_tiled_backward`] launches.
+#[derive(Debug, Clone, Copy)]
+enum TiledBackward {
+    /// `attn_bwd_dq`: writes `grad_q`.
+    Dq,
+    /// `attn_bwd_dkv`: writes `grad_k` and `grad_v`.
+    Dkv,
 }
 
 fn upload_form(gpu: &Gpu, form: Form<'_>) -> Result<DeviceForm> {

@@ -48,14 +48,14 @@ fn array2(t: Tensor) -> Array2<f64> {
 }
 
 /// The gradient request of a loss case, as read by [`grad_request`].
-struct Grad {
+struct LossGrad {
     /// `want_grad`.
     want: bool,
     /// `grad_output`, where given.
     upstream: Option<Vec<f64>>,
 }
 
-impl Grad {
+impl LossGrad {
     /// The request a [`LossCall`] carries.
     fn request(&self) -> GradRequest<'_> {
         GradRequest::of(self.want, self.upstream.as_deref())
@@ -66,10 +66,10 @@ impl Grad {
 /// the optional upstream gradient `grad_output` (`[n]` under the reduction
 /// `none`, `[1]` under `sum` and `mean`; docs/FAULTS.md O2), which needs
 /// `want_grad: true` (as the embedding's).
-fn grad_request(case: &Case) -> Result<Grad, EvalError> {
+fn grad_request(case: &Case) -> Result<LossGrad, EvalError> {
     let want_grad = case.opt_bool("want_grad")?.unwrap_or(false);
     if !case.has("grad_output") {
-        return Ok(Grad {
+        return Ok(LossGrad {
             want: want_grad,
             upstream: None,
         });
@@ -81,7 +81,7 @@ fn grad_request(case: &Case) -> Result<Grad, EvalError> {
         ));
     }
     let g = case.tensor("grad_output", 1, "[n] (reduction none) or [1]")?;
-    Ok(Grad {
+    Ok(LossGrad {
         want: true,
         upstream: Some(g.data),
     })
@@ -334,7 +334,7 @@ pub(super) fn cross_entropy_op(value: &Value, imp: &str) -> Result<Value, EvalEr
     let (config, v, run) = loss_options(&case, width)?;
     let call = LossCall::new(&targets, &config, grad.request());
     let list = registry::cross_entropy();
-    let (mut out, grad) = match run {
+    let (mut out, grad_logits) = match run {
         Run::Unsharded => {
             let op = make(&list, imp)?;
             let real = logits.slice_axis(Axis(1), Slice::from(..v));
@@ -357,7 +357,7 @@ pub(super) fn cross_entropy_op(value: &Value, imp: &str) -> Result<Value, EvalEr
     if imp != registry::REFERENCE {
         out.insert("impl".into(), json!(imp));
     }
-    if let Some(g) = grad {
+    if let Some(g) = grad_logits {
         out.insert("grad_logits".into(), matrix(&widen_columns(&g, width)));
     }
     Ok(Value::Object(out))

@@ -122,9 +122,11 @@ impl DecoderConfig {
     /// # Errors
     /// [`Error::InvalidArgument`] naming the field.
     pub fn validate(&self) -> Result<()> {
-        // Every size but `num_layers` (the last; bounded below).
-        let sizes = self.sizes();
-        ensure_nonzero(&sizes[..sizes.len() - 1])?;
+        // Every size but `num_layers` (bounded below).
+        let sizes: Vec<_> = (self.sizes().into_iter())
+            .filter(|&(name, _)| name != "num_layers")
+            .collect();
+        ensure_nonzero(&sizes)?;
         let (h, h_kv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
         ensure(h.is_multiple_of(h_kv), "num_kv_heads", || {
             format!(

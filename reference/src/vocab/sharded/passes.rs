@@ -457,7 +457,16 @@ impl<'a> RankRun<'a> {
 }
 
 /// `softmax'_j - q_j` of the local softmax `l` (the stable form for a
-/// confident target; `-q` for an all `-inf` shard).
+/// confident target; `-q` for an all `-inf` shard): one element of a shard's
+/// local gradient before alg2's T-pass correction (Yeung et al.,
+/// arXiv:2411.05288, Algorithm 2).
+///
+/// `l`: the row's statistics over this shard's columns; `zij`: the
+/// shard-local logit of token `i`, column `j` (softcapped where the call
+/// asks for it); `q`: the target distribution's entry for that token and
+/// column (`q_ij`: the target's weight at the target column, the label
+/// smoothing share elsewhere, 0 for padding and ignored tokens). Unitless;
+/// never fails.
 pub fn local_delta(l: &SoftmaxStats, zij: f64, q: f64) -> f64 {
     if l.sum_exp() == 0.0 {
         -q
@@ -466,7 +475,10 @@ pub fn local_delta(l: &SoftmaxStats, zij: f64, q: f64) -> f64 {
     }
 }
 
-/// `softmax'_j` of the local softmax `l` (0 for an all `-inf` shard).
+/// `softmax'_j` of the local softmax `l` (0 for an all `-inf` shard): the
+/// local probability alg2's T pass rescales to the global softmax (Yeung et
+/// al., arXiv:2411.05288, Algorithm 2). `l` and `zij` as in
+/// [`local_delta`]. Unitless; never fails.
 pub fn local_probability(l: &SoftmaxStats, zij: f64) -> f64 {
     if l.sum_exp() == 0.0 {
         0.0
