@@ -41,7 +41,8 @@ fn case(m: &DecoderModel, fields: Value) -> Value {
     let mut o = Map::new();
     o.insert("op".into(), json!("decoder_forward_backward"));
     // `hidden_size` is left out: the op derives it as `h * d`.
-    for (k, v) in m.config.sizes() {
+    let layers = ("num_layers", m.config.num_layers);
+    for (k, v) in m.config.dims().into_iter().chain([layers]) {
         if k != "hidden_size" {
             o.insert(k.into(), json!(v));
         }

@@ -14,6 +14,8 @@ use packshard::golden::io::{load, serialize, Tensor};
 use packshard::golden::{self, cases, Dtype, GoldenCase, Values};
 use serde_json::{json, Value};
 
+mod common;
+
 fn temp_dir(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("packshard-golden-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
@@ -39,10 +41,9 @@ fn text(o: &ProcOutput) -> String {
 /// `needles`.
 fn says(args: &[&str], code: i32, needles: &[&str]) -> ProcOutput {
     let o = packshard(args);
-    assert_eq!(o.status.code(), Some(code), "{}", text(&o));
-    for needle in needles {
-        assert!(text(&o).contains(needle), "want {needle:?} in {}", text(&o));
-    }
+    let out = text(&o);
+    assert_eq!(o.status.code(), Some(code), "{out}");
+    common::assert_mentions(&out, needles);
     o
 }
 

@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 
 mod common;
-use common::{packshard, temp_path};
+use common::{packshard, succeeded, temp_path};
 
 /// `packshard pack ARGS --plot SVG`, which must succeed: its standard
 /// output.
@@ -13,9 +13,7 @@ fn plot(args: &[&str], svg: &Path) -> String {
     let mut all = vec!["pack"];
     all.extend(args);
     all.extend(["--plot", svg.to_str().unwrap()]);
-    let o = packshard(&all, None);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    String::from_utf8_lossy(&o.stdout).into_owned()
+    succeeded(&packshard(&all, None))
 }
 
 /// The texts of every `<text>` element of the SVG at `path`, after checking

@@ -9,24 +9,17 @@
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
-fn packshard(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_packshard"))
-        .args(args)
-        .output()
-        .expect("packshard runs")
-}
+mod common;
+use common::{packshard, stderr_text, stdout_text, temp_path};
 
 fn text(out: &Output) -> (String, String) {
-    (
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
+    (stdout_text(out), stderr_text(out))
 }
 
 /// `packshard <args>`, which must exit with status 2 (bad usage): its
 /// stdout and stderr.
 fn refused(args: &[&str]) -> (String, String) {
-    let out = packshard(args);
+    let out = packshard(args, None);
     let (stdout, stderr) = text(&out);
     assert_eq!(out.status.code(), Some(2), "{args:?}: {stdout}{stderr}");
     (stdout, stderr)
@@ -141,16 +134,19 @@ fn pipeline_prints_the_equivalence_check_and_the_balance_report() {
         ));
         return;
     }
-    let plot = std::env::temp_dir().join(format!("packshard-balance-{}.svg", std::process::id()));
-    let out = packshard(&[
-        "pipeline",
-        "--ranks",
-        "2",
-        "--iterations",
-        "1",
-        "--plot",
-        plot.to_str().expect("utf-8 temp path"),
-    ]);
+    let plot = temp_path("balance", "plot.svg");
+    let out = packshard(
+        &[
+            "pipeline",
+            "--ranks",
+            "2",
+            "--iterations",
+            "1",
+            "--plot",
+            plot.to_str().expect("utf-8 temp path"),
+        ],
+        None,
+    );
     let (stdout, stderr) = text(&out);
     assert_eq!(out.status.code(), Some(0), "{stdout}{stderr}");
     assert!(

@@ -426,8 +426,7 @@ pub fn run_attention_suite_with(
     for (i, (name, lengths, pad)) in fault_cases().into_iter().enumerate() {
         for (h, d) in [(1, 1), (2, 3)] {
             let case = AttentionCase::seeded(&lengths, h, d, pad, i as u64);
-            let o = check_attention_with(imp, &case, tol)
-                .map_err(|m| Mismatch::new(format!("{name}: {}", m.what), m.detail))?;
+            let o = check_attention_with(imp, &case, tol).map_err(|m| m.within(name))?;
             seen.merge(o);
         }
     }
@@ -734,7 +733,7 @@ pub fn run_attention_relative_suite(
     round: fn(f64) -> f64,
 ) -> Result<RelativeReport, Mismatch> {
     let mut report = RelativeReport::default();
-    let named = |name: &str, m: Mismatch| Mismatch::new(format!("{name}: {}", m.what), m.detail);
+    let named = |name: &str, m: Mismatch| m.within(name);
     for (i, (name, lengths, pad)) in fault_cases().into_iter().enumerate() {
         for (h, d) in [(1, 1), (2, 3)] {
             let case = AttentionCase::seeded(&lengths, h, d, pad, i as u64);

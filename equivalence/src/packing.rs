@@ -539,7 +539,7 @@ pub fn tokens_for(lengths: &[usize]) -> Vec<Vec<i64>> {
 /// The first failure, with the case that produced it (shrunk by proptest).
 pub fn run_suite<I: Packer + Batcher>(imp: &I, cases: u32) -> Result<(), Mismatch> {
     for (name, lengths, config, offset) in fault_cases() {
-        let with_case = |m: Mismatch| Mismatch::new(format!("{name}: {}", m.what), m.detail);
+        let with_case = |m: Mismatch| m.within(name);
         check_packer(imp, &lengths, &config).map_err(with_case)?;
         check_batcher(imp, BatchInput::new(&tokens_for(&lengths), &config, offset))
             .map_err(with_case)?;

@@ -15,7 +15,7 @@ use packshard_reference::ops::{
     AttentionOp, AttentionSupport, CrossEntropyOp, Embedding, EmbeddingOp, LinearCrossEntropyOp,
     LinearInput, LinearLoss, LossOp, LossSupport, Varlen,
 };
-pub use packshard_reference::ops::{CeCall, EmbeddingCall, LinearCall, LossInputs};
+pub use packshard_reference::ops::{CeCall, EmbeddingCall, LinearCall};
 use packshard_reference::ops::{Grad, Masked, Qkv};
 use packshard_reference::vocab::cross_entropy::CrossEntropy;
 use packshard_reference::vocab::embedding::ShardedEmbedding;

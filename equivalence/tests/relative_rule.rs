@@ -55,7 +55,7 @@ fn two_legitimate_f32_baselines_differ_by_over_8x_on_single_small_tensors() {
         let cu = case.cu_seqlens();
         let (_, wg) = case.varlen_pass(&ReferenceAttention).unwrap();
         let inputs = case.inputs_f32();
-        let x = [&inputs[0], &inputs[1], &inputs[2], &inputs[3]];
+        let x = inputs.each_ref();
         let scale = wg.grad_q.iter().fold(0.0f64, |m, v| m.max(v.abs()));
         let err = |g: Array3<f32>| {
             g.iter()

@@ -354,67 +354,18 @@ impl Params {
     }
 }
 
-/// A layer's tensors, mutable, in the order of [`layer_named`].
-pub fn layer_tensors_mut(p: &mut LayerParams) -> [ArrayViewMutD<'_, f64>; 16] {
-    [
-        p.query_w.view_mut().into_dyn(),
-        p.query_b.view_mut().into_dyn(),
-        p.key_w.view_mut().into_dyn(),
-        p.key_b.view_mut().into_dyn(),
-        p.value_w.view_mut().into_dyn(),
-        p.value_b.view_mut().into_dyn(),
-        p.attn_out_w.view_mut().into_dyn(),
-        p.attn_out_b.view_mut().into_dyn(),
-        p.attn_ln_g.view_mut().into_dyn(),
-        p.attn_ln_b.view_mut().into_dyn(),
-        p.inter_w.view_mut().into_dyn(),
-        p.inter_b.view_mut().into_dyn(),
-        p.out_w.view_mut().into_dyn(),
-        p.out_b.view_mut().into_dyn(),
-        p.out_ln_g.view_mut().into_dyn(),
-        p.out_ln_b.view_mut().into_dyn(),
-    ]
+/// A layer's tensors, mutable, in the order of [`layer_named`]
+/// ([`LayerParams::named_mut`]).
+pub fn layer_tensors_mut(p: &mut LayerParams) -> Vec<ArrayViewMutD<'_, f64>> {
+    p.named_mut().into_iter().map(|(_, t)| t).collect()
 }
 
-/// The tensors of layer `l` with their Hugging Face names.
+/// The tensors of layer `l` with their Hugging Face names
+/// ([`LayerParams::named`] under `encoder.layer.{l}.`).
 pub fn layer_named(l: usize, p: &LayerParams) -> Vec<(String, ArrayViewD<'_, f64>)> {
-    let n = |s: &str| format!("encoder.layer.{l}.{s}");
-    vec![
-        (
-            n("attention.self.query.weight"),
-            p.query_w.view().into_dyn(),
-        ),
-        (n("attention.self.query.bias"), p.query_b.view().into_dyn()),
-        (n("attention.self.key.weight"), p.key_w.view().into_dyn()),
-        (n("attention.self.key.bias"), p.key_b.view().into_dyn()),
-        (
-            n("attention.self.value.weight"),
-            p.value_w.view().into_dyn(),
-        ),
-        (n("attention.self.value.bias"), p.value_b.view().into_dyn()),
-        (
-            n("attention.output.dense.weight"),
-            p.attn_out_w.view().into_dyn(),
-        ),
-        (
-            n("attention.output.dense.bias"),
-            p.attn_out_b.view().into_dyn(),
-        ),
-        (
-            n("attention.output.LayerNorm.weight"),
-            p.attn_ln_g.view().into_dyn(),
-        ),
-        (
-            n("attention.output.LayerNorm.bias"),
-            p.attn_ln_b.view().into_dyn(),
-        ),
-        (n("intermediate.dense.weight"), p.inter_w.view().into_dyn()),
-        (n("intermediate.dense.bias"), p.inter_b.view().into_dyn()),
-        (n("output.dense.weight"), p.out_w.view().into_dyn()),
-        (n("output.dense.bias"), p.out_b.view().into_dyn()),
-        (n("output.LayerNorm.weight"), p.out_ln_g.view().into_dyn()),
-        (n("output.LayerNorm.bias"), p.out_ln_b.view().into_dyn()),
-    ]
+    (p.named().into_iter())
+        .map(|(s, t)| (format!("encoder.layer.{l}.{s}"), t))
+        .collect()
 }
 
 /// Values in a layer.

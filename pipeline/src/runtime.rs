@@ -412,23 +412,20 @@ impl Exec<'_> {
         Array2::zeros((self.mbs[m].len(), self.h()))
     }
 
-    /// The previous stage's rank (`up`, toward stage 0) or the next one's.
-    fn neighbour(&self, up: bool) -> usize {
-        if up {
-            self.rank - 1
-        } else {
-            self.rank + 1
-        }
-    }
-
-    fn peer(&self, up: bool) -> mpi::topology::Process<'_> {
-        self.comm.process_at_rank(self.neighbour(up) as i32)
-    }
-
-    fn traced_p2p<T>(&self, peer: usize, trace: &Trace, f: impl FnOnce() -> T) -> T {
+    /// Runs `f` with the neighbour `up` (the previous stage, toward stage
+    /// 0) or down (the next one), and records the time as a p2p event with
+    /// that rank.
+    fn traced_p2p<T>(
+        &self,
+        up: bool,
+        trace: &Trace,
+        f: impl FnOnce(&mpi::topology::Process<'_>) -> T,
+    ) -> T {
+        let rank = if up { self.rank - 1 } else { self.rank + 1 };
+        let peer = self.comm.process_at_rank(rank as i32);
         let start = Trace::now();
-        let out = f();
-        trace.record(EventClass::P2p { peer }, start, Trace::now());
+        let out = f(&peer);
+        trace.record(EventClass::P2p { peer: rank }, start, Trace::now());
         out
     }
 
@@ -437,8 +434,8 @@ impl Exec<'_> {
     fn receive(&self, m: usize, up: bool, trace: &Trace) -> Array2<f64> {
         let mut buf = self.zeros(m);
         let slice = buf.as_slice_mut().expect("fresh arrays are contiguous");
-        self.traced_p2p(self.neighbour(up), trace, || {
-            self.peer(up).receive_into_with_tag(slice, tag(m, !up))
+        self.traced_p2p(up, trace, |peer| {
+            peer.receive_into_with_tag(slice, tag(m, !up))
         });
         buf
     }
@@ -447,9 +444,7 @@ impl Exec<'_> {
     /// input gradient) or down (its output activation).
     fn send(&self, m: usize, x: &Array2<f64>, up: bool, trace: &Trace) {
         let slice = x.as_slice().expect("contiguous");
-        self.traced_p2p(self.neighbour(up), trace, || {
-            self.peer(up).send_with_tag(slice, tag(m, up))
-        });
+        self.traced_p2p(up, trace, |peer| peer.send_with_tag(slice, tag(m, up)));
     }
 
     /// [`Exec::send`] of microbatch `send`'s `x` and [`Exec::receive`] of
@@ -464,14 +459,13 @@ impl Exec<'_> {
     ) -> Array2<f64> {
         let mut buf = self.zeros(recv);
         let out = buf.as_slice_mut().expect("contiguous");
-        self.traced_p2p(self.neighbour(up), trace, || {
-            let peer = self.peer(up);
+        self.traced_p2p(up, trace, |peer| {
             send_receive_into_with_tags(
                 x.as_slice().expect("contiguous"),
-                &peer,
+                peer,
                 tag(send, up),
                 out,
-                &peer,
+                peer,
                 tag(recv, !up),
             )
         });

@@ -157,12 +157,11 @@ pub fn run_layer_suite_with(
         any::<u64>(),
     );
     let suite = format!("{} layer suite", IMPL);
-    let seen = Observed::default();
     crate::run_cases(
         cases,
         &strategy,
         &suite,
-        seen,
+        Observed::default(),
         |seen, (lengths, pad, config, seed)| {
             let row_len = lengths.iter().copied().max().unwrap_or(0) + pad;
             seen.merge(check_layer_with(
@@ -319,7 +318,7 @@ pub fn run_layer_relative_suite(
     let mut report = RelativeReport::default();
     for (i, (name, config, lengths)) in layer_tile_cases().into_iter().enumerate() {
         let r = check_layer_relative(imp, &config, &lengths, 40 + i as u64, rule)
-            .map_err(|m| Mismatch::new(format!("{name}: {}", m.what), m.detail))?;
+            .map_err(|m| m.within(name))?;
         report.merge(r);
     }
     let strategy = (

@@ -39,46 +39,32 @@ fn parts(p: LayerPass) -> (Array2<f64>, Array2<f64>, LayerParams) {
     (p.output, p.grad_x, p.grads)
 }
 
-/// `vec![(name, p.field.$view().into_dyn()), ..]` over a layer's parameters,
-/// named and ordered as Hugging Face's `BertLayer` names them: the one list
-/// [`layer_tensors`] and [`layer_tensors_mut`] read.
-macro_rules! named_layer_params {
-    ($p:expr, $view:ident) => {
-        named_layer_params!(@map $p, $view;
-            "query.weight" => query_w,
-            "query.bias" => query_b,
-            "key.weight" => key_w,
-            "key.bias" => key_b,
-            "value.weight" => value_w,
-            "value.bias" => value_b,
-            "attention.output.dense.weight" => attn_out_w,
-            "attention.output.dense.bias" => attn_out_b,
-            "attention.output.LayerNorm.weight" => attn_ln_g,
-            "attention.output.LayerNorm.bias" => attn_ln_b,
-            "intermediate.dense.weight" => inter_w,
-            "intermediate.dense.bias" => inter_b,
-            "output.dense.weight" => out_w,
-            "output.dense.bias" => out_b,
-            "output.LayerNorm.weight" => out_ln_g,
-            "output.LayerNorm.bias" => out_ln_b,
-        )
-    };
-    (@map $p:expr, $view:ident; $($name:literal => $field:ident,)*) => {
-        vec![$(($name, $p.$field.$view().into_dyn())),*]
-    };
+/// A parameter's name in the suites' messages: its Hugging Face `BertLayer`
+/// name ([`LayerParams::named`]), the query/key/value ones without their
+/// `attention.self.` prefix (`query.weight`).
+fn short_name(name: &'static str) -> &'static str {
+    name.strip_prefix("attention.self.").unwrap_or(name)
 }
 
-/// Each parameter as `(name, row-major values, shape)`.
+/// Each parameter as `(name, row-major values, shape)`, in
+/// [`LayerParams::named`]'s order.
 fn layer_tensors(p: &LayerParams) -> Vec<(&'static str, Vec<f64>, Vec<usize>)> {
-    let views: Vec<(&'static str, ndarray::ArrayViewD<'_, f64>)> = named_layer_params!(p, view);
-    views
-        .into_iter()
-        .map(|(n, a)| (n, a.iter().copied().collect(), a.shape().to_vec()))
+    (p.named().into_iter())
+        .map(|(n, a)| {
+            (
+                short_name(n),
+                a.iter().copied().collect(),
+                a.shape().to_vec(),
+            )
+        })
         .collect()
 }
 
+/// As [`layer_tensors`], the tensors mutable.
 fn layer_tensors_mut(p: &mut LayerParams) -> Vec<(&'static str, ndarray::ArrayViewMutD<'_, f64>)> {
-    named_layer_params!(p, view_mut)
+    (p.named_mut().into_iter())
+        .map(|(n, a)| (short_name(n), a))
+        .collect()
 }
 
 fn finite(what: &str, values: &[f64]) -> Result<(), Mismatch> {
@@ -552,12 +538,8 @@ pub fn run_bert_suite(imp: &dyn BertImpl, cases: u32) -> Result<SuiteReport, Mis
                 0,
                 i as u64,
             );
-            run(&mut report, &case).map_err(|m| {
-                Mismatch::new(
-                    format!("{name} ({}): {}", reduction.name(), m.what),
-                    m.detail,
-                )
-            })?;
+            run(&mut report, &case)
+                .map_err(|m| m.within(&format!("{name} ({})", reduction.name())))?;
         }
     }
     let suite = format!("{} BERT suite", IMPL);

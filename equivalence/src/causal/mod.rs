@@ -415,12 +415,7 @@ impl CausalCase {
         }
         for (d, doc) in self.documents.iter().enumerate() {
             if doc.len() > self.row_len {
-                return Err(Error::SequenceTooLong {
-                    field: "documents".into(),
-                    index: d,
-                    length: doc.len(),
-                    max_seq_len: self.row_len,
-                });
+                return Err(Error::too_long("documents", d, doc.len(), self.row_len));
             }
         }
         Ok(())

@@ -26,8 +26,7 @@ fn checked_loss(
     rule: Rule,
     name: &str,
 ) -> Result<ShardedLoss, Mismatch> {
-    check_cross_entropy_with(imp, algorithm, case, true, rule)
-        .map_err(|m| Mismatch::new(format!("{name}: {}", m.what), m.detail))?;
+    check_cross_entropy_with(imp, algorithm, case, true, rule).map_err(|m| m.within(name))?;
     sharded_ce(imp, algorithm, case, false, name)
 }
 
@@ -73,7 +72,7 @@ pub(super) const LAYOUTS: [ShardLayout; 2] = [ShardLayout::Uneven, ShardLayout::
 /// # Errors
 /// The first failure, named by its docs/FAULTS.md entry.
 pub fn check_cross_entropy_faults(imp: &dyn CrossEntropyOp, rule: Rule) -> Result<(), Mismatch> {
-    let named = |name: &str, m: Mismatch| Mismatch::new(format!("{name}: {}", m.what), m.detail);
+    let named = |name: &str, m: Mismatch| m.within(name);
     for algorithm in imp.algorithms() {
         // V1: label smoothing with the global vocabulary size.
         for (convention, want) in [
@@ -246,7 +245,7 @@ pub fn check_cross_entropy_faults(imp: &dyn CrossEntropyOp, rule: Rule) -> Resul
 /// # Errors
 /// The first failure, named by its docs/FAULTS.md entry.
 pub fn check_linear_faults(imp: &dyn LinearCrossEntropyOp, rule: Rule) -> Result<(), Mismatch> {
-    let named = |name: &str, m: Mismatch| Mismatch::new(format!("{name}: {}", m.what), m.detail);
+    let named = |name: &str, m: Mismatch| m.within(name);
     for algorithm in imp.algorithms() {
         // V3: the input gradient is summed over the shards, on every rank.
         let case = LinearCase {
@@ -384,7 +383,7 @@ fn o1_loss(name: &str, loss: f64) -> Result<(), Mismatch> {
 /// # Errors
 /// The first failure, named by its docs/FAULTS.md entry.
 pub fn check_embedding_faults(imp: &dyn EmbeddingOp, rule: Rule) -> Result<(), Mismatch> {
-    let named = |name: &str, m: Mismatch| Mismatch::new(format!("{name}: {}", m.what), m.detail);
+    let named = |name: &str, m: Mismatch| m.within(name);
     // V5: id == V or negative is an error in both layers.
     let weight = Array2::from_shape_fn((5, 3), |(j, k)| (j * 3 + k) as f64);
     for layout in LAYOUTS {

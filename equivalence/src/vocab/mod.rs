@@ -127,6 +127,13 @@ impl CeCase {
 }
 
 impl LinearCase {
+    /// The weight's real rows, `[v, h]`: the padding rows `v..` of a padded
+    /// split cut off (all of it where it has fewer rows than `v`).
+    pub fn real_weight(&self) -> ArrayView2<'_, f64> {
+        let v = self.map.vocab_size().min(self.weight.nrows());
+        self.weight.slice_axis(Axis(0), Slice::from(..v))
+    }
+
     /// As [`CeCase::call`].
     pub fn call(&self, want_grad: bool) -> LossCall<'_> {
         let grad = GradRequest::of(want_grad, self.grad_output.as_deref());
@@ -390,9 +397,7 @@ fn ce_ok(case: &CeCase) -> bool {
 
 /// Whether the reference accepts `case` (the real rows of its weight).
 fn linear_ok(case: &LinearCase) -> bool {
-    let v = case.map.vocab_size().min(case.weight.nrows());
-    let real = case.weight.slice_axis(Axis(0), Slice::from(..v));
-    linear_cross_entropy(case.hidden.view(), real, &case.call(false)).is_ok()
+    linear_cross_entropy(case.hidden.view(), case.real_weight(), &case.call(false)).is_ok()
 }
 
 type RunCe<'a> = dyn Fn(&CeCase) -> Result<ShardedLoss, Error> + 'a;
@@ -534,10 +539,7 @@ fn linear_with(
         weight: c.weight.mapv(baseline32::round_f32),
         ..c.clone()
     });
-    let v = case.map.vocab_size();
-    let real = case
-        .weight
-        .slice_axis(Axis(0), Slice::from(..v.min(case.weight.nrows())));
+    let real = case.real_weight();
     let expected = linear_cross_entropy(case.hidden.view(), real, &case.call(want_grad));
     let actual = no_panic(IMPL, || run(case))?;
     let Some((mut expected, (actual, traded))) = same_outcome(expected, actual)? else {
@@ -551,14 +553,9 @@ fn linear_with(
     match rule {
         // Under this rule a reported trade earns no allowance: judged as exact.
         Rule::Terms => compare_linear(algorithm, case, &expected, &actual, want_grad),
-        Rule::Relative(rule) => compare_linear_relative(
-            algorithm,
-            case,
-            (real, &expected),
-            (&actual, traded),
-            want_grad,
-            rule,
-        ),
+        Rule::Relative(rule) => {
+            compare_linear_relative(algorithm, case, &expected, &actual, traded, want_grad, rule)
+        }
     }
 }
 
@@ -575,10 +572,7 @@ pub fn compare_linear(
     actual: &ShardedLoss,
     want_grad: bool,
 ) -> Result<(), Mismatch> {
-    let v = case.map.vocab_size();
-    let real = case
-        .weight
-        .slice_axis(Axis(0), Slice::from(..v.min(case.weight.nrows())));
+    let real = case.real_weight();
     let terms = Terms::new(expected.logits.view(), &case.call(want_grad), &expected.ce);
     let g = &terms.grad_logits;
     if let Some(want) = &expected.grad_hidden {

@@ -176,17 +176,18 @@ pub(super) fn check_loss_relative(
     check_counts(algorithm, actual, linear, want_grad)
 }
 
-/// [`compare_linear`] under a [`RelativeRule`], for the f32-rounded `case`
-/// whose real weight rows are `real`, with the error the implementation
-/// reports it `traded`.
+/// [`compare_linear`] under a [`RelativeRule`], for the f32-rounded `case`,
+/// with the error the implementation reports it `traded`.
 pub(super) fn compare_linear_relative(
     algorithm: Option<ShardedAlgorithm>,
     case: &LinearCase,
-    (real, expected): (ArrayView2<'_, f64>, &LinearCrossEntropy),
-    (actual, traded): (&ShardedLoss, Option<TradedError>),
+    expected: &LinearCrossEntropy,
+    actual: &ShardedLoss,
+    traded: Option<TradedError>,
     want_grad: bool,
     rule: RelativeRule,
 ) -> Result<(), Mismatch> {
+    let real = case.real_weight();
     // An approximate kernel's gradients are allowed the error it reports
     // it traded on top of rounding (a bound, checked: the error must stay
     // inside it); everything else is judged as any other's.

@@ -504,9 +504,8 @@ impl Gpu {
         // SAFETY: matches `attn_bwd_delta`; buffers sized [n, h, d] and [h, n].
         driver("launch attn_bwd_delta", unsafe { b.launch(l.config()) })?;
 
-        let tiled = (form, &scalars);
-        self.launch_tiled_backward(TiledBackward::Dq, plan, bufs, tiled)?;
-        self.launch_tiled_backward(TiledBackward::Dkv, plan, bufs, tiled)
+        self.launch_tiled_backward(TiledBackward::Dq, plan, bufs, form, &scalars)?;
+        self.launch_tiled_backward(TiledBackward::Dkv, plan, bufs, form, &scalars)
     }
 
     /// One of the tiled backward launches, `attn_bwd_dq` (writes `gq`) or
@@ -519,7 +518,8 @@ impl Gpu {
         which: TiledBackward,
         plan: &Plan,
         bufs: &mut BwdBuffers,
-        (form, scalars): (&DeviceForm, &Scalars),
+        form: &DeviceForm,
+        scalars: &Scalars,
     ) -> Result<()> {
         let BwdBuffers {
             q,
@@ -533,9 +533,9 @@ impl Gpu {
             gv,
             ..
         } = bufs;
-        let l = match which {
-            TiledBackward::Dq => plan.dq(),
-            TiledBackward::Dkv => plan.dkv(),
+        let (l, what) = match which {
+            TiledBackward::Dq => (plan.dq(), "launch attn_bwd_dq"),
+            TiledBackward::Dkv => (plan.dkv(), "launch attn_bwd_dkv"),
         };
         let f = self.function("attention", l.entry)?;
         let mut b = self.stream().launch_builder(&f);
@@ -549,9 +549,7 @@ impl Gpu {
         // (`which` Dkv) in attention.cu, whose parameter lists differ only
         // in the gradients at the end; every buffer is one of `BwdBuffers`,
         // sized [n, h, d] or [h, n] for `plan`'s shape.
-        driver(&format!("launch {}", l.entry), unsafe {
-            b.launch(l.config())
-        })?;
+        driver(what, unsafe { b.launch(l.config()) })?;
         Ok(())
     }
 }

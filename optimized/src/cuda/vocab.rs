@@ -558,15 +558,8 @@ pub fn sharded_linear_cross_entropy(
         let row_max: Vec<f32> = global.iter().map(|g| g.max as f32).collect();
         let row_rest: Vec<f32> = global.iter().map(|g| g.rest as f32).collect();
         let row_scale: Vec<f32> = token_weights.iter().map(|&w| w as f32).collect();
-        let row_zl: Vec<f32> = global
-            .iter()
-            .map(|g| {
-                if c == 0.0 {
-                    0.0
-                } else {
-                    (2.0 * c * g.logsumexp()) as f32
-                }
-            })
+        let row_zl: Vec<f32> = (global.iter())
+            .map(|g| crate::vocab::z_loss_factor(c, g) as f32)
             .collect();
         let rows = RowInputs {
             q_target: &q_target,

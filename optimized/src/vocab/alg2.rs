@@ -218,17 +218,7 @@ pub fn cross_entropy_rank(
         .as_standard_layout()
         .into_owned();
     let flat = z.as_slice_mut().expect("standard");
-    cap_tile(flat, sh.real, 0, sh.real, config.softcap);
-    let mut local = vec![SoftmaxStats::EMPTY; n];
-    merge_tile_stats(
-        z.as_slice().expect("standard"),
-        sh.real,
-        0,
-        sh.real,
-        &sh.rows,
-        0,
-        &mut local,
-    );
+    let local = capped_row_stats(flat, (n, sh.real), &sh.rows, config.softcap);
     let mut record: Vec<f64> = local.iter().flat_map(|s| s.to_record()).collect();
     let global = Alg2Record::new(0, false, 0.0).all_reduce(sh.comm, &mut record)?;
     let forward = sh.rows.losses(&global)?;

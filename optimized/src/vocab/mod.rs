@@ -182,6 +182,7 @@ pub mod alg2;
 mod rows;
 mod tiled;
 
+pub(crate) use rows::z_loss_factor;
 use rows::*;
 pub use tiled::{linear_cross_entropy_tiled, linear_cross_entropy_tiled_filtered};
 
@@ -491,8 +492,9 @@ fn capped_logits_tile(
 }
 
 /// Each row's softmax statistics over the whole of `flat` (`[n, v]`, standard
-/// layout) after capping it in place: the unsharded kernels' one pass over
-/// materialized logits.
+/// layout) after capping it in place: the one pass over materialized logits
+/// of the unsharded kernels and of alg2's per-rank cross-entropy (`v` then
+/// the shard's real width).
 fn capped_row_stats(
     flat: &mut [f32],
     (n, v): (usize, usize),

@@ -217,7 +217,7 @@ pub(super) fn cap_tile(buf: &mut [f32], width: usize, j0: usize, tile: usize, ca
 /// the coefficient `c = z_loss` and the row's (global) statistics `st`;
 /// exactly 0 without z-loss (an infinite `lse` never meets `c = 0`).
 #[inline(always)]
-pub(super) fn z_loss_factor(z_loss: f64, st: &SoftmaxStats) -> f64 {
+pub(crate) fn z_loss_factor(z_loss: f64, st: &SoftmaxStats) -> f64 {
     if z_loss == 0.0 {
         0.0
     } else {

@@ -11,6 +11,7 @@ use packshard_reference::decoder::packing::{
     loss_weights, next_token_labels, position_ids_from_cu_seqlens, seq_idx_from_cu_seqlens,
     varlen_from_doc_ids, CausalReduction,
 };
+use packshard_reference::error::check_len;
 use packshard_reference::vocab::IGNORE_INDEX;
 use serde_json::{json, Value};
 
@@ -35,28 +36,6 @@ fn one_of<'f>(case: &Case, fields: &[&'f str]) -> Result<&'f str, EvalError> {
             format!("give exactly one of {}", fields.join(", ")),
         )),
     }
-}
-
-/// Checks that `field`, `len` long, has one entry per input id: `[dim] =
-/// [n]`.
-///
-/// # Errors
-/// `shape_mismatch` naming `field`.
-pub(super) fn one_per_input_id(
-    field: &str,
-    dim: &str,
-    len: usize,
-    n: usize,
-) -> Result<(), EvalError> {
-    if len != n {
-        return Err(packshard_reference::Error::ShapeMismatch {
-            field: field.into(),
-            expected: format!("[{dim}] = [{n}] (one per input id)"),
-            actual: vec![len],
-        }
-        .into());
-    }
-    Ok(())
 }
 
 /// The ids as JSON integers.
@@ -115,7 +94,7 @@ pub(super) fn causal_labels(value: &Value) -> Result<Value, EvalError> {
     let (doc_ids, given_docs) = match one_of(&case, &["doc_ids", "cu_seqlens"])? {
         "doc_ids" => {
             let d = case.usize_list("doc_ids")?;
-            one_per_input_id("doc_ids", "n_slots", d.len(), n)?;
+            check_len("doc_ids", d.len(), "n_slots", n, "one per input id")?;
             check_doc_ids(&d)?;
             let docs: std::collections::HashSet<usize> =
                 d.iter().copied().filter(|&x| x != 0).collect();

@@ -12,11 +12,11 @@ use packshard_reference::decoder::packing::{
 };
 use packshard_reference::decoder::params::MAX_TENSOR;
 use packshard_reference::decoder::{DecoderConfig, DecoderModel, DecoderParams, Mlp, Norm};
+use packshard_reference::error::check_len;
 use packshard_reference::vocab::IGNORE_INDEX;
 use serde_json::{json, Value};
 
 use super::attention::nested2;
-use super::causal::one_per_input_id;
 use super::{check_values, num, Case, EvalError};
 use crate::causal_lm::VarlenInput;
 
@@ -243,7 +243,7 @@ pub(super) fn decoder_forward_backward(value: &Value) -> Result<Value, EvalError
                 ));
             }
             let l = case.i64_list("labels")?;
-            one_per_input_id("labels", "n", l.len(), n)?;
+            check_len("labels", l.len(), "n", n, "one per input id")?;
             l
         }
         false => next_token_labels(&input_ids, &doc_ids, case.opt_i64("eos_token_id")?)?,

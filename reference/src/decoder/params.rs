@@ -70,11 +70,11 @@ impl DecoderConfig {
         )
     }
 
-    /// The seven sizes by their field names, in declaration order:
+    /// The six model dimensions by their field names, in declaration order:
     /// `vocab_size`, `hidden_size`, `num_heads`, `num_kv_heads`, `head_dim`,
-    /// `intermediate_size`, `num_layers` (what [`DecoderConfig::validate`]
-    /// checks, and what a `decoder_forward_backward` case spells out).
-    pub fn sizes(&self) -> [(&'static str, usize); 7] {
+    /// `intermediate_size` (each must be non-zero, [`DecoderConfig::validate`];
+    /// `num_layers`, which may be 0, is not among them).
+    pub fn dims(&self) -> [(&'static str, usize); 6] {
         // Each name is its field's own (`stringify!`): they cannot drift apart.
         macro_rules! named {
             ($($field:ident),*) => { [$((stringify!($field), self.$field)),*] };
@@ -85,8 +85,7 @@ impl DecoderConfig {
             num_heads,
             num_kv_heads,
             head_dim,
-            intermediate_size,
-            num_layers
+            intermediate_size
         )
     }
 
@@ -122,11 +121,7 @@ impl DecoderConfig {
     /// # Errors
     /// [`Error::InvalidArgument`] naming the field.
     pub fn validate(&self) -> Result<()> {
-        // Every size but `num_layers` (bounded below).
-        let sizes: Vec<_> = (self.sizes().into_iter())
-            .filter(|&(name, _)| name != "num_layers")
-            .collect();
-        ensure_nonzero(&sizes)?;
+        ensure_nonzero(&self.dims())?;
         let (h, h_kv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
         ensure(h.is_multiple_of(h_kv), "num_kv_heads", || {
             format!(

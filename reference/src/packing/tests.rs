@@ -401,8 +401,7 @@ proptest! {
         limit in prop::option::of(1usize..=4),
     ) {
         for (algorithm, best) in [(Algorithm::Ffd, false), (Algorithm::Bfd, true)] {
-            let config = PackingConfig::new(algorithm, 12).with_max_sequences_per_pack(limit);
-            let got = pack_histogram(&Histogram::from_lengths(&lengths).unwrap(), &config).unwrap().strategies;
+            let got = pack(&Histogram::from_lengths(&lengths).unwrap(), algorithm, 12, limit).1.strategies;
             let want = canonicalize(naive_fit(&lengths, 12, limit.unwrap_or(usize::MAX), best));
             prop_assert_eq!(got, want, "{}", algorithm);
         }

@@ -33,12 +33,7 @@ pub struct PackBound {
 /// hold for what is packed: apply the overlong policy first).
 fn check_counts(counts: &[u64], max_seq_len: usize) -> Result<()> {
     match (max_seq_len + 1..counts.len()).find(|&l| counts[l] > 0) {
-        Some(l) => Err(Error::SequenceTooLong {
-            field: "histogram".into(),
-            index: l,
-            length: l,
-            max_seq_len,
-        }),
+        Some(l) => Err(Error::too_long("histogram", l, l, max_seq_len)),
         None => Ok(()),
     }
 }
