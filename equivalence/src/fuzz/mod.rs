@@ -13,7 +13,10 @@
 //! - [`fuzz_random`], a quick driver for `cargo test` (pseudo-random byte
 //!   strings, no libFuzzer needed);
 //! - [`replay_dirs`], which replays committed inputs (seeds and inputs that
-//!   ever failed) so a fixed failure stays fixed.
+//!   ever failed) so a fixed failure stays fixed;
+//! - [`schedule::fuzz_budgeted`], the default checks' driver: small cases
+//!   first, then a bounded number of large, tile- and chunk-crossing ones
+//!   (the first byte of an input is its [`schedule::SizeClass`]).
 //!
 //! | op | body | cases | rule |
 //! |---|---|---|---|
@@ -43,6 +46,7 @@ use crate::compare::Tolerance;
 
 pub mod attention;
 pub mod packing;
+pub mod schedule;
 pub mod values;
 pub mod vocab;
 
