@@ -145,3 +145,64 @@ fn the_absolute_floor_scales_with_the_tensor() {
     .is_ok());
     assert!(assert_close("t", &[1.0, 0.0], &[1.0, 1e-3], &[2], Tolerance::F64_REWRITE).is_err());
 }
+
+/// Every named tolerance is pinned by behaviour at its stated size: an error
+/// just inside what its docs derive passes, just outside fails. A constant
+/// whose formula changes (`64.0 * EPS` to `64.0 + EPS`, a factor dropped)
+/// widens or narrows the judge of every suite unnoticed otherwise.
+#[test]
+fn named_tolerances_hold_the_size_their_docs_state() {
+    // `|a - e| <= rel |e| + abs scale`; with e = 1 and scale 1 the allowance
+    // is rel + abs: 128 ulp of f64 for the 64-ulp rules, 128 of f32 for
+    // F32_REWRITE.
+    for (tol, ulp) in [
+        (Tolerance::F64_REWRITE, f64::EPSILON),
+        (crate::vocab::TERMS, f64::EPSILON),
+        (Tolerance::F32_REWRITE, f32::EPSILON as f64),
+    ] {
+        let at = |n: f64| assert_close("t", &[1.0], &[1.0 + n * ulp], &[1], tol);
+        assert!(at(120.0).is_ok(), "{}: 120 ulp must pass", tol.name);
+        assert!(at(136.0).is_err(), "{}: 136 ulp must fail", tol.name);
+        assert!(tol.name.contains("64 ulp"), "{}", tol.name);
+    }
+    assert!(assert_close("t", &[1.0], &[1.0 + f64::EPSILON], &[1], Tolerance::EXACT).is_err());
+    // The relative rules: the numbers their names state.
+    let f32_eps = f32::EPSILON as f64;
+    let r = RelativeRule::F32;
+    assert_eq!((r.k, r.k_tensor, r.floor, r.eps), (4.0, 32.0, 4.0, f32_eps));
+    assert!(
+        r.name.contains("4 x") && r.name.contains("32 x"),
+        "{}",
+        r.name
+    );
+    let f = RelativeRule::F32_FUZZ;
+    assert_eq!(
+        (f.k, f.k_tensor, f.floor, f.eps),
+        (4.0, 32.0, 256.0, f32_eps)
+    );
+    assert!(
+        f.name.contains("32 x") && f.name.contains("256 ulp"),
+        "{}",
+        f.name
+    );
+    // Per tensor: error 32 x the baseline's passes, 33 x fails (floor
+    // negligible at a scale of 1 and a baseline error of 1e-3).
+    let e = [1.0, 0.5];
+    let b = [1.0 + 1e-3, 0.5];
+    let within = |k: f64| {
+        assert_within_k(
+            "t",
+            &e,
+            &b,
+            &[1.0 + k * 1e-3, 0.5],
+            &[2],
+            RelativeRule::F32,
+            Allowance::default(),
+        )
+    };
+    assert!(
+        within(31.9).is_ok(),
+        "31.9 x the baseline's error must pass"
+    );
+    assert!(within(33.0).is_err(), "33 x the baseline's error must fail");
+}

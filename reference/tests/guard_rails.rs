@@ -200,3 +200,33 @@ fn rope_frequencies_refuse_odd_and_zero_head_dims() {
         assert_eq!(f[0], 1.0);
     }
 }
+
+/// A dense mask must be `[n_q, n_k]` exactly: one row or column too many or
+/// too few, or the two swapped, is refused naming `mask` (a kernel that took
+/// a wrong-shaped mask would read past it or ignore keys).
+#[test]
+fn dense_masks_of_any_other_shape_are_refused_naming_mask() {
+    use packshard_reference::attention::{check_mask_shape, check_mask_shape2};
+    assert!(check_mask_shape2(&[3, 5], 3, 5).is_ok());
+    assert!(check_mask_shape(&[4, 4], 4).is_ok());
+    for (shape, n_q, n_k) in [
+        (vec![3, 4], 3, 5),
+        (vec![4, 5], 3, 5),
+        (vec![5, 3], 3, 5),
+        (vec![3, 5, 1], 3, 5),
+        (vec![15], 3, 5),
+        (vec![0, 0], 1, 1),
+    ] {
+        let e = check_mask_shape2(&shape, n_q, n_k)
+            .expect_err(&format!("mask {shape:?} for [{n_q}, {n_k}] accepted"));
+        assert!(
+            matches!(&e, Error::ShapeMismatch { field, actual, .. } if field == "mask" && *actual == shape),
+            "{e}"
+        );
+    }
+    let e = check_mask_shape(&[4, 5], 4).expect_err("a [4, 5] mask for n = 4 accepted");
+    assert!(
+        matches!(&e, Error::ShapeMismatch { field, .. } if field == "mask"),
+        "{e}"
+    );
+}

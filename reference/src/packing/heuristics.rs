@@ -455,6 +455,44 @@ mod key_index_tests {
     use super::*;
     use rand::{Rng, SeedableRng};
 
+    /// `smallest_in` and `largest_in` of both key indexes against a scan of
+    /// the keys filed, for every range `lo..=hi` around the edges of 64-bit
+    /// words (a key at `hi` itself, at `lo` itself, at bit 63 and 64, and
+    /// ranges past the last key the bitset holds).
+    #[test]
+    fn key_queries_find_the_edge_keys_of_every_range() {
+        for msl in [63usize, 64, 65, 127, 128, 129] {
+            let keys: Vec<usize> = [1, 2, 62, 63, 64, 65, 100, 126, 127, 128, 129]
+                .into_iter()
+                .filter(|&k| k <= msl)
+                .step_by(2)
+                .chain([msl])
+                .collect();
+            for dense in [true, false] {
+                let mut packs = OpenPacks::with_keys(msl, 4, dense);
+                for &k in &keys {
+                    packs.push(k, (1, 0, 1));
+                }
+                for lo in 0..=msl + 2 {
+                    for hi in lo..=msl + 70 {
+                        let inside = keys.iter().copied().filter(|k| (lo..=hi).contains(k));
+                        let (want_lo, want_hi) = (inside.clone().min(), inside.max());
+                        assert_eq!(
+                            packs.smallest_in(lo, hi),
+                            want_lo,
+                            "smallest_in({lo}, {hi}), msl {msl}, dense {dense}, keys {keys:?}"
+                        );
+                        assert_eq!(
+                            packs.largest_in(lo, hi),
+                            want_hi,
+                            "largest_in({lo}, {hi}), msl {msl}, dense {dense}, keys {keys:?}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
     /// The dense key index (bitset) and the ordered map give the same packs,
     /// in the same order, on random histograms, including keys at the edges
     /// of 64-bit words (max_seq_len around 64 and 128).
