@@ -11,6 +11,7 @@ use std::cell::Cell;
 use ndarray::{Array2, ArrayView3};
 use packshard_equivalence::fuzz::attention::{self as fa, AttentionFuzzCase};
 use packshard_equivalence::fuzz::packing::{self as fp, PackFuzzCase};
+use packshard_equivalence::fuzz::schedule::{fuzz_budgeted, Budget};
 use packshard_equivalence::fuzz::vocab as fv;
 use packshard_equivalence::fuzz::{fuzz_random, replay_dirs, Failure, Outcome, ReplayError};
 use packshard_equivalence::packing::{BatchInput, Batcher, Packer, Reference as RefPacking};
@@ -81,7 +82,15 @@ fn reference_vocab_passes_arbitrary_cases() {
         ),
     ];
     for (name, body, inputs) in bodies {
-        let seen = fuzz_random(inputs, 2, |d| body(d)).unwrap_or_else(|f| panic!("{f}"));
+        // Random byte strings are large one in eight (their first byte):
+        // 190 large cases of each op would take a minute. The budget runs
+        // the same number of inputs, as many of them large as the default
+        // (tests/fuzz_vocab_sizes.rs runs the default budget itself).
+        let budget = Budget {
+            cases: inputs,
+            large: Budget::DEFAULT.large,
+        };
+        let seen = fuzz_budgeted(budget, 2, |d| body(d)).unwrap_or_else(|f| panic!("{f}"));
         eprintln!("{name}: {seen:?}");
         assert_eq!(seen.cases, inputs);
         // Mostly compared value by value, some bad inputs refused alike.
@@ -601,7 +610,7 @@ fn vocab_fuzz_targets_reach_every_kind() {
 #[test]
 fn worst_ulps_are_taken_once_per_case() {
     use packshard_equivalence::vocab::take_worst_ulps;
-    let seen = fuzz_random(300, 2, |d| {
+    let seen = fuzz_budgeted(Budget::small(300), 2, |d| {
         fv::run_cross_entropy(&ReferenceCrossEntropy, TOL, d)
     })
     .unwrap_or_else(|f| panic!("{f}"));
