@@ -12,6 +12,8 @@ use serde_json::{json, Value};
 mod common;
 use common::{packshard, stderr_text as stderr, temp_path};
 
+#[path = "hostile_edges/budget.rs"]
+mod budget;
 #[path = "hostile_edges/golden.rs"]
 mod golden;
 #[path = "hostile_edges/numerics.rs"]
