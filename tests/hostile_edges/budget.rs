@@ -132,3 +132,96 @@ fn out_of_range_integers_and_tiny_options_read_as_written() {
         assert!(m.contains("-1e-300") && m.len() < 120, "{m}");
     }
 }
+
+#[test]
+fn bench_sizes_are_held_to_the_budget_before_any_work() {
+    // 10^8 sequences: refused from the sizes alone (it took 20 s before).
+    let t = std::time::Instant::now();
+    let o = capped(
+        CAP_MIB,
+        "1GiB",
+        &["bench", "--sequences", "100000000"],
+        None,
+    );
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert_clean(&o, "bench 1e8");
+    assert!(
+        stderr(&o).starts_with("packshard: sequences:"),
+        "{}",
+        stderr(&o)
+    );
+    // 2 s: process start and argument parsing, nothing drawn or timed.
+    assert!(t.elapsed().as_secs_f64() < 2.0, "{:?}", t.elapsed());
+    // A cross-entropy size over the budget names its index.
+    let o = capped(
+        CAP_MIB,
+        "1GiB",
+        &[
+            "bench",
+            "--quick",
+            "--only",
+            "ce",
+            "--ce-sizes",
+            "64x8,100000000x1024",
+        ],
+        None,
+    );
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("ce_sizes[1]"), "{}", stderr(&o));
+}
+
+#[test]
+fn a_bad_eos_token_id_is_named_as_given() {
+    let base = json!({
+        "op": "decoder_forward_backward", "vocab_size": 3, "num_heads": 1, "head_dim": 2,
+        "intermediate_size": 2, "num_layers": 0, "input_ids": [0, 1, 2],
+        "model.embed_tokens.weight": [[0.1, 0.2], [0.3, -0.1], [0.5, 0.2]],
+        "model.norm.weight": [1.0, 1.0],
+        "lm_head.weight": [[0.1, 0.2], [0.3, -0.1], [0.5, 0.2]],
+    });
+    for eos in [7, -5] {
+        let mut c = base.clone();
+        c["eos_token_id"] = json!(eos);
+        refused(&c, "eos_token_id");
+    }
+    // A negative control: a good eos runs, and labels out of range are
+    // still named labels[i].
+    let mut c = base.clone();
+    c["eos_token_id"] = json!(2);
+    answered(&c);
+    c.as_object_mut().unwrap().remove("eos_token_id");
+    c["labels"] = json!([1, 9, 0]);
+    let (code, v) = eval(&c);
+    assert_eq!(code, 2);
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .starts_with("labels[1]"),
+        "{v}"
+    );
+}
+
+#[test]
+fn many_unknown_fields_are_checked_in_linear_time() {
+    // 100,000 unknown keys took 13 s (each checked against a list of all).
+    let mut c = json!({
+        "op": "decoder_forward_backward", "vocab_size": 3, "num_heads": 1, "head_dim": 2,
+        "intermediate_size": 2, "num_layers": 0, "input_ids": [0],
+    });
+    for i in 0..100_000 {
+        c[format!("junk{i}")] = json!(0);
+    }
+    let t = std::time::Instant::now();
+    let (code, v) = eval(&c);
+    assert_eq!(code, 2, "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("unknown field"),
+        "{v}"
+    );
+    // 3 s: parsing 2 MB of JSON in a test build, with room for a loaded machine.
+    assert!(t.elapsed().as_secs_f64() < 3.0, "{:?}", t.elapsed());
+}

@@ -26,9 +26,12 @@ impl<'a> Case<'a> {
         let obj = value
             .as_object()
             .ok_or_else(|| EvalError::new("invalid_json", "a case must be a JSON object"))?;
+        // A set, not a scan of `allowed` per key: the decoder allows every
+        // key it was given while it reads its config, and 100,000 keys
+        // checked against a list of 100,000 took 13 s.
+        let known: std::collections::HashSet<&str> = allowed.iter().copied().collect();
         for key in obj.keys() {
-            if !["op", "impl", "want_grad"].contains(&key.as_str())
-                && !allowed.contains(&key.as_str())
+            if !["op", "impl", "want_grad"].contains(&key.as_str()) && !known.contains(key.as_str())
             {
                 return Err(EvalError::new(
                     "invalid_argument",
