@@ -101,6 +101,16 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    // One parser of the memory budget, refused alike by every subcommand
+    // (pack, check and bench ignored a bad value that the others refused);
+    // `eval` refuses it per case, as a JSON error.
+    if !matches!(cli.command, Command::Eval(_)) {
+        if let Err(e) = packshard::reference::limits::memory_budget() {
+            eprintln!("packshard: {e}");
+            out::flush();
+            return ExitCode::from(2);
+        }
+    }
     let result = match cli.command {
         Command::Pack(args) => cli::pack::run(args),
         Command::Eval(args) => cli::eval::run(args),

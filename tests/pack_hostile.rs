@@ -195,7 +195,7 @@ fn a_batch_over_the_memory_budget_is_refused_naming_the_field() {
     assert_eq!(v["error"]["kind"], "invalid_argument", "{v}");
     let message = v["error"]["message"].as_str().unwrap();
     assert!(
-        message.starts_with("max_seq_len: a batch of 1 packs x 4096 tokens needs about 1 MiB, over the memory budget of 1 MiB"),
+        message.starts_with("max_seq_len: a batch of 1 packs x 4096 tokens needs about 1.25 MiB, over the memory budget of 1 MiB"),
         "{message}"
     );
     // Within the default budget the same batch is built.

@@ -4,6 +4,7 @@
 
 use half::bf16;
 use ndarray::{Array, ArrayView, Dimension};
+use packshard_reference::vocab::LossCall;
 use packshard_reference::{Error, Result};
 
 /// `x` as f32, rounded to nearest. Non-finite values pass through (the
@@ -56,4 +57,43 @@ pub fn to_f32_real<D: Dimension>(
         x.slice_axis(axis, ndarray::Slice::from(..v.min(x.len_of(axis)))),
     )?;
     Ok(x.mapv(|v| v as f32))
+}
+
+/// A loss call's options checked as the f32 kernels' inputs are: the
+/// `softcap` (rounded to f32 by the kernels: beyond f32's range it becomes
+/// infinite, below it 0, a division by zero), the `z_loss` coefficient and
+/// the upstream `grad_output` (which scale f32 gradients: beyond f32's range
+/// every gradient overflows) within f32's range. The reference refuses the
+/// values no kernel may take (a negative softcap, a non-finite upstream);
+/// these are the ones only an f32 kernel cannot hold.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] naming `softcap`, `z_loss` or
+/// `grad_output[i]`.
+pub fn check_call_f32(call: &LossCall<'_>) -> Result<()> {
+    let beyond = |v: f64| v.is_finite() && v.abs() > f32::MAX as f64;
+    let refuse = |field: String, v: f64, why: &str| {
+        Err(Error::invalid(
+            field,
+            format!("{v:e} {why} of the f32 kernels"),
+        ))
+    };
+    if let Some(c) = call.config.softcap {
+        if beyond(c) {
+            return refuse("softcap".into(), c, "is beyond the f32 range");
+        }
+        if c > 0.0 && (c as f32) == 0.0 {
+            return refuse("softcap".into(), c, "rounds to 0 in the f32 arithmetic");
+        }
+    }
+    let z = call.config.z_loss;
+    if beyond(z) {
+        return refuse("z_loss".into(), z, "is beyond the f32 range");
+    }
+    if let Some(g) = call.grad.upstream() {
+        if let Some((i, &v)) = g.iter().enumerate().find(|(_, &v)| beyond(v)) {
+            return refuse(format!("grad_output[{i}]"), v, "is beyond the f32 range");
+        }
+    }
+    Ok(())
 }

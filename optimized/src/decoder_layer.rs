@@ -66,11 +66,23 @@ impl DecoderShape {
                 "the f32 decoder layer implements SwiGLU only",
             ));
         }
+        let eps = config.norm_eps as f32;
+        if !(eps > 0.0 && eps.is_finite()) {
+            // An option rounded to the kernel's precision is checked as its
+            // inputs are: 1e-50 rounds to 0 in f32, 1e39 to infinity.
+            return Err(Error::invalid(
+                "norm_eps",
+                format!(
+                    "{:e} rounds to {eps:e} in f32: the f32 decoder layer needs it positive and finite there",
+                    config.norm_eps
+                ),
+            ));
+        }
         Ok(DecoderShape {
             heads: config.num_heads,
             kv_heads: config.num_kv_heads,
             head_dim: config.head_dim,
-            eps: config.norm_eps as f32,
+            eps,
             rope_theta: config.rope_theta,
         })
     }
@@ -126,12 +138,19 @@ fn linear_backward(
     dx
 }
 
-/// `1 / sqrt(mean(x^2) + eps)` of each row of `x`.
-fn inv_rms(x: &Array2<f32>, eps: f32) -> Vec<f32> {
-    let w = x.ncols() as f32;
+/// `1 / sqrt(mean(x^2) + eps)` of each row of `x`, the squares summed in
+/// f64: an f32 square overflows above ~1.8e19, which normalized such rows
+/// to 0; every f32 square and a row's sum of them are finite in f64. Kept
+/// in f64, since `1 / rms` of a row near f32's largest value is below f32's
+/// smallest normal.
+fn inv_rms(x: &Array2<f32>, eps: f32) -> Vec<f64> {
+    let w = x.ncols() as f64;
     x.rows()
         .into_iter()
-        .map(|r| 1.0 / (r.iter().map(|v| v * v).sum::<f32>() / w + eps).sqrt())
+        .map(|r| {
+            let sum: f64 = r.iter().map(|&v| f64::from(v) * f64::from(v)).sum();
+            1.0 / (sum / w + f64::from(eps)).sqrt()
+        })
         .collect()
 }
 
@@ -140,8 +159,8 @@ fn inv_rms(x: &Array2<f32>, eps: f32) -> Vec<f32> {
 struct RmsNormCache {
     /// `[n, w]`: `x / rms` of each row.
     x_hat: Array2<f32>,
-    /// `[n]`: `1 / rms` of each row.
-    inv_rms: Vec<f32>,
+    /// `[n]`: `1 / rms` of each row (f64: [`inv_rms`]).
+    inv_rms: Vec<f64>,
 }
 
 /// RMSNorm of the rows of `x`: `(gamma x_hat, {x_hat, 1 / rms})`.
@@ -152,7 +171,7 @@ fn rms_norm(x: &Array2<f32>, gamma: &Array1<f32>, eps: f32) -> (Array2<f32>, Rms
     row_chunks(&mut x_hat).enumerate().for_each(|(c, chunk)| {
         for (i, row) in chunk.chunks_mut(w).enumerate() {
             let r = inv_rms[c * ROWS + i];
-            row.iter_mut().for_each(|v| *v *= r);
+            row.iter_mut().for_each(|v| *v = (f64::from(*v) * r) as f32);
         }
     });
     let y = &x_hat * gamma;
@@ -178,7 +197,7 @@ fn rms_norm_backward(
             let mean = row.iter().zip(xr).map(|(g, x)| g * x).sum::<f32>() / w as f32;
             let r = inv_rms[t];
             for (g, &x) in row.iter_mut().zip(xr) {
-                *g = r * (*g - x * mean);
+                *g = (r * f64::from(*g - x * mean)) as f32;
             }
         }
     });

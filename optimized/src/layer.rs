@@ -182,6 +182,23 @@ fn add_into(dst: &mut Array1<f32>, x: &[f32]) {
     }
 }
 
+/// `x_hat` of one row computed in f64 (mean, variance and scale), written
+/// to `x_hat` rounded to f32; returns `1 / std` rounded to f32.
+fn norm_row_f64(row: &[f32], x_hat: &mut [f32], eps: f32) -> f32 {
+    let w = row.len() as f64;
+    let mean = row.iter().map(|&v| f64::from(v)).sum::<f64>() / w;
+    let var = row
+        .iter()
+        .map(|&v| (f64::from(v) - mean) * (f64::from(v) - mean))
+        .sum::<f64>()
+        / w;
+    let s = 1.0 / (var + f64::from(eps)).sqrt();
+    for (h, &v) in x_hat.iter_mut().zip(row) {
+        *h = ((f64::from(v) - mean) * s) as f32;
+    }
+    s as f32
+}
+
 /// LayerNorm of the rows of `x` in place: returns `x_hat` and `1 / std`;
 /// `x` becomes `gamma x_hat + beta`.
 fn layer_norm(
@@ -213,6 +230,18 @@ fn layer_norm(
                 let mut var = 0.0f32;
                 for &v in row.iter() {
                     var = (v - mean).mul_add(v - mean, var);
+                }
+                if !(mean.is_finite() && var.is_finite()) {
+                    // The row's sum or squares overflowed f32 (values above
+                    // ~1.8e19 normalized to 0): this row in f64, where every
+                    // f32 square and sum is finite.
+                    *inv = norm_row_f64(row, xh, self.eps);
+                    for ((y, &h), (&g, &b)) in
+                        row.iter_mut().zip(xh.iter()).zip(self.g.iter().zip(self.b))
+                    {
+                        *y = h.mul_add(g, b);
+                    }
+                    continue;
                 }
                 let s = 1.0 / (var / w as f32 + self.eps).sqrt();
                 *inv = s;

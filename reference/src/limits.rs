@@ -60,9 +60,9 @@ pub fn check_memory(field: &str, bytes: u64, what: &str) -> Result<()> {
         return Err(Error::invalid(
             field,
             format!(
-                "{what} needs about {} MiB, over the memory budget of {} MiB (set {MEMORY_BUDGET_ENV} to raise it)",
-                bytes >> 20,
-                budget >> 20
+                "{what} needs about {}, over the memory budget of {} (set {MEMORY_BUDGET_ENV} to raise it)",
+                fmt_bytes(bytes),
+                fmt_bytes(budget)
             ),
         ));
     }
@@ -82,12 +82,41 @@ pub fn check_estimate(field: &str, bytes: Option<u64>, what: &str) -> Result<()>
             Err(Error::invalid(
                 field,
                 format!(
-                    "{what} needs more than 2^64 bytes, over the memory budget of {} MiB (set {MEMORY_BUDGET_ENV} to raise it)",
-                    budget >> 20
+                    "{what} needs more than 2^64 bytes, over the memory budget of {} (set {MEMORY_BUDGET_ENV} to raise it)",
+                    fmt_bytes(budget)
                 ),
             ))
         }
     }
+}
+
+/// A byte count in the largest binary unit it fills at least once, to 3
+/// significant digits rounded down (`512 bytes`, `3 KiB`, `1.02 MiB`,
+/// `4 GiB`): a budget under 1 MiB never reads as "0 MiB", and a need just
+/// over a budget never prints as the budget.
+pub fn fmt_bytes(bytes: u64) -> String {
+    let Some(&(unit, shift)) = [("GiB", 30), ("MiB", 20), ("KiB", 10)]
+        .iter()
+        .find(|&&(_, shift)| bytes >> shift > 0)
+    else {
+        return format!("{bytes} bytes");
+    };
+    let x = bytes as f64 / (1u64 << shift) as f64;
+    let digits = if x >= 100.0 {
+        0
+    } else if x >= 10.0 {
+        1
+    } else {
+        2
+    };
+    let p = 10f64.powi(digits);
+    let text = format!("{:.*}", digits as usize, (x * p).floor() / p);
+    let text = if text.contains('.') {
+        text.trim_end_matches('0').trim_end_matches('.')
+    } else {
+        &text
+    };
+    format!("{text} {unit}")
 }
 
 /// `f64` bytes of a tensor of `dims` (`None` on overflow).
@@ -105,7 +134,20 @@ pub fn total(parts: &[Option<u64>]) -> Option<u64> {
 
 #[cfg(test)]
 mod tests {
-    use super::{f64_bytes, parse_bytes, total};
+    use super::{f64_bytes, fmt_bytes, parse_bytes, total};
+
+    #[test]
+    fn byte_counts_print_in_the_largest_unit_they_fill() {
+        assert_eq!(fmt_bytes(0), "0 bytes");
+        assert_eq!(fmt_bytes(1000), "1000 bytes");
+        assert_eq!(fmt_bytes(4096), "4 KiB");
+        assert_eq!(fmt_bytes((1 << 20) - 1), "1023 KiB");
+        assert_eq!(fmt_bytes(5 << 20), "5 MiB");
+        // Rounded down: just over 1 MiB is not "1 MiB", never "1.03".
+        assert_eq!(fmt_bytes((1 << 20) + 20_000), "1.01 MiB");
+        assert_eq!(fmt_bytes(3 << 9), "1.5 KiB");
+        assert_eq!(fmt_bytes(4 << 30), "4 GiB");
+    }
 
     #[test]
     fn byte_counts_parse_with_binary_suffixes() {

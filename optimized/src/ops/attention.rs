@@ -3,7 +3,8 @@
 
 use ndarray::{Array2, Array3};
 use packshard_reference::attention::{
-    check_qkv_shapes, check_scores, check_varlen, AttentionGrads, AttentionOutput,
+    check_grad_values, check_qkv_shapes, check_scores, check_varlen, AttentionGrads,
+    AttentionOutput,
 };
 use packshard_reference::ops::{
     AttentionOp, AttentionSupport, Grad, Masked, Precision, Qkv, Varlen,
@@ -131,6 +132,7 @@ impl AttentionOp for TiledAttention {
 
     fn varlen_backward(&self, x: Qkv<'_>, p: &Varlen<'_>, g: Grad<'_>) -> Result<AttentionGrads> {
         check_problem(self.support(), &x, p)?;
+        check_grad_values(&g.grad_output, &x.v)?;
         let (f, go) = narrow(g)?;
         let g = with_inputs!(self.precision, x, |q, k, v| {
             varlen_attention_general_backward(q, k, v, p, &f, go.view())?
@@ -163,6 +165,7 @@ fn dense_backward(
     g: Grad<'_>,
 ) -> Result<AttentionGrads> {
     check_dense(&x, m.scale)?;
+    check_grad_values(&g.grad_output, &x.v)?;
     let n = x.q.dim().0;
     let (f, go) = narrow(g)?;
     let (allowed, scale) = ([m.allowed], m.scale as f32);

@@ -14,8 +14,8 @@
 
 use ndarray::{Array2, Array3};
 use packshard_reference::attention::{
-    check_grad_shapes, check_mask_shape2, check_qkv_shapes, check_scores, check_varlen,
-    AttentionGrads, AttentionOutput,
+    check_grad_shapes, check_grad_values, check_mask_shape2, check_qkv_shapes, check_scores,
+    check_varlen, AttentionGrads, AttentionOutput,
 };
 use packshard_reference::ops::{AttentionOp, AttentionSupport, Grad, Masked, Qkv, Varlen};
 use packshard_reference::Result;
@@ -111,14 +111,23 @@ fn run_forward(x: Qkv<'_>, mask: &dyn Mask) -> Result<AttentionOutput> {
 
 fn run_backward(x: Qkv<'_>, mask: &dyn Mask, g: Grad<'_>) -> Result<AttentionGrads> {
     let x32 = checked(&x, mask)?;
+    let grad_output = g.grad_output.clone();
     let (out, lse, go) = saved(g, x.q.dim())?;
+    check_grad_values(&grad_output, &x.v)?;
     Ok(widen_grads(backward(&x32, mask, (&out, &lse), &go)))
+}
+
+/// Query heads per key/value head, `h / h_kv`; 1 when there are no heads
+/// (`h = h_kv = 0`: no head to loop over, an empty output as the other
+/// impls answer, where the division panicked).
+fn heads_per_kv(h: usize, h_kv: usize) -> usize {
+    h.checked_div(h_kv).unwrap_or(1).max(1)
 }
 
 fn forward([q, k, v]: &[Array3<f32>; 3], mask: &dyn Mask) -> (Array3<f32>, Array2<f32>) {
     let scale = mask.scale() as f32;
     let (n, h, d) = q.dim();
-    let (n_k, group) = (k.dim().0, h / k.dim().1);
+    let (n_k, group) = (k.dim().0, heads_per_kv(h, k.dim().1));
     let mut out = Array3::<f32>::zeros((n, h, d));
     let mut lse = Array2::<f32>::from_elem((h, n), f32::NEG_INFINITY);
     let mut scores = Vec::with_capacity(n_k);
@@ -160,7 +169,7 @@ fn backward(
 ) -> [Array3<f32>; 3] {
     let scale = mask.scale() as f32;
     let (n, h, d) = q.dim();
-    let (n_k, group) = (k.dim().0, h / k.dim().1);
+    let (n_k, group) = (k.dim().0, heads_per_kv(h, k.dim().1));
     let (mut gq, mut gk, mut gv) = (
         Array3::<f32>::zeros((n, h, d)),
         Array3::<f32>::zeros(k.dim()),

@@ -13,7 +13,7 @@ use packshard_reference::vocab::sharded::ShardedLoss;
 use packshard_reference::vocab::{LossCall, ShardPlan, ShardedAlgorithm};
 use packshard_reference::{Error, Result};
 
-use crate::convert::{to_f32, to_f32_real, to_f64};
+use crate::convert::{check_call_f32, to_f32, to_f32_real, to_f64};
 use crate::vocab::{
     alg2, cross_entropy, linear_cross_entropy_fused, linear_cross_entropy_materialized,
     linear_cross_entropy_tiled, linear_cross_entropy_tiled_filtered, Chunks, CrossEntropy32,
@@ -71,6 +71,7 @@ fn sharded_alg2(
     chunks: Chunks,
 ) -> Result<ShardedLoss> {
     check_algorithm(&[alg2::ALGORITHM], plan.algorithm)?;
+    check_call_f32(call)?;
     let x = to_f32("hidden", input.hidden)?;
     let w = to_f32_real("weight", input.weight, Axis(0), plan.map.vocab_size())?;
     alg2::sharded_linear_cross_entropy(&plan.map, x.view(), w.view(), call, (chunks, false))
@@ -90,12 +91,14 @@ impl LossOp for CrossEntropyF32 {
 
 impl CrossEntropyOp for CrossEntropyF32 {
     fn cross_entropy(&self, c: CeCall<'_>) -> Result<CrossEntropy> {
+        check_call_f32(&c.call)?;
         let z = to_f32("logits", c.input)?;
         Ok(widen_ce(cross_entropy(z.view(), &c.call)?))
     }
 
     fn sharded_cross_entropy(&self, plan: ShardPlan, c: CeCall<'_>) -> Result<ShardedLoss> {
         check_algorithm(&self.algorithms(), plan.algorithm)?;
+        check_call_f32(&c.call)?;
         let z = to_f32_real("logits", c.input, Axis(1), plan.map.vocab_size())?;
         alg2::sharded_cross_entropy(&plan.map, z.view(), &c.call)
     }
@@ -132,6 +135,7 @@ macro_rules! f32_linear_op {
 
         impl LinearCrossEntropyOp for $op {
             fn linear_cross_entropy(&self, c: LinearCall<'_>) -> Result<LinearLoss> {
+                check_call_f32(&c.call)?;
                 unsharded_f32(c.input, |x, w| $kernel(self, x, w, &c.call))
             }
 

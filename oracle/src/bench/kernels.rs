@@ -341,7 +341,8 @@ pub struct CeReport {
     pub hidden: usize,
     /// Tokens.
     pub tokens: usize,
-    /// Seconds, materialized (`None` over [`MAX_MATERIALIZED_LOGITS`]).
+    /// Seconds, materialized (`None` over [`MAX_MATERIALIZED_LOGITS`] or
+    /// the memory budget).
     pub materialized_s: Option<f64>,
     /// Peak heap bytes of the materialized path.
     pub materialized_peak: Option<usize>,
@@ -450,7 +451,7 @@ pub fn cross_entropy(cfg: &BenchConfig) -> Result<Vec<CeReport>> {
         let filtered_peaked = time_filtered(cfg.reps, (x.view(), peaked.view()), &call, None)?;
         drop(peaked);
         let (mut materialized_s, mut materialized_peak) = (None, None);
-        if n * v <= MAX_MATERIALIZED_LOGITS {
+        if n * v <= MAX_MATERIALIZED_LOGITS && cfg.materialized_fits(v) {
             let mat = || linear_cross_entropy_materialized(x.view(), w.view(), &call);
             let (m, peak) = peak_since(mat);
             let m = m?;

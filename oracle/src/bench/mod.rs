@@ -154,7 +154,57 @@ impl BenchConfig {
                 ));
             }
         }
+        self.check_budget()
+    }
+
+    /// The memory the sizes ask for, against the memory budget, before any
+    /// input is drawn (`--sequences 1e8` was refused only after 20 s, and
+    /// the sizes were never held to the budget). Estimates, in f32 bytes:
+    ///
+    /// - layer, decoder and attention batches: per padded slot (`sequences
+    ///   x max_len`, the larger layout), two layouts of the buffers a layer
+    ///   keeps (~12 `hidden` wide and 3 `intermediate` wide) and the dense
+    ///   kernel's scores of one row (`heads x max_len`);
+    /// - cross-entropy per size: `tokens x hidden` inputs and their gradient,
+    ///   `v x hidden` weights three times (the weight, its gradient, the
+    ///   peaked copy). The materialized `[tokens, v]` path is skipped when
+    ///   over the budget ([`BenchConfig::materialized_fits`]).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] naming `sequences` or `ce_sizes[i]`.
+    pub fn check_budget(&self) -> Result<()> {
+        use packshard_reference::limits::check_estimate;
+        let mul = |xs: &[usize]| {
+            xs.iter()
+                .try_fold(4u64, |acc, &x| acc.checked_mul(x as u64))
+        };
+        let slots = self.sequences.checked_mul(self.max_len);
+        let per_slot = (self.hidden.checked_mul(12))
+            .and_then(|a| a.checked_add(self.intermediate.checked_mul(3)?))
+            .and_then(|a| a.checked_mul(2))
+            .and_then(|a| a.checked_add(self.heads.checked_mul(self.max_len)?));
+        let batch = slots.zip(per_slot).and_then(|(s, p)| mul(&[s, p]));
+        check_estimate("sequences", batch, "the layer and attention batch")?;
+        for (i, &(v, h)) in self.ce_sizes.iter().enumerate() {
+            let bytes = packshard_reference::limits::total(&[
+                mul(&[self.ce_tokens, h, 2]),
+                mul(&[v, h, 3]),
+            ]);
+            check_estimate(
+                &format!("ce_sizes[{i}]"),
+                bytes,
+                "the cross-entropy inputs and gradients",
+            )?;
+        }
         Ok(())
+    }
+
+    /// Whether the materialized path's `[tokens, v]` logits and their
+    /// gradient (f32) fit the memory budget (a budget that cannot be read
+    /// counts as no).
+    pub fn materialized_fits(&self, v: usize) -> bool {
+        let bytes = (self.ce_tokens as u128) * (v as u128) * 8;
+        packshard_reference::limits::memory_budget().is_ok_and(|b| bytes <= u128::from(b))
     }
 }
 

@@ -246,7 +246,23 @@ pub(super) fn decoder_forward_backward(value: &Value) -> Result<Value, EvalError
             check_len("labels", l.len(), "n", n, "one per input id")?;
             l
         }
-        false => next_token_labels(&input_ids, &doc_ids, case.opt_i64("eos_token_id")?)?,
+        false => {
+            let eos = case.opt_i64("eos_token_id")?;
+            // The default labels are input ids (checked) and eos: a bad eos
+            // is named as given, not as the labels[i] it would become.
+            if let Some(e) = eos.filter(|&e| e != IGNORE_INDEX) {
+                if e < 0 || e as u64 >= c.vocab_size as u64 {
+                    return Err(EvalError::invalid(
+                        "eos_token_id",
+                        format!(
+                            "{e} is outside 0..{} (the vocabulary) and is not the ignore index {IGNORE_INDEX}",
+                            c.vocab_size
+                        ),
+                    ));
+                }
+            }
+            next_token_labels(&input_ids, &doc_ids, eos)?
+        }
     };
     let reduction = match case.opt_str("reduction")?.unwrap_or("per-token") {
         "per-token" => CausalReduction::PerToken,

@@ -5,9 +5,12 @@
 //! any float or integer dtype, with the expected shape. A case with no
 //! output in the results is skipped (and listed), unless every case is
 //! required; a case with some outputs but not all, an output of another
-//! shape, or a name no case has, is bad input. The expected files are
-//! checked against the manifest's hashes first, so an edited golden set is
-//! refused rather than trusted.
+//! shape, or a name no case has, is bad input. The manifest is checked
+//! against its own hash (`manifest_sha256`, [`super::seal`]) and every
+//! expected tensor against the manifest's dtype, shape and sha256 first, so
+//! an edited golden set (a tolerance, a shape, a name) is refused rather
+//! than trusted; the results file's names and shapes are checked from its
+//! header before any value is read.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
@@ -15,8 +18,10 @@ use std::path::Path;
 
 use serde_json::Value;
 
-use super::io::{load, Loaded};
-use super::{fmt_e, GoldenError, Rule, FORMAT};
+use safetensors::tensor::TensorView;
+
+use super::io::{dtype_name, views, widen, Loaded};
+use super::{fmt_e, verify_seal, GoldenError, Rule, FORMAT};
 
 /// One output compared.
 #[derive(Debug, Clone, PartialEq)]
@@ -151,8 +156,18 @@ fn fmt_err(x: f64) -> String {
     }
 }
 
-fn read(path: &Path) -> Result<Vec<u8>, GoldenError> {
-    std::fs::read(path).map_err(|e| GoldenError::new(format!("{}: {e}", path.display())))
+/// Reads a file whole, after checking its size against the memory budget
+/// (`what` it is, for the message).
+fn read(path: &Path, what: &str) -> Result<Vec<u8>, GoldenError> {
+    let at = |e: &dyn std::fmt::Display| GoldenError::new(format!("{}: {e}", path.display()));
+    let len = std::fs::metadata(path).map_err(|e| at(&e))?.len();
+    packshard_reference::limits::check_memory(
+        &path.display().to_string(),
+        len,
+        &format!("reading {what}"),
+    )
+    .map_err(|e| GoldenError::new(e.to_string()))?;
+    std::fs::read(path).map_err(|e| at(&e))
 }
 
 fn field<'a>(v: &'a Value, key: &str, at: &str) -> Result<&'a Value, GoldenError> {
@@ -215,15 +230,18 @@ fn list(names: &[String]) -> String {
 /// belong to no case, or no output of any case.
 pub fn check(dir: &Path, results: &Path, require_all: bool) -> Result<Report, GoldenError> {
     let manifest_path = dir.join("manifest.json");
-    let manifest: Value = serde_json::from_slice(&read(&manifest_path)?)
+    let text = read(&manifest_path, "the manifest")?;
+    let manifest: Value = serde_json::from_slice(&text)
         .map_err(|e| GoldenError::new(format!("{}: {e}", manifest_path.display())))?;
-    let format = str_field(&manifest, "format", "manifest")?;
-    if format != FORMAT {
+    let format = manifest.get("format").and_then(Value::as_str);
+    if format != Some(FORMAT) {
         return Err(GoldenError::new(format!(
-            "{}: format {format:?}, this packshard reads {FORMAT:?}",
-            manifest_path.display()
+            "{}: format {}, this packshard reads {FORMAT:?} (regenerate the set with packshard golden)",
+            manifest_path.display(),
+            format.map_or("missing".to_string(), |f| format!("{f:?}"))
         )));
     }
+    verify_seal(&manifest_path.display().to_string(), &text)?;
     let dtype = str_field(&manifest, "dtype", "manifest")?.to_string();
     let cases = field(&manifest, "cases", "manifest")?
         .as_array()
@@ -234,22 +252,31 @@ pub fn check(dir: &Path, results: &Path, require_all: bool) -> Result<Report, Go
         let name = str_field(case, "name", &at)?;
         let file = str_field(case, "expected_file", &at)?;
         let path = dir.join(file);
-        let tensors: BTreeMap<String, Loaded> = load(&path.display().to_string(), &read(&path)?)?
-            .into_iter()
-            .collect();
+        let source = path.display().to_string();
+        let bytes = read(&path, "an expected file")?;
+        let tensors = views(&source, &bytes)?;
         let outputs = field(case, "outputs", &at)?.as_object().ok_or_else(|| {
             GoldenError::new(format!("manifest.json: {at}.outputs is not an object"))
         })?;
         for (output, o) in outputs {
             let at = format!("{at}.outputs.{output}");
-            let t = tensors.get(output).ok_or_else(|| {
-                GoldenError::new(format!("{}: tensor {output} is missing", path.display()))
-            })?;
+            let view = tensors
+                .tensor(output)
+                .map_err(|_| GoldenError::new(format!("{source}: tensor {output} is missing")))?;
+            let shape = shape_field(o, &at)?;
+            let stored = str_field(o, "dtype", &at)?;
+            if view.shape() != shape.as_slice() || dtype_name(&view) != stored {
+                return Err(GoldenError::new(format!(
+                    "{source}: tensor {output} is {} {:?}, the manifest says {stored} {shape:?} (the golden set was modified; regenerate it with packshard golden)",
+                    dtype_name(&view),
+                    view.shape()
+                )));
+            }
+            let t = widen(&source, output, &view)?;
             let sha = str_field(o, "sha256", &at)?;
             if t.sha256 != sha {
                 return Err(GoldenError::new(format!(
-                    "{}: tensor {output} does not match the manifest's sha256 (the golden set was modified; regenerate it with packshard golden)",
-                    path.display()
+                    "{source}: tensor {output} does not match the manifest's sha256 (the golden set was modified; regenerate it with packshard golden)"
                 )));
             }
             let tol = field(o, "tolerance", &at)?;
@@ -257,18 +284,25 @@ pub fn check(dir: &Path, results: &Path, require_all: bool) -> Result<Report, Go
                 case: name.to_string(),
                 output: output.clone(),
                 result: str_field(o, "result", &at)?.to_string(),
-                shape: shape_field(o, &at)?,
+                shape,
                 rule: Rule {
                     rel: num_field(tol, "rel", &format!("{at}.tolerance"))?,
                     atol: num_field(tol, "atol", &format!("{at}.tolerance"))?,
                     text: str_field(tol, "rule", &format!("{at}.tolerance"))?.to_string(),
                 },
-                values: t.values.clone(),
+                values: t.values,
             });
         }
     }
     let source = results.display().to_string();
-    let actual: BTreeMap<String, Loaded> = load(&source, &read(results)?)?.into_iter().collect();
+    let bytes = read(results, "the results file")?;
+    // Names and shapes first, from the header: no value is widened before
+    // the file is known to hold what the manifest asks for.
+    let st = views(&source, &bytes)?;
+    let actual: BTreeMap<String, TensorView<'_>> = st
+        .iter()
+        .map(|(name, view)| (name.to_string(), view))
+        .collect();
     let known: BTreeSet<&str> = expected.iter().map(|e| e.result.as_str()).collect();
     let unknown: Vec<String> = actual
         .keys()
@@ -293,9 +327,11 @@ pub fn check(dir: &Path, results: &Path, require_all: bool) -> Result<Report, Go
                     skipped.push(e.case.clone());
                 }
             }
-            Some(a) if a.shape != e.shape => wrong_shape.push(format!(
+            Some(a) if a.shape() != e.shape.as_slice() => wrong_shape.push(format!(
                 "{} {:?} (expected {:?})",
-                e.result, a.shape, e.shape
+                e.result,
+                a.shape(),
+                e.shape
             )),
             Some(_) => {}
         }
@@ -327,10 +363,12 @@ pub fn check(dir: &Path, results: &Path, require_all: bool) -> Result<Report, Go
                 .map_or("attention_varlen/output", |e| e.result.as_str())
         )));
     }
-    let rows = expected
-        .iter()
-        .filter_map(|e| actual.get(&e.result).map(|a| compare(e, a)))
-        .collect();
+    let mut rows = Vec::new();
+    for e in &expected {
+        if let Some(view) = actual.get(&e.result) {
+            rows.push(compare(e, &widen(&source, &e.result, view)?));
+        }
+    }
     Ok(Report {
         dtype,
         cases: cases.len(),

@@ -267,28 +267,49 @@ pub struct Loaded {
 /// A [`GoldenError`] naming the file (unreadable header) or the tensor (an
 /// unsupported dtype).
 pub fn load(source: &str, bytes: &[u8]) -> Result<Vec<(String, Loaded)>, GoldenError> {
-    let st = SafeTensors::deserialize(bytes)
-        .map_err(|e| GoldenError::new(format!("{source}: not a safetensors file: {e}")))?;
-    let mut out = Vec::new();
-    for (name, view) in st.tensors() {
-        let values = to_f64(view.dtype(), view.data()).ok_or_else(|| {
-            GoldenError::new(format!(
-                "{source}: tensor {name} has dtype {:?}; expected a float (F64, F32, F16, BF16) or integer dtype",
-                view.dtype()
-            ))
-        })?;
-        out.push((
-            name,
-            Loaded {
-                dtype: format!("{:?}", view.dtype()),
-                shape: view.shape().to_vec(),
-                values,
-                sha256: sha256_hex(view.data()),
-            },
-        ));
-    }
+    let st = views(source, bytes)?;
+    let mut out = st
+        .iter()
+        .map(|(name, view)| Ok((name.to_string(), widen(source, name, &view)?)))
+        .collect::<Result<Vec<_>, GoldenError>>()?;
     out.sort_by(|a, b| a.0.cmp(&b.0));
     Ok(out)
+}
+
+/// The tensors of a safetensors image, unread: names, dtypes and shapes
+/// from the header (so that they can be checked before any value is
+/// widened). `source` names the file in errors.
+///
+/// # Errors
+/// A [`GoldenError`] naming the file when the header is unreadable.
+pub fn views<'a>(source: &str, bytes: &'a [u8]) -> Result<SafeTensors<'a>, GoldenError> {
+    SafeTensors::deserialize(bytes)
+        .map_err(|e| GoldenError::new(format!("{source}: not a safetensors file: {e}")))
+}
+
+/// The safetensors dtype name of `view` (`F32`, `I64`, ...).
+pub fn dtype_name(view: &TensorView<'_>) -> String {
+    format!("{:?}", view.dtype())
+}
+
+/// One tensor of a safetensors image widened to f64 ([`Loaded`]).
+///
+/// # Errors
+/// A [`GoldenError`] naming the file and tensor when its dtype is not a
+/// float or integer one.
+pub fn widen(source: &str, name: &str, view: &TensorView<'_>) -> Result<Loaded, GoldenError> {
+    let values = to_f64(view.dtype(), view.data()).ok_or_else(|| {
+        GoldenError::new(format!(
+            "{source}: tensor {name} has dtype {:?}; expected a float (F64, F32, F16, BF16) or integer dtype",
+            view.dtype()
+        ))
+    })?;
+    Ok(Loaded {
+        dtype: dtype_name(view),
+        shape: view.shape().to_vec(),
+        values,
+        sha256: sha256_hex(view.data()),
+    })
 }
 
 fn to_f64(dtype: StDtype, data: &[u8]) -> Option<Vec<f64>> {

@@ -37,6 +37,16 @@
 //!   roundings of the output.
 //!
 //! Every rule is written out in the manifest with its numbers.
+//!
+//! ## Integrity
+//!
+//! The manifest judges (its tolerances, shapes and names decide what
+//! passes), so it is hashed as a whole: `manifest_sha256` is the sha256 of
+//! the file's bytes with that value written as 64 zeros
+//! ([`seal`], [`verify_seal`]). It covers every expected tensor too, through
+//! their own `sha256` entries. `packshard check` refuses a set whose
+//! manifest or expected files were edited, and checks every expected
+//! tensor's dtype and shape against the manifest before reading a result.
 
 pub mod cases;
 pub mod check;
@@ -51,7 +61,14 @@ use serde_json::{json, Map, Value};
 pub use io::{Dtype, Tensor, Values};
 
 /// The manifest's `format`.
-pub const FORMAT: &str = "packshard-golden/1";
+/// `/2`: the manifest carries its own hash ([`SEAL_KEY`]).
+pub const FORMAT: &str = "packshard-golden/2";
+
+/// The manifest key of the hash of the manifest itself ([`seal`]).
+pub const SEAL_KEY: &str = "manifest_sha256";
+
+/// The value [`SEAL_KEY`] holds while the manifest is hashed: 64 zeros.
+const SEAL_PLACEHOLDER: &str = "0000000000000000000000000000000000000000000000000000000000000000";
 
 /// `k` of the low-precision rule: an output may be off by at most `k` times
 /// the error of the reference computed in its precision (flash-attention's
@@ -226,6 +243,7 @@ impl GoldenCase {
 pub fn manifest(dtype: Dtype, cases: &[GoldenCase]) -> Value {
     json!({
         "format": FORMAT,
+        SEAL_KEY: SEAL_PLACEHOLDER,
         "generator": format!("packshard {}", env!("CARGO_PKG_VERSION")),
         "dtype": dtype.name(),
         "conventions": {
@@ -233,16 +251,74 @@ pub fn manifest(dtype: Dtype, cases: &[GoldenCase]) -> Value {
             "expected": "computed in f64 by the reference from the stored inputs, stored as F64 (I64 for integers), named as the eval op's result fields",
             "results": "one safetensors file, each output under its `result` name (<case>/<output>), any float or integer dtype, the expected shape",
             "tolerance": "element i passes when |actual_i - expected_i| <= rel |expected_i| + atol; NaN never passes, equal infinities do",
+            "integrity": format!("{SEAL_KEY} is the sha256 of this file's bytes with that value written as 64 zeros; each tensor's sha256 is of its stored bytes; packshard check refuses a set that does not match"),
             "shapes": "n_tok tokens, b segments, h heads, d head dim, n rows, v vocabulary, w >= v columns (padding never read), hidden the hidden size",
         },
         "cases": cases.iter().map(GoldenCase::manifest_entry).collect::<Vec<_>>(),
     })
 }
 
-/// The manifest as written: pretty JSON with lists of numbers on one line.
+/// The manifest as written: pretty JSON with lists of numbers on one line,
+/// sealed ([`seal`]).
 pub fn manifest_text(dtype: Dtype, cases: &[GoldenCase]) -> String {
     let pretty = serde_json::to_string_pretty(&manifest(dtype, cases)).expect("JSON values");
-    compact_lists(&pretty) + "\n"
+    seal(&(compact_lists(&pretty) + "\n"))
+}
+
+/// The text of the manifest's hash entry holding `hex`.
+fn seal_entry(hex: &str) -> String {
+    format!("\"{SEAL_KEY}\": \"{hex}\"")
+}
+
+/// `text` (a manifest whose [`SEAL_KEY`] holds 64 zeros) with the zeros
+/// replaced by the sha256 of `text`.
+pub fn seal(text: &str) -> String {
+    let hash = io::sha256_hex(text.as_bytes());
+    text.replacen(&seal_entry(SEAL_PLACEHOLDER), &seal_entry(&hash), 1)
+}
+
+/// Checks the hash of a manifest's bytes ([`seal`]): exactly one
+/// [`SEAL_KEY`] entry, whose value is the sha256 of the text with that value
+/// written as 64 zeros. `source` names the file in errors.
+///
+/// # Errors
+/// A [`GoldenError`] naming the file and `manifest_sha256` when the entry is
+/// missing, repeated or not 64 hex digits, or the text was edited.
+pub fn verify_seal(source: &str, text: &[u8]) -> Result<(), GoldenError> {
+    let text = std::str::from_utf8(text)
+        .map_err(|e| GoldenError::new(format!("{source}: not UTF-8 text: {e}")))?;
+    let key = format!("\"{SEAL_KEY}\": \"");
+    let regenerate = "regenerate the set with packshard golden";
+    let mut found = text.match_indices(&key);
+    let (Some((at, _)), None) = (found.next(), found.next()) else {
+        return Err(GoldenError::new(format!(
+            "{source}: needs exactly one {SEAL_KEY} entry (the hash of the manifest, which judges: {regenerate})"
+        )));
+    };
+    let start = at + key.len();
+    let hex = text
+        .get(start..start + 64)
+        .filter(|h| {
+            h.bytes()
+                .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
+        })
+        .filter(|_| text[start + 64..].starts_with('"'))
+        .ok_or_else(|| {
+            GoldenError::new(format!(
+                "{source}: {SEAL_KEY} is not 64 lowercase hex digits ({regenerate})"
+            ))
+        })?;
+    let zeroed = format!(
+        "{}{SEAL_PLACEHOLDER}{}",
+        &text[..start],
+        &text[start + 64..]
+    );
+    if io::sha256_hex(zeroed.as_bytes()) != hex {
+        return Err(GoldenError::new(format!(
+            "{source}: does not match its {SEAL_KEY} (the manifest was edited: its tolerances, shapes and names decide what passes, so an edited one is refused; {regenerate})"
+        )));
+    }
+    Ok(())
 }
 
 /// Puts every JSON list without strings, lists or objects in it on one line.

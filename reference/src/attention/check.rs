@@ -183,6 +183,32 @@ pub fn check_scores(q: &ArrayView3<f64>, k: &ArrayView3<f64>, scale: f64) -> Res
     Ok(())
 }
 
+/// Checks that the backward's products `grad_output . v` stay finite (bound:
+/// `d * max|grad_output| * max|v| <= MAX_SCORE`, as the scores): past it,
+/// `dP = dO . v` and `delta = dO . O` overflow and `dP - delta` is
+/// `inf - inf`, NaN where the true gradient is 0 (a row with one key). The
+/// reference and every registered kernel call it, so all refuse alike.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] naming `grad_output`.
+pub fn check_grad_values(grad_output: &ArrayView3<f64>, v: &ArrayView3<f64>) -> Result<()> {
+    let amax = |t: &ArrayView3<f64>| {
+        t.iter()
+            .copied()
+            .filter(|x| x.is_finite())
+            .fold(0.0f64, |m, x| m.max(x.abs()))
+    };
+    let d = v.dim().2 as f64;
+    let dot = d * amax(grad_output) * amax(v);
+    if dot > MAX_SCORE {
+        return Err(Error::invalid(
+            "grad_output",
+            format!("d x max|grad_output| x max|v| = {dot:e} is over {MAX_SCORE:e}: the products grad_output . v of the backward would overflow"),
+        ));
+    }
+    Ok(())
+}
+
 /// Checks the reference's work on a varlen problem against
 /// [`MAX_ATTENTION_WORK`] before doing it (`h`, `d`: heads, head dim).
 ///

@@ -45,9 +45,9 @@ pub use backward::{
     varlen_attention_general_backward,
 };
 pub use check::{
-    check_cu_seqlens, check_cu_seqlens_named, check_grad_shapes, check_layout, check_mask_shape,
-    check_mask_shape2, check_qkv_same_shapes, check_qkv_shapes, check_scores, check_varlen,
-    check_varlen_work, MAX_ATTENTION_WORK, MAX_SCORE,
+    check_cu_seqlens, check_cu_seqlens_named, check_grad_shapes, check_grad_values, check_layout,
+    check_mask_shape, check_mask_shape2, check_qkv_same_shapes, check_qkv_shapes, check_scores,
+    check_varlen, check_varlen_work, MAX_ATTENTION_WORK, MAX_SCORE,
 };
 use check::{check_grad, check_qkv, check_work};
 
@@ -188,6 +188,9 @@ impl Blocks<'_> {
             check_grad(&g.grad_output, g.fwd, (n, h, d))?;
         }
         check_scores(q, k, self.scale())?;
+        if let Some(g) = grad {
+            check_grad_values(&g.grad_output, v)?;
+        }
         match self {
             Blocks::Dense(..) => check_work(
                 "allowed",

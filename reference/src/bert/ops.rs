@@ -90,19 +90,57 @@ pub(crate) fn normalize_rows(x: ArrayView2<f64>, eps: f64, centered: bool) -> No
     let mut x_hat = Array2::zeros((n, width));
     let mut inv = Array1::zeros(n);
     for (i, row) in x.rows().into_iter().enumerate() {
-        let mean = if centered {
+        // The row scaled by a power of two `q` that brings its largest
+        // magnitude to at most 1: a row of 1e300s neither overflows its
+        // squares nor its sum (unscaled, rows above ~1e154 normalized to 0),
+        // and since scaling by a power of two is exact, a row in the
+        // ordinary range gets the textbook formula's values bit for bit:
+        // `var q^2 + eps q^2` rounds as `(var + eps) q^2`, so
+        // `t = 1 / sqrt(var q^2 + eps q^2) = s / q` and
+        // `x_hat = (v q - mean q) t = (v - mean) s`, `inv = q t = s`.
+        let q = downscale(row.iter().fold(0.0f64, |m, v| m.max(v.abs())));
+        let mean = if !centered {
+            0.0
+        } else if q == 1.0 {
             row.sum() / width as f64
         } else {
-            0.0
+            // The same summation order as `row.sum()`.
+            row.mapv(|v| v * q).sum() / width as f64
         };
-        let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / width as f64;
-        let s = 1.0 / (var + eps).sqrt();
-        inv[i] = s;
+        let var = row
+            .iter()
+            .map(|v| (v * q - mean) * (v * q - mean))
+            .sum::<f64>()
+            / width as f64;
+        let denominator = var + eps * q * q;
+        if denominator == 0.0 {
+            // A constant row whose `eps q^2` underflowed (or eps = 0):
+            // `x_hat` is 0 and the inverse scale `1 / sqrt(eps)`.
+            inv[i] = 1.0 / eps.sqrt();
+            continue;
+        }
+        let t = 1.0 / denominator.sqrt();
+        inv[i] = q * t;
         Zip::from(x_hat.row_mut(i))
             .and(row)
-            .for_each(|h, &v| *h = (v - mean) * s);
+            .for_each(|h, &v| *h = (v * q - mean) * t);
     }
     NormCache { x_hat, inv }
+}
+
+/// The power of two `2^-k` that brings `max >= 1` into `[0.5, 1)`; 1 for a
+/// `max` below 1 or not finite (nothing to scale). `k` is at most 1024, so
+/// the factor may be subnormal, yet it is exact, and so is `v * 2^-k` for
+/// every `|v| <= max` whose result is normal.
+pub(crate) fn downscale(max: f64) -> f64 {
+    if !(1.0..=f64::MAX).contains(&max) {
+        return 1.0;
+    }
+    // max = m 2^e with m in [1, 2): k = e + 1 puts max 2^-k in [0.5, 1).
+    let k = ((max.to_bits() >> 52) & 0x7ff) as i32 - 1023 + 1;
+    let half = k / 2;
+    // Two factors of at most 2^-512 each: every powi stays exact.
+    2f64.powi(-half) * 2f64.powi(-(k - half))
 }
 
 /// `dx` (`[n, hidden]`) of [`normalize_rows`] followed by the gain `gamma`:

@@ -116,7 +116,7 @@ impl DecoderConfig {
     }
 
     /// Checks sizes: all non-zero, `h_kv` dividing `h`, `d` even, every
-    /// tensor within [`MAX_TENSOR`], `rope_theta > 1`, `norm_eps >= 0`.
+    /// tensor within [`MAX_TENSOR`], `rope_theta > 1`, `norm_eps > 0`.
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] naming the field.
@@ -131,21 +131,39 @@ impl DecoderConfig {
         ensure(d.is_multiple_of(2), "head_dim", || {
             format!("is {d}: rotary embeddings need an even head dim")
         })?;
-        let widest = [self.vocab_size, h * d, self.intermediate_size]
-            .into_iter()
-            .max()
-            .unwrap_or(0);
-        ensure(
-            widest.saturating_mul(self.hidden_size) <= MAX_TENSOR && self.num_layers <= 1 << 10,
-            "hidden_size",
-            || "the model is over the supported size".into(),
-        )?;
+        ensure(self.num_layers <= 1 << 10, "num_layers", || {
+            format!("is {}, over the 1024 layers supported", self.num_layers)
+        })?;
+        // The widest matrix names the field that made it wide (the user's,
+        // not always hidden_size).
+        let (field, width, what) = [
+            ("vocab_size", self.vocab_size, "vocab_size"),
+            ("num_heads", h.saturating_mul(d), "num_heads x head_dim"),
+            (
+                "intermediate_size",
+                self.intermediate_size,
+                "intermediate_size",
+            ),
+        ]
+        .into_iter()
+        .max_by_key(|&(_, w, _)| w)
+        .expect("three widths");
+        let hidden = self.hidden_size;
+        ensure(width.saturating_mul(hidden) <= MAX_TENSOR, field, || {
+            format!(
+                "{what} x hidden_size = {width} x {hidden} is over the {MAX_TENSOR} values one tensor may have"
+            )
+        })?;
         let (theta, eps) = (self.rope_theta, self.norm_eps);
         ensure(theta.is_finite() && theta > 1.0, "rope_theta", || {
             "must be finite and above 1".into()
         })?;
-        ensure(eps.is_finite() && eps >= 0.0, "norm_eps", || {
-            "must be finite and >= 0".into()
+        // 0 is refused: a row of zeros would divide 0 by 0 (NaN), as
+        // BERT's layer_norm_eps > 0.
+        ensure(eps.is_finite() && eps > 0.0, "norm_eps", || {
+            format!(
+                "is {eps:e}: must be finite and above 0 (a row of zeros would normalize to NaN)"
+            )
         })?;
         Ok(())
     }

@@ -112,7 +112,7 @@ impl SoftmaxStats {
         if self.mass == 0.0 || self.target == f64::INFINITY || self.max == to {
             self.target
         } else {
-            self.target + self.mass * (to - self.max)
+            self.target + weighted_gap(self.mass, to, self.max)
         }
     }
 
@@ -229,11 +229,27 @@ pub fn target_term(z: &[f64], q: impl Fn(usize) -> f64, max: f64) -> (f64, f64) 
             target.add(if zj == f64::NEG_INFINITY {
                 f64::INFINITY
             } else {
-                qj * (max - zj)
+                weighted_gap(qj, max, zj)
             });
         }
     }
     (target.value(), mass.value())
+}
+
+/// `q (max - z)` for finite `max >= z`, weighted before subtracting where
+/// the gap itself overflows (`max - z` above f64's range: logits of 1e308
+/// and -1e308 gave an infinite loss under label smoothing where the true
+/// one is finite). Where the gap is finite it is formed first, exactly as
+/// before (no cancellation: `q max - q z` would lose the digits of a small
+/// gap); where it overflows, `max` and `-z` are both huge and of one sign,
+/// so `q max - q z` adds two non-negative terms.
+fn weighted_gap(q: f64, max: f64, z: f64) -> f64 {
+    let gap = max - z;
+    if gap.is_finite() {
+        q * gap
+    } else {
+        q * max - q * z
+    }
 }
 
 /// The loss of one token from its row's summary: cross-entropy plus `c *

@@ -236,20 +236,20 @@ impl LossConfig {
         if !(0.0..=1.0).contains(&a) {
             return Err(Error::invalid(
                 "label_smoothing",
-                format!("{a} is outside [0, 1]"),
+                format!("{a:?} is outside [0, 1]"),
             ));
         }
         if !(self.z_loss.is_finite() && self.z_loss >= 0.0) {
             return Err(Error::invalid(
                 "z_loss",
-                format!("{} must be finite and >= 0", self.z_loss),
+                format!("{:?} must be finite and >= 0", self.z_loss),
             ));
         }
         if let Some(c) = self.softcap {
             if !(c.is_finite() && c > 0.0) {
                 return Err(Error::invalid(
                     "softcap",
-                    format!("{c} must be finite and > 0 (logits become c * tanh(z / c))"),
+                    format!("{c:?} must be finite and > 0 (logits become c * tanh(z / c))"),
                 ));
             }
         }
