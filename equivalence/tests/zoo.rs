@@ -12,7 +12,7 @@
 use std::time::Instant;
 
 use ndarray::{Array2, Array3};
-use packshard_equivalence::fuzz::schedule::{fuzz_budgeted, Budget};
+use packshard_equivalence::fuzz::schedule::{budgeted_input, fuzz_budgeted, Budget};
 use packshard_equivalence::fuzz::{attention as fa, vocab as fv, Failure, Outcome};
 use packshard_equivalence::zoo::{
     AttentionBug, ChunkedCrossEntropy, LinearBug, LossBug, TiledAttention,
@@ -572,4 +572,79 @@ fn the_default_output_layer_check_catches_every_output_layer_bug() {
         problems.is_empty(),
         "the default output-layer check (Budget::DEFAULT, seed {SEED}): {problems:#?}"
     );
+}
+
+// ---- how robustly each bug is caught ----------------------------------------------
+
+/// Seeds the robustness measurement runs the default budget under.
+const SEEDS: std::ops::Range<u64> = 0..5;
+
+/// For each bug: how many of the default budget's inputs of seed 0 catch
+/// it (small, large), and whether the default check catches it under each
+/// of [`SEEDS`]. A measurement for docs/FAULTS.md ("The bug zoo"), slow
+/// (every input of every bug is run): `cargo test -p packshard-equivalence
+/// --test zoo catch_rates -- --ignored --nocapture`. Fails when a bug
+/// escapes under one of the seeds.
+#[test]
+#[ignore = "a measurement: runs every default input of every bug (about 2 minutes)"]
+fn catch_rates_over_the_default_inputs_and_seeds() {
+    type Body<'a> = Box<dyn Fn(&[u8]) -> bool + 'a>;
+    let b = Budget::DEFAULT;
+    let mut rows: Vec<(String, &str, Body<'_>)> = Vec::new();
+    for &bug in &AttentionBug::ALL {
+        let k = TiledAttention::with(bug);
+        rows.push((
+            bug.name().into(),
+            "attention",
+            Box::new(move |d| fa::run(&k, JUDGE, d).is_err()),
+        ));
+    }
+    for &bug in &LossBug::ALL {
+        let k = ChunkedCrossEntropy::with(bug);
+        rows.push((
+            bug.name().into(),
+            "cross_entropy",
+            Box::new(move |d| fv::run_cross_entropy(&k, JUDGE, d).is_err()),
+        ));
+    }
+    for &bug in &LinearBug::ALL {
+        let k = TokenChunkedLinearCrossEntropy::with(bug);
+        rows.push((
+            bug.name().into(),
+            "linear_cross_entropy",
+            Box::new(move |d| fv::run_linear(&k, JUDGE, d).is_err()),
+        ));
+    }
+    let mut escapes = Vec::new();
+    eprintln!("\n| bug | family | inputs of seed 0 that catch it (small / large) | seeds {SEEDS:?} caught |");
+    for (name, family, caught) in &rows {
+        let (mut small, mut large) = (0, 0);
+        for i in 0..b.cases {
+            let data = budgeted_input(&b, 0, i);
+            if caught(&data) {
+                if i < b.cases - b.large {
+                    small += 1;
+                } else {
+                    large += 1;
+                }
+            }
+        }
+        let per_seed: Vec<bool> = SEEDS
+            .map(|s| (0..b.cases).any(|i| caught(&budgeted_input(&b, s, i))))
+            .collect();
+        let missed: Vec<u64> = SEEDS
+            .filter(|&s| !per_seed[(s - SEEDS.start) as usize])
+            .collect();
+        eprintln!(
+            "| {name} | {family} | {small} / {large} of {} / {} | {} of {} |",
+            b.cases - b.large,
+            b.large,
+            per_seed.iter().filter(|&&c| c).count(),
+            per_seed.len()
+        );
+        if !missed.is_empty() {
+            escapes.push(format!("{name} escapes under seeds {missed:?}"));
+        }
+    }
+    assert!(escapes.is_empty(), "{escapes:#?}");
 }
