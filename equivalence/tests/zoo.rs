@@ -177,7 +177,7 @@ const fn witness(bug: AttentionBug, lq: &'static [usize], lk: &'static [usize]) 
 }
 
 /// One witness per bug (tiles as [`AttentionBug::tiles`]).
-const ATTENTION_WITNESSES: [AttnWitness; 13] = [
+const ATTENTION_WITNESSES: [AttnWitness; 14] = [
     // 40 keys = 3 tiles of 16: some row's maximum is in a later tile.
     witness(AttentionBug::NoRescale, &[40], &[40]),
     // Segment 0's one tile of 32 runs 12 keys into segment 1.
@@ -220,6 +220,12 @@ const ATTENTION_WITNESSES: [AttnWitness; 13] = [
     AttnWitness {
         h: 4,
         ..witness(AttentionBug::GqaGradOverwrite, &[10], &[10])
+    },
+    // d = 40 = 32 + 8: dims 32..40 leave the scores.
+    AttnWitness {
+        d: 40,
+        scale: 0.2,
+        ..witness(AttentionBug::HeadDimTail, &[10], &[10])
     },
 ];
 
@@ -337,7 +343,7 @@ const fn ce(bug: LossBug, v: usize, targets: &'static [i64]) -> CeWitness {
     }
 }
 
-fn ce_witnesses() -> [CeWitness; 7] {
+fn ce_witnesses() -> [CeWitness; 8] {
     let base = LossConfig::default();
     [
         // 300 = 256 + 44: the last 44 entries, target 299 among them.
@@ -367,6 +373,11 @@ fn ce_witnesses() -> [CeWitness; 7] {
             stretch: 4.0,
             config: base.with_softcap(3.0),
             ..ce(LossBug::SoftcapNoChain, 10, &[1, 2, 3])
+        },
+        // ignore_index 2: the second token is not predicted.
+        CeWitness {
+            config: base.with_ignore_index(2),
+            ..ce(LossBug::HardcodedIgnoreIndex, 10, &[1, 2, 3])
         },
     ]
 }
@@ -443,6 +454,8 @@ fn the_default_cross_entropy_check_catches_every_cross_entropy_bug() {
 struct LinearWitness {
     bug: LinearBug,
     n: usize,
+    /// Vocabulary size.
+    v: usize,
     /// Token `i`'s target is `i % v`, or ignored when `i % ignore_every ==
     /// 0` (0: none ignored).
     ignore_every: usize,
@@ -451,14 +464,14 @@ struct LinearWitness {
     upstream: bool,
 }
 
-/// Hidden size and vocabulary of every output-layer witness.
+/// Hidden size of every output-layer witness.
 const H: usize = 4;
-const V: usize = 10;
 
-fn linear_witnesses() -> [LinearWitness; 4] {
+fn linear_witnesses() -> [LinearWitness; 5] {
     let w = |bug, n| LinearWitness {
         bug,
         n,
+        v: 10,
         ignore_every: 0,
         config: LossConfig::default(),
         upstream: false,
@@ -479,19 +492,24 @@ fn linear_witnesses() -> [LinearWitness; 4] {
             upstream: true,
             ..w(LinearBug::UpstreamScalar, 12)
         },
+        // 1100 = 1024 + 76: rows 1024..1100 of dW stay 0.
+        LinearWitness {
+            v: 1100,
+            ..w(LinearBug::GradWeightVocabTail, 3)
+        },
     ]
 }
 
 /// `loss, per_token_loss, grad_hidden, grad_weight` of `op` on the witness.
 fn linear_results(op: &dyn LinearCrossEntropyOp, w: &LinearWitness) -> Vec<Vec<f64>> {
     let hidden = Array2::from_shape_vec((w.n, H), values(w.n * H, 11)).unwrap();
-    let weight = Array2::from_shape_vec((V, H), values(V * H, 12)).unwrap();
+    let weight = Array2::from_shape_vec((w.v, H), values(w.v * H, 12)).unwrap();
     let targets: Vec<i64> = (0..w.n)
         .map(|i| {
             if w.ignore_every > 0 && i % w.ignore_every == 0 {
                 -100
             } else {
-                (i % V) as i64
+                (i % w.v) as i64
             }
         })
         .collect();

@@ -69,11 +69,15 @@ pub enum AttentionBug {
     /// Under GQA, `dK`/`dV` of a key head written (`=`) by each query head of
     /// its group instead of summed: the last query head wins.
     GqaGradOverwrite,
+    /// `q . k` summed over the head dim in blocks of 32 with the last
+    /// partial block dropped: head dims above 32 that are not a multiple of
+    /// 32 (40, 80, 100) lose their last dims.
+    HeadDimTail,
 }
 
 impl AttentionBug {
     /// Every attention bug of the zoo.
-    pub const ALL: [AttentionBug; 13] = [
+    pub const ALL: [AttentionBug; 14] = [
         AttentionBug::NoRescale,
         AttentionBug::UnmaskedTail,
         AttentionBug::CausalTileEdge,
@@ -87,6 +91,7 @@ impl AttentionBug {
         AttentionBug::DefaultScale,
         AttentionBug::FiniteMaskFill,
         AttentionBug::GqaGradOverwrite,
+        AttentionBug::HeadDimTail,
     ];
 
     /// A short name (`no_rescale`).
@@ -105,6 +110,7 @@ impl AttentionBug {
             AttentionBug::DefaultScale => "default_scale",
             AttentionBug::FiniteMaskFill => "finite_mask_fill",
             AttentionBug::GqaGradOverwrite => "gqa_grad_overwrite",
+            AttentionBug::HeadDimTail => "head_dim_tail",
         }
     }
 
@@ -120,6 +126,7 @@ impl AttentionBug {
             AttentionBug::RemainderTile | AttentionBug::Log2Lse => (32, 32),
             AttentionBug::FiniteMaskFill => (32, 32),
             AttentionBug::DiagonalTileSkipped | AttentionBug::DefaultScale => (64, 64),
+            AttentionBug::HeadDimTail => (64, 64),
             AttentionBug::GqaGradOverwrite => (64, 32),
         }
     }
@@ -182,6 +189,19 @@ impl TiledAttention {
             1.0 / (d as f64).sqrt()
         } else {
             given
+        }
+    }
+
+    /// The head dims `q . k` sums over: all `d`, or under
+    /// [`AttentionBug::HeadDimTail`] the whole blocks of 32 (all `d` when
+    /// `d < 32`).
+    pub(super) fn dot_dims(&self, d: usize) -> usize {
+        // The head-dim block of the bug's kernel.
+        const HEAD_BLOCK: usize = 32;
+        if self.has(AttentionBug::HeadDimTail) && d > HEAD_BLOCK {
+            d / HEAD_BLOCK * HEAD_BLOCK
+        } else {
+            d
         }
     }
 
@@ -412,7 +432,7 @@ impl TiledAttention {
                             continue;
                         }
                         let mut dot = 0.0;
-                        for e in 0..d {
+                        for e in 0..self.dot_dims(d) {
                             dot += x.q[[s.q0 + r, a, e]] * x.k[[s.k0 + c, kv, e]];
                         }
                         scores.push((c, scale * dot));

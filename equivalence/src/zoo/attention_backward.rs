@@ -92,7 +92,7 @@ impl TiledAttention {
                             }
                         } else {
                             let mut dot = 0.0;
-                            for e in 0..d {
+                            for e in 0..self.dot_dims(d) {
                                 dot += x.q[[row(r), a, e]] * x.k[[s.k0 + c, kv, e]];
                             }
                             scale * dot

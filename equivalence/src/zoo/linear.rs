@@ -42,15 +42,20 @@ pub enum LinearBug {
     /// A per-token `grad_output` (reduction `none`) read as a scalar,
     /// `grad_output[0]` for every token (docs/FAULTS.md O2).
     UpstreamScalar,
+    /// `dL/dW` written by a grid of `v / 1024` vocabulary blocks (rounded
+    /// down): past 1024 entries, the rows of the last partial block keep no
+    /// gradient.
+    GradWeightVocabTail,
 }
 
 impl LinearBug {
     /// Every output-layer bug of the zoo.
-    pub const ALL: [LinearBug; 4] = [
+    pub const ALL: [LinearBug; 5] = [
         LinearBug::TokenTailDropped,
         LinearBug::GradWeightLastChunk,
         LinearBug::MeanPerChunk,
         LinearBug::UpstreamScalar,
+        LinearBug::GradWeightVocabTail,
     ];
 
     /// A short name (`token_tail_dropped`).
@@ -60,6 +65,7 @@ impl LinearBug {
             LinearBug::GradWeightLastChunk => "grad_weight_last_chunk",
             LinearBug::MeanPerChunk => "mean_per_chunk",
             LinearBug::UpstreamScalar => "upstream_scalar",
+            LinearBug::GradWeightVocabTail => "grad_weight_vocab_tail",
         }
     }
 
@@ -67,7 +73,9 @@ impl LinearBug {
     pub fn chunk(self) -> usize {
         match self {
             LinearBug::TokenTailDropped | LinearBug::MeanPerChunk => 32,
-            LinearBug::GradWeightLastChunk | LinearBug::UpstreamScalar => 64,
+            LinearBug::GradWeightLastChunk
+            | LinearBug::UpstreamScalar
+            | LinearBug::GradWeightVocabTail => 64,
         }
     }
 }
@@ -210,7 +218,11 @@ impl LinearCrossEntropyOp for TokenChunkedLinearCrossEntropy {
             grad_hidden
                 .slice_axis_mut(Axis(0), rows)
                 .assign(&sum::matmul(gz.view(), weight));
-            let gw = gz.t().dot(&x);
+            let mut gw = gz.t().dot(&x);
+            if self.has(LinearBug::GradWeightVocabTail) && v > VOCAB_CHUNK {
+                let covered = v / VOCAB_CHUNK * VOCAB_CHUNK;
+                gw.slice_axis_mut(Axis(0), Slice::from(covered..)).fill(0.0);
+            }
             if self.has(LinearBug::GradWeightLastChunk) {
                 grad_weight.assign(&gw);
             } else {

@@ -46,11 +46,14 @@ pub enum LossBug {
     MaxInitZero,
     /// The softcap's gradient misses the chain factor `1 - tanh^2(z / c)`.
     SoftcapNoChain,
+    /// `ignore_index` hard-coded to -100: the caller's other value (-1, or
+    /// a real class) is not ignored.
+    HardcodedIgnoreIndex,
 }
 
 impl LossBug {
     /// Every cross-entropy bug of the zoo.
-    pub const ALL: [LossBug; 7] = [
+    pub const ALL: [LossBug; 8] = [
         LossBug::LastChunkDropped,
         LossBug::TailLoadedAsZero,
         LossBug::IgnoredInDenominator,
@@ -58,6 +61,7 @@ impl LossBug {
         LossBug::ZLossGradNoLse,
         LossBug::MaxInitZero,
         LossBug::SoftcapNoChain,
+        LossBug::HardcodedIgnoreIndex,
     ];
 
     /// A short name (`last_chunk_dropped`).
@@ -70,6 +74,7 @@ impl LossBug {
             LossBug::ZLossGradNoLse => "z_loss_grad_no_lse",
             LossBug::MaxInitZero => "max_init_zero",
             LossBug::SoftcapNoChain => "softcap_no_chain",
+            LossBug::HardcodedIgnoreIndex => "hardcoded_ignore_index",
         }
     }
 
@@ -77,7 +82,10 @@ impl LossBug {
     /// 1024, the chunk widths of Liger's and cut-cross-entropy's kernels).
     pub fn chunk(self) -> usize {
         match self {
-            LossBug::LastChunkDropped | LossBug::SmoothingOverPadded | LossBug::MaxInitZero => 256,
+            LossBug::LastChunkDropped
+            | LossBug::SmoothingOverPadded
+            | LossBug::MaxInitZero
+            | LossBug::HardcodedIgnoreIndex => 256,
             LossBug::TailLoadedAsZero
             | LossBug::IgnoredInDenominator
             | LossBug::ZLossGradNoLse
@@ -303,7 +311,15 @@ impl CrossEntropyOp for ChunkedCrossEntropy {
         check_shapes(n, v, &call)?;
         check_logits("logits", logits, v, v, 0)?;
         config.validate(v)?;
-        let targets = config.targets(call.targets, v)?;
+        let targets = if self.has(LossBug::HardcodedIgnoreIndex) {
+            let hardcoded = LossConfig {
+                ignore_index: -100,
+                ..*config
+            };
+            hardcoded.targets(call.targets, v)?
+        } else {
+            config.targets(call.targets, v)?
+        };
         let (q_t, q_o) = self.smoothing(config, v);
         let q = |i: usize, j: usize| match targets[i] {
             None => 0.0,
