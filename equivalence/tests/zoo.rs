@@ -177,7 +177,7 @@ const fn witness(bug: AttentionBug, lq: &'static [usize], lk: &'static [usize]) 
 }
 
 /// One witness per bug (tiles as [`AttentionBug::tiles`]).
-const ATTENTION_WITNESSES: [AttnWitness; 14] = [
+const ATTENTION_WITNESSES: [AttnWitness; 15] = [
     // 40 keys = 3 tiles of 16: some row's maximum is in a later tile.
     witness(AttentionBug::NoRescale, &[40], &[40]),
     // Segment 0's one tile of 32 runs 12 keys into segment 1.
@@ -227,6 +227,8 @@ const ATTENTION_WITNESSES: [AttnWitness; 14] = [
         scale: 0.2,
         ..witness(AttentionBug::HeadDimTail, &[10], &[10])
     },
+    // 2 queries over 40 keys: one key tile of 16 visited, not 3.
+    witness(AttentionBug::MaxSeqlenQForK, &[2], &[40]),
 ];
 
 /// `output, lse, grad_q, grad_k, grad_v` of `op` on the witness (the

@@ -73,11 +73,15 @@ pub enum AttentionBug {
     /// partial block dropped: head dims above 32 that are not a multiple of
     /// 32 (40, 80, 100) lose their last dims.
     HeadDimTail,
+    /// The key-tile loop bounded by `max_seqlen_q` (the longest query
+    /// segment) where `max_seqlen_k` belonged: in cross attention, keys past
+    /// the longest query segment are never visited.
+    MaxSeqlenQForK,
 }
 
 impl AttentionBug {
     /// Every attention bug of the zoo.
-    pub const ALL: [AttentionBug; 14] = [
+    pub const ALL: [AttentionBug; 15] = [
         AttentionBug::NoRescale,
         AttentionBug::UnmaskedTail,
         AttentionBug::CausalTileEdge,
@@ -92,6 +96,7 @@ impl AttentionBug {
         AttentionBug::FiniteMaskFill,
         AttentionBug::GqaGradOverwrite,
         AttentionBug::HeadDimTail,
+        AttentionBug::MaxSeqlenQForK,
     ];
 
     /// A short name (`no_rescale`).
@@ -111,6 +116,7 @@ impl AttentionBug {
             AttentionBug::FiniteMaskFill => "finite_mask_fill",
             AttentionBug::GqaGradOverwrite => "gqa_grad_overwrite",
             AttentionBug::HeadDimTail => "head_dim_tail",
+            AttentionBug::MaxSeqlenQForK => "max_seqlen_q_for_k",
         }
     }
 
@@ -127,6 +133,7 @@ impl AttentionBug {
             AttentionBug::FiniteMaskFill => (32, 32),
             AttentionBug::DiagonalTileSkipped | AttentionBug::DefaultScale => (64, 64),
             AttentionBug::HeadDimTail => (64, 64),
+            AttentionBug::MaxSeqlenQForK => (16, 16),
             AttentionBug::GqaGradOverwrite => (64, 32),
         }
     }
@@ -224,7 +231,11 @@ impl TiledAttention {
 
     /// Key tiles the query tile `r0..r1` of `s` visits (the first ones).
     pub(super) fn key_tiles(&self, s: &Seg<'_>, r1: usize) -> usize {
-        let all = s.lk.div_ceil(self.bc);
+        let all = if self.has(AttentionBug::MaxSeqlenQForK) {
+            s.lk.min(s.max_lq).div_ceil(self.bc)
+        } else {
+            s.lk.div_ceil(self.bc)
+        };
         if !matches!(s.mask, Mask::Causal) {
             return all;
         }
@@ -302,31 +313,37 @@ pub(super) struct Seg<'a> {
     pub(super) k0: usize,
     pub(super) lk: usize,
     pub(super) n_k: usize,
+    /// The longest query segment of the call (`max_seqlen_q`).
+    pub(super) max_lq: usize,
     pub(super) mask: Mask<'a>,
 }
 
 /// The segments of a call: each varlen segment, or the whole dense problem.
 pub(super) fn segments<'a>(form: &Form<'a>, n_q: usize, n_k: usize) -> Vec<Seg<'a>> {
     match form {
-        Form::Varlen(p) => p
-            .cu_seqlens_q
-            .windows(2)
-            .zip(p.cu_seqlens_k.windows(2))
-            .map(|(wq, wk)| Seg {
-                q0: wq[0],
-                lq: wq[1] - wq[0],
-                k0: wk[0],
-                lk: wk[1] - wk[0],
-                n_k,
-                mask: if p.causal { Mask::Causal } else { Mask::Full },
-            })
-            .collect(),
+        Form::Varlen(p) => {
+            let max_lq = p.cu_seqlens_q.windows(2).map(|w| w[1] - w[0]).max();
+            p.cu_seqlens_q
+                .windows(2)
+                .zip(p.cu_seqlens_k.windows(2))
+                .map(|(wq, wk)| Seg {
+                    q0: wq[0],
+                    lq: wq[1] - wq[0],
+                    k0: wk[0],
+                    lk: wk[1] - wk[0],
+                    n_k,
+                    max_lq: max_lq.unwrap_or(0),
+                    mask: if p.causal { Mask::Causal } else { Mask::Full },
+                })
+                .collect()
+        }
         Form::Dense(m) => vec![Seg {
             q0: 0,
             lq: n_q,
             k0: 0,
             lk: n_k,
             n_k,
+            max_lq: n_q,
             mask: Mask::Dense(m.allowed),
         }],
     }
