@@ -19,6 +19,8 @@
 //!   padded (P1, P2, P4, P5, P7, P8).
 //! - [`planted`]: implementations with one fault planted over the reference,
 //!   for negative controls.
+//! - [`zoo`]: the bug zoo, realistic tiled and chunked kernels each with one
+//!   shipped mistake, the negative controls of the default checks.
 //! - [`causal`]: a causal decoder's logits, next-token loss under each
 //!   reduction and every gradient, packed == unpacked, and continuation
 //!   chunks over cached keys (C1–C7, P7).
@@ -42,6 +44,7 @@ pub mod fuzz;
 pub mod packing;
 pub mod planted;
 pub mod vocab;
+pub mod zoo;
 
 pub use compare::{Judge, Mismatch, RelativeRule, RelativeTotals, Tolerance};
 
