@@ -232,3 +232,76 @@ def test_hugging_face_data_collator_with_flattening():
     # and the continuation chunks are caught: HF restarts them at 0
     msg = failure(hf, labels="unshifted", kinds=("continuation",))
     assert "position_ids[" in msg, msg
+
+
+def test_undeclared_mask_form_read_from_its_dtype():
+    # a float mask is additive even when nothing is masked ([[0.]] for one
+    # token), an integer one boolean
+    one = [[{"input_ids": [7]}]]
+    check_collator(lambda f: ex.flatten(f, mask="additive"), labels="unshifted", cases=one)
+
+    def int_mask(features):
+        out = ex.flatten(features, mask="bool")
+        out["attention_mask"] = out["attention_mask"].astype(np.int64)
+        return out
+    check_collator(int_mask, labels="unshifted", cases=60)
+
+    def inverted(features):  # 1 = masked, as some kernels take it
+        out = int_mask(features)
+        out["attention_mask"] = 1 - out["attention_mask"]
+        return out
+    assert "attention_mask[0, 0," in failure(inverted, labels="unshifted", cases=60)
+
+
+class FakeTensor:
+    """What _np reads of a torch tensor (torch is not installed in CI):
+    detach, cpu, is_floating_point, double, numpy."""
+
+    def __init__(self, a):
+        self.a = np.asarray(a)
+
+    def detach(self):
+        return self
+
+    def cpu(self):
+        return self
+
+    def is_floating_point(self):
+        return self.a.dtype.kind == "f"
+
+    def double(self):
+        return FakeTensor(self.a.astype(np.float64))
+
+    def numpy(self):
+        return self.a
+
+
+def test_tensor_like_fields_accepted():
+    def as_tensors(features):
+        out = ex.flatten(features, mask="additive")
+        return {k: FakeTensor(v) if isinstance(v, np.ndarray) else v for k, v in out.items()}
+    r = check_collator(as_tensors, labels="unshifted", mask="additive", cases=60)
+    assert "attention_mask" in r.fields
+
+
+def test_leading_padding_is_its_own_segment():
+    def left_padded(features):  # two padding slots before the row, their own segment
+        out = ex.flatten(features)
+        n = out["input_ids"].shape[1]
+        out["input_ids"] = np.concatenate(([[0, 0]], out["input_ids"]), axis=1)
+        out["labels"] = np.concatenate(([[-100, -100]], out["labels"]), axis=1)
+        out["position_ids"] = np.concatenate(([[0, 0]], out["position_ids"]), axis=1)
+        cu = np.concatenate(([0], out["cu_seq_lens_q"] + 2)).astype(np.int32)
+        out["cu_seq_lens_q"] = out["cu_seq_lens_k"] = cu
+        out["seq_idx"] = np.concatenate(([[-1, -1]], out["seq_idx"]), axis=1)
+        assert cu[-1] == n + 2
+        return out
+    check_collator(left_padded, labels="unshifted", pad_token_id=0, cases=60)
+
+    def merged(features):  # the padding inside the first document's segment
+        out = left_padded(features)
+        cu = out["cu_seq_lens_q"]
+        out["cu_seq_lens_q"] = out["cu_seq_lens_k"] = np.concatenate(([0], cu[2:]))
+        return out
+    msg = failure(merged, labels="unshifted", pad_token_id=0, cases=60)
+    assert "cu_seq_lens_q[1] is" in msg and "expected 2" in msg, msg

@@ -232,7 +232,10 @@ def _describe(features):
 
 def _np(x):
     if hasattr(x, "detach"):  # a torch tensor on any device
-        x = x.detach().cpu().numpy()
+        x = x.detach().cpu()
+        if x.is_floating_point():  # bf16 has no numpy dtype; a mask's values fit f64
+            x = x.double()
+        x = x.numpy()
     return np.asarray(x)
 
 
@@ -465,7 +468,9 @@ def _judge(out, feats, *, labels, ignore_index, eos_token_id, separator_id, pad_
         if mask4.shape != (1, 1, n, n):
             raise _Fail(f"attention_mask: shape {list(mask4.shape)}, expected [1, 1, {n}, {n}]")
         m = mask4[0, 0]
-        form = mask or ("bool" if m.dtype == bool or np.isin(m, (0, 1)).all() else "additive")
+        # Undeclared: a float mask is additive (Hugging Face's), a bool or
+        # integer one boolean.
+        form = mask or ("additive" if m.dtype.kind == "f" else "bool")
         if form == "bool":
             if m.dtype != bool and not np.isin(m, (0, 1)).all():
                 raise _Fail("attention_mask: values other than 0 and 1 in a boolean mask")
@@ -537,7 +542,8 @@ def check_collator(fn, *, cases=200, seed=0, labels="shifted", ignore_index=-100
     - ``attention_mask``: 4D ``[1, 1, n, n]``, boolean (True: attend) or
       additive (0, or at most -1e4 / -inf), query i sees key j iff both are in
       one document and ``j <= i`` (``mask="bool"`` / ``"additive"``: required,
-      in that form); 2D ``[1, n]``: 1 on tokens, 0 on padding.
+      in that form; undeclared, a float mask is read as additive, a bool or
+      integer one as boolean); 2D ``[1, n]``: 1 on tokens, 0 on padding.
     - ``num_items_in_batch`` / ``num_tokens`` / ``num_predicted``: the tokens
       with a target (C7).
 
