@@ -85,6 +85,27 @@ def flatten(features, *, shifted=False, mask=None, pad_to_multiple_of=None, pad_
     return out
 
 
+def eos_block_mask(features, eos_token_id=2):
+    """The form of the Hugging Face community write-up on packing with EOS
+    separators (correct on EOS-terminated documents): documents
+    concatenated, boundaries found after each EOS token, positions reset
+    there, unshifted labels with each document's first slot -100, and an
+    additive 4D block-causal mask; no cu_seqlens."""
+    ids = np.array([int(v) for f in features for v in f["input_ids"]], dtype=np.int64)
+    n = ids.size
+    starts = [0] + [i + 1 for i in range(n - 1) if ids[i] == eos_token_id]
+    doc = np.zeros(n, dtype=np.int64)
+    doc[starts] = 1
+    doc = np.cumsum(doc)
+    pos = np.arange(n) - np.asarray(starts)[doc - 1]
+    t = [v for f in features for v in _targets(f)]
+    labels = [IGNORE if i in set(starts) else t[i] for i in range(n)]
+    allowed = (doc[:, None] == doc[None, :]) & np.tril(np.ones((n, n), dtype=bool))
+    mask = np.where(allowed, 0.0, -np.inf)[None, None]
+    return {"input_ids": ids[None], "labels": np.array([labels]), "position_ids": pos[None],
+            "attention_mask": mask}
+
+
 def c1_labels_across_documents(features):
     """C1 (torchtune PR 2613): shifted labels taken over the whole pack, so a
     document's last token predicts the next document's first."""

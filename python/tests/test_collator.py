@@ -305,3 +305,14 @@ def test_leading_padding_is_its_own_segment():
         return out
     msg = failure(merged, labels="unshifted", pad_token_id=0, cases=60)
     assert "cu_seq_lens_q[1] is" in msg and "expected 2" in msg, msg
+
+
+def test_eos_block_mask_form_passes_on_eos_terminated_documents():
+    # the community write-up's form: boundaries from EOS, positions reset,
+    # a 4D mask, no cu_seqlens; no continuation chunks (it renumbers them)
+    r = check_collator(ex.eos_block_mask, labels="unshifted", eos_token_id=2, mask="additive",
+                       kinds=ex.NO_CHUNKS)
+    assert "attention_mask" in r.fields and "cu_seq_lens_q" not in r.fields
+    # negative control: without EOS in the documents it finds one document
+    msg = failure(ex.eos_block_mask, labels="unshifted", mask="additive", kinds=ex.NO_CHUNKS)
+    assert "position_ids[" in msg, msg
