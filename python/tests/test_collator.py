@@ -316,3 +316,37 @@ def test_eos_block_mask_form_passes_on_eos_terminated_documents():
     # negative control: without EOS in the documents it finds one document
     msg = failure(ex.eos_block_mask, labels="unshifted", mask="additive", kinds=ex.NO_CHUNKS)
     assert "position_ids[" in msg, msg
+
+
+def test_padding_inside_a_document_fails_the_case():
+    def split(features):  # a padding slot after each row's first token
+        out = ex.flatten(features)
+        for k, v in (("input_ids", 0), ("labels", -100), ("position_ids", 0), ("seq_idx", 0)):
+            a = out[k][0]
+            out[k] = np.concatenate((a[:1], [v], a[1:]))[None]
+        cu = np.concatenate(([0], out["cu_seq_lens_q"][1:] + 1))
+        out["cu_seq_lens_q"] = out["cu_seq_lens_k"] = cu
+        return out
+    msg = failure(split, labels="unshifted", pad_token_id=0,
+                  cases=[[{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}]])
+    assert "input_ids: the padding splits a document" in msg and "doc_ids[2]" in msg, msg
+
+
+def test_unreadable_fields_fail_the_case():
+    def ragged(features):
+        out = ex.flatten(features)
+        out["position_ids"] = [[0, 1], [2]]
+        return out
+    assert "numpy cannot read" in failure(ragged, labels="unshifted", cases=20)
+
+    def floats(features):
+        out = ex.flatten(features)
+        out["labels"] = out["labels"].astype(np.float32)
+        return out
+    assert "labels: dtype float32, expected integers" in failure(floats, labels="unshifted")
+
+    def two_rows(features):
+        out = ex.flatten(features)
+        out["input_ids"] = np.concatenate((out["input_ids"], out["input_ids"]))
+        return out
+    assert "input_ids: shape [2," in failure(two_rows, labels="unshifted")

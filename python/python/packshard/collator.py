@@ -313,7 +313,7 @@ def _judge(out, feats, *, labels, ignore_index, eos_token_id, separator_id, pad_
     starts = [int(real[np.searchsorted(doc_of_real, k + 1)]) for k in range(len(nz))]
     if len(concat) == 0:
         raise _Fail("the case has no token")  # the generator never makes one
-    conv = _eval({"op": "causal_conversions", "doc_ids": doc_ids})
+    conv = _reference(_eval, {"op": "causal_conversions", "doc_ids": doc_ids})
     slots = np.asarray(conv["slots"], dtype=np.int64)
     if not np.array_equal(slots, real):
         raise _Fail(f"input_ids: a document's tokens are split by padding (slots "
@@ -409,7 +409,7 @@ def _judge(out, feats, *, labels, ignore_index, eos_token_id, separator_id, pad_
     # prompt mask (a feature's labels[i + 1] == -100: token i predicts
     # nothing) and HF's separator (every document but the row's last
     # predicts separator_id after its last token).
-    cl = _eval({"op": "causal_labels", "input_ids": np.where(is_pad, 0, ids), "doc_ids": doc_ids,
+    cl = _reference(_eval, {"op": "causal_labels", "input_ids": np.where(is_pad, 0, ids), "doc_ids": doc_ids,
                 "ignore_index": ignore_index})
     want = np.asarray(cl["labels"], dtype=np.int64)
     for k, d in enumerate(nz):
@@ -499,6 +499,18 @@ def _judge(out, feats, *, labels, ignore_index, eos_token_id, separator_id, pad_
         _first_diff("attention_mask", am, (~is_pad).astype(np.int64), np.arange(n),
                     " (2D: 1 on tokens, 0 on padding)")
     report.tokens += n
+
+
+def _reference(run, case):
+    """packshard's op on the document layout the collator produced; the
+    layout refused (a document's tokens split by padding) fails the case."""
+    from ._native import PackshardError
+    try:
+        return run(case)
+    except PackshardError as e:
+        raise _Fail(f"input_ids: the padding splits a document, as {case['op']} reads the "
+                    f"layout (doc_ids {np.asarray(case['doc_ids']).tolist()}, 0 = padding): "
+                    f"{e}") from None
 
 
 def _doc_name(doc_ids, nz, i):
@@ -591,6 +603,10 @@ def check_collator(fn, *, cases=200, seed=0, labels="shifted", ignore_index=-100
                    pad_token_id=pad_token_id, mask=mask, report=report)
         except _Fail as e:
             report.failures.append(CollatorFailure(feats, describe, size, source, str(e)))
+        except (ValueError, TypeError) as e:  # a field numpy cannot read (ragged, None)
+            report.failures.append(CollatorFailure(
+                feats, describe, size, source,
+                f"returned a field numpy cannot read: {type(e).__name__}: {e}"))
     if report.cases == 0:
         raise AssertionError("packshard.collator: no case ran (every case was empty)")
     worst = report.smallest()
