@@ -274,3 +274,4 @@ def implementations(op=None):
 
 
 from . import testing  # noqa: E402  (testing uses the functions above)
+from .collator import check_collator  # noqa: E402,F401  (issue 36; docs/HF.md)
