@@ -414,6 +414,9 @@ fn small_sizes(
     Ok((segments, d))
 }
 
+/// `(segments, d, (h, h_kv))` of a large case.
+type LargeSizes = (Vec<(usize, usize)>, usize, (usize, usize));
+
 /// Sizes of a large case: segments, `d`, `(h, h_kv)` (see
 /// [`AttentionFuzzCase`]). A long self-attention segment keeps its length:
 /// its heads fall to 2 (a grouped case) or 1, and `d` to what fits; a long
@@ -423,7 +426,7 @@ fn large_sizes(
     u: &mut Unstructured<'_>,
     (h, h_kv): (usize, usize),
     cross: bool,
-) -> arbitrary::Result<(Vec<(usize, usize)>, usize, (usize, usize))> {
+) -> arbitrary::Result<LargeSizes> {
     let mut d = match u.arbitrary::<u8>()? % 8 {
         b @ 0..=5 => HEAD_DIMS[b as usize],
         _ => 2 * u.int_in_range(0..=100)? + 1,
