@@ -258,6 +258,50 @@ fn a_per_token_grad_output_read_as_a_scalar_is_caught() {
     }
 }
 
+/// A softcapped cross-entropy whose backward forgets the cap's chain factor
+/// `1 - tanh^2(z / c)`: the loss of the capped logits `c tanh(z / c)` (a
+/// masked `-inf` stays masked), and their gradient returned as the raw
+/// logits' (unsharded; the sharded path is the reference's).
+struct SoftcapWithoutChainFactor;
+
+impl VocabHooks for SoftcapWithoutChainFactor {
+    fn cross_entropy(&self, c: CeCall<'_>) -> Result<CrossEntropy, Error> {
+        let Some(cap) = c.call.config.softcap else {
+            return ReferenceCrossEntropy.cross_entropy(c);
+        };
+        let z = c.input.mapv(|x| {
+            if x == f64::NEG_INFINITY {
+                x
+            } else {
+                cap * (x / cap).tanh()
+            }
+        });
+        let config = LossConfig {
+            softcap: None,
+            ..*c.call.config
+        };
+        let call = packshard_reference::vocab::LossCall {
+            config: &config,
+            ..c.call
+        };
+        ReferenceCrossEntropy.cross_entropy(CeCall::new(z.view(), call))
+    }
+}
+
+#[test]
+fn a_softcap_gradient_without_its_chain_factor_is_caught() {
+    let f = caught_only_by_large_cases(|d| {
+        fv::run_cross_entropy(&Planted(SoftcapWithoutChainFactor), TOL, d)
+    });
+    let text = f.to_string();
+    eprintln!("{text}");
+    assert!(
+        text.contains("softcap") && text.contains("want_grad true"),
+        "{text}"
+    );
+    assert!(f.mismatch.what.starts_with("grad_logits"), "{text}");
+}
+
 // ---- the outcome's counts ------------------------------------------------------
 
 /// The values one form of a loss case compares: the loss, `per_token_loss`
