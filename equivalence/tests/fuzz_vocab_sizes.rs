@@ -54,10 +54,10 @@ impl Reached {
     ) {
         let (v, n) = (map.vocab_size(), targets.len());
         self.largest_v = self.largest_v.max(v);
-        if n > 16 && n % 16 != 0 {
+        if n > 16 && !n.is_multiple_of(16) {
             self.partial_token_chunks.insert(n);
         }
-        if v > 1024 && v % 1024 != 0 {
+        if v > 1024 && !v.is_multiple_of(1024) {
             self.partial_vocab_chunks.insert(v);
         }
         self.ignored |= targets.contains(&c.ignore_index);
@@ -72,7 +72,7 @@ impl Reached {
             self.scalar_grad_output |= c.reduction != Reduction::None && g.len() == 1;
         }
         self.padded |= map.padded_vocab_size() > v;
-        self.uneven |= map.layout() == ShardLayout::Uneven && v % map.num_shards() != 0;
+        self.uneven |= map.layout() == ShardLayout::Uneven && !v.is_multiple_of(map.num_shards());
     }
 
     fn require(&self, what: &str) {
@@ -81,7 +81,7 @@ impl Reached {
         assert!(
             self.partial_token_chunks
                 .iter()
-                .any(|&n| n > 64 && n % 64 != 0),
+                .any(|&n| n > 64 && !n.is_multiple_of(64)),
             "{what}: {self:?}"
         );
         assert!(
@@ -183,7 +183,7 @@ struct DropsLastPartialChunk;
 fn drop_tails(z: ArrayView2<'_, f64>, parts: &[(usize, usize)]) -> Array2<f64> {
     let mut out = z.to_owned();
     for &(start, real) in parts {
-        if real > CHUNK && real % CHUNK != 0 {
+        if real > CHUNK && !real.is_multiple_of(CHUNK) {
             let from = start + real / CHUNK * CHUNK;
             for j in from..start + real {
                 out.column_mut(j).fill(f64::NEG_INFINITY);
@@ -235,7 +235,7 @@ fn a_logsumexp_dropping_the_last_partial_vocabulary_chunk_is_caught() {
         .unwrap()
         .parse()
         .unwrap();
-    assert!(v > CHUNK && v % CHUNK != 0, "{text}");
+    assert!(v > CHUNK && !v.is_multiple_of(CHUNK), "{text}");
 }
 
 #[test]
@@ -256,6 +256,50 @@ fn a_per_token_grad_output_read_as_a_scalar_is_caught() {
         );
         assert!(f.mismatch.what.starts_with("grad_"), "{text}");
     }
+}
+
+/// A softcapped cross-entropy whose backward forgets the cap's chain factor
+/// `1 - tanh^2(z / c)`: the loss of the capped logits `c tanh(z / c)` (a
+/// masked `-inf` stays masked), and their gradient returned as the raw
+/// logits' (unsharded; the sharded path is the reference's).
+struct SoftcapWithoutChainFactor;
+
+impl VocabHooks for SoftcapWithoutChainFactor {
+    fn cross_entropy(&self, c: CeCall<'_>) -> Result<CrossEntropy, Error> {
+        let Some(cap) = c.call.config.softcap else {
+            return ReferenceCrossEntropy.cross_entropy(c);
+        };
+        let z = c.input.mapv(|x| {
+            if x == f64::NEG_INFINITY {
+                x
+            } else {
+                cap * (x / cap).tanh()
+            }
+        });
+        let config = LossConfig {
+            softcap: None,
+            ..*c.call.config
+        };
+        let call = packshard_reference::vocab::LossCall {
+            config: &config,
+            ..c.call
+        };
+        ReferenceCrossEntropy.cross_entropy(CeCall::new(z.view(), call))
+    }
+}
+
+#[test]
+fn a_softcap_gradient_without_its_chain_factor_is_caught() {
+    let f = caught_only_by_large_cases(|d| {
+        fv::run_cross_entropy(&Planted(SoftcapWithoutChainFactor), TOL, d)
+    });
+    let text = f.to_string();
+    eprintln!("{text}");
+    assert!(
+        text.contains("softcap") && text.contains("want_grad true"),
+        "{text}"
+    );
+    assert!(f.mismatch.what.starts_with("grad_logits"), "{text}");
 }
 
 // ---- the outcome's counts ------------------------------------------------------

@@ -27,7 +27,7 @@ impl VocabHooks for DropsLastPartialChunk {
     fn cross_entropy(&self, c: CeCall<'_>) -> Result<CrossEntropy, Error> {
         let v = c.input.ncols();
         let mut z = c.input.to_owned();
-        if v > CHUNK && v % CHUNK != 0 {
+        if v > CHUNK && !v.is_multiple_of(CHUNK) {
             for j in v / CHUNK * CHUNK..v {
                 z.column_mut(j).fill(f64::NEG_INFINITY);
             }

@@ -4,6 +4,8 @@
 //! configuration and under the judge its fuzz target runs it with, timed
 //! (the figures of docs/FAULTS.md, "How results are judged").
 
+#![allow(clippy::result_large_err)]
+
 use std::time::Instant;
 
 use packshard_equivalence::fuzz::schedule::{fuzz_budgeted, Budget};

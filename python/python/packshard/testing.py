@@ -74,12 +74,17 @@ def judged(op, args, precision="f32"):
             None if cu_k is None else np.asarray(cu_k, dtype=np.int64))
     if op in ("cross_entropy", "linear_cross_entropy"):
         lin = op == "linear_cross_entropy"
+        want = bool(a.get("want_grad", False))
+        opts = {k: a.get(k) for k in ("ignore_index", "label_smoothing", "smoothing", "z_loss",
+                                      "reduction", "vocab_size", "softcap")}
+        # O2: the reference is given the case's upstream gradient ([n] under
+        # reduction "none", [1] otherwise), as the kernel is.
+        if want and a.get("grad_output") is not None:
+            opts["grad_output"] = _f(a["grad_output"]).ravel().tolist()
         return _native.loss_judged(
             None if lin else _f(a["logits"]), _f(a["hidden"]) if lin else None,
             _f(a["weight"]) if lin else None, np.asarray(a["targets"], dtype=np.int64),
-            {k: a.get(k) for k in ("ignore_index", "label_smoothing", "smoothing", "z_loss",
-                                   "reduction", "vocab_size", "softcap")},
-            bool(a.get("want_grad", False)), precision)
+            opts, want, precision)
     if op == "embedding":
         from . import embedding
         want = a.get("want_grad", a.get("grad_output") is not None)

@@ -89,7 +89,7 @@ pub(super) fn split_and_tokens(
         most_v
     }
     .max(1);
-    let grains: &[usize] = if u.arbitrary::<u8>()? % 4 == 0 {
+    let grains: &[usize] = if u.arbitrary::<u8>()?.is_multiple_of(4) {
         &OTHER_VOCAB_GRAINS
     } else {
         &VOCAB_GRAINS
@@ -133,7 +133,7 @@ pub(super) fn config(u: &mut Unstructured<'_>, v: usize) -> arbitrary::Result<Lo
         _ => None,
     };
     // `none` a third of the time from `loss_config`, a half in all.
-    if u.arbitrary::<u8>()? % 4 == 0 {
+    if u.arbitrary::<u8>()?.is_multiple_of(4) {
         c.reduction = Reduction::None;
     }
     Ok(c)
