@@ -45,10 +45,7 @@ fn refused(case: &Value, field: &str) -> String {
     assert_eq!(code, 2, "{case}: {v}");
     assert_eq!(v["error"]["kind"], "invalid_argument", "{case}: {v}");
     let m = v["error"]["message"].as_str().unwrap().to_string();
-    assert!(
-        m.starts_with(&format!("{field}")),
-        "{m:?} does not name {field}"
-    );
+    assert!(m.starts_with(field), "{m:?} does not name {field}");
     m
 }
 

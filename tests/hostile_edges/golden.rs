@@ -25,7 +25,7 @@ fn golden_set(name: &str) -> (PathBuf, PathBuf) {
 
 /// Writes every expected output under its result name, after `edit` (given
 /// the result name and the values).
-fn write_results(path: &Path, edit: impl Fn(&str, &mut Vec<f64>)) {
+fn write_results(path: &Path, edit: impl Fn(&str, &mut [f64])) {
     let cases = cases::all(Dtype::F64).unwrap();
     let tensors: Vec<Tensor> = cases
         .iter()
@@ -76,7 +76,7 @@ fn outputs(m: &mut Value) -> impl Iterator<Item = &mut Value> {
 
 /// Results 1.0 off in every value of every output: out of every tolerance
 /// the set states.
-fn wrong(_: &str, values: &mut Vec<f64>) {
+fn wrong(_: &str, values: &mut [f64]) {
     values.iter_mut().for_each(|x| *x += 1.0);
 }
 

@@ -189,3 +189,20 @@ fn the_f32_losses_refuse_options_beyond_f32() {
     r["impl"] = json!("reference");
     answered(&r);
 }
+
+#[test]
+fn a_z_loss_that_overflows_is_refused_not_nan() {
+    // logsumexp 1.7e308: 3.4e38 x lse^2 overflows, and the gradient of
+    // the underflowed classes was inf x 0 = NaN.
+    let case = json!({
+        "op": "cross_entropy", "logits": [[1.7e308, 1e-50, -1.0]], "targets": [2],
+        "z_loss": 3.4e38, "want_grad": true,
+    });
+    let m = refused(&case, "z_loss");
+    assert!(m.contains("logits[0]"), "{m}");
+    // A negative control: a z-loss whose term is finite runs, finite.
+    let mut ok = case.clone();
+    ok["logits"] = json!([[10.0, 1e-50, -1.0]]);
+    let v = answered(&ok);
+    assert!(flat(&v["grad_logits"]).iter().all(|x| x.is_finite()), "{v}");
+}

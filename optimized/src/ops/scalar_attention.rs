@@ -111,7 +111,7 @@ fn run_forward(x: Qkv<'_>, mask: &dyn Mask) -> Result<AttentionOutput> {
 
 fn run_backward(x: Qkv<'_>, mask: &dyn Mask, g: Grad<'_>) -> Result<AttentionGrads> {
     let x32 = checked(&x, mask)?;
-    let grad_output = g.grad_output.clone();
+    let grad_output = g.grad_output;
     let (out, lse, go) = saved(g, x.q.dim())?;
     check_grad_values(&grad_output, &x.v)?;
     Ok(widen_grads(backward(&x32, mask, (&out, &lse), &go)))

@@ -267,6 +267,35 @@ pub fn token_loss(stats: &SoftmaxStats, target: Option<usize>, config: &LossConf
     }
 }
 
+/// Refuses a z-loss whose term `z_loss x lse^2` overflows f64 on a
+/// non-ignored row: its gradient `2 z_loss lse p_j` is then `inf x 0`,
+/// NaN, where `p_j` underflowed and the true gradient is finite.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] naming `z_loss` and the row.
+pub fn check_z_loss(
+    config: &LossConfig,
+    stats: &[SoftmaxStats],
+    targets: &[Option<usize>],
+) -> Result<()> {
+    if config.z_loss == 0.0 {
+        return Ok(());
+    }
+    for (i, (s, t)) in stats.iter().zip(targets).enumerate() {
+        let lse = s.logsumexp();
+        if t.is_some() && !(config.z_loss * lse * lse).is_finite() {
+            return Err(Error::invalid(
+                "z_loss",
+                format!(
+                    "{:?} x logsumexp^2 of logits[{i}] ({lse:e}) overflows f64: its gradient would be NaN",
+                    config.z_loss
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// The error for a row whose logits are all `-inf` while its target is not
 /// ignored: the softmax is undefined (PyTorch returns NaN).
 ///
@@ -381,6 +410,7 @@ pub fn cross_entropy(logits: ArrayView2<f64>, call: &LossCall) -> Result<CrossEn
         check_row(i, &s, targets[i])?;
         stats.push(s);
     }
+    check_z_loss(config, &stats, &targets)?;
     let per_token_loss: Array1<f64> = (0..n)
         .map(|i| token_loss(&stats[i], targets[i], config))
         .collect();
