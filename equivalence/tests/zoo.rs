@@ -384,9 +384,7 @@ fn ce_witnesses() -> [CeWitness; 8] {
         ce(LossBug::LastChunkDropped, 300, &[5, 299, 100]),
         // 10 entries in a chunk of 1024: 1014 zeros join the sum.
         ce(LossBug::TailLoadedAsZero, 10, &[1, 2, 3]),
-        CeWitness {
-            ..ce(LossBug::IgnoredInDenominator, 10, &[1, -100, 3, -100])
-        },
+        ce(LossBug::IgnoredInDenominator, 10, &[1, -100, 3, -100]),
         CeWitness {
             config: base.with_smoothing(0.1, Default::default()),
             ..ce(LossBug::SmoothingOverPadded, 10, &[1, 2, 3])
