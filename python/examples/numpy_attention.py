@@ -101,7 +101,8 @@ def main():
     assert (b["position_ids"] == batch_rows([[5] * 7, [6] * 3, [], [7] * 11], b["packs"], 16)
             ["position_ids"]).all()
     print(f"numpy attention: green ({r1.compared} + {r2.compared} cases compared, "
-          f"{r1.values + r2.values} values; worst {max(r1.worst, r2.worst):.2f} x the f32 baseline's error)")
+          f"{r1.values + r2.values} values; worst {100 * max(r1.worst, r2.worst):.1f}% of the "
+          f"allowed error)")
     return 0
 
 
