@@ -11,6 +11,7 @@ use std::cell::Cell;
 use ndarray::{Array2, ArrayView3};
 use packshard_equivalence::fuzz::attention::{self as fa, AttentionFuzzCase};
 use packshard_equivalence::fuzz::packing::{self as fp, PackFuzzCase};
+use packshard_equivalence::fuzz::schedule::{fuzz_budgeted, Budget, SizeClass};
 use packshard_equivalence::fuzz::vocab as fv;
 use packshard_equivalence::fuzz::{fuzz_random, replay_dirs, Failure, Outcome, ReplayError};
 use packshard_equivalence::packing::{BatchInput, Batcher, Packer, Reference as RefPacking};
@@ -18,7 +19,7 @@ use packshard_equivalence::planted::{AttentionHooks, CeCall, EmbeddingCall, Plan
 use packshard_equivalence::{Judge, Tolerance};
 use packshard_reference::attention::ReferenceAttention as RefAttention;
 use packshard_reference::bert::{AttentionGrads, AttentionOutput};
-use packshard_reference::ops::{AttentionOp, Grad, Qkv, Varlen};
+use packshard_reference::ops::{AttentionOp, AttentionSupport, Grad, Qkv, Varlen};
 use packshard_reference::packing::{Overlong, PackedBatch, PackingConfig, PackingPlan};
 use packshard_reference::vocab::embedding::ShardedEmbedding;
 use packshard_reference::vocab::sharded::ShardedLoss;
@@ -37,20 +38,29 @@ fn reference_attention_passes_arbitrary_cases() {
     let mut malformed = 0;
     let mut empty_segments = 0;
     let mut planted = 0;
-    let seen = fuzz_random(3000, 1, |data| {
+    // 3,000 small cases and 24 large ones (the schedule's default share of
+    // large cases would take a minute here; the default budget's own
+    // figures are in tests/attention_schedule.rs).
+    let budget = Budget {
+        cases: 3024,
+        large: 24,
+    };
+    let seen = fuzz_budgeted(budget, 1, |data| {
         let case = AttentionFuzzCase::from_bytes(data).unwrap();
         malformed += usize::from(!case.well_formed());
-        empty_segments += usize::from(case.case.lengths.contains(&0));
+        empty_segments += usize::from(case.segments.iter().any(|&(q, k)| q == 0 || k == 0));
         planted += usize::from(case.values.contains("planted"));
         fa::run(&RefAttention, TOL, data)
     })
     .unwrap_or_else(|f| panic!("{f}"));
-    eprintln!("attention: {seen:?}; {malformed} malformed cu_seqlens, {empty_segments} with an empty segment, {planted} with planted extremes");
-    assert_eq!(seen.cases, 3000);
+    eprintln!("attention: {seen:?}; {malformed} malformed cu_seqlens, {empty_segments} with an empty side, {planted} with planted extremes");
+    assert_eq!(seen.cases, 3024);
     // Malformed cu_seqlens are refused by both sides alike; the rest compared.
     assert_eq!(seen.errors_alike, malformed);
     assert!(malformed >= 100, "{malformed}");
-    assert_eq!(seen.compared, 3000 - malformed);
+    assert_eq!(seen.compared, 3024 - malformed);
+    // The reference declares everything: nothing narrowed.
+    assert_eq!(seen.narrowed, 0);
     assert!(
         empty_segments >= 500 && planted >= 1000,
         "{empty_segments} {planted}"
@@ -158,6 +168,12 @@ fn naive_forward(
 }
 
 impl AttentionHooks for BrokenAttention {
+    // Bidirectional self-attention only: the cases are narrowed to it, so
+    // each fault is the only difference from the reference.
+    fn support(&self) -> AttentionSupport {
+        AttentionSupport::BIDIRECTIONAL
+    }
+
     fn varlen_forward(&self, x: Qkv<'_>, p: &Varlen<'_>) -> Result<AttentionOutput, Error> {
         let (cu, s) = (p.cu_seqlens_q, p.scale);
         let whole = [0, x.q.dim().0];
@@ -514,22 +530,32 @@ fn arbitrary_cases_are_deterministic_and_bounded() {
     let _ = fuzz_random(500, 5, |d| {
         let a = AttentionFuzzCase::from_bytes(d).unwrap();
         assert_eq!(a, AttentionFuzzCase::from_bytes(d).unwrap());
-        let (n, h, dim) = a.case.q.dim();
-        assert!(n <= fa::MAX_TOKENS && h <= fa::MAX_HEADS && dim <= fa::MAX_HEAD_DIM);
-        assert_eq!(a.case.lengths.iter().sum::<usize>(), n);
+        let (n, h, dim) = a.q.dim();
+        let (h, h_kv, _) = (h, a.k.dim().1, dim);
+        assert!(h_kv >= 1 && h % h_kv == 0, "{}", a.describe());
+        let bound = match a.class {
+            SizeClass::Small => fa::SMALL_MAX_WORK,
+            SizeClass::Large => fa::LARGE_MAX_WORK,
+        };
+        assert!(a.work() <= bound, "{}", a.describe());
+        assert_eq!(a.segments.iter().map(|s| s.0).sum::<usize>(), n);
+        assert_eq!(a.segments.iter().map(|s| s.1).sum::<usize>(), a.k.dim().0);
         let p = PackFuzzCase::from_bytes(d).unwrap();
         assert!(p.lengths().len() <= fp::MAX_SEQUENCES);
-        sizes.push(n);
+        if a.class == SizeClass::Small {
+            assert!(a.longest() <= fa::SMALL_MAX_LEN, "{}", a.describe());
+            sizes.push(n);
+        }
         Ok(Outcome::default())
     });
     // Not all alike: sizes vary over the range.
     assert!(
-        sizes.contains(&0) && sizes.iter().any(|&n| n > 30),
+        sizes.contains(&0) && sizes.iter().any(|&n| n > 64),
         "{sizes:?}"
     );
     // Empty input: a valid (tiny) case, never an error.
     let empty = AttentionFuzzCase::from_bytes(&[]).unwrap();
-    assert_eq!(empty.case.lengths, vec![0]);
+    assert_eq!(empty.segments, vec![(0, 0)]);
 }
 
 /// A leak too small for the comparison (2e-15 of the first sequence's first
@@ -551,11 +577,7 @@ fn a_leak_below_the_tolerance_is_reported_with_its_sequence() {
     use packshard_equivalence::attention::AttentionCase;
     // Sequences of 2, 3 and 4 tokens: token 8 is in sequence 2.
     let case = AttentionCase::seeded(&[2, 3, 4], 2, 3, 1, 7);
-    let fuzz = AttentionFuzzCase {
-        cu_seqlens: case.cu_seqlens(),
-        case,
-        values: "seeded".into(),
-    };
+    let fuzz = AttentionFuzzCase::from_case(&case, "seeded");
     // The reference itself passes the same check.
     fa::check(&RefAttention, Tolerance::F64_REWRITE, &fuzz).unwrap();
     let err = fa::check(&Planted(SubToleranceLeak), Tolerance::F64_REWRITE, &fuzz).unwrap_err();

@@ -4,12 +4,16 @@
 //! `0..=MAX_RANDOM_INPUT` bytes), so sizes that are not powers of two, empty
 //! segments, planted outliers, ignored targets, `-inf` logits, padded and
 //! uneven vocabularies, NaN padding and out-of-range targets come as the Rust
-//! suites make them. Attention cases whose `cu_seqlens` the fuzz body
-//! malforms on purpose are left out (a kernel under test gets well-formed
+//! suites make them. Attention cases come from the default checks' size
+//! schedule ([`generate_attention`]: small cases first, then large ones with
+//! a segment of 1,023 to 1,100 tokens, grouped-query heads, cross segments
+//! and causal masks); offsets the fuzz body malforms on purpose are
+//! replaced by the segments' own (a kernel under test gets well-formed
 //! input; bad input is the oracle's own business).
 
 use ndarray::Array2;
 use packshard_equivalence::fuzz::attention::AttentionFuzzCase;
+use packshard_equivalence::fuzz::schedule::{budgeted_input, Budget};
 use packshard_equivalence::fuzz::vocab::{CeFuzzCase, EmbeddingFuzzCase, LinearFuzzCase};
 use packshard_equivalence::fuzz::MAX_RANDOM_INPUT;
 use packshard_oracle::eval::EvalError;
@@ -65,26 +69,7 @@ fn t2(a: &Array2<f64>) -> Out {
 /// attention case with a malformed `cu_seqlens`.
 fn case_of(op: &str, data: &[u8]) -> Option<(Fields, String, usize)> {
     match op {
-        "attention" => {
-            let f = AttentionFuzzCase::from_bytes(data).ok()?;
-            if !f.well_formed() {
-                return None;
-            }
-            let c = &f.case;
-            let describe = f.describe();
-            let size = 4 * c.q.len();
-            let cu = c.cu_seqlens().iter().map(|&x| x as i64).collect();
-            let args = vec![
-                ("q", Out::Tensor(c.q.clone().into_dyn())),
-                ("k", Out::Tensor(c.k.clone().into_dyn())),
-                ("v", Out::Tensor(c.v.clone().into_dyn())),
-                ("cu_seqlens", Out::Ints(cu)),
-                ("scale", Out::F64(c.scale)),
-                ("grad_output", Out::Tensor(c.grad_output.clone().into_dyn())),
-                ("want_grad", Out::Bool(true)),
-            ];
-            Some((args, describe, size))
-        }
+        "attention" => attention_case(data),
         "cross_entropy" => {
             let f = CeFuzzCase::from_bytes(data).ok()?;
             let c = &f.case;
@@ -122,7 +107,66 @@ fn case_of(op: &str, data: &[u8]) -> Option<(Fields, String, usize)> {
     }
 }
 
-/// `n` cases of `op` from `seed` (see the module docs).
+/// The attention case `data` describes, in flash_attn_varlen_func's names:
+/// `q, grad_output: [n_q, h, d]`, `k, v: [n_k, h_kv, d]`, `cu_seqlens_q`,
+/// `cu_seqlens_k` (int64, `[b + 1]`), `cu_seqlens` (= `cu_seqlens_q`, the
+/// self-attention form existing kernels take), `max_seqlen_q`,
+/// `max_seqlen_k`, `causal` (bottom-right), `scale`, `want_grad`. Offsets
+/// the fuzz body malforms on purpose are replaced by the segments' own (a
+/// kernel under test gets well-formed input).
+fn attention_case(data: &[u8]) -> Option<(Fields, String, usize)> {
+    let mut f = AttentionFuzzCase::from_bytes(data).ok()?;
+    f.malformed = None;
+    let ints = |cu: Vec<usize>| Out::Ints(cu.into_iter().map(|x| x as i64).collect());
+    let max = |i: usize| {
+        f.segments
+            .iter()
+            .map(|s| if i == 0 { s.0 } else { s.1 })
+            .max()
+    };
+    let t = |x: &ndarray::Array3<f64>| Out::Tensor(x.clone().into_dyn());
+    let args = vec![
+        ("q", t(&f.q)),
+        ("k", t(&f.k)),
+        ("v", t(&f.v)),
+        ("cu_seqlens_q", ints(f.cu_seqlens_q())),
+        ("cu_seqlens_k", ints(f.cu_seqlens_k())),
+        ("cu_seqlens", ints(f.cu_seqlens_q())),
+        ("max_seqlen_q", Out::Usize(max(0).unwrap_or(0))),
+        ("max_seqlen_k", Out::Usize(max(1).unwrap_or(0))),
+        ("causal", Out::Bool(f.causal)),
+        ("scale", Out::F64(f.scale)),
+        ("grad_output", t(&f.grad_output)),
+        ("want_grad", Out::Bool(true)),
+    ];
+    let size = 2 * (f.q.len() + f.k.len());
+    Some((args, f.describe(), size))
+}
+
+/// `n` attention cases of `seed` under the default checks' schedule: the
+/// inputs of `fuzz_budgeted(Budget { cases: n, large }, seed, ..)`, small
+/// cases first, the last `large` large (default: `Budget::DEFAULT`'s share,
+/// 12 in 100, rounded down). Case `i` is `budgeted input i of seed s`.
+pub fn generate_attention(n: usize, seed: u64, large: Option<usize>) -> Vec<GenCase> {
+    let d = Budget::DEFAULT;
+    let large = large.unwrap_or(n * d.large / d.cases).min(n);
+    let budget = Budget { cases: n, large };
+    (0..n)
+        .filter_map(|input| {
+            let data = budgeted_input(&budget, seed, input);
+            let (args, describe, size) = attention_case(&data)?;
+            Some(GenCase {
+                args,
+                describe,
+                size,
+                input,
+            })
+        })
+        .collect()
+}
+
+/// `n` cases of `op` from `seed` (see the module docs; attention through
+/// [`generate_attention`] at its default share of large cases).
 ///
 /// # Errors
 /// `unknown_op` for an op without generated cases.
@@ -135,6 +179,9 @@ pub fn generate(op: &str, n: usize, seed: u64) -> Result<Vec<GenCase>, EvalError
                 OPS.join(", ")
             ),
         ));
+    }
+    if op == "attention" {
+        return Ok(generate_attention(n, seed, None));
     }
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
     let mut out = Vec::with_capacity(n);
@@ -177,6 +224,21 @@ mod tests {
             let sizes: std::collections::BTreeSet<usize> = a.iter().map(|c| c.size).collect();
             assert!(sizes.len() > 10, "{op}: sizes {sizes:?}");
         }
+        // Attention: the schedule's large cases last, GQA and cross among them.
+        let at = generate_attention(100, 0, None);
+        assert_eq!(at.len(), 100);
+        assert!(at[..88].iter().all(|c| c.describe.starts_with("Small")));
+        assert!(at[88..].iter().all(|c| c.describe.starts_with("Large")));
+        let gqa = at
+            .iter()
+            .filter(|c| match (&c.args[0].1, &c.args[1].1) {
+                (Out::Tensor(q), Out::Tensor(k)) => q.shape()[1] != k.shape()[1],
+                _ => false,
+            })
+            .count();
+        let cross = at.iter().filter(|c| c.args[3].1 != c.args[4].1).count();
+        assert!(gqa >= 20 && cross >= 15, "{gqa} GQA, {cross} cross");
+        assert_eq!(generate_attention(10, 0, Some(10)).len(), 10);
         let ce = generate("cross_entropy", 200, 1).unwrap();
         let padded = ce.iter().filter(|c| c.describe.contains("padded")).count();
         assert!(padded > 0, "no padded vocabulary among 200 cases");

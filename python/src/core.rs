@@ -103,18 +103,24 @@ pub fn field_of(message: &str) -> (Option<String>, Option<usize>) {
 
 // ---- attention -------------------------------------------------------------
 
-/// The arguments of the `attention` op: `q`, `k`, `v`, `grad_output`: `[n_tok,
-/// h, d]`; `cu_seqlens: [b + 1]`.
+/// The arguments of the `attention` op (flash_attn_varlen_func's form):
+/// `q, grad_output: [n_q, h, d]`, `k, v: [n_k, h_kv, d]` (`h_kv` dividing
+/// `h`; query head `a` reads key head `a / (h / h_kv)`); `cu_seqlens: [b +
+/// 1]` the query offsets (and the key offsets unless `cu_seqlens_k` is
+/// given).
 #[derive(Debug, Clone)]
 pub struct AttentionArgs<'a> {
-    /// `[n_tok, h, d]`.
+    /// `[n_q, h, d]`.
     pub q: ArrayView3<'a, f64>,
-    /// `[n_tok, h, d]`.
+    /// `[n_k, h_kv, d]`.
     pub k: ArrayView3<'a, f64>,
-    /// `[n_tok, h, d]`.
+    /// `[n_k, h_kv, d]`.
     pub v: ArrayView3<'a, f64>,
-    /// `[b + 1]`, leading 0, last `n_tok`.
+    /// `[b + 1]`, leading 0, last `n_q`: `cu_seqlens_q`.
     pub cu_seqlens: Vec<usize>,
+    /// `[b + 1]`, leading 0, last `n_k`; `None`: self-attention
+    /// (`cu_seqlens`).
+    pub cu_seqlens_k: Option<Vec<usize>>,
     /// Causal (bottom-right) mask within each segment.
     pub causal: bool,
     /// `1/sqrt(d)` when `None`.
@@ -127,6 +133,11 @@ impl AttentionArgs<'_> {
     fn scale(&self) -> f64 {
         self.scale
             .unwrap_or_else(|| default_scale(self.q.dim().2.max(1)))
+    }
+
+    /// The key offsets: `cu_seqlens_k`, or `cu_seqlens` for self-attention.
+    fn cu_k(&self) -> &[usize] {
+        self.cu_seqlens_k.as_deref().unwrap_or(&self.cu_seqlens)
     }
 }
 
@@ -145,7 +156,7 @@ pub fn attention(imp: &str, a: &AttentionArgs<'_>) -> Result<Fields, EvalError> 
     if let Some(go) = &a.grad_output {
         check_finite("grad_output", go.iter())?;
     }
-    let p = Varlen::new(&a.cu_seqlens, a.causal, a.scale());
+    let p = Varlen::cross(&a.cu_seqlens, a.cu_k(), a.causal, a.scale());
     let x = Qkv::new(a.q, a.k, a.v);
     let fwd = op.varlen_forward(x, &p)?;
     let grads = match a.grad_output {
@@ -241,6 +252,19 @@ impl KernelPrecision {
         }
     }
 
+    /// Every value of `x` rounded ([`KernelPrecision::round`]), in standard
+    /// layout: `mapv` would keep the view's strides, which ndarray refuses
+    /// for an empty view of a non-empty allocation (numpy's `reshape(0, ..)`
+    /// strides), a panic.
+    pub fn round_all<D: ndarray::Dimension>(
+        self,
+        x: &ndarray::ArrayView<'_, f64, D>,
+    ) -> ndarray::Array<f64, D> {
+        let values: Vec<f64> = x.iter().map(|&v| self.round(v)).collect();
+        ndarray::Array::from_shape_vec(x.raw_dim(), values)
+            .expect("as many values as the view's shape holds")
+    }
+
     /// The rule a kernel of this precision is held to on one case, against
     /// the f32 baseline stored in it: [`RelativeRule::F32_FUZZ`] (f32),
     /// [`RelativeRule::BF16_STORED_FUZZ`], [`RelativeRule::F16_STORED_FUZZ`];
@@ -285,19 +309,22 @@ fn attention_terms(a: &AttentionArgs<'_>) -> serde_json::Value {
     let mut t = AttentionTerms::default();
     let zeros = Array3::<f64>::zeros(a.q.raw_dim());
     let go = a.grad_output.unwrap_or(zeros.view());
-    for w in a.cu_seqlens.windows(2) {
-        if w[1] <= w[0] || w[1] > a.q.dim().0 {
+    let (n_q, n_k) = (a.q.dim().0, a.k.dim().0);
+    for (wq, wk) in a.cu_seqlens.windows(2).zip(a.cu_k().windows(2)) {
+        // Called on offsets the reference accepted; skip any other.
+        if wq[1] < wq[0] || wq[1] > n_q || wk[1] < wk[0] || wk[1] > n_k {
             continue;
         }
-        let s = Slice::from(w[0]..w[1]);
-        let seg = |x: &ArrayView3<'_, f64>| x.slice_axis(Axis(0), s).to_owned();
-        let (q, k, v, g) = (seg(&a.q), seg(&a.k), seg(&a.v), seg(&go));
+        let (sq, sk) = (Slice::from(wq[0]..wq[1]), Slice::from(wk[0]..wk[1]));
+        let rows = |x: &ArrayView3<'_, f64>, s: Slice| x.slice_axis(Axis(0), s).to_owned();
+        let (q, k, v, g) = (
+            rows(&a.q, sq),
+            rows(&a.k, sk),
+            rows(&a.v, sk),
+            rows(&go, sq),
+        );
         let u = AttentionTerms::of(q.view(), k.view(), v.view(), g.view(), a.scale(), a.causal);
-        t.output = t.output.max(u.output);
-        t.lse = t.lse.max(u.lse);
-        t.grad_q = t.grad_q.max(u.grad_q);
-        t.grad_k = t.grad_k.max(u.grad_k);
-        t.grad_v = t.grad_v.max(u.grad_v);
+        t = t.max(u);
     }
     serde_json::json!({"output": t.output, "lse": t.lse, "grad_q": t.grad_q, "grad_k": t.grad_k, "grad_v": t.grad_v})
 }
@@ -310,7 +337,7 @@ pub fn attention_judged(
     a: &AttentionArgs<'_>,
     precision: KernelPrecision,
 ) -> Result<Judged, EvalError> {
-    let r = |x: &ArrayView3<f64>| x.mapv(|v| precision.round(v));
+    let r = |x: &ArrayView3<f64>| precision.round_all(x);
     let (q, k, v) = (r(&a.q), r(&a.k), r(&a.v));
     let go = a.grad_output.as_ref().map(r);
     let rounded = AttentionArgs {
@@ -318,6 +345,7 @@ pub fn attention_judged(
         k: k.view(),
         v: v.view(),
         cu_seqlens: a.cu_seqlens.clone(),
+        cu_seqlens_k: a.cu_seqlens_k.clone(),
         causal: a.causal,
         scale: Some(a.scale()),
         grad_output: go.as_ref().map(|g| g.view()),
@@ -333,11 +361,12 @@ pub fn attention_judged(
     let f = |x: &Array3<f64>| baseline32::to_f32(&x.view());
     let (q32, k32, v32) = (f(&q), f(&k), f(&v));
     let scale = a.scale() as f32;
-    let (o, lse) = baseline32::varlen_attention(
+    let cus = (a.cu_seqlens.as_slice(), a.cu_k());
+    let (o, lse) = baseline32::varlen_attention_general(
         q32.view(),
         k32.view(),
         v32.view(),
-        &a.cu_seqlens,
+        cus,
         a.causal,
         scale,
     );
@@ -348,15 +377,12 @@ pub fn attention_judged(
     ];
     if let Some(go) = &go {
         let go32 = f(go);
-        let [gq, gk, gv] = baseline32::varlen_attention_backward(
-            q32.view(),
-            k32.view(),
-            v32.view(),
-            &a.cu_seqlens,
+        let [gq, gk, gv] = baseline32::varlen_attention_general_backward(
+            (q32.view(), k32.view(), v32.view()),
+            cus,
             a.causal,
             scale,
-            o.view(),
-            lse.view(),
+            (o.view(), lse.view()),
             go32.view(),
         );
         base.push(("grad_q", w(&gq)));
@@ -560,7 +586,7 @@ pub fn loss_judged(
     a: &LossArgs,
     precision: KernelPrecision,
 ) -> Result<Judged, EvalError> {
-    let r = |x: &ArrayView2<f64>| x.mapv(|v| precision.round(v));
+    let r = |x: &ArrayView2<f64>| precision.round_all(x);
     let unsharded = LossArgs {
         num_shards: None,
         algorithm: None,

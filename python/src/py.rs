@@ -124,15 +124,16 @@ fn cu(py: Python<'_>, xs: &PyReadonlyArray1<'_, i64>) -> PyResult<Vec<usize>> {
 }
 
 /// Declares a `#[pyfunction]` `$name(q, k, v, cu_seqlens, causal, scale,
-/// grad_output, $last)`: an attention case's seven arguments as the Python
-/// wrappers pass them (`q`, `k`, `v`, `grad_output`: `[n_tok, h, d]`;
-/// `cu_seqlens: [b + 1]`), bundled into the [`AttentionArgs`] `$a` that
-/// `$body` runs on.
+/// grad_output, $last, cu_seqlens_k=None)`: an attention case's arguments as
+/// the Python wrappers pass them (`q`, `grad_output`: `[n_q, h, d]`; `k`,
+/// `v`: `[n_k, h_kv, d]`; `cu_seqlens: [b + 1]` the query offsets,
+/// `cu_seqlens_k` the key offsets when they differ), bundled into the
+/// [`AttentionArgs`] `$a` that `$body` runs on.
 macro_rules! attention_pyfunction {
     ($(#[$doc:meta])* fn $name:ident($py:ident, $a:ident, $last:ident: $lt:ty) -> $ret:ty $body:block) => {
         $(#[$doc])*
         #[pyfunction]
-        #[pyo3(signature = (q, k, v, cu_seqlens, causal, scale, grad_output, $last))]
+        #[pyo3(signature = (q, k, v, cu_seqlens, causal, scale, grad_output, $last, cu_seqlens_k=None))]
         #[allow(clippy::too_many_arguments)]
         fn $name<'py>(
             $py: Python<'py>,
@@ -144,13 +145,22 @@ macro_rules! attention_pyfunction {
             scale: Option<f64>,
             grad_output: Option<PyReadonlyArray3<'py, f64>>,
             $last: $lt,
+            cu_seqlens_k: Option<PyReadonlyArray1<'py, i64>>,
         ) -> PyResult<$ret> {
             guard($py, || {
+            let cu_seqlens_k = match &cu_seqlens_k {
+                Some(c) => Some(
+                    core::offsets("cu_seqlens_k", &c.as_array().to_vec())
+                        .map_err(|e| raise($py, e))?,
+                ),
+                None => None,
+            };
             let $a = AttentionArgs {
                 q: q.as_array(),
                 k: k.as_array(),
                 v: v.as_array(),
                 cu_seqlens: cu($py, &cu_seqlens)?,
+                cu_seqlens_k,
                 causal,
                 scale,
                 grad_output: grad_output.as_ref().map(|g| g.as_array()),
@@ -411,18 +421,24 @@ fn eval_json(py: Python<'_>, case: String) -> PyResult<String> {
 /// One generated case: `(args, describe, size, input)`.
 type GeneratedCase = (Py<PyAny>, String, usize, usize);
 
-/// `n` generated cases of `op` from `seed`: `[(args, describe, size, input)]`.
+/// `n` generated cases of `op` from `seed`: `[(args, describe, size, input)]`;
+/// attention cases under the default checks' schedule, the last `large` of
+/// them large (default: `Budget::DEFAULT`'s share; other ops ignore it).
 #[pyfunction]
-#[pyo3(name = "cases")]
+#[pyo3(name = "cases", signature = (op, n, seed, large=None))]
 fn generated_cases(
     py: Python<'_>,
     op: String,
     n: usize,
     seed: u64,
+    large: Option<usize>,
 ) -> PyResult<Vec<GeneratedCase>> {
     guard(py, || {
         let cs = py
-            .detach(|| crate::cases::generate(&op, n, seed))
+            .detach(|| match (op.as_str(), large) {
+                ("attention", _) => Ok(crate::cases::generate_attention(n, seed, large)),
+                _ => crate::cases::generate(&op, n, seed),
+            })
             .map_err(|e| raise(py, e))?;
         cs.into_iter()
             .map(|c| Ok((fields_to_py(py, c.args)?, c.describe, c.size, c.input)))
@@ -482,7 +498,7 @@ fn round_to<'py>(
 ) -> PyResult<Py<PyAny>> {
     guard(py, || {
         let p = self::precision(py, &precision)?;
-        PyArrayDyn::from_owned_array(py, x.as_array().mapv(|v| p.round(v))).into_py_any(py)
+        PyArrayDyn::from_owned_array(py, p.round_all(&x.as_array())).into_py_any(py)
     })
 }
 

@@ -34,8 +34,6 @@ def test_judged_on_a_gqa_input_never_raises_panic_exception():
         pass  # typed, caught by `except Exception`; PanicException is not
 
 
-@pytest.mark.xfail(strict=True, reason="judged's attention baseline is not GQA-aware on this "
-                   "branch: helper attn's fix (branch attn)")
 def test_judged_on_a_gqa_input_answers_or_refuses_never_panics():
     q = np.linspace(-1, 1, 5 * 4 * 3).reshape(5, 4, 3)
     kv = q[:, :2].copy()  # 2 key heads for 4 query heads
@@ -46,10 +44,10 @@ def test_judged_on_a_gqa_input_answers_or_refuses_never_panics():
 
 
 def test_worst_is_the_share_of_the_allowed_error():
-    def tiled(**kw):
-        return packshard.attention(**{k: v for k, v in kw.items() if k in (
-            "q", "k", "v", "cu_seqlens", "causal", "scale", "grad_output")},
-            impl="attention_varlen_tiled")
+    def tiled(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, grad_output):
+        return packshard.attention(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                   causal=causal, scale=scale, grad_output=grad_output,
+                                   impl="attention_varlen_tiled")
     r = testing.check_attention(tiled, cases=40, seed=3)
     # A passing kernel uses at most all of its allowance (was 5e23: the
     # error divided by a baseline error of ~0).
@@ -74,8 +72,8 @@ def test_an_example_reports_a_share_not_a_ratio():
 
 
 def test_a_tuple_returning_kernel_gets_a_clear_error():
-    def flash_style(q, k, v, cu_seqlens, **kw):
-        r = packshard.attention(q, k, v, cu_seqlens, scale=kw["scale"])
+    def flash_style(q, k, v, cu_seqlens, scale):
+        r = packshard.attention(q, k, v, cu_seqlens, scale=scale)
         return r["output"], r["lse"]
     with pytest.raises(AssertionError) as e:
         testing.check_attention(flash_style, cases=5)
@@ -103,3 +101,14 @@ def test_version_and_type_information():
         assert name in stub
     assert testing.judge.__annotations__["return"] is testing.Report
     assert testing.fuzz.__annotations__["return"] is testing.Report
+
+
+def test_empty_views_with_numpy_strides_never_panic():
+    # numpy's reshape of an empty array keeps non-zero strides; ndarray's
+    # mapv on such a view panicked (found by test_judge's hypothesis test).
+    z = np.array([], dtype=np.float64).reshape(0, 1, 2)
+    assert _native.round_to(z, "bf16").shape == (0, 1, 2)
+    case = {"q": z, "k": z, "v": z, "grad_output": z, "cu_seqlens": np.array([0, 0])}
+    ref = packshard.attention(z, z, z, [0, 0], grad_output=z)
+    for precision in testing.PRECISIONS:
+        assert testing.judge("attention", case, ref, precision=precision).passed

@@ -12,15 +12,14 @@ from packshard import PackshardError, testing
 BF16 = ml_dtypes.bfloat16
 
 
-def bf16_attention(q, k, v, cu_seqlens, scale=None, causal=False, grad_output=None,
-                   want_grad=False, **_):
-    """A correct bf16 kernel: inputs cast to bf16, math in f32 (the f64
-    reference through float32 arrays stands in for an f32 kernel), results
-    stored in bf16."""
+def bf16_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=None, causal=False,
+                   grad_output=None, want_grad=False, **_):
+    """A correct bf16 kernel: inputs cast to bf16, math in f32 (the registered
+    f32 tiled kernel on float32 arrays), results stored in bf16."""
     x = [np.asarray(t, dtype=BF16).astype(np.float32) for t in (q, k, v)]
     go = None if grad_output is None else np.asarray(grad_output, dtype=BF16).astype(np.float32)
-    r = packshard.attention(*x, cu_seqlens, causal=causal, scale=scale,
-                            grad_output=go if want_grad else None,
+    r = packshard.attention(*x, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                            causal=causal, scale=scale, grad_output=go if want_grad else None,
                             impl="attention_varlen_tiled")
     return {key: val.astype(BF16) for key, val in r.items()}
 
@@ -53,8 +52,9 @@ def test_a_correct_bf16_cross_entropy_kernel_passes():
 
 
 def test_a_buggy_bf16_kernel_fails_under_bf16():
-    def leaky(q, k, v, cu_seqlens, **kw):  # one segment over the pack: attends across documents
-        return bf16_attention(q, k, v, np.array([0, q.shape[0]]), **kw)
+    def leaky(q, k, v, **kw):  # one segment over the pack: attends across documents
+        kw.update(cu_seqlens_q=np.array([0, q.shape[0]]), cu_seqlens_k=np.array([0, k.shape[0]]))
+        return bf16_attention(q, k, v, **kw)
     with pytest.raises(AssertionError) as e:
         testing.check_attention(leaky, precision="bf16")
     assert "precision bf16" in str(e.value)
@@ -71,17 +71,19 @@ def test_a_buggy_bf16_kernel_fails_under_bf16():
 
 
 def test_f16_kernels_pass_and_bugs_fail():
-    def f16_attention(q, k, v, cu_seqlens, **kw):
+    def f16_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, **kw):
         x = [np.asarray(t, dtype=np.float16) for t in (q, k, v)]
         go = kw.get("grad_output")
-        r = packshard.attention(*x, cu_seqlens, scale=kw.get("scale"),
-                                grad_output=None if go is None else go.astype(np.float16))
+        r = packshard.attention(*x, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                causal=kw["causal"], scale=kw.get("scale"),
+                                grad_output=None if go is None else go.astype(np.float16),
+                                impl="attention_varlen_tiled")
         return {key: val.astype(np.float16) for key, val in r.items()}
     r = testing.check_attention(f16_attention, precision="f16")
     assert r.compared >= 90
 
-    def f16_lse_log2(q, k, v, cu_seqlens, **kw):
-        out = f16_attention(q, k, v, cu_seqlens, **kw)
+    def f16_lse_log2(q, k, v, cu_seqlens_q, cu_seqlens_k, **kw):
+        out = f16_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, **kw)
         out["lse"] = (out["lse"].astype(np.float32) / np.log(2)).astype(np.float16)
         return out
     with pytest.raises(AssertionError) as e:
@@ -92,9 +94,10 @@ def test_f16_kernels_pass_and_bugs_fail():
 def test_inputs_are_given_in_the_kernels_storage():
     seen = []
 
-    def spy(q, k, v, cu_seqlens, **kw):
+    def spy(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, **_):
         seen.append(q.copy())
-        return packshard.attention(q, k, v, cu_seqlens, scale=kw["scale"])
+        return packshard.attention(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                   causal=causal, scale=scale)
     testing.check_attention(spy, cases=5, precision="bf16", grad=False)
     for q in seen:  # every value exact in bf16, whatever rounding the kernel uses
         assert np.array_equal(q, q.astype(BF16).astype(np.float64))

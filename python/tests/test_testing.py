@@ -48,7 +48,8 @@ def test_registered_linear_and_embedding_pass():
 
 def test_a_leak_is_caught_and_written_out(tmp_path):
     def leaky(q, k, v, cu_seqlens, **kw):
-        return packshard.attention(q, k, v, [0, q.shape[0]], scale=kw["scale"],
+        return packshard.attention(q, k, v, [0, q.shape[0]], cu_seqlens_k=[0, k.shape[0]],
+                                   scale=kw["scale"], causal=kw["causal"],
                                    grad_output=kw.get("grad_output"))
 
     out = tmp_path / "regression.json"
@@ -61,7 +62,8 @@ def test_a_leak_is_caught_and_written_out(tmp_path):
     # The written case replays through eval, and the leak differs there.
     ref = packshard.eval(case)
     leak = packshard.attention(np.array(case["q"]), np.array(case["k"]), np.array(case["v"]),
-                               [0, len(case["q"])], scale=case["scale"])
+                               [0, len(case["q"])], cu_seqlens_k=[0, len(case["k"])],
+                               scale=case["scale"], causal=case["causal"])
     assert not np.allclose(np.asarray(ref["output"]), leak["output"])
 
 
@@ -93,3 +95,104 @@ def test_a_kernel_that_writes_into_its_inputs_is_caught():
         return out
     r = testing.check_cross_entropy(copying, cases=20, seed=4)
     assert r.compared > 5
+
+
+def _numpy_attention(q, k, v, cu_q, cu_k, causal, scale):
+    """Bottom-right causal grouped-query varlen attention in numpy, written
+    from flash_attn_varlen_func's documentation (outside the project)."""
+    n_q, h, d = q.shape
+    group = h // k.shape[1]
+    out = np.zeros_like(q)
+    lse = np.full((h, n_q), -np.inf)
+    for s in range(len(cu_q) - 1):
+        qs, ks = slice(cu_q[s], cu_q[s + 1]), slice(cu_k[s], cu_k[s + 1])
+        lq, lk = cu_q[s + 1] - cu_q[s], cu_k[s + 1] - cu_k[s]
+        for a in range(h):
+            kk, vv = k[ks, a // group], v[ks, a // group]
+            scores = scale * q[qs, a] @ kk.T
+            if causal:
+                r = np.arange(lq)[:, None]
+                c = np.arange(lk)[None, :]
+                scores = np.where(c <= r + lk - lq, scores, -np.inf)
+            for r in range(lq):
+                row = scores[r]
+                if not np.isfinite(row).any():
+                    continue
+                m = row.max()
+                p = np.exp(row - m)
+                out[cu_q[s] + r, a] = p @ vv / p.sum()
+                lse[a, cu_q[s] + r] = m + np.log(p.sum())
+    return out, lse
+
+
+def test_eval_computes_bottom_right_gqa_cross_attention_as_numpy_does():
+    rng = np.random.default_rng(0)
+    cu_q, cu_k = [0, 3, 10, 10, 12], [0, 7, 9, 12, 12]
+    q = rng.normal(size=(12, 4, 5))
+    k = rng.normal(size=(12, 2, 5))
+    v = rng.normal(size=(12, 2, 5))
+    for causal in (False, True):
+        want, want_lse = _numpy_attention(q, k, v, cu_q, cu_k, causal, 0.4)
+        got = packshard.eval({"op": "attention", "q": q, "k": k, "v": v, "cu_seqlens_q": cu_q,
+                              "cu_seqlens_k": cu_k, "causal": causal, "scale": 0.4})
+        # f64 against f64 in another summation order: 1e-12 is ~5000 ulp.
+        np.testing.assert_allclose(np.asarray(got["output"], dtype=float), want, atol=1e-12)
+        got_lse = np.asarray(got["lse"], dtype=float)
+        assert np.array_equal(np.isinf(got_lse), np.isinf(want_lse))
+        np.testing.assert_allclose(got_lse[np.isfinite(got_lse)], want_lse[np.isfinite(want_lse)],
+                                   atol=1e-12)
+    # The a % h_kv mapping is not what eval computes.
+    wrong = np.stack([k[:, a % 2] for a in range(4)], axis=1)
+    wv = np.stack([v[:, a % 2] for a in range(4)], axis=1)
+    bad, _ = _numpy_attention(q, wrong, wv, cu_q, cu_k, True, 0.4)
+    assert not np.allclose(bad, np.asarray(got["output"], dtype=float))
+
+
+def test_judged_answers_a_gqa_cross_case_instead_of_panicking():
+    # Issue 30: a GQA case panicked inside AttentionTerms::of.
+    rng = np.random.default_rng(1)
+    args = {"q": rng.normal(size=(5, 4, 3)), "k": rng.normal(size=(6, 1, 3)),
+            "v": rng.normal(size=(6, 1, 3)), "cu_seqlens_q": np.array([0, 2, 5]),
+            "cu_seqlens_k": np.array([0, 4, 6]), "causal": True, "scale": 0.5,
+            "grad_output": rng.normal(size=(5, 4, 3)), "want_grad": True}
+    expected, baseline = testing.judged("attention", args)
+    assert np.asarray(expected["grad_k"]).shape == (6, 1, 3)
+    assert np.asarray(baseline["output"]).shape == (5, 4, 3)
+    assert expected["terms"]["grad_k"] > 0
+
+
+def test_check_attention_reaches_long_segments_and_gqa():
+    seen = testing.cases("attention", 100, seed=0)
+    longest = max(int(np.diff(c[0]["cu_seqlens_k"]).max(initial=0)) for c in seen)
+    longest = max(longest, max(int(np.diff(c[0]["cu_seqlens_q"]).max(initial=0)) for c in seen))
+    ratios = {c[0]["q"].shape[1] // c[0]["k"].shape[1] for c in seen}
+    assert longest >= 1024 and {1, 2, 4, 8} <= ratios, (longest, ratios)
+    assert any(c[0]["causal"] for c in seen)
+    assert len(testing.cases("attention", 10, seed=0, large=10)) == 10
+
+
+def test_a_self_attention_kernel_gets_self_attention_cases_and_says_so():
+    ref = registered("attention", "attention_varlen_tiled")
+
+    def self_only(q, k, v, cu_seqlens, causal, scale, grad_output, want_grad):
+        return ref(q=q, k=k, v=v, cu_seqlens=cu_seqlens, causal=causal, scale=scale,
+                   grad_output=grad_output, want_grad=want_grad)
+
+    r = testing.check_attention(self_only, cases=30, seed=0)
+    assert r.restricted.get("cross attention: fn takes no cu_seqlens_k", 0) > 0
+    assert "left out (cross attention" in repr(r)
+
+
+def test_a_modulo_kv_head_kernel_fails_the_default_check():
+    ref = registered("attention", "reference")
+
+    def modulo(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, grad_output, want_grad):
+        h, h_kv = q.shape[1], k.shape[1]
+        kk = np.stack([k[:, a % h_kv] for a in range(h)], axis=1)
+        vv = np.stack([v[:, a % h_kv] for a in range(h)], axis=1)
+        r = ref(q=q, k=kk, v=vv, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                causal=causal, scale=scale)
+        return {"output": r["output"]}
+
+    with pytest.raises(AssertionError):
+        testing.check_attention(modulo, precision="f64")

@@ -15,13 +15,7 @@ CHECK = {"attention": testing.check_attention, "cross_entropy": testing.check_cr
 
 # Bugs the generated cases of this branch cannot reach yet (filled in below
 # only while the generators that reach them are not merged).
-_SMALL = ("the generated cases of this branch have at most 12 tokens per segment: no key tile "
-          "is crossed (helper attn's size schedule reaches them)")
 ESCAPES = {
-    "attention_no_rescale": _SMALL,
-    "attention_delta_per_tile": _SMALL,
-    "attention_gqa_modulo": "no generated case has fewer key heads than query heads (attn's)",
-    "attention_causal_top_left": "no generated case has cu_seqlens_q != cu_seqlens_k (attn's)",
     "ce_drop_last_chunk": "generated vocabularies have at most 41 entries (helper loss's)",
     "ce_grad_output_scalar": "no generated case passes a per-token grad_output (loss's)",
     "ce_softcap_no_chain": "no generated case has a softcap (loss's)",
@@ -89,12 +83,9 @@ HAND_BUILT = {
     "ce_softcap_no_chain": lambda: _ce_case(v=50, softcap=3.0),
 }
 
-# Hand-built cases `testing.judged` cannot take on this branch (no GQA or
-# cu_seqlens_k in its attention judge): helper attn's branch adds them.
-JUDGE_LIMITS = {
-    "attention_gqa_modulo": "judged's attention baseline has no GQA on this branch (attn's)",
-    "attention_causal_top_left": "judged takes no cu_seqlens_k on this branch (attn's)",
-}
+# Hand-built cases `testing.judged` cannot take (none since attn's branch
+# gave the attention judge GQA and cu_seqlens_k).
+JUDGE_LIMITS = {}
 
 
 @pytest.mark.parametrize("name", [

@@ -41,15 +41,29 @@ pub(crate) struct PaddedSegment {
 impl PaddedSegment {
     /// Tokens `at..at + len` of `case` padded to its `row_len`.
     pub(crate) fn of(case: &AttentionCase, at: usize, len: usize) -> Self {
-        let l = case.row_len;
+        let t = [&case.q, &case.k, &case.v, &case.grad_output];
+        Self::rows(t, case.scale, (at, len, case.row_len), false)
+    }
+
+    /// Tokens `at..at + len` of `[q, k, v, grad_output]` (all `[n, h, d]`)
+    /// in a row of `row_len`, under the block mask, bottom-right causal
+    /// within the sequence when `causal` (a square block: key `j <= i`).
+    pub(crate) fn rows(
+        [q, k, v, grad_output]: [&Array3<f64>; 4],
+        scale: f64,
+        (at, len, l): (usize, usize, usize),
+        causal: bool,
+    ) -> Self {
         let big = 1e3; // planted garbage in padding slots
         PaddedSegment {
-            q: padded_row(&case.q, at, len, l, big),
-            k: padded_row(&case.k, at, len, l, -big),
-            v: padded_row(&case.v, at, len, l, big),
-            grad_output: padded_row(&case.grad_output, at, len, l, 1.0),
-            allowed: Array2::from_shape_fn((l, l), |(i, j)| i < len && j < len),
-            scale: case.scale,
+            q: padded_row(q, at, len, l, big),
+            k: padded_row(k, at, len, l, -big),
+            v: padded_row(v, at, len, l, big),
+            grad_output: padded_row(grad_output, at, len, l, 1.0),
+            allowed: Array2::from_shape_fn((l, l), |(i, j)| {
+                i < len && j < len && (!causal || j <= i)
+            }),
+            scale,
             len,
         }
     }

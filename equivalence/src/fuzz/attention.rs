@@ -1,311 +1,60 @@
 //! Varlen attention, forward and backward, against the f64 reference on
-//! arbitrary cases (docs/FAULTS.md P2, P4, P8).
+//! arbitrary cases (docs/FAULTS.md P2, P4, P8, C5).
 //!
-//! A case ([`AttentionFuzzCase`]) has 1 to [`MAX_SEGMENTS`] segments of 0 to
-//! [`MAX_SEGMENT_LEN`] tokens (empty ones included, at most [`MAX_TOKENS`] in
-//! all), 1 to [`MAX_HEADS`] heads of dimension 1 to [`MAX_HEAD_DIM`], a softmax
-//! scale (mostly `1/sqrt(d)`), values in a style the bytes choose (uniform,
-//! a grid with exact ties, one constant value), outliers x 8, planted extremes
-//! (`±30`, `±100`, `0`), and in one case of about 16 a malformed
-//! `cu_seqlens` (not starting at 0, decreasing, not ending at `n_tok`, empty)
-//! that must be an error of the reference's kind, never a result or a panic.
+//! A case ([`AttentionFuzzCase`], sized by [`super::schedule`]) has segments
+//! of `(l_q, l_k)` queries over keys — around tile boundaries, tiny ones,
+//! and in large cases one of 1,023 to 1,100 tokens beside many short ones —
+//! grouped-query heads (`h / h_kv` 1, 2, 4, 8 or `h`), cross segments and
+//! bottom-right causal masks, planted values, and in one case of about 16
+//! malformed offsets (not starting at 0, decreasing, not ending at the
+//! token count, empty) that must be an error of the reference's kind, never
+//! a result or a panic.
 //!
-//! [`check`] runs the implementation's packed forward and backward (the
-//! backward from its own forward, as training does) and the reference's,
-//! and compares every segment's `output`, `lse`, `grad_q`, `grad_k`,
-//! `grad_v` under the caller's [`Tolerance`] scaled by the magnitude of the
-//! terms ([`ATTENTION_TERMS`]). Then the padded form: every segment alone in
-//! a row with planted garbage in the padding slots, through the
-//! implementation's masked forward and backward: padding rows exactly 0 with
-//! `lse = -inf` (P8), real rows equal to the reference's packed results
-//! under the same rule (packed == padded, P4 for empty segments). Last, a
-//! change to one sequence must leave every other token's packed output
+//! [`check`] first narrows the case to what the implementation declares
+//! ([`AttentionOp::support`], [`AttentionFuzzCase::within`]: a kernel
+//! without causal masks gets the case unmasked, one without grouped-query
+//! heads gets the key heads repeated, one without cross attention gets
+//! `l_q` keys per segment), counted in [`Outcome::narrowed`]. It then runs
+//! the implementation's packed forward and backward (the backward from its
+//! own forward, as training does) and the f64 reference's
+//! (`varlen_attention_general`), and compares every segment's `output`,
+//! `lse`, `grad_q` and, over the segment's keys, `grad_k` and `grad_v` under
+//! the caller's [`Tolerance`] scaled by the magnitude of the terms
+//! ([`ATTENTION_TERMS`]). Then, for self-attention with `h_kv == h`, the
+//! padded form: every segment alone in a row with planted garbage in the
+//! padding slots, through the implementation's masked forward and backward
+//! (the causal block when causal): padding rows exactly 0 with `lse = -inf`
+//! (P8), real rows equal to the reference's packed results under the same
+//! rule (packed == padded, P4 for empty segments). Last, a change to one
+//! segment's queries and keys must leave every other query's packed output
 //! bit-for-bit unchanged (P2).
 
-use arbitrary::{Arbitrary, Unstructured};
-use ndarray::{Array3, ArrayView3, Axis, Slice};
-use packshard_reference::bert::attention::{varlen_attention, varlen_attention_backward};
+use std::ops::Range;
+
+use ndarray::{Array2, Array3, ArrayView3, Axis, Slice};
+use packshard_reference::attention::{varlen_attention_general, varlen_attention_general_backward};
 use packshard_reference::bert::{AttentionGrads, AttentionOutput};
 use packshard_reference::Error;
 
-use super::values::{plants, Gen};
 use super::{brief, catch_panic, Failure, Outcome};
-use crate::attention::{AttentionCase, PaddedSegment, PaddingLeak, IMPL};
+use crate::attention::{PaddedSegment, PaddingLeak, IMPL};
 use crate::compare::Judge;
 use crate::compare::{assert_close_with_scale, Mismatch, Tolerance};
 use packshard_reference::ops::{AttentionOp, Grad, Qkv, Varlen};
 
-/// Most segments in a case.
-pub const MAX_SEGMENTS: usize = 8;
-/// Most tokens in a segment.
-pub const MAX_SEGMENT_LEN: usize = 12;
-/// Most tokens in a case (`n_tok`).
-pub const MAX_TOKENS: usize = 48;
-/// Most heads.
-pub const MAX_HEADS: usize = 4;
-/// Largest head dimension.
-pub const MAX_HEAD_DIM: usize = 8;
+mod case;
+mod terms;
+
+pub use case::{
+    AttentionFuzzCase, Malformed, GQA_RATIOS, HEAD_DIMS, LARGE_MAX_SHORT, LARGE_MAX_WORK,
+    LARGE_SHORT_LEN, LONG_LEN, LONG_WORK, SHORT_WORK, SMALL_MAX_LEN, SMALL_MAX_SEGMENTS,
+    SMALL_MAX_WORK,
+};
+pub use terms::AttentionTerms;
 
 /// The tolerance rule of the attention comparison, in words (see
 /// [`AttentionTerms`]).
 pub const ATTENTION_TERMS: &str = "|actual - expected| <= rel |expected| + abs T, T the largest running error bound (in ulp) of the tensor in its segment: the terms of every sum, each probability weighted by its own rounding";
-
-/// The magnitude of the terms of each attention output of one segment: a
-/// running error bound, in units of the f64 epsilon, of the softmax
-/// attention computed from the segment's inputs (its largest element per
-/// tensor). A tolerance `64 x eps x T` (the project's 64 ulp of the terms)
-/// then holds any f64 implementation that rounds differently — another
-/// summation order, the scale applied before or after the dot product, an
-/// online softmax — and nothing that computes something else.
-///
-/// Per query `i` (one head), with `a_j = |scale| d sum_c |q_ic k_jc|` the
-/// rounding of score `s_j`, `m` the row maximum, `l` its `lse` and `p_j` the
-/// probabilities:
-///
-/// - a probability carries a relative error of `r_j = a_j + max_k a_k + |l|
-///   + |s_j - l| + L + 3` ulp: its score's rounding and the maximum's, `lse`
-///   rounded relative to its own size and the `L` terms of its sum, and the
-///   subtraction in `exp(s_j - lse)` — the form flash-attention and the
-///   reference use, in which nothing renormalises the probabilities, so a
-///   score of 5000 really does move them by thousands of ulp;
-///   `b_j = p_j r_j`;
-/// - `output_c`: `sum_j ((L + 1) p_j + b_j) |v_jc|`;
-/// - `lse`: `|l| + max_k a_k + L`;
-/// - `dS_j = p_j (dO.v_j - D)`, with `D = dO.O`: `b_j |dO.v_j - D| + p_j (d
-///   sum_c |dO_c v_jc| + D's terms + (L + 1) |dO.v_j - D|)`;
-/// - `grad_q_c = scale sum_j dS_j k_jc`: `|scale| sum_j (dS_j's terms)
-///   |k_jc|`; `grad_k` the same with `|q_ic|` summed over queries;
-///   `grad_v_jc`: `sum_i ((L + 1) p_ij + b_ij) |dO_ic|`.
-///
-/// Empty segments have no terms (and no rows).
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
-pub struct AttentionTerms {
-    /// Of `output: [L, h, d]`.
-    pub output: f64,
-    /// Of `lse: [h, L]`.
-    pub lse: f64,
-    /// Of `grad_q: [L, h, d]`.
-    pub grad_q: f64,
-    /// Of `grad_k: [L, h, d]`.
-    pub grad_k: f64,
-    /// Of `grad_v: [L, h, d]`.
-    pub grad_v: f64,
-}
-
-impl AttentionTerms {
-    /// The terms of one segment: `q, k, v, grad_output: [L, h, d]`, keys after
-    /// the query masked when `causal`.
-    pub fn of(
-        q: ArrayView3<f64>,
-        k: ArrayView3<f64>,
-        v: ArrayView3<f64>,
-        grad_output: ArrayView3<f64>,
-        scale: f64,
-        causal: bool,
-    ) -> Self {
-        let (len, h, d) = q.dim();
-        let (c, df, lf) = (scale.abs(), d as f64, len as f64);
-        let mut t = AttentionTerms::default();
-        let mut gk = Array3::<f64>::zeros((len, h, d));
-        let mut gv = Array3::<f64>::zeros((len, h, d));
-        for head in 0..h {
-            for i in 0..len {
-                let keys = if causal { i + 1 } else { len };
-                let dot = |x: &ArrayView3<f64>, y: &ArrayView3<f64>, j: usize, abs: bool| {
-                    (0..d)
-                        .map(|x_| {
-                            let v = x[[i, head, x_]] * y[[j, head, x_]];
-                            if abs {
-                                v.abs()
-                            } else {
-                                v
-                            }
-                        })
-                        .sum::<f64>()
-                };
-                let s: Vec<f64> = (0..keys).map(|j| scale * dot(&q, &k, j, false)).collect();
-                let a: Vec<f64> = (0..keys).map(|j| c * df * dot(&q, &k, j, true)).collect();
-                let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-                let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
-                let l: f64 = e.iter().sum();
-                let p: Vec<f64> = e.iter().map(|x| x / l).collect();
-                let lse = m + l.ln();
-                let max_a = a.iter().copied().fold(0.0, f64::max);
-                let b: Vec<f64> = (0..keys)
-                    .map(|j| p[j] * (a[j] + max_a + lse.abs() + (s[j] - lse).abs() + lf + 3.0))
-                    .collect();
-                t.lse = t.lse.max(lse.abs() + max_a + lf);
-                let mut o = vec![0.0; d];
-                let mut o_terms = vec![0.0; d];
-                for x in 0..d {
-                    for j in 0..keys {
-                        o[x] += p[j] * v[[j, head, x]];
-                        o_terms[x] += ((lf + 1.0) * p[j] + b[j]) * v[[j, head, x]].abs();
-                    }
-                    t.output = t.output.max(o_terms[x]);
-                }
-                let go = |x: usize| grad_output[[i, head, x]];
-                let dd: f64 = (0..d).map(|x| go(x) * o[x]).sum();
-                let dd_terms: f64 = (0..d)
-                    .map(|x| df * (go(x) * o[x]).abs() + go(x).abs() * o_terms[x])
-                    .sum();
-                let mut gq = vec![0.0; d];
-                for j in 0..keys {
-                    let dp: f64 = (0..d).map(|x| go(x) * v[[j, head, x]]).sum();
-                    let dp_terms: f64 = (0..d).map(|x| df * (go(x) * v[[j, head, x]]).abs()).sum();
-                    let diff = (dp - dd).abs();
-                    let ds = b[j] * diff + p[j] * (dp_terms + dd_terms + (lf + 1.0) * diff);
-                    for x in 0..d {
-                        gq[x] += c * ds * k[[j, head, x]].abs();
-                        gk[[j, head, x]] += c * ds * q[[i, head, x]].abs();
-                        gv[[j, head, x]] += ((lf + 1.0) * p[j] + b[j]) * go(x).abs();
-                    }
-                }
-                t.grad_q = gq.iter().fold(t.grad_q, |m, x| m.max(*x));
-            }
-        }
-        t.grad_k = gk.iter().fold(0.0, |m, x| m.max(*x));
-        t.grad_v = gv.iter().fold(0.0, |m, x| m.max(*x));
-        t
-    }
-}
-
-/// One arbitrary attention case: the case (lengths, shapes, values) and the
-/// `cu_seqlens` handed to the implementation.
-#[derive(Debug, Clone, PartialEq)]
-pub struct AttentionFuzzCase {
-    /// Lengths, padded row length, scale and the tensors.
-    pub case: AttentionCase,
-    /// The case's own `cu_seqlens`, or (about one case in 16) a malformed one.
-    pub cu_seqlens: Vec<usize>,
-    /// How the values were drawn and what was planted, for reports.
-    pub values: String,
-}
-
-impl AttentionFuzzCase {
-    /// The case `data` describes (every byte string describes one).
-    ///
-    /// # Errors
-    /// Never in practice: bytes that run out read as zeros.
-    pub fn from_bytes(data: &[u8]) -> arbitrary::Result<Self> {
-        Self::arbitrary(&mut Unstructured::new(data))
-    }
-
-    /// Whether `cu_seqlens` is the case's own (well-formed).
-    pub fn well_formed(&self) -> bool {
-        self.cu_seqlens == self.case.cu_seqlens()
-    }
-
-    /// A one-line description for failure reports.
-    pub fn describe(&self) -> String {
-        let (n, h, d) = self.case.q.dim();
-        let cu = if self.well_formed() {
-            format!("cu_seqlens {}", brief(&self.cu_seqlens))
-        } else {
-            format!(
-                "malformed cu_seqlens {} (lengths say {})",
-                brief(&self.cu_seqlens),
-                brief(&self.case.cu_seqlens())
-            )
-        };
-        format!(
-            "lengths {} ({cu}), n_tok {n}, h {h}, d {d}, scale {:e}, padded rows of {}; {}",
-            brief(&self.case.lengths),
-            self.case.scale,
-            self.case.row_len,
-            self.values
-        )
-    }
-}
-
-impl<'a> Arbitrary<'a> for AttentionFuzzCase {
-    fn arbitrary(u: &mut Unstructured<'a>) -> arbitrary::Result<Self> {
-        // Sizes first.
-        let b = u.int_in_range(1..=MAX_SEGMENTS)?;
-        let mut lengths = Vec::with_capacity(b);
-        let mut total = 0;
-        for _ in 0..b {
-            let l = match u.arbitrary::<u8>()? % 8 {
-                0 => 0,
-                1 => 1,
-                _ => u.int_in_range(1..=MAX_SEGMENT_LEN)?,
-            };
-            let l = l.min(MAX_TOKENS - total);
-            total += l;
-            lengths.push(l);
-        }
-        let h = u.int_in_range(1..=MAX_HEADS)?;
-        let d = u.int_in_range(1..=MAX_HEAD_DIM)?;
-        let extra_pad = u.int_in_range(0..=3)?;
-        let scale = match u.arbitrary::<u8>()? % 16 {
-            0 => 1.0,
-            1 => 0.125,
-            2 => 2.0,
-            3 => 0.01,
-            _ => 1.0 / (d as f64).sqrt(),
-        };
-        // Then values.
-        let mut gen = Gen::arbitrary(u)?;
-        let mut tensor = || Array3::from_shape_fn((total, h, d), |_| gen.value(2.0));
-        let mut t = [tensor(), tensor(), tensor(), tensor()];
-        let mut planted = Vec::new();
-        if total > 0 {
-            for (at, choice) in plants(u, 4)? {
-                let which = choice as usize % 4;
-                let x = [100.0, -100.0, 30.0, -30.0, 0.0][(choice as usize / 4) % 5];
-                let flat = at % (total * h * d);
-                let idx = (flat / (h * d), (flat / d) % h, flat % d);
-                t[which][idx] = x;
-                planted.push(format!(
-                    "{}[{}, {}, {}] = {x}",
-                    ["q", "k", "v", "grad_output"][which],
-                    idx.0,
-                    idx.1,
-                    idx.2
-                ));
-            }
-        }
-        let [q, k, v, grad_output] = t;
-        let case = AttentionCase {
-            row_len: lengths.iter().copied().max().unwrap_or(0) + extra_pad,
-            lengths,
-            scale,
-            q,
-            k,
-            v,
-            grad_output,
-        };
-        let mut cu = case.cu_seqlens();
-        if u.arbitrary::<u8>()? % 16 == 15 {
-            match u.arbitrary::<u8>()? % 4 {
-                0 => cu[0] = 1,
-                1 => {
-                    // A decrease: the first rise, lowered below its predecessor.
-                    if let Some(i) = (1..cu.len()).find(|&i| cu[i] > cu[i - 1]) {
-                        if i + 1 < cu.len() {
-                            cu[i] = cu[i + 1] + 1;
-                        } else {
-                            cu.push(0);
-                        }
-                    } else {
-                        cu.push(total + 1);
-                    }
-                }
-                2 => *cu.last_mut().expect("cu_seqlens holds [0] at least") += 1,
-                _ => cu.clear(),
-            }
-        }
-        let mut values = gen.describe();
-        if !planted.is_empty() {
-            values.push_str(&format!("; planted {}", planted.join(", ")));
-        }
-        Ok(AttentionFuzzCase {
-            case,
-            cu_seqlens: cu,
-            values,
-        })
-    }
-}
 
 /// Compares `actual` with `expected` (row-major `shape`) under `tol` with
 /// the absolute floor relative to `terms`; returns the largest share of the
@@ -341,18 +90,40 @@ fn close(
         .fold(0.0, f64::max))
 }
 
-fn rows(x: &Array3<f64>, a: usize, b: usize) -> ArrayView3<'_, f64> {
+fn rows(x: &Array3<f64>, r: Range<usize>) -> Vec<f64> {
+    x.slice_axis(Axis(0), Slice::from(r))
+        .iter()
+        .copied()
+        .collect()
+}
+
+fn lse_rows(x: &Array2<f64>, r: Range<usize>) -> Vec<f64> {
+    x.slice_axis(Axis(1), Slice::from(r))
+        .iter()
+        .copied()
+        .collect()
+}
+
+fn view(x: &Array3<f64>, a: usize, b: usize) -> ArrayView3<'_, f64> {
     x.slice_axis(Axis(0), Slice::from(a..b))
 }
 
-/// The terms of tokens `a..b` of `c` (one segment, bidirectional).
-fn segment_terms(c: &AttentionCase, a: usize, b: usize) -> AttentionTerms {
-    let r = |x| rows(x, a, b);
-    AttentionTerms::of(r(&c.q), r(&c.k), r(&c.v), r(&c.grad_output), c.scale, false)
-}
-
-fn flat(x: ArrayView3<f64>) -> Vec<f64> {
-    x.iter().copied().collect()
+/// The terms of every segment of `c` (its own offsets).
+fn segment_terms(c: &AttentionFuzzCase) -> Vec<AttentionTerms> {
+    let (cu_q, cu_k) = (c.own_cu_q(), c.own_cu_k());
+    (0..c.segments.len())
+        .map(|s| {
+            let (qa, qb, ka, kb) = (cu_q[s], cu_q[s + 1], cu_k[s], cu_k[s + 1]);
+            AttentionTerms::of(
+                view(&c.q, qa, qb),
+                view(&c.k, ka, kb),
+                view(&c.v, ka, kb),
+                view(&c.grad_output, qa, qb),
+                c.scale,
+                c.causal,
+            )
+        })
+        .collect()
 }
 
 /// The two sides' outcomes agree: both results, or errors of the same kind.
@@ -360,7 +131,7 @@ fn outcome<A, B>(
     what: &str,
     expected: Result<A, Error>,
     actual: Result<B, Error>,
-    cu: &[usize],
+    cu: (&[usize], &[usize]),
 ) -> Result<Option<(A, B)>, Mismatch> {
     match (expected, actual) {
         (Ok(e), Ok(a)) => Ok(Some((e, a))),
@@ -376,8 +147,9 @@ fn outcome<A, B>(
         (Err(e), Ok(_)) => Err(Mismatch::new(
             what,
             format!(
-                "cu_seqlens {} must be refused: expected the error {e} ({}), got a result",
-                brief(cu),
+                "cu_seqlens_q {} with cu_seqlens_k {} must be refused: expected the error {e} ({}), got a result",
+                brief(cu.0),
+                brief(cu.1),
                 e.kind()
             ),
         )),
@@ -385,37 +157,9 @@ fn outcome<A, B>(
     }
 }
 
-/// `f`'s shapes: `output: [n, h, d]`, `lse: [h, n]`.
-fn output_shapes(
-    what: &str,
-    dim: (usize, usize, usize),
-    f: &AttentionOutput,
-) -> Result<(), Mismatch> {
-    let tensors = [("output", f.output.shape()), ("lse", f.lse.shape())];
-    check_shapes(what, dim, &tensors)
-}
-
-/// `g`'s shapes: `grad_q, grad_k, grad_v: [n, h, d]`.
-fn grad_shapes(what: &str, dim: (usize, usize, usize), g: &AttentionGrads) -> Result<(), Mismatch> {
-    let tensors = [
-        ("grad_q", g.grad_q.shape()),
-        ("grad_k", g.grad_k.shape()),
-        ("grad_v", g.grad_v.shape()),
-    ];
-    check_shapes(what, dim, &tensors)
-}
-
-fn check_shapes(
-    what: &str,
-    (n, h, d): (usize, usize, usize),
-    tensors: &[(&str, &[usize])],
-) -> Result<(), Mismatch> {
-    for (name, shape) in tensors {
-        let want: Vec<usize> = if *name == "lse" {
-            vec![h, n]
-        } else {
-            vec![n, h, d]
-        };
+/// Each named tensor has the shape wanted.
+fn check_shapes(what: &str, tensors: &[(&str, &[usize], Vec<usize>)]) -> Result<(), Mismatch> {
+    for (name, shape, want) in tensors {
         if *shape != want.as_slice() {
             return Err(Mismatch::new(
                 format!("{what}: {name}"),
@@ -424,6 +168,33 @@ fn check_shapes(
         }
     }
     Ok(())
+}
+
+/// `output: [n_q, h, d]`, `lse: [h, n_q]`.
+fn output_shapes(
+    what: &str,
+    (n, h, d): (usize, usize, usize),
+    f: &AttentionOutput,
+) -> Result<(), Mismatch> {
+    check_shapes(
+        what,
+        &[
+            ("output", f.output.shape(), vec![n, h, d]),
+            ("lse", f.lse.shape(), vec![h, n]),
+        ],
+    )
+}
+
+/// `grad_q: [n_q, h, d]`, `grad_k, grad_v: [n_k, h_kv, d]`.
+fn grad_shapes(what: &str, q: &[usize], k: &[usize], g: &AttentionGrads) -> Result<(), Mismatch> {
+    check_shapes(
+        what,
+        &[
+            ("grad_q", g.grad_q.shape(), q.to_vec()),
+            ("grad_k", g.grad_k.shape(), k.to_vec()),
+            ("grad_v", g.grad_v.shape(), k.to_vec()),
+        ],
+    )
 }
 
 /// Runs `case` through `imp` and the reference and compares them (see the
@@ -439,63 +210,83 @@ pub fn check(
     tol: Tolerance,
     case: &AttentionFuzzCase,
 ) -> Result<Outcome, Mismatch> {
-    let c = &case.case;
-    let cu = &case.cu_seqlens;
-    let (n, h, d) = c.q.dim();
+    let (c, narrowed) = case.within(imp.support());
+    let (cu_q, cu_k) = (c.cu_seqlens_q(), c.cu_seqlens_k());
+    let p = Varlen::cross(&cu_q, &cu_k, c.causal, c.scale);
     let (q, k, v, go) = (c.q.view(), c.k.view(), c.v.view(), c.grad_output.view());
-    let expected = varlen_attention(q, k, v, cu, false, c.scale);
+    let expected = varlen_attention_general(q, k, v, &p);
     let actual = catch_panic("varlen_forward", || {
-        imp.varlen_forward(Qkv::new(q, k, v), &Varlen::new(cu, false, c.scale))
+        imp.varlen_forward(Qkv::new(q, k, v), &p)
     })?;
-    let Some((ef, af)) = outcome("varlen_forward", expected, actual, cu)? else {
-        return Ok(Outcome::errors_alike());
+    let cus = (cu_q.as_slice(), cu_k.as_slice());
+    let mark = |o: Outcome| Outcome {
+        narrowed: usize::from(!narrowed.is_empty()),
+        ..o
     };
-    output_shapes("varlen_forward", (n, h, d), &af)?;
-    let eg = varlen_attention_backward(q, k, v, cu, false, c.scale, &ef, go);
+    let Some((ef, af)) = outcome("varlen_forward", expected, actual, cus)? else {
+        return Ok(mark(Outcome::errors_alike()));
+    };
+    output_shapes("varlen_forward", c.q.dim(), &af)?;
+    let eg = varlen_attention_general_backward(q, k, v, &p, &ef, go);
     let ag = catch_panic("varlen_backward", || {
-        imp.varlen_backward(
-            Qkv::new(q, k, v),
-            &Varlen::new(cu, false, c.scale),
-            Grad::new(&af, go),
-        )
+        imp.varlen_backward(Qkv::new(q, k, v), &p, Grad::new(&af, go))
     })?;
-    let Some((eg, ag)) = outcome::<AttentionGrads, AttentionGrads>("varlen_backward", eg, ag, cu)?
+    let Some((eg, ag)) = outcome::<AttentionGrads, AttentionGrads>("varlen_backward", eg, ag, cus)?
     else {
         return Err(Mismatch::new(
             "varlen_backward",
             "both sides refused a case whose forward they accepted",
         ));
     };
-    grad_shapes("varlen_backward", (n, h, d), &ag)?;
-    let (values, worst) = compare_segments(tol, c, cu, (&ef, &eg), (&af, &ag))?;
-    let (padded_values, padded_worst) = check_padded(imp, tol, c, (&ef, &eg))?;
-    check_no_leak(imp, c, &af)?;
-    Ok(Outcome::compared(
+    grad_shapes("varlen_backward", c.q.shape(), c.k.shape(), &ag)?;
+    let terms = segment_terms(&c);
+    let (values, worst) = compare_segments(tol, &c, &terms, (&ef, &eg), (&af, &ag))?;
+    let (padded_values, padded_worst) = check_padded(imp, tol, &c, &terms, (&ef, &eg))?;
+    check_no_leak(imp, &c, &p, &af)?;
+    Ok(mark(Outcome::compared(
         values + padded_values,
         worst.max(padded_worst),
-    ))
+    )))
 }
 
-/// The padded form: every segment alone in a row of `row_len` with the
-/// block mask (padding queries and keys masked, docs/FAULTS.md P8), through
-/// `imp`'s masked forward and backward. Padding rows must be exactly 0 with
-/// `lse = -inf`; real rows must match the reference's packed results under
-/// the same rule as the packed form.
+/// The padded row of a segment of `len` tokens: the longest segment plus
+/// the case's extra slots in a small case (one row length for the batch, as
+/// a padded batch has), the segment's own length plus them in a large one
+/// (a 1,100-token row per short segment would cost more than the rest of
+/// the check).
+fn row_len(c: &AttentionFuzzCase, len: usize) -> usize {
+    match c.class {
+        super::schedule::SizeClass::Small => c.longest() + c.extra_pad,
+        super::schedule::SizeClass::Large => len + c.extra_pad,
+    }
+}
+
+/// The padded form (self-attention with `h_kv == h` only: the masked form
+/// is one dense row per sequence): every segment alone in a row with the
+/// block mask (padding queries and keys masked, docs/FAULTS.md P8; the
+/// causal block when causal), through `imp`'s masked forward and backward.
+/// Padding rows must be exactly 0 with `lse = -inf`; real rows must match
+/// the reference's packed results under the same rule as the packed form.
 fn check_padded(
     imp: &dyn AttentionOp,
     tol: Tolerance,
-    c: &AttentionCase,
+    c: &AttentionFuzzCase,
+    terms: &[AttentionTerms],
     expected: (&AttentionOutput, &AttentionGrads),
 ) -> Result<(usize, f64), Mismatch> {
-    let cu = c.cu_seqlens();
-    let (_, h, d) = c.q.dim();
-    let l = c.row_len;
+    let (h, h_kv, d) = c.heads();
+    if !c.is_self() || h_kv != h {
+        return Ok((0, 0.0));
+    }
+    let cu = c.own_cu_q();
     let mut values = 0;
     let mut worst = 0.0f64;
     for (s, w) in cu.windows(2).enumerate() {
         let (a, b) = (w[0], w[1]);
         let len = b - a;
-        let padded = PaddedSegment::of(c, a, len);
+        let l = row_len(c, len);
+        let t = [&c.q, &c.k, &c.v, &c.grad_output];
+        let padded = PaddedSegment::rows(t, c.scale, (a, len, l), c.causal);
         let err = |what: &str, e: Error| {
             Mismatch::new(
                 what,
@@ -507,7 +298,7 @@ fn check_padded(
         output_shapes("masked_forward", (l, h, d), &pf)?;
         let pgr = catch_panic("masked_backward", || padded.backward(imp, &pf))?
             .map_err(|e| err("masked_backward", e))?;
-        grad_shapes("masked_backward", (l, h, d), &pgr)?;
+        grad_shapes("masked_backward", &[l, h, d], &[l, h, d], &pgr)?;
         // P8: a padding query has no allowed key: exactly 0, never NaN.
         match padded.leak(&pf, &pgr) {
             Some(PaddingLeak::Value {
@@ -536,24 +327,12 @@ fn check_padded(
         if len == 0 {
             continue;
         }
-        let terms = segment_terms(c, a, b);
-        let mine = |x: &Array3<f64>| flat(rows(x, 0, len));
-        let theirs = |x: &Array3<f64>| flat(rows(x, a, b));
-        let lse = |from: usize| {
-            move |x: &ndarray::Array2<f64>| -> Vec<f64> {
-                x.slice_axis(Axis(1), Slice::from(from..from + len))
-                    .iter()
-                    .copied()
-                    .collect()
-            }
-        };
-        let (lse_a, lse_0) = (lse(a), lse(0));
         let (v, w) = close_sequence(
             tol,
-            &terms,
-            (len, h, d),
-            Side(expected.0, expected.1, &theirs, &lse_a),
-            Side(&pf, &pgr, &mine, &lse_0),
+            &terms[s],
+            ((len, h, d), (len, h_kv)),
+            tensors(expected, a..b, a..b),
+            tensors((&pf, &pgr), 0..len, 0..len),
             &|name| {
                 format!("padded {name} (sequence {s} in a row of {l}, index [token, head, dim] within the sequence)")
             },
@@ -571,30 +350,32 @@ fn perturbed(x: f64) -> f64 {
     1.0 - 3.0 * x
 }
 
-/// docs/FAULTS.md P2: changing the tokens of the first non-empty sequence must
-/// leave every other token's packed output bit-for-bit unchanged.
+/// docs/FAULTS.md P2: changing the queries and keys of the first segment
+/// that has either must leave every other query's packed output bit-for-bit
+/// unchanged.
 fn check_no_leak(
     imp: &dyn AttentionOp,
-    c: &AttentionCase,
+    c: &AttentionFuzzCase,
+    p: &Varlen<'_>,
     before: &AttentionOutput,
 ) -> Result<(), Mismatch> {
-    let cu = c.cu_seqlens();
+    let (cu_q, cu_k) = (c.own_cu_q(), c.own_cu_k());
     let n = c.q.dim().0;
-    let Some(s) = c.lengths.iter().position(|&l| l > 0) else {
+    let Some(s) = c.segments.iter().position(|&(q, k)| q + k > 0) else {
         return Ok(());
     };
-    let (a, b) = (cu[s], cu[s + 1]);
-    let [q2, k2, v2] = [&c.q, &c.k, &c.v].map(|t| {
+    let change = |t: &Array3<f64>, r: Range<usize>| {
         let mut t = t.clone();
-        t.slice_axis_mut(Axis(0), Slice::from(a..b))
+        t.slice_axis_mut(Axis(0), Slice::from(r))
             .mapv_inplace(perturbed);
         t
-    });
+    };
+    let (a, b) = (cu_q[s], cu_q[s + 1]);
+    let keys = cu_k[s]..cu_k[s + 1];
+    let q2 = change(&c.q, a..b);
+    let (k2, v2) = (change(&c.k, keys.clone()), change(&c.v, keys));
     let after = catch_panic("varlen_forward", || {
-        imp.varlen_forward(
-            Qkv::new(q2.view(), k2.view(), v2.view()),
-            &Varlen::new(&cu, false, c.scale),
-        )
+        imp.varlen_forward(Qkv::new(q2.view(), k2.view(), v2.view()), p)
     })?
     .map_err(|e| Mismatch::new("varlen_forward", format!("unexpected error {e}")))?;
     for i in (0..a).chain(b..n) {
@@ -603,7 +384,7 @@ fn check_no_leak(
             after.output.index_axis(Axis(0), i),
         );
         if x != y {
-            let t = cu.partition_point(|&c| c <= i) - 1;
+            let t = cu_q.partition_point(|&c| c <= i) - 1;
             return Err(Mismatch::new(
                 "cross-sequence leak",
                 format!(
@@ -617,41 +398,54 @@ fn check_no_leak(
     Ok(())
 }
 
+/// `output, lse, grad_q` of queries `qr` and `grad_k, grad_v` of keys `kr`, flat.
+fn tensors(
+    (f, g): (&AttentionOutput, &AttentionGrads),
+    qr: Range<usize>,
+    kr: Range<usize>,
+) -> [Vec<f64>; 5] {
+    [
+        rows(&f.output, qr.clone()),
+        lse_rows(&f.lse, qr.clone()),
+        rows(&g.grad_q, qr),
+        rows(&g.grad_k, kr.clone()),
+        rows(&g.grad_v, kr),
+    ]
+}
+
 /// Compares every segment's outputs; returns the values compared and the
 /// largest share of the tolerance used.
 fn compare_segments(
     tol: Tolerance,
-    c: &AttentionCase,
-    cu: &[usize],
+    c: &AttentionFuzzCase,
+    terms: &[AttentionTerms],
     expected: (&AttentionOutput, &AttentionGrads),
     actual: (&AttentionOutput, &AttentionGrads),
 ) -> Result<(usize, f64), Mismatch> {
-    let (_, h, d) = c.q.dim();
+    let (h, h_kv, d) = c.heads();
+    let (cu_q, cu_k) = (c.own_cu_q(), c.own_cu_k());
     let mut values = 0;
     let mut worst = 0.0f64;
-    for (s, w) in cu.windows(2).enumerate() {
-        let (a, b) = (w[0], w[1]);
-        let len = b - a;
-        if len == 0 {
+    for (s, &(lq, lk)) in c.segments.iter().enumerate() {
+        if lq + lk == 0 {
             continue;
         }
-        let terms = segment_terms(c, a, b);
-        let seg = |x: &Array3<f64>| flat(rows(x, a, b));
-        let lse = |x: &ndarray::Array2<f64>| -> Vec<f64> {
-            x.slice_axis(Axis(1), Slice::from(a..b))
-                .iter()
-                .copied()
-                .collect()
+        let (qr, kr) = (cu_q[s]..cu_q[s + 1], cu_k[s]..cu_k[s + 1]);
+        let where_ = if c.is_self() {
+            format!("sequence {s}, tokens {}..{}", qr.start, qr.end)
+        } else {
+            format!(
+                "sequence {s}, queries {}..{} over keys {}..{}",
+                qr.start, qr.end, kr.start, kr.end
+            )
         };
         let (v, w) = close_sequence(
             tol,
-            &terms,
-            (len, h, d),
-            Side(expected.0, expected.1, &seg, &lse),
-            Side(actual.0, actual.1, &seg, &lse),
-            &|name| {
-                format!("{name} (sequence {s}, tokens {a}..{b}, index [token, head, dim] within the sequence)")
-            },
+            &terms[s],
+            ((lq, h, d), (lk, h_kv)),
+            tensors(expected, qr.clone(), kr.clone()),
+            tensors(actual, qr, kr),
+            &|name| format!("{name} ({where_}, index [token, head, dim] within the sequence)"),
         )?;
         values += v;
         worst = worst.max(w);
@@ -659,54 +453,27 @@ fn compare_segments(
     Ok((values, worst))
 }
 
-/// One side of a comparison: a forward and a backward, and how to take the
-/// sequence's rows of a `[n, h, d]` tensor and of `lse: [h, n]`.
-struct Side<'a>(
-    &'a AttentionOutput,
-    &'a AttentionGrads,
-    &'a dyn Fn(&Array3<f64>) -> Vec<f64>,
-    &'a dyn Fn(&ndarray::Array2<f64>) -> Vec<f64>,
-);
-
-impl Side<'_> {
-    /// `output, lse, grad_q, grad_k, grad_v` of the sequence, flat.
-    fn tensors(&self) -> [Vec<f64>; 5] {
-        let (f, g, rows, lse) = (self.0, self.1, self.2, self.3);
-        [
-            rows(&f.output),
-            lse(&f.lse),
-            rows(&g.grad_q),
-            rows(&g.grad_k),
-            rows(&g.grad_v),
-        ]
-    }
-}
-
-/// Compares one sequence's five tensors (`len` tokens), each under the
-/// magnitude of its terms, named by `what(tensor)`; returns the values
-/// compared and the largest share of the tolerance used.
+/// Compares one sequence's five tensors (`l_q` queries, `l_k` keys), each
+/// under the magnitude of its terms, named by `what(tensor)`; returns the
+/// values compared and the largest share of the tolerance used.
 fn close_sequence(
     tol: Tolerance,
     terms: &AttentionTerms,
-    (len, h, d): (usize, usize, usize),
-    expected: Side<'_>,
-    actual: Side<'_>,
+    ((lq, h, d), (lk, h_kv)): ((usize, usize, usize), (usize, usize)),
+    expected: [Vec<f64>; 5],
+    actual: [Vec<f64>; 5],
     what: &dyn Fn(&str) -> String,
 ) -> Result<(usize, f64), Mismatch> {
-    let shape = [len, h, d];
+    let (qs, ks) = ([lq, h, d], [lk, h_kv, d]);
     let checks: [(&str, &[usize], f64); 5] = [
-        ("output", &shape, terms.output),
-        ("lse", &[h, len], terms.lse),
-        ("grad_q", &shape, terms.grad_q),
-        ("grad_k", &shape, terms.grad_k),
-        ("grad_v", &shape, terms.grad_v),
+        ("output", &qs, terms.output),
+        ("lse", &[h, lq], terms.lse),
+        ("grad_q", &qs, terms.grad_q),
+        ("grad_k", &ks, terms.grad_k),
+        ("grad_v", &ks, terms.grad_v),
     ];
     let (mut values, mut worst) = (0, 0.0f64);
-    for (((name, shape, t), e), x) in checks
-        .into_iter()
-        .zip(expected.tensors())
-        .zip(actual.tensors())
-    {
+    for (((name, shape, t), e), x) in checks.into_iter().zip(expected).zip(actual) {
         let used = close(&what(name), &e, &x, shape, tol, t).map_err(|m| {
             Mismatch::new(
                 m.what,

@@ -20,7 +20,7 @@
 //!
 //! | op | body | cases | rule |
 //! |---|---|---|---|
-//! | varlen attention forward and backward | [`attention::run`] | [`attention::AttentionFuzzCase`] | [`attention::ATTENTION_TERMS`] (caller's [`Tolerance`] x the magnitude of the terms), packed == padded, P2, P8 |
+//! | varlen attention forward and backward (GQA, cross, bottom-right causal) | [`attention::run`] | [`attention::AttentionFuzzCase`] | [`attention::ATTENTION_TERMS`] (caller's [`Tolerance`] x the magnitude of the terms) against `varlen_attention_general`, packed == padded, P2, P8 |
 //! | sharded cross-entropy, every algorithm | [`vocab::run_cross_entropy`] | [`vocab::CeFuzzCase`] | [`crate::vocab::TERMS`] |
 //! | sharded output layer, every algorithm | [`vocab::run_linear`] | [`vocab::LinearFuzzCase`] | [`crate::vocab::TERMS`] |
 //! | sharded embedding | [`vocab::run_embedding`] | [`vocab::EmbeddingFuzzCase`] | exact |
@@ -123,6 +123,10 @@ pub struct Outcome {
     /// The largest share of its tolerance that any compared value used: 0
     /// when every value was bit-for-bit equal, 1 at the limit.
     pub worst: f64,
+    /// Cases narrowed to what the implementation declares before they ran
+    /// (an attention case without its causal masks, grouped-query heads or
+    /// cross segments: [`attention::AttentionFuzzCase::within`]).
+    pub narrowed: usize,
 }
 
 impl Outcome {
@@ -134,6 +138,7 @@ impl Outcome {
             errors_alike: 0,
             values,
             worst,
+            narrowed: 0,
         }
     }
 
@@ -153,6 +158,7 @@ impl Outcome {
         self.errors_alike += other.errors_alike;
         self.values += other.values;
         self.worst = self.worst.max(other.worst);
+        self.narrowed += other.narrowed;
     }
 }
 

@@ -144,8 +144,8 @@ pub fn fuzz_budgeted(
     let mut seen = Outcome::default();
     for i in 0..budget.cases {
         let data = budgeted_input(&budget, seed, i);
-        let o = body(&data)
-            .map_err(|f| f.from_source(format!("budgeted input {i} of seed {seed}")))?;
+        let o =
+            body(&data).map_err(|f| f.from_source(format!("budgeted input {i} of seed {seed}")))?;
         seen.merge(o);
     }
     Ok(seen)

@@ -50,11 +50,60 @@ fn run(
     Ok((fwd, g))
 }
 
-/// `attention`: `q`, `k`, `v` (`[n_tok, h, d]`), `cu_seqlens` (`[b + 1]`),
-/// `causal` (false), `scale` (`1/sqrt(d)`), `grad_output` when `want_grad`.
-/// Result: `output` (`[n_tok, h, d]`), `lse` (`[h, n_tok]`), and `grad_q`,
-/// `grad_k`, `grad_v` when asked. `imp`: `reference` (f64) or an optimized
-/// registered implementation (inputs rounded to its precision, results widened).
+/// The query and key offsets of an `attention` case: `cu_seqlens` (the
+/// self-attention form, both), or `cu_seqlens_q` with an optional
+/// `cu_seqlens_k` (flash_attn_varlen_func's names; the keys default to the
+/// queries' offsets).
+///
+/// # Errors
+/// `invalid_argument` naming `cu_seqlens_q` (or `cu_seqlens_k`) when both
+/// forms are given; `missing_field` naming `cu_seqlens` when neither is;
+/// the list errors of [`Case::usize_list`].
+fn offsets(case: &Case<'_>) -> Result<(Vec<usize>, Option<Vec<usize>>), EvalError> {
+    let (self_form, q_form, k_form) = (
+        case.has("cu_seqlens"),
+        case.has("cu_seqlens_q"),
+        case.has("cu_seqlens_k"),
+    );
+    if self_form && (q_form || k_form) {
+        let field = if q_form {
+            "cu_seqlens_q"
+        } else {
+            "cu_seqlens_k"
+        };
+        return Err(EvalError::invalid(
+            field,
+            "given with cu_seqlens: give cu_seqlens (self-attention) or cu_seqlens_q and cu_seqlens_k, not both forms",
+        ));
+    }
+    if self_form {
+        return Ok((case.usize_list("cu_seqlens")?, None));
+    }
+    if !q_form {
+        // The self-attention form is the one most cases use: name it.
+        return Ok((case.usize_list("cu_seqlens")?, None));
+    }
+    let q = case.usize_list("cu_seqlens_q")?;
+    let k = if k_form {
+        Some(case.usize_list("cu_seqlens_k")?)
+    } else {
+        None
+    };
+    Ok((q, k))
+}
+
+/// `attention` (flash_attn_varlen_func's form): `q` (`[n_q, h, d]`), `k`,
+/// `v` (`[n_k, h_kv, d]`, `h_kv` dividing `h`; query head `a` reads key
+/// head `a / (h / h_kv)`), the offsets ([`offsets`]: `cu_seqlens`, or
+/// `cu_seqlens_q` and `cu_seqlens_k`, each `[b + 1]`), `causal` (false;
+/// bottom-right aligned: query `r` of a segment sees keys `c <= r + l_k -
+/// l_q`), `scale` (`1/sqrt(d)`), `grad_output` (`[n_q, h, d]`) when
+/// `want_grad`. Result: `output` (`[n_q, h, d]`), `lse` (`[h, n_q]`), and
+/// `grad_q` (`[n_q, h, d]`), `grad_k`, `grad_v` (`[n_k, h_kv, d]`) when
+/// asked. `imp`: `reference` (f64) or an optimized registered
+/// implementation (inputs rounded to its precision, results widened; one
+/// that does not declare grouped-query or cross attention refuses it with
+/// `invalid_argument`).
 pub(super) fn attention(value: &Value, imp: &str) -> Result<Value, EvalError> {
     let case = Case::new(
         value,
@@ -63,16 +112,18 @@ pub(super) fn attention(value: &Value, imp: &str) -> Result<Value, EvalError> {
             "k",
             "v",
             "cu_seqlens",
+            "cu_seqlens_q",
+            "cu_seqlens_k",
             "causal",
             "scale",
             "grad_output",
         ],
     )?;
-    let legend = "[n_tok, h, d]";
-    let q = array3(case.tensor("q", 3, legend)?, "q")?;
-    let k = array3(case.tensor("k", 3, legend)?, "k")?;
-    let v = array3(case.tensor("v", 3, legend)?, "v")?;
-    let cu = case.usize_list("cu_seqlens")?;
+    let (legend_q, legend_k) = ("[n_q, h, d]", "[n_k, h_kv, d]");
+    let q = array3(case.tensor("q", 3, legend_q)?, "q")?;
+    let k = array3(case.tensor("k", 3, legend_k)?, "k")?;
+    let v = array3(case.tensor("v", 3, legend_k)?, "v")?;
+    let (cu, cu_k) = offsets(&case)?;
     let causal = case.opt_bool("causal")?.unwrap_or(false);
     let scale = case
         .opt_f64("scale")?
@@ -86,13 +137,13 @@ pub(super) fn attention(value: &Value, imp: &str) -> Result<Value, EvalError> {
     }
     let grad_output = if want_grad {
         Some(array3(
-            case.tensor("grad_output", 3, legend)?,
+            case.tensor("grad_output", 3, legend_q)?,
             "grad_output",
         )?)
     } else {
         None
     };
-    let p = Varlen::new(&cu, causal, scale);
+    let p = Varlen::cross(&cu, cu_k.as_deref().unwrap_or(&cu), causal, scale);
     let (fwd, grads) = run(imp, (&q, &k, &v), &p, grad_output.as_ref())?;
     let mut out = json!({
         "op": "attention",

@@ -90,24 +90,45 @@ def _want_grad(want_grad, grad, name):
     return bool(want_grad)
 
 
-def attention(q, k, v, cu_seqlens, *, causal=False, scale=None, grad_output=None,
-              want_grad=None, impl=REFERENCE):
-    """Varlen attention over ``cu_seqlens`` (flash_attn_varlen_func's form).
+def attention(q, k, v, cu_seqlens=None, *, causal=False, scale=None, grad_output=None,
+              want_grad=None, impl=REFERENCE, cu_seqlens_q=None, cu_seqlens_k=None,
+              max_seqlen_q=None, max_seqlen_k=None):
+    """Varlen attention (flash_attn_varlen_func's form).
 
-    ``q``, ``k``, ``v``: ``[n_tok, h, d]``; ``cu_seqlens``: ``[b + 1]`` ints,
-    leading 0, last ``n_tok``; ``scale`` default ``1/sqrt(d)``; with
-    ``grad_output`` (``[n_tok, h, d]``) also the backward. Returns a dict:
-    ``output`` ``[n_tok, h, d]``, ``lse`` ``[h, n_tok]`` (natural log), and
-    ``grad_q``, ``grad_k``, ``grad_v`` with a ``grad_output``.
+    ``q``: ``[n_q, h, d]``; ``k``, ``v``: ``[n_k, h_kv, d]`` (``h_kv`` divides
+    ``h``; query head ``a`` reads key head ``a // (h // h_kv)``);
+    ``cu_seqlens_q`` (or ``cu_seqlens``, the self-attention form) and
+    ``cu_seqlens_k`` (default: the query offsets): ``[b + 1]`` ints, leading
+    0, last ``n_q`` / ``n_k``; ``causal`` masks are bottom-right aligned
+    (query ``r`` of a segment sees keys ``c <= r + l_k - l_q``);
+    ``max_seqlen_q``/``max_seqlen_k``, when given, must bound the segments;
+    ``scale`` default ``1/sqrt(d)``; with ``grad_output`` (``[n_q, h, d]``)
+    also the backward. Returns a dict: ``output`` ``[n_q, h, d]``, ``lse``
+    ``[h, n_q]`` (natural log), and ``grad_q``, ``grad_k``, ``grad_v``
+    (``[n_k, h_kv, d]``) with a ``grad_output``.
     """
-    legend = "[n_tok, h, d]"
-    q = _rank(_f64(q, "q"), 3, "q", legend)
-    k = _rank(_f64(k, "k"), 3, "k", legend)
-    v = _rank(_f64(v, "v"), 3, "v", legend)
+    q = _rank(_f64(q, "q"), 3, "q", "[n_q, h, d]")
+    k = _rank(_f64(k, "k"), 3, "k", "[n_k, h_kv, d]")
+    v = _rank(_f64(v, "v"), 3, "v", "[n_k, h_kv, d]")
+    if cu_seqlens is None and cu_seqlens_q is None:
+        raise _error("missing_field", "cu_seqlens_q", "cu_seqlens_q: required field is missing")
+    cu_q = _ints(cu_seqlens_q if cu_seqlens_q is not None else cu_seqlens,
+                 "cu_seqlens_q" if cu_seqlens_q is not None else "cu_seqlens")
+    if cu_seqlens is not None and cu_seqlens_q is not None and not _np.array_equal(
+            _ints(cu_seqlens, "cu_seqlens"), cu_q):
+        raise _error("invalid_argument", "cu_seqlens_q",
+                     "cu_seqlens_q: differs from cu_seqlens (give one of the two)")
+    cu_k = None if cu_seqlens_k is None else _ints(cu_seqlens_k, "cu_seqlens_k")
+    for name, bound, cu in (("max_seqlen_q", max_seqlen_q, cu_q),
+                            ("max_seqlen_k", max_seqlen_k, cu_q if cu_k is None else cu_k)):
+        longest = int(_np.diff(cu).max()) if cu.size > 1 else 0
+        if bound is not None and int(bound) < longest:
+            raise _error("invalid_argument", name,
+                         f"{name}: {int(bound)} is below the longest segment ({longest})")
     want = _want_grad(want_grad, grad_output, "grad_output")
-    go = _rank(_f64(grad_output, "grad_output"), 3, "grad_output", legend) if want else None
-    return _native.attention(q, k, v, _ints(cu_seqlens, "cu_seqlens"), bool(causal),
-                             None if scale is None else float(scale), go, impl)
+    go = _rank(_f64(grad_output, "grad_output"), 3, "grad_output", "[n_q, h, d]") if want else None
+    return _native.attention(q, k, v, cu_q, bool(causal),
+                             None if scale is None else float(scale), go, impl, cu_k)
 
 
 def _loss_options(ignore_index, label_smoothing, smoothing, z_loss, reduction, vocab_size,

@@ -73,9 +73,12 @@ def _check_precision(precision: str) -> str:
     return _native.check_precision(str(precision))
 
 
-def cases(op: str, n: int, seed: int = 0) -> List[Tuple[Dict[str, Any], str, int, int]]:
-    """``n`` generated cases of ``op``: a list of ``(args, describe, size, input)``."""
-    return _native.cases(op, int(n), int(seed))
+def cases(op: str, n: int, seed: int = 0, large: Optional[int] = None
+          ) -> List[Tuple[Dict[str, Any], str, int, int]]:
+    """``n`` generated cases of ``op``: a list of ``(args, describe, size, input)``.
+    Attention cases follow the default checks' schedule, the last ``large``
+    large (default: 12 in 100)."""
+    return _native.cases(op, int(n), int(seed), None if large is None else int(large))
 
 
 def judged(op: str, args: Mapping[str, Any], precision: str = "f32"
@@ -86,10 +89,13 @@ def judged(op: str, args: Mapping[str, Any], precision: str = "f32"
     a = dict(args)
     if op == "attention":
         go = a.get("grad_output") if a.get("want_grad", a.get("grad_output") is not None) else None
+        cu_q = a["cu_seqlens_q"] if "cu_seqlens_q" in a else a["cu_seqlens"]
+        cu_k = a.get("cu_seqlens_k")
         return _native.attention_judged(
-            _f(a["q"]), _f(a["k"]), _f(a["v"]), np.asarray(a["cu_seqlens"], dtype=np.int64),
+            _f(a["q"]), _f(a["k"]), _f(a["v"]), np.asarray(cu_q, dtype=np.int64),
             bool(a.get("causal", False)), a.get("scale"),
-            None if go is None else _f(go), precision)
+            None if go is None else _f(go), precision,
+            None if cu_k is None else np.asarray(cu_k, dtype=np.int64))
     if op in ("cross_entropy", "linear_cross_entropy"):
         lin = op == "linear_cross_entropy"
         return _native.loss_judged(
@@ -160,6 +166,10 @@ class Failure:
         for k, v in self.args.items():
             if k == "grad_output" and not self.args.get("want_grad", True):
                 continue
+            # eval takes one form of the offsets, and no max_seqlen_*.
+            if self.op == "attention" and (k.startswith("max_seqlen") or (
+                    k == "cu_seqlens" and "cu_seqlens_q" in self.args)):
+                continue
             case[k] = _json_value(v)
         return case
 
@@ -215,6 +225,8 @@ class Report:
         self.worst = 0.0
         self.failures: List[Failure] = []
         self.tensors: Dict[str, TensorVerdict] = {}
+        # Cases left out because the kernel cannot take them, by reason.
+        self.restricted: Dict[str, int] = {}
 
     @property
     def passed(self) -> bool:
@@ -226,8 +238,9 @@ class Report:
         return min(self.failures, key=lambda f: f.size) if self.failures else None
 
     def __repr__(self) -> str:
+        left_out = "".join(f", {n} left out ({why})" for why, n in self.restricted.items())
         text = (f"Report({self.op}: {self.cases} cases, {self.compared} compared, "
-                f"{self.skipped} skipped as bad input, {len(self.failures)} failed, "
+                f"{self.skipped} skipped as bad input{left_out}, {len(self.failures)} failed, "
                 f"worst {100 * self.worst:.1f}% of the allowed error)")
         for t in self.tensors.values():
             text += f"\n  {t!r}"
@@ -354,7 +367,8 @@ def _stored_inputs(args: Dict[str, Any], precision: str) -> None:
 
 def fuzz(fn: Callable[..., Any], op: str, cases: int = 100, seed: int = 0, *,
          precision: str = "f32", grad: bool = True, fix: Optional[Mapping[str, Any]] = None,
-         regression_out: Optional[str] = None, raise_on_failure: bool = True) -> Report:
+         regression_out: Optional[str] = None, raise_on_failure: bool = True,
+         only: Optional[Callable[[Dict[str, Any]], Optional[str]]] = None) -> Report:
     """Runs ``fn`` on ``cases`` generated cases of ``op`` from ``seed``.
 
     ``op``: ``attention``, ``cross_entropy``, ``linear_cross_entropy``,
@@ -366,7 +380,9 @@ def fuzz(fn: Callable[..., Any], op: str, cases: int = 100, seed: int = 0, *,
     (False: forward only). ``fix``: options to force on every case (e.g.
     ``{"causal": True}`` or ``{"z_loss": 0.0}`` for a kernel without z-loss).
     ``regression_out``: where to write the smallest failing case as a
-    ``packshard eval`` JSON case. Returns a :class:`Report`; raises
+    ``packshard eval`` JSON case. ``only(args)``: None to run a case, or the
+    reason it is left out (counted in ``Report.restricted``, never silently).
+    Returns a :class:`Report`; raises
     ``AssertionError`` (with the smallest failing case) when any case fails.
     """
     precision = _check_precision(precision)
@@ -378,13 +394,19 @@ def fuzz(fn: Callable[..., Any], op: str, cases: int = 100, seed: int = 0, *,
             args["want_grad"] = False
         if fix:
             args.update(fix)
+        why = only(args) if only is not None else None
+        if why is not None:
+            report.restricted[why] = report.restricted.get(why, 0) + 1
+            continue
         _stored_inputs(args, precision)
-        source = f"random input {i} of seed {seed}"
+        source = (f"budgeted input {i} of seed {seed}" if op == "attention"
+                  else f"random input {i} of seed {seed}")
         f = _run_one(fn, op, args, describe, size, source, precision, report)
         if f is not None:
             report.failures.append(f)
     if report.cases == 0:
-        raise AssertionError(f"packshard.testing: no case of {op} ran (all {report.skipped} skipped)")
+        raise AssertionError(f"packshard.testing: no case of {op} ran (all {report.skipped} skipped, "
+                             f"left out: {report.restricted})")
     worst = report.smallest()
     if worst is not None:
         if regression_out:
@@ -445,14 +467,66 @@ def judge(op: str, args: Mapping[str, Any], outputs: Any, precision: str = "f32"
     return report
 
 
-def check_attention(fn, cases=100, seed=0, *, causal=False, **kw):
-    """:func:`fuzz` for varlen attention: ``fn(q, k, v, cu_seqlens, scale, causal,
-    grad_output, want_grad)`` (``q, k, v, grad_output``: ``[n_tok, h, d]``,
-    ``cu_seqlens``: ``[b + 1]`` int64) returns ``output`` ``[n_tok, h, d]`` and
-    optionally ``lse`` ``[h, n_tok]``, ``grad_q``, ``grad_k``, ``grad_v``."""
+# The keyword arguments of a generated attention case (flash_attn_varlen_func's
+# names; ``cu_seqlens`` is ``cu_seqlens_q``, the self-attention form).
+_ATTENTION_ARGS = ("q", "k", "v", "cu_seqlens", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q",
+                   "max_seqlen_k", "causal", "scale", "grad_output", "want_grad")
+
+
+def _accepted(fn, names):
+    """The names of ``names`` that ``fn`` takes as keywords (all of them if it
+    takes ``**kwargs`` or its signature cannot be read)."""
+    import inspect
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return set(names)
+    if any(p.kind == p.VAR_KEYWORD for p in params):
+        return set(names)
+    return {p.name for p in params
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)} & set(names)
+
+
+def check_attention(fn, cases=100, seed=0, *, causal=None, gqa=True, **kw):
+    """:func:`fuzz` for varlen attention in flash_attn_varlen_func's form.
+
+    ``fn`` gets, of ``q`` ``[n_q, h, d]``, ``k, v`` ``[n_k, h_kv, d]`` (query
+    head ``a`` reads key head ``a // (h // h_kv)``), ``cu_seqlens_q``,
+    ``cu_seqlens_k`` (``[b + 1]`` int64), ``cu_seqlens`` (= ``cu_seqlens_q``),
+    ``max_seqlen_q``, ``max_seqlen_k``, ``causal`` (bottom-right aligned when
+    ``l_q != l_k``), ``scale``, ``grad_output`` ``[n_q, h, d]`` and
+    ``want_grad``, only those it accepts (all with ``**kwargs``), and returns
+    ``output`` ``[n_q, h, d]`` and optionally ``lse`` ``[h, n_q]``,
+    ``grad_q``, ``grad_k``, ``grad_v`` (``[n_k, h_kv, d]``).
+
+    The cases follow the default schedule (small cases, then 12 in 100 large:
+    a segment of 1,023 to 1,100 tokens, head dims to 256, every ratio
+    ``h / h_kv``, cross segments, causal). A ``fn`` that takes neither
+    ``cu_seqlens_k`` nor ``**kwargs`` gets self-attention cases only; one
+    without ``causal`` only bidirectional ones; ``gqa=False`` leaves out the
+    cases with ``h_kv < h``. ``causal=True`` or ``False`` forces the mask on
+    every case. What is left out is counted in ``Report.restricted``.
+    """
     fix = dict(kw.pop("fix", None) or {})
-    fix.setdefault("causal", bool(causal))
-    return fuzz(fn, "attention", cases, seed, fix=fix, **kw)
+    if causal is not None:
+        fix.setdefault("causal", bool(causal))
+    takes = _accepted(fn, _ATTENTION_ARGS)
+
+    def only(args):
+        if "cu_seqlens_k" not in takes and not np.array_equal(
+                np.asarray(args["cu_seqlens_q"]), np.asarray(args["cu_seqlens_k"])):
+            return "cross attention: fn takes no cu_seqlens_k"
+        if "causal" not in takes and args.get("causal"):
+            return "causal: fn takes no causal"
+        if not gqa and args["k"].shape[1] != args["q"].shape[1]:
+            return "grouped-query: gqa=False"
+        return None
+
+    def call(**args):
+        return fn(**{k: v for k, v in args.items() if k in takes})
+
+    call.__name__ = getattr(fn, "__name__", repr(fn))
+    return fuzz(call, "attention", cases, seed, fix=fix, only=only, **kw)
 
 
 def check_cross_entropy(fn: Callable[..., Any], cases: int = 100, seed: int = 0,

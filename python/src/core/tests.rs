@@ -30,6 +30,7 @@ fn tiled_attention_is_within_the_rule_and_a_leak_is_not() {
         k: q.view(),
         v: q.view(),
         cu_seqlens: cu,
+        cu_seqlens_k: None,
         causal: false,
         scale: None,
         grad_output: Some(q.view()),
@@ -125,4 +126,77 @@ fn bf16_results_pass_the_bf16_rule_only() {
     off[3] += 0.5;
     let v = judge_tensor("t", &[40], &e, Some(&b), &off, KernelPrecision::Bf16, None);
     assert!(v.failure.is_some() && v.index == vec![3], "{v:?}");
+}
+
+/// A grouped-query, cross, bottom-right causal case: judged without a panic
+/// (`AttentionTerms` over each segment's own keys and key heads), the tiled
+/// kernel within the rule, and a kernel that maps query heads as `a % h_kv`
+/// outside it.
+#[test]
+fn a_grouped_query_cross_causal_case_is_judged() {
+    let g = |shape: (usize, usize, usize), seed: usize| {
+        Array3::from_shape_fn(shape, |(i, a, c)| {
+            ((i * 7 + a * 3 + c * 5 + seed) % 9) as f64 / 4.0 - 1.0
+        })
+    };
+    // Segments (3 queries over 5 keys) and (4 over 2): h 4, h_kv 2, d 3.
+    let (q, go) = (g((7, 4, 3), 1), g((7, 4, 3), 2));
+    let (k, v) = (g((7, 2, 3), 3), g((7, 2, 3), 4));
+    let a = AttentionArgs {
+        q: q.view(),
+        k: k.view(),
+        v: v.view(),
+        cu_seqlens: vec![0, 3, 7],
+        cu_seqlens_k: Some(vec![0, 5, 7]),
+        causal: true,
+        scale: None,
+        grad_output: Some(go.view()),
+    };
+    let j = attention_judged(&a, KernelPrecision::F32).unwrap();
+    let base = j.baseline.unwrap();
+    let got = attention("attention_varlen_tiled", &a).unwrap();
+    for name in ["output", "lse", "grad_q", "grad_k", "grad_v"] {
+        let e = tensor_of(&j.expected, name).unwrap();
+        let b = tensor_of(&base, name).unwrap();
+        let x = tensor_of(&got, name).unwrap();
+        assert_eq!(e.shape(), x.shape(), "{name}");
+        let v = judge_tensor(
+            name,
+            e.shape(),
+            e.as_slice().unwrap(),
+            Some(b.as_slice().unwrap()),
+            x.as_slice().unwrap(),
+            KernelPrecision::F32,
+            None,
+        );
+        assert!(v.failure.is_none(), "{name}: {:?}", v.failure);
+    }
+    // grad_k is [n_k, h_kv, d]; the second segment's last query sees both keys
+    // (bottom-right), its first three see 0..=1 of 2: query 3 of 4 sees key 0.
+    assert_eq!(
+        tensor_of(&j.expected, "grad_k").unwrap().shape(),
+        &[7, 2, 3]
+    );
+    // Key heads repeated the wrong way (a % h_kv): the reference on it differs.
+    let wrong = |x: &Array3<f64>| Array3::from_shape_fn((7, 4, 3), |(j, a, c)| x[[j, a % 2, c]]);
+    let (kw, vw) = (wrong(&k), wrong(&v));
+    let modulo = AttentionArgs {
+        k: kw.view(),
+        v: vw.view(),
+        ..a.clone()
+    };
+    let bad = attention(registry::REFERENCE, &modulo).unwrap();
+    let e = tensor_of(&j.expected, "output").unwrap();
+    let b = tensor_of(&base, "output").unwrap();
+    let x = tensor_of(&bad, "output").unwrap();
+    let v = judge_tensor(
+        "output",
+        e.shape(),
+        e.as_slice().unwrap(),
+        Some(b.as_slice().unwrap()),
+        x.as_slice().unwrap(),
+        KernelPrecision::F32,
+        None,
+    );
+    assert!(v.failure.is_some(), "the a % h_kv mapping passed");
 }

@@ -1,0 +1,562 @@
+//! The arbitrary attention case ([`AttentionFuzzCase`]): sizes drawn the way
+//! kernels break ([`super::super::schedule`]), then values.
+
+use arbitrary::{Arbitrary, Unstructured};
+use ndarray::Array3;
+use packshard_reference::ops::AttentionSupport;
+
+use super::super::brief;
+use super::super::schedule::{boundary_len, SizeClass, TILE_GRAINS};
+use super::super::values::{plants, Gen};
+use crate::attention::AttentionCase;
+
+/// Most segments of a small case.
+pub const SMALL_MAX_SEGMENTS: usize = 8;
+/// Most queries (or keys) of a segment of a small case: past the second
+/// 32-token tile (`boundary_len` on 16 and 32 reaches 63, 64, 65).
+pub const SMALL_MAX_LEN: usize = 70;
+/// Most work (`sum over segments of l_q l_k h d`) of a small case: a 70 x 70
+/// segment at `h d = 6`, or 16-token ones at 8 heads of 16; a small case
+/// takes a few milliseconds at most (the whole check, f64 reference as the
+/// implementation: about 11 forward passes' worth of work and the terms).
+pub const SMALL_MAX_WORK: usize = 1 << 15;
+/// Short segments of a large case besides its long one.
+pub const LARGE_MAX_SHORT: usize = 12;
+/// Most queries (or keys) of a short segment of a large case.
+pub const LARGE_SHORT_LEN: usize = 300;
+/// The long segment of a large case: `1023..=1100` queries or keys (a
+/// boundary of every tile grain at 1024 and 1088, flash-attention's `(1023,
+/// 1024)` and `(1024, 1023)`).
+pub const LONG_LEN: std::ops::RangeInclusive<usize> = 1023..=1100;
+/// Most work of the long segment of a large case: 1,100 x 1,100 at one head
+/// of dimension 1, a cross segment of 1,100 keys for 128 queries at `h d =
+/// 9`. The reference's forward takes about 50 ns a unit of work on the
+/// machine the times in docs/FAULTS.md were measured on ("How results are
+/// judged"), the whole check with the reference as the implementation about
+/// 11 times that, so about a second for a case at [`LARGE_MAX_WORK`].
+pub const LONG_WORK: usize = 5 << 18;
+/// Most work of the other segments of a large case (with what the long one
+/// leaves): segments of 128 tokens at `h d = 32`, of 64 at `h d = 128`.
+pub const SHORT_WORK: usize = 1 << 19;
+/// Most work of a large case.
+pub const LARGE_MAX_WORK: usize = LONG_WORK + SHORT_WORK;
+/// The head dims of a large case: the common ones (Llama 128, GPT-2 64,
+/// Gemma 256, Phi-2 80, ...), one odd one drawn besides.
+pub const HEAD_DIMS: [usize; 6] = [32, 64, 80, 96, 128, 256];
+/// The grouped-query ratios `h / h_kv` drawn (and `h`, multi-query).
+pub const GQA_RATIOS: [usize; 4] = [1, 2, 4, 8];
+
+/// Which offsets a malformed case breaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Malformed {
+    /// `cu_seqlens_q` (and `cu_seqlens_k`, the same list, in a self-attention case).
+    Queries(u8),
+    /// `cu_seqlens_k` only (a cross case).
+    Keys(u8),
+}
+
+/// One arbitrary attention case: `b` segments of `(l_q, l_k)` queries over
+/// keys, `q, grad_output: [n_q, h, d]`, `k, v: [n_k, h_kv, d]` (`h_kv`
+/// dividing `h`, query head `a` reading key head `a / (h / h_kv)`), causal
+/// masks bottom-right aligned, and in about one case in 16 malformed offsets.
+///
+/// Small cases (the first byte below `0xE0`, [`SizeClass`]): 1 to
+/// [`SMALL_MAX_SEGMENTS`] segments of 0, 1, 2, a dozen, or a 16/32 boundary
+/// (`k 2^j - 1`, `k 2^j`, `k 2^j + 1`) up to [`SMALL_MAX_LEN`] tokens; `d` in
+/// `1..=8` or 16; at most [`SMALL_MAX_WORK`]. Large cases: in five of eight a
+/// long segment ([`LONG_LEN`]; with a short side when cross) beside up to
+/// [`LARGE_MAX_SHORT`] short ones at 16/32/64/128 boundaries up to
+/// [`LARGE_SHORT_LEN`]; `d` from [`HEAD_DIMS`] or an odd one; within
+/// [`LARGE_MAX_WORK`] (a long self-attention segment at one head and the
+/// head dim that fits; the other segments cut to what is left). Both: `h` in `{1,
+/// 2, 3, 4, 8}` with `h / h_kv` 1, 2, 4, 8 or `h` (each about one case in
+/// six), cross segments (`l_q != l_k`, 0 keys included) in one case in three,
+/// causal in one in two; values as the bytes choose ([`Gen`]: uniform, a
+/// grid with ties, a constant), outliers x 8 and planted extremes (`±30`,
+/// `±100`, `0`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct AttentionFuzzCase {
+    /// Small or large (the input's first byte).
+    pub class: SizeClass,
+    /// `(l_q, l_k)` of each segment.
+    pub segments: Vec<(usize, usize)>,
+    /// Bottom-right causal masks.
+    pub causal: bool,
+    /// Softmax scale (mostly `1/sqrt(d)`).
+    pub scale: f64,
+    /// `[n_q, h, d]`.
+    pub q: Array3<f64>,
+    /// `[n_k, h_kv, d]`.
+    pub k: Array3<f64>,
+    /// `[n_k, h_kv, d]`.
+    pub v: Array3<f64>,
+    /// `[n_q, h, d]`.
+    pub grad_output: Array3<f64>,
+    /// Padding slots after each segment in the padded form (0 to 3).
+    pub extra_pad: usize,
+    /// The offsets a malformed case breaks, and how (`None`: well formed).
+    pub malformed: Option<Malformed>,
+    /// How the values were drawn and what was planted, for reports.
+    pub values: String,
+}
+
+/// `cu` broken the way `how` says (0: not starting at 0; 1: a decrease; 2:
+/// not ending at the token count; 3: empty).
+fn malform(mut cu: Vec<usize>, how: u8) -> Vec<usize> {
+    let total = cu.last().copied().unwrap_or(0);
+    match how % 4 {
+        0 => cu[0] = 1,
+        1 => {
+            // A decrease: the first rise, lowered below its predecessor.
+            if let Some(i) = (1..cu.len()).find(|&i| cu[i] > cu[i - 1]) {
+                if i + 1 < cu.len() {
+                    cu[i] = cu[i + 1] + 1;
+                } else {
+                    cu.push(0);
+                }
+            } else {
+                cu.push(total + 1);
+            }
+        }
+        2 => *cu.last_mut().expect("cu_seqlens holds [0] at least") += 1,
+        _ => cu.clear(),
+    }
+    cu
+}
+
+impl AttentionFuzzCase {
+    /// A small self-attention case from the suites' [`AttentionCase`]
+    /// (bidirectional, `h_kv == h`, well formed).
+    pub fn from_case(c: &AttentionCase, values: impl Into<String>) -> Self {
+        AttentionFuzzCase {
+            class: SizeClass::Small,
+            segments: c.lengths.iter().map(|&l| (l, l)).collect(),
+            causal: false,
+            scale: c.scale,
+            q: c.q.clone(),
+            k: c.k.clone(),
+            v: c.v.clone(),
+            grad_output: c.grad_output.clone(),
+            extra_pad: c.row_len - c.lengths.iter().copied().max().unwrap_or(0),
+            malformed: None,
+            values: values.into(),
+        }
+    }
+
+    /// The case `data` describes (every byte string describes one).
+    ///
+    /// # Errors
+    /// Never in practice: bytes that run out read as zeros.
+    pub fn from_bytes(data: &[u8]) -> arbitrary::Result<Self> {
+        Self::arbitrary(&mut Unstructured::new(data))
+    }
+
+    /// `(h, h_kv, d)`.
+    pub fn heads(&self) -> (usize, usize, usize) {
+        let (_, h, d) = self.q.dim();
+        (h, self.k.dim().1, d)
+    }
+
+    /// Whether every segment is self-attention (`l_q == l_k`): then
+    /// `cu_seqlens_k == cu_seqlens_q` and the case is flash-attention's
+    /// single-`cu_seqlens` form.
+    pub fn is_self(&self) -> bool {
+        self.segments.iter().all(|&(q, k)| q == k)
+    }
+
+    /// Whether it has grouped-query heads (`h_kv < h`), cross segments.
+    pub fn kinds(&self) -> (bool, bool) {
+        let (h, h_kv, _) = self.heads();
+        (h_kv != h, !self.is_self())
+    }
+
+    /// The segments' own query offsets, `[b + 1]`.
+    pub fn own_cu_q(&self) -> Vec<usize> {
+        crate::cu_seqlens_of(self.segments.iter().map(|s| s.0))
+    }
+
+    /// The segments' own key offsets, `[b + 1]`.
+    pub fn own_cu_k(&self) -> Vec<usize> {
+        crate::cu_seqlens_of(self.segments.iter().map(|s| s.1))
+    }
+
+    /// `cu_seqlens_q` as handed to the implementation (malformed in about one
+    /// case in 16).
+    pub fn cu_seqlens_q(&self) -> Vec<usize> {
+        match self.malformed {
+            Some(Malformed::Queries(how)) => malform(self.own_cu_q(), how),
+            _ => self.own_cu_q(),
+        }
+    }
+
+    /// `cu_seqlens_k` as handed to the implementation: `cu_seqlens_q` in a
+    /// self-attention case.
+    pub fn cu_seqlens_k(&self) -> Vec<usize> {
+        match self.malformed {
+            Some(Malformed::Keys(how)) => malform(self.own_cu_k(), how),
+            _ if self.is_self() => self.cu_seqlens_q(),
+            _ => self.own_cu_k(),
+        }
+    }
+
+    /// Whether the offsets are the segments' own.
+    pub fn well_formed(&self) -> bool {
+        self.malformed.is_none()
+    }
+
+    /// The work of the case: `sum over segments of l_q l_k h d`.
+    pub fn work(&self) -> usize {
+        let (h, _, d) = self.heads();
+        self.segments.iter().map(|&(q, k)| q * k).sum::<usize>() * h * d
+    }
+
+    /// The longest segment's queries or keys.
+    pub fn longest(&self) -> usize {
+        self.segments
+            .iter()
+            .map(|&(q, k)| q.max(k))
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// A one-line description for failure reports.
+    pub fn describe(&self) -> String {
+        let (h, h_kv, d) = self.heads();
+        let (n_q, n_k) = (self.q.dim().0, self.k.dim().0);
+        let cu = if self.well_formed() {
+            String::new()
+        } else {
+            format!(
+                " (malformed cu_seqlens_q {}, cu_seqlens_k {}; the lengths say {} and {})",
+                brief(&self.cu_seqlens_q()),
+                brief(&self.cu_seqlens_k()),
+                brief(&self.own_cu_q()),
+                brief(&self.own_cu_k())
+            )
+        };
+        let layout = if self.is_self() {
+            let lengths: Vec<usize> = self.segments.iter().map(|s| s.0).collect();
+            format!("lengths {}{cu}, n_tok {n_q}", brief(&lengths))
+        } else {
+            format!(
+                "segments (l_q, l_k) {}{cu}, n_q {n_q}, n_k {n_k}",
+                brief(&self.segments)
+            )
+        };
+        let causal = if self.causal {
+            "causal (bottom-right)"
+        } else {
+            "bidirectional"
+        };
+        format!(
+            "{:?} case: {layout}, h {h}, h_kv {h_kv}, d {d}, {causal}, scale {:e}; {}",
+            self.class, self.scale, self.values
+        )
+    }
+
+    /// The case within `support`, and what was changed to get there (empty
+    /// when nothing was): without causal support the masks go; without
+    /// grouped-query support the key heads are repeated (`k[:, a / (h /
+    /// h_kv)]` at query head `a`, the same attention with `h_kv = h`);
+    /// without cross support each segment gets `l_q` keys, its own keys
+    /// taken cyclically (its queries' first heads when it has none). The
+    /// malformation, if any, stays.
+    pub fn within(&self, support: AttentionSupport) -> (AttentionFuzzCase, Vec<&'static str>) {
+        let mut c = self.clone();
+        let mut changed = Vec::new();
+        if c.causal && !support.causal {
+            c.causal = false;
+            changed.push("causal");
+        }
+        let (h, h_kv, d) = c.heads();
+        if h_kv != h && !support.gqa {
+            let group = h / h_kv;
+            let rep = |x: &Array3<f64>| {
+                Array3::from_shape_fn((x.dim().0, h, d), |(j, a, e)| x[[j, a / group, e]])
+            };
+            c.k = rep(&c.k);
+            c.v = rep(&c.v);
+            changed.push("gqa");
+        }
+        if !c.is_self() && !support.cross {
+            let (h_kv, group) = (c.k.dim().1, h / c.k.dim().1);
+            let (cu_q, cu_k) = (c.own_cu_q(), c.own_cu_k());
+            let n_q = c.q.dim().0;
+            let mut src = Vec::with_capacity(n_q);
+            for (s, &(lq, lk)) in c.segments.iter().enumerate() {
+                for r in 0..lq {
+                    src.push(if lk > 0 {
+                        Ok(cu_k[s] + r % lk)
+                    } else {
+                        Err(cu_q[s] + r)
+                    });
+                }
+            }
+            let pick = |x: &Array3<f64>, from_q: &Array3<f64>| {
+                Array3::from_shape_fn((n_q, h_kv, d), |(i, a, e)| match src[i] {
+                    Ok(j) => x[[j, a, e]],
+                    Err(j) => from_q[[j, a * group, e]],
+                })
+            };
+            let (k, v) = (pick(&c.k, &c.q), pick(&c.v, &c.grad_output));
+            c.k = k;
+            c.v = v;
+            for s in &mut c.segments {
+                s.1 = s.0;
+            }
+            if let Some(Malformed::Keys(how)) = c.malformed {
+                c.malformed = Some(Malformed::Queries(how));
+            }
+            changed.push("cross");
+        }
+        (c, changed)
+    }
+}
+
+/// `(h, h_kv)`: `h / h_kv` 1 (two in six), 2, 4, 8 or `h` (multi-query).
+fn heads(u: &mut Unstructured<'_>) -> arbitrary::Result<(usize, usize)> {
+    let pick = |u: &mut Unstructured<'_>, from: &[usize]| -> arbitrary::Result<usize> {
+        Ok(from[u.choose_index(from.len())?])
+    };
+    Ok(match u.arbitrary::<u8>()? % 6 {
+        0 | 1 => {
+            let h = pick(u, &[1, 2, 3, 4, 8])?;
+            (h, h)
+        }
+        2 => {
+            let h = pick(u, &[2, 4, 8])?;
+            (h, h / 2)
+        }
+        3 => {
+            let h = pick(u, &[4, 8])?;
+            (h, h / 4)
+        }
+        4 => (8, 1),
+        _ => (pick(u, &[2, 3, 4, 8])?, 1),
+    })
+}
+
+/// A small segment side: 0, 1, 2 (one in eight each), a dozen or fewer
+/// (two in eight), a 16/32 boundary up to [`SMALL_MAX_LEN`] (three in eight).
+fn small_len(u: &mut Unstructured<'_>) -> arbitrary::Result<usize> {
+    Ok(match u.arbitrary::<u8>()? % 8 {
+        b @ 0..=2 => b as usize,
+        3 | 4 => u.int_in_range(3..=12)?,
+        _ => boundary_len(u, &[16, 32], SMALL_MAX_LEN)?,
+    })
+}
+
+/// A short side of a large case: 0, 1 or 2 (one in eight each), else a
+/// tile boundary up to [`LARGE_SHORT_LEN`].
+fn short_len(u: &mut Unstructured<'_>) -> arbitrary::Result<usize> {
+    Ok(match u.arbitrary::<u8>()? % 8 {
+        b @ 0..=2 => b as usize,
+        _ => boundary_len(u, &TILE_GRAINS, LARGE_SHORT_LEN)?,
+    })
+}
+
+/// A long side: `k g - 1`, `k g` or `k g + 1` within [`LONG_LEN`].
+fn long_len(u: &mut Unstructured<'_>) -> arbitrary::Result<usize> {
+    let g = TILE_GRAINS[u.choose_index(TILE_GRAINS.len())?];
+    let ks: Vec<usize> = (1..=LONG_LEN.end() / g)
+        .filter(|k| k * g + 1 >= *LONG_LEN.start())
+        .collect();
+    let k = ks[u.choose_index(ks.len())?];
+    let e = u.choose_index(3)?;
+    Ok((k * g + e)
+        .saturating_sub(1)
+        .clamp(*LONG_LEN.start(), *LONG_LEN.end()))
+}
+
+/// One segment: `(side, side)`, or when `cross` two independent sides
+/// (`draw` for each).
+fn segment(
+    u: &mut Unstructured<'_>,
+    cross: bool,
+    draw: fn(&mut Unstructured<'_>) -> arbitrary::Result<usize>,
+) -> arbitrary::Result<(usize, usize)> {
+    let lq = draw(u)?;
+    Ok((lq, if cross { draw(u)? } else { lq }))
+}
+
+/// `segments` cut to fit `budget` units of work at `hd = h d` per query-key
+/// pair: each segment that does not fit is shortened (its longer side; both
+/// when square), the ones after it too.
+fn fit(segments: &mut [(usize, usize)], hd: usize, budget: usize) {
+    let mut left = budget / hd.max(1);
+    for s in segments.iter_mut() {
+        if s.0 * s.1 > left {
+            if s.0 == s.1 {
+                let l = (left as f64).sqrt() as usize;
+                *s = (l, l);
+            } else if s.0 > s.1 {
+                s.0 = left / s.1.max(1);
+            } else {
+                s.1 = left / s.0.max(1);
+            }
+        }
+        left -= s.0 * s.1;
+    }
+}
+
+/// Sizes of a small case: segments and `d`.
+fn small_sizes(
+    u: &mut Unstructured<'_>,
+    h: usize,
+    cross: bool,
+) -> arbitrary::Result<(Vec<(usize, usize)>, usize)> {
+    let d = [1, 2, 3, 4, 5, 6, 7, 8, 16][u.choose_index(9)?];
+    let b = u.int_in_range(1..=SMALL_MAX_SEGMENTS)?;
+    let mut segments = (0..b)
+        .map(|_| segment(u, cross, small_len))
+        .collect::<arbitrary::Result<Vec<_>>>()?;
+    fit(&mut segments, h * d, SMALL_MAX_WORK);
+    Ok((segments, d))
+}
+
+/// Sizes of a large case: segments, `d`, `(h, h_kv)` (see
+/// [`AttentionFuzzCase`]). A long self-attention segment keeps its length:
+/// its heads fall to 2 (a grouped case) or 1, and `d` to what fits; a long
+/// cross segment keeps `d` down to what fits; then the other segments are
+/// cut to the budget left, the longest last.
+fn large_sizes(
+    u: &mut Unstructured<'_>,
+    (h, h_kv): (usize, usize),
+    cross: bool,
+) -> arbitrary::Result<(Vec<(usize, usize)>, usize, (usize, usize))> {
+    let mut d = match u.arbitrary::<u8>()? % 8 {
+        b @ 0..=5 => HEAD_DIMS[b as usize],
+        _ => 2 * u.int_in_range(0..=100)? + 1,
+    };
+    let short = u.int_in_range(1..=LARGE_MAX_SHORT)?;
+    let mut segments = (0..short)
+        .map(|_| segment(u, cross, short_len))
+        .collect::<arbitrary::Result<Vec<_>>>()?;
+    let mut heads = (h, h_kv);
+    let mut long = None;
+    if u.arbitrary::<u8>()? % 8 < 5 {
+        let side = long_len(u)?;
+        let pair = match (cross, u.arbitrary::<u8>()? % 3) {
+            (true, 0) => (short_len(u)?.min(128), side),
+            (true, 1) => (side, short_len(u)?.min(128)),
+            _ => (side, side),
+        };
+        if pair.0 == pair.1 {
+            heads = (1, 1);
+        }
+        // The largest head dim (of those drawn, then smaller ones) that fits.
+        let most = LONG_WORK / (pair.0 * pair.1 * heads.0).max(1);
+        if d > most {
+            d = [256, 128, 96, 80, 64, 32, 16, 8, 5, 3, 2, 1]
+                .into_iter()
+                .find(|&x| x <= most)
+                .unwrap_or(1);
+        }
+        let at = u.int_in_range(0..=segments.len())?;
+        segments.insert(at, pair);
+        long = Some(at);
+    }
+    // Cut to the budget: the long segment first (to its own), then the
+    // others, shortest first (to theirs and what the long one left).
+    let mut order: Vec<usize> = (0..segments.len()).collect();
+    order.sort_by_key(|&i| (Some(i) != long, segments[i].0 * segments[i].1));
+    let mut sorted: Vec<(usize, usize)> = order.iter().map(|&i| segments[i]).collect();
+    let hd = heads.0 * d;
+    let budget = match long {
+        Some(_) => {
+            fit(&mut sorted[..1], hd, LONG_WORK);
+            LARGE_MAX_WORK - sorted[0].0 * sorted[0].1 * hd
+        }
+        None => SHORT_WORK,
+    };
+    let rest = usize::from(long.is_some());
+    fit(&mut sorted[rest..], hd, budget);
+    for (&i, s) in order.iter().zip(sorted) {
+        segments[i] = s;
+    }
+    Ok((segments, d, heads))
+}
+
+impl<'a> Arbitrary<'a> for AttentionFuzzCase {
+    fn arbitrary(u: &mut Unstructured<'a>) -> arbitrary::Result<Self> {
+        // Sizes first.
+        let class = SizeClass::read(u)?;
+        let (h, h_kv) = heads(u)?;
+        let cross = u.arbitrary::<u8>()? % 3 == 0;
+        let causal = u.arbitrary::<bool>()?;
+        let (segments, d, (h, h_kv)) = match class {
+            SizeClass::Small => {
+                let (segments, d) = small_sizes(u, h, cross)?;
+                (segments, d, (h, h_kv))
+            }
+            SizeClass::Large => large_sizes(u, (h, h_kv), cross)?,
+        };
+        let extra_pad = u.int_in_range(0..=3)?;
+        let scale = match u.arbitrary::<u8>()? % 16 {
+            0 => 1.0,
+            1 => 0.125,
+            2 => 2.0,
+            3 => 0.01,
+            _ => 1.0 / (d as f64).sqrt(),
+        };
+        let n_q: usize = segments.iter().map(|s| s.0).sum();
+        let n_k: usize = segments.iter().map(|s| s.1).sum();
+        // Then values.
+        let mut gen = Gen::arbitrary(u)?;
+        let mut tensor = |n, heads| Array3::from_shape_fn((n, heads, d), |_| gen.value(2.0));
+        let mut t = [
+            tensor(n_q, h),
+            tensor(n_k, h_kv),
+            tensor(n_k, h_kv),
+            tensor(n_q, h),
+        ];
+        let mut planted = Vec::new();
+        for (at, choice) in plants(u, 4)? {
+            let which = choice as usize % 4;
+            let x = [100.0, -100.0, 30.0, -30.0, 0.0][(choice as usize / 4) % 5];
+            let (_, th, _) = t[which].dim();
+            if t[which].is_empty() {
+                continue;
+            }
+            let flat = at % t[which].len();
+            let idx = (flat / (th * d), (flat / d) % th, flat % d);
+            t[which][idx] = x;
+            planted.push(format!(
+                "{}[{}, {}, {}] = {x}",
+                ["q", "k", "v", "grad_output"][which],
+                idx.0,
+                idx.1,
+                idx.2
+            ));
+        }
+        let [q, k, v, grad_output] = t;
+        let malformed = if u.arbitrary::<u8>()? % 16 == 15 {
+            let how = u.arbitrary::<u8>()?;
+            let self_attention = segments.iter().all(|&(a, b)| a == b);
+            Some(if !self_attention && how & 4 != 0 {
+                Malformed::Keys(how)
+            } else {
+                Malformed::Queries(how)
+            })
+        } else {
+            None
+        };
+        let mut values = gen.describe();
+        if !planted.is_empty() {
+            values.push_str(&format!("; planted {}", planted.join(", ")));
+        }
+        Ok(AttentionFuzzCase {
+            class,
+            segments,
+            causal,
+            scale,
+            q,
+            k,
+            v,
+            grad_output,
+            extra_pad,
+            malformed,
+            values,
+        })
+    }
+}
