@@ -91,7 +91,15 @@ fn reference_vocab_passes_arbitrary_cases() {
         ),
     ];
     for (name, body, inputs) in bodies {
-        let seen = fuzz_random(inputs, 2, |d| body(d)).unwrap_or_else(|f| panic!("{f}"));
+        // Random byte strings are large one in eight (their first byte):
+        // 190 large cases of each op would take a minute. The budget runs
+        // the same number of inputs, as many of them large as the default
+        // (tests/fuzz_vocab_sizes.rs runs the default budget itself).
+        let budget = Budget {
+            cases: inputs,
+            large: Budget::DEFAULT.large,
+        };
+        let seen = fuzz_budgeted(budget, 2, |d| body(d)).unwrap_or_else(|f| panic!("{f}"));
         eprintln!("{name}: {seen:?}");
         assert_eq!(seen.cases, inputs);
         // Mostly compared value by value, some bad inputs refused alike.
@@ -623,7 +631,7 @@ fn vocab_fuzz_targets_reach_every_kind() {
 #[test]
 fn worst_ulps_are_taken_once_per_case() {
     use packshard_equivalence::vocab::take_worst_ulps;
-    let seen = fuzz_random(300, 2, |d| {
+    let seen = fuzz_budgeted(Budget::small(300), 2, |d| {
         fv::run_cross_entropy(&ReferenceCrossEntropy, TOL, d)
     })
     .unwrap_or_else(|f| panic!("{f}"));

@@ -11,7 +11,7 @@
 //! replaced by the segments' own (a kernel under test gets well-formed
 //! input; bad input is the oracle's own business).
 
-use ndarray::Array2;
+use ndarray::{Array1, Array2};
 use packshard_equivalence::fuzz::attention::AttentionFuzzCase;
 use packshard_equivalence::fuzz::schedule::{budgeted_input, Budget};
 use packshard_equivalence::fuzz::vocab::{CeFuzzCase, EmbeddingFuzzCase, LinearFuzzCase};
@@ -45,7 +45,25 @@ pub const OPS: [&str; 4] = [
     "embedding",
 ];
 
-fn loss_args(out: &mut Fields, map: &ShardMap, c: &LossConfig, want_grad: bool) {
+/// The loss options of a case as keyword arguments; `softcap` and
+/// `grad_output` (`[n]` under the reduction `none`, `[1]` otherwise) only
+/// when the case has them (the large cases draw both).
+fn loss_args(
+    out: &mut Fields,
+    map: &ShardMap,
+    c: &LossConfig,
+    want_grad: bool,
+    grad_output: Option<&[f64]>,
+) {
+    if let Some(cap) = c.softcap {
+        out.push(("softcap", Out::F64(cap)));
+    }
+    if let (true, Some(g)) = (want_grad, grad_output) {
+        out.push((
+            "grad_output",
+            Out::Tensor(Array1::from(g.to_vec()).into_dyn()),
+        ));
+    }
     out.push(("ignore_index", Out::I64(c.ignore_index)));
     out.push(("label_smoothing", Out::F64(c.label_smoothing)));
     out.push(("smoothing", Out::Str(c.smoothing.name().into())));
@@ -77,7 +95,13 @@ fn case_of(op: &str, data: &[u8]) -> Option<(Fields, String, usize)> {
                 ("logits", t2(&c.logits)),
                 ("targets", Out::Ints(c.targets.clone())),
             ];
-            loss_args(&mut args, &c.map, &c.config, f.want_grad);
+            loss_args(
+                &mut args,
+                &c.map,
+                &c.config,
+                f.want_grad,
+                c.grad_output.as_deref(),
+            );
             Some((args, f.describe(), c.logits.len()))
         }
         "linear_cross_entropy" => {
@@ -88,7 +112,13 @@ fn case_of(op: &str, data: &[u8]) -> Option<(Fields, String, usize)> {
                 ("weight", t2(&c.weight)),
                 ("targets", Out::Ints(c.targets.clone())),
             ];
-            loss_args(&mut args, &c.map, &c.config, f.want_grad);
+            loss_args(
+                &mut args,
+                &c.map,
+                &c.config,
+                f.want_grad,
+                c.grad_output.as_deref(),
+            );
             Some((args, f.describe(), c.hidden.len() + c.weight.len()))
         }
         "embedding" => {

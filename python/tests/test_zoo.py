@@ -13,13 +13,10 @@ from zoo import CORRECT, ZOO  # noqa: E402
 
 CHECK = {"attention": testing.check_attention, "cross_entropy": testing.check_cross_entropy}
 
-# Bugs the generated cases of this branch cannot reach yet (filled in below
-# only while the generators that reach them are not merged).
-ESCAPES = {
-    "ce_drop_last_chunk": "generated vocabularies have at most 41 entries (helper loss's)",
-    "ce_grad_output_scalar": "no generated case passes a per-token grad_output (loss's)",
-    "ce_softcap_no_chain": "no generated case has a softcap (loss's)",
-}
+# Bugs the generated cases cannot reach, with the reason (xfail, strict):
+# none since branches attn and loss were merged (sizes across tiles and
+# chunks, GQA, cross, softcap and per-token grad_output).
+ESCAPES = {}
 
 
 @pytest.mark.parametrize("op", sorted(CORRECT))

@@ -2,7 +2,8 @@
 //! unsharded f64 reference on arbitrary cases (docs/FAULTS.md V1–V6), for every
 //! algorithm an implementation has.
 //!
-//! Cases draw the split first (`v` in `1..=MAX_V`, primes weighted up; `p`
+//! The first byte of an input is its [`SizeClass`]. A small case draws the
+//! split first (`v` in `1..=MAX_V`, primes weighted up; `p`
 //! in `1..=min(MAX_P, v)`; uneven or padded layout), then `n`, the loss
 //! options (`ignore_index` -100, -1 or a real class; label smoothing in
 //! either convention; z-loss; every reduction; with or without gradients),
@@ -14,6 +15,12 @@
 //! [`crate::vocab::check_cross_entropy`], [`crate::vocab::check_linear`] or
 //! [`crate::vocab::check_embedding`]: the suite's [`crate::vocab::TERMS`]
 //! rule, exact zeros on padding, the barrier counts, and no panic.
+//!
+//! A large case (module `large`) draws vocabularies at the chunk boundaries
+//! of 128 to 4096 entries up to [`LARGE_MAX_V`], token counts that leave
+//! partial token chunks, every option (a softcap, a per-token `grad_output`)
+//! likely, the work bounded by [`CE_WORK`], [`LINEAR_WORK`] and
+//! [`EMBEDDING_WORK`].
 
 use arbitrary::{Arbitrary, Unstructured};
 use ndarray::{Array2, Axis, Slice};
@@ -21,24 +28,28 @@ use packshard_reference::vocab::{
     cross_entropy, LossCall, LossConfig, Reduction, ShardLayout, ShardMap, SmoothingConvention,
 };
 
+use super::schedule::SizeClass;
 use super::values::{plants, Gen};
 use super::{brief, Failure, Outcome};
 use crate::compare::Judge;
+
+mod large;
 use crate::compare::Mismatch;
 use crate::vocab::{
     check_cross_entropy_unsharded, check_cross_entropy_with, check_embedding,
     check_linear_unsharded, check_linear_with, take_worst_ulps, CeCase, EmbeddingCase, LinearCase,
     Rule,
 };
+pub use large::{CE_WORK, EMBEDDING_WORK, LARGE_MAX_N, LARGE_MAX_V, LINEAR_WEIGHT, LINEAR_WORK};
 use packshard_reference::ops::{CrossEntropyOp, EmbeddingOp, LinearCrossEntropyOp};
 
-/// Largest vocabulary of a case.
+/// Largest vocabulary of a small case.
 pub const MAX_V: usize = 64;
-/// Most shards.
+/// Most shards (small and large cases).
 pub const MAX_P: usize = 8;
-/// Most tokens.
+/// Most tokens of a small case.
 pub const MAX_N: usize = 12;
-/// Largest hidden size (output layer, embedding).
+/// Largest hidden size of a small case (output layer, embedding).
 pub const MAX_H: usize = 8;
 
 const PRIMES: [usize; 18] = [
@@ -151,7 +162,10 @@ fn describe_split(map: &ShardMap) -> String {
 macro_rules! from_bytes {
     ($($case:ty),*) => {$(
         impl $case {
-            /// The case `data` describes (every byte string describes one).
+            /// The case `data` describes (every byte string describes one):
+            /// its first byte the [`SizeClass`], the rest as the class reads
+            /// them (small: the layout of the generator before size classes,
+            /// so an input of that layout keeps its case behind a `0x00`).
             ///
             /// # Errors
             /// Never in practice: bytes that run out read as zeros.
@@ -165,8 +179,11 @@ macro_rules! from_bytes {
 from_bytes!(CeFuzzCase, LinearFuzzCase, EmbeddingFuzzCase);
 
 fn describe_config(c: &LossConfig) -> String {
+    let softcap = c
+        .softcap
+        .map_or(String::new(), |s| format!(", softcap {s}"));
     format!(
-        "ignore_index {}, label_smoothing {} ({}), z_loss {}, reduction {}",
+        "ignore_index {}, label_smoothing {} ({}), z_loss {}, reduction {}{softcap}",
         c.ignore_index,
         c.label_smoothing,
         c.smoothing.name(),
@@ -199,8 +216,12 @@ impl<C> LossFuzzCase<C> {
     /// A one-line description for failure reports, of a case on `map` with
     /// `call`'s targets and options, `sizes` after `n` (e.g. `, h 3`).
     fn describe_loss(&self, map: &ShardMap, call: &LossCall<'_>, sizes: &str) -> String {
+        let upstream = match call.grad.upstream() {
+            Some(g) => format!(", grad_output {}", brief(g)),
+            None => String::new(),
+        };
         format!(
-            "{}, n {}{sizes}, targets {}, {}, want_grad {}; {}",
+            "{}, n {}{sizes}, targets {}, {}, want_grad {}{upstream}; {}",
             describe_split(map),
             call.targets.len(),
             brief(call.targets),
@@ -211,9 +232,13 @@ impl<C> LossFuzzCase<C> {
     }
 }
 
-/// `values` (how the values were drawn) followed by what was `planted`.
+/// `values` (how the values were drawn) followed by what was `planted`
+/// (the first 8, and a count).
 fn with_planted(mut values: String, planted: &[String]) -> String {
-    if !planted.is_empty() {
+    if planted.len() > 8 {
+        let more = format!("... ({} in all)", planted.len());
+        values.push_str(&format!("; planted {}, {more}", planted[..8].join(", ")));
+    } else if !planted.is_empty() {
         values.push_str(&format!("; planted {}", planted.join(", ")));
     }
     values
@@ -221,9 +246,16 @@ fn with_planted(mut values: String, planted: &[String]) -> String {
 
 impl<'a> Arbitrary<'a> for CeFuzzCase {
     fn arbitrary(u: &mut Unstructured<'a>) -> arbitrary::Result<Self> {
-        let (map, v, w, n) = split_and_tokens(u, 1)?;
-        let config = loss_config(u, v)?;
-        let want_grad = u.arbitrary::<bool>()?;
+        let class = SizeClass::read(u)?;
+        let (map, v, w, n) = match class {
+            SizeClass::Small => split_and_tokens(u, 1)?,
+            SizeClass::Large => large::split_and_tokens(u, 1, 1, large::CE_WORK, usize::MAX)?,
+        };
+        let config = match class {
+            SizeClass::Small => loss_config(u, v)?,
+            SizeClass::Large => large::config(u, v)?,
+        };
+        let small_want_grad = class == SizeClass::Small && u.arbitrary::<bool>()?;
         let mut gen = Gen::arbitrary(u)?;
         let inf_one_in = [0, 3, 8, 32][u.choose_index(4)?];
         let mut logits = Array2::from_shape_fn((n, w), |(_, j)| {
@@ -242,9 +274,16 @@ impl<'a> Arbitrary<'a> for CeFuzzCase {
             logits[[i, j]] = x;
             planted.push(format!("logits[{i}, {j}] = {x}"));
         }
-        // V6: whole shards masked to -inf on some rows.
+        // V6: whole shards masked to -inf on some rows (the rows of a large
+        // case drawn by `gen`: its bytes run out first).
         for i in 0..n {
-            let b = u.arbitrary::<u8>()?;
+            let b = match class {
+                SizeClass::Small => u.arbitrary::<u8>()?,
+                // One row in 24, as one in 6 of the small cases' rows would
+                // mask a hundred rows of a large case.
+                SizeClass::Large if gen.one_in(4) => gen.below(256) as u8,
+                SizeClass::Large => 0,
+            };
             if b % 6 == 5 && map.num_shards() > 1 {
                 let s = map.shard(b as usize / 6 % map.num_shards());
                 for j in s.start..s.start + s.real {
@@ -253,7 +292,18 @@ impl<'a> Arbitrary<'a> for CeFuzzCase {
                 planted.push(format!("row {i} of shard {} all -inf", s.rank));
             }
         }
-        let targets = targets(u, &mut gen, n, v, config.ignore_index)?;
+        let (targets, want_grad, grad_output) = match class {
+            SizeClass::Small => (
+                targets(u, &mut gen, n, v, config.ignore_index)?,
+                small_want_grad,
+                None,
+            ),
+            SizeClass::Large => {
+                let t = large::targets(&mut gen, n, v, config.ignore_index);
+                let (want_grad, g) = large::grads(u, &mut gen, n, config.reduction)?;
+                (t, want_grad, g)
+            }
+        };
         let mut values = gen.describe();
         if inf_one_in > 0 {
             values.push_str(&format!(", 1 in {inf_one_in} logits -inf"));
@@ -264,7 +314,7 @@ impl<'a> Arbitrary<'a> for CeFuzzCase {
                 logits,
                 targets,
                 config,
-                grad_output: None,
+                grad_output,
             },
             want_grad,
             values: with_planted(values, &planted),
@@ -275,16 +325,28 @@ impl<'a> Arbitrary<'a> for CeFuzzCase {
 impl CeFuzzCase {
     /// A one-line description for failure reports.
     pub fn describe(&self) -> String {
-        self.describe_loss(&self.case.map, &self.case.call(false), "")
+        let c = &self.case;
+        self.describe_loss(&c.map, &c.call(self.want_grad), "")
     }
 }
 
 impl<'a> Arbitrary<'a> for LinearFuzzCase {
     fn arbitrary(u: &mut Unstructured<'a>) -> arbitrary::Result<Self> {
-        let (map, v, w, n) = split_and_tokens(u, 1)?;
-        let h = u.int_in_range(1..=MAX_H)?;
-        let config = loss_config(u, v)?;
-        let want_grad = u.arbitrary::<bool>()?;
+        let class = SizeClass::read(u)?;
+        let (map, v, w, n, h, config) = match class {
+            SizeClass::Small => {
+                let (map, v, w, n) = split_and_tokens(u, 1)?;
+                let h = u.int_in_range(1..=MAX_H)?;
+                (map, v, w, n, h, loss_config(u, v)?)
+            }
+            SizeClass::Large => {
+                let h = large::hidden_size(u)?;
+                let (map, v, w, n) =
+                    large::split_and_tokens(u, 1, h, large::LINEAR_WORK, large::LINEAR_WEIGHT)?;
+                (map, v, w, n, h, large::config(u, v)?)
+            }
+        };
+        let small_want_grad = class == SizeClass::Small && u.arbitrary::<bool>()?;
         let mut gen = Gen::arbitrary(u)?;
         let mut hidden = Array2::from_shape_fn((n, h), |_| gen.value(2.0));
         let mut weight = Array2::from_shape_fn((w, h), |(j, _)| {
@@ -307,7 +369,18 @@ impl<'a> Arbitrary<'a> for LinearFuzzCase {
                 planted.push(format!("weight[{j}, {k}] = {x}"));
             }
         }
-        let targets = targets(u, &mut gen, n, v, config.ignore_index)?;
+        let (targets, want_grad, grad_output) = match class {
+            SizeClass::Small => (
+                targets(u, &mut gen, n, v, config.ignore_index)?,
+                small_want_grad,
+                None,
+            ),
+            SizeClass::Large => {
+                let t = large::targets(&mut gen, n, v, config.ignore_index);
+                let (want_grad, g) = large::grads(u, &mut gen, n, config.reduction)?;
+                (t, want_grad, g)
+            }
+        };
         let values = with_planted(gen.describe(), &planted);
         Ok(LinearFuzzCase {
             case: LinearCase {
@@ -316,7 +389,7 @@ impl<'a> Arbitrary<'a> for LinearFuzzCase {
                 weight,
                 targets,
                 config,
-                grad_output: None,
+                grad_output,
             },
             want_grad,
             values,
@@ -328,7 +401,8 @@ impl LinearFuzzCase {
     /// A one-line description for failure reports.
     pub fn describe(&self) -> String {
         let c = &self.case;
-        self.describe_loss(&c.map, &c.call(false), &format!(", h {}", c.hidden.ncols()))
+        let h = format!(", h {}", c.hidden.ncols());
+        self.describe_loss(&c.map, &c.call(self.want_grad), &h)
     }
 }
 
@@ -343,14 +417,30 @@ pub struct EmbeddingFuzzCase {
 
 impl<'a> Arbitrary<'a> for EmbeddingFuzzCase {
     fn arbitrary(u: &mut Unstructured<'a>) -> arbitrary::Result<Self> {
-        let (map, v, w, n) = split_and_tokens(u, 0)?;
-        let h = u.int_in_range(1..=MAX_H)?;
+        let class = SizeClass::read(u)?;
+        let (map, v, w, n, h) = match class {
+            SizeClass::Small => {
+                let (map, v, w, n) = split_and_tokens(u, 0)?;
+                (map, v, w, n, u.int_in_range(1..=MAX_H)?)
+            }
+            SizeClass::Large => {
+                let h = large::hidden_size(u)?;
+                let (map, v, w, n) =
+                    large::split_and_tokens(u, 0, h, large::EMBEDDING_WORK, large::EMBEDDING_WORK)?;
+                (map, v, w, n, h)
+            }
+        };
         let mut gen = Gen::arbitrary(u)?;
-        // Ids: repeats are likely (few distinct values), out of range rarely (V5).
+        // Ids: repeats are likely (few distinct values), out of range rarely
+        // (V5; in a large case, whose bytes run out, never).
         let distinct = u.int_in_range(1..=v)?;
         let ids = (0..n)
             .map(|_| {
-                Ok(match u.arbitrary::<u8>()? {
+                let b = match class {
+                    SizeClass::Small => u.arbitrary::<u8>()?,
+                    SizeClass::Large => 3,
+                };
+                Ok(match b {
                     0 => v as i64,
                     1 => -1,
                     2 => i64::MAX,

@@ -136,30 +136,82 @@ pub fn ce_cases() -> impl Strategy<Value = CeCase> {
             )
         })
         .prop_map(|(map, config, real, padding, targets, masks)| {
+            ce_case(map, config, &real, &padding, targets, &masks)
+        })
+}
+
+/// A cross-entropy case from its drawn parts: `real: [n * v]` logits,
+/// `padding: [n * (w - v)]`, `masks: [n]` (a rank whose real logits are all
+/// `-inf` on that row), the upstream gradient [`upstream`].
+fn ce_case(
+    map: ShardMap,
+    config: LossConfig,
+    real: &[f64],
+    padding: &[f64],
+    targets: Vec<i64>,
+    masks: &[Option<usize>],
+) -> CeCase {
+    let (v, w) = (map.vocab_size(), map.padded_vocab_size());
+    let n = targets.len();
+    let mut logits = Array2::from_shape_fn((n, w), |(i, j)| {
+        if j < v {
+            real[i * v + j]
+        } else {
+            padding[i * (w - v) + j - v]
+        }
+    });
+    for (i, mask) in masks.iter().enumerate() {
+        if let Some(r) = mask {
+            let s = map.shard(*r);
+            for j in s.start..s.start + s.real {
+                logits[[i, j]] = f64::NEG_INFINITY;
+            }
+        }
+    }
+    CeCase {
+        grad_output: upstream(&targets, v, &config),
+        map,
+        logits,
+        targets,
+        config,
+    }
+}
+
+/// Vocabulary sizes and token counts past the chunks of chunked kernels:
+/// one entry past a chunk of 4096 and of 1024 (a last partial chunk of one
+/// entry) with a few tokens, and one past a chunk of 256 with tokens one
+/// past 64 (a partial token chunk of 16, 32 and 64). The suites' random
+/// cases have at most [`MAX_V`] entries and [`MAX_N`] tokens.
+pub const CHUNK_CROSSING: [(usize, usize); 3] = [(4097, 3), (1025, 5), (257, 65)];
+
+/// A split and `n` of [`CHUNK_CROSSING`]: `p` in `1..=4` (so a rank's own
+/// width crosses a chunk too), either layout.
+pub fn chunk_crossing_sizes() -> impl Strategy<Value = (ShardMap, usize)> {
+    (
+        prop::sample::select(CHUNK_CROSSING.to_vec()),
+        1usize..=4,
+        prop::sample::select(LAYOUTS.to_vec()),
+    )
+        .prop_map(|((v, n), p, layout)| (ShardMap::new(v, p, layout).expect("p <= v"), n))
+}
+
+/// Cross-entropy cases of [`chunk_crossing_sizes`], drawn as [`ce_cases`]
+/// draws its values.
+pub fn chunk_crossing_ce_cases() -> impl Strategy<Value = CeCase> {
+    (chunk_crossing_sizes(), loss_configs())
+        .prop_flat_map(|((map, n), config)| {
             let (v, w) = (map.vocab_size(), map.padded_vocab_size());
-            let n = targets.len();
-            let mut logits = Array2::from_shape_fn((n, w), |(i, j)| {
-                if j < v {
-                    real[i * v + j]
-                } else {
-                    padding[i * (w - v) + j - v]
-                }
-            });
-            for (i, mask) in masks.iter().enumerate() {
-                if let Some(r) = mask {
-                    let s = map.shard(*r);
-                    for j in s.start..s.start + s.real {
-                        logits[[i, j]] = f64::NEG_INFINITY;
-                    }
-                }
-            }
-            CeCase {
-                grad_output: upstream(&targets, v, &config),
-                map,
-                logits,
-                targets,
-                config,
-            }
+            (
+                Just(map),
+                Just(config),
+                prop::collection::vec(logit(), n * v),
+                prop::collection::vec(padding_value(), n * (w - v)),
+                prop::collection::vec(target(v, config.ignore_index), n),
+                masked_shards(n, map.num_shards()),
+            )
+        })
+        .prop_map(|(map, config, real, padding, targets, masks)| {
+            ce_case(map, config, &real, &padding, targets, &masks)
         })
 }
 
@@ -185,25 +237,59 @@ pub fn linear_cases() -> impl Strategy<Value = LinearCase> {
             )
         })
         .prop_map(|(map, config, x, wr, wp, targets)| {
-            let n = targets.len();
-            let h = x.len() / n;
+            linear_case(map, config, x, &wr, &wp, targets)
+        })
+}
+
+/// An output-layer case from its drawn parts: `x: [n * h]` hidden states,
+/// `wr: [v * h]` real weight rows, `wp: [(w - v) * h]` padding rows, the
+/// upstream gradient [`upstream`].
+fn linear_case(
+    map: ShardMap,
+    config: LossConfig,
+    x: Vec<f64>,
+    wr: &[f64],
+    wp: &[f64],
+    targets: Vec<i64>,
+) -> LinearCase {
+    let n = targets.len();
+    let h = x.len() / n;
+    let (v, w) = (map.vocab_size(), map.padded_vocab_size());
+    let hidden = Array2::from_shape_vec((n, h), x).expect("n x h");
+    let weight = Array2::from_shape_fn((w, h), |(j, k)| {
+        if j < v {
+            wr[j * h + k]
+        } else {
+            wp[(j - v) * h + k]
+        }
+    });
+    LinearCase {
+        grad_output: upstream(&targets, v, &config),
+        map,
+        hidden,
+        weight,
+        targets,
+        config,
+    }
+}
+
+/// Output-layer cases of [`chunk_crossing_sizes`], `h` in `1..=MAX_H`, drawn
+/// as [`linear_cases`] draws its values.
+pub fn chunk_crossing_linear_cases() -> impl Strategy<Value = LinearCase> {
+    (chunk_crossing_sizes(), 1usize..=MAX_H, loss_configs())
+        .prop_flat_map(|((map, n), h, config)| {
             let (v, w) = (map.vocab_size(), map.padded_vocab_size());
-            let hidden = Array2::from_shape_vec((n, h), x).expect("n x h");
-            let weight = Array2::from_shape_fn((w, h), |(j, k)| {
-                if j < v {
-                    wr[j * h + k]
-                } else {
-                    wp[(j - v) * h + k]
-                }
-            });
-            LinearCase {
-                grad_output: upstream(&targets, v, &config),
-                map,
-                hidden,
-                weight,
-                targets,
-                config,
-            }
+            (
+                Just(map),
+                Just(config),
+                prop::collection::vec(activation(), n * h),
+                prop::collection::vec(activation(), v * h),
+                prop::collection::vec(padding_value(), (w - v) * h),
+                prop::collection::vec(target(v, config.ignore_index), n),
+            )
+        })
+        .prop_map(|(map, config, x, wr, wp, targets)| {
+            linear_case(map, config, x, &wr, &wp, targets)
         })
 }
 

@@ -37,6 +37,10 @@ pub struct Coverage {
     pub uneven: u32,
     /// Compared cases in the padded layout with padding.
     pub padded: u32,
+    /// Chunk-crossing cases run after the random ones ([`CHUNK_CASES`] of
+    /// [`chunk_crossing_ce_cases`] or [`chunk_crossing_linear_cases`]; not in
+    /// the counts above).
+    pub chunk_crossing: u32,
     /// The largest difference seen over the whole run (docs/FAULTS.md cases and
     /// random ones), in ulp of `|expected| + terms` (the tolerance is 64).
     pub worst_ulps: f64,
@@ -140,6 +144,13 @@ impl Coverage {
 use super::relative::RELATIVE;
 use crate::runner;
 
+/// Chunk-crossing cases a loss suite runs after its random ones
+/// ([`CHUNK_CROSSING`]: 4097 x 3, 1025 x 5, 257 x 65 logits): 6, two of
+/// each size on average, a few hundredths of a second on the reference
+/// against the random cases' few tenths (docs/FAULTS.md, "How results are
+/// judged").
+pub const CHUNK_CASES: u32 = 6;
+
 impl Rule {
     /// The rule of a registry entry's [`Judge`]: [`Rule::Terms`] for an f64
     /// rewrite, [`Rule::Relative`] for a lower-precision kernel.
@@ -179,7 +190,8 @@ fn suite_error(what: &str, e: impl std::fmt::Display) -> Mismatch {
 /// [`check_cross_entropy_faults`], then `cases` random cases (fixed seed, so
 /// a failure reproduces), each through the unsharded form and every
 /// algorithm `imp` declares, with and without gradients; the random cases
-/// must cover every kind of input [`Coverage::require`] lists.
+/// must cover every kind of input [`Coverage::require`] lists; then
+/// [`CHUNK_CASES`] chunk-crossing ones ([`chunk_crossing_ce_cases`]).
 ///
 /// # Errors
 /// The first failure, with the (shrunk) case that produced it.
@@ -193,14 +205,18 @@ pub fn run_cross_entropy_suite(
     check_cross_entropy_faults(imp, rule)?;
     let coverage = RefCell::new(Coverage::default());
     let to_case_error = |m: Mismatch| TestCaseError::fail(m.to_string());
+    let check = |case: &CeCase, want_grad: bool| -> Result<(), TestCaseError> {
+        check_cross_entropy_unsharded(imp, case, want_grad, rule)
+            .map_err(|m| to_case_error(m.within("unsharded")))?;
+        for algorithm in imp.algorithms() {
+            check_cross_entropy_with(imp, algorithm, case, want_grad, rule)
+                .map_err(to_case_error)?;
+        }
+        Ok(())
+    };
     runner(cases)
         .run(&(ce_cases(), any::<bool>()), |(case, want_grad)| {
-            check_cross_entropy_unsharded(imp, &case, want_grad, rule)
-                .map_err(|m| to_case_error(m.within("unsharded")))?;
-            for algorithm in imp.algorithms() {
-                check_cross_entropy_with(imp, algorithm, &case, want_grad, rule)
-                    .map_err(to_case_error)?;
-            }
+            check(&case, want_grad)?;
             let mut c = coverage.borrow_mut();
             c.cases += 1;
             let v = case.map.vocab_size();
@@ -213,6 +229,16 @@ pub fn run_cross_entropy_suite(
             Ok(())
         })
         .map_err(|e| suite_error("cross_entropy", e))?;
+    runner(CHUNK_CASES)
+        .run(
+            &(chunk_crossing_ce_cases(), any::<bool>()),
+            |(case, want_grad)| {
+                check(&case, want_grad)?;
+                coverage.borrow_mut().chunk_crossing += 1;
+                Ok(())
+            },
+        )
+        .map_err(|e| suite_error("cross_entropy (chunk-crossing cases)", e))?;
     let coverage = finish(coverage.into_inner(), rule, "cross_entropy")?;
     coverage.require(2)?;
     Ok(coverage)
@@ -221,7 +247,8 @@ pub fn run_cross_entropy_suite(
 /// The output-layer suite for one implementation under `judge`:
 /// [`check_linear_faults`], then `cases` random cases (fixed seed), each
 /// through the unsharded form and every algorithm `imp` declares, with and
-/// without gradients.
+/// without gradients; then [`CHUNK_CASES`] chunk-crossing ones
+/// ([`chunk_crossing_linear_cases`]).
 ///
 /// # Errors
 /// The first failure, with the (shrunk) case that produced it.
@@ -236,18 +263,34 @@ pub fn run_linear_suite(
     let mut coverage = Coverage::default();
     let to_case_error = |m: Mismatch| TestCaseError::fail(m.to_string());
     let ran = std::cell::Cell::new(0u32);
+    let check = |case: &LinearCase, want_grad: bool| -> Result<(), TestCaseError> {
+        check_linear_unsharded(imp, case, want_grad, rule)
+            .map_err(|m| to_case_error(m.within("unsharded")))?;
+        for algorithm in imp.algorithms() {
+            check_linear_with(imp, algorithm, case, want_grad, rule).map_err(to_case_error)?;
+        }
+        Ok(())
+    };
     runner(cases)
         .run(&(linear_cases(), any::<bool>()), |(case, want_grad)| {
-            check_linear_unsharded(imp, &case, want_grad, rule)
-                .map_err(|m| to_case_error(m.within("unsharded")))?;
-            for algorithm in imp.algorithms() {
-                check_linear_with(imp, algorithm, &case, want_grad, rule).map_err(to_case_error)?;
-            }
+            check(&case, want_grad)?;
             ran.set(ran.get() + 1);
             Ok(())
         })
         .map_err(|e| suite_error("linear_cross_entropy", e))?;
     coverage.cases = ran.get();
+    ran.set(0);
+    runner(CHUNK_CASES)
+        .run(
+            &(chunk_crossing_linear_cases(), any::<bool>()),
+            |(case, want_grad)| {
+                check(&case, want_grad)?;
+                ran.set(ran.get() + 1);
+                Ok(())
+            },
+        )
+        .map_err(|e| suite_error("linear_cross_entropy (chunk-crossing cases)", e))?;
+    coverage.chunk_crossing = ran.get();
     finish(coverage, rule, "linear_cross_entropy")
 }
 

@@ -106,7 +106,9 @@ def _ce(logits, targets, ignore_index, label_smoothing, smoothing, z_loss, reduc
         gs = ((ex - q) - q * rest[:, None]) / s_ + 2 * np.float32(z_loss) * lse[:, None] * ex / s_
         if softcap is not None and bug != "softcap_no_chain":
             t = zs / np.float32(softcap)  # zs is capped: t = tanh(z / c)
-            gs = np.where(np.isfinite(zs), gs * ((1 - t) * (1 + t)), 0)  # BUG: line missing
+            # A -inf (masked) logit stays masked under the cap; its gradient
+            # is the reference's p - q, without a chain factor.
+            gs = np.where(np.isfinite(zs), gs * ((1 - t) * (1 + t)), gs)  # BUG: line missing
         g[:, s:e] = np.where(weight[:, None] != 0, gs * weight[:, None], 0)
     out["grad_logits"] = g
     return out

@@ -1,0 +1,180 @@
+//! The large loss and embedding cases ([`SizeClass::Large`]): the sizes where
+//! vocabulary- and token-chunked kernels break.
+//!
+//! - **vocabulary** `v` at a chunk boundary ([`boundary_len`]): `k * g - 1`,
+//!   `k * g` or `k * g + 1` for `g` in [`VOCAB_GRAINS`] (three draws in four)
+//!   or 128 and 512 (one in four), up to [`LARGE_MAX_V`] (so `4097`, `8191`,
+//!   `8193` and `1025` are all reachable: the last partial chunk of 1, of
+//!   `g - 1`, a vocabulary of exactly one chunk);
+//! - **shards** `p` in `1..=MAX_P`, uneven or padded (padding columns on the
+//!   last ranks), so a rank's local width is itself off a boundary;
+//! - **tokens** `n` a handful (one case in four), or at a token-chunk
+//!   boundary of [`TILE_GRAINS`] (`15`, `16`, `17`, `63`, `129`, ...), up to
+//!   [`LARGE_MAX_N`] on a vocabulary of a few hundred (one in four) or within
+//!   the work; the work `n * v` (times `h` for the output layer) bounded by
+//!   [`CE_WORK`] / [`LINEAR_WORK`] so one case runs in a fraction of a second
+//!   in the f64 reference;
+//! - **options**, each likely: a softcap a third of the time (docs/FAULTS.md
+//!   O1; `c` from 0.5 to 50, Gemma 2's 30 among them), the reduction `none`
+//!   half of the time, gradients seven in eight, an upstream `grad_output`
+//!   three in four of those (per token under `none`: O2), ignore index, label
+//!   smoothing in both conventions and z-loss as the small cases draw them;
+//! - **values** from the case's [`Gen`] (the input's bytes run out long before
+//!   `n` tokens): targets on every shard and ignored ones, whole shards masked
+//!   to `-inf` on some rows (V6).
+
+use arbitrary::Unstructured;
+use packshard_reference::vocab::{LossConfig, Reduction, ShardLayout, ShardMap};
+
+use super::{loss_config, MAX_H, MAX_P};
+#[cfg(doc)]
+use crate::fuzz::schedule::SizeClass;
+use crate::fuzz::schedule::{boundary_len, TILE_GRAINS, VOCAB_GRAINS};
+use crate::fuzz::values::Gen;
+
+/// Largest vocabulary of a large case: room for `2 * 4096 + 1` (a second
+/// chunk of 4096 and one entry past it).
+pub const LARGE_MAX_V: usize = 8300;
+/// Most tokens of a large case: room for `4 * 128 + 1`.
+pub const LARGE_MAX_N: usize = 520;
+/// Most logits (`n * v`) of a large cross-entropy case: 2^19, which with the
+/// unsharded form and three algorithms, each judged against the f64
+/// reference, keeps a case under a fifth of a second (docs/FAULTS.md, "How
+/// results are judged", has the measured times).
+pub const CE_WORK: usize = 1 << 17;
+/// Most multiply-adds (`n * v * h`) of a large output-layer case: 2^22 (the
+/// same bound on time as [`CE_WORK`]: the reference's forward and backward
+/// each take `n * v * h`).
+pub const LINEAR_WORK: usize = 1 << 20;
+/// Most weight elements (`v * h`) of a large output-layer case: 2^18, a
+/// vocabulary of 8,193 at `h` 32 (the weight gradient and its terms are
+/// `v * h` each, in every form).
+pub const LINEAR_WEIGHT: usize = 1 << 18;
+/// Most weight and output elements (`(v + n) * h`) of a large embedding case
+/// (a lookup is cheap; this keeps the exact comparison's tensors small).
+pub const EMBEDDING_WORK: usize = 1 << 19;
+
+/// The off-grain boundaries a vocabulary is also drawn around: the padded
+/// vocabularies of Megatron are multiples of 128 x TP, and 512 sits between
+/// the chunk sizes of [`VOCAB_GRAINS`].
+const OTHER_VOCAB_GRAINS: [usize; 2] = [128, 512];
+
+/// Hidden sizes of the large output-layer and embedding cases: the small
+/// ones, a tile's 16 and 32 and 64, and 31 and 33 either side of one.
+const LARGE_H: [usize; 6] = [16, 31, 32, 33, 64, 0];
+
+/// The split and `n` of a large case of hidden size `h` (1 for the
+/// cross-entropy), `n * v * h` at most `work` and `v * h` at most
+/// `weight`: `(map, v, w, n)` with `w` the padded vocabulary size, `n >=
+/// min_n`. The shape is one of three: a handful of tokens on a vocabulary
+/// of up to [`LARGE_MAX_V`] (one in four), many tokens (a token chunk of
+/// 128 and more) on a vocabulary of a few hundred (one in four), or both at
+/// boundaries within the work.
+pub(super) fn split_and_tokens(
+    u: &mut Unstructured<'_>,
+    min_n: usize,
+    h: usize,
+    work: usize,
+    weight: usize,
+) -> arbitrary::Result<(ShardMap, usize, usize, usize)> {
+    let per_entry = work / h.max(1);
+    let shape = u.arbitrary::<u8>()? % 4;
+    let most_v = LARGE_MAX_V
+        .min(per_entry / min_n.max(1))
+        .min(weight / h.max(1));
+    // Many tokens: room for at least 2 x 128 + 1 of them.
+    let most_v = if shape == 1 {
+        most_v.min(per_entry / 257)
+    } else {
+        most_v
+    }
+    .max(1);
+    let grains: &[usize] = if u.arbitrary::<u8>()? % 4 == 0 {
+        &OTHER_VOCAB_GRAINS
+    } else {
+        &VOCAB_GRAINS
+    };
+    let v = boundary_len(u, grains, most_v)?;
+    let p = u.int_in_range(1..=v.min(MAX_P))?;
+    let layout = if u.arbitrary::<bool>()? {
+        ShardLayout::Padded
+    } else {
+        ShardLayout::Uneven
+    };
+    let map = ShardMap::new(v, p, layout).expect("1 <= p <= v");
+    let w = map.padded_vocab_size();
+    let most_n = LARGE_MAX_N.min(per_entry / w).max(min_n);
+    let n = if shape == 0 {
+        u.int_in_range(min_n..=most_n.min(9))?
+    } else {
+        boundary_len(u, &TILE_GRAINS, most_n)?.max(min_n)
+    };
+    Ok((map, v, w, n))
+}
+
+/// The hidden size of a large output-layer or embedding case ([`LARGE_H`],
+/// the 0 there a small one in `1..=MAX_H`).
+pub(super) fn hidden_size(u: &mut Unstructured<'_>) -> arbitrary::Result<usize> {
+    Ok(match LARGE_H[u.choose_index(LARGE_H.len())?] {
+        0 => u.int_in_range(1..=MAX_H)?,
+        h => h,
+    })
+}
+
+/// The loss options of a large case: [`loss_config`], then a softcap a third
+/// of the time and the reduction `none` half of the time (so a per-token
+/// and a scalar `grad_output` are as likely, [`grads`]).
+pub(super) fn config(u: &mut Unstructured<'_>, v: usize) -> arbitrary::Result<LossConfig> {
+    let mut c = loss_config(u, v)?;
+    c.softcap = match u.arbitrary::<u8>()? % 9 {
+        0 => Some(1.0),
+        1 => Some(30.0),
+        2 => Some(0.5 + 49.5 * f64::from(u.arbitrary::<u16>()?) / f64::from(u16::MAX)),
+        _ => None,
+    };
+    // `none` a third of the time from `loss_config`, a half in all.
+    if u.arbitrary::<u8>()? % 4 == 0 {
+        c.reduction = Reduction::None;
+    }
+    Ok(c)
+}
+
+/// Whether a large case asks for gradients (seven in eight), and its upstream
+/// gradient (three in four of those): `[n]` under the reduction `none`, `[1]`
+/// otherwise (docs/FAULTS.md O2), each value 0, 1 or in `[-2, 2]` (a
+/// quarter, a quarter, a half) from `gen`.
+pub(super) fn grads(
+    u: &mut Unstructured<'_>,
+    gen: &mut Gen,
+    n: usize,
+    reduction: Reduction,
+) -> arbitrary::Result<(bool, Option<Vec<f64>>)> {
+    let b = u.arbitrary::<u8>()?;
+    let want_grad = b % 8 != 7;
+    if !want_grad || b / 8 % 4 == 3 {
+        return Ok((want_grad, None));
+    }
+    let len = if reduction == Reduction::None { n } else { 1 };
+    let g = (0..len)
+        .map(|_| match gen.below(4) {
+            0 => 0.0,
+            1 => 1.0,
+            _ => gen.uniform(-2.0, 2.0),
+        })
+        .collect();
+    Ok((want_grad, Some(g)))
+}
+
+/// Targets of a large case from `gen`: `ignore` one in five, else a real
+/// class (on every shard).
+pub(super) fn targets(gen: &mut Gen, n: usize, v: usize, ignore: i64) -> Vec<i64> {
+    (0..n)
+        .map(|_| {
+            if gen.one_in(5) {
+                ignore
+            } else {
+                gen.below(v) as i64
+            }
+        })
+        .collect()
+}
