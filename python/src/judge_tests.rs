@@ -19,6 +19,7 @@ fn args<'a>(q: &'a Array3<f64>, cu: &[usize]) -> AttentionArgs<'a> {
         k: q.view(),
         v: q.view(),
         cu_seqlens: cu.to_vec(),
+        cu_seqlens_k: None,
         causal: true,
         scale: None,
         grad_output: Some(q.view()),
