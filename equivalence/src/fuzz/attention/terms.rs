@@ -141,7 +141,7 @@ impl AttentionTerms {
                     .map(|x| df * (gi[x] * o[x]).abs() + gi[x].abs() * o_terms[x])
                     .sum();
                 gq.iter_mut().for_each(|x| *x = 0.0);
-                for j in 0..keys {
+                for (j, &bj) in b.iter().enumerate() {
                     let at = key(j);
                     let (vj, kj) = (&v[at..][..d], &k[at..][..d]);
                     let (mut dp, mut dp_abs) = (0.0, 0.0);
@@ -152,8 +152,8 @@ impl AttentionTerms {
                     }
                     let pj = p(j);
                     let diff = (dp - dd).abs();
-                    let ds = b[j] * diff + pj * (df * dp_abs + dd_terms + (lf + 1.0) * diff);
-                    let w = (lf + 1.0) * pj + b[j];
+                    let ds = bj * diff + pj * (df * dp_abs + dd_terms + (lf + 1.0) * diff);
+                    let w = (lf + 1.0) * pj + bj;
                     for x in 0..d {
                         gq[x] += c * ds * kj[x].abs();
                         gk[at + x] += c * ds * qi[x].abs();
