@@ -134,7 +134,11 @@ def main():
     args = ap.parse_args()
     FAULT = args.fault
     try:
+        # This kernel implements neither a softcap nor an upstream gradient:
+        # the cases are run without them (`fix`), as a kernel states what it
+        # lacks.
         r = testing.check_cross_entropy(vocab_parallel_ce, cases=args.cases, seed=3,
+                                        fix={"softcap": None, "grad_output": None},
                                         regression_out=args.regression_out)
     except AssertionError as e:
         print(e)

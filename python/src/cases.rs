@@ -1,7 +1,8 @@
 //! The cases `packshard.testing` runs a user's kernel on: the equivalence
 //! crate's fuzz cases (`packshard_equivalence::fuzz`), drawn exactly as
-//! `fuzz_random` draws them (ChaCha8 from the seed, byte strings of
-//! `0..=MAX_RANDOM_INPUT` bytes), so sizes that are not powers of two, empty
+//! the default Rust checks draw them (`fuzz_budgeted`: input `i` of a seed is
+//! [`input_bytes`], small cases first, then a bounded number of large,
+//! tile- and chunk-crossing ones), so sizes that are not powers of two, empty
 //! segments, planted outliers, ignored targets, `-inf` logits, padded and
 //! uneven vocabularies, NaN padding and out-of-range targets come as the Rust
 //! suites make them. Attention cases come from the default checks' size
@@ -11,14 +12,12 @@
 //! replaced by the segments' own (a kernel under test gets well-formed
 //! input; bad input is the oracle's own business).
 
-use ndarray::{Array1, Array2};
+use ndarray::Array2;
 use packshard_equivalence::fuzz::attention::AttentionFuzzCase;
 use packshard_equivalence::fuzz::schedule::{budgeted_input, Budget};
 use packshard_equivalence::fuzz::vocab::{CeFuzzCase, EmbeddingFuzzCase, LinearFuzzCase};
-use packshard_equivalence::fuzz::MAX_RANDOM_INPUT;
 use packshard_oracle::eval::EvalError;
 use packshard_reference::vocab::{LossConfig, ShardMap};
-use rand::{Rng, SeedableRng};
 
 use crate::core::{Fields, Out};
 
@@ -45,9 +44,10 @@ pub const OPS: [&str; 4] = [
     "embedding",
 ];
 
-/// The loss options of a case as keyword arguments; `softcap` and
-/// `grad_output` (`[n]` under the reduction `none`, `[1]` otherwise) only
-/// when the case has them (the large cases draw both).
+/// The loss options and sharding of a case, as docs/INTERFACE.md names them:
+/// `softcap` only where the case has one, `grad_output` only with
+/// `want_grad` and where the case has one (`[n]` under the reduction
+/// `none`, `[1]` otherwise: docs/FAULTS.md O2).
 fn loss_args(
     out: &mut Fields,
     map: &ShardMap,
@@ -55,22 +55,20 @@ fn loss_args(
     want_grad: bool,
     grad_output: Option<&[f64]>,
 ) {
-    if let Some(cap) = c.softcap {
-        out.push(("softcap", Out::F64(cap)));
-    }
-    if let (true, Some(g)) = (want_grad, grad_output) {
-        out.push((
-            "grad_output",
-            Out::Tensor(Array1::from(g.to_vec()).into_dyn()),
-        ));
-    }
     out.push(("ignore_index", Out::I64(c.ignore_index)));
     out.push(("label_smoothing", Out::F64(c.label_smoothing)));
     out.push(("smoothing", Out::Str(c.smoothing.name().into())));
     out.push(("z_loss", Out::F64(c.z_loss)));
     out.push(("reduction", Out::Str(c.reduction.name().into())));
+    if let Some(s) = c.softcap {
+        out.push(("softcap", Out::F64(s)));
+    }
     sharding(out, map);
     out.push(("want_grad", Out::Bool(want_grad)));
+    if let Some(g) = grad_output.filter(|_| want_grad) {
+        let g = ndarray::Array1::from(g.to_vec()).into_dyn();
+        out.push(("grad_output", Out::Tensor(g)));
+    }
 }
 
 fn sharding(out: &mut Fields, map: &ShardMap) {
@@ -178,9 +176,7 @@ fn attention_case(data: &[u8]) -> Option<(Fields, String, usize)> {
 /// cases first, the last `large` large (default: `Budget::DEFAULT`'s share,
 /// 12 in 100, rounded down). Case `i` is `budgeted input i of seed s`.
 pub fn generate_attention(n: usize, seed: u64, large: Option<usize>) -> Vec<GenCase> {
-    let d = Budget::DEFAULT;
-    let large = large.unwrap_or(n * d.large / d.cases).min(n);
-    let budget = Budget { cases: n, large };
+    let budget = budget(n, large);
     (0..n)
         .filter_map(|input| {
             let data = budgeted_input(&budget, seed, input);
@@ -197,10 +193,32 @@ pub fn generate_attention(n: usize, seed: u64, large: Option<usize>) -> Vec<GenC
 
 /// `n` cases of `op` from `seed` (see the module docs; attention through
 /// [`generate_attention`] at its default share of large cases).
+/// The budget of a run of `n` cases, `large` of them large (`None`: the
+/// default's share, 12 in 100, rounded down; at most `n`).
+pub fn budget(n: usize, large: Option<usize>) -> Budget {
+    let d = Budget::DEFAULT;
+    let large = large.unwrap_or(n * d.large / d.cases).min(n);
+    Budget { cases: n, large }
+}
+
+/// The bytes of input `i` of `seed` under `budget`: the input
+/// `fuzz_budgeted(budget, seed, ..)` gives its body (so a failing case of
+/// the Python package is `budgeted input i of seed s` in Rust too).
+pub fn input_bytes(budget: &Budget, seed: u64, i: usize) -> Vec<u8> {
+    budgeted_input(budget, seed, i)
+}
+
+/// `n` cases of `op` from `seed`, `large` of them large (see [`budget`] and
+/// the module docs).
 ///
 /// # Errors
 /// `unknown_op` for an op without generated cases.
-pub fn generate(op: &str, n: usize, seed: u64) -> Result<Vec<GenCase>, EvalError> {
+pub fn generate(
+    op: &str,
+    n: usize,
+    seed: u64,
+    large: Option<usize>,
+) -> Result<Vec<GenCase>, EvalError> {
     if !OPS.contains(&op) {
         return Err(EvalError::new(
             "unknown_op",
@@ -211,19 +229,18 @@ pub fn generate(op: &str, n: usize, seed: u64) -> Result<Vec<GenCase>, EvalError
         ));
     }
     if op == "attention" {
-        return Ok(generate_attention(n, seed, None));
+        return Ok(generate_attention(n, seed, large));
     }
-    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let budget = budget(n, large);
     let mut out = Vec::with_capacity(n);
-    let mut buf = Vec::with_capacity(MAX_RANDOM_INPUT);
-    // At most one attention input in 16 is malformed: 4n inputs are plenty.
+    // Every loss and embedding input gives a case: inputs 0..n. At most one
+    // attention input in 16 is malformed and skipped: 4n inputs are plenty
+    // (those past `n` are large, as `Budget::class_of` gives them).
     for input in 0..n.saturating_mul(4).max(16) {
         if out.len() == n {
             break;
         }
-        let len = rng.random_range(0..=MAX_RANDOM_INPUT);
-        buf.clear();
-        buf.extend((0..len).map(|_| rng.random::<u8>()));
+        let buf = input_bytes(&budget, seed, input);
         if let Some((args, describe, size)) = case_of(op, &buf) {
             out.push(GenCase {
                 args,
@@ -243,8 +260,8 @@ mod tests {
     #[test]
     fn cases_are_deterministic_and_varied() {
         for op in OPS {
-            let a = generate(op, 40, 7).unwrap();
-            let b = generate(op, 40, 7).unwrap();
+            let a = generate(op, 40, 7, None).unwrap();
+            let b = generate(op, 40, 7, None).unwrap();
             assert_eq!(a.len(), 40, "{op}");
             assert_eq!(
                 a.iter().map(|c| &c.describe).collect::<Vec<_>>(),
@@ -269,9 +286,62 @@ mod tests {
         let cross = at.iter().filter(|c| c.args[3].1 != c.args[4].1).count();
         assert!(gqa >= 20 && cross >= 15, "{gqa} GQA, {cross} cross");
         assert_eq!(generate_attention(10, 0, Some(10)).len(), 10);
-        let ce = generate("cross_entropy", 200, 1).unwrap();
+        let ce = generate("cross_entropy", 200, 1, None).unwrap();
         let padded = ce.iter().filter(|c| c.describe.contains("padded")).count();
         assert!(padded > 0, "no padded vocabulary among 200 cases");
-        assert!(generate("bert", 1, 0).is_err());
+        assert!(generate("bert", 1, 0, None).is_err());
+    }
+
+    fn field<'a>(c: &'a GenCase, name: &str) -> Option<&'a Out> {
+        c.args.iter().find(|(k, _)| *k == name).map(|(_, v)| v)
+    }
+
+    /// The default of `packshard.testing` (100 cases of seed 0) reaches a
+    /// vocabulary past 4096, a softcap and a per-token `grad_output` (`[n]`
+    /// under the reduction `none`, given only with `want_grad`), as
+    /// `fuzz_budgeted(Budget::DEFAULT, 0, ..)` does; `large` is honoured.
+    #[test]
+    fn loss_cases_are_the_default_budget() {
+        for op in ["cross_entropy", "linear_cross_entropy"] {
+            let cs = generate(op, 100, 0, None).unwrap();
+            assert_eq!(cs.len(), 100);
+            let (mut wide, mut softcap, mut per_token) = (false, false, false);
+            for c in &cs {
+                let Some(Out::Usize(v)) = field(c, "vocab_size") else {
+                    panic!("{op}: no vocab_size")
+                };
+                wide |= *v >= 4097;
+                softcap |= field(c, "softcap").is_some();
+                let Some(Out::Ints(t)) = field(c, "targets") else {
+                    panic!("{op}: no targets")
+                };
+                let want = matches!(field(c, "want_grad"), Some(Out::Bool(true)));
+                if let Some(Out::Tensor(g)) = field(c, "grad_output") {
+                    assert!(want, "{op}: grad_output without want_grad");
+                    let none = matches!(field(c, "reduction"), Some(Out::Str(r)) if r == "none");
+                    assert_eq!(g.len(), if none { t.len() } else { 1 }, "{op}");
+                    per_token |= none && t.len() > 1;
+                }
+            }
+            assert!(
+                wide && softcap && per_token,
+                "{op}: {wide} {softcap} {per_token}"
+            );
+            let v = |c: &GenCase| match field(c, "vocab_size") {
+                Some(Out::Usize(v)) => *v,
+                _ => 0,
+            };
+            // The first 88 are small (at most 64 entries, `MAX_V`), the
+            // rest large (a cross-entropy's at least 127, a boundary of 128;
+            // an output layer's many-token shape may have fewer), as in Rust.
+            if op == "linear_cross_entropy" {
+                assert!(cs[..88].iter().all(|c| v(c) <= 64));
+                continue;
+            }
+            assert!(cs[..88].iter().all(|c| v(c) <= 64));
+            assert!(cs[88..].iter().all(|c| v(c) >= 127));
+            let all_large = generate(op, 4, 0, Some(4)).unwrap();
+            assert!(all_large.iter().all(|c| v(c) >= 127));
+        }
     }
 }

@@ -421,9 +421,8 @@ fn eval_json(py: Python<'_>, case: String) -> PyResult<String> {
 /// One generated case: `(args, describe, size, input)`.
 type GeneratedCase = (Py<PyAny>, String, usize, usize);
 
-/// `n` generated cases of `op` from `seed`: `[(args, describe, size, input)]`;
-/// attention cases under the default checks' schedule, the last `large` of
-/// them large (default: `Budget::DEFAULT`'s share; other ops ignore it).
+/// `n` generated cases of `op` from `seed`, `large` of them large (`None`:
+/// 12 in 100, the default checks' share): `[(args, describe, size, input)]`.
 #[pyfunction]
 #[pyo3(name = "cases", signature = (op, n, seed, large=None))]
 fn generated_cases(
@@ -435,10 +434,7 @@ fn generated_cases(
 ) -> PyResult<Vec<GeneratedCase>> {
     guard(py, || {
         let cs = py
-            .detach(|| match (op.as_str(), large) {
-                ("attention", _) => Ok(crate::cases::generate_attention(n, seed, large)),
-                _ => crate::cases::generate(&op, n, seed),
-            })
+            .detach(|| crate::cases::generate(&op, n, seed, large))
             .map_err(|e| raise(py, e))?;
         cs.into_iter()
             .map(|c| Ok((fields_to_py(py, c.args)?, c.describe, c.size, c.input)))

@@ -98,11 +98,17 @@ def judged(op: str, args: Mapping[str, Any], precision: str = "f32"
             None if cu_k is None else np.asarray(cu_k, dtype=np.int64))
     if op in ("cross_entropy", "linear_cross_entropy"):
         lin = op == "linear_cross_entropy"
+        want = bool(a.get("want_grad", False))
+        opts = {k: a.get(k) for k in ("ignore_index", "label_smoothing", "smoothing", "z_loss",
+                                      "reduction", "vocab_size", "softcap")}
+        # O2: the reference is given the case's upstream gradient ([n] under
+        # reduction "none", [1] otherwise), as the kernel is.
+        if want and a.get("grad_output") is not None:
+            opts["grad_output"] = _f(a["grad_output"]).ravel().tolist()
         return _native.loss_judged(
             None if lin else _f(a["logits"]), _f(a["hidden"]) if lin else None,
             _f(a["weight"]) if lin else None, np.asarray(a["targets"], dtype=np.int64),
-            _loss_judge_options(a),
-            bool(a.get("want_grad", False)), precision)
+            opts, want, precision)
     if op == "embedding":
         from . import embedding
         want = a.get("want_grad", a.get("grad_output") is not None)
@@ -110,18 +116,6 @@ def judged(op: str, args: Mapping[str, Any], precision: str = "f32"
                       grad_output=a.get("grad_output") if want else None)
         return r, None
     raise PackshardError(f"op: no judge for {op!r}")
-
-
-def _loss_judge_options(a):
-    """The loss options of a case for ``loss_judged``, the upstream gradient
-    included (``[n]`` under ``reduction="none"``, else ``[1]``): the
-    reference must see the ``grad_output`` the kernel sees (O2)."""
-    opts = {k: a.get(k) for k in ("ignore_index", "label_smoothing", "smoothing", "z_loss",
-                                  "reduction", "vocab_size", "softcap")}
-    go = a.get("grad_output")
-    if go is not None and a.get("want_grad", False):
-        opts["grad_output"] = _f(go).reshape(-1).tolist()
-    return opts
 
 
 def _f(x):

@@ -200,3 +200,65 @@ fn a_grouped_query_cross_causal_case_is_judged() {
     );
     assert!(v.failure.is_some(), "the a % h_kv mapping passed");
 }
+
+/// docs/FAULTS.md O2: the reference `loss_judged` runs is given the case's
+/// per-token `grad_output` (token `i`'s gradients times `grad_output[i]`, in
+/// the expected result and the f32 baseline alike), so a kernel that reads
+/// it as the scalar `grad_output[0]` is judged against the right gradients.
+#[test]
+fn loss_judged_scales_each_token_by_its_grad_output() {
+    use packshard_reference::vocab::{LossConfig, Reduction};
+    let z = Array2::from_shape_fn((3, 5), |(i, j)| ((i * 5 + j) % 7) as f64 - 3.0);
+    let hidden = Array2::from_shape_fn((3, 2), |(i, k)| (i + 2 * k) as f64 * 0.25 - 0.5);
+    let weight = Array2::from_shape_fn((5, 2), |(j, k)| (j * 2 + k) as f64 * 0.125 - 0.5);
+    let args = |grad_output: Option<Vec<f64>>| LossArgs {
+        targets: vec![1, 4, 0],
+        config: LossConfig {
+            reduction: Reduction::None,
+            ..LossConfig::default()
+        },
+        vocab_size: None,
+        num_shards: None,
+        algorithm: None,
+        layout: None,
+        want_grad: true,
+        grad_output,
+    };
+    // Powers of two and zero: the scaled gradients are exact.
+    let go = [2.0, -0.5, 0.0];
+    let judged = |g: Option<Vec<f64>>, linear: bool| {
+        let a = args(g);
+        if linear {
+            loss_judged(
+                None,
+                Some((hidden.view(), weight.view())),
+                &a,
+                KernelPrecision::F32,
+            )
+        } else {
+            loss_judged(Some(z.view()), None, &a, KernelPrecision::F32)
+        }
+        .unwrap()
+    };
+    for linear in [false, true] {
+        let unit = judged(None, linear);
+        let scaled = judged(Some(go.to_vec()), linear);
+        for (one, per) in [
+            (&unit.expected, &scaled.expected),
+            (
+                unit.baseline.as_ref().unwrap(),
+                scaled.baseline.as_ref().unwrap(),
+            ),
+        ] {
+            // Row i of either is token i's.
+            let name = if linear { "grad_hidden" } else { "grad_logits" };
+            let g1 = tensor_of(one, name).unwrap();
+            let gp = tensor_of(per, name).unwrap();
+            for ((ix, &a), &b) in g1.indexed_iter().zip(gp.iter()) {
+                assert_eq!(b, go[ix[0]] * a, "{name}{ix:?}");
+            }
+            // Read as grad_output[0] = 2 everywhere, row 1 would be -4 times off.
+            assert!(g1.iter().any(|&x| x != 0.0));
+        }
+    }
+}
