@@ -281,6 +281,37 @@ impl RelativeRule {
         ..RelativeRule::F32
     };
 
+    /// Kernels that store their inputs and results in bf16 (arithmetic in
+    /// f32), on single cases, against the reference math run in f32 with its
+    /// results rounded to bf16 (the Python package's `precision="bf16"`).
+    /// That baseline's error is the rounding of the stored results, up to
+    /// `u = 2^-8` of each value; a correct kernel rounds the same values, so
+    /// its error is the baseline's wherever neither sits at a rounding tie,
+    /// about twice it where one does (flash-attention's tests allow 2 x for
+    /// fp16/bf16). `k_tensor = 8` leaves room for kernels that also round
+    /// intermediates (the probabilities before `P @ V`, as flash-attention
+    /// does) and is still tight where it matters: 32 x would pass a result
+    /// 12% off (`32 u`), 8 x fails anything beyond about 3% (`8 u`) of the
+    /// scale. Floor: one ulp of bf16 (`2 u`) of the scale, for tensors the
+    /// baseline stores exactly (a loss that is a bf16 value).
+    pub const BF16_STORED_FUZZ: RelativeRule = RelativeRule::new(
+        "bf16 storage: 8 x the error of the reference run in f32 and stored in bf16, floor 2 unit roundoffs of the scale",
+        2.0,
+        8.0,
+        2.0,
+        1.0 / 256.0,
+    );
+
+    /// [`RelativeRule::BF16_STORED_FUZZ`] for IEEE f16 storage (`u =
+    /// 2^-11`): the same reasoning, 8 x the baseline stored in f16.
+    pub const F16_STORED_FUZZ: RelativeRule = RelativeRule::new(
+        "f16 storage: 8 x the error of the reference run in f32 and stored in f16, floor 2 unit roundoffs of the scale",
+        2.0,
+        8.0,
+        2.0,
+        1.0 / 2048.0,
+    );
+
     /// A custom rule.
     pub const fn new(name: &'static str, k: f64, k_tensor: f64, floor: f64, eps: f64) -> Self {
         RelativeRule {

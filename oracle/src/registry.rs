@@ -366,8 +366,9 @@ pub fn attention() -> Vec<Entry<dyn AttentionOp>> {
                 inputs: Precision::Bf16,
                 packed: Tolerance::EXACT,
             },
-            // bf16 inputs: their rounding (2^-9 relative) dominates; 16 ulp
-            // of bf16 times the magnitude of the terms.
+            // bf16 inputs: their rounding (at most 2^-8 relative, bf16's
+            // unit roundoff) dominates; 16 unit roundoffs (8 ulp of bf16)
+            // times the magnitude of the terms.
             fuzz_judge: Judge::Rewrite(Tolerance::new(
                 "bf16 inputs (16 ulp of bf16)",
                 16.0 / 256.0,

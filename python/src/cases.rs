@@ -191,6 +191,8 @@ pub fn generate_attention(n: usize, seed: u64, large: Option<usize>) -> Vec<GenC
         .collect()
 }
 
+/// `n` cases of `op` from `seed` (see the module docs; attention through
+/// [`generate_attention`] at its default share of large cases).
 /// The budget of a run of `n` cases, `large` of them large (`None`: the
 /// default's share, 12 in 100, rounded down; at most `n`).
 pub fn budget(n: usize, large: Option<usize>) -> Budget {
@@ -207,7 +209,7 @@ pub fn input_bytes(budget: &Budget, seed: u64, i: usize) -> Vec<u8> {
 }
 
 /// `n` cases of `op` from `seed`, `large` of them large (see [`budget`] and
-/// the module docs; attention through [`generate_attention`]).
+/// the module docs).
 ///
 /// # Errors
 /// `unknown_op` for an op without generated cases.
@@ -231,8 +233,9 @@ pub fn generate(
     }
     let budget = budget(n, large);
     let mut out = Vec::with_capacity(n);
-    // Every loss and embedding input gives a case: inputs 0..n (the loop
-    // bound only guards against a case_of that gives none).
+    // Every loss and embedding input gives a case: inputs 0..n. At most one
+    // attention input in 16 is malformed and skipped: 4n inputs are plenty
+    // (those past `n` are large, as `Budget::class_of` gives them).
     for input in 0..n.saturating_mul(4).max(16) {
         if out.len() == n {
             break;

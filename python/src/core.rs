@@ -172,37 +172,122 @@ pub fn attention(imp: &str, a: &AttentionArgs<'_>) -> Result<Fields, EvalError> 
     Ok(out)
 }
 
-/// What a kernel computes in, for the judge: `f32` (inputs rounded to f32,
-/// held to [`RelativeRule::F32_FUZZ`] against the reference run in f32) or
-/// `f64` (held to [`Tolerance::F64_REWRITE`]).
+/// What a user's kernel stores its tensors in, for the judge: its inputs
+/// are rounded to it (the f64 reference runs on the rounded values), and the
+/// baseline is the reference math run in f32 on them with its results
+/// stored in it ([`KernelPrecision::round`], applied by [`judge_tensor`]).
+///
+/// - `f32`: f32 storage and arithmetic, held to [`RelativeRule::F32_FUZZ`];
+/// - `bf16`, `f16`: bf16 / f16 storage (inputs and results), f32
+///   arithmetic (the registry's bf16 kernels: `Judge::Relative` with
+///   `inputs: Precision::Bf16`, here with the results stored in bf16 too),
+///   held to [`RelativeRule::BF16_STORED_FUZZ`] / `F16_STORED_FUZZ`
+///   against the baseline with its results rounded to the storage type,
+///   as flash-attention's tests judge their fp16/bf16 kernels against the
+///   reference run in the kernel's dtype;
+/// - `f64`: f64 throughout, held to [`Tolerance::F64_REWRITE`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KernelPrecision {
     /// f32 storage and arithmetic.
     F32,
+    /// bf16 storage (8 significant bits), f32 arithmetic.
+    Bf16,
+    /// IEEE f16 storage (11 significant bits), f32 arithmetic.
+    F16,
     /// f64 throughout.
     F64,
 }
 
 impl KernelPrecision {
-    /// `f32` or `f64`.
-    ///
-    /// # Errors
-    /// `invalid_argument` naming `precision`.
-    pub fn parse(s: &str) -> Result<Self, EvalError> {
-        match s {
-            "f32" => Ok(KernelPrecision::F32),
-            "f64" => Ok(KernelPrecision::F64),
-            other => Err(EvalError::invalid(
-                "precision",
-                format!("{other:?}: expected \"f32\" or \"f64\""),
-            )),
+    /// Every precision, by name, in the order the errors list them.
+    pub const ALL: [KernelPrecision; 4] = [
+        KernelPrecision::F32,
+        KernelPrecision::Bf16,
+        KernelPrecision::F16,
+        KernelPrecision::F64,
+    ];
+
+    /// `f32`, `bf16`, `f16`, `f64`.
+    pub fn name(self) -> &'static str {
+        match self {
+            KernelPrecision::F32 => "f32",
+            KernelPrecision::Bf16 => "bf16",
+            KernelPrecision::F16 => "f16",
+            KernelPrecision::F64 => "f64",
         }
     }
 
-    fn round(self, x: f64) -> f64 {
+    /// One of [`KernelPrecision::ALL`] by its name.
+    ///
+    /// # Errors
+    /// `invalid_argument` naming `precision` and the allowed values.
+    pub fn parse(s: &str) -> Result<Self, EvalError> {
+        Self::ALL
+            .into_iter()
+            .find(|p| p.name() == s)
+            .ok_or_else(|| {
+                let names: Vec<String> = Self::ALL
+                    .iter()
+                    .map(|p| format!("{:?}", p.name()))
+                    .collect();
+                EvalError::invalid(
+                    "precision",
+                    format!(
+                        "{s:?} is not a precision; expected one of {}",
+                        names.join(", ")
+                    ),
+                )
+            })
+    }
+
+    /// `x` rounded to the storage type (to nearest, ties to even, through
+    /// f32 as PyTorch's `.to(dtype)` does: `baseline32`'s roundings, the ones
+    /// the Rust judges use); non-finite values are kept.
+    pub fn round(self, x: f64) -> f64 {
         match self {
             KernelPrecision::F32 => baseline32::round_f32(x),
+            KernelPrecision::Bf16 => baseline32::round_bf16(x),
+            KernelPrecision::F16 => baseline32::round_f16(x),
             KernelPrecision::F64 => x,
+        }
+    }
+
+    /// Every value of `x` rounded ([`KernelPrecision::round`]), in standard
+    /// layout: `mapv` would keep the view's strides, which ndarray refuses
+    /// for an empty view of a non-empty allocation (numpy's `reshape(0, ..)`
+    /// strides), a panic.
+    pub fn round_all<D: ndarray::Dimension>(
+        self,
+        x: &ndarray::ArrayView<'_, f64, D>,
+    ) -> ndarray::Array<f64, D> {
+        let values: Vec<f64> = x.iter().map(|&v| self.round(v)).collect();
+        ndarray::Array::from_shape_vec(x.raw_dim(), values)
+            .expect("as many values as the view's shape holds")
+    }
+
+    /// The rule a kernel of this precision is held to on one case, against
+    /// the f32 baseline stored in it: [`RelativeRule::F32_FUZZ`] (f32),
+    /// [`RelativeRule::BF16_STORED_FUZZ`], [`RelativeRule::F16_STORED_FUZZ`];
+    /// `None` for f64 ([`Tolerance::F64_REWRITE`], no baseline).
+    pub fn rule(self) -> Option<RelativeRule> {
+        match self {
+            KernelPrecision::F32 => Some(RelativeRule::F32_FUZZ),
+            KernelPrecision::Bf16 => Some(RelativeRule::BF16_STORED_FUZZ),
+            KernelPrecision::F16 => Some(RelativeRule::F16_STORED_FUZZ),
+            KernelPrecision::F64 => None,
+        }
+    }
+
+    /// The unit roundoff of the storage type, `2^-p` for `p` significant
+    /// bits: `2^-24`, `2^-8`, `2^-11`, `2^-53` (f32, bf16, f64 as
+    /// [`packshard_reference::ops::Precision::unit_roundoff`] states them).
+    pub fn unit_roundoff(self) -> f64 {
+        use packshard_reference::ops::Precision;
+        match self {
+            KernelPrecision::F32 => Precision::F32.unit_roundoff(),
+            KernelPrecision::Bf16 => Precision::Bf16.unit_roundoff(),
+            KernelPrecision::F16 => 2f64.powi(-11),
+            KernelPrecision::F64 => Precision::F64.unit_roundoff(),
         }
     }
 }
@@ -252,7 +337,7 @@ pub fn attention_judged(
     a: &AttentionArgs<'_>,
     precision: KernelPrecision,
 ) -> Result<Judged, EvalError> {
-    let r = |x: &ArrayView3<f64>| x.mapv(|v| precision.round(v));
+    let r = |x: &ArrayView3<f64>| precision.round_all(x);
     let (q, k, v) = (r(&a.q), r(&a.k), r(&a.v));
     let go = a.grad_output.as_ref().map(r);
     let rounded = AttentionArgs {
@@ -501,7 +586,7 @@ pub fn loss_judged(
     a: &LossArgs,
     precision: KernelPrecision,
 ) -> Result<Judged, EvalError> {
-    let r = |x: &ArrayView2<f64>| x.mapv(|v| precision.round(v));
+    let r = |x: &ArrayView2<f64>| precision.round_all(x);
     let unsharded = LossArgs {
         num_shards: None,
         algorithm: None,
@@ -652,16 +737,78 @@ pub struct Verdict {
     pub failure: Option<String>,
     /// `max |actual - expected|` over finite values.
     pub error: f64,
-    /// `max |baseline - expected|` (0 for an f64 kernel).
+    /// `max |baseline - expected|`, the baseline stored in the kernel's
+    /// precision (0 for an f64 kernel).
     pub baseline_error: f64,
+    /// The error the rule allows at [`Verdict::index`]: `k_tensor x
+    /// baseline_error + floor` for the relative rule (the same for every
+    /// element), `rel x |expected| + abs x scale` for an f64 kernel.
+    pub allowed: f64,
+    /// The largest share of the allowed error used, `error / allowed` over
+    /// the elements (at most 1 on a pass; infinite where the non-finite
+    /// values disagree, or the shapes).
+    pub share: f64,
+    /// The multi-index of that element (empty for a scalar or no values).
+    pub index: Vec<usize>,
+    /// The reference's value there.
+    pub expected: f64,
+    /// The kernel's value there.
+    pub actual: f64,
 }
 
-/// Holds `actual` (row-major, of `shape`) to the rule for `precision`:
-/// for f32, [`RelativeRule::F32_FUZZ`] (at most 32 x the error of the
-/// reference run in f32, plus 256 ulp of f32 of the tensor's scale); for
-/// f64, [`Tolerance::F64_REWRITE`]. `baseline` is required for f32.
-/// `scale`, when given, is the magnitude the floor is relative to (at
-/// least the tensor's own largest value: the magnitude of the terms).
+impl Verdict {
+    /// The verdict on outputs of shape `got` where `want` was expected.
+    pub fn shape_mismatch(what: &str, got: &[usize], want: &[usize]) -> Verdict {
+        Verdict {
+            failure: Some(format!("{what}: shape {got:?} where {want:?} was expected")),
+            error: f64::INFINITY,
+            baseline_error: 0.0,
+            allowed: 0.0,
+            share: f64::INFINITY,
+            index: vec![],
+            expected: f64::NAN,
+            actual: f64::NAN,
+        }
+    }
+}
+
+/// The element with the largest share of `allowed(i)` used (ties: the
+/// first), and that share; a non-finite disagreement counts as infinite.
+fn worst_share(
+    expected: &[f64],
+    actual: &[f64],
+    allowed: impl Fn(usize) -> f64,
+) -> (Option<usize>, f64) {
+    let mut worst = (None, 0.0f64);
+    for (i, (&e, &a)) in expected.iter().zip(actual).enumerate() {
+        let share = if e.is_finite() && a.is_finite() {
+            let d = (a - e).abs();
+            match allowed(i) {
+                t if t > 0.0 => d / t,
+                _ if d == 0.0 => 0.0,
+                _ => f64::INFINITY,
+            }
+        } else if e == a {
+            0.0
+        } else {
+            f64::INFINITY
+        };
+        if worst.0.is_none() || share > worst.1 {
+            worst = (Some(i), share);
+        }
+    }
+    worst
+}
+
+/// Holds `actual` (row-major, of `shape`) to the rule for `precision`
+/// ([`KernelPrecision::rule`]): for f32, [`RelativeRule::F32_FUZZ`] (at most
+/// 32 x the error of the baseline, the reference math run in f32, plus 256
+/// ulp of f32 of the tensor's scale); for bf16 and f16, 8 x the baseline
+/// stored in that precision plus one of its ulp of the scale; for f64,
+/// [`Tolerance::F64_REWRITE`]. `baseline` (the reference math run in f32) is
+/// required below f64; it is rounded to the kernel's storage here. `scale`,
+/// when given, is the magnitude the floor is relative to (at least the
+/// tensor's own largest value: the magnitude of the terms).
 pub fn judge_tensor(
     what: &str,
     shape: &[usize],
@@ -676,48 +823,87 @@ pub fn judge_tensor(
         .zip(actual)
         .filter(|(e, a)| e.is_finite() && a.is_finite())
         .fold(0.0f64, |m, (e, a)| m.max((a - e).abs()));
+    let verdict = |failure: Option<String>, baseline_error: f64, allowed: &dyn Fn(usize) -> f64| {
+        let (at, share) = worst_share(expected, actual, allowed);
+        let at = at.unwrap_or(0);
+        let pick = |x: &[f64]| x.get(at).copied().unwrap_or(f64::NAN);
+        Verdict {
+            failure,
+            error: err,
+            baseline_error,
+            allowed: if expected.is_empty() {
+                0.0
+            } else {
+                allowed(at)
+            },
+            share,
+            index: if expected.is_empty() {
+                vec![]
+            } else {
+                compare::unravel(at, shape)
+            },
+            expected: pick(expected),
+            actual: pick(actual),
+        }
+    };
+    let tensor_scale = expected
+        .iter()
+        .filter(|v| v.is_finite())
+        .fold(0.0f64, |m, v| m.max(v.abs()));
     match (precision, baseline) {
-        (KernelPrecision::F32, Some(b)) => {
-            match compare::assert_within_k(
+        (KernelPrecision::F64, _) | (_, None) => {
+            let tol = Tolerance::F64_REWRITE;
+            let s = scale.unwrap_or(1e-300).max(1e-300).max(tensor_scale);
+            let r = compare::assert_close_with_scale(what, expected, actual, shape, tol, scale);
+            let failure = r.err().map(|m| format!("{}: {}", m.what, m.detail));
+            verdict(failure, 0.0, &|i| tol.rel * expected[i].abs() + tol.abs * s)
+        }
+        (p, Some(b)) => {
+            let stored: Vec<f64> = b.iter().map(|&x| p.round(x)).collect();
+            let rule = p.rule().unwrap_or(RelativeRule::F32_FUZZ);
+            // `scale` (the terms' running bound) measures f32 arithmetic: a
+            // bf16 / f16 kernel computes in f32, so its floor there is the f32
+            // rule's (256 ulp of f32 of the terms), not its storage's ulp of
+            // them; the storage floor applies to the tensor's own magnitude.
+            let f32_floor = RelativeRule::F32_FUZZ.floor * RelativeRule::F32_FUZZ.eps;
+            let scale = scale.map(|t| t * f32_floor / (rule.floor * rule.eps));
+            let r = compare::assert_within_k(
                 what,
                 expected,
-                b,
+                &stored,
                 actual,
                 shape,
-                RelativeRule::F32_FUZZ,
+                rule,
                 compare::Allowance::with_scale(scale),
-            ) {
-                Ok(s) => Verdict {
-                    failure: None,
-                    error: s.error,
-                    baseline_error: s.baseline,
-                },
-                Err(m) => Verdict {
-                    failure: Some(format!("{}: {}", m.what, m.detail)),
-                    error: err,
-                    baseline_error: 0.0,
-                },
+            );
+            match r {
+                Ok(s) => {
+                    let allowed = rule.k_tensor * s.baseline + s.floor;
+                    verdict(None, s.baseline, &|_| allowed)
+                }
+                Err(m) => {
+                    let failure = Some(format!("{}: {}", m.what, m.detail));
+                    // The baseline's error and floor as the rule computed
+                    // them, for the report (a failed shape check has none).
+                    let berr = stored
+                        .iter()
+                        .zip(expected)
+                        .filter(|(b, e)| b.is_finite() && e.is_finite())
+                        .fold(0.0f64, |m, (b, e)| m.max((b - e).abs()));
+                    let floor = rule.floor * rule.eps * tensor_scale.max(scale.unwrap_or(0.0));
+                    let allowed = rule.k_tensor * berr + floor;
+                    let mut v = verdict(failure, berr, &|_| allowed);
+                    // A failure is never reported as within the rule (a
+                    // non-finite baseline disagreeing, say).
+                    v.share = v.share.max(1.0 + f64::EPSILON).max(if allowed > 0.0 {
+                        err / allowed
+                    } else {
+                        f64::INFINITY
+                    });
+                    v
+                }
             }
         }
-        _ => match compare::assert_close_with_scale(
-            what,
-            expected,
-            actual,
-            shape,
-            Tolerance::F64_REWRITE,
-            scale,
-        ) {
-            Ok(()) => Verdict {
-                failure: None,
-                error: err,
-                baseline_error: 0.0,
-            },
-            Err(m) => Verdict {
-                failure: Some(format!("{}: {}", m.what, m.detail)),
-                error: err,
-                baseline_error: 0.0,
-            },
-        },
     }
 }
 

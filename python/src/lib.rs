@@ -14,5 +14,6 @@
 
 pub mod cases;
 pub mod core;
+pub mod judge;
 #[cfg(feature = "python")]
 mod py;

@@ -39,6 +39,27 @@ fn raise(py: Python<'_>, e: EvalError) -> PyErr {
     err
 }
 
+/// Runs `f`, turning a panic inside it (a bug in packshard, never the
+/// caller's) into a `PackshardError` of kind `internal`: PyO3 would raise
+/// `PanicException`, a `BaseException` that `except Exception` lets through.
+fn guard<T>(py: Python<'_>, f: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        Ok(r) => r,
+        Err(payload) => {
+            let what = payload
+                .downcast_ref::<&str>()
+                .map(|s| (*s).to_string())
+                .or_else(|| payload.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "a panic without a message".into());
+            let e = EvalError::new(
+                "internal",
+                format!("packshard panicked (a bug in packshard, please report it with the case): {what}"),
+            );
+            Err(raise(py, e))
+        }
+    }
+}
+
 fn json_to_py(py: Python<'_>, v: &serde_json::Value) -> PyResult<Py<PyAny>> {
     use serde_json::Value;
     match v {
@@ -126,6 +147,7 @@ macro_rules! attention_pyfunction {
             $last: $lt,
             cu_seqlens_k: Option<PyReadonlyArray1<'py, i64>>,
         ) -> PyResult<$ret> {
+            guard($py, || {
             let cu_seqlens_k = match &cu_seqlens_k {
                 Some(c) => Some(
                     core::offsets("cu_seqlens_k", &c.as_array().to_vec())
@@ -144,6 +166,7 @@ macro_rules! attention_pyfunction {
                 grad_output: grad_output.as_ref().map(|g| g.as_array()),
             };
             $body
+            })
         }
     };
 }
@@ -191,28 +214,31 @@ fn time_attention<'py>(
     imp: String,
     reps: usize,
 ) -> PyResult<Vec<f64>> {
-    let cu = cu(py, &cu_seqlens)?;
-    let (q, k, v, go) = (
-        q.as_array(),
-        k.as_array(),
-        v.as_array(),
-        grad_output.as_array(),
-    );
-    let op = eval::make(&registry::attention(), &imp).map_err(|e| raise(py, e))?;
-    let scale = packshard_reference::attention::default_scale(q.dim().2.max(1));
-    let run = |q: ArrayView3<f64>, k: ArrayView3<f64>, v: ArrayView3<f64>, go: ArrayView3<f64>| {
-        let p = Varlen::new(&cu, false, scale);
-        let mut times = Vec::with_capacity(reps);
-        for _ in 0..reps {
-            let t = Instant::now();
-            let g = varlen_pass(op.as_ref(), Qkv::new(q, k, v), &p, go)?;
-            std::hint::black_box(&g);
-            times.push(t.elapsed().as_secs_f64());
-        }
-        Ok::<_, packshard_reference::Error>(times)
-    };
-    py.detach(|| run(q, k, v, go))
-        .map_err(|e| raise(py, e.into()))
+    guard(py, || {
+        let cu = cu(py, &cu_seqlens)?;
+        let (q, k, v, go) = (
+            q.as_array(),
+            k.as_array(),
+            v.as_array(),
+            grad_output.as_array(),
+        );
+        let op = eval::make(&registry::attention(), &imp).map_err(|e| raise(py, e))?;
+        let scale = packshard_reference::attention::default_scale(q.dim().2.max(1));
+        let run =
+            |q: ArrayView3<f64>, k: ArrayView3<f64>, v: ArrayView3<f64>, go: ArrayView3<f64>| {
+                let p = Varlen::new(&cu, false, scale);
+                let mut times = Vec::with_capacity(reps);
+                for _ in 0..reps {
+                    let t = Instant::now();
+                    let g = varlen_pass(op.as_ref(), Qkv::new(q, k, v), &p, go)?;
+                    std::hint::black_box(&g);
+                    times.push(t.elapsed().as_secs_f64());
+                }
+                Ok::<_, packshard_reference::Error>(times)
+            };
+        py.detach(|| run(q, k, v, go))
+            .map_err(|e| raise(py, e.into()))
+    })
 }
 
 /// The options of a loss call (`cross_entropy`, `linear_cross_entropy`,
@@ -299,10 +325,12 @@ fn cross_entropy<'py>(
     want_grad: bool,
     imp: String,
 ) -> PyResult<Py<PyAny>> {
-    let a = loss_args(py, &targets, options, want_grad)?;
-    let z = logits.as_array();
-    let r = py.detach(|| core::cross_entropy(&imp, z, &a));
-    fields_result(py, r)
+    guard(py, || {
+        let a = loss_args(py, &targets, options, want_grad)?;
+        let z = logits.as_array();
+        let r = py.detach(|| core::cross_entropy(&imp, z, &a));
+        fields_result(py, r)
+    })
 }
 
 /// `linear_cross_entropy(hidden, weight, targets, options, want_grad, impl)`:
@@ -318,10 +346,12 @@ fn linear_cross_entropy<'py>(
     want_grad: bool,
     imp: String,
 ) -> PyResult<Py<PyAny>> {
-    let a = loss_args(py, &targets, options, want_grad)?;
-    let (h, w) = (hidden.as_array(), weight.as_array());
-    let r = py.detach(|| core::linear_cross_entropy(&imp, h, w, &a));
-    fields_result(py, r)
+    guard(py, || {
+        let a = loss_args(py, &targets, options, want_grad)?;
+        let (h, w) = (hidden.as_array(), weight.as_array());
+        let r = py.detach(|| core::linear_cross_entropy(&imp, h, w, &a));
+        fields_result(py, r)
+    })
 }
 
 /// The f64 reference and f32 baseline of a loss case (`logits`, or `hidden`
@@ -339,17 +369,19 @@ fn loss_judged<'py>(
     want_grad: bool,
     precision: String,
 ) -> PyResult<(Py<PyAny>, Py<PyAny>)> {
-    let p = self::precision(py, &precision)?;
-    let a = loss_args(py, &targets, options, want_grad)?;
-    let z: Option<ArrayView2<f64>> = logits.as_ref().map(|x| x.as_array());
-    let hw = match (&hidden, &weight) {
-        (Some(h), Some(w)) => Some((h.as_array(), w.as_array())),
-        _ => None,
-    };
-    let j = py
-        .detach(|| core::loss_judged(z, hw, &a, p))
-        .map_err(|e| raise(py, e))?;
-    judged_to_py(py, j)
+    guard(py, || {
+        let p = self::precision(py, &precision)?;
+        let a = loss_args(py, &targets, options, want_grad)?;
+        let z: Option<ArrayView2<f64>> = logits.as_ref().map(|x| x.as_array());
+        let hw = match (&hidden, &weight) {
+            (Some(h), Some(w)) => Some((h.as_array(), w.as_array())),
+            _ => None,
+        };
+        let j = py
+            .detach(|| core::loss_judged(z, hw, &a, p))
+            .map_err(|e| raise(py, e))?;
+        judged_to_py(py, j)
+    })
 }
 
 /// `embedding(ids, weight, vocab_size, num_shards, layout, grad_output, impl)`.
@@ -366,19 +398,24 @@ fn embedding<'py>(
     grad_output: Option<PyReadonlyArray2<'py, f64>>,
     imp: String,
 ) -> PyResult<Py<PyAny>> {
-    let ids = ids.as_array().to_vec();
-    let w = weight.as_array();
-    let go = grad_output.as_ref().map(|g| g.as_array());
-    let r =
-        py.detach(|| core::embedding(&imp, &ids, w, vocab_size, num_shards, layout.as_deref(), go));
-    fields_result(py, r)
+    guard(py, || {
+        let ids = ids.as_array().to_vec();
+        let w = weight.as_array();
+        let go = grad_output.as_ref().map(|g| g.as_array());
+        let r = py.detach(|| {
+            core::embedding(&imp, &ids, w, vocab_size, num_shards, layout.as_deref(), go)
+        });
+        fields_result(py, r)
+    })
 }
 
 /// One `packshard eval` case as JSON text; the result as JSON text.
 #[pyfunction]
 fn eval_json(py: Python<'_>, case: String) -> PyResult<String> {
-    let r = py.detach(|| eval::evaluate_str(&case));
-    r.map(|v| v.to_string()).map_err(|e| raise(py, e))
+    guard(py, || {
+        let r = py.detach(|| eval::evaluate_str(&case));
+        r.map(|v| v.to_string()).map_err(|e| raise(py, e))
+    })
 }
 
 /// One generated case: `(args, describe, size, input)`.
@@ -395,15 +432,20 @@ fn generated_cases(
     seed: u64,
     large: Option<usize>,
 ) -> PyResult<Vec<GeneratedCase>> {
-    let cs = py
-        .detach(|| crate::cases::generate(&op, n, seed, large))
-        .map_err(|e| raise(py, e))?;
-    cs.into_iter()
-        .map(|c| Ok((fields_to_py(py, c.args)?, c.describe, c.size, c.input)))
-        .collect()
+    guard(py, || {
+        let cs = py
+            .detach(|| crate::cases::generate(&op, n, seed, large))
+            .map_err(|e| raise(py, e))?;
+        cs.into_iter()
+            .map(|c| Ok((fields_to_py(py, c.args)?, c.describe, c.size, c.input)))
+            .collect()
+    })
 }
 
-/// Holds one tensor to the rule: `(failure or None, error, baseline_error)`.
+/// Holds one tensor to the rule ([`core::judge_tensor`]): a dict with
+/// `failure` (text or None), `error`, `baseline_error`, `allowed` (the error
+/// allowed at `index`), `share` (largest `error / allowed`, at most 1 on a
+/// pass), `index` (a list), and `expected` and `actual` there.
 #[pyfunction]
 #[pyo3(signature = (what, expected, baseline, actual, precision, scale=None))]
 fn judge_tensor<'py>(
@@ -414,49 +456,84 @@ fn judge_tensor<'py>(
     actual: numpy::PyReadonlyArrayDyn<'py, f64>,
     precision: String,
     scale: Option<f64>,
-) -> PyResult<(Option<String>, f64, f64)> {
-    let p = self::precision(py, &precision)?;
-    let e = expected.as_array();
-    let a = actual.as_array();
-    if e.shape() != a.shape() {
-        return Ok((
-            Some(format!(
-                "{what}: shape {:?} where {:?} was expected",
-                a.shape(),
-                e.shape()
-            )),
-            f64::INFINITY,
-            0.0,
-        ));
-    }
-    let e: Vec<f64> = e.iter().copied().collect();
-    let a: Vec<f64> = a.iter().copied().collect();
-    let b: Option<Vec<f64>> = baseline
-        .as_ref()
-        .map(|b| b.as_array().iter().copied().collect());
-    let shape = expected.as_array().shape().to_vec();
-    let v = core::judge_tensor(&what, &shape, &e, b.as_deref(), &a, p, scale);
-    Ok((v.failure, v.error, v.baseline_error))
+) -> PyResult<Py<PyAny>> {
+    guard(py, || {
+        let p = self::precision(py, &precision)?;
+        let (e, a) = (expected.as_array(), actual.as_array());
+        let v = if e.shape() != a.shape() {
+            core::Verdict::shape_mismatch(&what, a.shape(), e.shape())
+        } else {
+            let e: Vec<f64> = e.iter().copied().collect();
+            let a: Vec<f64> = a.iter().copied().collect();
+            let b: Option<Vec<f64>> = baseline
+                .as_ref()
+                .map(|b| b.as_array().iter().copied().collect());
+            let shape = expected.as_array().shape().to_vec();
+            core::judge_tensor(&what, &shape, &e, b.as_deref(), &a, p, scale)
+        };
+        let d = PyDict::new(py);
+        d.set_item("failure", v.failure)?;
+        d.set_item("error", v.error)?;
+        d.set_item("baseline_error", v.baseline_error)?;
+        d.set_item("allowed", v.allowed)?;
+        d.set_item("share", v.share)?;
+        d.set_item("index", v.index)?;
+        d.set_item("expected", v.expected)?;
+        d.set_item("actual", v.actual)?;
+        d.into_py_any(py)
+    })
+}
+
+/// `x` rounded to the storage type `precision` (`f32`, `bf16`, `f16`,
+/// `f64`), as the judge rounds a kernel's inputs; a new float64 array.
+#[pyfunction]
+fn round_to<'py>(
+    py: Python<'py>,
+    x: numpy::PyReadonlyArrayDyn<'py, f64>,
+    precision: String,
+) -> PyResult<Py<PyAny>> {
+    guard(py, || {
+        let p = self::precision(py, &precision)?;
+        PyArrayDyn::from_owned_array(py, p.round_all(&x.as_array())).into_py_any(py)
+    })
+}
+
+/// `precision` when it names one (`f32`, `bf16`, `f16`, `f64`); a
+/// `PackshardError` naming `precision` and the allowed values otherwise.
+#[pyfunction]
+fn check_precision(py: Python<'_>, precision: String) -> PyResult<String> {
+    guard(py, || {
+        Ok(self::precision(py, &precision)?.name().to_string())
+    })
+}
+
+/// Panics inside [`guard`], for the test that no panic escapes as
+/// `PanicException` (raises `PackshardError` of kind `internal`).
+#[pyfunction]
+fn _panic_probe(py: Python<'_>) -> PyResult<()> {
+    guard(py, || panic!("the panic probe"))
 }
 
 /// Every registered implementation: `[{family, name, changed, precision, needs}]`.
 #[pyfunction]
 fn registry_list(py: Python<'_>) -> PyResult<Py<PyAny>> {
-    let rows: Vec<serde_json::Value> = registry::all()
-        .iter()
-        .map(|i| {
-            serde_json::json!({
-                "family": i.family.name(),
-                "op": i.family.eval_op(),
-                "name": i.name,
-                "changed": i.changed,
-                "precision": i.precision.name(),
-                "needs": i.needs.name(),
+    guard(py, || {
+        let rows: Vec<serde_json::Value> = registry::all()
+            .iter()
+            .map(|i| {
+                serde_json::json!({
+                    "family": i.family.name(),
+                    "op": i.family.eval_op(),
+                    "name": i.name,
+                    "changed": i.changed,
+                    "precision": i.precision.name(),
+                    "needs": i.needs.name(),
+                })
             })
-        })
-        .collect();
-    let _ = Family::ALL;
-    json_to_py(py, &serde_json::Value::Array(rows))
+            .collect();
+        let _ = Family::ALL;
+        json_to_py(py, &serde_json::Value::Array(rows))
+    })
 }
 
 /// The native module.
@@ -474,5 +551,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(generated_cases, m)?)?;
     m.add_function(wrap_pyfunction!(judge_tensor, m)?)?;
     m.add_function(wrap_pyfunction!(registry_list, m)?)?;
+    m.add_function(wrap_pyfunction!(round_to, m)?)?;
+    m.add_function(wrap_pyfunction!(check_precision, m)?)?;
+    m.add_function(wrap_pyfunction!(_panic_probe, m)?)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

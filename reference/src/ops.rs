@@ -64,12 +64,14 @@ impl Precision {
         }
     }
 
-    /// The unit roundoff of the storage type (`2^-53`, `2^-24`, `2^-9`).
+    /// The unit roundoff `u = 2^-p` of the storage type, `p` its significant
+    /// bits (half an ulp of 1; the largest relative error of rounding to
+    /// it): `2^-53`, `2^-24`, `2^-8` (bf16 keeps 8 bits, 7 stored).
     pub fn unit_roundoff(self) -> f64 {
         match self {
             Precision::F64 => f64::EPSILON / 2.0,
             Precision::F32 => f32::EPSILON as f64 / 2.0,
-            Precision::Bf16 => 1.0 / 512.0,
+            Precision::Bf16 => 1.0 / 256.0,
         }
     }
 }

@@ -152,15 +152,10 @@ fn padding_value(gen: &mut Gen) -> f64 {
     }
 }
 
-/// The split, for failure reports: `v {v} over p {p} ({layout}: {shards})`.
+/// The split, for failure reports: `v {v}, p {p}, {layout}: {shards}`
+/// (`ShardMap::describe`, which names the layout once).
 fn describe_split(map: &ShardMap) -> String {
-    format!(
-        "v {} over p {} ({}: {})",
-        map.vocab_size(),
-        map.num_shards(),
-        map.layout().name(),
-        map.describe()
-    )
+    map.describe()
 }
 
 /// `from_bytes` for each fuzz case type.

@@ -42,12 +42,14 @@ impl Dtype {
     }
 
     /// The unit roundoff `u = 2^-p` (half an ulp of 1): `2^-53`, `2^-24`,
-    /// `2^-8`.
+    /// `2^-8`, as the implementations' precision states it (one source:
+    /// `packshard_reference::ops::Precision::unit_roundoff`).
     pub fn unit_roundoff(self) -> f64 {
+        use packshard_reference::ops::Precision;
         match self {
-            Dtype::F64 => f64::EPSILON / 2.0,
-            Dtype::F32 => f64::from(f32::EPSILON) / 2.0,
-            Dtype::Bf16 => 2f64.powi(-8),
+            Dtype::F64 => Precision::F64.unit_roundoff(),
+            Dtype::F32 => Precision::F32.unit_roundoff(),
+            Dtype::Bf16 => Precision::Bf16.unit_roundoff(),
         }
     }
 

@@ -20,7 +20,10 @@ import numpy as _np
 from . import _native
 from ._native import PackshardError
 
+__version__: str = _native.__version__
+
 __all__ = [
+    "__version__",
     "PackshardError",
     "attention",
     "cross_entropy",
@@ -37,10 +40,14 @@ REFERENCE = "reference"
 
 
 def _f64(x, name):
-    """``x`` as a float64 array, without a copy when it already is one."""
+    """``x`` as a float64 array, without a copy when it already is one;
+    narrow floats of ``ml_dtypes`` (``bfloat16``, ...) through float32, which
+    holds each of their values exactly."""
     a = _np.asarray(x)
     if a.dtype != _np.float64:
-        if a.dtype.kind not in "fiub":
+        if a.dtype.kind == "V" and _np.dtype(a.dtype).itemsize <= 2:  # ml_dtypes floats
+            a = a.astype(_np.float32)
+        elif a.dtype.kind not in "fiub":
             raise _error("invalid_argument", name, f"{name}: dtype {a.dtype} is not numeric")
         a = a.astype(_np.float64)
     return a

@@ -8,8 +8,13 @@ of two, empty segments, planted outliers, ignored and out-of-range targets,
 what it returns with the f64 reference run on the same inputs (rounded to the
 kernel's precision). An f32 kernel may be off by at most 32 x the error of the
 reference math run in f32 (the baseline) plus 256 ulp of f32 of the tensor's
-scale (``RelativeRule::F32_FUZZ``); an f64 kernel is held to 64 ulp
-(``Tolerance::F64_REWRITE``). On failure it raises ``AssertionError`` naming
+scale (``RelativeRule::F32_FUZZ``); a bf16 or f16 kernel (``precision="bf16"``,
+``"f16"``: inputs and results stored in bf16 / f16, arithmetic in f32) by at
+most 8 x the error of the baseline with its results stored in bf16 / f16 plus
+one ulp of that type of the scale (``RelativeRule::BF16_STORED_FUZZ``); an f64
+kernel is held to 64 ulp (``Tolerance::F64_REWRITE``). bf16 and f16 arrays
+(``ml_dtypes.bfloat16``, ``numpy.float16``) are accepted as outputs and, in
+:func:`judge`, as inputs. On failure it raises ``AssertionError`` naming
 the smallest failing case, the tensor, the index, both values and the
 tolerance, and can write that case out as a ``packshard eval`` JSON case.
 
@@ -18,10 +23,14 @@ tolerance, and can write that case out as a ``packshard eval`` JSON case.
 every key it returns that the reference has is compared; the op's primary
 result (``output`` or ``loss``) is required. A single array or number is taken
 as the primary result.
+
+``judge(op, args, outputs)`` holds the outputs of a case you built yourself to
+the same rule and returns the verdict per tensor.
 """
 
 import json
 import os
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
@@ -32,6 +41,9 @@ __all__ = [
     "Failure",
     "cases",
     "judged",
+    "judge",
+    "TensorVerdict",
+    "PRECISIONS",
     "fuzz",
     "check_attention",
     "check_cross_entropy",
@@ -50,15 +62,27 @@ PRIMARY = {
 # Keys of a generated case that are not the op's arguments for the judge.
 _GRAD_KEYS = {"attention": "grad_output", "embedding": "grad_output"}
 
+# What a kernel may store its tensors in (core.rs `KernelPrecision`).
+PRECISIONS = ("f32", "bf16", "f16", "f64")
 
-def cases(op, n, seed=0, large=None):
+
+def _check_precision(precision: str) -> str:
+    """``precision`` if it is one of :data:`PRECISIONS`; a ``PackshardError``
+    naming ``precision`` and the allowed values otherwise (at once, before
+    any case runs)."""
+    return _native.check_precision(str(precision))
+
+
+def cases(op: str, n: int, seed: int = 0, large: Optional[int] = None
+          ) -> List[Tuple[Dict[str, Any], str, int, int]]:
     """``n`` generated cases of ``op``: a list of ``(args, describe, size, input)``.
     Attention cases follow the default checks' schedule, the last ``large``
     large (default: 12 in 100)."""
     return _native.cases(op, int(n), int(seed), None if large is None else int(large))
 
 
-def judged(op, args, precision="f32"):
+def judged(op: str, args: Mapping[str, Any], precision: str = "f32"
+           ) -> Tuple[Dict[str, Any], Optional[Dict[str, Any]]]:
     """``(expected, baseline)`` for one case: the f64 reference's result (a dict)
     on the inputs rounded to ``precision``, and the same math run in f32 (None
     for ``precision="f64"``, and for ``embedding``, which is exact)."""
@@ -95,7 +119,12 @@ def judged(op, args, precision="f32"):
 
 
 def _f(x):
-    return np.asarray(x, dtype=np.float64)
+    """``x`` as float64; bf16, f16 and other narrow floats (``ml_dtypes``)
+    through float32, which holds each of their values exactly."""
+    a = np.asarray(x)
+    if a.dtype.kind == "V" and a.dtype.itemsize <= 2:  # ml_dtypes' bfloat16, float8s
+        a = a.astype(np.float32)
+    return np.asarray(a, dtype=np.float64)
 
 
 def _json_value(x):
@@ -120,11 +149,12 @@ def _json_value(x):
 class Failure:
     """One failing case: the op, its arguments, its description and what failed."""
 
-    def __init__(self, op, args, describe, size, source, detail):
+    def __init__(self, op: str, args: Dict[str, Any], describe: str, size: int, source: str,
+                 detail: str) -> None:
         self.op, self.args, self.describe, self.size = op, args, describe, size
         self.source, self.detail = source, detail
 
-    def to_eval_case(self):
+    def to_eval_case(self) -> Dict[str, Any]:
         """The case in the ``packshard eval`` format (a dict), for a regression file."""
         case = {"op": self.op}
         for k, v in self.args.items():
@@ -137,7 +167,7 @@ class Failure:
             case[k] = _json_value(v)
         return case
 
-    def write(self, path):
+    def write(self, path: str) -> None:
         """Writes :meth:`to_eval_case` as JSON to ``path`` (``packshard eval PATH`` replays it)."""
         d = os.path.dirname(os.path.abspath(path))
         os.makedirs(d, exist_ok=True)
@@ -145,44 +175,137 @@ class Failure:
             json.dump(self.to_eval_case(), f)
             f.write("\n")
 
-    def __str__(self):
+    def __str__(self) -> str:
         return f"case: {self.describe} ({self.source})\n  {self.detail}"
+
+
+class TensorVerdict:
+    """How one output tensor compared: ``name``, ``passed``, ``error`` (max
+    ``|actual - expected|``), ``baseline_error`` (the baseline's, stored in
+    the kernel's precision), ``allowed`` (the error the rule allows at
+    ``index``), ``share`` (the largest ``error / allowed`` over the elements:
+    at most 1 on a pass), ``index`` (a tuple), ``expected`` and ``actual``
+    (both values there), and ``failure`` (the rule's text, or None)."""
+
+    def __init__(self, name: str, v: Mapping[str, Any]) -> None:
+        self.name = name
+        self.failure: Optional[str] = v["failure"]
+        self.passed = self.failure is None
+        self.error: float = v["error"]
+        self.baseline_error: float = v["baseline_error"]
+        self.allowed: float = v["allowed"]
+        self.share: float = v["share"]
+        self.index: Tuple[int, ...] = tuple(v["index"])
+        self.expected: float = v["expected"]
+        self.actual: float = v["actual"]
+
+    def __repr__(self) -> str:
+        return (f"{self.name}: {'pass' if self.passed else 'FAIL'}, max error {self.error:.3e}, "
+                f"allowed {self.allowed:.3e} at {list(self.index)} ({100 * self.share:.1f}% of "
+                f"it used; expected {self.expected!r}, got {self.actual!r})")
 
 
 class Report:
     """What a run saw: ``cases`` run, ``compared`` (cases with results compared),
     ``skipped`` (the reference refused the input: bad input on purpose),
-    ``values`` compared, ``worst`` (largest share of the tolerance used, as the
-    ratio error / baseline error), and ``failures``."""
+    ``values`` compared, ``worst`` (the largest share of the allowed error
+    any tensor used: ``error / allowed``, at most 1 on a passing run), and
+    ``failures``. From :func:`judge` (one case): ``passed`` and ``tensors``
+    (name -> :class:`TensorVerdict`)."""
 
-    def __init__(self, op, name):
+    def __init__(self, op: str, name: str) -> None:
         self.op, self.name = op, name
         self.cases = self.compared = self.skipped = self.values = 0
         self.worst = 0.0
-        self.failures = []
+        self.failures: List[Failure] = []
+        self.tensors: Dict[str, TensorVerdict] = {}
         # Cases left out because the kernel cannot take them, by reason.
-        self.restricted = {}
+        self.restricted: Dict[str, int] = {}
 
-    def smallest(self):
+    @property
+    def passed(self) -> bool:
+        """No case failed (and at least one was compared)."""
+        return not self.failures and self.compared > 0
+
+    def smallest(self) -> Optional[Failure]:
         """The smallest failing case (fewest tensor elements), or None."""
         return min(self.failures, key=lambda f: f.size) if self.failures else None
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         left_out = "".join(f", {n} left out ({why})" for why, n in self.restricted.items())
-        return (f"Report({self.op}: {self.cases} cases, {self.compared} compared, "
-                f"{self.skipped} skipped as bad input{left_out}, {len(self.failures)} failed)")
+        text = (f"Report({self.op}: {self.cases} cases, {self.compared} compared, "
+                f"{self.skipped} skipped as bad input{left_out}, {len(self.failures)} failed, "
+                f"worst {100 * self.worst:.1f}% of the allowed error)")
+        for t in self.tensors.values():
+            text += f"\n  {t!r}"
+        for f in self.failures[:1]:
+            text += f"\n  {f.detail}"
+        return text
 
 
-def _as_result(out, op):
+# The order a kernel's tuple would be read in, named in the error it gets.
+_ORDER = {
+    "attention": ("output", "lse", "grad_q", "grad_k", "grad_v"),
+    "cross_entropy": ("loss", "per_token_loss", "logsumexp", "grad_logits"),
+    "linear_cross_entropy": ("loss", "per_token_loss", "logsumexp", "grad_hidden",
+                             "grad_weight"),
+    "embedding": ("output", "grad_weight"),
+}
+
+
+class _BadOutput(Exception):
+    """The kernel returned something that is not a result of ``op``."""
+
+
+def _as_result(out: Any, op: str) -> Dict[str, Any]:
+    """The kernel's return value as a dict of results: a dict as it is, a
+    single array or number as the primary result. A tuple or list is
+    refused with the keys to return (``(out, lse)`` and ``(out, lse, S)``
+    orders differ between libraries, so none is guessed)."""
     if isinstance(out, dict):
         return out
+    if isinstance(out, (tuple, list)):
+        raise _BadOutput(
+            f"returned a {type(out).__name__} of {len(out)}; return a dict keyed by "
+            f"{', '.join(repr(k) for k in _ORDER[op])} (any subset with {PRIMARY[op]!r}), "
+            f"or the {PRIMARY[op]!r} alone as one array")
+    if out is None:
+        raise _BadOutput(f"returned None; return a dict with {PRIMARY[op]!r}")
     return {PRIMARY[op]: out}
+
+
+def _compare(op: str, expected: Mapping[str, Any], baseline: Optional[Mapping[str, Any]],
+             got: Mapping[str, Any], precision: str) -> List[TensorVerdict]:
+    """Every result of ``got`` that the reference has, held to the rule
+    (``core::judge_tensor``): one :class:`TensorVerdict` each, in the
+    reference's order."""
+    terms = expected.get("terms") or {}
+    out = []
+    for key, exp in expected.items():
+        if key not in got or not isinstance(exp, (np.ndarray, float)):
+            continue
+        exp = np.asarray(exp, dtype=np.float64)
+        try:
+            act = _f(got[key])
+        except (TypeError, ValueError) as e:
+            raise _BadOutput(f"returned {key!r} that is not numeric ({e})") from None
+        base = None
+        if baseline is not None and key in baseline:
+            base = np.asarray(baseline[key], dtype=np.float64)
+        prec = precision if (base is not None or precision == "f64") else "f64"
+        if op == "embedding":
+            prec = "f64"  # a lookup is exact in any precision
+        v = _native.judge_tensor(key, exp, base, act, prec, terms.get(key))
+        out.append(TensorVerdict(key, v))
+    return out
 
 
 def _run_one(fn, op, args, describe, size, source, precision, report):
     try:
         expected, baseline = judged(op, args, precision)
-    except PackshardError:
+    except PackshardError as e:
+        if getattr(e, "kind", None) == "internal":
+            raise  # packshard's own bug, never a skipped case
         report.skipped += 1
         return None
     report.cases += 1
@@ -192,6 +315,8 @@ def _run_one(fn, op, args, describe, size, source, precision, report):
     call = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in args.items()}
     try:
         got = _as_result(fn(**call), op)
+    except _BadOutput as e:
+        return Failure(op, args, describe, size, source, str(e))
     except Exception as e:  # the kernel under test raised on valid input
         return Failure(op, args, describe, size, source,
                        f"raised {type(e).__name__}: {e} on input the reference accepts")
@@ -209,34 +334,43 @@ def _run_one(fn, op, args, describe, size, source, precision, report):
         return Failure(op, args, describe, size, source,
                        f"returned no {primary!r} (keys: {sorted(got)})")
     report.compared += 1
-    terms = expected.get("terms") or {}
-    for key, exp in expected.items():
-        if key not in got or not isinstance(exp, (np.ndarray, float)):
-            continue
-        exp = np.asarray(exp, dtype=np.float64)
-        act = np.asarray(got[key], dtype=np.float64)
-        base = None
-        if baseline is not None and key in baseline:
-            base = np.asarray(baseline[key], dtype=np.float64)
-        prec = precision if (base is not None or precision == "f64") else "f64"
-        if op == "embedding":
-            prec = "f64"  # a lookup is exact in any precision
-        failure, error, berr = _native.judge_tensor(key, exp, base, act, prec, terms.get(key))
-        report.values += exp.size
-        if failure is not None:
-            return Failure(op, args, describe, size, source, failure)
-        if error > 0:
-            report.worst = max(report.worst, error / berr if berr > 0 else float("inf"))
+    try:
+        verdicts = _compare(op, expected, baseline, got, precision)
+    except _BadOutput as e:
+        return Failure(op, args, describe, size, source, str(e))
+    for v in verdicts:
+        report.values += int(np.asarray(expected[v.name]).size)
+        if not v.passed:
+            return Failure(op, args, describe, size, source, v.failure)
+        report.worst = max(report.worst, v.share)
     return None
 
 
-def fuzz(fn, op, cases=100, seed=0, *, precision="f32", grad=True, fix=None,
-         regression_out=None, raise_on_failure=True, only=None):
+def _stored_inputs(args: Dict[str, Any], precision: str) -> None:
+    """Rounds the float tensors of a generated case to the kernel's storage
+    (bf16, f16) in place, with the judge's own rounding: the kernel receives
+    values its dtype holds exactly, so however it casts them (ml_dtypes
+    rounds from float64 directly, PyTorch through float32) it sees what the
+    reference sees."""
+    if precision not in ("bf16", "f16"):
+        return
+    for k, v in args.items():
+        if isinstance(v, np.ndarray) and v.dtype.kind == "f":
+            args[k] = _native.round_to(np.ascontiguousarray(v, dtype=np.float64), precision)
+
+
+def fuzz(fn: Callable[..., Any], op: str, cases: int = 100, seed: int = 0, *,
+         precision: str = "f32", grad: bool = True, fix: Optional[Mapping[str, Any]] = None,
+         regression_out: Optional[str] = None, raise_on_failure: bool = True,
+         only: Optional[Callable[[Dict[str, Any]], Optional[str]]] = None) -> Report:
     """Runs ``fn`` on ``cases`` generated cases of ``op`` from ``seed``.
 
     ``op``: ``attention``, ``cross_entropy``, ``linear_cross_entropy``,
-    ``embedding``. ``precision``: ``"f32"`` (default) or ``"f64"``, what the
-    kernel computes in. ``grad``: pass ``grad_output`` / ``want_grad=True``
+    ``embedding``. ``precision``: what the kernel stores its tensors in:
+    ``"f32"`` (default), ``"bf16"``, ``"f16"`` (inputs rounded to it before
+    the kernel sees them; arithmetic in f32) or ``"f64"``; anything else
+    raises ``PackshardError`` (``field == "precision"``) before any case runs.
+    ``grad``: pass ``grad_output`` / ``want_grad=True``
     (False: forward only). ``fix``: options to force on every case (e.g.
     ``{"causal": True}`` or ``{"z_loss": 0.0}`` for a kernel without z-loss).
     ``regression_out``: where to write the smallest failing case as a
@@ -245,6 +379,7 @@ def fuzz(fn, op, cases=100, seed=0, *, precision="f32", grad=True, fix=None,
     Returns a :class:`Report`; raises
     ``AssertionError`` (with the smallest failing case) when any case fails.
     """
+    precision = _check_precision(precision)
     name = getattr(fn, "__name__", repr(fn))
     report = Report(op, name)
     for args, describe, size, i in _native.cases(op, int(cases), int(seed)):
@@ -257,6 +392,7 @@ def fuzz(fn, op, cases=100, seed=0, *, precision="f32", grad=True, fix=None,
         if why is not None:
             report.restricted[why] = report.restricted.get(why, 0) + 1
             continue
+        _stored_inputs(args, precision)
         source = (f"budgeted input {i} of seed {seed}" if op == "attention"
                   else f"random input {i} of seed {seed}")
         f = _run_one(fn, op, args, describe, size, source, precision, report)
@@ -276,6 +412,52 @@ def fuzz(fn, op, cases=100, seed=0, *, precision="f32", grad=True, fix=None,
             if regression_out:
                 text += f"\n  regression case written to {regression_out}"
             raise AssertionError(text)
+    return report
+
+
+def judge(op: str, args: Mapping[str, Any], outputs: Any, precision: str = "f32") -> Report:
+    """Your own case, judged: ``args`` a case you built (the op's arguments
+    as :func:`fuzz` passes them, any shapes the reference accepts; float
+    tensors as float64, float32, float16 or ``ml_dtypes.bfloat16`` arrays),
+    ``outputs`` what your kernel returned for it (a dict keyed as the op's
+    result, or the primary result alone), held to the rule :func:`fuzz`
+    uses for ``precision``. Returns a :class:`Report` of one case:
+    ``passed``, ``tensors`` (per result a :class:`TensorVerdict`: error,
+    allowed error, share, worst index, both values), ``failures`` (the
+    failure, as :func:`fuzz` would report it). Never raises on a failing
+    kernel; raises ``PackshardError`` for a case the reference refuses or an
+    unknown ``precision``.
+
+    ``judge("attention", {"q": q, "k": k, "v": v, "cu_seqlens": cu}, {"output": o})``
+    """
+    precision = _check_precision(precision)
+    if op not in PRIMARY:
+        raise PackshardError(f"op: no judge for {op!r}; known: {', '.join(PRIMARY)}")
+    a = {k: (_f(v) if isinstance(v, np.ndarray) and v.dtype.kind not in "iub" else v)
+         for k, v in dict(args).items()}
+    report = Report(op, "judge")
+    expected, baseline = judged(op, a, precision)
+    report.cases = 1
+    describe = "your case: " + ", ".join(
+        f"{k} {list(np.shape(v))}" if isinstance(v, np.ndarray) else f"{k} {v!r}"
+        for k, v in a.items())
+    fail = lambda text: report.failures.append(  # noqa: E731
+        Failure(op, a, describe, 0, "judge", text))
+    try:
+        got = _as_result(outputs, op)
+        if PRIMARY[op] not in got:
+            raise _BadOutput(f"returned no {PRIMARY[op]!r} (keys: {sorted(got)})")
+        verdicts = _compare(op, expected, baseline, got, precision)
+    except _BadOutput as e:
+        fail(str(e))
+        return report
+    report.compared = 1
+    for v in verdicts:
+        report.tensors[v.name] = v
+        report.values += int(np.asarray(expected[v.name]).size)
+        report.worst = max(report.worst, v.share)
+        if not v.passed:
+            fail(v.failure)
     return report
 
 
@@ -341,7 +523,8 @@ def check_attention(fn, cases=100, seed=0, *, causal=None, gqa=True, **kw):
     return fuzz(call, "attention", cases, seed, fix=fix, only=only, **kw)
 
 
-def check_cross_entropy(fn, cases=100, seed=0, **kw):
+def check_cross_entropy(fn: Callable[..., Any], cases: int = 100, seed: int = 0,
+                        **kw: Any) -> Report:
     """:func:`fuzz` for cross-entropy: ``fn(logits, targets, ignore_index,
     label_smoothing, smoothing, z_loss, reduction, vocab_size, num_shards, layout,
     want_grad)`` (``logits``: ``[n, w]``, columns ``vocab_size..`` padding)
@@ -350,14 +533,16 @@ def check_cross_entropy(fn, cases=100, seed=0, **kw):
     return fuzz(fn, "cross_entropy", cases, seed, **kw)
 
 
-def check_linear_cross_entropy(fn, cases=100, seed=0, **kw):
+def check_linear_cross_entropy(fn: Callable[..., Any], cases: int = 100, seed: int = 0,
+                               **kw: Any) -> Report:
     """:func:`fuzz` for the output layer: ``fn(hidden, weight, targets, ...)``
     returns ``loss`` and optionally ``grad_hidden`` ``[n, h]``, ``grad_weight``
     ``[w, h]``, ``per_token_loss``, ``logsumexp``."""
     return fuzz(fn, "linear_cross_entropy", cases, seed, **kw)
 
 
-def check_embedding(fn, cases=100, seed=0, **kw):
+def check_embedding(fn: Callable[..., Any], cases: int = 100, seed: int = 0,
+                    **kw: Any) -> Report:
     """:func:`fuzz` for the embedding: ``fn(ids, weight, vocab_size, num_shards,
     layout, grad_output, want_grad)`` returns ``output`` ``[n, h]`` and
     optionally ``grad_weight`` ``[w, h]``; compared exactly."""
@@ -365,7 +550,8 @@ def check_embedding(fn, cases=100, seed=0, **kw):
     return fuzz(fn, "embedding", cases, seed, **kw)
 
 
-def check_batch(fn, cases=50, seed=0, *, max_seq_len=None):
+def check_batch(fn: Callable[..., Any], cases: int = 50, seed: int = 0, *,
+                max_seq_len: Optional[int] = None) -> int:
     """Checks a packing/batching function exactly against :func:`packshard.batch`.
 
     ``fn(sequences, packs, max_seq_len)`` gets token sequences (lists of

@@ -67,6 +67,67 @@ fn tiled_attention_is_within_the_rule_and_a_leak_is_not() {
     assert!(v.failure.unwrap().contains("output"));
 }
 
+#[test]
+fn precisions_parse_by_name_and_refuse_the_rest_naming_the_field() {
+    for p in KernelPrecision::ALL {
+        assert_eq!(KernelPrecision::parse(p.name()).unwrap(), p);
+    }
+    for bad in ["bf61", "BF16", "float32", ""] {
+        let e = KernelPrecision::parse(bad).unwrap_err();
+        assert_eq!(e.kind, "invalid_argument");
+        assert!(e.message.starts_with("precision: "), "{}", e.message);
+        for p in KernelPrecision::ALL {
+            assert!(
+                e.message.contains(&format!("\"{}\"", p.name())),
+                "{}",
+                e.message
+            );
+        }
+    }
+}
+
+/// Each precision's unit roundoff is its rounding's: `1 + u` is a tie (to
+/// even: 1), just above it rounds up to `1 + 2u` (f16's `2^-11`, bf16's
+/// `2^-8`; issue 31 found bf16 stated as `2^-9`).
+#[test]
+fn unit_roundoffs_match_the_roundings() {
+    for p in [
+        KernelPrecision::F32,
+        KernelPrecision::Bf16,
+        KernelPrecision::F16,
+    ] {
+        let u = p.unit_roundoff();
+        assert_eq!(p.round(1.0 + u), 1.0, "{}", p.name());
+        assert_eq!(
+            p.round(1.0 + u * (1.0 + 1.0 / 1024.0)),
+            1.0 + 2.0 * u,
+            "{}",
+            p.name()
+        );
+    }
+    assert_eq!(KernelPrecision::F64.round(0.1), 0.1);
+}
+
+/// The stored baseline: under bf16 a kernel whose results are the
+/// reference's rounded to bf16 passes, and the same under f32 fails.
+#[test]
+fn bf16_results_pass_the_bf16_rule_only() {
+    let e: Vec<f64> = (0..40).map(|i| 0.37 * f64::from(i) - 5.1).collect();
+    let a: Vec<f64> = e.iter().map(|&x| KernelPrecision::Bf16.round(x)).collect();
+    let b: Vec<f64> = e.iter().map(|&x| baseline32::round_f32(x)).collect();
+    let v = judge_tensor("t", &[40], &e, Some(&b), &a, KernelPrecision::Bf16, None);
+    assert!(v.failure.is_none() && v.share <= 1.0, "{v:?}");
+    let v = judge_tensor("t", &[40], &e, Some(&b), &a, KernelPrecision::F32, None);
+    assert!(v.failure.is_some() && v.share > 1.0, "{v:?}");
+    // One element off by 0.5 (~14 bf16 unit roundoffs of the largest
+    // value, 9.3): beyond 8 x the stored baseline's error (at most u x 9.3)
+    // plus its floor of one ulp of bf16 of 9.3, 0.36 in all.
+    let mut off = a.clone();
+    off[3] += 0.5;
+    let v = judge_tensor("t", &[40], &e, Some(&b), &off, KernelPrecision::Bf16, None);
+    assert!(v.failure.is_some() && v.index == vec![3], "{v:?}");
+}
+
 /// A grouped-query, cross, bottom-right causal case: judged without a panic
 /// (`AttentionTerms` over each segment's own keys and key heads), the tiled
 /// kernel within the rule, and a kernel that maps query heads as `a % h_kv`

@@ -482,11 +482,16 @@ fn shard_maps_uneven_and_padded() {
     );
     assert_eq!(
         d(10, 3, ShardLayout::Padded),
-        "v 10, p 3, padded padded to 12: [0, 4) [4, 8) [8, 10) + 2 padding"
+        "v 10, p 3, padded to 12: [0, 4) [4, 8) [8, 10) + 2 padding"
     );
     assert_eq!(
         d(9, 4, ShardLayout::Padded),
-        "v 9, p 4, padded padded to 12: [0, 3) [3, 6) [6, 9) [9, 9) + 3 padding"
+        "v 9, p 4, padded to 12: [0, 3) [3, 6) [6, 9) [9, 9) + 3 padding"
+    );
+    // A padded layout that needs no padding still says which layout it is.
+    assert_eq!(
+        d(12, 3, ShardLayout::Padded),
+        "v 12, p 3, padded: [0, 4) [4, 8) [8, 12)"
     );
     let e = ShardMap::new(3, 4, ShardLayout::Uneven).unwrap_err();
     assert_eq!(

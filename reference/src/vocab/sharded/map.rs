@@ -148,7 +148,8 @@ impl ShardMap {
     }
 
     /// The shards' column ranges, e.g. `v 10, p 3, padded to 12: [0, 4) [4, 8)
-    /// [8, 10) + 2 padding`.
+    /// [8, 10) + 2 padding` or `v 10, p 3, uneven: [0, 4) [4, 7) [7, 10)`
+    /// (the layout named once: a padded layout says by how much).
     pub fn describe(&self) -> String {
         let ranges: Vec<String> = self
             .shards()
@@ -163,16 +164,16 @@ impl ShardMap {
                 }
             })
             .collect();
-        let padded = if self.padded_vocab_size() > self.vocab_size {
-            format!(" padded to {}", self.padded_vocab_size())
-        } else {
-            String::new()
+        let layout = match self.layout {
+            ShardLayout::Padded if self.padded_vocab_size() > self.vocab_size => {
+                format!("padded to {}", self.padded_vocab_size())
+            }
+            l => l.name().to_string(),
         };
         format!(
-            "v {}, p {}, {}{padded}: {}",
+            "v {}, p {}, {layout}: {}",
             self.vocab_size,
             self.num_shards,
-            self.layout.name(),
             ranges.join(" ")
         )
     }
