@@ -7,6 +7,7 @@
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
+use packshard::equivalence::fuzz::schedule::{SizeClass, LARGE_FROM};
 use packshard::equivalence::fuzz::{replay_dirs, Outcome};
 use packshard::fuzzing::targets;
 
@@ -115,8 +116,12 @@ fn the_libfuzzer_entry_panics_with_a_readable_failure() {
     assert!(msg.contains("no fuzz target \"no_such_target\""), "{msg}");
 }
 
+/// At most one seeded input in this many is large (see the loop).
+const LARGE_SHARE: usize = 100;
+
 /// Inputs derived deterministically from the committed ones: `FUZZ_RUNS`
-/// (default 2000) per target, drawn from a ChaCha8 stream seeded with
+/// (default 2000) per target (at most 1 in [`LARGE_SHARE`] of them large),
+/// drawn from a ChaCha8 stream seeded with
 /// `FUZZ_SEED` (default 1) and the target's name. Each is a committed input
 /// with 1 to 8 mutations (a byte set, inserted, deleted, or a run copied from
 /// elsewhere in the input — libFuzzer's basic mutators), or, one time in
@@ -158,6 +163,7 @@ fn seeded_mutations_of_the_committed_inputs_pass() {
         });
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed ^ name_hash);
         let mut total = Outcome::default();
+        let mut large = 0usize;
         for run in 0..runs {
             let input: Vec<u8> = if rng.random_range(0..8) == 0 {
                 let len = rng.random_range(0..512);
@@ -183,6 +189,19 @@ fn seeded_mutations_of_the_committed_inputs_pass() {
                 }
                 d
             };
+            // A large input (first byte >= LARGE_FROM: segments of a thousand
+            // tokens, vocabularies of thousands) costs 10^2 to 10^3 small
+            // ones; past `runs / LARGE_SHARE` of them per target the rest
+            // are read as small, so the step stays minutes, not tens of
+            // minutes. The default checks run 12 large cases per kernel.
+            let mut input = input;
+            if SizeClass::of(&input) == SizeClass::Large {
+                if large < runs / LARGE_SHARE {
+                    large += 1;
+                } else {
+                    input[0] %= LARGE_FROM;
+                }
+            }
             match (t.run)(&input) {
                 Ok(o) => total.merge(o),
                 Err(f) => panic!(
@@ -191,7 +210,10 @@ fn seeded_mutations_of_the_committed_inputs_pass() {
                 ),
             }
         }
-        eprintln!("{} (FUZZ_SEED={seed}, {runs} inputs): {total:?}", t.name);
+        eprintln!(
+            "{} (FUZZ_SEED={seed}, {runs} inputs, {large} large): {total:?}",
+            t.name
+        );
         // The mutated inputs reach the comparisons, not only the parsers.
         assert!(
             total.compared + total.errors_alike >= 1,

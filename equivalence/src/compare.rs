@@ -15,7 +15,22 @@ pub struct Tolerance {
     pub rel: f64,
     /// Absolute floor, as a fraction of the tensor's largest magnitude.
     pub abs: f64,
+    /// Absolute floor in the values' own units: what the kernel's precision
+    /// cannot represent (0 for f64 rules; [`F32_UNDERFLOW`] for f32 and bf16
+    /// kernels, which flush results below f32's normal range to 0).
+    pub underflow: f64,
 }
+
+/// The underflow floor of f32 (and bf16, which has f32's exponent range):
+/// 64 x the smallest normal f32 (7.5e-37), the f32 twin of
+/// `vocab::UNDERFLOW`. Below it an f32 kernel's results are subnormal or
+/// flushed to 0. The case that set it: `tests/fuzz_regressions.rs`
+/// (`FUZZ_SEED=1`, seeded input 682), a causal 2 x 2 segment whose scores
+/// are 700 apart with a zero value on the winning key: the exact output
+/// 9.86e-304, every f32 kernel's 0, and 64 ulp of f32 times the terms
+/// (2e-300) allowed nothing for it. Real faults are of the tensor's scale,
+/// 10^30 times this or more.
+pub const F32_UNDERFLOW: f64 = 64.0 * f32::MIN_POSITIVE as f64;
 
 impl Tolerance {
     /// Two f64 computations of the same math that differ only in the order of
@@ -29,6 +44,7 @@ impl Tolerance {
         name: "f64 rewrite (64 ulp)",
         rel: 64.0 * f64::EPSILON,
         abs: 64.0 * f64::EPSILON,
+        underflow: 0.0,
     };
 
     /// The f32 twin of [`Tolerance::F64_REWRITE`]: two f32 computations of
@@ -40,6 +56,7 @@ impl Tolerance {
         name: "f32 rewrite (64 ulp of f32)",
         rel: 64.0 * f32::EPSILON as f64,
         abs: 64.0 * f32::EPSILON as f64,
+        underflow: F32_UNDERFLOW,
     };
 
     /// Bit-for-bit equality.
@@ -47,11 +64,28 @@ impl Tolerance {
         name: "exact",
         rel: 0.0,
         abs: 0.0,
+        underflow: 0.0,
     };
 
     /// A custom rule.
     pub const fn new(name: &'static str, rel: f64, abs: f64) -> Self {
-        Tolerance { name, rel, abs }
+        Tolerance {
+            name,
+            rel,
+            abs,
+            underflow: 0.0,
+        }
+    }
+
+    /// The same rule with an underflow floor (see [`F32_UNDERFLOW`]).
+    pub const fn with_underflow(self, underflow: f64) -> Self {
+        Tolerance { underflow, ..self }
+    }
+
+    /// What an element may be off by: `rel |expected| + abs scale +
+    /// underflow`.
+    pub fn allowed(&self, expected: f64, scale: f64) -> f64 {
+        self.rel * expected.abs() + self.abs * scale + self.underflow
     }
 }
 
@@ -178,7 +212,7 @@ pub fn assert_close_with_scale(
     let mut failures = 0usize;
     for (i, (&e, &a)) in expected.iter().zip(actual).enumerate() {
         let ok = if e.is_finite() && a.is_finite() {
-            (a - e).abs() <= tol.rel * e.abs() + tol.abs * scale
+            (a - e).abs() <= tol.allowed(e, scale)
         } else {
             e == a // equal infinities; NaN never passes
         };

@@ -206,3 +206,22 @@ fn named_tolerances_hold_the_size_their_docs_state() {
     );
     assert!(within(33.0).is_err(), "33 x the baseline's error must fail");
 }
+
+/// An f32 rule allows what f32 cannot hold (results below its normal range
+/// flushed to 0: the seeded fuzz input 682 of `FUZZ_SEED=1`, an exact output
+/// of 9.86e-304 against every f32 kernel's 0) and nothing of the tensor's
+/// scale; the f64 rules keep no such floor.
+#[test]
+fn the_f32_rule_allows_f32_underflow_and_nothing_more() {
+    let tiny = [9.86e-304];
+    let terms = Some(2e-300);
+    let f32r = Tolerance::F32_REWRITE;
+    assert!(assert_close_with_scale("t", &tiny, &[0.0], &[1], f32r, terms).is_ok());
+    assert!(
+        assert_close_with_scale("t", &tiny, &[0.0], &[1], Tolerance::F64_REWRITE, terms).is_err()
+    );
+    // 1e-30 off is still a fault at any scale an f32 kernel can hold.
+    assert!(assert_close_with_scale("t", &[1e-30], &[2e-30], &[1], f32r, Some(1e-30)).is_err());
+    assert!(assert_close_with_scale("t", &[0.5], &[0.5 + 1e-3], &[1], f32r, None).is_err());
+    assert_eq!(F32_UNDERFLOW, 64.0 * f32::MIN_POSITIVE as f64);
+}

@@ -18,7 +18,7 @@
 use std::fmt;
 
 use packshard_equivalence::causal::{CausalForm, CausalLmImpl, ReferenceCausalLm};
-use packshard_equivalence::compare::{Judge, RelativeRule, Tolerance};
+use packshard_equivalence::compare::{Judge, RelativeRule, Tolerance, F32_UNDERFLOW};
 use packshard_optimized::ops::{
     CrossEntropyF32, DenseMaskedAttention, EncoderLayerF32, LinearCeFused, LinearCeMaterialized,
     LinearCeTiled, LinearCeTiledFiltered, ScalarAttention, TiledAttention,
@@ -369,11 +369,11 @@ pub fn attention() -> Vec<Entry<dyn AttentionOp>> {
             // bf16 inputs: their rounding (at most 2^-8 relative, bf16's
             // unit roundoff) dominates; 16 unit roundoffs (8 ulp of bf16)
             // times the magnitude of the terms.
-            fuzz_judge: Judge::Rewrite(Tolerance::new(
-                "bf16 inputs (16 ulp of bf16)",
-                16.0 / 256.0,
-                16.0 / 256.0,
-            )),
+            // bf16 has f32's exponent range: the same underflow floor.
+            fuzz_judge: Judge::Rewrite(
+                Tolerance::new("bf16 inputs (16 ulp of bf16)", 16.0 / 256.0, 16.0 / 256.0)
+                    .with_underflow(F32_UNDERFLOW),
+            ),
             needs: Needs::Nothing,
             make: || Ok(Box::new(TiledAttention::BF16)),
             small: None,

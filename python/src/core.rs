@@ -856,7 +856,7 @@ pub fn judge_tensor(
             let s = scale.unwrap_or(1e-300).max(1e-300).max(tensor_scale);
             let r = compare::assert_close_with_scale(what, expected, actual, shape, tol, scale);
             let failure = r.err().map(|m| format!("{}: {}", m.what, m.detail));
-            verdict(failure, 0.0, &|i| tol.rel * expected[i].abs() + tol.abs * s)
+            verdict(failure, 0.0, &|i| tol.allowed(expected[i], s))
         }
         (p, Some(b)) => {
             let stored: Vec<f64> = b.iter().map(|&x| p.round(x)).collect();

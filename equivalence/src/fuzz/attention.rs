@@ -77,7 +77,7 @@ fn close(
         .zip(actual)
         .filter(|(e, a)| e.is_finite() && a.is_finite())
         .map(|(e, a)| {
-            let allowed = tol.rel * e.abs() + tol.abs * scale;
+            let allowed = tol.allowed(*e, scale);
             let d = (a - e).abs();
             if d == 0.0 {
                 0.0
