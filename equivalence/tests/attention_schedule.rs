@@ -145,6 +145,24 @@ fn the_default_budget_reaches_long_segments_every_gqa_ratio_cross_and_causal() {
                 fa::AttentionFuzzCase::from_bytes(&data).unwrap()
             })
             .collect();
+        // Narrowed to bidirectional self-attention with h_kv == h (the least
+        // any kernel declares), a case does no more work (one pair a segment
+        // at most): the budget holds for every kernel.
+        for c in &cases {
+            let (n, changed) = c.within(AttentionSupport::BIDIRECTIONAL);
+            let (h, _, d) = c.heads();
+            assert!(
+                n.is_self() && !n.causal && n.heads().1 == h,
+                "{}",
+                n.describe()
+            );
+            assert!(
+                n.work() <= c.work() + c.segments.len() * h * d,
+                "{changed:?}: {}",
+                c.describe()
+            );
+            assert_eq!(changed.is_empty(), n == *c);
+        }
         let longest = cases.iter().map(|c| c.longest()).max().unwrap();
         assert!(longest >= 1024, "seed {seed}: longest {longest}");
         let ratios: BTreeSet<usize> = cases

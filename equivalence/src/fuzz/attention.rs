@@ -14,7 +14,7 @@
 //! ([`AttentionOp::support`], [`AttentionFuzzCase::within`]: a kernel
 //! without causal masks gets the case unmasked, one without grouped-query
 //! heads gets the key heads repeated, one without cross attention gets
-//! `l_q` keys per segment), counted in [`Outcome::narrowed`]. It then runs
+//! `min(l_q, l_k)` queries over as many keys per segment), counted in [`Outcome::narrowed`]. It then runs
 //! the implementation's packed forward and backward (the backward from its
 //! own forward, as training does) and the f64 reference's
 //! (`varlen_attention_general`), and compares every segment's `output`,

@@ -258,9 +258,11 @@ impl AttentionFuzzCase {
     /// when nothing was): without causal support the masks go; without
     /// grouped-query support the key heads are repeated (`k[:, a / (h /
     /// h_kv)]` at query head `a`, the same attention with `h_kv = h`);
-    /// without cross support each segment gets `l_q` keys, its own keys
-    /// taken cyclically (its queries' first heads when it has none). The
-    /// malformation, if any, stays.
+    /// without cross support each segment becomes `l x l` with `l =
+    /// min(l_q, l_k)`, its first `l` queries and keys (a segment without
+    /// keys keeps one query, its key and value made from that query's row),
+    /// so the work grows by at most one pair a segment.
+    /// The malformation, if any, stays.
     pub fn within(&self, support: AttentionSupport) -> (AttentionFuzzCase, Vec<&'static str>) {
         let mut c = self.clone();
         let mut changed = Vec::new();
@@ -279,31 +281,39 @@ impl AttentionFuzzCase {
             changed.push("gqa");
         }
         if !c.is_self() && !support.cross {
+            // Segment s becomes l x l, l = min(l_q, l_k) (1 when it has no
+            // keys): its first l queries over its first l keys (the
+            // queries' first heads of each group where it has none), so
+            // the work never grows past the case's own plus one row.
             let (h_kv, group) = (c.k.dim().1, h / c.k.dim().1);
             let (cu_q, cu_k) = (c.own_cu_q(), c.own_cu_k());
-            let n_q = c.q.dim().0;
-            let mut src = Vec::with_capacity(n_q);
-            for (s, &(lq, lk)) in c.segments.iter().enumerate() {
-                for r in 0..lq {
-                    src.push(if lk > 0 {
-                        Ok(cu_k[s] + r % lk)
+            let (mut rows_q, mut rows_k) = (Vec::new(), Vec::new());
+            for (s, seg) in c.segments.iter_mut().enumerate() {
+                let (lq, lk) = *seg;
+                let l = if lk == 0 { lq.min(1) } else { lq.min(lk) };
+                for r in 0..l {
+                    rows_q.push(cu_q[s] + r);
+                    rows_k.push(if lk > 0 {
+                        Ok(cu_k[s] + r)
                     } else {
                         Err(cu_q[s] + r)
                     });
                 }
+                *seg = (l, l);
             }
-            let pick = |x: &Array3<f64>, from_q: &Array3<f64>| {
-                Array3::from_shape_fn((n_q, h_kv, d), |(i, a, e)| match src[i] {
+            let n = rows_q.len();
+            let take_q = |x: &Array3<f64>| {
+                Array3::from_shape_fn((n, h, d), |(i, a, e)| x[[rows_q[i], a, e]])
+            };
+            let take_k = |x: &Array3<f64>, from_q: &Array3<f64>| {
+                Array3::from_shape_fn((n, h_kv, d), |(i, a, e)| match rows_k[i] {
                     Ok(j) => x[[j, a, e]],
                     Err(j) => from_q[[j, a * group, e]],
                 })
             };
-            let (k, v) = (pick(&c.k, &c.q), pick(&c.v, &c.grad_output));
-            c.k = k;
-            c.v = v;
-            for s in &mut c.segments {
-                s.1 = s.0;
-            }
+            let (k, v) = (take_k(&c.k, &c.q), take_k(&c.v, &c.grad_output));
+            let (q, go) = (take_q(&c.q), take_q(&c.grad_output));
+            (c.q, c.k, c.v, c.grad_output) = (q, k, v, go);
             if let Some(Malformed::Keys(how)) = c.malformed {
                 c.malformed = Some(Malformed::Queries(how));
             }
