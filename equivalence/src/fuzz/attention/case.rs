@@ -63,7 +63,7 @@ pub enum Malformed {
 /// Small cases (the first byte below `0xE0`, [`SizeClass`]): 1 to
 /// [`SMALL_MAX_SEGMENTS`] segments of 0, 1, 2, a dozen, or a 16/32 boundary
 /// (`k 2^j - 1`, `k 2^j`, `k 2^j + 1`) up to [`SMALL_MAX_LEN`] tokens; `d` in
-/// `1..=8` or 16; at most [`SMALL_MAX_WORK`]. Large cases: in five of eight a
+/// `1..=8`, 16, or 40, 80, 100 (a few tokens); at most [`SMALL_MAX_WORK`]. Large cases: in five of eight a
 /// long segment ([`LONG_LEN`]; with a short side when cross) beside up to
 /// [`LARGE_MAX_SHORT`] short ones at 16/32/64/128 boundaries up to
 /// [`LARGE_SHORT_LEN`]; `d` from [`HEAD_DIMS`] or an odd one; within
@@ -415,7 +415,11 @@ fn small_sizes(
     h: usize,
     cross: bool,
 ) -> arbitrary::Result<(Vec<(usize, usize)>, usize)> {
-    let d = [1, 2, 3, 4, 5, 6, 7, 8, 16][u.choose_index(9)?];
+    // Head dims past a 32-wide block that are not a multiple of it (40, 80,
+    // 100) in a quarter of the small cases, a few tokens each (the work cap
+    // cuts the segments): a kernel that sums `q . k` over whole blocks of 32
+    // dims (the zoo's `head_dim_tail`) escaped every small case before.
+    let d = [1, 2, 3, 4, 5, 6, 7, 8, 16, 40, 80, 100][u.choose_index(12)?];
     let b = u.int_in_range(1..=SMALL_MAX_SEGMENTS)?;
     let mut segments = (0..b)
         .map(|_| segment(u, cross, small_len))
