@@ -45,11 +45,7 @@ fn an_implementation_without_the_kinds_is_not_asked() {
     struct Plain;
     impl packshard_equivalence::planted::AttentionHooks for Plain {
         fn support(&self) -> AttentionSupport {
-            AttentionSupport {
-                causal: false,
-                gqa: false,
-                cross: false,
-            }
+            AttentionSupport::BIDIRECTIONAL
         }
     }
     assert!(run_general_suite(&Planted(Plain), F64, 4)

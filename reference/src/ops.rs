@@ -138,6 +138,10 @@ pub struct AttentionSupport {
     pub gqa: bool,
     /// `cu_seqlens_k != cu_seqlens_q`.
     pub cross: bool,
+    /// The largest head dim `d` the kernel takes (`usize::MAX`: any; a GPU
+    /// kernel whose tile holds a row of `q` in registers or shared memory
+    /// has a bound, flash-attention 2's is 256).
+    pub max_head_dim: usize,
 }
 
 impl AttentionSupport {
@@ -146,6 +150,7 @@ impl AttentionSupport {
         causal: true,
         gqa: true,
         cross: true,
+        max_head_dim: usize::MAX,
     };
     /// Bidirectional self-attention with `h_kv == h`: what every
     /// implementation must do, and all an [`AttentionOp`] claims unless it
@@ -155,16 +160,26 @@ impl AttentionSupport {
         causal: false,
         gqa: false,
         cross: false,
+        max_head_dim: usize::MAX,
     };
     /// Self-attention with `h_kv == h`, causal or not.
     pub const SELF_MHA: AttentionSupport = AttentionSupport {
         causal: true,
         gqa: false,
         cross: false,
+        max_head_dim: usize::MAX,
     };
 
+    /// The same support with head dims up to `d` only.
+    pub const fn with_max_head_dim(self, d: usize) -> Self {
+        AttentionSupport {
+            max_head_dim: d,
+            ..self
+        }
+    }
+
     /// `Ok` when a problem of `h_kv` key heads for `h` query heads is within
-    /// the support.
+    /// the support (the head dim is checked by [`AttentionSupport::check_head_dim`]).
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] naming `causal`, `k` or `cu_seqlens_k`.
@@ -185,6 +200,23 @@ impl AttentionSupport {
             return Err(Error::invalid(
                 "cu_seqlens_k",
                 "differs from cu_seqlens_q: this implementation runs self-attention only",
+            ));
+        }
+        Ok(())
+    }
+
+    /// `Ok` when head dim `d` is within [`AttentionSupport::max_head_dim`].
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] naming `q`.
+    pub fn check_head_dim(&self, d: usize) -> Result<()> {
+        if d > self.max_head_dim {
+            return Err(Error::invalid(
+                "q",
+                format!(
+                    "head dim {d}: this implementation takes head dims up to {}",
+                    self.max_head_dim
+                ),
             ));
         }
         Ok(())

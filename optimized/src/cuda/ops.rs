@@ -33,6 +33,7 @@ use packshard_reference::{Error, Result};
 use super::attention::{AttentionKernels, AttnForward, AttnShape, BackwardCall, Call, Form};
 use super::emu::Emulator;
 use super::vocab::{self, ShardKernels};
+use super::MAX_HEAD_DIM;
 use super::{CudaError, Gpu};
 use crate::convert::{to_f32, to_f32_real};
 use crate::ops::scalar_attention::{inputs, saved, widen, widen_grads};
@@ -199,11 +200,7 @@ impl<B: AttentionKernels + 'static> CudaAttention<B> {
 impl<B: AttentionKernels + 'static> AttentionOp for CudaAttention<B> {
     /// Bidirectional self-attention with `h_kv == h` only.
     fn support(&self) -> AttentionSupport {
-        AttentionSupport {
-            causal: false,
-            gqa: false,
-            cross: false,
-        }
+        AttentionSupport::BIDIRECTIONAL.with_max_head_dim(MAX_HEAD_DIM)
     }
 
     fn varlen_forward(&self, x: Qkv<'_>, p: &Varlen<'_>) -> Result<AttentionOutput> {

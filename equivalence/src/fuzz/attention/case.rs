@@ -261,7 +261,8 @@ impl AttentionFuzzCase {
     /// without cross support each segment becomes `l x l` with `l =
     /// min(l_q, l_k)`, its first `l` queries and keys (a segment without
     /// keys keeps one query, its key and value made from that query's row),
-    /// so the work grows by at most one pair a segment.
+    /// so the work grows by at most one pair a segment; past the support's
+    /// `max_head_dim`, the first `max_head_dim` dims of every head.
     /// The malformation, if any, stays.
     pub fn within(&self, support: AttentionSupport) -> (AttentionFuzzCase, Vec<&'static str>) {
         let mut c = self.clone();
@@ -318,6 +319,17 @@ impl AttentionFuzzCase {
                 c.malformed = Some(Malformed::Queries(how));
             }
             changed.push("cross");
+        }
+        let d = c.q.dim().2;
+        if d > support.max_head_dim {
+            // The first `max_head_dim` dims of every head (the scale kept).
+            let keep = support.max_head_dim;
+            let cut = |x: &Array3<f64>| {
+                x.slice_axis(ndarray::Axis(2), ndarray::Slice::from(0..keep))
+                    .to_owned()
+            };
+            (c.q, c.k, c.v, c.grad_output) = (cut(&c.q), cut(&c.k), cut(&c.v), cut(&c.grad_output));
+            changed.push("head_dim");
         }
         (c, changed)
     }
