@@ -412,7 +412,8 @@ impl Gpu {
     /// Times the forward (`backward: false`) or the forward plus backward
     /// (`grad_output = v`) on device-resident inputs: uploads once, runs one
     /// warm-up pass, then `reps`; seconds per pass (kernel time, no copies).
-    /// For the GPU bench.
+    /// For the GPU bench; [`attention_device_bytes`] gives the memory the
+    /// pass holds.
     ///
     /// # Errors
     /// As [`AttentionKernels::attention_forward`].
@@ -587,4 +588,21 @@ pub fn attention_flops(cu_seqlens: &[usize], h: usize, d: usize, backward: bool)
         .sum();
     let per = if backward { 10.0 } else { 4.0 };
     per * d as f64 * h as f64 * pairs
+}
+
+/// Bytes of the device buffers an attention pass holds: `q, k, v, out`
+/// (`[n_tok, h, d]` f32 each), `lse` (`[h, n_tok]`) and `cu_seqlens` for the
+/// forward; with the backward also `grad_output, grad_q, grad_k, grad_v` and
+/// `delta`. What PyTorch's `max_memory_allocated` counts for the same call
+/// (the GPU bench puts them side by side). [`Gpu::time_attention`]
+/// allocates the backward's buffers for either pass.
+pub fn attention_device_bytes(shape: AttnShape, segments: usize, backward: bool) -> usize {
+    let vals = shape.values();
+    let rows = shape.h * shape.n_tok;
+    let cu = 4 * (segments + 1);
+    if backward {
+        4 * (8 * vals + 2 * rows) + cu
+    } else {
+        4 * (4 * vals + rows) + cu
+    }
 }

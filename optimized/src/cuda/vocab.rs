@@ -376,6 +376,81 @@ impl ShardKernels for Gpu {
     }
 }
 
+impl Gpu {
+    /// Times one shard's three kernels as one forward + backward pass of the
+    /// fused output layer (`lce_stats`, `lce_dx`, `lce_dw`) on
+    /// device-resident inputs: uploads once, one warm-up pass, then `reps`.
+    /// Returns seconds per pass (kernel time, no copies) and the bytes of
+    /// every device buffer the pass holds (inputs, row inputs, statistics,
+    /// both partials and the weight gradient: the kernels allocate nothing
+    /// else; PyTorch's `max_memory_allocated` counts the same). For the GPU
+    /// bench (`gpu_output_layer_bench`).
+    ///
+    /// # Errors
+    /// Shape errors naming the field; driver errors.
+    pub fn time_output_layer(
+        &self,
+        x: &ShardInput<'_>,
+        rows: &RowInputs<'_>,
+        reps: usize,
+    ) -> Result<(f64, usize)> {
+        let (Some(ls), Some(ld), Some(lw)) = (
+            x.stats_launch()?,
+            x.partials_launch(rows)?,
+            x.weight_grad_launch(rows)?,
+        ) else {
+            return Ok((0.0, 0));
+        };
+        let s = self.stream();
+        let inputs = ShardBuffers::upload(self, x, Some(rows))?;
+        let stats_in = ShardBuffers::upload(self, x, None)?;
+        let mut stats = Vec::with_capacity(4);
+        for what in ["local_max", "local_rest", "local_gap", "target_logit"] {
+            stats.push(driver(what, s.alloc_zeros::<f32>(x.n))?);
+        }
+        let mut dp = driver("alloc dpart", s.alloc_zeros::<f32>(x.n * x.hd))?;
+        let mut bp = driver("alloc bpart", s.alloc_zeros::<f32>(x.n * x.hd))?;
+        let mut gw = driver("alloc grad_weight", s.alloc_zeros::<f32>(x.w * x.hd))?;
+        // hidden, weight and targets (twice: the statistics launch takes
+        // no row inputs), 6 row inputs, 4 statistics, 2 partials, grad W.
+        let bytes =
+            4 * (2 * (x.n * x.hd + x.w * x.hd + x.n) + 10 * x.n + 2 * x.n * x.hd + x.w * x.hd);
+        let (fs, fd, fw) = (
+            self.function("vocab", ls.entry)?,
+            self.function("vocab", ld.entry)?,
+            self.function("vocab", lw.entry)?,
+        );
+        let mut pass = || -> Result<()> {
+            let mut b = s.launch_builder(&fs);
+            stats_in.push(&mut b);
+            for o in stats.iter_mut() {
+                b.arg(o);
+            }
+            // SAFETY: as in `ShardKernels::stats`.
+            driver("launch lce_stats", unsafe { b.launch(ls.config()) })?;
+            let mut b = s.launch_builder(&fd);
+            inputs.push(&mut b);
+            b.arg(&mut dp).arg(&mut bp);
+            // SAFETY: as in `ShardKernels::input_partials`.
+            driver("launch lce_dx", unsafe { b.launch(ld.config()) })?;
+            let mut b = s.launch_builder(&fw);
+            inputs.push(&mut b);
+            b.arg(&mut gw);
+            // SAFETY: as in `ShardKernels::weight_grad`.
+            driver("launch lce_dw", unsafe { b.launch(lw.config()) })?;
+            Ok(())
+        };
+        pass()?;
+        driver("synchronize", s.synchronize())?;
+        let t0 = std::time::Instant::now();
+        for _ in 0..reps.max(1) {
+            pass()?;
+        }
+        driver("synchronize", s.synchronize())?;
+        Ok((t0.elapsed().as_secs_f64() / reps.max(1) as f64, bytes))
+    }
+}
+
 // ---- the alg2 driver ---------------------------------------------------------
 
 /// The reference's [`SoftmaxStats`] of token `i` of a shard of `real` rows
