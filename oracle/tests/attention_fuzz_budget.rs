@@ -23,7 +23,16 @@ fn every_registered_attention_passes_the_default_budget() {
                 continue;
             }
         };
-        for seed in [0, 1] {
+        // The CPU emulator of the CUDA kernels runs a thread per CUDA thread
+        // (27 s a seed on CI's 2 cores, as long as every other entry's two
+        // seeds together): one seed there. The device kernel it emulates runs
+        // both (and did, on an H200: docs/GPU.md).
+        let seeds: &[u64] = if entry.needs == registry::Needs::CxxCompiler {
+            &[0]
+        } else {
+            &[0, 1]
+        };
+        for &seed in seeds {
             let start = Instant::now();
             let seen = fuzz_budgeted(Budget::DEFAULT, seed, |d| {
                 fa::run(imp.as_ref(), entry.fuzz_judge, d)
