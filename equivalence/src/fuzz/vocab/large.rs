@@ -154,15 +154,21 @@ pub(super) fn grads(
     if !want_grad || b / 8 % 4 == 3 {
         return Ok((want_grad, None));
     }
+    Ok((want_grad, Some(upstream(gen, n, reduction))))
+}
+
+/// An upstream gradient for `n` tokens under `reduction` (`[n]` under
+/// `none`, else `[1]`), each value 0, 1 or in `[-2, 2]` (a quarter, a
+/// quarter, a half) from `gen`.
+pub(super) fn upstream(gen: &mut Gen, n: usize, reduction: Reduction) -> Vec<f64> {
     let len = if reduction == Reduction::None { n } else { 1 };
-    let g = (0..len)
+    (0..len)
         .map(|_| match gen.below(4) {
             0 => 0.0,
             1 => 1.0,
             _ => gen.uniform(-2.0, 2.0),
         })
-        .collect();
-    Ok((want_grad, Some(g)))
+        .collect()
 }
 
 /// Targets of a large case from `gen`: `ignore` one in five, else a real
