@@ -162,7 +162,8 @@ fn random_docs(rng: &mut ChaCha8Rng, options: &CollatorOptions) -> Vec<Doc> {
     docs
 }
 
-/// The features of `docs`: ids unique in the case (never `pad_token_id`,
+/// The features of `docs` (with `labels` on every one when any has a
+/// prompt): ids unique in the case (never `pad_token_id`,
 /// EOS, the separator, negative or `ignore_index`); with `eos_token_id`
 /// each non-empty document ends with EOS and has at least 2 tokens (a
 /// one-token EOS document would not name its document). A continuation
@@ -181,6 +182,7 @@ fn features(rng: &mut ChaCha8Rng, docs: &[Doc], options: &CollatorOptions) -> Ve
     let mut used = HashSet::new();
     let mut last: Option<i64> = None;
     let mut out = Vec::with_capacity(docs.len());
+    let any_prompt = docs.iter().any(|d| d.2 > 0);
     for &(m, mut start, prompt) in docs {
         let m = if options.eos_token_id.is_some() && m == 1 {
             2
@@ -207,7 +209,9 @@ fn features(rng: &mut ChaCha8Rng, docs: &[Doc], options: &CollatorOptions) -> Ve
             }
             f.position_ids = Some((start..start + m as i64).collect());
         }
-        if prompt > 0 {
+        if any_prompt {
+            // Every feature of a case has the same keys, as a dataset's
+            // (Hugging Face's collators read `labels` of all or none).
             let mut l = f.input_ids.clone();
             l[..prompt].fill(HF_IGNORE);
             f.labels = Some(l);

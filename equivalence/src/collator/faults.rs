@@ -1,6 +1,6 @@
 //! Collators with one shipped mistake each: the negative controls of
 //! [`super::check_collator`] (docs/FAULTS.md C1–C4, C6, C7, P1, P3 and
-//! K1–K8). [`Planted`] breaks [`Flattening`]; [`RowFault`] breaks
+//! K1–K9). [`Planted`] breaks [`Flattening`]; [`RowFault`] breaks
 //! [`super::RowPacking`].
 
 use super::reference::{Flattening, Row};

@@ -1,5 +1,5 @@
 //! Checks a data collator of packed causal-LM batches (issue 36;
-//! docs/HF.md, docs/FAULTS.md C1–C4, C6, C7 and K1–K8).
+//! docs/HF.md, docs/FAULTS.md C1–C4, C6, C7 and K1–K9).
 //!
 //! A [`Collator`] turns tokenized documents ([`Feature`]s, Hugging Face's
 //! feature format) into model inputs ([`Collated`]): one flattened row
@@ -13,7 +13,7 @@
 //! (`packshard_reference::decoder::packing::next_token_labels` on the layout
 //! read back, with the prompt masks, separators and positions of the
 //! features). [`check_collator`] generates document sets the way collators
-//! break ([`cases`]), runs the collator on each, and reports the smallest
+//! break ([`generate`]), runs the collator on each, and reports the smallest
 //! failing case (the failing case with the fewest tokens, then shrunk by
 //! leaving out documents while it still fails).
 //!

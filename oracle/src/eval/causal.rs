@@ -137,8 +137,10 @@ pub(super) fn causal_labels(value: &Value) -> Result<Value, EvalError> {
 /// `causal_conversions`: exactly one of `position_ids` ([n_tok]),
 /// `cu_seqlens` ([b + 1]), `seq_idx` ([n_tok], with `num_segments`,
 /// default its largest index + 1) or `doc_ids` ([n_slots], 0 = padding);
-/// `first_offset` (the first segment's first position, default 0; from
-/// `position_ids[0]` for `position_ids`). Result: every form — `cu_seqlens`,
+/// `first_offset` (the first segment's first position, default
+/// `position_offset`; from `position_ids[0]` for `position_ids`),
+/// `position_offset` (every other segment's first position, default 0:
+/// `batch`'s `position_offset`, RoBERTa's 2, so a batch round-trips). Result: every form — `cu_seqlens`,
 /// `max_seqlen`, `num_segments`, `position_ids`, `seq_idx`, `slots` (the
 /// real slots, [n_tok]), `doc_ids` ([n_slots], renumbered 1.. in order),
 /// `n_tok`, `n_slots`.
@@ -152,6 +154,7 @@ pub(super) fn causal_conversions(value: &Value) -> Result<Value, EvalError> {
             "num_segments",
             "doc_ids",
             "first_offset",
+            "position_offset",
         ],
     )?;
     no_gradients(&case, "causal_conversions")?;
@@ -168,7 +171,10 @@ pub(super) fn causal_conversions(value: &Value) -> Result<Value, EvalError> {
             "not with position_ids (the first offset is position_ids[0])",
         ));
     }
-    let mut first_offset = case.opt_usize("first_offset")?.unwrap_or(0);
+    // Every segment's first position but the first (`batch`'s
+    // position_offset); the first segment's is first_offset.
+    let position_offset = case.opt_usize("position_offset")?.unwrap_or(0);
+    let mut first_offset = case.opt_usize("first_offset")?.unwrap_or(position_offset);
     // (cu_seqlens, real slots, n_slots)
     let (cu, slots, n_slots) = match from {
         "position_ids" => {
@@ -220,8 +226,21 @@ pub(super) fn causal_conversions(value: &Value) -> Result<Value, EvalError> {
             format!("{first_offset} + {n_tok} tokens is over {MAX_POSITION}"),
         ));
     }
-    let position_ids = position_ids_from_cu_seqlens(&cu, first_offset)?;
+    if position_offset as u128 + n_tok as u128 > MAX_POSITION as u128 {
+        return Err(EvalError::invalid(
+            "position_offset",
+            format!("{position_offset} + {n_tok} tokens is over {MAX_POSITION}"),
+        ));
+    }
+    let mut position_ids = position_ids_from_cu_seqlens(&cu, first_offset)?;
     let seq_idx = seq_idx_from_cu_seqlens(&cu)?;
+    // position_ids_from_cu_seqlens counts every segment but the first from
+    // 0; `batch` counts each from position_offset.
+    for (p, &s) in position_ids.iter_mut().zip(&seq_idx) {
+        if s > 0 {
+            *p += position_offset;
+        }
+    }
     let doc_ids = doc_ids_from_varlen(&slots, &cu, n_slots)?;
     let max_seqlen = cu.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0);
     Ok(json!({
