@@ -221,8 +221,14 @@ pub(super) fn causal_conversions(value: &Value) -> Result<Value, EvalError> {
     // (From position_ids the first segment's positions are given, so at
     // most MAX_POSITION already.)
     if from != "position_ids" && first_offset as u128 + n_tok as u128 > MAX_POSITION as u128 {
+        // first_offset defaults to position_offset: name the one given.
+        let given = if case.has("first_offset") || !case.has("position_offset") {
+            "first_offset"
+        } else {
+            "position_offset"
+        };
         return Err(EvalError::invalid(
-            "first_offset",
+            given,
             format!("{first_offset} + {n_tok} tokens is over {MAX_POSITION}"),
         ));
     }
@@ -264,4 +270,36 @@ fn no_gradients(case: &Case, op: &str) -> Result<(), EvalError> {
         return Err(EvalError::invalid("want_grad", message));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `batch`'s rows with `position_offset` 2 (documents of 3 and 2 tokens:
+    /// `[2, 3, 4, 2, 3]`) round-trip (issue 36); without the offset only the
+    /// first segment keeps it (the negative control).
+    #[test]
+    fn position_offset_round_trips_a_batch_row() {
+        let row = json!([2, 3, 4, 2, 3]);
+        let with = causal_conversions(
+            &json!({"op": "causal_conversions", "position_ids": row, "position_offset": 2}),
+        )
+        .unwrap();
+        assert_eq!(with["position_ids"], row);
+        assert_eq!(with["cu_seqlens"], json!([0, 3, 5]));
+        let from_docs = causal_conversions(&json!({
+            "op": "causal_conversions", "doc_ids": [1, 1, 1, 2, 2, 0], "position_offset": 2
+        }))
+        .unwrap();
+        assert_eq!(from_docs["position_ids"], row);
+        let without =
+            causal_conversions(&json!({"op": "causal_conversions", "position_ids": row})).unwrap();
+        assert_eq!(without["position_ids"], json!([2, 3, 4, 0, 1]));
+        let e = causal_conversions(&json!({
+            "op": "causal_conversions", "cu_seqlens": [0, 2], "position_offset": i64::MAX
+        }))
+        .unwrap_err();
+        assert!(e.message.starts_with("position_offset"), "{}", e.message);
+    }
 }
