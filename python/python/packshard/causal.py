@@ -12,6 +12,8 @@ requires ``torch.int32`` offsets) and int64 for numpy input (``batch``'s),
 or as ``cu_dtype`` says.
 """
 
+from typing import Any, Dict, Optional
+
 import numpy as np
 
 __all__ = ["causal_labels", "causal_conversions"]
@@ -73,8 +75,10 @@ def _cu_out(form, cu, cu_dtype):
     return form.out(np.asarray(cu, dtype=dtype))
 
 
-def causal_labels(input_ids, doc_ids=None, cu_seqlens=None, *, eos_token_id=None,
-                  ignore_index=-100, num_documents=None, allow_move=True):
+def causal_labels(input_ids: Any, doc_ids: Any = None, cu_seqlens: Any = None, *,
+                  eos_token_id: Optional[int] = None, ignore_index: int = -100,
+                  num_documents: Optional[int] = None,
+                  allow_move: bool = True) -> Dict[str, Any]:
     """Next-token labels inside each document and the loss weights
     (docs/FAULTS.md C1, C2, C7; ``packshard_reference::decoder::packing``).
 
@@ -112,9 +116,11 @@ def causal_labels(input_ids, doc_ids=None, cu_seqlens=None, *, eos_token_id=None
     return out
 
 
-def causal_conversions(position_ids=None, cu_seqlens=None, seq_idx=None, doc_ids=None, *,
-                       num_segments=None, first_offset=None, position_offset=None,
-                       cu_dtype=None, allow_move=True):
+def causal_conversions(position_ids: Any = None, cu_seqlens: Any = None, seq_idx: Any = None,
+                       doc_ids: Any = None, *, num_segments: Optional[int] = None,
+                       first_offset: Optional[int] = None,
+                       position_offset: Optional[int] = None, cu_dtype: Any = None,
+                       allow_move: bool = True) -> Dict[str, Any]:
     """The four ways a packed row names its documents, into one another
     (docs/FAULTS.md C3, C4, C6).
 

@@ -14,6 +14,7 @@ layout. :func:`judge_batch` judges one batch.
 """
 
 import json
+from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 
@@ -75,7 +76,7 @@ def _options(cases=100, seed=0, labels="shifted", ignore_index=-100, eos_token_i
     return o
 
 
-def batch_cases(**options):
+def batch_cases(**options: Any) -> List[Dict[str, Any]]:
     """The cases :func:`check_batches` runs (same options): a list of dicts
     with ``features`` (Hugging Face's, ids unique in the case), ``source``,
     ``describe`` and ``tokens``."""
@@ -204,9 +205,11 @@ def _rename(failure, names):
     return failure
 
 
-def judge_batch(features, out, *, labels="shifted", ignore_index=-100, eos_token_id=None,
-                separator_id=None, pad_token_id=0, mask=None, require_boundaries=True,
-                cu_dtype="int32"):
+def judge_batch(features: List[Dict[str, Any]], out: Any, *, labels: str = "shifted",
+                ignore_index: int = -100, eos_token_id: Optional[int] = None,
+                separator_id: Optional[int] = None, pad_token_id: int = 0,
+                mask: Optional[str] = None, require_boundaries: bool = True,
+                cu_dtype: Any = "int32") -> Dict[str, Any]:
     """Judges ``out`` (a mapping of numpy arrays, lists or torch tensors) as
     the batch of ``features``. Per-token fields ``[r, n]`` (or ``[n]``):
     ``input_ids``, ``labels`` (``"shifted"`` or ``"unshifted"``),
@@ -242,10 +245,13 @@ def judge_batch(features, out, *, labels="shifted", ignore_index=-100, eos_token
     return {k: verdict[k] for k in ("rows", "slots", "fields")}
 
 
-def check_batches(fn, *, cases=100, seed=0, max_seq_len=None, labels="shifted",
-                  ignore_index=-100, eos_token_id=None, separator_id=None, pad_token_id=0,
-                  mask=None, kinds=None, require_boundaries=True, cu_dtype="int32",
-                  raise_on_failure=True):
+def check_batches(fn: Callable[[List[Dict[str, Any]]], Any], *, cases: int = 100,
+                  seed: int = 0, max_seq_len: Optional[int] = None, labels: str = "shifted",
+                  ignore_index: int = -100, eos_token_id: Optional[int] = None,
+                  separator_id: Optional[int] = None, pad_token_id: int = 0,
+                  mask: Optional[str] = None, kinds: Optional[List[str]] = None,
+                  require_boundaries: bool = True, cu_dtype: Any = "int32",
+                  raise_on_failure: bool = True) -> Dict[str, Any]:
     """Runs the collator ``fn(features)`` on the fixed cases of issue 36 and
     docs/FAULTS.md and ``cases`` random ones (seed ``seed``) and judges each
     batch with :func:`judge_batch`.
