@@ -89,7 +89,8 @@ def test_judge_batch_names_field_row_and_index():
            "position_ids": [[0, 1, 2, 0], [0, 0, 1, 0]],
            "cu_seqlens": [np.array([0, 3]), np.array([0, 1, 3])]}
     doc = np.array([[1, 1, 1, 0], [1, 2, 2, 0]])
-    m = (doc[:, :, None] == doc[:, None, :]) & (doc[:, None, :] > 0) & np.tril(np.ones((4, 4), bool))
+    causal = np.tril(np.ones((4, 4), bool))
+    m = (doc[:, :, None] == doc[:, None, :]) & (doc[:, None, :] > 0) & causal
     assert judge_batch(feats, dict(two, attention_mask=m[:, None]))["rows"] == 2
     m[1, 2, 0] = True  # row 1: document 2's query sees document 1
     with pytest.raises(BatchFailure) as e:
