@@ -24,6 +24,9 @@
 //! - [`causal`]: a causal decoder's logits, next-token loss under each
 //!   reduction and every gradient, packed == unpacked, and continuation
 //!   chunks over cached keys (C1–C7, P7).
+//! - [`collator`]: a data collator's packed causal-LM batch (Hugging Face's
+//!   and PyTorch's conventions, one row or many) against the features it
+//!   was given (issue 36; C1–C4, C6, C7, K1–K9).
 //!
 //! Shape legend as in `packshard-reference`: `n_tok` tokens, `b` segments,
 //! `h` heads, `d` head dim, `v` vocabulary, `p` shards.
@@ -39,6 +42,7 @@ pub mod attention_general;
 pub mod baseline32;
 pub mod bert;
 pub mod causal;
+pub mod collator;
 pub mod compare;
 pub mod fuzz;
 pub mod packing;

@@ -13,6 +13,7 @@
 //! `h` heads, `d` head dim, `n` rows, `v` vocabulary, `p` shards.
 
 pub mod cases;
+pub mod collator;
 pub mod core;
 pub mod judge;
 #[cfg(feature = "python")]

@@ -554,6 +554,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(round_to, m)?)?;
     m.add_function(wrap_pyfunction!(check_precision, m)?)?;
     m.add_function(wrap_pyfunction!(_panic_probe, m)?)?;
+    m.add_function(wrap_pyfunction!(crate::collator::collator_json, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

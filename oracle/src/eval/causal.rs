@@ -137,8 +137,10 @@ pub(super) fn causal_labels(value: &Value) -> Result<Value, EvalError> {
 /// `causal_conversions`: exactly one of `position_ids` ([n_tok]),
 /// `cu_seqlens` ([b + 1]), `seq_idx` ([n_tok], with `num_segments`,
 /// default its largest index + 1) or `doc_ids` ([n_slots], 0 = padding);
-/// `first_offset` (the first segment's first position, default 0; from
-/// `position_ids[0]` for `position_ids`). Result: every form — `cu_seqlens`,
+/// `first_offset` (the first segment's first position, default
+/// `position_offset`; from `position_ids[0]` for `position_ids`),
+/// `position_offset` (every other segment's first position, default 0:
+/// `batch`'s `position_offset`, RoBERTa's 2, so a batch round-trips). Result: every form — `cu_seqlens`,
 /// `max_seqlen`, `num_segments`, `position_ids`, `seq_idx`, `slots` (the
 /// real slots, [n_tok]), `doc_ids` ([n_slots], renumbered 1.. in order),
 /// `n_tok`, `n_slots`.
@@ -152,6 +154,7 @@ pub(super) fn causal_conversions(value: &Value) -> Result<Value, EvalError> {
             "num_segments",
             "doc_ids",
             "first_offset",
+            "position_offset",
         ],
     )?;
     no_gradients(&case, "causal_conversions")?;
@@ -168,7 +171,10 @@ pub(super) fn causal_conversions(value: &Value) -> Result<Value, EvalError> {
             "not with position_ids (the first offset is position_ids[0])",
         ));
     }
-    let mut first_offset = case.opt_usize("first_offset")?.unwrap_or(0);
+    // Every segment's first position but the first (`batch`'s
+    // position_offset); the first segment's is first_offset.
+    let position_offset = case.opt_usize("position_offset")?.unwrap_or(0);
+    let mut first_offset = case.opt_usize("first_offset")?.unwrap_or(position_offset);
     // (cu_seqlens, real slots, n_slots)
     let (cu, slots, n_slots) = match from {
         "position_ids" => {
@@ -215,13 +221,32 @@ pub(super) fn causal_conversions(value: &Value) -> Result<Value, EvalError> {
     // (From position_ids the first segment's positions are given, so at
     // most MAX_POSITION already.)
     if from != "position_ids" && first_offset as u128 + n_tok as u128 > MAX_POSITION as u128 {
+        // first_offset defaults to position_offset: name the one given.
+        let given = if case.has("first_offset") || !case.has("position_offset") {
+            "first_offset"
+        } else {
+            "position_offset"
+        };
         return Err(EvalError::invalid(
-            "first_offset",
+            given,
             format!("{first_offset} + {n_tok} tokens is over {MAX_POSITION}"),
         ));
     }
-    let position_ids = position_ids_from_cu_seqlens(&cu, first_offset)?;
+    if position_offset as u128 + n_tok as u128 > MAX_POSITION as u128 {
+        return Err(EvalError::invalid(
+            "position_offset",
+            format!("{position_offset} + {n_tok} tokens is over {MAX_POSITION}"),
+        ));
+    }
+    let mut position_ids = position_ids_from_cu_seqlens(&cu, first_offset)?;
     let seq_idx = seq_idx_from_cu_seqlens(&cu)?;
+    // position_ids_from_cu_seqlens counts every segment but the first from
+    // 0; `batch` counts each from position_offset.
+    for (p, &s) in position_ids.iter_mut().zip(&seq_idx) {
+        if s > 0 {
+            *p += position_offset;
+        }
+    }
     let doc_ids = doc_ids_from_varlen(&slots, &cu, n_slots)?;
     let max_seqlen = cu.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0);
     Ok(json!({
@@ -245,4 +270,36 @@ fn no_gradients(case: &Case, op: &str) -> Result<(), EvalError> {
         return Err(EvalError::invalid("want_grad", message));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `batch`'s rows with `position_offset` 2 (documents of 3 and 2 tokens:
+    /// `[2, 3, 4, 2, 3]`) round-trip (issue 36); without the offset only the
+    /// first segment keeps it (the negative control).
+    #[test]
+    fn position_offset_round_trips_a_batch_row() {
+        let row = json!([2, 3, 4, 2, 3]);
+        let with = causal_conversions(
+            &json!({"op": "causal_conversions", "position_ids": row, "position_offset": 2}),
+        )
+        .unwrap();
+        assert_eq!(with["position_ids"], row);
+        assert_eq!(with["cu_seqlens"], json!([0, 3, 5]));
+        let from_docs = causal_conversions(&json!({
+            "op": "causal_conversions", "doc_ids": [1, 1, 1, 2, 2, 0], "position_offset": 2
+        }))
+        .unwrap();
+        assert_eq!(from_docs["position_ids"], row);
+        let without =
+            causal_conversions(&json!({"op": "causal_conversions", "position_ids": row})).unwrap();
+        assert_eq!(without["position_ids"], json!([2, 3, 4, 0, 1]));
+        let e = causal_conversions(&json!({
+            "op": "causal_conversions", "cu_seqlens": [0, 2], "position_offset": i64::MAX
+        }))
+        .unwrap_err();
+        assert!(e.message.starts_with("position_offset"), "{}", e.message);
+    }
 }

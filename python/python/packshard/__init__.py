@@ -34,6 +34,8 @@ __all__ = [
     "eval",
     "implementations",
     "testing",
+    "causal_labels",
+    "causal_conversions",
 ]
 
 REFERENCE = "reference"
@@ -282,3 +284,4 @@ def implementations(op=None):
 
 from . import testing  # noqa: E402  (testing uses the functions above)
 from .collator import check_collator  # noqa: E402,F401  (issue 36; docs/HF.md)
+from .causal import causal_conversions, causal_labels  # noqa: E402,F401  (issue 36)
