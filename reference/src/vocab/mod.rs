@@ -316,6 +316,12 @@ impl LossConfig {
                 let valid = targets.iter().filter(|t| t.is_some()).count();
                 if valid == 0 {
                     0.0
+                } else if sum.is_infinite() && per_token.iter().all(|x| x.is_finite()) {
+                    // Finite losses whose sum is beyond f64 (two of 1.5e308):
+                    // the mean is within it, summed from each over `valid`
+                    // (issue #32: inf answered for a finite true mean). In
+                    // range the sum is divided once, bit for bit as before.
+                    sum::sum(per_token.iter().map(|x| x / valid as f64))
                 } else {
                     sum / valid as f64
                 }
