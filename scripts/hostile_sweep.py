@@ -79,8 +79,11 @@ def long_segment(r):
     every impl, where the optimized ones used to run for a minute."""
     n = r.choice([24000, 40000, 100000])
     t = [[[0.5]]] * n
-    return {"op": "attention", "impl": r.choice(IMPLS), "q": t, "k": t, "v": t,
-            "cu_seqlens": [0, n], "want_grad": r.random() < 0.5}
+    c = {"op": "attention", "impl": r.choice(IMPLS), "q": t, "k": t, "v": t,
+         "cu_seqlens": [0, n]}
+    if r.random() < 0.5:
+        c["want_grad"], c["grad_output"] = True, t
+    return c
 
 
 def linear(r):
