@@ -166,3 +166,33 @@ fn a_mean_of_finite_losses_whose_sum_is_beyond_f64_is_the_mean() {
     let m = answered(&small)["loss"].as_f64().unwrap();
     assert!((m - 1.1e300).abs() <= 1e-15 * 1.1e300, "{m:e}");
 }
+
+#[test]
+fn verify_causal_lm_checks_the_parameters_before_building_the_model() {
+    let Some(a) = packshard::assets::require(
+        "verify_causal_lm_checks_the_parameters_before_building_the_model",
+    ) else {
+        return;
+    };
+    // 1,000 layers of SwiGLU 100,000 wide at hidden 32: ~77 GB of f64
+    // parameters, three copies. It was allocated before any check (an abort
+    // under the cap); now refused from the sizes before the model is built.
+    let t = Instant::now();
+    let o = common::verify_command("causal-lm", "--tokenizer", &a.minilm, &a.shakespeare)
+        .args([
+            "--max-lines",
+            "2",
+            "--layers",
+            "1000",
+            "--intermediate",
+            "100000",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert_clean(&o, "verify causal-lm");
+    let e = stderr(&o);
+    assert!(e.contains("max_seq_len") && e.contains("parameters"), "{e}");
+    // From the sizes: well under the 10 s a check may take.
+    assert!(t.elapsed().as_secs() < 10, "{:?}", t.elapsed());
+}
