@@ -119,6 +119,17 @@ pub fn verify(
     let (plan, packed_batch) = PackedBatch::from_sequences(&sample.sequences, &config, pad, 0)?;
     let b = sample.sequences.len();
     let weights = LossWeights::new(&sample.targets, opts.reduction);
+    // Both runs' activations checked before either starts (each run checks
+    // its own again; the parameters were checked at load).
+    let padded_slots = b.saturating_mul(opts.max_seq_len);
+    let packed_slots = packed_batch.flat_cu_seqlens().last().copied().unwrap_or(0);
+    packshard_reference::limits::check_estimate(
+        "max_seq_len",
+        model
+            .config
+            .activation_bytes(padded_slots.max(packed_slots)),
+        &format!("the activations of {padded_slots} padded token slots (verify bert)"),
+    )?;
 
     progress("padded forward + backward");
     let t0 = Instant::now();

@@ -71,3 +71,5 @@ fn the_helpers_see_what_they_are_given() {
     assert!(flat(&json!([null]))[0].is_nan());
     let _ = temp_path("edges", "x");
 }
+#[path = "hostile_edges/work.rs"]
+mod work;

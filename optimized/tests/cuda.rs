@@ -827,3 +827,122 @@ fn gpu_output_layer_bench() {
         );
     }
 }
+
+/// The f32 option checks the CPU kernels make (`check_call_f32`), in the
+/// CUDA adapter too (issue #32): a `z_loss` or an upstream gradient beyond
+/// f32's range is refused by name in both forms, never rounded to inf.
+#[test]
+fn the_op_refuses_options_beyond_f32() {
+    use packshard_reference::vocab::GradRequest;
+    static CPU: CpuShard = CpuShard;
+    let op = CudaLinearCrossEntropy::new(&CPU);
+    let c = linear_case(4, 3, 10, 9);
+    let h = Array2::from_shape_vec((4, 3), c.hidden.clone())
+        .unwrap()
+        .mapv(f64::from);
+    let w = Array2::from_shape_vec((10, 3), c.weight.clone())
+        .unwrap()
+        .mapv(f64::from);
+    let input = LinearInput::new(h.view(), w.view());
+    let map = ShardMap::new(10, 2, ShardLayout::Uneven).unwrap();
+    // 1e39: just past f32's 3.4e38.
+    let (big_z, plain) = (
+        LossConfig::default().with_z_loss(1e39),
+        LossConfig::default(),
+    );
+    let (up, one) = ([1e39], [1.0]);
+    // Both forms of one call (a macro: the call borrows the case's values).
+    macro_rules! run {
+        ($call:expr) => {{
+            let call = $call;
+            [
+                op.linear_cross_entropy(LinearCall::new(input, call))
+                    .map(|_| ()),
+                op.sharded_linear_cross_entropy(
+                    ShardPlan::new(ShardedAlgorithm::Alg2, map),
+                    LinearCall::new(input, call),
+                )
+                .map(|_| ()),
+            ]
+        }};
+    }
+    for (call, field) in [
+        (LossCall::with_flag(&c.targets, &big_z, true), "z_loss"),
+        (
+            LossCall::new(&c.targets, &plain, GradRequest::Upstream(&up)),
+            "grad_output[0]",
+        ),
+    ] {
+        for r in run!(call) {
+            match r {
+                Err(Error::InvalidArgument { field: f, .. }) => assert_eq!(f, field),
+                other => panic!("{field}: {other:?}"),
+            }
+        }
+    }
+    // A negative control: an upstream gradient of 1 is taken.
+    for r in run!(LossCall::new(
+        &c.targets,
+        &plain,
+        GradRequest::Upstream(&one)
+    )) {
+        r.unwrap();
+    }
+}
+
+/// The attention checks every CPU kernel makes, in the CUDA adapter too
+/// (issue #32): the score bound, the backward's `grad_output . v` bound and
+/// the work bound shared by every impl, each refused by name before launch.
+#[test]
+fn emulated_attention_refuses_what_every_impl_refuses() {
+    use ndarray::Array3;
+    use packshard_optimized::cuda::ops::CudaAttention;
+    use packshard_reference::ops::{AttentionOp, Grad, Qkv, Varlen};
+    if emu_or_skip("emulated_attention_refuses_what_every_impl_refuses").is_none() {
+        return;
+    }
+    let op = CudaAttention::emulated().unwrap();
+    let refused = |r: packshard_reference::Result<()>, field: &str| match r {
+        Err(Error::InvalidArgument { field: f, .. }) => assert_eq!(f, field),
+        other => panic!("{field}: {other:?}"),
+    };
+    let x = Array3::from_elem((4, 1, 2), 0.5);
+    let cu = [0, 4];
+    let p = Varlen::new(&cu, false, 0.5);
+    let fwd = op
+        .varlen_forward(Qkv::new(x.view(), x.view(), x.view()), &p)
+        .unwrap();
+    // grad_output 1e30 with |v| 0.5 and d = 2: 1e30 x 0.5 x 2 = 1e30, at
+    // MAX_SCORE; 1e31 is past it.
+    let big = Array3::from_elem((4, 1, 2), 1e31);
+    let back = |g: &Array3<f64>| {
+        op.varlen_backward(
+            Qkv::new(x.view(), x.view(), x.view()),
+            &p,
+            Grad::new(&fwd, g.view()),
+        )
+        .map(|_| ())
+    };
+    refused(back(&big), "grad_output");
+    // A negative control: a grad_output of 1 is answered.
+    back(&Array3::from_elem((4, 1, 2), 1.0)).unwrap();
+    // Scores: d x max|q| x max|k| = 2 x 1e16 x 1e16 = 2e32, past 1e30.
+    let q = Array3::from_elem((4, 1, 2), 1e16);
+    refused(
+        op.varlen_forward(Qkv::new(q.view(), q.view(), x.view()), &p)
+            .map(|_| ()),
+        "q",
+    );
+    // Work: 24,000^2 x (d + 1) = 1.7e9 units, past 2^29 (5.4e8).
+    let n = 24_000;
+    let long = Array3::from_elem((n, 1, 2), 0.5);
+    let cu_long = [0, n];
+    refused(
+        op.varlen_forward(
+            Qkv::new(long.view(), long.view(), long.view()),
+            &Varlen::new(&cu_long, false, 0.5),
+        )
+        .map(|_| ()),
+        "cu_seqlens",
+    );
+}

@@ -9,7 +9,9 @@ use indicatif::ProgressBar;
 use packshard::equivalence::causal::{reference_causal_lm, CausalForm};
 use packshard::reference::decoder::{DecoderConfig, DecoderModel};
 use packshard::text;
-use packshard::verify::causal::{verify_causal, CausalVerifyOptions, TOLERANCE};
+use packshard::verify::causal::{
+    check_causal_budget, verify_causal, CausalVerifyOptions, TOLERANCE,
+};
 
 use super::verify::{print_run, print_table, spinner, SampleArgs};
 use super::CliError;
@@ -88,6 +90,8 @@ fn run_with(
         a.intermediate,
         a.layers,
     );
+    // The parameters and both runs against the budget before any is built.
+    check_causal_budget(&config, &docs.tokenized, &opts)?;
     bar.set_message("initialising the model");
     let model = DecoderModel::random(config, a.seed)?;
     let progress = |m: &str| bar.set_message(m.to_string());

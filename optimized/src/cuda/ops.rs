@@ -10,7 +10,8 @@
 //! `grad_output`) rounded to f32 on entry, refusing finite values beyond
 //! its range, results widened to f64 on exit; bad input gets the
 //! reference's error (`check_varlen`, `check_mask_shape`,
-//! `check_grad_shapes`). The kernels run bidirectional self-attention with
+//! `check_grad_shapes`, `check_scores`, `check_grad_values`, the shared work
+//! bound; the f32 loss options of `check_call_f32`). The kernels run bidirectional self-attention with
 //! `h_kv == h` and `d <= 128`: causal masks, grouped-query and cross
 //! attention are declared unsupported ([`AttentionOp::support`]) and
 //! refused.
@@ -19,7 +20,8 @@ use std::sync::OnceLock;
 
 use ndarray::{Array2, Array3, Axis};
 use packshard_reference::attention::{
-    check_mask_shape, check_varlen, AttentionGrads, AttentionOutput,
+    check_grad_values, check_mask_shape, check_masked_work, check_scores, check_varlen,
+    check_varlen_work, AttentionGrads, AttentionOutput,
 };
 use packshard_reference::ops::{
     check_algorithm, AttentionOp, AttentionSupport, LinearCall, LinearCrossEntropyOp, LinearLoss,
@@ -35,7 +37,7 @@ use super::emu::Emulator;
 use super::vocab::{self, ShardKernels};
 use super::MAX_HEAD_DIM;
 use super::{CudaError, Gpu};
-use crate::convert::{to_f32, to_f32_real};
+use crate::convert::{check_call_f32, to_f32, to_f32_real};
 use crate::ops::scalar_attention::{inputs, saved, widen, widen_grads};
 use crate::vocab::{check_linear, check_linear_inputs};
 use packshard_reference::ops::{Grad, Masked, Qkv};
@@ -143,6 +145,7 @@ impl<B: AttentionKernels + 'static> CudaAttention<B> {
         let x32 = checked(x)?;
         check_varlen(p, x.q.dim().0, x.k.dim().0)?;
         self.support().check(p, x.q.dim().1, x.k.dim().1)?;
+        check_scores(&x.q, &x.k, p.scale)?;
         Ok(x32)
     }
 
@@ -150,6 +153,7 @@ impl<B: AttentionKernels + 'static> CudaAttention<B> {
     fn masked(x: &Qkv<'_>, m: &Masked<'_>) -> Result<(Inputs, Vec<bool>)> {
         let x32 = checked(x)?;
         check_mask_shape(m.allowed.shape(), x.q.dim().0)?;
+        check_scores(&x.q, &x.k, m.scale)?;
         Ok((x32, m.allowed.iter().copied().collect()))
     }
 
@@ -203,24 +207,34 @@ impl<B: AttentionKernels + 'static> AttentionOp for CudaAttention<B> {
         AttentionSupport::BIDIRECTIONAL.with_max_head_dim(MAX_HEAD_DIM)
     }
 
+    // Each call checks, in the reference's order, the shapes and mask, the
+    // scores, the backward's `grad_output . v`, then the work every impl
+    // shares (`check_varlen_work`, `check_masked_work`), before any launch.
+
     fn varlen_forward(&self, x: Qkv<'_>, p: &Varlen<'_>) -> Result<AttentionOutput> {
-        let x = self.varlen(&x, p)?;
-        self.forward(x, Form::Packed(p.cu_seqlens_q), p.scale)
+        let (x32, s) = self.varlen(&x, p)?;
+        check_varlen_work(p, s.h, s.d)?;
+        self.forward((x32, s), Form::Packed(p.cu_seqlens_q), p.scale)
     }
 
     fn varlen_backward(&self, x: Qkv<'_>, p: &Varlen<'_>, g: Grad<'_>) -> Result<AttentionGrads> {
-        let x = self.varlen(&x, p)?;
-        self.backward(x, Form::Packed(p.cu_seqlens_q), p.scale, g)
+        let (x32, s) = self.varlen(&x, p)?;
+        check_grad_values(&g.grad_output, &x.v)?;
+        check_varlen_work(p, s.h, s.d)?;
+        self.backward((x32, s), Form::Packed(p.cu_seqlens_q), p.scale, g)
     }
 
     fn masked_forward(&self, x: Qkv<'_>, m: Masked<'_>) -> Result<AttentionOutput> {
-        let (x, a) = Self::masked(&x, &m)?;
-        self.forward(x, Form::Masked(&a), m.scale)
+        let ((x32, s), a) = Self::masked(&x, &m)?;
+        check_masked_work(s.n_tok, s.n_tok, s.h, s.d)?;
+        self.forward((x32, s), Form::Masked(&a), m.scale)
     }
 
     fn masked_backward(&self, x: Qkv<'_>, m: Masked<'_>, g: Grad<'_>) -> Result<AttentionGrads> {
-        let (x, a) = Self::masked(&x, &m)?;
-        self.backward(x, Form::Masked(&a), m.scale, g)
+        let ((x32, s), a) = Self::masked(&x, &m)?;
+        check_grad_values(&g.grad_output, &x.v)?;
+        check_masked_work(s.n_tok, s.n_tok, s.h, s.d)?;
+        self.backward((x32, s), Form::Masked(&a), m.scale, g)
     }
 }
 
@@ -306,6 +320,7 @@ impl<B: ShardKernels + Sync + 'static> LinearCrossEntropyOp for CudaLinearCrossE
         let w = to_f32("weight", c.input.weight)?;
         check_linear_inputs(x.view(), w.view(), call)?;
         self.options().check(call)?;
+        check_call_f32(call)?;
         let map = ShardMap::new(w.nrows(), 1, ShardLayout::Uneven)?;
         let mut l =
             vocab::sharded_linear_cross_entropy(self.kernels, &map, x.view(), w.view(), call)
@@ -342,6 +357,7 @@ impl<B: ShardKernels + Sync + 'static> LinearCrossEntropyOp for CudaLinearCrossE
         check_inputs(x.nrows(), call, v)?;
         check_linear(x.view(), w.view(), v, 0)?;
         self.options().check(call)?;
+        check_call_f32(call)?;
         vocab::sharded_linear_cross_entropy(self.kernels, map, x.view(), w.view(), call)
             .map_err(reference_error)
     }

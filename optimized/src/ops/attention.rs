@@ -3,8 +3,8 @@
 
 use ndarray::{Array2, Array3};
 use packshard_reference::attention::{
-    check_grad_values, check_qkv_shapes, check_scores, check_varlen, AttentionGrads,
-    AttentionOutput,
+    check_grad_values, check_masked_work, check_qkv_shapes, check_scores, check_varlen,
+    check_varlen_work, AttentionGrads, AttentionOutput, MAX_ATTENTION_WORK,
 };
 use packshard_reference::ops::{
     AttentionOp, AttentionSupport, Grad, Masked, Precision, Qkv, Varlen,
@@ -124,6 +124,7 @@ impl AttentionOp for TiledAttention {
 
     fn varlen_forward(&self, x: Qkv<'_>, p: &Varlen<'_>) -> Result<AttentionOutput> {
         check_problem(self.support(), &x, p)?;
+        check_varlen_work(p, x.q.dim().1, x.q.dim().2)?;
         let out = with_inputs!(self.precision, x, |q, k, v| {
             varlen_attention_general(q, k, v, p)?
         });
@@ -133,6 +134,7 @@ impl AttentionOp for TiledAttention {
     fn varlen_backward(&self, x: Qkv<'_>, p: &Varlen<'_>, g: Grad<'_>) -> Result<AttentionGrads> {
         check_problem(self.support(), &x, p)?;
         check_grad_values(&g.grad_output, &x.v)?;
+        check_varlen_work(p, x.q.dim().1, x.q.dim().2)?;
         let (f, go) = narrow(g)?;
         let g = with_inputs!(self.precision, x, |q, k, v| {
             varlen_attention_general_backward(q, k, v, p, &f, go.view())?
@@ -151,7 +153,8 @@ impl AttentionOp for TiledAttention {
 
 fn dense_forward(precision: Precision, x: Qkv<'_>, m: Masked<'_>) -> Result<AttentionOutput> {
     check_dense(&x, m.scale)?;
-    let n = x.q.dim().0;
+    let (n, h, d) = x.q.dim();
+    check_masked_work(n, n, h, d)?;
     let out = with_inputs!(precision, x, |q, k, v| {
         dense_masked_attention(q, k, v, n, &[m.allowed], m.scale as f32)?
     });
@@ -166,7 +169,8 @@ fn dense_backward(
 ) -> Result<AttentionGrads> {
     check_dense(&x, m.scale)?;
     check_grad_values(&g.grad_output, &x.v)?;
-    let n = x.q.dim().0;
+    let (n, h, d) = x.q.dim();
+    check_masked_work(n, n, h, d)?;
     let (f, go) = narrow(g)?;
     let (allowed, scale) = ([m.allowed], m.scale as f32);
     let g = with_inputs!(precision, x, |q, k, v| {
@@ -194,11 +198,21 @@ impl DenseMaskedAttention {
     /// The `[n, n]` mask of a varlen problem, checked.
     fn mask(&self, x: &Qkv<'_>, p: &Varlen<'_>) -> Result<Array2<bool>> {
         check_problem(self.support(), x, p)?;
-        let n = x.q.dim().0;
+        let (n, h, d) = x.q.dim();
+        check_varlen_work(p, h, d)?;
         if n > MAX_DENSE_TOKENS {
             return Err(Error::invalid(
                 "q",
                 format!("{n} tokens: attention_dense_masked builds an [n_tok, n_tok] mask and takes at most {MAX_DENSE_TOKENS}"),
+            ));
+        }
+        // Its own cost besides the shared bound: every score of the
+        // [n_tok, n_tok] row, however few the segments allow.
+        let work = n as u128 * n as u128 * h as u128 * (d as u128 + 1);
+        if work > u128::from(MAX_ATTENTION_WORK) {
+            return Err(Error::invalid(
+                "q",
+                format!("{n} tokens of {h} heads of {d}: attention_dense_masked computes all n_tok x n_tok scores, {work} units of work, over the {MAX_ATTENTION_WORK} one attention call may do"),
             ));
         }
         Ok(segment_mask(p, n))

@@ -14,8 +14,8 @@
 
 use ndarray::{Array2, Array3};
 use packshard_reference::attention::{
-    check_grad_shapes, check_grad_values, check_mask_shape2, check_qkv_shapes, check_scores,
-    check_varlen, AttentionGrads, AttentionOutput,
+    check_grad_shapes, check_grad_values, check_mask_shape2, check_masked_work, check_qkv_shapes,
+    check_scores, check_varlen, check_varlen_work, AttentionGrads, AttentionOutput,
 };
 use packshard_reference::ops::{AttentionOp, AttentionSupport, Grad, Masked, Qkv, Varlen};
 use packshard_reference::Result;
@@ -56,6 +56,10 @@ fn grouped_inputs(Qkv { q, k, v }: &Qkv<'_>) -> Result<[Array3<f32>; 3]> {
 trait Mask {
     fn allowed(&self, i: usize, j: usize) -> bool;
     fn check(&self, n_q: usize, n_k: usize) -> Result<()>;
+    /// The work of `h` heads of `d` against the reference's bound
+    /// ([`check_varlen_work`], [`check_masked_work`]), last as the reference
+    /// checks it.
+    fn check_work(&self, n_q: usize, n_k: usize, h: usize, d: usize) -> Result<()>;
     fn scale(&self) -> f64;
 }
 
@@ -65,6 +69,9 @@ impl Mask for Masked<'_> {
     }
     fn check(&self, n_q: usize, n_k: usize) -> Result<()> {
         check_mask_shape2(self.allowed.shape(), n_q, n_k)
+    }
+    fn check_work(&self, n_q: usize, n_k: usize, h: usize, d: usize) -> Result<()> {
+        check_masked_work(n_q, n_k, h, d)
     }
     fn scale(&self) -> f64 {
         self.scale
@@ -90,6 +97,9 @@ impl Mask for Segments<'_> {
     fn check(&self, n_q: usize, n_k: usize) -> Result<()> {
         check_varlen(self.0, n_q, n_k)
     }
+    fn check_work(&self, _: usize, _: usize, h: usize, d: usize) -> Result<()> {
+        check_varlen_work(self.0, h, d)
+    }
     fn scale(&self) -> f64 {
         self.0.scale
     }
@@ -104,8 +114,15 @@ fn checked(x: &Qkv<'_>, mask: &dyn Mask) -> Result<[Array3<f32>; 3]> {
     Ok(x32)
 }
 
+/// The work of `x` under `mask`, checked last as the reference does.
+fn check_work(x: &Qkv<'_>, mask: &dyn Mask) -> Result<()> {
+    let (n_q, h, d) = x.q.dim();
+    mask.check_work(n_q, x.k.dim().0, h, d)
+}
+
 fn run_forward(x: Qkv<'_>, mask: &dyn Mask) -> Result<AttentionOutput> {
     let x32 = checked(&x, mask)?;
+    check_work(&x, mask)?;
     Ok(widen(forward(&x32, mask)))
 }
 
@@ -114,6 +131,7 @@ fn run_backward(x: Qkv<'_>, mask: &dyn Mask, g: Grad<'_>) -> Result<AttentionGra
     let grad_output = g.grad_output;
     let (out, lse, go) = saved(g, x.q.dim())?;
     check_grad_values(&grad_output, &x.v)?;
+    check_work(&x, mask)?;
     Ok(widen_grads(backward(&x32, mask, (&out, &lse), &go)))
 }
 

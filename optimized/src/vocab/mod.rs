@@ -165,6 +165,9 @@ pub fn check_linear(
         });
     }
     check_finite2("hidden", hidden, 0)?;
+    // The reference's work bound, on the real rows (the whole call's `v`,
+    // or one shard's, within it).
+    packshard_reference::vocab::check_linear_work(hidden.nrows(), rows, h)?;
     let real = weight.slice(s![..rows.min(weight.nrows()), ..]);
     check_finite2("weight", real, offset * h)?;
     let max_abs = |a: ArrayView2<f32>| a.iter().fold(0.0f64, |m, x| m.max(x.abs() as f64));

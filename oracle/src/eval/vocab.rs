@@ -377,11 +377,15 @@ pub(super) fn linear_cross_entropy_op(value: &Value, imp: &str) -> Result<Value,
     let rows = weight.nrows();
     let (config, v, run) = loss_options(&case, rows)?;
     let call = LossCall::new(&targets, &config, grad.request());
-    // The `[n, v]` logits (and their gradient) are not in the input.
+    // The `[n, v]` logits (and their gradient) are not in the input; with
+    // them the f64 `hidden` and `weight` and, asked for, their gradients.
+    let copies = if grad.want { 2u128 } else { 1 };
+    let (n, h) = hidden.dim();
+    let values = copies * (n as u128 * rows.max(v) as u128 + (n + rows) as u128 * h as u128);
     super::check_values(
         "weight",
-        &[hidden.nrows(), rows.max(v), if grad.want { 2 } else { 1 }],
-        "the [n, v] logits of hidden @ weight^T",
+        &[usize::try_from(values).unwrap_or(usize::MAX)],
+        "the [n, v] logits of hidden @ weight^T, hidden, weight and their gradients",
     )?;
     let list = registry::linear_cross_entropy();
     let mut out = match run {

@@ -24,10 +24,12 @@ use std::time::Instant;
 
 use packshard_equivalence::causal::{grads_close, CausalBatch, CausalLmImpl, CausalRun, Observed};
 use packshard_equivalence::compare::{Mismatch, Tolerance};
-use packshard_reference::decoder::{CausalReduction, DecoderModel};
-use packshard_reference::limits::{check_estimate, f64_bytes};
+use packshard_reference::decoder::{CausalReduction, DecoderConfig, DecoderModel, DecoderParams};
+use packshard_reference::limits::{check_estimate, f64_bytes, total};
 use packshard_reference::packing::batch::MAX_BATCH_SLOTS;
-use packshard_reference::packing::{Algorithm, PackedBatch, PackingConfig, PackingPlan};
+use packshard_reference::packing::{
+    pack_lengths, Algorithm, PackedBatch, PackingConfig, PackingPlan,
+};
 use packshard_reference::Error;
 
 use super::{Diff, RunFigures};
@@ -197,6 +199,69 @@ fn flat_grads(run: &CausalRun) -> Vec<f64> {
         .collect()
 }
 
+/// Checks, before the model is built or any run starts, that `config`'s
+/// parameters (the model and one gradient per layout: 3 copies, f64) and
+/// both layouts' runs fit the memory budget ([`verify_causal`]'s estimate),
+/// the slots counted from `documents` as [`Layout::padded`] and
+/// [`Layout::packed`] lay them out.
+///
+/// # Errors
+/// [`DecoderConfig::validate`]'s; [`Error::InvalidArgument`] naming the
+/// layout's field (`documents`, `max_seq_len`) or the estimate's
+/// (`max_seq_len`).
+pub fn check_causal_budget(
+    config: &DecoderConfig,
+    documents: &[Vec<i64>],
+    opts: &CausalVerifyOptions,
+) -> Result<(), Error> {
+    config.validate()?;
+    let packing = PackingConfig::new(opts.algorithm, opts.max_seq_len)
+        .with_max_sequences_per_pack(opts.max_sequences_per_pack);
+    if let Some(d) = documents
+        .iter()
+        .position(|doc| doc.len() > opts.max_seq_len)
+    {
+        return Err(Error::too_long(
+            "documents",
+            d,
+            documents[d].len(),
+            opts.max_seq_len,
+        ));
+    }
+    let n_pad = documents.len().saturating_mul(opts.max_seq_len);
+    let lengths: Vec<usize> = documents.iter().map(Vec::len).collect();
+    let plan = pack_lengths(&lengths, &packing)?;
+    let n_pack = plan.packs.len().saturating_mul(opts.max_seq_len);
+    check_run_bytes(config, n_pad, n_pack)
+}
+
+/// The runs hold logits, their gradient and each layer's activations per
+/// slot, and the comparison keeps both layouts' logits of the real tokens:
+/// `3 x slots x (v + layers x (8 hidden + 3 inter))` f64; the parameters
+/// three times (the model, each layout's gradient).
+fn check_run_bytes(c: &DecoderConfig, n_pad: usize, n_pack: usize) -> Result<(), Error> {
+    let v = c.vocab_size;
+    let per_slot = c.num_layers.saturating_mul(
+        c.hidden_size
+            .saturating_mul(8)
+            .saturating_add(c.intermediate_size.saturating_mul(3)),
+    );
+    let params = DecoderParams::shapes(c)
+        .iter()
+        .try_fold(0u64, |acc, (_, dims)| {
+            f64_bytes(dims).and_then(|b| acc.checked_add(b))
+        })
+        .and_then(|b| b.checked_mul(3));
+    check_estimate(
+        "max_seq_len",
+        total(&[
+            f64_bytes(&[3, n_pad.saturating_add(n_pack), v.saturating_add(per_slot)]),
+            params,
+        ]),
+        &format!("{n_pad} padded and {n_pack} packed slots of {v} logits and the model's parameters (verify causal-lm)"),
+    )
+}
+
 /// Runs `model` on `documents` padded (through `padded_imp`) and packed
 /// (through `packed_imp`) under each reduction, and compares the logits of
 /// the first run, and the loss and every parameter gradient of each.
@@ -224,14 +289,7 @@ pub fn verify_causal(
     let n_pack = packed_l.batch.input_ids.len();
     let c = &model.config;
     let v = c.vocab_size;
-    // The runs hold logits, their gradient and each layer's activations per
-    // slot; the comparison keeps both layouts' logits of the real tokens.
-    let per_slot = v + c.num_layers * (8 * c.hidden_size + 3 * c.intermediate_size);
-    check_estimate(
-        "max_seq_len",
-        f64_bytes(&[3, n_pad + n_pack, per_slot]),
-        &format!("{n_pad} padded and {n_pack} packed slots of {v} logits (verify causal-lm)"),
-    )?;
+    check_run_bytes(c, n_pad, n_pack)?;
     let mut verdict = Verdict {
         seen: Observed::default(),
         first: None,

@@ -4,7 +4,7 @@
 
 use ndarray::{Array3, ArrayView2, ArrayView3, Axis, Slice};
 
-use super::check::{check_grad, check_layout, check_qkv};
+use super::check::{check_grad, check_layout, check_layout_work, check_qkv};
 use super::{score, AttentionGrads, AttentionLayout, AttentionOutput, Block, Blocks};
 use crate::error::Result;
 use crate::ops::{AttentionOp, Grad, Masked, Qkv, Varlen};
@@ -153,6 +153,7 @@ pub fn layout_backward<A: AttentionOp + ?Sized>(
     check_qkv(&x.q, &x.k, &x.v)?;
     let (n, h, d) = x.q.dim();
     check_layout(layout, n)?;
+    check_layout_work(layout, h, d)?;
     match layout {
         AttentionLayout::Varlen { cu_seqlens } => {
             op.varlen_backward(x, &Varlen::new(cu_seqlens, false, scale), g)

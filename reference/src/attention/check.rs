@@ -224,12 +224,50 @@ pub fn check_varlen_work(p: &Varlen<'_>, h: usize, d: usize) -> Result<()> {
     check_work("cu_seqlens", pairs * h as u128 * (d as u128 + 1))
 }
 
+/// Checks a dense (masked) problem's work, `n_q * n_k * h * (d + 1)`,
+/// against [`MAX_ATTENTION_WORK`] before doing it: the bound of
+/// [`check_varlen_work`] for the masked form, which every masked kernel
+/// computes in full whatever the mask allows.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] naming `allowed`.
+pub fn check_masked_work(n_q: usize, n_k: usize, h: usize, d: usize) -> Result<()> {
+    check_work(
+        "allowed",
+        n_q as u128 * n_k as u128 * h as u128 * (d as u128 + 1),
+    )
+}
+
+/// Checks the work of a whole [`AttentionLayout`] (`h`, `d`: heads, head
+/// dim) against [`MAX_ATTENTION_WORK`]: a varlen layout as its one call, a
+/// dense layout as the sum over its rows (`rows * row_len^2 * h * (d + 1)`),
+/// so that a padded batch, run one masked call per row, is held to the bound
+/// the same batch packed into one varlen call is.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] naming `cu_seqlens` or `allowed`.
+pub fn check_layout_work(layout: &AttentionLayout, h: usize, d: usize) -> Result<()> {
+    match layout {
+        AttentionLayout::Varlen { cu_seqlens } => {
+            check_varlen_work(&Varlen::new(cu_seqlens, false, 1.0), h, d)
+        }
+        AttentionLayout::Dense { row_len, allowed } => check_work(
+            "allowed",
+            allowed.len() as u128
+                * *row_len as u128
+                * *row_len as u128
+                * h as u128
+                * (d as u128 + 1),
+        ),
+    }
+}
+
 pub(super) fn check_work(field: &str, work: u128) -> Result<()> {
     if work > u128::from(MAX_ATTENTION_WORK) {
         return Err(Error::invalid(
             field,
             format!(
-                "{work} units of work (query-key pairs x heads x (head dim + 1)) is over the {MAX_ATTENTION_WORK} one reference attention call may do"
+                "{work} units of work (query-key pairs x heads x (head dim + 1)) is over the {MAX_ATTENTION_WORK} one attention call may do (the reference's and every kernel's bound)"
             ),
         ));
     }

@@ -46,10 +46,11 @@ pub use backward::{
 };
 pub use check::{
     check_cu_seqlens, check_cu_seqlens_named, check_grad_shapes, check_grad_values, check_layout,
-    check_mask_shape, check_mask_shape2, check_qkv_same_shapes, check_qkv_shapes, check_scores,
-    check_varlen, check_varlen_work, MAX_ATTENTION_WORK, MAX_SCORE,
+    check_layout_work, check_mask_shape, check_mask_shape2, check_masked_work,
+    check_qkv_same_shapes, check_qkv_shapes, check_scores, check_varlen, check_varlen_work,
+    MAX_ATTENTION_WORK, MAX_SCORE,
 };
-use check::{check_grad, check_qkv, check_work};
+use check::{check_grad, check_qkv};
 
 /// Output of an attention forward pass, in `f64` here (the optimized
 /// kernels' `AttentionOutput32` is the same struct in `f32`).
@@ -192,10 +193,7 @@ impl Blocks<'_> {
             check_grad_values(&g.grad_output, v)?;
         }
         match self {
-            Blocks::Dense(..) => check_work(
-                "allowed",
-                n as u128 * n_k as u128 * h as u128 * (d as u128 + 1),
-            ),
+            Blocks::Dense(..) => check_masked_work(n, n_k, h, d),
             Blocks::Varlen(p) => check_varlen_work(p, h, d),
         }
     }
@@ -416,6 +414,7 @@ pub fn layout_forward<A: AttentionOp + ?Sized>(
     check_qkv(&x.q, &x.k, &x.v)?;
     let (n, h, d) = x.q.dim();
     check_layout(layout, n)?;
+    check_layout_work(layout, h, d)?;
     match layout {
         AttentionLayout::Varlen { cu_seqlens } => {
             op.varlen_forward(x, &Varlen::new(cu_seqlens, false, scale))

@@ -105,6 +105,7 @@ impl TokenBatch {
                 format!("{b} rows of {row_len} tokens is over the supported batch size"),
             ));
         }
+        dense_bytes_check(b, row_len)?;
         let mut batch = TokenBatch {
             input_ids: Vec::with_capacity(n),
             position_ids: Vec::with_capacity(n),
@@ -179,6 +180,9 @@ impl TokenBatch {
                 "max_seq_len",
                 format!("{num_packs} packs of {msl} tokens is over the supported mask size"),
             ));
+        }
+        if attention == PackedAttention::BlockDiagonal {
+            dense_bytes_check(num_packs, msl)?;
         }
         let mut out = TokenBatch {
             input_ids: Vec::new(),
@@ -299,6 +303,25 @@ impl TokenBatch {
         }
         Ok(())
     }
+}
+
+/// Checks a dense layout's `rows x row_len^2` mask bytes and its slots'
+/// ids, positions and types (3 x 8 bytes each) against the memory budget
+/// before any is allocated.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] naming `sequences`.
+fn dense_bytes_check(rows: usize, row_len: usize) -> Result<()> {
+    let slots = (rows as u64).checked_mul(row_len as u64);
+    let bytes = crate::limits::total(&[
+        slots.and_then(|s| s.checked_mul(row_len as u64)),
+        slots.and_then(|s| s.checked_mul(24)),
+    ]);
+    crate::limits::check_estimate(
+        "sequences",
+        bytes,
+        &format!("{rows} rows of {row_len} slots with their [row_len, row_len] masks"),
+    )
 }
 
 /// Pre-training targets, per input sequence.

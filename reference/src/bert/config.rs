@@ -132,6 +132,26 @@ impl BertConfig {
             .saturating_add(2 * h * h + 8 * h + 2)
     }
 
+    /// Bytes one run ([`crate::bert::BertModel::run_with`]) holds for
+    /// `slots` token slots, the parameters aside: per slot and layer the
+    /// cache of the backward (the input, `q`, `k`, `v`, the attention output,
+    /// both LayerNorms' normalized rows and the residual sums: ~12 `hidden`;
+    /// the GELU's input and output and the MLP's product: ~3
+    /// `intermediate_size`; the `lse` of each head), and ~8 `hidden` besides
+    /// (embeddings, the running gradient), all f64. `None` on overflow.
+    pub fn activation_bytes(&self, slots: usize) -> Option<u64> {
+        let (h, i) = (self.hidden_size as u64, self.intermediate_size as u64);
+        let heads = self.num_attention_heads as u64;
+        let layer = h
+            .checked_mul(12)?
+            .checked_add(i.checked_mul(3)?)?
+            .checked_add(heads)?;
+        let per_slot = layer
+            .checked_mul(self.num_hidden_layers as u64)?
+            .checked_add(h.checked_mul(8)?)?;
+        per_slot.checked_mul(slots as u64)?.checked_mul(8)
+    }
+
     /// `d`: the head dimension, `hidden_size / num_attention_heads`.
     pub fn head_dim(&self) -> usize {
         self.hidden_size / self.num_attention_heads.max(1)

@@ -218,6 +218,11 @@ impl BertModel {
         batch.validate(c)?;
         self.check_targets(batch, targets, weights)?;
         let n = batch.num_tokens();
+        crate::limits::check_estimate(
+            "sequences",
+            c.activation_bytes(n),
+            &format!("the activations of {n} token slots through the model"),
+        )?;
         let width = c.hidden_size;
         let eps = c.layer_norm_eps;
 

@@ -517,6 +517,7 @@ pub fn check_linear(
 pub fn logits(hidden: ArrayView2<f64>, weight: ArrayView2<f64>) -> Result<Array2<f64>> {
     check_linear(hidden, weight, weight.nrows(), 0)?;
     check_logits_size("weight", hidden.nrows(), weight.nrows())?;
+    super::check_linear_work(hidden.nrows(), weight.nrows(), hidden.ncols())?;
     Ok(hidden.dot(&weight.t()))
 }
 

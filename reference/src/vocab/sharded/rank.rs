@@ -113,6 +113,7 @@ fn output_rank_setup<'a>(
     }
     check_linear(hidden, weight, shard.real, shard.start)?;
     check_logits_size("weight", hidden.nrows(), map.padded_vocab_size())?;
+    super::super::check_linear_work(hidden.nrows(), map.padded_vocab_size(), hidden.ncols())?;
     let n = hidden.nrows();
     rank.meter.hold(n * shard.width);
     let mut z = Array2::from_elem((n, shard.width), f64::NEG_INFINITY);
