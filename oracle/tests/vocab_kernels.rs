@@ -1,5 +1,5 @@
 //! Kernel-specific checks of the optimized output layer that the registry
-//! suites (`registry_suites.rs`) do not make: the fused kernel against the
+//! suites (`tests/registry/suites.rs`) do not make: the fused kernel against the
 //! materialized one with chunks that do not divide the sizes, the logits
 //! buffer each holds, bad input answered with the reference's errors, and
 //! the negative control of the fuzz rule (a 1e-3 fault in `dL/dhidden` must
