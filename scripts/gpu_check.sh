@@ -40,10 +40,11 @@ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,m
 log="$(mktemp)"
 # PACKSHARD_REQUIRE_GPU=1: the registry's tests fail where the device is missing.
 # One test per (implementation, suite) named <family>::<impl>::<suite>: the
-# filters select the two GPU kernels' tests (suites, golden, own numbers,
-# fuzz budget); --skip leaves their CPU emulator to the CI step.
-PACKSHARD_REQUIRE_GPU=1 "$registry" --test-threads=1 --skip _emulated \
-  attention_varlen_cuda linear_cross_entropy_cuda 2>&1 | tee "$log"
+# filter (libtest-mimic takes one) selects the two GPU kernels' tests
+# (`attention_varlen_cuda::`, `linear_cross_entropy_cuda::`: suites, golden,
+# own numbers, fuzz budget), not their CPU emulator's (`..._cuda_emulated::`,
+# the CI step's).
+PACKSHARD_REQUIRE_GPU=1 "$registry" --test-threads=1 _cuda:: 2>&1 | tee "$log"
 "$bin" --test-threads=1 --nocapture gpu_ 2>&1 | tee -a "$log"
 if grep -qE "^(gpu_[a-z0-9_]*|attention_varlen_cuda|linear_cross_entropy_cuda): skipped: " "$log"; then
   echo "gpu_check: a GPU suite skipped (no device or no NVRTC): not a GPU check" >&2
