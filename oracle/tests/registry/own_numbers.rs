@@ -111,6 +111,8 @@ fn check_precision(
     assert_eq!(all.len(), want.len(), "{name}: output sizes");
     let r = rel(&all, &want);
     match precision {
+        // 1e-13: 64 ulp of f64 (64 x 2^-52 = 1.4e-14) of terms a few times
+        // the scale, as Tolerance::F64_REWRITE.
         Precision::F64 => assert!(r <= 1e-13, "{name}: f64 entry {r:e} from the reference"),
         Precision::F32 => {
             for t in stored {
@@ -120,13 +122,18 @@ fn check_precision(
                 );
             }
             assert!(r > 0.0, "{name}: bit for bit the f64 reference's numbers");
+            // 1e-3: about 8,000 unit roundoffs of f32 (2^-24 = 6e-8), far
+            // above an f32 kernel's error on 9 tokens, far below a wrong formula.
             assert!(r < 1e-3, "{name}: {r:e} from the reference");
         }
         Precision::Bf16 => {
+            // 1e-5: above the f32 error of these sizes (under 1e-6) and
+            // below bf16's input rounding (its unit roundoff 2^-8 = 3.9e-3 per value).
             assert!(
                 r > 1e-5,
                 "{name}: {r:e} is closer than bf16 inputs allow: not its own numbers"
             );
+            // 5e-2: about 13 unit roundoffs of bf16 (2^-8) of the scale.
             assert!(r < 5e-2, "{name}: {r:e} from the reference");
         }
     }
