@@ -11,7 +11,7 @@ use packshard::reference::decoder::{DecoderConfig, DecoderModel};
 use packshard::text;
 use packshard::verify::causal::{verify_causal, CausalVerifyOptions, TOLERANCE};
 
-use super::verify::{print_run, print_table, spinner, SampleArgs};
+use super::verify_sample::{print_run, print_table, spinner, SampleArgs};
 use super::CliError;
 
 #[derive(Args)]
