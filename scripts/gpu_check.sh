@@ -11,11 +11,9 @@
 #
 # Usage (repo root):  scripts/gpu_check.sh [OUT_DIR]
 #   Builds the test binaries unless PACKSHARD_GPU_BIN_DIR names a folder
-#   holding prebuilt ones named cuda, registry_suites, attention_fuzz_budget,
-#   fuzz_budget_vocab and registry_golden (build them elsewhere with
+#   holding prebuilt ones named cuda and registry (build them elsewhere with
 #     cargo test -p packshard-optimized --features cuda --test cuda --no-run
-#     cargo test -p packshard-oracle --features cuda --test registry_suites \
-#       --test attention_fuzz_budget --test fuzz_budget_vocab --test registry_golden --no-run
+#     cargo test -p packshard-oracle --features cuda --test registry --no-run
 #   and carry them: a GPU machine need not have Rust). NVRTC: PACKSHARD_NVRTC_DIR,
 #   else the one scripts/fetch_nvrtc.sh fetched into .cache/nvrtc (12.9,
 #   which loads on CUDA >= 12.9 drivers, including CUDA 13).
@@ -60,14 +58,12 @@ run() {
 }
 # PACKSHARD_REQUIRE_GPU=1: the registry suites fail where the device is missing.
 export PACKSHARD_REQUIRE_GPU=1
-step "registry suites"
-run "registry suites" "$(test_bin packshard-oracle registry_suites)" --test-threads=1 --nocapture every_attention every_output_layer
-step "default fuzz budget, attention"
-run "attention fuzz budget" "$(test_bin packshard-oracle attention_fuzz_budget)" --test-threads=1 --nocapture
-step "default fuzz budget, losses"
-run "loss fuzz budget" "$(test_bin packshard-oracle fuzz_budget_vocab)" --test-threads=1 --nocapture
-step "golden set"
-run "golden set" "$(test_bin packshard-oracle registry_golden)" --test-threads=1 --nocapture
+# The registry binary has a test per (implementation, suite):
+# `<family>::<impl>::<suite>`; `_cuda::` selects every test of the two device
+# entries (suites, golden set, default fuzz budgets, own numbers) and none of
+# their `_emulated` twins.
+step "registry: every test of the CUDA entries"
+run "registry" "$(test_bin packshard-oracle registry)" --test-threads=1 _cuda::
 bin="$(test_bin packshard-optimized cuda)"
 step "CUDA-specific tests"
 run "CUDA-specific tests" "$bin" --test-threads=1 --nocapture gpu_

@@ -29,20 +29,30 @@ fn runs_causal(entry: &Info) -> bool {
         .is_none_or(|k| k.support().causal)
 }
 
-/// Whether `entry` can run here: one that cannot (a GPU kernel without a
-/// device, feature `cuda`) is skipped, saying why.
+/// Whether `entry` can run here, under the registry's one availability
+/// policy (`registry::here`): one that cannot and need not (a GPU kernel
+/// without a device, feature `cuda`) is skipped, saying why; one that this
+/// run requires fails the test.
 fn available(entry: &Info) -> bool {
-    fn made<K: ?Sized>(list: &[registry::Entry<K>], name: &str) -> Result<(), String> {
-        registry::find(list, name).map_or(Ok(()), |e| e.make().map(drop).map_err(|u| u.0))
+    fn runs<K: ?Sized>(list: &[registry::Entry<K>], name: &str) -> bool {
+        let Some(e) = registry::find(list, name) else {
+            return true;
+        };
+        match e.here() {
+            registry::Here::Runs(_) => true,
+            registry::Here::Skipped(why) => {
+                eprintln!("{name}: skipped: {why}");
+                false
+            }
+            registry::Here::Missing(why) => panic!("{name}: required here but cannot run: {why}"),
+        }
     }
-    let made = match entry.family {
-        Family::Attention => made(&registry::attention(), entry.name),
-        Family::CrossEntropy => made(&registry::cross_entropy(), entry.name),
-        Family::LinearCrossEntropy => made(&registry::linear_cross_entropy(), entry.name),
-        Family::Embedding | Family::EncoderLayer | Family::CausalLm => Ok(()),
-    };
-    made.map_err(|why| eprintln!("{}: skipped: {why}", entry.name))
-        .is_ok()
+    match entry.family {
+        Family::Attention => runs(&registry::attention(), entry.name),
+        Family::CrossEntropy => runs(&registry::cross_entropy(), entry.name),
+        Family::LinearCrossEntropy => runs(&registry::linear_cross_entropy(), entry.name),
+        Family::Embedding | Family::EncoderLayer | Family::CausalLm => true,
+    }
 }
 
 /// Every registered entry other than the reference, in a family with an eval

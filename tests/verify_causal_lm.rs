@@ -182,6 +182,11 @@ fn layouts_place_whole_documents() {
 struct LabelsAcrossThePack;
 
 impl CausalLmImpl for LabelsAcrossThePack {
+    /// Every config, as the reference it plants a fault in.
+    fn supports(&self, _: &DecoderConfig) -> bool {
+        true
+    }
+
     fn name(&self) -> String {
         "C1 labels across the pack".into()
     }

@@ -15,7 +15,7 @@ use packshard_equivalence::{Judge, Mismatch, Tolerance};
 use packshard_reference::attention::ReferenceAttention;
 use packshard_reference::decoder::{
     loss_weights, next_token_labels, position_ids_from_cu_seqlens, varlen_from_doc_ids,
-    CausalReduction, DecoderModel, KvCache,
+    CausalReduction, DecoderConfig, DecoderModel, KvCache,
 };
 use packshard_reference::vocab::IGNORE_INDEX;
 use packshard_reference::Error;
@@ -118,6 +118,11 @@ enum Fault {
 struct Faulty(Fault);
 
 impl CausalLmImpl for Faulty {
+    /// Every config, as the reference it plants a fault in.
+    fn supports(&self, _: &DecoderConfig) -> bool {
+        true
+    }
+
     fn name(&self) -> String {
         format!("{:?}", self.0)
     }

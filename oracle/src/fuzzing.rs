@@ -12,7 +12,9 @@
 //! `fuzz/seeds/<name>/` and the inputs that ever failed in
 //! `fuzz/regressions/<name>/` — through the very code libFuzzer runs
 //! (`tests/fuzz_regressions.rs`). An implementation that cannot run here (a
-//! GPU kernel without a device) is skipped, said once per process.
+//! GPU kernel without a device) is skipped, said once per process, or fails
+//! the target where this run requires it (the registry's one availability
+//! policy, [`registry::here`]).
 
 use packshard_equivalence::compare::Mismatch;
 use packshard_equivalence::fuzz::{self, catch_panic, Failure, Outcome};
@@ -41,11 +43,19 @@ fn every<K: ?Sized>(
 ) -> Result<Outcome, Failure> {
     let mut all = Outcome::default();
     for entry in list {
-        let imp = match entry.make_small() {
-            Ok(imp) => imp,
-            Err(u) => {
+        let imp = match entry.here_small() {
+            registry::Here::Runs(imp) => imp,
+            registry::Here::Skipped(u) => {
                 skipped_once(entry.name, &u);
                 continue;
+            }
+            registry::Here::Missing(u) => {
+                return Err(Failure::new(
+                    "registry",
+                    entry.name,
+                    "making the implementation",
+                    Mismatch::new("availability", format!("required here but cannot run: {u}")),
+                ))
             }
         };
         let seen =

@@ -87,6 +87,49 @@ impl Needs {
 /// The constructor of an implementation of `K`.
 pub type Make<K> = fn() -> Result<Box<K>, Unavailable>;
 
+/// What a loop over the registry does with an entry here: the one
+/// availability policy of every such loop (the registry tests of
+/// `oracle/tests/registry/`, the fuzz targets of [`crate::fuzzing`],
+/// `packshard bench`, `tests/eval_impl.rs`), decided by [`here`].
+#[derive(Debug)]
+pub enum Here<T> {
+    /// It runs here.
+    Runs(T),
+    /// It cannot run here and this run does not require it: skipped, saying
+    /// why (a test reports it as ignored).
+    Skipped(Unavailable),
+    /// It cannot run here although this run requires it: a failure. An entry
+    /// that needs nothing is always required; one that needs a C++ compiler
+    /// or a device is required under `PACKSHARD_REQUIRE_EMULATOR=1` or
+    /// `PACKSHARD_REQUIRE_GPU=1` ([`Needs::required`]).
+    Missing(Unavailable),
+}
+
+/// The availability policy: `made`, the result of constructing an entry that
+/// needs `needs`, as what a loop does with it ([`Here`]).
+pub fn here<T>(needs: Needs, made: Result<T, Unavailable>) -> Here<T> {
+    match made {
+        Ok(t) => Here::Runs(t),
+        Err(u) if needs == Needs::Nothing || needs.required() => Here::Missing(u),
+        Err(u) => Here::Skipped(u),
+    }
+}
+
+impl<T> Here<T> {
+    /// The implementation, `Ok(None)` when skipped, or the failure of a
+    /// required entry (`"<name>: required here but cannot run: ..."`).
+    ///
+    /// # Errors
+    /// [`Here::Missing`], as a message naming `name`.
+    pub fn or_fail(self, name: &str) -> Result<Option<T>, String> {
+        match self {
+            Here::Runs(t) => Ok(Some(t)),
+            Here::Skipped(_) => Ok(None),
+            Here::Missing(u) => Err(format!("{name}: required here but cannot run: {u}")),
+        }
+    }
+}
+
 /// One implementation of the op family `K` (a trait object type such as
 /// `dyn AttentionOp`).
 pub struct Entry<K: ?Sized + 'static> {
@@ -108,6 +151,39 @@ pub struct Entry<K: ?Sized + 'static> {
 }
 
 impl<K: ?Sized + 'static> Entry<K> {
+    /// An entry outside this registry's lists (a test's planted kernel, an
+    /// out-of-tree harness), with no separate small configuration; the
+    /// fields as documented on [`Entry`].
+    pub fn new(
+        name: &'static str,
+        changed: &'static str,
+        precision: Precision,
+        (judge, fuzz_judge): (Judge, Judge),
+        needs: Needs,
+        make: Make<K>,
+    ) -> Self {
+        Entry {
+            name,
+            changed,
+            precision,
+            judge,
+            fuzz_judge,
+            needs,
+            make,
+            small: None,
+        }
+    }
+
+    /// [`Entry::make`] under the availability policy ([`here`]).
+    pub fn here(&self) -> Here<Box<K>> {
+        here(self.needs, self.make())
+    }
+
+    /// [`Entry::make_small`] under the availability policy ([`here`]).
+    pub fn here_small(&self) -> Here<Box<K>> {
+        here(self.needs, self.make_small())
+    }
+
     /// The implementation as registered.
     ///
     /// # Errors
@@ -164,6 +240,12 @@ impl<K: ?Sized + 'static> Entry<K> {
     /// Whether it has a separate small configuration.
     pub fn has_small(&self) -> bool {
         self.small.is_some()
+    }
+}
+
+impl<K: ?Sized> Clone for Entry<K> {
+    fn clone(&self) -> Self {
+        Entry { ..*self }
     }
 }
 

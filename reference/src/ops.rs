@@ -441,16 +441,37 @@ impl LossSupport {
 /// What an implementation of either loss family ([`CrossEntropyOp`],
 /// [`LinearCrossEntropyOp`]) declares it implements: the sharded algorithms
 /// and the loss options. A call outside them is refused
-/// ([`check_algorithm`], [`LossSupport::check`]), never answered.
+/// ([`LossOp::check_declared`]), never answered.
+///
+/// The defaults are the safe minimum, as [`AttentionOp::support`]'s: no
+/// sharded algorithm and only the basic options ([`LossSupport::BASIC`]);
+/// every implementation declares what it does beyond them.
 pub trait LossOp: Send + Sync {
-    /// The sharded algorithms it implements (the unsharded form always).
+    /// The sharded algorithms it implements (the unsharded form always);
+    /// none by default.
     fn algorithms(&self) -> Vec<ShardedAlgorithm> {
-        ShardedAlgorithm::ALL.to_vec()
+        Vec::new()
     }
 
-    /// The loss options it implements beyond the basic ones (all by default).
+    /// The loss options it implements beyond the basic ones; none by default
+    /// ([`LossSupport::BASIC`]).
     fn options(&self) -> LossSupport {
-        LossSupport::ALL
+        LossSupport::BASIC
+    }
+
+    /// The one refusal of a call outside what it declares: `algorithm` (for
+    /// a sharded call) not in [`LossOp::algorithms`] ([`check_algorithm`]),
+    /// or an option of `call` not in [`LossOp::options`]
+    /// ([`LossSupport::check`]).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] naming `algorithm`, `softcap` or
+    /// `grad_output`.
+    fn check_declared(&self, algorithm: Option<ShardedAlgorithm>, call: &LossCall) -> Result<()> {
+        if let Some(a) = algorithm {
+            check_algorithm(&self.algorithms(), a)?;
+        }
+        self.options().check(call)
     }
 }
 

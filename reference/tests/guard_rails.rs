@@ -230,3 +230,55 @@ fn dense_masks_of_any_other_shape_are_refused_naming_mask() {
         "{e}"
     );
 }
+
+/// A loss implementation that declares nothing gets the safe minimum (no
+/// sharded algorithm, the basic options) and a typed refusal of anything
+/// beyond it from the one check every caller shares
+/// (`LossOp::check_declared`); the reference, which declares everything,
+/// passes the same calls (the negative control).
+#[test]
+fn an_undeclared_loss_option_is_refused_by_name() {
+    use packshard_reference::ops::{LossOp, LossSupport};
+    use packshard_reference::vocab::{
+        GradRequest, LossCall, LossConfig, ReferenceCrossEntropy, ShardedAlgorithm,
+    };
+    struct DeclaresNothing;
+    impl LossOp for DeclaresNothing {}
+    let bare = DeclaresNothing;
+    assert!(bare.algorithms().is_empty());
+    assert_eq!(bare.options(), LossSupport::BASIC);
+    let targets = [0i64, 1];
+    let plain = LossConfig::default();
+    let capped = LossConfig {
+        softcap: Some(30.0),
+        ..LossConfig::default()
+    };
+    let upstream = [1.0, 0.5];
+    let calls = [
+        (
+            LossCall::with_flag(&targets, &capped, true),
+            None,
+            "softcap",
+        ),
+        (
+            LossCall::new(&targets, &plain, GradRequest::Upstream(&upstream)),
+            None,
+            "grad_output",
+        ),
+        (
+            LossCall::with_flag(&targets, &plain, true),
+            Some(ShardedAlgorithm::ALL[0]),
+            "algorithm",
+        ),
+    ];
+    for (call, algorithm, field) in &calls {
+        let e = bare.check_declared(*algorithm, call).unwrap_err();
+        assert_eq!(field_of(&e), *field);
+        assert_eq!(e.kind(), "invalid_argument");
+        ReferenceCrossEntropy
+            .check_declared(*algorithm, call)
+            .unwrap();
+    }
+    bare.check_declared(None, &LossCall::with_flag(&targets, &plain, true))
+        .unwrap();
+}

@@ -8,6 +8,7 @@ pub mod pack;
 pub mod pipeline;
 pub mod verify;
 pub mod verify_causal;
+pub mod verify_sample;
 pub mod vocab;
 
 /// A command-line failure: a one-line message and the exit status (2 for bad

@@ -13,7 +13,7 @@ use packshard::verify::causal::{
     check_causal_budget, verify_causal, CausalVerifyOptions, TOLERANCE,
 };
 
-use super::verify::{print_run, print_table, spinner, SampleArgs};
+use super::verify_sample::{print_run, print_table, spinner, SampleArgs};
 use super::CliError;
 
 #[derive(Args)]

@@ -130,10 +130,12 @@ pub trait CausalLmImpl {
         None
     }
     /// Whether it implements `config` (the suite's random cases skip the
-    /// others; its fixed cases are Llama-shaped). All, by default.
+    /// others; its fixed cases are Llama-shaped). None by default (the safe
+    /// minimum, as [`packshard_reference::ops::AttentionOp::support`]'s):
+    /// every implementation declares the configs it runs.
     fn supports(&self, config: &DecoderConfig) -> bool {
         let _ = config;
-        true
+        false
     }
 }
 
@@ -331,6 +333,12 @@ impl CausalLmImpl for ReferenceCausalLm<'_> {
             attention: &crate::baseline32::Baseline32Attention,
             form: CausalForm::Varlen,
         }))
+    }
+
+    /// Every config: the reference decoder defines them.
+    fn supports(&self, config: &DecoderConfig) -> bool {
+        let _ = config;
+        true
     }
 }
 

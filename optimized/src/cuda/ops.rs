@@ -319,7 +319,7 @@ impl<B: ShardKernels + Sync + 'static> LinearCrossEntropyOp for CudaLinearCrossE
         let x = to_f32("hidden", c.input.hidden)?;
         let w = to_f32("weight", c.input.weight)?;
         check_linear_inputs(x.view(), w.view(), call)?;
-        self.options().check(call)?;
+        self.check_declared(None, call)?;
         check_call_f32(call)?;
         let map = ShardMap::new(w.nrows(), 1, ShardLayout::Uneven)?;
         let mut l =
@@ -356,7 +356,7 @@ impl<B: ShardKernels + Sync + 'static> LinearCrossEntropyOp for CudaLinearCrossE
         map.check_width("weight", w.nrows(), w.shape(), "[v, h]")?;
         check_inputs(x.nrows(), call, v)?;
         check_linear(x.view(), w.view(), v, 0)?;
-        self.options().check(call)?;
+        self.check_declared(None, call)?;
         check_call_f32(call)?;
         vocab::sharded_linear_cross_entropy(self.kernels, map, x.view(), w.view(), call)
             .map_err(reference_error)

@@ -6,7 +6,7 @@
 use ndarray::{ArrayView2, Axis};
 use packshard_reference::ops::{
     check_algorithm, CeCall, CrossEntropyOp, LinearCall, LinearCrossEntropyOp, LinearInput,
-    LinearLoss, LossOp,
+    LinearLoss, LossOp, LossSupport,
 };
 use packshard_reference::vocab::cross_entropy::CrossEntropy;
 use packshard_reference::vocab::sharded::ShardedLoss;
@@ -87,6 +87,11 @@ impl LossOp for CrossEntropyF32 {
     fn algorithms(&self) -> Vec<ShardedAlgorithm> {
         vec![alg2::ALGORITHM]
     }
+
+    /// Soft-capping and an upstream gradient, in f32 (`check_call_f32`).
+    fn options(&self) -> LossSupport {
+        LossSupport::ALL
+    }
 }
 
 impl CrossEntropyOp for CrossEntropyF32 {
@@ -130,6 +135,11 @@ macro_rules! f32_linear_op {
         impl LossOp for $op {
             fn algorithms(&self) -> Vec<ShardedAlgorithm> {
                 $algorithms.to_vec()
+            }
+
+            /// Soft-capping and an upstream gradient, in f32 (`check_call_f32`).
+            fn options(&self) -> LossSupport {
+                LossSupport::ALL
             }
         }
 

@@ -89,12 +89,18 @@ fn time_family<K: ?Sized>(
             max_rel_diff: 0.0,
             skipped: None,
         };
-        let imp = match entry.make() {
-            Ok(imp) => imp,
-            Err(u) => {
+        let imp = match entry.here() {
+            registry::Here::Runs(imp) => imp,
+            registry::Here::Skipped(u) => {
                 row.skipped = Some(u.to_string());
                 out.push(row);
                 continue;
+            }
+            registry::Here::Missing(u) => {
+                return Err(Error::invalid(
+                    entry.name,
+                    format!("required here but cannot run: {u}"),
+                ))
             }
         };
         let got = run(&imp)?;

@@ -29,105 +29,11 @@ pub use super::layer::{
 use super::layer::{norm_backward, norm_forward};
 use super::ops::{linear_nb, linear_nb_backward};
 use super::params::{DecoderConfig, DecoderParams, MAX_TENSOR};
-use crate::attention::check_cu_seqlens;
 use crate::error::{check_finite, check_len, Error, Result};
 use crate::ops::AttentionOp;
 use crate::vocab::IGNORE_INDEX;
 
-/// How the tokens of one batch attend.
-#[derive(Debug, Clone, PartialEq)]
-pub enum DecoderAttention {
-    /// Back-to-back segments, `cu_seqlens: [b + 1]` (leading 0, last = `n`),
-    /// causal within each segment (flash-attention's varlen with
-    /// `causal=True`). With a [`KvCache`], segment `s`'s keys are its cached
-    /// keys then its new ones, bottom-right aligned.
-    Varlen {
-        /// `[b + 1]`.
-        cu_seqlens: Vec<usize>,
-    },
-    /// `allowed.len()` rows of `row_len` slots; `allowed[r]: [row_len,
-    /// row_len]` says which key each query of row `r` may see (the mask
-    /// carries causality: [`DecoderAttention::padded_rows`],
-    /// [`DecoderAttention::block_causal`]).
-    Dense {
-        /// Slots per row.
-        row_len: usize,
-        /// One mask per row.
-        allowed: Vec<Array2<bool>>,
-    },
-}
-
-impl DecoderAttention {
-    /// Right-padded rows, one sequence each (Hugging Face's causal LM with
-    /// `attention_mask`): in row `r` of real length `lengths[r]`, query `i`
-    /// sees key `j` when `j <= i` and `j < lengths[r]`.
-    pub fn padded_rows(lengths: &[usize], row_len: usize) -> Self {
-        DecoderAttention::Dense {
-            row_len,
-            allowed: lengths
-                .iter()
-                .map(|&l| Array2::from_shape_fn((row_len, row_len), |(i, j)| j <= i && j < l))
-                .collect(),
-        }
-    }
-
-    /// Packed rows with document ids (`doc_ids: [rows * row_len]`, 0 =
-    /// padding): query `i` sees key `j` when `j <= i` and both are in the
-    /// same non-padding document (FlexAttention's document mask). A padding
-    /// query sees nothing (output 0, docs/FAULTS.md P8).
-    ///
-    /// # Errors
-    /// [`Error::ShapeMismatch`] naming `doc_ids` when its length is not a
-    /// multiple of `row_len`.
-    pub fn block_causal(doc_ids: &[usize], row_len: usize) -> Result<Self> {
-        if row_len == 0 || !doc_ids.len().is_multiple_of(row_len) {
-            return Err(Error::ShapeMismatch {
-                field: "doc_ids".into(),
-                expected: format!("[rows * row_len] with row_len = {row_len}"),
-                actual: vec![doc_ids.len()],
-            });
-        }
-        Ok(DecoderAttention::Dense {
-            row_len,
-            allowed: doc_ids
-                .chunks(row_len)
-                .map(|row| {
-                    Array2::from_shape_fn((row_len, row_len), |(i, j)| {
-                        j <= i && row[i] != 0 && row[i] == row[j]
-                    })
-                })
-                .collect(),
-        })
-    }
-
-    fn check(&self, n: usize) -> Result<()> {
-        match self {
-            DecoderAttention::Varlen { cu_seqlens } => check_cu_seqlens(cu_seqlens, n),
-            DecoderAttention::Dense { row_len, allowed } => {
-                if row_len.saturating_mul(allowed.len()) != n {
-                    return Err(Error::ShapeMismatch {
-                        field: "input_ids".into(),
-                        expected: format!(
-                            "[rows * row_len] = [{} * {row_len}] (the dense attention's slots)",
-                            allowed.len()
-                        ),
-                        actual: vec![n],
-                    });
-                }
-                for (r, m) in allowed.iter().enumerate() {
-                    if m.dim() != (*row_len, *row_len) {
-                        return Err(Error::ShapeMismatch {
-                            field: format!("allowed[{r}]"),
-                            expected: format!("[row_len, row_len] = [{row_len}, {row_len}]"),
-                            actual: m.shape().to_vec(),
-                        });
-                    }
-                }
-                Ok(())
-            }
-        }
-    }
-}
+pub use super::layer::DecoderAttention;
 
 /// Keys and values of earlier tokens (post-rotary), per layer, for a
 /// continuation chunk: segment `s` of the chunk continues cached tokens

@@ -10,18 +10,27 @@ use super::embedding::{
     embedding_backward, embedding_forward, sharded_embedding, ShardedEmbedding,
 };
 use super::sharded::{sharded_cross_entropy, sharded_linear_cross_entropy, ShardedLoss};
-use super::{ShardMap, ShardPlan};
+use super::{ShardMap, ShardPlan, ShardedAlgorithm};
 use crate::error::Result;
 use crate::ops::{
     CeCall, CrossEntropyOp, Embedding, EmbeddingCall, EmbeddingOp, LinearCall,
-    LinearCrossEntropyOp, LinearLoss, LossOp,
+    LinearCrossEntropyOp, LinearLoss, LossOp, LossSupport,
 };
 
 /// The reference cross-entropy: unsharded, `naive`, `alg1` and `alg2`.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct ReferenceCrossEntropy;
 
-impl LossOp for ReferenceCrossEntropy {}
+/// Every algorithm and every option: the reference defines them.
+impl LossOp for ReferenceCrossEntropy {
+    fn algorithms(&self) -> Vec<ShardedAlgorithm> {
+        ShardedAlgorithm::ALL.to_vec()
+    }
+
+    fn options(&self) -> LossSupport {
+        LossSupport::ALL
+    }
+}
 
 impl CrossEntropyOp for ReferenceCrossEntropy {
     fn cross_entropy(&self, c: CeCall<'_>) -> Result<CrossEntropy> {
@@ -37,7 +46,16 @@ impl CrossEntropyOp for ReferenceCrossEntropy {
 #[derive(Debug, Clone, Copy, Default)]
 pub struct ReferenceLinearCrossEntropy;
 
-impl LossOp for ReferenceLinearCrossEntropy {}
+/// Every algorithm and every option: the reference defines them.
+impl LossOp for ReferenceLinearCrossEntropy {
+    fn algorithms(&self) -> Vec<ShardedAlgorithm> {
+        ShardedAlgorithm::ALL.to_vec()
+    }
+
+    fn options(&self) -> LossSupport {
+        LossSupport::ALL
+    }
+}
 
 impl LinearCrossEntropyOp for ReferenceLinearCrossEntropy {
     fn linear_cross_entropy(&self, c: LinearCall<'_>) -> Result<LinearLoss> {
