@@ -15,7 +15,9 @@
 //! fault D1..D8 moves a value by 1e-3 of its scale or more.
 
 use packshard_reference::decoder::{CausalReduction, DecoderConfig, DecoderModel};
-use packshard_reference::step::{reference_step, unpacked_step, Layout, StepBatch, StepFault};
+use packshard_reference::step::{
+    reference_step, unpacked_step, Layout, StepBatch, StepFault, StepResult,
+};
 use rand::{Rng, SeedableRng};
 
 use crate::attention::Observed;
@@ -41,6 +43,29 @@ pub fn check_step(
     let want = unpacked_step(model, batch).map_err(|e| Mismatch::new("unpacked", e.to_string()))?;
     let got = reference_step(model, batch, layout, fault)
         .map_err(|e| Mismatch::new("step", e.to_string()))?;
+    compare_steps(&want, &got)
+}
+
+/// Compares a step's results with the wanted ones under
+/// [`STEP_TOLERANCE`]: the loss, every token's loss (document by document,
+/// laid end to end), every parameter gradient (floors relative to the
+/// largest wanted gradient).
+///
+/// # Errors
+/// A [`Mismatch`] naming the tensor; `token_losses` when the documents'
+/// lengths differ.
+pub fn compare_steps(want: &StepResult, got: &StepResult) -> Result<Observed, Mismatch> {
+    let shape = |r: &StepResult| r.token_losses.iter().map(Vec::len).collect::<Vec<_>>();
+    if shape(want) != shape(got) {
+        return Err(Mismatch::new(
+            "token_losses",
+            format!(
+                "document lengths {:?}, expected {:?}",
+                shape(got),
+                shape(want)
+            ),
+        ));
+    }
     let mut seen = Observed::default();
     seen.close("loss", &[want.loss], &[got.loss], &[1], STEP_TOLERANCE)?;
     let (a, b): (Vec<f64>, Vec<f64>) = (want.token_losses.concat(), got.token_losses.concat());

@@ -13,6 +13,7 @@
 //! |---|---|
 //! | [`partition`] | the load-balanced CP split of a packed (THD) batch, per rank: token indices, padded and real `cu_seqlens`, `position_ids`, labels shifted before the split |
 //! | [`ring`] | ring attention: per-chunk partial results merged by log-sum-exp with the max rescale, and its backward |
+//! | [`balance`] | each rank's attention work (allowed query-key pairs), load-balanced against contiguous |
 //! | [`weights`] | the step's loss weights per microbatch, rank and slot, and the document assignment |
 //! | [`run`] | the reference step (every rank of every microbatch in one process) and the one unpacked batch it must equal |
 //!
@@ -21,6 +22,7 @@
 //! data-parallel rank `d = m mod D`; each microbatch is one pack (THD) split
 //! over the `C` ranks. The contract and a picture: `docs/STEP.md`.
 
+pub mod balance;
 pub mod partition;
 pub mod ring;
 pub mod run;
@@ -48,9 +50,10 @@ pub struct Layout {
 }
 
 impl Layout {
-    /// Microbatches of the step, `G D`.
+    /// Microbatches of the step, `G D` (saturating: a layout beyond
+    /// `usize` is refused by the document count, which must reach it).
     pub fn microbatches(&self) -> usize {
-        self.grad_accum * self.dp
+        self.grad_accum.saturating_mul(self.dp)
     }
 
     /// Checks every count is at least 1.
