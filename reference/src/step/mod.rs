@@ -129,3 +129,6 @@ impl StepFault {
         }
     }
 }
+
+#[cfg(test)]
+mod tests;
