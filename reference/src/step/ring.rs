@@ -13,7 +13,7 @@
 //! [`chunk_backward`]) are what a rank computes per step; [`RingAttention`]
 //! runs all ranks in one process, in the order the ring delivers the chunks
 //! (step `s`: rank `r` holds rank `r - s`'s keys), and the MPI runner
-//! (`packshard-pipeline step`) runs the same kernels with the chunks sent
+//! (`packshard-step`, `packshard_pipeline::step`) runs the same kernels with the chunks sent
 //! point to point. Shapes: `q: [n_q, h, d]`, `k, v: [n_k, h_kv, d]`, per
 //! query head `[h, n_q]` statistics.
 
