@@ -111,11 +111,10 @@ pub fn cp_partition(
         let kept = len.min(padded);
         cu.push(cu.last().unwrap_or(&0) + kept);
         cu_pad.push(cu_pad.last().unwrap_or(&0) + padded);
-        for p in 0..padded {
-            ids.push(if p < kept { d[p] } else { 0 });
-            doc_ids.push(if p < kept { j + 1 } else { 0 });
-            pos.push(p);
-        }
+        ids.extend(d.iter().take(kept).copied());
+        ids.resize(ids.len() + padded - kept, 0);
+        doc_ids.extend((0..padded).map(|p| if p < kept { j + 1 } else { 0 }));
+        pos.extend(0..padded);
     }
     let labels = next_token_labels(&ids, &doc_ids, eos)?;
     let mut ranks = Vec::with_capacity(cp);
@@ -224,7 +223,7 @@ pub fn rank_meta(
         let len = cu_seqlens[j + 1].saturating_sub(cu_seqlens[j]);
         let padded = cu_seqlens_padded[j + 1].saturating_sub(cu_seqlens_padded[j]);
         ensure(
-            padded >= len && padded % two == 0,
+            padded >= len && padded.is_multiple_of(two),
             "cu_seqlens_padded",
             || {
                 format!("document {j}: {padded} padded slots for {len} tokens (need >= and a multiple of 2 cp = {two})")
