@@ -85,9 +85,15 @@ fn every_op_has_a_case_with_inputs_outputs_and_rules() {
     let eval_ops: std::collections::BTreeSet<&str> = packshard::eval::ops()
         .iter()
         .map(|o| o.name)
-        .filter(|&n| n != "bert")
+        // step_plan's result is nested (microbatches, then ranks), which the
+        // golden format's flat tensors do not hold yet: its values are pinned
+        // by oracle/tests/eval_step_plan.rs (docs/STEP.md's picture).
+        .filter(|&n| n != "bert" && n != "step_plan")
         .collect();
-    assert_eq!(ops, eval_ops, "a golden case per eval op (bert: not yet)");
+    assert_eq!(
+        ops, eval_ops,
+        "a golden case per eval op (bert, step_plan: not yet)"
+    );
     let names: std::collections::BTreeSet<&str> = cases.iter().map(|c| c.name.as_str()).collect();
     assert_eq!(names.len(), cases.len(), "case names are unique");
     for c in &cases {

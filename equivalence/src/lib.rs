@@ -47,6 +47,7 @@ pub mod compare;
 pub mod fuzz;
 pub mod packing;
 pub mod planted;
+pub mod step;
 pub mod vocab;
 pub mod zoo;
 

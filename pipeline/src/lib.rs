@@ -5,3 +5,4 @@ pub mod plot;
 pub mod report;
 pub mod runtime;
 pub mod schedule;
+pub mod step;

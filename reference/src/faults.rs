@@ -122,6 +122,38 @@ pub const CATALOGUE: &[FaultKind] = &[
         id: "C7",
         title: "the token-count denominator of a packed batch",
     },
+    FaultKind {
+        id: "D1",
+        title: "the mean per microbatch, then averaged",
+    },
+    FaultKind {
+        id: "D2",
+        title: "the mean per data-parallel rank, then averaged",
+    },
+    FaultKind {
+        id: "D3",
+        title: "the real length rounded down to 2 cp",
+    },
+    FaultKind {
+        id: "D4",
+        title: "local boundaries from the unpadded cu_seqlens",
+    },
+    FaultKind {
+        id: "D5",
+        title: "labels shifted after the CP split",
+    },
+    FaultKind {
+        id: "D6",
+        title: "a ring merge without the max rescale",
+    },
+    FaultKind {
+        id: "D7",
+        title: "a per-sequence loss over pack rows",
+    },
+    FaultKind {
+        id: "D8",
+        title: "padding tokens counted in a denominator",
+    },
 ];
 
 /// The kind called `id`.
@@ -302,6 +334,71 @@ pub const C7_ROW_LENGTHS: [usize; 2] = [3, 5];
 /// C7: the predicted tokens of the batch.
 pub const C7_PREDICTED: usize = 12;
 
+/// D1: two microbatches predicting these tokens, per-token losses all 1.0
+/// in the first and all 0.0 in the second.
+pub const D1_PREDICTED: [usize; 2] = [2, 6];
+/// D1: the mean of the microbatch means (the fault).
+pub const D1_MEAN_OF_MEANS: f64 = 0.5;
+/// D1: the mean over the step's tokens.
+pub const D1_PER_TOKEN: f64 = 0.25;
+
+/// D2: two data-parallel ranks predicting these tokens, losses all 1.0 on
+/// rank 0 and all 0.0 on rank 1.
+pub const D2_PREDICTED: [usize; 2] = [3, 1];
+/// D2: the mean of the ranks' means (the fault).
+pub const D2_MEAN_OF_MEANS: f64 = 0.5;
+/// D2: the mean over the step's tokens.
+pub const D2_PER_TOKEN: f64 = 0.75;
+
+/// D3: a document of 5 tokens at `cp = 2`.
+pub const D3_LENGTH: usize = 5;
+/// D3: the CP size.
+pub const D3_CP: usize = 2;
+/// D3: its padded length (rounded up to `2 cp`; the fault's 4 loses token 4).
+pub const D3_PADDED: usize = 8;
+/// D3: rank 0's slots (chunks 0 and 3 of 2 slots).
+pub const D3_RANK0_SLOTS: [usize; 4] = [0, 1, 6, 7];
+
+/// D4: documents of these lengths at `cp = 2`.
+pub const D4_LENGTHS: [usize; 2] = [5, 2];
+/// D4: each rank's local padded boundaries (the padded `[0, 8, 12]` / 2).
+pub const D4_LOCAL_PADDED: [usize; 3] = [0, 4, 6];
+/// D4: the fault's boundaries (the unpadded `[0, 5, 7]` / 2): document 0's
+/// chunk-3 slots 2 and 3 of rank 0 taken for document 1.
+pub const D4_LOCAL_FAULT: [usize; 3] = [0, 2, 3];
+
+/// D5: a document of 8 tokens (ids `0..8`) at `cp = 2`: rank 0 holds
+/// `[0 1 | 6 7]`; its labels, shifted before the split.
+pub const D5_RANK0_LABELS: [i64; 4] = [1, 2, 7, -100];
+/// D5: the fault's labels, shifted on rank 0's slots (token 1 predicts 6).
+pub const D5_RANK0_LABELS_FAULT: [i64; 4] = [1, 6, 7, -100];
+
+/// D6: one query over two key chunks of one key each: the scores.
+pub const D6_SCORES: [f64; 2] = [0.0, 10.0];
+/// D6: the keys' values (`d = 1`).
+pub const D6_VALUES: [f64; 2] = [1.0, 0.0];
+/// D6: the output, `1 / (1 + e^10)`, to 5 significant digits.
+pub const D6_OUTPUT: f64 = 4.5398e-5;
+/// D6: the fault's output (each partial's sum taken against its own max).
+pub const D6_OUTPUT_FAULT: f64 = 0.5;
+/// D6: the places the output is given to.
+pub const D6_PLACES: f64 = 5e-9;
+
+/// D7: two pack rows, per-document loss: row 0 holds documents predicting
+/// 1 and 3 tokens (losses all 1.0 and all 0.0), row 1 one document
+/// predicting 2 (losses 0.0).
+pub const D7_ROWS: [&[usize]; 2] = [&[1, 3], &[2]];
+/// D7: the mean over documents of their means, `(1 + 0 + 0) / 3`.
+pub const D7_PER_DOCUMENT: f64 = 1.0 / 3.0;
+/// D7: the fault's mean over rows of the row means, `(1/4 + 0) / 2`.
+pub const D7_PER_ROW_SEQUENCE: f64 = 0.125;
+
+/// D8: a document of 5 tokens at `cp = 2` predicts 4 tokens in 8 slots:
+/// the per-token denominator is 4, not 8.
+pub const D8_PREDICTED: usize = 4;
+/// D8: the slots, padding included (the fault's denominator).
+pub const D8_SLOTS: usize = 8;
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -427,6 +524,71 @@ mod tests {
         let g = l.grad_hidden.unwrap();
         for j in 0..2 {
             assert!((g[[0, j]] - V3_GRAD_HIDDEN[j]).abs() < V3_PLACES, "{g}");
+        }
+    }
+
+    #[test]
+    fn d1_d2_d7_d8_examples_add_up() {
+        let mean = |ls: &[(usize, f64)]| {
+            ls.iter().map(|(n, l)| *n as f64 * l).sum::<f64>()
+                / ls.iter().map(|(n, _)| *n as f64).sum::<f64>()
+        };
+        for (p, mm, pt) in [
+            (D1_PREDICTED, D1_MEAN_OF_MEANS, D1_PER_TOKEN),
+            (D2_PREDICTED, D2_MEAN_OF_MEANS, D2_PER_TOKEN),
+        ] {
+            assert_eq!((1.0 + 0.0) / 2.0, mm);
+            assert_eq!(mean(&[(p[0], 1.0), (p[1], 0.0)]), pt);
+        }
+        let row0 = mean(&[(D7_ROWS[0][0], 1.0), (D7_ROWS[0][1], 0.0)]);
+        assert_eq!((row0 + 0.0) / 2.0, D7_PER_ROW_SEQUENCE);
+        assert_eq!((1.0 + 0.0 + 0.0) / 3.0, D7_PER_DOCUMENT);
+        let p = crate::step::cp_partition(&[vec![1; 5]], 2, None, None).unwrap();
+        let labels = p.ranks.iter().flat_map(|r| &r.labels);
+        assert_eq!(labels.filter(|&&l| l != -100).count(), D8_PREDICTED);
+        assert_eq!(p.cu_seqlens_padded, [0, D8_SLOTS]);
+    }
+
+    #[test]
+    fn d3_d4_d5_examples_are_the_partition() {
+        use crate::step::{cp_partition, StepFault};
+        let p = cp_partition(&[vec![1; D3_LENGTH]], D3_CP, None, None).unwrap();
+        assert_eq!(p.cu_seqlens_padded, [0, D3_PADDED]);
+        assert_eq!(p.ranks[0].token_index, D3_RANK0_SLOTS);
+        let f = cp_partition(
+            &[vec![1; D3_LENGTH]],
+            D3_CP,
+            None,
+            Some(StepFault::D3RoundDown),
+        );
+        assert_eq!(f.unwrap().cu_seqlens, [0, 4]);
+        let docs: Vec<Vec<i64>> = D4_LENGTHS.iter().map(|&l| vec![1; l]).collect();
+        let p = cp_partition(&docs, 2, None, None).unwrap();
+        assert_eq!(p.ranks[0].cu_seqlens_padded, D4_LOCAL_PADDED);
+        let bad: Vec<usize> = p.cu_seqlens.iter().map(|c| c / 2).collect();
+        assert_eq!(bad, D4_LOCAL_FAULT);
+        let doc = vec![(0..8).collect::<Vec<i64>>()];
+        let p = cp_partition(&doc, 2, None, None).unwrap();
+        assert_eq!(p.ranks[0].labels, D5_RANK0_LABELS);
+        let f = cp_partition(&doc, 2, None, Some(StepFault::D5ShiftAfterSplit)).unwrap();
+        assert_eq!(f.ranks[0].labels, D5_RANK0_LABELS_FAULT);
+    }
+
+    #[test]
+    fn d6_merge_rescales_by_the_max() {
+        use crate::step::ring::{finish, merge, Partial};
+        use ndarray::{Array2, Array3};
+        let part = |i: usize| Partial {
+            acc: Array3::from_elem((1, 1, 1), D6_VALUES[i]),
+            m: Array2::from_elem((1, 1), D6_SCORES[i]),
+            l: Array2::from_elem((1, 1), 1.0),
+        };
+        for (rescale, want, places) in [(true, D6_OUTPUT, D6_PLACES), (false, D6_OUTPUT_FAULT, 0.0)]
+        {
+            let mut a = part(0);
+            merge(&mut a, &part(1), rescale);
+            let got = finish(a).output[[0, 0, 0]];
+            assert!((got - want).abs() <= places, "{rescale}: {got}");
         }
     }
 }

@@ -194,6 +194,7 @@ pub mod faults;
 pub mod limits;
 pub mod ops;
 pub mod packing;
+pub mod step;
 pub mod vocab;
 
 #[cfg(test)]

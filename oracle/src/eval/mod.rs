@@ -14,6 +14,7 @@ mod causal;
 mod decoder;
 pub mod input;
 mod pack;
+mod step;
 pub mod vocab;
 
 use serde_json::{json, Value};
@@ -148,6 +149,7 @@ pub fn ops() -> Vec<Op> {
         Op::new("causal_labels", Plain(causal::causal_labels), "causal-LM next-token labels inside each packed document, and each slot's loss weight per reduction"),
         Op::new("causal_conversions", Plain(causal::causal_conversions), "position_ids, cu_seqlens, seq_idx and document ids of a packed batch into one another, with max_seqlen"),
         Op::new("decoder_forward_backward", Plain(decoder::decoder_forward_backward), "the f64 reference causal decoder on given weights over packed documents: next-token loss, logits and every parameter's gradient"),
+        Op::new("step_plan", Plain(step::step_plan), "the training step's split of a global batch over accumulation steps, data-parallel and context-parallel ranks: each rank's slots, cu_seqlens, positions, labels and global-denominator loss weights"),
     ]
 }
 
