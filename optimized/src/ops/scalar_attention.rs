@@ -10,7 +10,7 @@
 //! Shapes as [`AttentionOp`]'s: `q: [n_q, h, d]`, `k, v: [n_k, h_kv, d]`
 //! with `h_kv` dividing `h` (query head `a` reads key head `a / (h /
 //! h_kv)`), `cu_seqlens_k` other than `cu_seqlens_q` with bottom-right
-//! causal masks ([`AttentionSupport::ALL`]); results widened to f64.
+//! causal masks ([`AttentionSupport::CAUSAL_GQA_CROSS`]); results widened to f64.
 
 use ndarray::{Array2, Array3};
 use packshard_reference::attention::{
@@ -237,7 +237,7 @@ pub(crate) fn saved(
 
 impl AttentionOp for ScalarAttention {
     fn support(&self) -> AttentionSupport {
-        AttentionSupport::ALL
+        AttentionSupport::CAUSAL_GQA_CROSS
     }
 
     fn varlen_forward(&self, x: Qkv<'_>, p: &Varlen<'_>) -> Result<AttentionOutput> {
