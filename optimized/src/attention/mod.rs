@@ -389,6 +389,7 @@ fn scatter_add(flat: &mut [f32], (h, d): (usize, usize), at: Rows, part: &[f32])
 }
 
 mod backward;
+pub mod mask;
 use backward::run_backward;
 
 /// Runs every item's forward in parallel and scatters the results.

@@ -28,6 +28,34 @@ fn problem(causal: bool, w: (i64, i64)) -> Varlen<'static> {
 /// The output of query `i`, head `a`, by the documented formula written
 /// out again (not through `options`): allowed keys, capped score, bias.
 fn direct(q: &Array3<f64>, k: &Array3<f64>, v: &Array3<f64>, p: &Varlen<'_>) -> Array3<f64> {
+    direct_with(q, k, v, p, None)
+}
+
+/// The kernel bugs of docs/FAULTS.md W1-W6, planted in [`direct`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Fault {
+    /// W1: the window's left edge one key too far.
+    WindowOffByOne,
+    /// W2: the window aligned top-left (`diag = r`) when `l_q != l_k`.
+    WindowTopLeft,
+    /// W3: the window over the pack's keys, not the document's.
+    WindowAcrossDocuments,
+    /// W4: the cap applied after the mask: a masked key scores `-softcap`.
+    SoftcapAfterMask,
+    /// W6: ALiBi's distance between pack positions, not the document's
+    /// bottom-right aligned ones.
+    AlibiFromPackStart,
+    /// W6: ALiBi with `+slope`.
+    AlibiWrongSign,
+}
+
+fn direct_with(
+    q: &Array3<f64>,
+    k: &Array3<f64>,
+    v: &Array3<f64>,
+    p: &Varlen<'_>,
+    fault: Option<Fault>,
+) -> Array3<f64> {
     let (n_q, h, d) = q.dim();
     let group = h / k.dim().1;
     let mut out = Array3::zeros((n_q, h, d));
@@ -38,26 +66,58 @@ fn direct(q: &Array3<f64>, k: &Array3<f64>, v: &Array3<f64>, p: &Varlen<'_>) -> 
         for r in 0..lq as i64 {
             for a in 0..h {
                 let diag = r + lk - lq as i64;
-                let keys: Vec<i64> = (0..lk)
-                    .filter(|&c| left < 0 || c >= diag - left)
-                    .filter(|&c| right < 0 || c <= diag + right)
-                    .filter(|&c| !p.causal || c <= diag)
-                    .collect();
+                let wdiag = if fault == Some(Fault::WindowTopLeft) {
+                    r
+                } else {
+                    diag
+                };
+                let left = if fault == Some(Fault::WindowOffByOne) && left >= 0 {
+                    left + 1
+                } else {
+                    left
+                };
+                let inside = |c: i64| {
+                    (left < 0 || c >= wdiag - left)
+                        && (right < 0 || c <= wdiag + right)
+                        && (!p.causal || c <= diag)
+                };
+                // Keys as offsets from the segment's first key (negative or
+                // past lk: other documents' keys, for W3).
+                let keys: Vec<i64> = match fault {
+                    Some(Fault::WindowAcrossDocuments) => {
+                        (-(k0 as i64)..lk).filter(|&c| inside(c)).collect()
+                    }
+                    Some(Fault::SoftcapAfterMask) => (0..lk).collect(),
+                    _ => (0..lk).filter(|&c| inside(c)).collect(),
+                };
                 let i = q0 + r as usize;
                 let s: Vec<f64> = keys
                     .iter()
                     .map(|&c| {
-                        let j = k0 + c as usize;
+                        let j = (k0 as i64 + c) as usize;
                         let dot: f64 = (0..d).map(|e| q[[i, a, e]] * k[[j, a / group, e]]).sum();
                         let x = p.scale * dot;
-                        p.softcap * (x / p.softcap).tanh() - SLOPES[a] * (diag - c).abs() as f64
+                        let dist = match fault {
+                            Some(Fault::AlibiFromPackStart) => (i as i64 - j as i64).abs(),
+                            _ => (diag - c).abs(),
+                        } as f64;
+                        let sign = if fault == Some(Fault::AlibiWrongSign) {
+                            1.0
+                        } else {
+                            -1.0
+                        };
+                        if fault == Some(Fault::SoftcapAfterMask) && !inside(c) {
+                            return -p.softcap; // cap(-inf)
+                        }
+                        p.softcap * (x / p.softcap).tanh() + sign * SLOPES[a] * dist
                     })
                     .collect();
                 let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
                 let z: f64 = s.iter().map(|x| (x - m).exp()).sum();
                 for (&c, &x) in keys.iter().zip(&s) {
                     for e in 0..d {
-                        out[[i, a, e]] += (x - m).exp() / z * v[[k0 + c as usize, a / group, e]];
+                        let j = (k0 as i64 + c) as usize;
+                        out[[i, a, e]] += (x - m).exp() / z * v[[j, a / group, e]];
                     }
                 }
             }
@@ -184,5 +244,31 @@ fn bad_options_are_typed_errors() {
     assert!(e.to_string().starts_with("seqused_k[1]"), "{e}");
     for e in [&e] {
         assert_eq!(e.kind(), "invalid_argument");
+    }
+}
+
+/// Each planted bug of docs/FAULTS.md W1-W6 moves the output of the tiny
+/// case by far more than the formula check's 1e-14 (at least 1e-3: the
+/// smallest difference a fault makes here is a probability of a few
+/// percent moved onto or off one key of values of order 1).
+#[test]
+fn each_planted_option_bug_is_caught_by_the_formula_check() {
+    let [q, k, v, _] = inputs(41);
+    let faults = [
+        (Fault::WindowOffByOne, false, (2, 1)),
+        (Fault::WindowTopLeft, false, (2, 1)),
+        (Fault::WindowAcrossDocuments, true, (3, -1)),
+        (Fault::SoftcapAfterMask, true, (1, 0)),
+        (Fault::AlibiFromPackStart, false, (-1, -1)),
+        (Fault::AlibiWrongSign, false, (-1, -1)),
+    ];
+    for (fault, causal, w) in faults {
+        let p = problem(causal, w);
+        let got = varlen_attention_general(q.view(), k.view(), v.view(), &p).unwrap();
+        let bad = direct_with(&q, &k, &v, &p, Some(fault));
+        let err = (&got.output - &bad)
+            .mapv(f64::abs)
+            .fold(0.0f64, |a, &b| a.max(b));
+        assert!(err > 1e-3, "{fault:?}: {err:e}, not caught");
     }
 }
