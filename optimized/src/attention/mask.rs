@@ -77,3 +77,48 @@ pub fn cap_grad(x: f32, softcap: f32) -> f32 {
         1.0
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use ndarray::Array3;
+    use packshard_reference::attention::Window;
+    use packshard_reference::ops::Varlen;
+
+    /// The tiled kernel's own entry points refuse the options they do not
+    /// implement (a typed error naming the field), never ignore them.
+    #[test]
+    fn the_tiled_kernel_refuses_options_it_does_not_implement() {
+        let x = Array3::<f32>::from_elem((3, 1, 2), 0.5);
+        let cu = [0usize, 3];
+        let go = Array3::<f32>::from_elem((3, 1, 2), 1.0);
+        let base = Varlen::new(&cu, false, 1.0);
+        let slopes = [0.5];
+        let used = [2usize];
+        for (p, field) in [
+            (
+                base.with_window(Window::from_flash(1, 0).unwrap()),
+                "window_size",
+            ),
+            (base.with_softcap(5.0), "softcap"),
+            (base.with_alibi_slopes(Some(&slopes)), "alibi_slopes"),
+            (base.with_seqused_k(Some(&used)), "seqused_k"),
+        ] {
+            let e = crate::attention::varlen_attention_general(x.view(), x.view(), x.view(), &p)
+                .unwrap_err();
+            assert!(e.to_string().starts_with(field), "{e}");
+            let fwd =
+                crate::attention::varlen_attention_general(x.view(), x.view(), x.view(), &base)
+                    .unwrap();
+            let e = crate::attention::varlen_attention_general_backward(
+                x.view(),
+                x.view(),
+                x.view(),
+                &p,
+                &fwd,
+                go.view(),
+            )
+            .unwrap_err();
+            assert!(e.to_string().starts_with(field), "{e}");
+        }
+    }
+}
