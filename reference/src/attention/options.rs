@@ -82,11 +82,8 @@ impl Window {
 pub fn visible_keys(r: usize, lq: usize, lk: usize, causal: bool, w: Window) -> Range<usize> {
     // In i128 so no sum of usizes overflows.
     let diag = r as i128 + lk as i128 - lq as i128;
-    let right = match (causal, w.right) {
-        (true, Some(x)) => Some(x.min(0)),
-        (true, None) => Some(0),
-        (false, x) => x,
-    };
+    // Causal is right = 0, the smallest a side can be: it wins.
+    let right = if causal { Some(0) } else { w.right };
     let hi = right.map_or(lk as i128, |x| (diag + x as i128 + 1).clamp(0, lk as i128));
     let lo = w
         .left
