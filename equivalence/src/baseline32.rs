@@ -234,7 +234,7 @@ impl Baseline32Attention {
 
 impl AttentionOp for Baseline32Attention {
     fn support(&self) -> AttentionSupport {
-        AttentionSupport::ALL
+        AttentionSupport::CAUSAL_GQA_CROSS
     }
 
     fn varlen_forward(&self, x: Qkv<'_>, p: &Varlen<'_>) -> Result<AttentionOutput> {

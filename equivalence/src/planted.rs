@@ -121,7 +121,7 @@ fn top_left_mask(p: &Varlen<'_>, n_q: usize, n_k: usize) -> ndarray::Array2<bool
 
 impl AttentionHooks for TopLeftCausal {
     fn support(&self) -> AttentionSupport {
-        AttentionSupport::ALL
+        AttentionSupport::CAUSAL_GQA_CROSS
     }
     fn varlen_forward(&self, x: Qkv<'_>, p: &Varlen<'_>) -> Result<AttentionOutput> {
         let mask = top_left_mask(p, x.q.dim().0, x.k.dim().0);
@@ -169,7 +169,7 @@ impl ModuloKvHeads {
 
 impl AttentionHooks for ModuloKvHeads {
     fn support(&self) -> AttentionSupport {
-        AttentionSupport::ALL
+        AttentionSupport::CAUSAL_GQA_CROSS
     }
     fn varlen_forward(&self, x: Qkv<'_>, p: &Varlen<'_>) -> Result<AttentionOutput> {
         let (k, v) = Self::spread_kv(&x);

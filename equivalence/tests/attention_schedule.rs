@@ -31,7 +31,7 @@ const TILE: usize = 16;
 
 impl AttentionHooks for NoRescaleTiles {
     fn support(&self) -> AttentionSupport {
-        AttentionSupport::ALL
+        AttentionSupport::CAUSAL_GQA_CROSS
     }
 
     fn varlen_forward(&self, x: Qkv<'_>, p: &Varlen<'_>) -> Result<AttentionOutput, Error> {
@@ -95,7 +95,7 @@ struct ValidatedTopLeft;
 
 impl AttentionHooks for ValidatedTopLeft {
     fn support(&self) -> AttentionSupport {
-        AttentionSupport::ALL
+        AttentionSupport::CAUSAL_GQA_CROSS
     }
     fn varlen_forward(&self, x: Qkv<'_>, p: &Varlen<'_>) -> Result<AttentionOutput, Error> {
         ReferenceAttention.varlen_forward(x, p)?;

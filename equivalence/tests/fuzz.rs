@@ -38,6 +38,8 @@ fn reference_attention_passes_arbitrary_cases() {
     let mut malformed = 0;
     let mut empty_segments = 0;
     let mut planted = 0;
+    // Cases with a window, a softcap, ALiBi, seqused_k.
+    let mut options = [0usize; 4];
     // 3,000 small cases and 24 large ones (the schedule's default share of
     // large cases would take a minute here; the default budget's own
     // figures are in tests/attention_schedule.rs).
@@ -50,10 +52,22 @@ fn reference_attention_passes_arbitrary_cases() {
         malformed += usize::from(!case.well_formed());
         empty_segments += usize::from(case.segments.iter().any(|&(q, k)| q == 0 || k == 0));
         planted += usize::from(case.values.contains("planted"));
+        let o = &case.options;
+        for (n, on) in options.iter_mut().zip([
+            !o.window.is_unbounded(),
+            o.softcap != 0.0,
+            o.alibi_slopes.is_some(),
+            o.seqused_k.is_some(),
+        ]) {
+            *n += usize::from(on);
+        }
         fa::run(&RefAttention, TOL, data)
     })
     .unwrap_or_else(|f| panic!("{f}"));
-    eprintln!("attention: {seen:?}; {malformed} malformed cu_seqlens, {empty_segments} with an empty side, {planted} with planted extremes");
+    eprintln!("attention: {seen:?}; {malformed} malformed cu_seqlens, {empty_segments} with an empty side, {planted} with planted extremes; window, softcap, alibi, seqused_k in {options:?}");
+    // Each option in about a quarter of the cases (half draw options, each
+    // on one bit of four); 300 is well below that and far above none.
+    assert!(options.iter().all(|&n| n >= 300), "{options:?}");
     assert_eq!(seen.cases, 3024);
     // Malformed cu_seqlens are refused by both sides alike; the rest compared.
     assert_eq!(seen.errors_alike, malformed);

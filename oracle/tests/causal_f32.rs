@@ -69,7 +69,7 @@ fn whole(p: &Varlen<'_>) -> (Vec<usize>, Vec<usize>) {
 
 impl AttentionHooks for AcrossDocuments {
     fn support(&self) -> AttentionSupport {
-        AttentionSupport::ALL
+        AttentionSupport::CAUSAL_GQA_CROSS
     }
     fn varlen_forward(&self, x: Qkv<'_>, p: &Varlen<'_>) -> Result<AttentionOutput> {
         let (cq, ck) = whole(p);

@@ -145,6 +145,10 @@ fn case_of(op: &str, data: &[u8]) -> Option<(Fields, String, usize)> {
 fn attention_case(data: &[u8]) -> Option<(Fields, String, usize)> {
     let mut f = AttentionFuzzCase::from_bytes(data).ok()?;
     f.malformed = None;
+    // flash-attention's options (window, softcap, ALiBi, seqused_k) do not
+    // reach the Python checks yet: neither the user's function nor the
+    // reference side (core.rs) gets them, so the case carries none.
+    f.options = Default::default();
     let ints = |cu: Vec<usize>| Out::Ints(cu.into_iter().map(|x| x as i64).collect());
     let max = |i: usize| {
         f.segments

@@ -34,6 +34,7 @@
 
 use ndarray::{Array2, ArrayView2, ArrayView3};
 
+use crate::attention::options::Window;
 use crate::attention::{AttentionGrads, AttentionLayout, AttentionOutput};
 use crate::bert::LayerParams;
 use crate::error::{Error, Result};
@@ -93,6 +94,18 @@ pub struct Varlen<'a> {
     pub causal: bool,
     /// Multiplies `q . k` (`1/sqrt(d)` by default, [`crate::attention::default_scale`]).
     pub scale: f64,
+    /// flash-attention's `window_size` (bottom-right aligned;
+    /// [`Window::UNBOUNDED`] by default).
+    pub window: Window,
+    /// flash-attention's `softcap`: scores become `softcap * tanh(s /
+    /// softcap)` before the mask; 0 (the default) is none.
+    pub softcap: f64,
+    /// flash-attention's `alibi_slopes: [h]`, one per query head: the bias
+    /// `-slope * |r + l_k - l_q - c|` ([`crate::attention::options`]).
+    pub alibi_slopes: Option<&'a [f64]>,
+    /// flash-attention's `seqused_k: [b]`: segment `s` uses only its first
+    /// `seqused_k[s]` keys (at most its `l_k`), and aligns on that count.
+    pub seqused_k: Option<&'a [usize]>,
 }
 
 impl<'a> Varlen<'a> {
@@ -103,6 +116,10 @@ impl<'a> Varlen<'a> {
             cu_seqlens_k: cu_seqlens,
             causal,
             scale,
+            window: Window::UNBOUNDED,
+            softcap: 0.0,
+            alibi_slopes: None,
+            seqused_k: None,
         }
     }
 
@@ -119,12 +136,57 @@ impl<'a> Varlen<'a> {
             cu_seqlens_k,
             causal,
             scale,
+            window: Window::UNBOUNDED,
+            softcap: 0.0,
+            alibi_slopes: None,
+            seqused_k: None,
         }
     }
 
     /// True when queries and keys have the same offsets.
     pub fn is_self(&self) -> bool {
         self.cu_seqlens_q == self.cu_seqlens_k
+    }
+
+    /// The same problem with `window_size` `w`.
+    pub fn with_window(self, window: Window) -> Self {
+        Varlen { window, ..self }
+    }
+
+    /// The same problem with score cap `softcap` (0: none).
+    pub fn with_softcap(self, softcap: f64) -> Self {
+        Varlen { softcap, ..self }
+    }
+
+    /// The same problem with ALiBi slopes `[h]`.
+    pub fn with_alibi_slopes(self, alibi_slopes: Option<&'a [f64]>) -> Self {
+        Varlen {
+            alibi_slopes,
+            ..self
+        }
+    }
+
+    /// The same problem with key counts `seqused_k: [b]`.
+    pub fn with_seqused_k(self, seqused_k: Option<&'a [usize]>) -> Self {
+        Varlen { seqused_k, ..self }
+    }
+
+    /// The keys segment `s` uses: `seqused_k[s]` when given, else its `l_k`
+    /// (after [`crate::attention::check_varlen`], at most `l_k`).
+    pub fn used_keys(&self, s: usize) -> usize {
+        let lk = self.cu_seqlens_k[s + 1] - self.cu_seqlens_k[s];
+        self.seqused_k
+            .and_then(|u| u.get(s).copied())
+            .map_or(lk, |u| u.min(lk))
+    }
+
+    /// True when any option beyond `causal` is set (window, softcap,
+    /// ALiBi, `seqused_k`).
+    pub fn has_options(&self) -> bool {
+        !self.window.is_unbounded()
+            || self.softcap != 0.0
+            || self.alibi_slopes.is_some()
+            || self.seqused_k.is_some()
     }
 }
 
@@ -138,6 +200,14 @@ pub struct AttentionSupport {
     pub gqa: bool,
     /// `cu_seqlens_k != cu_seqlens_q`.
     pub cross: bool,
+    /// flash-attention's `window_size` (sliding-window attention).
+    pub window: bool,
+    /// flash-attention's `softcap` on the scores.
+    pub softcap: bool,
+    /// flash-attention's `alibi_slopes`.
+    pub alibi: bool,
+    /// flash-attention's `seqused_k`.
+    pub seqused_k: bool,
     /// The largest head dim `d` the kernel takes (`usize::MAX`: any; a GPU
     /// kernel whose tile holds a row of `q` in registers or shared memory
     /// has a bound, flash-attention 2's is 256).
@@ -150,7 +220,20 @@ impl AttentionSupport {
         causal: true,
         gqa: true,
         cross: true,
+        window: true,
+        softcap: true,
+        alibi: true,
+        seqused_k: true,
         max_head_dim: usize::MAX,
+    };
+    /// Causal, GQA and cross attention, none of flash-attention's other
+    /// options (window, softcap, ALiBi, `seqused_k`).
+    pub const CAUSAL_GQA_CROSS: AttentionSupport = AttentionSupport {
+        window: false,
+        softcap: false,
+        alibi: false,
+        seqused_k: false,
+        ..AttentionSupport::ALL
     };
     /// Bidirectional self-attention with `h_kv == h`: what every
     /// implementation must do, and all an [`AttentionOp`] claims unless it
@@ -160,14 +243,16 @@ impl AttentionSupport {
         causal: false,
         gqa: false,
         cross: false,
+        window: false,
+        softcap: false,
+        alibi: false,
+        seqused_k: false,
         max_head_dim: usize::MAX,
     };
     /// Self-attention with `h_kv == h`, causal or not.
     pub const SELF_MHA: AttentionSupport = AttentionSupport {
         causal: true,
-        gqa: false,
-        cross: false,
-        max_head_dim: usize::MAX,
+        ..AttentionSupport::BIDIRECTIONAL
     };
 
     /// The same support with head dims up to `d` only.
@@ -182,8 +267,27 @@ impl AttentionSupport {
     /// the support (the head dim is checked by [`AttentionSupport::check_head_dim`]).
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] naming `causal`, `k` or `cu_seqlens_k`.
+    /// [`Error::InvalidArgument`] naming `causal`, `k`, `cu_seqlens_k`,
+    /// `window_size`, `softcap`, `alibi_slopes` or `seqused_k`.
     pub fn check(&self, p: &Varlen<'_>, h: usize, h_kv: usize) -> Result<()> {
+        let refuse = |field: &str, what: &str| {
+            Err(Error::invalid(
+                field,
+                format!("this implementation has no {what} (it declares no support for it)"),
+            ))
+        };
+        if !p.window.is_unbounded() && !self.window {
+            return refuse("window_size", "sliding window");
+        }
+        if p.softcap != 0.0 && !self.softcap {
+            return refuse("softcap", "score soft cap");
+        }
+        if p.alibi_slopes.is_some() && !self.alibi {
+            return refuse("alibi_slopes", "ALiBi");
+        }
+        if p.seqused_k.is_some() && !self.seqused_k {
+            return refuse("seqused_k", "key counts per segment");
+        }
         if p.causal && !self.causal {
             return Err(Error::invalid(
                 "causal",

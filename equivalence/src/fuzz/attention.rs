@@ -46,11 +46,11 @@ mod case;
 mod terms;
 
 pub use case::{
-    AttentionFuzzCase, Malformed, GQA_RATIOS, HEAD_DIMS, LARGE_MAX_SHORT, LARGE_MAX_WORK,
-    LARGE_SHORT_LEN, LONG_LEN, LONG_WORK, SHORT_WORK, SMALL_MAX_LEN, SMALL_MAX_SEGMENTS,
-    SMALL_MAX_WORK,
+    AttentionFuzzCase, FuzzOptions, Malformed, GQA_RATIOS, HEAD_DIMS, LARGE_MAX_SHORT,
+    LARGE_MAX_WORK, LARGE_SHORT_LEN, LONG_LEN, LONG_WORK, SHORT_WORK, SMALL_MAX_LEN,
+    SMALL_MAX_SEGMENTS, SMALL_MAX_WORK,
 };
-pub use terms::AttentionTerms;
+pub use terms::{AttentionTerms, SegmentOptions};
 
 /// The tolerance rule of the attention comparison, in words (see
 /// [`AttentionTerms`]).
@@ -114,13 +114,19 @@ fn segment_terms(c: &AttentionFuzzCase) -> Vec<AttentionTerms> {
     (0..c.segments.len())
         .map(|s| {
             let (qa, qb, ka, kb) = (cu_q[s], cu_q[s + 1], cu_k[s], cu_k[s + 1]);
-            AttentionTerms::of(
+            let o = &c.options;
+            AttentionTerms::of_with(
                 view(&c.q, qa, qb),
                 view(&c.k, ka, kb),
                 view(&c.v, ka, kb),
                 view(&c.grad_output, qa, qb),
-                c.scale,
-                c.causal,
+                (c.scale, c.causal),
+                SegmentOptions {
+                    window: o.window,
+                    softcap: o.softcap,
+                    alibi_slopes: o.alibi_slopes.as_deref(),
+                    used_keys: o.seqused_k.as_ref().and_then(|u| u.get(s).copied()),
+                },
             )
         })
         .collect()
@@ -212,7 +218,9 @@ pub fn check(
 ) -> Result<Outcome, Mismatch> {
     let (c, narrowed) = case.within(imp.support());
     let (cu_q, cu_k) = (c.cu_seqlens_q(), c.cu_seqlens_k());
-    let p = Varlen::cross(&cu_q, &cu_k, c.causal, c.scale);
+    let p = c
+        .options
+        .apply(Varlen::cross(&cu_q, &cu_k, c.causal, c.scale));
     let (q, k, v, go) = (c.q.view(), c.k.view(), c.v.view(), c.grad_output.view());
     let expected = varlen_attention_general(q, k, v, &p);
     let actual = catch_panic("varlen_forward", || {
@@ -275,7 +283,8 @@ fn check_padded(
     expected: (&AttentionOutput, &AttentionGrads),
 ) -> Result<(usize, f64), Mismatch> {
     let (h, h_kv, d) = c.heads();
-    if !c.is_self() || h_kv != h {
+    // The masked form carries none of flash-attention's options.
+    if !c.is_self() || h_kv != h || c.options.any() {
         return Ok((0, 0.0));
     }
     let cu = c.own_cu_q();

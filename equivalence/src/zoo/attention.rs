@@ -141,7 +141,7 @@ impl AttentionBug {
 
 /// The tiled attention kernel: query tiles of `br` rows, key tiles of `bc`
 /// keys, with at most one [`AttentionBug`]. Declares
-/// [`AttentionSupport::ALL`] (causal, GQA, cross).
+/// [`AttentionSupport::CAUSAL_GQA_CROSS`] (causal, GQA, cross).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TiledAttention {
     /// Query rows per tile (`kBlockM`).
@@ -504,7 +504,7 @@ impl TiledAttention {
 
 impl AttentionOp for TiledAttention {
     fn support(&self) -> AttentionSupport {
-        AttentionSupport::ALL
+        AttentionSupport::CAUSAL_GQA_CROSS
     }
 
     fn varlen_forward(&self, x: Qkv<'_>, p: &Varlen<'_>) -> Result<AttentionOutput> {

@@ -38,7 +38,7 @@ use ndarray::{Array2, Array3, ArrayView2, ArrayView3, CowArray, Ix3};
 use packshard_reference::attention::{
     check_grad_shapes, check_mask_shape, check_qkv_shapes, check_varlen,
 };
-use packshard_reference::ops::Varlen;
+use packshard_reference::ops::{AttentionSupport, Varlen};
 use packshard_reference::{Error, Result};
 use pulp::{Simd, WithSimd};
 use rayon::prelude::*;
@@ -389,6 +389,7 @@ fn scatter_add(flat: &mut [f32], (h, d): (usize, usize), at: Rows, part: &[f32])
 }
 
 mod backward;
+pub mod mask;
 use backward::run_backward;
 
 /// Runs every item's forward in parallel and scatters the results.
@@ -561,6 +562,9 @@ pub fn varlen_attention_general<T: Element>(
 ) -> Result<AttentionOutput32> {
     check_inputs(&q, &k, &v)?;
     check_varlen(p, q.dim().0, k.dim().0)?;
+    // flash-attention's window, softcap, ALiBi and seqused_k are not
+    // implemented here: refused, never ignored.
+    AttentionSupport::CAUSAL_GQA_CROSS.check(p, q.dim().1, k.dim().1)?;
     let items = segment_items(
         (p.cu_seqlens_q, p.cu_seqlens_k),
         (q.dim().1, k.dim().1),
@@ -628,6 +632,9 @@ pub fn varlen_attention_general_backward<T: Element>(
 ) -> Result<AttentionGrads32> {
     check_backward(&q, &k, &v, fwd, &grad_output)?;
     check_varlen(p, q.dim().0, k.dim().0)?;
+    // flash-attention's window, softcap, ALiBi and seqused_k are not
+    // implemented here: refused, never ignored.
+    AttentionSupport::CAUSAL_GQA_CROSS.check(p, q.dim().1, k.dim().1)?;
     let items = segment_items(
         (p.cu_seqlens_q, p.cu_seqlens_k),
         (q.dim().1, k.dim().1),

@@ -98,7 +98,7 @@ fn check_dense(Qkv { q, k, v }: &Qkv<'_>, scale: f64) -> Result<()> {
 /// (bf16 inputs, f32 accumulation): the varlen form through
 /// [`varlen_attention_general`] (online softmax per 64 x 64 tile of each
 /// segment, never a mask; grouped-query attention, `cu_seqlens_k !=
-/// cu_seqlens_q` with bottom-right causal masks: [`AttentionSupport::ALL`]),
+/// cu_seqlens_q` with bottom-right causal masks: [`AttentionSupport::CAUSAL_GQA_CROSS`]),
 /// the masked form (square `[n, n]` masks) through [`dense_masked_attention`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TiledAttention {
@@ -119,7 +119,7 @@ impl TiledAttention {
 
 impl AttentionOp for TiledAttention {
     fn support(&self) -> AttentionSupport {
-        AttentionSupport::ALL
+        AttentionSupport::CAUSAL_GQA_CROSS
     }
 
     fn varlen_forward(&self, x: Qkv<'_>, p: &Varlen<'_>) -> Result<AttentionOutput> {
@@ -224,7 +224,7 @@ impl AttentionOp for DenseMaskedAttention {
     fn support(&self) -> AttentionSupport {
         AttentionSupport {
             cross: false,
-            ..AttentionSupport::ALL
+            ..AttentionSupport::CAUSAL_GQA_CROSS
         }
     }
 

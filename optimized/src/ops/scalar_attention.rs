@@ -10,17 +10,21 @@
 //! Shapes as [`AttentionOp`]'s: `q: [n_q, h, d]`, `k, v: [n_k, h_kv, d]`
 //! with `h_kv` dividing `h` (query head `a` reads key head `a / (h /
 //! h_kv)`), `cu_seqlens_k` other than `cu_seqlens_q` with bottom-right
-//! causal masks ([`AttentionSupport::ALL`]); results widened to f64.
+//! causal masks, and flash-attention's `window_size`, `softcap`,
+//! `alibi_slopes` and `seqused_k` ([`AttentionSupport::ALL`], through
+//! [`crate::attention::mask`]); results widened to f64.
 
 use ndarray::{Array2, Array3};
 use packshard_reference::attention::{
     check_grad_shapes, check_grad_values, check_mask_shape2, check_masked_work, check_qkv_shapes,
-    check_scores, check_varlen, check_varlen_work, AttentionGrads, AttentionOutput,
+    check_scores, check_varlen, check_varlen_options, check_varlen_work, AttentionGrads,
+    AttentionOutput,
 };
 use packshard_reference::ops::{AttentionOp, AttentionSupport, Grad, Masked, Qkv, Varlen};
 use packshard_reference::Result;
 
 use crate::attention::check_finite;
+use crate::attention::mask::SegmentMask;
 use crate::convert::{to_f32, to_f64};
 
 /// The scalar f32 attention (see the module docs).
@@ -55,19 +59,27 @@ fn grouped_inputs(Qkv { q, k, v }: &Qkv<'_>) -> Result<[Array3<f32>; 3]> {
 /// its scale.
 trait Mask {
     fn allowed(&self, i: usize, j: usize) -> bool;
-    fn check(&self, n_q: usize, n_k: usize) -> Result<()>;
+    fn check(&self, n_q: usize, n_k: usize, h: usize) -> Result<()>;
     /// The work of `h` heads of `d` against the reference's bound
     /// ([`check_varlen_work`], [`check_masked_work`]), last as the reference
     /// checks it.
     fn check_work(&self, n_q: usize, n_k: usize, h: usize, d: usize) -> Result<()>;
     fn scale(&self) -> f64;
+    /// The score of `(i, j)` at query head `a` from the scaled dot product.
+    fn score(&self, _a: usize, _ij: (usize, usize), raw: f32) -> f32 {
+        raw
+    }
+    /// `d score / d raw`.
+    fn chain(&self, _raw: f32) -> f32 {
+        1.0
+    }
 }
 
 impl Mask for Masked<'_> {
     fn allowed(&self, i: usize, j: usize) -> bool {
         self.allowed[[i, j]]
     }
-    fn check(&self, n_q: usize, n_k: usize) -> Result<()> {
+    fn check(&self, n_q: usize, n_k: usize, _h: usize) -> Result<()> {
         check_mask_shape2(self.allowed.shape(), n_q, n_k)
     }
     fn check_work(&self, n_q: usize, n_k: usize, h: usize, d: usize) -> Result<()> {
@@ -79,23 +91,31 @@ impl Mask for Masked<'_> {
 }
 
 /// Query `i` in segment `s` of `cu_seqlens_q`, key `j` in the same segment
-/// of `cu_seqlens_k`, and when causal `j - k_s <= i - q_s + l_k - l_q`
-/// (bottom-right aligned: docs/FAULTS.md C5).
+/// of `cu_seqlens_k`, within the keys [`SegmentMask::keys`] gives (causal and
+/// the window bottom-right aligned, docs/FAULTS.md C5; `seqused_k`).
 struct Segments<'a>(&'a Varlen<'a>);
 
-impl Mask for Segments<'_> {
-    fn allowed(&self, i: usize, j: usize) -> bool {
+impl Segments<'_> {
+    /// `(mask of i's segment, r, c)`: local indices, `None` when `j` is not
+    /// in `i`'s segment.
+    fn local(&self, i: usize, j: usize) -> Option<(SegmentMask<'_>, usize, usize)> {
         let (cu_q, cu_k) = (self.0.cu_seqlens_q, self.0.cu_seqlens_k);
         let s = cu_q.partition_point(|&c| c <= i) - 1;
         if !(cu_k[s]..cu_k[s + 1]).contains(&j) {
-            return false;
+            return None;
         }
-        // j - k_s <= i - q_s + l_k - l_q, with every term non-negative.
-        !self.0.causal
-            || j - cu_k[s] + (cu_q[s + 1] - cu_q[s]) <= i - cu_q[s] + (cu_k[s + 1] - cu_k[s])
+        Some((SegmentMask::of(self.0, s), i - cu_q[s], j - cu_k[s]))
     }
-    fn check(&self, n_q: usize, n_k: usize) -> Result<()> {
-        check_varlen(self.0, n_q, n_k)
+}
+
+impl Mask for Segments<'_> {
+    fn allowed(&self, i: usize, j: usize) -> bool {
+        self.local(i, j)
+            .is_some_and(|(m, r, c)| m.keys(r).contains(&c))
+    }
+    fn check(&self, n_q: usize, n_k: usize, h: usize) -> Result<()> {
+        check_varlen(self.0, n_q, n_k)?;
+        check_varlen_options(self.0, h)
     }
     fn check_work(&self, _: usize, _: usize, h: usize, d: usize) -> Result<()> {
         check_varlen_work(self.0, h, d)
@@ -103,13 +123,22 @@ impl Mask for Segments<'_> {
     fn scale(&self) -> f64 {
         self.0.scale
     }
+    fn score(&self, a: usize, (i, j): (usize, usize), raw: f32) -> f32 {
+        match self.local(i, j) {
+            Some((m, r, c)) if m.transforms() => m.score(a, r, c, raw),
+            _ => raw,
+        }
+    }
+    fn chain(&self, raw: f32) -> f32 {
+        crate::attention::mask::cap_grad(raw, self.0.softcap as f32)
+    }
 }
 
 /// `x` in f32, after the checks the reference makes: shapes and finite
 /// values, the mask, the scores.
 fn checked(x: &Qkv<'_>, mask: &dyn Mask) -> Result<[Array3<f32>; 3]> {
     let x32 = grouped_inputs(x)?;
-    mask.check(x.q.dim().0, x.k.dim().0)?;
+    mask.check(x.q.dim().0, x.k.dim().0, x.q.dim().1)?;
     check_scores(&x.q, &x.k, mask.scale())?;
     Ok(x32)
 }
@@ -156,7 +185,7 @@ fn forward([q, k, v]: &[Array3<f32>; 3], mask: &dyn Mask) -> (Array3<f32>, Array
             for j in 0..n_k {
                 if mask.allowed(i, j) {
                     let dot: f32 = (0..d).map(|c| q[[i, a, c]] * k[[j, kv, c]]).sum();
-                    scores.push((j, scale * dot));
+                    scores.push((j, mask.score(a, (i, j), scale * dot)));
                 }
             }
             if scores.is_empty() {
@@ -206,9 +235,11 @@ fn backward(
                     continue;
                 }
                 let dot: f32 = (0..d).map(|c| q[[i, a, c]] * k[[j, kv, c]]).sum();
-                let p = (scale * dot - l).exp();
+                let raw = scale * dot;
+                let p = (mask.score(a, (i, j), raw) - l).exp();
                 let dp: f32 = (0..d).map(|c| go[[i, a, c]] * v[[j, kv, c]]).sum();
-                let ds = p * (dp - delta) * scale;
+                // softcap's chain factor 1 - tanh^2 (1 without it).
+                let ds = p * (dp - delta) * mask.chain(raw) * scale;
                 for c in 0..d {
                     gv[[j, kv, c]] += p * go[[i, a, c]];
                     gq[[i, a, c]] += ds * k[[j, kv, c]];

@@ -3,7 +3,7 @@
 //! implementation (the f64 reference by default).
 
 use ndarray::{Array3, ArrayView2, ArrayView3};
-use packshard_reference::attention::{default_scale, AttentionGrads, AttentionOutput};
+use packshard_reference::attention::{default_scale, AttentionGrads, AttentionOutput, Window};
 use packshard_reference::ops::{Grad, Qkv, Varlen};
 use serde_json::{json, Value};
 
@@ -92,6 +92,38 @@ fn offsets(case: &Case<'_>) -> Result<(Vec<usize>, Option<Vec<usize>>), EvalErro
     Ok((q, k))
 }
 
+/// flash-attention's options: `window_size` (`[left, right]`, -1
+/// unbounded), `alibi_slopes` (`[h]`), `seqused_k` (`[b]`); absent: none.
+type Options = (Window, Option<Vec<f64>>, Option<Vec<usize>>);
+
+fn options(case: &Case<'_>) -> Result<Options, EvalError> {
+    let window = if case.has("window_size") {
+        let w = case.i64_list("window_size")?;
+        if w.len() != 2 {
+            return Err(EvalError::invalid(
+                "window_size",
+                format!("has {} entries: it is [left, right]", w.len()),
+            ));
+        }
+        Window::from_flash(w[0], w[1])?
+    } else {
+        Window::UNBOUNDED
+    };
+    let alibi = if case.has("alibi_slopes") {
+        let t = case.tensor("alibi_slopes", 1, "[h]")?;
+        t.require_finite("alibi_slopes")?;
+        Some(t.data)
+    } else {
+        None
+    };
+    let seqused_k = if case.has("seqused_k") {
+        Some(case.usize_list("seqused_k")?)
+    } else {
+        None
+    };
+    Ok((window, alibi, seqused_k))
+}
+
 /// `attention` (flash_attn_varlen_func's form): `q` (`[n_q, h, d]`), `k`,
 /// `v` (`[n_k, h_kv, d]`, `h_kv` dividing `h`; query head `a` reads key
 /// head `a / (h / h_kv)`), the offsets ([`offsets`]: `cu_seqlens`, or
@@ -100,7 +132,11 @@ fn offsets(case: &Case<'_>) -> Result<(Vec<usize>, Option<Vec<usize>>), EvalErro
 /// l_q`), `scale` (`1/sqrt(d)`), `grad_output` (`[n_q, h, d]`) when
 /// `want_grad`. Result: `output` (`[n_q, h, d]`), `lse` (`[h, n_q]`), and
 /// `grad_q` (`[n_q, h, d]`), `grad_k`, `grad_v` (`[n_k, h_kv, d]`) when
-/// asked. `imp`: `reference` (f64) or an optimized registered
+/// asked. flash-attention's options, each absent by default:
+/// `window_size: [left, right]` (-1 unbounded, bottom-right aligned),
+/// `softcap` (0: none), `alibi_slopes: [h]`, `seqused_k: [b]`; an
+/// implementation that does not declare one refuses it (`invalid_argument`
+/// naming the field). `imp`: `reference` (f64) or an optimized registered
 /// implementation (inputs rounded to its precision, results widened; one
 /// that does not declare grouped-query or cross attention refuses it with
 /// `invalid_argument`).
@@ -117,6 +153,10 @@ pub(super) fn attention(value: &Value, imp: &str) -> Result<Value, EvalError> {
             "causal",
             "scale",
             "grad_output",
+            "window_size",
+            "softcap",
+            "alibi_slopes",
+            "seqused_k",
         ],
     )?;
     let (legend_q, legend_k) = ("[n_q, h, d]", "[n_k, h_kv, d]");
@@ -143,7 +183,13 @@ pub(super) fn attention(value: &Value, imp: &str) -> Result<Value, EvalError> {
     } else {
         None
     };
-    let p = Varlen::cross(&cu, cu_k.as_deref().unwrap_or(&cu), causal, scale);
+    let (window, alibi, seqused_k) = options(&case)?;
+    let softcap = case.opt_f64("softcap")?.unwrap_or(0.0);
+    let p = Varlen::cross(&cu, cu_k.as_deref().unwrap_or(&cu), causal, scale)
+        .with_window(window)
+        .with_softcap(softcap)
+        .with_alibi_slopes(alibi.as_deref())
+        .with_seqused_k(seqused_k.as_deref());
     let (fwd, grads) = run(imp, (&q, &k, &v), &p, grad_output.as_ref())?;
     let mut out = json!({
         "op": "attention",

@@ -5,7 +5,7 @@
 use ndarray::{Array3, ArrayView2, ArrayView3, Axis, Slice};
 
 use super::check::{check_grad, check_layout, check_layout_work, check_qkv};
-use super::{score, AttentionGrads, AttentionLayout, AttentionOutput, Block, Blocks};
+use super::{options, AttentionGrads, AttentionLayout, AttentionOutput, Block, Blocks};
 use crate::error::Result;
 use crate::ops::{AttentionOp, Grad, Masked, Qkv, Varlen};
 
@@ -34,13 +34,15 @@ fn head_backward(
             if !(b.allowed)(i, j) {
                 continue;
             }
-            let p = (score((q, k), b.heads, (i, j), scale) - l).exp();
+            let (raw, sc) = b.score((q, k), (i, j));
+            let p = (sc - l).exp();
             let mut dp = 0.0;
             for c in 0..d {
                 dp += dout[[i, head, c]] * v[[j, kv, c]];
                 grads.grad_v[[j, kv, c]] += p * dout[[i, head, c]];
             }
-            let ds = p * (dp - delta) * scale;
+            // d s / d raw: softcap's chain factor 1 - tanh^2 (1 without it).
+            let ds = p * (dp - delta) * options::cap_grad(raw, b.softcap) * scale;
             for c in 0..d {
                 grads.grad_q[[i, head, c]] += ds * k[[j, kv, c]];
                 grads.grad_k[[j, kv, c]] += ds * q[[i, head, c]];

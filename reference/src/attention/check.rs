@@ -275,12 +275,80 @@ pub(super) fn check_work(field: &str, work: u128) -> Result<()> {
 }
 
 /// Checks a varlen problem against `q: [n_q, ..]` and `k: [n_k, ..]`: both
-/// offset lists valid ([`check_cu_seqlens_named`]) and of one length `b + 1`.
+/// offset lists valid ([`check_cu_seqlens_named`]) and of one length `b + 1`;
+/// `seqused_k: [b]` with each at most its segment's `l_k`; `softcap` finite
+/// and at least 0.
 ///
 /// # Errors
-/// [`Error::InvalidArgument`] naming `cu_seqlens`, `cu_seqlens_q` or
-/// `cu_seqlens_k` and the index.
+/// [`Error::InvalidArgument`] naming `cu_seqlens`, `cu_seqlens_q`,
+/// `cu_seqlens_k`, `seqused_k` (and the index) or `softcap`.
 pub fn check_varlen(p: &Varlen<'_>, n_q: usize, n_k: usize) -> Result<()> {
+    check_varlen_offsets(p, n_q, n_k)?;
+    check_seqused_k(p)?;
+    if !(p.softcap.is_finite() && p.softcap >= 0.0) {
+        return Err(Error::invalid(
+            "softcap",
+            format!("{}: the cap is finite and at least 0 (0: none)", p.softcap),
+        ));
+    }
+    Ok(())
+}
+
+/// `seqused_k: [b]`, each at most its segment's `l_k`.
+fn check_seqused_k(p: &Varlen<'_>) -> Result<()> {
+    let Some(used) = p.seqused_k else {
+        return Ok(());
+    };
+    let b = p.cu_seqlens_k.len().saturating_sub(1);
+    if used.len() != b {
+        return Err(Error::invalid(
+            "seqused_k",
+            format!("has {} entries for {b} segments: it is [b]", used.len()),
+        ));
+    }
+    for (s, (&u, w)) in used.iter().zip(p.cu_seqlens_k.windows(2)).enumerate() {
+        if u > w[1] - w[0] {
+            return Err(Error::invalid(
+                format!("seqused_k[{s}]"),
+                format!("{u} keys used of a segment of {} keys", w[1] - w[0]),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The options that need the head count: `alibi_slopes: [h]`, finite, with
+/// `|slope| * n_k <= MAX_SCORE` (the bias bounded as the scores are).
+///
+/// # Errors
+/// [`Error::InvalidArgument`] naming `alibi_slopes` or `alibi_slopes[a]`.
+pub fn check_varlen_options(p: &Varlen<'_>, h: usize) -> Result<()> {
+    let Some(slopes) = p.alibi_slopes else {
+        return Ok(());
+    };
+    if slopes.len() != h {
+        return Err(Error::invalid(
+            "alibi_slopes",
+            format!(
+                "has {} entries for {h} query heads: it is [h]",
+                slopes.len()
+            ),
+        ));
+    }
+    let n_k = p.cu_seqlens_k.last().copied().unwrap_or(0) as f64;
+    for (a, &x) in slopes.iter().enumerate() {
+        if !x.is_finite() || x.abs() * n_k > MAX_SCORE {
+            return Err(Error::invalid(
+                format!("alibi_slopes[{a}]"),
+                format!("{x}: a slope is finite, with |slope| * n_k at most {MAX_SCORE:e}"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The offsets of [`check_varlen`].
+fn check_varlen_offsets(p: &Varlen<'_>, n_q: usize, n_k: usize) -> Result<()> {
     if p.is_self() {
         return check_cu_seqlens(p.cu_seqlens_q, n_q).and_then(|()| {
             if n_k == n_q {

@@ -39,6 +39,7 @@ use crate::ops::{AttentionOp, AttentionSupport, Grad, Masked, Qkv, Varlen};
 
 mod backward;
 mod check;
+pub mod options;
 
 pub use backward::{
     layout_backward, masked_attention_backward, varlen_attention_backward,
@@ -47,10 +48,11 @@ pub use backward::{
 pub use check::{
     check_cu_seqlens, check_cu_seqlens_named, check_grad_shapes, check_grad_values, check_layout,
     check_layout_work, check_mask_shape, check_mask_shape2, check_masked_work,
-    check_qkv_same_shapes, check_qkv_shapes, check_scores, check_varlen, check_varlen_work,
-    MAX_ATTENTION_WORK, MAX_SCORE,
+    check_qkv_same_shapes, check_qkv_shapes, check_scores, check_varlen, check_varlen_options,
+    check_varlen_work, MAX_ATTENTION_WORK, MAX_SCORE,
 };
 use check::{check_grad, check_qkv};
+pub use options::Window;
 
 /// Output of an attention forward pass, in `f64` here (the optimized
 /// kernels' `AttentionOutput32` is the same struct in `f32`).
@@ -79,13 +81,6 @@ pub fn default_scale(head_dim: usize) -> f64 {
     1.0 / (head_dim as f64).sqrt()
 }
 
-/// Keys of a segment visible to its query `r`: `c < limit(r)` (local indices).
-/// Bottom-right causal alignment: `c <= r + l_k - l_q`.
-fn causal_limit(r: usize, lq: usize, lk: usize) -> usize {
-    // c <= r + lk - lq  <=>  c < r + lk + 1 - lq, clamped to [0, lk].
-    (r + lk + 1).saturating_sub(lq).min(lk)
-}
-
 /// One block of a problem for one query head: queries `queries` over keys
 /// `keys` (in key order) of key head `kv`, `allowed(i, j)` deciding the mask.
 pub(super) struct Block<'b> {
@@ -95,6 +90,24 @@ pub(super) struct Block<'b> {
     keys: std::ops::Range<usize>,
     allowed: &'b dyn Fn(usize, usize) -> bool,
     scale: f64,
+    /// flash-attention's `softcap` (0: none).
+    softcap: f64,
+    /// The additive bias of `(i, j)` (ALiBi), if any.
+    bias: Option<&'b dyn Fn(usize, usize) -> f64>,
+}
+
+impl Block<'_> {
+    /// `(raw, s)`: the scaled score `raw = scale * q_i . k_j` and the score
+    /// the softmax takes, `s = cap(raw) + bias(i, j)`.
+    fn score(
+        &self,
+        (q, k): (&ArrayView3<f64>, &ArrayView3<f64>),
+        (i, j): (usize, usize),
+    ) -> (f64, f64) {
+        let raw = score((q, k), self.heads, (i, j), self.scale);
+        let s = options::cap(raw, self.softcap);
+        (raw, self.bias.map_or(s, |b| s + b(i, j)))
+    }
 }
 
 /// `scale * q_i . k_j` for query head `head` over key head `kv`.
@@ -127,7 +140,7 @@ fn head_forward(
         let mut m = f64::NEG_INFINITY;
         for j in b.keys.clone() {
             if (b.allowed)(i, j) {
-                let sc = score((q, k), b.heads, (i, j), b.scale);
+                let sc = b.score((q, k), (i, j)).1;
                 m = m.max(sc);
                 scores.push((j, sc));
             }
@@ -183,7 +196,10 @@ impl Blocks<'_> {
         let n_k = k.dim().0;
         match self {
             Blocks::Dense(m) => check_mask_shape2(m.allowed.shape(), n, n_k)?,
-            Blocks::Varlen(p) => check_varlen(p, n, n_k)?,
+            Blocks::Varlen(p) => {
+                check_varlen(p, n, n_k)?;
+                check_varlen_options(p, h)?;
+            }
         }
         if let Some(g) = grad {
             check_grad(&g.grad_output, g.fwd, (n, h, d))?;
@@ -211,21 +227,33 @@ impl Blocks<'_> {
                         keys: 0..n_k,
                         allowed: &ok,
                         scale: self.scale(),
+                        softcap: 0.0,
+                        bias: None,
                     });
                 }
             }
             Blocks::Varlen(p) => {
-                for (wq, wk) in p.cu_seqlens_q.windows(2).zip(p.cu_seqlens_k.windows(2)) {
-                    let (q0, lq, k0, lk) = (wq[0], wq[1] - wq[0], wk[0], wk[1] - wk[0]);
-                    let ok =
-                        |i: usize, j: usize| !p.causal || j - k0 < causal_limit(i - q0, lq, lk);
+                let segments = p.cu_seqlens_q.windows(2).zip(p.cu_seqlens_k.windows(2));
+                for (s, (wq, wk)) in segments.enumerate() {
+                    let (q0, lq, k0) = (wq[0], wq[1] - wq[0], wk[0]);
+                    let lk = p.used_keys(s);
+                    let ok = |i: usize, j: usize| {
+                        options::visible_keys(i - q0, lq, lk, p.causal, p.window)
+                            .contains(&(j - k0))
+                    };
                     for heads in head_pairs(h, h_kv) {
+                        let slope = p.alibi_slopes.map(|a| a[heads.0]);
+                        let alibi = move |i: usize, j: usize| {
+                            options::alibi_bias(slope.unwrap_or(0.0), i - q0, j - k0, lq, lk)
+                        };
                         f(&Block {
                             heads,
                             queries: wq[0]..wq[1],
-                            keys: wk[0]..wk[1],
+                            keys: wk[0]..wk[0] + lk,
                             allowed: &ok,
                             scale: p.scale,
+                            softcap: p.softcap,
+                            bias: slope.map(|_| &alibi as &dyn Fn(usize, usize) -> f64),
                         });
                     }
                 }
@@ -352,15 +380,11 @@ pub fn masked_attention_probs(
 pub fn varlen_mask(p: &Varlen<'_>, n_q: usize, n_k: usize) -> Result<Array2<bool>> {
     check_varlen(p, n_q, n_k)?;
     let mut mask = Array2::from_elem((n_q, n_k), false);
-    for (wq, wk) in p.cu_seqlens_q.windows(2).zip(p.cu_seqlens_k.windows(2)) {
-        let (lq, lk) = (wq[1] - wq[0], wk[1] - wk[0]);
+    let segments = p.cu_seqlens_q.windows(2).zip(p.cu_seqlens_k.windows(2));
+    for (s, (wq, wk)) in segments.enumerate() {
+        let (lq, lk) = (wq[1] - wq[0], p.used_keys(s));
         for r in 0..lq {
-            let limit = if p.causal {
-                causal_limit(r, lq, lk)
-            } else {
-                lk
-            };
-            for c in 0..limit {
+            for c in options::visible_keys(r, lq, lk, p.causal, p.window) {
                 mask[[wq[0] + r, wk[0] + c]] = true;
             }
         }
@@ -479,3 +503,5 @@ impl AttentionOp for ReferenceAttention {
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_options;

@@ -3,7 +3,8 @@
 
 use arbitrary::{Arbitrary, Unstructured};
 use ndarray::Array3;
-use packshard_reference::ops::AttentionSupport;
+use packshard_reference::attention::Window;
+use packshard_reference::ops::{AttentionSupport, Varlen};
 
 use super::super::brief;
 use super::super::schedule::{boundary_len, SizeClass, TILE_GRAINS};
@@ -98,6 +99,120 @@ pub struct AttentionFuzzCase {
     pub malformed: Option<Malformed>,
     /// How the values were drawn and what was planted, for reports.
     pub values: String,
+    /// flash-attention's options (all absent in about half the cases).
+    pub options: FuzzOptions,
+}
+
+/// flash-attention's options of a case: `window_size`, `softcap`,
+/// `alibi_slopes: [h]`, `seqused_k: [b]`.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct FuzzOptions {
+    /// `window_size` (bottom-right aligned).
+    pub window: Window,
+    /// `softcap` (0: none).
+    pub softcap: f64,
+    /// `alibi_slopes: [h]`.
+    pub alibi_slopes: Option<Vec<f64>>,
+    /// `seqused_k: [b]`, each at most its segment's `l_k`.
+    pub seqused_k: Option<Vec<usize>>,
+}
+
+impl FuzzOptions {
+    /// `p` with these options.
+    pub fn apply<'a>(&'a self, p: Varlen<'a>) -> Varlen<'a> {
+        p.with_window(self.window)
+            .with_softcap(self.softcap)
+            .with_alibi_slopes(self.alibi_slopes.as_deref())
+            .with_seqused_k(self.seqused_k.as_deref())
+    }
+
+    /// True when any is set.
+    pub fn any(&self) -> bool {
+        *self != FuzzOptions::default()
+    }
+
+    /// A few words for reports.
+    pub fn describe(&self) -> String {
+        let mut w = Vec::new();
+        if !self.window.is_unbounded() {
+            w.push(format!("window_size {:?}", self.window.to_flash()));
+        }
+        if self.softcap != 0.0 {
+            w.push(format!("softcap {}", self.softcap));
+        }
+        if let Some(a) = &self.alibi_slopes {
+            w.push(format!("alibi_slopes {}", brief(a)));
+        }
+        if let Some(u) = &self.seqused_k {
+            w.push(format!("seqused_k {}", brief(u)));
+        }
+        w.join(", ")
+    }
+}
+
+/// A window side: 0, 1, 2, a 16/32/64 tile boundary, past the longest
+/// segment, or unbounded (-1).
+fn window_side(u: &mut Unstructured<'_>, longest: usize) -> arbitrary::Result<Option<usize>> {
+    const SIDES: [usize; 12] = [0, 1, 2, 15, 16, 17, 31, 32, 33, 63, 64, 65];
+    Ok(match u.arbitrary::<u8>()? % 16 {
+        x @ 0..=11 => Some(SIDES[x as usize]),
+        12 => Some(longest + 3),
+        _ => None,
+    })
+}
+
+/// The options (from the bytes left after sizes and values, so every older
+/// input keeps its case when none are left): a high first byte draws none;
+/// else its low bits say which of window, softcap, ALiBi and `seqused_k`.
+fn options(
+    u: &mut Unstructured<'_>,
+    segments: &[(usize, usize)],
+    h: usize,
+) -> arbitrary::Result<FuzzOptions> {
+    let which = u.arbitrary::<u8>()?;
+    let mut o = FuzzOptions::default();
+    if which & 0x80 == 0 {
+        return Ok(o);
+    }
+    let longest = segments.iter().map(|&(q, k)| q.max(k)).max().unwrap_or(0);
+    if which & 1 != 0 {
+        o.window = Window {
+            left: window_side(u, longest)?,
+            right: window_side(u, longest)?,
+        };
+    }
+    if which & 2 != 0 {
+        // Gemma 2's 50 and 30 (final logits / attention), and caps small
+        // enough to bend every score.
+        o.softcap = [50.0, 30.0, 5.0, 1.0, 0.5][u.arbitrary::<u8>()? as usize % 5];
+    }
+    if which & 4 != 0 {
+        o.alibi_slopes = Some(if u.arbitrary::<bool>()? {
+            // The standard slopes 2^(-8 (a + 1) / h) (Press et al. 2022).
+            (0..h)
+                .map(|a| (-8.0 * (a + 1) as f64 / h as f64).exp2())
+                .collect()
+        } else {
+            let mut v = Vec::with_capacity(h);
+            for _ in 0..h {
+                v.push(f64::from(u.arbitrary::<u8>()?) / 64.0 - 1.0);
+            }
+            v
+        });
+    }
+    if which & 8 != 0 {
+        let mut used = Vec::with_capacity(segments.len());
+        for &(_, lk) in segments {
+            let cut = usize::from(u.arbitrary::<u8>()?);
+            used.push(if cut % 2 == 0 {
+                lk
+            } else {
+                lk - (cut / 2) % (lk + 1)
+            });
+        }
+        o.seqused_k = Some(used);
+    }
+    Ok(o)
 }
 
 /// `cu` broken the way `how` says (0: not starting at 0; 1: a decrease; 2:
@@ -140,6 +255,7 @@ impl AttentionFuzzCase {
             extra_pad: c.row_len - c.lengths.iter().copied().max().unwrap_or(0),
             malformed: None,
             values: values.into(),
+            options: FuzzOptions::default(),
         }
     }
 
@@ -248,8 +364,13 @@ impl AttentionFuzzCase {
         } else {
             "bidirectional"
         };
+        let options = if self.options.any() {
+            format!(", {}", self.options.describe())
+        } else {
+            String::new()
+        };
         format!(
-            "{:?} case: {layout}, h {h}, h_kv {h_kv}, d {d}, {causal}, scale {:e}; {}",
+            "{:?} case: {layout}, h {h}, h_kv {h_kv}, d {d}, {causal}{options}, scale {:e}; {}",
             self.class, self.scale, self.values
         )
     }
@@ -319,6 +440,29 @@ impl AttentionFuzzCase {
                 c.malformed = Some(Malformed::Queries(how));
             }
             changed.push("cross");
+            if let Some(used) = &mut c.options.seqused_k {
+                for (u, &(_, l)) in used.iter_mut().zip(&c.segments) {
+                    *u = (*u).min(l);
+                }
+            }
+        }
+        // flash-attention's options: each one the support lacks goes.
+        let o = &mut c.options;
+        if !o.window.is_unbounded() && !support.window {
+            o.window = Window::UNBOUNDED;
+            changed.push("window");
+        }
+        if o.softcap != 0.0 && !support.softcap {
+            o.softcap = 0.0;
+            changed.push("softcap");
+        }
+        if o.alibi_slopes.is_some() && !support.alibi {
+            o.alibi_slopes = None;
+            changed.push("alibi");
+        }
+        if o.seqused_k.is_some() && !support.seqused_k {
+            o.seqused_k = None;
+            changed.push("seqused_k");
         }
         let d = c.q.dim().2;
         if d > support.max_head_dim {
@@ -574,6 +718,7 @@ impl<'a> Arbitrary<'a> for AttentionFuzzCase {
         if !planted.is_empty() {
             values.push_str(&format!("; planted {}", planted.join(", ")));
         }
+        let options = options(u, &segments, h)?;
         Ok(AttentionFuzzCase {
             class,
             segments,
@@ -586,6 +731,7 @@ impl<'a> Arbitrary<'a> for AttentionFuzzCase {
             extra_pad,
             malformed,
             values,
+            options,
         })
     }
 }

@@ -4,6 +4,22 @@
 #[cfg(test)]
 use ndarray::Array3;
 use ndarray::ArrayView3;
+use packshard_reference::attention::options::{alibi_bias, cap, visible_keys};
+use packshard_reference::attention::Window;
+
+/// flash-attention's options of one segment, as [`AttentionTerms::of_with`]
+/// takes them.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SegmentOptions<'a> {
+    /// `window_size`.
+    pub window: Window,
+    /// `softcap` (0: none).
+    pub softcap: f64,
+    /// `alibi_slopes: [h]`.
+    pub alibi_slopes: Option<&'a [f64]>,
+    /// The keys used (`seqused_k[s]`; `None`: all `l_k`).
+    pub used_keys: Option<usize>,
+}
 
 /// The magnitude of the terms of each attention output of one segment: a
 /// running error bound, in units of the f64 epsilon, of the softmax
@@ -38,6 +54,18 @@ use ndarray::ArrayView3;
 ///   the query heads of the key head's group; `grad_v_jc`: `sum_i ((L + 1)
 ///   p_ij + b_ij) |dO_ic|` over the same.
 ///
+/// With flash-attention's options ([`AttentionTerms::of_with`]) a query's
+/// keys are its window's (bottom-right aligned, within `seqused_k`), and the
+/// score is `s_j = cap(raw_j) + bias_j`: `cap' = 1 - tanh^2` is at most 1, so
+/// `raw_j`'s rounding `a_j` passes through at most unchanged, and the cap
+/// (a division, `tanh`, a product: 3 ulp of `|cap(raw_j)|`) and the bias (a
+/// product and the sum: `|bias_j| + |s_j|` ulp) add theirs, so `a_j` becomes
+/// `a_j + 3 |cap(raw_j)| + |bias_j| + |s_j|`. In the backward the chain
+/// factor `1 - t^2` (`t = tanh(raw_j / softcap)`, off by `a_j / softcap +
+/// 2` ulp) is off by `2 (a_j / softcap + 2) + 1` ulp absolutely: `dS_j`'s
+/// terms gain `p_j |dO.v_j - D| (2 a_j / softcap + 5)`; multiplying by a
+/// factor at most 1 only shrinks the rest.
+///
 /// With `l_q == l_k` and `h_kv == h`, `L` is the segment's length (the
 /// bound of the self-attention harness this generalises). Empty segments,
 /// and queries that see no key, have no terms.
@@ -68,6 +96,25 @@ impl AttentionTerms {
         scale: f64,
         causal: bool,
     ) -> Self {
+        Self::of_with(
+            q,
+            k,
+            v,
+            grad_output,
+            (scale, causal),
+            SegmentOptions::default(),
+        )
+    }
+
+    /// [`AttentionTerms::of`] with flash-attention's options `o`.
+    pub fn of_with(
+        q: ArrayView3<f64>,
+        k: ArrayView3<f64>,
+        v: ArrayView3<f64>,
+        grad_output: ArrayView3<f64>,
+        (scale, causal): (f64, bool),
+        opt: SegmentOptions<'_>,
+    ) -> Self {
         let (lq, h, d) = q.dim();
         let (lk, h_kv, dk) = k.dim();
         let mut t = AttentionTerms::default();
@@ -84,6 +131,10 @@ impl AttentionTerms {
         let (q, k, v, go) = (flat(q), flat(k), flat(v), flat(grad_output));
         let (c, df) = (scale.abs(), d as f64);
         let lf = lk.max(lq * group) as f64;
+        let used = opt.used_keys.map_or(lk, |u| u.min(lk));
+        if opt.alibi_slopes.is_some_and(|a| a.len() != h) {
+            return t;
+        }
         let mut gk = vec![0.0; lk * h_kv * d];
         let mut gv = vec![0.0; lk * h_kv * d];
         let (mut s, mut a, mut b) = (Vec::new(), Vec::new(), Vec::new());
@@ -91,20 +142,18 @@ impl AttentionTerms {
         for head in 0..h {
             let kv = head / group;
             for i in 0..lq {
-                let keys = if causal {
-                    (i + lk + 1).saturating_sub(lq).min(lk)
-                } else {
-                    lk
-                };
-                if keys == 0 {
+                let keys = visible_keys(i, lq, used, causal, opt.window);
+                if keys.is_empty() {
                     continue;
                 }
+                let slope = opt.alibi_slopes.map(|a| a[head]);
                 let qi = &q[(i * h + head) * d..][..d];
                 let gi = &go[(i * h + head) * d..][..d];
-                let key = |j: usize| (j * h_kv + kv) * d;
+                let key = |j: usize| ((keys.start + j) * h_kv + kv) * d;
                 s.clear();
                 a.clear();
-                for j in 0..keys {
+                let mut cap_terms = Vec::new();
+                for j in 0..keys.len() {
                     let kj = &k[key(j)..][..d];
                     let (mut dot, mut abs) = (0.0, 0.0);
                     for x in 0..d {
@@ -112,8 +161,23 @@ impl AttentionTerms {
                         dot += y;
                         abs += y.abs();
                     }
-                    s.push(scale * dot);
-                    a.push(c * df * abs);
+                    let (raw, raw_terms) = (scale * dot, c * df * abs);
+                    if opt.softcap > 0.0 || slope.is_some() {
+                        let capped = cap(raw, opt.softcap);
+                        let bias =
+                            slope.map_or(0.0, |x| alibi_bias(x, i, keys.start + j, lq, used));
+                        let sj = capped + bias;
+                        s.push(sj);
+                        a.push(raw_terms + 3.0 * capped.abs() + bias.abs() + sj.abs());
+                    } else {
+                        s.push(raw);
+                        a.push(raw_terms);
+                    }
+                    cap_terms.push(if opt.softcap > 0.0 {
+                        2.0 * raw_terms / opt.softcap + 5.0
+                    } else {
+                        0.0
+                    });
                 }
                 let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
                 let l: f64 = s.iter().map(|x| (x - m).exp()).sum();
@@ -121,13 +185,13 @@ impl AttentionTerms {
                 let max_a = a.iter().copied().fold(0.0, f64::max);
                 let p = |j: usize| (s[j] - m).exp() / l;
                 b.clear();
-                for j in 0..keys {
+                for j in 0..keys.len() {
                     b.push(p(j) * (a[j] + max_a + lse.abs() + (s[j] - lse).abs() + lf + 3.0));
                 }
                 t.lse = t.lse.max(lse.abs() + max_a + lf);
                 o.iter_mut().for_each(|x| *x = 0.0);
                 o_terms.iter_mut().for_each(|x| *x = 0.0);
-                for j in 0..keys {
+                for j in 0..keys.len() {
                     let (pj, vj) = (p(j), &v[key(j)..][..d]);
                     let w = (lf + 1.0) * pj + b[j];
                     for x in 0..d {
@@ -152,7 +216,8 @@ impl AttentionTerms {
                     }
                     let pj = p(j);
                     let diff = (dp - dd).abs();
-                    let ds = bj * diff + pj * (df * dp_abs + dd_terms + (lf + 1.0) * diff);
+                    let ds = bj * diff
+                        + pj * (df * dp_abs + dd_terms + (lf + 1.0 + cap_terms[j]) * diff);
                     let w = (lf + 1.0) * pj + bj;
                     for x in 0..d {
                         gq[x] += c * ds * kj[x].abs();

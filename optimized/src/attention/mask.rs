@@ -1,0 +1,124 @@
+//! flash-attention's options in f32, as the kernels' loops call them: the
+//! keys a query sees (window and causal bounds, bottom-right aligned, within
+//! `seqused_k`), the score transform (`softcap`, ALiBi) and its chain
+//! factor. The definitions are the reference's
+//! (`packshard_reference::attention::options`); only the arithmetic is f32.
+
+use std::ops::Range;
+
+use packshard_reference::attention::options::visible_keys;
+use packshard_reference::ops::Varlen;
+
+/// The options of one segment of a varlen problem, in f32.
+#[derive(Debug, Clone, Copy)]
+pub struct SegmentMask<'a> {
+    /// The problem.
+    pub p: &'a Varlen<'a>,
+    /// Queries of the segment.
+    pub lq: usize,
+    /// Keys the segment uses (`seqused_k[s]`, else its `l_k`).
+    pub lk: usize,
+}
+
+impl<'a> SegmentMask<'a> {
+    /// Segment `s` of `p` (after `check_varlen`).
+    pub fn of(p: &'a Varlen<'a>, s: usize) -> Self {
+        SegmentMask {
+            p,
+            lq: p.cu_seqlens_q[s + 1] - p.cu_seqlens_q[s],
+            lk: p.used_keys(s),
+        }
+    }
+
+    /// The keys (local indices) query `r` sees.
+    pub fn keys(&self, r: usize) -> Range<usize> {
+        visible_keys(r, self.lq, self.lk, self.p.causal, self.p.window)
+    }
+
+    /// True when the scores are transformed (softcap or ALiBi).
+    pub fn transforms(&self) -> bool {
+        self.p.softcap > 0.0 || self.p.alibi_slopes.is_some()
+    }
+
+    /// The score of query `r` over key `c` at query head `a` from the scaled
+    /// dot product `raw`: `cap(raw) - slope_a |r + l_k - l_q - c|`.
+    pub fn score(&self, a: usize, r: usize, c: usize, raw: f32) -> f32 {
+        let s = cap(raw, self.p.softcap as f32);
+        match self.p.alibi_slopes {
+            Some(slopes) => {
+                let dist = (r as i64 + self.lk as i64 - self.lq as i64 - c as i64).unsigned_abs();
+                s - slopes[a] as f32 * dist as f32
+            }
+            None => s,
+        }
+    }
+
+    /// `d score / d raw`: `1 - tanh(raw / softcap)^2`, or 1.
+    pub fn chain(&self, raw: f32) -> f32 {
+        cap_grad(raw, self.p.softcap as f32)
+    }
+}
+
+/// `softcap * tanh(x / softcap)` in f32 (`softcap == 0`: `x`).
+pub fn cap(x: f32, softcap: f32) -> f32 {
+    if softcap > 0.0 {
+        softcap * (x / softcap).tanh()
+    } else {
+        x
+    }
+}
+
+/// `1 - tanh(x / softcap)^2` in f32 (`softcap == 0`: 1).
+pub fn cap_grad(x: f32, softcap: f32) -> f32 {
+    if softcap > 0.0 {
+        let t = (x / softcap).tanh();
+        1.0 - t * t
+    } else {
+        1.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use ndarray::Array3;
+    use packshard_reference::attention::Window;
+    use packshard_reference::ops::Varlen;
+
+    /// The tiled kernel's own entry points refuse the options they do not
+    /// implement (a typed error naming the field), never ignore them.
+    #[test]
+    fn the_tiled_kernel_refuses_options_it_does_not_implement() {
+        let x = Array3::<f32>::from_elem((3, 1, 2), 0.5);
+        let cu = [0usize, 3];
+        let go = Array3::<f32>::from_elem((3, 1, 2), 1.0);
+        let base = Varlen::new(&cu, false, 1.0);
+        let slopes = [0.5];
+        let used = [2usize];
+        for (p, field) in [
+            (
+                base.with_window(Window::from_flash(1, 0).unwrap()),
+                "window_size",
+            ),
+            (base.with_softcap(5.0), "softcap"),
+            (base.with_alibi_slopes(Some(&slopes)), "alibi_slopes"),
+            (base.with_seqused_k(Some(&used)), "seqused_k"),
+        ] {
+            let e = crate::attention::varlen_attention_general(x.view(), x.view(), x.view(), &p)
+                .unwrap_err();
+            assert!(e.to_string().starts_with(field), "{e}");
+            let fwd =
+                crate::attention::varlen_attention_general(x.view(), x.view(), x.view(), &base)
+                    .unwrap();
+            let e = crate::attention::varlen_attention_general_backward(
+                x.view(),
+                x.view(),
+                x.view(),
+                &p,
+                &fwd,
+                go.view(),
+            )
+            .unwrap_err();
+            assert!(e.to_string().starts_with(field), "{e}");
+        }
+    }
+}
