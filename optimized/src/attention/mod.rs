@@ -177,8 +177,8 @@ fn gather<T: Element>(x: &[T], h: usize, d: usize, at: Rows, rows: usize, dp: us
 }
 
 /// The transpose of [`gather`] in key panels: `[rows / BLOCK_K, dp,
-/// BLOCK_K]`, panel `t` the transpose `[dp, BLOCK_K]` of rows `t BLOCK_K..(t +
-/// 1) BLOCK_K` (`rows` a multiple of [`BLOCK_K`]). A tile's keys are one
+/// BLOCK_K]`, panel `t` the transpose `[dp, BLOCK_K]` of the rows
+/// `t * BLOCK_K..(t + 1) * BLOCK_K` (`rows` a multiple of [`BLOCK_K`]). A tile's keys are one
 /// contiguous 16 KiB block (at `d` = 64) read with row stride `BLOCK_K`: the
 /// whole-segment transpose `[dp, rows]` read with row stride `rows` (2 KiB
 /// apart at 512 keys) mapped the 64 rows of a tile onto a few L1 cache sets.
