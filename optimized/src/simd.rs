@@ -271,8 +271,9 @@ pub fn mm_col_multiple<S: Simd>() -> usize {
 }
 
 /// `C[m, n] += A[m, k] B[k, n]`, all row-major with leading dimensions
-/// `lda`, `ldb`, `ldc`. `m` must be a multiple of 4 and `n` of
-/// [`mm_col_multiple`] (callers pad their tiles with zeros).
+/// `lda`, `ldb`, `ldc`. `m` must be a multiple of 4 and `n` of the vector
+/// width (callers pad their tiles with zeros); columns past the last multiple
+/// of [`mm_col_multiple`] go one vector at a time.
 ///
 /// Each `C[i, j]` gets `A[i, p] B[p, j]` added for `p = 0, 1, ..., k - 1` in
 /// that order, one fused multiply-add each.
@@ -290,7 +291,7 @@ pub fn mm_acc<S: Simd>(
     c: &mut [f32],
     ldc: usize,
 ) {
-    debug_assert!(m.is_multiple_of(4) && n.is_multiple_of(mm_col_multiple::<S>()));
+    debug_assert!(m.is_multiple_of(4) && n.is_multiple_of(S::F32_LANES));
     if block_rows::<S>() == 4 {
         mm_block::<S, 4>(simd, m, n, k, a, lda, b, ldb, c, ldc);
     } else {
@@ -314,7 +315,7 @@ fn mm_block<S: Simd, const MR: usize>(
 ) {
     let w = mm_col_multiple::<S>();
     for i0 in (0..m).step_by(MR) {
-        for j0 in (0..n).step_by(w) {
+        for j0 in (0..n / w * w).step_by(w) {
             let mut acc = [[simd.splat_f32s(0.0); 4]; MR];
             for (r, acc_r) in acc.iter_mut().enumerate() {
                 let row = &c[(i0 + r) * ldc + j0..(i0 + r) * ldc + j0 + w];
@@ -338,6 +339,41 @@ fn mm_block<S: Simd, const MR: usize>(
                 v[..4].copy_from_slice(acc_r);
             }
         }
+        let lanes = S::F32_LANES;
+        for j0 in (n / w * w..n).step_by(lanes) {
+            mm_column::<S, MR>(simd, (i0, j0), k, (a, lda), (b, ldb), (&mut *c, ldc));
+        }
+    }
+}
+
+/// The rows `i0..i0 + MR` of one vector of columns `j0..j0 + lanes` of
+/// [`mm_acc`] (the columns past its 4-vector blocks), in the same order of
+/// terms.
+#[inline(always)]
+fn mm_column<S: Simd, const MR: usize>(
+    simd: S,
+    (i0, j0): (usize, usize),
+    k: usize,
+    (a, lda): (&[f32], usize),
+    (b, ldb): (&[f32], usize),
+    (c, ldc): (&mut [f32], usize),
+) {
+    let lanes = S::F32_LANES;
+    let mut acc = [simd.splat_f32s(0.0); MR];
+    for (r, acc_r) in acc.iter_mut().enumerate() {
+        let (v, _) = S::as_simd_f32s(&c[(i0 + r) * ldc + j0..(i0 + r) * ldc + j0 + lanes]);
+        *acc_r = v[0];
+    }
+    for p in 0..k {
+        let (bv, _) = S::as_simd_f32s(&b[p * ldb + j0..p * ldb + j0 + lanes]);
+        for (r, acc_r) in acc.iter_mut().enumerate() {
+            let av = simd.splat_f32s(a[(i0 + r) * lda + p]);
+            *acc_r = simd.mul_add_f32s(av, bv[0], *acc_r);
+        }
+    }
+    for (r, acc_r) in acc.iter().enumerate() {
+        let (v, _) = S::as_mut_simd_f32s(&mut c[(i0 + r) * ldc + j0..(i0 + r) * ldc + j0 + lanes]);
+        v[0] = *acc_r;
     }
 }
 
@@ -554,7 +590,16 @@ mod tests {
             }
         }
         let w = 4 * lanes();
-        for (m, n, k) in [(4, w, 3), (8, 2 * w, 17), (12, w, 64)] {
+        let l = lanes();
+        // Whole 4-vector blocks, then single vectors past them (n = l, w + l, 3 l).
+        for (m, n, k) in [
+            (4, w, 3),
+            (8, 2 * w, 17),
+            (12, w, 64),
+            (4, l, 5),
+            (8, w + l, 9),
+            (4, 3 * l, 64),
+        ] {
             let a: Vec<f32> = (0..m * k)
                 .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
                 .collect();

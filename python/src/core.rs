@@ -107,15 +107,15 @@ pub fn field_of(message: &str) -> (Option<String>, Option<usize>) {
 /// `q, grad_output: [n_q, h, d]`, `k, v: [n_k, h_kv, d]` (`h_kv` dividing
 /// `h`; query head `a` reads key head `a / (h / h_kv)`); `cu_seqlens: [b +
 /// 1]` the query offsets (and the key offsets unless `cu_seqlens_k` is
-/// given).
+/// given). `T`: `f64`, or `f32` for [`attention_f32`].
 #[derive(Debug, Clone)]
-pub struct AttentionArgs<'a> {
+pub struct AttentionArgs<'a, T = f64> {
     /// `[n_q, h, d]`.
-    pub q: ArrayView3<'a, f64>,
+    pub q: ArrayView3<'a, T>,
     /// `[n_k, h_kv, d]`.
-    pub k: ArrayView3<'a, f64>,
+    pub k: ArrayView3<'a, T>,
     /// `[n_k, h_kv, d]`.
-    pub v: ArrayView3<'a, f64>,
+    pub v: ArrayView3<'a, T>,
     /// `[b + 1]`, leading 0, last `n_q`: `cu_seqlens_q`.
     pub cu_seqlens: Vec<usize>,
     /// `[b + 1]`, leading 0, last `n_k`; `None`: self-attention
@@ -126,10 +126,10 @@ pub struct AttentionArgs<'a> {
     /// `1/sqrt(d)` when `None`.
     pub scale: Option<f64>,
     /// `[n_tok, h, d]`: with it, the backward too.
-    pub grad_output: Option<ArrayView3<'a, f64>>,
+    pub grad_output: Option<ArrayView3<'a, T>>,
 }
 
-impl AttentionArgs<'_> {
+impl<T> AttentionArgs<'_, T> {
     fn scale(&self) -> f64 {
         self.scale
             .unwrap_or_else(|| default_scale(self.q.dim().2.max(1)))
@@ -168,6 +168,57 @@ pub fn attention(imp: &str, a: &AttentionArgs<'_>) -> Result<Fields, EvalError> 
         out.push(("grad_q", t3(g.grad_q)));
         out.push(("grad_k", t3(g.grad_k)));
         out.push(("grad_v", t3(g.grad_v)));
+    }
+    Ok(out)
+}
+
+/// The registered kernel that [`attention_f32`] runs on `f32` arrays in
+/// place (every other one takes its inputs in `f64`).
+pub const F32_NATIVE: &str = "attention_varlen_tiled";
+
+/// The results of [`attention_f32`], `f32` as the kernel computes them:
+/// `output: [n_q, h, d]`, `lse: [h, n_q]`, and `grad_q: [n_q, h, d]`,
+/// `grad_k`, `grad_v: [n_k, h_kv, d]` with a `grad_output`.
+pub type Fields32 = Vec<(&'static str, ndarray::ArrayD<f32>)>;
+
+/// `attention` through [`F32_NATIVE`] on `f32` inputs read in place: the same
+/// checks, in the same order, and bit for bit the same values as
+/// [`attention`] on the same inputs given in `f64`, without the widening
+/// of inputs and results.
+///
+/// # Errors
+/// As [`attention`]; `invalid_argument` on `impl` for any other kernel.
+pub fn attention_f32(imp: &str, a: &AttentionArgs<'_, f32>) -> Result<Fields32, EvalError> {
+    use packshard_optimized::attention::check_finite as finite;
+    use packshard_optimized::ops::TiledAttention;
+    if imp != F32_NATIVE {
+        return Err(EvalError::invalid(
+            "impl",
+            format!("{imp}: only {F32_NATIVE} runs on f32 arrays in place"),
+        ));
+    }
+    finite("q", &a.q)?;
+    finite("k", &a.k)?;
+    finite("v", &a.v)?;
+    if let Some(go) = &a.grad_output {
+        finite("grad_output", go)?;
+    }
+    let p = Varlen::cross(&a.cu_seqlens, a.cu_k(), a.causal, a.scale());
+    let op = TiledAttention::F32;
+    let x = (a.q, a.k, a.v);
+    let fwd = op.varlen_forward_f32(x, &p)?;
+    let grads = match a.grad_output {
+        Some(go) => Some(op.varlen_backward_f32(x, &p, &fwd, go)?),
+        None => None,
+    };
+    let mut out: Fields32 = vec![
+        ("output", fwd.output.into_dyn()),
+        ("lse", fwd.lse.into_dyn()),
+    ];
+    if let Some(g) = grads {
+        out.push(("grad_q", g.grad_q.into_dyn()));
+        out.push(("grad_k", g.grad_k.into_dyn()));
+        out.push(("grad_v", g.grad_v.into_dyn()));
     }
     Ok(out)
 }

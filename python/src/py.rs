@@ -178,6 +178,53 @@ attention_pyfunction! {
     }
 }
 
+/// `attention_f32(q, k, v, cu_seqlens, causal, scale, grad_output, impl,
+/// cu_seqlens_k=None)`: [`core::attention_f32`] on float32 arrays read in
+/// place (any strides; C-contiguous ones are used without a copy), the
+/// float32 results moved into new numpy arrays.
+#[pyfunction]
+#[pyo3(signature = (q, k, v, cu_seqlens, causal, scale, grad_output, imp, cu_seqlens_k=None))]
+#[allow(clippy::too_many_arguments)]
+fn attention_f32<'py>(
+    py: Python<'py>,
+    q: PyReadonlyArray3<'py, f32>,
+    k: PyReadonlyArray3<'py, f32>,
+    v: PyReadonlyArray3<'py, f32>,
+    cu_seqlens: PyReadonlyArray1<'py, i64>,
+    causal: bool,
+    scale: Option<f64>,
+    grad_output: Option<PyReadonlyArray3<'py, f32>>,
+    imp: String,
+    cu_seqlens_k: Option<PyReadonlyArray1<'py, i64>>,
+) -> PyResult<Py<PyAny>> {
+    guard(py, || {
+        let cu_seqlens_k = match &cu_seqlens_k {
+            Some(c) => Some(
+                core::offsets("cu_seqlens_k", &c.as_array().to_vec()).map_err(|e| raise(py, e))?,
+            ),
+            None => None,
+        };
+        let a = AttentionArgs {
+            q: q.as_array(),
+            k: k.as_array(),
+            v: v.as_array(),
+            cu_seqlens: cu(py, &cu_seqlens)?,
+            cu_seqlens_k,
+            causal,
+            scale,
+            grad_output: grad_output.as_ref().map(|g| g.as_array()),
+        };
+        let fields = py
+            .detach(|| core::attention_f32(&imp, &a))
+            .map_err(|e| raise(py, e))?;
+        let d = PyDict::new(py);
+        for (name, t) in fields {
+            d.set_item(name, PyArrayDyn::from_owned_array(py, t))?;
+        }
+        d.into_py_any(py)
+    })
+}
+
 fn judged_to_py(py: Python<'_>, j: core::Judged) -> PyResult<(Py<PyAny>, Py<PyAny>)> {
     let e = fields_to_py(py, j.expected)?;
     let b = match j.baseline {
@@ -238,6 +285,49 @@ fn time_attention<'py>(
             };
         py.detach(|| run(q, k, v, go))
             .map_err(|e| raise(py, e.into()))
+    })
+}
+
+/// The f32 kernel's own time on float32 arrays read in place: `reps` calls of
+/// `attention_varlen_tiled`'s forward (and its backward, with a
+/// `grad_output`) under `causal`, seconds each (no Python, no conversion;
+/// the tensors' checks included, as in every call). What
+/// scripts/bench_torch.py compares with PyTorch.
+#[pyfunction]
+#[pyo3(signature = (q, k, v, cu_seqlens, causal, grad_output, reps))]
+#[allow(clippy::too_many_arguments)]
+fn time_attention_f32<'py>(
+    py: Python<'py>,
+    q: PyReadonlyArray3<'py, f32>,
+    k: PyReadonlyArray3<'py, f32>,
+    v: PyReadonlyArray3<'py, f32>,
+    cu_seqlens: PyReadonlyArray1<'py, i64>,
+    causal: bool,
+    grad_output: Option<PyReadonlyArray3<'py, f32>>,
+    reps: usize,
+) -> PyResult<Vec<f64>> {
+    guard(py, || {
+        let a = AttentionArgs {
+            q: q.as_array(),
+            k: k.as_array(),
+            v: v.as_array(),
+            cu_seqlens: cu(py, &cu_seqlens)?,
+            cu_seqlens_k: None,
+            causal,
+            scale: None,
+            grad_output: grad_output.as_ref().map(|g| g.as_array()),
+        };
+        let run = || {
+            let mut times = Vec::with_capacity(reps);
+            for _ in 0..reps {
+                let t = Instant::now();
+                let r = core::attention_f32(core::F32_NATIVE, &a)?;
+                std::hint::black_box(&r);
+                times.push(t.elapsed().as_secs_f64());
+            }
+            Ok::<_, EvalError>(times)
+        };
+        py.detach(run).map_err(|e| raise(py, e))
     })
 }
 
@@ -541,8 +631,10 @@ fn registry_list(py: Python<'_>) -> PyResult<Py<PyAny>> {
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("PackshardError", m.py().get_type::<PackshardError>())?;
     m.add_function(wrap_pyfunction!(attention, m)?)?;
+    m.add_function(wrap_pyfunction!(attention_f32, m)?)?;
     m.add_function(wrap_pyfunction!(attention_judged, m)?)?;
     m.add_function(wrap_pyfunction!(time_attention, m)?)?;
+    m.add_function(wrap_pyfunction!(time_attention_f32, m)?)?;
     m.add_function(wrap_pyfunction!(cross_entropy, m)?)?;
     m.add_function(wrap_pyfunction!(linear_cross_entropy, m)?)?;
     m.add_function(wrap_pyfunction!(loss_judged, m)?)?;

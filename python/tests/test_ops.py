@@ -25,12 +25,45 @@ def test_attention_matches_eval_for_every_impl():
         r = packshard.attention(q, k, v, cu, grad_output=go, impl=row["name"])
         e = packshard.eval({"op": "attention", "q": q, "k": k, "v": v, "cu_seqlens": cu,
                             "want_grad": True, "grad_output": go, "impl": row["name"]})
+        want = np.float64 if row["precision"] == "f64" else np.float32
         for key in ("output", "lse", "grad_q", "grad_k", "grad_v"):
-            assert r[key].dtype == np.float64
+            assert r[key].dtype == want, (row["name"], key, r[key].dtype)
             # JSON text carries the inputs (serde_json parses decimal text to
             # within an ulp, not always exactly): agreement to 1e-12, not bits.
             np.testing.assert_allclose(r[key], np.asarray(e[key]), rtol=1e-10, atol=1e-12,
                                        err_msg=key)
+
+
+def test_f32_kernel_reads_float32_in_place_and_answers_in_float32():
+    """attention_varlen_tiled on float32 arrays (the in-place path) gives the
+    bits the float64 path gives on the same values, as float32; dtype=float64
+    widens them; every other layout and the errors are the float64 path's."""
+    q, k, v, go = (x.astype(np.float32) for x in qkv(n=40, h=4, d=16))
+    cu = [0, 7, 7, 40]
+    tiled = "attention_varlen_tiled"
+    for causal in (False, True):
+        r32 = packshard.attention(q, k, v, cu, causal=causal, grad_output=go, impl=tiled)
+        r64 = packshard.attention(*(x.astype(np.float64) for x in (q, k, v)), cu, causal=causal,
+                                  grad_output=go.astype(np.float64), impl=tiled)
+        wide = packshard.attention(q, k, v, cu, causal=causal, grad_output=go, impl=tiled,
+                                   dtype=np.float64)
+        fortran = packshard.attention(*(np.asfortranarray(x) for x in (q, k, v)), cu,
+                                      causal=causal, grad_output=go, impl=tiled)
+        for key in ("output", "lse", "grad_q", "grad_k", "grad_v"):
+            assert r32[key].dtype == r64[key].dtype == np.float32, key
+            assert wide[key].dtype == np.float64, key
+            np.testing.assert_array_equal(r32[key], r64[key], err_msg=key)
+            np.testing.assert_array_equal(wide[key], r32[key].astype(np.float64), err_msg=key)
+            np.testing.assert_array_equal(fortran[key], r32[key], err_msg=key)
+    # The reference answers in float64 whatever the input dtype.
+    assert packshard.attention(q, k, v, cu)["output"].dtype == np.float64
+    q[3, 1, 2] = np.inf
+    with pytest.raises(PackshardError) as e:
+        packshard.attention(q, k, v, cu, impl=tiled)
+    assert (e.value.kind, e.value.field, e.value.index) == ("non_finite_input", "q", 3 * 64 + 16 + 2)
+    with pytest.raises(PackshardError) as e:
+        packshard.attention(k, k, v, [0, 5, 40], impl=tiled, dtype=np.int32)
+    assert (e.value.kind, e.value.field) == ("invalid_argument", "dtype")
 
 
 def test_attention_reads_strided_input_and_keeps_segments_apart():

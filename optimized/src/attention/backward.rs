@@ -70,7 +70,7 @@ fn backward_item<S: Simd, T: Element>(
             if causal_skip(it, q0, k0) {
                 continue;
             }
-            scores(simd, &mut s, &qh, &kt, lpk, dp, it, q0, k0, pb.scale);
+            scores(simd, &mut s, &qh, &kt, dp, it, (q0, k0, BLOCK_K), pb.scale);
             // P = exp(S - lse); 0 for padded rows and rows with no key.
             let mut block_lse = [f32::NEG_INFINITY; BLOCK_Q];
             for (r, l) in block_lse.iter_mut().enumerate() {
@@ -83,7 +83,13 @@ fn backward_item<S: Simd, T: Element>(
             acc_transposed(simd, (&s, &mut tr), &doh[q0 * dp..], &mut dv_t, dp);
             // dP = dO_blk V_tile^T
             dpt.fill(0.0);
-            acc_by_transposed(simd, &doh[q0 * dp..], (&vt[k0..], lpk), dp, &mut dpt);
+            acc_by_transposed(
+                simd,
+                (&doh[q0 * dp..], len - q0),
+                (key_panel(&vt, k0, dp).0, BLOCK_K, BLOCK_K),
+                dp,
+                &mut dpt,
+            );
             // dS = P (dP - delta) scale, in place of P.
             for r in 0..BLOCK_Q {
                 let dl = simd.splat_f32s(delta.get(q0 + r).copied().unwrap_or(0.0));

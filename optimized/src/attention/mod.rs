@@ -176,16 +176,30 @@ fn gather<T: Element>(x: &[T], h: usize, d: usize, at: Rows, rows: usize, dp: us
     out
 }
 
-/// `[dp, rows]`: the transpose of [`gather`].
+/// The transpose of [`gather`] in key panels: `[rows / BLOCK_K, dp,
+/// BLOCK_K]`, panel `t` the transpose `[dp, BLOCK_K]` of the rows
+/// `t * BLOCK_K..(t + 1) * BLOCK_K` (`rows` a multiple of [`BLOCK_K`]). A tile's keys are one
+/// contiguous 16 KiB block (at `d` = 64) read with row stride `BLOCK_K`: the
+/// whole-segment transpose `[dp, rows]` read with row stride `rows` (2 KiB
+/// apart at 512 keys) mapped the 64 rows of a tile onto a few L1 cache sets.
 fn gather_t<T: Element>(x: &[T], h: usize, d: usize, at: Rows, rows: usize, dp: usize) -> Vec<f32> {
+    debug_assert!(rows.is_multiple_of(BLOCK_K));
     let mut out = vec![0.0f32; dp * rows];
     for i in 0..at.len {
         let src = &x[((at.start + i) * h + at.head) * d..][..d];
+        let panel = &mut out[(i / BLOCK_K) * dp * BLOCK_K..][..dp * BLOCK_K];
         for (c, &s) in src.iter().enumerate() {
-            out[c * rows + i] = s.to_f32();
+            panel[c * BLOCK_K + i % BLOCK_K] = s.to_f32();
         }
     }
     out
+}
+
+/// The key tile at `k0` of [`gather_t`]'s panels: `[dp, BLOCK_K]`, row
+/// stride [`BLOCK_K`].
+#[inline(always)]
+fn key_panel(kt: &[f32], k0: usize, dp: usize) -> (&[f32], usize) {
+    (&kt[k0 * dp..(k0 + BLOCK_K) * dp], BLOCK_K)
 }
 
 /// Sets the scores of keys a query may not see to `-inf` (after scaling):
@@ -220,17 +234,21 @@ fn causal_skip(it: &Item, q0: usize, k0: usize) -> bool {
 }
 
 /// `out: [BLOCK_Q, BLOCK_K] += x y^T` for the row block `x: [BLOCK_Q, dp]`
-/// and the key block of `y^T` (row stride `lpk`, its first column the
-/// block's first key): the forward's `Q K^T`, the backward's `dO V^T`.
+/// and the key block of `y^T` (a [`key_panel`]: row stride `ld`, its first
+/// column the block's first key): the forward's `Q K^T`, the backward's `dO
+/// V^T`. Only the first `rows` rows (rounded up to 4) and `cols` columns (a
+/// multiple of the vector width) are computed; the rest of `out` is left as
+/// it is.
 #[inline(always)]
 fn acc_by_transposed<S: Simd>(
     simd: S,
-    x: &[f32],
-    (yt, lpk): (&[f32], usize),
+    (x, rows): (&[f32], usize),
+    (yt, ld, cols): (&[f32], usize, usize),
     dp: usize,
     out: &mut [f32],
 ) {
-    mm_acc(simd, BLOCK_Q, BLOCK_K, dp, x, dp, yt, lpk, out, BLOCK_K);
+    let m = round_up(rows.min(BLOCK_Q), 4);
+    mm_acc(simd, m, cols, dp, x, dp, yt, ld, out, BLOCK_K);
 }
 
 /// `out: [BLOCK_Q, dp] += s y` for a tile `s: [BLOCK_Q, BLOCK_K]` and the
@@ -240,7 +258,13 @@ fn acc_tile_times<S: Simd>(simd: S, s: &[f32], y: &[f32], dp: usize, out: &mut [
     mm_acc(simd, BLOCK_Q, dp, BLOCK_K, s, BLOCK_K, y, dp, out, dp);
 }
 
-/// `S = scale Q_blk K_tile^T` with the mask: `s: [BLOCK_Q, BLOCK_K]`.
+/// `S = scale Q_blk K_tile^T` with the mask: `s: [BLOCK_Q, BLOCK_K]`
+/// (`kt` the key panels of [`gather_t`]). Rows of the block past the item's
+/// queries are 0 (as the zero rows of `Q` would give), not computed.
+///
+/// `cols`: the scores of keys `k0 + cols..` (a multiple of the vector width)
+/// are not computed either: they are 0 before the mask, which must hide them
+/// from every query of the block (the forward's `tile_keys`).
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn scores<S: Simd>(
@@ -248,88 +272,17 @@ fn scores<S: Simd>(
     s: &mut [f32],
     qh: &[f32],
     kt: &[f32],
-    lpk: usize,
     dp: usize,
     it: &Item,
-    q0: usize,
-    k0: usize,
+    (q0, k0, cols): (usize, usize, usize),
     scale: f32,
 ) {
     s.fill(0.0);
-    acc_by_transposed(simd, &qh[q0 * dp..], (&kt[k0..], lpk), dp, s);
+    let rows = it.q_len - q0;
+    let (panel, ld) = key_panel(kt, k0, dp);
+    acc_by_transposed(simd, (&qh[q0 * dp..], rows), (panel, ld, cols), dp, s);
     simd::scale(simd, scale, s);
     apply_mask(s, it, q0, k0);
-}
-
-/// The forward of one item: `out: [len, d]` and `lse: [len]`.
-///
-/// One sweep over the key tiles per query block (FlashAttention-2's
-/// Algorithm 1): the running maximum `m` and sum `l` of the online softmax,
-/// the accumulator `acc = sum exp(S - m) V` rescaled when `m` grows; at the
-/// end `o = acc / l`, `lse = m + ln l`.
-#[inline(always)]
-fn forward_item<S: Simd, T: Element>(simd: S, pb: &Problem<T>, it: &Item) -> (Vec<f32>, Vec<f32>) {
-    let (h, h_kv, d, len) = (pb.h, pb.h_kv, pb.d, it.q_len);
-    let dp = round_up(d.max(1), mm_col_multiple::<S>());
-    let (lpq, lpk) = (round_up(len, BLOCK_Q), round_up(it.k_len, BLOCK_K));
-    let qh = gather(pb.q, h, d, it.queries(), lpq, dp);
-    let kt = gather_t(pb.k, h_kv, d, it.keys(), lpk, dp);
-    let vh = gather(pb.v, h_kv, d, it.keys(), lpk, dp);
-    let mut out = vec![0.0f32; len * d];
-    let mut lse = vec![f32::NEG_INFINITY; len];
-    let mut s = vec![0.0f32; BLOCK_Q * BLOCK_K];
-    let mut acc = vec![0.0f32; BLOCK_Q * dp];
-    let mut m = [f32::NEG_INFINITY; BLOCK_Q];
-    let mut l = [0.0f32; BLOCK_Q];
-    for q0 in (0..len).step_by(BLOCK_Q) {
-        let rows = (len - q0).min(BLOCK_Q);
-        acc.fill(0.0);
-        m.fill(f32::NEG_INFINITY);
-        l.fill(0.0);
-        for k0 in (0..it.k_len).step_by(BLOCK_K) {
-            if causal_skip(it, q0, k0) {
-                break;
-            }
-            scores(simd, &mut s, &qh, &kt, lpk, dp, it, q0, k0, pb.scale);
-            for r in 0..BLOCK_Q {
-                let row = &mut s[r * BLOCK_K..(r + 1) * BLOCK_K];
-                if r >= rows {
-                    row.fill(0.0);
-                    continue;
-                }
-                let m_new = m[r].max(simd::max(simd, row));
-                if m_new == f32::NEG_INFINITY {
-                    row.fill(0.0); // nothing allowed so far
-                    continue;
-                }
-                let shift = simd.splat_f32s(m_new);
-                simd::map_in_place(simd, row, 0.0, |x| simd::exp(simd, simd.sub_f32s(x, shift)));
-                let corr = if m[r] == m_new {
-                    1.0
-                } else {
-                    (m[r] - m_new).exp()
-                };
-                l[r] = l[r] * corr + simd::sum(simd, row);
-                if corr != 1.0 {
-                    simd::scale(simd, corr, &mut acc[r * dp..(r + 1) * dp]);
-                }
-                m[r] = m_new;
-            }
-            acc_tile_times(simd, &s, &vh[k0 * dp..], dp, &mut acc);
-        }
-        for r in 0..rows {
-            let i = q0 + r;
-            if l[r] == 0.0 {
-                continue; // no allowed key: output 0, lse -inf (P8)
-            }
-            let inv = 1.0 / l[r];
-            for (o, &a) in out[i * d..(i + 1) * d].iter_mut().zip(&acc[r * dp..]) {
-                *o = a * inv;
-            }
-            lse[i] = m[r] + l[r].ln();
-        }
-    }
-    (out, lse)
 }
 
 /// `P = exp(S - lse)` row by row in place; rows with `lse = -inf` (no
@@ -389,8 +342,10 @@ fn scatter_add(flat: &mut [f32], (h, d): (usize, usize), at: Rows, part: &[f32])
 }
 
 mod backward;
+mod forward;
 pub mod mask;
 use backward::run_backward;
+use forward::forward_item;
 
 /// Runs every item's forward in parallel and scatters the results.
 fn run_forward<T: Element>(pb: &Problem<T>, n: usize, items: &[Item]) -> AttentionOutput32 {

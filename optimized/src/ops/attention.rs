@@ -1,7 +1,7 @@
 //! The f32/bf16 attention kernels as [`AttentionOp`]s: inputs rounded on
 //! entry ([`crate::convert`]), results widened on exit.
 
-use ndarray::{Array2, Array3};
+use ndarray::{Array2, Array3, ArrayView3};
 use packshard_reference::attention::{
     check_grad_values, check_masked_work, check_qkv_shapes, check_scores, check_varlen,
     check_varlen_work, AttentionGrads, AttentionOutput, MAX_ATTENTION_WORK,
@@ -70,6 +70,15 @@ macro_rules! with_inputs {
 fn check_problem(
     support: AttentionSupport,
     Qkv { q, k, v }: &Qkv<'_>,
+    p: &Varlen<'_>,
+) -> Result<()> {
+    check_problem_of(support, (q, k, v), p)
+}
+
+/// [`check_problem`] on views of any element type that widens to `f64`.
+fn check_problem_of<T: Copy + Into<f64>>(
+    support: AttentionSupport,
+    (q, k, v): (&ArrayView3<T>, &ArrayView3<T>, &ArrayView3<T>),
     p: &Varlen<'_>,
 ) -> Result<()> {
     check_qkv_shapes(q.shape(), k.shape(), v.shape())?;
@@ -148,6 +157,56 @@ impl AttentionOp for TiledAttention {
 
     fn masked_backward(&self, x: Qkv<'_>, m: Masked<'_>, g: Grad<'_>) -> Result<AttentionGrads> {
         dense_backward(self.precision, x, m, g)
+    }
+}
+
+impl TiledAttention {
+    /// The forward of `attention_varlen_tiled` on `f32` arrays read in place
+    /// (no rounding, no widening): what [`AttentionOp::varlen_forward`] computes
+    /// for the same values given in `f64`, bit for bit, in the kernel's own
+    /// precision. Shapes and `p` as there; the same checks, in the same order.
+    ///
+    /// # Errors
+    /// As [`AttentionOp::varlen_forward`]; [`Error::InvalidArgument`] naming
+    /// `impl` for the bf16 kernel (its inputs are rounded from `f64`).
+    pub fn varlen_forward_f32(
+        &self,
+        (q, k, v): (ArrayView3<f32>, ArrayView3<f32>, ArrayView3<f32>),
+        p: &Varlen<'_>,
+    ) -> Result<AttentionOutput32> {
+        self.check_f32()?;
+        check_problem_of(self.support(), (&q, &k, &v), p)?;
+        varlen_attention_general(q, k, v, p)
+    }
+
+    /// The backward of [`TiledAttention::varlen_forward_f32`]: `fwd` its
+    /// result, `grad_output: [n_q, h, d]`; gradients as
+    /// [`AttentionOp::varlen_backward`], in `f32`.
+    ///
+    /// # Errors
+    /// As [`AttentionOp::varlen_backward`] and
+    /// [`TiledAttention::varlen_forward_f32`].
+    pub fn varlen_backward_f32(
+        &self,
+        (q, k, v): (ArrayView3<f32>, ArrayView3<f32>, ArrayView3<f32>),
+        p: &Varlen<'_>,
+        fwd: &AttentionOutput32,
+        grad_output: ArrayView3<f32>,
+    ) -> Result<AttentionGrads32> {
+        self.check_f32()?;
+        check_problem_of(self.support(), (&q, &k, &v), p)?;
+        check_grad_values(&grad_output, &v)?;
+        varlen_attention_general_backward(q, k, v, p, fwd, grad_output)
+    }
+
+    fn check_f32(&self) -> Result<()> {
+        if self.precision != Precision::F32 {
+            return Err(Error::invalid(
+                "impl",
+                "the f32 entry points are attention_varlen_tiled's (f32 inputs)",
+            ));
+        }
+        Ok(())
     }
 }
 

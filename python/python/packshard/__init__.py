@@ -3,8 +3,12 @@
 Every op of the registry as a numpy function, with keyword arguments named as
 in docs/INTERFACE.md (the ``packshard eval`` contract): the f64 reference by
 default, any registered implementation by name (``impl="attention_varlen_tiled"``).
-Tensors are float64 numpy arrays, read in place (no copy for float64 input of
-any layout; other dtypes are converted once); results are new float64 arrays.
+Tensors are numpy arrays read in place (no copy for float64 input of any
+layout; other dtypes are converted once to float64), except that
+``attention(..., impl="attention_varlen_tiled")`` reads float32 arrays in place
+too. Results are new arrays in the kernel's precision: float64 from the
+reference, float32 from an f32 or bf16 kernel (exactly the values it computed),
+unless the call asks for ``dtype=numpy.float64``.
 Bad input raises :class:`PackshardError` with ``kind``, ``field``, ``index``
 and ``message``.
 
@@ -39,6 +43,8 @@ __all__ = [
 ]
 
 REFERENCE = "reference"
+# The kernel that reads float32 arrays in place (core::F32_NATIVE on the Rust side).
+_F32_NATIVE = "attention_varlen_tiled"
 
 
 def _f64(x, name):
@@ -92,9 +98,41 @@ def _want_grad(want_grad, grad, name):
     return bool(want_grad)
 
 
+_PRECISIONS = {}
+
+
+def _wants_f64(impl, dtype):
+    """Whether the results of ``impl`` are returned as float64: asked for with
+    ``dtype``, or the kernel's own precision (the reference, any f64 kernel; an
+    unknown name too, so that its error is the native call's)."""
+    if dtype is not None:
+        d = _np.dtype(dtype)
+        if d not in (_np.float32, _np.float64):
+            raise _error("invalid_argument", "dtype",
+                         f"dtype: {d} is neither float32 nor float64")
+        return d == _np.float64
+    if not _PRECISIONS:
+        _PRECISIONS.update((r["name"], r["precision"]) for r in _native.registry_list())
+    return _PRECISIONS.get(impl, "f64") == "f64"
+
+
+def _results_as(r, f64):
+    """The float arrays of ``r`` as float64 (``f64``) or float32 (exact for a
+    kernel of at most f32 precision), each converted only where it is not one."""
+    want = _np.float64 if f64 else _np.float32
+    return {key: x.astype(want) if isinstance(x, _np.ndarray) and x.dtype.kind == "f"
+            and x.dtype != want else x for key, x in r.items()}
+
+
+def _f32_in_place(xs):
+    """``xs`` as arrays when every one is float32 (then read in place), else None."""
+    arrays = [_np.asarray(x) for x in xs]
+    return arrays if all(a.dtype == _np.float32 for a in arrays) else None
+
+
 def attention(q, k, v, cu_seqlens=None, *, causal=False, scale=None, grad_output=None,
               want_grad=None, impl=REFERENCE, cu_seqlens_q=None, cu_seqlens_k=None,
-              max_seqlen_q=None, max_seqlen_k=None):
+              max_seqlen_q=None, max_seqlen_k=None, dtype=None):
     """Varlen attention (flash_attn_varlen_func's form).
 
     ``q``: ``[n_q, h, d]``; ``k``, ``v``: ``[n_k, h_kv, d]`` (``h_kv`` divides
@@ -108,10 +146,28 @@ def attention(q, k, v, cu_seqlens=None, *, causal=False, scale=None, grad_output
     also the backward. Returns a dict: ``output`` ``[n_q, h, d]``, ``lse``
     ``[h, n_q]`` (natural log), and ``grad_q``, ``grad_k``, ``grad_v``
     (``[n_k, h_kv, d]``) with a ``grad_output``.
+
+    The arrays are float32 for an f32 or bf16 ``impl`` (its own values, not
+    widened) and float64 for the reference; ``dtype=numpy.float64`` (or
+    ``numpy.float32``) asks for that dtype instead. ``impl="attention_varlen_tiled"``
+    reads float32 ``q``, ``k``, ``v``, ``grad_output`` in place (C-contiguous:
+    no copy); other inputs go through float64 as for every kernel.
     """
-    q = _rank(_f64(q, "q"), 3, "q", "[n_q, h, d]")
-    k = _rank(_f64(k, "k"), 3, "k", "[n_k, h_kv, d]")
-    v = _rank(_f64(v, "v"), 3, "v", "[n_k, h_kv, d]")
+    f64 = _wants_f64(impl, dtype)
+    if impl == _F32_NATIVE:
+        given = (q, k, v) if grad_output is None else (q, k, v, grad_output)
+        f32 = _f32_in_place(given)
+        if f32 is not None:
+            q, k, v = f32[:3]
+            if grad_output is not None:
+                grad_output = f32[3]
+    else:
+        f32 = None
+    if f32 is None:
+        q, k, v = _f64(q, "q"), _f64(k, "k"), _f64(v, "v")
+    q = _rank(q, 3, "q", "[n_q, h, d]")
+    k = _rank(k, 3, "k", "[n_k, h_kv, d]")
+    v = _rank(v, 3, "v", "[n_k, h_kv, d]")
     if cu_seqlens is None and cu_seqlens_q is None:
         raise _error("missing_field", "cu_seqlens_q", "cu_seqlens_q: required field is missing")
     cu_q = _ints(cu_seqlens_q if cu_seqlens_q is not None else cu_seqlens,
@@ -128,9 +184,11 @@ def attention(q, k, v, cu_seqlens=None, *, causal=False, scale=None, grad_output
             raise _error("invalid_argument", name,
                          f"{name}: {int(bound)} is below the longest segment ({longest})")
     want = _want_grad(want_grad, grad_output, "grad_output")
-    go = _rank(_f64(grad_output, "grad_output"), 3, "grad_output", "[n_q, h, d]") if want else None
-    return _native.attention(q, k, v, cu_q, bool(causal),
-                             None if scale is None else float(scale), go, impl, cu_k)
+    go = grad_output if f32 is not None else None if not want else _f64(grad_output, "grad_output")
+    go = _rank(go, 3, "grad_output", "[n_q, h, d]") if want else None
+    run = _native.attention if f32 is None else _native.attention_f32
+    r = run(q, k, v, cu_q, bool(causal), None if scale is None else float(scale), go, impl, cu_k)
+    return _results_as(r, f64)
 
 
 def _loss_options(ignore_index, label_smoothing, smoothing, z_loss, reduction, vocab_size,
@@ -153,7 +211,8 @@ def _loss_options(ignore_index, label_smoothing, smoothing, z_loss, reduction, v
 
 def cross_entropy(logits, targets, *, ignore_index=-100, label_smoothing=0.0, smoothing=None,
                   z_loss=0.0, reduction="mean", vocab_size=None, num_shards=None, algorithm=None,
-                  layout=None, softcap=None, want_grad=False, grad_output=None, impl=REFERENCE):
+                  layout=None, softcap=None, want_grad=False, grad_output=None, impl=REFERENCE,
+                  dtype=None):
     """Cross-entropy of ``logits`` ``[n, w]`` against ``targets`` ``[n]``.
 
     Columns ``vocab_size..w`` are padding, never read (NaN allowed there);
@@ -168,50 +227,57 @@ def cross_entropy(logits, targets, *, ignore_index=-100, label_smoothing=0.0, sm
     ``num_tokens``, ``algorithm``, ``grad_logits`` ``[n, w]`` with
     ``want_grad`` (padding columns 0), and for sharded runs ``num_shards``,
     ``layout``, ``collectives``, ``peak_bytes_per_shard``, ``shards``.
+    Arrays in the kernel's precision unless ``dtype`` says (as :func:`attention`).
     """
+    f64 = _wants_f64(impl, dtype)
     logits = _rank(_f64(logits, "logits"), 2, "logits", "[n, v]")
-    return _native.cross_entropy(
+    return _results_as(_native.cross_entropy(
         logits, _ints(targets, "targets"),
         _loss_options(ignore_index, label_smoothing, smoothing, z_loss, reduction, vocab_size,
                       num_shards, algorithm, layout, softcap, grad_output),
-        bool(want_grad), impl)
+        bool(want_grad), impl), f64)
 
 
 def linear_cross_entropy(hidden, weight, targets, *, ignore_index=-100, label_smoothing=0.0,
                          smoothing=None, z_loss=0.0, reduction="mean", vocab_size=None,
                          num_shards=None, algorithm=None, layout=None, softcap=None,
-                         want_grad=False, grad_output=None, impl=REFERENCE):
+                         want_grad=False, grad_output=None, impl=REFERENCE, dtype=None):
     """The output layer ``hidden @ weight.T`` and its cross-entropy.
 
     ``hidden`` ``[n, h]``, ``weight`` ``[w, h]`` (rows ``vocab_size..`` padding),
     ``targets`` ``[n]``; options as :func:`cross_entropy`. Adds ``grad_hidden``
     ``[n, h]`` and ``grad_weight`` ``[w, h]`` with ``want_grad``, and
-    ``vocab_size``.
+    ``vocab_size``. Arrays in the kernel's precision unless ``dtype`` says (as
+    :func:`attention`).
     """
+    f64 = _wants_f64(impl, dtype)
     hidden = _rank(_f64(hidden, "hidden"), 2, "hidden", "[n, h]")
     weight = _rank(_f64(weight, "weight"), 2, "weight", "[v, h]")
-    return _native.linear_cross_entropy(
+    return _results_as(_native.linear_cross_entropy(
         hidden, weight, _ints(targets, "targets"),
         _loss_options(ignore_index, label_smoothing, smoothing, z_loss, reduction, vocab_size,
                       num_shards, algorithm, layout, softcap, grad_output),
-        bool(want_grad), impl)
+        bool(want_grad), impl), f64)
 
 
 def embedding(ids, weight, *, vocab_size=None, num_shards=None, layout=None, grad_output=None,
-              want_grad=None, impl=REFERENCE):
+              want_grad=None, impl=REFERENCE, dtype=None):
     """The embedding lookup ``weight[ids]`` and its weight gradient.
 
     ``ids`` ``[n]`` ints (outside ``0..vocab_size``: ``index_out_of_range``),
     ``weight`` ``[w, h]``, ``grad_output`` ``[n, h]``. Returns ``output``
     ``[n, h]``, ``grad_weight`` ``[w, h]`` with a ``grad_output``, and for
-    sharded runs ``num_shards``, ``layout``, ``collectives``.
+    sharded runs ``num_shards``, ``layout``, ``collectives``. Arrays in the
+    kernel's precision unless ``dtype`` says (as :func:`attention`).
     """
+    f64 = _wants_f64(impl, dtype)
     weight = _rank(_f64(weight, "weight"), 2, "weight", "[v, h]")
     want = _want_grad(want_grad, grad_output, "grad_output")
     go = _rank(_f64(grad_output, "grad_output"), 2, "grad_output", "[n, h]") if want else None
-    return _native.embedding(_ints(ids, "ids"), weight,
-                             None if vocab_size is None else int(vocab_size),
-                             None if num_shards is None else int(num_shards), layout, go, impl)
+    return _results_as(_native.embedding(_ints(ids, "ids"), weight,
+                                         None if vocab_size is None else int(vocab_size),
+                                         None if num_shards is None else int(num_shards), layout,
+                                         go, impl), f64)
 
 
 def _json_default(x):

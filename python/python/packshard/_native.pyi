@@ -1,7 +1,8 @@
 """Type stubs of packshard._native, the PyO3 module (python/src/py.rs).
 
-Tensors are float64 numpy arrays (any strides), integer arguments int64
-arrays; results are dicts of float64 arrays, ints, strings and JSON values.
+Tensors are float64 numpy arrays (any strides; float32 for attention_f32),
+integer arguments int64 arrays; results are dicts of float64 arrays (float32
+from attention_f32), ints, strings and JSON values.
 Every function raises PackshardError for bad input and for a panic inside
 the native code (``kind == "internal"``).
 """
@@ -14,6 +15,7 @@ import numpy.typing as npt
 __version__: str
 
 F64 = npt.NDArray[np.float64]
+F32 = npt.NDArray[np.float32]
 I64 = npt.NDArray[np.int64]
 
 class PackshardError(ValueError):
@@ -25,6 +27,11 @@ class PackshardError(ValueError):
 def attention(q: F64, k: F64, v: F64, cu_seqlens: I64, causal: bool, scale: Optional[float],
               grad_output: Optional[F64], imp: str,
               cu_seqlens_k: Optional[I64] = None) -> Dict[str, Any]: ...
+def attention_f32(q: F32, k: F32, v: F32, cu_seqlens: I64, causal: bool,
+                  scale: Optional[float], grad_output: Optional[F32], imp: str,
+                  cu_seqlens_k: Optional[I64] = None) -> Dict[str, F32]: ...
+def time_attention_f32(q: F32, k: F32, v: F32, cu_seqlens: I64, causal: bool,
+                       grad_output: Optional[F32], reps: int) -> List[float]: ...
 def attention_judged(q: F64, k: F64, v: F64, cu_seqlens: I64, causal: bool,
                      scale: Optional[float], grad_output: Optional[F64], precision: str,
                      cu_seqlens_k: Optional[I64] = None

@@ -150,17 +150,21 @@ pub const MAX_ATTENTION_WORK: u64 = 1 << 29;
 /// # Errors
 /// [`Error::InvalidArgument`] naming `scale` (not finite, or the scaled
 /// bound over [`MAX_SCORE`]) or `q` (the unscaled bound over it).
-pub fn check_scores(q: &ArrayView3<f64>, k: &ArrayView3<f64>, scale: f64) -> Result<()> {
+pub fn check_scores<T: Copy + Into<f64>>(
+    q: &ArrayView3<T>,
+    k: &ArrayView3<T>,
+    scale: f64,
+) -> Result<()> {
     if !scale.is_finite() {
         return Err(Error::invalid(
             "scale",
             format!("must be finite, found {scale}"),
         ));
     }
-    let amax = |t: &ArrayView3<f64>| {
+    let amax = |t: &ArrayView3<T>| {
         t.iter()
-            .copied()
-            .filter(|x| x.is_finite())
+            .map(|&x| x.into())
+            .filter(|x: &f64| x.is_finite())
             .fold(0.0f64, |m, x| m.max(x.abs()))
     };
     let d = q.dim().2 as f64;
@@ -191,13 +195,16 @@ pub fn check_scores(q: &ArrayView3<f64>, k: &ArrayView3<f64>, scale: f64) -> Res
 ///
 /// # Errors
 /// [`Error::InvalidArgument`] naming `grad_output`.
-pub fn check_grad_values(grad_output: &ArrayView3<f64>, v: &ArrayView3<f64>) -> Result<()> {
-    let amax = |t: &ArrayView3<f64>| {
+pub fn check_grad_values<G: Copy + Into<f64>, V: Copy + Into<f64>>(
+    grad_output: &ArrayView3<G>,
+    v: &ArrayView3<V>,
+) -> Result<()> {
+    fn amax<T: Copy + Into<f64>>(t: &ArrayView3<T>) -> f64 {
         t.iter()
-            .copied()
-            .filter(|x| x.is_finite())
+            .map(|&x| x.into())
+            .filter(|x: &f64| x.is_finite())
             .fold(0.0f64, |m, x| m.max(x.abs()))
-    };
+    }
     let d = v.dim().2 as f64;
     let dot = d * amax(grad_output) * amax(v);
     if dot > MAX_SCORE {

@@ -1,0 +1,145 @@
+//! The forward of one work item (FlashAttention-2's Algorithm 1) over the
+//! tiles of [`super`].
+//!
+//! Where the time goes, and what this file does about it (issue 37):
+//! - the two tile products (`Q K^T`, `P V`) are most of the work: the keys
+//!   are read as contiguous [`super::key_panel`]s, and only the rows and keys
+//!   that exist are multiplied (a block's rows rounded up to 4, a tile's keys
+//!   to those some query of the block may see: [`tile_keys`]), where the
+//!   fixed 64 x 64 tiles multiplied the zero padding of every segment's last
+//!   block and tile too;
+//! - the online softmax takes each score row once for its maximum and once
+//!   for `exp(s - m)` and its sum ([`exp_row_sum`], one pass).
+//!
+//! None of this changes a result's bits: each output element is still
+//! accumulated over the same terms in the same order (the terms left out are
+//! exact zeros added at the end), so the varlen and dense forms stay bitwise
+//! equal (module docs of [`super`]).
+
+use super::*;
+
+/// The keys of the tile at `k0` that some query of the block at `q0` may see
+/// are among its first `tile_keys(it, q0, k0)` (at least 1, at most
+/// [`BLOCK_K`]); the scores of the others are masked, their probabilities
+/// exact zeros. The per-tile key range of the forward: change it here, and
+/// in [`causal_skip`] (which tiles are visited at all).
+#[inline(always)]
+fn tile_keys(it: &Item, q0: usize, k0: usize) -> usize {
+    let last = (q0 + BLOCK_Q).min(it.q_len) - 1;
+    let end = match it.mask {
+        Mask::Segment { causal: true } => it.key_limit(last),
+        _ => it.k_len,
+    };
+    end.saturating_sub(k0).clamp(1, BLOCK_K)
+}
+
+/// Row `row` of a score tile (scaled and masked) becomes `exp(row - m)`;
+/// returns its sum. Summed lane-wise in order, then across the lanes: the
+/// bits of `simd::map_in_place` followed by `simd::sum` over the whole tile
+/// row (`row` is whole vectors; the vectors past it hold `-inf` scores, whose
+/// exact zeros change neither the sum nor the maximum).
+#[inline(always)]
+fn exp_row_sum<S: Simd>(simd: S, row: &mut [f32], m: f32) -> f32 {
+    let shift = simd.splat_f32s(m);
+    let (head, tail) = S::as_mut_simd_f32s(row);
+    debug_assert!(tail.is_empty());
+    let mut sum = simd.splat_f32s(0.0);
+    for x in head {
+        *x = simd::exp(simd, simd.sub_f32s(*x, shift));
+        sum = simd.add_f32s(sum, *x);
+    }
+    simd.reduce_sum_f32s(sum)
+}
+
+/// The forward of one item: `out: [len, d]` and `lse: [len]`.
+///
+/// One sweep over the key tiles per query block (FlashAttention-2's
+/// Algorithm 1): the running maximum `m` and sum `l` of the online softmax,
+/// the accumulator `acc = sum exp(S - m) V` rescaled when `m` grows; at the
+/// end `o = acc / l`, `lse = m + ln l`.
+#[inline(always)]
+pub(super) fn forward_item<S: Simd, T: Element>(
+    simd: S,
+    pb: &Problem<T>,
+    it: &Item,
+) -> (Vec<f32>, Vec<f32>) {
+    let (h, h_kv, d, len) = (pb.h, pb.h_kv, pb.d, it.q_len);
+    let dp = round_up(d.max(1), mm_col_multiple::<S>());
+    let (lpq, lpk) = (round_up(len, BLOCK_Q), round_up(it.k_len, BLOCK_K));
+    let qh = gather(pb.q, h, d, it.queries(), lpq, dp);
+    let kt = gather_t(pb.k, h_kv, d, it.keys(), lpk, dp);
+    let vh = gather(pb.v, h_kv, d, it.keys(), lpk, dp);
+    let mut out = vec![0.0f32; len * d];
+    let mut lse = vec![f32::NEG_INFINITY; len];
+    let mut s = vec![0.0f32; BLOCK_Q * BLOCK_K];
+    let mut acc = vec![0.0f32; BLOCK_Q * dp];
+    let mut m = [f32::NEG_INFINITY; BLOCK_Q];
+    let mut l = [0.0f32; BLOCK_Q];
+    for q0 in (0..len).step_by(BLOCK_Q) {
+        let rows = (len - q0).min(BLOCK_Q);
+        // The rows the products compute (mm_acc's multiple of 4).
+        let mrows = round_up(rows, 4);
+        acc.fill(0.0);
+        m.fill(f32::NEG_INFINITY);
+        l.fill(0.0);
+        for k0 in (0..it.k_len).step_by(BLOCK_K) {
+            if causal_skip(it, q0, k0) {
+                break;
+            }
+            // The keys some query of the block may see, and the columns
+            // (whole vectors) that hold them: the others are exact zeros
+            // after the exponential, so neither computed nor multiplied.
+            let kn = tile_keys(it, q0, k0);
+            let cols = round_up(kn, S::F32_LANES);
+            scores(simd, &mut s, &qh, &kt, dp, it, (q0, k0, cols), pb.scale);
+            for r in 0..mrows {
+                let row = &mut s[r * BLOCK_K..r * BLOCK_K + cols];
+                if r >= rows {
+                    row.fill(0.0);
+                    continue;
+                }
+                let m_new = m[r].max(simd::max(simd, row));
+                if m_new == f32::NEG_INFINITY {
+                    row.fill(0.0); // nothing allowed so far
+                    continue;
+                }
+                let row_sum = exp_row_sum(simd, row, m_new);
+                let corr = if m[r] == m_new {
+                    1.0
+                } else {
+                    (m[r] - m_new).exp()
+                };
+                l[r] = l[r] * corr + row_sum;
+                if corr != 1.0 {
+                    simd::scale(simd, corr, &mut acc[r * dp..(r + 1) * dp]);
+                }
+                m[r] = m_new;
+            }
+            // acc += P V over the keys some row may see (the rest are zeros).
+            mm_acc(
+                simd,
+                mrows,
+                dp,
+                kn,
+                &s,
+                BLOCK_K,
+                &vh[k0 * dp..],
+                dp,
+                &mut acc,
+                dp,
+            );
+        }
+        for r in 0..rows {
+            let i = q0 + r;
+            if l[r] == 0.0 {
+                continue; // no allowed key: output 0, lse -inf (P8)
+            }
+            let inv = 1.0 / l[r];
+            for (o, &a) in out[i * d..(i + 1) * d].iter_mut().zip(&acc[r * dp..]) {
+                *o = a * inv;
+            }
+            lse[i] = m[r] + l[r].ln();
+        }
+    }
+    (out, lse)
+}
