@@ -108,7 +108,7 @@ WHEELS="$ROOT/.cache/wheels"
 rm -rf "$WHEELS"
 (cd python && "$VENV/bin/maturin" build --quiet --profile dev --out "$WHEELS" --interpreter "$VENV/bin/python")
 "$VENV/bin/pip" install --quiet --disable-pip-version-check --force-reinstall --no-deps "$WHEELS"/packshard-*.whl
-"$VENV/bin/python" -m pytest -q python/tests
+PACKSHARD_REQUIRE_TRANSFORMERS=1 "$VENV/bin/python" -m pytest -q python/tests
 "$VENV/bin/python" python/examples/numpy_attention.py
 "$VENV/bin/python" python/examples/numpy_cross_entropy.py
 # Each planted fault must be caught (exit status 1).

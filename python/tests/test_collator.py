@@ -7,6 +7,8 @@ import sys
 import numpy as np
 import pytest
 
+from conftest import hugging_face_transformers
+
 import packshard
 from packshard import collator
 from packshard.collator import boundaries_from_position_ids, check_collator
@@ -214,8 +216,7 @@ def test_bad_options_refused():
 def test_hugging_face_data_collator_with_flattening():
     """transformers' own DataCollatorWithFlattening (numpy, no torch) judged
     end to end in Hugging Face's conventions."""
-    transformers = pytest.importorskip(
-        "transformers", reason="transformers is not installed (not in requirements-dev.txt)")
+    transformers = hugging_face_transformers()
     hf = transformers.DataCollatorWithFlattening(
         return_tensors="np", return_flash_attn_kwargs=True, return_seq_idx=True)
     # HF numbers every document from 0: continuation chunks' positions are

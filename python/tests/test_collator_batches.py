@@ -8,6 +8,8 @@ import sys
 import numpy as np
 import pytest
 
+from conftest import hugging_face_transformers
+
 from packshard.collator_batches import BatchFailure, batch_cases, check_batches, judge_batch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
@@ -138,8 +140,7 @@ def test_hugging_face_collators_through_the_rust_judge():
     """transformers' DataCollatorWithFlattening (one row) and
     DataCollatorForLanguageModeling(mlm=False) (one right-padded document
     per row), numpy output, no torch."""
-    transformers = pytest.importorskip(
-        "transformers", reason="transformers is not installed (not in requirements-dev.txt)")
+    transformers = hugging_face_transformers()
     hf = transformers.DataCollatorWithFlattening(
         return_tensors="np", return_flash_attn_kwargs=True, return_seq_idx=True)
     no_chunks = ("one_token", "empty", "prompt", "long")
