@@ -296,6 +296,35 @@ pub fn check_z_loss(
     Ok(())
 }
 
+/// Checks that every token's gradient stays within f64 before it is formed:
+/// `|w_i| (2 + 2 z_loss |lse_i|)` bounds `|w_i (p - q + 2 z_loss lse_i p)|`
+/// (`p, q <= 1`), the gradient in the (capped) logit. Past f64 the softcap's
+/// chain factor, which rounds to 0 on a saturated logit, would meet `inf` and
+/// give NaN where the true gradient is finite (the hostile sweep's case:
+/// softcap 1e-300, z_loss 3.5e38, grad_output 1.7e308, true gradient 0).
+/// The twin of the attention backward's bound on `|grad_output| |v|`.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] naming `grad_output`.
+pub fn check_grad_bound(weights: &[f64], stats: &[SoftmaxStats], z_loss: f64) -> Result<()> {
+    for (i, (w, s)) in weights.iter().zip(stats).enumerate() {
+        if *w == 0.0 {
+            continue;
+        }
+        let bound = w.abs() * (2.0 + 2.0 * z_loss * s.logsumexp().abs());
+        if !bound.is_finite() {
+            return Err(Error::invalid(
+                "grad_output",
+                format!(
+                    "token {i}'s gradient ({:e} x (2 + 2 z_loss |logsumexp|)) is beyond f64",
+                    w.abs()
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// The error for a row whose logits are all `-inf` while its target is not
 /// ignored: the softmax is undefined (PyTorch returns NaN).
 ///
@@ -415,6 +444,9 @@ pub fn cross_entropy(logits: ArrayView2<f64>, call: &LossCall) -> Result<CrossEn
         .map(|i| token_loss(&stats[i], targets[i], config))
         .collect();
     let loss = config.reduce(per_token_loss.as_slice().unwrap_or(&[]), &targets);
+    if call.want_grad() {
+        check_grad_bound(&call.token_weights(&targets), &stats, config.z_loss)?;
+    }
     let grad_logits = call.want_grad().then(|| {
         let weights = call.token_weights(&targets);
         let mut grad = Array2::zeros((n, v));

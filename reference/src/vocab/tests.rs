@@ -742,3 +742,42 @@ fn o1_softcap_is_applied_first_sharded_as_unsharded() {
         );
     }
 }
+
+/// The hostile sweep's case (docs/HOSTILE.md): a softcap of 1e-300 saturates
+/// a logit (chain factor rounds to 0) while `grad_output x z_loss` takes the
+/// capped logit's gradient past f64; formed, that is `0 x inf` = NaN where
+/// the true gradient is finite. Refused naming `grad_output`, unsharded and
+/// under every algorithm; the same case with `grad_output` 1 answers finite
+/// gradients (the bound refuses only what is beyond f64).
+#[test]
+fn a_gradient_beyond_f64_is_refused_naming_grad_output() {
+    let z = [1e3, 0.0, -5.0, 2.0];
+    let config = LossConfig::default()
+        .with_softcap(1e-300)
+        .with_z_loss(3.5e38)
+        .with_reduction(Reduction::Sum);
+    let map = ShardMap::new(4, 2, ShardLayout::Uneven).unwrap();
+    for (g, refused) in [(1.7e308, true), (1.0, false)] {
+        let upstream = [g];
+        let call = LossCall::new(&[0], &config, GradRequest::Upstream(&upstream));
+        let u = cross_entropy(row(&z).view(), &call);
+        let sharded: Vec<_> = ShardedAlgorithm::ALL
+            .iter()
+            .map(|&alg| sharded_cross_entropy(alg, &map, row(&z).view(), &call))
+            .collect();
+        if refused {
+            let e = u.unwrap_err();
+            assert!(e.to_string().contains("grad_output"), "{e}");
+            for s in sharded {
+                let e = s.unwrap_err();
+                assert!(e.to_string().contains("grad_output"), "{e}");
+            }
+        } else {
+            let u = u.unwrap();
+            assert!(u.grad_logits.unwrap().iter().all(|x| x.is_finite()));
+            for s in sharded {
+                assert!(s.unwrap().grad_logits().unwrap().iter().all(|x| x.is_finite()));
+            }
+        }
+    }
+}

@@ -4,7 +4,7 @@ use ndarray::{Array1, Array2, ArrayView2, Axis, Slice};
 
 use super::super::collective::Collective;
 use super::super::cross_entropy::{
-    check_row, count_and_sum, target_term, token_loss, SoftmaxStats, STATS_WIDTH,
+    check_grad_bound, check_row, count_and_sum, target_term, token_loss, SoftmaxStats, STATS_WIDTH,
 };
 use super::super::softcap;
 use super::super::sum;
@@ -126,6 +126,9 @@ impl<'a> RankRun<'a> {
         want_grad: bool,
     ) -> Result<SState> {
         let forward = self.finish(&global)?;
+        if want_grad {
+            check_grad_bound(&self.weights, &global, self.config.z_loss)?;
+        }
         Ok(SState {
             z,
             local,
