@@ -9,7 +9,7 @@
 //! x_l    = encoder layer l (post-LN, varlen attention)  l = 1..L
 //! logits = x_L W_out^T                                  [n, v]  (output layer, untied)
 //! loss_m = mean over the non-ignored tokens of cross-entropy(logits, targets)
-//! loss   = (1 / M) Σ_m loss_m                           (M microbatches)
+//! loss   = Σ_m (n_m / N) loss_m = (1 / N) Σ_tokens CE   (M microbatches)
 //! ```
 //!
 //! The output layer `W_out: [v, hidden]` is separate from the word embedding
@@ -19,8 +19,14 @@
 //! output layer runs on every token as in language-model training (with
 //! MLM-style targets at 15% of the tokens the output layer would cost 7x
 //! less and the vocabulary layers would not matter). The reduction over
-//! microbatches is Megatron-LM's gradient accumulation: each microbatch's
-//! mean loss (and so its gradients) is scaled by `1 / M`.
+//! microbatches is the mean over the step's tokens: microbatch `m` predicts
+//! `n_m` tokens (its targets other than `ignore_index`), the step `N = Σ_m
+//! n_m`, and its mean loss (and so its gradients) is scaled by `n_m / N`
+//! ([`microbatch_scales`]). This is Megatron-LM's `calculate_per_token_loss`
+//! and Hugging Face's `num_items_in_batch` (transformers PR 34191); the mean
+//! of the microbatches' own means, `(1 / M) Σ_m loss_m`, differs from it as
+//! soon as the microbatches predict different numbers of tokens
+//! (docs/FAULTS.md D1).
 //!
 //! Shapes: `n` tokens of a microbatch (its sequences packed back to back,
 //! `cu_seqlens: [b + 1]`), `hidden`, `v`, `L` layers, `M` microbatches.
@@ -520,10 +526,41 @@ pub fn layers_backward(
     Ok(dy)
 }
 
+/// The weight of each microbatch's mean loss in the step's loss: `n_m / N`,
+/// `n_m` the targets of microbatch `m` other than [`IGNORE_INDEX`] and `N`
+/// their sum over the step (the mean over the step's tokens). A microbatch
+/// that predicts nothing weighs 0 (its mean loss is 0 by the loss's
+/// convention); `[M]`.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] (field `targets`) when no microbatch predicts
+/// any token (the step's mean would divide by 0).
+pub fn microbatch_scales(microbatches: &[Microbatch]) -> Result<Vec<f64>> {
+    let counts: Vec<usize> = microbatches
+        .iter()
+        .map(|mb| mb.targets.iter().filter(|&&t| t != IGNORE_INDEX).count())
+        .collect();
+    let total: usize = counts.iter().sum();
+    if total == 0 {
+        return Err(Error::invalid(
+            "targets",
+            "no microbatch of the step predicts a token: the mean over its tokens is undefined",
+        ));
+    }
+    Ok(counts.iter().map(|&n| n as f64 / total as f64).collect())
+}
+
+/// The step's loss from each microbatch's mean loss: `Σ_m scales[m]
+/// loss_m` ([`microbatch_scales`]), summed in microbatch order.
+pub fn step_loss(losses: &[f64], scales: &[f64]) -> f64 {
+    losses.iter().zip(scales).map(|(l, s)| l * s).sum()
+}
+
 /// The result of one iteration: the loss and every parameter gradient.
 #[derive(Debug, Clone, PartialEq)]
 pub struct StepResult {
-    /// `(1 / M) Σ_m loss_m`, summed in microbatch order.
+    /// The mean over the step's predicted tokens: `Σ_m (n_m / N) loss_m`
+    /// ([`step_loss`]), summed in microbatch order.
     pub loss: f64,
     /// `[M]`: each microbatch's mean loss.
     pub microbatch_losses: Vec<f64>,
@@ -545,11 +582,10 @@ pub fn reference_step(
     microbatches: &[Microbatch],
 ) -> Result<StepResult> {
     let mut grads = params.zeros_like();
-    let inv_m = 1.0 / microbatches.len() as f64;
+    let scales = microbatch_scales(microbatches)?;
     let loss_config = config.loss_config();
-    let mut loss = 0.0;
     let mut losses = Vec::with_capacity(microbatches.len());
-    for mb in microbatches {
+    for (mb, &scale) in microbatches.iter().zip(&scales) {
         let rows = embedding_forward(&mb.ids, params.word.view())?;
         let (x, emb) = embedding_finish(
             rows,
@@ -567,8 +603,7 @@ pub fn reference_step(
             &LossCall::with_flag(&mb.targets, &loss_config, true),
         )?;
         losses.push(out.ce.loss);
-        loss += out.ce.loss * inv_m;
-        let (gx, gw) = scaled_output_grads(out.grad_hidden, out.grad_weight, inv_m)?;
+        let (gx, gw) = scaled_output_grads(out.grad_hidden, out.grad_weight, scale)?;
         grads.output += &gw;
         let dx = layers_backward(
             &params.layers,
@@ -590,27 +625,28 @@ pub fn reference_step(
         word_grad_accumulate(&mb.ids, config.vocab, d_rows.view(), &mut grads.word, 0)?;
     }
     Ok(StepResult {
-        loss,
+        loss: step_loss(&losses, &scales),
         microbatch_losses: losses,
         grads,
     })
 }
 
-/// The output layer's gradients of one microbatch scaled by `1 / M` (the
-/// accumulation over microbatches), as every placement applies them.
+/// The output layer's gradients of one microbatch scaled by its weight in
+/// the step, `n_m / N` ([`microbatch_scales`]), as every placement applies
+/// them.
 ///
 /// # Errors
 /// [`Error::InvalidArgument`] when a gradient is missing.
 pub fn scaled_output_grads(
     grad_hidden: Option<Array2<f64>>,
     grad_weight: Option<Array2<f64>>,
-    inv_m: f64,
+    scale: f64,
 ) -> Result<(Array2<f64>, Array2<f64>)> {
     let missing = || Error::invalid("output", "the output layer returned no gradient");
     let mut gx = grad_hidden.ok_or_else(missing)?;
     let mut gw = grad_weight.ok_or_else(missing)?;
-    gx.mapv_inplace(|x| x * inv_m);
-    gw.mapv_inplace(|x| x * inv_m);
+    gx.mapv_inplace(|x| x * scale);
+    gw.mapv_inplace(|x| x * scale);
     Ok((gx, gw))
 }
 

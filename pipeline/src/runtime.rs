@@ -333,7 +333,7 @@ pub fn run_iteration(
         params,
         grads,
         mbs: microbatches,
-        inv_m: 1.0 / microbatches.len() as f64,
+        scales: crate::model::microbatch_scales(microbatches)?,
         word_rows: HashMap::new(),
         act_in: HashMap::new(),
         caches: HashMap::new(),
@@ -374,7 +374,8 @@ struct Exec<'a> {
     params: &'a RankParams,
     grads: &'a mut RankParams,
     mbs: &'a [Microbatch],
-    inv_m: f64,
+    /// Each microbatch's weight in the step ([`crate::model::microbatch_scales`]).
+    scales: Vec<f64>,
     /// Stage 0, vocabulary-parallel: the all-reduced word rows of `I(m)`.
     word_rows: HashMap<usize, Array2<f64>>,
     /// `x_in(m)` received.
@@ -614,7 +615,8 @@ impl Exec<'_> {
                     &LossCall::with_flag(&mb.targets, &config.loss_config(), true),
                 )?;
                 self.losses[m] = Some(out.ce.loss);
-                let (gx, gw) = scaled_output_grads(out.grad_hidden, out.grad_weight, self.inv_m)?;
+                let (gx, gw) =
+                    scaled_output_grads(out.grad_hidden, out.grad_weight, self.scales[m])?;
                 self.add_output_grad(m, &gw)?;
                 self.grad_out.insert(m, gx);
             }
@@ -646,7 +648,7 @@ impl Exec<'_> {
                 self.losses[m] = Some(s.loss());
                 if self.rank == last {
                     if let Some(gx) = s.grad_hidden() {
-                        self.grad_out.insert(m, gx.mapv(|x| x * self.inv_m));
+                        self.grad_out.insert(m, gx.mapv(|x| x * self.scales[m]));
                     }
                 }
                 self.s_passes.insert(m, s);
@@ -655,7 +657,8 @@ impl Exec<'_> {
                 let s = take(&mut self.s_passes, m, "the S pass")?;
                 let hidden = take(&mut self.hidden, m, "the hidden state")?;
                 let out = s.t_pass(self.coll, hidden.view(), self.output()?.view())?;
-                let (gx, gw) = scaled_output_grads(out.grad_hidden, out.grad_weight, self.inv_m)?;
+                let (gx, gw) =
+                    scaled_output_grads(out.grad_hidden, out.grad_weight, self.scales[m])?;
                 self.add_output_grad(m, &gw)?;
                 if self.rank == last && !self.grad_out.contains_key(&m) {
                     self.grad_out.insert(m, gx);

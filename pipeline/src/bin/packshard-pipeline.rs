@@ -16,7 +16,9 @@ use mpi::topology::{Communicator, SimpleCommunicator};
 use mpi::traits::*;
 use packshard_optimized::alloc::CountingAlloc;
 use packshard_pipeline::collective::Trace;
-use packshard_pipeline::model::{microbatches, reference_step, ModelConfig, Params};
+use packshard_pipeline::model::{
+    microbatch_scales, microbatches, reference_step, step_loss, ModelConfig, Params,
+};
 use packshard_pipeline::report::{
     analyse, bytes, compare, compare_loss, decode, encode, PIPELINE_TOLERANCE,
 };
@@ -330,11 +332,8 @@ fn run(world: &SimpleCommunicator, args: &Args) -> Result<u8, Failure> {
                 g.place_into(&mut assembled, &plan);
             }
             // The loss: the last rank computed every microbatch's loss.
-            let inv_m = 1.0 / config.microbatches as f64;
-            let mut loss = 0.0;
-            for l in &losses_by_rank[p - 1] {
-                loss += l * inv_m;
-            }
+            let scales = microbatch_scales(&mbs).map_err(|e| Failure::Rank(e.to_string()))?;
+            let loss = step_loss(&losses_by_rank[p - 1], &scales);
             let (timings, iteration) = analyse(&all_events);
             let o = Outcome {
                 placement,

@@ -48,7 +48,7 @@ fn validate_names_the_field() {
 
 /// The reference step's gradients against central finite differences of
 /// its loss, on a few entries of every kind of tensor (so the accumulation
-/// over microbatches and the `1 / M` scaling are right).
+/// over microbatches and the `n_m / N` scaling are right).
 #[test]
 fn reference_gradients_match_finite_differences() {
     let c = ModelConfig {
@@ -94,4 +94,78 @@ fn reference_gradients_match_finite_differences() {
 fn bump(p: &mut Params, tensor: usize, k: usize, h: f64) {
     let mut tensors = p.tensors_mut();
     *tensors[tensor].iter_mut().nth(k).unwrap() += h;
+}
+
+/// The step's loss is the mean over its tokens whatever the microbatching
+/// (issue 34, docs/FAULTS.md D1): the `M` microbatches of the tiny model
+/// (of unequal token counts) give the loss and every gradient of the same
+/// sequences as one microbatch (the varlen attention keeps sequences apart,
+/// so only the reduction can differ). The old definition, the mean of the
+/// microbatches' means, is off by far more than the tolerance here, so this
+/// test catches it.
+#[test]
+fn the_step_loss_is_the_mean_over_its_tokens_whatever_the_microbatching() {
+    let c = ModelConfig::tiny();
+    let params = Params::random(&c);
+    let mbs = microbatches(&c);
+    let counts: Vec<usize> = mbs
+        .iter()
+        .map(|mb| mb.targets.iter().filter(|&&t| t != IGNORE_INDEX).count())
+        .collect();
+    assert!(
+        counts.iter().any(|&n| n != counts[0]),
+        "unequal token counts: {counts:?}"
+    );
+    let mut one = Microbatch {
+        ids: Vec::new(),
+        positions: Vec::new(),
+        targets: Vec::new(),
+        layout: AttentionLayout::Varlen {
+            cu_seqlens: vec![0],
+        },
+    };
+    for mb in &mbs {
+        let AttentionLayout::Varlen { cu_seqlens } = &mb.layout else {
+            panic!("varlen")
+        };
+        let at = one.len();
+        one.ids.extend(&mb.ids);
+        one.positions.extend(&mb.positions);
+        one.targets.extend(&mb.targets);
+        if let AttentionLayout::Varlen { cu_seqlens: all } = &mut one.layout {
+            all.extend(cu_seqlens[1..].iter().map(|&x| x + at));
+        }
+    }
+    let split = reference_step(&c, &params, &mbs).unwrap();
+    let whole = reference_step(&c, &params, &[one]).unwrap();
+    // The same sums in another order: the pipeline judge's tolerance
+    // (report::PIPELINE_TOLERANCE, 256 ulp of each tensor's largest value).
+    let tol = crate::report::PIPELINE_TOLERANCE;
+    assert!((split.loss - whole.loss).abs() <= tol * whole.loss.abs());
+    for e in crate::report::compare(&whole.grads, &split.grads) {
+        assert!(e.passes(), "{}: relative {:e}", e.name, e.relative());
+    }
+    // The old definition, (1 / M) Σ_m loss_m, is caught.
+    let mean_of_means =
+        split.microbatch_losses.iter().sum::<f64>() / split.microbatch_losses.len() as f64;
+    assert!(
+        (mean_of_means - whole.loss).abs() > 1e3 * tol * whole.loss.abs(),
+        "mean of means {mean_of_means} vs {}",
+        whole.loss
+    );
+    // And the weights are n_m / N.
+    let total: usize = counts.iter().sum();
+    let scales = microbatch_scales(&mbs).unwrap();
+    for (s, n) in scales.iter().zip(&counts) {
+        assert_eq!(*s, *n as f64 / total as f64);
+    }
+    let none: Vec<Microbatch> = mbs
+        .iter()
+        .map(|mb| Microbatch {
+            targets: vec![IGNORE_INDEX; mb.len()],
+            ..mb.clone()
+        })
+        .collect();
+    let e = microbatch_scales(&none).unwrap_err();
+    assert!(e.to_string().starts_with("targets:"), "{e}");
 }
