@@ -341,6 +341,41 @@ def batch(sequences, max_seq_len, *, algorithm="spfhp", max_sequences_per_pack=N
     return r
 
 
+def step_plan(documents, *, grad_accum=1, dp=1, cp=1, reduction="per-token", eos_token_id=None):
+    """The training step's split of a global batch of ``documents`` (token id
+    lists or arrays) over ``grad_accum`` steps (``G``), ``dp`` data-parallel
+    ranks (``D``) and ``cp`` context-parallel ranks (``C``, TransformerEngine's
+    and Megatron's load-balanced THD split: each document padded to a multiple
+    of ``2 C`` and cut into ``2 C`` chunks, rank ``r`` holding chunks ``r`` and
+    ``2 C - 1 - r``), with the loss weights of the step's global denominator
+    (``reduction``: ``per-token``, ``per-document`` or ``per-row``), to check a
+    partitioner and a loss scaling against (docs/STEP.md, docs/FAULTS.md
+    D1-D8).
+
+    Returns the ``step_plan`` result of docs/INTERFACE.md with every per-rank
+    sequence as an array: ``token_index``, ``cu_seqlens``,
+    ``cu_seqlens_padded``, ``position_ids``, ``input_ids``, ``labels``
+    (int64; -100 where nothing is predicted) and ``loss_weights`` (float64:
+    ``1 / M`` per predicted token or ``1 / (docs m_j)`` per document, both
+    summing to 1 over the whole step; ``1 / R`` per token for ``per-row``,
+    ``loss.sum(-1).mean()`` over the ``R`` documents of the unpacked batch). Bad input raises ``PackshardError``
+    naming the field (``cp``, ``docs``, ``documents[i][j]``, ``reduction``).
+    """
+    docs = [_np.asarray(d).tolist() for d in documents]
+    r = eval(_packing_case("step_plan", documents=docs, grad_accum=grad_accum, dp=dp, cp=cp,
+                           reduction=reduction, eos_token_id=eos_token_id))
+    ints = ("token_index", "cu_seqlens", "cu_seqlens_padded", "position_ids", "input_ids",
+            "labels")
+    for m in r["microbatches"]:
+        for key in ("cu_seqlens", "cu_seqlens_padded"):
+            m[key] = _np.asarray(m[key], dtype=_np.int64)
+        for rank in m["ranks"]:
+            for key in ints:
+                rank[key] = _np.asarray(rank[key], dtype=_np.int64)
+            rank["loss_weights"] = _np.asarray(rank["loss_weights"], dtype=_np.float64)
+    return r
+
+
 def implementations(op=None):
     """Every registered implementation (``family``, ``op``, ``name``, ``changed``,
     ``precision``, ``needs``); with ``op``, those of that op."""
