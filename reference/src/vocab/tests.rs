@@ -776,7 +776,12 @@ fn a_gradient_beyond_f64_is_refused_naming_grad_output() {
             let u = u.unwrap();
             assert!(u.grad_logits.unwrap().iter().all(|x| x.is_finite()));
             for s in sharded {
-                assert!(s.unwrap().grad_logits().unwrap().iter().all(|x| x.is_finite()));
+                assert!(s
+                    .unwrap()
+                    .grad_logits()
+                    .unwrap()
+                    .iter()
+                    .all(|x| x.is_finite()));
             }
         }
     }
