@@ -123,6 +123,46 @@ pub const CATALOGUE: &[FaultKind] = &[
         title: "the token-count denominator of a packed batch",
     },
     FaultKind {
+        id: "K1",
+        title: "unshifted labels without -100 at each document's first slot",
+    },
+    FaultKind {
+        id: "K2",
+        title: "position_ids not reset at document starts",
+    },
+    FaultKind {
+        id: "K3",
+        title: "cu_seqlens off by one",
+    },
+    FaultKind {
+        id: "K4",
+        title: "the last document dropped",
+    },
+    FaultKind {
+        id: "K5",
+        title: "concatenation with EOS and no boundaries",
+    },
+    FaultKind {
+        id: "K6",
+        title: "document starts read where position_ids == 0",
+    },
+    FaultKind {
+        id: "K7",
+        title: "a split document's piece restarts its positions",
+    },
+    FaultKind {
+        id: "K8",
+        title: "an overlong document truncated",
+    },
+    FaultKind {
+        id: "K9",
+        title: "padding labelled with the pad id",
+    },
+    FaultKind {
+        id: "K10",
+        title: "cu_seqlens int64",
+    },
+    FaultKind {
         id: "D1",
         title: "the mean per microbatch, then averaged",
     },
@@ -153,6 +193,30 @@ pub const CATALOGUE: &[FaultKind] = &[
     FaultKind {
         id: "D8",
         title: "padding tokens counted in a denominator",
+    },
+    FaultKind {
+        id: "W1",
+        title: "window off by one",
+    },
+    FaultKind {
+        id: "W2",
+        title: "window aligned top-left when l_q != l_k",
+    },
+    FaultKind {
+        id: "W3",
+        title: "a window reaching across a document boundary",
+    },
+    FaultKind {
+        id: "W4",
+        title: "softcap applied after the mask",
+    },
+    FaultKind {
+        id: "W5",
+        title: "the softcap gradient without its chain factor",
+    },
+    FaultKind {
+        id: "W6",
+        title: "ALiBi from the pack's start, or with the wrong sign",
     },
 ];
 
