@@ -136,7 +136,7 @@ fn the_default_budget_reaches_chunk_boundaries_and_every_option() {
     linear.require("linear_cross_entropy");
     // The small cases stay small (at most 64 entries, at most 12 tokens:
     // no chunk crossed) but draw the options too: a softcap and both forms
-    // of the upstream gradient (their last byte, `SmallTail`).
+    // of the upstream gradient (their last byte, `small_tail`).
     assert!(small.largest_v <= fv::MAX_V, "{small:?}");
     assert!(small.partial_token_chunks.is_empty() && small.partial_vocab_chunks.is_empty());
     assert!(

@@ -13,6 +13,10 @@ fn ints(v: &Value) -> Vec<i64> {
 }
 
 /// docs/STEP.md's picture: documents of 5 and 2 tokens at C = 2.
+/// The step's loss weights sum to 1: 7 terms of 1/7 (per token) or 3
+/// documents' shares (per document) summed in f64, a few ulp (2.2e-16) of 1.
+const WEIGHTS_SUM_TOL: f64 = 1e-15;
+
 #[test]
 fn the_split_of_the_picture() {
     let r = evaluate(&json!({
@@ -61,8 +65,7 @@ fn the_weights_use_the_global_denominators() {
             .flat_map(|k| k["loss_weights"].as_array().unwrap())
             .map(|w| w.as_f64().unwrap())
             .sum();
-        // 7 predicted tokens (per token) or 3 documents (per document): a few ulp of 1.
-        assert!((sum - 1.0).abs() < 1e-15, "{reduction}: {sum}");
+        assert!((sum - 1.0).abs() < WEIGHTS_SUM_TOL, "{reduction}: {sum}");
         assert_eq!(mbs[3]["dp_rank"], 1);
         assert_eq!(mbs[3]["grad_accum_step"], 1);
     }

@@ -30,6 +30,11 @@ fn segment(n: usize, imp: &str, want_grad: bool) -> Value {
     c
 }
 
+/// Relative error of a mean summed scaled (each term divided by `n` before
+/// the sum): a few ulp of f64 (2.2e-16) for one subtraction and one division
+/// per term.
+const SCALED_MEAN_TOL: f64 = 1e-15;
+
 #[test]
 fn every_attention_impl_refuses_a_segment_past_the_shared_work_bound() {
     // 24,000^2 pairs x (d + 1) = 1.15e9 units, over MAX_ATTENTION_WORK =
@@ -156,9 +161,10 @@ fn a_mean_of_finite_losses_whose_sum_is_beyond_f64_is_the_mean() {
                "reduction": reduction})
     };
     let mean = answered(&case("mean"))["loss"].as_f64().unwrap();
-    // 1e-15 relative: a few ulp of f64 (2.2e-16) for one subtraction and
-    // the division of each term by 2.
-    assert!((mean - 1.1e308).abs() <= 1e-15 * 1.1e308, "{mean:e}");
+    assert!(
+        (mean - 1.1e308).abs() <= SCALED_MEAN_TOL * 1.1e308,
+        "{mean:e}"
+    );
     assert_eq!(answered(&case("sum"))["loss"], json!("inf"));
     // A negative control: in range the mean is the plain one (1.1e300).
     let small = json!({"op": "cross_entropy", "logits": [[1e300, -1e299], [1e300, -1e299]],

@@ -15,7 +15,7 @@
 //! (a missing byte reads 0: nothing, so a stored input means the case it
 //! did), a softcap a
 //! third of the time and an upstream `grad_output` (`[n]` under `none`,
-//! else `[1]`) half of the time gradients are asked for (`SmallTail`).
+//! else `[1]`) half of the time gradients are asked for ([`small_tail`]).
 //! Each case goes through
 //! [`crate::vocab::check_cross_entropy`], [`crate::vocab::check_linear`] or
 //! [`crate::vocab::check_embedding`]: the suite's [`crate::vocab::TERMS`]
@@ -128,33 +128,20 @@ fn loss_config(u: &mut Unstructured<'_>, v: usize) -> arbitrary::Result<LossConf
 /// [`crate::vocab::TERMS`] (seed 2, input 557: 55 tokens, smoothing 1,
 /// planted +-100), past the 0.5 `equivalence/tests/fuzz.rs` holds them to;
 /// the terms of such sums want a look first.
-struct SmallTail {
-    softcap: Option<f64>,
-    grad_output: bool,
-}
-
-impl SmallTail {
-    fn read(
-        u: &mut Unstructured<'_>,
-        gen: &mut Gen,
-        want_grad: bool,
-    ) -> arbitrary::Result<SmallTail> {
-        let b = u.arbitrary::<u8>()?;
-        let softcap = (b % 3 == 1).then(|| match gen.below(3) {
-            0 => 1.0,
-            1 => 30.0,
-            _ => gen.uniform(0.5, 50.0),
-        });
-        Ok(SmallTail {
-            softcap,
-            grad_output: want_grad && b / 3 % 2 == 1,
-        })
-    }
-
-    /// The upstream gradient for `n` tokens under `reduction`, or `None`.
-    fn grad_output(&self, gen: &mut Gen, n: usize, reduction: Reduction) -> Option<Vec<f64>> {
-        self.grad_output.then(|| large::upstream(gen, n, reduction))
-    }
+fn small_tail(
+    u: &mut Unstructured<'_>,
+    gen: &mut Gen,
+    n: usize,
+    config: &mut LossConfig,
+    want_grad: bool,
+) -> arbitrary::Result<Option<Vec<f64>>> {
+    let b = u.arbitrary::<u8>()?;
+    config.softcap = (b % 3 == 1).then(|| match gen.below(3) {
+        0 => 1.0,
+        1 => 30.0,
+        _ => gen.uniform(0.5, 50.0),
+    });
+    Ok((want_grad && b / 3 % 2 == 1).then(|| large::upstream(gen, n, config.reduction)))
 }
 
 /// The split ([`shard_map`]), then the tokens `n` in `min_n..=MAX_N`: `(map,
@@ -344,9 +331,7 @@ impl<'a> Arbitrary<'a> for CeFuzzCase {
         let (targets, want_grad, grad_output) = match class {
             SizeClass::Small => {
                 let t = targets(u, &mut gen, n, v, config.ignore_index)?;
-                let tail = SmallTail::read(u, &mut gen, small_want_grad)?;
-                config.softcap = tail.softcap;
-                let g = tail.grad_output(&mut gen, t.len(), config.reduction);
+                let g = small_tail(u, &mut gen, n, &mut config, small_want_grad)?;
                 (t, small_want_grad, g)
             }
             SizeClass::Large => {
@@ -423,9 +408,7 @@ impl<'a> Arbitrary<'a> for LinearFuzzCase {
         let (targets, want_grad, grad_output) = match class {
             SizeClass::Small => {
                 let t = targets(u, &mut gen, n, v, config.ignore_index)?;
-                let tail = SmallTail::read(u, &mut gen, small_want_grad)?;
-                config.softcap = tail.softcap;
-                let g = tail.grad_output(&mut gen, t.len(), config.reduction);
+                let g = small_tail(u, &mut gen, n, &mut config, small_want_grad)?;
                 (t, small_want_grad, g)
             }
             SizeClass::Large => {
