@@ -11,8 +11,8 @@
 #
 # Usage (repo root):  scripts/gpu_check.sh [OUT_DIR]
 #   Builds the test binaries unless PACKSHARD_GPU_BIN_DIR names a folder
-#   holding prebuilt ones named cuda and registry (build them elsewhere with
-#     cargo test -p packshard-optimized --features cuda --test cuda --no-run
+#   holding prebuilt ones named cuda, cuda_bench and registry (build them elsewhere with
+#     cargo test -p packshard-optimized --features cuda --test cuda --test cuda_bench --no-run
 #     cargo test -p packshard-oracle --features cuda --test registry --no-run
 #   and carry them: a GPU machine need not have Rust). NVRTC: PACKSHARD_NVRTC_DIR,
 #   else the one scripts/fetch_nvrtc.sh fetched into .cache/nvrtc (12.9,
@@ -65,6 +65,7 @@ export PACKSHARD_REQUIRE_GPU=1
 step "registry: every test of the CUDA entries"
 run "registry" "$(test_bin packshard-oracle registry)" --test-threads=1 _cuda::
 bin="$(test_bin packshard-optimized cuda)"
+bench="$(test_bin packshard-optimized cuda_bench)"
 step "CUDA-specific tests"
 run "CUDA-specific tests" "$bin" --test-threads=1 --nocapture gpu_
 if grep -E "skipped: " "$log" | grep -v "_emulated" | grep -qE "(gpu_|_cuda)"; then
@@ -72,7 +73,7 @@ if grep -E "skipped: " "$log" | grep -v "_emulated" | grep -qE "(gpu_|_cuda)"; t
   exit 1
 fi
 step "benchmark: packshard"
-PACKSHARD_GPU_BENCH_OUT="$out" "$bin" --ignored --exact gpu_attention_bench gpu_output_layer_bench \
+PACKSHARD_GPU_BENCH_OUT="$out" "$bench" --ignored --exact gpu_attention_bench gpu_output_layer_bench \
   --nocapture --test-threads=1 2>&1 | tee "$out/bench_packshard.txt" || failed+=("benchmark")
 if python3 -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null; then
   step "benchmark: PyTorch on the same device"
