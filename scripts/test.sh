@@ -60,10 +60,14 @@ export PACKSHARD_NVRTC_DIR
 export LD_LIBRARY_PATH="$PACKSHARD_NVRTC_DIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 # Without NVRTC or a C++ compiler these steps fail instead of skipping.
 export PACKSHARD_REQUIRE_NVRTC=1 PACKSHARD_REQUIRE_EMULATOR=1
-cargo test -p packshard-optimized --features cuda --no-fail-fast
-# The registry with attention_varlen_cuda, linear_cross_entropy_cuda (skipped
-# without a device) and their _emulated twins: suites, golden, own numbers.
-cargo test -p packshard-oracle --features cuda --no-fail-fast
+# Only what the feature adds: the workspace step above already ran every other
+# test of these two crates, which the feature does not change.
+# optimized/tests/cuda.rs: PTX compile, bad input refused before a launch, the emulator.
+cargo test -p packshard-optimized --features cuda --no-fail-fast --test cuda
+# The registry's tests of attention_varlen_cuda, linear_cross_entropy_cuda
+# (ignored without a device) and their _emulated twins: suites, golden, own
+# numbers, fuzz budget (the filter selects the tests named `<family>::*cuda*::<suite>`).
+cargo test -p packshard-oracle --features cuda --no-fail-fast --test registry -- cuda
 
 step "example crate: fuzz your own kernel (examples/fuzz-your-kernel)"
 # Its own workspace; the shared target directory reuses the compiled dependencies.
