@@ -70,6 +70,9 @@ fn layout_pairs(layout: &AttentionLayout) -> u64 {
     }
 }
 
+/// Timed products behind the layer's gemm rate, at least.
+const GEMM_REPS: usize = 10;
+
 /// Runs the layer measurement.
 ///
 /// # Errors
@@ -122,11 +125,14 @@ pub fn layer(cfg: &BenchConfig) -> Result<LayerReport> {
     let packed_s = time_warm(cfg.reps, || run(&xp, &gp, &packed));
     let padded_s = time_warm(cfg.reps, || run(&xd, &gd, &padded));
     let (f, b) = layer_flops(batch.packed_slots(), hd, inter, layout_pairs(&packed));
+    // At least 10 timed products (about 0.1 s each at 200 GFLOP/s): the
+    // minimum of one is a single short window on a shared machine, and a
+    // low gemm rate would flatter the layer's fraction of it.
     let gemm_gflops = gemm_rate(
         batch.packed_slots().min(4096),
         hd,
         inter,
-        cfg.reps,
+        cfg.reps.max(GEMM_REPS),
         cfg.seed,
     );
     // The reference on the first sequences, packed.
