@@ -166,7 +166,7 @@ pub struct ScoreOptions<'a> {
 impl<'a> ScoreOptions<'a> {
     fn transform(&self, head: usize) -> Transform<'a> {
         Transform::new(
-            self.softcap as f32,
+            mask::softcap_f32(self.softcap),
             self.alibi_slopes.map(|a| a[head] as f32),
             self.diag_offsets,
         )
@@ -595,7 +595,11 @@ fn segment_items<'a>(p: &Varlen<'_>, (h, h_kv): (usize, usize)) -> Vec<Item<'a>>
                 head,
                 kv_head: head / group,
                 mask,
-                transform: Transform::new(p.softcap as f32, slopes.map(|a| a[head] as f32), None),
+                transform: Transform::new(
+                    mask::softcap_f32(p.softcap),
+                    slopes.map(|a| a[head] as f32),
+                    None,
+                ),
             })
         })
         .collect();

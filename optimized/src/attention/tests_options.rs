@@ -243,3 +243,33 @@ fn bad_options_are_refused_with_their_field() {
         assert!(e.to_string().starts_with(field), "{field}: {e}");
     }
 }
+
+/// A cap past f32's range is the identity (bit for bit the uncapped
+/// kernel), and a cap below f32's smallest subnormal still caps (rounded to
+/// 0 it was silently dropped): every score `±cap`, the softmax uniform, the
+/// output the mean of the visible values, as the f64 reference computes.
+#[test]
+fn caps_outside_f32s_range_are_kept() {
+    let mut rng = ChaCha8Rng::seed_from_u64(9);
+    let t = |rng: &mut ChaCha8Rng| tensor(rng, (9, 1, 4));
+    let (q, k, v) = (t(&mut rng), t(&mut rng), t(&mut rng));
+    let cu = [0usize, 9];
+    let p = Varlen::new(&cu, false, 1.0);
+    let run = |p: &Varlen| varlen_attention_general(q.view(), k.view(), v.view(), p).unwrap();
+    assert_eq!(run(&p.with_softcap(1e300)), run(&p));
+    let tiny = p.with_softcap(1e-60);
+    let ours = run(&tiny);
+    let f64_of = |x: &Array3<f32>| x.mapv(f64::from);
+    let reference = packshard_reference::attention::varlen_attention_general(
+        f64_of(&q).view(),
+        f64_of(&k).view(),
+        f64_of(&v).view(),
+        &tiny,
+    )
+    .unwrap();
+    // 9 values of |v| <= 2 summed in f32: at most (9 - 1) u sum |v| = 8 x
+    // 6e-8 x 18 = 8.6e-6 off before the division by 9 (exact weights 1).
+    for (a, b) in ours.output.iter().zip(&reference.output) {
+        assert!((f64::from(*a) - b).abs() < 1e-5, "{a} {b}");
+    }
+}
