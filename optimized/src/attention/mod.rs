@@ -980,9 +980,10 @@ pub fn varlen_pairs(cu_seqlens: &[usize], causal: bool) -> u64 {
 
 /// The (query, key) scores the tiled forward computes for one head of `p`
 /// (after `check_varlen`): the pairs of the key tiles it visits, masked ones
-/// included ([`forward::scored_pairs`]); with a sliding window, the tiles
-/// wholly outside every query's window of a block are not among them. The
-/// work ratio of the benchmark (window against none).
+/// included (the forward's own loop over blocks and tiles, without the
+/// arithmetic); with a sliding window, the tiles wholly outside every
+/// query's window of a block are not among them. The work ratio of the
+/// issue's benchmark (window against none).
 pub fn varlen_scored_pairs(p: &Varlen<'_>) -> u64 {
     // One head (the slopes change no tile).
     let p = p.with_alibi_slopes(None);

@@ -113,7 +113,8 @@ fn check_dense(Qkv { q, k, v }: &Qkv<'_>, scale: f64) -> Result<()> {
 /// cu_seqlens_q` with bottom-right causal masks, and flash-attention's
 /// `window_size`, `softcap`, `alibi_slopes` and `seqused_k`:
 /// [`TILED_SUPPORT`], [`AttentionSupport::ALL`]),
-/// the masked form (square `[n, n]` masks) through [`dense_masked_attention`].
+/// the masked form (square `[n, n]` masks) through
+/// [`crate::attention::dense_masked_attention`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TiledAttention {
     /// What `q`, `k`, `v` are rounded to: [`Precision::F32`] or [`Precision::Bf16`].
