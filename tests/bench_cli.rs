@@ -37,6 +37,19 @@ fn quick_bench_runs_and_reports_every_figure() {
         assert!(a["candle_s"].as_f64().unwrap() > 0.0, "{a}");
         assert!(a["candle_max_abs"].as_f64().unwrap() < 1e-3, "{a}");
     }
+    // The sliding window (window_size (max_len / 4, 0), causal): fewer
+    // allowed pairs, never more scored ones (at the quick rows of 128 the
+    // 64-key tiles of a block's window are all its causal tiles), both timed.
+    let w = &v["window"];
+    let pair = |f: &str, i: usize| w[f][i].as_u64().unwrap();
+    assert!(pair("allowed_pairs", 0) < pair("allowed_pairs", 1), "{w}");
+    assert!(pair("scored_pairs", 0) <= pair("scored_pairs", 1), "{w}");
+    for f in ["forward_s", "backward_s"] {
+        assert!(
+            w[f][0].as_f64().unwrap() > 0.0 && w[f][1].as_f64().unwrap() > 0.0,
+            "{w}"
+        );
+    }
     let ce = &v["cross_entropy"][0];
     // The binary counts its allocations: both peaks are measured, and the
     // fused path holds less than the materialized one.

@@ -431,7 +431,7 @@ pub fn attention() -> Vec<Entry<dyn AttentionOp>> {
         ),
         Entry {
             name: "attention_varlen_tiled",
-            changed: "f32; online softmax per 64 x 64 (query, key) tile of each cu_seqlens segment, pulp SIMD, rayon over (segment, head); saves lse, never builds the mask; causal, GQA and cu_seqlens_k != cu_seqlens_q (bottom-right)",
+            changed: "f32; online softmax per 64 x 64 (query, key) tile of each cu_seqlens segment, pulp SIMD, rayon over (segment, head); saves lse, never builds the mask; causal, GQA and cu_seqlens_k != cu_seqlens_q (bottom-right); window_size (skipping the key tiles outside every window of a query block), softcap, alibi_slopes, seqused_k",
             precision: Precision::F32,
             judge: F32_EXACT_FORMS,
             fuzz_judge: Judge::Rewrite(Tolerance::F32_REWRITE),
@@ -462,7 +462,7 @@ pub fn attention() -> Vec<Entry<dyn AttentionOp>> {
         },
         Entry {
             name: "attention_dense_masked",
-            changed: "the same tiles over whole rows with a [len, len] boolean mask: every score is computed (the padded / block-diagonal-mask baseline); GQA, self-attention only",
+            changed: "the same tiles over whole rows with a [len, len] boolean mask: every score is computed (the padded / block-diagonal-mask baseline); GQA, self-attention only; window_size and seqused_k in the mask, softcap and ALiBi on the scores",
             precision: Precision::F32,
             judge: F32_FORMS,
             fuzz_judge: Judge::Rewrite(Tolerance::F32_REWRITE),

@@ -54,9 +54,10 @@ fn bad_options_name_their_field() {
         (r#", "softcap": -1.0"#, "softcap"),
         (r#", "alibi_slopes": [0.5, 0.5]"#, "alibi_slopes"),
         (r#", "seqused_k": [2]"#, "seqused_k[0]"),
+        // The tiled kernel takes the options; its bad ones are refused alike.
         (
-            r#", "window_size": [1, 1], "impl": "attention_varlen_tiled""#,
-            "window_size: this implementation has no sliding window",
+            r#", "window_size": [-2, 1], "impl": "attention_varlen_tiled""#,
+            "window_size[0]",
         ),
     ] {
         let e = evaluate_str(&format!("{base}{extra}}}")).unwrap_err();

@@ -18,10 +18,11 @@ pub struct BenchArgs {
     #[arg(long)]
     quick: bool,
     /// Which parts: `registry` (every registered implementation through its
-    /// trait), `layer`, `decoder`, `attention`, `ce`, comma-separated.
+    /// trait), `layer`, `decoder`, `attention`, `window`, `ce`,
+    /// comma-separated.
     #[arg(
         long,
-        default_value = "registry,layer,decoder,attention,ce",
+        default_value = "registry,layer,decoder,attention,window,ce",
         value_delimiter = ','
     )]
     only: Vec<String>,
@@ -108,9 +109,9 @@ pub fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
     }
     cfg.validate()?;
     for part in &args.only {
-        if !["registry", "layer", "decoder", "attention", "ce"].contains(&part.as_str()) {
+        if !["registry", "layer", "decoder", "attention", "window", "ce"].contains(&part.as_str()) {
             return Err(CliError::input(format!(
-                "--only: unknown part {part:?} (registry, layer, decoder, attention, ce)"
+                "--only: unknown part {part:?} (registry, layer, decoder, attention, window, ce)"
             )));
         }
     }
@@ -296,6 +297,52 @@ pub fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
                    "varlen_pairs": r.varlen_pairs, "dense_pairs": r.dense_pairs,
                    "varlen_s": r.varlen_s, "dense_s": r.dense_s, "candle_s": r.candle_s,
                    "candle_max_abs": r.candle_max_abs}),
+        );
+    }
+    if want("window") {
+        let r = bench::window(&cfg)?;
+        let ratio = |(a, b): (f64, f64)| a / b;
+        if !args.json {
+            println!(
+                "\ntiled attention (f32, {} heads x {}), causal, {} rows of {}: window_size ({}, 0) against none",
+                cfg.heads,
+                cfg.hidden / cfg.heads,
+                r.rows,
+                r.row_len,
+                r.left
+            );
+            println!(
+                "  scored pairs (one head) {} / {}: work ratio {:.3} (allowed pairs {} / {}: {:.3})",
+                r.scored_pairs.0,
+                r.scored_pairs.1,
+                r.work_ratio(),
+                r.allowed_pairs.0,
+                r.allowed_pairs.1,
+                r.allowed_pairs.0 as f64 / r.allowed_pairs.1 as f64
+            );
+            println!(
+                "  forward  {:.4} s / {:.4} s: time ratio {:.3}",
+                r.forward_s.0,
+                r.forward_s.1,
+                ratio(r.forward_s)
+            );
+            println!(
+                "  backward {:.4} s / {:.4} s: time ratio {:.3}",
+                r.backward_s.0,
+                r.backward_s.1,
+                ratio(r.backward_s)
+            );
+        }
+        out.insert(
+            "window".into(),
+            json!({"rows": r.rows, "row_len": r.row_len, "window_left": r.left,
+                   "scored_pairs": [r.scored_pairs.0, r.scored_pairs.1],
+                   "allowed_pairs": [r.allowed_pairs.0, r.allowed_pairs.1],
+                   "work_ratio": r.work_ratio(),
+                   "forward_s": [r.forward_s.0, r.forward_s.1],
+                   "backward_s": [r.backward_s.0, r.backward_s.1],
+                   "forward_time_ratio": ratio(r.forward_s),
+                   "backward_time_ratio": ratio(r.backward_s)}),
         );
     }
     if want("ce") {

@@ -63,14 +63,26 @@ fn backward_item<S: Simd, T: Element>(
     let mut dk_t = vec![0.0f32; BLOCK_K * dp];
     let mut dv_t = vec![0.0f32; BLOCK_K * dp];
     let scale_v = simd.splat_f32s(pb.scale);
+    // d score / d raw of a capped tile (softcap's chain factor, W5).
+    let capped = it.transform.softcap > 0.0;
+    #[cfg(test)]
+    let capped = capped && !super::tests_faults::no_chain(it);
+    let mut chain = vec![0.0f32; if capped { BLOCK_Q * BLOCK_K } else { 0 }];
+    // The keys each query block may see: the tiles the forward visits.
+    let block_keys: Vec<Range<usize>> = (0..len)
+        .step_by(BLOCK_Q)
+        .map(|q0| it.block_keys(q0))
+        .collect();
     for k0 in (0..k_len).step_by(BLOCK_K) {
         dk_t.fill(0.0);
         dv_t.fill(0.0);
-        for q0 in (0..len).step_by(BLOCK_Q) {
-            if causal_skip(it, q0, k0) {
+        for (q0, keys) in (0..len).step_by(BLOCK_Q).zip(&block_keys) {
+            if !Item::tiles(keys).any(|t| t == k0) {
                 continue;
             }
-            scores(simd, &mut s, &qh, &kt, dp, it, (q0, k0, BLOCK_K), pb.scale);
+            let cg = capped.then_some(chain.as_mut_slice());
+            let at = (q0, k0, BLOCK_K);
+            scores(simd, &mut s, &qh, &kt, dp, it, at, pb.scale, cg);
             // P = exp(S - lse); 0 for padded rows and rows with no key.
             let mut block_lse = [f32::NEG_INFINITY; BLOCK_Q];
             for (r, l) in block_lse.iter_mut().enumerate() {
@@ -90,11 +102,20 @@ fn backward_item<S: Simd, T: Element>(
                 dp,
                 &mut dpt,
             );
-            // dS = P (dP - delta) scale, in place of P.
+            // dS = P (dP - delta) scale, in place of P; with a softcap,
+            // times its chain factor (P (dP - delta) chain scale).
             for r in 0..BLOCK_Q {
                 let dl = simd.splat_f32s(delta.get(q0 + r).copied().unwrap_or(0.0));
                 let (ps, _) = S::as_mut_simd_f32s(&mut s[r * BLOCK_K..(r + 1) * BLOCK_K]);
                 let (dps, _) = S::as_simd_f32s(&dpt[r * BLOCK_K..(r + 1) * BLOCK_K]);
+                if capped {
+                    let (cs, _) = S::as_simd_f32s(&chain[r * BLOCK_K..(r + 1) * BLOCK_K]);
+                    for ((p, &g), &c) in ps.iter_mut().zip(dps).zip(cs) {
+                        let x = simd.mul_f32s(*p, simd.sub_f32s(g, dl));
+                        *p = simd.mul_f32s(simd.mul_f32s(x, c), scale_v);
+                    }
+                    continue;
+                }
                 for (p, &g) in ps.iter_mut().zip(dps) {
                     *p = simd.mul_f32s(simd.mul_f32s(*p, simd.sub_f32s(g, dl)), scale_v);
                 }

@@ -18,19 +18,15 @@
 
 use super::*;
 
-/// The keys of the tile at `k0` that some query of the block at `q0` may see
-/// are among its first `tile_keys(it, q0, k0)` (at least 1, at most
-/// [`BLOCK_K`]); the scores of the others are masked, their probabilities
-/// exact zeros. The per-tile key range of the forward: change it here, and
-/// in [`causal_skip`] (which tiles are visited at all).
+/// The keys of the tile at `k0` that some query of the block may see are
+/// among its first `tile_keys(keys, k0)` (at least 1, at most [`BLOCK_K`]),
+/// `keys` the block's [`Item::block_keys`]; the scores of the others are
+/// masked, their probabilities exact zeros. The per-tile key range of the
+/// forward: which tiles are visited at all is [`Item::tiles`] of the same
+/// range.
 #[inline(always)]
-fn tile_keys(it: &Item, q0: usize, k0: usize) -> usize {
-    let last = (q0 + BLOCK_Q).min(it.q_len) - 1;
-    let end = match it.mask {
-        Mask::Segment { causal: true } => it.key_limit(last),
-        _ => it.k_len,
-    };
-    end.saturating_sub(k0).clamp(1, BLOCK_K)
+fn tile_keys(keys: &Range<usize>, k0: usize) -> usize {
+    keys.end.saturating_sub(k0).clamp(1, BLOCK_K)
 }
 
 /// Row `row` of a score tile (scaled and masked) becomes `exp(row - m)`;
@@ -82,16 +78,17 @@ pub(super) fn forward_item<S: Simd, T: Element>(
         acc.fill(0.0);
         m.fill(f32::NEG_INFINITY);
         l.fill(0.0);
-        for k0 in (0..it.k_len).step_by(BLOCK_K) {
-            if causal_skip(it, q0, k0) {
-                break;
-            }
+        // Only the key tiles some query of the block may see (causality
+        // and the sliding window skip the others).
+        let keys = it.block_keys(q0);
+        for k0 in Item::tiles(&keys) {
             // The keys some query of the block may see, and the columns
             // (whole vectors) that hold them: the others are exact zeros
             // after the exponential, so neither computed nor multiplied.
-            let kn = tile_keys(it, q0, k0);
+            let kn = tile_keys(&keys, k0);
             let cols = round_up(kn, S::F32_LANES);
-            scores(simd, &mut s, &qh, &kt, dp, it, (q0, k0, cols), pb.scale);
+            let at = (q0, k0, cols);
+            scores(simd, &mut s, &qh, &kt, dp, it, at, pb.scale, None);
             for r in 0..mrows {
                 let row = &mut s[r * BLOCK_K..r * BLOCK_K + cols];
                 if r >= rows {
@@ -142,4 +139,22 @@ pub(super) fn forward_item<S: Simd, T: Element>(
         }
     }
     (out, lse)
+}
+
+/// The (query, key) scores the forward of `it` computes: over the key tiles
+/// each query block visits ([`Item::block_keys`], [`Item::tiles`]), the
+/// block's queries times the tile's first [`tile_keys`] keys (before their
+/// rounding up to whole vectors), the loop of [`forward_item`] without the
+/// arithmetic. The benchmark's unit of work.
+pub(super) fn scored_pairs(it: &Item) -> u64 {
+    (0..it.q_len)
+        .step_by(BLOCK_Q)
+        .map(|q0| {
+            let rows = (it.q_len - q0).min(BLOCK_Q) as u64;
+            let keys = it.block_keys(q0);
+            Item::tiles(&keys)
+                .map(|k0| rows * tile_keys(&keys, k0) as u64)
+                .sum::<u64>()
+        })
+        .sum()
 }

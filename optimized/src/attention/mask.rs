@@ -43,7 +43,7 @@ impl<'a> SegmentMask<'a> {
     /// The score of query `r` over key `c` at query head `a` from the scaled
     /// dot product `raw`: `cap(raw) - slope_a |r + l_k - l_q - c|`.
     pub fn score(&self, a: usize, r: usize, c: usize, raw: f32) -> f32 {
-        let s = cap(raw, self.p.softcap as f32);
+        let s = cap(raw, softcap_f32(self.p.softcap));
         match self.p.alibi_slopes {
             Some(slopes) => {
                 let dist = (r as i64 + self.lk as i64 - self.lq as i64 - c as i64).unsigned_abs();
@@ -55,7 +55,28 @@ impl<'a> SegmentMask<'a> {
 
     /// `d score / d raw`: `1 - tanh(raw / softcap)^2`, or 1.
     pub fn chain(&self, raw: f32) -> f32 {
-        cap_grad(raw, self.p.softcap as f32)
+        cap_grad(raw, softcap_f32(self.p.softcap))
+    }
+}
+
+/// flash-attention's `softcap` (checked: finite, at least 0) as the f32
+/// kernels use it. 0 (none) stays 0. A cap past f32's range (3.4e38) is
+/// none: the scores are at most `MAX_SCORE` = 1e30 (`check_scores`), so `c
+/// tanh(s / c)` differs from `s` by a relative `(s / c)^2 / 3 < 3e-18`, far
+/// below f32's rounding, where the cap rounded to `inf` gave `inf * 0 =
+/// NaN`. A positive cap below f32's smallest subnormal (1.4e-45) becomes
+/// that subnormal, where rounding it to 0 silently dropped the cap: every
+/// score is then `±cap`, below 1e-44 in both, and both softmaxes are
+/// uniform over the visible keys.
+pub fn softcap_f32(softcap: f64) -> f32 {
+    if softcap <= 0.0 {
+        return 0.0;
+    }
+    let c = softcap as f32;
+    if c.is_infinite() {
+        0.0
+    } else {
+        c.max(f32::from_bits(1))
     }
 }
 
@@ -75,50 +96,5 @@ pub fn cap_grad(x: f32, softcap: f32) -> f32 {
         1.0 - t * t
     } else {
         1.0
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use ndarray::Array3;
-    use packshard_reference::attention::Window;
-    use packshard_reference::ops::Varlen;
-
-    /// The tiled kernel's own entry points refuse the options they do not
-    /// implement (a typed error naming the field), never ignore them.
-    #[test]
-    fn the_tiled_kernel_refuses_options_it_does_not_implement() {
-        let x = Array3::<f32>::from_elem((3, 1, 2), 0.5);
-        let cu = [0usize, 3];
-        let go = Array3::<f32>::from_elem((3, 1, 2), 1.0);
-        let base = Varlen::new(&cu, false, 1.0);
-        let slopes = [0.5];
-        let used = [2usize];
-        for (p, field) in [
-            (
-                base.with_window(Window::from_flash(1, 0).unwrap()),
-                "window_size",
-            ),
-            (base.with_softcap(5.0), "softcap"),
-            (base.with_alibi_slopes(Some(&slopes)), "alibi_slopes"),
-            (base.with_seqused_k(Some(&used)), "seqused_k"),
-        ] {
-            let e = crate::attention::varlen_attention_general(x.view(), x.view(), x.view(), &p)
-                .unwrap_err();
-            assert!(e.to_string().starts_with(field), "{e}");
-            let fwd =
-                crate::attention::varlen_attention_general(x.view(), x.view(), x.view(), &base)
-                    .unwrap();
-            let e = crate::attention::varlen_attention_general_backward(
-                x.view(),
-                x.view(),
-                x.view(),
-                &p,
-                &fwd,
-                go.view(),
-            )
-            .unwrap_err();
-            assert!(e.to_string().starts_with(field), "{e}");
-        }
     }
 }

@@ -28,15 +28,36 @@
 //! outputs, `lse` and gradients for the real tokens (masked keys contribute
 //! exact zeros; the tiles start at the segment's, or the row's, first token).
 //!
-//! A query with no allowed key (dense form only) gets output 0, `lse = -inf`
-//! and zero gradients (docs/FAULTS.md P8).
+//! A query with no allowed key gets output 0, `lse = -inf` and zero
+//! gradients (docs/FAULTS.md P8).
+//!
+//! ## flash-attention's options (`packshard_reference::attention::options`)
+//!
+//! The varlen form takes `window_size`, `softcap`, `alibi_slopes` and
+//! `seqused_k` ([`TILED_SUPPORT`]). A segment's item holds its first
+//! `seqused_k[s]` keys only (the others are never gathered; their gradients
+//! stay 0), and query `i` sees the keys [`visible_keys`] gives (causal and
+//! the window, bottom-right aligned on `i + k_len - q_len`). A query block
+//! visits only the key tiles that hold a key some of its queries see
+//! (`Item::block_keys`, forward and backward alike): with a sliding window
+//! of `w` keys a block visits about `(w + BLOCK_Q) / BLOCK_K + 1` tiles,
+//! not all of them. The cap and ALiBi change each scaled score before the
+//! mask (a masked key stays `-inf`, W4), and the backward multiplies `dS` by
+//! the cap's chain factor `1 - tanh(raw / softcap)^2` (W5). The skipped tiles
+//! hold only masked scores (exact zeros after the exponential), so the
+//! varlen form stays bitwise equal to the dense form with the same mask and
+//! score options ([`dense_masked_attention_with`]; `tests_options`).
 //!
 //! Inputs may be `f32` or `bf16` ([`Element`]); every sum is in `f32`.
 
+use std::ops::Range;
+
 use half::bf16;
 use ndarray::{Array2, Array3, ArrayView2, ArrayView3, CowArray, Ix3};
+use packshard_reference::attention::options::visible_keys;
 use packshard_reference::attention::{
-    check_grad_shapes, check_mask_shape, check_qkv_shapes, check_varlen,
+    check_grad_shapes, check_mask_shape, check_qkv_shapes, check_varlen, check_varlen_options,
+    Window,
 };
 use packshard_reference::ops::{AttentionSupport, Varlen};
 use packshard_reference::{Error, Result};
@@ -83,10 +104,73 @@ pub type AttentionGrads32 = packshard_reference::attention::AttentionGrads<f32>;
 /// Which keys a query of a work item may see.
 #[derive(Clone, Copy)]
 enum Mask<'a> {
-    /// Its own segment (all of it, or up to itself when causal).
-    Segment { causal: bool },
+    /// Its own segment's keys within flash-attention's bounds, bottom-right
+    /// aligned: causal (`c <= r + l_k - l_q`) and the window `(left,
+    /// right)` ([`visible_keys`]).
+    Segment { causal: bool, window: Window },
     /// A dense `[row_len, row_len]` mask of its row.
     Dense(&'a ArrayView2<'a, bool>),
+}
+
+/// flash-attention's per-score changes of a segment item, in f32, applied
+/// to the scaled score before the mask (docs/FAULTS.md W4): `softcap *
+/// tanh(s / softcap)` (`softcap == 0`: none), then ALiBi's `-slope |r + l_k
+/// - l_q - c|` (`packshard_reference::attention::options`).
+#[derive(Clone, Copy, Default)]
+struct Transform<'a> {
+    /// The cap (0: none).
+    softcap: f32,
+    /// The item's query head's ALiBi slope.
+    slope: Option<f32>,
+    /// The dense form's diagonal of each query: query `i` of the row is
+    /// aligned on key `i + offsets[i]` (`l_k - l_q` of its segment, keys
+    /// counted by `seqused_k`). `None`: the item's own `k_len - q_len`.
+    offsets: Option<&'a [i64]>,
+    /// A docs/FAULTS.md W fault the tests plant in this item.
+    #[cfg(test)]
+    planted: Option<tests_faults::Planted>,
+}
+
+impl<'a> Transform<'a> {
+    fn new(softcap: f32, slope: Option<f32>, offsets: Option<&'a [i64]>) -> Self {
+        Transform {
+            softcap,
+            slope,
+            offsets,
+            #[cfg(test)]
+            planted: None,
+        }
+    }
+
+    fn is_identity(&self) -> bool {
+        self.softcap == 0.0 && self.slope.is_none()
+    }
+}
+
+/// flash-attention's score options of a problem, for the dense form (whose
+/// one row holds several segments): `softcap` (0: none), `alibi_slopes:
+/// [h]` and the diagonal offset `l_k - l_q` of each query's segment
+/// (`[row_len]`, needed with ALiBi), as the varlen form reads them from its
+/// `Varlen`.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ScoreOptions<'a> {
+    /// `c * tanh(s / c)` on the scaled scores (0: none).
+    pub softcap: f64,
+    /// `[h]`: ALiBi's slope of each query head.
+    pub alibi_slopes: Option<&'a [f64]>,
+    /// `[row_len]`: query `i` of a row aligned on key `i + diag_offsets[i]`
+    /// (`None`: on key `i`).
+    pub diag_offsets: Option<&'a [i64]>,
+}
+
+impl<'a> ScoreOptions<'a> {
+    fn transform(&self, head: usize) -> Transform<'a> {
+        Transform::new(
+            mask::softcap_f32(self.softcap),
+            self.alibi_slopes.map(|a| a[head] as f32),
+            self.diag_offsets,
+        )
+    }
 }
 
 /// One (segment, query head) of a problem: queries `q_start..q_start +
@@ -105,19 +189,56 @@ struct Item<'a> {
     head: usize,
     kv_head: usize,
     mask: Mask<'a>,
+    /// The score changes.
+    transform: Transform<'a>,
 }
 
 impl Item<'_> {
-    /// Query `i` (of the item) may see keys `< key_limit(i)`: bottom-right
-    /// causal alignment, `c <= i + k_len - q_len` (0 for the top `q_len -
-    /// k_len` rows of a segment with more queries than keys).
-    fn key_limit(&self, i: usize) -> usize {
+    /// The keys query `i` (of the item) may see, for a segment item: its
+    /// window and causal bounds, bottom-right aligned ([`visible_keys`];
+    /// empty for the top `q_len - k_len` rows of a causal segment with more
+    /// queries than keys, and for a padding row `i >= q_len`). A dense item:
+    /// all its keys (its mask decides).
+    fn key_range(&self, i: usize) -> Range<usize> {
         match self.mask {
-            Mask::Segment { causal: true } => (i + self.k_len + 1)
-                .saturating_sub(self.q_len)
-                .min(self.k_len),
-            _ => self.k_len,
+            Mask::Segment { causal, window } if i < self.q_len => {
+                #[cfg(test)]
+                if let Some(keys) = tests_faults::key_range(self, i, causal, window) {
+                    return keys;
+                }
+                visible_keys(i, self.q_len, self.k_len, causal, window)
+            }
+            Mask::Segment { .. } => 0..0,
+            Mask::Dense(_) => 0..self.k_len,
         }
+    }
+
+    /// The keys some query of the block at `q0` may see are within
+    /// `block_keys(q0)` (the union of the rows' [`Item::key_range`]s; empty
+    /// when no row sees a key): the key tiles a block visits, forward and
+    /// backward. A key tile outside it holds only masked scores, whose
+    /// probabilities are exact zeros, so skipping it changes no bit (the
+    /// sliding window's saving, and causality's).
+    fn block_keys(&self, q0: usize) -> Range<usize> {
+        let rows = q0..(q0 + BLOCK_Q).min(self.q_len);
+        let (lo, hi) = rows
+            .map(|i| self.key_range(i))
+            .filter(|r| !r.is_empty())
+            .fold((usize::MAX, 0), |(lo, hi), r| {
+                (lo.min(r.start), hi.max(r.end))
+            });
+        if lo < hi {
+            lo..hi
+        } else {
+            0..0
+        }
+    }
+
+    /// The starts of the key tiles that hold `keys` (tiles aligned on
+    /// multiples of [`BLOCK_K`] from the segment's first key).
+    fn tiles(keys: &Range<usize>) -> impl Iterator<Item = usize> {
+        let first = keys.start - keys.start % BLOCK_K;
+        (first..keys.end).step_by(BLOCK_K)
     }
 
     /// `(start, len, head)` of the query rows.
@@ -202,15 +323,19 @@ fn key_panel(kt: &[f32], k0: usize, dp: usize) -> (&[f32], usize) {
     (&kt[k0 * dp..(k0 + BLOCK_K) * dp], BLOCK_K)
 }
 
-/// Sets the scores of keys a query may not see to `-inf` (after scaling):
-/// `s: [BLOCK_Q, BLOCK_K]` for queries `q0..` and keys `k0..` of the item.
+/// Sets the scores of keys a query may not see to `-inf` (after scaling
+/// and the [`Transform`]): `s: [BLOCK_Q, BLOCK_K]` for queries `q0..` and
+/// keys `k0..` of the item.
 fn apply_mask(s: &mut [f32], it: &Item, q0: usize, k0: usize) {
     for r in 0..BLOCK_Q {
         let i = q0 + r;
         let row = &mut s[r * BLOCK_K..(r + 1) * BLOCK_K];
         match it.mask {
             Mask::Segment { .. } => {
-                let end = it.key_limit(i).saturating_sub(k0).min(BLOCK_K);
+                let keys = it.key_range(i);
+                let end = keys.end.saturating_sub(k0).min(BLOCK_K);
+                let start = keys.start.saturating_sub(k0).min(end);
+                row[..start].fill(f32::NEG_INFINITY);
                 row[end..].fill(f32::NEG_INFINITY);
             }
             Mask::Dense(allowed) => {
@@ -225,12 +350,42 @@ fn apply_mask(s: &mut [f32], it: &Item, q0: usize, k0: usize) {
     }
 }
 
-/// Whether the whole key tile at `k0` is hidden from the query block at
-/// `q0` by causality (then skipping it changes nothing: its terms are exact
-/// zeros).
-fn causal_skip(it: &Item, q0: usize, k0: usize) -> bool {
-    matches!(it.mask, Mask::Segment { causal: true })
-        && k0 >= it.key_limit((q0 + BLOCK_Q - 1).min(it.q_len.saturating_sub(1)))
+/// The [`Transform`] of the scaled scores `s: [BLOCK_Q, BLOCK_K]` of
+/// queries `q0..` over keys `k0..` (the first `cols` of each row, the real
+/// queries only), before the mask; `chain` (the backward's) gets `d score /
+/// d raw`, `1 - tanh(raw / softcap)^2`, where a cap applies. The same f32
+/// formulas as `crate::attention::mask::SegmentMask::score` and `chain`.
+fn transform_scores(
+    s: &mut [f32],
+    it: &Item,
+    (q0, k0, cols): (usize, usize, usize),
+    mut chain: Option<&mut [f32]>,
+) {
+    let Transform {
+        softcap,
+        slope,
+        offsets,
+        ..
+    } = it.transform;
+    for r in 0..BLOCK_Q.min(it.q_len.saturating_sub(q0)) {
+        // The diagonal of query i = q0 + r: key i + k_len - q_len.
+        let i = q0 + r;
+        let diag = i as i64 + offsets.map_or(it.k_len as i64 - it.q_len as i64, |o| o[i]);
+        for j in 0..cols {
+            let x = &mut s[r * BLOCK_K + j];
+            if softcap > 0.0 {
+                let t = (*x / softcap).tanh();
+                *x = softcap * t;
+                if let Some(c) = chain.as_deref_mut() {
+                    c[r * BLOCK_K + j] = 1.0 - t * t;
+                }
+            }
+            if let Some(slope) = slope {
+                let dist = (diag - (k0 + j) as i64).unsigned_abs();
+                *x -= slope * dist as f32;
+            }
+        }
+    }
 }
 
 /// `out: [BLOCK_Q, BLOCK_K] += x y^T` for the row block `x: [BLOCK_Q, dp]`
@@ -265,6 +420,9 @@ fn acc_tile_times<S: Simd>(simd: S, s: &[f32], y: &[f32], dp: usize, out: &mut [
 /// `cols`: the scores of keys `k0 + cols..` (a multiple of the vector width)
 /// are not computed either: they are 0 before the mask, which must hide them
 /// from every query of the block (the forward's `tile_keys`).
+///
+/// `chain`: where the item caps its scores, the backward's buffer of `d
+/// score / d raw` ([`transform_scores`]).
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn scores<S: Simd>(
@@ -276,12 +434,21 @@ fn scores<S: Simd>(
     it: &Item,
     (q0, k0, cols): (usize, usize, usize),
     scale: f32,
+    chain: Option<&mut [f32]>,
 ) {
     s.fill(0.0);
     let rows = it.q_len - q0;
     let (panel, ld) = key_panel(kt, k0, dp);
     acc_by_transposed(simd, (&qh[q0 * dp..], rows), (panel, ld, cols), dp, s);
     simd::scale(simd, scale, s);
+    #[cfg(test)]
+    if tests_faults::cap_after_mask(it) {
+        apply_mask(s, it, q0, k0);
+        return transform_scores(s, it, (q0, k0, cols), chain);
+    }
+    if !it.transform.is_identity() {
+        transform_scores(s, it, (q0, k0, cols), chain);
+    }
     apply_mask(s, it, q0, k0);
 }
 
@@ -344,6 +511,10 @@ fn scatter_add(flat: &mut [f32], (h, d): (usize, usize), at: Rows, part: &[f32])
 mod backward;
 mod forward;
 pub mod mask;
+#[cfg(test)]
+mod tests_faults;
+#[cfg(test)]
+mod tests_options;
 use backward::run_backward;
 use forward::forward_item;
 
@@ -396,28 +567,39 @@ fn check_inputs<T: Element>(q: &ArrayView3<T>, k: &ArrayView3<T>, v: &ArrayView3
     check_finite("v", v)
 }
 
-/// The items of a varlen problem: one per (segment with queries and keys,
-/// query head); a segment without keys has no item (its rows keep output 0,
-/// `lse = -inf`: P8).
-fn segment_items(
-    (cu_q, cu_k): (&[usize], &[usize]),
-    (h, h_kv): (usize, usize),
-    causal: bool,
-) -> Vec<Item<'static>> {
+/// The items of a varlen problem: one per (segment with queries and used
+/// keys, query head); a segment without either has no item (its rows keep
+/// output 0, `lse = -inf`: P8). An item's keys are the segment's first
+/// `seqused_k[s]` (all when not given): the keys past them are never
+/// gathered, and their gradients stay 0.
+fn segment_items<'a>(p: &Varlen<'_>, (h, h_kv): (usize, usize)) -> Vec<Item<'a>> {
     let group = h / h_kv.max(1);
-    let mut items: Vec<Item> = cu_q
+    let mask = Mask::Segment {
+        causal: p.causal,
+        window: p.window,
+    };
+    let slopes = p.alibi_slopes;
+    let mut items: Vec<Item> = p
+        .cu_seqlens_q
         .windows(2)
-        .zip(cu_k.windows(2))
-        .filter(|(wq, wk)| wq[1] > wq[0] && wk[1] > wk[0])
-        .flat_map(|(wq, wk)| {
+        .zip(p.cu_seqlens_k.windows(2))
+        .enumerate()
+        .map(|(s, (wq, wk))| (wq[0], wq[1] - wq[0], wk[0], p.used_keys(s)))
+        .filter(|&(_, q_len, _, k_len)| q_len > 0 && k_len > 0)
+        .flat_map(|(q_start, q_len, k_start, k_len)| {
             (0..h).map(move |head| Item {
-                q_start: wq[0],
-                q_len: wq[1] - wq[0],
-                k_start: wk[0],
-                k_len: wk[1] - wk[0],
+                q_start,
+                q_len,
+                k_start,
+                k_len,
                 head,
                 kv_head: head / group,
-                mask: Mask::Segment { causal },
+                mask,
+                transform: Transform::new(
+                    mask::softcap_f32(p.softcap),
+                    slopes.map(|a| a[head] as f32),
+                    None,
+                ),
             })
         })
         .collect();
@@ -474,6 +656,23 @@ fn backward<T: Element>(
     })
 }
 
+/// What the tiled kernel implements ([`AttentionSupport::ALL`]: causal,
+/// GQA, cross, and flash-attention's window, softcap, ALiBi and
+/// `seqused_k`).
+pub const TILED_SUPPORT: AttentionSupport = AttentionSupport::ALL;
+
+/// The offsets and options of `p` for `n_q` queries of `h` heads over
+/// `n_k` keys of `h_kv` heads.
+fn check_options(
+    p: &Varlen<'_>,
+    (n_q, n_k): (usize, usize),
+    (h, h_kv): (usize, usize),
+) -> Result<()> {
+    check_varlen(p, n_q, n_k)?;
+    TILED_SUPPORT.check(p, h, h_kv)?;
+    check_varlen_options(p, h)
+}
+
 /// Varlen self-attention forward: `q, k, v: [n_tok, h, d]` (`f32` or
 /// `bf16`), `cu_seqlens: [b + 1]`; queries attend to the keys of their own
 /// segment (up to themselves if `causal`). Returns `output: [n_tok, h, d]`
@@ -516,15 +715,8 @@ pub fn varlen_attention_general<T: Element>(
     p: &Varlen<'_>,
 ) -> Result<AttentionOutput32> {
     check_inputs(&q, &k, &v)?;
-    check_varlen(p, q.dim().0, k.dim().0)?;
-    // flash-attention's window, softcap, ALiBi and seqused_k are not
-    // implemented here: refused, never ignored.
-    AttentionSupport::CAUSAL_GQA_CROSS.check(p, q.dim().1, k.dim().1)?;
-    let items = segment_items(
-        (p.cu_seqlens_q, p.cu_seqlens_k),
-        (q.dim().1, k.dim().1),
-        p.causal,
-    );
+    check_options(p, (q.dim().0, k.dim().0), (q.dim().1, k.dim().1))?;
+    let items = segment_items(p, (q.dim().1, k.dim().1));
     Ok(forward((&q, &k, &v), p.scale as f32, &items))
 }
 
@@ -586,15 +778,8 @@ pub fn varlen_attention_general_backward<T: Element>(
     grad_output: ArrayView3<f32>,
 ) -> Result<AttentionGrads32> {
     check_backward(&q, &k, &v, fwd, &grad_output)?;
-    check_varlen(p, q.dim().0, k.dim().0)?;
-    // flash-attention's window, softcap, ALiBi and seqused_k are not
-    // implemented here: refused, never ignored.
-    AttentionSupport::CAUSAL_GQA_CROSS.check(p, q.dim().1, k.dim().1)?;
-    let items = segment_items(
-        (p.cu_seqlens_q, p.cu_seqlens_k),
-        (q.dim().1, k.dim().1),
-        p.causal,
-    );
+    check_options(p, (q.dim().0, k.dim().0), (q.dim().1, k.dim().1))?;
+    let items = segment_items(p, (q.dim().1, k.dim().1));
     Ok(backward(
         (&q, &k, &v),
         p.scale as f32,
@@ -608,6 +793,7 @@ fn dense_items<'a>(
     masks: &'a [ArrayView2<'a, bool>],
     row_len: usize,
     (h, h_kv): (usize, usize),
+    opts: ScoreOptions<'a>,
 ) -> Vec<Item<'a>> {
     let mut items = Vec::with_capacity(masks.len() * h);
     let group = h / h_kv.max(1);
@@ -624,6 +810,7 @@ fn dense_items<'a>(
                 head,
                 kv_head: head / group,
                 mask: Mask::Dense(mask),
+                transform: opts.transform(head),
             });
         }
     }
@@ -675,10 +862,61 @@ pub fn dense_masked_attention<T: Element>(
     masks: &[ArrayView2<bool>],
     scale: f32,
 ) -> Result<AttentionOutput32> {
+    let opts = ScoreOptions::default();
+    dense_masked_attention_with(q, k, v, (row_len, masks), scale, opts)
+}
+
+/// [`dense_masked_attention`] with flash-attention's score options `opts`
+/// (softcap, ALiBi on the diagonals `opts.diag_offsets`): the scores of every
+/// row changed as the varlen form's ([`varlen_attention_general`]) before
+/// the mask.
+///
+/// # Errors
+/// As [`dense_masked_attention`]; [`Error::InvalidArgument`] naming
+/// `softcap` (not finite or below 0), `alibi_slopes` (not `[h]`) or
+/// `diag_offsets` (not `[row_len]`).
+pub fn dense_masked_attention_with<T: Element>(
+    q: ArrayView3<T>,
+    k: ArrayView3<T>,
+    v: ArrayView3<T>,
+    (row_len, masks): (usize, &[ArrayView2<bool>]),
+    scale: f32,
+    opts: ScoreOptions<'_>,
+) -> Result<AttentionOutput32> {
     check_inputs(&q, &k, &v)?;
     check_dense((&q, &k), row_len, masks)?;
-    let items = dense_items(masks, row_len, (q.dim().1, k.dim().1));
+    check_score_options(&opts, row_len, q.dim().1)?;
+    let items = dense_items(masks, row_len, (q.dim().1, k.dim().1), opts);
     Ok(forward((&q, &k, &v), scale, &items))
+}
+
+/// `opts` of a dense problem of rows of `row_len` over `h` query heads.
+fn check_score_options(opts: &ScoreOptions<'_>, row_len: usize, h: usize) -> Result<()> {
+    if !(opts.softcap.is_finite() && opts.softcap >= 0.0) {
+        return Err(Error::invalid(
+            "softcap",
+            format!(
+                "{}: the cap is finite and at least 0 (0: none)",
+                opts.softcap
+            ),
+        ));
+    }
+    if let Some(a) = opts.alibi_slopes.filter(|a| a.len() != h) {
+        return Err(Error::invalid(
+            "alibi_slopes",
+            format!("has {} entries for {h} query heads: it is [h]", a.len()),
+        ));
+    }
+    if let Some(o) = opts.diag_offsets.filter(|o| o.len() != row_len) {
+        return Err(Error::invalid(
+            "diag_offsets",
+            format!(
+                "has {} entries for rows of {row_len}: it is [row_len]",
+                o.len()
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// Backward of [`dense_masked_attention`]. Queries with no allowed key get
@@ -697,9 +935,29 @@ pub fn dense_masked_attention_backward<T: Element>(
     fwd: &AttentionOutput32,
     grad_output: ArrayView3<f32>,
 ) -> Result<AttentionGrads32> {
+    let opts = ScoreOptions::default();
+    let g = (fwd, grad_output);
+    dense_masked_attention_backward_with(q, k, v, (row_len, masks), scale, opts, g)
+}
+
+/// Backward of [`dense_masked_attention_with`] (with softcap, its chain
+/// factor).
+///
+/// # Errors
+/// As [`dense_masked_attention_with`] and [`varlen_attention_backward`].
+pub fn dense_masked_attention_backward_with<T: Element>(
+    q: ArrayView3<T>,
+    k: ArrayView3<T>,
+    v: ArrayView3<T>,
+    (row_len, masks): (usize, &[ArrayView2<bool>]),
+    scale: f32,
+    opts: ScoreOptions<'_>,
+    (fwd, grad_output): (&AttentionOutput32, ArrayView3<f32>),
+) -> Result<AttentionGrads32> {
     check_backward(&q, &k, &v, fwd, &grad_output)?;
     check_dense((&q, &k), row_len, masks)?;
-    let items = dense_items(masks, row_len, (q.dim().1, k.dim().1));
+    check_score_options(&opts, row_len, q.dim().1)?;
+    let items = dense_items(masks, row_len, (q.dim().1, k.dim().1), opts);
     Ok(backward((&q, &k, &v), scale, &items, fwd, &grad_output))
 }
 
@@ -717,5 +975,20 @@ pub fn varlen_pairs(cu_seqlens: &[usize], causal: bool) -> u64 {
                 l * l
             }
         })
+        .sum()
+}
+
+/// The (query, key) scores the tiled forward computes for one head of `p`
+/// (after `check_varlen`): the pairs of the key tiles it visits, masked ones
+/// included (the forward's own loop over blocks and tiles, without the
+/// arithmetic); with a sliding window, the tiles wholly outside every
+/// query's window of a block are not among them. The work ratio of the
+/// issue's benchmark (window against none).
+pub fn varlen_scored_pairs(p: &Varlen<'_>) -> u64 {
+    // One head (the slopes change no tile).
+    let p = p.with_alibi_slopes(None);
+    segment_items(&p, (1, 1))
+        .iter()
+        .map(forward::scored_pairs)
         .sum()
 }

@@ -4,7 +4,7 @@
 use ndarray::{Array2, Array3, ArrayView3};
 use packshard_reference::attention::{
     check_grad_values, check_masked_work, check_qkv_shapes, check_scores, check_varlen,
-    check_varlen_work, AttentionGrads, AttentionOutput, MAX_ATTENTION_WORK,
+    check_varlen_options, check_varlen_work, AttentionGrads, AttentionOutput, MAX_ATTENTION_WORK,
 };
 use packshard_reference::ops::{
     AttentionOp, AttentionSupport, Grad, Masked, Precision, Qkv, Varlen,
@@ -12,10 +12,12 @@ use packshard_reference::ops::{
 use packshard_reference::{Error, Result};
 
 use crate::attention::{
-    dense_masked_attention, dense_masked_attention_backward, varlen_attention_general,
-    varlen_attention_general_backward, AttentionGrads32, AttentionOutput32,
+    dense_masked_attention_backward_with, dense_masked_attention_with, varlen_attention_general,
+    varlen_attention_general_backward, AttentionGrads32, AttentionOutput32, ScoreOptions,
+    TILED_SUPPORT,
 };
 use crate::convert::{to_bf16, to_f32, to_f64};
+use packshard_reference::attention::options::visible_keys;
 
 /// The most tokens the dense masked kernel takes in its varlen form: it
 /// builds an `[n_tok, n_tok]` boolean mask (64 MiB at this size).
@@ -84,6 +86,7 @@ fn check_problem_of<T: Copy + Into<f64>>(
     check_qkv_shapes(q.shape(), k.shape(), v.shape())?;
     check_varlen(p, q.dim().0, k.dim().0)?;
     support.check(p, q.dim().1, k.dim().1)?;
+    check_varlen_options(p, q.dim().1)?;
     check_scores(q, k, p.scale)
 }
 
@@ -107,8 +110,11 @@ fn check_dense(Qkv { q, k, v }: &Qkv<'_>, scale: f64) -> Result<()> {
 /// (bf16 inputs, f32 accumulation): the varlen form through
 /// [`varlen_attention_general`] (online softmax per 64 x 64 tile of each
 /// segment, never a mask; grouped-query attention, `cu_seqlens_k !=
-/// cu_seqlens_q` with bottom-right causal masks: [`AttentionSupport::CAUSAL_GQA_CROSS`]),
-/// the masked form (square `[n, n]` masks) through [`dense_masked_attention`].
+/// cu_seqlens_q` with bottom-right causal masks, and flash-attention's
+/// `window_size`, `softcap`, `alibi_slopes` and `seqused_k`:
+/// [`TILED_SUPPORT`], [`AttentionSupport::ALL`]),
+/// the masked form (square `[n, n]` masks) through
+/// [`crate::attention::dense_masked_attention`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TiledAttention {
     /// What `q`, `k`, `v` are rounded to: [`Precision::F32`] or [`Precision::Bf16`].
@@ -128,7 +134,7 @@ impl TiledAttention {
 
 impl AttentionOp for TiledAttention {
     fn support(&self) -> AttentionSupport {
-        AttentionSupport::CAUSAL_GQA_CROSS
+        TILED_SUPPORT
     }
 
     fn varlen_forward(&self, x: Qkv<'_>, p: &Varlen<'_>) -> Result<AttentionOutput> {
@@ -211,11 +217,20 @@ impl TiledAttention {
 }
 
 fn dense_forward(precision: Precision, x: Qkv<'_>, m: Masked<'_>) -> Result<AttentionOutput> {
+    dense_forward_with(precision, x, m, ScoreOptions::default())
+}
+
+fn dense_forward_with(
+    precision: Precision,
+    x: Qkv<'_>,
+    m: Masked<'_>,
+    opts: ScoreOptions<'_>,
+) -> Result<AttentionOutput> {
     check_dense(&x, m.scale)?;
     let (n, h, d) = x.q.dim();
     check_masked_work(n, n, h, d)?;
     let out = with_inputs!(precision, x, |q, k, v| {
-        dense_masked_attention(q, k, v, n, &[m.allowed], m.scale as f32)?
+        dense_masked_attention_with(q, k, v, (n, &[m.allowed]), m.scale as f32, opts)?
     });
     Ok(widen(out))
 }
@@ -226,6 +241,16 @@ fn dense_backward(
     m: Masked<'_>,
     g: Grad<'_>,
 ) -> Result<AttentionGrads> {
+    dense_backward_with(precision, x, m, g, ScoreOptions::default())
+}
+
+fn dense_backward_with(
+    precision: Precision,
+    x: Qkv<'_>,
+    m: Masked<'_>,
+    g: Grad<'_>,
+    opts: ScoreOptions<'_>,
+) -> Result<AttentionGrads> {
     check_dense(&x, m.scale)?;
     check_grad_values(&g.grad_output, &x.v)?;
     let (n, h, d) = x.q.dim();
@@ -233,7 +258,8 @@ fn dense_backward(
     let (f, go) = narrow(g)?;
     let (allowed, scale) = ([m.allowed], m.scale as f32);
     let g = with_inputs!(precision, x, |q, k, v| {
-        dense_masked_attention_backward(q, k, v, n, &allowed, scale, &f, go.view())?
+        let fg = (&f, go.view());
+        dense_masked_attention_backward_with(q, k, v, (n, &allowed), scale, opts, fg)?
     });
     Ok(widen_grads(g))
 }
@@ -241,21 +267,37 @@ fn dense_backward(
 /// `attention_dense_masked`: every score of the whole row computed, the mask
 /// applied after (the padded / block-diagonal-mask baseline). Its varlen form
 /// is one row of all `n_tok` tokens with the `[n_tok, n_tok]` mask of the
-/// segments (bottom-right causal within each when asked), at most
-/// [`MAX_DENSE_TOKENS`] tokens.
+/// segments (bottom-right causal within each when asked, and
+/// flash-attention's window and `seqused_k` within each), at most
+/// [`MAX_DENSE_TOKENS`] tokens; `softcap` and ALiBi change the row's scores
+/// before the mask ([`ScoreOptions`], each query's ALiBi distance measured
+/// from its own segment's diagonal).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct DenseMaskedAttention;
 
-/// The `[n, n]` mask of a self-attention varlen problem (already checked).
-fn segment_mask(p: &Varlen<'_>, n: usize) -> Array2<bool> {
+/// The `[n, n]` mask of a self-attention varlen problem (already checked):
+/// query `i` sees key `j` of its own segment within [`visible_keys`] (causal,
+/// window, `seqused_k`), and the diagonal offset `l_k - l_q` of each query's
+/// segment (`l_k` the used keys).
+fn segment_mask(p: &Varlen<'_>, n: usize) -> (Array2<bool>, Vec<i64>) {
     let cu = p.cu_seqlens_q;
-    let seg = |i: usize| cu.partition_point(|&c| c <= i);
-    Array2::from_shape_fn((n, n), |(i, j)| seg(i) == seg(j) && (!p.causal || j <= i))
+    let mut mask = Array2::from_elem((n, n), false);
+    let mut offsets = vec![0i64; n];
+    for (s, w) in cu.windows(2).enumerate() {
+        let (a, lq, lk) = (w[0], w[1] - w[0], p.used_keys(s));
+        for r in 0..lq {
+            offsets[a + r] = lk as i64 - lq as i64;
+            for c in visible_keys(r, lq, lk, p.causal, p.window) {
+                mask[[a + r, a + c]] = true;
+            }
+        }
+    }
+    (mask, offsets)
 }
 
 impl DenseMaskedAttention {
-    /// The `[n, n]` mask of a varlen problem, checked.
-    fn mask(&self, x: &Qkv<'_>, p: &Varlen<'_>) -> Result<Array2<bool>> {
+    /// The `[n, n]` mask of a varlen problem and its diagonal offsets, checked.
+    fn mask(&self, x: &Qkv<'_>, p: &Varlen<'_>) -> Result<(Array2<bool>, Vec<i64>)> {
         check_problem(self.support(), x, p)?;
         let (n, h, d) = x.q.dim();
         check_varlen_work(p, h, d)?;
@@ -278,23 +320,35 @@ impl DenseMaskedAttention {
     }
 }
 
+/// The score options of `p` over the diagonals `offsets`.
+fn score_options<'a>(p: &Varlen<'a>, offsets: &'a [i64]) -> ScoreOptions<'a> {
+    ScoreOptions {
+        softcap: p.softcap,
+        alibi_slopes: p.alibi_slopes,
+        diag_offsets: Some(offsets),
+    }
+}
+
 impl AttentionOp for DenseMaskedAttention {
-    /// Self-attention (its mask is square), grouped-query or not.
+    /// Self-attention (its mask is square), grouped-query or not, with
+    /// every flash-attention option.
     fn support(&self) -> AttentionSupport {
         AttentionSupport {
             cross: false,
-            ..AttentionSupport::CAUSAL_GQA_CROSS
+            ..AttentionSupport::ALL
         }
     }
 
     fn varlen_forward(&self, x: Qkv<'_>, p: &Varlen<'_>) -> Result<AttentionOutput> {
-        let mask = self.mask(&x, p)?;
-        dense_forward(Precision::F32, x, Masked::new(mask.view(), p.scale))
+        let (mask, offsets) = self.mask(&x, p)?;
+        let m = Masked::new(mask.view(), p.scale);
+        dense_forward_with(Precision::F32, x, m, score_options(p, &offsets))
     }
 
     fn varlen_backward(&self, x: Qkv<'_>, p: &Varlen<'_>, g: Grad<'_>) -> Result<AttentionGrads> {
-        let mask = self.mask(&x, p)?;
-        dense_backward(Precision::F32, x, Masked::new(mask.view(), p.scale), g)
+        let (mask, offsets) = self.mask(&x, p)?;
+        let m = Masked::new(mask.view(), p.scale);
+        dense_backward_with(Precision::F32, x, m, g, score_options(p, &offsets))
     }
 
     fn masked_forward(&self, x: Qkv<'_>, m: Masked<'_>) -> Result<AttentionOutput> {

@@ -130,7 +130,7 @@ impl Mask for Segments<'_> {
         }
     }
     fn chain(&self, raw: f32) -> f32 {
-        crate::attention::mask::cap_grad(raw, self.0.softcap as f32)
+        crate::attention::mask::cap_grad(raw, crate::attention::mask::softcap_f32(self.0.softcap))
     }
 }
 

@@ -27,6 +27,10 @@
 //!   mask, every `max_len^2` score computed) and, with the `candle` feature,
 //!   `candle_nn::attention::flash_attn_varlen_cpu` on the same inputs;
 //!   throughput in (query, key) pairs per second, pairs = `sum len^2`.
+//! - [`window()`]: the tiled attention with a sliding window of `max_len / 4`
+//!   keys (`window_size = (128, 0)` over causal rows of 512) against no
+//!   window, forward and backward: the time ratio and the work ratio (the
+//!   scores computed).
 //! - [`cross_entropy`]: the fused chunked output layer + cross-entropy
 //!   against the materialized-logits path, forward + backward: time and
 //!   peak heap bytes (through [`CountingAlloc`], when the binary installs it).
@@ -49,12 +53,14 @@ use rand_chacha::ChaCha8Rng;
 mod decoder;
 mod kernels;
 mod registry;
+mod window;
 
 pub use decoder::{decoder_layer, DecoderReport};
 pub use kernels::{
     attention, cross_entropy, layer, AttentionReport, CeReport, FilterReport, LayerReport,
 };
 pub use registry::{registry, ImplTiming};
+pub use window::{window, WindowReport};
 
 pub use packshard_optimized::alloc::{peak_since, CountingAlloc};
 
