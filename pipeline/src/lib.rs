@@ -1,5 +1,6 @@
 //! A multi-process pipeline of the BERT-style reference model over MPI.
 pub mod collective;
+pub mod decoder;
 pub mod model;
 pub mod plot;
 pub mod report;

@@ -2,6 +2,8 @@
 //! per-rank balance report (memory, compute, communication, idle time).
 
 use crate::collective::{Event, EventClass};
+use ndarray::ArrayViewD;
+
 use crate::model::Params;
 
 /// The tolerance of the pipeline against the single-process reference:
@@ -61,7 +63,17 @@ impl TensorError {
 /// its layer (as `packshard_equivalence::compare::assert_close_with_scale`
 /// does for the reference BERT).
 pub fn compare(expected: &Params, actual: &Params) -> Vec<TensorError> {
-    let named = expected.named();
+    compare_named(&expected.named(), &actual.named())
+}
+
+/// Every tensor of `actual` against the tensor of `expected` at the same
+/// place (named as `expected` names them; as [`compare`], which is this over
+/// [`Params::named`]; the causal decoder's `DecoderParams::named`).
+pub fn compare_named(
+    expected: &[(String, ArrayViewD<'_, f64>)],
+    actual: &[(String, ArrayViewD<'_, f64>)],
+) -> Vec<TensorError> {
+    let named = expected;
     let layer_scale = |name: &str| -> f64 {
         let prefix = name.rsplit_once(".attention.").map_or("", |(l, _)| l);
         named
@@ -70,9 +82,9 @@ pub fn compare(expected: &Params, actual: &Params) -> Vec<TensorError> {
             .flat_map(|(_, t)| t.iter().map(|x| x.abs()))
             .fold(0.0, f64::max)
     };
-    named
+    let mut errs: Vec<TensorError> = named
         .iter()
-        .zip(actual.named())
+        .zip(actual)
         .map(|((name, e), (_, a))| {
             let name = name.clone();
             let mut max_abs: f64 = 0.0;
@@ -85,6 +97,9 @@ pub fn compare(expected: &Params, actual: &Params) -> Vec<TensorError> {
             if name.ends_with("attention.self.key.bias") {
                 scale = scale.max(layer_scale(&name));
             }
+            if e.shape() != a.shape() {
+                max_abs = f64::NAN;
+            }
             TensorError {
                 name,
                 values: e.len(),
@@ -92,7 +107,20 @@ pub fn compare(expected: &Params, actual: &Params) -> Vec<TensorError> {
                 scale,
             }
         })
-        .collect()
+        .collect();
+    if expected.len() != actual.len() {
+        errs.push(TensorError {
+            name: format!(
+                "tensor count ({} expected, {} computed)",
+                expected.len(),
+                actual.len()
+            ),
+            values: 0,
+            max_abs: f64::NAN,
+            scale: 0.0,
+        });
+    }
+    errs
 }
 
 /// The loss as a [`TensorError`] of one value.

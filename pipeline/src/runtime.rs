@@ -10,6 +10,7 @@ use mpi::traits::*;
 use ndarray::{Array1, Array2, ArrayViewD, ArrayViewMutD};
 use packshard_reference::bert::layer::LayerCache;
 use packshard_reference::bert::LayerParams;
+use packshard_reference::decoder::{DecoderConfig, DecoderParams};
 use packshard_reference::vocab::collective::Collective;
 use packshard_reference::vocab::embedding::{embedding_forward, embedding_rank};
 use packshard_reference::vocab::sharded::{linear_cross_entropy_rank_s, OutputSPass};
@@ -17,6 +18,7 @@ use packshard_reference::vocab::{linear_cross_entropy, LossCall, ShardLayout, Sh
 use packshard_reference::{Error, Result};
 
 use crate::collective::{EventClass, MpiCollective, Trace};
+use crate::decoder::{stage_backward, stage_forward, DecoderStage, StageCache};
 use crate::model::{
     embedding_finish, embedding_finish_backward, layer_named, layer_tensors_mut, layers_backward,
     layers_forward, scaled_output_grads, stage_layers, word_grad_accumulate, EmbeddingCache,
@@ -85,6 +87,11 @@ pub struct RankParams {
     pub embedding_tail: Option<(Array2<f64>, Array1<f64>, Array1<f64>)>,
     /// `[w, hidden]`: its rows of the output layer.
     pub output: Option<Array2<f64>>,
+    /// The causal decoder's stage (then `layers` and `embedding_tail` are
+    /// empty): its layers and, on the last rank, the final norm. With tied
+    /// embeddings `word` and `output` are copies of the same rows of the one
+    /// weight, and their gradients are summed after the iteration.
+    pub decoder: Option<DecoderStage>,
 }
 
 impl RankParams {
@@ -100,6 +107,72 @@ impl RankParams {
             embedding_tail: (r == 0)
                 .then(|| (full.position.clone(), full.ln_g.clone(), full.ln_b.clone())),
             output: plan.vocab_rows(r, v, false).map(|g| rows(&full.output, g)),
+            decoder: None,
+        }
+    }
+
+    /// Rank `r`'s share of the decoder `full` (of shape `config`): its
+    /// stage's layers, the final norm on the last rank, its rows of the
+    /// embedding and of the output layer (`lm_head`, or `embed` when tied).
+    pub fn from_decoder(
+        full: &DecoderParams,
+        config: &DecoderConfig,
+        plan: &Plan,
+        r: usize,
+    ) -> Self {
+        let v = full.embed.nrows();
+        let rows =
+            |a: &Array2<f64>, range: Range<usize>| a.slice(ndarray::s![range, ..]).to_owned();
+        let head = if config.tie_embeddings {
+            &full.embed
+        } else {
+            &full.lm_head
+        };
+        RankParams {
+            rank: r,
+            layers: Vec::new(),
+            word: plan.vocab_rows(r, v, true).map(|g| rows(&full.embed, g)),
+            embedding_tail: None,
+            output: plan.vocab_rows(r, v, false).map(|g| rows(head, g)),
+            decoder: Some(DecoderStage {
+                config: config.clone(),
+                layers: full.layers[plan.stages[r].clone()].to_vec(),
+                final_norm: (r == plan.p - 1)
+                    .then(|| (full.final_norm_g.clone(), full.final_norm_b.clone())),
+            }),
+        }
+    }
+
+    /// Copies this rank's decoder tensors into their places in `full`: the
+    /// input-embedding rows into `embed`, the output rows into `lm_head`
+    /// (untied) or, tied, into `tied_head: [v, hidden]` (the output ranks'
+    /// copy of the one weight, checked against `embed` separately).
+    pub fn place_into_decoder(
+        &self,
+        full: &mut DecoderParams,
+        tied_head: &mut Array2<f64>,
+        plan: &Plan,
+    ) {
+        let v = full.embed.nrows();
+        let r = self.rank;
+        let Some(stage) = &self.decoder else { return };
+        for (l, lp) in plan.stages[r].clone().zip(&stage.layers) {
+            full.layers[l] = lp.clone();
+        }
+        if let Some((g, b)) = &stage.final_norm {
+            full.final_norm_g.assign(g);
+            full.final_norm_b.assign(b);
+        }
+        if let (Some(w), Some(g)) = (&self.word, plan.vocab_rows(r, v, true)) {
+            full.embed.slice_mut(ndarray::s![g, ..]).assign(w);
+        }
+        if let (Some(o), Some(g)) = (&self.output, plan.vocab_rows(r, v, false)) {
+            let head = if stage.config.tie_embeddings {
+                tied_head
+            } else {
+                &mut full.lm_head
+            };
+            head.slice_mut(ndarray::s![g, ..]).assign(o);
         }
     }
 
@@ -117,6 +190,7 @@ impl RankParams {
                 )
             }),
             output: self.output.as_ref().map(|a| Array2::zeros(a.dim())),
+            decoder: self.decoder.as_ref().map(DecoderStage::zeros_like),
         }
     }
 
@@ -140,6 +214,14 @@ impl RankParams {
         if let Some(o) = &self.output {
             out.push(o.view().into_dyn());
         }
+        if let Some(d) = &self.decoder {
+            for l in &d.layers {
+                out.extend(l.named().into_iter().map(|(_, t)| t));
+            }
+            if let Some((g, b)) = &d.final_norm {
+                out.extend([g.view().into_dyn(), b.view().into_dyn()]);
+            }
+        }
         out
     }
 
@@ -161,6 +243,14 @@ impl RankParams {
         }
         if let Some(o) = &mut self.output {
             out.push(o.view_mut().into_dyn());
+        }
+        if let Some(d) = &mut self.decoder {
+            for l in &mut d.layers {
+                out.extend(l.named_mut().into_iter().map(|(_, t)| t));
+            }
+            if let Some((g, b)) = &mut d.final_norm {
+                out.extend([g.view_mut().into_dyn(), b.view_mut().into_dyn()]);
+            }
         }
         out
     }
@@ -287,6 +377,13 @@ pub enum PlantedBug {
     /// The last rank drops microbatch 0's contribution to its output-layer
     /// weight gradient.
     DropOutputGrad,
+    /// Tied embeddings: the gradients of the two uses of the one weight are
+    /// not summed (each copy keeps its own use's gradient).
+    TiedNotSummed,
+    /// Vocabulary-parallel: rank 0's T pass reads its output shard as
+    /// starting one row later than it does
+    /// (`OutputSPass::with_wrong_shard_start`).
+    TShardOffset,
 }
 
 /// What one rank returns from an iteration.
@@ -337,6 +434,7 @@ pub fn run_iteration(
         word_rows: HashMap::new(),
         act_in: HashMap::new(),
         caches: HashMap::new(),
+        decoder_caches: HashMap::new(),
         act_out: HashMap::new(),
         grad_out: HashMap::new(),
         grad_in: HashMap::new(),
@@ -353,11 +451,92 @@ pub fn run_iteration(
         ex.run(op, trace)?;
         trace.record(EventClass::Op, start, Trace::now());
     }
+    let losses = ex.losses;
+    let tied = params
+        .decoder
+        .as_ref()
+        .is_some_and(|d| d.config.tie_embeddings);
+    if tied && bug != PlantedBug::TiedNotSummed {
+        sum_tied_grads(comm, plan, grads, trace)?;
+    }
     Ok(RankOutcome {
-        losses: ex.losses,
+        losses,
         start_bytes,
         peak_activation_bytes: packshard_optimized::alloc::peak_bytes().saturating_sub(start_bytes),
     })
+}
+
+/// The message tag of the tied embedding's gradient exchange: above every
+/// microbatch's ([`tag`] of at most
+/// [`MAX_MICROBATCHES`](crate::model::MAX_MICROBATCHES)), below 32767 (the
+/// least `MPI_TAG_UB` the MPI standard allows).
+const TIED_TAG: i32 = (2 * crate::model::MAX_MICROBATCHES + 2) as i32;
+
+/// Tied embeddings: the one weight's gradient is the sum of its input use's
+/// (`grads.word`) and its output use's (`grads.output`), `word + output` on
+/// every copy (the same sum, bit for bit, wherever it is formed). Under
+/// vocabulary parallelism each rank's shard serves both uses: summed in
+/// place. In the baseline placement stage 0 and the last stage exchange
+/// their `[v, hidden]` gradients point to point (Megatron-LM's embedding
+/// group all-reduce); one rank (`p = 1`) sums in place.
+fn sum_tied_grads(
+    comm: &SimpleCommunicator,
+    plan: &Plan,
+    grads: &mut RankParams,
+    trace: &Trace,
+) -> Result<()> {
+    let rank = comm.rank() as usize;
+    let last = plan.p - 1;
+    let missing = |what: &str| Error::invalid("tied", format!("rank {rank} holds no {what}"));
+    if plan.placement.is_vocab_parallel() || plan.p == 1 {
+        let out = grads
+            .output
+            .as_ref()
+            .ok_or_else(|| missing("output layer"))?;
+        let word = grads
+            .word
+            .as_mut()
+            .ok_or_else(|| missing("word embedding"))?;
+        *word += out;
+        let sum = word.clone();
+        grads.output = Some(sum);
+        return Ok(());
+    }
+    if rank != 0 && rank != last {
+        return Ok(());
+    }
+    let peer_rank = if rank == 0 { last } else { 0 };
+    let mine = if rank == 0 {
+        grads
+            .word
+            .as_mut()
+            .ok_or_else(|| missing("word embedding"))?
+    } else {
+        grads
+            .output
+            .as_mut()
+            .ok_or_else(|| missing("output layer"))?
+    };
+    let mut theirs = Array2::<f64>::zeros(mine.dim());
+    let peer = comm.process_at_rank(peer_rank as i32);
+    let start = Trace::now();
+    send_receive_into_with_tags(
+        mine.as_slice().expect("contiguous"),
+        &peer,
+        TIED_TAG,
+        theirs.as_slice_mut().expect("fresh arrays are contiguous"),
+        &peer,
+        TIED_TAG,
+    );
+    trace.record(EventClass::P2p { peer: peer_rank }, start, Trace::now());
+    // word + output on both ranks.
+    if rank == 0 {
+        *mine += &theirs;
+    } else {
+        theirs += &*mine;
+        *mine = theirs;
+    }
+    Ok(())
 }
 
 /// The message tag of microbatch `m`'s activation (gradient: + 1).
@@ -382,6 +561,8 @@ struct Exec<'a> {
     act_in: HashMap<usize, Array2<f64>>,
     /// What the backward of `m` needs.
     caches: HashMap<usize, (Option<EmbeddingCache>, Vec<LayerCache>)>,
+    /// The decoder: what the backward of `m` needs.
+    decoder_caches: HashMap<usize, StageCache>,
     /// `x_out(m)` to send (the last stage: `x_L(m)`).
     act_out: HashMap<usize, Array2<f64>>,
     /// `∂L/∂x_out(m)`.
@@ -567,6 +748,23 @@ impl Exec<'_> {
                 let x = self.receive(m, up, trace);
                 self.arrived(m, up, x);
             }
+            Op::Forward(m) if self.params.decoder.is_some() => {
+                self.inject(m);
+                let mb = &self.mbs[m];
+                let x = if self.rank == 0 {
+                    if self.plan.placement.is_vocab_parallel() {
+                        take(&mut self.word_rows, m, "the word rows")?
+                    } else {
+                        embedding_forward(&mb.ids, self.word()?.view())?
+                    }
+                } else {
+                    take(&mut self.act_in, m, "the input activation")?
+                };
+                let stage = self.params.decoder.as_ref().expect("matched");
+                let (y, cache) = stage_forward(stage, x, mb)?;
+                self.decoder_caches.insert(m, cache);
+                self.act_out.insert(m, y);
+            }
             Op::Forward(m) => {
                 self.inject(m);
                 let mb = &self.mbs[m];
@@ -654,7 +852,10 @@ impl Exec<'_> {
                 self.s_passes.insert(m, s);
             }
             Op::OutputT(m) => {
-                let s = take(&mut self.s_passes, m, "the S pass")?;
+                let mut s = take(&mut self.s_passes, m, "the S pass")?;
+                if self.bug == PlantedBug::TShardOffset && self.rank == 0 {
+                    s = s.with_wrong_shard_start(self.plan.map.shard(0).start + 1);
+                }
                 let hidden = take(&mut self.hidden, m, "the hidden state")?;
                 let out = s.t_pass(self.coll, hidden.view(), self.output()?.view())?;
                 let (gx, gw) =
@@ -662,6 +863,29 @@ impl Exec<'_> {
                 self.add_output_grad(m, &gw)?;
                 if self.rank == last && !self.grad_out.contains_key(&m) {
                     self.grad_out.insert(m, gx);
+                }
+            }
+            Op::Backward(m) if self.params.decoder.is_some() => {
+                let dy = take(&mut self.grad_out, m, "the output gradient")?;
+                let cache = take(&mut self.decoder_caches, m, "the forward caches")?;
+                let mb = &self.mbs[m];
+                let stage = self.params.decoder.as_ref().expect("matched");
+                let g = self.grads.decoder.as_mut().ok_or_else(|| {
+                    Error::invalid("schedule", "the gradients hold no decoder stage")
+                })?;
+                let dx = stage_backward(stage, g, &cache, mb, dy)?;
+                drop(cache);
+                if self.rank == 0 {
+                    if self.plan.placement.is_vocab_parallel() {
+                        self.word_grad.insert(m, dx);
+                    } else {
+                        let grad = self.grads.word.as_mut().ok_or_else(|| {
+                            Error::invalid("schedule", "stage 0 holds no word embedding")
+                        })?;
+                        word_grad_accumulate(&mb.ids, config.vocab, dx.view(), grad, 0)?;
+                    }
+                } else {
+                    self.grad_in.insert(m, dx);
                 }
             }
             Op::Backward(m) => {

@@ -14,16 +14,21 @@ use std::process::ExitCode;
 use clap::{Parser, ValueEnum};
 use mpi::topology::{Communicator, SimpleCommunicator};
 use mpi::traits::*;
+use ndarray::Array2;
 use packshard_optimized::alloc::CountingAlloc;
+use packshard_oracle::text;
 use packshard_pipeline::collective::Trace;
+use packshard_pipeline::decoder::{self, decoder_config};
 use packshard_pipeline::model::{
-    microbatch_scales, microbatches, reference_step, step_loss, ModelConfig, Params,
+    microbatch_scales, microbatches, reference_step, step_loss, Microbatch, ModelConfig, Params,
 };
 use packshard_pipeline::report::{
-    analyse, bytes, compare, compare_loss, decode, encode, PIPELINE_TOLERANCE,
+    analyse, bytes, compare, compare_loss, compare_named, decode, encode, TensorError,
+    PIPELINE_TOLERANCE,
 };
 use packshard_pipeline::runtime::{run_iteration, Fault, FaultPlan, Plan, PlantedBug, RankParams};
 use packshard_pipeline::schedule::{simulate, Costs, Placement};
+use packshard_reference::decoder::{DecoderModel, DecoderParams};
 use packshard_reference::vocab::ShardedAlgorithm;
 
 #[global_allocator]
@@ -47,6 +52,13 @@ enum AlgorithmArg {
 enum ModelArg {
     Tiny,
     Minilm,
+    /// The tests' causal decoder: hidden 16, 4 query heads over 2 key/value
+    /// heads, 4 layers, SwiGLU 24, v 97 (or the tokenizer's).
+    Decoder,
+    /// The balance report's large decoder: Llama 3's vocabulary (128,256),
+    /// hidden 512, 8 query heads over 2 key/value heads, 4 layers, SwiGLU
+    /// 1376; 8 microbatches of 2 sequences of at most 16 tokens.
+    DecoderLarge,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -61,6 +73,8 @@ enum FaultArg {
 enum BugArg {
     None,
     DropOutputGrad,
+    TiedNotSummed,
+    TShardOffset,
 }
 
 /// One rank of the vocabulary-parallel 1F1B pipeline (run under `mpirun -n P`).
@@ -119,6 +133,27 @@ struct Args {
     /// Plant a bug the check must catch (negative control).
     #[arg(long, value_enum, default_value = "none")]
     plant_bug: BugArg,
+    /// Decoder models: vocabulary size (default: the preset's, or the
+    /// tokenizer's with --tokenizer).
+    #[arg(long)]
+    vocab: Option<usize>,
+    /// Decoder models: tie the output layer to the input embedding.
+    #[arg(long)]
+    tied: bool,
+    /// Decoder models: documents are lines of this text file (from the
+    /// 60th, past the Project Gutenberg header), tokenized with --tokenizer.
+    #[arg(long, requires = "tokenizer")]
+    text: Option<std::path::PathBuf>,
+    /// A Hugging Face `tokenizer.json`; its vocabulary is the model's.
+    #[arg(long, requires = "text")]
+    tokenizer: Option<std::path::PathBuf>,
+    /// With --text: documents per microbatch (the microbatches: --microbatches
+    /// or the preset's).
+    #[arg(long, default_value_t = 3)]
+    docs_per_microbatch: usize,
+    /// With --text: tokens kept of each document.
+    #[arg(long, default_value_t = 12)]
+    max_len: usize,
 }
 
 fn main() -> ExitCode {
@@ -189,7 +224,32 @@ fn config(args: &Args) -> ModelConfig {
     let mut c = match args.model {
         ModelArg::Tiny => ModelConfig::tiny(),
         ModelArg::Minilm => ModelConfig::minilm(),
+        ModelArg::Decoder => ModelConfig {
+            vocab: 97,
+            hidden: 16,
+            heads: 4,
+            layers: 4,
+            intermediate: 24,
+            seq_len: 12,
+            sequences: 3,
+            microbatches: 5,
+            seed: 5,
+        },
+        ModelArg::DecoderLarge => ModelConfig {
+            vocab: 128_256,
+            hidden: 512,
+            heads: 8,
+            layers: 4,
+            intermediate: 1376,
+            seq_len: 16,
+            sequences: 2,
+            microbatches: 8,
+            seed: 5,
+        },
     };
+    if let Some(v) = args.vocab {
+        c.vocab = v;
+    }
     if let Some(m) = args.microbatches {
         c.microbatches = m;
     }
@@ -231,7 +291,7 @@ fn placements(args: &Args) -> Vec<Placement> {
 struct Outcome {
     placement: Placement,
     loss: f64,
-    grads: Params,
+    grads: Grads,
     params_bytes: Vec<usize>,
     peak_bytes: Vec<usize>,
     timings: Vec<packshard_pipeline::report::RankTiming>,
@@ -268,7 +328,24 @@ fn run(world: &SimpleCommunicator, args: &Args) -> Result<u8, Failure> {
         }
         return Ok(0);
     }
-    let full = Params::random(&config);
+    let is_decoder = matches!(args.model, ModelArg::Decoder | ModelArg::DecoderLarge);
+    let (config, docs) = if is_decoder {
+        decoder_data(args, config)?
+    } else {
+        (config, None)
+    };
+    config
+        .validate(p)
+        .map_err(|e| Failure::Input(e.to_string()))?;
+    let full = if is_decoder {
+        let dc = decoder_config(&config, KV_HEADS, args.tied)
+            .map_err(|e| Failure::Input(e.to_string()))?;
+        Full::Decoder(
+            DecoderModel::random(dc, config.seed).map_err(|e| Failure::Input(e.to_string()))?,
+        )
+    } else {
+        Full::Bert(Params::random(&config))
+    };
     let fault = FaultPlan {
         fault: match args.fault {
             FaultArg::None => Fault::None,
@@ -282,14 +359,19 @@ fn run(world: &SimpleCommunicator, args: &Args) -> Result<u8, Failure> {
     let bug = match args.plant_bug {
         BugArg::None => PlantedBug::None,
         BugArg::DropOutputGrad => PlantedBug::DropOutputGrad,
+        BugArg::TiedNotSummed => PlantedBug::TiedNotSummed,
+        BugArg::TShardOffset => PlantedBug::TShardOffset,
     };
-    let reference = microbatches(&config);
+    let reference = match docs {
+        Some(d) => d,
+        None => microbatches(&config),
+    };
     let mut mbs = reference.clone();
     fault.corrupt(rank, &mut mbs);
     let mut outcomes = Vec::new();
     for &placement in &placements {
         let plan = Plan::new(&config, p, placement).map_err(|e| Failure::Input(e.to_string()))?;
-        let params = RankParams::from_full(&full, &plan, rank);
+        let params = full.rank_params(&plan, rank);
         let mut best: Option<Outcome> = None;
         for _ in 0..args.iterations {
             let mut grads = params.zeros_like();
@@ -315,7 +397,7 @@ fn run(world: &SimpleCommunicator, args: &Args) -> Result<u8, Failure> {
                 continue;
             }
             let mut all_events = Vec::new();
-            let mut assembled = full.zeros_like();
+            let mut assembled = full.zero_grads();
             let mut params_bytes = Vec::new();
             let mut peak_bytes = Vec::new();
             let mut losses_by_rank = Vec::new();
@@ -326,10 +408,10 @@ fn run(world: &SimpleCommunicator, args: &Args) -> Result<u8, Failure> {
                 let m = config.microbatches;
                 losses_by_rank.push(v[3..3 + m].to_vec());
                 all_events.push(decode(&v[3 + m..3 + m + ne]));
-                let mut g = RankParams::from_full(&full, &plan, r).zeros_like();
+                let mut g = full.rank_params(&plan, r).zeros_like();
                 g.fill(&v[3 + m + ne..])
                     .map_err(|e| Failure::Rank(e.to_string()))?;
-                g.place_into(&mut assembled, &plan);
+                assembled.place(&g, &plan);
             }
             // The loss: the last rank computed every microbatch's loss.
             let scales = microbatch_scales(&mbs).map_err(|e| Failure::Rank(e.to_string()))?;
@@ -411,12 +493,12 @@ fn gather_to_root(world: &SimpleCommunicator, mine: &[f64]) -> Vec<Vec<f64>> {
 
 fn print_check(
     config: &ModelConfig,
-    full: &Params,
+    full: &Full,
     mbs: &[packshard_pipeline::model::Microbatch],
     outcomes: &[Outcome],
     p: usize,
 ) -> bool {
-    let reference = match reference_step(config, full, mbs) {
+    let reference = match full.reference(config, mbs) {
         Ok(r) => r,
         Err(e) => {
             println!("reference failed: {e}");
@@ -432,7 +514,7 @@ fn print_check(
     );
     let mut all_ok = true;
     for o in outcomes {
-        let mut errs = compare(&reference.grads, &o.grads);
+        let mut errs = o.grads.compare(&reference.grads);
         errs.push(compare_loss(reference.loss, o.loss));
         let ok = errs.iter().all(|e| e.passes());
         all_ok &= ok;
@@ -561,4 +643,178 @@ fn print_report(outcomes: &[Outcome], p: usize) {
             );
         }
     }
+}
+
+/// The decoder presets' key/value heads (grouped-query attention: 4 or 8
+/// query heads share them).
+const KV_HEADS: usize = 2;
+/// The most documents --text may load (a bound on the allocation).
+const MAX_DOCS: usize = 4096;
+/// The longest document --max-len may keep.
+const MAX_LEN: usize = 4096;
+
+/// The model of a run: the BERT encoder or the causal decoder.
+enum Full {
+    Bert(Params),
+    Decoder(DecoderModel),
+}
+
+/// A run's gradients, assembled at rank 0.
+enum Grads {
+    Bert(Params),
+    /// The decoder's, and with tied embeddings the output ranks' copy of the
+    /// one weight's gradient (`[v, hidden]`), checked against `embed`.
+    Decoder(DecoderParams, Option<Array2<f64>>),
+}
+
+/// The single-process reference's loss and gradients.
+struct Reference {
+    loss: f64,
+    grads: Grads,
+}
+
+impl Full {
+    fn rank_params(&self, plan: &Plan, r: usize) -> RankParams {
+        match self {
+            Full::Bert(p) => RankParams::from_full(p, plan, r),
+            Full::Decoder(m) => RankParams::from_decoder(&m.params, &m.config, plan, r),
+        }
+    }
+
+    fn zero_grads(&self) -> Grads {
+        match self {
+            Full::Bert(p) => Grads::Bert(p.zeros_like()),
+            Full::Decoder(m) => Grads::Decoder(
+                m.params.zeros_like(),
+                m.config
+                    .tie_embeddings
+                    .then(|| Array2::zeros(m.params.embed.dim())),
+            ),
+        }
+    }
+
+    fn reference(&self, config: &ModelConfig, mbs: &[Microbatch]) -> Result<Reference, String> {
+        match self {
+            Full::Bert(p) => reference_step(config, p, mbs)
+                .map(|r| Reference {
+                    loss: r.loss,
+                    grads: Grads::Bert(r.grads),
+                })
+                .map_err(|e| e.to_string()),
+            Full::Decoder(m) => decoder::reference_step(m, mbs)
+                .map(|r| Reference {
+                    loss: r.loss,
+                    grads: Grads::Decoder(r.grads, None),
+                })
+                .map_err(|e| e.to_string()),
+        }
+    }
+}
+
+impl Grads {
+    fn place(&mut self, g: &RankParams, plan: &Plan) {
+        match self {
+            Grads::Bert(full) => g.place_into(full, plan),
+            Grads::Decoder(full, tied) => {
+                let mut none = Array2::zeros((0, 0));
+                g.place_into_decoder(full, tied.as_mut().unwrap_or(&mut none), plan);
+            }
+        }
+    }
+
+    /// Every tensor against the reference's (`expected`); a tied copy
+    /// against the reference's `embed` gradient.
+    fn compare(&self, expected: &Grads) -> Vec<TensorError> {
+        match (expected, self) {
+            (Grads::Bert(e), Grads::Bert(a)) => compare(e, a),
+            (Grads::Decoder(e, _), Grads::Decoder(a, tied)) => {
+                let mut errs = compare_named(&e.named(), &a.named());
+                if let Some(t) = tied {
+                    errs.extend(compare_named(
+                        &[(
+                            "lm_head.weight (tied: the output ranks' copy of model.embed_tokens.weight)"
+                                .to_string(),
+                            e.embed.view().into_dyn(),
+                        )],
+                        &[("tied copy".to_string(), t.view().into_dyn())],
+                    ));
+                }
+                errs
+            }
+            _ => vec![TensorError {
+                name: "model kind".into(),
+                values: 0,
+                max_abs: f64::NAN,
+                scale: 0.0,
+            }],
+        }
+    }
+}
+
+/// The decoder's data: with --text, documents of the text (each line one
+/// document, at most --max-len tokens) packed --docs-per-microbatch to a
+/// microbatch, the vocabulary the tokenizer's; else the preset's random
+/// sequences ([`microbatches`]).
+fn decoder_data(
+    args: &Args,
+    mut config: ModelConfig,
+) -> Result<(ModelConfig, Option<Vec<Microbatch>>), Failure> {
+    let (Some(path), Some(tok)) = (&args.text, &args.tokenizer) else {
+        return Ok((config, None));
+    };
+    let per = args.docs_per_microbatch;
+    let n_docs = per.saturating_mul(config.microbatches);
+    if per == 0 || n_docs > MAX_DOCS {
+        return Err(Failure::Input(format!(
+            "docs_per_microbatch: {per} x {} microbatches is outside 1..={MAX_DOCS} documents",
+            config.microbatches
+        )));
+    }
+    if args.max_len < 2 || args.max_len > MAX_LEN {
+        return Err(Failure::Input(format!(
+            "max_len: {} is outside 2..={MAX_LEN}",
+            args.max_len
+        )));
+    }
+    let tokenizer =
+        text::load_tokenizer(tok).map_err(|e| Failure::Input(format!("tokenizer: {e}")))?;
+    // Skip the Project Gutenberg header: lines from the 60th on.
+    const SKIP: usize = 60;
+    let lines =
+        text::read_lines(path, SKIP + n_docs).map_err(|e| Failure::Input(format!("text: {e}")))?;
+    let mut docs = Vec::new();
+    for l in lines.iter().skip(SKIP).take(n_docs) {
+        let mut ids =
+            text::encode(&tokenizer, l).map_err(|e| Failure::Input(format!("text: {e}")))?;
+        ids.truncate(args.max_len);
+        docs.push(ids);
+    }
+    if docs.len() < n_docs {
+        return Err(Failure::Input(format!(
+            "text: {} has {} lines after the first {SKIP}, {n_docs} documents are needed",
+            path.display(),
+            docs.len()
+        )));
+    }
+    let mbs =
+        decoder::document_microbatches(&docs, per).map_err(|e| Failure::Input(e.to_string()))?;
+    config.vocab = tokenizer.get_vocab_size(true);
+    config.sequences = per;
+    config.seq_len = docs.iter().map(Vec::len).max().unwrap_or(1);
+    config.microbatches = mbs.len();
+    if world_rank_is_zero() {
+        let n: usize = docs.iter().map(Vec::len).sum();
+        println!(
+            "data: {} documents, {n} tokens of {} (tokenizer vocabulary {})",
+            docs.len(),
+            path.file_name()
+                .map_or(String::new(), |f| f.to_string_lossy().into_owned()),
+            config.vocab
+        );
+    }
+    Ok((config, Some(mbs)))
+}
+
+fn world_rank_is_zero() -> bool {
+    SimpleCommunicator::world().rank() == 0
 }

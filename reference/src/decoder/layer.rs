@@ -122,7 +122,7 @@ pub enum NormCache {
 /// The norm of `c` (`c.norm`, epsilon `c.norm_eps`) of `x: [n, hidden]`
 /// with the gain `g` and bias `b: [hidden]` (the bias is `[0]` and unused
 /// under RMSNorm).
-pub(super) fn norm_forward(
+pub fn norm_forward(
     c: &DecoderConfig,
     x: ArrayView2<f64>,
     g: &Array1<f64>,
@@ -143,7 +143,7 @@ pub(super) fn norm_forward(
 /// Backward of [`norm_forward`] with the gain `g`: returns `dx` and adds to
 /// the gain's and the bias's gradients `(gg, gb)` (the bias's untouched under
 /// RMSNorm).
-pub(super) fn norm_backward(
+pub fn norm_backward(
     cache: &NormCache,
     g: &Array1<f64>,
     dy: ArrayView2<f64>,

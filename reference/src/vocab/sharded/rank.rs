@@ -168,6 +168,17 @@ impl OutputSPass {
         self.state.grad_hidden.as_ref()
     }
 
+    /// A planted bug for negative controls (the multi-process pipeline's
+    /// check, `packshard-pipeline --plant-bug t-shard-offset`): the T pass
+    /// reads this rank's shard as starting at vocabulary row `start` instead
+    /// of its own, so the target column of the one-hot subtraction is looked
+    /// up at the wrong offset (the pattern of an output layer's shard offset
+    /// wrong in the T pass). Never call it outside a negative control.
+    pub fn with_wrong_shard_start(mut self, start: usize) -> Self {
+        self.shard.start = start;
+        self
+    }
+
     /// The algorithm.
     pub fn algorithm(&self) -> ShardedAlgorithm {
         self.algorithm
