@@ -205,3 +205,22 @@ def test_a_kernel_refusing_an_option_has_those_cases_left_out_and_counted():
 
     with pytest.raises(AssertionError):
         testing.check_attention(refuses_causal, cases=30, precision="f64")
+
+
+def test_a_failing_case_with_options_replays_through_eval(tmp_path):
+    def ignores_softcap(**kw):
+        kw.pop("softcap", None)
+        return _reference(**kw)
+
+    out = tmp_path / "case.json"
+    r = testing.check_attention(ignores_softcap, cases=30, precision="f64",
+                                raise_on_failure=False, regression_out=str(out))
+    case = r.smallest().to_eval_case()
+    assert "softcap" in case
+    replay = packshard.eval(case)
+    assert np.allclose(np.asarray(replay["output"], dtype=np.float64),
+                       _reference(**r.smallest().args)["output"], rtol=0, atol=1e-12)
+    # Options forced off are left out of the case, not written as null.
+    off = testing.Failure("attention", dict(r.smallest().args, window_size=None, softcap=None),
+                          "", 0, "", "").to_eval_case()
+    assert "window_size" not in off and "softcap" not in off

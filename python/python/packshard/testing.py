@@ -165,6 +165,9 @@ class Failure:
         for k, v in self.args.items():
             if k == "grad_output" and not self.args.get("want_grad", True):
                 continue
+            # An option forced off (``fix``, WITHOUT_ATTENTION_OPTIONS) is absent.
+            if v is None and k in _attention_options.NAMES:
+                continue
             # eval takes one form of the offsets, and no max_seqlen_*.
             if self.op == "attention" and (k.startswith("max_seqlen") or (
                     k == "cu_seqlens" and "cu_seqlens_q" in self.args)):
