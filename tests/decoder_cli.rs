@@ -345,3 +345,36 @@ fn zero_layers_and_huge_weights_never_panic() {
         ),
     }
 }
+
+#[test]
+fn sliding_window_reaches_the_reference_through_eval() {
+    // Hugging Face's sliding_window = 2 (each token sees itself and the one
+    // before it): eval's loss and logits are the in-process reference's with
+    // that config, bit for bit, and differ from the full causal ones.
+    let mut m = model();
+    let ids = [3i64, 1, 4, 1, 5, 9, 2];
+    let cu = [0usize, 4, 7];
+    let fields = |w: Value| json!({"input_ids": ids, "cu_seqlens": cu, "sliding_window": w});
+    let v = packshard::eval::evaluate(&case(&m, fields(json!(2)))).unwrap();
+    let full = packshard::eval::evaluate(&case(&m, fields(Value::Null))).unwrap();
+    m.config.sliding_window = Some(2);
+    let pos = [0usize, 1, 2, 3, 0, 1, 2];
+    let docs = [1usize, 1, 1, 1, 2, 2, 2];
+    let labels = next_token_labels(&ids, &docs, None).unwrap();
+    let weights = loss_weights(&labels, &docs, CausalReduction::PerToken, 2).unwrap();
+    let input = VarlenInput::new(&ids, &pos, &cu);
+    let run = m
+        .run(&ReferenceAttention, &input.input(), &labels, &weights)
+        .unwrap();
+    assert_eq!(v["loss"].as_f64().unwrap().to_bits(), run.loss.to_bits());
+    assert_eq!(
+        flat(&v["logits"]),
+        run.logits.iter().copied().collect::<Vec<_>>()
+    );
+    assert_ne!(v["loss"], full["loss"], "the window changes nothing");
+    let (code, e) = eval(&case(&m, fields(json!(0))));
+    assert_eq!(code, 2);
+    assert_eq!(e["error"]["kind"], "invalid_argument");
+    let msg = e["error"]["message"].as_str().unwrap();
+    assert!(msg.starts_with("sliding_window"), "{msg}");
+}

@@ -17,6 +17,7 @@
 //!   (unsharded; the `rest = s - 1`, `ln_1p` and confident-target forms kept).
 
 use ndarray::{Array1, Array2, Array3, ArrayView1, ArrayView2, ArrayView3, Axis};
+use packshard_reference::attention::options::{alibi_bias, visible_keys};
 use packshard_reference::attention::{
     check_qkv_shapes, check_varlen, AttentionGrads, AttentionOutput,
 };
@@ -77,17 +78,53 @@ pub fn varlen_attention(
     varlen_attention_general(q, k, v, (cu_seqlens, cu_seqlens), causal, scale)
 }
 
-/// The keys of query `i` of a segment `(wq, wk)` (bounds of its queries and
-/// keys): all of them, or when causal those up to `i`'s bottom-right
-/// aligned position (`reference::attention`'s rule).
-fn keys_of(i: usize, wq: &[usize], wk: &[usize], causal: bool) -> std::ops::Range<usize> {
-    let (lq, lk) = (wq[1] - wq[0], wk[1] - wk[0]);
-    let limit = if causal {
-        (i - wq[0] + lk + 1).saturating_sub(lq).min(lk)
-    } else {
-        lk
-    };
-    wk[0]..wk[0] + limit
+/// One segment's geometry and options, in f32, for query `i` (a global
+/// row) of segment `s` (bounds `wq`, `wk`): its visible keys (global
+/// indices: bottom-right aligned on the used keys, `causal` and the window,
+/// `reference::attention::options::visible_keys`) and its score of a raw
+/// `scale * q . k` (the cap, then ALiBi's bias). Segment `s` of `p`.
+struct SegmentRule<'a> {
+    p: &'a Varlen<'a>,
+    wq: [usize; 2],
+    k0: usize,
+    lk: usize,
+}
+
+impl SegmentRule<'_> {
+    fn keys(&self, i: usize) -> std::ops::Range<usize> {
+        let lq = self.wq[1] - self.wq[0];
+        let r = visible_keys(i - self.wq[0], lq, self.lk, self.p.causal, self.p.window);
+        self.k0 + r.start..self.k0 + r.end
+    }
+
+    /// `cap(raw) + bias` and `d cap / d raw` for query head `a`.
+    fn score(&self, a: usize, i: usize, j: usize, raw: f32) -> (f32, f32) {
+        let c = self.p.softcap as f32;
+        let (mut s, chain) = if c > 0.0 {
+            let t = (raw / c).tanh();
+            (c * t, 1.0 - t * t)
+        } else {
+            (raw, 1.0)
+        };
+        if let Some(slopes) = self.p.alibi_slopes {
+            let lq = self.wq[1] - self.wq[0];
+            let bias = alibi_bias(slopes[a], i - self.wq[0], j - self.k0, lq, self.lk);
+            s += bias as f32;
+        }
+        (s, chain)
+    }
+}
+
+/// The segments of `p` as [`SegmentRule`]s.
+fn segments<'a>(p: &'a Varlen<'a>) -> impl Iterator<Item = SegmentRule<'a>> + 'a {
+    let cu_q = p.cu_seqlens_q;
+    let cu_k = p.cu_seqlens_k;
+    (0..cu_q.len().saturating_sub(1)).map(move |s| SegmentRule {
+        p,
+        wq: [cu_q[s], cu_q[s + 1]],
+        k0: cu_k[s],
+        lk: p.used_keys(s),
+    })
 }
 
 /// `reference::attention::varlen_attention_general` in f32: `q: [n_q, h,
@@ -102,15 +139,30 @@ pub fn varlen_attention_general(
     causal: bool,
     scale: f32,
 ) -> (Array3<f32>, Array2<f32>) {
+    let p = Varlen::cross(cu_q, cu_k, causal, f64::from(scale));
+    varlen_attention_options(q, k, v, &p)
+}
+
+/// [`varlen_attention_general`] with flash-attention's options of `p`
+/// (`window_size`, `softcap`, `alibi_slopes`, `seqused_k`:
+/// `reference::attention::options`), the scores in f32; `p.scale` is
+/// rounded to f32. Inputs are assumed valid (checked by the reference).
+pub fn varlen_attention_options(
+    q: ArrayView3<f32>,
+    k: ArrayView3<f32>,
+    v: ArrayView3<f32>,
+    p: &Varlen<'_>,
+) -> (Array3<f32>, Array2<f32>) {
     let (n, h, d) = q.dim();
     let group = h / k.dim().1;
+    let scale = p.scale as f32;
     let mut output = Array3::zeros((n, h, d));
     let mut lse = Array2::from_elem((h, n), f32::NEG_INFINITY);
-    for (wq, wk) in cu_q.windows(2).zip(cu_k.windows(2)) {
+    for seg in segments(p) {
         for a in 0..h {
             let kv = a / group;
-            for i in wq[0]..wq[1] {
-                let keys = keys_of(i, wq, wk, causal);
+            for i in seg.wq[0]..seg.wq[1] {
+                let keys = seg.keys(i);
                 let mut scores = Vec::with_capacity(keys.len());
                 let mut m = f32::NEG_INFINITY;
                 for j in keys {
@@ -118,7 +170,7 @@ pub fn varlen_attention_general(
                     for c in 0..d {
                         dot += q[[i, a, c]] * k[[j, kv, c]];
                     }
-                    let s = scale * dot;
+                    let (s, _) = seg.score(a, i, j, scale * dot);
                     m = m.max(s);
                     scores.push((j, s));
                 }
@@ -168,24 +220,39 @@ pub fn varlen_attention_backward(
 /// returns `grad_q: [n_q, h, d]` and `grad_k, grad_v: [n_k, h_kv, d]`
 /// (summed over the query heads of a group).
 pub fn varlen_attention_general_backward(
-    (q, k, v): (ArrayView3<f32>, ArrayView3<f32>, ArrayView3<f32>),
+    qkv: (ArrayView3<f32>, ArrayView3<f32>, ArrayView3<f32>),
     (cu_q, cu_k): (&[usize], &[usize]),
     causal: bool,
     scale: f32,
+    fwd: (ArrayView3<f32>, ArrayView2<f32>),
+    grad_output: ArrayView3<f32>,
+) -> [Array3<f32>; 3] {
+    let p = Varlen::cross(cu_q, cu_k, causal, f64::from(scale));
+    varlen_attention_options_backward(qkv, &p, fwd, grad_output)
+}
+
+/// The backward of [`varlen_attention_options`]: the softcap's chain factor
+/// `1 - tanh^2(raw / softcap)` times `scale` on each score's gradient
+/// (ALiBi's bias has no gradient into `q` or `k`); keys past `seqused_k`
+/// and outside the window get none.
+pub fn varlen_attention_options_backward(
+    (q, k, v): (ArrayView3<f32>, ArrayView3<f32>, ArrayView3<f32>),
+    p: &Varlen<'_>,
     (output, lse): (ArrayView3<f32>, ArrayView2<f32>),
     grad_output: ArrayView3<f32>,
 ) -> [Array3<f32>; 3] {
     let (n, h, d) = q.dim();
     let group = h / k.dim().1;
+    let scale = p.scale as f32;
     let mut g = [
         Array3::zeros((n, h, d)),
         Array3::zeros(k.dim()),
         Array3::zeros(k.dim()),
     ];
-    for (wq, wk) in cu_q.windows(2).zip(cu_k.windows(2)) {
+    for seg in segments(p) {
         for a in 0..h {
             let kv = a / group;
-            for i in wq[0]..wq[1] {
+            for i in seg.wq[0]..seg.wq[1] {
                 let l = lse[[a, i]];
                 if l == f32::NEG_INFINITY {
                     continue;
@@ -194,18 +261,19 @@ pub fn varlen_attention_general_backward(
                 for c in 0..d {
                     delta += grad_output[[i, a, c]] * output[[i, a, c]];
                 }
-                for j in keys_of(i, wq, wk, causal) {
+                for j in seg.keys(i) {
                     let mut dot = 0.0f32;
                     for c in 0..d {
                         dot += q[[i, a, c]] * k[[j, kv, c]];
                     }
-                    let p = (scale * dot - l).exp();
+                    let (s, chain) = seg.score(a, i, j, scale * dot);
+                    let p = (s - l).exp();
                     let mut dp = 0.0f32;
                     for c in 0..d {
                         dp += grad_output[[i, a, c]] * v[[j, kv, c]];
                         g[2][[j, kv, c]] += p * grad_output[[i, a, c]];
                     }
-                    let ds = p * (dp - delta) * scale;
+                    let ds = p * (dp - delta) * chain * scale;
                     for c in 0..d {
                         g[0][[i, a, c]] += ds * k[[j, kv, c]];
                         g[1][[j, kv, c]] += ds * q[[i, a, c]];

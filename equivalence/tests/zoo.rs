@@ -19,7 +19,7 @@ use packshard_equivalence::zoo::{
     TokenChunkedLinearCrossEntropy,
 };
 use packshard_equivalence::{cu_seqlens_of, Judge, Tolerance};
-use packshard_reference::attention::ReferenceAttention;
+use packshard_reference::attention::{ReferenceAttention, Window};
 use packshard_reference::ops::{
     AttentionOp, CeCall, CrossEntropyOp, Grad, LinearCall, LinearCrossEntropyOp, LinearInput, Qkv,
     Varlen,
@@ -187,6 +187,12 @@ struct AttnWitness {
     d: usize,
     causal: bool,
     scale: f64,
+    /// flash-attention's `window_size` (`-1`: unbounded).
+    window: (i64, i64),
+    /// `softcap` (0: none).
+    softcap: f64,
+    /// `alibi_slopes: [h]`.
+    alibi: Option<&'static [f64]>,
 }
 
 const fn witness(bug: AttentionBug, lq: &'static [usize], lk: &'static [usize]) -> AttnWitness {
@@ -199,11 +205,14 @@ const fn witness(bug: AttentionBug, lq: &'static [usize], lk: &'static [usize]) 
         d: 4,
         causal: false,
         scale: 0.5,
+        window: (-1, -1),
+        softcap: 0.0,
+        alibi: None,
     }
 }
 
 /// One witness per bug (tiles as [`AttentionBug::tiles`]).
-const ATTENTION_WITNESSES: [AttnWitness; 15] = [
+const ATTENTION_WITNESSES: [AttnWitness; 22] = [
     // 40 keys = 3 tiles of 16: some row's maximum is in a later tile.
     witness(AttentionBug::NoRescale, &[40], &[40]),
     // Segment 0's one tile of 32 runs 12 keys into segment 1.
@@ -255,6 +264,41 @@ const ATTENTION_WITNESSES: [AttnWitness; 15] = [
     },
     // 2 queries over 40 keys: one key tile of 16 visited, not 3.
     witness(AttentionBug::MaxSeqlenQForK, &[2], &[40]),
+    // docs/FAULTS.md W1-W6's tiny cases.
+    AttnWitness {
+        window: (2, 1),
+        ..witness(AttentionBug::WindowOffByOne, &[7], &[7])
+    },
+    // A continuation chunk of 2 queries over 9 keys.
+    AttnWitness {
+        causal: true,
+        window: (2, 0),
+        ..witness(AttentionBug::WindowTopLeft, &[2], &[9])
+    },
+    AttnWitness {
+        causal: true,
+        window: (3, -1),
+        ..witness(AttentionBug::WindowAcrossDocuments, &[6, 6], &[6, 6])
+    },
+    AttnWitness {
+        causal: true,
+        window: (1, 0),
+        softcap: 0.7,
+        ..witness(AttentionBug::SoftcapAfterMask, &[6], &[6])
+    },
+    AttnWitness {
+        softcap: 0.5,
+        ..witness(AttentionBug::SoftcapNoChain, &[6], &[6])
+    },
+    // Cross segments: the pack's |i - j| is not the aligned distance.
+    AttnWitness {
+        alibi: Some(&[0.5, 0.25]),
+        ..witness(AttentionBug::AlibiPackStart, &[3, 4], &[7, 9])
+    },
+    AttnWitness {
+        alibi: Some(&[0.5, 0.25]),
+        ..witness(AttentionBug::AlibiSign, &[5], &[5])
+    },
 ];
 
 /// `output, lse, grad_q, grad_k, grad_v` of `op` on the witness (the
@@ -274,7 +318,11 @@ fn attention_results(op: &dyn AttentionOp, w: &AttnWitness) -> Vec<Vec<f64>> {
         t(n_k, w.h_kv, 3),
         t(n_q, w.h, 4),
     );
-    let p = Varlen::cross(&cq, &ck, w.causal, w.scale);
+    let window = Window::from_flash(w.window.0, w.window.1).unwrap();
+    let p = Varlen::cross(&cq, &ck, w.causal, w.scale)
+        .with_window(window)
+        .with_softcap(w.softcap)
+        .with_alibi_slopes(w.alibi);
     let x = Qkv::new(q.view(), k.view(), v.view());
     let f = op.varlen_forward(x, &p).unwrap();
     let g = op.varlen_backward(x, &p, Grad::new(&f, go.view())).unwrap();
@@ -336,6 +384,28 @@ fn the_default_attention_check_catches_every_attention_bug() {
     assert!(
         problems.is_empty(),
         "the default attention check (Budget::DEFAULT, seed {SEED}): {problems:#?}"
+    );
+}
+
+/// docs/FAULTS.md W5: the score softcap's backward without its chain factor
+/// `1 - tanh^2(raw / softcap)` is rejected by the default attention check
+/// on a gradient, and the same kernel with the factor passes it (the
+/// negative control: the check is not failing the kernel for another
+/// reason).
+#[test]
+fn w5_softcap_gradient_without_its_chain_factor_is_caught() {
+    let bug = TiledAttention::with(AttentionBug::SoftcapNoChain);
+    let check = |k: &TiledAttention| fuzz_budgeted(Budget::DEFAULT, SEED, |d| fa::run(k, JUDGE, d));
+    let passed = check(&bug.fixed());
+    assert!(
+        passed.is_ok(),
+        "the kernel with the chain factor fails: {passed:?}"
+    );
+    let failure = check(&bug).expect_err("the softcap gradient without its chain factor passed");
+    let text = failure.to_string();
+    assert!(
+        text.contains("grad_"),
+        "caught, but not on a gradient: {text}"
     );
 }
 

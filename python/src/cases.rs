@@ -139,16 +139,14 @@ fn case_of(op: &str, data: &[u8]) -> Option<(Fields, String, usize)> {
 /// `q, grad_output: [n_q, h, d]`, `k, v: [n_k, h_kv, d]`, `cu_seqlens_q`,
 /// `cu_seqlens_k` (int64, `[b + 1]`), `cu_seqlens` (= `cu_seqlens_q`, the
 /// self-attention form existing kernels take), `max_seqlen_q`,
-/// `max_seqlen_k`, `causal` (bottom-right), `scale`, `want_grad`. Offsets
+/// `max_seqlen_k`, `causal` (bottom-right), `scale`, `want_grad`, and
+/// when drawn `window_size` (`[left, right]`), `softcap`, `alibi_slopes`
+/// (`[h]` float64) and `seqused_k` (`[b]` int64). Offsets
 /// the fuzz body malforms on purpose are replaced by the segments' own (a
 /// kernel under test gets well-formed input).
 fn attention_case(data: &[u8]) -> Option<(Fields, String, usize)> {
     let mut f = AttentionFuzzCase::from_bytes(data).ok()?;
     f.malformed = None;
-    // flash-attention's options (window, softcap, ALiBi, seqused_k) do not
-    // reach the Python checks yet: neither the user's function nor the
-    // reference side (core.rs) gets them, so the case carries none.
-    f.options = Default::default();
     let ints = |cu: Vec<usize>| Out::Ints(cu.into_iter().map(|x| x as i64).collect());
     let max = |i: usize| {
         f.segments
@@ -157,7 +155,7 @@ fn attention_case(data: &[u8]) -> Option<(Fields, String, usize)> {
             .max()
     };
     let t = |x: &ndarray::Array3<f64>| Out::Tensor(x.clone().into_dyn());
-    let args = vec![
+    let mut args = vec![
         ("q", t(&f.q)),
         ("k", t(&f.k)),
         ("v", t(&f.v)),
@@ -171,6 +169,23 @@ fn attention_case(data: &[u8]) -> Option<(Fields, String, usize)> {
         ("grad_output", t(&f.grad_output)),
         ("want_grad", Out::Bool(true)),
     ];
+    // flash-attention's options, each only when the case draws it (a
+    // kernel that does not take one is given the cases without it).
+    let o = &f.options;
+    if !o.window.is_unbounded() {
+        let (left, right) = o.window.to_flash();
+        args.push(("window_size", Out::Ints(vec![left, right])));
+    }
+    if o.softcap != 0.0 {
+        args.push(("softcap", Out::F64(o.softcap)));
+    }
+    if let Some(a) = &o.alibi_slopes {
+        let t = ndarray::Array1::from(a.clone()).into_dyn();
+        args.push(("alibi_slopes", Out::Tensor(t)));
+    }
+    if let Some(u) = &o.seqused_k {
+        args.push(("seqused_k", ints(u.clone())));
+    }
     let size = 2 * (f.q.len() + f.k.len());
     Some((args, f.describe(), size))
 }

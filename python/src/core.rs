@@ -10,7 +10,7 @@
 use ndarray::{Array1, Array2, Array3, ArrayD, ArrayView2, ArrayView3, Axis, IxDyn, Slice};
 use packshard_equivalence::baseline32;
 use packshard_equivalence::compare::{self, RelativeRule, Tolerance};
-use packshard_equivalence::fuzz::attention::AttentionTerms;
+use packshard_equivalence::fuzz::attention::{AttentionTerms, SegmentOptions};
 use packshard_oracle::eval::vocab::{
     check_declared, check_vocab_size, predicted, run_for, widen_columns, widen_rows, Run,
 };
@@ -20,6 +20,8 @@ use packshard_reference::attention::default_scale;
 use packshard_reference::error::check_finite;
 use packshard_reference::ops::{CeCall, EmbeddingCall, Grad, LinearCall, LinearInput, Qkv, Varlen};
 use packshard_reference::vocab::sharded::ShardedLoss;
+
+pub use crate::attention_options::AttnOptions;
 use packshard_reference::vocab::{
     CrossEntropy, GradRequest, LossCall, LossConfig, ShardLayout, ShardPlan,
 };
@@ -127,6 +129,9 @@ pub struct AttentionArgs<'a, T = f64> {
     pub scale: Option<f64>,
     /// `[n_tok, h, d]`: with it, the backward too.
     pub grad_output: Option<ArrayView3<'a, T>>,
+    /// flash-attention's `window_size`, `softcap`, `alibi_slopes`,
+    /// `seqused_k` ([`AttnOptions`]; default none).
+    pub options: AttnOptions,
 }
 
 impl<T> AttentionArgs<'_, T> {
@@ -138,6 +143,16 @@ impl<T> AttentionArgs<'_, T> {
     /// The key offsets: `cu_seqlens_k`, or `cu_seqlens` for self-attention.
     fn cu_k(&self) -> &[usize] {
         self.cu_seqlens_k.as_deref().unwrap_or(&self.cu_seqlens)
+    }
+
+    /// The problem: offsets, mask, scale and options.
+    fn problem(&self) -> Varlen<'_> {
+        self.options.apply(Varlen::cross(
+            &self.cu_seqlens,
+            self.cu_k(),
+            self.causal,
+            self.scale(),
+        ))
     }
 }
 
@@ -156,7 +171,7 @@ pub fn attention(imp: &str, a: &AttentionArgs<'_>) -> Result<Fields, EvalError> 
     if let Some(go) = &a.grad_output {
         check_finite("grad_output", go.iter())?;
     }
-    let p = Varlen::cross(&a.cu_seqlens, a.cu_k(), a.causal, a.scale());
+    let p = a.problem();
     let x = Qkv::new(a.q, a.k, a.v);
     let fwd = op.varlen_forward(x, &p)?;
     let grads = match a.grad_output {
@@ -203,7 +218,7 @@ pub fn attention_f32(imp: &str, a: &AttentionArgs<'_, f32>) -> Result<Fields32, 
     if let Some(go) = &a.grad_output {
         finite("grad_output", go)?;
     }
-    let p = Varlen::cross(&a.cu_seqlens, a.cu_k(), a.causal, a.scale());
+    let p = a.problem();
     let op = TiledAttention::F32;
     let x = (a.q, a.k, a.v);
     let fwd = op.varlen_forward_f32(x, &p)?;
@@ -361,7 +376,8 @@ fn attention_terms(a: &AttentionArgs<'_>) -> serde_json::Value {
     let zeros = Array3::<f64>::zeros(a.q.raw_dim());
     let go = a.grad_output.unwrap_or(zeros.view());
     let (n_q, n_k) = (a.q.dim().0, a.k.dim().0);
-    for (wq, wk) in a.cu_seqlens.windows(2).zip(a.cu_k().windows(2)) {
+    let o = &a.options;
+    for (s, (wq, wk)) in a.cu_seqlens.windows(2).zip(a.cu_k().windows(2)).enumerate() {
         // Called on offsets the reference accepted; skip any other.
         if wq[1] < wq[0] || wq[1] > n_q || wk[1] < wk[0] || wk[1] > n_k {
             continue;
@@ -374,7 +390,19 @@ fn attention_terms(a: &AttentionArgs<'_>) -> serde_json::Value {
             rows(&a.v, sk),
             rows(&go, sq),
         );
-        let u = AttentionTerms::of(q.view(), k.view(), v.view(), g.view(), a.scale(), a.causal);
+        let u = AttentionTerms::of_with(
+            q.view(),
+            k.view(),
+            v.view(),
+            g.view(),
+            (a.scale(), a.causal),
+            SegmentOptions {
+                window: o.window,
+                softcap: o.softcap,
+                alibi_slopes: o.alibi_slopes.as_deref(),
+                used_keys: o.used_keys(s, wk[1] - wk[0]),
+            },
+        );
         t = t.max(u);
     }
     serde_json::json!({"output": t.output, "lse": t.lse, "grad_q": t.grad_q, "grad_k": t.grad_k, "grad_v": t.grad_v})
@@ -400,6 +428,7 @@ pub fn attention_judged(
         causal: a.causal,
         scale: Some(a.scale()),
         grad_output: go.as_ref().map(|g| g.view()),
+        options: a.options.clone(),
     };
     let mut expected = attention(registry::REFERENCE, &rounded)?;
     expected.push(("terms", Out::Json(attention_terms(&rounded))));
@@ -411,16 +440,8 @@ pub fn attention_judged(
     }
     let f = |x: &Array3<f64>| baseline32::to_f32(&x.view());
     let (q32, k32, v32) = (f(&q), f(&k), f(&v));
-    let scale = a.scale() as f32;
-    let cus = (a.cu_seqlens.as_slice(), a.cu_k());
-    let (o, lse) = baseline32::varlen_attention_general(
-        q32.view(),
-        k32.view(),
-        v32.view(),
-        cus,
-        a.causal,
-        scale,
-    );
+    let p = rounded.problem();
+    let (o, lse) = baseline32::varlen_attention_options(q32.view(), k32.view(), v32.view(), &p);
     let w = |x: &Array3<f32>| t3(baseline32::to_f64(&x.view()));
     let mut base: Fields = vec![
         ("output", w(&o)),
@@ -428,11 +449,9 @@ pub fn attention_judged(
     ];
     if let Some(go) = &go {
         let go32 = f(go);
-        let [gq, gk, gv] = baseline32::varlen_attention_general_backward(
+        let [gq, gk, gv] = baseline32::varlen_attention_options_backward(
             (q32.view(), k32.view(), v32.view()),
-            cus,
-            a.causal,
-            scale,
+            &p,
             (o.view(), lse.view()),
             go32.view(),
         );

@@ -23,6 +23,7 @@ fn args<'a>(q: &'a Array3<f64>, cu: &[usize]) -> AttentionArgs<'a> {
         causal: true,
         scale: None,
         grad_output: Some(q.view()),
+        options: Default::default(),
     }
 }
 

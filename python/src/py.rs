@@ -19,7 +19,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 use pyo3::IntoPyObjectExt;
 
-use crate::core::{self, AttentionArgs, Fields, KernelPrecision, LossArgs, Out};
+use crate::core::{self, AttentionArgs, AttnOptions, Fields, KernelPrecision, LossArgs, Out};
 
 pyo3::create_exception!(
     _native,
@@ -124,16 +124,18 @@ fn cu(py: Python<'_>, xs: &PyReadonlyArray1<'_, i64>) -> PyResult<Vec<usize>> {
 }
 
 /// Declares a `#[pyfunction]` `$name(q, k, v, cu_seqlens, causal, scale,
-/// grad_output, $last, cu_seqlens_k=None)`: an attention case's arguments as
+/// grad_output, $last, cu_seqlens_k=None, window_size=None, softcap=None,
+/// alibi_slopes=None, seqused_k=None)`: an attention case's arguments as
 /// the Python wrappers pass them (`q`, `grad_output`: `[n_q, h, d]`; `k`,
 /// `v`: `[n_k, h_kv, d]`; `cu_seqlens: [b + 1]` the query offsets,
-/// `cu_seqlens_k` the key offsets when they differ), bundled into the
+/// `cu_seqlens_k` the key offsets when they differ; flash-attention's
+/// options, [`AttnOptions`]), bundled into the
 /// [`AttentionArgs`] `$a` that `$body` runs on.
 macro_rules! attention_pyfunction {
     ($(#[$doc:meta])* fn $name:ident($py:ident, $a:ident, $last:ident: $lt:ty) -> $ret:ty $body:block) => {
         $(#[$doc])*
         #[pyfunction]
-        #[pyo3(signature = (q, k, v, cu_seqlens, causal, scale, grad_output, $last, cu_seqlens_k=None))]
+        #[pyo3(signature = (q, k, v, cu_seqlens, causal, scale, grad_output, $last, cu_seqlens_k=None, window_size=None, softcap=None, alibi_slopes=None, seqused_k=None))]
         #[allow(clippy::too_many_arguments)]
         fn $name<'py>(
             $py: Python<'py>,
@@ -146,8 +148,14 @@ macro_rules! attention_pyfunction {
             grad_output: Option<PyReadonlyArray3<'py, f64>>,
             $last: $lt,
             cu_seqlens_k: Option<PyReadonlyArray1<'py, i64>>,
+            window_size: Option<(i64, i64)>,
+            softcap: Option<f64>,
+            alibi_slopes: Option<Vec<f64>>,
+            seqused_k: Option<Vec<i64>>,
         ) -> PyResult<$ret> {
             guard($py, || {
+            let options = AttnOptions::from_flash(window_size, softcap, alibi_slopes, seqused_k.as_deref())
+                .map_err(|e| raise($py, e))?;
             let cu_seqlens_k = match &cu_seqlens_k {
                 Some(c) => Some(
                     core::offsets("cu_seqlens_k", &c.as_array().to_vec())
@@ -164,6 +172,7 @@ macro_rules! attention_pyfunction {
                 causal,
                 scale,
                 grad_output: grad_output.as_ref().map(|g| g.as_array()),
+                options,
             };
             $body
             })
@@ -179,11 +188,12 @@ attention_pyfunction! {
 }
 
 /// `attention_f32(q, k, v, cu_seqlens, causal, scale, grad_output, impl,
-/// cu_seqlens_k=None)`: [`core::attention_f32`] on float32 arrays read in
+/// cu_seqlens_k=None, window_size=None, softcap=None, alibi_slopes=None,
+/// seqused_k=None)`: [`core::attention_f32`] on float32 arrays read in
 /// place (any strides; C-contiguous ones are used without a copy), the
 /// float32 results moved into new numpy arrays.
 #[pyfunction]
-#[pyo3(signature = (q, k, v, cu_seqlens, causal, scale, grad_output, imp, cu_seqlens_k=None))]
+#[pyo3(signature = (q, k, v, cu_seqlens, causal, scale, grad_output, imp, cu_seqlens_k=None, window_size=None, softcap=None, alibi_slopes=None, seqused_k=None))]
 #[allow(clippy::too_many_arguments)]
 fn attention_f32<'py>(
     py: Python<'py>,
@@ -196,8 +206,15 @@ fn attention_f32<'py>(
     grad_output: Option<PyReadonlyArray3<'py, f32>>,
     imp: String,
     cu_seqlens_k: Option<PyReadonlyArray1<'py, i64>>,
+    window_size: Option<(i64, i64)>,
+    softcap: Option<f64>,
+    alibi_slopes: Option<Vec<f64>>,
+    seqused_k: Option<Vec<i64>>,
 ) -> PyResult<Py<PyAny>> {
     guard(py, || {
+        let options =
+            AttnOptions::from_flash(window_size, softcap, alibi_slopes, seqused_k.as_deref())
+                .map_err(|e| raise(py, e))?;
         let cu_seqlens_k = match &cu_seqlens_k {
             Some(c) => Some(
                 core::offsets("cu_seqlens_k", &c.as_array().to_vec()).map_err(|e| raise(py, e))?,
@@ -213,6 +230,7 @@ fn attention_f32<'py>(
             causal,
             scale,
             grad_output: grad_output.as_ref().map(|g| g.as_array()),
+            options,
         };
         let fields = py
             .detach(|| core::attention_f32(&imp, &a))
@@ -316,6 +334,7 @@ fn time_attention_f32<'py>(
             causal,
             scale: None,
             grad_output: grad_output.as_ref().map(|g| g.as_array()),
+            options: AttnOptions::default(),
         };
         let run = || {
             let mut times = Vec::with_capacity(reps);

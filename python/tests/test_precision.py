@@ -11,6 +11,11 @@ from packshard import PackshardError, testing
 
 BF16 = ml_dtypes.bfloat16
 
+# The kernels here run the registered tiled kernel, which has no window,
+# softcap, ALiBi or seqused_k yet (issue 33, branch tiled33 adds them): their
+# cases are run without (testing.WITHOUT_ATTENTION_OPTIONS).
+NO_OPTIONS = testing.WITHOUT_ATTENTION_OPTIONS
+
 
 def bf16_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=None, causal=False,
                    grad_output=None, want_grad=False, **_):
@@ -37,13 +42,13 @@ def bf16_cross_entropy(logits, targets, **kw):
 
 
 def test_a_correct_bf16_attention_kernel_passes():
-    r = testing.check_attention(bf16_attention, precision="bf16")
+    r = testing.check_attention(bf16_attention, precision="bf16", fix=NO_OPTIONS)
     assert r.compared >= 90 and r.values > 10_000
     assert 0 < r.worst <= 1
     # Negative control: the same kernel under the f32 rule fails (its bf16
     # results are 2^-9 off, far beyond 32 x an f32 baseline).
     with pytest.raises(AssertionError):
-        testing.check_attention(bf16_attention, cases=30, precision="f32")
+        testing.check_attention(bf16_attention, cases=30, precision="f32", fix=NO_OPTIONS)
 
 
 def test_a_correct_bf16_cross_entropy_kernel_passes():
@@ -56,7 +61,7 @@ def test_a_buggy_bf16_kernel_fails_under_bf16():
         kw.update(cu_seqlens_q=np.array([0, q.shape[0]]), cu_seqlens_k=np.array([0, k.shape[0]]))
         return bf16_attention(q, k, v, **kw)
     with pytest.raises(AssertionError) as e:
-        testing.check_attention(leaky, precision="bf16")
+        testing.check_attention(leaky, precision="bf16", fix=NO_OPTIONS)
     assert "precision bf16" in str(e.value)
 
     def ignore_counted(logits, targets, **kw):  # ignore_index counted in the mean
@@ -79,7 +84,7 @@ def test_f16_kernels_pass_and_bugs_fail():
                                 grad_output=None if go is None else go.astype(np.float16),
                                 impl="attention_varlen_tiled")
         return {key: val.astype(np.float16) for key, val in r.items()}
-    r = testing.check_attention(f16_attention, precision="f16")
+    r = testing.check_attention(f16_attention, precision="f16", fix=NO_OPTIONS)
     assert r.compared >= 90
 
     def f16_lse_log2(q, k, v, cu_seqlens_q, cu_seqlens_k, **kw):
@@ -87,7 +92,7 @@ def test_f16_kernels_pass_and_bugs_fail():
         out["lse"] = (out["lse"].astype(np.float32) / np.log(2)).astype(np.float16)
         return out
     with pytest.raises(AssertionError) as e:
-        testing.check_attention(f16_lse_log2, precision="f16")
+        testing.check_attention(f16_lse_log2, precision="f16", fix=NO_OPTIONS)
     assert "lse" in str(e.value)
 
 

@@ -53,6 +53,12 @@ def _attention_case(lens, h=2, h_kv=2, d=4, causal=False, lens_k=None):
     return case
 
 
+def _with(case, **options):
+    """``case`` with flash-attention's ``options`` (docs/FAULTS.md W1-W6's tiny cases)."""
+    case.update(options)
+    return case
+
+
 def _ce_case(v=1030, n=6, **opts):
     import numpy as np
     rng = np.random.default_rng(7)
@@ -72,6 +78,18 @@ HAND_BUILT = {
     "attention_causal_top_left": lambda: _attention_case([3, 4], causal=True, lens_k=[7, 9]),
     "attention_lse_log2": lambda: _attention_case([6]),
     "attention_delta_per_tile": lambda: _attention_case([40]),
+    "attention_window_off_by_one": lambda: _with(
+        _attention_case([7, 5]), window_size=(2, 1)),
+    "attention_window_top_left": lambda: _with(
+        _attention_case([2, 3], causal=True, lens_k=[9, 6]), window_size=(2, 0)),
+    "attention_window_across_documents": lambda: _with(
+        _attention_case([6, 6], causal=True), window_size=(3, -1)),
+    "attention_softcap_after_mask": lambda: _with(
+        _attention_case([6], causal=True), window_size=(1, 0), softcap=0.7),
+    "attention_softcap_no_chain": lambda: _with(_attention_case([6, 5]), softcap=0.5),
+    "attention_alibi_pack_start": lambda: _with(
+        _attention_case([3, 4], lens_k=[7, 9]), alibi_slopes=[0.5, 0.25]),
+    "attention_alibi_sign": lambda: _with(_attention_case([5, 4]), alibi_slopes=[0.5, 0.25]),
     "ce_drop_last_chunk": lambda: _ce_case(),
     "ce_ignore_in_mean": lambda: _ce_case(v=50),
     "ce_smoothing_padded": lambda: _ce_case(v=50, vocab_size=47, label_smoothing=0.2),

@@ -18,9 +18,10 @@
 //! [n_q, h, d]`, `lse: [h, n_q]`.
 
 use ndarray::{Array2, Array3, ArrayView2};
+use packshard_reference::attention::options::Window;
 use packshard_reference::attention::{
     check_grad_shapes, check_mask_shape2, check_qkv_shapes, check_scores, check_varlen,
-    check_varlen_work, MAX_ATTENTION_WORK,
+    check_varlen_options, check_varlen_work, MAX_ATTENTION_WORK,
 };
 use packshard_reference::bert::{AttentionGrads, AttentionOutput};
 use packshard_reference::ops::{AttentionOp, AttentionSupport, Grad, Masked, Qkv, Varlen};
@@ -77,11 +78,31 @@ pub enum AttentionBug {
     /// segment) where `max_seqlen_k` belonged: in cross attention, keys past
     /// the longest query segment are never visited.
     MaxSeqlenQForK,
+    /// W1: the window's left edge one key too far: query `r` sees key
+    /// `c >= r + l_k - l_q - left - 1`.
+    WindowOffByOne,
+    /// W2: the window's diagonal taken as `c = r` (top-left, flash-attention
+    /// < 2.1) instead of `r + l_k - l_q` when `l_q != l_k`.
+    WindowTopLeft,
+    /// W3: the window's left edge applied over the pack's keys: a document's
+    /// first queries see the previous document's last `left` keys.
+    WindowAcrossDocuments,
+    /// W4: the softcap applied after the mask: a masked key scores
+    /// `softcap * tanh(-inf) = -softcap` and takes a share.
+    SoftcapAfterMask,
+    /// W5: the softcap's backward without its chain factor `1 -
+    /// tanh^2(raw / softcap)`.
+    SoftcapNoChain,
+    /// W6: ALiBi's distance over the pack's token indices `|i - j|` instead
+    /// of the segment's bottom-right aligned `|r + l_k - l_q - c|`.
+    AlibiPackStart,
+    /// W6: ALiBi's bias added as `+slope * |...|`.
+    AlibiSign,
 }
 
 impl AttentionBug {
     /// Every attention bug of the zoo.
-    pub const ALL: [AttentionBug; 15] = [
+    pub const ALL: [AttentionBug; 22] = [
         AttentionBug::NoRescale,
         AttentionBug::UnmaskedTail,
         AttentionBug::CausalTileEdge,
@@ -97,6 +118,13 @@ impl AttentionBug {
         AttentionBug::GqaGradOverwrite,
         AttentionBug::HeadDimTail,
         AttentionBug::MaxSeqlenQForK,
+        AttentionBug::WindowOffByOne,
+        AttentionBug::WindowTopLeft,
+        AttentionBug::WindowAcrossDocuments,
+        AttentionBug::SoftcapAfterMask,
+        AttentionBug::SoftcapNoChain,
+        AttentionBug::AlibiPackStart,
+        AttentionBug::AlibiSign,
     ];
 
     /// A short name (`no_rescale`).
@@ -117,6 +145,13 @@ impl AttentionBug {
             AttentionBug::GqaGradOverwrite => "gqa_grad_overwrite",
             AttentionBug::HeadDimTail => "head_dim_tail",
             AttentionBug::MaxSeqlenQForK => "max_seqlen_q_for_k",
+            AttentionBug::WindowOffByOne => "window_off_by_one",
+            AttentionBug::WindowTopLeft => "window_top_left",
+            AttentionBug::WindowAcrossDocuments => "window_across_documents",
+            AttentionBug::SoftcapAfterMask => "softcap_after_mask",
+            AttentionBug::SoftcapNoChain => "softcap_no_chain",
+            AttentionBug::AlibiPackStart => "alibi_pack_start",
+            AttentionBug::AlibiSign => "alibi_sign",
         }
     }
 
@@ -134,6 +169,10 @@ impl AttentionBug {
             AttentionBug::DiagonalTileSkipped | AttentionBug::DefaultScale => (64, 64),
             AttentionBug::HeadDimTail => (64, 64),
             AttentionBug::MaxSeqlenQForK => (16, 16),
+            AttentionBug::WindowOffByOne | AttentionBug::WindowTopLeft => (16, 16),
+            AttentionBug::WindowAcrossDocuments | AttentionBug::SoftcapAfterMask => (16, 16),
+            AttentionBug::SoftcapNoChain | AttentionBug::AlibiPackStart => (16, 16),
+            AttentionBug::AlibiSign => (16, 16),
             AttentionBug::GqaGradOverwrite => (64, 32),
         }
     }
@@ -141,7 +180,10 @@ impl AttentionBug {
 
 /// The tiled attention kernel: query tiles of `br` rows, key tiles of `bc`
 /// keys, with at most one [`AttentionBug`]. Declares
-/// [`AttentionSupport::CAUSAL_GQA_CROSS`] (causal, GQA, cross).
+/// [`AttentionSupport::ALL`] (causal, GQA, cross, and flash-attention's
+/// `window_size`, `softcap`, `alibi_slopes`, `seqused_k`:
+/// `reference::attention::options`; a window visits every key tile and masks
+/// each element).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TiledAttention {
     /// Query rows per tile (`kBlockM`).
@@ -214,9 +256,48 @@ impl TiledAttention {
 
     /// How a masked score enters the softmax: `None` left out (correct),
     /// `Some(fill)` as that score.
-    pub(super) fn masked_fill(&self) -> Option<f64> {
+    pub(super) fn masked_fill(&self, s: &Seg<'_>) -> Option<f64> {
+        if self.has(AttentionBug::SoftcapAfterMask) && s.softcap > 0.0 {
+            // cap(-inf) = softcap * tanh(-inf).
+            return Some(-s.softcap);
+        }
         // The fill of `masked_fill(mask, -1e9)` in many hand-written kernels.
         self.has(AttentionBug::FiniteMaskFill).then_some(-1e9)
+    }
+
+    /// The score of query `r` over key `c` of `s` (local indices) from its
+    /// raw `scale * q . k`: the cap, then ALiBi's bias; and `d score / d
+    /// raw` (the cap's chain factor, 1 without a cap).
+    pub(super) fn score(
+        &self,
+        s: &Seg<'_>,
+        a: usize,
+        (r, c): (usize, usize),
+        raw: f64,
+    ) -> (f64, f64) {
+        let (mut sc, mut chain) = if s.softcap > 0.0 {
+            let t = (raw / s.softcap).tanh();
+            (s.softcap * t, 1.0 - t * t)
+        } else {
+            (raw, 1.0)
+        };
+        if self.has(AttentionBug::SoftcapNoChain) {
+            chain = 1.0;
+        }
+        if let Some(slopes) = s.alibi {
+            let dist = if self.has(AttentionBug::AlibiPackStart) {
+                (s.q0 + r) as f64 - (s.k0 + c) as f64
+            } else {
+                r as f64 + s.lk as f64 - s.lq as f64 - c as f64
+            };
+            let sign = if self.has(AttentionBug::AlibiSign) {
+                1.0
+            } else {
+                -1.0
+            };
+            sc += sign * slopes[a] * dist.abs();
+        }
+        (sc, chain)
     }
 
     /// `l_k - l_q` of a causal segment: query `r` sees key `c <= r + off`
@@ -271,6 +352,9 @@ impl TiledAttention {
     /// Whether the tile of queries from `r0` over keys ending at `c1` needs
     /// the per-element mask.
     pub(super) fn tile_masked(&self, s: &Seg<'_>, r0: usize, c1: usize) -> bool {
+        if !s.window.is_unbounded() {
+            return true;
+        }
         match s.mask {
             Mask::Full => false,
             Mask::Dense(_) => true,
@@ -285,11 +369,20 @@ impl TiledAttention {
 
     /// Whether query `r` sees key `c` of `s` (local indices).
     pub(super) fn visible(&self, s: &Seg<'_>, r: usize, c: usize) -> bool {
-        match s.mask {
+        let base = match s.mask {
             Mask::Full => true,
             Mask::Causal => (c as i64) <= r as i64 + self.causal_offset(s),
             Mask::Dense(m) => m[[s.q0 + r, s.k0 + c]],
-        }
+        };
+        let (c, w) = (c as i64, s.window);
+        let diag = if self.has(AttentionBug::WindowTopLeft) {
+            r as i64
+        } else {
+            r as i64 + s.lk as i64 - s.lq as i64
+        };
+        let slack = i64::from(self.has(AttentionBug::WindowOffByOne));
+        base && w.right.is_none_or(|x| c <= diag + x as i64)
+            && w.left.is_none_or(|x| c >= diag - x as i64 - slack)
     }
 }
 
@@ -316,24 +409,45 @@ pub(super) struct Seg<'a> {
     /// The longest query segment of the call (`max_seqlen_q`).
     pub(super) max_lq: usize,
     pub(super) mask: Mask<'a>,
+    /// `window_size` (bottom-right aligned on the used keys `lk`).
+    pub(super) window: Window,
+    /// `softcap` (0: none).
+    pub(super) softcap: f64,
+    /// `alibi_slopes: [h]`.
+    pub(super) alibi: Option<&'a [f64]>,
 }
 
-/// The segments of a call: each varlen segment, or the whole dense problem.
-pub(super) fn segments<'a>(form: &Form<'a>, n_q: usize, n_k: usize) -> Vec<Seg<'a>> {
+/// The segments of a call: each varlen segment (its used keys,
+/// `seqused_k`), or the whole dense problem. `across`
+/// ([`AttentionBug::WindowAcrossDocuments`]): a bounded left window side
+/// reaches up to `left` keys before the segment's first key.
+pub(super) fn segments<'a>(form: &Form<'a>, n_q: usize, n_k: usize, across: bool) -> Vec<Seg<'a>> {
     match form {
         Form::Varlen(p) => {
             let max_lq = p.cu_seqlens_q.windows(2).map(|w| w[1] - w[0]).max();
             p.cu_seqlens_q
                 .windows(2)
                 .zip(p.cu_seqlens_k.windows(2))
-                .map(|(wq, wk)| Seg {
-                    q0: wq[0],
-                    lq: wq[1] - wq[0],
-                    k0: wk[0],
-                    lk: wk[1] - wk[0],
-                    n_k,
-                    max_lq: max_lq.unwrap_or(0),
-                    mask: if p.causal { Mask::Causal } else { Mask::Full },
+                .enumerate()
+                .map(|(i, (wq, wk))| {
+                    // The bug's extension: the keys before the segment, as
+                    // its first local columns (the diagonal moves with them).
+                    let ext = match p.window.left {
+                        Some(left) if across => left.min(wk[0]),
+                        _ => 0,
+                    };
+                    Seg {
+                        q0: wq[0],
+                        lq: wq[1] - wq[0],
+                        k0: wk[0] - ext,
+                        lk: p.used_keys(i) + ext,
+                        n_k,
+                        max_lq: max_lq.unwrap_or(0),
+                        mask: if p.causal { Mask::Causal } else { Mask::Full },
+                        window: p.window,
+                        softcap: p.softcap,
+                        alibi: p.alibi_slopes,
+                    }
                 })
                 .collect()
         }
@@ -345,6 +459,9 @@ pub(super) fn segments<'a>(form: &Form<'a>, n_q: usize, n_k: usize) -> Vec<Seg<'
             n_k,
             max_lq: n_q,
             mask: Mask::Dense(m.allowed),
+            window: Window::UNBOUNDED,
+            softcap: 0.0,
+            alibi: None,
         }],
     }
 }
@@ -385,7 +502,10 @@ impl Form<'_> {
         }
         check_scores(&x.q, &x.k, self.scale())?;
         match self {
-            Form::Varlen(p) => check_varlen_work(p, h, d),
+            Form::Varlen(p) => {
+                check_varlen_options(p, h)?;
+                check_varlen_work(p, h, d)
+            }
             Form::Dense(_) => {
                 let work = n as u128 * n_k as u128 * h as u128 * (d as u128 + 1);
                 if work > u128::from(MAX_ATTENTION_WORK) {
@@ -408,7 +528,8 @@ impl TiledAttention {
         let mut output = Array3::zeros((n, h, d));
         let mut lse = Array2::zeros((h, n));
         let scale = self.scale(form.scale(), d);
-        for s in segments(&form, n, n_k) {
+        let across = self.has(AttentionBug::WindowAcrossDocuments);
+        for s in segments(&form, n, n_k, across) {
             for a in 0..h {
                 let kv = self.kv_head(a, h, h_kv);
                 self.forward_tiles(&x, &s, (a, kv), scale, &mut output, &mut lse);
@@ -443,7 +564,7 @@ impl TiledAttention {
                     scores.clear();
                     for c in c0..c1 {
                         if masked && !self.visible(s, r, c) {
-                            if let Some(fill) = self.masked_fill() {
+                            if let Some(fill) = self.masked_fill(s) {
                                 scores.push((c, fill));
                             }
                             continue;
@@ -452,7 +573,7 @@ impl TiledAttention {
                         for e in 0..self.dot_dims(d) {
                             dot += x.q[[s.q0 + r, a, e]] * x.k[[s.k0 + c, kv, e]];
                         }
-                        scores.push((c, scale * dot));
+                        scores.push((c, self.score(s, a, (r, c), scale * dot).0));
                     }
                     let tile_max = scores
                         .iter()
@@ -504,7 +625,7 @@ impl TiledAttention {
 
 impl AttentionOp for TiledAttention {
     fn support(&self) -> AttentionSupport {
-        AttentionSupport::CAUSAL_GQA_CROSS
+        AttentionSupport::ALL
     }
 
     fn varlen_forward(&self, x: Qkv<'_>, p: &Varlen<'_>) -> Result<AttentionOutput> {

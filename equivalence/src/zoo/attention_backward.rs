@@ -4,7 +4,7 @@
 //! loop, each accumulating its `dK`, `dV` over the query tiles that visit it
 //! (the forward's tile schedule), the probabilities recomputed from `lse` as
 //! `P_ij = exp(s_ij - lse_i)`, `dP_ij = dO_i . v_j`, `dS_ij = P_ij (dP_ij -
-//! D_i)`, `dQ_i += scale dS_ij k_j`, `dK_j += scale dS_ij q_i`, `dV_j +=
+//! D_i)` (times the softcap's `1 - tanh^2(raw / softcap)`), `dQ_i += scale dS_ij k_j`, `dK_j += scale dS_ij q_i`, `dV_j +=
 //! P_ij dO_i`; a key head's `dK`, `dV` summed over the query heads of its
 //! group.
 //!
@@ -33,7 +33,8 @@ impl TiledAttention {
             grad_v: Array3::zeros((n_k, h_kv, d)),
         };
         let scale = self.scale(form.scale(), d);
-        for s in segments(&form, n, n_k) {
+        let across = self.has(AttentionBug::WindowAcrossDocuments);
+        for s in segments(&form, n, n_k, across) {
             for a in 0..h {
                 let kv = self.kv_head(a, h, h_kv);
                 self.backward_tiles(&x, &s, (a, kv), scale, &g, &mut grads);
@@ -63,7 +64,7 @@ impl TiledAttention {
                     .sum()
             })
             .collect();
-        let mut probs: Vec<(usize, f64, f64)> = Vec::with_capacity(self.bc);
+        let mut probs: Vec<(usize, f64, f64, f64)> = Vec::with_capacity(self.bc);
         for kt in 0..s.lk.div_ceil(self.bc) {
             let (c0, c1) = self.key_tile(s, kt);
             let mut dk = Array2::<f64>::zeros((c1 - c0, d));
@@ -85,9 +86,9 @@ impl TiledAttention {
                     }
                     probs.clear();
                     for c in c0..c1 {
-                        let sc = if masked && !self.visible(s, r, c) {
-                            match self.masked_fill() {
-                                Some(fill) => fill,
+                        let (sc, chain) = if masked && !self.visible(s, r, c) {
+                            match self.masked_fill(s) {
+                                Some(fill) => (fill, 1.0),
                                 None => continue,
                             }
                         } else {
@@ -95,22 +96,23 @@ impl TiledAttention {
                             for e in 0..self.dot_dims(d) {
                                 dot += x.q[[row(r), a, e]] * x.k[[s.k0 + c, kv, e]];
                             }
-                            scale * dot
+                            self.score(s, a, (r, c), scale * dot)
                         };
                         let p = (sc - l).exp();
                         let mut dp = 0.0;
                         for e in 0..d {
                             dp += go[[row(r), a, e]] * x.v[[s.k0 + c, kv, e]];
                         }
-                        probs.push((c, p, dp));
+                        probs.push((c, p, dp, chain));
                     }
                     let dd = if self.has(AttentionBug::DeltaPerTile) {
-                        probs.iter().map(|&(_, p, dp)| p * dp).sum()
+                        probs.iter().map(|&(_, p, dp, _)| p * dp).sum()
                     } else {
                         delta[r]
                     };
-                    for &(c, p, dp) in &probs {
-                        let ds = p * (dp - dd);
+                    for &(c, p, dp, chain) in &probs {
+                        // The cap's chain factor (1 without a cap).
+                        let ds = p * (dp - dd) * chain;
                         let j = c - c0;
                         for e in 0..d {
                             dv[[j, e]] += p * go[[row(r), a, e]];

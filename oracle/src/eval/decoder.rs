@@ -21,7 +21,7 @@ use super::{check_values, num, Case, EvalError};
 use crate::causal_lm::VarlenInput;
 
 /// The config fields (the names of [`DecoderConfig`], so its errors name them).
-const CONFIG_FIELDS: [&str; 12] = [
+const CONFIG_FIELDS: [&str; 13] = [
     "vocab_size",
     "hidden_size",
     "num_heads",
@@ -34,6 +34,7 @@ const CONFIG_FIELDS: [&str; 12] = [
     "tie_embeddings",
     "rope_theta",
     "norm_eps",
+    "sliding_window",
 ];
 
 /// How many of [`CONFIG_FIELDS`], from the first, are sizes.
@@ -113,6 +114,8 @@ fn config(case: &Case) -> Result<DecoderConfig, EvalError> {
         tie_embeddings: case.opt_bool("tie_embeddings")?.unwrap_or(false),
         rope_theta: case.opt_f64("rope_theta")?.unwrap_or(10_000.0),
         norm_eps: case.opt_f64("norm_eps")?.unwrap_or(1e-6),
+        // Hugging Face's `sliding_window` (absent or null: none).
+        sliding_window: case.opt_usize("sliding_window")?,
     };
     c.validate()?;
     Ok(c)

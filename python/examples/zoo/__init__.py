@@ -26,6 +26,26 @@ ZOO = {
     "attention_delta_per_tile": (
         "attention", attention.kernel("delta_per_tile"),
         "the backward's D = rowsum(dO * O) from each key tile's partial output"),
+    "attention_window_off_by_one": (
+        "attention", attention.kernel("window_off_by_one"),
+        "W1: the window's left edge one key too far (c >= r + l_k - l_q - left - 1)"),
+    "attention_window_top_left": (
+        "attention", attention.kernel("window_top_left"),
+        "W2: the window aligned top-left (c = r) when a segment has l_q != l_k"),
+    "attention_window_across_documents": (
+        "attention", attention.kernel("window_across_documents"),
+        "W3: the window's left edge over the pack's keys, into the previous document"),
+    "attention_softcap_after_mask": (
+        "attention", attention.kernel("softcap_after_mask"),
+        "W4: softcap applied after the mask (a masked key scores -softcap, not -inf)"),
+    "attention_softcap_no_chain": (
+        "attention", attention.kernel("softcap_no_chain"),
+        "W5: the score softcap's gradient without its 1 - tanh^2 chain factor"),
+    "attention_alibi_pack_start": (
+        "attention", attention.kernel("alibi_pack_start"),
+        "W6: ALiBi's distance over the pack's token indices, not the segment's aligned ones"),
+    "attention_alibi_sign": (
+        "attention", attention.kernel("alibi_sign"), "W6: ALiBi's bias +slope |i - j|"),
     "ce_drop_last_chunk": (
         "cross_entropy", cross_entropy.kernel("drop_last_chunk"),
         "v // 1024 vocabulary chunks: the last partial chunk left out of the logsumexp"),

@@ -124,6 +124,9 @@ def _results_as(r, f64):
             and x.dtype != want else x for key, x in r.items()}
 
 
+from . import attention_options as _attention_options  # noqa: E402
+
+
 def _f32_in_place(xs):
     """``xs`` as arrays when every one is float32 (then read in place), else None."""
     arrays = [_np.asarray(x) for x in xs]
@@ -132,7 +135,8 @@ def _f32_in_place(xs):
 
 def attention(q, k, v, cu_seqlens=None, *, causal=False, scale=None, grad_output=None,
               want_grad=None, impl=REFERENCE, cu_seqlens_q=None, cu_seqlens_k=None,
-              max_seqlen_q=None, max_seqlen_k=None, dtype=None):
+              max_seqlen_q=None, max_seqlen_k=None, dtype=None, window_size=None, softcap=None,
+              alibi_slopes=None, seqused_k=None):
     """Varlen attention (flash_attn_varlen_func's form).
 
     ``q``: ``[n_q, h, d]``; ``k``, ``v``: ``[n_k, h_kv, d]`` (``h_kv`` divides
@@ -146,6 +150,14 @@ def attention(q, k, v, cu_seqlens=None, *, causal=False, scale=None, grad_output
     also the backward. Returns a dict: ``output`` ``[n_q, h, d]``, ``lse``
     ``[h, n_q]`` (natural log), and ``grad_q``, ``grad_k``, ``grad_v``
     (``[n_k, h_kv, d]``) with a ``grad_output``.
+
+    flash-attention's options, each absent by default
+    (:mod:`packshard.attention_options`): ``window_size=(left, right)`` (-1
+    unbounded, bottom-right aligned), ``softcap`` (``c * tanh(s / c)`` on the
+    scores before the mask), ``alibi_slopes`` (``[h]``, bias ``-slope * |r +
+    l_k - l_q - c|``), ``seqused_k`` (``[b]`` keys used per segment). A
+    kernel that does not implement one refuses it (``invalid_argument``
+    naming the field), never ignores it.
 
     The arrays are float32 for an f32 or bf16 ``impl`` (its own values, not
     widened) and float64 for the reference; ``dtype=numpy.float64`` (or
@@ -187,7 +199,9 @@ def attention(q, k, v, cu_seqlens=None, *, causal=False, scale=None, grad_output
     go = grad_output if f32 is not None else None if not want else _f64(grad_output, "grad_output")
     go = _rank(go, 3, "grad_output", "[n_q, h, d]") if want else None
     run = _native.attention if f32 is None else _native.attention_f32
-    r = run(q, k, v, cu_q, bool(causal), None if scale is None else float(scale), go, impl, cu_k)
+    opts = _attention_options.native(window_size, softcap, alibi_slopes, seqused_k, error=_error)
+    r = run(q, k, v, cu_q, bool(causal), None if scale is None else float(scale), go, impl, cu_k,
+            **opts)
     return _results_as(r, f64)
 
 

@@ -35,6 +35,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 import numpy as np
 
 from . import PackshardError, _native
+from . import _error
+from . import attention_options as _attention_options
 
 __all__ = [
     "Report",
@@ -44,6 +46,7 @@ __all__ = [
     "judge",
     "TensorVerdict",
     "PRECISIONS",
+    "WITHOUT_ATTENTION_OPTIONS",
     "fuzz",
     "check_attention",
     "check_cross_entropy",
@@ -91,11 +94,13 @@ def judged(op: str, args: Mapping[str, Any], precision: str = "f32"
         go = a.get("grad_output") if a.get("want_grad", a.get("grad_output") is not None) else None
         cu_q = a["cu_seqlens_q"] if "cu_seqlens_q" in a else a["cu_seqlens"]
         cu_k = a.get("cu_seqlens_k")
+        opts = _attention_options.native(**{n: a.get(n) for n in _attention_options.NAMES},
+                                         error=_error)
         return _native.attention_judged(
             _f(a["q"]), _f(a["k"]), _f(a["v"]), np.asarray(cu_q, dtype=np.int64),
             bool(a.get("causal", False)), a.get("scale"),
             None if go is None else _f(go), precision,
-            None if cu_k is None else np.asarray(cu_k, dtype=np.int64))
+            None if cu_k is None else np.asarray(cu_k, dtype=np.int64), **opts)
     if op in ("cross_entropy", "linear_cross_entropy"):
         lin = op == "linear_cross_entropy"
         want = bool(a.get("want_grad", False))
@@ -159,6 +164,9 @@ class Failure:
         case = {"op": self.op}
         for k, v in self.args.items():
             if k == "grad_output" and not self.args.get("want_grad", True):
+                continue
+            # An option forced off (``fix``, WITHOUT_ATTENTION_OPTIONS) is absent.
+            if v is None and k in _attention_options.NAMES:
                 continue
             # eval takes one form of the offsets, and no max_seqlen_*.
             if self.op == "attention" and (k.startswith("max_seqlen") or (
@@ -342,6 +350,14 @@ def _run_one(fn, op, args, describe, size, source, precision, report):
     except _BadOutput as e:
         return Failure(op, args, describe, size, source, str(e))
     except Exception as e:  # the kernel under test raised on valid input
+        refused = _refused_option(e, args) if op == "attention" else None
+        if refused is not None:
+            # A typed refusal of an option the kernel does not implement
+            # (never a silent fallback): left out and counted.
+            report.cases -= 1
+            why = f"{refused}: refused by the kernel"
+            report.restricted[why] = report.restricted.get(why, 0) + 1
+            return None
         return Failure(op, args, describe, size, source,
                        f"raised {type(e).__name__}: {e} on input the reference accepts")
     # O5: a backward that writes gradients into its inputs (the logits, the
@@ -367,6 +383,20 @@ def _run_one(fn, op, args, describe, size, source, precision, report):
         if not v.passed:
             return Failure(op, args, describe, size, source, v.failure)
         report.worst = max(report.worst, v.share)
+    return None
+
+
+def _refused_option(e, args):
+    """The option a kernel's exception refuses, or None: a ``PackshardError``
+    whose ``field`` names an option the case sets (the registered kernels'
+    typed refusal, ``invalid_argument`` "this implementation has no ..."), or a
+    ``NotImplementedError`` whose message names one."""
+    for name in _attention_options.given(args):
+        field = getattr(e, "field", None) or ""
+        if isinstance(e, PackshardError) and (field == name or field.startswith(name + "[")):
+            return name
+        if isinstance(e, NotImplementedError) and name in str(e):
+            return name
     return None
 
 
@@ -488,7 +518,15 @@ def judge(op: str, args: Mapping[str, Any], outputs: Any, precision: str = "f32"
 # The keyword arguments of a generated attention case (flash_attn_varlen_func's
 # names; ``cu_seqlens`` is ``cu_seqlens_q``, the self-attention form).
 _ATTENTION_ARGS = ("q", "k", "v", "cu_seqlens", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q",
-                   "max_seqlen_k", "causal", "scale", "grad_output", "want_grad")
+                   "max_seqlen_k", "causal", "scale", "grad_output", "want_grad"
+                   ) + _attention_options.NAMES
+
+
+# ``fix=`` for a kernel without flash-attention's options (each forced to
+# None: absent for the reference and the kernel), as ``{"softcap": None}`` is
+# for a loss kernel without the softcap. A kernel run this way is not checked
+# on any of them.
+WITHOUT_ATTENTION_OPTIONS: Dict[str, Any] = {n: None for n in _attention_options.NAMES}
 
 
 def _accepted(fn, names):
@@ -523,7 +561,14 @@ def check_attention(fn, cases=100, seed=0, *, causal=None, gqa=True, **kw):
     ``cu_seqlens_k`` nor ``**kwargs`` gets self-attention cases only; one
     without ``causal`` only bidirectional ones; ``gqa=False`` leaves out the
     cases with ``h_kv < h``. ``causal=True`` or ``False`` forces the mask on
-    every case. What is left out is counted in ``Report.restricted``.
+    every case. flash-attention's options (``window_size``, ``softcap``,
+    ``alibi_slopes``, ``seqused_k``; :mod:`packshard.attention_options`) are
+    passed when a case draws them (about one case in two) to a ``fn`` that
+    takes them by name or with ``**kwargs`` (one that takes ``**kwargs`` and
+    ignores one fails); a ``fn`` that takes one neither by name nor with
+    ``**kwargs`` does not get the cases with it, and a ``fn`` that refuses one (a ``PackshardError`` naming
+    it, or a ``NotImplementedError`` naming it) has that case left out.
+    What is left out is counted in ``Report.restricted``.
     """
     fix = dict(kw.pop("fix", None) or {})
     if causal is not None:
@@ -538,6 +583,9 @@ def check_attention(fn, cases=100, seed=0, *, causal=None, gqa=True, **kw):
             return "causal: fn takes no causal"
         if not gqa and args["k"].shape[1] != args["q"].shape[1]:
             return "grouped-query: gqa=False"
+        for name in _attention_options.given(args):
+            if name not in takes:
+                return f"{name}: fn takes no {name}"
         return None
 
     def call(**args):

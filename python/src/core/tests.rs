@@ -34,6 +34,7 @@ fn tiled_attention_is_within_the_rule_and_a_leak_is_not() {
         causal: false,
         scale: None,
         grad_output: Some(q.view()),
+        options: Default::default(),
     };
     let j = attention_judged(&a, KernelPrecision::F32).unwrap();
     let got = attention("attention_varlen_tiled", &a).unwrap();
@@ -151,6 +152,7 @@ fn a_grouped_query_cross_causal_case_is_judged() {
         causal: true,
         scale: None,
         grad_output: Some(go.view()),
+        options: Default::default(),
     };
     let j = attention_judged(&a, KernelPrecision::F32).unwrap();
     let base = j.baseline.unwrap();

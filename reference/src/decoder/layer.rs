@@ -313,11 +313,17 @@ pub fn decoder_layer_forward(
             };
             let out = op.varlen_forward(
                 Qkv::new(q.view(), k_all.view(), v_all.view()),
-                &Varlen::cross(cu_seqlens, &cu_k, true, scale),
+                &Varlen::cross(cu_seqlens, &cu_k, true, scale).with_window(c.window()),
             )?;
             (k_all, v_all, cu_k, out)
         }
         DecoderAttention::Dense { row_len, allowed } => {
+            if c.sliding_window.is_some() {
+                return Err(Error::invalid(
+                    "sliding_window",
+                    "the dense layout takes no window here: use the varlen layout",
+                ));
+            }
             if past.is_some() {
                 return Err(Error::invalid(
                     "past",
@@ -436,7 +442,8 @@ pub fn decoder_layer_backward(
         DecoderAttention::Varlen { cu_seqlens } => {
             let ag = op.varlen_backward(
                 Qkv::new(cache.q.view(), cache.k_all.view(), cache.v_all.view()),
-                &Varlen::cross(cu_seqlens, &cache.cu_seqlens_k, true, scale),
+                &Varlen::cross(cu_seqlens, &cache.cu_seqlens_k, true, scale)
+                    .with_window(c.window()),
                 Grad::new(&cache.attention, da.view()),
             )?;
             (ag.grad_q, ag.grad_k, ag.grad_v)

@@ -55,6 +55,17 @@ pub struct DecoderConfig {
     pub rope_theta: f64,
     /// The norms' epsilon (`rms_norm_eps`).
     pub norm_eps: f64,
+    /// Hugging Face's `sliding_window` (Mistral, Gemma 2/3 local layers;
+    /// `None`: full causal attention): a token attends to itself and the
+    /// `sliding_window - 1` tokens before it in its document, flash-attention's
+    /// `window_size = (sliding_window - 1, 0)`. That is transformers'
+    /// convention (`masking_utils.sliding_window_overlay`: key `kv` is kept
+    /// for query `q` when `kv > q - sliding_window`; its flash-attention
+    /// path passes `window_size = (sliding_window - 1, sliding_window - 1)`
+    /// with `causal`, the same mask) and vLLM's (`(sliding_window - 1, 0)`
+    /// for a decoder). Every layer uses it. Applied through the attention's
+    /// window option, so with packing it never crosses a document.
+    pub sliding_window: Option<usize>,
 }
 
 impl DecoderConfig {
@@ -112,6 +123,19 @@ impl DecoderConfig {
             tie_embeddings: false,
             rope_theta: 10_000.0,
             norm_eps: 1e-6,
+            sliding_window: None,
+        }
+    }
+
+    /// The attention window of [`DecoderConfig::sliding_window`]:
+    /// `(sliding_window - 1, 0)`, unbounded without one.
+    pub fn window(&self) -> crate::attention::Window {
+        match self.sliding_window {
+            Some(w) => crate::attention::Window {
+                left: Some(w.saturating_sub(1)),
+                right: Some(0),
+            },
+            None => crate::attention::Window::UNBOUNDED,
         }
     }
 
@@ -130,6 +154,9 @@ impl DecoderConfig {
         })?;
         ensure(d.is_multiple_of(2), "head_dim", || {
             format!("is {d}: rotary embeddings need an even head dim")
+        })?;
+        ensure(self.sliding_window != Some(0), "sliding_window", || {
+            "is 0: a token attends at least to itself (None: no window)".to_string()
         })?;
         ensure(self.num_layers <= 1 << 10, "num_layers", || {
             format!("is {}, over the 1024 layers supported", self.num_layers)

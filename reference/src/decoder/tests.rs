@@ -600,3 +600,88 @@ fn bad_inputs_are_typed_errors() {
     let e = forward_err(&broken, &att, None);
     assert_error_field!(e, ShapeMismatch, "model.layers.0.self_attn.k_proj.weight");
 }
+
+#[test]
+fn sliding_window_packed_equals_each_document_alone() {
+    // Hugging Face's sliding_window = 3: each token sees itself and the 2
+    // tokens before it in its own document (window_size = (2, 0)).
+    let cfg = DecoderConfig {
+        sliding_window: Some(3),
+        ..config(Norm::RmsNorm, Mlp::SwiGlu, false, 4, 2, 4, 2)
+    };
+    let model = DecoderModel::random(cfg, 21).unwrap();
+    let lengths = [6, 1, 5];
+    let packed = case(&model, varlen(&lengths), positions(&lengths, &[0, 0, 0]), 5);
+    let run = |m: &DecoderModel, c: &Case| {
+        let input = DecoderInput {
+            input_ids: &c.ids,
+            position_ids: &c.pos,
+            attention: &c.attention,
+            past: None,
+        };
+        m.run(&ReferenceAttention, &input, &c.labels, &c.weights)
+            .unwrap()
+    };
+    let whole = run(&model, &packed);
+    let offs = cu(&lengths);
+    let mut loss = 0.0;
+    let mut grads = whole.grads.params.zeros_like();
+    for (s, &l) in lengths.iter().enumerate() {
+        let r = offs[s]..offs[s + 1];
+        let doc = Case {
+            ids: packed.ids[r.clone()].to_vec(),
+            pos: packed.pos[r.clone()].to_vec(),
+            attention: varlen(&[l]),
+            labels: packed.labels[r.clone()].to_vec(),
+            weights: packed.weights[r.clone()].to_vec(),
+        };
+        let one = run(&model, &doc);
+        loss += one.loss;
+        for t in 0..l {
+            let what = format!("document {s} token {t}");
+            let row = |a: &ndarray::Array2<f64>, i: usize| a.row(i).to_vec();
+            close(
+                &format!("logits, {what}"),
+                &row(&whole.logits, offs[s] + t),
+                &row(&one.logits, t),
+                REWRITE,
+            );
+            close(
+                &format!("grad_inputs_embeds, {what}"),
+                &row(&whole.grads.grad_inputs_embeds, offs[s] + t),
+                &row(&one.grads.grad_inputs_embeds, t),
+                REWRITE,
+            );
+        }
+        for ((_, mut g), (_, x)) in grads.named_mut().into_iter().zip(one.grads.params.named()) {
+            g += &x;
+        }
+    }
+    close("loss", &[whole.loss], &[loss], REWRITE);
+    for ((name, a), (_, b)) in whole.grads.params.named().iter().zip(grads.named()) {
+        let flat_view = |v: &ndarray::ArrayViewD<'_, f64>| v.iter().copied().collect::<Vec<_>>();
+        close(name, &flat_view(a), &flat_view(&b), REWRITE);
+    }
+    // Negative control: the window changes the packed loss (the test would
+    // see a window that is ignored), and a window of 0 is refused by name.
+    let full = DecoderModel {
+        config: DecoderConfig {
+            sliding_window: None,
+            ..model.config.clone()
+        },
+        params: model.params.clone(),
+    };
+    assert!((run(&full, &packed).loss - whole.loss).abs() > 1e-6);
+    // The backward is that of the windowed forward (packed == unpacked alone
+    // would not see a backward that ignores the window on both sides).
+    assert!(fd_model("sliding window", &model, &packed, None) > 0);
+    let zero = DecoderConfig {
+        sliding_window: Some(0),
+        ..model.config.clone()
+    };
+    assert_error_field!(
+        zero.validate().unwrap_err(),
+        InvalidArgument,
+        "sliding_window"
+    );
+}
