@@ -186,11 +186,9 @@ def test_a_kernel_that_takes_no_option_gets_the_cases_without_it():
 def test_a_kernel_refusing_an_option_has_those_cases_left_out_and_counted():
     def refuses_window(**kw):
         if kw.get("window_size") is not None:
-            # attention_dense_masked declares no window: its typed refusal
-            # (invalid_argument naming window_size), as any kernel's should be.
-            return packshard.attention(kw["q"], kw["k"], kw["v"], kw["cu_seqlens"],
-                                       window_size=kw["window_size"],
-                                       impl="attention_dense_masked")
+            # Every registered CPU kernel now takes the window, so the refusal
+            # is the other documented form: NotImplementedError naming it.
+            raise NotImplementedError("window_size: this kernel has no sliding window")
         return _reference(**kw)
 
     r = testing.check_attention(refuses_window, cases=30, precision="f64")

@@ -11,21 +11,24 @@ from packshard import PackshardError, testing
 
 BF16 = ml_dtypes.bfloat16
 
-# The kernels here run the registered tiled kernel, which has no window,
-# softcap, ALiBi or seqused_k yet (issue 33, branch tiled33 adds them): their
-# cases are run without (testing.WITHOUT_ATTENTION_OPTIONS).
-NO_OPTIONS = testing.WITHOUT_ATTENTION_OPTIONS
+# flash_attn_varlen_func's options, which the kernels here pass on to the
+# registered tiled kernel (a kernel that dropped them would fail the check).
+OPTIONS = ("window_size", "softcap", "alibi_slopes", "seqused_k")
+
+
+def options(kw):
+    return {name: kw[name] for name in OPTIONS if name in kw}
 
 
 def bf16_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=None, causal=False,
-                   grad_output=None, want_grad=False, **_):
+                   grad_output=None, want_grad=False, **kw):
     """A correct bf16 kernel: inputs cast to bf16, math in f32 (the registered
     f32 tiled kernel on float32 arrays), results stored in bf16."""
     x = [np.asarray(t, dtype=BF16).astype(np.float32) for t in (q, k, v)]
     go = None if grad_output is None else np.asarray(grad_output, dtype=BF16).astype(np.float32)
     r = packshard.attention(*x, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                             causal=causal, scale=scale, grad_output=go if want_grad else None,
-                            impl="attention_varlen_tiled")
+                            impl="attention_varlen_tiled", **options(kw))
     return {key: val.astype(BF16) for key, val in r.items()}
 
 
@@ -42,13 +45,13 @@ def bf16_cross_entropy(logits, targets, **kw):
 
 
 def test_a_correct_bf16_attention_kernel_passes():
-    r = testing.check_attention(bf16_attention, precision="bf16", fix=NO_OPTIONS)
+    r = testing.check_attention(bf16_attention, precision="bf16")
     assert r.compared >= 90 and r.values > 10_000
     assert 0 < r.worst <= 1
     # Negative control: the same kernel under the f32 rule fails (its bf16
     # results are 2^-9 off, far beyond 32 x an f32 baseline).
     with pytest.raises(AssertionError):
-        testing.check_attention(bf16_attention, cases=30, precision="f32", fix=NO_OPTIONS)
+        testing.check_attention(bf16_attention, cases=30, precision="f32")
 
 
 def test_a_correct_bf16_cross_entropy_kernel_passes():
@@ -61,7 +64,7 @@ def test_a_buggy_bf16_kernel_fails_under_bf16():
         kw.update(cu_seqlens_q=np.array([0, q.shape[0]]), cu_seqlens_k=np.array([0, k.shape[0]]))
         return bf16_attention(q, k, v, **kw)
     with pytest.raises(AssertionError) as e:
-        testing.check_attention(leaky, precision="bf16", fix=NO_OPTIONS)
+        testing.check_attention(leaky, precision="bf16")
     assert "precision bf16" in str(e.value)
 
     def ignore_counted(logits, targets, **kw):  # ignore_index counted in the mean
@@ -82,9 +85,9 @@ def test_f16_kernels_pass_and_bugs_fail():
         r = packshard.attention(*x, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                                 causal=kw["causal"], scale=kw.get("scale"),
                                 grad_output=None if go is None else go.astype(np.float16),
-                                impl="attention_varlen_tiled")
+                                impl="attention_varlen_tiled", **options(kw))
         return {key: val.astype(np.float16) for key, val in r.items()}
-    r = testing.check_attention(f16_attention, precision="f16", fix=NO_OPTIONS)
+    r = testing.check_attention(f16_attention, precision="f16")
     assert r.compared >= 90
 
     def f16_lse_log2(q, k, v, cu_seqlens_q, cu_seqlens_k, **kw):
@@ -92,7 +95,7 @@ def test_f16_kernels_pass_and_bugs_fail():
         out["lse"] = (out["lse"].astype(np.float32) / np.log(2)).astype(np.float16)
         return out
     with pytest.raises(AssertionError) as e:
-        testing.check_attention(f16_lse_log2, precision="f16", fix=NO_OPTIONS)
+        testing.check_attention(f16_lse_log2, precision="f16")
     assert "lse" in str(e.value)
 
 

@@ -30,10 +30,7 @@ def test_cases_are_the_rust_fuzz_cases():
 
 @pytest.mark.parametrize("impl", ["attention_varlen_tiled", "attention_varlen_scalar"])
 def test_registered_attention_passes(impl):
-    # The tiled kernel has no window, softcap, ALiBi or seqused_k yet (it
-    # refuses them; branch tiled33 adds them): its cases run without.
-    fix = testing.WITHOUT_ATTENTION_OPTIONS if impl == "attention_varlen_tiled" else None
-    r = testing.check_attention(registered("attention", impl), cases=40, seed=3, fix=fix)
+    r = testing.check_attention(registered("attention", impl), cases=40, seed=3)
     assert r.compared >= 35 and r.values > 1000
 
 
