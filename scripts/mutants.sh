@@ -4,6 +4,8 @@
 #
 #   scripts/mutants.sh                    # the default plan: a sample of each crate
 #   PLAN=guards scripts/mutants.sh        # only the guard-rail functions (42 mutants)
+#   PLAN=compare scripts/mutants.sh       # all of equivalence/src/compare.rs (162 mutants, about 10 min)
+#   PLAN=builders scripts/mutants.sh      # the fuzz cases' size builders (schedule.rs, vocab/large.rs)
 #   K=3 scripts/mutants.sh                # another slice of the sample (rotate K = 1, 2, ...)
 #   ONLY=reference scripts/mutants.sh     # one crate's run of the plan (reference, equivalence, optimized)
 #   PLAN=full scripts/mutants.sh          # every mutant of every crate (many hours)
@@ -86,6 +88,22 @@ sample)
         -e 'optimized/src/cuda/**' \
         --test-package packshard-optimized --test-package packshard-oracle
     ;;
+compare)
+    # The judge: every mutant of compare.rs, against the crate's unit tests only
+    # (`--lib`: compare_tests.rs holds each rule to the numbers its docs state),
+    # so a mutant costs an incremental build of one test binary (about 3 s).
+    run compare -p packshard-equivalence -f equivalence/src/compare.rs -C --lib \
+        --minimum-test-timeout 60
+    ;;
+builders)
+    # The fuzz cases' size builders (the size classes, budget and boundary lengths
+    # every family draws from; the large loss cases), against the unit tests and the
+    # two test files that hold the generators to what they must reach.
+    run builders-sizes -p packshard-equivalence \
+        -f equivalence/src/fuzz/schedule.rs -f equivalence/src/fuzz/vocab/large.rs \
+        -C --lib -C --test=fuzz_vocab_sizes -C --test=attention_schedule \
+        --minimum-test-timeout 60
+    ;;
 cuda)
     PACKSHARD_REQUIRE_EMULATOR=1 run optimized-cuda -p packshard-optimized --features cuda \
         -f 'optimized/src/cuda/**' --shard "$((K - 1))/20" --sharding round-robin
@@ -96,7 +114,7 @@ full)
     run optimized -p packshard-optimized --test-package packshard-optimized --test-package packshard-oracle
     ;;
 *)
-    echo "PLAN must be guards, sample, cuda or full" >&2
+    echo "PLAN must be guards, compare, builders, sample, cuda or full" >&2
     exit 2
     ;;
 esac

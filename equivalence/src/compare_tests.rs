@@ -225,3 +225,225 @@ fn the_f32_rule_allows_f32_underflow_and_nothing_more() {
     assert!(assert_close_with_scale("t", &[0.5], &[0.5 + 1e-3], &[1], f32r, None).is_err());
     assert_eq!(F32_UNDERFLOW, 64.0 * f32::MIN_POSITIVE as f64);
 }
+
+// The tests below pin what a mutation run of this file (docs/MUTANTS.md,
+// `PLAN=compare`) found no unit test held: the statistics a mismatch
+// reports, the suite tier's totals, the length checks and the names.
+
+/// `error_stats` on values whose errors are exact in binary: errors 0.5, 1,
+/// 0.25 and 0 against expected 1, -4, 0 and 2 (the 0 has no relative error).
+#[test]
+fn error_stats_are_the_max_mean_and_rms_of_the_errors() {
+    let s = error_stats(&[1.0, -4.0, 0.0, 2.0], &[1.5, -3.0, 0.25, 2.0]);
+    assert_eq!(
+        s,
+        ErrorStats {
+            max_abs: 1.0,
+            // 0.5 / 1 and 1 / 4; the error at an expected 0 is not relative.
+            max_rel: 0.5,
+            mean_abs: (0.5 + 1.0 + 0.25) / 4.0,
+            rmse: ((0.25 + 1.0 + 0.0625) / 4.0f64).sqrt(),
+        }
+    );
+    // A mismatch's message carries them.
+    let m = assert_close(
+        "t",
+        &[1.0, -4.0, 0.0, 2.0],
+        &[1.5, -3.0, 0.25, 2.0],
+        &[4],
+        Tolerance::EXACT,
+    )
+    .unwrap_err();
+    assert!(
+        m.detail
+            .contains("max abs error 1e0, max rel error 5e-1, mean abs error 4.375e-1"),
+        "{m}"
+    );
+}
+
+#[test]
+fn a_mismatch_displays_what_then_the_detail() {
+    let m = Mismatch::new("grad_q", "at [0]: expected 1e0, got 2e0");
+    assert_eq!(m.to_string(), "grad_q: at [0]: expected 1e0, got 2e0");
+    assert_eq!(
+        m.within("padded").to_string(),
+        "padded: grad_q: at [0]: expected 1e0, got 2e0"
+    );
+}
+
+/// A multi-index skips axes of extent 0 (an empty tensor's shape) instead
+/// of dividing by them.
+#[test]
+fn unravel_counts_row_major_and_skips_empty_axes() {
+    assert_eq!(unravel(7, &[2, 3, 2]), vec![1, 0, 1]);
+    assert_eq!(unravel(3, &[0, 4]), vec![0, 3]);
+}
+
+/// A rule given an underflow floor allows that much in the values' own
+/// units, and no more.
+#[test]
+fn with_underflow_sets_the_floor_in_the_values_units() {
+    let t = Tolerance::EXACT.with_underflow(1e-30);
+    assert_eq!(t.underflow, 1e-30);
+    assert!(assert_close("t", &[0.0], &[5e-31], &[1], t).is_ok());
+    assert!(assert_close("t", &[0.0], &[2e-30], &[1], t).is_err());
+}
+
+/// A length that differs from the reference's is a mismatch naming both,
+/// for the kernel's tensor and for the baseline's, never a comparison of
+/// the common prefix.
+#[test]
+fn tensors_of_another_length_are_mismatches() {
+    let m = assert_close("t", &[1.0, 2.0], &[1.0], &[2], Tolerance::EXACT).unwrap_err();
+    assert!(
+        m.detail
+            .contains("length 1 where 2 was expected (shape [2])"),
+        "{m}"
+    );
+    let rule = RelativeRule::F32;
+    let e = [1.0, 2.0];
+    let m = assert_within_k("t", &e, &[1.0], &e, &[2], rule, Allowance::default()).unwrap_err();
+    assert_eq!(m.what, "t");
+    assert!(
+        m.detail
+            .contains("the baseline has 1 values, the reference 2"),
+        "{m}"
+    );
+    let m = assert_within_k("t", &e, &e, &[1.0], &[2], rule, Allowance::default()).unwrap_err();
+    assert!(m.detail.contains("length 1 where 2 was expected"), "{m}");
+}
+
+/// The suite tier's totals, exactly (every ratio dyadic): a zero scale counts
+/// nothing, each comparison adds its errors relative to its scale, and
+/// merging two runs' totals is adding them.
+#[test]
+fn relative_totals_add_and_merge_errors_relative_to_each_scale() {
+    let seen = |error, baseline, scale| RelativeError {
+        error,
+        baseline,
+        scale,
+        floor: 0.0,
+        values: 1,
+    };
+    let mut t = RelativeTotals::default();
+    assert_eq!((t.max_ratio(), t.mean_ratio()), (0.0, 0.0));
+    t.add(&seen(1.0, 0.5, 0.0));
+    assert_eq!(t, RelativeTotals::default(), "a zero scale counts nothing");
+    t.add(&seen(3.0, 1.0, 2.0)); // 1.5 against 0.5
+    t.add(&seen(1.0, 1.0, 4.0)); // 0.25 against 0.25
+    let added = RelativeTotals {
+        max: 1.5,
+        baseline_max: 0.5,
+        sum: 1.75,
+        baseline_sum: 0.75,
+        count: 2,
+    };
+    assert_eq!(t, added);
+    assert_eq!(t.max_ratio(), 3.0);
+    assert_eq!(t.mean_ratio(), 1.75 / 0.75);
+    let other = RelativeTotals {
+        max: 2.0,
+        baseline_max: 0.25,
+        sum: 3.0,
+        baseline_sum: 1.0,
+        count: 3,
+    };
+    t.merge(&other);
+    assert_eq!(
+        t,
+        RelativeTotals {
+            max: 2.0,
+            baseline_max: 0.5,
+            sum: 4.75,
+            baseline_sum: 1.75,
+            count: 5,
+        }
+    );
+}
+
+/// The suite tier fails when either ratio exceeds `k` (the largest or the
+/// mean alone), and passes at exactly `k`.
+#[test]
+fn the_suite_tier_fails_on_either_ratio_and_passes_at_k() {
+    let rule = RelativeRule::new("test", 2.0, 8.0, 4.0, f32::EPSILON as f64);
+    let seen = |error, baseline| RelativeError {
+        error,
+        baseline,
+        scale: 1.0,
+        floor: 0.0,
+        values: 1,
+    };
+    let totals = |pairs: &[(f64, f64)]| {
+        let mut t = RelativeTotals::default();
+        for &(e, b) in pairs {
+            t.add(&seen(e, b));
+        }
+        t
+    };
+    // Both ratios exactly 2: allowed.
+    assert!(totals(&[(2.0, 1.0)]).check("t", rule).is_ok());
+    // Largest 1 x, mean (1 + 1) / (1 + 0.125) = 1.78 x: allowed.
+    assert!(totals(&[(1.0, 1.0), (1.0, 0.125)]).check("t", rule).is_ok());
+    // Largest 2 x, mean (1 + 2) / (1 + 0.25) = 2.4 x: the mean alone fails.
+    let mean = totals(&[(1.0, 1.0), (2.0, 0.25)]);
+    assert_eq!(mean.max_ratio(), 2.0);
+    let m = mean.check("t", rule).unwrap_err();
+    assert!(m.detail.contains("and its mean 2.40 x"), "{m}");
+    // Largest 3 x, mean (3 + 0.5) / (1 + 1) = 1.75 x: the largest alone fails.
+    let max = totals(&[(3.0, 1.0), (0.5, 1.0)]);
+    assert_eq!(max.mean_ratio(), 1.75);
+    let m = max.check("t", rule).unwrap_err();
+    assert!(m.detail.contains("(3.00 x the baseline's"), "{m}");
+}
+
+/// The storage rules hold the numbers their docs derive: 8 x the stored
+/// baseline per tensor, 2 x over a suite, a floor of 2 unit roundoffs of
+/// bf16 (`2^-8`) and of f16 (`2^-11`).
+#[test]
+fn the_storage_rules_hold_their_unit_roundoffs() {
+    let b = RelativeRule::BF16_STORED_FUZZ;
+    assert_eq!(
+        (b.k, b.k_tensor, b.floor, b.eps),
+        (2.0, 8.0, 2.0, 2f64.powi(-8))
+    );
+    let f = RelativeRule::F16_STORED_FUZZ;
+    assert_eq!(
+        (f.k, f.k_tensor, f.floor, f.eps),
+        (2.0, 8.0, 2.0, 2f64.powi(-11))
+    );
+    for r in [b, f] {
+        assert!(
+            r.name.contains("8 x") && r.name.contains("2 unit roundoffs"),
+            "{}",
+            r.name
+        );
+    }
+}
+
+/// A judge names its rule, its inputs and its packed tolerance, and hands
+/// out the relative rule only when it has one.
+#[test]
+fn a_judge_names_its_rule_and_hands_out_its_parts() {
+    use packshard_reference::ops::Precision;
+    let rewrite = Judge::Rewrite(Tolerance::F64_REWRITE);
+    assert_eq!(rewrite.to_string(), "f64 rewrite (64 ulp)");
+    assert_eq!(rewrite.relative_rule(), None);
+    assert_eq!(rewrite.packed(), Tolerance::F64_REWRITE);
+    let relative = Judge::Relative {
+        rule: RelativeRule::F32_FUZZ,
+        inputs: Precision::Bf16,
+        packed: Tolerance::F32_REWRITE,
+    };
+    assert_eq!(relative.relative_rule(), Some(RelativeRule::F32_FUZZ));
+    assert_eq!(relative.packed(), Tolerance::F32_REWRITE);
+    assert_eq!(
+        relative.to_string(),
+        format!(
+            "{} on bf16 inputs; packed == padded: f32 rewrite (64 ulp of f32)",
+            RelativeRule::F32_FUZZ.name
+        )
+    );
+    // bf16 inputs are rounded to bf16's 8 bits: 1 + 2^-9 is a tie to 1.
+    assert_eq!((relative.round())(1.0 + 2f64.powi(-9)), 1.0);
+    assert_eq!((rewrite.round())(1.0 + 2f64.powi(-9)), 1.0 + 2f64.powi(-9));
+}

@@ -85,3 +85,28 @@ fn top_left_causal_alignment_is_caught_against_the_reference() {
     let m = run_general_suite(&Planted(TopLeftCausal), F64, 16).unwrap_err();
     assert_names(&m, &["C5: 2 queries over 5 keys"]);
 }
+
+/// A seeded case draws every tensor uniform in `[-2, 2]`, as documented:
+/// signs of both kinds (a generator shifted to `[0, 2]` would leave every
+/// score positive and hide sign faults), each tensor the size of its shape.
+#[test]
+fn seeded_cases_draw_values_of_both_signs_within_two() {
+    let c = GeneralCase::seeded(&[(5, 7), (3, 2)], (4, 2, 3), true, 9);
+    assert_eq!(c.q.dim(), (8, 4, 3));
+    assert_eq!(c.k.dim(), (9, 2, 3));
+    for (name, t) in [
+        ("q", &c.q),
+        ("k", &c.k),
+        ("v", &c.v),
+        ("grad_output", &c.grad_output),
+    ] {
+        assert!(t.iter().all(|x| x.abs() <= 2.0), "{name}");
+        let negative = t.iter().filter(|&&x| x < -0.5).count();
+        assert!(
+            negative * 8 >= t.len(),
+            "{name}: {negative} of {} below -0.5",
+            t.len()
+        );
+    }
+    assert_eq!(c.scale, 1.0 / 3f64.sqrt());
+}

@@ -53,3 +53,18 @@ fn each_step_fault_is_caught() {
         println!("{}: {caught}", fault.id());
     }
 }
+
+/// One seed in three (`seed % 3 == 2`) gives its batch an end-of-document
+/// id (22), so the suites meet batches with and without one.
+#[test]
+fn step_batches_carry_an_eos_one_seed_in_three() {
+    let layout = Layout {
+        grad_accum: 1,
+        dp: 1,
+        cp: 1,
+    };
+    let eos: Vec<Option<i64>> = (0..6)
+        .map(|s| step_batch(&layout, CausalReduction::PerToken, s).eos)
+        .collect();
+    assert_eq!(eos, [None, None, Some(22), None, None, Some(22)]);
+}

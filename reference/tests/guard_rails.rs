@@ -282,3 +282,20 @@ fn an_undeclared_loss_option_is_refused_by_name() {
     bare.check_declared(None, &LossCall::with_flag(&targets, &plain, true))
         .unwrap();
 }
+
+/// An embedding's upstream gradient of another width than the weight's is
+/// refused naming `grad_output` (a `[n, h']` gradient would give a
+/// `grad_weight` of width `h'`); `[0, 0]` stands for `[0, h]` (no ids).
+#[test]
+fn embedding_gradients_of_another_width_are_refused_naming_grad_output() {
+    use ndarray::Array2;
+    use packshard_reference::vocab::embedding::check_embedding_grad;
+    let g = Array2::<f64>::zeros((2, 3));
+    let e = check_embedding_grad(g.view(), 2, 4).unwrap_err();
+    assert!(
+        matches!(e, Error::ShapeMismatch { ref field, .. } if field == "grad_output"),
+        "{e}"
+    );
+    assert!(check_embedding_grad(g.view(), 2, 3).is_ok());
+    assert!(check_embedding_grad(Array2::<f64>::zeros((0, 0)).view(), 0, 4).is_ok());
+}

@@ -210,4 +210,47 @@ mod tests {
         assert_ne!(budgeted_input(&b, 7, 4), budgeted_input(&b, 7, 5));
         assert_eq!(Budget::small(5).class_of(4), SizeClass::Small);
     }
+
+    /// The lengths `boundary_len` draws are exactly the boundaries `k g - 1`,
+    /// `k g`, `k g + 1` (`k >= 1`) within the bound: the one just under a
+    /// bound that is itself a boundary included, nothing past it, and one
+    /// boundary (`k = 1`) when only one fits.
+    #[test]
+    fn boundary_lengths_are_every_boundary_within_the_bound_and_no_other() {
+        let drawn = |max: usize| {
+            let mut seen = std::collections::BTreeSet::new();
+            for s in 0..400u64 {
+                let data = budgeted_input(&Budget::small(1), s, 0);
+                let mut u = Unstructured::new(&data[1..]);
+                seen.insert(boundary_len(&mut u, &[16], max).unwrap());
+            }
+            seen.into_iter().collect::<Vec<_>>()
+        };
+        assert_eq!(drawn(64), [15, 16, 17, 31, 32, 33, 47, 48, 49, 63, 64]);
+        assert_eq!(drawn(20), [15, 16, 17]);
+        // No boundary fits: the bound itself.
+        assert_eq!(drawn(14), [14]);
+    }
+
+    /// A small input is the ChaCha8 stream with its first byte taken modulo
+    /// [`LARGE_FROM`] (so it is the stream itself whenever that byte is
+    /// already small), a large one with the byte's top bits set: the class
+    /// byte keeps the stream's spread, not one or two values.
+    #[test]
+    fn the_class_byte_keeps_the_streams_byte() {
+        let (small, large) = (
+            Budget::small(64),
+            Budget {
+                cases: 64,
+                large: 64,
+            },
+        );
+        for i in 0..64 {
+            let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
+            rng.set_stream(i as u64);
+            let raw: u8 = rng.random();
+            assert_eq!(budgeted_input(&small, 3, i)[0], raw % LARGE_FROM);
+            assert_eq!(budgeted_input(&large, 3, i)[0], raw | LARGE_FROM);
+        }
+    }
 }

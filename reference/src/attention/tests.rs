@@ -340,3 +340,12 @@ fn bad_grouped_and_cross_inputs_are_typed_errors() {
     let e = cross_error(&[0, 6]);
     assert!(e.to_string().contains("cu_seqlens_k[1]"), "{e}");
 }
+
+/// The default scale is Vaswani et al.'s `1 / sqrt(d)` (flash-attention's
+/// `softmax_scale=None`), which the BERT and decoder layers read.
+#[test]
+fn the_default_scale_is_one_over_the_root_of_the_head_dim() {
+    assert_eq!(default_scale(64), 0.125);
+    assert_eq!(default_scale(4), 0.5);
+    assert_eq!(default_scale(128), 1.0 / 128f64.sqrt());
+}

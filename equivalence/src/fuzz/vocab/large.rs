@@ -184,3 +184,67 @@ pub(super) fn targets(gen: &mut Gen, n: usize, v: usize, ignore: i64) -> Vec<i64
         })
         .collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fuzz::schedule::{budgeted_input, Budget};
+
+    /// The draws of `split_and_tokens` over 400 byte strings, the first
+    /// (shape) byte set to `shape`.
+    fn draws(shape: u8, min_n: usize, h: usize, work: usize) -> Vec<(usize, usize, usize)> {
+        (0..400u64)
+            .map(|s| {
+                let mut data = budgeted_input(&Budget::small(1), s, 0);
+                data[1] = shape;
+                let mut u = Unstructured::new(&data[1..]);
+                let (_, v, w, n) = split_and_tokens(&mut u, min_n, h, work, usize::MAX).unwrap();
+                (v, w, n)
+            })
+            .collect()
+    }
+
+    /// The work bound holds for any `min_n`, not only the callers' 0 and 1:
+    /// at 2^15 logits and at least 8 tokens, the vocabulary stays within
+    /// 2^15 / 8 (a bound by `work * min_n` would draw 8,193 entries for 8
+    /// tokens, twice the work).
+    #[test]
+    fn the_work_bounds_the_vocabulary_by_the_fewest_tokens() {
+        for shape in 0..4 {
+            for (v, _, n) in draws(shape, 8, 1, 1 << 15) {
+                assert!(n >= 8 && n * v <= 1 << 15, "shape {shape}: {n} x {v}");
+            }
+        }
+    }
+
+    /// The shape "many tokens" (one in four) keeps room for `2 * 128 + 1`
+    /// tokens: its vocabulary is a boundary of 128 to 4096 within
+    /// `CE_WORK / 257` = 510, never a handful of entries.
+    #[test]
+    fn many_tokens_come_on_a_vocabulary_of_a_few_hundred() {
+        for (v, _, _) in draws(1, 1, 1, CE_WORK) {
+            assert!((127..=510).contains(&v), "{v}");
+        }
+        // A handful of tokens may come on the widest vocabularies.
+        let few = draws(0, 1, 1, CE_WORK);
+        assert!(few.iter().all(|&(_, _, n)| n <= 9));
+        assert!(few.iter().any(|&(v, _, _)| v > 4096), "{few:?}");
+    }
+
+    /// Large output-layer and embedding cases reach every hidden size of
+    /// [`LARGE_H`] (a tile's 16, 32 and 64, 31 and 33 either side) and a
+    /// small one.
+    #[test]
+    fn hidden_sizes_reach_the_tiles_and_either_side() {
+        let seen: std::collections::BTreeSet<usize> = (0..200u64)
+            .map(|s| {
+                let data = budgeted_input(&Budget::small(1), s, 0);
+                hidden_size(&mut Unstructured::new(&data)).unwrap()
+            })
+            .collect();
+        for h in [16, 31, 32, 33, 64] {
+            assert!(seen.contains(&h), "{h} never drawn: {seen:?}");
+        }
+        assert!(seen.iter().any(|h| (1..=MAX_H).contains(h)), "{seen:?}");
+    }
+}
