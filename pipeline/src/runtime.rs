@@ -384,6 +384,13 @@ pub enum PlantedBug {
     /// starting one row later than it does
     /// (`OutputSPass::with_wrong_shard_start`).
     TShardOffset,
+    /// Vocabulary-parallel, barriers the paper's algorithms remove come back
+    /// (Yeung et al., arXiv:2411.05288, §3) while every value stays the
+    /// same: alg1's output layer runs with the naive algorithm's collectives
+    /// (the max, the sum and `∂L/∂x` each their own all-reduce); alg2 sums a
+    /// value over the ranks in a barrier of its own after the S pass (a
+    /// separate all-reduce for what the S pass's one barrier could carry).
+    NaiveBarriers,
 }
 
 /// What one rank returns from an iteration.
@@ -395,6 +402,28 @@ pub struct RankOutcome {
     pub start_bytes: usize,
     /// Peak heap bytes during the iteration, above `start_bytes`.
     pub peak_activation_bytes: usize,
+    /// The collective barriers this rank took part in during the iteration
+    /// (each all-reduce or broadcast of the vocabulary layers is one); see
+    /// [`expected_barriers`].
+    pub barriers: u64,
+}
+
+/// The barriers one rank takes part in during an iteration of `plan` over
+/// `microbatches`: none in the baseline placement (the vocabulary layers
+/// live on one rank each); vocabulary-parallel, per microbatch, the input
+/// embedding's all-reduce, the broadcast of the last hidden state, the
+/// output layer's barriers
+/// ([`ShardedAlgorithm::barriers`](packshard_reference::vocab::ShardedAlgorithm::barriers): 2 for alg1, 1
+/// for alg2, with the input gradient) and the broadcast of the word rows'
+/// gradient. Yeung et al. (arXiv:2411.05288) §3: alg1 and alg2 exist to
+/// cut the output layer's barriers; an implementation that computes the
+/// same values with more barriers has lost what they buy, which no value
+/// check sees.
+pub fn expected_barriers(plan: &Plan, microbatches: usize) -> u64 {
+    match plan.placement {
+        Placement::Baseline => 0,
+        Placement::VocabParallel(alg) => microbatches as u64 * (3 + alg.barriers(true, true)),
+    }
 }
 
 /// Executes rank `comm.rank()`'s schedule of `plan` for one iteration:
@@ -463,6 +492,7 @@ pub fn run_iteration(
         losses,
         start_bytes,
         peak_activation_bytes: packshard_optimized::alloc::peak_bytes().saturating_sub(start_bytes),
+        barriers: coll.counts().barriers,
     })
 }
 
@@ -676,6 +706,11 @@ impl Exec<'_> {
 
     fn algorithm(&self) -> packshard_reference::vocab::ShardedAlgorithm {
         match self.plan.placement {
+            Placement::VocabParallel(packshard_reference::vocab::ShardedAlgorithm::Alg1)
+                if self.bug == PlantedBug::NaiveBarriers =>
+            {
+                packshard_reference::vocab::ShardedAlgorithm::Naive
+            }
             Placement::VocabParallel(a) => a,
             Placement::Baseline => packshard_reference::vocab::ShardedAlgorithm::Alg1,
         }
@@ -844,6 +879,12 @@ impl Exec<'_> {
                     &LossCall::with_flag(&self.mbs[m].targets, &config.loss_config(), true),
                 )?;
                 self.losses[m] = Some(s.loss());
+                if self.bug == PlantedBug::NaiveBarriers
+                    && self.algorithm() == packshard_reference::vocab::ShardedAlgorithm::Alg2
+                {
+                    let mut loss = [if self.rank == 0 { s.loss() } else { 0.0 }];
+                    self.coll.all_reduce_sum(&mut loss)?;
+                }
                 if self.rank == last {
                     if let Some(gx) = s.grad_hidden() {
                         self.grad_out.insert(m, gx.mapv(|x| x * self.scales[m]));

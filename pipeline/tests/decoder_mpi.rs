@@ -4,8 +4,8 @@
 //! single-process reference decoder's for p = 2 and 4, in the baseline
 //! placement and vocabulary-parallel (alg1, alg2), untied and with tied
 //! embeddings. Negative controls: the tied gradient not summed across its
-//! two uses, and the output layer's shard offset wrong in the T pass, each
-//! make the check fail. Each launch has a wall-clock limit; past it its
+//! two uses, the output layer's shard offset wrong in the T pass, and the
+//! barriers alg1 and alg2 remove brought back, each make the check fail. Each launch has a wall-clock limit; past it its
 //! process group is killed and the test fails.
 //!
 //! Needs `mpirun` (OpenMPI; `scripts/test.sh` installs it) and the assets
@@ -193,4 +193,40 @@ fn a_wrong_output_shard_offset_in_the_t_pass_is_caught() {
         "{out}"
     );
     assert!(out.contains("lm_head.weight:"), "{out}");
+}
+
+/// Negative control (`PlantedBug::NaiveBarriers`): alg1's output layer with
+/// the naive algorithm's collectives, and alg2 with a separate all-reduce
+/// after its S pass, compute every value the same (the equality alone
+/// passes) but take barriers the paper's algorithms remove: the barrier
+/// count fails both vocabulary-parallel placements, and the baseline, which
+/// has none, passes.
+#[test]
+fn the_naive_algorithms_barriers_under_alg1_and_alg2_are_caught() {
+    let Some(root) = assets() else { return };
+    let (code, out) = mpirun(2, &args(&root, &["--plant-bug", "naive-barriers"]));
+    assert_eq!(code, Some(1), "{out}");
+    let r = rows(&out);
+    let got: Vec<(&str, &str)> = r.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
+    assert_eq!(
+        got,
+        [
+            ("baseline", "PASS"),
+            ("vocab-parallel alg1", "FAIL"),
+            ("vocab-parallel alg2", "FAIL")
+        ],
+        "{out}"
+    );
+    // The values agree (no tensor is listed as failing), only the barriers:
+    // 5 microbatches x (3 + naive's 3) against 5 x (3 + alg1's 2), and
+    // 5 x (3 + alg2's 1 + the extra 1) against 5 x (3 + 1).
+    assert!(!out.contains("relative"), "values differ too:\n{out}");
+    assert!(
+        out.contains("barriers: the ranks took part in [30, 30]; vocab-parallel alg1 takes 25"),
+        "{out}"
+    );
+    assert!(
+        out.contains("barriers: the ranks took part in [25, 25]; vocab-parallel alg2 takes 20"),
+        "{out}"
+    );
 }

@@ -26,7 +26,9 @@ use packshard_pipeline::report::{
     analyse, bytes, compare, compare_loss, compare_named, decode, encode, TensorError,
     PIPELINE_TOLERANCE,
 };
-use packshard_pipeline::runtime::{run_iteration, Fault, FaultPlan, Plan, PlantedBug, RankParams};
+use packshard_pipeline::runtime::{
+    expected_barriers, run_iteration, Fault, FaultPlan, Plan, PlantedBug, RankParams,
+};
 use packshard_pipeline::schedule::{simulate, Costs, Placement};
 use packshard_reference::decoder::{DecoderModel, DecoderParams};
 use packshard_reference::vocab::ShardedAlgorithm;
@@ -75,6 +77,7 @@ enum BugArg {
     DropOutputGrad,
     TiedNotSummed,
     TShardOffset,
+    NaiveBarriers,
 }
 
 /// One rank of the vocabulary-parallel 1F1B pipeline (run under `mpirun -n P`).
@@ -294,6 +297,10 @@ struct Outcome {
     grads: Grads,
     params_bytes: Vec<usize>,
     peak_bytes: Vec<usize>,
+    /// Each rank's collective barriers in the iteration.
+    barriers: Vec<u64>,
+    /// What the placement's algorithm takes ([`expected_barriers`]).
+    barriers_expected: u64,
     timings: Vec<packshard_pipeline::report::RankTiming>,
     iteration: f64,
 }
@@ -361,6 +368,7 @@ fn run(world: &SimpleCommunicator, args: &Args) -> Result<u8, Failure> {
         BugArg::DropOutputGrad => PlantedBug::DropOutputGrad,
         BugArg::TiedNotSummed => PlantedBug::TiedNotSummed,
         BugArg::TShardOffset => PlantedBug::TShardOffset,
+        BugArg::NaiveBarriers => PlantedBug::NaiveBarriers,
     };
     let reference = match docs {
         Some(d) => d,
@@ -387,6 +395,7 @@ fn run(world: &SimpleCommunicator, args: &Args) -> Result<u8, Failure> {
             let mut head = vec![
                 params.bytes() as f64,
                 out.peak_activation_bytes as f64,
+                out.barriers as f64,
                 events.len() as f64,
             ];
             head.extend(&losses);
@@ -401,15 +410,17 @@ fn run(world: &SimpleCommunicator, args: &Args) -> Result<u8, Failure> {
             let mut params_bytes = Vec::new();
             let mut peak_bytes = Vec::new();
             let mut losses_by_rank = Vec::new();
+            let mut barriers = Vec::new();
             for (r, v) in gathered.iter().enumerate() {
                 params_bytes.push(v[0] as usize);
                 peak_bytes.push(v[1] as usize);
-                let ne = v[2] as usize;
+                barriers.push(v[2] as u64);
+                let ne = v[3] as usize;
                 let m = config.microbatches;
-                losses_by_rank.push(v[3..3 + m].to_vec());
-                all_events.push(decode(&v[3 + m..3 + m + ne]));
+                losses_by_rank.push(v[4..4 + m].to_vec());
+                all_events.push(decode(&v[4 + m..4 + m + ne]));
                 let mut g = full.rank_params(&plan, r).zeros_like();
-                g.fill(&v[3 + m + ne..])
+                g.fill(&v[4 + m + ne..])
                     .map_err(|e| Failure::Rank(e.to_string()))?;
                 assembled.place(&g, &plan);
             }
@@ -423,6 +434,8 @@ fn run(world: &SimpleCommunicator, args: &Args) -> Result<u8, Failure> {
                 grads: assembled,
                 params_bytes,
                 peak_bytes,
+                barriers,
+                barriers_expected: expected_barriers(&plan, mbs.len()),
                 timings,
                 iteration,
             };
@@ -516,7 +529,9 @@ fn print_check(
     for o in outcomes {
         let mut errs = o.grads.compare(&reference.grads);
         errs.push(compare_loss(reference.loss, o.loss));
-        let ok = errs.iter().all(|e| e.passes());
+        // The same values with more barriers is the algorithm lost.
+        let barriers_ok = o.barriers.iter().all(|&b| b == o.barriers_expected);
+        let ok = errs.iter().all(|e| e.passes()) && barriers_ok;
         all_ok &= ok;
         let worst = errs
             .iter()
@@ -538,6 +553,15 @@ fn print_check(
             },
             if ok { "PASS" } else { "FAIL" }
         );
+        if !barriers_ok {
+            println!(
+                "    barriers: the ranks took part in {:?}; {} takes {} in an iteration of {} microbatches (expected_barriers)",
+                o.barriers,
+                o.placement.name(),
+                o.barriers_expected,
+                mbs.len()
+            );
+        }
         if !ok {
             for e in errs.iter().filter(|e| !e.passes()) {
                 println!(
