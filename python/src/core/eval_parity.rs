@@ -9,6 +9,12 @@ use super::*;
 use packshard_oracle::eval::fields::to_json;
 use serde_json::{json, Map, Value};
 
+/// An error as the Python package raises it: `(kind, field, index, message)`.
+type Raised = (String, Option<String>, Option<usize>, String);
+
+/// What a door answers: the result's fields (less `op`) or its error.
+type Answer = Result<Vec<(String, Value)>, Raised>;
+
 /// A loss case: `logits` (cross_entropy) or `hidden` and `weight`.
 struct Case {
     what: &'static str,
@@ -76,9 +82,7 @@ fn eval_case(c: &Case) -> Value {
 
 /// What the Python core gives, as (kind, field, index, message) or the
 /// fields as the eval result spells them (less `op`).
-fn python(
-    c: &Case,
-) -> Result<Vec<(String, Value)>, (String, Option<String>, Option<usize>, String)> {
+fn python(c: &Case) -> Answer {
     let r = match (&c.logits, &c.linear) {
         (Some(z), _) => cross_entropy(c.imp, z.view(), c.targets.clone(), c.options.clone()),
         (None, Some((h, w))) => linear_cross_entropy(
@@ -98,12 +102,12 @@ fn python(
     .map_err(error)
 }
 
-fn error(e: EvalError) -> (String, Option<String>, Option<usize>, String) {
+fn error(e: EvalError) -> Raised {
     let (field, index) = field_of(&e.message);
     (e.kind.to_string(), field, index, e.message)
 }
 
-fn eval(c: &Case) -> Result<Vec<(String, Value)>, (String, Option<String>, Option<usize>, String)> {
+fn eval(c: &Case) -> Answer {
     let v = packshard_oracle::eval::evaluate(&eval_case(c)).map_err(error)?;
     let Value::Object(m) = v else {
         panic!("{}: eval gave {v}", c.what)
