@@ -30,7 +30,7 @@ use packshard_reference::Error;
 use proptest::prelude::*;
 use rand::{Rng, SeedableRng};
 
-use crate::attention::{check_forward_shapes, Observed, RelativeReport, IMPL};
+use crate::attention::report::{check_forward_shapes, Observed, RelativeReport, IMPL};
 use crate::baseline32::Baseline32Attention;
 use crate::compare::{assert_close_with_scale, assert_within_k, Allowance, Judge, Mismatch};
 

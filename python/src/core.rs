@@ -11,44 +11,20 @@ use ndarray::{Array1, Array2, Array3, ArrayD, ArrayView2, ArrayView3, Axis, IxDy
 use packshard_equivalence::baseline32;
 use packshard_equivalence::compare::{self, RelativeRule, Tolerance};
 use packshard_equivalence::fuzz::attention::{AttentionTerms, SegmentOptions};
-use packshard_oracle::eval::vocab::{
-    check_declared, check_vocab_size, predicted, run_for, widen_columns, widen_rows, Run,
-};
+use packshard_oracle::eval::loss::{check_vocab_size, widen_columns, widen_rows};
 use packshard_oracle::eval::{make, EvalError};
 use packshard_oracle::registry;
 use packshard_reference::attention::default_scale;
 use packshard_reference::error::check_finite;
-use packshard_reference::ops::{CeCall, EmbeddingCall, Grad, LinearCall, LinearInput, Qkv, Varlen};
-use packshard_reference::vocab::sharded::ShardedLoss;
+use packshard_reference::ops::{EmbeddingCall, Grad, Qkv, Varlen};
+use packshard_reference::vocab::ShardLayout;
 
 pub use crate::attention_options::AttnOptions;
-use packshard_reference::vocab::{
-    CrossEntropy, GradRequest, LossCall, LossConfig, ShardLayout, ShardPlan,
+pub use packshard_oracle::eval::fields::{Fields, Out};
+pub use packshard_oracle::eval::loss::{
+    cross_entropy, cross_entropy_with, linear_cross_entropy, linear_cross_entropy_with, LossArgs,
+    LossOptions,
 };
-
-/// One field of a result.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Out {
-    /// A scalar.
-    F64(f64),
-    /// A count.
-    Usize(usize),
-    /// An integer option (`ignore_index`).
-    I64(i64),
-    /// A flag.
-    Bool(bool),
-    /// A name.
-    Str(String),
-    /// A tensor of any rank (`[]` for a scalar loss in comparisons).
-    Tensor(ArrayD<f64>),
-    /// Integers (targets, ids, `cu_seqlens`).
-    Ints(Vec<i64>),
-    /// Anything else, as the eval result spells it (`shards`, `collectives`).
-    Json(serde_json::Value),
-}
-
-/// The fields of a result, in the order `packshard eval` prints them.
-pub type Fields = Vec<(&'static str, Out)>;
 
 fn t1(a: Array1<f64>) -> Out {
     Out::Tensor(a.into_dyn())
@@ -467,181 +443,9 @@ pub fn attention_judged(
 
 // ---- the vocabulary-parallel layers -----------------------------------------
 
-/// The loss options of `cross_entropy` and `linear_cross_entropy`
-/// (docs/INTERFACE.md): `targets: [n]`, the [`LossConfig`], `vocab_size`
-/// (default the given width), `num_shards`, `algorithm`, `layout`.
-#[derive(Debug, Clone)]
-pub struct LossArgs {
-    /// `[n]`.
-    pub targets: Vec<i64>,
-    /// `ignore_index`, `label_smoothing`, `smoothing`, `z_loss`, `reduction`.
-    pub config: LossConfig,
-    /// Real vocabulary entries (`<= w`); `None`: all of them.
-    pub vocab_size: Option<usize>,
-    /// `None`: unsharded.
-    pub num_shards: Option<usize>,
-    /// `unsharded`, `naive`, `alg1`, `alg2`.
-    pub algorithm: Option<String>,
-    /// `uneven` (default) or `padded`.
-    pub layout: Option<String>,
-    /// Also the gradients of the loss.
-    pub want_grad: bool,
-    /// The upstream gradient, with `want_grad`: `[n]` under the reduction
-    /// `none`, `[1]` otherwise (docs/FAULTS.md O2).
-    pub grad_output: Option<Vec<f64>>,
-}
-
-impl LossArgs {
-    /// The loss call of these arguments.
-    pub fn call(&self) -> LossCall<'_> {
-        let grad = GradRequest::of(self.want_grad, self.grad_output.as_deref());
-        LossCall::new(&self.targets, &self.config, grad)
-    }
-
-    fn run(&self, width: usize) -> Result<(usize, Run), EvalError> {
-        let v = check_vocab_size(self.vocab_size, width)?;
-        let layout = match &self.layout {
-            Some(s) => s.parse::<ShardLayout>()?,
-            None => ShardLayout::default(),
-        };
-        Ok((
-            v,
-            run_for(self.num_shards, self.algorithm.as_deref(), layout, v)?,
-        ))
-    }
-}
-
-fn unsharded_fields(ce: &CrossEntropy) -> Fields {
-    vec![
-        ("algorithm", Out::Str("unsharded".into())),
-        ("loss", Out::F64(ce.loss)),
-        ("per_token_loss", t1(ce.per_token_loss.clone())),
-        ("logsumexp", t1(ce.logsumexp())),
-        ("num_tokens", Out::Usize(ce.num_tokens)),
-    ]
-}
-
-fn sharded_fields(s: &ShardedLoss, num_tokens: usize, algorithm: &str) -> Fields {
-    let c = s.counts();
-    let shards: Vec<serde_json::Value> = s
-        .map
-        .shards()
-        .iter()
-        .map(|sh| serde_json::json!({"start": sh.start, "real": sh.real, "padding": sh.width - sh.real}))
-        .collect();
-    vec![
-        ("algorithm", Out::Str(algorithm.into())),
-        ("loss", Out::F64(s.loss())),
-        ("per_token_loss", t1(s.per_token_loss().clone())),
-        ("logsumexp", t1(s.logsumexp())),
-        ("num_tokens", Out::Usize(num_tokens)),
-        ("num_shards", Out::Usize(s.map.num_shards())),
-        ("layout", Out::Str(s.map.layout().name().into())),
-        (
-            "collectives",
-            Out::Json(
-                serde_json::json!({"calls": c.calls, "barriers": c.barriers, "elements": c.elements}),
-            ),
-        ),
-        ("peak_bytes_per_shard", Out::Usize(s.peak_bytes())),
-        ("shards", Out::Json(serde_json::Value::Array(shards))),
-    ]
-}
-
-/// `cross_entropy` through the registered `imp`: `logits: [n, w]` (columns
-/// `vocab_size..` padding, never read). Fields as the eval op's result
-/// (`grad_logits: [n, w]`, padding columns 0).
-///
-/// # Errors
-/// The eval op's.
-pub fn cross_entropy(
-    imp: &str,
-    logits: ArrayView2<'_, f64>,
-    a: &LossArgs,
-) -> Result<Fields, EvalError> {
-    let width = logits.ncols();
-    let (v, run) = a.run(width)?;
-    let list = registry::cross_entropy();
-    let (mut out, grad) = match run {
-        Run::Unsharded => {
-            let op = make(&list, imp)?;
-            let real = logits.slice_axis(Axis(1), Slice::from(..v));
-            let ce = op.cross_entropy(CeCall::new(real, a.call()))?;
-            (unsharded_fields(&ce), ce.grad_logits)
-        }
-        Run::Sharded(algorithm, map) => {
-            check_declared(&list, |k| k.algorithms(), imp, algorithm)?;
-            let op = make(&list, imp)?;
-            let s = op.sharded_cross_entropy(
-                ShardPlan::new(algorithm, map),
-                CeCall::new(logits, a.call()),
-            )?;
-            let n = predicted(&a.targets, &a.config);
-            (sharded_fields(&s, n, algorithm.name()), s.grad_logits())
-        }
-    };
-    if let Some(g) = grad {
-        out.push(("grad_logits", t2(widen_columns(&g, width))));
-    }
-    Ok(out)
-}
-
-/// `linear_cross_entropy` through the registered `imp`: `hidden: [n, h]`,
-/// `weight: [w, h]` (rows `vocab_size..` padding, never read). Fields as the
-/// eval op's result (`grad_weight: [w, h]`, padding rows 0).
-///
-/// # Errors
-/// The eval op's.
-pub fn linear_cross_entropy(
-    imp: &str,
-    hidden: ArrayView2<'_, f64>,
-    weight: ArrayView2<'_, f64>,
-    a: &LossArgs,
-) -> Result<Fields, EvalError> {
-    let rows = weight.nrows();
-    let (v, run) = a.run(rows)?;
-    let list = registry::linear_cross_entropy();
-    let (mut out, gl, gh, gw) = match run {
-        Run::Unsharded => {
-            let op = make(&list, imp)?;
-            let real = weight.slice_axis(Axis(0), Slice::from(..v));
-            let l =
-                op.linear_cross_entropy(LinearCall::new(LinearInput::new(hidden, real), a.call()))?;
-            let mut out = unsharded_fields(&l.ce);
-            if let Some(b) = l.logits_buffer_bytes {
-                out.push(("logits_buffer_bytes", Out::Usize(b)));
-            }
-            (out, l.ce.grad_logits, l.grad_hidden, l.grad_weight)
-        }
-        Run::Sharded(algorithm, map) => {
-            check_declared(&list, |k| k.algorithms(), imp, algorithm)?;
-            let op = make(&list, imp)?;
-            let s = op.sharded_linear_cross_entropy(
-                ShardPlan::new(algorithm, map),
-                LinearCall::new(LinearInput::new(hidden, weight), a.call()),
-            )?;
-            let n = predicted(&a.targets, &a.config);
-            let out = sharded_fields(&s, n, algorithm.name());
-            (
-                out,
-                s.grad_logits(),
-                s.grad_hidden().cloned(),
-                s.grad_weight(),
-            )
-        }
-    };
-    if let Some(g) = gl {
-        out.push(("grad_logits", t2(g)));
-    }
-    if let Some(g) = gh {
-        out.push(("grad_hidden", t2(g)));
-    }
-    if let Some(g) = gw {
-        out.push(("grad_weight", t2(widen_rows(&g, rows))));
-    }
-    out.push(("vocab_size", Out::Usize(v)));
-    Ok(out)
-}
+// `cross_entropy` and `linear_cross_entropy` are the typed runner of
+// `packshard_oracle::eval::loss` (re-exported above), the one `packshard
+// eval` calls: the same checks, order, errors and fields.
 
 /// The loss ops' [`Judged`]: `inputs` are `logits: [n, w]` (`hidden` `None`)
 /// or `hidden: [n, h]` and `weight: [w, h]`. The reference runs unsharded on
@@ -672,7 +476,7 @@ pub fn loss_judged(
             let mut zr = z.to_owned();
             let real_r = r(&z.slice_axis(Axis(1), Slice::from(..v)));
             zr.slice_axis_mut(Axis(1), Slice::from(..v)).assign(&real_r);
-            let mut expected = cross_entropy(registry::REFERENCE, zr.view(), &unsharded)?;
+            let mut expected = cross_entropy_with(registry::REFERENCE, zr.view(), &unsharded)?;
             expected.retain(|(k, _)| *k != "algorithm");
             if precision == KernelPrecision::F64 {
                 return Ok(Judged {
@@ -700,7 +504,7 @@ pub fn loss_judged(
             let real_r = r(&w.slice_axis(Axis(0), Slice::from(..v)));
             wr.slice_axis_mut(Axis(0), Slice::from(..v)).assign(&real_r);
             let mut expected =
-                linear_cross_entropy(registry::REFERENCE, hr.view(), wr.view(), &unsharded)?;
+                linear_cross_entropy_with(registry::REFERENCE, hr.view(), wr.view(), &unsharded)?;
             expected.retain(|(k, _)| *k != "algorithm" && *k != "vocab_size");
             if precision == KernelPrecision::F64 {
                 return Ok(Judged {
@@ -991,3 +795,6 @@ pub fn tensor_of(fields: &Fields, name: &str) -> Option<ArrayD<f64>> {
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod eval_parity;

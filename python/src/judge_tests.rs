@@ -1,5 +1,5 @@
 use super::*;
-use crate::core::{attention, cross_entropy};
+use crate::core::{attention, cross_entropy_with};
 use ndarray::{Array2, Array3, ArrayD};
 use packshard_oracle::registry;
 use packshard_reference::vocab::LossConfig;
@@ -119,7 +119,7 @@ fn a_built_loss_case_passes_and_fails_perturbed_and_needs_its_loss() {
         want_grad: true,
         grad_output: None,
     };
-    let got = cross_entropy("cross_entropy_f32", logits.view(), &a).unwrap();
+    let got = cross_entropy_with("cross_entropy_f32", logits.view(), &a).unwrap();
     let r = judge_loss(Some(logits.view()), None, &a, &got, KernelPrecision::F32).unwrap();
     assert!(r.passed(), "{r}");
     assert!(r

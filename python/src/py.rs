@@ -13,7 +13,6 @@ use packshard_oracle::eval::{self, EvalError};
 use packshard_oracle::registry::{self, Family};
 use packshard_reference::attention::varlen_pass;
 use packshard_reference::ops::{Qkv, Varlen};
-use packshard_reference::vocab::{LossConfig, Reduction, SmoothingConvention};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
@@ -379,47 +378,34 @@ struct LossOptions {
     grad_output: Option<Vec<f64>>,
 }
 
-fn loss_args(
-    py: Python<'_>,
-    targets: &PyReadonlyArray1<'_, i64>,
-    o: LossOptions,
-    want_grad: bool,
-) -> PyResult<LossArgs> {
-    if o.grad_output.is_some() && !want_grad {
-        let e = EvalError::invalid("grad_output", "given without want_grad=True");
-        return Err(raise(py, e));
-    }
-    let d = LossConfig::default();
-    let parse = || -> Result<LossConfig, EvalError> {
-        Ok(LossConfig {
-            ignore_index: o.ignore_index.unwrap_or(d.ignore_index),
-            label_smoothing: o.label_smoothing.unwrap_or(0.0),
-            smoothing: o
-                .smoothing
-                .as_deref()
-                .map(str::parse::<SmoothingConvention>)
-                .transpose()?
-                .unwrap_or_default(),
-            z_loss: o.z_loss.unwrap_or(0.0),
-            reduction: o
-                .reduction
-                .as_deref()
-                .map(str::parse::<Reduction>)
-                .transpose()?
-                .unwrap_or_default(),
-            softcap: o.softcap,
-        })
-    };
-    Ok(LossArgs {
-        targets: targets.as_array().to_vec(),
-        config: parse().map_err(|e| raise(py, e))?,
+/// The runner's options of a Python call (checked by the runner `packshard
+/// eval` calls, in its order).
+fn options(o: LossOptions, want_grad: bool) -> core::LossOptions {
+    core::LossOptions {
+        ignore_index: o.ignore_index,
+        label_smoothing: o.label_smoothing,
+        smoothing: o.smoothing,
+        z_loss: o.z_loss,
+        reduction: o.reduction,
+        softcap: o.softcap,
         vocab_size: o.vocab_size,
         num_shards: o.num_shards,
         algorithm: o.algorithm,
         layout: o.layout,
         want_grad,
         grad_output: o.grad_output,
-    })
+    }
+}
+
+fn loss_args(
+    py: Python<'_>,
+    targets: &PyReadonlyArray1<'_, i64>,
+    o: LossOptions,
+    want_grad: bool,
+) -> PyResult<LossArgs> {
+    options(o, want_grad)
+        .args(targets.as_array().to_vec())
+        .map_err(|e| raise(py, e))
 }
 
 /// `cross_entropy(logits, targets, options, want_grad, impl)`: `options` a
@@ -435,9 +421,12 @@ fn cross_entropy<'py>(
     imp: String,
 ) -> PyResult<Py<PyAny>> {
     guard(py, || {
-        let a = loss_args(py, &targets, options, want_grad)?;
+        let (o, t) = (
+            self::options(options, want_grad),
+            targets.as_array().to_vec(),
+        );
         let z = logits.as_array();
-        let r = py.detach(|| core::cross_entropy(&imp, z, &a));
+        let r = py.detach(|| core::cross_entropy(&imp, z, t, o));
         fields_result(py, r)
     })
 }
@@ -456,9 +445,12 @@ fn linear_cross_entropy<'py>(
     imp: String,
 ) -> PyResult<Py<PyAny>> {
     guard(py, || {
-        let a = loss_args(py, &targets, options, want_grad)?;
+        let (o, t) = (
+            self::options(options, want_grad),
+            targets.as_array().to_vec(),
+        );
         let (h, w) = (hidden.as_array(), weight.as_array());
-        let r = py.detach(|| core::linear_cross_entropy(&imp, h, w, &a));
+        let r = py.detach(|| core::linear_cross_entropy(&imp, h, w, t, o));
         fields_result(py, r)
     })
 }

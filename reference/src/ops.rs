@@ -32,10 +32,8 @@
 //! vocabulary, `w >= v` the given rows/columns (Megatron-style padding), `h`
 //! also the hidden size of the output layer, `p` shards.
 
-use ndarray::{Array2, ArrayView2, ArrayView3};
+use ndarray::{Array2, Array3, ArrayView2, ArrayView3};
 
-use crate::attention::options::Window;
-use crate::attention::{AttentionGrads, AttentionLayout, AttentionOutput};
 use crate::bert::LayerParams;
 use crate::error::{Error, Result};
 use crate::vocab::cross_entropy::CrossEntropy;
@@ -78,6 +76,113 @@ impl Precision {
 }
 
 // ---- attention -------------------------------------------------------------
+
+/// flash-attention's `window_size = (left, right)`: how many keys before
+/// (`left`) and after (`right`) a query's diagonal it may see; `None` is
+/// flash-attention's `-1`, unbounded. `(None, None)` is no window.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Window {
+    /// Keys before the diagonal (`None`: all).
+    pub left: Option<usize>,
+    /// Keys after the diagonal (`None`: all).
+    pub right: Option<usize>,
+}
+
+impl Window {
+    /// No window (flash-attention's `(-1, -1)`).
+    pub const UNBOUNDED: Window = Window {
+        left: None,
+        right: None,
+    };
+
+    /// From flash-attention's pair: `-1` is unbounded.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] naming `window_size[0]` or `window_size[1]`
+    /// for a value below `-1`.
+    pub fn from_flash(left: i64, right: i64) -> Result<Window> {
+        let side = |x: i64, field: &str| -> Result<Option<usize>> {
+            match x {
+                -1 => Ok(None),
+                x if x >= 0 => usize::try_from(x)
+                    .map(Some)
+                    .map_err(|_| Error::invalid(field, format!("{x} does not fit a usize"))),
+                x => Err(Error::invalid(
+                    field,
+                    format!("{x}: a window side is -1 (unbounded) or at least 0"),
+                )),
+            }
+        };
+        Ok(Window {
+            left: side(left, "window_size[0]")?,
+            right: side(right, "window_size[1]")?,
+        })
+    }
+
+    /// flash-attention's pair (`-1`: unbounded).
+    pub fn to_flash(self) -> (i64, i64) {
+        let f = |x: Option<usize>| x.map_or(-1, |x| i64::try_from(x).unwrap_or(i64::MAX));
+        (f(self.left), f(self.right))
+    }
+
+    /// True for `(-1, -1)`.
+    pub fn is_unbounded(self) -> bool {
+        self == Window::UNBOUNDED
+    }
+}
+
+/// Output of an attention forward pass, in `f64` here (the optimized
+/// kernels' `AttentionOutput32` is the same struct in `f32`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct AttentionOutput<T = f64> {
+    /// `[n_q, h, d]`.
+    pub output: Array3<T>,
+    /// `[h, n_q]`, natural log; `-inf` for a query with no allowed key.
+    pub lse: Array2<T>,
+}
+
+/// Gradients of an attention pass, in `f64` here (the optimized kernels'
+/// `AttentionGrads32` is the same struct in `f32`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct AttentionGrads<T = f64> {
+    /// `[n_q, h, d]`.
+    pub grad_q: Array3<T>,
+    /// `[n_k, h_kv, d]`: summed over the query heads that share each key head.
+    pub grad_k: Array3<T>,
+    /// `[n_k, h_kv, d]`.
+    pub grad_v: Array3<T>,
+}
+
+/// Where the model's attention runs: the token layout of one batch.
+#[derive(Debug, Clone, PartialEq)]
+pub enum AttentionLayout {
+    /// `allowed.len()` rows of `row_len` tokens each (`n = rows * row_len`),
+    /// row `r` being tokens `r * row_len..(r + 1) * row_len`, with a dense mask
+    /// `allowed[r]: [row_len, row_len]` per row. The padded batch (key padding
+    /// mask) and the packed batch with a block-diagonal mask use this form.
+    Dense {
+        /// Tokens per row.
+        row_len: usize,
+        /// Per row, `[row_len, row_len]`: query `i` may attend to key `j`.
+        allowed: Vec<Array2<bool>>,
+    },
+    /// Unpadded tokens of back-to-back segments, `cu_seqlens: [b + 1]`
+    /// (flash-attention's varlen form), bidirectional.
+    Varlen {
+        /// `[b + 1]`, leading 0, last = `n_tok`.
+        cu_seqlens: Vec<usize>,
+    },
+}
+
+impl AttentionLayout {
+    /// Tokens covered by the layout.
+    pub fn num_tokens(&self) -> usize {
+        match self {
+            AttentionLayout::Dense { row_len, allowed } => row_len * allowed.len(),
+            AttentionLayout::Varlen { cu_seqlens } => cu_seqlens.last().copied().unwrap_or(0),
+        }
+    }
+}
 
 /// One variable-length attention problem, the arguments of flash-attention's
 /// `flash_attn_varlen_func` besides the tensors: segment `s` is queries
@@ -438,29 +543,6 @@ pub trait AttentionOp: Send + Sync {
     /// # Errors
     /// See the trait docs.
     fn masked_backward(&self, x: Qkv<'_>, m: Masked<'_>, g: Grad<'_>) -> Result<AttentionGrads>;
-
-    /// The forward over a model's [`AttentionLayout`] (one varlen call, or
-    /// one masked call per dense row: [`crate::attention::layout_forward`]).
-    ///
-    /// # Errors
-    /// See the trait docs.
-    fn forward(&self, x: Qkv<'_>, layout: &AttentionLayout, scale: f64) -> Result<AttentionOutput> {
-        crate::attention::layout_forward(self, x, layout, scale)
-    }
-
-    /// The backward over a model's [`AttentionLayout`].
-    ///
-    /// # Errors
-    /// See the trait docs.
-    fn backward(
-        &self,
-        x: Qkv<'_>,
-        layout: &AttentionLayout,
-        scale: f64,
-        g: Grad<'_>,
-    ) -> Result<AttentionGrads> {
-        crate::attention::layout_backward(self, x, layout, scale, g)
-    }
 }
 
 // ---- the output layer --------------------------------------------------------

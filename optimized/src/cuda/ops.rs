@@ -38,7 +38,7 @@ use super::vocab::{self, ShardKernels};
 use super::MAX_HEAD_DIM;
 use super::{CudaError, Gpu};
 use crate::convert::{check_call_f32, to_f32, to_f32_real};
-use crate::ops::scalar_attention::{inputs, saved, widen, widen_grads};
+use crate::ops::boundary::{inputs, saved, widen, widen_grads};
 use crate::vocab::{check_linear, check_linear_inputs};
 use packshard_reference::ops::{Grad, Masked, Qkv};
 

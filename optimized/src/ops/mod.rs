@@ -18,6 +18,7 @@
 //! | [`EncoderLayerF32`] | `encoder_layer` | f32 |
 
 mod attention;
+pub mod boundary;
 mod layer;
 pub(crate) mod scalar_attention;
 mod vocab;

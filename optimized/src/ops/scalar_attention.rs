@@ -12,156 +12,39 @@
 //! h_kv)`), `cu_seqlens_k` other than `cu_seqlens_q` with bottom-right
 //! causal masks, and flash-attention's `window_size`, `softcap`,
 //! `alibi_slopes` and `seqused_k` ([`AttentionSupport::ALL`], through
-//! [`crate::attention::mask`]); results widened to f64.
+//! [`crate::attention::mask`]). Its math and its support only: the
+//! boundary (the reference's checks, the support's refusals, rounding to f32
+//! and widening) is [`super::boundary`]'s.
 
 use ndarray::{Array2, Array3};
-use packshard_reference::attention::{
-    check_grad_shapes, check_grad_values, check_mask_shape2, check_masked_work, check_qkv_shapes,
-    check_scores, check_varlen, check_varlen_options, check_varlen_work, AttentionGrads,
-    AttentionOutput,
-};
-use packshard_reference::ops::{AttentionOp, AttentionSupport, Grad, Masked, Qkv, Varlen};
-use packshard_reference::Result;
+use packshard_reference::ops::AttentionSupport;
 
-use crate::attention::check_finite;
-use crate::attention::mask::SegmentMask;
-use crate::convert::{to_f32, to_f64};
+use super::boundary::{F32AttentionMath, KeyMask, Qkv32};
 
 /// The scalar f32 attention (see the module docs).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ScalarAttention;
 
-/// `q, k, v` in f32 (all of one shape), refusing non-finite inputs as the
-/// kernels do (the boundary of the CUDA attention, `crate::cuda::ops`).
-#[cfg(feature = "cuda")]
-pub(crate) fn inputs(x: &Qkv<'_>) -> Result<[Array3<f32>; 3]> {
-    packshard_reference::attention::check_qkv_same_shapes(x.q.shape(), x.k.shape(), x.v.shape())?;
-    grouped_inputs(x)
-}
+crate::f32_attention_op!(ScalarAttention);
 
-/// `q: [n_q, h, d]` and `k, v: [n_k, h_kv, d]` in f32, refusing non-finite
-/// inputs.
-fn grouped_inputs(Qkv { q, k, v }: &Qkv<'_>) -> Result<[Array3<f32>; 3]> {
-    check_qkv_shapes(q.shape(), k.shape(), v.shape())?;
-    let out = [
-        to_f32("q", q.view())?,
-        to_f32("k", k.view())?,
-        to_f32("v", v.view())?,
-    ];
-    for (name, t) in ["q", "k", "v"].iter().zip(&out) {
-        check_finite(name, &t.view())?;
+impl F32AttentionMath for ScalarAttention {
+    fn support(&self) -> AttentionSupport {
+        AttentionSupport::ALL
     }
-    Ok(out)
-}
 
-/// Which keys a query may see: the whole problem as `[n_q, n_k]`, checked
-/// against `n_q` queries over `n_k` keys as the reference checks it, with
-/// its scale.
-trait Mask {
-    fn allowed(&self, i: usize, j: usize) -> bool;
-    fn check(&self, n_q: usize, n_k: usize, h: usize) -> Result<()>;
-    /// The work of `h` heads of `d` against the reference's bound
-    /// ([`check_varlen_work`], [`check_masked_work`]), last as the reference
-    /// checks it.
-    fn check_work(&self, n_q: usize, n_k: usize, h: usize, d: usize) -> Result<()>;
-    fn scale(&self) -> f64;
-    /// The score of `(i, j)` at query head `a` from the scaled dot product.
-    fn score(&self, _a: usize, _ij: (usize, usize), raw: f32) -> f32 {
-        raw
+    fn forward(&self, x: &Qkv32, mask: &dyn KeyMask) -> (Array3<f32>, Array2<f32>) {
+        forward(x, mask)
     }
-    /// `d score / d raw`.
-    fn chain(&self, _raw: f32) -> f32 {
-        1.0
-    }
-}
 
-impl Mask for Masked<'_> {
-    fn allowed(&self, i: usize, j: usize) -> bool {
-        self.allowed[[i, j]]
+    fn backward(
+        &self,
+        x: &Qkv32,
+        mask: &dyn KeyMask,
+        fwd: (&Array3<f32>, &Array2<f32>),
+        grad_output: &Array3<f32>,
+    ) -> [Array3<f32>; 3] {
+        backward(x, mask, fwd, grad_output)
     }
-    fn check(&self, n_q: usize, n_k: usize, _h: usize) -> Result<()> {
-        check_mask_shape2(self.allowed.shape(), n_q, n_k)
-    }
-    fn check_work(&self, n_q: usize, n_k: usize, h: usize, d: usize) -> Result<()> {
-        check_masked_work(n_q, n_k, h, d)
-    }
-    fn scale(&self) -> f64 {
-        self.scale
-    }
-}
-
-/// Query `i` in segment `s` of `cu_seqlens_q`, key `j` in the same segment
-/// of `cu_seqlens_k`, within the keys [`SegmentMask::keys`] gives (causal and
-/// the window bottom-right aligned, docs/FAULTS.md C5; `seqused_k`).
-struct Segments<'a>(&'a Varlen<'a>);
-
-impl Segments<'_> {
-    /// `(mask of i's segment, r, c)`: local indices, `None` when `j` is not
-    /// in `i`'s segment.
-    fn local(&self, i: usize, j: usize) -> Option<(SegmentMask<'_>, usize, usize)> {
-        let (cu_q, cu_k) = (self.0.cu_seqlens_q, self.0.cu_seqlens_k);
-        let s = cu_q.partition_point(|&c| c <= i) - 1;
-        if !(cu_k[s]..cu_k[s + 1]).contains(&j) {
-            return None;
-        }
-        Some((SegmentMask::of(self.0, s), i - cu_q[s], j - cu_k[s]))
-    }
-}
-
-impl Mask for Segments<'_> {
-    fn allowed(&self, i: usize, j: usize) -> bool {
-        self.local(i, j)
-            .is_some_and(|(m, r, c)| m.keys(r).contains(&c))
-    }
-    fn check(&self, n_q: usize, n_k: usize, h: usize) -> Result<()> {
-        check_varlen(self.0, n_q, n_k)?;
-        check_varlen_options(self.0, h)
-    }
-    fn check_work(&self, _: usize, _: usize, h: usize, d: usize) -> Result<()> {
-        check_varlen_work(self.0, h, d)
-    }
-    fn scale(&self) -> f64 {
-        self.0.scale
-    }
-    fn score(&self, a: usize, (i, j): (usize, usize), raw: f32) -> f32 {
-        match self.local(i, j) {
-            Some((m, r, c)) if m.transforms() => m.score(a, r, c, raw),
-            _ => raw,
-        }
-    }
-    fn chain(&self, raw: f32) -> f32 {
-        crate::attention::mask::cap_grad(raw, crate::attention::mask::softcap_f32(self.0.softcap))
-    }
-}
-
-/// `x` in f32, after the checks the reference makes: shapes and finite
-/// values, the mask, the scores.
-fn checked(x: &Qkv<'_>, mask: &dyn Mask) -> Result<[Array3<f32>; 3]> {
-    let x32 = grouped_inputs(x)?;
-    mask.check(x.q.dim().0, x.k.dim().0, x.q.dim().1)?;
-    check_scores(&x.q, &x.k, mask.scale())?;
-    Ok(x32)
-}
-
-/// The work of `x` under `mask`, checked last as the reference does.
-fn check_work(x: &Qkv<'_>, mask: &dyn Mask) -> Result<()> {
-    let (n_q, h, d) = x.q.dim();
-    mask.check_work(n_q, x.k.dim().0, h, d)
-}
-
-fn run_forward(x: Qkv<'_>, mask: &dyn Mask) -> Result<AttentionOutput> {
-    let x32 = checked(&x, mask)?;
-    check_work(&x, mask)?;
-    Ok(widen(forward(&x32, mask)))
-}
-
-fn run_backward(x: Qkv<'_>, mask: &dyn Mask, g: Grad<'_>) -> Result<AttentionGrads> {
-    let x32 = checked(&x, mask)?;
-    let grad_output = g.grad_output;
-    let (out, lse, go) = saved(g, x.q.dim())?;
-    check_grad_values(&grad_output, &x.v)?;
-    check_work(&x, mask)?;
-    Ok(widen_grads(backward(&x32, mask, (&out, &lse), &go)))
 }
 
 /// Query heads per key/value head, `h / h_kv`; 1 when there are no heads
@@ -171,7 +54,7 @@ fn heads_per_kv(h: usize, h_kv: usize) -> usize {
     h.checked_div(h_kv).unwrap_or(1).max(1)
 }
 
-fn forward([q, k, v]: &[Array3<f32>; 3], mask: &dyn Mask) -> (Array3<f32>, Array2<f32>) {
+fn forward([q, k, v]: &Qkv32, mask: &dyn KeyMask) -> (Array3<f32>, Array2<f32>) {
     let scale = mask.scale() as f32;
     let (n, h, d) = q.dim();
     let (n_k, group) = (k.dim().0, heads_per_kv(h, k.dim().1));
@@ -209,8 +92,8 @@ fn forward([q, k, v]: &[Array3<f32>; 3], mask: &dyn Mask) -> (Array3<f32>, Array
 /// Backward from the forward's output and `lse`: `ds = p (dp - delta) scale`;
 /// a key head's gradients summed over the query heads of its group.
 fn backward(
-    [q, k, v]: &[Array3<f32>; 3],
-    mask: &dyn Mask,
+    [q, k, v]: &Qkv32,
+    mask: &dyn KeyMask,
     (out, lse): (&Array3<f32>, &Array2<f32>),
     go: &Array3<f32>,
 ) -> [Array3<f32>; 3] {
@@ -249,59 +132,4 @@ fn backward(
         }
     }
     [gq, gk, gv]
-}
-
-pub(crate) fn widen((out, lse): (Array3<f32>, Array2<f32>)) -> AttentionOutput {
-    AttentionOutput {
-        output: to_f64(out.view()),
-        lse: to_f64(lse.view()),
-    }
-}
-
-pub(crate) fn widen_grads([gq, gk, gv]: [Array3<f32>; 3]) -> AttentionGrads {
-    AttentionGrads {
-        grad_q: to_f64(gq.view()),
-        grad_k: to_f64(gk.view()),
-        grad_v: to_f64(gv.view()),
-    }
-}
-
-/// The forward's results and the incoming gradient in f32, shapes checked.
-pub(crate) fn saved(
-    Grad { fwd, grad_output }: Grad<'_>,
-    dim: (usize, usize, usize),
-) -> Result<(Array3<f32>, Array2<f32>, Array3<f32>)> {
-    check_grad_shapes(
-        grad_output.shape(),
-        fwd.output.shape(),
-        fwd.lse.shape(),
-        dim,
-    )?;
-    Ok((
-        to_f32("output", fwd.output.view())?,
-        fwd.lse.mapv(|x| x as f32),
-        to_f32("grad_output", grad_output)?,
-    ))
-}
-
-impl AttentionOp for ScalarAttention {
-    fn support(&self) -> AttentionSupport {
-        AttentionSupport::ALL
-    }
-
-    fn varlen_forward(&self, x: Qkv<'_>, p: &Varlen<'_>) -> Result<AttentionOutput> {
-        run_forward(x, &Segments(p))
-    }
-
-    fn varlen_backward(&self, x: Qkv<'_>, p: &Varlen<'_>, g: Grad<'_>) -> Result<AttentionGrads> {
-        run_backward(x, &Segments(p), g)
-    }
-
-    fn masked_forward(&self, x: Qkv<'_>, m: Masked<'_>) -> Result<AttentionOutput> {
-        run_forward(x, &m)
-    }
-
-    fn masked_backward(&self, x: Qkv<'_>, m: Masked<'_>, g: Grad<'_>) -> Result<AttentionGrads> {
-        run_backward(x, &m, g)
-    }
 }

@@ -12,7 +12,9 @@ mod attention;
 mod bert;
 mod causal;
 mod decoder;
+pub mod fields;
 pub mod input;
+pub mod loss;
 mod pack;
 mod step;
 pub mod vocab;
@@ -103,6 +105,19 @@ fn impls(family: Option<Family>) -> Vec<&'static str> {
         Some(f) => registry::of(f).iter().map(|e| e.name).collect(),
         None => vec![registry::REFERENCE],
     }
+}
+
+/// The error for an `impl` that `op` does not have (`impls`: the names it
+/// has), the first check of every op that runs a kernel.
+pub fn no_impl(op: &str, imp: &str, impls: &[&str]) -> EvalError {
+    EvalError::invalid(
+        "impl",
+        format!(
+            "{op} has no impl {}; available: {}",
+            input::show(&Value::String(imp.to_string())),
+            impls.join(", ")
+        ),
+    )
 }
 
 /// The implementation registered as `name` in `list` (a name `evaluate`
@@ -207,14 +222,7 @@ pub fn evaluate(case: &Value) -> Result<Value, EvalError> {
         })?;
         chosen = op.impls.iter().copied().find(|i| *i == imp).unwrap_or("");
         if chosen.is_empty() {
-            return Err(EvalError::invalid(
-                "impl",
-                format!(
-                    "{name} has no impl {}; available: {}",
-                    input::show(&Value::String(imp.to_string())),
-                    op.impls.join(", ")
-                ),
-            ));
+            return Err(no_impl(name, imp, &op.impls));
         }
     }
     match op.run {

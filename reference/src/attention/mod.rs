@@ -41,6 +41,9 @@ mod backward;
 mod check;
 pub mod options;
 
+/// The contract's types (`packshard_reference::ops`), here where the
+/// reference's users have always found them.
+pub use crate::ops::{AttentionGrads, AttentionLayout, AttentionOutput};
 pub use backward::{
     layout_backward, masked_attention_backward, varlen_attention_backward,
     varlen_attention_general_backward,
@@ -53,28 +56,6 @@ pub use check::{
 };
 use check::{check_grad, check_qkv};
 pub use options::Window;
-
-/// Output of an attention forward pass, in `f64` here (the optimized
-/// kernels' `AttentionOutput32` is the same struct in `f32`).
-#[derive(Debug, Clone, PartialEq)]
-pub struct AttentionOutput<T = f64> {
-    /// `[n_q, h, d]`.
-    pub output: Array3<T>,
-    /// `[h, n_q]`, natural log; `-inf` for a query with no allowed key.
-    pub lse: Array2<T>,
-}
-
-/// Gradients of an attention pass, in `f64` here (the optimized kernels'
-/// `AttentionGrads32` is the same struct in `f32`).
-#[derive(Debug, Clone, PartialEq)]
-pub struct AttentionGrads<T = f64> {
-    /// `[n_q, h, d]`.
-    pub grad_q: Array3<T>,
-    /// `[n_k, h_kv, d]`: summed over the query heads that share each key head.
-    pub grad_k: Array3<T>,
-    /// `[n_k, h_kv, d]`.
-    pub grad_v: Array3<T>,
-}
 
 /// `1 / sqrt(d)`, the scale of Vaswani et al. and flash-attention's default.
 pub fn default_scale(head_dim: usize) -> f64 {
@@ -392,40 +373,9 @@ pub fn varlen_mask(p: &Varlen<'_>, n_q: usize, n_k: usize) -> Result<Array2<bool
     Ok(mask)
 }
 
-/// Where the model's attention runs: the token layout of one batch.
-#[derive(Debug, Clone, PartialEq)]
-pub enum AttentionLayout {
-    /// `allowed.len()` rows of `row_len` tokens each (`n = rows * row_len`),
-    /// row `r` being tokens `r * row_len..(r + 1) * row_len`, with a dense mask
-    /// `allowed[r]: [row_len, row_len]` per row. The padded batch (key padding
-    /// mask) and the packed batch with a block-diagonal mask use this form.
-    Dense {
-        /// Tokens per row.
-        row_len: usize,
-        /// Per row, `[row_len, row_len]`: query `i` may attend to key `j`.
-        allowed: Vec<Array2<bool>>,
-    },
-    /// Unpadded tokens of back-to-back segments, `cu_seqlens: [b + 1]`
-    /// (flash-attention's varlen form), bidirectional.
-    Varlen {
-        /// `[b + 1]`, leading 0, last = `n_tok`.
-        cu_seqlens: Vec<usize>,
-    },
-}
-
-impl AttentionLayout {
-    /// Tokens covered by the layout.
-    pub fn num_tokens(&self) -> usize {
-        match self {
-            AttentionLayout::Dense { row_len, allowed } => row_len * allowed.len(),
-            AttentionLayout::Varlen { cu_seqlens } => cu_seqlens.last().copied().unwrap_or(0),
-        }
-    }
-}
-
 /// The forward over a [`AttentionLayout`] through any [`AttentionOp`]: a
 /// varlen layout is one varlen call (bidirectional), a dense layout one
-/// masked call per row. The model (and [`AttentionOp::forward`]) uses it.
+/// masked call per row. The models (BERT, the decoder) use it.
 ///
 /// # Errors
 /// Those of the op, and [`check_layout`]'s.

@@ -20,61 +20,9 @@
 
 use std::ops::Range;
 
-use crate::error::{Error, Result};
-
-/// flash-attention's `window_size = (left, right)`: how many keys before
-/// (`left`) and after (`right`) a query's diagonal it may see; `None` is
-/// flash-attention's `-1`, unbounded. `(None, None)` is no window.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct Window {
-    /// Keys before the diagonal (`None`: all).
-    pub left: Option<usize>,
-    /// Keys after the diagonal (`None`: all).
-    pub right: Option<usize>,
-}
-
-impl Window {
-    /// No window (flash-attention's `(-1, -1)`).
-    pub const UNBOUNDED: Window = Window {
-        left: None,
-        right: None,
-    };
-
-    /// From flash-attention's pair: `-1` is unbounded.
-    ///
-    /// # Errors
-    /// [`Error::InvalidArgument`] naming `window_size[0]` or `window_size[1]`
-    /// for a value below `-1`.
-    pub fn from_flash(left: i64, right: i64) -> Result<Window> {
-        let side = |x: i64, field: &str| -> Result<Option<usize>> {
-            match x {
-                -1 => Ok(None),
-                x if x >= 0 => usize::try_from(x)
-                    .map(Some)
-                    .map_err(|_| Error::invalid(field, format!("{x} does not fit a usize"))),
-                x => Err(Error::invalid(
-                    field,
-                    format!("{x}: a window side is -1 (unbounded) or at least 0"),
-                )),
-            }
-        };
-        Ok(Window {
-            left: side(left, "window_size[0]")?,
-            right: side(right, "window_size[1]")?,
-        })
-    }
-
-    /// flash-attention's pair (`-1`: unbounded).
-    pub fn to_flash(self) -> (i64, i64) {
-        let f = |x: Option<usize>| x.map_or(-1, |x| i64::try_from(x).unwrap_or(i64::MAX));
-        (f(self.left), f(self.right))
-    }
-
-    /// True for `(-1, -1)`.
-    pub fn is_unbounded(self) -> bool {
-        self == Window::UNBOUNDED
-    }
-}
+/// flash-attention's `window_size`: a type of the contract
+/// ([`crate::ops`]), here with the functions that apply it.
+pub use crate::ops::Window;
 
 /// The keys (local indices) that query `r` of a segment of `lq` queries over
 /// `lk` keys sees: `lo..hi`, empty when none. Causal is `right = 0`

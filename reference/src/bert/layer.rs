@@ -78,7 +78,12 @@ pub fn layer_forward(
     let q = heads(linear(x, p.query_w.view(), p.query_b.view()), num_heads)?;
     let k = heads(linear(x, p.key_w.view(), p.key_b.view()), num_heads)?;
     let v = heads(linear(x, p.value_w.view(), p.value_b.view()), num_heads)?;
-    let attention = kernel.forward(Qkv::new(q.view(), k.view(), v.view()), layout, scale)?;
+    let attention = crate::attention::layout_forward(
+        kernel,
+        Qkv::new(q.view(), k.view(), v.view()),
+        layout,
+        scale,
+    )?;
     let a = flat(&attention.output);
     let mut r1 = linear(a.view(), p.attn_out_w.view(), p.attn_out_b.view());
     r1 += &x;
@@ -135,7 +140,8 @@ pub fn layer_backward(
     let a = flat(&cache.attention.output);
     let da = param_backward!(linear_backward(a.view(), dr1.view()), p => g, attn_out_w, attn_out_b);
     let da = heads(da, num_heads)?;
-    let ag = kernel.backward(
+    let ag = crate::attention::layout_backward(
+        kernel,
         Qkv::new(cache.q.view(), cache.k.view(), cache.v.view()),
         layout,
         scale,

@@ -334,7 +334,12 @@ pub fn decoder_layer_forward(
                 row_len: *row_len,
                 allowed: allowed.clone(),
             };
-            let out = op.forward(Qkv::new(q.view(), k.view(), v.view()), &layout, scale)?;
+            let out = crate::attention::layout_forward(
+                op,
+                Qkv::new(q.view(), k.view(), v.view()),
+                &layout,
+                scale,
+            )?;
             (k.clone(), v.clone(), Vec::new(), out)
         }
     };
@@ -453,7 +458,8 @@ pub fn decoder_layer_backward(
                 row_len: *row_len,
                 allowed: allowed.clone(),
             };
-            let ag = op.backward(
+            let ag = crate::attention::layout_backward(
+                op,
                 Qkv::new(cache.q.view(), cache.k.view(), cache.v.view()),
                 &layout,
                 scale,
