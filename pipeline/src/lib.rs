@@ -6,4 +6,5 @@ pub mod plot;
 pub mod report;
 pub mod runtime;
 pub mod schedule;
+pub mod share;
 pub mod step;
