@@ -67,6 +67,22 @@ def test_a_leak_is_caught_and_written_out(tmp_path):
     assert not np.allclose(np.asarray(ref["output"]), leak["output"])
 
 
+def test_fail_fast_stops_at_the_first_failing_case_of_the_same_run():
+    def leaky(q, k, v, cu_seqlens, **kw):
+        return packshard.attention(q, k, v, [0, q.shape[0]], cu_seqlens_k=[0, k.shape[0]],
+                                   scale=kw["scale"], causal=kw["causal"],
+                                   grad_output=kw.get("grad_output"))
+
+    full = testing.check_attention(leaky, cases=40, seed=3, raise_on_failure=False)
+    fast = testing.check_attention(leaky, cases=40, seed=3, raise_on_failure=False,
+                                   fail_fast=True)
+    # A leak fails every multi-segment case: several failures, of which the
+    # fast run holds only the first, having run no case after it.
+    assert len(full.failures) > 1 and len(fast.failures) == 1
+    assert fast.failures[0].source == full.failures[0].source
+    assert fast.cases < full.cases
+
+
 def test_f32_kernel_claimed_as_f64_fails():
     with pytest.raises(AssertionError):
         testing.check_attention(registered("attention", "attention_varlen_tiled"), cases=20,

@@ -416,7 +416,8 @@ def _stored_inputs(args: Dict[str, Any], precision: str) -> None:
 def fuzz(fn: Callable[..., Any], op: str, cases: int = 100, seed: int = 0, *,
          precision: str = "f32", grad: bool = True, fix: Optional[Mapping[str, Any]] = None,
          regression_out: Optional[str] = None, raise_on_failure: bool = True,
-         only: Optional[Callable[[Dict[str, Any]], Optional[str]]] = None) -> Report:
+         only: Optional[Callable[[Dict[str, Any]], Optional[str]]] = None,
+         fail_fast: bool = False) -> Report:
     """Runs ``fn`` on ``cases`` generated cases of ``op`` from ``seed``.
 
     ``op``: ``attention``, ``cross_entropy``, ``linear_cross_entropy``,
@@ -430,6 +431,9 @@ def fuzz(fn: Callable[..., Any], op: str, cases: int = 100, seed: int = 0, *,
     ``regression_out``: where to write the smallest failing case as a
     ``packshard eval`` JSON case. ``only(args)``: None to run a case, or the
     reason it is left out (counted in ``Report.restricted``, never silently).
+    ``fail_fast``: stop at the first failing case (the cases run in the same
+    order, so a kernel fails with it exactly when it fails without it; the
+    report then holds that one failure, not the smallest of all).
     Returns a :class:`Report`; raises
     ``AssertionError`` (with the smallest failing case) when any case fails.
     """
@@ -452,6 +456,8 @@ def fuzz(fn: Callable[..., Any], op: str, cases: int = 100, seed: int = 0, *,
         f = _run_one(fn, op, args, describe, size, source, precision, report)
         if f is not None:
             report.failures.append(f)
+            if fail_fast:
+                break
     if report.cases == 0:
         raise AssertionError(f"packshard.testing: no case of {op} ran (all {report.skipped} skipped, "
                              f"left out: {report.restricted})")
