@@ -99,10 +99,18 @@ builders)
     # The fuzz cases' size builders (the size classes, budget and boundary lengths
     # every family draws from; the large loss cases), against the unit tests and the
     # two test files that hold the generators to what they must reach.
+    # Three runs (ONLY=builders-sizes, builders-vocab, builders-attention): every
+    # function of the three files that turns an input's bytes into sizes and
+    # options, not the descriptions or accessors.
+    tests=(-C --lib -C --test=fuzz_vocab_sizes -C --test=attention_schedule --minimum-test-timeout 60)
     run builders-sizes -p packshard-equivalence \
-        -f equivalence/src/fuzz/schedule.rs -f equivalence/src/fuzz/vocab/large.rs \
-        -C --lib -C --test=fuzz_vocab_sizes -C --test=attention_schedule \
-        --minimum-test-timeout 60
+        -f equivalence/src/fuzz/schedule.rs -f equivalence/src/fuzz/vocab/large.rs "${tests[@]}"
+    run builders-vocab -p packshard-equivalence -f equivalence/src/fuzz/vocab.rs \
+        -F 'shard_map|loss_config|small_tail|split_and_tokens|targets|padding_value|Arbitrary' \
+        "${tests[@]}"
+    run builders-attention -p packshard-equivalence -f equivalence/src/fuzz/attention/case.rs \
+        -F 'heads|small_len|short_len|long_len|segment|fit|small_sizes|large_sizes|options|window_side|malform|Arbitrary' \
+        "${tests[@]}"
     ;;
 cuda)
     PACKSHARD_REQUIRE_EMULATOR=1 run optimized-cuda -p packshard-optimized --features cuda \
