@@ -247,4 +247,90 @@ mod tests {
         }
         assert!(seen.iter().any(|h| (1..=MAX_H).contains(h)), "{seen:?}");
     }
+
+    /// `config`'s softcap, over 900 byte strings: 1 and 30 (Gemma 2's) a
+    /// ninth of the time each, a value spread over `[0.5, 50]` a ninth, none
+    /// two thirds; the reduction `none` half of the time. The bounds are the
+    /// expected count +- 4 standard deviations of a binomial over 900
+    /// (100 +- 38, 600 +- 57, 450 +- 60).
+    #[test]
+    fn large_loss_options_draw_each_softcap_and_reduction_in_its_share() {
+        let (mut one, mut thirty, mut spread, mut off, mut none) = (0, 0, Vec::new(), 0, 0);
+        for s in 0..900u64 {
+            let data = budgeted_input(&Budget::small(1), s, 0);
+            let c = config(&mut Unstructured::new(&data), 300).unwrap();
+            match c.softcap {
+                Some(x) if x == 1.0 => one += 1,
+                Some(x) if x == 30.0 => thirty += 1,
+                Some(x) => spread.push(x),
+                None => off += 1,
+            }
+            none += usize::from(c.reduction == Reduction::None);
+        }
+        for (what, k, lo, hi) in [
+            ("softcap 1", one, 62, 138),
+            ("softcap 30", thirty, 62, 138),
+            ("softcap drawn", spread.len(), 62, 138),
+            ("no softcap", off, 543, 657),
+            ("reduction none", none, 390, 510),
+        ] {
+            assert!(
+                (lo..=hi).contains(&k),
+                "{what}: {k} of 900, not in {lo}..={hi}"
+            );
+        }
+        assert!(
+            spread.iter().all(|x| (0.5..=50.0).contains(x)),
+            "{spread:?}"
+        );
+        let lo = spread.iter().copied().fold(f64::INFINITY, f64::min);
+        let hi = spread.iter().copied().fold(0.0, f64::max);
+        assert!(lo < 10.0 && hi > 40.0, "drawn softcaps span {lo}..{hi}");
+    }
+
+    /// `grads` over 800 byte strings: gradients seven in eight (700), an
+    /// upstream gradient three in four of those (525), `[n]` under `none` and
+    /// `[1]` otherwise, and never an upstream without gradients. Bounds: +- 4
+    /// binomial standard deviations (700 +- 38, 525 +- 54).
+    #[test]
+    fn large_loss_gradients_and_upstreams_come_in_their_shares() {
+        let (mut want, mut given) = (0, 0);
+        for s in 0..800u64 {
+            let data = budgeted_input(&Budget::small(1), s, 0);
+            let reduction = if s % 2 == 0 {
+                Reduction::None
+            } else {
+                Reduction::Mean
+            };
+            let (w, up) = grads(
+                &mut Unstructured::new(&data),
+                &mut Gen::seeded(s),
+                5,
+                reduction,
+            )
+            .unwrap();
+            want += usize::from(w);
+            if let Some(up) = up {
+                assert!(w, "an upstream gradient without gradients");
+                given += 1;
+                assert_eq!(up.len(), if s % 2 == 0 { 5 } else { 1 });
+            }
+        }
+        assert!((662..=738).contains(&want), "gradients in {want} of 800");
+        assert!((471..=579).contains(&given), "upstreams in {given} of 800");
+    }
+
+    /// `upstream`'s values over 800 draws: exactly 0 a quarter of the time,
+    /// exactly 1 a quarter, else spread over `[-2, 2]` with both signs
+    /// (bounds 200 +- 49, four binomial standard deviations).
+    #[test]
+    fn upstream_values_are_zero_one_or_spread_over_both_signs() {
+        let v = upstream(&mut Gen::seeded(7), 800, Reduction::None);
+        let zeros = v.iter().filter(|&&x| x == 0.0).count();
+        let ones = v.iter().filter(|&&x| x == 1.0).count();
+        assert!((151..=249).contains(&zeros), "{zeros} zeros");
+        assert!((151..=249).contains(&ones), "{ones} ones");
+        assert!(v.iter().all(|x| (-2.0..=2.0).contains(x)));
+        assert!(v.iter().any(|&x| x < -1.0) && v.iter().any(|&x| x > 1.0));
+    }
 }
