@@ -39,6 +39,8 @@ use super::{brief, Failure, Outcome};
 use crate::compare::Judge;
 
 mod large;
+#[cfg(test)]
+mod tests;
 use crate::compare::Mismatch;
 use crate::vocab::{
     check_cross_entropy_unsharded, check_cross_entropy_with, check_embedding,
