@@ -344,11 +344,16 @@ pub struct Judged {
     pub baseline: Option<Fields>,
 }
 
-/// The magnitude of the terms of each attention result, over the segments
-/// ([`AttentionTerms`], the fuzz targets' floor): a tensor that cancels to
-/// nearly 0 is judged against the size of what was summed, not its own.
+/// The magnitude of the terms of each attention result ([`AttentionTerms`],
+/// the fuzz targets' floor): a tensor that cancels to nearly 0 is judged
+/// against the size of what was summed, not its own. The largest over the
+/// segments under each result's name, and under `segments` each segment's
+/// own with the offsets (`q`: `cu_seqlens_q`, `k`: `cu_seqlens_k`), which
+/// [`crate::segments::judge_result`] judges each segment by, as the Rust
+/// fuzz does (a short segment is not judged by a long one's terms).
 fn attention_terms(a: &AttentionArgs<'_>) -> serde_json::Value {
     let mut t = AttentionTerms::default();
+    let mut each = Vec::new();
     let zeros = Array3::<f64>::zeros(a.q.raw_dim());
     let go = a.grad_output.unwrap_or(zeros.view());
     let (n_q, n_k) = (a.q.dim().0, a.k.dim().0);
@@ -380,8 +385,17 @@ fn attention_terms(a: &AttentionArgs<'_>) -> serde_json::Value {
             },
         );
         t = t.max(u);
+        each.push(u);
     }
-    serde_json::json!({"output": t.output, "lse": t.lse, "grad_q": t.grad_q, "grad_k": t.grad_k, "grad_v": t.grad_v})
+    let seg = |f: fn(&AttentionTerms) -> f64| each.iter().map(f).collect::<Vec<f64>>();
+    let segments = (each.len() + 1 == a.cu_seqlens.len()).then(|| {
+        serde_json::json!({
+            "q": a.cu_seqlens, "k": a.cu_k(),
+            "output": seg(|t| t.output), "lse": seg(|t| t.lse), "grad_q": seg(|t| t.grad_q),
+            "grad_k": seg(|t| t.grad_k), "grad_v": seg(|t| t.grad_v),
+        })
+    });
+    serde_json::json!({"output": t.output, "lse": t.lse, "grad_q": t.grad_q, "grad_k": t.grad_k, "grad_v": t.grad_v, "segments": segments})
 }
 
 /// [`Judged`] for an `attention` case.

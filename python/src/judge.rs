@@ -97,7 +97,8 @@ impl fmt::Display for CaseReport {
 /// case, from [`attention_judged`] or [`loss_judged`]): every tensor or
 /// scalar of `outputs` whose name the reference has, under the rule for
 /// `precision`; `primary` (`output` or `loss`) must be there. The
-/// reference's `terms` (the magnitude of each result's terms) set the floors.
+/// reference's `terms` (the magnitude of each result's terms) set the floors;
+/// attention results are judged per segment ([`crate::segments`]).
 pub fn verdict(
     judged: &Judged,
     outputs: &Fields,
@@ -129,10 +130,6 @@ pub fn verdict(
         } else {
             KernelPrecision::F64
         };
-        let scale = terms
-            .as_ref()
-            .and_then(|t| t.get(name))
-            .and_then(serde_json::Value::as_f64);
         let verdict = if a.shape() != e.shape() {
             crate::core::Verdict::shape_mismatch(name, a.shape(), e.shape())
         } else {
@@ -141,7 +138,7 @@ pub fn verdict(
                 a.iter().copied().collect::<Vec<_>>(),
             );
             let b: Option<Vec<f64>> = b.map(|b| b.iter().copied().collect());
-            crate::core::judge_tensor(name, &shape, &e, b.as_deref(), &a, p, scale)
+            crate::segments::judge_result(name, &shape, &e, b.as_deref(), &a, p, terms.as_ref())
         };
         tensors.push(TensorReport {
             name: (*name).to_string(),

@@ -19,3 +19,4 @@ pub mod core;
 pub mod judge;
 #[cfg(feature = "python")]
 mod py;
+pub mod segments;

@@ -19,6 +19,7 @@ use pyo3::types::{PyDict, PyList};
 use pyo3::IntoPyObjectExt;
 
 use crate::core::{self, AttentionArgs, AttnOptions, Fields, KernelPrecision, LossArgs, Out};
+use crate::segments;
 
 pyo3::create_exception!(
     _native,
@@ -548,7 +549,8 @@ fn generated_cases(
 /// allowed at `index`), `share` (largest `error / allowed`, at most 1 on a
 /// pass), `index` (a list), and `expected` and `actual` there.
 #[pyfunction]
-#[pyo3(signature = (what, expected, baseline, actual, precision, scale=None))]
+#[pyo3(signature = (what, expected, baseline, actual, precision, scale=None, terms=None))]
+#[allow(clippy::too_many_arguments)]
 fn judge_tensor<'py>(
     py: Python<'py>,
     what: String,
@@ -557,6 +559,7 @@ fn judge_tensor<'py>(
     actual: numpy::PyReadonlyArrayDyn<'py, f64>,
     precision: String,
     scale: Option<f64>,
+    terms: Option<String>,
 ) -> PyResult<Py<PyAny>> {
     guard(py, || {
         let p = self::precision(py, &precision)?;
@@ -570,7 +573,21 @@ fn judge_tensor<'py>(
                 .as_ref()
                 .map(|b| b.as_array().iter().copied().collect());
             let shape = expected.as_array().shape().to_vec();
-            core::judge_tensor(&what, &shape, &e, b.as_deref(), &a, p, scale)
+            match terms
+                .as_deref()
+                .map(serde_json::from_str::<serde_json::Value>)
+            {
+                Some(Ok(t)) => {
+                    segments::judge_result(&what, &shape, &e, b.as_deref(), &a, p, Some(&t))
+                }
+                Some(Err(e)) => {
+                    return Err(raise(
+                        py,
+                        EvalError::invalid("terms", format!("not JSON: {e}")),
+                    ))
+                }
+                None => core::judge_tensor(&what, &shape, &e, b.as_deref(), &a, p, scale),
+            }
         };
         let d = PyDict::new(py);
         d.set_item("failure", v.failure)?;

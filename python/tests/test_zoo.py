@@ -92,6 +92,9 @@ HAND_BUILT = {
     "attention_alibi_pack_start": lambda: _with(
         _attention_case([3, 4], lens_k=[7, 9]), alibi_slopes=[0.5, 0.25]),
     "attention_alibi_sign": lambda: _with(_attention_case([5, 4]), alibi_slopes=[0.5, 0.25]),
+    # One short segment: its own terms, not a long neighbour's, set the allowance.
+    "attention_sum_f16": lambda: _attention_case([2], d=1),
+    "attention_p_bf16": lambda: _attention_case([2], d=1),
     "ce_drop_last_chunk": lambda: _ce_case(),
     "ce_ignore_in_mean": lambda: _ce_case(v=50),
     "ce_smoothing_padded": lambda: _ce_case(v=50, vocab_size=47, label_smoothing=0.2),

@@ -46,6 +46,12 @@ ZOO = {
         "W6: ALiBi's distance over the pack's token indices, not the segment's aligned ones"),
     "attention_alibi_sign": (
         "attention", attention.kernel("alibi_sign"), "W6: ALiBi's bias +slope |i - j|"),
+    "attention_sum_f16": (
+        "attention", attention.kernel("sum_f16"),
+        "the softmax denominator accumulated in float16 (an f32 kernel's register in half)"),
+    "attention_p_bf16": (
+        "attention", attention.kernel("p_bf16"),
+        "P rounded to bfloat16 before P V in an f32 kernel"),
     "ce_drop_last_chunk": (
         "cross_entropy", cross_entropy.kernel("drop_last_chunk"),
         "v // 1024 vocabulary chunks: the last partial chunk left out of the logsumexp"),

@@ -51,7 +51,15 @@ TILE = 16  # keys per tile (flash-attention's smallest block size)
 
 BUGS = ("no_rescale", "partial_tile_unmasked", "gqa_modulo", "causal_top_left", "lse_log2",
         "delta_per_tile", "window_off_by_one", "window_top_left", "window_across_documents",
-        "softcap_after_mask", "softcap_no_chain", "alibi_pack_start", "alibi_sign")
+        "softcap_after_mask", "softcap_no_chain", "alibi_pack_start", "alibi_sign",
+        "sum_f16", "p_bf16")
+
+
+def _bf16(x):
+    """``x`` (float32) rounded to bfloat16 (nearest, ties to even), kept as float32."""
+    b = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    b = (b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+    return b.view(np.float32)
 
 
 def _segments(cu_seqlens, cu_seqlens_q, cu_seqlens_k):
@@ -166,8 +174,15 @@ def tiled_attention(q, k, v, cu_seqlens=None, scale=None, causal=False, grad_out
                 alpha = np.ones_like(l)  # BUG: the old sums kept at the old max
             else:
                 alpha = np.where(np.isfinite(m), np.exp(m - m_safe), np.float32(0))
-            l = alpha * l + p.sum(axis=2)
-            acc = alpha[..., None] * acc + np.einsum("hij,hjd->hid", p, vt)
+            if bug == "sum_f16":
+                # BUG: the denominator accumulated in float16 (a half-precision
+                # register for the row sums).
+                l = (alpha * l).astype(np.float16) + p.sum(axis=2).astype(np.float16)
+                l = l.astype(np.float32)
+            else:
+                l = alpha * l + p.sum(axis=2)
+            pv = _bf16(p) if bug == "p_bf16" else p  # BUG (p_bf16): P stored in bf16 for P V
+            acc = alpha[..., None] * acc + np.einsum("hij,hjd->hid", pv, vt)
             m = m_new
         has = l > 0
         m_safe = np.where(np.isfinite(m), m, np.float32(0))

@@ -288,6 +288,9 @@ def _compare(op: str, expected: Mapping[str, Any], baseline: Optional[Mapping[st
     (``core::judge_tensor``): one :class:`TensorVerdict` each, in the
     reference's order."""
     terms = expected.get("terms") or {}
+    # Attention results are judged segment by segment, each under its own
+    # terms (``terms["segments"]``), as the Rust fuzz judges them.
+    terms_json = json.dumps(terms) if terms.get("segments") else None
     out = []
     for key, exp in expected.items():
         if key not in got or not isinstance(exp, (np.ndarray, float)):
@@ -303,7 +306,7 @@ def _compare(op: str, expected: Mapping[str, Any], baseline: Optional[Mapping[st
         prec = precision if (base is not None or precision == "f64") else "f64"
         if op == "embedding":
             prec = "f64"  # a lookup is exact in any precision
-        v = _native.judge_tensor(key, exp, base, act, prec, terms.get(key))
+        v = _native.judge_tensor(key, exp, base, act, prec, terms.get(key), terms_json)
         out.append(TensorVerdict(key, v))
     return out
 
