@@ -154,3 +154,141 @@ fn small_loss_options_come_in_their_shares() {
         );
     }
 }
+
+/// `small_tail` over 1,200 byte strings: a softcap a third of the time (1,
+/// 30 or drawn in `[0.5, 50]`, a third each), independent of the upstream
+/// gradient, given half of the time gradients are asked for and never
+/// without them (`[n]` under `none`, else `[1]`).
+#[test]
+fn small_tails_draw_a_softcap_and_an_upstream_independently() {
+    const N: usize = 1200;
+    let (mut capped, mut at_one, mut at_thirty, mut drawn) = (0, 0, 0, Vec::new());
+    let (mut asked, mut given, mut capped_asked, mut capped_given) = (0, 0, 0, 0);
+    for s in 0..N as u64 {
+        let data = bytes(s);
+        let want_grad = s % 4 < 2;
+        let reduction = if s % 2 == 0 {
+            Reduction::None
+        } else {
+            Reduction::Mean
+        };
+        let mut config = LossConfig {
+            reduction,
+            ..LossConfig::default()
+        };
+        let up = small_tail(
+            &mut Unstructured::new(&data),
+            &mut Gen::seeded(s),
+            5,
+            &mut config,
+            want_grad,
+        )
+        .unwrap();
+        match config.softcap {
+            Some(1.0) => at_one += 1,
+            Some(30.0) => at_thirty += 1,
+            Some(c) => drawn.push(c),
+            None => {}
+        }
+        capped += usize::from(config.softcap.is_some());
+        if let Some(up) = &up {
+            assert!(want_grad, "an upstream gradient without gradients");
+            assert_eq!(up.len(), if reduction == Reduction::None { 5 } else { 1 });
+        }
+        if want_grad {
+            asked += 1;
+            given += usize::from(up.is_some());
+            capped_asked += usize::from(config.softcap.is_some());
+            capped_given += usize::from(config.softcap.is_some() && up.is_some());
+        }
+    }
+    within_share("softcap", capped, N, 1.0 / 3.0);
+    within_share("softcap 1", at_one, capped, 1.0 / 3.0);
+    within_share("softcap 30", at_thirty, capped, 1.0 / 3.0);
+    within_share("softcap drawn", drawn.len(), capped, 1.0 / 3.0);
+    assert!(drawn.iter().all(|c| (0.5..=50.0).contains(c)), "{drawn:?}");
+    within_share("upstream", given, asked, 0.5);
+    // Independent: a capped case gets an upstream half of the time too.
+    within_share("upstream with a softcap", capped_given, capped_asked, 0.5);
+}
+
+/// `targets` over every byte value ten times: 0 is `v` and 1 is -5 (out of
+/// range, V5), every other multiple of 5 the ignore index (51 of 256), the
+/// rest real classes spread over the vocabulary.
+#[test]
+fn small_targets_are_classes_ignored_or_out_of_range_by_their_byte() {
+    let data: Vec<u8> = (0..=255u8).cycle().take(2560).collect();
+    let (v, ignore) = (50usize, -100i64);
+    let t = targets(
+        &mut Unstructured::new(&data),
+        &mut Gen::seeded(3),
+        2560,
+        v,
+        ignore,
+    )
+    .unwrap();
+    let count = |x: i64| t.iter().filter(|&&y| y == x).count();
+    assert_eq!(count(v as i64), 10, "out of range past the end");
+    assert_eq!(count(-5), 10, "out of range below 0");
+    assert_eq!(count(ignore), 510, "ignored");
+    let classes: BTreeSet<i64> = t
+        .iter()
+        .copied()
+        .filter(|c| (0..v as i64).contains(c))
+        .collect();
+    assert_eq!(
+        t.len() - 530,
+        t.iter().filter(|c| (0..v as i64).contains(c)).count()
+    );
+    assert_eq!(classes.len(), v, "every class drawn");
+}
+
+/// `padding_value`: NaN, infinity and 1e4 a quarter of the time each, else
+/// a finite value of the generator's (anything, never to be read).
+#[test]
+fn padding_holds_nan_infinity_large_or_ordinary_values() {
+    let mut gen = Gen::seeded(11);
+    let xs: Vec<f64> = (0..800).map(|_| padding_value(&mut gen)).collect();
+    let nan = xs.iter().filter(|x| x.is_nan()).count();
+    let inf = xs.iter().filter(|&&x| x == f64::INFINITY).count();
+    let big = xs.iter().filter(|&&x| x == 1e4).count();
+    let other: Vec<f64> = xs
+        .iter()
+        .copied()
+        .filter(|x| x.is_finite() && *x != 1e4)
+        .collect();
+    for (what, k) in [
+        ("NaN", nan),
+        ("inf", inf),
+        ("1e4", big),
+        ("ordinary", other.len()),
+    ] {
+        within_share(what, k, 800, 0.25);
+    }
+    assert!(
+        other.iter().any(|&x| x < -1.0) && other.iter().any(|&x| x > 1.0),
+        "{other:?}"
+    );
+}
+
+/// A stored input read before the trailing byte existed ends early: the
+/// missing byte reads 0 and must draw neither a softcap nor an upstream
+/// gradient, so the input still means the case it did.
+#[test]
+fn a_missing_tail_byte_draws_nothing() {
+    for reduction in [Reduction::None, Reduction::Mean] {
+        let mut config = LossConfig {
+            reduction,
+            ..LossConfig::default()
+        };
+        let up = small_tail(
+            &mut Unstructured::new(&[]),
+            &mut Gen::seeded(1),
+            4,
+            &mut config,
+            true,
+        )
+        .unwrap();
+        assert_eq!((config.softcap, up), (None, None));
+    }
+}
