@@ -90,7 +90,7 @@ for dtype in f64 f32; do
     "$PACKSHARD" check "$GOLDEN/$dtype" "$GOLDEN/results-$dtype.safetensors" | tail -n 1
 done
 # A planted fault must fail the check with exit status 1.
-for bug in leak ignore_index; do
+for bug in leak ignore_index window_top_left; do
     "$VENV/bin/python" examples/python/check_numpy.py "$GOLDEN/f64" "$GOLDEN/results-bug.safetensors" --bug "$bug" >/dev/null
     rc=0
     "$PACKSHARD" check "$GOLDEN/f64" "$GOLDEN/results-bug.safetensors" > "$GOLDEN/bug.txt" || rc=$?

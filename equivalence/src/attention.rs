@@ -104,21 +104,8 @@ impl AttentionCase {
     /// A case with deterministic values from `seed` (uniform in [-2, 2],
     /// every 7th value x 8: planted outliers).
     pub fn seeded(lengths: &[usize], h: usize, d: usize, extra_pad: usize, seed: u64) -> Self {
-        use rand::{Rng, SeedableRng};
-        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
         let n: usize = lengths.iter().sum();
-        let mut gen = |_| {
-            let x = 4.0 * rng.random::<f64>() - 2.0;
-            if rng.random_range(0..7) == 0 {
-                8.0 * x
-            } else {
-                x
-            }
-        };
-        let q = Array3::from_shape_fn((n, h, d), &mut gen);
-        let k = Array3::from_shape_fn((n, h, d), &mut gen);
-        let v = Array3::from_shape_fn((n, h, d), &mut gen);
-        let grad_output = Array3::from_shape_fn((n, h, d), &mut gen);
+        let [q, k, v, grad_output] = Self::seeded_tensors((n, n), (h, h, d), seed);
         AttentionCase {
             lengths: lengths.to_vec(),
             row_len: lengths.iter().copied().max().unwrap_or(0) + extra_pad,
@@ -128,6 +115,35 @@ impl AttentionCase {
             v,
             grad_output,
         }
+    }
+}
+
+impl AttentionCase {
+    /// `[q, k, v, grad_output]` with the values of [`AttentionCase::seeded`]
+    /// (uniform in [-2, 2], one in 7 x 8, drawn in that order), for queries
+    /// and keys of their own counts and heads: `q, grad_output: [n_q, h, d]`,
+    /// `k, v: [n_k, h_kv, d]`. With `n_q == n_k` and `h_kv == h` they are
+    /// exactly `seeded`'s tensors.
+    pub fn seeded_tensors(
+        (n_q, n_k): (usize, usize),
+        (h, h_kv, d): (usize, usize, usize),
+        seed: u64,
+    ) -> [Array3<f64>; 4] {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let mut gen = |_| {
+            let x = 4.0 * rng.random::<f64>() - 2.0;
+            if rng.random_range(0..7) == 0 {
+                8.0 * x
+            } else {
+                x
+            }
+        };
+        let q = Array3::from_shape_fn((n_q, h, d), &mut gen);
+        let k = Array3::from_shape_fn((n_k, h_kv, d), &mut gen);
+        let v = Array3::from_shape_fn((n_k, h_kv, d), &mut gen);
+        let grad_output = Array3::from_shape_fn((n_q, h, d), &mut gen);
+        [q, k, v, grad_output]
     }
 }
 

@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """A plain numpy implementation of varlen attention (forward and backward),
 cross-entropy (every option packshard has), the output layer and the
-embedding, run on packshard's golden vectors.
+embedding, run on packshard's golden vectors. Its attention takes
+flash-attention's options: grouped-query heads, cu_seqlens_q != cu_seqlens_k
+(bottom-right aligned), window_size, softcap and alibi_slopes.
 
     packshard golden --out golden                        # f64 (or --dtype f32)
     python examples/python/check_numpy.py golden results.safetensors
@@ -13,9 +15,10 @@ for an f32 one), and writes each output as `<case>/<output>` (the
 manifest's `result` names). Cases of other ops (pack, batch) are left out;
 `packshard check` lists them as skipped.
 
-`--bug leak` plants docs/FAULTS.md P2 (attention across the segments of a pack)
-and `--bug ignore_index` scores ignored targets as class 0: `packshard
-check` must then exit 1 (CI runs both).
+`--bug leak` plants docs/FAULTS.md P2 (attention across the segments of a pack),
+`--bug ignore_index` scores ignored targets as class 0, and `--bug
+window_top_left` aligns the sliding window top-left when a segment has fewer
+queries than keys (W2): `packshard check` must then exit 1 (CI runs all three).
 
 Requires numpy and safetensors (examples/python/requirements.txt). bfloat16
 sets (`--dtype bf16`) need a framework with bfloat16 (e.g. safetensors.torch);
@@ -31,41 +34,89 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 
 
-def attention(q, k, v, cu_seqlens, causal, scale, grad_output, bug=None):
-    """Varlen attention: q, k, v, grad_output [n_tok, h, d]; cu_seqlens [b + 1].
+def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, grad_output,
+              window_size=None, softcap=0.0, alibi_slopes=None, bug=None):
+    """Varlen attention as flash_attn_varlen_func computes it.
 
-    Returns output [n_tok, h, d], lse [h, n_tok] (natural log) and the
-    gradients of q, k, v.
+    q, grad_output [n_q, h, d]; k, v [n_k, h_kv, d] (h_kv divides h: query
+    head a reads key head a // (h // h_kv), grouped-query attention);
+    cu_seqlens_q, cu_seqlens_k [b + 1]: segment s is queries
+    cu_seqlens_q[s]:cu_seqlens_q[s+1] over keys cu_seqlens_k[s]:cu_seqlens_k[s+1].
+    In a segment of l_q queries over l_k keys, query r's diagonal is key
+    r + l_k - l_q (bottom-right alignment): causal allows keys at or before it,
+    window_size (left, right) (-1 unbounded) keys within left before and right
+    after it. The score of query r over key c is cap(scale q.k) - slope[a]
+    |r + l_k - l_q - c|, cap(x) = softcap tanh(x / softcap) (softcap 0: none;
+    applied before the mask, so a masked key stays -inf), the ALiBi term only
+    with alibi_slopes [h]. A query that sees no key has output 0, lse -inf
+    and zero gradients.
+
+    Returns output [n_q, h, d], lse [h, n_q] (natural log) and grad_q
+    [n_q, h, d], grad_k, grad_v [n_k, h_kv, d].
     """
     dt = q.dtype
     scale = dt.type(scale)
     n, h, d = q.shape
+    h_kv = k.shape[1]
+    group = h // h_kv
+    heads = np.arange(h) // group  # the key head of each query head
+    left, right = window_size if window_size is not None else (-1, -1)
+    cap = dt.type(softcap)
     out = np.zeros_like(q)
     lse = np.zeros((h, n), dtype=dt)
     dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
-    bounds = [0, n] if bug == "leak" else list(cu_seqlens)
-    for a, b in zip(bounds[:-1], bounds[1:]):
-        if b == a:
-            continue  # an empty segment has no rows
-        # [h, L, d] per segment
-        Q, K, V, dO = (x[a:b].transpose(1, 0, 2) for x in (q, k, v, grad_output))
-        S = scale * (Q @ K.transpose(0, 2, 1))  # [h, L, L]
+    if bug == "leak":  # the whole pack as one segment (docs/FAULTS.md P2)
+        cu_seqlens_q, cu_seqlens_k = [0, n], [0, k.shape[0]]
+    bounds = zip(cu_seqlens_q[:-1], cu_seqlens_q[1:], cu_seqlens_k[:-1], cu_seqlens_k[1:])
+    for a, b, ka, kb in bounds:
+        lq, lk = b - a, kb - ka
+        if lq == 0:
+            continue  # no rows; its keys are read by no query
+        # [h, l_q, d] and [h, l_k, d] per segment, the key heads repeated
+        Q, dO = (x[a:b].transpose(1, 0, 2) for x in (q, grad_output))
+        K, V = (x[ka:kb][:, heads].transpose(1, 0, 2) for x in (k, v))
+        r = np.arange(lq)[:, None]
+        c = np.arange(lk)[None, :]
+        diag = r + lk - lq  # bottom-right
+        allowed = np.ones((lq, lk), dtype=bool)
         if causal:
-            S = np.where(np.tri(b - a, dtype=bool), S, -np.inf)
-        m = S.max(axis=-1, keepdims=True)
+            allowed &= c <= diag
+        # --bug window_top_left: the window's diagonal at key r (flash-attention
+        # < 2.1, docs/FAULTS.md W2); causal stays bottom-right.
+        wdiag = r if bug == "window_top_left" else diag
+        if left >= 0:
+            allowed &= c >= wdiag - left
+        if right >= 0:
+            allowed &= c <= wdiag + right
+        raw = scale * (Q @ K.transpose(0, 2, 1))  # [h, l_q, l_k]
+        if cap > 0:
+            th = np.tanh(raw / cap)
+            S = cap * th
+        else:
+            S = raw
+        if alibi_slopes is not None:
+            S = S - alibi_slopes.astype(dt)[:, None, None] * np.abs(diag - c).astype(dt)
+        S = np.where(allowed, S, -np.inf)
+        sees = allowed.any(axis=-1)[None, :, None]  # [1, l_q, 1]
+        m = np.where(sees, S.max(axis=-1, keepdims=True), 0)
         E = np.exp(S - m)
         l = E.sum(axis=-1, keepdims=True)
-        P = E / l
+        l = np.where(sees, l, 1)
+        P = E / l  # 0 on rows that see no key
         O = P @ V
         out[a:b] = O.transpose(1, 0, 2)
-        lse[:, a:b] = (m + np.log(l))[..., 0]
+        lse[:, a:b] = np.where(sees, m + np.log(l), -np.inf)[..., 0]
         dV = P.transpose(0, 2, 1) @ dO
         dP = dO @ V.transpose(0, 2, 1)
         D = (dO * O).sum(axis=-1, keepdims=True)
         dS = P * (dP - D)
+        if cap > 0:  # through the cap: d(c tanh(x / c))/dx = 1 - tanh^2
+            dS = dS * (1 - th**2)
         dq[a:b] = (scale * (dS @ K)).transpose(1, 0, 2)
-        dk[a:b] = (scale * (dS.transpose(0, 2, 1) @ Q)).transpose(1, 0, 2)
-        dv[a:b] = dV.transpose(1, 0, 2)
+        dK = scale * (dS.transpose(0, 2, 1) @ Q)  # [h, l_k, d]
+        # each key head's gradient: the sum over its query heads
+        dk[ka:kb] += dK.reshape(h_kv, group, lk, d).sum(axis=1).transpose(1, 0, 2)
+        dv[ka:kb] += dV.reshape(h_kv, group, lk, d).sum(axis=1).transpose(1, 0, 2)
     return {"output": out, "lse": lse, "grad_q": dq, "grad_k": dk, "grad_v": dv}
 
 
@@ -159,9 +210,14 @@ def embedding(ids, weight, grad_output, p):
 def run_case(case, inputs, bug):
     p, op = case["params"], case["op"]
     if op == "attention":
+        # cu_seqlens (self-attention), or cu_seqlens_q and cu_seqlens_k
+        cu_q = inputs.get("cu_seqlens", inputs.get("cu_seqlens_q"))
+        cu_k = inputs.get("cu_seqlens_k", cu_q)
         return attention(
-            inputs["q"], inputs["k"], inputs["v"], inputs["cu_seqlens"],
-            p["causal"], p["scale"], inputs["grad_output"], bug,
+            inputs["q"], inputs["k"], inputs["v"], cu_q, cu_k,
+            p["causal"], p["scale"], inputs["grad_output"],
+            window_size=p.get("window_size"), softcap=p.get("softcap", 0.0),
+            alibi_slopes=inputs.get("alibi_slopes"), bug=bug,
         )
     if op == "cross_entropy":
         return cross_entropy(
@@ -181,7 +237,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("golden", type=pathlib.Path, help="a directory written by `packshard golden`")
     parser.add_argument("results", type=pathlib.Path, help="the safetensors file to write")
-    parser.add_argument("--bug", choices=["leak", "ignore_index"], help="plant a fault")
+    parser.add_argument("--bug", choices=["leak", "ignore_index", "window_top_left"],
+                        help="plant a fault")
     args = parser.parse_args()
 
     manifest = json.loads((args.golden / "manifest.json").read_text())

@@ -85,7 +85,7 @@ fn an_untouched_set_passes_and_a_wrong_result_fails() {
     let (dir, results) = golden_set("untouched");
     let o = check(&dir, &results);
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
-    assert!(common::stdout_text(&o).contains("PASS: 126 of 126"));
+    assert!(common::stdout_text(&o).contains("PASS: 131 of 131"));
     write_results(&results, wrong);
     let o = check(&dir, &results);
     assert_eq!(o.status.code(), Some(1), "{}", common::stdout_text(&o));

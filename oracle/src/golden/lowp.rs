@@ -15,7 +15,9 @@
 //! Inputs are the stored (already rounded) golden inputs, as f64.
 
 use ndarray::{Array2, Array3, ArrayView2, ArrayView3};
+use packshard_reference::attention::options::{alibi_bias, visible_keys};
 use packshard_reference::attention::{AttentionGrads, AttentionOutput};
+use packshard_reference::ops::Varlen;
 use packshard_reference::vocab::{LossCall, Reduction};
 
 use super::io::Dtype;
@@ -24,81 +26,113 @@ fn st(dtype: Dtype, x: f32) -> f32 {
     dtype.round(f64::from(x)) as f32
 }
 
-/// Varlen attention forward and backward in `dtype` (see the module docs):
-/// `q, k, v, grad_output: [n, h, d]`, `cu_seqlens: [b + 1]` (well-formed),
-/// `causal` masking keys after the query within its segment. Returns what
+/// Varlen attention forward and backward in `dtype` (see the module docs),
+/// with every option of `p` as the reference takes them
+/// ([`packshard_reference::attention::options`]): `q, grad_output: [n_q, h,
+/// d]`, `k, v: [n_k, h_kv, d]` (`h_kv` dividing `h`; query head `a` reads
+/// key head `a / (h / h_kv)`), `p`'s offsets `cu_seqlens_q`, `cu_seqlens_k:
+/// [b + 1]` (well-formed; segment `s` has `l_q` queries over `l_k` keys, or
+/// `seqused_k[s]`), the causal mask and the window bottom-right aligned
+/// (query `r` of a segment sees keys [`visible_keys`]), the score `s =
+/// cap(scale q . k) + bias` (`cap(x) = softcap tanh(x / softcap)`, its
+/// gradient `1 - tanh^2`; ALiBi's bias `-slope[a] |r + l_k - l_q - c|`),
+/// each computed in f32 and the score rounded to `dtype` once. Returns what
 /// [`varlen_pass`](packshard_reference::attention::varlen_pass) does, in the
-/// low precision (as f64 values): `output: [n, h, d]`, `lse: [h, n]`, and
-/// `grad_q`, `grad_k`, `grad_v: [n, h, d]`.
-#[allow(clippy::too_many_arguments)]
+/// low precision (as f64 values): `output: [n_q, h, d]`, `lse: [h, n_q]`
+/// (`-inf` for a query that sees no key, whose output and gradients are 0),
+/// `grad_q: [n_q, h, d]`, `grad_k`, `grad_v: [n_k, h_kv, d]`.
 pub fn attention(
     q: ArrayView3<f64>,
     k: ArrayView3<f64>,
     v: ArrayView3<f64>,
     grad_output: ArrayView3<f64>,
-    cu_seqlens: &[usize],
-    causal: bool,
-    scale: f64,
+    p: &Varlen<'_>,
     dtype: Dtype,
 ) -> (AttentionOutput, AttentionGrads) {
     let (n, h, d) = q.dim();
+    let (n_k, h_kv, _) = k.dim();
+    let group = h / h_kv;
     let r = |x: f32| st(dtype, x);
     let f = |x: f64| x as f32;
-    let c = scale as f32;
+    let c = p.scale as f32;
+    let softcap = p.softcap as f32;
     let mut out = Array3::<f32>::zeros((n, h, d));
     let mut lse = Array2::<f32>::zeros((h, n));
     let mut gq = Array3::<f32>::zeros((n, h, d));
-    let mut gk = Array3::<f32>::zeros((n, h, d));
-    let mut gv = Array3::<f32>::zeros((n, h, d));
-    for w in cu_seqlens.windows(2) {
-        let (a, b) = (w[0], w[1]);
+    let mut gk = Array3::<f32>::zeros((n_k, h_kv, d));
+    let mut gv = Array3::<f32>::zeros((n_k, h_kv, d));
+    let segments = p.cu_seqlens_q.windows(2).zip(p.cu_seqlens_k.windows(2));
+    for (seg, (wq, wk)) in segments.enumerate() {
+        let (a, len, b) = (wq[0], wq[1] - wq[0], wk[0]);
+        let lk = p.used_keys(seg);
+        let keys_of = |i: usize| visible_keys(i, len, lk, p.causal, p.window);
         for head in 0..h {
-            // Forward: P [L, L] stored in dtype.
-            let len = b - a;
-            let mut p = vec![vec![0f32; len]; len];
+            let kv = head / group;
+            let slope = p.alibi_slopes.map(|s| s[head] as f32);
+            // Forward: per query, its keys' raw scores (for the softcap's
+            // gradient) and probabilities, stored in dtype.
+            let mut raw = vec![Vec::new(); len];
+            let mut prob = vec![Vec::new(); len];
             for i in 0..len {
-                let keys = if causal { i + 1 } else { len };
-                let s: Vec<f32> = (0..keys)
+                let keys = keys_of(i);
+                if keys.is_empty() {
+                    lse[[head, a + i]] = f32::NEG_INFINITY;
+                    continue; // output row stays 0 (P8)
+                }
+                let s: Vec<f32> = keys
+                    .clone()
                     .map(|j| {
                         let mut dot = 0f32;
                         for x in 0..d {
-                            dot += f(q[[a + i, head, x]]) * f(k[[a + j, head, x]]);
+                            dot += f(q[[a + i, head, x]]) * f(k[[b + j, kv, x]]);
                         }
-                        r(c * dot)
+                        let x = c * dot;
+                        raw[i].push(x);
+                        let x = if softcap > 0.0 {
+                            softcap * (x / softcap).tanh()
+                        } else {
+                            x
+                        };
+                        // The distance in f64 (an integer, exact), the product in f32.
+                        r(slope.map_or(x, |m| x + m * alibi_bias(1.0, i, j, len, lk) as f32))
                     })
                     .collect();
                 let m = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                 let e: Vec<f32> = s.iter().map(|&x| (x - m).exp()).collect();
                 let l: f32 = e.iter().sum();
                 lse[[head, a + i]] = r(m + l.ln());
-                for j in 0..keys {
-                    p[i][j] = r(e[j] / l);
-                }
+                prob[i] = e.iter().map(|&x| r(x / l)).collect();
                 for x in 0..d {
                     let mut o = 0f32;
-                    for j in 0..keys {
-                        o += p[i][j] * f(v[[a + j, head, x]]);
+                    for (pj, j) in prob[i].iter().zip(keys.clone()) {
+                        o += pj * f(v[[b + j, kv, x]]);
                     }
                     out[[a + i, head, x]] = r(o);
                 }
             }
             // Backward.
             for i in 0..len {
-                let keys = if causal { i + 1 } else { len };
                 let mut dd = 0f32;
                 for x in 0..d {
                     dd += f(grad_output[[a + i, head, x]]) * out[[a + i, head, x]];
                 }
-                for j in 0..keys {
+                for ((&pj, &xj), j) in prob[i].iter().zip(&raw[i]).zip(keys_of(i)) {
                     let mut dp = 0f32;
                     for x in 0..d {
-                        dp += f(grad_output[[a + i, head, x]]) * f(v[[a + j, head, x]]);
+                        dp += f(grad_output[[a + i, head, x]]) * f(v[[b + j, kv, x]]);
                     }
-                    let ds = r(p[i][j] * (r(dp) - dd));
+                    let ds = pj * (r(dp) - dd);
+                    // Through the cap: 1 - tanh^2, as (1 - t)(1 + t).
+                    let ds = r(if softcap > 0.0 {
+                        let t = (xj / softcap).tanh();
+                        ds * ((1.0 - t) * (1.0 + t))
+                    } else {
+                        ds
+                    });
                     for x in 0..d {
-                        gq[[a + i, head, x]] += c * ds * f(k[[a + j, head, x]]);
-                        gk[[a + j, head, x]] += c * ds * f(q[[a + i, head, x]]);
-                        gv[[a + j, head, x]] += p[i][j] * f(grad_output[[a + i, head, x]]);
+                        gq[[a + i, head, x]] += c * ds * f(k[[b + j, kv, x]]);
+                        gk[[b + j, kv, x]] += c * ds * f(q[[a + i, head, x]]);
+                        gv[[b + j, kv, x]] += pj * f(grad_output[[a + i, head, x]]);
                     }
                 }
             }

@@ -8,6 +8,8 @@
 //! The set to use follows the implementation's precision: f64 kernels on the
 //! `f64` set, f32 on `f32`, bf16 on `bf16` ([`dtype_for`]).
 
+use packshard_reference::attention::Window;
+use packshard_reference::ops::{AttentionSupport, Varlen};
 use serde_json::{json, Map, Value};
 
 use super::io::{Dtype, Tensor, Values};
@@ -96,6 +98,51 @@ fn flatten(v: &Value, out: &mut Vec<f64>) -> Result<(), String> {
             Ok(())
         }
     }
+}
+
+/// Why an attention implementation declaring `support` must refuse the
+/// golden case `case`: the refusal [`AttentionSupport::check`] (then
+/// [`AttentionSupport::check_head_dim`]) gives for the case's problem (its
+/// heads `q: [n_q, h, d]`, `k: [n_k, h_kv, d]`, offsets, `causal`,
+/// `window_size`, `softcap`, `alibi_slopes`, `seqused_k`), so the golden
+/// test and the kernel read one declaration. `None` when the case is within
+/// the support, or is not an `attention` case.
+pub fn outside_attention_support(case: &GoldenCase, support: AttentionSupport) -> Option<String> {
+    if case.op != "attention" {
+        return None;
+    }
+    let input = |name: &str| case.inputs.iter().find(|t| t.name == name);
+    let offsets = |name: &str| {
+        input(name).map(|t| t.as_f64().iter().map(|&x| x as usize).collect::<Vec<_>>())
+    };
+    let shape = |name: &str| input(name).map_or(vec![0; 3], |t| t.shape.clone());
+    let (q, k) = (shape("q"), shape("k"));
+    let cu_q = offsets("cu_seqlens")
+        .or_else(|| offsets("cu_seqlens_q"))
+        .unwrap_or_default();
+    let cu_k = offsets("cu_seqlens_k").unwrap_or_else(|| cu_q.clone());
+    let param = |name: &str| case.params.get(name);
+    let window = param("window_size")
+        .and_then(Value::as_array)
+        .and_then(|w| Window::from_flash(w[0].as_i64()?, w[1].as_i64()?).ok())
+        .unwrap_or(Window::UNBOUNDED);
+    let alibi = input("alibi_slopes").map(Tensor::as_f64);
+    let seqused_k = offsets("seqused_k");
+    let p = Varlen::cross(
+        &cu_q,
+        &cu_k,
+        param("causal").and_then(Value::as_bool).unwrap_or(false),
+        param("scale").and_then(Value::as_f64).unwrap_or(1.0),
+    )
+    .with_window(window)
+    .with_softcap(param("softcap").and_then(Value::as_f64).unwrap_or(0.0))
+    .with_alibi_slopes(alibi.as_deref())
+    .with_seqused_k(seqused_k.as_deref());
+    support
+        .check(&p, q[1], k[1])
+        .and_then(|()| support.check_head_dim(q[2]))
+        .err()
+        .map(|e| e.to_string())
 }
 
 /// What one registered implementation gives on the golden set.

@@ -4,10 +4,10 @@
 
 use ndarray::{Array2, Array3, ArrayView2, Axis, Slice};
 use packshard_equivalence::attention::AttentionCase;
-use packshard_equivalence::fuzz::attention::AttentionTerms;
+use packshard_equivalence::fuzz::attention::{AttentionTerms, SegmentOptions};
 use packshard_equivalence::vocab::Terms;
 use packshard_reference::attention::{
-    default_scale, varlen_pass, AttentionGrads, AttentionOutput, ReferenceAttention,
+    default_scale, varlen_pass, AttentionGrads, AttentionOutput, ReferenceAttention, Window,
 };
 use packshard_reference::ops::{Qkv, Varlen};
 use packshard_reference::packing::{pack_lengths, Algorithm, Overlong, PackedBatch, PackingConfig};
@@ -86,6 +86,35 @@ fn int_output(name: &str, shape: &[usize], values: Vec<i64>, why: &str) -> Outpu
     }
 }
 
+/// ALiBi's slopes for 4 heads (Press et al. 2022): `2^(-8 (a + 1) / h)`,
+/// exact in every dtype.
+const ALIBI_SLOPES_4: [f64; 4] = [0.25, 0.0625, 0.015625, 0.00390625];
+
+/// flash-attention's options together, as Mistral- or Gemma-style models
+/// call `flash_attn_varlen_func` on a continuation chunk: 4 query heads over
+/// 2 key/value heads, causal, `window_size = (3, 0)`, `softcap = 2.5`
+/// (most scores of these inputs lie in the cap's bend, the outliers on its
+/// flat part), ALiBi. Segments `(l_q, l_k)`: 3 queries over 7 keys (the
+/// window and causal bottom-right: query 0 sees keys 1..=4, a top-left one
+/// would see key 0 only), keys without queries, a self segment of 6 (the
+/// window cuts its last queries' rows), 4 queries over 2 keys (the first 2
+/// see no key: `lse = -inf`, output and gradients 0), one query over 5
+/// keys (a decoding step).
+const GQA_CROSS_WINDOW: AttentionSpec<'static> = AttentionSpec {
+    name: "attention_gqa_cross_window",
+    description: "GQA (4 query heads over 2 kv heads), cu_seqlens_q != cu_seqlens_k bottom-right aligned, causal, window_size (3, 0), softcap 2.5, ALiBi; segments of more keys than queries, keys only, more queries than keys (rows that see no key: lse -inf), one query; forward and backward (P2, P8, C5, W1-W4, W6)",
+    segments: &[(3, 7), (0, 2), (6, 6), (4, 2), (1, 5)],
+    heads: (4, 2, 4),
+    causal: true,
+    window: Window {
+        left: Some(3),
+        right: Some(0),
+    },
+    softcap: 2.5,
+    alibi_slopes: Some(&ALIBI_SLOPES_4),
+    seed: 33,
+};
+
 /// Every case at `dtype`, in manifest order.
 ///
 /// # Errors
@@ -107,23 +136,26 @@ pub fn all(dtype: Dtype) -> Result<Vec<GoldenCase>, GoldenError> {
         )?,
         batch_case()?,
         attention_case(
-            "attention_varlen",
-            "varlen attention over 5 segments with an empty one, planted outliers, forward and backward (P2, P4)",
-            &[3, 0, 5, 1, 7],
-            (2, 4),
-            false,
-            1,
+            &AttentionSpec::plain(
+                ("attention_varlen", "varlen attention over 5 segments with an empty one, planted outliers, forward and backward (P2, P4)"),
+                &[(3, 3), (0, 0), (5, 5), (1, 1), (7, 7)],
+                (2, 4),
+                false,
+                1,
+            ),
             dtype,
         )?,
         attention_case(
-            "attention_causal",
-            "causal varlen attention over 3 segments, forward and backward",
-            &[4, 6, 2],
-            (2, 3),
-            true,
-            2,
+            &AttentionSpec::plain(
+                ("attention_causal", "causal varlen attention over 3 segments, forward and backward"),
+                &[(4, 4), (6, 6), (2, 2)],
+                (2, 3),
+                true,
+                2,
+            ),
             dtype,
         )?,
+        attention_case(&GQA_CROSS_WINDOW, dtype)?,
     ];
     cases.extend(cross_entropy_cases(dtype)?);
     cases.extend(linear_cases(dtype)?);
@@ -244,38 +276,95 @@ fn round3(a: &Array3<f64>, dtype: Dtype) -> Array3<f64> {
     a.mapv(|x| dtype.round(x))
 }
 
-#[allow(clippy::too_many_arguments)]
-fn attention_case(
-    name: &str,
-    description: &str,
-    seq_lengths: &[usize],
-    (h, d): (usize, usize),
+/// One attention case: its segments, heads and flash-attention's options.
+struct AttentionSpec<'a> {
+    name: &'a str,
+    description: &'a str,
+    /// `(l_q, l_k)` of each segment. All `l_q == l_k`: the self-attention
+    /// form (one input `cu_seqlens`); else `cu_seqlens_q` and `cu_seqlens_k`.
+    segments: &'a [(usize, usize)],
+    /// `(h, h_kv, d)`: query heads, key/value heads (dividing `h`), head dim.
+    heads: (usize, usize, usize),
+    /// Bottom-right causal masks.
     causal: bool,
+    /// `window_size` (a param when bounded).
+    window: Window,
+    /// `softcap` (a param when not 0).
+    softcap: f64,
+    /// `alibi_slopes: [h]` (an input tensor, as `eval` and flash-attention
+    /// take it).
+    alibi_slopes: Option<&'a [f64]>,
+    /// Of the values ([`AttentionCase::seeded_tensors`]).
     seed: u64,
-    dtype: Dtype,
-) -> Result<GoldenCase, GoldenError> {
-    let c = AttentionCase::seeded(seq_lengths, h, d, 0, seed);
-    let (q, k, v, go) = (
-        round3(&c.q, dtype),
-        round3(&c.k, dtype),
-        round3(&c.v, dtype),
-        round3(&c.grad_output, dtype),
-    );
-    let cu = c.cu_seqlens();
+}
+
+impl<'a> AttentionSpec<'a> {
+    /// Self-attention over segments of `lengths`, `h` heads of dim `d` (as
+    /// keys and values), no option beyond `causal`.
+    fn plain(
+        (name, description): (&'a str, &'a str),
+        segments: &'a [(usize, usize)],
+        (h, d): (usize, usize),
+        causal: bool,
+        seed: u64,
+    ) -> Self {
+        AttentionSpec {
+            name,
+            description,
+            segments,
+            heads: (h, h, d),
+            causal,
+            window: Window::UNBOUNDED,
+            softcap: 0.0,
+            alibi_slopes: None,
+            seed,
+        }
+    }
+}
+
+fn offsets(lengths: impl Iterator<Item = usize>) -> Vec<usize> {
+    let mut cu = vec![0];
+    for l in lengths {
+        cu.push(cu[cu.len() - 1] + l);
+    }
+    cu
+}
+
+fn ints(xs: &[usize]) -> Vec<i64> {
+    xs.iter().map(|&x| x as i64).collect()
+}
+
+fn attention_case(spec: &AttentionSpec<'_>, dtype: Dtype) -> Result<GoldenCase, GoldenError> {
+    let (h, h_kv, d) = spec.heads;
+    let cu_q = offsets(spec.segments.iter().map(|s| s.0));
+    let cu_k = offsets(spec.segments.iter().map(|s| s.1));
+    let (n, n_k) = (cu_q[cu_q.len() - 1], cu_k[cu_k.len() - 1]);
+    let [q, k, v, go] =
+        AttentionCase::seeded_tensors((n, n_k), spec.heads, spec.seed).map(|x| round3(&x, dtype));
     let scale = default_scale(d);
     let x = Qkv::new(q.view(), k.view(), v.view());
-    let p = Varlen::new(&cu, causal, scale);
+    let p = Varlen::cross(&cu_q, &cu_k, spec.causal, scale)
+        .with_window(spec.window)
+        .with_softcap(spec.softcap)
+        .with_alibi_slopes(spec.alibi_slopes);
     let (fwd, grads) = varlen_pass(&ReferenceAttention, x, &p, go.view())?;
     let mut terms = [0.0f64; 5];
-    for w in cu.windows(2) {
-        let rows = |x: &Array3<f64>| x.slice_axis(Axis(0), Slice::from(w[0]..w[1])).to_owned();
-        let t = AttentionTerms::of(
-            rows(&q).view(),
-            rows(&k).view(),
-            rows(&v).view(),
-            rows(&go).view(),
-            scale,
-            causal,
+    for (wq, wk) in cu_q.windows(2).zip(cu_k.windows(2)) {
+        let rows = |x: &Array3<f64>, w: &[usize]| {
+            x.slice_axis(Axis(0), Slice::from(w[0]..w[1])).to_owned()
+        };
+        let t = AttentionTerms::of_with(
+            rows(&q, wq).view(),
+            rows(&k, wk).view(),
+            rows(&v, wk).view(),
+            rows(&go, wq).view(),
+            (scale, spec.causal),
+            SegmentOptions {
+                window: spec.window,
+                softcap: spec.softcap,
+                alibi_slopes: spec.alibi_slopes,
+                used_keys: None,
+            },
         );
         for (m, x) in terms
             .iter_mut()
@@ -284,46 +373,45 @@ fn attention_case(
             *m = m.max(x);
         }
     }
-    let low = (dtype != Dtype::F64).then(|| {
-        lowp::attention(
-            q.view(),
-            k.view(),
-            v.view(),
-            go.view(),
-            &cu,
-            causal,
-            scale,
-            dtype,
-        )
-    });
+    let low = (dtype != Dtype::F64)
+        .then(|| lowp::attention(q.view(), k.view(), v.view(), go.view(), &p, dtype));
     let mut low = low.map(|l| attention_flats(&l).into_iter());
-    let n = q.dim().0;
-    let nhd = [n, h, d];
-    let shapes: [&[usize]; 5] = [&nhd, &[h, n], &nhd, &nhd, &nhd];
+    let (nhd, khd) = ([n, h, d], [n_k, h_kv, d]);
+    let shapes: [&[usize]; 5] = [&nhd, &[h, n], &nhd, &khd, &khd];
     let what = "AttentionTerms";
     let out = |name: &str, shape: &[usize], e: Vec<f64>, t: f64, l: Option<Vec<f64>>| {
         float_output(name, shape, e, dtype, t, what, &l.unwrap_or_default())
     };
+    let mut pairs = vec![("causal", json!(spec.causal)), ("scale", json!(scale))];
+    if !spec.window.is_unbounded() {
+        let (left, right) = spec.window.to_flash();
+        pairs.push(("window_size", json!([left, right])));
+    }
+    if spec.softcap != 0.0 {
+        pairs.push(("softcap", json!(spec.softcap)));
+    }
+    pairs.push(("want_grad", json!(true)));
+    let mut inputs = vec![
+        Tensor::float("q", &nhd, flat(&q), dtype),
+        Tensor::float("k", &khd, flat(&k), dtype),
+        Tensor::float("v", &khd, flat(&v), dtype),
+    ];
+    if p.is_self() {
+        inputs.push(Tensor::int("cu_seqlens", &[cu_q.len()], ints(&cu_q)));
+    } else {
+        inputs.push(Tensor::int("cu_seqlens_q", &[cu_q.len()], ints(&cu_q)));
+        inputs.push(Tensor::int("cu_seqlens_k", &[cu_k.len()], ints(&cu_k)));
+    }
+    if let Some(a) = spec.alibi_slopes {
+        inputs.push(Tensor::float("alibi_slopes", &[h], a.to_vec(), dtype));
+    }
+    inputs.push(Tensor::float("grad_output", &nhd, flat(&go), dtype));
     Ok(GoldenCase {
-        name: name.into(),
+        name: spec.name.into(),
         op: "attention",
-        description: description.into(),
-        params: params(&[
-            ("causal", json!(causal)),
-            ("scale", json!(scale)),
-            ("want_grad", json!(true)),
-        ]),
-        inputs: vec![
-            Tensor::float("q", &[n, h, d], flat(&q), dtype),
-            Tensor::float("k", &[n, h, d], flat(&k), dtype),
-            Tensor::float("v", &[n, h, d], flat(&v), dtype),
-            Tensor::int(
-                "cu_seqlens",
-                &[cu.len()],
-                cu.iter().map(|&x| x as i64).collect(),
-            ),
-            Tensor::float("grad_output", &[n, h, d], flat(&go), dtype),
-        ],
+        description: spec.description.into(),
+        params: params(&pairs),
+        inputs,
         outputs: ["output", "lse", "grad_q", "grad_k", "grad_v"]
             .into_iter()
             .zip(shapes)
