@@ -153,6 +153,9 @@ struct Pricer<'a> {
 /// The pricing table: `value[k][c]` is the best dual value of a pack of
 /// exactly `k` sequences (or any number when the depth cannot bind) and
 /// exactly `c` tokens; `choice[n][k][c]` how many copies of item `n` it took.
+/// The items are the rows of positive dual and positive cap: a row of dual 0
+/// adds nothing to a pack (of two packs of one value, the one without it is
+/// offered) and a row of cap 0 cannot be in one.
 struct Table {
     items: Vec<usize>,
     kdim: usize,
@@ -715,6 +718,8 @@ pub struct LphpReport {
 
 mod round;
 use round::{carry, fill_slots};
+#[cfg(test)]
+mod tests;
 
 /// LPHP on `counts[l]`, `l` in `1..=max_seq_len`, at most `depth` sequences per pack.
 pub(crate) fn lphp(
