@@ -652,3 +652,58 @@ fn worst_ulps_are_taken_once_per_case() {
     assert!(seen.worst > 0.0 && seen.worst < 0.5, "{seen:?}");
     assert_eq!(take_worst_ulps(), 0.0);
 }
+
+/// As [`SubToleranceLeak`], through sequence 0's first key (`true`) or value
+/// (`false`): the leak check changes a sequence's keys and values, not only
+/// its queries.
+struct SubToleranceKvLeak(bool);
+
+impl AttentionHooks for SubToleranceKvLeak {
+    fn varlen_forward(&self, x: Qkv<'_>, p: &Varlen<'_>) -> Result<AttentionOutput, Error> {
+        let mut out = RefAttention.varlen_forward(x, p)?;
+        let last = out.output.dim().0 - 1;
+        let from = if self.0 { x.k } else { x.v };
+        out.output[[last, 0, 0]] += 2e-15 * from[[0, 0, 0]];
+        Ok(out)
+    }
+}
+
+#[test]
+fn a_leak_through_keys_or_values_is_reported_with_its_sequence() {
+    use packshard_equivalence::attention::AttentionCase;
+    // As above: sequences of 2, 3 and 4 tokens, token 8 in sequence 2.
+    let case = AttentionCase::seeded(&[2, 3, 4], 2, 3, 1, 7);
+    let fuzz = AttentionFuzzCase::from_case(&case, "seeded");
+    for through_keys in [true, false] {
+        let leak = Planted(SubToleranceKvLeak(through_keys));
+        let err = fa::check(&leak, Tolerance::F64_REWRITE, &fuzz).unwrap_err();
+        assert_eq!(err.what, "cross-sequence leak", "{err}");
+        assert!(
+            err.detail.contains(
+                "changing sequence 0 (tokens 0..2) changed the output of token 8 (sequence 2)"
+            ),
+            "{err}"
+        );
+    }
+}
+
+/// `kinds` reads grouped-query heads (`h_kv < h`) and cross segments
+/// (`l_q != l_k`) off the case, each on its own: a suites' self-attention
+/// case has neither; one key head of two is grouped; a segment with one key
+/// more than queries is cross.
+#[test]
+fn a_fuzz_case_names_its_grouped_heads_and_cross_segments() {
+    use ndarray::s;
+    use packshard_equivalence::attention::AttentionCase;
+    let case = AttentionCase::seeded(&[2, 3], 2, 3, 1, 7);
+    let plain = AttentionFuzzCase::from_case(&case, "seeded");
+    assert_eq!(plain.heads().0, 2);
+    assert_eq!(plain.kinds(), (false, false));
+    let mut grouped = plain.clone();
+    grouped.k = plain.k.slice(s![.., ..1, ..]).to_owned();
+    grouped.v = plain.v.slice(s![.., ..1, ..]).to_owned();
+    assert_eq!(grouped.kinds(), (true, false));
+    let mut cross = plain.clone();
+    cross.segments[0].1 += 1;
+    assert_eq!(cross.kinds(), (false, true));
+}

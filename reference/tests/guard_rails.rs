@@ -299,3 +299,58 @@ fn embedding_gradients_of_another_width_are_refused_naming_grad_output() {
     assert!(check_embedding_grad(g.view(), 2, 3).is_ok());
     assert!(check_embedding_grad(Array2::<f64>::zeros((0, 0)).view(), 0, 4).is_ok());
 }
+
+/// `LossSupport::covers` (the suites' question: may this call be put to the
+/// implementation?) answers exactly what `LossSupport::check` accepts, for
+/// every support and every call of the two optional options, alone and
+/// together; the reference's support covers them all, the basic one only the
+/// plain call.
+#[test]
+fn a_loss_support_covers_exactly_the_calls_its_check_accepts() {
+    use packshard_reference::ops::LossSupport;
+    use packshard_reference::vocab::{GradRequest, LossCall, LossConfig};
+    let targets = [0i64, 1];
+    let plain = LossConfig::default();
+    let capped = LossConfig {
+        softcap: Some(30.0),
+        ..LossConfig::default()
+    };
+    let upstream = [1.0, 0.5];
+    let calls = [
+        ("plain", LossCall::with_flag(&targets, &plain, true)),
+        ("softcap", LossCall::with_flag(&targets, &capped, true)),
+        (
+            "grad_output",
+            LossCall::new(&targets, &plain, GradRequest::Upstream(&upstream)),
+        ),
+        (
+            "both",
+            LossCall::new(&targets, &capped, GradRequest::Upstream(&upstream)),
+        ),
+    ];
+    for softcap in [false, true] {
+        for grad_output in [false, true] {
+            let support = LossSupport {
+                softcap,
+                grad_output,
+            };
+            for (name, call) in &calls {
+                let needs_softcap = matches!(*name, "softcap" | "both");
+                let needs_grad_output = matches!(*name, "grad_output" | "both");
+                let expected = (softcap || !needs_softcap) && (grad_output || !needs_grad_output);
+                assert_eq!(
+                    support.covers(call),
+                    expected,
+                    "{support:?} on the {name} call"
+                );
+                assert_eq!(
+                    support.check(call).is_ok(),
+                    expected,
+                    "{support:?} on the {name} call"
+                );
+            }
+        }
+    }
+    assert!(calls.iter().all(|(_, c)| LossSupport::ALL.covers(c)));
+    assert!(LossSupport::BASIC.covers(&calls[0].1));
+}

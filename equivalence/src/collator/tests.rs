@@ -393,3 +393,42 @@ fn the_fixed_cases_hold_issue_36s_rows_and_every_kind() {
         assert_eq!(ids.len(), k, "{}", c.source);
     }
 }
+
+/// C2 by hand: documents ending in EOS (id 2), `[11, 12, 2]` and
+/// `[13, 14, 2]`. The planted boundary falls after each slot whose shifted
+/// label is EOS, so each EOS token starts the next segment: `[0, 2, 5, 6]`
+/// where `[0, 3, 6]` is right (a boundary at the EOS slot itself would be
+/// another bug, not torchtitan's).
+#[test]
+fn the_eos_label_fault_puts_each_eos_in_the_next_segment() {
+    let c = Planted {
+        eos_token_id: Some(2),
+        ..Planted::new(CollatorFault::BoundaryFromEosLabel, LabelForm::Shifted)
+    };
+    let features = vec![feature(&[11, 12, 2]), feature(&[13, 14, 2])];
+    let out = c.collate(&features).unwrap();
+    assert_eq!(out.cu_seqlens, Some(CuSeqlens::Slots(vec![0, 2, 5, 6])));
+    let right = Flattening::new(LabelForm::Shifted)
+        .collate(&features)
+        .unwrap();
+    assert_eq!(right.cu_seqlens, Some(CuSeqlens::Slots(vec![0, 3, 6])));
+}
+
+/// Per-row offsets (`CuSeqlens::PerRow`) are held to what the slots form is:
+/// C3's row with its right offsets passes; with two swapped, the first one
+/// below its predecessor is refused, naming row and index.
+#[test]
+fn per_row_offsets_that_decrease_are_refused_at_the_entry() {
+    let (features, mut out) = c3_batch();
+    let o = opts(LabelForm::Shifted);
+    out.cu_seqlens = Some(CuSeqlens::PerRow(vec![vec![0, 3, 4, 6]]));
+    judge_collated(&features, &out, &o).unwrap();
+    out.cu_seqlens = Some(CuSeqlens::PerRow(vec![vec![0, 4, 3, 6]]));
+    let e = judge_collated(&features, &out, &o).unwrap_err();
+    assert_eq!(
+        (e.field.as_str(), e.row, e.index),
+        ("cu_seqlens", Some(0), Some(2)),
+        "{e}"
+    );
+    assert!(e.message.contains("is 3, expected between"), "{e}");
+}

@@ -218,3 +218,18 @@ proptest! {
         prop_assert_eq!(packed.iter().filter(|&&l| l != X).count(), predicted);
     }
 }
+
+/// Slots that do not increase are refused naming the first one out of order
+/// (a repeated slot would give two tokens one document id); increasing slots
+/// with gaps are accepted, the gaps padding (id 0).
+#[test]
+fn slots_that_do_not_increase_are_refused() {
+    let e = doc_ids_from_varlen(&[0, 2, 2], &[0, 3], 4).unwrap_err();
+    assert_error_field!(e, InvalidArgument, "slots[2]");
+    let e = doc_ids_from_varlen(&[1, 0], &[0, 2], 4).unwrap_err();
+    assert_error_field!(e, InvalidArgument, "slots[1]");
+    assert_eq!(
+        doc_ids_from_varlen(&[0, 2], &[0, 1, 2], 4).unwrap(),
+        vec![1, 0, 2, 0]
+    );
+}

@@ -289,4 +289,23 @@ mod tests {
         );
         assert_eq!(bad, AttentionTerms::default());
     }
+
+    /// With one visible key the softmax is the constant 1 and its backward
+    /// factor `dp - D` (`dp = g.v`, `D = g.o`, `o = v`) is exactly 0, so the
+    /// bound reads the values only through their magnitudes: `v = (1, 1)`
+    /// (`g.v = 2`) and `v = (1, -1)` (`g.v = 0`) under `g = (1, 1)` get the
+    /// same terms. A sign slip in `dp` would add `2 |g.v|` to the first.
+    #[test]
+    fn one_key_terms_read_the_values_through_their_magnitudes() {
+        let q = Array3::from_shape_vec((1, 1, 2), vec![0.5, -1.5]).unwrap();
+        let k = Array3::from_shape_vec((1, 1, 2), vec![1.0, 2.0]).unwrap();
+        let g = Array3::from_shape_vec((1, 1, 2), vec![1.0, 1.0]).unwrap();
+        let terms = |v: [f64; 2]| {
+            let v = Array3::from_shape_vec((1, 1, 2), v.to_vec()).unwrap();
+            AttentionTerms::of(q.view(), k.view(), v.view(), g.view(), 0.5, true)
+        };
+        let (aligned, orthogonal) = (terms([1.0, 1.0]), terms([1.0, -1.0]));
+        assert!(aligned.grad_q > 0.0, "{aligned:?}");
+        assert_eq!(aligned, orthogonal);
+    }
 }

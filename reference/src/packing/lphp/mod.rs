@@ -153,6 +153,9 @@ struct Pricer<'a> {
 /// The pricing table: `value[k][c]` is the best dual value of a pack of
 /// exactly `k` sequences (or any number when the depth cannot bind) and
 /// exactly `c` tokens; `choice[n][k][c]` how many copies of item `n` it took.
+/// The items are the rows of positive dual and positive cap: a row of dual 0
+/// adds nothing to a pack (of two packs of one value, the one without it is
+/// offered) and a row of cap 0 cannot be in one.
 struct Table {
     items: Vec<usize>,
     kdim: usize,
@@ -475,6 +478,14 @@ fn warm_lp(
     )
 }
 
+/// Whether column generation may start another round after `rounds` rounds,
+/// `work` pricing steps and `lp_size` simplex size: each of [`MAX_ROUNDS`],
+/// [`MAX_TOTAL_PRICING_WORK`] and [`MAX_TOTAL_LP_SIZE`] caps what is done, so
+/// reaching one stops it.
+fn within_budget(rounds: usize, work: u64, lp_size: u64) -> bool {
+    rounds < MAX_ROUNDS && work < MAX_TOTAL_PRICING_WORK && lp_size < MAX_TOTAL_LP_SIZE
+}
+
 /// Column generation on `rows` (lengths ascending, counts `rows.counts`),
 /// starting from the packs of `pool`.
 fn column_generation(
@@ -605,7 +616,7 @@ fn column_generation(
     let mut upper = f64::INFINITY;
     let mut work = pass_work;
     let mut lp_size = 0u64;
-    while rounds < MAX_ROUNDS && work < MAX_TOTAL_PRICING_WORK && lp_size < MAX_TOTAL_LP_SIZE {
+    while within_budget(rounds, work, lp_size) {
         rounds += 1;
         let columns: Vec<Column> = active.iter().map(|c| c.0.clone()).collect();
         lp_size = lp_size.saturating_add(((columns.len() + m) as u64).saturating_mul(m as u64));
@@ -715,6 +726,8 @@ pub struct LphpReport {
 
 mod round;
 use round::{carry, fill_slots};
+#[cfg(test)]
+mod tests;
 
 /// LPHP on `counts[l]`, `l` in `1..=max_seq_len`, at most `depth` sequences per pack.
 pub(crate) fn lphp(
