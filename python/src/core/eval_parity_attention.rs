@@ -175,7 +175,11 @@ fn cases() -> Vec<Case> {
         }),
         base("tiled, grouped-query (h_kv 1)", "attention_varlen_tiled", 1),
         with(
-            base("scalar, causal cross attention", "attention_varlen_scalar", 2),
+            base(
+                "scalar, causal cross attention",
+                "attention_varlen_scalar",
+                2,
+            ),
             &|c| {
                 c.causal = true;
                 cross(c);
@@ -184,13 +188,17 @@ fn cases() -> Vec<Case> {
         with(base("reference, every option", "reference", 2), &|c| {
             c.flash = options.clone()
         }),
-        with(base("dense, every option, no grad", "attention_dense_masked", 2), &|c| {
-            c.flash = options.clone();
-            c.grad_output = None;
-        }),
-        with(base("bf16 tiles, scale given", "attention_varlen_tiled_bf16", 2), &|c| {
-            c.scale = Some(0.3)
-        }),
+        with(
+            base("dense, every option, no grad", "attention_dense_masked", 2),
+            &|c| {
+                c.flash = options.clone();
+                c.grad_output = None;
+            },
+        ),
+        with(
+            base("bf16 tiles, scale given", "attention_varlen_tiled_bf16", 2),
+            &|c| c.scale = Some(0.3),
+        ),
         // Bad input: the error.
         base("unknown impl", "nope", 2),
         with(base("NaN in q", "attention_varlen_tiled", 2), &|c| {
@@ -207,19 +215,24 @@ fn cases() -> Vec<Case> {
         with(base("negative cu_seqlens", "reference", 2), &|c| {
             c.flash.cu_seqlens = vec![0, -3, 5]
         }),
-        with(base("negative cu_seqlens_q beside cu_seqlens_k", "reference", 2), &|c| {
-            cross(c);
-            c.flash.cu_seqlens = vec![0, -3, 5];
-        }),
-        with(base("cu_seqlens not from 0", "attention_varlen_scalar", 2), &|c| {
-            c.flash.cu_seqlens = vec![1, 3, 5]
-        }),
+        with(
+            base("negative cu_seqlens_q beside cu_seqlens_k", "reference", 2),
+            &|c| {
+                cross(c);
+                c.flash.cu_seqlens = vec![0, -3, 5];
+            },
+        ),
+        with(
+            base("cu_seqlens not from 0", "attention_varlen_scalar", 2),
+            &|c| c.flash.cu_seqlens = vec![1, 3, 5],
+        ),
         with(base("cu_seqlens decreasing", "reference", 2), &|c| {
             c.flash.cu_seqlens = vec![0, 3, 2, 5]
         }),
-        with(base("cu_seqlens short of n_q", "attention_varlen_tiled", 2), &|c| {
-            c.flash.cu_seqlens = vec![0, 3, 4]
-        }),
+        with(
+            base("cu_seqlens short of n_q", "attention_varlen_tiled", 2),
+            &|c| c.flash.cu_seqlens = vec![0, 3, 4],
+        ),
         with(base("k of another shape", "reference", 2), &|c| {
             c.k = values((4, 2, d), 11)
         }),
@@ -236,17 +249,23 @@ fn cases() -> Vec<Case> {
         with(base("negative seqused_k", "reference", 2), &|c| {
             c.flash.seqused_k = Some(vec![1, -1])
         }),
-        with(base("seqused_k over the segment", "attention_varlen_tiled", 2), &|c| {
-            c.flash.seqused_k = Some(vec![4, 1])
-        }),
-        with(base("alibi_slopes of another length", "reference", 2), &|c| {
-            c.flash.alibi_slopes = Some(vec![0.5])
-        }),
+        with(
+            base("seqused_k over the segment", "attention_varlen_tiled", 2),
+            &|c| c.flash.seqused_k = Some(vec![4, 1]),
+        ),
+        with(
+            base("alibi_slopes of another length", "reference", 2),
+            &|c| c.flash.alibi_slopes = Some(vec![0.5]),
+        ),
         with(base("negative softcap", "reference", 2), &|c| {
             c.flash.softcap = Some(-1.0)
         }),
         with(
-            base("cross attention on a self-attention kernel", "attention_dense_masked", 2),
+            base(
+                "cross attention on a self-attention kernel",
+                "attention_dense_masked",
+                2,
+            ),
             &|c| cross(c),
         ),
     ]
@@ -273,7 +292,11 @@ fn eval_and_the_python_core_give_the_same_attention_errors_and_fields() {
             }
             Err((_, field, _, message)) => {
                 bad += 1;
-                assert!(field.is_some(), "{}: the error names no field: {message}", c.what);
+                assert!(
+                    field.is_some(),
+                    "{}: the error names no field: {message}",
+                    c.what
+                );
             }
         }
     }
@@ -293,19 +316,49 @@ fn the_shared_attention_errors_name_their_field_and_index() {
     let expect = [
         ("unknown impl", "invalid_argument", "impl", None),
         ("NaN in q", "non_finite_input", "q", Some(4)),
-        ("NaN in grad_output", "non_finite_input", "grad_output", Some(26)),
-        ("NaN in alibi_slopes", "non_finite_input", "alibi_slopes", Some(1)),
-        ("negative cu_seqlens", "invalid_argument", "cu_seqlens", Some(1)),
+        (
+            "NaN in grad_output",
+            "non_finite_input",
+            "grad_output",
+            Some(26),
+        ),
+        (
+            "NaN in alibi_slopes",
+            "non_finite_input",
+            "alibi_slopes",
+            Some(1),
+        ),
+        (
+            "negative cu_seqlens",
+            "invalid_argument",
+            "cu_seqlens",
+            Some(1),
+        ),
         (
             "negative cu_seqlens_q beside cu_seqlens_k",
             "invalid_argument",
             "cu_seqlens_q",
             Some(1),
         ),
-        ("cu_seqlens not from 0", "invalid_argument", "cu_seqlens", Some(0)),
+        (
+            "cu_seqlens not from 0",
+            "invalid_argument",
+            "cu_seqlens",
+            Some(0),
+        ),
         ("k of another shape", "shape_mismatch", "k", None),
-        ("window side below -1", "invalid_argument", "window_size", Some(0)),
-        ("negative seqused_k", "invalid_argument", "seqused_k", Some(1)),
+        (
+            "window side below -1",
+            "invalid_argument",
+            "window_size",
+            Some(0),
+        ),
+        (
+            "negative seqused_k",
+            "invalid_argument",
+            "seqused_k",
+            Some(1),
+        ),
     ];
     for (what, kind, field, index) in expect {
         let (k, f, i, message) = by_what(what);
