@@ -266,7 +266,7 @@ fn cases() -> Vec<Case> {
                 "attention_dense_masked",
                 2,
             ),
-            &|c| cross(c),
+            &cross,
         ),
     ]
 }
