@@ -1,5 +1,5 @@
 //! The typed runner of the `attention` op: the one place that checks and
-//! runs it. `packshard eval` (JSON, [`super::attention`]) and the Python
+//! runs it. `packshard eval` (JSON, `eval/attention.rs`) and the Python
 //! package (`python/src/py.rs`) read their inputs into [`AttentionArgs`]
 //! (offsets through [`offsets`], flash-attention's options through
 //! [`AttnOptions::from_flash`]) and call [`attention`], so both front doors
