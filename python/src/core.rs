@@ -18,7 +18,7 @@ use packshard_reference::ops::EmbeddingCall;
 use packshard_reference::vocab::ShardLayout;
 
 pub use packshard_oracle::eval::attention_runner::{
-    attention, offsets, AttentionArgs, AttnOptions, FlashArgs,
+    attention, offsets, AttentionArgs, AttnOptions, FlashArgs, ReadFlash,
 };
 pub use packshard_oracle::eval::fields::{Fields, Out};
 pub use packshard_oracle::eval::loss::{

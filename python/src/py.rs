@@ -19,7 +19,7 @@ use pyo3::types::{PyDict, PyList};
 use pyo3::IntoPyObjectExt;
 
 use crate::core::{
-    self, AttentionArgs, AttnOptions, Fields, FlashArgs, KernelPrecision, LossArgs, Out,
+    self, AttentionArgs, AttnOptions, Fields, FlashArgs, KernelPrecision, LossArgs, Out, ReadFlash,
 };
 
 pyo3::create_exception!(
@@ -133,7 +133,7 @@ fn flash_args(
     softcap: Option<f64>,
     alibi_slopes: Option<Vec<f64>>,
     seqused_k: Option<Vec<i64>>,
-) -> Result<(Vec<usize>, Option<Vec<usize>>, AttnOptions), EvalError> {
+) -> Result<ReadFlash, EvalError> {
     FlashArgs {
         cu_seqlens: cu_seqlens.as_array().to_vec(),
         cu_seqlens_k: cu_seqlens_k.map(|c| c.as_array().to_vec()),

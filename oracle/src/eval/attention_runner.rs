@@ -133,6 +133,10 @@ pub struct FlashArgs {
     pub seqused_k: Option<Vec<i64>>,
 }
 
+/// What [`FlashArgs::read`] gives: the query offsets (`[b + 1]`), the key
+/// offsets (`None`: self-attention) and the options.
+pub type ReadFlash = (Vec<usize>, Option<Vec<usize>>, AttnOptions);
+
 impl FlashArgs {
     /// The offsets and options, read in the order `eval` reads them:
     /// `cu_seqlens`, `cu_seqlens_k`, then the options. The query offsets are
@@ -142,7 +146,7 @@ impl FlashArgs {
     /// # Errors
     /// As [`offsets`] (naming `cu_seqlens[i]`, `cu_seqlens_q[i]`,
     /// `cu_seqlens_k[i]`) and [`AttnOptions::from_flash`].
-    pub fn read(self) -> Result<(Vec<usize>, Option<Vec<usize>>, AttnOptions), EvalError> {
+    pub fn read(self) -> Result<ReadFlash, EvalError> {
         let name = if self.cu_seqlens_k.is_some() {
             "cu_seqlens_q"
         } else {
