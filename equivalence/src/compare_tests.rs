@@ -26,6 +26,8 @@ fn nan_never_passes_and_infinities_must_match() {
         &[0.0],
         &[f64::NAN],
         &[1],
+        // A tolerance of 1 (absolute and relative), loose on purpose: the case is about a non-
+        // finite value, not an error's size.
         Tolerance::new("loose", 1.0, 1.0),
     );
     assert!(m.is_err());
@@ -42,6 +44,7 @@ fn nan_never_passes_and_infinities_must_match() {
         &[f64::NEG_INFINITY],
         &[-1e308],
         &[1],
+        // As above: loose on purpose, the case is about -inf against a finite value.
         Tolerance::new("loose", 1.0, 1.0)
     )
     .is_err());
@@ -69,6 +72,8 @@ fn a_reported_trade_widens_the_allowance_by_itself_only() {
     };
     let m = within(0.0).unwrap_err();
     assert!(!m.detail.contains("traded"), "{m}");
+    // 2 + 1e-3 against 2: a trade of 1e-3 widens the allowance (8.95e-6 without one) past the 1e-3
+    // gap, 0.9e-3 does not.
     assert!(within(1e-3).is_ok());
     let m = within(0.9e-3).unwrap_err();
     assert!(m.detail.contains("+ the 9e-4 it reports it traded"), "{m}");
@@ -143,6 +148,8 @@ fn the_absolute_floor_scales_with_the_tensor() {
         Tolerance::F64_REWRITE
     )
     .is_ok());
+    // 1e-3 where 0 is expected: ~1e13 ulps, far over F64_REWRITE's few ulps (a planted error, not a
+    // bound).
     assert!(assert_close("t", &[1.0, 0.0], &[1.0, 1e-3], &[2], Tolerance::F64_REWRITE).is_err());
 }
 

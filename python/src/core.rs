@@ -14,12 +14,12 @@ use packshard_equivalence::fuzz::attention::{AttentionTerms, SegmentOptions};
 use packshard_oracle::eval::loss::{check_vocab_size, widen_columns, widen_rows};
 use packshard_oracle::eval::{make, EvalError};
 use packshard_oracle::registry;
-use packshard_reference::attention::default_scale;
-use packshard_reference::error::check_finite;
-use packshard_reference::ops::{EmbeddingCall, Grad, Qkv, Varlen};
+use packshard_reference::ops::EmbeddingCall;
 use packshard_reference::vocab::ShardLayout;
 
-pub use crate::attention_options::AttnOptions;
+pub use packshard_oracle::eval::attention_runner::{
+    attention, offsets, AttentionArgs, AttnOptions, FlashArgs, ReadFlash,
+};
 pub use packshard_oracle::eval::fields::{Fields, Out};
 pub use packshard_oracle::eval::loss::{
     cross_entropy, cross_entropy_with, linear_cross_entropy, linear_cross_entropy_with, LossArgs,
@@ -34,21 +34,6 @@ fn t2(a: Array2<f64>) -> Out {
 }
 fn t3(a: Array3<f64>) -> Out {
     Out::Tensor(a.into_dyn())
-}
-
-/// Turns a slice of non-negative offsets given as `i64` into `usize`.
-///
-/// # Errors
-/// `invalid_argument` naming `field[i]` for a negative value.
-pub fn offsets(field: &str, xs: &[i64]) -> Result<Vec<usize>, EvalError> {
-    xs.iter()
-        .enumerate()
-        .map(|(i, &x)| {
-            usize::try_from(x).map_err(|_| {
-                EvalError::invalid(&format!("{field}[{i}]"), format!("{x} is negative"))
-            })
-        })
-        .collect()
 }
 
 /// `name` or `name[i]` at the start of a message (`"cu_seqlens[3]: ..."`,
@@ -81,87 +66,9 @@ pub fn field_of(message: &str) -> (Option<String>, Option<usize>) {
 
 // ---- attention -------------------------------------------------------------
 
-/// The arguments of the `attention` op (flash_attn_varlen_func's form):
-/// `q, grad_output: [n_q, h, d]`, `k, v: [n_k, h_kv, d]` (`h_kv` dividing
-/// `h`; query head `a` reads key head `a / (h / h_kv)`); `cu_seqlens: [b +
-/// 1]` the query offsets (and the key offsets unless `cu_seqlens_k` is
-/// given). `T`: `f64`, or `f32` for [`attention_f32`].
-#[derive(Debug, Clone)]
-pub struct AttentionArgs<'a, T = f64> {
-    /// `[n_q, h, d]`.
-    pub q: ArrayView3<'a, T>,
-    /// `[n_k, h_kv, d]`.
-    pub k: ArrayView3<'a, T>,
-    /// `[n_k, h_kv, d]`.
-    pub v: ArrayView3<'a, T>,
-    /// `[b + 1]`, leading 0, last `n_q`: `cu_seqlens_q`.
-    pub cu_seqlens: Vec<usize>,
-    /// `[b + 1]`, leading 0, last `n_k`; `None`: self-attention
-    /// (`cu_seqlens`).
-    pub cu_seqlens_k: Option<Vec<usize>>,
-    /// Causal (bottom-right) mask within each segment.
-    pub causal: bool,
-    /// `1/sqrt(d)` when `None`.
-    pub scale: Option<f64>,
-    /// `[n_tok, h, d]`: with it, the backward too.
-    pub grad_output: Option<ArrayView3<'a, T>>,
-    /// flash-attention's `window_size`, `softcap`, `alibi_slopes`,
-    /// `seqused_k` ([`AttnOptions`]; default none).
-    pub options: AttnOptions,
-}
-
-impl<T> AttentionArgs<'_, T> {
-    fn scale(&self) -> f64 {
-        self.scale
-            .unwrap_or_else(|| default_scale(self.q.dim().2.max(1)))
-    }
-
-    /// The key offsets: `cu_seqlens_k`, or `cu_seqlens` for self-attention.
-    fn cu_k(&self) -> &[usize] {
-        self.cu_seqlens_k.as_deref().unwrap_or(&self.cu_seqlens)
-    }
-
-    /// The problem: offsets, mask, scale and options.
-    fn problem(&self) -> Varlen<'_> {
-        self.options.apply(Varlen::cross(
-            &self.cu_seqlens,
-            self.cu_k(),
-            self.causal,
-            self.scale(),
-        ))
-    }
-}
-
-/// `attention` through the registered implementation `imp`: `output: [n_tok,
-/// h, d]`, `lse: [h, n_tok]`, and `grad_q`, `grad_k`, `grad_v` with a
-/// `grad_output`.
-///
-/// # Errors
-/// The eval op's: the reference's errors, `invalid_argument` on `impl`.
-pub fn attention(imp: &str, a: &AttentionArgs<'_>) -> Result<Fields, EvalError> {
-    let op = make(&registry::attention(), imp)?;
-    // As the eval op: every input finite (the flat index in row-major order).
-    check_finite("q", a.q.iter())?;
-    check_finite("k", a.k.iter())?;
-    check_finite("v", a.v.iter())?;
-    if let Some(go) = &a.grad_output {
-        check_finite("grad_output", go.iter())?;
-    }
-    let p = a.problem();
-    let x = Qkv::new(a.q, a.k, a.v);
-    let fwd = op.varlen_forward(x, &p)?;
-    let grads = match a.grad_output {
-        Some(go) => Some(op.varlen_backward(x, &p, Grad::new(&fwd, go))?),
-        None => None,
-    };
-    let mut out: Fields = vec![("output", t3(fwd.output)), ("lse", t2(fwd.lse))];
-    if let Some(g) = grads {
-        out.push(("grad_q", t3(g.grad_q)));
-        out.push(("grad_k", t3(g.grad_k)));
-        out.push(("grad_v", t3(g.grad_v)));
-    }
-    Ok(out)
-}
+// `attention` is the typed runner of `packshard_oracle::eval::attention_runner`
+// (re-exported above), the one `packshard eval` calls: the same checks,
+// order, errors and fields.
 
 /// The registered kernel that [`attention_f32`] runs on `f32` arrays in
 /// place (every other one takes its inputs in `f64`).
@@ -812,3 +719,6 @@ mod tests;
 
 #[cfg(test)]
 mod eval_parity;
+
+#[cfg(test)]
+mod eval_parity_attention;

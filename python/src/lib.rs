@@ -12,7 +12,6 @@
 //! Shape legend as in `packshard-reference`: `n_tok` tokens, `b` segments,
 //! `h` heads, `d` head dim, `n` rows, `v` vocabulary, `p` shards.
 
-pub mod attention_options;
 pub mod cases;
 pub mod collator;
 pub mod core;

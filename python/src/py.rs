@@ -18,7 +18,9 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 use pyo3::IntoPyObjectExt;
 
-use crate::core::{self, AttentionArgs, AttnOptions, Fields, KernelPrecision, LossArgs, Out};
+use crate::core::{
+    self, AttentionArgs, AttnOptions, Fields, FlashArgs, KernelPrecision, LossArgs, Out, ReadFlash,
+};
 use crate::segments;
 
 pyo3::create_exception!(
@@ -123,6 +125,27 @@ fn cu(py: Python<'_>, xs: &PyReadonlyArray1<'_, i64>) -> PyResult<Vec<usize>> {
     core::offsets("cu_seqlens", &v).map_err(|e| raise(py, e))
 }
 
+/// The offsets and options of an attention call, read as `eval` reads them
+/// ([`FlashArgs::read`]).
+fn flash_args(
+    cu_seqlens: &PyReadonlyArray1<'_, i64>,
+    cu_seqlens_k: Option<&PyReadonlyArray1<'_, i64>>,
+    window_size: Option<(i64, i64)>,
+    softcap: Option<f64>,
+    alibi_slopes: Option<Vec<f64>>,
+    seqused_k: Option<Vec<i64>>,
+) -> Result<ReadFlash, EvalError> {
+    FlashArgs {
+        cu_seqlens: cu_seqlens.as_array().to_vec(),
+        cu_seqlens_k: cu_seqlens_k.map(|c| c.as_array().to_vec()),
+        window_size,
+        softcap,
+        alibi_slopes,
+        seqused_k,
+    }
+    .read()
+}
+
 /// Declares a `#[pyfunction]` `$name(q, k, v, cu_seqlens, causal, scale,
 /// grad_output, $last, cu_seqlens_k=None, window_size=None, softcap=None,
 /// alibi_slopes=None, seqused_k=None)`: an attention case's arguments as
@@ -154,20 +177,14 @@ macro_rules! attention_pyfunction {
             seqused_k: Option<Vec<i64>>,
         ) -> PyResult<$ret> {
             guard($py, || {
-            let options = AttnOptions::from_flash(window_size, softcap, alibi_slopes, seqused_k.as_deref())
-                .map_err(|e| raise($py, e))?;
-            let cu_seqlens_k = match &cu_seqlens_k {
-                Some(c) => Some(
-                    core::offsets("cu_seqlens_k", &c.as_array().to_vec())
-                        .map_err(|e| raise($py, e))?,
-                ),
-                None => None,
-            };
+            let (cu_seqlens, cu_seqlens_k, options) = flash_args(
+                &cu_seqlens, cu_seqlens_k.as_ref(), window_size, softcap, alibi_slopes, seqused_k,
+            ).map_err(|e| raise($py, e))?;
             let $a = AttentionArgs {
                 q: q.as_array(),
                 k: k.as_array(),
                 v: v.as_array(),
-                cu_seqlens: cu($py, &cu_seqlens)?,
+                cu_seqlens,
                 cu_seqlens_k,
                 causal,
                 scale,
@@ -212,20 +229,20 @@ fn attention_f32<'py>(
     seqused_k: Option<Vec<i64>>,
 ) -> PyResult<Py<PyAny>> {
     guard(py, || {
-        let options =
-            AttnOptions::from_flash(window_size, softcap, alibi_slopes, seqused_k.as_deref())
-                .map_err(|e| raise(py, e))?;
-        let cu_seqlens_k = match &cu_seqlens_k {
-            Some(c) => Some(
-                core::offsets("cu_seqlens_k", &c.as_array().to_vec()).map_err(|e| raise(py, e))?,
-            ),
-            None => None,
-        };
+        let (cu_seqlens, cu_seqlens_k, options) = flash_args(
+            &cu_seqlens,
+            cu_seqlens_k.as_ref(),
+            window_size,
+            softcap,
+            alibi_slopes,
+            seqused_k,
+        )
+        .map_err(|e| raise(py, e))?;
         let a = AttentionArgs {
             q: q.as_array(),
             k: k.as_array(),
             v: v.as_array(),
-            cu_seqlens: cu(py, &cu_seqlens)?,
+            cu_seqlens,
             cu_seqlens_k,
             causal,
             scale,

@@ -116,6 +116,8 @@ def test_each_option_matches_numpy(name):
         assert got.shape == w.shape, key
         fin = np.isfinite(w)
         assert np.array_equal(fin, np.isfinite(got)), key
+        # RTOL (named above) relative to the largest finite value, at least 1: an
+        # absolute floor for outputs below 1.
         tol = RTOL * max(1.0, np.abs(w[fin]).max(initial=0))
         assert np.abs(got[fin] - w[fin]).max(initial=0) <= tol, (key, np.abs(got - w).max())
 
@@ -217,6 +219,9 @@ def test_a_failing_case_with_options_replays_through_eval(tmp_path):
     assert "softcap" in case
     replay = packshard.eval(case)
     assert np.allclose(np.asarray(replay["output"], dtype=np.float64),
+                       # The eval replay is the same f64 reference math (JSON round-
+                       # trips f64 exactly): 1e-12 absolute on outputs of order 1 is a
+                       # few thousand ulps of margin, chosen.
                        _reference(**r.smallest().args)["output"], rtol=0, atol=1e-12)
     # Options forced off are left out of the case, not written as null.
     off = testing.Failure("attention", dict(r.smallest().args, window_size=None, softcap=None),

@@ -129,6 +129,9 @@ def test_cross_entropy_matches_eval_sharded_and_not():
         np.testing.assert_allclose(r["grad_logits"], np.asarray(e["grad_logits"], dtype=float),
                                    rtol=1e-10, atol=1e-12)
         np.testing.assert_allclose(r["per_token_loss"], np.asarray(e["per_token_loss"]),
+                                   # As for grad_logits: the same f64 reference through
+                                   # eval and through Python; 1e-10 relative / 1e-12
+                                   # absolute, a margin chosen over a few ulps.
                                    rtol=1e-10, atol=1e-12)
 
 
@@ -144,12 +147,16 @@ def test_softcap_is_the_capped_logits_cross_entropy():
     want = np.mean([lse[i] - capped[i, t[i]] for i in keep])
     for kw in ({}, {"num_shards": 3, "algorithm": "alg2"}, {"num_shards": 2, "algorithm": "naive"}):
         r = packshard.cross_entropy(z, t, softcap=c, want_grad=True, **kw)
+        # numpy's closed form against the reference in f64: sums in another order, a few
+        # ulps; 1e-12 relative is a margin chosen, not derived.
         assert abs(r["loss"] - want) <= 1e-12 * abs(want)
         soft = np.exp(capped - lse[:, None])
         for i in keep:
             soft[i, t[i]] -= 1.0
         soft[3] = 0.0
         want_g = soft * (1.0 - np.tanh(z / c) ** 2) / len(keep)
+        # As the loss above: f64 in another order; 1e-9 relative / 1e-14 absolute (for
+        # the zero entries' rounding), a margin chosen, not derived.
         np.testing.assert_allclose(r["grad_logits"], want_g, rtol=1e-9, atol=1e-14)
     plain = packshard.cross_entropy(z, t)["loss"]
     assert abs(plain - want) > 1.0, "the cap changes the loss of logits this large"
@@ -173,6 +180,8 @@ def test_linear_cross_entropy_and_embedding():
     ref = packshard.linear_cross_entropy(hidden, weight, t, want_grad=True)
     fused = packshard.linear_cross_entropy(hidden, weight, t, want_grad=True,
                                            impl="linear_ce_fused", num_shards=2)
+    # linear_ce_fused works in f32: 1e-5 relative is ~170 unit roundoffs of f32 (2^-24),
+    # as in oracle/tests/vocab_kernels.rs.
     assert abs(ref["loss"] - fused["loss"]) < 1e-5 * abs(ref["loss"])
     assert ref["grad_weight"].shape == (7, 4)
     e = packshard.embedding([1, 1, 6], weight, grad_output=np.ones((3, 4)), num_shards=3)
@@ -214,9 +223,13 @@ def test_a_per_token_grad_output_scales_each_row():
     plain = packshard.cross_entropy(z, t, reduction="none", want_grad=True)["grad_logits"]
     for kw in ({}, {"num_shards": 3, "algorithm": "alg1"}, {"impl": "cross_entropy_f32"}):
         r = packshard.cross_entropy(z, t, reduction="none", want_grad=True, grad_output=g, **kw)
+        # cross_entropy_f32 is among the kw: 1e-6 relative is ~17 unit roundoffs of f32
+        # (one softmax entry each); the f64 ones are far inside.
         np.testing.assert_allclose(r["grad_logits"], plain * g[:, None], rtol=1e-6, atol=1e-12)
         assert not r["grad_logits"][1].any()
     s = packshard.cross_entropy(z, t, reduction="sum", want_grad=True, grad_output=[-2.0])
+    # f64 reference scaled by -2 (exact in binary): 1e-12 relative / 1e-15 absolute
+    # leaves room for a rounding in another order only.
     np.testing.assert_allclose(s["grad_logits"], -2.0 * plain, rtol=1e-12, atol=1e-15)
     w = RNG.standard_normal((9, 3))
     x = RNG.standard_normal((4, 3))

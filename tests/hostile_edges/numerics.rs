@@ -77,6 +77,8 @@ fn normalization_of_huge_rows_is_the_normalization_of_the_same_rows_scaled_down(
         assert!(ga.iter().any(|&x| x != 0.0));
         for (x, y) in ga.iter().zip(&gb) {
             assert!(
+                // Two f64 runs of the same math, 1e-12 relative with a floor of 1e-3 (for entries
+                // near 0), a margin chosen over a few ulps.
                 (x - y).abs() <= 1e-12 * x.abs().max(1e-3),
                 "{norm:?}: {x} vs {y}"
             );

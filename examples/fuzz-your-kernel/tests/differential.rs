@@ -37,6 +37,7 @@ fn naive_attention_matches_the_reference_on_arbitrary_cases() {
 
 #[test]
 fn naive_attention_passes_the_packed_equals_padded_suite() {
+    // TOLERANCE is the named judge above; 128 is the number of cases, not a threshold.
     let seen = run_suite(&NaiveAttention, TOLERANCE, 128).unwrap_or_else(|m| panic!("{m}"));
     eprintln!("{seen}");
     assert!(seen.packed.values > 5000, "{seen:?}");

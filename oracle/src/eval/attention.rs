@@ -1,20 +1,16 @@
 //! The `attention` op: variable-length attention (`flash_attn_varlen_func`'s
-//! form) with its backward, through any registered [`registry::attention`]
-//! implementation (the f64 reference by default).
+//! form) with its backward, through any registered
+//! [`crate::registry::attention`] implementation (the f64 reference by
+//! default). This file reads the JSON; the op is checked and run by the
+//! typed runner [`super::attention_runner`], the one the Python package
+//! calls.
 
-use ndarray::{Array3, ArrayView2, ArrayView3};
-use packshard_reference::attention::{default_scale, AttentionGrads, AttentionOutput, Window};
-use packshard_reference::ops::{Grad, Qkv, Varlen};
+use ndarray::{Array3, ArrayView2};
 use serde_json::{json, Value};
 
-use crate::registry;
-
+use super::attention_runner::{self, AttentionArgs, AttnOptions};
+use super::fields::to_json;
 use super::{num, Case, EvalError, Tensor};
-
-/// `[a, b, c]` as nested arrays.
-pub(crate) fn nested3(x: ArrayView3<f64>) -> Value {
-    Value::Array(x.outer_iter().map(|m| nested2(m.view())).collect())
-}
 
 /// `[a, b]` as nested arrays.
 pub(crate) fn nested2(x: ArrayView2<f64>) -> Value {
@@ -27,27 +23,9 @@ pub(crate) fn nested2(x: ArrayView2<f64>) -> Value {
 }
 
 fn array3(t: Tensor, name: &str) -> Result<Array3<f64>, EvalError> {
-    t.require_finite(name)?;
     let shape = (t.shape[0], t.shape[1], t.shape[2]);
     Array3::from_shape_vec(shape, t.data)
         .map_err(|e| EvalError::new("shape_mismatch", format!("{name}: {e}")))
-}
-
-/// The forward and (with `grad_output`) backward of the registered attention `imp`.
-fn run(
-    imp: &str,
-    (q, k, v): (&Array3<f64>, &Array3<f64>, &Array3<f64>),
-    p: &Varlen<'_>,
-    grad_output: Option<&Array3<f64>>,
-) -> Result<(AttentionOutput, Option<AttentionGrads>), EvalError> {
-    let op = super::make(&registry::attention(), imp)?;
-    let x = Qkv::new(q.view(), k.view(), v.view());
-    let fwd = op.varlen_forward(x, p)?;
-    let g = match grad_output {
-        Some(go) => Some(op.varlen_backward(x, p, Grad::new(&fwd, go.view()))?),
-        None => None,
-    };
-    Ok((fwd, g))
 }
 
 /// The query and key offsets of an `attention` case: `cu_seqlens` (the
@@ -93,10 +71,10 @@ fn offsets(case: &Case<'_>) -> Result<(Vec<usize>, Option<Vec<usize>>), EvalErro
 }
 
 /// flash-attention's options: `window_size` (`[left, right]`, -1
-/// unbounded), `alibi_slopes` (`[h]`), `seqused_k` (`[b]`); absent: none.
-type Options = (Window, Option<Vec<f64>>, Option<Vec<usize>>);
-
-fn options(case: &Case<'_>) -> Result<Options, EvalError> {
+/// unbounded), `softcap` (0: none), `alibi_slopes` (`[h]`), `seqused_k`
+/// (`[b]`); absent: none. The window is read as the Python package reads
+/// it ([`AttnOptions::from_flash`]); the values are checked by the runner.
+fn options(case: &Case<'_>) -> Result<AttnOptions, EvalError> {
     let window = if case.has("window_size") {
         let w = case.i64_list("window_size")?;
         if w.len() != 2 {
@@ -105,14 +83,13 @@ fn options(case: &Case<'_>) -> Result<Options, EvalError> {
                 format!("has {} entries: it is [left, right]", w.len()),
             ));
         }
-        Window::from_flash(w[0], w[1])?
+        Some((w[0], w[1]))
     } else {
-        Window::UNBOUNDED
+        None
     };
-    let alibi = if case.has("alibi_slopes") {
-        let t = case.tensor("alibi_slopes", 1, "[h]")?;
-        t.require_finite("alibi_slopes")?;
-        Some(t.data)
+    let window = AttnOptions::from_flash(window, None, None, None)?.window;
+    let alibi_slopes = if case.has("alibi_slopes") {
+        Some(case.tensor("alibi_slopes", 1, "[h]")?.data)
     } else {
         None
     };
@@ -121,7 +98,13 @@ fn options(case: &Case<'_>) -> Result<Options, EvalError> {
     } else {
         None
     };
-    Ok((window, alibi, seqused_k))
+    let softcap = case.opt_f64("softcap")?.unwrap_or(0.0);
+    Ok(AttnOptions {
+        window,
+        softcap,
+        alibi_slopes,
+        seqused_k,
+    })
 }
 
 /// `attention` (flash_attn_varlen_func's form): `q` (`[n_q, h, d]`), `k`,
@@ -165,9 +148,7 @@ pub(super) fn attention(value: &Value, imp: &str) -> Result<Value, EvalError> {
     let v = array3(case.tensor("v", 3, legend_k)?, "v")?;
     let (cu, cu_k) = offsets(&case)?;
     let causal = case.opt_bool("causal")?.unwrap_or(false);
-    let scale = case
-        .opt_f64("scale")?
-        .unwrap_or_else(|| default_scale(q.dim().2.max(1)));
+    let scale = case.opt_f64("scale")?;
     let want_grad = case.opt_bool("want_grad")?.unwrap_or(false);
     if case.has("grad_output") && !want_grad {
         return Err(EvalError::invalid(
@@ -183,26 +164,23 @@ pub(super) fn attention(value: &Value, imp: &str) -> Result<Value, EvalError> {
     } else {
         None
     };
-    let (window, alibi, seqused_k) = options(&case)?;
-    let softcap = case.opt_f64("softcap")?.unwrap_or(0.0);
-    let p = Varlen::cross(&cu, cu_k.as_deref().unwrap_or(&cu), causal, scale)
-        .with_window(window)
-        .with_softcap(softcap)
-        .with_alibi_slopes(alibi.as_deref())
-        .with_seqused_k(seqused_k.as_deref());
-    let (fwd, grads) = run(imp, (&q, &k, &v), &p, grad_output.as_ref())?;
-    let mut out = json!({
-        "op": "attention",
-        "output": nested3(fwd.output.view()),
-        "lse": nested2(fwd.lse.view()),
-    });
-    if imp != "reference" {
-        out["impl"] = json!(imp);
+    let options = options(&case)?;
+    let args = AttentionArgs {
+        q: q.view(),
+        k: k.view(),
+        v: v.view(),
+        cu_seqlens: cu,
+        cu_seqlens_k: cu_k,
+        causal,
+        scale,
+        grad_output: grad_output.as_ref().map(|g| g.view()),
+        options,
+    };
+    let fields = attention_runner::attention(imp, &args)?;
+    let mut out = serde_json::Map::new();
+    out.insert("op".into(), json!("attention"));
+    for (name, value) in &fields {
+        out.insert((*name).into(), to_json(value));
     }
-    if let Some(g) = grads {
-        out["grad_q"] = nested3(g.grad_q.view());
-        out["grad_k"] = nested3(g.grad_k.view());
-        out["grad_v"] = nested3(g.grad_v.view());
-    }
-    Ok(out)
+    Ok(Value::Object(out))
 }

@@ -338,7 +338,7 @@ fn sharded_fields(s: &ShardedLoss, num_tokens: usize, algorithm: ShardedAlgorith
 ///
 /// # Errors
 /// `invalid_argument` naming `impl`, as `eval` gives it ([`super::no_impl`]).
-fn known<K: ?Sized>(list: &[Entry<K>], op: &str, imp: &str) -> Result<(), EvalError> {
+pub(super) fn known<K: ?Sized>(list: &[Entry<K>], op: &str, imp: &str) -> Result<(), EvalError> {
     if registry::find(list, imp).is_some() {
         return Ok(());
     }

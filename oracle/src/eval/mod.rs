@@ -9,6 +9,7 @@
 //! `index_out_of_range`, `non_finite_input`, `invalid_argument`; never a panic.
 
 mod attention;
+pub mod attention_runner;
 mod bert;
 mod causal;
 mod decoder;

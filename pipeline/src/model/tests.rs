@@ -81,6 +81,9 @@ fn reference_gradients_match_finite_differences() {
             let numeric = (lp - lm) / (2.0 * h);
             let analytic = base.grads.named()[t].1.iter().nth(k).copied().unwrap();
             assert!(
+                // Central difference, step 1e-5: truncation ~h^2 = 1e-10, rounding ~eps/h = 2e-11
+                // relative; 1e-7 absolute + 1e-5 relative is a margin chosen over both, not
+                // derived.
                 (numeric - analytic).abs() <= 1e-7 + 1e-5 * analytic.abs(),
                 "{name}[{k}]: numeric {numeric}, analytic {analytic}"
             );

@@ -202,6 +202,10 @@ def attention(q, k, v, cu_seqlens=None, *, causal=False, scale=None, grad_output
     opts = _attention_options.native(window_size, softcap, alibi_slopes, seqused_k, error=_error)
     r = run(q, k, v, cu_q, bool(causal), None if scale is None else float(scale), go, impl, cu_k,
             **opts)
+    # The native call gives eval's fields (the shared runner), `impl` among
+    # them; this dict has held arrays only, and kernels written as
+    # `{k: v.astype(...) for k, v in r.items()}` rely on it.
+    r.pop("impl", None)
     return _results_as(r, f64)
 
 

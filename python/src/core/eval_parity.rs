@@ -10,10 +10,10 @@ use packshard_oracle::eval::fields::to_json;
 use serde_json::{json, Map, Value};
 
 /// An error as the Python package raises it: `(kind, field, index, message)`.
-type Raised = (String, Option<String>, Option<usize>, String);
+pub(super) type Raised = (String, Option<String>, Option<usize>, String);
 
 /// What a door answers: the result's fields (less `op`) or its error.
-type Answer = Result<Vec<(String, Value)>, Raised>;
+pub(super) type Answer = Result<Vec<(String, Value)>, Raised>;
 
 /// A loss case: `logits` (cross_entropy) or `hidden` and `weight`.
 struct Case {
@@ -102,7 +102,7 @@ fn python(c: &Case) -> Answer {
     .map_err(error)
 }
 
-fn error(e: EvalError) -> Raised {
+pub(super) fn error(e: EvalError) -> Raised {
     let (field, index) = field_of(&e.message);
     (e.kind.to_string(), field, index, e.message)
 }

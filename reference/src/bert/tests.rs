@@ -184,13 +184,19 @@ fn padded_and_packed_model_agree_and_losses_follow_the_reduction() {
                     / 3.0
             }
         };
+        // The same f64 mean of 3 terms in another order on losses of order 1: a few ulps (~1e-16);
+        // 1e-14 is a margin chosen, not derived.
         assert!((outs[0].mlm_loss - want).abs() < 1e-14);
         assert!((outs[0].mlm_loss_under(reduction) - want).abs() < 1e-14);
         for o in &outs[1..] {
+            // Packed against padded: the same f64 sums, other order; 1e-13 relative is a margin
+            // chosen over a few ulps, not derived.
             assert!((o.loss - outs[0].loss).abs() <= 1e-13 * outs[0].loss.abs());
             for (a, b) in o.sequences.iter().zip(&outs[0].sequences) {
                 assert_eq!(a.hidden.dim(), b.hidden.dim());
                 for (x, y) in a.hidden.iter().zip(&b.hidden) {
+                    // Hidden states through the layers, packed against padded in f64: 1e-12
+                    // absolute on values of order 1, a margin chosen, not derived.
                     assert!((x - y).abs() < 1e-12);
                 }
             }

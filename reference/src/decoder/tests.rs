@@ -23,6 +23,8 @@ use crate::error::Error;
 use crate::testutil::{FD_EPS, FD_TOL};
 use crate::vocab::IGNORE_INDEX;
 
+// Two f64 runs of the same math in another order, values of order 1: a few ulps (~1e-15); 1e-12 is
+// a margin chosen, not derived.
 const REWRITE: f64 = 1e-12;
 
 fn cu(lengths: &[usize]) -> Vec<usize> {
@@ -160,6 +162,7 @@ fn fd_model(name: &str, model: &DecoderModel, c: &Case, past: Option<&KvCache>) 
     let run = model
         .run(&ReferenceAttention, &input, &c.labels, &c.weights)
         .unwrap();
+    // REWRITE's bound, written out: the same f64 loss computed twice.
     assert!((run.loss - loss_of(model, c, past)).abs() < 1e-12);
     let grads = run.grads.params.named();
     let mut m = model.clone();
@@ -176,6 +179,8 @@ fn fd_model(name: &str, model: &DecoderModel, c: &Case, past: Option<&KvCache>) 
             let fd = central_difference(&mut m, nudge, |m| loss_of(m, c, past));
             fd_ok(&format!("{name} {gname}[{i}]"), analytic, fd);
             checked += 1;
+            // A gradient above 1e-6 counts as non-zero: above the finite difference's noise
+            // (FD_TOL), so the check is not vacuous.
             nonzero += usize::from(analytic.abs() > 1e-6);
         }
     }
@@ -429,6 +434,7 @@ fn rope_is_identity_at_zero_preserves_norms_and_sees_relative_positions_only() {
             .iter()
             .map(|v| v * v)
             .sum();
+        // The same f64 sum of squares in another order: REWRITE's bound written out.
         assert!((nx - ny).abs() < 1e-12);
     }
     // Hand value: d = 2, frequency 1, position 1 rotates (1, 0) to (cos 1, sin 1).
@@ -469,6 +475,8 @@ fn causal_and_per_segment() {
         if !(2..4).contains(&r) {
             assert_eq!(d, 0.0, "row {r} moved");
         } else {
+            // A changed token moves its own and later rows' logits by far more than 1e-6 (a margin
+            // chosen); the rows before it move by exactly 0.
             assert!(d > 1e-6, "row {r} did not move");
         }
     }

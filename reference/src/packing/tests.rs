@@ -69,6 +69,7 @@ fn padding_baseline_is_half_padding_on_wikipedia() {
     assert_eq!(m.num_packs, 16_279_552);
     assert_eq!(m.speedup, 1.0);
     assert!(
+        // 0.50033 is written to 5 decimals: 5e-6 is half its last digit.
         (m.efficiency - (1.0 - 0.50033)).abs() < 5e-6,
         "{}",
         m.efficiency
@@ -389,6 +390,7 @@ proptest! {
         prop_assert_eq!(m.real_tokens, h.real_tokens());
         prop_assert_eq!(m.num_segments, h.num_sequences());
         prop_assert_eq!(m.padding_tokens + m.real_tokens, m.num_packs * msl as u64);
+        // A ratio of integers computed in f64: at most an ulp over 1; 1e-12 is a margin chosen.
         prop_assert!(m.efficiency <= 1.0 + 1e-12);
         prop_assert!(m.speedup <= m.speedup_limit + 1e-12);
         // Deterministic.

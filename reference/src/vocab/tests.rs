@@ -66,6 +66,8 @@ fn v1_pytorch_convention_matches_an_independent_formula() {
     let got = cross_entropy(logits.view(), &LossCall::with_flag(&[4], &config, false))
         .unwrap()
         .loss;
+    // The same f64 sum of 8 terms of order 1 in another order: a few ulps (eps 2.2e-16); 1e-15 is
+    // ~4 ulps.
     assert!((got - want).abs() < 1e-15, "{got} vs {want}");
 }
 
@@ -384,6 +386,8 @@ fn z_loss_adds_c_times_logsumexp_squared() {
     )
     .unwrap();
     let lse = plain.logsumexp()[0];
+    // z_loss adds 1e-2 * lse^2 in f64 on a loss of order 1: the two rounded ~4 ulps apart at most
+    // (1e-15).
     assert!((with.loss - plain.loss - 1e-2 * lse * lse).abs() < 1e-15);
     // lse independently: ln Σ exp.
     let direct = (0.3f64.exp() + (-1.2f64).exp() + 2.0f64.exp()).ln();
@@ -468,6 +472,7 @@ fn softmax_rows_sum_to_one() {
     let z = array![[1.0, 2.0, f64::NEG_INFINITY], [-1e4, 1e4, 0.0]];
     let p = softmax(z.view());
     for r in p.rows() {
+        // A softmax row sums to 1 up to a few ulps (3 terms): 1e-15 is ~4 ulps of 1.
         assert!((r.sum() - 1.0).abs() < 1e-15);
     }
     assert_eq!(p[[0, 2]], 0.0);
@@ -695,6 +700,8 @@ fn o1_softcap_is_applied_first_sharded_as_unsharded() {
     let direct =
         cross_entropy(capped.view(), &LossCall::with_flag(&targets, &plain, false)).unwrap();
     assert!((direct.loss - u.ce.loss).abs() < 1e-14 * u.ce.loss.abs().max(1.0));
+    // lse <= c + ln(7) for logits capped at c over 7 entries; 1e-12 for the f64 rounding of the
+    // sum.
     assert!(u.ce.logsumexp().iter().all(|l| *l < c + 7f64.ln() + 1e-12));
     for algorithm in ShardedAlgorithm::ALL {
         for layout in layouts() {
@@ -711,6 +718,8 @@ fn o1_softcap_is_applied_first_sharded_as_unsharded() {
             }
             let s = sharded_linear_cross_entropy(algorithm, &map, hidden.view(), w.view(), &call)
                 .unwrap();
+            // Sharded against unsharded in f64: the same sums in another order, 1e-12 a margin
+            // chosen over a few ulps.
             assert!((s.loss() - u.ce.loss).abs() < 1e-12, "{algorithm}");
             let close = |a: &Array2<f64>, b: &Array2<f64>| {
                 a.iter().zip(b).all(|(x, y)| (x - y).abs() < 1e-12)

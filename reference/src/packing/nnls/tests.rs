@@ -28,7 +28,10 @@ fn matches_the_textbook_examples() {
         &[0.0, 0.0, 1.0],
     ]);
     let x = nnls(&a, &[2.0, 1.0, 1.0, 0.5]).unwrap();
+    // The expected values are given to 8 decimals (1.37279152): 1e-7 is their last printed digit.
     assert_relative_eq!(x[0], 1.37279152, epsilon = 1e-7);
+    // An exact 0 of the active-set solution, up to f64 rounding of order-1 sums: 1e-12, a margin
+    // chosen.
     assert_relative_eq!(x[1], 0.0, epsilon = 1e-12);
     assert_relative_eq!(x[2], 0.47173145, epsilon = 1e-7);
 }
@@ -86,6 +89,8 @@ fn removing_a_column_keeps_the_factor_of_the_remaining_gram_matrix() {
                 for (b, &q) in kept.iter().enumerate() {
                     let want = dot(&cols[p], &cols[q]);
                     assert!(
+                        // Gram entries updated against recomputed, f64 sums of order-1 products:
+                        // 1e-12 relative (floor 1), a margin chosen over a few ulps.
                         (got[a][b] - want).abs() <= 1e-12 * (1.0 + want.abs()),
                         "trial {trial}: entry ({a}, {b}) {} vs {want}",
                         got[a][b]
@@ -103,6 +108,8 @@ fn removing_a_column_keeps_the_factor_of_the_remaining_gram_matrix() {
                     .sum();
                 let rhs = dot(&cols[p], &b);
                 assert!(
+                    // Normal equations of the solved subproblem: an f64 solve's residual, 1e-9
+                    // relative (floor 1), a margin chosen, not derived.
                     (lhs - rhs).abs() <= 1e-9 * (1.0 + rhs.abs()),
                     "trial {trial}: row {a}: {lhs} vs {rhs}"
                 );
@@ -140,6 +147,8 @@ fn random_packing_shaped_problems_meet_the_kkt_conditions() {
                 r[row] -= v * xj;
             }
         }
+        // The KKT tolerance of the check: 1e-9 of the right-hand side's size (floor 1), a margin
+        // chosen, not derived.
         let scale = 1e-9 * (1.0 + b.iter().sum::<f64>());
         for (j, &xj) in x.iter().enumerate() {
             let w = a.dot_dense(j, &r);
@@ -242,6 +251,8 @@ fn multiset_pricing_picks_the_column_the_plain_pricing_picks() {
             pp.set_blocked(j, true);
             order.push(j);
         }
+        // The threshold passed to most_positive: an entry below 1e-12 counts as 0 (rounding of
+        // order-1 sums), a margin chosen.
         assert_eq!(pp.most_positive(&r, 1e-12), None, "trial {trial}");
         // Unblocked, the first winner wins again.
         if let Some(&j) = order.first() {
@@ -273,6 +284,8 @@ fn multiset_and_plain_problems_reach_the_same_optimum() {
         assert!(xf.iter().all(|&v| v >= 0.0));
         let (of, op) = (objective(&xf), objective(&xp));
         assert!(
+            // Two solvers' objectives: 1e-9 relative (floor 1), the solve's accuracy, a margin
+            // chosen, not derived.
             (of - op).abs() <= 1e-9 * (1.0 + op),
             "trial {trial}: {of} vs {op}"
         );
