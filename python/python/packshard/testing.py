@@ -562,8 +562,11 @@ def check_attention(fn, cases=100, seed=0, *, causal=None, gqa=True, **kw):
     ``grad_q``, ``grad_k``, ``grad_v`` (``[n_k, h_kv, d]``).
 
     The cases follow the default schedule (small cases, then 12 in 100 large:
-    a segment of 1,023 to 1,100 tokens, head dims to 256, every ratio
-    ``h / h_kv``, cross segments, causal). A ``fn`` that takes neither
+    a segment of 1,023 to 1,100 tokens, head dims 32 to 256 with 160, 192
+    and 256 in every check, every ratio ``h / h_kv``, cross segments,
+    causal). One case in four has no ``scale`` (``fn`` must default to
+    ``1/sqrt(d)``); one small case in eight and 3 of the 12 large ones are
+    forward-only (``want_grad=False``, no ``grad_output``). A ``fn`` that takes neither
     ``cu_seqlens_k`` nor ``**kwargs`` gets self-attention cases only; one
     without ``causal`` only bidirectional ones; ``gqa=False`` leaves out the
     cases with ``h_kv < h``. ``causal=True`` or ``False`` forces the mask on
