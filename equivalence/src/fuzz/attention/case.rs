@@ -8,7 +8,7 @@ use packshard_reference::ops::{AttentionSupport, Varlen};
 
 use super::super::brief;
 use super::super::schedule::{boundary_len, slot, SizeClass, TILE_GRAINS};
-use super::super::values::{plants, Gen};
+use super::super::values::{plants, Gen, Style};
 use crate::attention::AttentionCase;
 
 /// Most segments of a small case.
@@ -641,6 +641,7 @@ fn large_sizes(
     (h, h_kv): (usize, usize),
     cross: bool,
     slot: usize,
+    forward_only: bool,
 ) -> arbitrary::Result<LargeSizes> {
     let mut d = large_head_dim(u, slot)?;
     // A head dim past 128 keeps its value: the long segment (which would cut
@@ -652,7 +653,9 @@ fn large_sizes(
         .collect::<arbitrary::Result<Vec<_>>>()?;
     let mut heads = (h, h_kv);
     let mut long = None;
-    if u.arbitrary::<u8>()? % 8 < 5 && !wide {
+    // A forward-only case always has the long segment: a forward-only path
+    // (split-KV decoding, a kernel without saved state) breaks across tiles.
+    if (u.arbitrary::<u8>()? % 8 < 5 || forward_only) && !wide {
         let side = long_len(u)?;
         let pair = match (cross, u.arbitrary::<u8>()? % 3) {
             (true, 0) => (short_len(u)?.min(128), side),
@@ -700,6 +703,8 @@ impl<'a> Arbitrary<'a> for AttentionFuzzCase {
         // Sizes first.
         let first = u.arbitrary::<u8>()?;
         let (class, slot) = (SizeClass::of(&[first]), slot(&[first]));
+        let large_forward_only = class == SizeClass::Large
+            && FORWARD_ONLY_SLOTS.contains(&(slot % FORWARD_ONLY_PERIOD));
         let (h, h_kv) = heads(u)?;
         let cross = u.arbitrary::<u8>()? % 3 == 0;
         let causal = u.arbitrary::<bool>()?;
@@ -708,7 +713,7 @@ impl<'a> Arbitrary<'a> for AttentionFuzzCase {
                 let (segments, d) = small_sizes(u, h, cross)?;
                 (segments, d, (h, h_kv))
             }
-            SizeClass::Large => large_sizes(u, (h, h_kv), cross, slot)?,
+            SizeClass::Large => large_sizes(u, (h, h_kv), cross, slot, large_forward_only)?,
         };
         let extra_pad = u.int_in_range(0..=3)?;
         let scale_byte = u.arbitrary::<u8>()? % 16;
@@ -725,6 +730,15 @@ impl<'a> Arbitrary<'a> for AttentionFuzzCase {
         let n_k: usize = segments.iter().map(|s| s.1).sum();
         // Then values.
         let mut gen = Gen::arbitrary(u)?;
+        if large_forward_only {
+            // Values that vary at magnitude 1 at least: a constant or
+            // near-zero tensor gives every key tile the same row maximum,
+            // so nothing needs rescaling.
+            if gen.style == Style::Constant {
+                gen.style = Style::Uniform;
+            }
+            gen.magnitude = gen.magnitude.max(1.0);
+        }
         let mut tensor = |n, heads| Array3::from_shape_fn((n, heads, d), |_| gen.value(2.0));
         let mut t = [
             tensor(n_q, h),
@@ -770,9 +784,7 @@ impl<'a> Arbitrary<'a> for AttentionFuzzCase {
         let options = options(u, &segments, h)?;
         let want_grad = match class {
             SizeClass::Small => u.arbitrary::<u8>()? % 8 != SMALL_FORWARD_ONLY,
-            SizeClass::Large => {
-                !FORWARD_ONLY_SLOTS.contains(&(slot % FORWARD_ONLY_PERIOD))
-            }
+            SizeClass::Large => !large_forward_only,
         };
         Ok(AttentionFuzzCase {
             class,
