@@ -342,7 +342,11 @@ impl<'a> Arbitrary<'a> for CeFuzzCase {
                     .fold(f64::NEG_INFINITY, f64::max);
                 if top.is_finite() {
                     logits[[i, v - 1]] = top + 4.0;
-                    planted.push(format!("logits[{i}, {}] = {} (row max + 4)", v - 1, top + 4.0));
+                    planted.push(format!(
+                        "logits[{i}, {}] = {} (row max + 4)",
+                        v - 1,
+                        top + 4.0
+                    ));
                 }
             }
         }

@@ -703,8 +703,8 @@ impl<'a> Arbitrary<'a> for AttentionFuzzCase {
         // Sizes first.
         let first = u.arbitrary::<u8>()?;
         let (class, slot) = (SizeClass::of(&[first]), slot(&[first]));
-        let large_forward_only = class == SizeClass::Large
-            && FORWARD_ONLY_SLOTS.contains(&(slot % FORWARD_ONLY_PERIOD));
+        let large_forward_only =
+            class == SizeClass::Large && FORWARD_ONLY_SLOTS.contains(&(slot % FORWARD_ONLY_PERIOD));
         let (h, h_kv) = heads(u)?;
         let cross = u.arbitrary::<u8>()? % 3 == 0;
         let causal = u.arbitrary::<bool>()?;
