@@ -336,8 +336,8 @@ mod tests {
             let data = budgeted_input(&Budget::small(1), s, 0);
             let c = config(&mut Unstructured::new(&data), 300).unwrap();
             match c.softcap {
-                Some(x) if x == 1.0 => one += 1,
-                Some(x) if x == 30.0 => thirty += 1,
+                Some(1.0) => one += 1,
+                Some(30.0) => thirty += 1,
                 Some(x) => spread.push(x),
                 None => off += 1,
             }

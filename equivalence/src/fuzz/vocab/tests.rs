@@ -40,7 +40,7 @@ fn small_splits_weight_primes_up_and_reach_both_layouts() {
         let data = bytes(s);
         let map = shard_map(&mut Unstructured::new(&data)).unwrap();
         let (v, p) = (map.vocab_size(), map.num_shards());
-        if data[0] % 2 == 0 {
+        if data[0].is_multiple_of(2) {
             assert!(PRIMES.contains(&v), "even first byte, v = {v}");
         } else {
             non_prime |= !PRIMES.contains(&v);
