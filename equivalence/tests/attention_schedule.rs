@@ -201,6 +201,83 @@ fn the_default_budget_reaches_long_segments_every_gqa_ratio_cross_and_causal() {
     }
 }
 
+/// In every seed's default check: the 12 large cases meet every head-dim
+/// class (`HEAD_DIMS[j % 9]` at large case `j`, the odd one at 8), each dim
+/// past 128 (160, 192, 256) kept, two of them at least on a case that has
+/// attention to do, and are
+/// forward-only (`want_grad` false) exactly at `FORWARD_ONLY_SLOTS`, each of
+/// those with its long segment and keys that vary. Over 1,200 small inputs, the default scale
+/// (no `scale` given) comes one in four and forward-only one in eight: 300
+/// and 150, bounds +- 4 binomial standard deviations (+- 60, +- 46).
+#[test]
+fn every_default_check_reaches_wide_heads_the_default_scale_and_forward_only() {
+    let b = Budget::DEFAULT;
+    let first = b.cases - b.large;
+    for seed in 0..6 {
+        let large: Vec<fa::AttentionFuzzCase> = (first..b.cases)
+            .map(|i| fa::AttentionFuzzCase::from_bytes(&budgeted_input(&b, seed, i)).unwrap())
+            .collect();
+        for (j, c) in large.iter().enumerate() {
+            let d = c.heads().2;
+            match fa::HEAD_DIMS.get(j % fa::HEAD_DIM_CLASSES) {
+                // Past 128: never cut (no long segment drawn beside it).
+                Some(&want) if want > 128 => {
+                    assert_eq!(d, want, "seed {seed}, large {j}: {}", c.describe());
+                }
+                // At most the class's dim (a long segment cuts it to fit).
+                Some(&want) => assert!(d <= want, "seed {seed}, large {j}: d {d}"),
+                None => assert!(d % 2 == 1 && d <= 201, "seed {seed}, large {j}: d {d}"),
+            }
+            let fwd = fa::FORWARD_ONLY_SLOTS.contains(&(j % fa::FORWARD_ONLY_PERIOD));
+            assert_eq!(c.want_grad, !fwd, "seed {seed}, large {j}");
+            if fwd {
+                // Its long segment, and keys that differ (not a constant).
+                assert!(
+                    fa::LONG_LEN.contains(&c.longest()),
+                    "seed {seed}, large {j}: {}",
+                    c.describe()
+                );
+                let k0 = c.k.iter().next().copied();
+                assert!(
+                    c.k.iter().any(|&x| Some(x) != k0),
+                    "seed {seed}, large {j}: constant keys"
+                );
+            }
+        }
+        // A head dim past 128 on a case with attention to do (one of the
+        // three may draw only empty segments: seed 1's 256 does).
+        let wide = large
+            .iter()
+            .filter(|c| c.heads().2 > 128 && c.work() > 0)
+            .count();
+        assert!(wide >= 2, "seed {seed}: {wide} cases with d > 128 and work");
+        assert!(
+            large
+                .iter()
+                .any(|c| !c.want_grad && c.segments.iter().any(|&(q, k)| q > 0 && k > 64)),
+            "seed {seed}: no forward-only case crosses a 64-key tile"
+        );
+    }
+    let (mut default_scale, mut forward) = (0, 0);
+    for s in 0..1200 {
+        let c =
+            fa::AttentionFuzzCase::from_bytes(&budgeted_input(&Budget::small(1), s, 0)).unwrap();
+        if c.default_scale {
+            default_scale += 1;
+            assert_eq!(c.scale, 1.0 / (c.heads().2 as f64).sqrt());
+        }
+        forward += usize::from(!c.want_grad);
+    }
+    assert!(
+        (240..=360).contains(&default_scale),
+        "default scale in {default_scale} of 1200"
+    );
+    assert!(
+        (104..=196).contains(&forward),
+        "forward only in {forward} of 1200"
+    );
+}
+
 /// The default budget on the f64 reference: every case compared or refused
 /// alike, bit for bit, and how long it takes (docs/FAULTS.md).
 #[test]

@@ -8,7 +8,9 @@
 use std::collections::BTreeSet;
 
 use ndarray::{Array2, ArrayView2};
-use packshard_equivalence::fuzz::schedule::{budgeted_input, fuzz_budgeted, Budget, SizeClass};
+use packshard_equivalence::fuzz::schedule::{
+    budgeted_input, fuzz_budgeted, Budget, SizeClass, SLOTS,
+};
 use packshard_equivalence::fuzz::vocab::{self as fv, CeFuzzCase, LinearFuzzCase};
 use packshard_equivalence::fuzz::{Failure, Outcome};
 use packshard_equivalence::planted::{CeCall, FirstUpstreamOnly, Planted, VocabHooks};
@@ -145,6 +147,68 @@ fn the_default_budget_reaches_chunk_boundaries_and_every_option() {
     );
 }
 
+/// In every seed's default check, the large cases at the wide slots (5 and
+/// 11 of the 12) reach what 8,192-, 16,384- and 1,024-token-chunked kernels
+/// break on: a cross-entropy vocabulary of `8192 +- 1`, `16384 - 1` or
+/// `16384` (slot 5) and past 16,384 (slot 11) on at most `WIDE_MAX_N`
+/// tokens; an output layer of `1024 +- 1` tokens (slot 5) and past 1,024
+/// (slot 11) at `h <= 4`, its vocabulary past 64; and no other large case is
+/// one of them (they are 2 of the 12).
+#[test]
+fn every_default_check_reaches_wide_vocabularies_and_long_token_counts() {
+    let b = Budget::DEFAULT;
+    let first = b.cases - b.large;
+    for seed in 0..6 {
+        for j in 0..b.large {
+            let data = budgeted_input(&b, seed, first + j);
+            let ce = CeFuzzCase::from_bytes(&data).unwrap().case;
+            let lin = LinearFuzzCase::from_bytes(&data).unwrap().case;
+            let (v, n_ce) = (ce.map.vocab_size(), ce.logits.nrows());
+            let (n, h) = lin.hidden.dim();
+            let what = format!(
+                "seed {seed}, large case {j}: ce {n_ce} x {v}, linear {n} x {} x {h}",
+                lin.map.vocab_size()
+            );
+            match j {
+                5 => {
+                    assert!(
+                        fv::WIDE_V[0].contains(&v) && n_ce <= fv::WIDE_MAX_N,
+                        "{what}"
+                    );
+                    assert!((1023..=1025).contains(&n) && h <= fv::LONG_MAX_H, "{what}");
+                }
+                11 => {
+                    assert!(v > 16384 && n_ce <= fv::WIDE_MAX_N, "{what}");
+                    assert!(n > 1024 && h <= fv::LONG_MAX_H, "{what}");
+                }
+                _ => assert!(v <= fv::LARGE_MAX_V && n <= fv::LARGE_MAX_N, "{what}"),
+            }
+            if j == 5 || j == 11 {
+                assert!(lin.map.vocab_size() > 64, "{what}");
+                // The gradients always asked for, the upstream the implicit 1.
+                let lf = LinearFuzzCase::from_bytes(&data).unwrap();
+                assert!(lf.want_grad && lin.grad_output.is_none(), "{what}");
+                // No softcap; each even row's maximum in the last column, 4
+                // above the rest (unless a whole shard of it is masked).
+                assert!(ce.config.softcap.is_none(), "{what}");
+                for i in (0..n_ce).step_by(2) {
+                    let row = ce.logits.row(i);
+                    let rest = row
+                        .slice(ndarray::s![..v - 1])
+                        .iter()
+                        .copied()
+                        .filter(|x| x.is_finite())
+                        .fold(f64::NEG_INFINITY, f64::max);
+                    assert!(
+                        row[v - 1] == rest + 4.0 || row[v - 1] == f64::NEG_INFINITY,
+                        "{what}: row {i}"
+                    );
+                }
+            }
+        }
+    }
+}
+
 /// Large cases stay within their bounds on work.
 #[test]
 fn large_cases_are_bounded() {
@@ -157,11 +221,17 @@ fn large_cases_are_bounded() {
         let c = CeFuzzCase::from_bytes(&data).unwrap().case;
         let (n, w) = c.logits.dim();
         assert!(n * w <= fv::CE_WORK && n <= fv::LARGE_MAX_N, "{n} x {w}");
-        assert!(c.map.vocab_size() <= fv::LARGE_MAX_V);
+        // Past LARGE_MAX_V only at the wide slots, on a few tokens.
+        let wide = fv::wide_slot(i % SLOTS).is_some();
+        assert!(c.map.vocab_size() <= fv::LARGE_MAX_V || wide);
+        assert!(
+            !wide || (fv::WIDE_V.concat().contains(&c.map.vocab_size()) && n <= fv::WIDE_MAX_N)
+        );
         let c = LinearFuzzCase::from_bytes(&data).unwrap().case;
         let (n, h) = c.hidden.dim();
         let w = c.weight.nrows();
         assert!(n * w * h <= fv::LINEAR_WORK, "{n} x {w} x {h}");
+        assert!(n <= fv::LARGE_MAX_N || (wide && fv::LONG_N.concat().contains(&n)));
         assert!(c.map.vocab_size() * h <= fv::LINEAR_WEIGHT, "{w} x {h}");
         let e = fv::EmbeddingFuzzCase::from_bytes(&data).unwrap().case;
         let (w, h) = e.weight.dim();

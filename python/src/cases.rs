@@ -139,7 +139,9 @@ fn case_of(op: &str, data: &[u8]) -> Option<(Fields, String, usize)> {
 /// `q, grad_output: [n_q, h, d]`, `k, v: [n_k, h_kv, d]`, `cu_seqlens_q`,
 /// `cu_seqlens_k` (int64, `[b + 1]`), `cu_seqlens` (= `cu_seqlens_q`, the
 /// self-attention form existing kernels take), `max_seqlen_q`,
-/// `max_seqlen_k`, `causal` (bottom-right), `scale`, `want_grad`, and
+/// `max_seqlen_k`, `causal` (bottom-right), `scale` (absent in a quarter
+/// of the cases: the kernel's default, 1/sqrt(d)), `want_grad` (false, and
+/// no `grad_output`, in the forward-only cases), and
 /// when drawn `window_size` (`[left, right]`), `softcap`, `alibi_slopes`
 /// (`[h]` float64) and `seqused_k` (`[b]` int64). Offsets
 /// the fuzz body malforms on purpose are replaced by the segments' own (a
@@ -165,10 +167,18 @@ fn attention_case(data: &[u8]) -> Option<(Fields, String, usize)> {
         ("max_seqlen_q", Out::Usize(max(0).unwrap_or(0))),
         ("max_seqlen_k", Out::Usize(max(1).unwrap_or(0))),
         ("causal", Out::Bool(f.causal)),
-        ("scale", Out::F64(f.scale)),
-        ("grad_output", t(&f.grad_output)),
-        ("want_grad", Out::Bool(true)),
     ];
+    // No `scale` in a quarter of the cases (flash-attention's
+    // `softmax_scale=None`: the kernel defaults to 1/sqrt(d)); no
+    // `grad_output` in the forward-only ones (AttentionFuzzCase's
+    // `default_scale`, `want_grad`).
+    if !f.default_scale {
+        args.push(("scale", Out::F64(f.scale)));
+    }
+    if f.want_grad {
+        args.push(("grad_output", t(&f.grad_output)));
+    }
+    args.push(("want_grad", Out::Bool(f.want_grad)));
     // flash-attention's options, each only when the case draws it (a
     // kernel that does not take one is given the cases without it).
     let o = &f.options;

@@ -175,7 +175,7 @@ def test_the_reference_passes_and_a_kernel_ignoring_the_window_is_caught():
 
 
 def test_a_kernel_that_takes_no_option_gets_the_cases_without_it():
-    def no_options(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, grad_output=None,
+    def no_options(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale=None, grad_output=None,
                    want_grad=False):
         return packshard.attention(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                                    causal=causal, scale=scale, grad_output=grad_output,

@@ -44,7 +44,7 @@ def test_judged_on_a_gqa_input_answers_or_refuses_never_panics():
 
 
 def test_worst_is_the_share_of_the_allowed_error():
-    def tiled(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, grad_output):
+    def tiled(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale=None, grad_output=None):
         return packshard.attention(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                                    causal=causal, scale=scale, grad_output=grad_output,
                                    impl="attention_varlen_tiled")
@@ -72,7 +72,7 @@ def test_an_example_reports_a_share_not_a_ratio():
 
 
 def test_a_tuple_returning_kernel_gets_a_clear_error():
-    def flash_style(q, k, v, cu_seqlens, scale):
+    def flash_style(q, k, v, cu_seqlens, scale=None):
         r = packshard.attention(q, k, v, cu_seqlens, scale=scale)
         return r["output"], r["lse"]
     with pytest.raises(AssertionError) as e:

@@ -49,7 +49,7 @@ def test_registered_linear_and_embedding_pass():
 def test_a_leak_is_caught_and_written_out(tmp_path):
     def leaky(q, k, v, cu_seqlens, **kw):
         return packshard.attention(q, k, v, [0, q.shape[0]], cu_seqlens_k=[0, k.shape[0]],
-                                   scale=kw["scale"], causal=kw["causal"],
+                                   scale=kw.get("scale"), causal=kw["causal"],
                                    grad_output=kw.get("grad_output"))
 
     out = tmp_path / "regression.json"
@@ -63,14 +63,14 @@ def test_a_leak_is_caught_and_written_out(tmp_path):
     ref = packshard.eval(case)
     leak = packshard.attention(np.array(case["q"]), np.array(case["k"]), np.array(case["v"]),
                                [0, len(case["q"])], cu_seqlens_k=[0, len(case["k"])],
-                               scale=case["scale"], causal=case["causal"])
+                               scale=case.get("scale"), causal=case["causal"])
     assert not np.allclose(np.asarray(ref["output"]), leak["output"])
 
 
 def test_fail_fast_stops_at_the_first_failing_case_of_the_same_run():
     def leaky(q, k, v, cu_seqlens, **kw):
         return packshard.attention(q, k, v, [0, q.shape[0]], cu_seqlens_k=[0, k.shape[0]],
-                                   scale=kw["scale"], causal=kw["causal"],
+                                   scale=kw.get("scale"), causal=kw["causal"],
                                    grad_output=kw.get("grad_output"))
 
     full = testing.check_attention(leaky, cases=40, seed=3, raise_on_failure=False)
@@ -190,7 +190,7 @@ def test_check_attention_reaches_long_segments_and_gqa():
 def test_a_self_attention_kernel_gets_self_attention_cases_and_says_so():
     ref = registered("attention", "attention_varlen_tiled")
 
-    def self_only(q, k, v, cu_seqlens, causal, scale, grad_output, want_grad):
+    def self_only(q, k, v, cu_seqlens, causal, scale=None, grad_output=None, want_grad=True):
         return ref(q=q, k=k, v=v, cu_seqlens=cu_seqlens, causal=causal, scale=scale,
                    grad_output=grad_output, want_grad=want_grad)
 
@@ -202,7 +202,8 @@ def test_a_self_attention_kernel_gets_self_attention_cases_and_says_so():
 def test_a_modulo_kv_head_kernel_fails_the_default_check():
     ref = registered("attention", "reference")
 
-    def modulo(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, grad_output, want_grad):
+    def modulo(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale=None, grad_output=None,
+               want_grad=True):
         h, h_kv = q.shape[1], k.shape[1]
         kk = np.stack([k[:, a % h_kv] for a in range(h)], axis=1)
         vv = np.stack([v[:, a % h_kv] for a in range(h)], axis=1)
@@ -212,3 +213,27 @@ def test_a_modulo_kv_head_kernel_fails_the_default_check():
 
     with pytest.raises(AssertionError):
         testing.check_attention(modulo, precision="f64")
+
+
+def test_the_default_check_asks_for_the_default_scale_and_the_forward_only_path():
+    # Seed 0's 100 default cases: no scale in about one in four (25 +- 17,
+    # four binomial standard deviations), forward-only (no grad_output) in
+    # about one small case in eight plus 3 of the 12 large ones, and head
+    # dims 160, 192 and 256 among the large ones.
+    cs = testing.cases("attention", 100, 0)
+    no_scale = sum("scale" not in a for a, *_ in cs)
+    forward = [(a, i) for a, _, _, i in cs if not a["want_grad"]]
+    assert 8 <= no_scale <= 42, no_scale
+    assert all("grad_output" not in a for a, _ in forward)
+    assert sum(i >= 88 for _, i in forward) == 3, [i for _, i in forward]
+    assert {160, 192, 256} <= {a["q"].shape[2] for a, *_ in cs[88:]}
+    # A kernel whose scale has no default is given 1/sqrt(d) instead.
+    given = []
+
+    def required(q, k, v, cu_seqlens, scale, **kw):
+        given.append((scale, q.shape[2]))
+        return packshard.attention(q, k, v, cu_seqlens, scale=scale, causal=kw["causal"],
+                                   cu_seqlens_k=kw["cu_seqlens_k"])
+    testing.check_attention(required, cases=30, seed=0, grad=False, gqa=False,
+                            fix=testing.WITHOUT_ATTENTION_OPTIONS)
+    assert any(s == 1 / np.sqrt(d) for s, d in given)

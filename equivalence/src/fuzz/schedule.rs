@@ -16,7 +16,13 @@
 //! - **[`fuzz_budgeted`]**: the deterministic driver that `cargo test`, the
 //!   default `check_*` calls and the Python package's `testing` share: input
 //!   `i` of seed `s` is the ChaCha8 byte string [`super::fuzz_random`] would
-//!   draw, its first byte set to the class the budget gives index `i`;
+//!   draw, its first byte set to the class the budget gives index `i` (and,
+//!   for a large input, its [`slot`]: the `j`-th large case gets slot `j`);
+//! - **[`slot`]**: the low five bits of a large input's first byte, which the
+//!   families read to place the shapes a default check must reach in fixed
+//!   large cases (attention: every head-dim class and the forward-only path;
+//!   the losses: a vocabulary past 16,384, a token count past 1,024), so
+//!   every seed's default check reaches them, not one seed in a few;
 //! - **[`boundary_len`]**: a length at a power-of-two boundary, `k * 2^j - 1`,
 //!   `k * 2^j` or `k * 2^j + 1` for `2^j` in a family's grains
 //!   ([`TILE_GRAINS`], [`VOCAB_GRAINS`]), within a bound.
@@ -114,9 +120,23 @@ impl Budget {
     }
 }
 
+/// How many [`slot`]s there are: the low five bits of the first byte.
+pub const SLOTS: usize = 32;
+
+/// The slot of a large input: the low five bits of its first byte (0 for an
+/// empty input). [`budgeted_input`] gives the `j`-th large case of a budget
+/// slot `j % SLOTS`, so a family that keys a shape to slot `s` (`s <
+/// Budget::DEFAULT.large`) meets it in every seed's default check; a
+/// libFuzzer input's slot is one of its bytes, uniform over `0..SLOTS`.
+pub fn slot(data: &[u8]) -> usize {
+    usize::from(data.first().copied().unwrap_or(0) & 0x1F)
+}
+
 /// The bytes of input `i` of `seed` under `budget`: a ChaCha8 stream keyed
 /// by `(seed, i)` of `MAX_RANDOM_INPUT` bytes (at least 1), its first byte
-/// set to the class [`Budget::class_of`] gives `i`.
+/// set to the class [`Budget::class_of`] gives `i`: a small one the stream's
+/// byte modulo [`LARGE_FROM`], a large one `LARGE_FROM | j % SLOTS` for the
+/// `j`-th large case ([`slot`]).
 pub fn budgeted_input(budget: &Budget, seed: u64, i: usize) -> Vec<u8> {
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
     rng.set_stream(i as u64);
@@ -125,7 +145,10 @@ pub fn budgeted_input(budget: &Budget, seed: u64, i: usize) -> Vec<u8> {
         .collect();
     buf[0] = match budget.class_of(i) {
         SizeClass::Small => buf[0] % LARGE_FROM,
-        SizeClass::Large => LARGE_FROM | buf[0],
+        SizeClass::Large => {
+            let first_large = budget.cases - budget.large.min(budget.cases);
+            LARGE_FROM | ((i - first_large) % SLOTS) as u8
+        }
     };
     buf
 }
@@ -234,8 +257,9 @@ mod tests {
 
     /// A small input is the ChaCha8 stream with its first byte taken modulo
     /// [`LARGE_FROM`] (so it is the stream itself whenever that byte is
-    /// already small), a large one with the byte's top bits set: the class
-    /// byte keeps the stream's spread, not one or two values.
+    /// already small): the class byte keeps the stream's spread, not one or
+    /// two values. A large one's first byte is its slot: the `j`-th large
+    /// case's is `j` (modulo [`SLOTS`]), the rest of the stream untouched.
     #[test]
     fn the_class_byte_keeps_the_streams_byte() {
         let (small, large) = (
@@ -250,7 +274,17 @@ mod tests {
             rng.set_stream(i as u64);
             let raw: u8 = rng.random();
             assert_eq!(budgeted_input(&small, 3, i)[0], raw % LARGE_FROM);
-            assert_eq!(budgeted_input(&large, 3, i)[0], raw | LARGE_FROM);
+            let big = budgeted_input(&large, 3, i);
+            assert_eq!(big[0], LARGE_FROM | (i % SLOTS) as u8);
+            assert_eq!(slot(&big), i % SLOTS);
+            assert_eq!(big[1..], budgeted_input(&small, 3, i)[1..]);
         }
+        // The slots count from the first large case, not from input 0.
+        let b = Budget::DEFAULT;
+        let slots: Vec<usize> = (0..b.cases)
+            .filter(|&i| b.class_of(i) == SizeClass::Large)
+            .map(|i| slot(&budgeted_input(&b, 0, i)))
+            .collect();
+        assert_eq!(slots, (0..b.large).collect::<Vec<_>>());
     }
 }

@@ -33,7 +33,7 @@ use packshard_reference::vocab::{
     cross_entropy, LossCall, LossConfig, Reduction, ShardLayout, ShardMap, SmoothingConvention,
 };
 
-use super::schedule::SizeClass;
+use super::schedule::{slot, SizeClass};
 use super::values::{plants, Gen};
 use super::{brief, Failure, Outcome};
 use crate::compare::Judge;
@@ -47,7 +47,10 @@ use crate::vocab::{
     check_linear_unsharded, check_linear_with, take_worst_ulps, CeCase, EmbeddingCase, LinearCase,
     Rule,
 };
-pub use large::{CE_WORK, EMBEDDING_WORK, LARGE_MAX_N, LARGE_MAX_V, LINEAR_WEIGHT, LINEAR_WORK};
+pub use large::{
+    wide_slot, CE_WORK, EMBEDDING_WORK, LARGE_MAX_N, LARGE_MAX_V, LINEAR_WEIGHT, LINEAR_WORK,
+    LONG_MAX_H, LONG_N, SLOT_PERIOD, WIDE_MAX_N, WIDE_SLOTS, WIDE_V,
+};
 use packshard_reference::ops::{CrossEntropyOp, EmbeddingOp, LinearCrossEntropyOp};
 
 /// Largest vocabulary of a small case.
@@ -284,10 +287,15 @@ fn with_planted(mut values: String, planted: &[String]) -> String {
 
 impl<'a> Arbitrary<'a> for CeFuzzCase {
     fn arbitrary(u: &mut Unstructured<'a>) -> arbitrary::Result<Self> {
-        let class = SizeClass::read(u)?;
-        let (map, v, w, n) = match class {
-            SizeClass::Small => split_and_tokens(u, 1)?,
-            SizeClass::Large => large::split_and_tokens(u, 1, 1, large::CE_WORK, usize::MAX)?,
+        let first = u.arbitrary::<u8>()?;
+        let class = SizeClass::of(&[first]);
+        let wide = large::wide_slot(slot(&[first])).filter(|_| class == SizeClass::Large);
+        let (map, v, w, n) = match (class, wide) {
+            (SizeClass::Small, _) => split_and_tokens(u, 1)?,
+            (SizeClass::Large, Some(which)) => large::wide_vocab(u, which)?,
+            (SizeClass::Large, None) => {
+                large::split_and_tokens(u, 1, 1, large::CE_WORK, usize::MAX)?
+            }
         };
         let mut config = match class {
             SizeClass::Small => loss_config(u, v)?,
@@ -305,12 +313,42 @@ impl<'a> Arbitrary<'a> for CeFuzzCase {
                 gen.value(4.0)
             }
         });
+        // A wide case draws no softcap (a capped row maximum is at most the
+        // cap: the last column's could not stand above the rest) and plants
+        // no extremes (a logit of 1e8 sets the scale every row of a tensor
+        // is judged on): its point is the planted maximum below.
+        if wide.is_some() {
+            config.softcap = None;
+        }
         let mut planted = Vec::new();
         for (at, choice) in plants(u, 4)? {
+            if wide.is_some() {
+                continue;
+            }
             let (i, j) = ((at / v) % n, at % v);
             let x = [1e4, -1e4, 1e8, -1e8, f64::NEG_INFINITY][choice as usize % 5];
             logits[[i, j]] = x;
             planted.push(format!("logits[{i}, {j}] = {x}"));
+        }
+        // A wide vocabulary's even rows have their maximum in the last
+        // column (past the last 8,192 / 16,384 boundary: a last partial
+        // chunk's max above the others', which a merge that does not rescale
+        // gets wrong; random values put nearly the same max in every chunk).
+        if wide.is_some() {
+            for i in (0..n).step_by(2) {
+                let top = (0..v)
+                    .map(|j| logits[[i, j]])
+                    .filter(|x| x.is_finite())
+                    .fold(f64::NEG_INFINITY, f64::max);
+                if top.is_finite() {
+                    logits[[i, v - 1]] = top + 4.0;
+                    planted.push(format!(
+                        "logits[{i}, {}] = {} (row max + 4)",
+                        v - 1,
+                        top + 4.0
+                    ));
+                }
+            }
         }
         // V6: whole shards masked to -inf on some rows (the rows of a large
         // case drawn by `gen`: its bytes run out first).
@@ -370,8 +408,15 @@ impl CeFuzzCase {
 
 impl<'a> Arbitrary<'a> for LinearFuzzCase {
     fn arbitrary(u: &mut Unstructured<'a>) -> arbitrary::Result<Self> {
-        let class = SizeClass::read(u)?;
+        let first = u.arbitrary::<u8>()?;
+        let class = SizeClass::of(&[first]);
+        let wide = large::wide_slot(slot(&[first])).filter(|_| class == SizeClass::Large);
         let (map, v, w, n, h, mut config) = match class {
+            SizeClass::Large if wide.is_some() => {
+                let which = wide.expect("matched");
+                let (h, map, v, w, n) = large::long_tokens(u, which)?;
+                (map, v, w, n, h, large::config(u, v)?)
+            }
             SizeClass::Small => {
                 let (map, v, w, n) = split_and_tokens(u, 1)?;
                 let h = u.int_in_range(1..=MAX_H)?;
@@ -412,6 +457,13 @@ impl<'a> Arbitrary<'a> for LinearFuzzCase {
                 let t = targets(u, &mut gen, n, v, config.ignore_index)?;
                 let g = small_tail(u, &mut gen, n, &mut config, small_want_grad)?;
                 (t, small_want_grad, g)
+            }
+            // A long-token case always asks for the gradients, with the
+            // implicit upstream 1 (a drawn 0 would hide every gradient): the
+            // weight gradient sums over every token chunk.
+            SizeClass::Large if wide.is_some() => {
+                let t = large::targets(&mut gen, n, v, config.ignore_index);
+                (t, true, None)
             }
             SizeClass::Large => {
                 let t = large::targets(&mut gen, n, v, config.ignore_index);

@@ -565,8 +565,12 @@ def check_attention(fn, cases=100, seed=0, *, causal=None, gqa=True, **kw):
     ``grad_q``, ``grad_k``, ``grad_v`` (``[n_k, h_kv, d]``).
 
     The cases follow the default schedule (small cases, then 12 in 100 large:
-    a segment of 1,023 to 1,100 tokens, head dims to 256, every ratio
-    ``h / h_kv``, cross segments, causal). A ``fn`` that takes neither
+    a segment of 1,023 to 1,100 tokens, head dims 32 to 256 with 160, 192
+    and 256 in every check, every ratio ``h / h_kv``, cross segments,
+    causal). One case in four has no ``scale`` (``fn`` must default to
+    ``1/sqrt(d)``; a ``fn`` whose ``scale`` has no default is given that
+    value); one small case in eight and 3 of the 12 large ones are
+    forward-only (``want_grad=False``, no ``grad_output``). A ``fn`` that takes neither
     ``cu_seqlens_k`` nor ``**kwargs`` gets self-attention cases only; one
     without ``causal`` only bidirectional ones; ``gqa=False`` leaves out the
     cases with ``h_kv < h``. ``causal=True`` or ``False`` forces the mask on
@@ -597,11 +601,28 @@ def check_attention(fn, cases=100, seed=0, *, causal=None, gqa=True, **kw):
                 return f"{name}: fn takes no {name}"
         return None
 
+    # A fn whose ``scale`` has no default cannot be asked for its default:
+    # it gets 1/sqrt(d), the value the reference uses when none is given.
+    needs_scale = _required(fn, "scale")
+
     def call(**args):
+        if needs_scale and "scale" not in args:
+            args["scale"] = 1.0 / float(np.sqrt(np.shape(args["q"])[-1]))
         return fn(**{k: v for k, v in args.items() if k in takes})
 
     call.__name__ = getattr(fn, "__name__", repr(fn))
     return fuzz(call, "attention", cases, seed, fix=fix, only=only, **kw)
+
+
+def _required(fn, name):
+    """Whether ``fn`` takes ``name`` by keyword without a default."""
+    import inspect
+    try:
+        p = inspect.signature(fn).parameters.get(name)
+    except (TypeError, ValueError):
+        return False
+    return (p is not None and p.default is p.empty
+            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
 
 
 def check_cross_entropy(fn: Callable[..., Any], cases: int = 100, seed: int = 0,

@@ -7,8 +7,8 @@ use packshard_reference::attention::Window;
 use packshard_reference::ops::{AttentionSupport, Varlen};
 
 use super::super::brief;
-use super::super::schedule::{boundary_len, SizeClass, TILE_GRAINS};
-use super::super::values::{plants, Gen};
+use super::super::schedule::{boundary_len, slot, SizeClass, TILE_GRAINS};
+use super::super::values::{plants, Gen, Style};
 use crate::attention::AttentionCase;
 
 /// Most segments of a small case.
@@ -42,8 +42,25 @@ pub const SHORT_WORK: usize = 1 << 19;
 /// Most work of a large case.
 pub const LARGE_MAX_WORK: usize = LONG_WORK + SHORT_WORK;
 /// The head dims of a large case: the common ones (Llama 128, GPT-2 64,
-/// Gemma 256, Phi-2 80, ...), one odd one drawn besides.
-pub const HEAD_DIMS: [usize; 6] = [32, 64, 80, 96, 128, 256];
+/// Gemma 256, Phi-2 80, flash-attention's hdim 160 and 192 paths, ...), one
+/// odd one drawn besides ([`large_head_dim`]).
+pub const HEAD_DIMS: [usize; 8] = [32, 64, 80, 96, 128, 160, 192, 256];
+/// The head-dim classes of a large case: [`HEAD_DIMS`] and an odd one. A
+/// large case's class is its [`slot`] modulo this, so the 12 large cases of
+/// `Budget::DEFAULT` meet every class, `d > 128` (a kernel's second 128-wide
+/// half) three times, in every seed (it met `d > 128` in 6 of 1,000 cases,
+/// none of seed 0's 100, before).
+pub const HEAD_DIM_CLASSES: usize = HEAD_DIMS.len() + 1;
+/// The slots (modulo [`FORWARD_ONLY_PERIOD`]) of the forward-only large
+/// cases (`want_grad` false, no `grad_output`): 3 of the 12 large cases of
+/// `Budget::DEFAULT`, at head dims 64, 128 and 64, one libFuzzer large input
+/// in four (8 of the 32 slots).
+pub const FORWARD_ONLY_SLOTS: [usize; 3] = [1, 4, 10];
+/// The period of [`FORWARD_ONLY_SLOTS`].
+pub const FORWARD_ONLY_PERIOD: usize = 12;
+/// A small case is forward-only when its last drawn byte is this modulo 8:
+/// one in eight (bytes that run out read as 0: asks for gradients).
+pub const SMALL_FORWARD_ONLY: u8 = 7;
 /// The grouped-query ratios `h / h_kv` drawn (and `h`, multi-query).
 pub const GQA_RATIOS: [usize; 4] = [1, 2, 4, 8];
 
@@ -85,6 +102,16 @@ pub struct AttentionFuzzCase {
     pub causal: bool,
     /// Softmax scale (mostly `1/sqrt(d)`).
     pub scale: f64,
+    /// The scale is flash-attention's default (`softmax_scale=None`): the
+    /// kernel is not given one and must use `1/sqrt(d)` (which `scale`
+    /// holds). One case in four (the scale byte's 4 to 7 of 16).
+    pub default_scale: bool,
+    /// Whether the gradients are asked for (`grad_output` given): false in
+    /// one small case in eight ([`SMALL_FORWARD_ONLY`]) and at the large
+    /// cases' [`FORWARD_ONLY_SLOTS`], so a kernel's forward-only path (no
+    /// saved state, split-KV decoding) is run. The Rust fuzz bodies call
+    /// the forward and the backward of an implementation either way.
+    pub want_grad: bool,
     /// `[n_q, h, d]`.
     pub q: Array3<f64>,
     /// `[n_k, h_kv, d]`.
@@ -248,6 +275,8 @@ impl AttentionFuzzCase {
             segments: c.lengths.iter().map(|&l| (l, l)).collect(),
             causal: false,
             scale: c.scale,
+            default_scale: false,
+            want_grad: true,
             q: c.q.clone(),
             k: c.k.clone(),
             v: c.v.clone(),
@@ -369,9 +398,15 @@ impl AttentionFuzzCase {
         } else {
             String::new()
         };
+        let scale = if self.default_scale {
+            format!("scale None (1/sqrt(d) = {:e})", self.scale)
+        } else {
+            format!("scale {:e}", self.scale)
+        };
+        let grad = if self.want_grad { "" } else { ", forward only" };
         format!(
-            "{:?} case: {layout}, h {h}, h_kv {h_kv}, d {d}, {causal}{options}, scale {:e}; {}",
-            self.class, self.scale, self.values
+            "{:?} case: {layout}, h {h}, h_kv {h_kv}, d {d}, {causal}{options}, {scale}{grad}; {}",
+            self.class, self.values
         )
     }
 
@@ -584,6 +619,15 @@ fn small_sizes(
     Ok((segments, d))
 }
 
+/// The head dim of a large case at `slot`: `HEAD_DIMS[slot % 9]`, or an odd
+/// one in `1..=201` (drawn) at class 8.
+fn large_head_dim(u: &mut Unstructured<'_>, slot: usize) -> arbitrary::Result<usize> {
+    Ok(match HEAD_DIMS.get(slot % HEAD_DIM_CLASSES) {
+        Some(&d) => d,
+        None => 2 * u.int_in_range(0..=100)? + 1,
+    })
+}
+
 /// `(segments, d, (h, h_kv))` of a large case.
 type LargeSizes = (Vec<(usize, usize)>, usize, (usize, usize));
 
@@ -596,18 +640,22 @@ fn large_sizes(
     u: &mut Unstructured<'_>,
     (h, h_kv): (usize, usize),
     cross: bool,
+    slot: usize,
+    forward_only: bool,
 ) -> arbitrary::Result<LargeSizes> {
-    let mut d = match u.arbitrary::<u8>()? % 8 {
-        b @ 0..=5 => HEAD_DIMS[b as usize],
-        _ => 2 * u.int_in_range(0..=100)? + 1,
-    };
+    let mut d = large_head_dim(u, slot)?;
+    // A head dim past 128 keeps its value: the long segment (which would cut
+    // it to what fits, one dim or a few) is not drawn with it.
+    let wide = d > 128;
     let short = u.int_in_range(1..=LARGE_MAX_SHORT)?;
     let mut segments = (0..short)
         .map(|_| segment(u, cross, short_len))
         .collect::<arbitrary::Result<Vec<_>>>()?;
     let mut heads = (h, h_kv);
     let mut long = None;
-    if u.arbitrary::<u8>()? % 8 < 5 {
+    // A forward-only case always has the long segment: a forward-only path
+    // (split-KV decoding, a kernel without saved state) breaks across tiles.
+    if (u.arbitrary::<u8>()? % 8 < 5 || forward_only) && !wide {
         let side = long_len(u)?;
         let pair = match (cross, u.arbitrary::<u8>()? % 3) {
             (true, 0) => (short_len(u)?.min(128), side),
@@ -653,7 +701,10 @@ fn large_sizes(
 impl<'a> Arbitrary<'a> for AttentionFuzzCase {
     fn arbitrary(u: &mut Unstructured<'a>) -> arbitrary::Result<Self> {
         // Sizes first.
-        let class = SizeClass::read(u)?;
+        let first = u.arbitrary::<u8>()?;
+        let (class, slot) = (SizeClass::of(&[first]), slot(&[first]));
+        let large_forward_only =
+            class == SizeClass::Large && FORWARD_ONLY_SLOTS.contains(&(slot % FORWARD_ONLY_PERIOD));
         let (h, h_kv) = heads(u)?;
         let cross = u.arbitrary::<u8>()? % 3 == 0;
         let causal = u.arbitrary::<bool>()?;
@@ -662,20 +713,32 @@ impl<'a> Arbitrary<'a> for AttentionFuzzCase {
                 let (segments, d) = small_sizes(u, h, cross)?;
                 (segments, d, (h, h_kv))
             }
-            SizeClass::Large => large_sizes(u, (h, h_kv), cross)?,
+            SizeClass::Large => large_sizes(u, (h, h_kv), cross, slot, large_forward_only)?,
         };
         let extra_pad = u.int_in_range(0..=3)?;
-        let scale = match u.arbitrary::<u8>()? % 16 {
+        let scale_byte = u.arbitrary::<u8>()? % 16;
+        let scale = match scale_byte {
             0 => 1.0,
             1 => 0.125,
             2 => 2.0,
             3 => 0.01,
             _ => 1.0 / (d as f64).sqrt(),
         };
+        // 4..=7: the same 1/sqrt(d), left for the kernel to default to.
+        let default_scale = (4..=7).contains(&scale_byte);
         let n_q: usize = segments.iter().map(|s| s.0).sum();
         let n_k: usize = segments.iter().map(|s| s.1).sum();
         // Then values.
         let mut gen = Gen::arbitrary(u)?;
+        if large_forward_only {
+            // Values that vary at magnitude 1 at least: a constant or
+            // near-zero tensor gives every key tile the same row maximum,
+            // so nothing needs rescaling.
+            if gen.style == Style::Constant {
+                gen.style = Style::Uniform;
+            }
+            gen.magnitude = gen.magnitude.max(1.0);
+        }
         let mut tensor = |n, heads| Array3::from_shape_fn((n, heads, d), |_| gen.value(2.0));
         let mut t = [
             tensor(n_q, h),
@@ -719,11 +782,17 @@ impl<'a> Arbitrary<'a> for AttentionFuzzCase {
             values.push_str(&format!("; planted {}", planted.join(", ")));
         }
         let options = options(u, &segments, h)?;
+        let want_grad = match class {
+            SizeClass::Small => u.arbitrary::<u8>()? % 8 != SMALL_FORWARD_ONLY,
+            SizeClass::Large => !large_forward_only,
+        };
         Ok(AttentionFuzzCase {
             class,
             segments,
             causal,
             scale,
+            default_scale,
+            want_grad,
             q,
             k,
             v,

@@ -14,6 +14,15 @@
 //!   the work; the work `n * v` (times `h` for the output layer) bounded by
 //!   [`CE_WORK`] / [`LINEAR_WORK`] so one case runs in a fraction of a second
 //!   in the f64 reference;
+//! - **at fixed slots** ([`crate::fuzz::schedule::slot`], so in every
+//!   seed's default check, whose 12 large cases have slots 0 to 11): a
+//!   cross-entropy vocabulary past [`LARGE_MAX_V`] at a boundary of 8,192 or
+//!   16,384, the chunk sizes of kernels for 128k-256k vocabularies (Liger,
+//!   cut-cross-entropy), on a few tokens ([`wide_vocab`]); an output layer
+//!   of 1,023 to 2,049 tokens, a boundary of a 1,024-token chunk, at a small
+//!   hidden size and a vocabulary of a few hundred ([`long_tokens`]). Both
+//!   within the work bounds; before, no case had more than 8,300 entries or
+//!   256 tokens, and none both `v > 1024` and `n > 64`;
 //! - **options**, each likely: a softcap a third of the time (docs/FAULTS.md
 //!   O1; `c` from 0.5 to 50, Gemma 2's 30 among them), the reduction `none`
 //!   half of the time, gradients seven in eight, an upstream `grad_output`
@@ -53,6 +62,79 @@ pub const LINEAR_WEIGHT: usize = 1 << 18;
 /// Most weight and output elements (`(v + n) * h`) of a large embedding case
 /// (a lookup is cheap; this keeps the exact comparison's tensors small).
 pub const EMBEDDING_WORK: usize = 1 << 19;
+
+/// The slots (modulo [`SLOT_PERIOD`]) of the large cross-entropy cases of
+/// [`wide_vocab`] and the large output-layer cases of [`long_tokens`]: 2 of
+/// the 12 large cases of `Budget::DEFAULT`, one libFuzzer large input in six.
+pub const WIDE_SLOTS: [usize; 2] = [5, 11];
+/// The period of [`WIDE_SLOTS`].
+pub const SLOT_PERIOD: usize = 12;
+/// The vocabularies of [`wide_vocab`] at slot 11 (`16384 + 1`: a second
+/// 16,384-chunk of one entry; `16384 + 4096 + 1`: of 4,097; `16384 + 8192 +
+/// 1`; `2 * 16384 + 1`: a third of one) and at slot 5 (`8192 +- 1`,
+/// `16384 - 1`, `16384`). Their even rows have the row maximum in the last
+/// column (`CeFuzzCase`).
+pub const WIDE_V: [[usize; 4]; 2] = [[8191, 8193, 16383, 16384], [16385, 20481, 24577, 32769]];
+/// The token counts of [`long_tokens`] at slot 11 (past one and two
+/// 1,024-token chunks by one) and at slot 5 (`1024 - 1`, `1024`, `1024 + 1`).
+pub const LONG_N: [[usize; 3]; 2] = [[1023, 1024, 1025], [1025, 2049, 1025]];
+/// Most tokens of a [`wide_vocab`] case: `CE_WORK / 8191` is 16, `CE_WORK /
+/// 32769` is 3 (fewer as the vocabulary is padded); at most 8.
+pub const WIDE_MAX_N: usize = 8;
+/// Most hidden size of a [`long_tokens`] case: `LINEAR_WORK / (2049 * 4)`
+/// leaves a vocabulary of 127 (less the padding), 1,023 at 1,025 tokens
+/// and `h = 1`.
+pub const LONG_MAX_H: usize = 4;
+
+/// Which of [`WIDE_SLOTS`] `slot` is (0 for 5, 1 for 11), `None` for any
+/// other slot.
+pub fn wide_slot(slot: usize) -> Option<usize> {
+    WIDE_SLOTS.iter().position(|&s| s == slot % SLOT_PERIOD)
+}
+
+/// A shard map of `v` entries: `p` in `1..=MAX_P` (at most `v`), padded or
+/// uneven, as the other large cases draw it.
+fn shard(u: &mut Unstructured<'_>, v: usize) -> arbitrary::Result<ShardMap> {
+    let p = u.int_in_range(1..=v.min(MAX_P))?;
+    let layout = if u.arbitrary::<bool>()? {
+        ShardLayout::Padded
+    } else {
+        ShardLayout::Uneven
+    };
+    Ok(ShardMap::new(v, p, layout).expect("1 <= p <= v"))
+}
+
+/// The split and `n` of a cross-entropy case at wide slot `which` (0 or 1,
+/// [`wide_slot`]): `v` from `WIDE_V[which]`, `n` in `1..=WIDE_MAX_N` within
+/// [`CE_WORK`] logits; `(map, v, w, n)` as [`split_and_tokens`].
+pub(super) fn wide_vocab(
+    u: &mut Unstructured<'_>,
+    which: usize,
+) -> arbitrary::Result<(ShardMap, usize, usize, usize)> {
+    let v = WIDE_V[which][u.choose_index(4)?];
+    let map = shard(u, v)?;
+    let w = map.padded_vocab_size();
+    let n = u.int_in_range(1..=(CE_WORK / w).clamp(1, WIDE_MAX_N))?;
+    Ok((map, v, w, n))
+}
+
+/// The hidden size, split and `n` of an output-layer case at wide slot
+/// `which` (0 or 1, [`wide_slot`]): `n` from `LONG_N[which]`, `h` in
+/// `1..=LONG_MAX_H`, `v` a boundary of 128 or 256 within [`LINEAR_WORK`]
+/// (the padding included); `(h, map, v, w, n)`.
+pub(super) fn long_tokens(
+    u: &mut Unstructured<'_>,
+    which: usize,
+) -> arbitrary::Result<(usize, ShardMap, usize, usize, usize)> {
+    let n = LONG_N[which][u.choose_index(3)?];
+    let h = u.int_in_range(1..=LONG_MAX_H)?;
+    // Room for the padding of up to MAX_P - 1 columns.
+    let most_v = (LINEAR_WORK / (n * h)).saturating_sub(MAX_P).max(1);
+    let v = boundary_len(u, &[128, 256], most_v)?;
+    let map = shard(u, v)?;
+    let w = map.padded_vocab_size();
+    Ok((h, map, v, w, n))
+}
 
 /// The off-grain boundaries a vocabulary is also drawn around: the padded
 /// vocabularies of Megatron are multiples of 128 x TP, and 512 sits between
@@ -95,13 +177,7 @@ pub(super) fn split_and_tokens(
         &VOCAB_GRAINS
     };
     let v = boundary_len(u, grains, most_v)?;
-    let p = u.int_in_range(1..=v.min(MAX_P))?;
-    let layout = if u.arbitrary::<bool>()? {
-        ShardLayout::Padded
-    } else {
-        ShardLayout::Uneven
-    };
-    let map = ShardMap::new(v, p, layout).expect("1 <= p <= v");
+    let map = shard(u, v)?;
     let w = map.padded_vocab_size();
     let most_n = LARGE_MAX_N.min(per_entry / w).max(min_n);
     let n = if shape == 0 {
