@@ -106,9 +106,9 @@ builders)
     run builders-sizes -p packshard-equivalence \
         -f equivalence/src/fuzz/schedule.rs -f equivalence/src/fuzz/vocab/large.rs "${tests[@]}"
     run builders-vocab -p packshard-equivalence -f equivalence/src/fuzz/vocab.rs \
-        -F 'shard_map|loss_config|small_tail|split_and_tokens|targets|padding_value|Arbitrary' \
+        -F 'shard_map|shards_of|loss_config|small_tail|split_and_tokens|targets|padding_value|Arbitrary' \
         "${tests[@]}"
-    run builders-attention -p packshard-equivalence -f equivalence/src/fuzz/attention/case.rs \
+    run builders-attention -p packshard-equivalence -f equivalence/src/fuzz/attention/case.rs -f equivalence/src/fuzz/attention/case/sizes.rs \
         -F 'heads|small_len|short_len|long_len|segment|fit|small_sizes|large_sizes|options|window_side|malform|Arbitrary' \
         "${tests[@]}"
     ;;

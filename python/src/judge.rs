@@ -189,4 +189,4 @@ pub fn judge_loss(
 
 #[cfg(test)]
 #[path = "judge_tests.rs"]
-mod tests;
+pub(crate) mod tests;

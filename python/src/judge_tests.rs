@@ -6,14 +6,14 @@ use packshard_reference::vocab::LossConfig;
 
 /// A hand-built case that crosses 64-key tiles: segments of 70 and 5 tokens
 /// (and an empty one), 2 heads of dim 3, values with no common pattern.
-fn case() -> (Array3<f64>, Vec<usize>) {
+pub(crate) fn case() -> (Array3<f64>, Vec<usize>) {
     let q = Array3::from_shape_fn((75, 2, 3), |(i, h, c)| {
         ((i * 37 + h * 11 + c * 5) % 23) as f64 / 7.0 - 1.5
     });
     (q, vec![0, 70, 70, 75])
 }
 
-fn args<'a>(q: &'a Array3<f64>, cu: &[usize]) -> AttentionArgs<'a> {
+pub(crate) fn args<'a>(q: &'a Array3<f64>, cu: &[usize]) -> AttentionArgs<'a> {
     AttentionArgs {
         q: q.view(),
         k: q.view(),

@@ -1,30 +1,10 @@
 use super::*;
-use crate::core::{attention, attention_judged, tensor_of, AttentionArgs, Fields, Out};
-use ndarray::Array3;
+use crate::core::{attention, attention_judged, tensor_of, Fields, Out};
 
-/// Segments of 70 and 5 tokens (and an empty one between), 2 heads of dim 3,
-/// causal self-attention: the long segment's sums have ~14x the terms of the
-/// short one's.
-fn case() -> (Array3<f64>, Vec<usize>) {
-    let q = Array3::from_shape_fn((75, 2, 3), |(i, h, c)| {
-        ((i * 37 + h * 11 + c * 5) % 23) as f64 / 7.0 - 1.5
-    });
-    (q, vec![0, 70, 70, 75])
-}
-
-fn args<'a>(q: &'a Array3<f64>, cu: &[usize]) -> AttentionArgs<'a> {
-    AttentionArgs {
-        q: q.view(),
-        k: q.view(),
-        v: q.view(),
-        cu_seqlens: cu.to_vec(),
-        cu_seqlens_k: None,
-        causal: true,
-        scale: None,
-        grad_output: Some(q.view()),
-        options: Default::default(),
-    }
-}
+// The judge's hand-built case: segments of 70 and 5 tokens (and an empty
+// one between), 2 heads of dim 3, causal self-attention; the long segment's
+// sums have ~14x the terms of the short one's.
+use crate::judge::tests::{args, case};
 
 fn flat(f: &Fields, name: &str) -> Vec<f64> {
     tensor_of(f, name)

@@ -72,6 +72,12 @@ fn shard_map(u: &mut Unstructured<'_>) -> arbitrary::Result<ShardMap> {
     } else {
         u.int_in_range(1..=MAX_V)?
     };
+    shards_of(u, v)
+}
+
+/// A shard map of `v` entries: `p` in `1..=MAX_P` (at most `v`), padded or
+/// uneven (small and large cases alike).
+fn shards_of(u: &mut Unstructured<'_>, v: usize) -> arbitrary::Result<ShardMap> {
     let p = u.int_in_range(1..=v.min(MAX_P))?;
     let layout = if u.arbitrary::<bool>()? {
         ShardLayout::Padded

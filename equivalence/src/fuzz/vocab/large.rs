@@ -33,9 +33,9 @@
 //!   to `-inf` on some rows (V6).
 
 use arbitrary::Unstructured;
-use packshard_reference::vocab::{LossConfig, Reduction, ShardLayout, ShardMap};
+use packshard_reference::vocab::{LossConfig, Reduction, ShardMap};
 
-use super::{loss_config, MAX_H, MAX_P};
+use super::{loss_config, shards_of, MAX_H, MAX_P};
 #[cfg(doc)]
 use crate::fuzz::schedule::SizeClass;
 use crate::fuzz::schedule::{boundary_len, TILE_GRAINS, VOCAB_GRAINS};
@@ -92,18 +92,6 @@ pub fn wide_slot(slot: usize) -> Option<usize> {
     WIDE_SLOTS.iter().position(|&s| s == slot % SLOT_PERIOD)
 }
 
-/// A shard map of `v` entries: `p` in `1..=MAX_P` (at most `v`), padded or
-/// uneven, as the other large cases draw it.
-fn shard(u: &mut Unstructured<'_>, v: usize) -> arbitrary::Result<ShardMap> {
-    let p = u.int_in_range(1..=v.min(MAX_P))?;
-    let layout = if u.arbitrary::<bool>()? {
-        ShardLayout::Padded
-    } else {
-        ShardLayout::Uneven
-    };
-    Ok(ShardMap::new(v, p, layout).expect("1 <= p <= v"))
-}
-
 /// The split and `n` of a cross-entropy case at wide slot `which` (0 or 1,
 /// [`wide_slot`]): `v` from `WIDE_V[which]`, `n` in `1..=WIDE_MAX_N` within
 /// [`CE_WORK`] logits; `(map, v, w, n)` as [`split_and_tokens`].
@@ -112,7 +100,7 @@ pub(super) fn wide_vocab(
     which: usize,
 ) -> arbitrary::Result<(ShardMap, usize, usize, usize)> {
     let v = WIDE_V[which][u.choose_index(4)?];
-    let map = shard(u, v)?;
+    let map = shards_of(u, v)?;
     let w = map.padded_vocab_size();
     let n = u.int_in_range(1..=(CE_WORK / w).clamp(1, WIDE_MAX_N))?;
     Ok((map, v, w, n))
@@ -131,7 +119,7 @@ pub(super) fn long_tokens(
     // Room for the padding of up to MAX_P - 1 columns.
     let most_v = (LINEAR_WORK / (n * h)).saturating_sub(MAX_P).max(1);
     let v = boundary_len(u, &[128, 256], most_v)?;
-    let map = shard(u, v)?;
+    let map = shards_of(u, v)?;
     let w = map.padded_vocab_size();
     Ok((h, map, v, w, n))
 }
@@ -177,7 +165,7 @@ pub(super) fn split_and_tokens(
         &VOCAB_GRAINS
     };
     let v = boundary_len(u, grains, most_v)?;
-    let map = shard(u, v)?;
+    let map = shards_of(u, v)?;
     let w = map.padded_vocab_size();
     let most_n = LARGE_MAX_N.min(per_entry / w).max(min_n);
     let n = if shape == 0 {
