@@ -440,11 +440,13 @@ pub fn layer_forward(
     let mut h1 = linear(a.view(), &p.attn_out_w, &p.attn_out_b, Some(&x));
     let (x_hat1, inv_std1) = layer_norm(&mut h1, &p.attn_ln_g, &p.attn_ln_b, eps);
     let pre = linear(h1.view(), &p.inter_w, &p.inter_b, None);
-    let mut act = pre.clone();
+    let mut act = Array2::zeros(pre.dim());
+    let chunk = ROWS * p.intermediate().max(1);
     act.as_slice_mut()
         .expect("fresh")
-        .par_chunks_mut(ROWS * p.intermediate().max(1))
-        .for_each(simd::gelu_slice);
+        .par_chunks_mut(chunk)
+        .zip(pre.as_slice().expect("fresh").par_chunks(chunk))
+        .for_each(|(y, x)| simd::gelu_into(x, y));
     let mut out = linear(act.view(), &p.out_w, &p.out_b, Some(&h1));
     let (x_hat2, inv_std2) = layer_norm(&mut out, &p.out_ln_g, &p.out_ln_b, eps);
     Ok((

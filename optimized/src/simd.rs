@@ -175,15 +175,47 @@ pub fn store_tail<S: Simd>(simd: S, out: &mut [f32], v: S::f32s) {
     out.copy_from_slice(&buf[..n]);
 }
 
+/// A lane-wise function for [`map_in_place`].
+///
+/// A trait, not a closure: a closure's body is compiled outside pulp's
+/// target-feature context unless LLVM chooses to inline it, and for a large
+/// body it does not — the exact GELU (erf's rational function) ran 35 times
+/// slower as a closure, its intrinsics called as functions (issue 37). An
+/// `#[inline(always)]` method is always inlined into the dispatched code.
+pub trait LaneFn<S: Simd> {
+    /// `f(x)` lane-wise.
+    fn apply(&self, simd: S, x: S::f32s) -> S::f32s;
+}
+
+/// `x * a` lane-wise.
+pub struct Mul<S: Simd>(pub S::f32s);
+
+impl<S: Simd> LaneFn<S> for Mul<S> {
+    #[inline(always)]
+    fn apply(&self, simd: S, x: S::f32s) -> S::f32s {
+        simd.mul_f32s(x, self.0)
+    }
+}
+
+/// `exp(x - shift)` lane-wise.
+pub struct ExpShift<S: Simd>(pub S::f32s);
+
+impl<S: Simd> LaneFn<S> for ExpShift<S> {
+    #[inline(always)]
+    fn apply(&self, simd: S, x: S::f32s) -> S::f32s {
+        exp(simd, simd.sub_f32s(x, self.0))
+    }
+}
+
 /// Applies `f` to every vector of `xs` in place (the tail padded with `fill`).
 #[inline(always)]
-pub fn map_in_place<S: Simd>(simd: S, xs: &mut [f32], fill: f32, f: impl Fn(S::f32s) -> S::f32s) {
+pub fn map_in_place<S: Simd>(simd: S, xs: &mut [f32], fill: f32, f: &impl LaneFn<S>) {
     let (head, tail) = S::as_mut_simd_f32s(xs);
     for x in head {
-        *x = f(*x);
+        *x = f.apply(simd, *x);
     }
     if !tail.is_empty() {
-        let v = f(load_tail(simd, tail, fill));
+        let v = f.apply(simd, load_tail(simd, tail, fill));
         store_tail(simd, tail, v);
     }
 }
@@ -250,8 +282,7 @@ pub fn axpy<S: Simd>(simd: S, alpha: f32, x: &[f32], y: &mut [f32]) {
 /// `xs *= alpha`.
 #[inline(always)]
 pub fn scale<S: Simd>(simd: S, alpha: f32, xs: &mut [f32]) {
-    let a = simd.splat_f32s(alpha);
-    map_in_place(simd, xs, 0.0, |x| simd.mul_f32s(x, a));
+    map_in_place(simd, xs, 0.0, &Mul(simd.splat_f32s(alpha)));
 }
 
 /// Rows of the register block of [`mm_acc`] for this vector width.
@@ -409,6 +440,16 @@ impl ElementWise for Gelu {
     }
 }
 
+/// An [`ElementWise`] function as a [`LaneFn`].
+struct Apply<F>(std::marker::PhantomData<F>);
+
+impl<S: Simd, F: ElementWise> LaneFn<S> for Apply<F> {
+    #[inline(always)]
+    fn apply(&self, simd: S, x: S::f32s) -> S::f32s {
+        F::apply(simd, x)
+    }
+}
+
 /// `F` of every element, in place (dispatched; the tail padded with 0).
 fn map_slice<F: ElementWise>(xs: &mut [f32]) {
     struct Op<'a, F>(&'a mut [f32], std::marker::PhantomData<F>);
@@ -416,7 +457,7 @@ fn map_slice<F: ElementWise>(xs: &mut [f32]) {
         type Output = ();
         #[inline(always)]
         fn with_simd<S: Simd>(self, simd: S) {
-            map_in_place(simd, self.0, 0.0, |x| F::apply(simd, x));
+            map_in_place(simd, self.0, 0.0, &Apply::<F>(std::marker::PhantomData));
         }
     }
     arch().dispatch(Op::<F>(xs, std::marker::PhantomData));
@@ -435,6 +476,28 @@ pub fn erf_slice(xs: &mut [f32]) {
 /// GELU of every element, in place (dispatched).
 pub fn gelu_slice(xs: &mut [f32]) {
     map_slice::<Gelu>(xs);
+}
+
+/// `y = gelu(x)` element-wise (equal lengths; dispatched): the forward's
+/// activation without a copy of `x` first.
+pub fn gelu_into(x: &[f32], y: &mut [f32]) {
+    struct Op<'a>(&'a [f32], &'a mut [f32]);
+    impl WithSimd for Op<'_> {
+        type Output = ();
+        #[inline(always)]
+        fn with_simd<S: Simd>(self, simd: S) {
+            let (hx, tx) = S::as_simd_f32s(self.0);
+            let (hy, ty) = S::as_mut_simd_f32s(self.1);
+            for (y, &x) in hy.iter_mut().zip(hx) {
+                *y = gelu(simd, x);
+            }
+            if !ty.is_empty() {
+                store_tail(simd, ty, gelu(simd, load_tail(simd, tx, 0.0)));
+            }
+        }
+    }
+    assert_eq!(x.len(), y.len(), "gelu_into: lengths differ");
+    arch().dispatch(Op(x, y));
 }
 
 /// `dy *= gelu'(x)` element-wise (equal lengths; dispatched).
@@ -540,8 +603,11 @@ mod tests {
             .collect();
         let mut e = xs.clone();
         erf_slice(&mut e);
-        let mut g = xs.clone();
-        gelu_slice(&mut g);
+        let mut g = vec![f32::NAN; xs.len()];
+        gelu_into(&xs, &mut g);
+        let mut in_place = xs.clone();
+        gelu_slice(&mut in_place);
+        assert_eq!(g, in_place, "gelu_into and gelu_slice differ");
         let (mut worst_erf, mut worst_gelu) = (0.0f64, 0.0f64);
         for ((&x, &ev), &gv) in xs.iter().zip(&e).zip(&g) {
             let want = libm::erf(x as f64);

@@ -1,73 +1,174 @@
 //! The backward of the tiled attention: per item, the probabilities
 //! recomputed from the forward's `lse` (flash-attention's backward), then
 //! `dq`, `dk`, `dv` tile by tile.
+//!
+//! Where the time went, and what this file does about it (issue 37):
+//! - the work unit is a (segment, key head) with the query heads of its
+//!   group: the key tiles are gathered once per unit, the group's key
+//!   gradients summed in the unit (in head order, as before), and every
+//!   gradient written straight into its output rows ([`Disjoint`]) — the
+//!   per-item result vectors and the serial scatter after them are gone;
+//! - a thread's buffers live as long as the thread ([`Scratch`]): fresh
+//!   per-item vectors of up to 128 KiB were handed back to the kernel at each
+//!   free (glibc trims the heap's top) and came back as zeroed pages, a
+//!   sixth of the backward's time in page clearing;
+//! - the tile products multiply only the rows and keys that exist (a
+//!   block's rows rounded up to 4, a tile's keys to those some query of the
+//!   block may see: `tile_keys`), as the forward does.
+//!
+//! None of this changes a result's bits: each gradient element is still
+//! accumulated over the same nonzero terms in the same order (the terms left
+//! out are exact zeros at the end of a sum), so the varlen and dense forms
+//! stay bitwise equal (module docs of [`super`]).
 
+use std::cell::RefCell;
+
+use super::disjoint::Disjoint;
 use super::*;
 
-/// `out: [BLOCK_K, dp] += s^T x` for a tile `s: [BLOCK_Q, BLOCK_K]` and
-/// `x: [BLOCK_Q, dp]` (`tr` the scratch of the transpose).
-#[inline(always)]
-fn acc_transposed<S: Simd>(
-    simd: S,
-    (s, tr): (&[f32], &mut [f32]),
-    x: &[f32],
-    out: &mut [f32],
-    dp: usize,
-) {
-    transpose(s, BLOCK_Q, BLOCK_K, tr);
-    mm_acc(simd, BLOCK_K, dp, BLOCK_Q, tr, BLOCK_Q, x, dp, out, dp);
+/// The buffers of one thread's units (resized per unit and item, never
+/// shrunk).
+#[derive(Default)]
+struct Scratch {
+    /// The unit's key tiles: rows, transposed panels, value panels.
+    kh: Vec<f32>,
+    kt: Vec<f32>,
+    vt: Vec<f32>,
+    /// The item's query rows, `dO` rows, output rows, `dQ` accumulator.
+    qh: Vec<f32>,
+    doh: Vec<f32>,
+    oh: Vec<f32>,
+    dq: Vec<f32>,
+    /// `delta_i = dO_i . O_i` and `lse_i` of the item's query rows.
+    delta: Vec<f32>,
+    row_lse: Vec<f32>,
+    /// A tile's scores / probabilities / `dS`, `dP`, a transpose, the cap's
+    /// chain factor.
+    s: Vec<f32>,
+    dpt: Vec<f32>,
+    tr: Vec<f32>,
+    chain: Vec<f32>,
+    /// A key tile's `dK`, `dV` accumulators.
+    dk_t: Vec<f32>,
+    dv_t: Vec<f32>,
+    /// The unit's key gradients, summed over its query heads.
+    dk: Vec<f32>,
+    dv: Vec<f32>,
 }
 
-/// The backward of one item: `dq: [q_len, d]`, `dk, dv: [k_len, d]` (this
-/// query head's share of its key head's gradients).
+thread_local! {
+    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+}
+
+/// `v` resized to `n` zeros (its capacity kept).
+fn zeroed(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
+    v.clear();
+    v.resize(n, 0.0);
+    v
+}
+
+/// `src: [rows, cols]` (row stride `lds`) into `dst: [cols, rows]` (row
+/// stride `ldd`): the first `rows` queries and `cols` keys of a tile.
+#[inline(always)]
+fn transpose_part(
+    src: &[f32],
+    lds: usize,
+    (rows, cols): (usize, usize),
+    dst: &mut [f32],
+    ldd: usize,
+) {
+    for r in 0..rows {
+        for (c, &x) in src[r * lds..r * lds + cols].iter().enumerate() {
+            dst[c * ldd + r] = x;
+        }
+    }
+}
+
+/// The outputs of one problem's backward, written by the units in parallel.
+struct Outputs<'a> {
+    /// Whether units' key rows overlap (they run one after another).
+    overlap: bool,
+    dq: Disjoint<'a>,
+    dk: Disjoint<'a>,
+    dv: Disjoint<'a>,
+}
+
+/// The inputs of one problem's backward (flat, standard layout).
+struct Inputs<'a, 'p, T> {
+    pb: &'a Problem<'p, T>,
+    out: &'a [f32],
+    lse: &'a [f32],
+    dout: &'a [f32],
+}
+
+/// The backward of one item (a query head of the unit), with the unit's key
+/// tiles in `sc.kh`, `sc.kt`, `sc.vt`: writes `dq` into its rows and adds
+/// this head's share of `dk`, `dv` to `sc.dk`, `sc.dv` (`[k_len, d]`).
 #[inline(always)]
 fn backward_item<S: Simd, T: Element>(
     simd: S,
-    pb: &Problem<T>,
-    out: &[f32],
-    lse: &[f32],
-    dout: &[f32],
+    x: &Inputs<T>,
     it: &Item,
-) -> [Vec<f32>; 3] {
-    let (h, h_kv, d, len, k_len) = (pb.h, pb.h_kv, pb.d, it.q_len, it.k_len);
+    sc: &mut Scratch,
+    dq_out: &Disjoint,
+) {
+    let pb = x.pb;
+    let (h, d, len, k_len) = (pb.h, pb.d, it.q_len, it.k_len);
     let dp = round_up(d.max(1), mm_col_multiple::<S>());
-    let (lp, lpk) = (round_up(len, BLOCK_Q), round_up(k_len, BLOCK_K));
-    let (queries, keys) = (it.queries(), it.keys());
-    let qh = gather(pb.q, h, d, queries, lp, dp);
-    let kh = gather(pb.k, h_kv, d, keys, lpk, dp);
-    let kt = gather_t(pb.k, h_kv, d, keys, lpk, dp);
-    let vt = gather_t(pb.v, h_kv, d, keys, lpk, dp);
-    let doh = gather(dout, h, d, queries, lp, dp);
-    let oh = gather(out, h, d, queries, lp, dp);
-    let n = lse.len() / h;
-    let row_lse: Vec<f32> = (0..len)
-        .map(|i| lse[it.head * n + it.q_start + i])
-        .collect();
+    let lp = round_up(len, BLOCK_Q);
+    let queries = it.queries();
+    gather_into(&mut sc.qh, pb.q, (h, d), queries, (lp, dp));
+    gather_into(&mut sc.doh, x.dout, (h, d), queries, (lp, dp));
+    gather_into(&mut sc.oh, x.out, (h, d), queries, (lp, dp));
+    let n = x.lse.len() / h;
+    sc.row_lse.clear();
+    sc.row_lse
+        .extend((0..len).map(|i| x.lse[it.head * n + it.q_start + i]));
     // delta_i = dO_i . O_i, summed in the order (and with the fused
     // multiply-adds) of the dP tile product, so that a one-key segment,
     // where O = V exactly, gets dP - delta = 0 exactly (as the reference).
-    let delta: Vec<f32> = (0..lp)
-        .map(|i| {
-            let (g, o) = (&doh[i * dp..(i + 1) * dp], &oh[i * dp..(i + 1) * dp]);
-            g.iter()
-                .zip(o)
-                .fold(0.0f32, |acc, (&g, &o)| g.mul_add(o, acc))
-        })
-        .collect();
-    let mut dq = vec![0.0f32; lp * dp];
-    let mut dk = vec![0.0f32; k_len * d];
-    let mut dv = vec![0.0f32; k_len * d];
-    let mut s = vec![0.0f32; BLOCK_Q * BLOCK_K];
-    let mut dpt = vec![0.0f32; BLOCK_Q * BLOCK_K];
-    let mut tr = vec![0.0f32; BLOCK_K * BLOCK_Q];
-    let mut dk_t = vec![0.0f32; BLOCK_K * dp];
-    let mut dv_t = vec![0.0f32; BLOCK_K * dp];
+    sc.delta.clear();
+    for i in 0..lp {
+        let (g, o) = (&sc.doh[i * dp..(i + 1) * dp], &sc.oh[i * dp..(i + 1) * dp]);
+        // A loop, not a fold's closure: the fused multiply-add must be
+        // compiled with the dispatched target features (`simd::LaneFn`).
+        let mut dl = 0.0f32;
+        for (&g, &o) in g.iter().zip(o) {
+            dl = g.mul_add(o, dl);
+        }
+        sc.delta.push(dl);
+    }
+    let Scratch {
+        kh,
+        kt,
+        vt,
+        qh,
+        doh,
+        dq,
+        delta,
+        row_lse,
+        s,
+        dpt,
+        tr,
+        chain,
+        dk_t,
+        dv_t,
+        dk,
+        dv,
+        ..
+    } = sc;
+    let dq = zeroed(dq, lp * dp);
+    let s = zeroed(s, BLOCK_Q * BLOCK_K);
+    let dpt = zeroed(dpt, BLOCK_Q * BLOCK_K);
+    let tr = zeroed(tr, BLOCK_K * BLOCK_Q);
+    let dk_t = zeroed(dk_t, BLOCK_K * dp);
+    let dv_t = zeroed(dv_t, BLOCK_K * dp);
     let scale_v = simd.splat_f32s(pb.scale);
     // d score / d raw of a capped tile (softcap's chain factor, W5).
     let capped = it.transform.softcap > 0.0;
     #[cfg(test)]
     let capped = capped && !super::tests_faults::no_chain(it);
-    let mut chain = vec![0.0f32; if capped { BLOCK_Q * BLOCK_K } else { 0 }];
+    let chain = zeroed(chain, if capped { BLOCK_Q * BLOCK_K } else { 0 });
     // The keys each query block may see: the tiles the forward visits.
     let block_keys: Vec<Range<usize>> = (0..len)
         .step_by(BLOCK_Q)
@@ -76,40 +177,61 @@ fn backward_item<S: Simd, T: Element>(
     for k0 in (0..k_len).step_by(BLOCK_K) {
         dk_t.fill(0.0);
         dv_t.fill(0.0);
+        // The tile's keys some query of some visiting block may see.
+        let mut tile_rows = 0;
         for (q0, keys) in (0..len).step_by(BLOCK_Q).zip(&block_keys) {
             if !Item::tiles(keys).any(|t| t == k0) {
                 continue;
             }
-            let cg = capped.then_some(chain.as_mut_slice());
-            let at = (q0, k0, BLOCK_K);
-            scores(simd, &mut s, &qh, &kt, dp, it, at, pb.scale, cg);
-            // P = exp(S - lse); 0 for padded rows and rows with no key.
-            let mut block_lse = [f32::NEG_INFINITY; BLOCK_Q];
-            for (r, l) in block_lse.iter_mut().enumerate() {
-                if q0 + r < len {
-                    *l = row_lse[q0 + r];
+            let rows = (len - q0).min(BLOCK_Q);
+            let mrows = round_up(rows, 4);
+            // The keys some query of the block may see, the columns (whole
+            // vectors) that hold them and the key rows (multiple of 4) of
+            // the transposed products: the others' probabilities are exact
+            // zeros, neither computed nor multiplied (the forward's cut).
+            let kn = tile_keys(keys, k0);
+            let cols = round_up(kn, S::F32_LANES);
+            let krows = round_up(kn, 4);
+            tile_rows = tile_rows.max(krows);
+            let cg = capped.then_some(&mut chain[..]);
+            scores(simd, s, qh, kt, dp, it, (q0, k0, cols), pb.scale, cg);
+            // P = exp(S - lse) over the block's rows and the tile's
+            // columns; 0 for padded rows and rows with no key.
+            for r in 0..mrows {
+                let row = &mut s[r * BLOCK_K..r * BLOCK_K + cols];
+                let l = if r < rows {
+                    row_lse[q0 + r]
+                } else {
+                    f32::NEG_INFINITY
+                };
+                if l == f32::NEG_INFINITY {
+                    row.fill(0.0);
+                    continue;
                 }
+                simd::map_in_place(simd, row, 0.0, &simd::ExpShift(simd.splat_f32s(l)));
             }
-            probabilities(simd, &mut s, &block_lse);
             // dV_tile += P^T dO_blk
-            acc_transposed(simd, (&s, &mut tr), &doh[q0 * dp..], &mut dv_t, dp);
+            transpose_part(s, BLOCK_K, (rows, krows), tr, BLOCK_Q);
+            let dob = &doh[q0 * dp..];
+            mm_acc(simd, krows, dp, rows, tr, BLOCK_Q, dob, dp, dv_t, dp);
             // dP = dO_blk V_tile^T
-            dpt.fill(0.0);
+            dpt[..mrows * BLOCK_K].fill(0.0);
             acc_by_transposed(
                 simd,
-                (&doh[q0 * dp..], len - q0),
-                (key_panel(&vt, k0, dp).0, BLOCK_K, BLOCK_K),
+                (dob, rows),
+                (key_panel(vt, k0, dp).0, BLOCK_K, cols),
                 dp,
-                &mut dpt,
+                dpt,
             );
             // dS = P (dP - delta) scale, in place of P; with a softcap,
             // times its chain factor (P (dP - delta) chain scale).
-            for r in 0..BLOCK_Q {
+            for r in 0..mrows {
                 let dl = simd.splat_f32s(delta.get(q0 + r).copied().unwrap_or(0.0));
-                let (ps, _) = S::as_mut_simd_f32s(&mut s[r * BLOCK_K..(r + 1) * BLOCK_K]);
-                let (dps, _) = S::as_simd_f32s(&dpt[r * BLOCK_K..(r + 1) * BLOCK_K]);
+                let at = r * BLOCK_K..r * BLOCK_K + cols;
+                let (ps, _) = S::as_mut_simd_f32s(&mut s[at.clone()]);
+                let (dps, _) = S::as_simd_f32s(&dpt[at.clone()]);
                 if capped {
-                    let (cs, _) = S::as_simd_f32s(&chain[r * BLOCK_K..(r + 1) * BLOCK_K]);
+                    let (cs, _) = S::as_simd_f32s(&chain[at]);
                     for ((p, &g), &c) in ps.iter_mut().zip(dps).zip(cs) {
                         let x = simd.mul_f32s(*p, simd.sub_f32s(g, dl));
                         *p = simd.mul_f32s(simd.mul_f32s(x, c), scale_v);
@@ -121,41 +243,108 @@ fn backward_item<S: Simd, T: Element>(
                 }
             }
             // dQ_blk += dS K_tile
-            acc_tile_times(simd, &s, &kh[k0 * dp..], dp, &mut dq[q0 * dp..]);
+            let kb = &kh[k0 * dp..];
+            mm_acc(
+                simd,
+                mrows,
+                dp,
+                kn,
+                s,
+                BLOCK_K,
+                kb,
+                dp,
+                &mut dq[q0 * dp..],
+                dp,
+            );
             // dK_tile += dS^T Q_blk
-            acc_transposed(simd, (&s, &mut tr), &qh[q0 * dp..], &mut dk_t, dp);
+            transpose_part(s, BLOCK_K, (rows, krows), tr, BLOCK_Q);
+            mm_acc(
+                simd,
+                krows,
+                dp,
+                rows,
+                tr,
+                BLOCK_Q,
+                &qh[q0 * dp..],
+                dp,
+                dk_t,
+                dp,
+            );
         }
-        for j in 0..(k_len - k0).min(BLOCK_K) {
+        // Keys no block sees keep zero gradients (tile_rows covers the rest).
+        for j in 0..(k_len - k0).min(tile_rows) {
             let key = k0 + j;
-            dk[key * d..(key + 1) * d].copy_from_slice(&dk_t[j * dp..j * dp + d]);
-            dv[key * d..(key + 1) * d].copy_from_slice(&dv_t[j * dp..j * dp + d]);
+            for (a, &t) in dk[key * d..(key + 1) * d].iter_mut().zip(&dk_t[j * dp..]) {
+                *a += t;
+            }
+            for (a, &t) in dv[key * d..(key + 1) * d].iter_mut().zip(&dv_t[j * dp..]) {
+                *a += t;
+            }
         }
     }
-    let mut dq_out = vec![0.0f32; len * d];
-    for i in 0..len {
-        dq_out[i * d..(i + 1) * d].copy_from_slice(&dq[i * dp..i * dp + d]);
+    // SAFETY: this item is the only one writing its (query rows, head)
+    // (`run_backward`).
+    unsafe {
+        dq_out.rows_mut(queries, |i, row| {
+            row.copy_from_slice(&dq[i * dp..i * dp + d]);
+        });
     }
-    [dq_out, dk, dv]
 }
 
-struct Backward<'a, 'p, 'm, T> {
-    pb: &'a Problem<'p, T>,
-    out: &'a [f32],
-    lse: &'a [f32],
-    dout: &'a [f32],
-    it: &'a Item<'m>,
+/// One unit: a segment's key head with the query heads of its group (in
+/// head order).
+struct Unit<'a, 'b, 'p, 'm, T> {
+    x: &'a Inputs<'b, 'p, T>,
+    items: &'a [Item<'m>],
+    sc: &'a mut Scratch,
+    outs: &'a Outputs<'b>,
 }
 
-impl<T: Element> WithSimd for Backward<'_, '_, '_, T> {
-    type Output = [Vec<f32>; 3];
+impl<T: Element> WithSimd for Unit<'_, '_, '_, '_, T> {
+    type Output = ();
     #[inline(always)]
-    fn with_simd<S: Simd>(self, simd: S) -> Self::Output {
-        backward_item(simd, self.pb, self.out, self.lse, self.dout, self.it)
+    fn with_simd<S: Simd>(self, simd: S) {
+        let Unit { x, items, sc, outs } = self;
+        let first = &items[0];
+        let (h_kv, d, k_len) = (x.pb.h_kv, x.pb.d, first.k_len);
+        let dp = round_up(d.max(1), mm_col_multiple::<S>());
+        let lpk = round_up(k_len, BLOCK_K);
+        let keys = first.keys();
+        {
+            gather_into(&mut sc.kh, x.pb.k, (h_kv, d), keys, (lpk, dp));
+            gather_t_into(&mut sc.kt, x.pb.k, (h_kv, d), keys, (lpk, dp));
+            gather_t_into(&mut sc.vt, x.pb.v, (h_kv, d), keys, (lpk, dp));
+            zeroed(&mut sc.dk, k_len * d);
+            zeroed(&mut sc.dv, k_len * d);
+            for it in items {
+                backward_item(simd, x, it, sc, &outs.dq);
+            }
+            // Copied (units that overlap, only ever a planted fault's, add
+            // to what the earlier ones wrote). A fresh output is read only
+            // where it must be: reading a zero page before writing it costs
+            // a second fault and a TLB flush on every core (a fifth of the
+            // backward's time, issue 37).
+            // SAFETY: no other unit writes its (key rows, key head)
+            // meanwhile (`run_backward`).
+            unsafe {
+                for (out, grad) in [(&outs.dk, &sc.dk), (&outs.dv, &sc.dv)] {
+                    out.rows_mut(keys, |j, row| {
+                        let g = &grad[j * d..(j + 1) * d];
+                        if outs.overlap {
+                            row.iter_mut().zip(g).for_each(|(o, &g)| *o += g);
+                        } else {
+                            row.copy_from_slice(g);
+                        }
+                    });
+                }
+            }
+        }
     }
 }
 
-/// Runs every item's backward in parallel and scatters the results (the
-/// key gradients added over the query heads of a group, in item order).
+/// Runs every unit's backward in parallel, each writing its own rows of the
+/// gradients (the key gradients summed over the query heads of a group, in
+/// head order).
 pub(super) fn run_backward<T: Element>(
     pb: &Problem<T>,
     (n, n_k): (usize, usize),
@@ -167,30 +356,60 @@ pub(super) fn run_backward<T: Element>(
     let arch = simd::arch();
     let fo = fwd.output.as_standard_layout();
     let fl = fwd.lse.as_standard_layout();
-    let out = fo.as_slice().expect("standard layout");
-    let lse = fl.as_slice().expect("standard layout");
-    let parts: Vec<[Vec<f32>; 3]> = items
-        .par_iter()
-        .map(|it| {
-            arch.dispatch(Backward {
-                pb,
-                out,
-                lse,
-                dout,
-                it,
-            })
-        })
-        .collect();
+    let x = Inputs {
+        pb,
+        out: fo.as_slice().expect("standard layout"),
+        lse: fl.as_slice().expect("standard layout"),
+        dout,
+    };
     let mut grad_q = Array3::zeros((n, h, d));
     let mut grad_k = Array3::zeros((n_k, h_kv, d));
     let mut grad_v = Array3::zeros((n_k, h_kv, d));
-    for (it, [dq, dk, dv]) in items.iter().zip(parts) {
-        let gq = grad_q.as_slice_mut().expect("fresh array");
-        scatter(gq, (h, d), it.queries(), &dq);
-        let gk = grad_k.as_slice_mut().expect("fresh array");
-        scatter_add(gk, (h_kv, d), it.keys(), &dk);
-        let gv = grad_v.as_slice_mut().expect("fresh array");
-        scatter_add(gv, (h_kv, d), it.keys(), &dv);
+    // The units: runs of items with the same segment and key head (the
+    // items list a segment's query heads in order, so a group's heads are
+    // adjacent). Units own disjoint rows: a query row of one (segment,
+    // head), a key row of one (segment, key head); segments are disjoint
+    // token ranges (checked by the callers' `check_varlen` / row layout),
+    // and so are the units' key spans (checked below).
+    let units: Vec<&[Item]> = items
+        .chunk_by(|a, b| (a.q_start, a.k_start, a.kv_head) == (b.q_start, b.k_start, b.kv_head))
+        .collect();
+    // A test's planted W3 fault builds items whose keys overlap the
+    // previous segment's: such units run one after another (their key
+    // gradients added in unit order, as the serial scatter did).
+    let disjoint = {
+        let mut spans: Vec<_> = units
+            .iter()
+            .map(|u| (u[0].kv_head, u[0].k_start, u[0].k_start + u[0].k_len))
+            .collect();
+        spans.sort_unstable();
+        spans
+            .windows(2)
+            .all(|w| w[0].0 != w[1].0 || w[0].2 <= w[1].1)
+    };
+    let outs = Outputs {
+        overlap: !disjoint,
+        dq: Disjoint::new(grad_q.as_slice_mut().expect("fresh array"), (h, d)),
+        dk: Disjoint::new(grad_k.as_slice_mut().expect("fresh array"), (h_kv, d)),
+        dv: Disjoint::new(grad_v.as_slice_mut().expect("fresh array"), (h_kv, d)),
+    };
+    // The thread's buffers are borrowed outside the dispatch, so that the
+    // kernel is compiled inside pulp's target-feature context (a closure
+    // between the two is compiled without them: 50 times slower).
+    let run = |items: &&[Item]| {
+        SCRATCH.with_borrow_mut(|sc| {
+            arch.dispatch(Unit {
+                x: &x,
+                items,
+                sc,
+                outs: &outs,
+            })
+        })
+    };
+    if disjoint {
+        units.par_iter().for_each(run);
+    } else {
+        units.iter().for_each(run);
     }
     AttentionGrads32 {
         grad_q,

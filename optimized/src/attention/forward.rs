@@ -16,18 +16,8 @@
 //! exact zeros added at the end), so the varlen and dense forms stay bitwise
 //! equal (module docs of [`super`]).
 
+use super::disjoint::Disjoint;
 use super::*;
-
-/// The keys of the tile at `k0` that some query of the block may see are
-/// among its first `tile_keys(keys, k0)` (at least 1, at most [`BLOCK_K`]),
-/// `keys` the block's [`Item::block_keys`]; the scores of the others are
-/// masked, their probabilities exact zeros. The per-tile key range of the
-/// forward: which tiles are visited at all is [`Item::tiles`] of the same
-/// range.
-#[inline(always)]
-fn tile_keys(keys: &Range<usize>, k0: usize) -> usize {
-    keys.end.saturating_sub(k0).clamp(1, BLOCK_K)
-}
 
 /// Row `row` of a score tile (scaled and masked) becomes `exp(row - m)`;
 /// returns its sum. Summed lane-wise in order, then across the lanes: the
@@ -47,28 +37,54 @@ fn exp_row_sum<S: Simd>(simd: S, row: &mut [f32], m: f32) -> f32 {
     simd.reduce_sum_f32s(sum)
 }
 
-/// The forward of one item: `out: [len, d]` and `lse: [len]`.
+/// The buffers of one thread's forward items (resized per item, never
+/// shrunk; see `backward`'s `Scratch` for why they outlive the item).
+#[derive(Default)]
+pub(super) struct Scratch {
+    qh: Vec<f32>,
+    kt: Vec<f32>,
+    vh: Vec<f32>,
+    s: Vec<f32>,
+    acc: Vec<f32>,
+}
+
+thread_local! {
+    pub(super) static SCRATCH: std::cell::RefCell<Scratch> =
+        std::cell::RefCell::new(Scratch::default());
+}
+
+/// The forward of one item, written into its rows of `out: [n, h, d]` and
+/// its span of `lse: [h, n]`.
 ///
 /// One sweep over the key tiles per query block (FlashAttention-2's
 /// Algorithm 1): the running maximum `m` and sum `l` of the online softmax,
 /// the accumulator `acc = sum exp(S - m) V` rescaled when `m` grows; at the
 /// end `o = acc / l`, `lse = m + ln l`.
+///
+/// # Safety
+/// No other call writes the item's (query rows, head) of `out` or its span
+/// of `lse` meanwhile (`run_forward`: one call per item, items disjoint).
 #[inline(always)]
-pub(super) fn forward_item<S: Simd, T: Element>(
+pub(super) unsafe fn forward_item<S: Simd, T: Element>(
     simd: S,
     pb: &Problem<T>,
     it: &Item,
-) -> (Vec<f32>, Vec<f32>) {
+    sc: &mut Scratch,
+    (out_rows, lse_all): (&Disjoint, &Disjoint),
+) {
     let (h, h_kv, d, len) = (pb.h, pb.h_kv, pb.d, it.q_len);
     let dp = round_up(d.max(1), mm_col_multiple::<S>());
     let (lpq, lpk) = (round_up(len, BLOCK_Q), round_up(it.k_len, BLOCK_K));
-    let qh = gather(pb.q, h, d, it.queries(), lpq, dp);
-    let kt = gather_t(pb.k, h_kv, d, it.keys(), lpk, dp);
-    let vh = gather(pb.v, h_kv, d, it.keys(), lpk, dp);
-    let mut out = vec![0.0f32; len * d];
-    let mut lse = vec![f32::NEG_INFINITY; len];
-    let mut s = vec![0.0f32; BLOCK_Q * BLOCK_K];
-    let mut acc = vec![0.0f32; BLOCK_Q * dp];
+    gather_into(&mut sc.qh, pb.q, (h, d), it.queries(), (lpq, dp));
+    gather_t_into(&mut sc.kt, pb.k, (h_kv, d), it.keys(), (lpk, dp));
+    gather_into(&mut sc.vh, pb.v, (h_kv, d), it.keys(), (lpk, dp));
+    let Scratch { qh, kt, vh, s, acc } = sc;
+    s.clear();
+    s.resize(BLOCK_Q * BLOCK_K, 0.0);
+    acc.clear();
+    acc.resize(BLOCK_Q * dp, 0.0);
+    // SAFETY: the item's own rows and span (the function's contract).
+    let lse = unsafe { lse_all.span_mut(it.head * lse_all.len_per(h) + it.q_start, len) };
     let mut m = [f32::NEG_INFINITY; BLOCK_Q];
     let mut l = [0.0f32; BLOCK_Q];
     for q0 in (0..len).step_by(BLOCK_Q) {
@@ -88,7 +104,7 @@ pub(super) fn forward_item<S: Simd, T: Element>(
             let kn = tile_keys(&keys, k0);
             let cols = round_up(kn, S::F32_LANES);
             let at = (q0, k0, cols);
-            scores(simd, &mut s, &qh, &kt, dp, it, at, pb.scale, None);
+            scores(simd, s, qh, kt, dp, it, at, pb.scale, None);
             for r in 0..mrows {
                 let row = &mut s[r * BLOCK_K..r * BLOCK_K + cols];
                 if r >= rows {
@@ -113,32 +129,27 @@ pub(super) fn forward_item<S: Simd, T: Element>(
                 m[r] = m_new;
             }
             // acc += P V over the keys some row may see (the rest are zeros).
-            mm_acc(
-                simd,
-                mrows,
-                dp,
-                kn,
-                &s,
-                BLOCK_K,
-                &vh[k0 * dp..],
-                dp,
-                &mut acc,
-                dp,
-            );
+            mm_acc(simd, mrows, dp, kn, s, BLOCK_K, &vh[k0 * dp..], dp, acc, dp);
         }
-        for r in 0..rows {
-            let i = q0 + r;
-            if l[r] == 0.0 {
-                continue; // no allowed key: output 0, lse -inf (P8)
-            }
-            let inv = 1.0 / l[r];
-            for (o, &a) in out[i * d..(i + 1) * d].iter_mut().zip(&acc[r * dp..]) {
-                *o = a * inv;
-            }
-            lse[i] = m[r] + l[r].ln();
+        let out_block = Rows {
+            start: it.q_start + q0,
+            len: rows,
+            head: it.head,
+        };
+        // SAFETY: the item's own rows (the function's contract).
+        unsafe {
+            out_rows.rows_mut(out_block, |r, o| {
+                if l[r] == 0.0 {
+                    return; // no allowed key: output 0, lse -inf (P8)
+                }
+                let inv = 1.0 / l[r];
+                for (o, &a) in o.iter_mut().zip(&acc[r * dp..]) {
+                    *o = a * inv;
+                }
+                lse[q0 + r] = m[r] + l[r].ln();
+            });
         }
     }
-    (out, lse)
 }
 
 /// The (query, key) scores the forward of `it` computes: over the key tiles

@@ -285,27 +285,43 @@ fn round_up(x: usize, to: usize) -> usize {
     x.div_ceil(to) * to
 }
 
-/// `[rows, dp]` tile of the rows `at` of `x: [n, h, d]` (zero-padded).
-fn gather<T: Element>(x: &[T], h: usize, d: usize, at: Rows, rows: usize, dp: usize) -> Vec<f32> {
-    let mut out = vec![0.0f32; rows * dp];
+/// `out: [rows, dp]` (resized; its capacity kept, so a reused buffer
+/// allocates nothing): the tile of the rows `at` of `x: [n, h, d]`,
+/// zero-padded.
+fn gather_into<T: Element>(
+    out: &mut Vec<f32>,
+    x: &[T],
+    (h, d): (usize, usize),
+    at: Rows,
+    (rows, dp): (usize, usize),
+) {
+    out.clear();
+    out.resize(rows * dp, 0.0);
     for i in 0..at.len {
         let src = &x[((at.start + i) * h + at.head) * d..][..d];
         for (o, &s) in out[i * dp..i * dp + d].iter_mut().zip(src) {
             *o = s.to_f32();
         }
     }
-    out
 }
 
-/// The transpose of [`gather`] in key panels: `[rows / BLOCK_K, dp,
+/// The transpose of [`gather_into`] in key panels, into `out` (as
+/// [`gather_into`]): `[rows / BLOCK_K, dp,
 /// BLOCK_K]`, panel `t` the transpose `[dp, BLOCK_K]` of the rows
 /// `t * BLOCK_K..(t + 1) * BLOCK_K` (`rows` a multiple of [`BLOCK_K`]). A tile's keys are one
 /// contiguous 16 KiB block (at `d` = 64) read with row stride `BLOCK_K`: the
 /// whole-segment transpose `[dp, rows]` read with row stride `rows` (2 KiB
 /// apart at 512 keys) mapped the 64 rows of a tile onto a few L1 cache sets.
-fn gather_t<T: Element>(x: &[T], h: usize, d: usize, at: Rows, rows: usize, dp: usize) -> Vec<f32> {
+fn gather_t_into<T: Element>(
+    out: &mut Vec<f32>,
+    x: &[T],
+    (h, d): (usize, usize),
+    at: Rows,
+    (rows, dp): (usize, usize),
+) {
     debug_assert!(rows.is_multiple_of(BLOCK_K));
-    let mut out = vec![0.0f32; dp * rows];
+    out.clear();
+    out.resize(dp * rows, 0.0);
     for i in 0..at.len {
         let src = &x[((at.start + i) * h + at.head) * d..][..d];
         let panel = &mut out[(i / BLOCK_K) * dp * BLOCK_K..][..dp * BLOCK_K];
@@ -313,14 +329,24 @@ fn gather_t<T: Element>(x: &[T], h: usize, d: usize, at: Rows, rows: usize, dp: 
             panel[c * BLOCK_K + i % BLOCK_K] = s.to_f32();
         }
     }
-    out
 }
 
-/// The key tile at `k0` of [`gather_t`]'s panels: `[dp, BLOCK_K]`, row
+/// The key tile at `k0` of [`gather_t_into`]'s panels: `[dp, BLOCK_K]`, row
 /// stride [`BLOCK_K`].
 #[inline(always)]
 fn key_panel(kt: &[f32], k0: usize, dp: usize) -> (&[f32], usize) {
     (&kt[k0 * dp..(k0 + BLOCK_K) * dp], BLOCK_K)
+}
+
+/// The keys of the tile at `k0` that some query of the block may see are
+/// among its first `tile_keys(keys, k0)` (at least 1, at most [`BLOCK_K`]),
+/// `keys` the block's [`Item::block_keys`]; the scores of the others are
+/// masked, their probabilities exact zeros. The per-tile key range of the
+/// forward and the backward: which tiles are visited at all is
+/// [`Item::tiles`] of the same range.
+#[inline(always)]
+fn tile_keys(keys: &Range<usize>, k0: usize) -> usize {
+    keys.end.saturating_sub(k0).clamp(1, BLOCK_K)
 }
 
 /// Sets the scores of keys a query may not see to `-inf` (after scaling
@@ -406,15 +432,8 @@ fn acc_by_transposed<S: Simd>(
     mm_acc(simd, m, cols, dp, x, dp, yt, ld, out, BLOCK_K);
 }
 
-/// `out: [BLOCK_Q, dp] += s y` for a tile `s: [BLOCK_Q, BLOCK_K]` and the
-/// key block `y: [BLOCK_K, dp]`: the forward's `P V`, the backward's `dS K`.
-#[inline(always)]
-fn acc_tile_times<S: Simd>(simd: S, s: &[f32], y: &[f32], dp: usize, out: &mut [f32]) {
-    mm_acc(simd, BLOCK_Q, dp, BLOCK_K, s, BLOCK_K, y, dp, out, dp);
-}
-
 /// `S = scale Q_blk K_tile^T` with the mask: `s: [BLOCK_Q, BLOCK_K]`
-/// (`kt` the key panels of [`gather_t`]). Rows of the block past the item's
+/// (`kt` the key panels of [`gather_t_into`]). Rows of the block past the item's
 /// queries are 0 (as the zero rows of `Q` would give), not computed.
 ///
 /// `cols`: the scores of keys `k0 + cols..` (a multiple of the vector width)
@@ -452,63 +471,25 @@ fn scores<S: Simd>(
     apply_mask(s, it, q0, k0);
 }
 
-/// `P = exp(S - lse)` row by row in place; rows with `lse = -inf` (no
-/// allowed key, or padding) become 0.
-#[inline(always)]
-fn probabilities<S: Simd>(simd: S, s: &mut [f32], lse: &[f32; BLOCK_Q]) {
-    for (r, &l) in lse.iter().enumerate() {
-        let row = &mut s[r * BLOCK_K..(r + 1) * BLOCK_K];
-        if l == f32::NEG_INFINITY {
-            row.fill(0.0);
-            continue;
-        }
-        let shift = simd.splat_f32s(l);
-        simd::map_in_place(simd, row, 0.0, |x| simd::exp(simd, simd.sub_f32s(x, shift)));
-    }
-}
-
-/// Transposes `src: [rows, cols]` into `dst: [cols, rows]`.
-fn transpose(src: &[f32], rows: usize, cols: usize, dst: &mut [f32]) {
-    for r in 0..rows {
-        for c in 0..cols {
-            dst[c * rows + r] = src[r * cols + c];
-        }
-    }
-}
-
 struct Forward<'a, 'p, 'm, T> {
     pb: &'a Problem<'p, T>,
     it: &'a Item<'m>,
+    sc: &'a mut forward::Scratch,
+    outs: (&'a Disjoint<'a>, &'a Disjoint<'a>),
 }
 
 impl<T: Element> WithSimd for Forward<'_, '_, '_, T> {
-    type Output = (Vec<f32>, Vec<f32>);
+    type Output = ();
     #[inline(always)]
-    fn with_simd<S: Simd>(self, simd: S) -> Self::Output {
-        forward_item(simd, self.pb, self.it)
-    }
-}
-
-/// Writes rows `part: [len, d]` into `flat: [n, h, d]` at the rows `at`.
-fn scatter(flat: &mut [f32], (h, d): (usize, usize), at: Rows, part: &[f32]) {
-    for i in 0..at.len {
-        let o = ((at.start + i) * h + at.head) * d;
-        flat[o..o + d].copy_from_slice(&part[i * d..(i + 1) * d]);
-    }
-}
-
-/// Adds rows `part: [len, d]` into `flat: [n, h_kv, d]` at the rows `at`
-/// (the key gradients of the query heads of a group).
-fn scatter_add(flat: &mut [f32], (h, d): (usize, usize), at: Rows, part: &[f32]) {
-    for i in 0..at.len {
-        let o = ((at.start + i) * h + at.head) * d;
-        for (x, &p) in flat[o..o + d].iter_mut().zip(&part[i * d..(i + 1) * d]) {
-            *x += p;
-        }
+    fn with_simd<S: Simd>(self, simd: S) {
+        // SAFETY: one call per item, and items own disjoint rows
+        // (`run_forward`).
+        unsafe { forward_item(simd, self.pb, self.it, self.sc, self.outs) }
     }
 }
 
 mod backward;
+mod disjoint;
 mod forward;
 pub mod mask;
 #[cfg(test)]
@@ -516,25 +497,33 @@ mod tests_faults;
 #[cfg(test)]
 mod tests_options;
 use backward::run_backward;
+use disjoint::Disjoint;
 use forward::forward_item;
 
-/// Runs every item's forward in parallel and scatters the results.
+/// Runs every item's forward in parallel, each writing its own rows of the
+/// output and its span of `lse` (items own disjoint (query rows, head)
+/// pairs: one item per (segment, head), segments disjoint token ranges,
+/// checked by the callers).
 fn run_forward<T: Element>(pb: &Problem<T>, n: usize, items: &[Item]) -> AttentionOutput32 {
     let (h, d) = (pb.h, pb.d);
     let arch = simd::arch();
-    let parts: Vec<(Vec<f32>, Vec<f32>)> = items
-        .par_iter()
-        .map(|it| arch.dispatch(Forward { pb, it }))
-        .collect();
     let mut output = Array3::zeros((n, h, d));
     let mut lse = Array2::from_elem((h, n), f32::NEG_INFINITY);
-    let out_flat = output.as_slice_mut().expect("fresh array");
-    for (it, (o, l)) in items.iter().zip(parts) {
-        scatter(out_flat, (h, d), it.queries(), &o);
-        for (i, &x) in l.iter().enumerate() {
-            lse[[it.head, it.q_start + i]] = x;
-        }
-    }
+    let out = Disjoint::new(output.as_slice_mut().expect("fresh array"), (h, d));
+    let lse_all = Disjoint::new(lse.as_slice_mut().expect("fresh array"), (1, 1));
+    // The thread's buffers are borrowed outside the dispatch, so that the
+    // kernel is compiled inside pulp's target-feature context (a closure
+    // between the two is compiled without them: 50 times slower).
+    items.par_iter().for_each(|it| {
+        forward::SCRATCH.with_borrow_mut(|sc| {
+            arch.dispatch(Forward {
+                pb,
+                it,
+                sc,
+                outs: (&out, &lse_all),
+            })
+        })
+    });
     AttentionOutput32 { output, lse }
 }
 
@@ -543,6 +532,29 @@ fn run_forward<T: Element>(pb: &Problem<T>, n: usize, items: &[Item]) -> Attenti
 /// # Errors
 /// [`Error::NonFiniteInput`] naming `field` with the flat index.
 pub fn check_finite<T: Element>(field: &str, x: &ArrayView3<T>) -> Result<()> {
+    // In standard layout, chunks are scanned without a branch per element
+    // (the scan vectorizes); only a chunk with a non-finite value is walked
+    // for its index.
+    if let Some(flat) = x.as_slice() {
+        const CHUNK: usize = 1024;
+        for (c, chunk) in flat.chunks(CHUNK).enumerate() {
+            let finite = chunk.iter().fold(true, |ok, v| ok & v.to_f32().is_finite());
+            if finite {
+                continue;
+            }
+            let (i, v) = chunk
+                .iter()
+                .enumerate()
+                .find(|(_, v)| !v.to_f32().is_finite())
+                .expect("a chunk that is not all finite has a non-finite value");
+            return Err(Error::NonFiniteInput {
+                field: field.into(),
+                index: c * CHUNK + i,
+                value: v.to_f32() as f64,
+            });
+        }
+        return Ok(());
+    }
     for (index, v) in x.iter().enumerate() {
         let v = v.to_f32();
         if !v.is_finite() {

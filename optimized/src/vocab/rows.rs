@@ -127,6 +127,42 @@ pub(super) fn row_stats<S: Simd>(simd: S, z: &[f32], q: &RowQ) -> SoftmaxStats {
     }
 }
 
+/// The bulk of a gradient row, lane-wise: `exp(z - shift) coef + off`
+/// ([`gradient_row`]; a [`simd::LaneFn`], not a closure, so it is compiled
+/// with the dispatched target features).
+struct RowGrad<S: Simd> {
+    shift: S::f32s,
+    coef: S::f32s,
+    off: S::f32s,
+}
+
+impl<S: Simd> simd::LaneFn<S> for RowGrad<S> {
+    #[inline(always)]
+    fn apply(&self, simd: S, x: S::f32s) -> S::f32s {
+        let p = simd::exp(simd, simd.sub_f32s(x, self.shift));
+        simd.mul_add_f32s(p, self.coef, self.off)
+    }
+}
+
+/// [`RowGrad`] times the softcap's `dy/dz = (1 - y / c)(1 + y / c)` (1 at
+/// `-inf`), `inv = 1 / c`.
+struct CappedRowGrad<S: Simd> {
+    dy: RowGrad<S>,
+    inv: S::f32s,
+}
+
+impl<S: Simd> simd::LaneFn<S> for CappedRowGrad<S> {
+    #[inline(always)]
+    fn apply(&self, simd: S, x: S::f32s) -> S::f32s {
+        let one = simd.splat_f32s(1.0);
+        let t = simd.mul_f32s(x, self.inv);
+        let f = simd.mul_f32s(simd.sub_f32s(one, t), simd.add_f32s(one, t));
+        let masked = simd.equal_f32s(x, simd.splat_f32s(f32::NEG_INFINITY));
+        let f = simd.select_f32s(masked, one, f);
+        simd.mul_f32s(self.dy.apply(simd, x), f)
+    }
+}
+
 /// Overwrites `z` with `w * f(z_j, q_j)` where, for the bulk of the row,
 /// `f = a * p - b * q + c * p` with `p = exp(z - m) / s` (vectorised), and
 /// for the columns at the maximum `m` or holding the target, `exact(z, q)`
@@ -174,24 +210,19 @@ pub(super) fn gradient_row<S: Simd>(
             Some(_) => z.iter_mut().for_each(|x| *x = (v * factor(*x)) as f32),
         }
     } else {
-        let shift = simd.splat_f32s(m as f32);
-        let coef = simd.splat_f32s((w * a / s) as f32);
-        let off = simd.splat_f32s((-w * b * q.qo) as f32);
-        let dy = |x| {
-            let p = simd::exp(simd, simd.sub_f32s(x, shift));
-            simd.mul_add_f32s(p, coef, off)
+        let dy = RowGrad {
+            shift: simd.splat_f32s(m as f32),
+            coef: simd.splat_f32s((w * a / s) as f32),
+            off: simd.splat_f32s((-w * b * q.qo) as f32),
         };
         match cap {
-            None => simd::map_in_place(simd, z, f32::NEG_INFINITY, dy),
+            None => simd::map_in_place(simd, z, f32::NEG_INFINITY, &dy),
             Some(c) => {
-                let (one, inv) = (simd.splat_f32s(1.0), simd.splat_f32s((1.0 / c) as f32));
-                let masked = simd.splat_f32s(f32::NEG_INFINITY);
-                simd::map_in_place(simd, z, f32::NEG_INFINITY, |x| {
-                    let t = simd.mul_f32s(x, inv);
-                    let f = simd.mul_f32s(simd.sub_f32s(one, t), simd.add_f32s(one, t));
-                    let f = simd.select_f32s(simd.equal_f32s(x, masked), one, f);
-                    simd.mul_f32s(dy(x), f)
-                });
+                let capped = CappedRowGrad {
+                    dy,
+                    inv: simd.splat_f32s((1.0 / c) as f32),
+                };
+                simd::map_in_place(simd, z, f32::NEG_INFINITY, &capped);
             }
         }
     }
