@@ -343,7 +343,7 @@ fn low_precision_rules_hold_the_reference_in_that_precision() {
         )
         .unwrap();
         let q = &inputs.iter().find(|t| t.0 == "q").unwrap().1;
-        assert_eq!(q.dtype, dtype.safetensors_name());
+        assert_eq!(q.dtype, golden::io::safetensors_name(dtype));
         assert!(q.values.iter().all(|&x| dtype.round(x) == x));
         let expected = load(
             "e",

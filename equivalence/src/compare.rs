@@ -2,6 +2,8 @@
 
 use std::fmt;
 
+use packshard_reference::ops::Precision;
+
 /// A tolerance rule: element `i` passes when
 /// `|actual_i - expected_i| <= rel * |expected_i| + abs * scale`,
 /// where `scale = max_j |expected_j|` (at least 1e-300) makes the absolute
@@ -243,6 +245,47 @@ pub fn assert_close_with_scale(
     ))
 }
 
+/// A storage rule ([`RelativeRule::BF16_STORED_FUZZ`]): `k = 2` over a
+/// suite, `k_tensor` per tensor, a floor of `floor` unit roundoffs of the
+/// storage precision ([`Precision::unit_roundoff`]); the name is built from
+/// the same literals, so it cannot state other numbers than the rule holds.
+macro_rules! storage_rule {
+    ($name:literal, $precision:ident, k_tensor: $k:literal, floor: $floor:literal) => {
+        RelativeRule::new(
+            concat!(
+                $name,
+                " storage: ",
+                $k,
+                " x the error of the reference run in f32 and stored in ",
+                $name,
+                ", floor ",
+                $floor,
+                " unit roundoffs of the scale"
+            ),
+            2.0,
+            $k as f64,
+            $floor as f64,
+            Precision::$precision.unit_roundoff(),
+        )
+    };
+}
+
+/// A [`Tolerance`] of `n` unit roundoffs `u` of a precision
+/// ([`Precision::unit_roundoff`]), relative and of the tensor's scale (`n u
+/// |expected| + n u scale`), named `"<what> (<n> unit roundoffs)"` from the
+/// same literal `n`, so that the name cannot state another number than the
+/// rule holds: `roundoffs_tolerance!("bf16 inputs", 16, Bf16)`.
+#[macro_export]
+macro_rules! roundoffs_tolerance {
+    ($what:literal, $n:literal, $precision:ident) => {
+        $crate::Tolerance::new(
+            concat!($what, " (", $n, " unit roundoffs)"),
+            $n as f64 * $crate::__reference::ops::Precision::$precision.unit_roundoff(),
+            $n as f64 * $crate::__reference::ops::Precision::$precision.unit_roundoff(),
+        )
+    };
+}
+
 /// The tolerance rule for a kernel computed in lower precision than the
 /// reference (after the rule of flash-attention's tests): the kernel's error
 /// against the f64 reference is compared with the error of the **same
@@ -276,7 +319,9 @@ pub struct RelativeRule {
     pub k_tensor: f64,
     /// The per-tensor floor in units of `eps * scale`.
     pub floor: f64,
-    /// The kernel precision's machine epsilon (`2^-23` for f32).
+    /// The unit `floor` counts in: f32's machine epsilon (`2^-23`, an ulp
+    /// of 1) for the f32 rules, the storage's unit roundoff `u`
+    /// ([`Precision::unit_roundoff`], `2^-8` for bf16) for the storage rules.
     pub eps: f64,
 }
 
@@ -328,23 +373,11 @@ impl RelativeRule {
     /// 12% off (`32 u`), 8 x fails anything beyond about 3% (`8 u`) of the
     /// scale. Floor: one ulp of bf16 (`2 u`) of the scale, for tensors the
     /// baseline stores exactly (a loss that is a bf16 value).
-    pub const BF16_STORED_FUZZ: RelativeRule = RelativeRule::new(
-        "bf16 storage: 8 x the error of the reference run in f32 and stored in bf16, floor 2 unit roundoffs of the scale",
-        2.0,
-        8.0,
-        2.0,
-        1.0 / 256.0,
-    );
+    pub const BF16_STORED_FUZZ: RelativeRule = storage_rule!("bf16", Bf16, k_tensor: 8, floor: 2);
 
     /// [`RelativeRule::BF16_STORED_FUZZ`] for IEEE f16 storage (`u =
     /// 2^-11`): the same reasoning, 8 x the baseline stored in f16.
-    pub const F16_STORED_FUZZ: RelativeRule = RelativeRule::new(
-        "f16 storage: 8 x the error of the reference run in f32 and stored in f16, floor 2 unit roundoffs of the scale",
-        2.0,
-        8.0,
-        2.0,
-        1.0 / 2048.0,
-    );
+    pub const F16_STORED_FUZZ: RelativeRule = storage_rule!("f16", F16, k_tensor: 8, floor: 2);
 
     /// A custom rule.
     pub const fn new(name: &'static str, k: f64, k_tensor: f64, floor: f64, eps: f64) -> Self {
@@ -679,7 +712,7 @@ pub enum Judge {
         /// The rule against the f64 reference.
         rule: RelativeRule,
         /// What the inputs are rounded to first.
-        inputs: packshard_reference::ops::Precision,
+        inputs: Precision,
         /// Packed against padded (its own two forms).
         packed: Tolerance,
     },
@@ -689,14 +722,9 @@ impl Judge {
     /// The function that rounds an input as the implementation receives it
     /// (identity for a rewrite).
     pub fn round(&self) -> fn(f64) -> f64 {
-        use packshard_reference::ops::Precision;
         match self {
             Judge::Rewrite(_) => |x| x,
-            Judge::Relative { inputs, .. } => match inputs {
-                Precision::F64 => |x| x,
-                Precision::F32 => crate::baseline32::round_f32,
-                Precision::Bf16 => crate::baseline32::round_bf16,
-            },
+            Judge::Relative { inputs, .. } => inputs.rounding(),
         }
     }
 

@@ -418,13 +418,28 @@ fn the_storage_rules_hold_their_unit_roundoffs() {
         (f.k, f.k_tensor, f.floor, f.eps),
         (2.0, 8.0, 2.0, 2f64.powi(-11))
     );
-    for r in [b, f] {
+    for (r, p) in [(b, Precision::Bf16), (f, Precision::F16)] {
         assert!(
-            r.name.contains("8 x") && r.name.contains("2 unit roundoffs"),
+            r.name.starts_with(&format!("{} storage: 8 x", p.name()))
+                && r.name.contains("floor 2 unit roundoffs"),
             "{}",
             r.name
         );
+        assert_eq!(r.eps, p.unit_roundoff(), "{}", r.name);
     }
+}
+
+/// A tolerance in unit roundoffs holds `n u` relative and of the scale and
+/// says `n` in its name (the registry's bf16 fuzz judge: 16 of bf16's `u =
+/// 2^-8`, 1/16).
+#[test]
+fn a_roundoffs_tolerance_names_the_number_it_holds() {
+    let t = crate::roundoffs_tolerance!("bf16 inputs", 16, Bf16);
+    assert_eq!(t.name, "bf16 inputs (16 unit roundoffs)");
+    assert_eq!((t.rel, t.abs, t.underflow), (0.0625, 0.0625, 0.0));
+    let t = crate::roundoffs_tolerance!("f32 inputs", 3, F32);
+    assert_eq!(t.name, "f32 inputs (3 unit roundoffs)");
+    assert_eq!(t.rel, 3.0 * 2f64.powi(-24));
 }
 
 /// A judge names its rule, its inputs and its packed tolerance, and hands

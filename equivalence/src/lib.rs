@@ -53,6 +53,10 @@ pub mod zoo;
 
 pub use compare::{Judge, Mismatch, RelativeRule, RelativeTotals, Tolerance};
 
+/// For [`roundoffs_tolerance!`]'s expansion in other crates.
+#[doc(hidden)]
+pub use packshard_reference as __reference;
+
 /// `cu_seqlens: [b + 1]` of segment `lengths` (leading 0, running sums:
 /// flash-attention's varlen offsets).
 pub fn cu_seqlens_of(lengths: impl IntoIterator<Item = usize>) -> Vec<usize> {

@@ -4,6 +4,7 @@
 
 use half::bf16;
 use ndarray::{Array, ArrayView, Dimension};
+use packshard_reference::precision;
 use packshard_reference::vocab::LossCall;
 use packshard_reference::{Error, Result};
 
@@ -14,6 +15,23 @@ use packshard_reference::{Error, Result};
 /// [`Error::InvalidArgument`] naming `field[i]` (flat index) for a finite
 /// value beyond the f32 range (`|x| > 3.4e38`).
 pub fn to_f32<D: Dimension>(field: &str, x: ArrayView<f64, D>) -> Result<Array<f32, D>> {
+    check_f32_range(field, &x)?;
+    Ok(x.mapv(|v| v as f32))
+}
+
+/// `x` as bf16, by the workspace's one rounding
+/// ([`packshard_reference::precision::to_bf16`]: to nearest even, through
+/// f32), checked as [`to_f32`].
+///
+/// # Errors
+/// As [`to_f32`].
+pub fn to_bf16<D: Dimension>(field: &str, x: ArrayView<f64, D>) -> Result<Array<bf16, D>> {
+    check_f32_range(field, &x)?;
+    Ok(x.mapv(precision::to_bf16))
+}
+
+/// [`to_f32`]'s refusal: the first finite value beyond the f32 range.
+fn check_f32_range<D: Dimension>(field: &str, x: &ArrayView<f64, D>) -> Result<()> {
     if let Some((i, &v)) = x
         .iter()
         .enumerate()
@@ -24,15 +42,7 @@ pub fn to_f32<D: Dimension>(field: &str, x: ArrayView<f64, D>) -> Result<Array<f
             format!("{v:e} is beyond the f32 range of the optimized kernels"),
         ));
     }
-    Ok(x.mapv(|v| v as f32))
-}
-
-/// `x` as bf16 (round to nearest even), checked as [`to_f32`].
-///
-/// # Errors
-/// As [`to_f32`].
-pub fn to_bf16<D: Dimension>(field: &str, x: ArrayView<f64, D>) -> Result<Array<bf16, D>> {
-    Ok(to_f32(field, x)?.mapv(bf16::from_f32))
+    Ok(())
 }
 
 /// An f32 tensor as f64 (exact).

@@ -14,7 +14,7 @@ use packshard_equivalence::fuzz::attention::{AttentionTerms, SegmentOptions};
 use packshard_oracle::eval::loss::{check_vocab_size, widen_columns, widen_rows};
 use packshard_oracle::eval::{make, EvalError};
 use packshard_oracle::registry;
-use packshard_reference::ops::EmbeddingCall;
+use packshard_reference::ops::{EmbeddingCall, Precision};
 use packshard_reference::vocab::ShardLayout;
 
 pub use packshard_oracle::eval::attention_runner::{
@@ -124,7 +124,7 @@ pub fn attention_f32(imp: &str, a: &AttentionArgs<'_, f32>) -> Result<Fields32, 
 /// What a user's kernel stores its tensors in, for the judge: its inputs
 /// are rounded to it (the f64 reference runs on the rounded values), and the
 /// baseline is the reference math run in f32 on them with its results
-/// stored in it ([`KernelPrecision::round`], applied by [`judge_tensor`]).
+/// stored in it ([`Precision::round`], applied by [`judge_tensor`]).
 ///
 /// - `f32`: f32 storage and arithmetic, held to [`RelativeRule::F32_FUZZ`];
 /// - `bf16`, `f16`: bf16 / f16 storage (inputs and results), f32
@@ -135,109 +135,57 @@ pub fn attention_f32(imp: &str, a: &AttentionArgs<'_, f32>) -> Result<Fields32, 
 ///   as flash-attention's tests judge their fp16/bf16 kernels against the
 ///   reference run in the kernel's dtype;
 /// - `f64`: f64 throughout, held to [`Tolerance::F64_REWRITE`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum KernelPrecision {
-    /// f32 storage and arithmetic.
-    F32,
-    /// bf16 storage (8 significant bits), f32 arithmetic.
-    Bf16,
-    /// IEEE f16 storage (11 significant bits), f32 arithmetic.
-    F16,
-    /// f64 throughout.
-    F64,
+///
+/// The workspace's one precision type ([`Precision`]: its names, unit
+/// roundoff and rounding); this crate adds only its parsing with the
+/// package's error ([`parse_precision`]), the rounding of a whole array
+/// ([`round_all`]) and the rule it is held to ([`rule_of`]).
+pub type KernelPrecision = Precision;
+
+/// The precision called `s` (`f64`, `f32`, `bf16`, `f16`).
+///
+/// # Errors
+/// `invalid_argument` naming `precision` and the allowed values.
+pub fn parse_precision(s: &str) -> Result<KernelPrecision, EvalError> {
+    Precision::from_name(s).ok_or_else(|| {
+        let names: Vec<String> = Precision::ALL
+            .iter()
+            .map(|p| format!("{:?}", p.name()))
+            .collect();
+        EvalError::invalid(
+            "precision",
+            format!(
+                "{s:?} is not a precision; expected one of {}",
+                names.join(", ")
+            ),
+        )
+    })
 }
 
-impl KernelPrecision {
-    /// Every precision, by name, in the order the errors list them.
-    pub const ALL: [KernelPrecision; 4] = [
-        KernelPrecision::F32,
-        KernelPrecision::Bf16,
-        KernelPrecision::F16,
-        KernelPrecision::F64,
-    ];
+/// Every value of `x` rounded to `p` ([`Precision::round`]: to nearest,
+/// ties to even, through f32 as PyTorch's `.to(dtype)` does), in standard
+/// layout: `mapv` would keep the view's strides, which ndarray refuses for
+/// an empty view of a non-empty allocation (numpy's `reshape(0, ..)`
+/// strides), a panic.
+pub fn round_all<D: ndarray::Dimension>(
+    p: KernelPrecision,
+    x: &ndarray::ArrayView<'_, f64, D>,
+) -> ndarray::Array<f64, D> {
+    let values: Vec<f64> = x.iter().map(|&v| p.round(v)).collect();
+    ndarray::Array::from_shape_vec(x.raw_dim(), values)
+        .expect("as many values as the view's shape holds")
+}
 
-    /// `f32`, `bf16`, `f16`, `f64`.
-    pub fn name(self) -> &'static str {
-        match self {
-            KernelPrecision::F32 => "f32",
-            KernelPrecision::Bf16 => "bf16",
-            KernelPrecision::F16 => "f16",
-            KernelPrecision::F64 => "f64",
-        }
-    }
-
-    /// One of [`KernelPrecision::ALL`] by its name.
-    ///
-    /// # Errors
-    /// `invalid_argument` naming `precision` and the allowed values.
-    pub fn parse(s: &str) -> Result<Self, EvalError> {
-        Self::ALL
-            .into_iter()
-            .find(|p| p.name() == s)
-            .ok_or_else(|| {
-                let names: Vec<String> = Self::ALL
-                    .iter()
-                    .map(|p| format!("{:?}", p.name()))
-                    .collect();
-                EvalError::invalid(
-                    "precision",
-                    format!(
-                        "{s:?} is not a precision; expected one of {}",
-                        names.join(", ")
-                    ),
-                )
-            })
-    }
-
-    /// `x` rounded to the storage type (to nearest, ties to even, through
-    /// f32 as PyTorch's `.to(dtype)` does: `baseline32`'s roundings, the ones
-    /// the Rust judges use); non-finite values are kept.
-    pub fn round(self, x: f64) -> f64 {
-        match self {
-            KernelPrecision::F32 => baseline32::round_f32(x),
-            KernelPrecision::Bf16 => baseline32::round_bf16(x),
-            KernelPrecision::F16 => baseline32::round_f16(x),
-            KernelPrecision::F64 => x,
-        }
-    }
-
-    /// Every value of `x` rounded ([`KernelPrecision::round`]), in standard
-    /// layout: `mapv` would keep the view's strides, which ndarray refuses
-    /// for an empty view of a non-empty allocation (numpy's `reshape(0, ..)`
-    /// strides), a panic.
-    pub fn round_all<D: ndarray::Dimension>(
-        self,
-        x: &ndarray::ArrayView<'_, f64, D>,
-    ) -> ndarray::Array<f64, D> {
-        let values: Vec<f64> = x.iter().map(|&v| self.round(v)).collect();
-        ndarray::Array::from_shape_vec(x.raw_dim(), values)
-            .expect("as many values as the view's shape holds")
-    }
-
-    /// The rule a kernel of this precision is held to on one case, against
-    /// the f32 baseline stored in it: [`RelativeRule::F32_FUZZ`] (f32),
-    /// [`RelativeRule::BF16_STORED_FUZZ`], [`RelativeRule::F16_STORED_FUZZ`];
-    /// `None` for f64 ([`Tolerance::F64_REWRITE`], no baseline).
-    pub fn rule(self) -> Option<RelativeRule> {
-        match self {
-            KernelPrecision::F32 => Some(RelativeRule::F32_FUZZ),
-            KernelPrecision::Bf16 => Some(RelativeRule::BF16_STORED_FUZZ),
-            KernelPrecision::F16 => Some(RelativeRule::F16_STORED_FUZZ),
-            KernelPrecision::F64 => None,
-        }
-    }
-
-    /// The unit roundoff of the storage type, `2^-p` for `p` significant
-    /// bits: `2^-24`, `2^-8`, `2^-11`, `2^-53` (f32, bf16, f64 as
-    /// [`packshard_reference::ops::Precision::unit_roundoff`] states them).
-    pub fn unit_roundoff(self) -> f64 {
-        use packshard_reference::ops::Precision;
-        match self {
-            KernelPrecision::F32 => Precision::F32.unit_roundoff(),
-            KernelPrecision::Bf16 => Precision::Bf16.unit_roundoff(),
-            KernelPrecision::F16 => 2f64.powi(-11),
-            KernelPrecision::F64 => Precision::F64.unit_roundoff(),
-        }
+/// The rule a kernel of precision `p` is held to on one case, against the
+/// f32 baseline stored in it: [`RelativeRule::F32_FUZZ`] (f32),
+/// [`RelativeRule::BF16_STORED_FUZZ`], [`RelativeRule::F16_STORED_FUZZ`];
+/// `None` for f64 ([`Tolerance::F64_REWRITE`], no baseline).
+pub fn rule_of(p: KernelPrecision) -> Option<RelativeRule> {
+    match p {
+        Precision::F32 => Some(RelativeRule::F32_FUZZ),
+        Precision::Bf16 => Some(RelativeRule::BF16_STORED_FUZZ),
+        Precision::F16 => Some(RelativeRule::F16_STORED_FUZZ),
+        Precision::F64 => None,
     }
 }
 
@@ -313,7 +261,7 @@ pub fn attention_judged(
     a: &AttentionArgs<'_>,
     precision: KernelPrecision,
 ) -> Result<Judged, EvalError> {
-    let r = |x: &ArrayView3<f64>| precision.round_all(x);
+    let r = |x: &ArrayView3<f64>| round_all(precision, x);
     let (q, k, v) = (r(&a.q), r(&a.k), r(&a.v));
     let go = a.grad_output.as_ref().map(r);
     let rounded = AttentionArgs {
@@ -381,7 +329,7 @@ pub fn loss_judged(
     a: &LossArgs,
     precision: KernelPrecision,
 ) -> Result<Judged, EvalError> {
-    let r = |x: &ArrayView2<f64>| precision.round_all(x);
+    let r = |x: &ArrayView2<f64>| round_all(precision, x);
     let unsharded = LossArgs {
         num_shards: None,
         algorithm: None,
@@ -596,7 +544,7 @@ fn worst_share(
 }
 
 /// Holds `actual` (row-major, of `shape`) to the rule for `precision`
-/// ([`KernelPrecision::rule`]): for f32, [`RelativeRule::F32_FUZZ`] (at most
+/// ([`rule_of`]): for f32, [`RelativeRule::F32_FUZZ`] (at most
 /// 32 x the error of the baseline, the reference math run in f32, plus 256
 /// ulp of f32 of the tensor's scale); for bf16 and f16, 8 x the baseline
 /// stored in that precision plus one of its ulp of the scale; for f64,
@@ -646,7 +594,7 @@ pub fn judge_tensor(
         .filter(|v| v.is_finite())
         .fold(0.0f64, |m, v| m.max(v.abs()));
     match (precision, baseline) {
-        (KernelPrecision::F64, _) | (_, None) => {
+        (Precision::F64, _) | (_, None) => {
             let tol = Tolerance::F64_REWRITE;
             let s = scale.unwrap_or(1e-300).max(1e-300).max(tensor_scale);
             let r = compare::assert_close_with_scale(what, expected, actual, shape, tol, scale);
@@ -655,7 +603,7 @@ pub fn judge_tensor(
         }
         (p, Some(b)) => {
             let stored: Vec<f64> = b.iter().map(|&x| p.round(x)).collect();
-            let rule = p.rule().unwrap_or(RelativeRule::F32_FUZZ);
+            let rule = rule_of(p).unwrap_or(RelativeRule::F32_FUZZ);
             // `scale` (the terms' running bound) measures f32 arithmetic: a
             // bf16 / f16 kernel computes in f32, so its floor there is the f32
             // rule's (256 ulp of f32 of the terms), not its storage's ulp of

@@ -82,7 +82,7 @@ fn bf16_storage_allows_bf16_rounding_of_the_results_and_no_more() {
     let a = args(&q, &cu);
     // The reference's outputs on bf16 inputs, stored in bf16: a correct
     // bf16 kernel up to its f32 arithmetic.
-    let rounded = q.mapv(packshard_equivalence::baseline32::round_bf16);
+    let rounded = q.mapv(packshard_reference::precision::round_bf16);
     let ra = args(&rounded, &cu);
     let exact = attention(registry::REFERENCE, &ra).unwrap();
     let stored: Fields = exact

@@ -117,7 +117,7 @@ fn fields_result(py: Python<'_>, r: Result<Fields, EvalError>) -> PyResult<Py<Py
 }
 
 fn precision(py: Python<'_>, s: &str) -> PyResult<KernelPrecision> {
-    KernelPrecision::parse(s).map_err(|e| raise(py, e))
+    core::parse_precision(s).map_err(|e| raise(py, e))
 }
 
 fn cu(py: Python<'_>, xs: &PyReadonlyArray1<'_, i64>) -> PyResult<Vec<usize>> {
@@ -629,7 +629,7 @@ fn round_to<'py>(
 ) -> PyResult<Py<PyAny>> {
     guard(py, || {
         let p = self::precision(py, &precision)?;
-        PyArrayDyn::from_owned_array(py, p.round_all(&x.as_array())).into_py_any(py)
+        PyArrayDyn::from_owned_array(py, core::round_all(p, &x.as_array())).into_py_any(py)
     })
 }
 

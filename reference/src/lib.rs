@@ -36,6 +36,8 @@
 //!   hand-written backward passes, over varlen or dense layouts and key/value caches.
 //! - [`ops`]: the op families, one trait each, that every implementation
 //!   (this reference, the optimized and GPU kernels, a user's kernel) meets.
+//! - [`precision`]: what an implementation computes in ([`ops::Precision`]),
+//!   each format's unit roundoff and the one rounding to f32, bf16 and f16.
 //! - [`faults`]: the fault catalogue of `docs/FAULTS.md` as data, each kind's canonical example.
 //! - [`error`]: the one typed error, mapped onto the `eval` error kinds.
 
@@ -194,6 +196,7 @@ pub mod faults;
 pub mod limits;
 pub mod ops;
 pub mod packing;
+pub mod precision;
 pub mod step;
 pub mod vocab;
 

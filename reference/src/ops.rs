@@ -41,39 +41,9 @@ use crate::vocab::embedding::ShardedEmbedding;
 use crate::vocab::sharded::ShardedLoss;
 use crate::vocab::{LossCall, ShardMap, ShardPlan, ShardedAlgorithm};
 
-/// What an implementation computes in. Inputs are rounded to it on entry
-/// and results widened to f64 on exit.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Precision {
-    /// f64 throughout (the reference, exact rewrites of it).
-    F64,
-    /// f32 storage and arithmetic.
-    F32,
-    /// bf16 inputs, f32 accumulation.
-    Bf16,
-}
-
-impl Precision {
-    /// `f64`, `f32`, `bf16`.
-    pub fn name(self) -> &'static str {
-        match self {
-            Precision::F64 => "f64",
-            Precision::F32 => "f32",
-            Precision::Bf16 => "bf16",
-        }
-    }
-
-    /// The unit roundoff `u = 2^-p` of the storage type, `p` its significant
-    /// bits (half an ulp of 1; the largest relative error of rounding to
-    /// it): `2^-53`, `2^-24`, `2^-8` (bf16 keeps 8 bits, 7 stored).
-    pub fn unit_roundoff(self) -> f64 {
-        match self {
-            Precision::F64 => f64::EPSILON / 2.0,
-            Precision::F32 => f32::EPSILON as f64 / 2.0,
-            Precision::Bf16 => 1.0 / 256.0,
-        }
-    }
-}
+/// What an implementation computes in: one type for the workspace, with
+/// its unit roundoff and its one rounding (see [`crate::precision`]).
+pub use crate::precision::Precision;
 
 // ---- attention -------------------------------------------------------------
 

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Args;
-use packshard::golden::{self, Dtype};
+use packshard::golden;
 
 use super::CliError;
 
@@ -25,7 +25,7 @@ pub struct GoldenArgs {
 /// Runs `golden`: exit status 0, or 2 for bad arguments or an unwritable
 /// directory.
 pub fn run(args: GoldenArgs) -> Result<ExitCode, CliError> {
-    let dtype: Dtype = args.dtype.parse().map_err(CliError::input)?;
+    let dtype = golden::parse_dtype(&args.dtype).map_err(CliError::input)?;
     let w = golden::write(&args.out, dtype).map_err(CliError::input)?;
     println!(
         "wrote {} golden cases ({} inputs, {} expected outputs, dtype {}, {:.1} kB) to {}: manifest.json, inputs/<case>.safetensors, expected/<case>.safetensors",

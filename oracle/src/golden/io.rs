@@ -2,91 +2,71 @@
 //! hashes and summaries, and reading any numeric safetensors dtype back as
 //! f64.
 
+use packshard_reference::precision::{self, Precision};
 use safetensors::tensor::{Dtype as StDtype, SafeTensors, TensorView};
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
 use super::GoldenError;
 
-/// The float dtype golden inputs are stored in (`--dtype`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Dtype {
-    /// IEEE binary64 (the default: inputs exactly as the reference sees them).
-    F64,
-    /// IEEE binary32: inputs rounded to nearest.
-    F32,
-    /// bfloat16 (8 bits of precision): inputs rounded to nearest even.
-    Bf16,
+/// The float dtype golden inputs are stored in (`--dtype`): the workspace's
+/// one precision type, [`Precision`], whose [`Precision::round`] rounds the
+/// stored inputs (to nearest, ties to even; bf16 through f32, as the kernels
+/// and PyTorch round) and whose [`Precision::unit_roundoff`] sizes the
+/// low-precision rules.
+pub type Dtype = Precision;
+
+/// The `--dtype` choices, in order: `f64` (the default: inputs exactly as
+/// the reference sees them), `f32`, `bf16`.
+pub const DTYPES: [Dtype; 3] = [Precision::F64, Precision::F32, Precision::Bf16];
+
+/// The `--dtype` called `s` (one of [`DTYPES`]).
+///
+/// # Errors
+/// A [`GoldenError`] naming the dtype and the choices.
+pub fn parse_dtype(s: &str) -> Result<Dtype, GoldenError> {
+    DTYPES
+        .into_iter()
+        .find(|d| d.name() == s)
+        .ok_or_else(|| GoldenError::new(format!("dtype: unknown {s:?}; expected f64, f32 or bf16")))
 }
 
-impl Dtype {
-    /// Every dtype, in `--dtype` order.
-    pub const ALL: [Dtype; 3] = [Dtype::F64, Dtype::F32, Dtype::Bf16];
-
-    /// The `--dtype` and manifest name: `f64`, `f32`, `bf16`.
-    pub fn name(self) -> &'static str {
-        match self {
-            Dtype::F64 => "f64",
-            Dtype::F32 => "f32",
-            Dtype::Bf16 => "bf16",
-        }
-    }
-
-    /// The safetensors dtype name: `F64`, `F32`, `BF16`.
-    pub fn safetensors_name(self) -> &'static str {
-        match self {
-            Dtype::F64 => "F64",
-            Dtype::F32 => "F32",
-            Dtype::Bf16 => "BF16",
-        }
-    }
-
-    /// The unit roundoff `u = 2^-p` (half an ulp of 1): `2^-53`, `2^-24`,
-    /// `2^-8`, as the implementations' precision states it (one source:
-    /// `packshard_reference::ops::Precision::unit_roundoff`).
-    pub fn unit_roundoff(self) -> f64 {
-        use packshard_reference::ops::Precision;
-        match self {
-            Dtype::F64 => Precision::F64.unit_roundoff(),
-            Dtype::F32 => Precision::F32.unit_roundoff(),
-            Dtype::Bf16 => Precision::Bf16.unit_roundoff(),
-        }
-    }
-
-    /// `x` rounded to this dtype (to nearest, ties to even), as f64.
-    /// Non-finite values stay as they are.
-    pub fn round(self, x: f64) -> f64 {
-        match self {
-            Dtype::F64 => x,
-            Dtype::F32 => x as f32 as f64,
-            Dtype::Bf16 => half::bf16::from_f64(x).to_f64(),
-        }
-    }
-
-    fn bytes(self, values: &[f64]) -> Vec<u8> {
-        match self {
-            Dtype::F64 => values.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            Dtype::F32 => values
-                .iter()
-                .flat_map(|&x| (x as f32).to_le_bytes())
-                .collect(),
-            Dtype::Bf16 => values
-                .iter()
-                .flat_map(|&x| half::bf16::from_f64(x).to_bits().to_le_bytes())
-                .collect(),
-        }
+/// The safetensors dtype floats stored as `dtype` are written in.
+fn safetensors_dtype(dtype: Dtype) -> StDtype {
+    match dtype {
+        Precision::F64 => StDtype::F64,
+        Precision::F32 => StDtype::F32,
+        Precision::Bf16 => StDtype::BF16,
+        Precision::F16 => StDtype::F16,
     }
 }
 
-impl std::str::FromStr for Dtype {
-    type Err = GoldenError;
-    fn from_str(s: &str) -> Result<Self, GoldenError> {
-        Dtype::ALL
-            .into_iter()
-            .find(|d| d.name() == s)
-            .ok_or_else(|| {
-                GoldenError::new(format!("dtype: unknown {s:?}; expected f64, f32 or bf16"))
-            })
+/// The safetensors dtype name of `dtype`: `F64`, `F32`, `BF16`, `F16`.
+pub fn safetensors_name(dtype: Dtype) -> &'static str {
+    match dtype {
+        Precision::F64 => "F64",
+        Precision::F32 => "F32",
+        Precision::Bf16 => "BF16",
+        Precision::F16 => "F16",
+    }
+}
+
+/// `values` (already rounded to `dtype`) as stored, little-endian.
+fn float_bytes(dtype: Dtype, values: &[f64]) -> Vec<u8> {
+    match dtype {
+        Precision::F64 => values.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        Precision::F32 => values
+            .iter()
+            .flat_map(|&x| (x as f32).to_le_bytes())
+            .collect(),
+        Precision::Bf16 => values
+            .iter()
+            .flat_map(|&x| precision::to_bf16(x).to_bits().to_le_bytes())
+            .collect(),
+        Precision::F16 => values
+            .iter()
+            .flat_map(|&x| precision::to_f16(x).to_bits().to_le_bytes())
+            .collect(),
     }
 }
 
@@ -143,7 +123,7 @@ impl Tensor {
     /// The safetensors dtype name it is stored as.
     pub fn dtype_name(&self) -> &'static str {
         match &self.values {
-            Values::F(_, d) => d.safetensors_name(),
+            Values::F(_, d) => safetensors_name(*d),
             Values::I(_) => "I64",
         }
     }
@@ -151,16 +131,14 @@ impl Tensor {
     /// The stored bytes (little-endian, as in the file).
     pub fn bytes(&self) -> Vec<u8> {
         match &self.values {
-            Values::F(v, d) => d.bytes(v),
+            Values::F(v, d) => float_bytes(*d, v),
             Values::I(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
         }
     }
 
     fn st_dtype(&self) -> StDtype {
         match &self.values {
-            Values::F(_, Dtype::F64) => StDtype::F64,
-            Values::F(_, Dtype::F32) => StDtype::F32,
-            Values::F(_, Dtype::Bf16) => StDtype::BF16,
+            Values::F(_, d) => safetensors_dtype(*d),
             Values::I(_) => StDtype::I64,
         }
     }

@@ -58,7 +58,7 @@ use std::path::Path;
 
 use serde_json::{json, Map, Value};
 
-pub use io::{Dtype, Tensor, Values};
+pub use io::{parse_dtype, Dtype, Tensor, Values, DTYPES};
 
 /// The manifest's `format`.
 /// `/2`: the manifest carries its own hash ([`SEAL_KEY`]).
@@ -247,7 +247,7 @@ pub fn manifest(dtype: Dtype, cases: &[GoldenCase]) -> Value {
         "generator": format!("packshard {}", env!("CARGO_PKG_VERSION")),
         "dtype": dtype.name(),
         "conventions": {
-            "inputs": format!("float inputs stored as {} (rounded to nearest), integers as I64, named as the eval op's fields", dtype.safetensors_name()),
+            "inputs": format!("float inputs stored as {} (rounded to nearest), integers as I64, named as the eval op's fields", io::safetensors_name(dtype)),
             "expected": "computed in f64 by the reference from the stored inputs, stored as F64 (I64 for integers), named as the eval op's result fields",
             "results": "one safetensors file, each output under its `result` name (<case>/<output>), any float or integer dtype, the expected shape",
             "tolerance": "element i passes when |actual_i - expected_i| <= rel |expected_i| + atol; NaN never passes, equal infinities do",

@@ -6,7 +6,9 @@
 //! else (`packshard check DIR --impl NAME`).
 //!
 //! The set to use follows the implementation's precision: f64 kernels on the
-//! `f64` set, f32 on `f32`, bf16 on `bf16` ([`dtype_for`]).
+//! `f64` set, f32 on `f32`, bf16 on `bf16` (a golden [`Dtype`] is a
+//! [`Precision`](crate::registry::Precision): the entry's `precision` is
+//! the set's dtype).
 
 use packshard_reference::attention::Window;
 use packshard_reference::ops::{AttentionSupport, Varlen};
@@ -15,16 +17,7 @@ use serde_json::{json, Map, Value};
 use super::io::{Dtype, Tensor, Values};
 use super::{GoldenCase, GoldenError};
 use crate::eval::{evaluate, num};
-use crate::registry::{self, Family, Precision};
-
-/// The golden set a kernel of `precision` is checked on.
-pub fn dtype_for(precision: Precision) -> Dtype {
-    match precision {
-        Precision::F64 => Dtype::F64,
-        Precision::F32 => Dtype::F32,
-        Precision::Bf16 => Dtype::Bf16,
-    }
-}
+use crate::registry::{self, Family};
 
 /// The family whose entries the `eval` op `op` runs, if any.
 pub fn family_of(op: &str) -> Option<Family> {

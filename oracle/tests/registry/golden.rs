@@ -18,7 +18,7 @@ use std::sync::Mutex;
 
 use packshard_oracle::golden::{
     self, cases, check, io,
-    registry::{dtype_for, outside_attention_support, results_of},
+    registry::{outside_attention_support, results_of},
     GoldenCase,
 };
 use packshard_oracle::registry::{self, Entry, Family};
@@ -49,7 +49,7 @@ fn golden_of<K: ?Sized>(
     entry: &Entry<K>,
     declared: Declared<'_>,
 ) -> Result<String, String> {
-    let dtype = dtype_for(entry.precision);
+    let dtype = entry.precision;
     let dir = root().join(dtype.name());
     {
         let _held = WRITING.lock().unwrap_or_else(|e| e.into_inner());

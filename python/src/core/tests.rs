@@ -71,10 +71,10 @@ fn tiled_attention_is_within_the_rule_and_a_leak_is_not() {
 #[test]
 fn precisions_parse_by_name_and_refuse_the_rest_naming_the_field() {
     for p in KernelPrecision::ALL {
-        assert_eq!(KernelPrecision::parse(p.name()).unwrap(), p);
+        assert_eq!(parse_precision(p.name()).unwrap(), p);
     }
     for bad in ["bf61", "BF16", "float32", ""] {
-        let e = KernelPrecision::parse(bad).unwrap_err();
+        let e = parse_precision(bad).unwrap_err();
         assert_eq!(e.kind, "invalid_argument");
         assert!(e.message.starts_with("precision: "), "{}", e.message);
         for p in KernelPrecision::ALL {
@@ -87,11 +87,12 @@ fn precisions_parse_by_name_and_refuse_the_rest_naming_the_field() {
     }
 }
 
-/// Each precision's unit roundoff is its rounding's: `1 + u` is a tie (to
-/// even: 1), just above it rounds up to `1 + 2u` (f16's `2^-11`, bf16's
-/// `2^-8`; issue 31 found bf16 stated as `2^-9`).
+/// Each precision's rounding and rule are the workspace's one: `1 + u` is
+/// a tie (to even: 1), just above it rounds up to `1 + 2u` (f16's `2^-11`,
+/// bf16's `2^-8`; issue 31 found bf16 stated as `2^-9`), and the storage
+/// rules count their floor in that `u` (f32's rule in f32's ulps, `2u`).
 #[test]
-fn unit_roundoffs_match_the_roundings() {
+fn unit_roundoffs_match_the_roundings_and_the_rules() {
     for p in [
         KernelPrecision::F32,
         KernelPrecision::Bf16,
@@ -105,8 +106,11 @@ fn unit_roundoffs_match_the_roundings() {
             "{}",
             p.name()
         );
+        let ulps = if p == KernelPrecision::F32 { 2.0 } else { 1.0 };
+        assert_eq!(rule_of(p).unwrap().eps, ulps * u, "{}", p.name());
     }
     assert_eq!(KernelPrecision::F64.round(0.1), 0.1);
+    assert_eq!(rule_of(KernelPrecision::F64), None);
 }
 
 /// The stored baseline: under bf16 a kernel whose results are the
