@@ -17,7 +17,9 @@
 //! fixed chunks of rows in parallel and the chunk sums in order, so results
 //! do not depend on the number of threads.
 
-use ndarray::{Array1, Array2, ArrayView1, ArrayView2, ArrayView3, ArrayViewMut2};
+use ndarray::{
+    Array1, Array2, ArrayBase, ArrayView1, ArrayView2, ArrayView3, ArrayViewMut2, Data, Ix2,
+};
 use packshard_reference::bert::attention::{check_cu_seqlens, check_layout, AttentionLayout};
 use packshard_reference::bert::LayerParams;
 use packshard_reference::{Error, Result};
@@ -64,8 +66,9 @@ pub struct LayerCache32 {
     q: Array2<f32>,
     k: Array2<f32>,
     v: Array2<f32>,
+    /// The attention's output (`[n, h, d]`, also the `[n, hidden]` input
+    /// of the output projection) and `lse`.
     attention: AttentionOutput32,
-    a: Array2<f32>,
     x_hat1: Array2<f32>,
     inv_std1: Vec<f32>,
     h1: Array2<f32>,
@@ -117,7 +120,7 @@ fn add_rows(y: &mut Array2<f32>, b: ArrayView1<f32>, r: Option<&Array2<f32>>) {
 }
 
 /// Column sums of `y: [n, w]` in fixed row chunks, chunk sums in order.
-fn column_sums(y: &Array2<f32>) -> Vec<f32> {
+fn column_sums(y: &ArrayBase<impl Data<Elem = f32>, Ix2>) -> Vec<f32> {
     let w = y.ncols();
     let flat = y.as_slice().expect("standard layout");
     if w == 0 {
@@ -145,7 +148,7 @@ fn column_sums(y: &Array2<f32>) -> Vec<f32> {
 }
 
 /// `sum_i a[i, :] * b[i, :]` column-wise (fixed chunks, in order).
-fn column_dot(a: &Array2<f32>, b: &Array2<f32>) -> Vec<f32> {
+fn column_dot(a: &ArrayBase<impl Data<Elem = f32>, Ix2>, b: &Array2<f32>) -> Vec<f32> {
     let w = a.ncols();
     if w == 0 {
         return Vec::new();
@@ -288,7 +291,7 @@ fn layer_norm_backward(
     x_hat: &Array2<f32>,
     inv: &[f32],
     gamma: &Array1<f32>,
-    dy: &Array2<f32>,
+    dy: &ArrayBase<impl Data<Elem = f32>, Ix2>,
     grad_gamma: &mut Array1<f32>,
     grad_beta: &mut Array1<f32>,
 ) -> Array2<f32> {
@@ -434,9 +437,9 @@ pub fn layer_forward(
     let n = x.nrows();
     let a = attention
         .output
-        .clone()
+        .view()
         .into_shape_with_order((n, hidden))
-        .expect("[n, h, d] reshapes to [n, hidden]");
+        .expect("a fresh [n, h, d] array reshapes to [n, hidden]");
     let mut h1 = linear(a.view(), &p.attn_out_w, &p.attn_out_b, Some(&x));
     let (x_hat1, inv_std1) = layer_norm(&mut h1, &p.attn_ln_g, &p.attn_ln_b, eps);
     let pre = linear(h1.view(), &p.inter_w, &p.inter_b, None);
@@ -457,7 +460,6 @@ pub fn layer_forward(
             k,
             v,
             attention,
-            a,
             x_hat1,
             inv_std1,
             h1,
@@ -492,7 +494,7 @@ pub fn layer_backward(
         });
     }
     check_finite("grad_output", &dout.insert_axis(ndarray::Axis(2)))?;
-    let dout = dout.as_standard_layout().into_owned();
+    let dout = dout.as_standard_layout();
     let scale = 1.0 / ((hidden / num_heads) as f32).sqrt();
     let mut g = p.zeros_like();
     let dr2 = layer_norm_backward(
@@ -541,7 +543,12 @@ pub fn layer_backward(
         &mut g.attn_ln_b,
     );
     let da = linear_backward(
-        cache.a.view(),
+        cache
+            .attention
+            .output
+            .view()
+            .into_shape_with_order((n, hidden))
+            .expect("a fresh [n, h, d] array reshapes to [n, hidden]"),
         &p.attn_out_w,
         &dr1,
         &mut g.attn_out_w,
