@@ -20,6 +20,14 @@
 //! in increasing order with one fused multiply-add per term, whatever the
 //! tile's other dimensions: the same inputs give bitwise the same result in a
 //! varlen tile and in a dense masked tile.
+//!
+//! **No SIMD code in closures.** pulp compiles the dispatched `with_simd`
+//! with the CPU's target features, and every `#[inline(always)]` function
+//! inlined into it gets them; a closure's body does not, unless LLVM chooses
+//! to inline it, which it did not for the exact GELU (35 times slower, its
+//! intrinsics called as functions; issue 37). Lane-wise maps take a
+//! [`LaneFn`]; loops are written out; a thread-local borrow wraps the
+//! dispatch, never the reverse (`attention::backward`).
 
 use pulp::{Arch, Simd, WithSimd};
 
