@@ -292,3 +292,135 @@ fn a_missing_tail_byte_draws_nothing() {
         assert_eq!((config.softcap, up), (None, None));
     }
 }
+
+/// The planted values a case's description lists (`... = x` after
+/// `planted`, up to the eight it names).
+fn planted_values(values: &str) -> Vec<String> {
+    let Some((_, list)) = values.split_once("; planted ") else {
+        return Vec::new();
+    };
+    list.split(", ")
+        .filter_map(|item| item.split_once("] = ").map(|(_, x)| x.to_string()))
+        .collect()
+}
+
+/// `CeFuzzCase::arbitrary`, small cases over 600 byte strings: gradients
+/// asked for half the time; the four plants reach `±1e4`, `±1e8` and
+/// `-inf`, both signs; random `-inf` logits one in 3, 8 or 32 in three
+/// quarters of the cases, named in the description, and never "1 in 0".
+#[test]
+fn small_ce_cases_draw_gradients_plants_and_infinities_in_their_shares() {
+    let (mut small, mut grads, mut with_inf) = (0, 0, 0);
+    let mut planted = BTreeSet::new();
+    let mut rates = BTreeSet::new();
+    for s in 0..600u64 {
+        let data = bytes(s);
+        if SizeClass::of(&data[..1]) != SizeClass::Small {
+            continue;
+        }
+        let c = CeFuzzCase::arbitrary(&mut Unstructured::new(&data)).unwrap();
+        small += 1;
+        grads += usize::from(c.want_grad);
+        planted.extend(planted_values(&c.values));
+        // "1 in k logits -inf" (the generator's own "1 in k x m" outliers
+        // share the words "1 in").
+        if let Some((before, _)) = c.values.split_once(" logits -inf") {
+            with_inf += 1;
+            let (_, k) = before.rsplit_once("1 in ").expect("1 in k logits -inf");
+            rates.insert(k.to_string());
+        }
+    }
+    assert!(small >= 300, "only {small} small cases");
+    within_share("small cases asking for gradients", grads, small, 0.5);
+    within_share("cases with random -inf logits", with_inf, small, 0.75);
+    assert_eq!(rates, ["3", "32", "8"].map(String::from).into());
+    for x in ["10000", "-10000", "100000000", "-100000000", "-inf"] {
+        assert!(planted.contains(x), "no plant of {x}: {planted:?}");
+    }
+}
+
+/// `LinearFuzzCase::arbitrary` over 600 byte strings: half the plants go
+/// to `hidden`, half to `weight`, each with 100, -100 and 0.
+#[test]
+fn linear_case_plants_hit_both_tensors_with_both_signs() {
+    let (mut hidden, mut all) = (0, 0);
+    let mut seen = BTreeSet::new();
+    for s in 0..600u64 {
+        let data = bytes(s);
+        let c = LinearFuzzCase::arbitrary(&mut Unstructured::new(&data)).unwrap();
+        let Some((_, mut list)) = c.values.split_once("; planted ") else {
+            continue;
+        };
+        // Items `hidden[i, k] = x` or `weight[j, k] = x`, comma-separated.
+        while let Some(at) = list.find(['h', 'w']) {
+            let item = &list[at..];
+            let (tensor, rest) = item.split_once('[').expect("a planted tensor");
+            let (_, after) = rest.split_once("] = ").expect("a planted value");
+            let x = after.split([',', ';']).next().expect("a value");
+            all += 1;
+            hidden += usize::from(tensor == "hidden");
+            seen.insert((tensor.to_string(), x.to_string()));
+            list = &after[x.len()..];
+        }
+    }
+    within_share("plants in hidden", hidden, all, 0.5);
+    for t in ["hidden", "weight"] {
+        for x in ["100", "-100", "0"] {
+            assert!(
+                seen.contains(&(t.to_string(), x.to_string())),
+                "no plant of {x} in {t}: {seen:?}"
+            );
+        }
+    }
+}
+
+/// V6 in `CeFuzzCase::arbitrary`'s small cases (those without random `-inf`
+/// logits, so that a shard all `-inf` is the plant): a row's byte masks a
+/// whole shard when `b % 6 == 5` (42 of 256 bytes) and the case has more
+/// than one shard, the shard `b / 6 % p` (every rank reached at `p` = 2
+/// and 3); a one-shard case never loses its whole row.
+#[test]
+fn v6_masks_whole_shards_of_about_a_sixth_of_the_rows() {
+    let (mut rows, mut masked, mut single_masked) = (0, 0, 0);
+    let mut ranks = BTreeSet::new();
+    for s in 0..1500u64 {
+        let data = bytes(s);
+        if SizeClass::of(&data[..1]) != SizeClass::Small {
+            continue;
+        }
+        let c = CeFuzzCase::arbitrary(&mut Unstructured::new(&data)).unwrap();
+        if c.values.contains(" logits -inf") {
+            continue;
+        }
+        let (map, z) = (&c.case.map, &c.case.logits);
+        let p = map.num_shards();
+        for i in 0..z.nrows() {
+            // Shards of at least 3 real columns: the four plants cannot
+            // fill one by themselves, two at most land in one row here.
+            let all_inf = |r: usize| {
+                let sh = map.shard(r);
+                sh.real >= 3
+                    && (sh.start..sh.start + sh.real).all(|j| z[[i, j]] == f64::NEG_INFINITY)
+            };
+            let hit: Vec<usize> = (0..p).filter(|&r| all_inf(r)).collect();
+            if p == 1 {
+                single_masked += hit.len();
+                continue;
+            }
+            if (0..p).all(|r| map.shard(r).real >= 3) {
+                rows += 1;
+                masked += usize::from(!hit.is_empty());
+                ranks.extend(hit.iter().map(|&r| (p, r)));
+            }
+        }
+    }
+    assert!(rows >= 300, "only {rows} rows");
+    assert_eq!(single_masked, 0, "a one-shard row masked whole");
+    within_share("rows with a shard masked", masked, rows, 42.0 / 256.0);
+    for (p, r) in [(2, 0), (2, 1), (3, 0), (3, 1), (3, 2)] {
+        assert!(
+            ranks.contains(&(p, r)),
+            "rank {r} of {p} never masked: {ranks:?}"
+        );
+    }
+}
