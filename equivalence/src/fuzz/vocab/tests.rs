@@ -424,3 +424,97 @@ fn v6_masks_whole_shards_of_about_a_sixth_of_the_rows() {
         );
     }
 }
+
+/// Whether `x` is one of `padding_value`'s marked values (NaN, infinity,
+/// 1e4); a quarter of its draws are ordinary values.
+fn marked_padding(x: f64) -> bool {
+    x.is_nan() || x == f64::INFINITY || x == 1e4
+}
+
+/// `EmbeddingFuzzCase::arbitrary`, small cases over 1,500 byte strings:
+/// every id is a class in `0..v` or one of the three out-of-range kinds
+/// (`v`, `-1`, `i64::MAX`), each kind drawn; the in-range ids of a case are
+/// spread (some case has several distinct ones); the weight's real rows are
+/// finite and its first padding row holds `padding_value`'s marked values
+/// three quarters of the time.
+#[test]
+fn embedding_cases_draw_every_id_kind_and_pad_only_padding_rows() {
+    let mut kinds = BTreeSet::new();
+    let (mut spread, mut pad_marked, mut pad_all) = (false, 0, 0);
+    for s in 0..1500u64 {
+        let data = bytes(s);
+        if SizeClass::of(&data[..1]) != SizeClass::Small {
+            continue;
+        }
+        let c = EmbeddingFuzzCase::arbitrary(&mut Unstructured::new(&data)).unwrap();
+        let (map, ids, weight) = (&c.case.map, &c.case.ids, &c.case.weight);
+        let v = map.vocab_size() as i64;
+        let mut in_range = BTreeSet::new();
+        for &id in ids {
+            match id {
+                x if (0..v).contains(&x) => {
+                    in_range.insert(x);
+                }
+                x if x == v => {
+                    kinds.insert("v");
+                }
+                -1 => {
+                    kinds.insert("-1");
+                }
+                i64::MAX => {
+                    kinds.insert("i64::MAX");
+                }
+                x => panic!("id {x} with v = {v}: {}", c.values),
+            }
+        }
+        spread |= in_range.len() >= 2;
+        for (j, row) in weight.rows().into_iter().enumerate() {
+            if (j as i64) < v {
+                assert!(row.iter().all(|x| x.is_finite()), "real row {j} of {v}");
+            } else if j as i64 == v {
+                pad_all += row.len();
+                pad_marked += row.iter().filter(|&&x| marked_padding(x)).count();
+            }
+        }
+    }
+    assert_eq!(kinds, ["-1", "i64::MAX", "v"].into());
+    assert!(spread, "no case drew two distinct in-range ids");
+    assert!(pad_all >= 200, "only {pad_all} first-padding-row entries");
+    within_share(
+        "marked values in the first padding row",
+        pad_marked,
+        pad_all,
+        0.75,
+    );
+}
+
+/// `LinearFuzzCase::arbitrary`: the weight's first padding row holds
+/// `padding_value`'s marked values three quarters of the time (its real
+/// rows are `gen`'s, finite).
+#[test]
+fn linear_cases_pad_only_the_padding_rows() {
+    let (mut pad_marked, mut pad_all) = (0, 0);
+    for s in 0..1500u64 {
+        let data = bytes(s);
+        if SizeClass::of(&data[..1]) != SizeClass::Small {
+            continue;
+        }
+        let c = LinearFuzzCase::arbitrary(&mut Unstructured::new(&data)).unwrap();
+        let v = c.case.map.vocab_size();
+        for (j, row) in c.case.weight.rows().into_iter().enumerate() {
+            if j < v {
+                assert!(row.iter().all(|x| x.is_finite()), "real row {j} of {v}");
+            } else if j == v {
+                pad_all += row.len();
+                pad_marked += row.iter().filter(|&&x| marked_padding(x)).count();
+            }
+        }
+    }
+    assert!(pad_all >= 200, "only {pad_all} first-padding-row entries");
+    within_share(
+        "marked values in the first padding row",
+        pad_marked,
+        pad_all,
+        0.75,
+    );
+}
