@@ -518,3 +518,40 @@ fn linear_cases_pad_only_the_padding_rows() {
         0.75,
     );
 }
+
+/// V6 in a large cross-entropy case: one row in 4 draws its byte from
+/// `gen`, so whole shards are masked on `42 / 256 / 4` of the rows (a
+/// large case has too many rows for the small cases' one in six).
+#[test]
+fn large_ce_cases_mask_whole_shards_of_one_row_in_24() {
+    let (mut rows, mut masked) = (0, 0);
+    for s in 0..1200u64 {
+        let mut data = bytes(s);
+        data[0] = u8::MAX - (s % 8) as u8; // a large case, several slots
+        if SizeClass::of(&data[..1]) != SizeClass::Large {
+            continue;
+        }
+        let c = CeFuzzCase::arbitrary(&mut Unstructured::new(&data)).unwrap();
+        let (map, z) = (&c.case.map, &c.case.logits);
+        let p = map.num_shards();
+        // Shards of 8 real columns or more, no random -inf: a shard all
+        // -inf is the plant.
+        if p < 2 || c.values.contains(" logits -inf") || (0..p).any(|r| map.shard(r).real < 8) {
+            continue;
+        }
+        for i in 0..z.nrows() {
+            rows += 1;
+            masked += usize::from((0..p).any(|r| {
+                let sh = map.shard(r);
+                (sh.start..sh.start + sh.real).all(|j| z[[i, j]] == f64::NEG_INFINITY)
+            }));
+        }
+    }
+    assert!(rows >= 5000, "only {rows} rows");
+    within_share(
+        "large rows with a shard masked",
+        masked,
+        rows,
+        42.0 / 256.0 / 4.0,
+    );
+}
