@@ -12,6 +12,8 @@ use super::super::values::{plants, Gen, Style};
 use crate::attention::AttentionCase;
 
 mod sizes;
+#[cfg(test)]
+mod tests;
 use sizes::{heads, large_sizes, small_sizes};
 
 /// Most segments of a small case.
