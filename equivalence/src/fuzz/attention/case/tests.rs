@@ -86,3 +86,107 @@ fn option_values_reach_every_cap_both_slope_kinds_and_cut_keys() {
     // 4: even, all 9; 7: 9 - 3 % 10 = 6; 3: 2 - 1 % 3 = 1.
     assert_eq!(used, [9, 6, 1]);
 }
+
+/// `malform(cu, how)` breaks `cu` the way `how % 4` says, and the reference
+/// refuses the result: 0 starts at 1, 1 has a decrease (where `cu` rises
+/// at all), 2 ends one past the token count, 3 is empty.
+#[test]
+fn malform_breaks_offsets_the_way_its_byte_says() {
+    use packshard_reference::attention::check_cu_seqlens;
+    for cu in [
+        vec![0, 3, 7],
+        vec![0, 0, 5],
+        vec![0, 5],
+        vec![0, 2, 2, 9],
+        vec![0, 0],
+    ] {
+        let total = *cu.last().expect("non-empty");
+        for how in 0..16u8 {
+            let bad = malform(cu.clone(), how);
+            assert!(
+                check_cu_seqlens(&bad, total).is_err(),
+                "{cu:?} how {how}: {bad:?} accepted"
+            );
+            let rises = cu.windows(2).any(|w| w[1] > w[0]);
+            match how % 4 {
+                0 => assert_eq!((bad[0], bad.len()), (1, cu.len()), "{cu:?} how {how}"),
+                1 if rises => assert!(
+                    bad.windows(2).any(|w| w[1] < w[0]),
+                    "{cu:?} how {how}: {bad:?} has no decrease"
+                ),
+                1 => assert_eq!(bad.last(), Some(&(total + 1)), "{cu:?} how {how}"),
+                2 => {
+                    assert_eq!(bad.last(), Some(&(total + 1)), "{cu:?} how {how}");
+                    assert_eq!(bad[..cu.len() - 1], cu[..cu.len() - 1]);
+                }
+                _ => assert!(bad.is_empty(), "{cu:?} how {how}: {bad:?}"),
+            }
+        }
+    }
+}
+
+/// `AttentionFuzzCase::arbitrary` over 1,500 small inputs: cross attention
+/// a third of the time; the scale 1, 1/8, 2, 0.01 a sixteenth each and
+/// `1/sqrt(d)` the rest, half of that flash-attention's default; plants of
+/// both signs, 100 and 30.
+#[test]
+fn small_attention_cases_draw_cross_scales_and_plants_in_their_shares() {
+    use crate::fuzz::schedule::{budgeted_input, Budget};
+    let (mut n, mut cross, mut defaults) = (0usize, 0, 0);
+    let mut scales = [0usize; 5]; // 1, 0.125, 2, 0.01, 1/sqrt(d)
+    let mut plants = std::collections::BTreeSet::new();
+    for s in 0..1500u64 {
+        let data = budgeted_input(&Budget::small(1), s, 0);
+        let c = AttentionFuzzCase::arbitrary(&mut Unstructured::new(&data)).unwrap();
+        if c.class != SizeClass::Small {
+            continue;
+        }
+        n += 1;
+        cross += usize::from(c.segments.iter().any(|&(q, k)| q != k));
+        let d = c.q.dim().2 as f64;
+        let at = [1.0, 0.125, 2.0, 0.01]
+            .iter()
+            .position(|&x| x == c.scale && x != 1.0 / d.sqrt())
+            .unwrap_or(4);
+        scales[at] += 1;
+        if c.default_scale {
+            assert_eq!(c.scale, 1.0 / d.sqrt(), "a default scale is 1/sqrt(d)");
+            defaults += 1;
+        }
+        if let Some((_, list)) = c.values.split_once("; planted ") {
+            for item in list.split("] = ").skip(1) {
+                plants.insert(item.split(',').next().expect("a value").to_string());
+            }
+        }
+    }
+    assert!(n >= 1000, "only {n} small cases");
+    // Cross attention needs a segment with l_q != l_k: a few cross draws
+    // come out square, so the share is at most a third.
+    assert!(cross <= n / 3 + 4 * (n as f64 * 2.0 / 9.0).sqrt() as usize + 1);
+    assert!(cross * 4 >= n, "{cross} of {n} cases cross");
+    // 1/sqrt(d) can equal 1 (d = 1) or 1/8 (d = 64): count those as drawn.
+    for (what, k) in [
+        ("1", scales[0]),
+        ("0.125", scales[1]),
+        ("2", scales[2]),
+        ("0.01", scales[3]),
+    ] {
+        assert!(k * 32 >= n && k * 10 <= n, "scale {what}: {k} of {n}");
+    }
+    assert!(scales[4] * 2 >= n, "1/sqrt(d): {} of {n}", scales[4]);
+    within_share_of("default scales", defaults, n, 0.25);
+    for x in ["100", "-100", "30", "-30", "0"] {
+        assert!(plants.contains(x), "no plant of {x}: {plants:?}");
+    }
+}
+
+/// `count` of `n` within 4 binomial standard deviations of `n p`.
+fn within_share_of(what: &str, count: usize, n: usize, p: f64) {
+    let sd = (n as f64 * p * (1.0 - p)).sqrt();
+    assert!(
+        (count as f64 - n as f64 * p).abs() <= 4.0 * sd + 1.0,
+        "{what}: {count} of {n}, expected {:.0} +- {:.0}",
+        n as f64 * p,
+        4.0 * sd
+    );
+}
