@@ -135,6 +135,7 @@ fn small_attention_cases_draw_cross_scales_and_plants_in_their_shares() {
     let (mut n, mut cross, mut defaults) = (0usize, 0, 0);
     let mut scales = [0usize; 5]; // 1, 0.125, 2, 0.01, 1/sqrt(d)
     let mut plants = std::collections::BTreeSet::new();
+    let (mut malformed, mut keys, mut cross_malformed) = (0, 0, 0);
     for s in 0..1500u64 {
         let data = budgeted_input(&Budget::small(1), s, 0);
         let c = AttentionFuzzCase::arbitrary(&mut Unstructured::new(&data)).unwrap();
@@ -142,7 +143,21 @@ fn small_attention_cases_draw_cross_scales_and_plants_in_their_shares() {
             continue;
         }
         n += 1;
-        cross += usize::from(c.segments.iter().any(|&(q, k)| q != k));
+        let is_cross = c.segments.iter().any(|&(q, k)| q != k);
+        cross += usize::from(is_cross);
+        match c.malformed {
+            Some(Malformed::Keys(how)) => {
+                assert!(is_cross && how & 4 != 0, "keys broken in {:?}", c.segments);
+                keys += 1;
+                cross_malformed += 1;
+                malformed += 1;
+            }
+            Some(Malformed::Queries(_)) => {
+                cross_malformed += usize::from(is_cross);
+                malformed += 1;
+            }
+            None => {}
+        }
         let d = c.q.dim().2 as f64;
         let at = [1.0, 0.125, 2.0, 0.01]
             .iter()
@@ -175,6 +190,13 @@ fn small_attention_cases_draw_cross_scales_and_plants_in_their_shares() {
     }
     assert!(scales[4] * 2 >= n, "1/sqrt(d): {} of {n}", scales[4]);
     within_share_of("default scales", defaults, n, 0.25);
+    // One case in 16 malformed; a cross case breaks its keys half the time.
+    within_share_of("malformed cases", malformed, n, 1.0 / 16.0);
+    assert!(
+        cross_malformed >= 8,
+        "only {cross_malformed} cross cases malformed"
+    );
+    within_share_of("cross cases breaking keys", keys, cross_malformed, 0.5);
     for x in ["100", "-100", "30", "-30", "0"] {
         assert!(plants.contains(x), "no plant of {x}: {plants:?}");
     }
