@@ -189,3 +189,108 @@ pub(super) fn large_sizes(
     }
     Ok((segments, d, heads))
 }
+
+#[cfg(test)]
+mod tests {
+    //! The size drawers' shares over every first byte (with a spread of
+    //! second bytes): each bound is the expected share of the 256 first
+    //! bytes (their `% 6` or `% 8` classes are within one byte of equal)
+    //! give or take a twentieth.
+
+    use super::*;
+
+    /// `draw` over every (first byte, second byte) pair.
+    fn over_bytes<T>(draw: impl Fn(&mut Unstructured<'_>) -> T) -> Vec<T> {
+        let mut out = Vec::new();
+        for b0 in 0..=u8::MAX {
+            for b1 in 0..=u8::MAX {
+                out.push(draw(&mut Unstructured::new(&[b0, b1, b1 ^ 0x5a, 7, 200])));
+            }
+        }
+        out
+    }
+
+    fn share<T>(xs: &[T], f: impl Fn(&T) -> bool) -> f64 {
+        xs.iter().filter(|x| f(x)).count() as f64 / xs.len() as f64
+    }
+
+    fn near(what: &str, got: f64, want: f64) {
+        assert!(
+            (got - want).abs() <= 0.05,
+            "{what}: {got:.3}, expected {want:.3}"
+        );
+    }
+
+    /// `heads`: `h / h_kv` 1 two in six, 2, 4 one in six each, `(8, 1)` one
+    /// in six, `(h, 1)` for the other `h` one in six; every head count.
+    #[test]
+    fn heads_come_in_their_group_ratios() {
+        let hs = over_bytes(|u| heads(u).unwrap());
+        // The last arm's `(h, 1)` adds a quarter of a sixth to ratios 2, 4
+        // and (8, 1), and gives ratio 3 alone.
+        let extra = 1.0 / 24.0;
+        near("h_kv = h", share(&hs, |&(h, k)| h == k), 2.0 / 6.0);
+        near(
+            "h / h_kv = 2",
+            share(&hs, |&(h, k)| h == 2 * k),
+            1.0 / 6.0 + extra,
+        );
+        near(
+            "h / h_kv = 4",
+            share(&hs, |&(h, k)| h == 4 * k),
+            1.0 / 6.0 + extra,
+        );
+        near("(8, 1)", share(&hs, |&hk| hk == (8, 1)), 1.0 / 6.0 + extra);
+        near("(3, 1)", share(&hs, |&hk| hk == (3, 1)), extra);
+        let mut seen: Vec<usize> = hs.iter().map(|&(h, _)| h).collect();
+        seen.sort_unstable();
+        seen.dedup();
+        assert_eq!(seen, [1, 2, 3, 4, 8]);
+    }
+
+    /// `small_len`: 0, 1, 2 one in eight each, 3 to 12 two in eight, a
+    /// 16/32 boundary length (over 12, at most [`SMALL_MAX_LEN`]) the rest.
+    #[test]
+    fn small_sides_come_in_their_shares() {
+        let ls = over_bytes(|u| small_len(u).unwrap());
+        for l in 0..3 {
+            near(&format!("side {l}"), share(&ls, |&x| x == l), 1.0 / 8.0);
+        }
+        near("3 to 12", share(&ls, |x| (3..=12).contains(x)), 2.0 / 8.0);
+        assert!(ls.iter().all(|&x| x <= SMALL_MAX_LEN));
+        assert!(ls.iter().any(|&x| x > 12 && x % 16 == 0));
+    }
+
+    /// `short_len`: 0, 1, 2 one in eight each, else a tile boundary length
+    /// (over 2, at most [`LARGE_SHORT_LEN`]).
+    #[test]
+    fn short_sides_come_in_their_shares() {
+        let ls = over_bytes(|u| short_len(u).unwrap());
+        for l in 0..3 {
+            near(&format!("side {l}"), share(&ls, |&x| x == l), 1.0 / 8.0);
+        }
+        assert!(ls.iter().all(|&x| x <= LARGE_SHORT_LEN));
+        assert!(ls.iter().any(|&x| x > 64));
+    }
+
+    /// `long_len`: a multiple of a tile grain, one less or one more, within
+    /// [`LONG_LEN`]; all three offsets drawn, and spread over the range.
+    #[test]
+    fn long_sides_sit_at_tile_boundaries() {
+        let ls = over_bytes(|u| long_len(u).unwrap());
+        let mut offsets = std::collections::BTreeSet::new();
+        for &l in &ls {
+            assert!(LONG_LEN.contains(&l), "{l}");
+            let at = [l, l + 1, l - 1]
+                .iter()
+                .position(|&x| x % 16 == 0)
+                .unwrap_or_else(|| panic!("{l} is not within one of a tile grain"));
+            offsets.insert(at);
+        }
+        assert_eq!(offsets.len(), 3, "offsets drawn: {offsets:?}");
+        let mut distinct = ls.clone();
+        distinct.sort_unstable();
+        distinct.dedup();
+        assert!(distinct.len() >= 9, "only {distinct:?}");
+    }
+}
