@@ -331,146 +331,6 @@ fn gather_t_into<T: Element>(
     }
 }
 
-/// The key tile at `k0` of [`gather_t_into`]'s panels: `[dp, BLOCK_K]`, row
-/// stride [`BLOCK_K`].
-#[inline(always)]
-fn key_panel(kt: &[f32], k0: usize, dp: usize) -> (&[f32], usize) {
-    (&kt[k0 * dp..(k0 + BLOCK_K) * dp], BLOCK_K)
-}
-
-/// The keys of the tile at `k0` that some query of the block may see are
-/// among its first `tile_keys(keys, k0)` (at least 1, at most [`BLOCK_K`]),
-/// `keys` the block's [`Item::block_keys`]; the scores of the others are
-/// masked, their probabilities exact zeros. The per-tile key range of the
-/// forward and the backward: which tiles are visited at all is
-/// [`Item::tiles`] of the same range.
-#[inline(always)]
-fn tile_keys(keys: &Range<usize>, k0: usize) -> usize {
-    keys.end.saturating_sub(k0).clamp(1, BLOCK_K)
-}
-
-/// Sets the scores of keys a query may not see to `-inf` (after scaling
-/// and the [`Transform`]): `s: [BLOCK_Q, BLOCK_K]` for queries `q0..` and
-/// keys `k0..` of the item.
-fn apply_mask(s: &mut [f32], it: &Item, q0: usize, k0: usize) {
-    for r in 0..BLOCK_Q {
-        let i = q0 + r;
-        let row = &mut s[r * BLOCK_K..(r + 1) * BLOCK_K];
-        match it.mask {
-            Mask::Segment { .. } => {
-                let keys = it.key_range(i);
-                let end = keys.end.saturating_sub(k0).min(BLOCK_K);
-                let start = keys.start.saturating_sub(k0).min(end);
-                row[..start].fill(f32::NEG_INFINITY);
-                row[end..].fill(f32::NEG_INFINITY);
-            }
-            Mask::Dense(allowed) => {
-                for (j, x) in row.iter_mut().enumerate() {
-                    let key = k0 + j;
-                    if i >= it.q_len || key >= it.k_len || !allowed[[i, key]] {
-                        *x = f32::NEG_INFINITY;
-                    }
-                }
-            }
-        }
-    }
-}
-
-/// The [`Transform`] of the scaled scores `s: [BLOCK_Q, BLOCK_K]` of
-/// queries `q0..` over keys `k0..` (the first `cols` of each row, the real
-/// queries only), before the mask; `chain` (the backward's) gets `d score /
-/// d raw`, `1 - tanh(raw / softcap)^2`, where a cap applies. The same f32
-/// formulas as `crate::attention::mask::SegmentMask::score` and `chain`.
-fn transform_scores(
-    s: &mut [f32],
-    it: &Item,
-    (q0, k0, cols): (usize, usize, usize),
-    mut chain: Option<&mut [f32]>,
-) {
-    let Transform {
-        softcap,
-        slope,
-        offsets,
-        ..
-    } = it.transform;
-    for r in 0..BLOCK_Q.min(it.q_len.saturating_sub(q0)) {
-        // The diagonal of query i = q0 + r: key i + k_len - q_len.
-        let i = q0 + r;
-        let diag = i as i64 + offsets.map_or(it.k_len as i64 - it.q_len as i64, |o| o[i]);
-        for j in 0..cols {
-            let x = &mut s[r * BLOCK_K + j];
-            if softcap > 0.0 {
-                let t = (*x / softcap).tanh();
-                *x = softcap * t;
-                if let Some(c) = chain.as_deref_mut() {
-                    c[r * BLOCK_K + j] = 1.0 - t * t;
-                }
-            }
-            if let Some(slope) = slope {
-                let dist = (diag - (k0 + j) as i64).unsigned_abs();
-                *x -= slope * dist as f32;
-            }
-        }
-    }
-}
-
-/// `out: [BLOCK_Q, BLOCK_K] += x y^T` for the row block `x: [BLOCK_Q, dp]`
-/// and the key block of `y^T` (a [`key_panel`]: row stride `ld`, its first
-/// column the block's first key): the forward's `Q K^T`, the backward's `dO
-/// V^T`. Only the first `rows` rows (rounded up to 4) and `cols` columns (a
-/// multiple of the vector width) are computed; the rest of `out` is left as
-/// it is.
-#[inline(always)]
-fn acc_by_transposed<S: Simd>(
-    simd: S,
-    (x, rows): (&[f32], usize),
-    (yt, ld, cols): (&[f32], usize, usize),
-    dp: usize,
-    out: &mut [f32],
-) {
-    let m = round_up(rows.min(BLOCK_Q), 4);
-    mm_acc(simd, m, cols, dp, x, dp, yt, ld, out, BLOCK_K);
-}
-
-/// `S = scale Q_blk K_tile^T` with the mask: `s: [BLOCK_Q, BLOCK_K]`
-/// (`kt` the key panels of [`gather_t_into`]). Rows of the block past the item's
-/// queries are 0 (as the zero rows of `Q` would give), not computed.
-///
-/// `cols`: the scores of keys `k0 + cols..` (a multiple of the vector width)
-/// are not computed either: they are 0 before the mask, which must hide them
-/// from every query of the block (the forward's `tile_keys`).
-///
-/// `chain`: where the item caps its scores, the backward's buffer of `d
-/// score / d raw` ([`transform_scores`]).
-#[allow(clippy::too_many_arguments)]
-#[inline(always)]
-fn scores<S: Simd>(
-    simd: S,
-    s: &mut [f32],
-    qh: &[f32],
-    kt: &[f32],
-    dp: usize,
-    it: &Item,
-    (q0, k0, cols): (usize, usize, usize),
-    scale: f32,
-    chain: Option<&mut [f32]>,
-) {
-    s.fill(0.0);
-    let rows = it.q_len - q0;
-    let (panel, ld) = key_panel(kt, k0, dp);
-    acc_by_transposed(simd, (&qh[q0 * dp..], rows), (panel, ld, cols), dp, s);
-    simd::scale(simd, scale, s);
-    #[cfg(test)]
-    if tests_faults::cap_after_mask(it) {
-        apply_mask(s, it, q0, k0);
-        return transform_scores(s, it, (q0, k0, cols), chain);
-    }
-    if !it.transform.is_identity() {
-        transform_scores(s, it, (q0, k0, cols), chain);
-    }
-    apply_mask(s, it, q0, k0);
-}
-
 struct Forward<'a, 'p, 'm, T> {
     pb: &'a Problem<'p, T>,
     it: &'a Item<'m>,
@@ -489,6 +349,7 @@ impl<T: Element> WithSimd for Forward<'_, '_, '_, T> {
 }
 
 mod backward;
+mod dense;
 mod disjoint;
 mod forward;
 pub mod mask;
@@ -496,9 +357,15 @@ pub mod mask;
 mod tests_faults;
 #[cfg(test)]
 mod tests_options;
+mod tile;
 use backward::run_backward;
+pub use dense::{
+    dense_masked_attention, dense_masked_attention_backward, dense_masked_attention_backward_with,
+    dense_masked_attention_with,
+};
 use disjoint::Disjoint;
 use forward::forward_item;
+use tile::{acc_by_transposed, key_panel, scores, tile_keys};
 
 /// Runs every item's forward in parallel, each writing its own rows of the
 /// output and its span of `lse` (items own disjoint (query rows, head)
@@ -799,178 +666,6 @@ pub fn varlen_attention_general_backward<T: Element>(
         fwd,
         &grad_output,
     ))
-}
-
-fn dense_items<'a>(
-    masks: &'a [ArrayView2<'a, bool>],
-    row_len: usize,
-    (h, h_kv): (usize, usize),
-    opts: ScoreOptions<'a>,
-) -> Vec<Item<'a>> {
-    let mut items = Vec::with_capacity(masks.len() * h);
-    let group = h / h_kv.max(1);
-    for (r, mask) in masks.iter().enumerate() {
-        if row_len == 0 {
-            continue;
-        }
-        for head in 0..h {
-            items.push(Item {
-                q_start: r * row_len,
-                q_len: row_len,
-                k_start: r * row_len,
-                k_len: row_len,
-                head,
-                kv_head: head / group,
-                mask: Mask::Dense(mask),
-                transform: opts.transform(head),
-            });
-        }
-    }
-    items
-}
-
-fn check_dense<T: Element>(
-    (q, k): (&ArrayView3<T>, &ArrayView3<T>),
-    row_len: usize,
-    masks: &[ArrayView2<bool>],
-) -> Result<()> {
-    let n = q.dim().0;
-    if row_len * masks.len() != n {
-        return Err(Error::ShapeMismatch {
-            field: "q".into(),
-            expected: format!("[rows * row_len = {}, h, d]", row_len * masks.len()),
-            actual: vec![n],
-        });
-    }
-    if k.dim().0 != n {
-        return Err(Error::ShapeMismatch {
-            field: "k".into(),
-            expected: format!("[{n}, h_kv, d]: the rows of q"),
-            actual: k.shape().to_vec(),
-        });
-    }
-    for m in masks {
-        check_mask_shape(m.shape(), row_len)?;
-    }
-    Ok(())
-}
-
-/// Dense masked attention: `q: [rows * row_len, h, d]` and `k, v: [rows *
-/// row_len, h_kv, d]` (`h_kv` dividing `h`, as [`varlen_attention_general`]) hold `rows =
-/// masks.len()` rows of `row_len` tokens; token `i` of row `r` may attend to
-/// key `j` of the same row where `masks[r][[i, j]]`. The same tiles as
-/// [`varlen_attention`] over whole rows: every `[row_len, row_len]` score is
-/// computed (the padded, or packed-with-a-block-diagonal-mask, baseline).
-///
-/// # Errors
-/// [`Error::ShapeMismatch`] for `k`/`v`, a mask not `[row_len, row_len]`
-/// (field `mask`) or `rows * row_len != n_tok` (field `q`);
-/// [`Error::NonFiniteInput`] as [`varlen_attention`].
-pub fn dense_masked_attention<T: Element>(
-    q: ArrayView3<T>,
-    k: ArrayView3<T>,
-    v: ArrayView3<T>,
-    row_len: usize,
-    masks: &[ArrayView2<bool>],
-    scale: f32,
-) -> Result<AttentionOutput32> {
-    let opts = ScoreOptions::default();
-    dense_masked_attention_with(q, k, v, (row_len, masks), scale, opts)
-}
-
-/// [`dense_masked_attention`] with flash-attention's score options `opts`
-/// (softcap, ALiBi on the diagonals `opts.diag_offsets`): the scores of every
-/// row changed as the varlen form's ([`varlen_attention_general`]) before
-/// the mask.
-///
-/// # Errors
-/// As [`dense_masked_attention`]; [`Error::InvalidArgument`] naming
-/// `softcap` (not finite or below 0), `alibi_slopes` (not `[h]`) or
-/// `diag_offsets` (not `[row_len]`).
-pub fn dense_masked_attention_with<T: Element>(
-    q: ArrayView3<T>,
-    k: ArrayView3<T>,
-    v: ArrayView3<T>,
-    (row_len, masks): (usize, &[ArrayView2<bool>]),
-    scale: f32,
-    opts: ScoreOptions<'_>,
-) -> Result<AttentionOutput32> {
-    check_inputs(&q, &k, &v)?;
-    check_dense((&q, &k), row_len, masks)?;
-    check_score_options(&opts, row_len, q.dim().1)?;
-    let items = dense_items(masks, row_len, (q.dim().1, k.dim().1), opts);
-    Ok(forward((&q, &k, &v), scale, &items))
-}
-
-/// `opts` of a dense problem of rows of `row_len` over `h` query heads.
-fn check_score_options(opts: &ScoreOptions<'_>, row_len: usize, h: usize) -> Result<()> {
-    if !(opts.softcap.is_finite() && opts.softcap >= 0.0) {
-        return Err(Error::invalid(
-            "softcap",
-            format!(
-                "{}: the cap is finite and at least 0 (0: none)",
-                opts.softcap
-            ),
-        ));
-    }
-    if let Some(a) = opts.alibi_slopes.filter(|a| a.len() != h) {
-        return Err(Error::invalid(
-            "alibi_slopes",
-            format!("has {} entries for {h} query heads: it is [h]", a.len()),
-        ));
-    }
-    if let Some(o) = opts.diag_offsets.filter(|o| o.len() != row_len) {
-        return Err(Error::invalid(
-            "diag_offsets",
-            format!(
-                "has {} entries for rows of {row_len}: it is [row_len]",
-                o.len()
-            ),
-        ));
-    }
-    Ok(())
-}
-
-/// Backward of [`dense_masked_attention`]. Queries with no allowed key get
-/// zero gradients.
-///
-/// # Errors
-/// As [`dense_masked_attention`] and [`varlen_attention_backward`].
-#[allow(clippy::too_many_arguments)]
-pub fn dense_masked_attention_backward<T: Element>(
-    q: ArrayView3<T>,
-    k: ArrayView3<T>,
-    v: ArrayView3<T>,
-    row_len: usize,
-    masks: &[ArrayView2<bool>],
-    scale: f32,
-    fwd: &AttentionOutput32,
-    grad_output: ArrayView3<f32>,
-) -> Result<AttentionGrads32> {
-    let opts = ScoreOptions::default();
-    let g = (fwd, grad_output);
-    dense_masked_attention_backward_with(q, k, v, (row_len, masks), scale, opts, g)
-}
-
-/// Backward of [`dense_masked_attention_with`] (with softcap, its chain
-/// factor).
-///
-/// # Errors
-/// As [`dense_masked_attention_with`] and [`varlen_attention_backward`].
-pub fn dense_masked_attention_backward_with<T: Element>(
-    q: ArrayView3<T>,
-    k: ArrayView3<T>,
-    v: ArrayView3<T>,
-    (row_len, masks): (usize, &[ArrayView2<bool>]),
-    scale: f32,
-    opts: ScoreOptions<'_>,
-    (fwd, grad_output): (&AttentionOutput32, ArrayView3<f32>),
-) -> Result<AttentionGrads32> {
-    check_backward(&q, &k, &v, fwd, &grad_output)?;
-    check_dense((&q, &k), row_len, masks)?;
-    check_score_options(&opts, row_len, q.dim().1)?;
-    let items = dense_items(masks, row_len, (q.dim().1, k.dim().1), opts);
-    Ok(backward((&q, &k, &v), scale, &items, fwd, &grad_output))
 }
 
 /// The work of a varlen problem in the unit of the benchmark: the

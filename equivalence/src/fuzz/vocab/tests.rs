@@ -431,6 +431,26 @@ fn marked_padding(x: f64) -> bool {
     x.is_nan() || x == f64::INFINITY || x == 1e4
 }
 
+/// A weight `[w, h]` over a vocabulary of `v`: asserts its real rows
+/// finite; adds the first padding row's marked values and entries to
+/// `tally` (`(marked, all)`).
+fn tally_first_padding_row(weight: &Array2<f64>, v: usize, tally: &mut (usize, usize)) {
+    for (j, row) in weight.rows().into_iter().enumerate() {
+        if j < v {
+            assert!(row.iter().all(|x| x.is_finite()), "real row {j} of {v}");
+        } else if j == v {
+            tally.1 += row.len();
+            tally.0 += row.iter().filter(|&&x| marked_padding(x)).count();
+        }
+    }
+}
+
+/// The first padding rows' marked share, three quarters.
+fn assert_padding_share((marked, all): (usize, usize)) {
+    assert!(all >= 200, "only {all} first-padding-row entries");
+    within_share("marked values in the first padding row", marked, all, 0.75);
+}
+
 /// `EmbeddingFuzzCase::arbitrary`, small cases over 1,500 byte strings:
 /// every id is a class in `0..v` or one of the three out-of-range kinds
 /// (`v`, `-1`, `i64::MAX`), each kind drawn; the in-range ids of a case are
@@ -440,7 +460,7 @@ fn marked_padding(x: f64) -> bool {
 #[test]
 fn embedding_cases_draw_every_id_kind_and_pad_only_padding_rows() {
     let mut kinds = BTreeSet::new();
-    let (mut spread, mut pad_marked, mut pad_all) = (false, 0, 0);
+    let (mut spread, mut padding) = (false, (0, 0));
     for s in 0..1500u64 {
         let data = bytes(s);
         if SizeClass::of(&data[..1]) != SizeClass::Small {
@@ -468,24 +488,11 @@ fn embedding_cases_draw_every_id_kind_and_pad_only_padding_rows() {
             }
         }
         spread |= in_range.len() >= 2;
-        for (j, row) in weight.rows().into_iter().enumerate() {
-            if (j as i64) < v {
-                assert!(row.iter().all(|x| x.is_finite()), "real row {j} of {v}");
-            } else if j as i64 == v {
-                pad_all += row.len();
-                pad_marked += row.iter().filter(|&&x| marked_padding(x)).count();
-            }
-        }
+        tally_first_padding_row(weight, map.vocab_size(), &mut padding);
     }
     assert_eq!(kinds, ["-1", "i64::MAX", "v"].into());
     assert!(spread, "no case drew two distinct in-range ids");
-    assert!(pad_all >= 200, "only {pad_all} first-padding-row entries");
-    within_share(
-        "marked values in the first padding row",
-        pad_marked,
-        pad_all,
-        0.75,
-    );
+    assert_padding_share(padding);
 }
 
 /// `LinearFuzzCase::arbitrary`: the weight's first padding row holds
@@ -493,30 +500,16 @@ fn embedding_cases_draw_every_id_kind_and_pad_only_padding_rows() {
 /// rows are `gen`'s, finite).
 #[test]
 fn linear_cases_pad_only_the_padding_rows() {
-    let (mut pad_marked, mut pad_all) = (0, 0);
+    let mut padding = (0, 0);
     for s in 0..1500u64 {
         let data = bytes(s);
         if SizeClass::of(&data[..1]) != SizeClass::Small {
             continue;
         }
         let c = LinearFuzzCase::arbitrary(&mut Unstructured::new(&data)).unwrap();
-        let v = c.case.map.vocab_size();
-        for (j, row) in c.case.weight.rows().into_iter().enumerate() {
-            if j < v {
-                assert!(row.iter().all(|x| x.is_finite()), "real row {j} of {v}");
-            } else if j == v {
-                pad_all += row.len();
-                pad_marked += row.iter().filter(|&&x| marked_padding(x)).count();
-            }
-        }
+        tally_first_padding_row(&c.case.weight, c.case.map.vocab_size(), &mut padding);
     }
-    assert!(pad_all >= 200, "only {pad_all} first-padding-row entries");
-    within_share(
-        "marked values in the first padding row",
-        pad_marked,
-        pad_all,
-        0.75,
-    );
+    assert_padding_share(padding);
 }
 
 /// V6 in a large cross-entropy case: one row in 4 draws its byte from
