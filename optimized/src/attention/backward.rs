@@ -312,8 +312,8 @@ impl<T: Element> WithSimd for Unit<'_, '_, '_, '_, T> {
         let keys = first.keys();
         {
             gather_into(&mut sc.kh, x.pb.k, (h_kv, d), keys, (lpk, dp));
-            gather_t_into(&mut sc.kt, x.pb.k, (h_kv, d), keys, (lpk, dp));
-            gather_t_into(&mut sc.vt, x.pb.v, (h_kv, d), keys, (lpk, dp));
+            gather_t_into(&mut sc.kt, x.pb.k, (h_kv, d), keys, (lpk, dp), BLOCK_K);
+            gather_t_into(&mut sc.vt, x.pb.v, (h_kv, d), keys, (lpk, dp), BLOCK_K);
             zeroed(&mut sc.dk, k_len * d);
             zeroed(&mut sc.dv, k_len * d);
             for it in items {

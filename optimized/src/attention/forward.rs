@@ -2,55 +2,77 @@
 //! tiles of [`super`].
 //!
 //! Where the time goes, and what this file does about it (issue 37):
-//! - the two tile products (`Q K^T`, `P V`) are most of the work: the keys
-//!   are read as contiguous [`super::key_panel`]s, and only the rows and keys
-//!   that exist are multiplied (a block's rows rounded up to 4, a tile's keys
-//!   to those some query of the block may see: [`tile_keys`]), where the
-//!   fixed 64 x 64 tiles multiplied the zero padding of every segment's last
-//!   block and tile too;
-//! - the online softmax takes each score row once for its maximum and once
-//!   for `exp(s - m)` and its sum ([`exp_row_sum`], one pass).
+//! - the two tile products (`S^T = K Q^T`, `O^T += V^T P^T`) are most of the
+//!   work, at the rate of [`mm_acc`] alone: only the queries and keys that
+//!   exist are multiplied (a block's queries rounded up to whole vectors, a
+//!   tile's keys to those some query of the block may see, [`tile_keys`],
+//!   rounded up to 4), where fixed 64 x 64 tiles would multiply the zero
+//!   padding of every segment's last block and tile;
+//! - the tiles are transposed (keys down, queries across the lanes), so the
+//!   online softmax's maximum, exponentials, sum and rescaling are lane-wise
+//!   passes over the tile ([`softmax_lanes`]): no horizontal reduction, no
+//!   branch per query, the mask folded into the maximum's pass, the scale
+//!   into the product's store ([`mm_scaled`]), and the accumulator rescaled
+//!   only when a maximum grows by more than [`LAZY`] (the untransposed
+//!   tile's per-row softmax took a fifth of the time);
+//! - `K` and `V` are gathered as rows (`V` read transposed by
+//!   [`crate::simd::mm_acc_at`]), `Q` transposed once per item.
 //!
-//! None of this changes a result's bits: each output element is still
-//! accumulated over the same terms in the same order (the terms left out are
-//! exact zeros added at the end), so the varlen and dense forms stay bitwise
-//! equal (module docs of [`super`]).
+//! Every output element is accumulated over the same terms in the same order
+//! whichever form (varlen or dense) the item comes from (the terms left out
+//! are exact zeros), so the two forms stay bitwise equal (module docs of
+//! [`super`]).
 
 use super::disjoint::Disjoint;
+use super::tile::transformed;
 use super::*;
-
-/// Row `row` of a score tile (scaled and masked) becomes `exp(row - m)`;
-/// returns its sum. Summed lane-wise in order, then across the lanes: the
-/// bits of `simd::map_in_place` followed by `simd::sum` over the whole tile
-/// row (`row` is whole vectors; the vectors past it hold `-inf` scores, whose
-/// exact zeros change neither the sum nor the maximum).
-#[inline(always)]
-fn exp_row_sum<S: Simd>(simd: S, row: &mut [f32], m: f32) -> f32 {
-    let shift = simd.splat_f32s(m);
-    let (head, tail) = S::as_mut_simd_f32s(row);
-    debug_assert!(tail.is_empty());
-    let mut sum = simd.splat_f32s(0.0);
-    for x in head {
-        *x = simd::exp(simd, simd.sub_f32s(*x, shift));
-        sum = simd.add_f32s(sum, *x);
-    }
-    simd.reduce_sum_f32s(sum)
-}
+use crate::simd::{mm_acc_at, mm_scaled};
 
 /// The buffers of one thread's forward items (resized per item, never
 /// shrunk; see `backward`'s `Scratch` for why they outlive the item).
 #[derive(Default)]
 pub(super) struct Scratch {
-    qh: Vec<f32>,
-    kt: Vec<f32>,
+    /// `Q^T` in panels `[lpq / BLOCK_Q, dp, BLOCK_Q]` ([`gather_t_into`]).
+    qt: Vec<f32>,
+    /// `K: [lpk, dp]`.
+    kh: Vec<f32>,
+    /// `V: [lpk, dp]`.
     vh: Vec<f32>,
+    /// The transposed score tile `S^T`, then `P^T`: `[BLOCK_K, BLOCK_Q]`.
     s: Vec<f32>,
+    /// The transposed accumulator `O^T: [dp, BLOCK_Q]`.
     acc: Vec<f32>,
 }
 
 thread_local! {
     pub(super) static SCRATCH: std::cell::RefCell<Scratch> =
         std::cell::RefCell::new(Scratch::default());
+}
+
+/// The online softmax's state of the queries of one block, one lane per
+/// query: the running maximum `m`, the sum `l`, and the bounds `lo..hi` of
+/// the keys each may see ([`Item::key_range`], as `f32`: exact below 2^24).
+struct Block {
+    m: [f32; BLOCK_Q],
+    l: [f32; BLOCK_Q],
+    lo: [f32; BLOCK_Q],
+    hi: [f32; BLOCK_Q],
+}
+
+/// How far a tile's score maximum may exceed a lane's running maximum
+/// before the lane's maximum moves (natural log units): the probabilities of
+/// [`softmax_lanes`] stay below `e^8`, far from f32's range, and the
+/// accumulator is rescaled only when some lane's maximum moves.
+const LAZY: f32 = 8.0;
+
+/// What the scaled products `scale K Q^T` of a tile need to become scores.
+#[derive(Clone, Copy, PartialEq)]
+enum Prepare {
+    /// Each (key, query) outside the query's `lo..hi` set to `-inf`.
+    Mask,
+    /// Nothing: every query of the block sees every key of the tile, or
+    /// [`prepare_scalar`] ran.
+    Done,
 }
 
 /// The forward of one item, written into its rows of `out: [n, h, d]` and
@@ -60,6 +82,12 @@ thread_local! {
 /// Algorithm 1): the running maximum `m` and sum `l` of the online softmax,
 /// the accumulator `acc = sum exp(S - m) V` rescaled when `m` grows; at the
 /// end `o = acc / l`, `lse = m + ln l`.
+///
+/// The tiles are transposed (keys down, queries across the SIMD lanes): `S^T
+/// = K Q^T`, `O^T += V^T P^T`, so that each query's maximum, sum and
+/// rescaling are lane-wise operations over the tile's rows, with no
+/// horizontal reduction and no branch per query (issue 37: the per-row
+/// softmax of the untransposed tile was a fifth of the forward's time).
 ///
 /// # Safety
 /// No other call writes the item's (query rows, head) of `out` or its span
@@ -73,63 +101,87 @@ pub(super) unsafe fn forward_item<S: Simd, T: Element>(
     (out_rows, lse_all): (&Disjoint, &Disjoint),
 ) {
     let (h, h_kv, d, len) = (pb.h, pb.h_kv, pb.d, it.q_len);
+    let lanes = S::F32_LANES;
     let dp = round_up(d.max(1), mm_col_multiple::<S>());
     let (lpq, lpk) = (round_up(len, BLOCK_Q), round_up(it.k_len, BLOCK_K));
-    gather_into(&mut sc.qh, pb.q, (h, d), it.queries(), (lpq, dp));
-    gather_t_into(&mut sc.kt, pb.k, (h_kv, d), it.keys(), (lpk, dp));
+    gather_t_into(&mut sc.qt, pb.q, (h, d), it.queries(), (lpq, dp), BLOCK_Q);
+    gather_into(&mut sc.kh, pb.k, (h_kv, d), it.keys(), (lpk, dp));
     gather_into(&mut sc.vh, pb.v, (h_kv, d), it.keys(), (lpk, dp));
-    let Scratch { qh, kt, vh, s, acc } = sc;
+    let Scratch { qt, kh, vh, s, acc } = sc;
     s.clear();
-    s.resize(BLOCK_Q * BLOCK_K, 0.0);
+    s.resize(BLOCK_K * BLOCK_Q, 0.0);
     acc.clear();
-    acc.resize(BLOCK_Q * dp, 0.0);
+    acc.resize(dp * BLOCK_Q, 0.0);
     // SAFETY: the item's own rows and span (the function's contract).
     let lse = unsafe { lse_all.span_mut(it.head * lse_all.len_per(h) + it.q_start, len) };
-    let mut m = [f32::NEG_INFINITY; BLOCK_Q];
-    let mut l = [0.0f32; BLOCK_Q];
+    // The lane-wise mask compares key indices as f32 (exact below 2^24);
+    // dense masks, transformed scores and longer segments go one score at a
+    // time.
+    let vector_mask =
+        matches!(it.mask, Mask::Segment { .. }) && it.transform.is_identity() && it.k_len < 1 << 24;
+    let mut b = Block {
+        m: [f32::NEG_INFINITY; BLOCK_Q],
+        l: [0.0; BLOCK_Q],
+        lo: [0.0; BLOCK_Q],
+        hi: [0.0; BLOCK_Q],
+    };
     for q0 in (0..len).step_by(BLOCK_Q) {
         let rows = (len - q0).min(BLOCK_Q);
-        // The rows the products compute (mm_acc's multiple of 4).
-        let mrows = round_up(rows, 4);
+        // The query lanes the products compute (whole vectors).
+        let qcols = round_up(rows, lanes);
+        let panel = &qt[(q0 / BLOCK_Q) * dp * BLOCK_Q..][..dp * BLOCK_Q];
         acc.fill(0.0);
-        m.fill(f32::NEG_INFINITY);
-        l.fill(0.0);
+        b.m.fill(f32::NEG_INFINITY);
+        b.l.fill(0.0);
+        for r in 0..BLOCK_Q {
+            let keys = if r < rows { it.key_range(q0 + r) } else { 0..0 };
+            (b.lo[r], b.hi[r]) = (keys.start as f32, keys.end as f32);
+        }
+        let (lo_max, hi_min) = (0..rows).fold((0usize, usize::MAX), |(lo, hi), r| {
+            (lo.max(b.lo[r] as usize), hi.min(b.hi[r] as usize))
+        });
         // Only the key tiles some query of the block may see (causality
         // and the sliding window skip the others).
         let keys = it.block_keys(q0);
         for k0 in Item::tiles(&keys) {
-            // The keys some query of the block may see, and the columns
-            // (whole vectors) that hold them: the others are exact zeros
-            // after the exponential, so neither computed nor multiplied.
+            // The keys some query of the block may see (the others are
+            // exact zeros after the exponential: neither computed nor
+            // multiplied), rounded up to the product's 4 rows.
             let kn = tile_keys(&keys, k0);
-            let cols = round_up(kn, S::F32_LANES);
-            let at = (q0, k0, cols);
-            scores(simd, s, qh, kt, dp, it, at, pb.scale, None);
-            for r in 0..mrows {
-                let row = &mut s[r * BLOCK_K..r * BLOCK_K + cols];
-                if r >= rows {
-                    row.fill(0.0);
-                    continue;
-                }
-                let m_new = m[r].max(simd::max(simd, row));
-                if m_new == f32::NEG_INFINITY {
-                    row.fill(0.0); // nothing allowed so far
-                    continue;
-                }
-                let row_sum = exp_row_sum(simd, row, m_new);
-                let corr = if m[r] == m_new {
-                    1.0
-                } else {
-                    (m[r] - m_new).exp()
-                };
-                l[r] = l[r] * corr + row_sum;
-                if corr != 1.0 {
-                    simd::scale(simd, corr, &mut acc[r * dp..(r + 1) * dp]);
-                }
-                m[r] = m_new;
+            let krows = round_up(kn, 4);
+            let (k_tile, scores) = ((&kh[k0 * dp..], dp), (&mut s[..], BLOCK_Q));
+            mm_scaled(
+                simd,
+                (krows, qcols, d),
+                k_tile,
+                (panel, BLOCK_Q),
+                scores,
+                pb.scale,
+            );
+            let prep = if !vector_mask || cfg!(test) && has_fault(it) {
+                prepare_scalar(s, it, (q0, k0, kn, rows));
+                Prepare::Done
+            } else if lo_max <= k0 && k0 + kn <= hi_min {
+                Prepare::Done
+            } else {
+                Prepare::Mask
+            };
+            for g in (0..qcols).step_by(lanes) {
+                softmax_lanes(simd, (s, acc), &mut b, (g, k0, kn, dp), prep);
             }
-            // acc += P V over the keys some row may see (the rest are zeros).
-            mm_acc(simd, mrows, dp, kn, s, BLOCK_K, &vh[k0 * dp..], dp, acc, dp);
+            // O^T += V^T P^T over the keys some query may see.
+            mm_acc_at(
+                simd,
+                dp,
+                qcols,
+                kn,
+                &vh[k0 * dp..],
+                dp,
+                s,
+                BLOCK_Q,
+                acc,
+                BLOCK_Q,
+            );
         }
         let out_block = Rows {
             start: it.q_start + q0,
@@ -139,16 +191,125 @@ pub(super) unsafe fn forward_item<S: Simd, T: Element>(
         // SAFETY: the item's own rows (the function's contract).
         unsafe {
             out_rows.rows_mut(out_block, |r, o| {
-                if l[r] == 0.0 {
+                if b.l[r] == 0.0 {
                     return; // no allowed key: output 0, lse -inf (P8)
                 }
-                let inv = 1.0 / l[r];
-                for (o, &a) in o.iter_mut().zip(&acc[r * dp..]) {
-                    *o = a * inv;
+                let inv = 1.0 / b.l[r];
+                for (c, o) in o.iter_mut().enumerate() {
+                    *o = acc[c * BLOCK_Q + r] * inv;
                 }
-                lse[q0 + r] = m[r] + l[r].ln();
+                lse[q0 + r] = b.m[r] + b.l[r].ln();
             });
         }
+    }
+}
+
+/// Whether the tests plant a fault in `it` that the scalar path applies.
+#[inline(always)]
+fn has_fault(it: &Item) -> bool {
+    #[cfg(test)]
+    return tests_faults::cap_after_mask(it);
+    #[cfg(not(test))]
+    {
+        let _ = it;
+        false
+    }
+}
+
+/// The online softmax of one vector of queries (lanes `g..g + lanes` of the
+/// block) over the tile's first `kn` keys: the scores (prepared as `prep`
+/// says) become `p = exp(s - m_new)`, the lanes' `acc` columns are rescaled
+/// by `exp(m_old - m_new)` and `l = l exp(m_old - m_new) + sum p`, where
+/// `m_new` is the tile's maximum if it exceeds `m_old` by more than [`LAZY`]
+/// and `m_old` otherwise. A lane with no allowed key so far keeps `m =
+/// -inf`, `l = 0` and zero probabilities.
+#[inline(always)]
+fn softmax_lanes<S: Simd>(
+    simd: S,
+    (s, acc): (&mut [f32], &mut [f32]),
+    b: &mut Block,
+    (g, k0, kn, dp): (usize, usize, usize, usize),
+    prep: Prepare,
+) {
+    let lanes = S::F32_LANES;
+    let vec = |x: &[f32], at: usize| S::as_simd_f32s(&x[at..at + lanes]).0[0];
+    let neg_inf = simd.splat_f32s(f32::NEG_INFINITY);
+    let m_old = vec(&b.m, g);
+    let mut mx = m_old;
+    let (lo, hi) = (vec(&b.lo, g), vec(&b.hi, g));
+    for j in 0..kn {
+        let x = &mut S::as_mut_simd_f32s(&mut s[j * BLOCK_Q + g..][..lanes]).0[0];
+        let mut y = *x;
+        if prep == Prepare::Mask {
+            let key = simd.splat_f32s((k0 + j) as f32);
+            let seen = simd.and_m32s(
+                simd.less_than_or_equal_f32s(lo, key),
+                simd.less_than_f32s(key, hi),
+            );
+            y = simd.select_f32s(seen, y, neg_inf);
+        }
+        *x = y;
+        mx = simd.max_f32s(mx, y);
+    }
+    // Lazy rescaling: a lane's maximum moves only when the tile's exceeds it
+    // by more than LAZY, so most tiles rescale nothing (the probabilities
+    // stay below e^LAZY; o = acc / l and lse = m + ln l are the same sums).
+    let grow = simd.greater_than_f32s(mx, simd.add_f32s(m_old, simd.splat_f32s(LAZY)));
+    let moved = simd.first_true_m32s(grow) < lanes;
+    let m_new = simd.select_f32s(grow, mx, m_old);
+    // exp(s - m) with m = 0 where nothing is allowed yet (exact zeros).
+    let shift = simd.select_f32s(simd.equal_f32s(m_new, neg_inf), simd.splat_f32s(0.0), m_new);
+    let mut sum = simd.splat_f32s(0.0);
+    for j in 0..kn {
+        let x = &mut S::as_mut_simd_f32s(&mut s[j * BLOCK_Q + g..][..lanes]).0[0];
+        *x = simd::exp(simd, simd.sub_f32s(*x, shift));
+        sum = simd.add_f32s(sum, *x);
+    }
+    let mut l = vec(&b.l, g);
+    if moved {
+        let corr = simd.select_f32s(
+            simd.equal_f32s(m_old, m_new),
+            simd.splat_f32s(1.0),
+            simd::exp(simd, simd.sub_f32s(m_old, shift)),
+        );
+        l = simd.mul_f32s(l, corr);
+        for c in 0..dp {
+            let a = &mut S::as_mut_simd_f32s(&mut acc[c * BLOCK_Q + g..][..lanes]).0[0];
+            *a = simd.mul_f32s(*a, corr);
+        }
+        S::as_mut_simd_f32s(&mut b.m[g..g + lanes]).0[0] = m_new;
+    }
+    S::as_mut_simd_f32s(&mut b.l[g..g + lanes]).0[0] = simd.add_f32s(l, sum);
+}
+
+/// The scores of a tile where the item transforms them, masks them densely
+/// or carries a planted fault: `s: [BLOCK_K, BLOCK_Q]` (`S^T`, keys `k0..k0
+/// + kn` down, the block's first `rows` queries across) scaled, changed by
+/// the [`Transform`] ([`transformed`]) and masked, one score at a time, in
+/// the order of `super::tile::scores` (the scale is already applied).
+fn prepare_scalar(s: &mut [f32], it: &Item, (q0, k0, kn, rows): (usize, usize, usize, usize)) {
+    let mask_first = has_fault(it);
+    for j in 0..kn {
+        let key = k0 + j;
+        for r in 0..rows {
+            let i = q0 + r;
+            let seen = match it.mask {
+                Mask::Segment { .. } => it.key_range(i).contains(&key),
+                Mask::Dense(allowed) => i < it.q_len && key < it.k_len && allowed[[i, key]],
+            };
+            let x = &mut s[j * BLOCK_Q + r];
+            if mask_first && !seen {
+                *x = f32::NEG_INFINITY;
+            }
+            if !it.transform.is_identity() {
+                *x = transformed(it, (i, key), *x).0;
+            }
+            if !seen && !mask_first {
+                *x = f32::NEG_INFINITY;
+            }
+        }
+        // Queries past the item's: masked (their lanes are never written).
+        s[j * BLOCK_Q + rows..(j + 1) * BLOCK_Q].fill(f32::NEG_INFINITY);
     }
 }
 

@@ -76,6 +76,10 @@ pub const BLOCK_K: usize = 64;
 pub trait Element: Copy + Send + Sync + 'static {
     /// The value as `f32` (exact for both types).
     fn to_f32(self) -> f32;
+
+    /// The slice itself where the type is `f32` (read in place, not
+    /// gathered).
+    fn as_f32(x: &[Self]) -> Option<&[f32]>;
 }
 
 impl Element for f32 {
@@ -83,12 +87,21 @@ impl Element for f32 {
     fn to_f32(self) -> f32 {
         self
     }
+
+    #[inline(always)]
+    fn as_f32(x: &[Self]) -> Option<&[f32]> {
+        Some(x)
+    }
 }
 
 impl Element for bf16 {
     #[inline(always)]
     fn to_f32(self) -> f32 {
         bf16::to_f32(self)
+    }
+
+    fn as_f32(_: &[Self]) -> Option<&[f32]> {
+        None
     }
 }
 
@@ -305,10 +318,11 @@ fn gather_into<T: Element>(
     }
 }
 
-/// The transpose of [`gather_into`] in key panels, into `out` (as
-/// [`gather_into`]): `[rows / BLOCK_K, dp,
-/// BLOCK_K]`, panel `t` the transpose `[dp, BLOCK_K]` of the rows
-/// `t * BLOCK_K..(t + 1) * BLOCK_K` (`rows` a multiple of [`BLOCK_K`]). A tile's keys are one
+/// The transpose of [`gather_into`] in panels of `width` rows, into `out`
+/// (as [`gather_into`]): `[rows / width, dp, width]`, panel `t` the
+/// transpose `[dp, width]` of the rows `t * width..(t + 1) * width` (`rows`
+/// a multiple of `width`: [`BLOCK_K`] for key tiles, [`BLOCK_Q`] for the
+/// forward's query blocks). A tile's keys are one
 /// contiguous 16 KiB block (at `d` = 64) read with row stride `BLOCK_K`: the
 /// whole-segment transpose `[dp, rows]` read with row stride `rows` (2 KiB
 /// apart at 512 keys) mapped the 64 rows of a tile onto a few L1 cache sets.
@@ -318,15 +332,16 @@ fn gather_t_into<T: Element>(
     (h, d): (usize, usize),
     at: Rows,
     (rows, dp): (usize, usize),
+    width: usize,
 ) {
-    debug_assert!(rows.is_multiple_of(BLOCK_K));
+    debug_assert!(rows.is_multiple_of(width));
     out.clear();
     out.resize(dp * rows, 0.0);
     for i in 0..at.len {
         let src = &x[((at.start + i) * h + at.head) * d..][..d];
-        let panel = &mut out[(i / BLOCK_K) * dp * BLOCK_K..][..dp * BLOCK_K];
+        let panel = &mut out[(i / width) * dp * width..][..dp * width];
         for (c, &s) in src.iter().enumerate() {
-            panel[c * BLOCK_K + i % BLOCK_K] = s.to_f32();
+            panel[c * width + i % width] = s.to_f32();
         }
     }
 }

@@ -49,39 +49,51 @@ fn apply_mask(s: &mut [f32], it: &Item, q0: usize, k0: usize) {
     }
 }
 
-/// The [`Transform`] of the scaled scores `s: [BLOCK_Q, BLOCK_K]` of
-/// queries `q0..` over keys `k0..` (the first `cols` of each row, the real
-/// queries only), before the mask; `chain` (the backward's) gets `d score /
-/// d raw`, `1 - tanh(raw / softcap)^2`, where a cap applies. The same f32
+/// The [`Transform`] of one scaled score `x` of query `i` and key `key` (of
+/// the item), before the mask: the score and `d score / d raw`, `1 -
+/// tanh(raw / softcap)^2` where a cap applies (1 otherwise). The same f32
 /// formulas as `crate::attention::mask::SegmentMask::score` and `chain`.
-fn transform_scores(
-    s: &mut [f32],
-    it: &Item,
-    (q0, k0, cols): (usize, usize, usize),
-    mut chain: Option<&mut [f32]>,
-) {
+#[inline(always)]
+pub(super) fn transformed(it: &Item, (i, key): (usize, usize), x: f32) -> (f32, f32) {
     let Transform {
         softcap,
         slope,
         offsets,
         ..
     } = it.transform;
-    for r in 0..BLOCK_Q.min(it.q_len.saturating_sub(q0)) {
-        // The diagonal of query i = q0 + r: key i + k_len - q_len.
-        let i = q0 + r;
+    let (mut x, mut chain) = (x, 1.0);
+    if softcap > 0.0 {
+        let t = (x / softcap).tanh();
+        x = softcap * t;
+        chain = 1.0 - t * t;
+    }
+    if let Some(slope) = slope {
+        // The diagonal of query i: key i + k_len - q_len.
         let diag = i as i64 + offsets.map_or(it.k_len as i64 - it.q_len as i64, |o| o[i]);
+        let dist = (diag - key as i64).unsigned_abs();
+        x -= slope * dist as f32;
+    }
+    (x, chain)
+}
+
+/// The [`Transform`] of the scaled scores `s: [BLOCK_Q, BLOCK_K]` of
+/// queries `q0..` over keys `k0..` (the first `cols` of each row, the real
+/// queries only), before the mask ([`transformed`]); `chain` (the
+/// backward's) gets `d score / d raw` where a cap applies.
+fn transform_scores(
+    s: &mut [f32],
+    it: &Item,
+    (q0, k0, cols): (usize, usize, usize),
+    mut chain: Option<&mut [f32]>,
+) {
+    let capped = it.transform.softcap > 0.0;
+    for r in 0..BLOCK_Q.min(it.q_len.saturating_sub(q0)) {
         for j in 0..cols {
             let x = &mut s[r * BLOCK_K + j];
-            if softcap > 0.0 {
-                let t = (*x / softcap).tanh();
-                *x = softcap * t;
-                if let Some(c) = chain.as_deref_mut() {
-                    c[r * BLOCK_K + j] = 1.0 - t * t;
-                }
-            }
-            if let Some(slope) = slope {
-                let dist = (diag - (k0 + j) as i64).unsigned_abs();
-                *x -= slope * dist as f32;
+            let (y, dy) = transformed(it, (q0 + r, k0 + j), *x);
+            *x = y;
+            if let (true, Some(c)) = (capped, chain.as_deref_mut()) {
+                c[r * BLOCK_K + j] = dy;
             }
         }
     }
