@@ -24,7 +24,7 @@
 //! [`super`]).
 
 use super::disjoint::Disjoint;
-use super::tile::transformed;
+use super::tile::{masked, BlockKeys, Prepare};
 use super::*;
 use crate::simd::{mm_acc_at, mm_scaled};
 
@@ -50,13 +50,10 @@ thread_local! {
 }
 
 /// The online softmax's state of the queries of one block, one lane per
-/// query: the running maximum `m`, the sum `l`, and the bounds `lo..hi` of
-/// the keys each may see ([`Item::key_range`], as `f32`: exact below 2^24).
+/// query: the running maximum `m` and sum `l`.
 struct Block {
     m: [f32; BLOCK_Q],
     l: [f32; BLOCK_Q],
-    lo: [f32; BLOCK_Q],
-    hi: [f32; BLOCK_Q],
 }
 
 /// How far a tile's score maximum may exceed a lane's running maximum
@@ -64,16 +61,6 @@ struct Block {
 /// [`softmax_lanes`] stay below `e^8`, far from f32's range, and the
 /// accumulator is rescaled only when some lane's maximum moves.
 const LAZY: f32 = 8.0;
-
-/// What the scaled products `scale K Q^T` of a tile need to become scores.
-#[derive(Clone, Copy, PartialEq)]
-enum Prepare {
-    /// Each (key, query) outside the query's `lo..hi` set to `-inf`.
-    Mask,
-    /// Nothing: every query of the block sees every key of the tile, or
-    /// [`prepare_scalar`] ran.
-    Done,
-}
 
 /// The forward of one item, written into its rows of `out: [n, h, d]` and
 /// its span of `lse: [h, n]`.
@@ -114,16 +101,9 @@ pub(super) unsafe fn forward_item<S: Simd, T: Element>(
     acc.resize(dp * BLOCK_Q, 0.0);
     // SAFETY: the item's own rows and span (the function's contract).
     let lse = unsafe { lse_all.span_mut(it.head * lse_all.len_per(h) + it.q_start, len) };
-    // The lane-wise mask compares key indices as f32 (exact below 2^24);
-    // dense masks, transformed scores and longer segments go one score at a
-    // time.
-    let vector_mask =
-        matches!(it.mask, Mask::Segment { .. }) && it.transform.is_identity() && it.k_len < 1 << 24;
     let mut b = Block {
         m: [f32::NEG_INFINITY; BLOCK_Q],
         l: [0.0; BLOCK_Q],
-        lo: [0.0; BLOCK_Q],
-        hi: [0.0; BLOCK_Q],
     };
     for q0 in (0..len).step_by(BLOCK_Q) {
         let rows = (len - q0).min(BLOCK_Q);
@@ -133,13 +113,7 @@ pub(super) unsafe fn forward_item<S: Simd, T: Element>(
         acc.fill(0.0);
         b.m.fill(f32::NEG_INFINITY);
         b.l.fill(0.0);
-        for r in 0..BLOCK_Q {
-            let keys = if r < rows { it.key_range(q0 + r) } else { 0..0 };
-            (b.lo[r], b.hi[r]) = (keys.start as f32, keys.end as f32);
-        }
-        let (lo_max, hi_min) = (0..rows).fold((0usize, usize::MAX), |(lo, hi), r| {
-            (lo.max(b.lo[r] as usize), hi.min(b.hi[r] as usize))
-        });
+        let bk = BlockKeys::new(it, q0, rows);
         // Only the key tiles some query of the block may see (causality
         // and the sliding window skip the others).
         let keys = it.block_keys(q0);
@@ -158,16 +132,9 @@ pub(super) unsafe fn forward_item<S: Simd, T: Element>(
                 scores,
                 pb.scale,
             );
-            let prep = if !vector_mask || cfg!(test) && has_fault(it) {
-                prepare_scalar(s, it, (q0, k0, kn, rows));
-                Prepare::Done
-            } else if lo_max <= k0 && k0 + kn <= hi_min {
-                Prepare::Done
-            } else {
-                Prepare::Mask
-            };
+            let prep = bk.prepare(s, it, (q0, k0, kn, rows), None);
             for g in (0..qcols).step_by(lanes) {
-                softmax_lanes(simd, (s, acc), &mut b, (g, k0, kn, dp), prep);
+                softmax_lanes(simd, (s, acc), (&mut b, &bk), (g, k0, kn, dp), prep);
             }
             // O^T += V^T P^T over the keys some query may see.
             mm_acc_at(
@@ -204,18 +171,6 @@ pub(super) unsafe fn forward_item<S: Simd, T: Element>(
     }
 }
 
-/// Whether the tests plant a fault in `it` that the scalar path applies.
-#[inline(always)]
-fn has_fault(it: &Item) -> bool {
-    #[cfg(test)]
-    return tests_faults::cap_after_mask(it);
-    #[cfg(not(test))]
-    {
-        let _ = it;
-        false
-    }
-}
-
 /// The online softmax of one vector of queries (lanes `g..g + lanes` of the
 /// block) over the tile's first `kn` keys: the scores (prepared as `prep`
 /// says) become `p = exp(s - m_new)`, the lanes' `acc` columns are rescaled
@@ -227,7 +182,7 @@ fn has_fault(it: &Item) -> bool {
 fn softmax_lanes<S: Simd>(
     simd: S,
     (s, acc): (&mut [f32], &mut [f32]),
-    b: &mut Block,
+    (b, bk): (&mut Block, &BlockKeys),
     (g, k0, kn, dp): (usize, usize, usize, usize),
     prep: Prepare,
 ) {
@@ -236,17 +191,11 @@ fn softmax_lanes<S: Simd>(
     let neg_inf = simd.splat_f32s(f32::NEG_INFINITY);
     let m_old = vec(&b.m, g);
     let mut mx = m_old;
-    let (lo, hi) = (vec(&b.lo, g), vec(&b.hi, g));
     for j in 0..kn {
         let x = &mut S::as_mut_simd_f32s(&mut s[j * BLOCK_Q + g..][..lanes]).0[0];
         let mut y = *x;
         if prep == Prepare::Mask {
-            let key = simd.splat_f32s((k0 + j) as f32);
-            let seen = simd.and_m32s(
-                simd.less_than_or_equal_f32s(lo, key),
-                simd.less_than_f32s(key, hi),
-            );
-            y = simd.select_f32s(seen, y, neg_inf);
+            y = masked(simd, bk, g, k0 + j, y);
         }
         *x = y;
         mx = simd.max_f32s(mx, y);
@@ -280,37 +229,6 @@ fn softmax_lanes<S: Simd>(
         S::as_mut_simd_f32s(&mut b.m[g..g + lanes]).0[0] = m_new;
     }
     S::as_mut_simd_f32s(&mut b.l[g..g + lanes]).0[0] = simd.add_f32s(l, sum);
-}
-
-/// The scores of a tile where the item transforms them, masks them densely
-/// or carries a planted fault: `s: [BLOCK_K, BLOCK_Q]` (`S^T`, keys `k0..k0
-/// + kn` down, the block's first `rows` queries across) scaled, changed by
-/// the [`Transform`] ([`transformed`]) and masked, one score at a time, in
-/// the order of `super::tile::scores` (the scale is already applied).
-fn prepare_scalar(s: &mut [f32], it: &Item, (q0, k0, kn, rows): (usize, usize, usize, usize)) {
-    let mask_first = has_fault(it);
-    for j in 0..kn {
-        let key = k0 + j;
-        for r in 0..rows {
-            let i = q0 + r;
-            let seen = match it.mask {
-                Mask::Segment { .. } => it.key_range(i).contains(&key),
-                Mask::Dense(allowed) => i < it.q_len && key < it.k_len && allowed[[i, key]],
-            };
-            let x = &mut s[j * BLOCK_Q + r];
-            if mask_first && !seen {
-                *x = f32::NEG_INFINITY;
-            }
-            if !it.transform.is_identity() {
-                *x = transformed(it, (i, key), *x).0;
-            }
-            if !seen && !mask_first {
-                *x = f32::NEG_INFINITY;
-            }
-        }
-        // Queries past the item's: masked (their lanes are never written).
-        s[j * BLOCK_Q + rows..(j + 1) * BLOCK_Q].fill(f32::NEG_INFINITY);
-    }
 }
 
 /// The (query, key) scores the forward of `it` computes: over the key tiles

@@ -380,7 +380,7 @@ pub use dense::{
 };
 use disjoint::Disjoint;
 use forward::forward_item;
-use tile::{acc_by_transposed, key_panel, scores, tile_keys};
+use tile::tile_keys;
 
 /// Runs every item's forward in parallel, each writing its own rows of the
 /// output and its span of `lse` (items own disjoint (query rows, head)

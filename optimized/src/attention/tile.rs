@@ -1,15 +1,13 @@
-//! One (query block, key tile) of an item: the key panels, the scores with
-//! flash-attention's transforms and the mask, and the `x y^T` tile product
-//! the forward and the backward share.
+//! One (query block, key tile) of an item, shared by the forward and the
+//! backward: which keys of the tile a block's queries see, and the scores
+//! with flash-attention's transforms and the mask.
+//!
+//! Tiles are transposed, `[BLOCK_K, BLOCK_Q]`: key `k0 + j` down (row `j`),
+//! query `q0 + r` of the block across (column `r`, the SIMD lanes), so that
+//! everything per query (the softmax's maximum and sum, `lse`, `delta`) is a
+//! lane-wise vector and no tile is ever transposed.
 
 use super::*;
-
-/// The key tile at `k0` of [`gather_t_into`]'s panels: `[dp, BLOCK_K]`, row
-/// stride [`BLOCK_K`].
-#[inline(always)]
-pub(super) fn key_panel(kt: &[f32], k0: usize, dp: usize) -> (&[f32], usize) {
-    (&kt[k0 * dp..(k0 + BLOCK_K) * dp], BLOCK_K)
-}
 
 /// The keys of the tile at `k0` that some query of the block may see are
 /// among its first `tile_keys(keys, k0)` (at least 1, at most [`BLOCK_K`]),
@@ -22,30 +20,98 @@ pub(super) fn tile_keys(keys: &Range<usize>, k0: usize) -> usize {
     keys.end.saturating_sub(k0).clamp(1, BLOCK_K)
 }
 
-/// Sets the scores of keys a query may not see to `-inf` (after scaling
-/// and the [`Transform`]): `s: [BLOCK_Q, BLOCK_K]` for queries `q0..` and
-/// keys `k0..` of the item.
-fn apply_mask(s: &mut [f32], it: &Item, q0: usize, k0: usize) {
-    for r in 0..BLOCK_Q {
-        let i = q0 + r;
-        let row = &mut s[r * BLOCK_K..(r + 1) * BLOCK_K];
-        match it.mask {
-            Mask::Segment { .. } => {
-                let keys = it.key_range(i);
-                let end = keys.end.saturating_sub(k0).min(BLOCK_K);
-                let start = keys.start.saturating_sub(k0).min(end);
-                row[..start].fill(f32::NEG_INFINITY);
-                row[end..].fill(f32::NEG_INFINITY);
-            }
-            Mask::Dense(allowed) => {
-                for (j, x) in row.iter_mut().enumerate() {
-                    let key = k0 + j;
-                    if i >= it.q_len || key >= it.k_len || !allowed[[i, key]] {
-                        *x = f32::NEG_INFINITY;
-                    }
-                }
-            }
+/// The keys each query of a block may see ([`Item::key_range`]), one lane
+/// per query: `lo[r]..hi[r]` as `f32` (exact below 2^24; padding queries
+/// `0..0`), and how the tiles' scores are masked.
+pub(super) struct BlockKeys {
+    pub(super) lo: [f32; BLOCK_Q],
+    pub(super) hi: [f32; BLOCK_Q],
+    /// The largest `lo` and the smallest `hi` of the block's real queries.
+    lo_max: usize,
+    hi_min: usize,
+    /// Whether the scores can be masked lane-wise ([`Prepare::Mask`]): a
+    /// segment item with no transform, keys below 2^24, no planted fault.
+    vector: bool,
+}
+
+/// What the scaled products `scale K Q^T` of a tile need to become scores.
+#[derive(Clone, Copy, PartialEq)]
+pub(super) enum Prepare {
+    /// Each (key, query) outside the query's `lo..hi` set to `-inf`
+    /// (lane-wise, [`masked`]).
+    Mask,
+    /// Nothing: every query of the block sees every key of the tile, or
+    /// [`scores_scalar`] ran.
+    Done,
+}
+
+impl BlockKeys {
+    /// The bounds of the block at `q0` (its first `rows` queries real).
+    pub(super) fn new(it: &Item, q0: usize, rows: usize) -> Self {
+        let mut b = BlockKeys {
+            lo: [0.0; BLOCK_Q],
+            hi: [0.0; BLOCK_Q],
+            lo_max: 0,
+            hi_min: usize::MAX,
+            vector: matches!(it.mask, Mask::Segment { .. })
+                && it.transform.is_identity()
+                && it.k_len < 1 << 24
+                && !has_fault(it),
+        };
+        for r in 0..rows {
+            let keys = it.key_range(q0 + r);
+            (b.lo[r], b.hi[r]) = (keys.start as f32, keys.end as f32);
+            (b.lo_max, b.hi_min) = (b.lo_max.max(keys.start), b.hi_min.min(keys.end));
         }
+        b
+    }
+
+    /// How the tile at `k0` (its first `kn` keys) is masked: lane-wise, not
+    /// at all (every query sees every key), or one score at a time by
+    /// [`scores_scalar`] (which this runs; `chain` as there).
+    pub(super) fn prepare(
+        &self,
+        s: &mut [f32],
+        it: &Item,
+        (q0, k0, kn, rows): (usize, usize, usize, usize),
+        chain: Option<&mut [f32]>,
+    ) -> Prepare {
+        if !self.vector {
+            scores_scalar(s, it, (q0, k0, kn, rows), chain);
+            Prepare::Done
+        } else if self.lo_max <= k0 && k0 + kn <= self.hi_min {
+            Prepare::Done
+        } else {
+            Prepare::Mask
+        }
+    }
+}
+
+/// The score `y` of key `key` for the lanes `g..` of a block, `-inf` where
+/// the lane's query may not see it (`b`'s bounds).
+#[inline(always)]
+pub(super) fn masked<S: Simd>(simd: S, b: &BlockKeys, g: usize, key: usize, y: S::f32s) -> S::f32s {
+    let lanes = S::F32_LANES;
+    let lo = S::as_simd_f32s(&b.lo[g..g + lanes]).0[0];
+    let hi = S::as_simd_f32s(&b.hi[g..g + lanes]).0[0];
+    let key = simd.splat_f32s(key as f32);
+    let seen = simd.and_m32s(
+        simd.less_than_or_equal_f32s(lo, key),
+        simd.less_than_f32s(key, hi),
+    );
+    simd.select_f32s(seen, y, simd.splat_f32s(f32::NEG_INFINITY))
+}
+
+/// Whether the tests plant a fault in `it` that [`scores_scalar`] applies
+/// (the cap after the mask, W4).
+#[inline(always)]
+fn has_fault(it: &Item) -> bool {
+    #[cfg(test)]
+    return tests_faults::cap_after_mask(it);
+    #[cfg(not(test))]
+    {
+        let _ = it;
+        false
     }
 }
 
@@ -76,82 +142,42 @@ pub(super) fn transformed(it: &Item, (i, key): (usize, usize), x: f32) -> (f32, 
     (x, chain)
 }
 
-/// The [`Transform`] of the scaled scores `s: [BLOCK_Q, BLOCK_K]` of
-/// queries `q0..` over keys `k0..` (the first `cols` of each row, the real
-/// queries only), before the mask ([`transformed`]); `chain` (the
-/// backward's) gets `d score / d raw` where a cap applies.
-fn transform_scores(
+/// The scores of a tile where the item transforms them, masks them densely
+/// or carries a planted fault: `s: [BLOCK_K, BLOCK_Q]` (`S^T`, keys `k0..k0
+/// + kn` down, the block's first `rows` queries across), already scaled,
+/// changed by the [`Transform`] ([`transformed`]) and then masked, one
+/// score at a time; the lanes of padding queries masked. `chain` (the
+/// backward's, `[BLOCK_K, BLOCK_Q]`) gets `d score / d raw`.
+fn scores_scalar(
     s: &mut [f32],
     it: &Item,
-    (q0, k0, cols): (usize, usize, usize),
+    (q0, k0, kn, rows): (usize, usize, usize, usize),
     mut chain: Option<&mut [f32]>,
 ) {
-    let capped = it.transform.softcap > 0.0;
-    for r in 0..BLOCK_Q.min(it.q_len.saturating_sub(q0)) {
-        for j in 0..cols {
-            let x = &mut s[r * BLOCK_K + j];
-            let (y, dy) = transformed(it, (q0 + r, k0 + j), *x);
-            *x = y;
-            if let (true, Some(c)) = (capped, chain.as_deref_mut()) {
-                c[r * BLOCK_K + j] = dy;
+    let mask_first = has_fault(it);
+    for j in 0..kn {
+        let key = k0 + j;
+        for r in 0..rows {
+            let i = q0 + r;
+            let seen = match it.mask {
+                Mask::Segment { .. } => it.key_range(i).contains(&key),
+                Mask::Dense(allowed) => i < it.q_len && key < it.k_len && allowed[[i, key]],
+            };
+            let x = &mut s[j * BLOCK_Q + r];
+            if mask_first && !seen {
+                *x = f32::NEG_INFINITY;
+            }
+            if !it.transform.is_identity() {
+                let (y, dy) = transformed(it, (i, key), *x);
+                *x = y;
+                if let Some(c) = chain.as_deref_mut() {
+                    c[j * BLOCK_Q + r] = dy;
+                }
+            }
+            if !seen && !mask_first {
+                *x = f32::NEG_INFINITY;
             }
         }
+        s[j * BLOCK_Q + rows..(j + 1) * BLOCK_Q].fill(f32::NEG_INFINITY);
     }
-}
-
-/// `out: [BLOCK_Q, BLOCK_K] += x y^T` for the row block `x: [BLOCK_Q, dp]`
-/// and the key block of `y^T` (a [`key_panel`]: row stride `ld`, its first
-/// column the block's first key): the forward's `Q K^T`, the backward's `dO
-/// V^T`. Only the first `rows` rows (rounded up to 4) and `cols` columns (a
-/// multiple of the vector width) are computed; the rest of `out` is left as
-/// it is.
-#[inline(always)]
-pub(super) fn acc_by_transposed<S: Simd>(
-    simd: S,
-    (x, rows): (&[f32], usize),
-    (yt, ld, cols): (&[f32], usize, usize),
-    dp: usize,
-    out: &mut [f32],
-) {
-    let m = round_up(rows.min(BLOCK_Q), 4);
-    mm_acc(simd, m, cols, dp, x, dp, yt, ld, out, BLOCK_K);
-}
-
-/// `S = scale Q_blk K_tile^T` with the mask: `s: [BLOCK_Q, BLOCK_K]`
-/// (`kt` the key panels of [`gather_t_into`]). Rows of the block past the item's
-/// queries are 0 (as the zero rows of `Q` would give), not computed.
-///
-/// `cols`: the scores of keys `k0 + cols..` (a multiple of the vector width)
-/// are not computed either: they are 0 before the mask, which must hide them
-/// from every query of the block (the forward's `tile_keys`).
-///
-/// `chain`: where the item caps its scores, the backward's buffer of `d
-/// score / d raw` ([`transform_scores`]).
-#[allow(clippy::too_many_arguments)]
-#[inline(always)]
-pub(super) fn scores<S: Simd>(
-    simd: S,
-    s: &mut [f32],
-    qh: &[f32],
-    kt: &[f32],
-    dp: usize,
-    it: &Item,
-    (q0, k0, cols): (usize, usize, usize),
-    scale: f32,
-    chain: Option<&mut [f32]>,
-) {
-    s.fill(0.0);
-    let rows = it.q_len - q0;
-    let (panel, ld) = key_panel(kt, k0, dp);
-    acc_by_transposed(simd, (&qh[q0 * dp..], rows), (panel, ld, cols), dp, s);
-    simd::scale(simd, scale, s);
-    #[cfg(test)]
-    if tests_faults::cap_after_mask(it) {
-        apply_mask(s, it, q0, k0);
-        return transform_scores(s, it, (q0, k0, cols), chain);
-    }
-    if !it.transform.is_identity() {
-        transform_scores(s, it, (q0, k0, cols), chain);
-    }
-    apply_mask(s, it, q0, k0);
 }
