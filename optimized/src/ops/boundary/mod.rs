@@ -11,13 +11,17 @@
 //!   [`LinearCrossEntropyMath`], [`LossKernelSupport`],
 //!   [`cross_entropy_op!`](crate::cross_entropy_op),
 //!   [`linear_cross_entropy_op!`](crate::linear_cross_entropy_op).
+//! - The f32 encoder layer ([`layer`]): [`EncoderLayerMath`],
+//!   [`encoder_layer_op!`](crate::encoder_layer_op).
 //!
 //! Every item of both is re-exported here (`ops::boundary::<item>`).
 
 pub mod attention;
+pub mod layer;
 pub mod losses;
 
 pub use attention::*;
+pub use layer::*;
 pub use losses::*;
 
 /// The names the boundary's macros expand to, so that a crate using them
@@ -26,8 +30,9 @@ pub use losses::*;
 pub mod reexport {
     pub use packshard_reference::attention::{AttentionGrads, AttentionOutput};
     pub use packshard_reference::ops::{
-        AttentionOp, AttentionSupport, CeCall, CrossEntropyOp, Grad, LinearCall,
-        LinearCrossEntropyOp, LinearLoss, LossOp, LossSupport, Masked, Qkv, Varlen,
+        AttentionOp, AttentionSupport, CeCall, CrossEntropyOp, EncoderLayerOp, Grad, Layer,
+        LayerInput, LayerPass, LinearCall, LinearCrossEntropyOp, LinearLoss, LossOp, LossSupport,
+        Masked, Qkv, Varlen,
     };
     pub use packshard_reference::vocab::cross_entropy::CrossEntropy;
     pub use packshard_reference::vocab::sharded::ShardedLoss;
