@@ -79,6 +79,8 @@ fn sharded_alg2(
 pub struct LinearCeMaterialized;
 
 impl LinearCrossEntropyMath for LinearCeMaterialized {
+    type Output = LinearCrossEntropy32;
+
     fn support(&self) -> LossKernelSupport {
         UNSHARDED_ALL_OPTIONS
     }
@@ -106,6 +108,8 @@ pub struct LinearCeFused {
 }
 
 impl LinearCrossEntropyMath for LinearCeFused {
+    type Output = LinearCrossEntropy32;
+
     fn support(&self) -> LossKernelSupport {
         ALG2_ALL_OPTIONS
     }
@@ -156,6 +160,8 @@ impl Default for LinearCeTiled {
 }
 
 impl LinearCrossEntropyMath for LinearCeTiled {
+    type Output = LinearCrossEntropy32;
+
     fn support(&self) -> LossKernelSupport {
         ALG2_ALL_OPTIONS
     }
@@ -215,6 +221,8 @@ impl Default for LinearCeTiledFiltered {
 }
 
 impl LinearCrossEntropyMath for LinearCeTiledFiltered {
+    type Output = LinearCrossEntropy32;
+
     fn support(&self) -> LossKernelSupport {
         UNSHARDED_ALL_OPTIONS
     }

@@ -90,6 +90,12 @@ pub trait CrossEntropyMath: Send + Sync {
 /// cross-entropy); [`linear_cross_entropy_op!`](crate::linear_cross_entropy_op)
 /// gives it the boundary (see the module docs).
 pub trait LinearCrossEntropyMath: Send + Sync {
+    /// What [`LinearCrossEntropyMath::unsharded`] returns:
+    /// [`LinearCrossEntropy32`] (f32 results, widened exactly), or a
+    /// [`LinearLoss`] a kernel already holds in f64 (the CUDA kernels' host
+    /// merge), taken as it is.
+    type Output: IntoLinearLoss;
+
     /// What it implements (declare it: the boundary refuses the rest).
     fn support(&self) -> LossKernelSupport;
 
@@ -106,7 +112,7 @@ pub trait LinearCrossEntropyMath: Send + Sync {
         hidden: ArrayView2<f32>,
         weight: ArrayView2<f32>,
         call: &LossCall,
-    ) -> Result<LinearCrossEntropy32>;
+    ) -> Result<Self::Output>;
 
     /// Sharded by `plan` (its algorithm one the support declares): `weight:
     /// [w, h]` in f32 (`w >= v`, rows `v..` cast but never read). The
@@ -159,15 +165,31 @@ fn widen_ce(ce: CrossEntropy32) -> CrossEntropy {
     }
 }
 
-/// The results of an f32 output layer, widened (exactly): the logits
-/// buffer it reports and the error it traded as they are.
-fn widen_linear(l: LinearCrossEntropy32) -> LinearLoss {
-    LinearLoss {
-        ce: widen_ce(l.ce),
-        grad_hidden: l.grad_hidden.map(|g| to_f64(g.view())),
-        grad_weight: l.grad_weight.map(|g| to_f64(g.view())),
-        logits_buffer_bytes: Some(l.logits_buffer_bytes),
-        traded: l.traded,
+/// An unsharded output layer's results as the reference's type (step 5 of
+/// the module docs).
+pub trait IntoLinearLoss {
+    /// The results in f64, exactly.
+    fn into_linear_loss(self) -> LinearLoss;
+}
+
+/// Widened (exactly): the logits buffer it reports and the error it traded
+/// as they are.
+impl IntoLinearLoss for LinearCrossEntropy32 {
+    fn into_linear_loss(self) -> LinearLoss {
+        LinearLoss {
+            ce: widen_ce(self.ce),
+            grad_hidden: self.grad_hidden.map(|g| to_f64(g.view())),
+            grad_weight: self.grad_weight.map(|g| to_f64(g.view())),
+            logits_buffer_bytes: Some(self.logits_buffer_bytes),
+            traded: self.traded,
+        }
+    }
+}
+
+/// Already f64: as it is.
+impl IntoLinearLoss for LinearLoss {
+    fn into_linear_loss(self) -> LinearLoss {
+        self
     }
 }
 
@@ -210,11 +232,9 @@ pub fn linear_cross_entropy<K: LinearCrossEntropyMath + ?Sized>(
     declared(&kernel.support(), None, &c.call)?;
     let x = to_f32("hidden", c.input.hidden)?;
     let w = to_f32("weight", c.input.weight)?;
-    Ok(widen_linear(kernel.unsharded(
-        x.view(),
-        w.view(),
-        &c.call,
-    )?))
+    Ok(kernel
+        .unsharded(x.view(), w.view(), &c.call)?
+        .into_linear_loss())
 }
 
 /// The sharded output layer of `kernel` through the boundary.
@@ -237,8 +257,8 @@ pub fn sharded_linear_cross_entropy<K: LinearCrossEntropyMath + ?Sized>(
 #[doc(hidden)]
 #[macro_export]
 macro_rules! loss_op {
-    ($kernel:ty, $math:path) => {
-        impl $crate::ops::boundary::reexport::LossOp for $kernel {
+    (impl[$($g:tt)*] $kernel:ty, $math:path) => {
+        impl<$($g)*> $crate::ops::boundary::reexport::LossOp for $kernel {
             fn algorithms(&self) -> Vec<$crate::ops::boundary::reexport::ShardedAlgorithm> {
                 <Self as $math>::support(self).algorithms.to_vec()
             }
@@ -250,12 +270,13 @@ macro_rules! loss_op {
 }
 
 /// `impl LossOp + CrossEntropyOp for $kernel` through the boundary of this
-/// module, for a `$kernel` that implements [`CrossEntropyMath`].
+/// module, for a `$kernel` that implements [`CrossEntropyMath`]; for a
+/// generic one, `cross_entropy_op!(impl[B: Bound] Kernel<B>)`.
 #[macro_export]
 macro_rules! cross_entropy_op {
-    ($kernel:ty) => {
-        $crate::loss_op!($kernel, $crate::ops::boundary::CrossEntropyMath);
-        impl $crate::ops::boundary::reexport::CrossEntropyOp for $kernel {
+    (impl[$($g:tt)*] $kernel:ty) => {
+        $crate::loss_op!(impl[$($g)*] $kernel, $crate::ops::boundary::CrossEntropyMath);
+        impl<$($g)*> $crate::ops::boundary::reexport::CrossEntropyOp for $kernel {
             fn cross_entropy(
                 &self,
                 c: $crate::ops::boundary::reexport::CeCall<'_>,
@@ -275,15 +296,19 @@ macro_rules! cross_entropy_op {
             }
         }
     };
+    ($kernel:ty) => {
+        $crate::cross_entropy_op!(impl[] $kernel);
+    };
 }
 
 /// `impl LossOp + LinearCrossEntropyOp for $kernel` through the boundary of
-/// this module, for a `$kernel` that implements [`LinearCrossEntropyMath`].
+/// this module, for a `$kernel` that implements [`LinearCrossEntropyMath`];
+/// for a generic one, `linear_cross_entropy_op!(impl[B: Bound] Kernel<B>)`.
 #[macro_export]
 macro_rules! linear_cross_entropy_op {
-    ($kernel:ty) => {
-        $crate::loss_op!($kernel, $crate::ops::boundary::LinearCrossEntropyMath);
-        impl $crate::ops::boundary::reexport::LinearCrossEntropyOp for $kernel {
+    (impl[$($g:tt)*] $kernel:ty) => {
+        $crate::loss_op!(impl[$($g)*] $kernel, $crate::ops::boundary::LinearCrossEntropyMath);
+        impl<$($g)*> $crate::ops::boundary::reexport::LinearCrossEntropyOp for $kernel {
             fn linear_cross_entropy(
                 &self,
                 c: $crate::ops::boundary::reexport::LinearCall<'_>,
@@ -302,6 +327,9 @@ macro_rules! linear_cross_entropy_op {
                 $crate::ops::boundary::sharded_linear_cross_entropy(self, plan, c)
             }
         }
+    };
+    ($kernel:ty) => {
+        $crate::linear_cross_entropy_op!(impl[] $kernel);
     };
 }
 
