@@ -247,9 +247,10 @@ impl<B: AttentionKernels + 'static> AttentionOp for CudaAttention<B> {
 /// `packshard-oracle`'s registry lists both (`linear_cross_entropy_cuda`,
 /// `linear_cross_entropy_cuda_emulated`).
 ///
-/// Every [`LossConfig`] option but the softcap (`ignore_index`, label
-/// smoothing in either convention, z-loss, every reduction; the softcap is
-/// declared unsupported, [`LossOp::options`], and refused
+/// Every [`LossConfig`](packshard_reference::vocab::LossConfig) option but
+/// the softcap (`ignore_index`, label smoothing in either convention,
+/// z-loss, every reduction; the softcap is declared unsupported,
+/// [`LossOp::options`], and refused
 /// with an error naming `softcap`); `naive` and `alg1` are declared
 /// unsupported ([`LossOp::algorithms`]) and refused, as is a
 /// hidden size whose row does not fit the kernels' 48 KiB of shared memory.
