@@ -702,6 +702,57 @@ fn the_op_refuses_options_beyond_f32() {
     }
 }
 
+/// The CUDA output layer goes through the f32 loss boundary
+/// (`packshard_optimized::ops::boundary::losses`) in its order: what the
+/// kernel does not declare (the softcap) is refused by name before the
+/// inputs are read, in both forms, as for every f32 loss kernel; without the
+/// softcap the same inputs get the reference's error (the negative control).
+#[test]
+fn the_op_refuses_the_undeclared_before_reading_the_inputs() {
+    static CPU: CpuShard = CpuShard;
+    let op = CudaLinearCrossEntropy::new(&CPU);
+    let c = linear_case(4, 3, 10, 9);
+    let h = Array2::from_shape_vec((4, 3), c.hidden.clone())
+        .unwrap()
+        .mapv(f64::from);
+    let mut w = Array2::from_shape_vec((10, 3), c.weight.clone())
+        .unwrap()
+        .mapv(f64::from);
+    w[[2, 1]] = f64::NAN;
+    let input = LinearInput::new(h.view(), w.view());
+    let map = ShardMap::new(10, 2, ShardLayout::Uneven).unwrap();
+    let capped = LossConfig {
+        softcap: Some(30.0),
+        ..LossConfig::default()
+    };
+    let plain = LossConfig::default();
+    for (config, field) in [(&capped, "softcap"), (&plain, "weight")] {
+        let call = LossCall::with_flag(&c.targets, config, true);
+        let results = [
+            op.linear_cross_entropy(LinearCall::new(input, call))
+                .map(|_| ()),
+            op.sharded_linear_cross_entropy(
+                ShardPlan::new(ShardedAlgorithm::Alg2, map),
+                LinearCall::new(input, call),
+            )
+            .map(|_| ()),
+        ];
+        for r in results {
+            match r {
+                Err(Error::InvalidArgument { field: f, .. }) if field == "softcap" => {
+                    assert_eq!(f, field)
+                }
+                Err(Error::NonFiniteInput {
+                    field: f, index, ..
+                }) if field == "weight" => {
+                    assert_eq!((f.as_str(), index), ("weight", 7))
+                }
+                other => panic!("{field}: {other:?}"),
+            }
+        }
+    }
+}
+
 /// The attention checks every CPU kernel makes, in the CUDA adapter too
 /// (issue #32): the score bound, the backward's `grad_output . v` bound and
 /// the work bound shared by every impl, each refused by name before launch.

@@ -18,18 +18,17 @@
 
 use std::sync::OnceLock;
 
-use ndarray::{Array2, Array3, Axis};
+use ndarray::{Array2, Array3, ArrayView2};
 use packshard_reference::attention::{
     check_grad_values, check_mask_shape, check_masked_work, check_scores, check_varlen,
     check_varlen_work, AttentionGrads, AttentionOutput,
 };
-use packshard_reference::ops::{
-    check_algorithm, AttentionOp, AttentionSupport, LinearCall, LinearCrossEntropyOp, LinearLoss,
-    LossOp, LossSupport, Varlen,
-};
+use packshard_reference::ops::{AttentionOp, AttentionSupport, LinearLoss, LossSupport, Varlen};
+#[cfg(doc)]
+use packshard_reference::ops::{LinearCrossEntropyOp, LossOp};
 use packshard_reference::vocab::cross_entropy::CrossEntropy;
 use packshard_reference::vocab::sharded::{check_inputs, ShardedLoss};
-use packshard_reference::vocab::{ShardLayout, ShardMap, ShardPlan, ShardedAlgorithm};
+use packshard_reference::vocab::{LossCall, ShardLayout, ShardMap, ShardPlan, ShardedAlgorithm};
 use packshard_reference::{Error, Result};
 
 use super::attention::{AttentionKernels, AttnForward, AttnShape, BackwardCall, Call, Form};
@@ -37,8 +36,9 @@ use super::emu::Emulator;
 use super::vocab::{self, ShardKernels};
 use super::MAX_HEAD_DIM;
 use super::{CudaError, Gpu};
-use crate::convert::{check_call_f32, to_f32, to_f32_real};
-use crate::ops::boundary::{inputs, saved, widen, widen_grads};
+use crate::ops::boundary::{
+    inputs, saved, widen, widen_grads, LinearCrossEntropyMath, LossKernelSupport,
+};
 use crate::vocab::{check_linear, check_linear_inputs};
 use packshard_reference::ops::{Grad, Masked, Qkv};
 
@@ -247,15 +247,17 @@ impl<B: AttentionKernels + 'static> AttentionOp for CudaAttention<B> {
 /// `packshard-oracle`'s registry lists both (`linear_cross_entropy_cuda`,
 /// `linear_cross_entropy_cuda_emulated`).
 ///
-/// Every [`LossConfig`] option but the softcap (`ignore_index`, label
-/// smoothing in either convention, z-loss, every reduction; the softcap is
-/// declared unsupported, [`LossOp::options`], and refused
+/// Every [`LossConfig`](packshard_reference::vocab::LossConfig) option but
+/// the softcap (`ignore_index`, label smoothing in either convention,
+/// z-loss, every reduction; the softcap is declared unsupported,
+/// [`LossOp::options`], and refused
 /// with an error naming `softcap`); `naive` and `alg1` are declared
 /// unsupported ([`LossOp::algorithms`]) and refused, as is a
 /// hidden size whose row does not fit the kernels' 48 KiB of shared memory.
-/// At the boundary as every f32 kernel: inputs rounded to f32 (finite
-/// values beyond its range refused), the reference's checks and errors;
-/// `dL/dlogits` is never materialized (`None`).
+/// At the boundary of every f32 loss kernel (`crate::ops::boundary::losses`,
+/// in its order: the undeclared refused, the f32 options, inputs rounded to
+/// f32 with finite values beyond its range refused), then the reference's
+/// checks and errors; `dL/dlogits` is never materialized (`None`).
 pub struct CudaLinearCrossEntropy<B: ShardKernels + 'static> {
     kernels: &'static B,
 }
@@ -295,36 +297,39 @@ impl CudaLinearCrossEntropy<Emulator> {
     }
 }
 
-impl<B: ShardKernels + Sync + 'static> LossOp for CudaLinearCrossEntropy<B> {
-    /// `alg2` only.
-    fn algorithms(&self) -> Vec<ShardedAlgorithm> {
-        vec![ShardedAlgorithm::Alg2]
+/// `alg2` only; every loss option but the softcap. No logit soft-capping
+/// (the kernels of `vocab.cu` do not cap): refused. An upstream gradient is
+/// a per-row scale of the gradient kernels (`row_scale`, from
+/// [`packshard_reference::vocab::LossCall::token_weights`]): taken.
+const CUDA_LOSS_SUPPORT: LossKernelSupport = LossKernelSupport {
+    algorithms: &[ShardedAlgorithm::Alg2],
+    options: LossSupport {
+        softcap: false,
+        grad_output: true,
+    },
+};
+
+/// The math behind the loss boundary (`crate::ops::boundary::losses`: the
+/// refusals, the f32 option checks and the rounding come before it): the
+/// reference's checks on the f32 inputs, then `alg2` on the backend; the
+/// unsharded form is one shard, its results already f64 (the host merge).
+impl<B: ShardKernels + Sync + 'static> LinearCrossEntropyMath for CudaLinearCrossEntropy<B> {
+    type Output = LinearLoss;
+
+    fn support(&self) -> LossKernelSupport {
+        CUDA_LOSS_SUPPORT
     }
 
-    /// No logit soft-capping (the kernels of `vocab.cu` do not cap):
-    /// refused. An upstream gradient is a per-row scale of the gradient
-    /// kernels (`row_scale`, from
-    /// [`packshard_reference::vocab::LossCall::token_weights`]): taken.
-    fn options(&self) -> LossSupport {
-        LossSupport {
-            softcap: false,
-            grad_output: true,
-        }
-    }
-}
-
-impl<B: ShardKernels + Sync + 'static> LinearCrossEntropyOp for CudaLinearCrossEntropy<B> {
-    fn linear_cross_entropy(&self, c: LinearCall<'_>) -> Result<LinearLoss> {
-        let call = &c.call;
-        let x = to_f32("hidden", c.input.hidden)?;
-        let w = to_f32("weight", c.input.weight)?;
-        check_linear_inputs(x.view(), w.view(), call)?;
-        self.check_declared(None, call)?;
-        check_call_f32(call)?;
+    fn unsharded(
+        &self,
+        x: ArrayView2<f32>,
+        w: ArrayView2<f32>,
+        call: &LossCall,
+    ) -> Result<LinearLoss> {
+        check_linear_inputs(x, w, call)?;
         let map = ShardMap::new(w.nrows(), 1, ShardLayout::Uneven)?;
-        let mut l =
-            vocab::sharded_linear_cross_entropy(self.kernels, &map, x.view(), w.view(), call)
-                .map_err(reference_error)?;
+        let mut l = vocab::sharded_linear_cross_entropy(self.kernels, &map, x, w, call)
+            .map_err(reference_error)?;
         let r = l.ranks.swap_remove(0);
         let num_tokens = call
             .config
@@ -342,23 +347,20 @@ impl<B: ShardKernels + Sync + 'static> LinearCrossEntropyOp for CudaLinearCrossE
         Ok(LinearLoss::new(ce, r.grad_hidden, r.grad_weight))
     }
 
-    fn sharded_linear_cross_entropy(
+    fn sharded(
         &self,
         plan: ShardPlan,
-        c: LinearCall<'_>,
+        x: ArrayView2<f32>,
+        w: ArrayView2<f32>,
+        call: &LossCall,
     ) -> Result<ShardedLoss> {
-        let call = &c.call;
-        check_algorithm(&self.algorithms(), plan.algorithm)?;
         let map = &plan.map;
         let v = map.vocab_size();
-        let x = to_f32("hidden", c.input.hidden)?;
-        let w = to_f32_real("weight", c.input.weight, Axis(0), v)?;
         map.check_width("weight", w.nrows(), w.shape(), "[v, h]")?;
         check_inputs(x.nrows(), call, v)?;
-        check_linear(x.view(), w.view(), v, 0)?;
-        self.check_declared(None, call)?;
-        check_call_f32(call)?;
-        vocab::sharded_linear_cross_entropy(self.kernels, map, x.view(), w.view(), call)
-            .map_err(reference_error)
+        check_linear(x, w, v, 0)?;
+        vocab::sharded_linear_cross_entropy(self.kernels, map, x, w, call).map_err(reference_error)
     }
 }
+
+crate::linear_cross_entropy_op!(impl[B: ShardKernels + Sync + 'static] CudaLinearCrossEntropy<B>);

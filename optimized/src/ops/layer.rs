@@ -1,10 +1,12 @@
-//! The f32 encoder layer as an [`EncoderLayerOp`].
+//! The f32 encoder layer: its math, made an `EncoderLayerOp` by the
+//! boundary of [`super::boundary::layer`].
 
-use packshard_reference::ops::{EncoderLayerOp, Layer, LayerInput, LayerPass};
+use ndarray::ArrayView2;
+use packshard_reference::bert::attention::AttentionLayout;
 use packshard_reference::Result;
 
-use crate::convert::{to_f32, to_f64};
-use crate::layer::{layer_backward, layer_forward, layer_params_f32, widen_layer_params};
+use super::boundary::{EncoderLayerMath, LayerPass32};
+use crate::layer::{layer_backward, layer_forward, LayerParams32};
 
 /// `encoder_layer`: the f32 BERT layer — matmuls through `gemm`, SIMD
 /// LayerNorm and GELU, varlen attention on packed rows (the dense masked
@@ -12,18 +14,24 @@ use crate::layer::{layer_backward, layer_forward, layer_params_f32, widen_layer_
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct EncoderLayerF32;
 
-impl EncoderLayerOp for EncoderLayerF32 {
-    fn forward_backward(&self, layer: Layer<'_>, input: LayerInput<'_>) -> Result<LayerPass> {
-        let (p, num_heads, eps) = (layer_params_f32(layer.params)?, layer.num_heads, layer.eps);
-        let x = to_f32("hidden", input.x)?;
-        let go = to_f32("grad_output", input.grad_output)?;
-        let layout = input.layout;
-        let (out, cache) = layer_forward(&p, num_heads, eps as f32, x.view(), layout)?;
-        let (dx, g) = layer_backward(&p, num_heads, &cache, layout, go.view())?;
-        Ok(LayerPass {
-            output: to_f64(out.view()),
-            grad_x: to_f64(dx.view()),
-            grads: widen_layer_params(&g),
+impl EncoderLayerMath for EncoderLayerF32 {
+    fn forward_backward(
+        &self,
+        p: &LayerParams32,
+        num_heads: usize,
+        eps: f32,
+        x: ArrayView2<f32>,
+        layout: &AttentionLayout,
+        grad_output: ArrayView2<f32>,
+    ) -> Result<LayerPass32> {
+        let (output, cache) = layer_forward(p, num_heads, eps, x, layout)?;
+        let (grad_x, grads) = layer_backward(p, num_heads, &cache, layout, grad_output)?;
+        Ok(LayerPass32 {
+            output,
+            grad_x,
+            grads,
         })
     }
 }
+
+crate::encoder_layer_op!(EncoderLayerF32);

@@ -2,7 +2,7 @@
 //! support and implements its math ([`AttentionMath`]: `forward`,
 //! `backward` on inputs rounded to its precision, results in f32; or, for
 //! an f32 kernel that reads the problem as a per-pair mask, the simpler
-//! [`F32AttentionMath`]), and [`attention_op!`] makes it an [`AttentionOp`]
+//! [`F32AttentionMath`]), and [`attention_op!`](crate::attention_op) makes it an [`AttentionOp`]
 //! that
 //!
 //! 1. runs the reference's check sequence, in the reference's order (shapes,
@@ -30,6 +30,9 @@ use packshard_reference::attention::{
 };
 use packshard_reference::ops::{AttentionSupport, Grad, Masked, Precision, Qkv, Varlen};
 use packshard_reference::{Error, Result};
+
+#[cfg(doc)]
+use packshard_reference::ops::AttentionOp;
 
 use crate::attention::mask::SegmentMask;
 use crate::attention::{check_finite, AttentionGrads32, AttentionOutput32, Element};
@@ -140,7 +143,7 @@ impl KernelSupport {
     }
 }
 
-/// The math of an attention kernel; [`attention_op!`] gives it the boundary
+/// The math of an attention kernel; [`attention_op!`](crate::attention_op) gives it the boundary
 /// (see the module docs).
 pub trait AttentionMath: Send + Sync {
     /// What it implements (declare it: the boundary refuses the rest).
@@ -593,22 +596,13 @@ macro_rules! attention_op {
     };
 }
 
-/// [`attention_op!`] for an [`F32AttentionMath`] (the name the worked
+/// [`attention_op!`](crate::attention_op) for an [`F32AttentionMath`] (the name the worked
 /// example uses).
 #[macro_export]
 macro_rules! f32_attention_op {
     ($kernel:ty) => {
         $crate::attention_op!($kernel);
     };
-}
-
-/// The names [`attention_op!`] expands to, so that a crate using it
-/// needs no `use` of its own.
-#[doc(hidden)]
-pub mod reexport {
-    pub use packshard_reference::attention::{AttentionGrads, AttentionOutput};
-    pub use packshard_reference::ops::{AttentionOp, AttentionSupport, Grad, Masked, Qkv, Varlen};
-    pub use packshard_reference::Result;
 }
 
 #[cfg(test)]
