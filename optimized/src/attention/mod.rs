@@ -16,7 +16,9 @@
 //! maximum `m` and sum `l` updated with the online softmax (Milakov &
 //! Gimelshein 2018), the accumulator rescaled and `P V` added; at the end
 //! `o = acc / l` and `lse = m + ln l`. Nothing of size `[n_tok, n_tok]` (or `[len, len]`) exists, and no score
-//! is computed across segments.
+//! is computed across segments. The tiles are held transposed (keys down,
+//! queries across the SIMD lanes: `tile`'s module docs), so the softmax's
+//! per-query state is lane-wise and no tile is ever transposed.
 //!
 //! The backward recomputes `P = exp(S - lse)` tile by tile (key tiles outer,
 //! query blocks inner), with `delta_i = dO_i . O_i`, `dS = P (dP - delta)`:
