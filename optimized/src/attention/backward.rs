@@ -127,9 +127,9 @@ fn backward_item<S: Simd, T: Element>(
     let lp = round_up(len, BLOCK_Q);
     let queries = it.queries();
     gather_into(&mut sc.qh, pb.q, (h, d), queries, (lp, dp));
-    gather_t_into(&mut sc.qt, pb.q, (h, d), queries, (lp, dp), BLOCK_Q);
+    gather_t_into(&mut sc.qt, pb.q, (h, d), queries, (lp, dp));
     gather_into(&mut sc.doh, x.dout, (h, d), queries, (lp, dp));
-    gather_t_into(&mut sc.dot, x.dout, (h, d), queries, (lp, dp), BLOCK_Q);
+    gather_t_into(&mut sc.dot, x.dout, (h, d), queries, (lp, dp));
     gather_into(&mut sc.oh, x.out, (h, d), queries, (lp, dp));
     let n = x.lse.len() / h;
     sc.row_lse.clear();

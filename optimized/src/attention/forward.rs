@@ -91,7 +91,7 @@ pub(super) unsafe fn forward_item<S: Simd, T: Element>(
     let lanes = S::F32_LANES;
     let dp = round_up(d.max(1), mm_col_multiple::<S>());
     let (lpq, lpk) = (round_up(len, BLOCK_Q), round_up(it.k_len, BLOCK_K));
-    gather_t_into(&mut sc.qt, pb.q, (h, d), it.queries(), (lpq, dp), BLOCK_Q);
+    gather_t_into(&mut sc.qt, pb.q, (h, d), it.queries(), (lpq, dp));
     gather_into(&mut sc.kh, pb.k, (h_kv, d), it.keys(), (lpk, dp));
     gather_into(&mut sc.vh, pb.v, (h_kv, d), it.keys(), (lpk, dp));
     let Scratch { qt, kh, vh, s, acc } = sc;

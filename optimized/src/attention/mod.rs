@@ -320,30 +320,27 @@ fn gather_into<T: Element>(
     }
 }
 
-/// The transpose of [`gather_into`] in panels of `width` rows, into `out`
-/// (as [`gather_into`]): `[rows / width, dp, width]`, panel `t` the
-/// transpose `[dp, width]` of the rows `t * width..(t + 1) * width` (`rows`
-/// a multiple of `width`: [`BLOCK_K`] for key tiles, [`BLOCK_Q`] for the
-/// forward's query blocks). A tile's keys are one
-/// contiguous 16 KiB block (at `d` = 64) read with row stride `BLOCK_K`: the
-/// whole-segment transpose `[dp, rows]` read with row stride `rows` (2 KiB
-/// apart at 512 keys) mapped the 64 rows of a tile onto a few L1 cache sets.
+/// The transpose of [`gather_into`] in panels of [`BLOCK_Q`] rows, into
+/// `out` (as [`gather_into`]): `[rows / BLOCK_Q, dp, BLOCK_Q]`, panel `t`
+/// the transpose `[dp, BLOCK_Q]` of the rows `t * BLOCK_Q..(t + 1) *
+/// BLOCK_Q` (`rows` a multiple of [`BLOCK_Q`]): the `Q^T` and `dO^T` of a
+/// query block, the transposed tiles' `B` operands (`S^T = K Q^T`, `dP^T = V
+/// dO^T`), one contiguous 16 KiB block at `d` = 64.
 fn gather_t_into<T: Element>(
     out: &mut Vec<f32>,
     x: &[T],
     (h, d): (usize, usize),
     at: Rows,
     (rows, dp): (usize, usize),
-    width: usize,
 ) {
-    debug_assert!(rows.is_multiple_of(width));
+    debug_assert!(rows.is_multiple_of(BLOCK_Q));
     out.clear();
     out.resize(dp * rows, 0.0);
     for i in 0..at.len {
         let src = &x[((at.start + i) * h + at.head) * d..][..d];
-        let panel = &mut out[(i / width) * dp * width..][..dp * width];
+        let panel = &mut out[(i / BLOCK_Q) * dp * BLOCK_Q..][..dp * BLOCK_Q];
         for (c, &s) in src.iter().enumerate() {
-            panel[c * width + i % width] = s.to_f32();
+            panel[c * BLOCK_Q + i % BLOCK_Q] = s.to_f32();
         }
     }
 }
