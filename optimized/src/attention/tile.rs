@@ -155,12 +155,15 @@ fn scores_scalar(
     mut chain: Option<&mut [f32]>,
 ) {
     let mask_first = has_fault(it);
-    for j in 0..kn {
-        let key = k0 + j;
-        for r in 0..rows {
-            let i = q0 + r;
+    // Query by query (a dense mask's row read in order, a segment's key
+    // range found once), writing down the tile's column.
+    for r in 0..rows {
+        let i = q0 + r;
+        let keys = it.key_range(i);
+        for j in 0..kn {
+            let key = k0 + j;
             let seen = match it.mask {
-                Mask::Segment { .. } => it.key_range(i).contains(&key),
+                Mask::Segment { .. } => keys.contains(&key),
                 Mask::Dense(allowed) => i < it.q_len && key < it.k_len && allowed[[i, key]],
             };
             let x = &mut s[j * BLOCK_Q + r];
@@ -178,6 +181,8 @@ fn scores_scalar(
                 *x = f32::NEG_INFINITY;
             }
         }
+    }
+    for j in 0..kn {
         s[j * BLOCK_Q + rows..(j + 1) * BLOCK_Q].fill(f32::NEG_INFINITY);
     }
 }
