@@ -109,7 +109,7 @@ builders)
         -F 'shard_map|shards_of|loss_config|small_tail|split_and_tokens|targets|padding_value|Arbitrary' \
         "${tests[@]}"
     run builders-attention -p packshard-equivalence -f equivalence/src/fuzz/attention/case.rs -f equivalence/src/fuzz/attention/case/sizes.rs \
-        -F 'heads|small_len|short_len|long_len|segment|fit|small_sizes|large_sizes|options|window_side|malform|Arbitrary' \
+        -F 'heads|small_len|short_len|long_len|segment|fit|small_sizes|large_sizes|options|window_side|malform|plant_index|Arbitrary' \
         "${tests[@]}"
     ;;
 cuda)

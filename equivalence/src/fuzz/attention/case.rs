@@ -519,6 +519,15 @@ impl AttentionFuzzCase {
     }
 }
 
+/// The element of a non-empty `(n, th, d)` tensor a plant drawn at `at`
+/// lands on: the flat index `at % (n th d)` in row-major order, so the
+/// bytes can steer a plant onto any element (and, under the 16-bit `at`,
+/// onto every element of a tensor of up to 65,536).
+fn plant_index(at: usize, (n, th, d): (usize, usize, usize)) -> (usize, usize, usize) {
+    let flat = at % (n * th * d);
+    (flat / (th * d), (flat / d) % th, flat % d)
+}
+
 impl<'a> Arbitrary<'a> for AttentionFuzzCase {
     fn arbitrary(u: &mut Unstructured<'a>) -> arbitrary::Result<Self> {
         // Sizes first.
@@ -571,12 +580,10 @@ impl<'a> Arbitrary<'a> for AttentionFuzzCase {
         for (at, choice) in plants(u, 4)? {
             let which = choice as usize % 4;
             let x = [100.0, -100.0, 30.0, -30.0, 0.0][(choice as usize / 4) % 5];
-            let (_, th, _) = t[which].dim();
             if t[which].is_empty() {
                 continue;
             }
-            let flat = at % t[which].len();
-            let idx = (flat / (th * d), (flat / d) % th, flat % d);
+            let idx = plant_index(at, t[which].dim());
             t[which][idx] = x;
             planted.push(format!(
                 "{}[{}, {}, {}] = {x}",

@@ -212,3 +212,39 @@ fn within_share_of(what: &str, count: usize, n: usize, p: f64) {
         4.0 * sd
     );
 }
+
+/// `plant_index` is the row-major unravelling of `at` modulo the element
+/// count: over three times the count, every `at` lands on the element whose
+/// row-major flat index is `at % len`, so every element is reachable.
+#[test]
+fn plants_land_on_the_row_major_element_of_their_index() {
+    for dim in [(2, 3, 4), (3, 2, 1), (1, 1, 5), (4, 1, 3), (5, 6, 2)] {
+        let (n, th, d) = dim;
+        let len = n * th * d;
+        let flat = Array3::from_shape_fn(dim, |(i, a, e)| (i * th + a) * d + e);
+        for at in 0..3 * len {
+            assert_eq!(flat[plant_index(at, dim)], at % len, "{dim:?} at {at}");
+        }
+    }
+}
+
+/// The large forward-only cases (slots 1, 4, 10 modulo 12) never draw
+/// constant values (every key tile would have the same row maximum, so
+/// nothing rescales), and keep the grid style they draw: of 64 such cases,
+/// none constant, and grid values in some (2 in 8 of the draws: at least
+/// one of 64 but for a chance of `(3/4)^64`, about 1e-8).
+#[test]
+fn large_forward_only_cases_never_draw_constant_values() {
+    use crate::fuzz::schedule::{budgeted_input, Budget, LARGE_FROM};
+    let (mut grid, mut n) = (0, 0);
+    for s in 0..64u64 {
+        let mut data = budgeted_input(&Budget::small(1), 300 + s, 0);
+        data[0] = LARGE_FROM | [1u8, 4, 10][s as usize % 3];
+        let c = AttentionFuzzCase::from_bytes(&data).unwrap();
+        assert!(!c.want_grad, "slot {} is forward only", data[0] & 0x1f);
+        assert!(!c.values.starts_with("Constant"), "{}", c.values);
+        grid += usize::from(c.values.starts_with("Grid"));
+        n += 1;
+    }
+    assert!(grid >= 1, "no grid values in {n} forward-only cases");
+}
