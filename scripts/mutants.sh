@@ -106,10 +106,10 @@ builders)
     run builders-sizes -p packshard-equivalence \
         -f equivalence/src/fuzz/schedule.rs -f equivalence/src/fuzz/vocab/large.rs "${tests[@]}"
     run builders-vocab -p packshard-equivalence -f equivalence/src/fuzz/vocab.rs \
-        -F 'shard_map|shards_of|loss_config|small_tail|split_and_tokens|targets|padding_value|Arbitrary' \
+        -F 'shard_map|shards_of|loss_config|small_tail|split_and_tokens|targets|padding_value|plant_at|linear_plant|spread_id|Arbitrary' \
         "${tests[@]}"
     run builders-attention -p packshard-equivalence -f equivalence/src/fuzz/attention/case.rs -f equivalence/src/fuzz/attention/case/sizes.rs \
-        -F 'heads|small_len|short_len|long_len|segment|fit|small_sizes|large_sizes|options|window_side|malform|plant_index|Arbitrary' \
+        -F 'heads|small_len|short_len|long_len|segment|fit|small_sizes|large_sizes|options|window_side|malform|plant_index|plant_choice|scale_of|Arbitrary' \
         "${tests[@]}"
     ;;
 cuda)

@@ -291,6 +291,31 @@ fn with_planted(mut values: String, planted: &[String]) -> String {
     values
 }
 
+/// The cell of a `rows x cols` matrix (both non-zero) a plant drawn at `at`
+/// lands on: the flat index `at % (rows cols)` in row-major order, so the
+/// bytes can steer a plant onto any cell (of a matrix of up to 65,536
+/// cells, under the 16-bit `at`).
+fn plant_at(at: usize, rows: usize, cols: usize) -> (usize, usize) {
+    ((at / cols) % rows, at % cols)
+}
+
+/// A linear case's plant from its choice byte: `(true, x)` into `hidden` on
+/// an even byte, `(false, x)` into `weight` on an odd one; `x` is 100,
+/// -100 or 0 by `choice / 2 % 3` (so bytes 0 to 5 give each pair once).
+fn linear_plant(choice: u8) -> (bool, f64) {
+    (
+        choice.is_multiple_of(2),
+        [100.0, -100.0, 0.0][choice as usize / 2 % 3],
+    )
+}
+
+/// The `x`-th distinct id of an embedding case of `v` rows: `7919 x mod
+/// v`, consecutive ones a prime stride apart, so a few distinct ids do not
+/// sit in one run of rows (one shard).
+fn spread_id(x: usize, v: usize) -> usize {
+    (x * 7919) % v
+}
+
 impl<'a> Arbitrary<'a> for CeFuzzCase {
     fn arbitrary(u: &mut Unstructured<'a>) -> arbitrary::Result<Self> {
         let first = u.arbitrary::<u8>()?;
@@ -331,7 +356,7 @@ impl<'a> Arbitrary<'a> for CeFuzzCase {
             if wide.is_some() {
                 continue;
             }
-            let (i, j) = ((at / v) % n, at % v);
+            let (i, j) = plant_at(at, n, v);
             let x = [1e4, -1e4, 1e8, -1e8, f64::NEG_INFINITY][choice as usize % 5];
             logits[[i, j]] = x;
             planted.push(format!("logits[{i}, {j}] = {x}"));
@@ -447,13 +472,13 @@ impl<'a> Arbitrary<'a> for LinearFuzzCase {
         });
         let mut planted = Vec::new();
         for (at, choice) in plants(u, 4)? {
-            let x = [100.0, -100.0, 0.0][choice as usize / 2 % 3];
-            if choice % 2 == 0 {
-                let (i, k) = ((at / h) % n, at % h);
+            let (in_hidden, x) = linear_plant(choice);
+            if in_hidden {
+                let (i, k) = plant_at(at, n, h);
                 hidden[[i, k]] = x;
                 planted.push(format!("hidden[{i}, {k}] = {x}"));
             } else {
-                let (j, k) = ((at / h) % v, at % h);
+                let (j, k) = plant_at(at, v, h);
                 weight[[j, k]] = x;
                 planted.push(format!("weight[{j}, {k}] = {x}"));
             }
@@ -540,7 +565,7 @@ impl<'a> Arbitrary<'a> for EmbeddingFuzzCase {
                     0 => v as i64,
                     1 => -1,
                     2 => i64::MAX,
-                    _ => ((gen.below(distinct) * 7919) % v) as i64,
+                    _ => spread_id(gen.below(distinct), v) as i64,
                 })
             })
             .collect::<arbitrary::Result<Vec<i64>>>()?;

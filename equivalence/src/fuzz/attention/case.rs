@@ -248,7 +248,10 @@ fn options(
 }
 
 /// `cu` broken the way `how` says (0: not starting at 0; 1: a decrease; 2:
-/// not ending at the token count; 3: empty).
+/// not ending at the token count; 3: empty). A decrease keeps the number of
+/// offsets where `cu` rises before its last one (the first rise's offset
+/// raised past the next), so the order is the only thing wrong: a kernel
+/// that checks only the count must still refuse it.
 fn malform(mut cu: Vec<usize>, how: u8) -> Vec<usize> {
     let total = cu.last().copied().unwrap_or(0);
     match how % 4 {
@@ -519,6 +522,37 @@ impl AttentionFuzzCase {
     }
 }
 
+/// The softmax scale a case's scale byte gives, by its low four bits: 0 to
+/// 3 give 1, 1/8, 2, 0.01; the rest `1/sqrt(d)`, which 4 to 7 leave to the
+/// kernel's default (`true`: flash-attention's `softmax_scale=None`).
+fn scale_of(byte: u8, d: usize) -> (f64, bool) {
+    let low = byte % 16;
+    let scale = match low {
+        0 => 1.0,
+        1 => 0.125,
+        2 => 2.0,
+        3 => 0.01,
+        _ => 1.0 / (d as f64).sqrt(),
+    };
+    (scale, (4..=7).contains(&low))
+}
+
+/// Whether a case's malformation byte asks for malformed offsets: its low
+/// four bits all set (one byte in 16).
+fn malformed_byte(byte: u8) -> bool {
+    byte % 16 == 15
+}
+
+/// A plant's tensor (0 to 3: `q`, `k`, `v`, `grad_output`) and value from
+/// its choice byte: the tensor by `choice % 4`, the value (100, -100, 30,
+/// -30, 0) by `choice / 4 % 5`, so bytes 0 to 19 give each pair once.
+fn plant_choice(choice: u8) -> (usize, f64) {
+    (
+        usize::from(choice) % 4,
+        [100.0, -100.0, 30.0, -30.0, 0.0][(usize::from(choice) / 4) % 5],
+    )
+}
+
 /// The element of a non-empty `(n, th, d)` tensor a plant drawn at `at`
 /// lands on: the flat index `at % (n th d)` in row-major order, so the
 /// bytes can steer a plant onto any element (and, under the 16-bit `at`,
@@ -546,16 +580,7 @@ impl<'a> Arbitrary<'a> for AttentionFuzzCase {
             SizeClass::Large => large_sizes(u, (h, h_kv), cross, slot, large_forward_only)?,
         };
         let extra_pad = u.int_in_range(0..=3)?;
-        let scale_byte = u.arbitrary::<u8>()? % 16;
-        let scale = match scale_byte {
-            0 => 1.0,
-            1 => 0.125,
-            2 => 2.0,
-            3 => 0.01,
-            _ => 1.0 / (d as f64).sqrt(),
-        };
-        // 4..=7: the same 1/sqrt(d), left for the kernel to default to.
-        let default_scale = (4..=7).contains(&scale_byte);
+        let (scale, default_scale) = scale_of(u.arbitrary::<u8>()?, d);
         let n_q: usize = segments.iter().map(|s| s.0).sum();
         let n_k: usize = segments.iter().map(|s| s.1).sum();
         // Then values.
@@ -578,8 +603,7 @@ impl<'a> Arbitrary<'a> for AttentionFuzzCase {
         ];
         let mut planted = Vec::new();
         for (at, choice) in plants(u, 4)? {
-            let which = choice as usize % 4;
-            let x = [100.0, -100.0, 30.0, -30.0, 0.0][(choice as usize / 4) % 5];
+            let (which, x) = plant_choice(choice);
             if t[which].is_empty() {
                 continue;
             }
@@ -594,7 +618,7 @@ impl<'a> Arbitrary<'a> for AttentionFuzzCase {
             ));
         }
         let [q, k, v, grad_output] = t;
-        let malformed = if u.arbitrary::<u8>()? % 16 == 15 {
+        let malformed = if malformed_byte(u.arbitrary::<u8>()?) {
             let how = u.arbitrary::<u8>()?;
             let self_attention = segments.iter().all(|&(a, b)| a == b);
             Some(if !self_attention && how & 4 != 0 {

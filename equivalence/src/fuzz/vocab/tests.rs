@@ -548,3 +548,54 @@ fn large_ce_cases_mask_whole_shards_of_one_row_in_24() {
         42.0 / 256.0 / 4.0,
     );
 }
+
+/// `plant_at` is the row-major unravelling of `at` modulo the cell count:
+/// over three times the count, every `at` lands on the cell whose flat
+/// index is `at % (rows cols)`, so every cell is reachable.
+#[test]
+fn plants_land_on_the_row_major_cell_of_their_index() {
+    for (rows, cols) in [(1, 1), (3, 4), (4, 3), (7, 1), (1, 6), (5, 9)] {
+        for at in 0..3 * rows * cols {
+            let flat = at % (rows * cols);
+            assert_eq!(
+                plant_at(at, rows, cols),
+                (flat / cols, flat % cols),
+                "{rows} x {cols} at {at}"
+            );
+        }
+    }
+}
+
+/// A linear case's plant choice byte: even into `hidden`, odd into
+/// `weight`, `choice / 2 % 3` picks 100, -100, 0: bytes 0 to 5 give each
+/// (tensor, value) pair once, 6 and 7 start again, 255 is `weight`, -100
+/// (`127 % 3 = 1`). A stored input keeps its plant only while each byte
+/// keeps its meaning.
+#[test]
+fn linear_plant_bytes_pick_the_tensor_by_parity_and_the_value_by_half() {
+    let want = [
+        (true, 100.0),
+        (false, 100.0),
+        (true, -100.0),
+        (false, -100.0),
+        (true, 0.0),
+        (false, 0.0),
+        (true, 100.0),
+        (false, 100.0),
+    ];
+    for (choice, w) in (0u8..).zip(want) {
+        assert_eq!(linear_plant(choice), w, "choice {choice}");
+    }
+    assert_eq!(linear_plant(255), (false, -100.0));
+}
+
+/// An embedding case's distinct ids are a prime stride (7,919) apart modulo
+/// `v`: at `v = 1000` the first four are 0, 919, 838, 757 (not one run
+/// of four rows); at `v = 50,000` the stride itself and, at 7, its wrap.
+#[test]
+fn embedding_ids_are_a_prime_stride_apart() {
+    let ids: Vec<usize> = (0..4).map(|x| spread_id(x, 1000)).collect();
+    assert_eq!(ids, [0, 919, 838, 757]);
+    assert_eq!(spread_id(1, 50_000), 7919);
+    assert_eq!(spread_id(7, 50_000), 5433);
+}

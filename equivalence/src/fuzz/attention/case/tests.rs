@@ -110,10 +110,17 @@ fn malform_breaks_offsets_the_way_its_byte_says() {
             let rises = cu.windows(2).any(|w| w[1] > w[0]);
             match how % 4 {
                 0 => assert_eq!((bad[0], bad.len()), (1, cu.len()), "{cu:?} how {how}"),
-                1 if rises => assert!(
-                    bad.windows(2).any(|w| w[1] < w[0]),
-                    "{cu:?} how {how}: {bad:?} has no decrease"
-                ),
+                1 if rises => {
+                    assert!(
+                        bad.windows(2).any(|w| w[1] < w[0]),
+                        "{cu:?} how {how}: {bad:?} has no decrease"
+                    );
+                    // A rise before the last offset: the count is kept.
+                    let early = cu[..cu.len() - 1].windows(2).any(|w| w[1] > w[0]);
+                    if early {
+                        assert_eq!(bad.len(), cu.len(), "{cu:?} how {how}: {bad:?}");
+                    }
+                }
                 1 => assert_eq!(bad.last(), Some(&(total + 1)), "{cu:?} how {how}"),
                 2 => {
                     assert_eq!(bad.last(), Some(&(total + 1)), "{cu:?} how {how}");
@@ -247,4 +254,58 @@ fn large_forward_only_cases_never_draw_constant_values() {
         n += 1;
     }
     assert!(grid >= 1, "no grid values in {n} forward-only cases");
+}
+
+/// The scale byte's low four bits pick the scale (the high ones do not
+/// matter): 0 gives 1 (0x10 and 0xf0 too), 1 to 3 give 1/8, 2, 0.01; 4 to 7
+/// (0x14 too) `1/sqrt(d)` left to the kernel's default; 8 to 15 (0xff too)
+/// `1/sqrt(d)` given.
+#[test]
+fn scale_bytes_pick_the_scale_by_their_low_four_bits() {
+    let d = 16; // 1/sqrt(d) = 0.25
+    for (b, want) in [
+        (0x00, (1.0, false)),
+        (0x10, (1.0, false)),
+        (0xf0, (1.0, false)),
+        (0x01, (0.125, false)),
+        (0x21, (0.125, false)),
+        (0x02, (2.0, false)),
+        (0x03, (0.01, false)),
+        (0x04, (0.25, true)),
+        (0x07, (0.25, true)),
+        (0x14, (0.25, true)),
+        (0x08, (0.25, false)),
+        (0x0f, (0.25, false)),
+        (0xff, (0.25, false)),
+    ] {
+        assert_eq!(scale_of(b, d), want, "byte {b:#x}");
+    }
+}
+
+/// The malformation byte's low four bits: all set (0x0f, 0x1f, 0xff) asks
+/// for malformed offsets, anything else (0x00, 0x0e, 0xf0, 0xfe) not; 16
+/// bytes of 256.
+#[test]
+fn malformation_bytes_have_their_low_four_bits_set() {
+    for b in [0x0f, 0x1f, 0xff] {
+        assert!(malformed_byte(b), "byte {b:#x}");
+    }
+    for b in [0x00, 0x0e, 0xf0, 0xfe] {
+        assert!(!malformed_byte(b), "byte {b:#x}");
+    }
+    assert_eq!((0..=u8::MAX).filter(|&b| malformed_byte(b)).count(), 16);
+}
+
+/// A plant's choice byte: `choice % 4` picks `q`, `k`, `v`, `grad_output`
+/// and `choice / 4 % 5` the value: 0 to 3 plant 100 in each, 4 to 7 -100,
+/// 8 to 11 30, 12 to 15 -30, 16 to 19 0; 20 starts again; 255 is -30 in
+/// `grad_output` (`63 % 5 = 3`).
+#[test]
+fn plant_choice_bytes_pick_the_tensor_and_the_value() {
+    for c in 0..20u8 {
+        let value = [100.0, -100.0, 30.0, -30.0, 0.0][usize::from(c / 4)];
+        assert_eq!(plant_choice(c), (usize::from(c % 4), value), "choice {c}");
+    }
+    assert_eq!(plant_choice(20), (0, 100.0));
+    assert_eq!(plant_choice(255), (3, -30.0));
 }
