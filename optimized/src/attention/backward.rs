@@ -31,7 +31,7 @@
 use std::cell::RefCell;
 
 use super::disjoint::Disjoint;
-use super::tile::{masked, BlockKeys, Prepare};
+use super::tile::{lanes_at, masked, BlockKeys, Prepare};
 use super::*;
 use crate::simd::{mm_acc_at, mm_scaled};
 
@@ -94,12 +94,6 @@ struct Inputs<'a, 'p, T> {
     out: &'a [f32],
     lse: &'a [f32],
     dout: &'a [f32],
-}
-
-/// The vector of `x` at `at` (`S::F32_LANES` elements).
-#[inline(always)]
-fn lanes_at<S: Simd>(x: &[f32], at: usize) -> S::f32s {
-    S::as_simd_f32s(&x[at..at + S::F32_LANES]).0[0]
 }
 
 /// The backward of one item (a query head of the unit), with the unit's key

@@ -24,7 +24,7 @@
 //! [`super`]).
 
 use super::disjoint::Disjoint;
-use super::tile::{masked, BlockKeys, Prepare};
+use super::tile::{lanes_at, masked, BlockKeys, Prepare};
 use super::*;
 use crate::simd::{mm_acc_at, mm_scaled};
 
@@ -187,9 +187,8 @@ fn softmax_lanes<S: Simd>(
     prep: Prepare,
 ) {
     let lanes = S::F32_LANES;
-    let vec = |x: &[f32], at: usize| S::as_simd_f32s(&x[at..at + lanes]).0[0];
     let neg_inf = simd.splat_f32s(f32::NEG_INFINITY);
-    let m_old = vec(&b.m, g);
+    let m_old = lanes_at::<S>(&b.m, g);
     let mut mx = m_old;
     for j in 0..kn {
         let x = &mut S::as_mut_simd_f32s(&mut s[j * BLOCK_Q + g..][..lanes]).0[0];
@@ -214,7 +213,7 @@ fn softmax_lanes<S: Simd>(
         *x = simd::exp(simd, simd.sub_f32s(*x, shift));
         sum = simd.add_f32s(sum, *x);
     }
-    let mut l = vec(&b.l, g);
+    let mut l = lanes_at::<S>(&b.l, g);
     if moved {
         let corr = simd.select_f32s(
             simd.equal_f32s(m_old, m_new),

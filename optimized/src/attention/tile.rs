@@ -87,13 +87,18 @@ impl BlockKeys {
     }
 }
 
+/// The vector of `x` at `at` (`S::F32_LANES` elements): a block's lanes of
+/// a per-query array or of a tile row.
+#[inline(always)]
+pub(super) fn lanes_at<S: Simd>(x: &[f32], at: usize) -> S::f32s {
+    S::as_simd_f32s(&x[at..at + S::F32_LANES]).0[0]
+}
+
 /// The score `y` of key `key` for the lanes `g..` of a block, `-inf` where
 /// the lane's query may not see it (`b`'s bounds).
 #[inline(always)]
 pub(super) fn masked<S: Simd>(simd: S, b: &BlockKeys, g: usize, key: usize, y: S::f32s) -> S::f32s {
-    let lanes = S::F32_LANES;
-    let lo = S::as_simd_f32s(&b.lo[g..g + lanes]).0[0];
-    let hi = S::as_simd_f32s(&b.hi[g..g + lanes]).0[0];
+    let (lo, hi) = (lanes_at::<S>(&b.lo, g), lanes_at::<S>(&b.hi, g));
     let key = simd.splat_f32s(key as f32);
     let seen = simd.and_m32s(
         simd.less_than_or_equal_f32s(lo, key),
