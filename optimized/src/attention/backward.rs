@@ -60,6 +60,9 @@ struct Scratch {
     s: Vec<f32>,
     dpt: Vec<f32>,
     chain: Vec<f32>,
+    /// Each query block's keys ([`Item::block_keys`]) and per-query bounds,
+    /// found once per item (not once per key tile).
+    blocks: Vec<(Range<usize>, BlockKeys)>,
     /// A key tile's `dK`, `dV` accumulators.
     dk_t: Vec<f32>,
     dv_t: Vec<f32>,
@@ -157,6 +160,7 @@ fn backward_item<S: Simd, T: Element>(
         s,
         dpt,
         chain,
+        blocks,
         dk_t,
         dv_t,
         dk,
@@ -174,14 +178,18 @@ fn backward_item<S: Simd, T: Element>(
     #[cfg(test)]
     let capped = capped && !super::tests_faults::no_chain(it);
     let chain = zeroed(chain, if capped { BLOCK_K * BLOCK_Q } else { 0 });
+    blocks.clear();
+    blocks.extend((0..len).step_by(BLOCK_Q).map(|q0| {
+        let rows = (len - q0).min(BLOCK_Q);
+        (it.block_keys(q0), BlockKeys::new(it, q0, rows))
+    }));
     for k0 in (0..k_len).step_by(BLOCK_K) {
         dk_t.fill(0.0);
         dv_t.fill(0.0);
         // The tile's keys some query of some visiting block may see.
         let mut tile_rows = 0;
-        for q0 in (0..len).step_by(BLOCK_Q) {
-            let keys = it.block_keys(q0);
-            if !Item::tiles(&keys).any(|t| t == k0) {
+        for (q0, (keys, bk)) in (0..len).step_by(BLOCK_Q).zip(blocks.iter()) {
+            if !Item::tiles(keys).any(|t| t == k0) {
                 continue;
             }
             let rows = (len - q0).min(BLOCK_Q);
@@ -190,7 +198,7 @@ fn backward_item<S: Simd, T: Element>(
             // (multiple of 4) of the products: the others' probabilities
             // are exact zeros, neither computed nor multiplied (the
             // forward's cut).
-            let kn = tile_keys(&keys, k0);
+            let kn = tile_keys(keys, k0);
             let krows = round_up(kn, 4);
             tile_rows = tile_rows.max(krows);
             // The block's panels of Q^T and dO^T: [dp, BLOCK_Q].
@@ -206,7 +214,6 @@ fn backward_item<S: Simd, T: Element>(
                 (s, BLOCK_Q),
                 pb.scale,
             );
-            let bk = BlockKeys::new(it, q0, rows);
             let cg = capped.then_some(&mut chain[..]);
             let prep = bk.prepare(s, it, (q0, k0, kn, rows), cg);
             // dP^T = V dO^T
@@ -232,7 +239,7 @@ fn backward_item<S: Simd, T: Element>(
                     let at = j * BLOCK_Q + g;
                     let mut y = lanes_at::<S>(s, at);
                     if prep == Prepare::Mask {
-                        y = masked(simd, &bk, g, k0 + j, y);
+                        y = masked(simd, bk, g, k0 + j, y);
                     }
                     let p = simd::exp(simd, simd.sub_f32s(y, shift));
                     let gp = simd.mul_f32s(p, simd.sub_f32s(lanes_at::<S>(dpt, at), dl));
