@@ -84,9 +84,14 @@ sample)
     run equivalence -p packshard-equivalence --shard "$((K - 1))/$N_EQ" --sharding round-robin \
         $(wide packshard-equivalence)
     # The cuda module is compiled only with the `cuda` feature: PLAN=cuda samples it.
+    # cargo-mutants 27.1 times the baseline's tests of `packshard-optimized` alone but
+    # runs each mutant's against both packages, so the timeout it derives (20 s on
+    # 2026-12-04) cuts the oracle's registry suite short: a floor of 15 min
+    # (OPT_TEST_TIMEOUT seconds) only costs time when a mutant really hangs.
     run optimized -p packshard-optimized --shard "$((K - 1))/$N_OPT" --sharding round-robin \
         -e 'optimized/src/cuda/**' \
-        --test-package packshard-optimized --test-package packshard-oracle
+        --test-package packshard-optimized --test-package packshard-oracle \
+        --minimum-test-timeout "${OPT_TEST_TIMEOUT:-900}"
     ;;
 compare)
     # The judge: every mutant of compare.rs, against the crate's unit tests only
