@@ -57,6 +57,95 @@ fn attention_baseline_is_the_reference_in_f32() {
     assert_eq!(compared, 200);
 }
 
+/// The options path (`varlen_attention_options` and its backward, which
+/// the causal pipeline's f32 yardstick and `Baseline32Attention` run) on
+/// grouped-query, cross-length segments, each of flash-attention's options
+/// alone and all together: within f32 error of the f64 reference, so that a
+/// baseline that drops or garbles an option (ALiBi's bias multiplied in
+/// instead of added, the softcap's chain factor) fails here.
+#[test]
+fn attention_options_baseline_is_the_reference_in_f32() {
+    use ndarray::Array3;
+    use packshard_reference::ops::{AttentionOp, Grad, Qkv, Varlen, Window};
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
+    // Two segments: 5 queries over 9 keys, 7 queries over 4 (bottom-right
+    // aligned both ways); 4 query heads over 2 key heads.
+    let (cu_q, cu_k) = ([0usize, 5, 12], [0usize, 9, 13]);
+    let (h, h_kv, d) = (4, 2, 3);
+    let mut draw = |n: usize, heads: usize| {
+        Array3::from_shape_fn((n, heads, d), |_| round_f32(rng.random_range(-1.5..1.5)))
+    };
+    let (q, k, v, go) = (draw(12, h), draw(13, h_kv), draw(13, h_kv), draw(12, h));
+    let slopes = [0.5, 0.25, 0.125, 0.0625];
+    let used = [6usize, 4];
+    let base = Varlen::cross(&cu_q, &cu_k, false, 0.6);
+    let window = Window {
+        left: Some(2),
+        right: Some(1),
+    };
+    let problems = [
+        ("plain", base),
+        (
+            "causal",
+            Varlen {
+                causal: true,
+                ..base
+            },
+        ),
+        ("window", base.with_window(window)),
+        ("softcap", base.with_softcap(0.75)),
+        ("alibi", base.with_alibi_slopes(Some(&slopes))),
+        ("seqused_k", base.with_seqused_k(Some(&used))),
+        (
+            "all",
+            Varlen {
+                causal: true,
+                ..base
+            }
+            .with_window(window)
+            .with_softcap(0.75)
+            .with_alibi_slopes(Some(&slopes))
+            .with_seqused_k(Some(&used)),
+        ),
+    ];
+    let f32s = |x: &Array3<f64>| x.mapv(|y| y as f32);
+    for (what, p) in problems {
+        let x = Qkv::new(q.view(), k.view(), v.view());
+        let want = ReferenceAttention.varlen_forward(x, &p).unwrap();
+        let wg = ReferenceAttention
+            .varlen_backward(x, &p, Grad::new(&want, go.view()))
+            .unwrap();
+        let [q32, k32, v32, go32] = [&q, &k, &v, &go].map(f32s);
+        let (out, lse) =
+            baseline32::varlen_attention_options(q32.view(), k32.view(), v32.view(), &p);
+        let [gq, gk, gv] = baseline32::varlen_attention_options_backward(
+            (q32.view(), k32.view(), v32.view()),
+            &p,
+            (out.view(), lse.view()),
+            go32.view(),
+        );
+        for (name, got, exp) in [
+            ("output", &out, &want.output),
+            ("grad_q", &gq, &wg.grad_q),
+            ("grad_k", &gk, &wg.grad_k),
+            ("grad_v", &gv, &wg.grad_v),
+        ] {
+            let e = rel_err(got.iter().copied(), exp.iter());
+            // As the plain test's 1e-4 (a margin of ~1700 f32 unit roundoffs; a
+            // garbled option is off by O(1)).
+            assert!(e < 1e-4, "{what}: {name}: relative error {e:e}");
+        }
+        // A query with no visible key has lse -inf in both; the rest compared.
+        let pairs: Vec<(f32, &f64)> = lse.iter().copied().zip(want.lse.iter()).collect();
+        for &(g, w) in &pairs {
+            assert_eq!(g.is_finite(), w.is_finite(), "{what}: lse {g} against {w}");
+        }
+        let finite = pairs.iter().filter(|(_, w)| w.is_finite());
+        let e = rel_err(finite.clone().map(|p| p.0), finite.map(|p| p.1));
+        assert!(e < 1e-4, "{what}: lse: relative error {e:e}");
+    }
+}
+
 #[test]
 fn cross_entropy_baseline_is_the_reference_in_f32() {
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);

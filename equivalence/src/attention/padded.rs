@@ -11,14 +11,16 @@ use packshard_reference::Error;
 use super::AttentionCase;
 
 /// Tokens `from..from + len` of `x` in a row of `row_len`, then padding
-/// slots holding planted garbage (`fill x (1 + ...)`, large and distinct).
+/// slots holding planted garbage: `fill x (1 + e)` at flat index `e` of the
+/// row, large and distinct (a kernel that reads padding cannot have it
+/// cancel out).
 fn padded_row(x: &Array3<f64>, from: usize, len: usize, row_len: usize, fill: f64) -> Array3<f64> {
     let (_, h, d) = x.dim();
     Array3::from_shape_fn((row_len, h, d), |(i, a, c)| {
         if i < len {
             x[[from + i, a, c]]
         } else {
-            fill * (1.0 + (i * 7 + a * 3 + c) as f64)
+            fill * (1.0 + ((i * h + a) * d + c) as f64)
         }
     })
 }
@@ -128,5 +130,35 @@ impl PaddedSegment {
                 (x != f64::NEG_INFINITY).then_some(PaddingLeak::Lse { row, head, x })
             })
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The row keeps the sequence's tokens and fills every padding slot with
+    /// its own multiple of `fill`, so no two padding values are equal.
+    #[test]
+    fn padding_slots_hold_distinct_multiples_of_the_fill() {
+        let (n, h, d) = (5, 3, 4);
+        let x = Array3::from_shape_fn((n, h, d), |(i, a, c)| (i * 100 + a * 10 + c) as f64 * 0.5);
+        let row = padded_row(&x, 1, 2, 6, 1e3);
+        assert_eq!(row.dim(), (6, h, d));
+        for a in 0..h {
+            for c in 0..d {
+                assert_eq!(row[[0, a, c]], x[[1, a, c]]);
+                assert_eq!(row[[1, a, c]], x[[2, a, c]]);
+            }
+        }
+        // And a row of padding only: its first slot is garbage too, not 0.
+        let empty = padded_row(&x, 0, 0, 6, 1e3);
+        for (pad, slots) in [(row.iter().skip(2 * h * d), 4), (empty.iter().skip(0), 6)] {
+            let mut pad: Vec<f64> = pad.copied().collect();
+            assert!(pad.iter().all(|&p| p >= 1e3 && p % 1e3 == 0.0), "{pad:?}");
+            pad.sort_by(f64::total_cmp);
+            pad.dedup();
+            assert_eq!(pad.len(), slots * h * d, "two padding slots share a value");
+        }
     }
 }

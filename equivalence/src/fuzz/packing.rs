@@ -173,3 +173,36 @@ pub fn run<I: Packer + Batcher>(imp: &I, data: &[u8]) -> Result<Outcome, Failure
         Outcome::compared(lengths.iter().sum(), 0.0)
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The batch check finds each token by its value, so `sequences` must
+    /// give every (sequence, position) its own token: a formula that maps
+    /// two of them to one value (all first tokens 0, say) would let a
+    /// batcher that swaps them pass.
+    #[test]
+    fn every_token_of_a_case_is_its_own() {
+        let case = PackFuzzCase {
+            lengths: vec![3, 5, 1, 4, 200],
+            max_seq_len: 255,
+            algorithm: 0,
+            limit: None,
+            overlong: 0,
+            position_offset: 0,
+            pad: 0,
+        };
+        let seqs = case.sequences();
+        assert_eq!(
+            seqs.iter().map(Vec::len).collect::<Vec<_>>(),
+            [3, 5, 1, 4, 200]
+        );
+        let mut all: Vec<i64> = seqs.iter().flatten().copied().collect();
+        assert!(all.iter().all(|&t| t > 0), "token ids are positive");
+        let n = all.len();
+        all.sort_unstable();
+        all.dedup();
+        assert_eq!(all.len(), n, "two (sequence, position) pairs share a token");
+    }
+}
