@@ -611,3 +611,30 @@ pub fn layer_flops(n: usize, hidden: usize, inter: usize, pairs: u64) -> (f64, f
         2.0 * products + 10.0 * pairs * hd,
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use super::layer_flops;
+
+    /// The count is the sum of `2 m k n` over the products the docs list,
+    /// added here product by product: the Q, K, V and output projections
+    /// (`[n, hidden] x [hidden, hidden]` each), the two MLP products
+    /// (`[n, hidden] x [hidden, inter]` and back), and per scored pair the
+    /// score and `P V` (`2 hidden` each); the backward twice the
+    /// projections plus five pair products.
+    #[test]
+    fn layer_flops_counts_every_product_of_the_layer() {
+        let mm = |m: f64, k: f64, n: f64| 2.0 * m * k * n;
+        for (n, hd, it, pairs) in [(1, 1, 1, 1), (3, 4, 8, 5), (7, 12, 48, 33)] {
+            let (nf, h, i, p) = (n as f64, hd as f64, it as f64, pairs as f64);
+            let projections = 4.0 * mm(nf, h, h) + mm(nf, h, i) + mm(nf, i, h);
+            let fwd = projections + 2.0 * mm(p, h, 1.0);
+            let bwd = 2.0 * projections + 5.0 * mm(p, h, 1.0);
+            assert_eq!(
+                layer_flops(n, hd, it, pairs as u64),
+                (fwd, bwd),
+                "{n} {hd} {it} {pairs}"
+            );
+        }
+    }
+}

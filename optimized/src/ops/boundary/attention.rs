@@ -697,4 +697,29 @@ mod tests {
         assert_eq!(field(masked_forward(&f16, xq, ms)).as_deref(), Some("impl"));
         assert_eq!(field(masked_forward(&TiledAttention::BF16, xq, ms)), None);
     }
+
+    /// A whole-row kernel's own bounds are inclusive: `max_tokens` tokens
+    /// pass and one more is refused, and a row whose `n^2 h (d + 1)` is
+    /// exactly [`MAX_ATTENTION_WORK`] (2^14 tokens, 1 head of dim 1: 2^29)
+    /// passes where one token more is refused, both naming `q`.
+    #[test]
+    fn full_rows_bounds_take_their_limits_and_refuse_one_more() {
+        let few = FullRows {
+            kernel: "k",
+            max_tokens: 8,
+        };
+        let refused = |r: Result<()>| r.err().map(|e| e.to_string()[..2].to_string());
+        assert_eq!(refused(few.check(8, 1, 1)), None);
+        assert_eq!(refused(few.check(9, 1, 1)).as_deref(), Some("q:"));
+        let many = FullRows {
+            kernel: "k",
+            max_tokens: usize::MAX,
+        };
+        let n = 1usize << 14;
+        assert_eq!(n as u64 * n as u64 * 2, MAX_ATTENTION_WORK);
+        assert_eq!(refused(many.check(n, 1, 1)), None);
+        assert_eq!(refused(many.check(n + 1, 1, 1)).as_deref(), Some("q:"));
+        // The heads and the head dim count: the same row at 2 heads is over.
+        assert_eq!(refused(many.check(n, 2, 1)).as_deref(), Some("q:"));
+    }
 }
