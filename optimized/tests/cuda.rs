@@ -619,3 +619,93 @@ fn emulated_attention_refuses_what_every_impl_refuses() {
         "cu_seqlens",
     );
 }
+
+/// What the CUDA kernels do not implement is the attention boundary's
+/// refusal of the undeclared, by name and before launch, as for every
+/// attention kernel (issue #31; the adapter once refused some of it with
+/// shape errors of its own and passed `d > 128` to the kernels): causal
+/// masks, grouped-query attention, cross shapes (varlen and masked), a head
+/// dim past `MAX_HEAD_DIM`. The negative controls: the same shapes within
+/// the declared support are answered.
+#[test]
+fn emulated_attention_refuses_what_it_does_not_declare() {
+    use ndarray::Array3;
+    use packshard_optimized::cuda::ops::CudaAttention;
+    use packshard_optimized::cuda::MAX_HEAD_DIM;
+    use packshard_reference::ops::{AttentionOp, Masked, Qkv, Varlen};
+    if emu_or_skip("emulated_attention_refuses_what_it_does_not_declare").is_none() {
+        return;
+    }
+    let op = CudaAttention::emulated().unwrap();
+    let field = |r: packshard_reference::Result<_>| match r {
+        Ok(_) => None,
+        Err(Error::InvalidArgument { field, .. }) => Some(field),
+        Err(e) => panic!("{e:?}"),
+    };
+    let t = |n: usize, h: usize, d: usize| {
+        Array3::from_shape_fn((n, h, d), |(i, a, c)| {
+            ((i * 7 + a * 3 + c) % 11) as f64 * 0.125 - 0.5
+        })
+    };
+    let (q, k1, k5) = (t(4, 2, 8), t(4, 1, 8), t(5, 2, 8));
+    let mha = Qkv::new(q.view(), q.view(), q.view());
+    let (cu, cu_k) = ([0, 3, 4], [0, 3, 5]);
+    let plain = Varlen::new(&cu, false, 0.25);
+    let f = |x, p: &Varlen| field(op.varlen_forward(x, p));
+    assert_eq!(
+        f(mha, &Varlen::new(&cu, true, 0.25)).as_deref(),
+        Some("causal")
+    );
+    let gqa = Qkv::new(q.view(), k1.view(), k1.view());
+    assert_eq!(f(gqa, &plain).as_deref(), Some("k"));
+    let cross = Qkv::new(q.view(), k5.view(), k5.view());
+    let cross_p = Varlen::cross(&cu, &cu_k, false, 0.25);
+    assert_eq!(f(cross, &cross_p).as_deref(), Some("cu_seqlens_k"));
+    let wide = t(4, 1, MAX_HEAD_DIM + 1);
+    let wide_x = Qkv::new(wide.view(), wide.view(), wide.view());
+    assert_eq!(f(wide_x, &plain).as_deref(), Some("q"));
+    let (square, rect) = (
+        Array2::from_elem((4, 4), true),
+        Array2::from_elem((4, 5), true),
+    );
+    let (ms, mr) = (
+        Masked::new(square.view(), 0.25),
+        Masked::new(rect.view(), 0.25),
+    );
+    assert_eq!(field(op.masked_forward(cross, mr)).as_deref(), Some("k"));
+    assert_eq!(field(op.masked_forward(gqa, ms)).as_deref(), Some("k"));
+    // The controls: self-attention with h_kv == h, d up to MAX_HEAD_DIM.
+    assert_eq!(f(mha, &plain), None);
+    assert_eq!(field(op.masked_forward(mha, ms)), None);
+    let edge = t(4, 1, MAX_HEAD_DIM);
+    assert_eq!(
+        f(Qkv::new(edge.view(), edge.view(), edge.view()), &plain),
+        None
+    );
+}
+
+/// Inputs in any memory layout are read in logical order: the same values
+/// in Fortran order give bitwise the same forward as in standard layout (the
+/// adapter once assumed standard layout and panicked on other inputs).
+#[test]
+fn emulated_attention_reads_any_memory_layout() {
+    use ndarray::{Array3, ShapeBuilder};
+    use packshard_optimized::cuda::ops::CudaAttention;
+    use packshard_reference::ops::{AttentionOp, Qkv, Varlen};
+    if emu_or_skip("emulated_attention_reads_any_memory_layout").is_none() {
+        return;
+    }
+    let op = CudaAttention::emulated().unwrap();
+    let v = |(i, a, c): (usize, usize, usize)| ((i * 5 + a * 3 + c) % 7) as f64 * 0.25 - 0.75;
+    let c_order = Array3::from_shape_fn((5, 2, 4), v);
+    let f_order = Array3::from_shape_fn((5, 2, 4).f(), v);
+    assert!(f_order.as_slice().is_none(), "not in standard layout");
+    let (cu, p) = ([0, 2, 5], |cu| Varlen::new(cu, false, 0.5));
+    let fwd = |x: &Array3<f64>| {
+        op.varlen_forward(Qkv::new(x.view(), x.view(), x.view()), &p(&cu))
+            .unwrap()
+    };
+    let (a, b) = (fwd(&c_order), fwd(&f_order));
+    assert_eq!(a.output, b.output);
+    assert_eq!(a.lse, b.lse);
+}

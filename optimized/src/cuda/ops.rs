@@ -6,26 +6,27 @@
 //! vocabulary kernels likewise as a [`LinearCrossEntropyOp`],
 //! [`CudaLinearCrossEntropy`] (see its docs).
 //!
-//! At the boundary as every f32 kernel: `q, k, v` (and the saved forward,
-//! `grad_output`) rounded to f32 on entry, refusing finite values beyond
-//! its range, results widened to f64 on exit; bad input gets the
-//! reference's error (`check_varlen`, `check_mask_shape`,
-//! `check_grad_shapes`, `check_scores`, `check_grad_values`, the shared work
-//! bound; the f32 loss options of `check_call_f32`). The kernels run bidirectional self-attention with
-//! `h_kv == h` and `d <= 128`: causal masks, grouped-query and cross
-//! attention are declared unsupported ([`AttentionOp::support`]) and
-//! refused.
+//! The attention adapter implements only the math, [`AttentionMath`], like
+//! every attention kernel, and `attention_op!` gives it the boundary written
+//! once (`crate::ops::boundary::attention`): the reference's checks in the
+//! reference's order (so bad input gets the reference's error), the refusal
+//! of what its declared support does not cover, `q, k, v` (and the saved
+//! forward, `grad_output`) rounded to f32 on entry refusing finite values
+//! beyond its range, results widened to f64 on exit. The kernels run
+//! bidirectional self-attention with `h_kv == h` and `d <= 128`, the masked
+//! form on square `[L, L]` masks: causal masks, grouped-query and cross
+//! attention, flash-attention's options and larger heads are declared
+//! unsupported ([`AttentionOp::support`], [`KernelSupport`]) and refused
+//! naming the field. The loss adapter goes through the loss boundary the
+//! same way (f32 options of `check_call_f32`; see its docs).
 
+use std::borrow::Cow;
 use std::sync::OnceLock;
 
 use ndarray::{Array2, Array3, ArrayView2};
-use packshard_reference::attention::{
-    check_grad_values, check_mask_shape, check_masked_work, check_scores, check_varlen,
-    check_varlen_work, AttentionGrads, AttentionOutput,
-};
-use packshard_reference::ops::{AttentionOp, AttentionSupport, LinearLoss, LossSupport, Varlen};
 #[cfg(doc)]
-use packshard_reference::ops::{LinearCrossEntropyOp, LossOp};
+use packshard_reference::ops::{AttentionOp, LinearCrossEntropyOp, LossOp};
+use packshard_reference::ops::{AttentionSupport, LinearLoss, LossSupport};
 use packshard_reference::vocab::cross_entropy::CrossEntropy;
 use packshard_reference::vocab::sharded::{check_inputs, ShardedLoss};
 use packshard_reference::vocab::{LossCall, ShardLayout, ShardMap, ShardPlan, ShardedAlgorithm};
@@ -36,11 +37,11 @@ use super::emu::Emulator;
 use super::vocab::{self, ShardKernels};
 use super::MAX_HEAD_DIM;
 use super::{CudaError, Gpu};
+use crate::attention::{AttentionGrads32, AttentionOutput32};
 use crate::ops::boundary::{
-    inputs, saved, widen, widen_grads, LinearCrossEntropyMath, LossKernelSupport,
+    AttentionMath, Inputs, KernelSupport, LinearCrossEntropyMath, LossKernelSupport, Problem32,
 };
 use crate::vocab::{check_linear, check_linear_inputs};
-use packshard_reference::ops::{Grad, Masked, Qkv};
 
 /// The CUDA attention kernels on backend `B` (see the module docs).
 pub struct CudaAttention<B: AttentionKernels + 'static> {
@@ -103,139 +104,100 @@ pub(crate) fn reference_error(e: CudaError) -> Error {
     }
 }
 
-/// A standard-layout f32 tensor's values.
-fn flat<D: ndarray::Dimension>(x: &ndarray::Array<f32, D>) -> &[f32] {
+/// `x`'s values in logical (row-major) order: borrowed where `x` is in
+/// standard layout, copied where not.
+fn flat<D: ndarray::Dimension>(x: &ndarray::Array<f32, D>) -> Cow<'_, [f32]> {
     x.as_slice()
-        .expect("converted tensors are in standard layout")
+        .map_or_else(|| Cow::Owned(x.iter().copied().collect()), Cow::Borrowed)
 }
 
-fn call<'a>(
-    [q, k, v]: [&'a Array3<f32>; 3],
-    shape: AttnShape,
-    form: Form<'a>,
-    scale: f64,
-) -> Call<'a> {
-    Call {
-        q: flat(q),
-        k: flat(k),
-        v: flat(v),
-        shape,
+/// `x: [n_tok, h, d]` row-major as an array.
+fn shape3(x: Vec<f32>, s: AttnShape) -> Array3<f32> {
+    Array3::from_shape_vec((s.n_tok, s.h, s.d), x).expect("[n_tok, h, d]")
+}
+
+/// The kernels' [`Call`] of checked f32 inputs `x` (self-attention: all of
+/// `q`'s shape) and the problem `p`, handed to `f`.
+fn with_call<R>(x: &Inputs, p: Problem32<'_>, f: impl FnOnce(Call<'_>) -> R) -> R {
+    let [q, k, v] = x.f32();
+    let (n_tok, h, d) = q.dim();
+    let allowed: Vec<bool>;
+    let form = match p {
+        Problem32::Varlen(pv) => Form::Packed(pv.cu_seqlens_q),
+        Problem32::Masked(m) => {
+            allowed = m.allowed.iter().copied().collect();
+            Form::Masked(&allowed)
+        }
+    };
+    let (q, k, v) = (flat(q), flat(k), flat(v));
+    f(Call {
+        q: &q,
+        k: &k,
+        v: &v,
+        shape: AttnShape { n_tok, h, d },
         form,
-        scale: scale as f32,
-    }
+        scale: p.scale() as f32,
+    })
 }
 
-fn shape3(x: &[f32], s: AttnShape) -> Array3<f32> {
-    Array3::from_shape_vec((s.n_tok, s.h, s.d), x.to_vec()).expect("[n_tok, h, d]")
-}
+crate::attention_op!(impl[B: AttentionKernels + 'static] CudaAttention<B>);
 
-/// `q, k, v` in f32 (shapes checked, finite values beyond f32 refused,
-/// non-finite ones reported) and their [`AttnShape`].
-type Inputs = ([Array3<f32>; 3], AttnShape);
-
-fn checked(x: &Qkv<'_>) -> Result<Inputs> {
-    let x32 = inputs(x)?;
-    let (n_tok, h, d) = x.q.dim();
-    Ok((x32, AttnShape { n_tok, h, d }))
-}
-
-impl<B: AttentionKernels + 'static> CudaAttention<B> {
-    /// Checks a varlen problem as the reference does, then the support.
-    fn varlen(&self, x: &Qkv<'_>, p: &Varlen<'_>) -> Result<Inputs> {
-        let x32 = checked(x)?;
-        check_varlen(p, x.q.dim().0, x.k.dim().0)?;
-        self.support().check(p, x.q.dim().1, x.k.dim().1)?;
-        check_scores(&x.q, &x.k, p.scale)?;
-        Ok(x32)
+/// The math behind the attention boundary (`crate::ops::boundary::attention`:
+/// the reference's checks, the support's refusals and the rounding come
+/// before it): one launch of the backend's kernels on the f32 inputs.
+impl<B: AttentionKernels + 'static> AttentionMath for CudaAttention<B> {
+    /// Bidirectional self-attention with `h_kv == h` and `d <=`
+    /// [`MAX_HEAD_DIM`], f32 inputs; the masked form takes one padded row,
+    /// square `[L, L]` masks; the varlen form scores only within segments.
+    fn support(&self) -> KernelSupport {
+        KernelSupport {
+            masked_cross: false,
+            ..KernelSupport::f32(AttentionSupport::BIDIRECTIONAL.with_max_head_dim(MAX_HEAD_DIM))
+        }
     }
 
-    /// Checks a masked problem as the reference does.
-    fn masked(x: &Qkv<'_>, m: &Masked<'_>) -> Result<(Inputs, Vec<bool>)> {
-        let x32 = checked(x)?;
-        check_mask_shape(m.allowed.shape(), x.q.dim().0)?;
-        check_scores(&x.q, &x.k, m.scale)?;
-        Ok((x32, m.allowed.iter().copied().collect()))
-    }
-
-    fn forward(
-        &self,
-        ([q, k, v], s): Inputs,
-        form: Form<'_>,
-        scale: f64,
-    ) -> Result<AttentionOutput> {
-        let c = call([&q, &k, &v], s, form, scale);
-        let f = self
-            .kernels
-            .attention_forward(&c)
-            .map_err(reference_error)?;
-        let lse = Array2::from_shape_vec((s.h, s.n_tok), f.lse).expect("[h, n_tok]");
-        Ok(widen((shape3(&f.output, s), lse)))
+    fn forward(&self, x: &Inputs, p: Problem32<'_>) -> Result<AttentionOutput32> {
+        let f = with_call(x, p, |c| self.kernels.attention_forward(&c)).map_err(reference_error)?;
+        let s @ AttnShape { n_tok, h, .. } = shape(x);
+        Ok(AttentionOutput32 {
+            output: shape3(f.output, s),
+            lse: Array2::from_shape_vec((h, n_tok), f.lse).expect("[h, n_tok]"),
+        })
     }
 
     fn backward(
         &self,
-        ([q, k, v], s): Inputs,
-        form: Form<'_>,
-        scale: f64,
-        g: Grad<'_>,
-    ) -> Result<AttentionGrads> {
-        let (out, lse, go) = saved(g, q.dim())?;
+        x: &Inputs,
+        p: Problem32<'_>,
+        fwd: &AttentionOutput32,
+        grad_output: &Array3<f32>,
+    ) -> Result<AttentionGrads32> {
         let fwd32 = AttnForward {
-            output: flat(&out).to_vec(),
-            lse: flat(&lse).to_vec(),
+            output: flat(&fwd.output).into_owned(),
+            lse: flat(&fwd.lse).into_owned(),
         };
-        let b = BackwardCall {
-            call: call([&q, &k, &v], s, form, scale),
-            fwd: &fwd32,
-            grad_output: flat(&go),
-        };
-        let g = self
-            .kernels
-            .attention_backward(&b)
-            .map_err(reference_error)?;
-        Ok(widen_grads([
-            shape3(&g.grad_q, s),
-            shape3(&g.grad_k, s),
-            shape3(&g.grad_v, s),
-        ]))
+        let go = flat(grad_output);
+        let g = with_call(x, p, |call| {
+            self.kernels.attention_backward(&BackwardCall {
+                call,
+                fwd: &fwd32,
+                grad_output: &go,
+            })
+        })
+        .map_err(reference_error)?;
+        let s = shape(x);
+        Ok(AttentionGrads32 {
+            grad_q: shape3(g.grad_q, s),
+            grad_k: shape3(g.grad_k, s),
+            grad_v: shape3(g.grad_v, s),
+        })
     }
 }
 
-impl<B: AttentionKernels + 'static> AttentionOp for CudaAttention<B> {
-    /// Bidirectional self-attention with `h_kv == h` only.
-    fn support(&self) -> AttentionSupport {
-        AttentionSupport::BIDIRECTIONAL.with_max_head_dim(MAX_HEAD_DIM)
-    }
-
-    // Each call checks, in the reference's order, the shapes and mask, the
-    // scores, the backward's `grad_output . v`, then the work every impl
-    // shares (`check_varlen_work`, `check_masked_work`), before any launch.
-
-    fn varlen_forward(&self, x: Qkv<'_>, p: &Varlen<'_>) -> Result<AttentionOutput> {
-        let (x32, s) = self.varlen(&x, p)?;
-        check_varlen_work(p, s.h, s.d)?;
-        self.forward((x32, s), Form::Packed(p.cu_seqlens_q), p.scale)
-    }
-
-    fn varlen_backward(&self, x: Qkv<'_>, p: &Varlen<'_>, g: Grad<'_>) -> Result<AttentionGrads> {
-        let (x32, s) = self.varlen(&x, p)?;
-        check_grad_values(&g.grad_output, &x.v)?;
-        check_varlen_work(p, s.h, s.d)?;
-        self.backward((x32, s), Form::Packed(p.cu_seqlens_q), p.scale, g)
-    }
-
-    fn masked_forward(&self, x: Qkv<'_>, m: Masked<'_>) -> Result<AttentionOutput> {
-        let ((x32, s), a) = Self::masked(&x, &m)?;
-        check_masked_work(s.n_tok, s.n_tok, s.h, s.d)?;
-        self.forward((x32, s), Form::Masked(&a), m.scale)
-    }
-
-    fn masked_backward(&self, x: Qkv<'_>, m: Masked<'_>, g: Grad<'_>) -> Result<AttentionGrads> {
-        let ((x32, s), a) = Self::masked(&x, &m)?;
-        check_grad_values(&g.grad_output, &x.v)?;
-        check_masked_work(s.n_tok, s.n_tok, s.h, s.d)?;
-        self.backward((x32, s), Form::Masked(&a), m.scale, g)
-    }
+/// `q`'s `[n_tok, h, d]`.
+fn shape(x: &Inputs) -> AttnShape {
+    let (n_tok, h, d) = x.q_dim();
+    AttnShape { n_tok, h, d }
 }
 
 // ---- the output layer ----------------------------------------------------------

@@ -353,17 +353,6 @@ impl FullRows {
     }
 }
 
-/// `q, k, v` in f32 (all of one shape), refusing non-finite inputs as the
-/// kernels do (the boundary of the CUDA attention, `crate::cuda::ops`).
-#[cfg(feature = "cuda")]
-pub(crate) fn inputs(x: &Qkv<'_>) -> Result<Qkv32> {
-    packshard_reference::attention::check_qkv_same_shapes(x.q.shape(), x.k.shape(), x.v.shape())?;
-    let Inputs::F32(x32) = rounded(x, Precision::F32)? else {
-        unreachable!("rounded to f32")
-    };
-    Ok(x32)
-}
-
 /// `q: [n_q, h, d]` and `k, v: [n_k, h_kv, d]` rounded to `precision`,
 /// refusing finite values beyond f32's range, then non-finite values.
 fn rounded(Qkv { q, k, v }: &Qkv<'_>, precision: Precision) -> Result<Inputs> {
@@ -512,14 +501,14 @@ pub fn masked_backward<K: AttentionMath + ?Sized>(
     backward(kernel, x, Problem32::Masked(m), g)
 }
 
-pub(crate) fn widen((out, lse): (Array3<f32>, Array2<f32>)) -> AttentionOutput {
+fn widen((out, lse): (Array3<f32>, Array2<f32>)) -> AttentionOutput {
     AttentionOutput {
         output: to_f64(out.view()),
         lse: to_f64(lse.view()),
     }
 }
 
-pub(crate) fn widen_grads([gq, gk, gv]: [Array3<f32>; 3]) -> AttentionGrads {
+fn widen_grads([gq, gk, gv]: [Array3<f32>; 3]) -> AttentionGrads {
     AttentionGrads {
         grad_q: to_f64(gq.view()),
         grad_k: to_f64(gk.view()),
@@ -528,7 +517,7 @@ pub(crate) fn widen_grads([gq, gk, gv]: [Array3<f32>; 3]) -> AttentionGrads {
 }
 
 /// The forward's results and the incoming gradient in f32, shapes checked.
-pub(crate) fn saved(
+fn saved(
     Grad { fwd, grad_output }: Grad<'_>,
     dim: (usize, usize, usize),
 ) -> Result<(Array3<f32>, Array2<f32>, Array3<f32>)> {
@@ -546,11 +535,15 @@ pub(crate) fn saved(
 }
 
 /// `impl AttentionOp for $kernel` through the boundary of this module, for
-/// a `$kernel` that implements [`AttentionMath`] (or [`F32AttentionMath`]).
+/// a `$kernel` that implements [`AttentionMath`] (or [`F32AttentionMath`]);
+/// for a generic one, `attention_op!(impl[B: Bound] Kernel<B>)`.
 #[macro_export]
 macro_rules! attention_op {
     ($kernel:ty) => {
-        impl $crate::ops::boundary::reexport::AttentionOp for $kernel {
+        $crate::attention_op!(impl[] $kernel);
+    };
+    (impl[$($g:tt)*] $kernel:ty) => {
+        impl<$($g)*> $crate::ops::boundary::reexport::AttentionOp for $kernel {
             fn support(&self) -> $crate::ops::boundary::reexport::AttentionSupport {
                 $crate::ops::boundary::AttentionMath::support(self).attention
             }
