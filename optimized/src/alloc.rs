@@ -151,4 +151,16 @@ mod tests {
             );
         }
     }
+
+    /// This test binary keeps the system allocator, so nothing is counted
+    /// and [`super::peak_since`] reports `None`, as its docs state (a peak
+    /// of `Some(0)` would read as "no memory" in `packshard bench`; with
+    /// [`super::CountingAlloc`] installed, `tests/alloc.rs` sees the bytes).
+    #[test]
+    fn without_the_counting_allocator_no_peak_is_reported() {
+        let (v, peak) = super::peak_since(|| vec![1u8; 4096]);
+        assert_eq!(v.len(), 4096);
+        assert!(!super::is_counting());
+        assert_eq!(peak, None);
+    }
 }

@@ -479,3 +479,57 @@ pub(super) fn gradient_at(
         })
     });
 }
+
+#[cfg(test)]
+mod tests {
+    use ndarray::array;
+    use packshard_reference::vocab::cross_entropy::cross_entropy as reference;
+    use packshard_reference::vocab::{LossCall, LossConfig, SmoothingConvention};
+
+    /// Megatron's smoothing at 1 puts weight `qt = 0` on the target and
+    /// `1 / (v - 1)` on each other column, so a target logit of `-inf` leaves
+    /// the loss finite: `sum_{j != t} (lse - z_j) / (v - 1)` over the finite
+    /// columns. The row's sum of `max - z_j` is infinite here (the target's
+    /// column), and only the re-sum without the target gives that value
+    /// (`row_stats`' `sum == inf` branch; turned `!=` it answered `inf`).
+    /// The value is the reference's and the formula's by hand; the control, a
+    /// target of weight `qt > 0` (smoothing 0.5), is refused or infinite in
+    /// both.
+    #[test]
+    fn a_minus_inf_target_of_weight_zero_leaves_the_loss_finite() {
+        let logits = array![[0.5f32, f32::NEG_INFINITY, -1.0, 2.0]];
+        let targets = [1i64];
+        let at = |a: f64| LossConfig::default().with_smoothing(a, SmoothingConvention::Megatron);
+        let cfg = at(1.0);
+        let call = LossCall::with_flag(&targets, &cfg, false);
+        let ours = super::super::cross_entropy(logits.view(), &call).unwrap();
+        let want = reference(logits.mapv(f64::from).view(), &call).unwrap();
+        let z = [0.5f64, -1.0, 2.0];
+        let lse = z.iter().map(|x| x.exp()).sum::<f64>().ln();
+        let by_hand = z.iter().map(|x| lse - x).sum::<f64>() / 3.0;
+        assert!(
+            (want.loss - by_hand).abs() < 1e-12,
+            "{} {by_hand}",
+            want.loss
+        );
+        // f32 logits, f64 sums: a few f32 ulps of the loss (about 2.5).
+        assert!(
+            (ours.loss - by_hand).abs() < 1e-5,
+            "{} {by_hand}",
+            ours.loss
+        );
+        let cfg = at(0.5);
+        let call = LossCall::with_flag(&targets, &cfg, false);
+        let ours = super::super::cross_entropy(logits.view(), &call);
+        let want = reference(logits.mapv(f64::from).view(), &call);
+        let finite = |r: &packshard_reference::Result<f64>| matches!(r, Ok(l) if l.is_finite());
+        assert!(
+            !finite(&want.map(|c| c.loss)),
+            "reference: qt > 0 on a -inf target"
+        );
+        assert!(
+            !finite(&ours.map(|c| c.loss)),
+            "kernel: qt > 0 on a -inf target"
+        );
+    }
+}
