@@ -238,3 +238,34 @@ impl LinearCrossEntropyMath for LinearCeTiledFiltered {
 }
 
 crate::linear_cross_entropy_op!(LinearCeTiledFiltered);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ndarray::Array2;
+    use packshard_reference::vocab::LossConfig;
+
+    /// The default filter is Cut Cross-Entropy's 2^-12 (Wijmans et al.
+    /// 2024, §4.3), seen through what it skips: one token, `v = 1024` (two
+    /// of the default 512-entry tiles), every logit 0 but the target's
+    /// (column 0). With `e^t = 1477` each other `dL/dz_j = p_j = 1/2500 =
+    /// 4e-4`, above 2^-12 (2.44e-4): nothing skipped. With `e^t = 1e5`,
+    /// `p_j` is about 1e-5, below it: both tiles skipped. A threshold of 1
+    /// or 4096 would skip both in the first case, one of 0 neither in the
+    /// second.
+    #[test]
+    fn the_default_threshold_skips_tiles_below_two_to_the_minus_12_only() {
+        let skipped = |t: f32| {
+            let hidden = Array2::from_elem((1, 1), 1.0f32);
+            let weight = Array2::from_shape_fn((1024, 1), |(j, _)| if j == 0 { t } else { 0.0 });
+            let (targets, cfg) = ([0i64], LossConfig::default());
+            let call = LossCall::with_flag(&targets, &cfg, true);
+            let r = LinearCeTiledFiltered::default()
+                .unsharded(hidden.view(), weight.view(), &call)
+                .unwrap();
+            r.traded.expect("the filtered kernel reports").skipped_tiles
+        };
+        assert_eq!(skipped(1477f32.ln()), 0);
+        assert_eq!(skipped(1e5f32.ln()), 2);
+    }
+}

@@ -486,6 +486,28 @@ mod tests {
     use packshard_reference::vocab::cross_entropy::cross_entropy as reference;
     use packshard_reference::vocab::{LossCall, LossConfig, SmoothingConvention};
 
+    /// Without smoothing (`qo = 0`) a `-inf` column off the target weighs
+    /// nothing: the loss is `lse - z_t` over the finite columns (the reference's
+    /// and by hand). `row_stats` sums `max - z_j` only for `qo > 0` (that
+    /// `>` turned `>=`, or its `&&` turned `||`, summed the `-inf` column
+    /// and answered `inf`).
+    #[test]
+    fn a_minus_inf_column_off_the_target_is_ignored_without_smoothing() {
+        let logits = array![[0.5f32, f32::NEG_INFINITY, -1.0, 2.0]];
+        let (targets, cfg) = ([0i64], LossConfig::default());
+        let call = LossCall::with_flag(&targets, &cfg, false);
+        let ours = super::super::cross_entropy(logits.view(), &call).unwrap();
+        let want = reference(logits.mapv(f64::from).view(), &call).unwrap();
+        let lse = [0.5f64, -1.0, 2.0]
+            .iter()
+            .map(|x| x.exp())
+            .sum::<f64>()
+            .ln();
+        assert!((want.loss - (lse - 0.5)).abs() < 1e-12, "{}", want.loss);
+        // f32 logits, f64 sums: a few f32 ulps of the loss (about 2).
+        assert!((ours.loss - (lse - 0.5)).abs() < 1e-5, "{}", ours.loss);
+    }
+
     /// Megatron's smoothing at 1 puts weight `qt = 0` on the target and
     /// `1 / (v - 1)` on each other column, so a target logit of `-inf` leaves
     /// the loss finite: `sum_{j != t} (lse - z_j) / (v - 1)` over the finite
