@@ -181,11 +181,12 @@ mod tests {
     /// The batch check finds each token by its value, so `sequences` must
     /// give every (sequence, position) its own token: a formula that maps
     /// two of them to one value (all first tokens 0, say) would let a
-    /// batcher that swaps them pass.
+    /// batcher that swaps them pass. The long sequence comes first, where a
+    /// token counting down from 7 would reach the pad id 0 and below.
     #[test]
     fn every_token_of_a_case_is_its_own() {
         let case = PackFuzzCase {
-            lengths: vec![3, 5, 1, 4, 200],
+            lengths: vec![200, 3, 5, 1, 4],
             max_seq_len: 255,
             algorithm: 0,
             limit: None,
@@ -196,7 +197,7 @@ mod tests {
         let seqs = case.sequences();
         assert_eq!(
             seqs.iter().map(Vec::len).collect::<Vec<_>>(),
-            [3, 5, 1, 4, 200]
+            [200, 3, 5, 1, 4]
         );
         let mut all: Vec<i64> = seqs.iter().flatten().copied().collect();
         assert!(all.iter().all(|&t| t > 0), "token ids are positive");
