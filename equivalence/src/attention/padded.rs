@@ -153,8 +153,8 @@ mod tests {
         }
         // And a row of padding only: its first slot is garbage too, not 0.
         let empty = padded_row(&x, 0, 0, 6, 1e3);
-        for (pad, slots) in [(row.iter().skip(2 * h * d), 4), (empty.iter().skip(0), 6)] {
-            let mut pad: Vec<f64> = pad.copied().collect();
+        for (t, real, slots) in [(&row, 2, 4), (&empty, 0, 6)] {
+            let mut pad: Vec<f64> = t.iter().skip(real * h * d).copied().collect();
             assert!(pad.iter().all(|&p| p >= 1e3 && p % 1e3 == 0.0), "{pad:?}");
             pad.sort_by(f64::total_cmp);
             pad.dedup();
