@@ -111,6 +111,12 @@ fn flat<D: ndarray::Dimension>(x: &ndarray::Array<f32, D>) -> Cow<'_, [f32]> {
         .map_or_else(|| Cow::Owned(x.iter().copied().collect()), Cow::Borrowed)
 }
 
+/// `q`'s `[n_tok, h, d]`.
+fn shape(x: &Inputs) -> AttnShape {
+    let (n_tok, h, d) = x.q_dim();
+    AttnShape { n_tok, h, d }
+}
+
 /// `x: [n_tok, h, d]` row-major as an array.
 fn shape3(x: Vec<f32>, s: AttnShape) -> Array3<f32> {
     Array3::from_shape_vec((s.n_tok, s.h, s.d), x).expect("[n_tok, h, d]")
@@ -120,7 +126,6 @@ fn shape3(x: Vec<f32>, s: AttnShape) -> Array3<f32> {
 /// `q`'s shape) and the problem `p`, handed to `f`.
 fn with_call<R>(x: &Inputs, p: Problem32<'_>, f: impl FnOnce(Call<'_>) -> R) -> R {
     let [q, k, v] = x.f32();
-    let (n_tok, h, d) = q.dim();
     let allowed: Vec<bool>;
     let form = match p {
         Problem32::Varlen(pv) => Form::Packed(pv.cu_seqlens_q),
@@ -134,7 +139,7 @@ fn with_call<R>(x: &Inputs, p: Problem32<'_>, f: impl FnOnce(Call<'_>) -> R) -> 
         q: &q,
         k: &k,
         v: &v,
-        shape: AttnShape { n_tok, h, d },
+        shape: shape(x),
         form,
         scale: p.scale() as f32,
     })
@@ -192,12 +197,6 @@ impl<B: AttentionKernels + 'static> AttentionMath for CudaAttention<B> {
             grad_v: shape3(g.grad_v, s),
         })
     }
-}
-
-/// `q`'s `[n_tok, h, d]`.
-fn shape(x: &Inputs) -> AttnShape {
-    let (n_tok, h, d) = x.q_dim();
-    AttnShape { n_tok, h, d }
 }
 
 // ---- the output layer ----------------------------------------------------------

@@ -482,9 +482,45 @@ pub(super) fn gradient_at(
 
 #[cfg(test)]
 mod tests {
-    use ndarray::array;
+    use ndarray::{array, Array2};
     use packshard_reference::vocab::cross_entropy::cross_entropy as reference;
     use packshard_reference::vocab::{LossCall, LossConfig, SmoothingConvention};
+    use packshard_reference::Result;
+
+    use crate::vocab::cross_entropy;
+
+    /// One row with a `-inf` logit at column 1 and its finite columns.
+    const FINITE: [f64; 3] = [0.5, -1.0, 2.0];
+
+    fn row() -> Array2<f32> {
+        array![[0.5f32, f32::NEG_INFINITY, -1.0, 2.0]]
+    }
+
+    /// The kernel's loss and the reference's on [`row`] with `targets`, `cfg`.
+    fn losses(targets: &[i64], cfg: &LossConfig) -> (Result<f64>, Result<f64>) {
+        let call = LossCall::with_flag(targets, cfg, false);
+        let logits = row();
+        (
+            cross_entropy(logits.view(), &call).map(|c| c.loss),
+            reference(logits.mapv(f64::from).view(), &call).map(|c| c.loss),
+        )
+    }
+
+    /// `logsumexp` of the finite columns, by hand in f64.
+    fn lse() -> f64 {
+        FINITE.iter().map(|x| x.exp()).sum::<f64>().ln()
+    }
+
+    /// The reference within 1e-12 of `by_hand` (f64 throughout) and the
+    /// kernel within 1e-5: its f32 logits and exponentials carry relative
+    /// errors near 6e-8, about 1e-7 of a loss near 2, and a `-inf` the
+    /// kernel mishandles answers `inf`, not a near miss.
+    fn assert_both_near(targets: &[i64], cfg: &LossConfig, by_hand: f64) {
+        let (ours, want) = losses(targets, cfg);
+        let (ours, want) = (ours.unwrap(), want.unwrap());
+        assert!((want - by_hand).abs() < 1e-12, "{want} {by_hand}");
+        assert!((ours - by_hand).abs() < 1e-5, "{ours} {by_hand}");
+    }
 
     /// Without smoothing (`qo = 0`) a `-inf` column off the target weighs
     /// nothing: the loss is `lse - z_t` over the finite columns (the reference's
@@ -493,19 +529,7 @@ mod tests {
     /// and answered `inf`).
     #[test]
     fn a_minus_inf_column_off_the_target_is_ignored_without_smoothing() {
-        let logits = array![[0.5f32, f32::NEG_INFINITY, -1.0, 2.0]];
-        let (targets, cfg) = ([0i64], LossConfig::default());
-        let call = LossCall::with_flag(&targets, &cfg, false);
-        let ours = super::super::cross_entropy(logits.view(), &call).unwrap();
-        let want = reference(logits.mapv(f64::from).view(), &call).unwrap();
-        let lse = [0.5f64, -1.0, 2.0]
-            .iter()
-            .map(|x| x.exp())
-            .sum::<f64>()
-            .ln();
-        assert!((want.loss - (lse - 0.5)).abs() < 1e-12, "{}", want.loss);
-        // f32 logits, f64 sums: a few f32 ulps of the loss (about 2).
-        assert!((ours.loss - (lse - 0.5)).abs() < 1e-5, "{}", ours.loss);
+        assert_both_near(&[0], &LossConfig::default(), lse() - FINITE[0]);
     }
 
     /// Megatron's smoothing at 1 puts weight `qt = 0` on the target and
@@ -519,39 +543,12 @@ mod tests {
     /// both.
     #[test]
     fn a_minus_inf_target_of_weight_zero_leaves_the_loss_finite() {
-        let logits = array![[0.5f32, f32::NEG_INFINITY, -1.0, 2.0]];
-        let targets = [1i64];
         let at = |a: f64| LossConfig::default().with_smoothing(a, SmoothingConvention::Megatron);
-        let cfg = at(1.0);
-        let call = LossCall::with_flag(&targets, &cfg, false);
-        let ours = super::super::cross_entropy(logits.view(), &call).unwrap();
-        let want = reference(logits.mapv(f64::from).view(), &call).unwrap();
-        let z = [0.5f64, -1.0, 2.0];
-        let lse = z.iter().map(|x| x.exp()).sum::<f64>().ln();
-        let by_hand = z.iter().map(|x| lse - x).sum::<f64>() / 3.0;
-        assert!(
-            (want.loss - by_hand).abs() < 1e-12,
-            "{} {by_hand}",
-            want.loss
-        );
-        // f32 logits, f64 sums: a few f32 ulps of the loss (about 2.5).
-        assert!(
-            (ours.loss - by_hand).abs() < 1e-5,
-            "{} {by_hand}",
-            ours.loss
-        );
-        let cfg = at(0.5);
-        let call = LossCall::with_flag(&targets, &cfg, false);
-        let ours = super::super::cross_entropy(logits.view(), &call);
-        let want = reference(logits.mapv(f64::from).view(), &call);
-        let finite = |r: &packshard_reference::Result<f64>| matches!(r, Ok(l) if l.is_finite());
-        assert!(
-            !finite(&want.map(|c| c.loss)),
-            "reference: qt > 0 on a -inf target"
-        );
-        assert!(
-            !finite(&ours.map(|c| c.loss)),
-            "kernel: qt > 0 on a -inf target"
-        );
+        let by_hand = FINITE.iter().map(|x| lse() - x).sum::<f64>() / 3.0;
+        assert_both_near(&[1], &at(1.0), by_hand);
+        let (ours, want) = losses(&[1], &at(0.5));
+        let finite = |r: &Result<f64>| matches!(r, Ok(l) if l.is_finite());
+        assert!(!finite(&want), "reference: qt > 0 on a -inf target");
+        assert!(!finite(&ours), "kernel: qt > 0 on a -inf target");
     }
 }
