@@ -87,7 +87,7 @@ pub type Fields32 = Vec<(&'static str, ndarray::ArrayD<f32>)>;
 /// # Errors
 /// As [`attention`]; `invalid_argument` on `impl` for any other kernel.
 pub fn attention_f32(imp: &str, a: &AttentionArgs<'_, f32>) -> Result<Fields32, EvalError> {
-    use packshard_optimized::attention::check_finite as finite;
+    use packshard_optimized::ops::boundary::ScannedF32;
     use packshard_optimized::ops::TiledAttention;
     if imp != F32_NATIVE {
         return Err(EvalError::invalid(
@@ -95,18 +95,12 @@ pub fn attention_f32(imp: &str, a: &AttentionArgs<'_, f32>) -> Result<Fields32, 
             format!("{imp}: only {F32_NATIVE} runs on f32 arrays in place"),
         ));
     }
-    finite("q", &a.q)?;
-    finite("k", &a.k)?;
-    finite("v", &a.v)?;
-    if let Some(go) = &a.grad_output {
-        finite("grad_output", go)?;
-    }
+    let x = ScannedF32::new(a.q, a.k, a.v, a.grad_output)?;
     let p = a.problem();
     let op = TiledAttention::F32;
-    let x = (a.q, a.k, a.v);
-    let fwd = op.varlen_forward_f32(x, &p)?;
+    let fwd = op.varlen_forward_f32(&x, &p)?;
     let grads = match a.grad_output {
-        Some(go) => Some(op.varlen_backward_f32(x, &p, &fwd, go)?),
+        Some(_) => Some(op.varlen_backward_f32(&x, &p, &fwd)?),
         None => None,
     };
     let mut out: Fields32 = vec![

@@ -366,6 +366,8 @@ mod backward;
 mod dense;
 mod disjoint;
 mod forward;
+mod scan;
+pub use scan::{check_finite, finite_amax};
 pub mod mask;
 #[cfg(test)]
 mod tests_faults;
@@ -408,47 +410,6 @@ fn run_forward<T: Element>(pb: &Problem<T>, n: usize, items: &[Item]) -> Attenti
         })
     });
     AttentionOutput32 { output, lse }
-}
-
-/// Checks that every element is finite.
-///
-/// # Errors
-/// [`Error::NonFiniteInput`] naming `field` with the flat index.
-pub fn check_finite<T: Element>(field: &str, x: &ArrayView3<T>) -> Result<()> {
-    // In standard layout, chunks are scanned without a branch per element
-    // (the scan vectorizes); only a chunk with a non-finite value is walked
-    // for its index.
-    if let Some(flat) = x.as_slice() {
-        const CHUNK: usize = 1024;
-        for (c, chunk) in flat.chunks(CHUNK).enumerate() {
-            let finite = chunk.iter().fold(true, |ok, v| ok & v.to_f32().is_finite());
-            if finite {
-                continue;
-            }
-            let (i, v) = chunk
-                .iter()
-                .enumerate()
-                .find(|(_, v)| !v.to_f32().is_finite())
-                .expect("a chunk that is not all finite has a non-finite value");
-            return Err(Error::NonFiniteInput {
-                field: field.into(),
-                index: c * CHUNK + i,
-                value: v.to_f32() as f64,
-            });
-        }
-        return Ok(());
-    }
-    for (index, v) in x.iter().enumerate() {
-        let v = v.to_f32();
-        if !v.is_finite() {
-            return Err(Error::NonFiniteInput {
-                field: field.into(),
-                index,
-                value: v as f64,
-            });
-        }
-    }
-    Ok(())
 }
 
 fn standard<'a, T: Element>(x: &'a ArrayView3<'a, T>) -> CowArray<'a, T, Ix3> {
@@ -549,6 +510,45 @@ fn backward<T: Element>(
     with_problem(qkv, scale, |pb, n| {
         run_backward(pb, (n, n_k), items, fwd, go)
     })
+}
+
+/// [`varlen_attention_general`] on `f32` inputs whose shapes and values the
+/// caller has checked (`crate::ops::boundary::check_in_place`, after
+/// `ScannedF32::new`): only the offsets and options are checked here, no
+/// tensor is read for its checks again.
+///
+/// # Errors
+/// As [`varlen_attention_general`]'s for `cu_seqlens` and the options.
+pub(crate) fn varlen_forward_checked(
+    (q, k, v): (&ArrayView3<f32>, &ArrayView3<f32>, &ArrayView3<f32>),
+    p: &Varlen<'_>,
+) -> Result<AttentionOutput32> {
+    check_options(p, (q.dim().0, k.dim().0), (q.dim().1, k.dim().1))?;
+    let items = segment_items(p, (q.dim().1, k.dim().1));
+    Ok(forward((q, k, v), p.scale as f32, &items))
+}
+
+/// [`varlen_attention_general_backward`] on inputs checked as
+/// [`varlen_forward_checked`]'s, `fwd` and `grad_output` too
+/// (`crate::ops::boundary::check_in_place_backward`).
+///
+/// # Errors
+/// As [`varlen_forward_checked`].
+pub(crate) fn varlen_backward_checked(
+    (q, k, v): (&ArrayView3<f32>, &ArrayView3<f32>, &ArrayView3<f32>),
+    p: &Varlen<'_>,
+    fwd: &AttentionOutput32,
+    grad_output: &ArrayView3<f32>,
+) -> Result<AttentionGrads32> {
+    check_options(p, (q.dim().0, k.dim().0), (q.dim().1, k.dim().1))?;
+    let items = segment_items(p, (q.dim().1, k.dim().1));
+    Ok(backward(
+        (q, k, v),
+        p.scale as f32,
+        &items,
+        fwd,
+        grad_output,
+    ))
 }
 
 /// What the tiled kernel implements ([`AttentionSupport::ALL`]: causal,

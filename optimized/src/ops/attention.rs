@@ -3,15 +3,18 @@
 //! support's refusals, rounding the inputs and widening the results) is
 //! [`super::boundary`]'s.
 
-use ndarray::{Array2, Array3, ArrayView3};
+use ndarray::{Array2, Array3};
 use packshard_reference::ops::{AttentionSupport, Masked, Precision, Varlen};
 use packshard_reference::{Error, Result};
 
-use super::boundary::{check_in_place, AttentionMath, FullRows, Inputs, KernelSupport, Problem32};
+use super::boundary::{
+    check_in_place, check_in_place_backward, AttentionMath, FullRows, Inputs, KernelSupport,
+    Problem32, ScannedF32,
+};
 use crate::attention::{
     dense_masked_attention_backward_with, dense_masked_attention_with, varlen_attention_general,
-    varlen_attention_general_backward, AttentionGrads32, AttentionOutput32, ScoreOptions,
-    TILED_SUPPORT,
+    varlen_attention_general_backward, varlen_backward_checked, varlen_forward_checked,
+    AttentionGrads32, AttentionOutput32, ScoreOptions, TILED_SUPPORT,
 };
 use packshard_reference::attention::options::visible_keys;
 
@@ -102,37 +105,40 @@ impl TiledAttention {
     /// (no rounding, no widening): what [`packshard_reference::ops::AttentionOp::varlen_forward`]
     /// computes for the same values given in `f64`, bit for bit, in the
     /// kernel's own precision. Shapes and `p` as there; the same checks, in
-    /// the same order, but the work bound.
+    /// the same order, but the work bound: the values' checks are
+    /// [`ScannedF32::new`]'s, made once for a forward and its backward.
     ///
     /// # Errors
     /// As `varlen_forward`; [`Error::InvalidArgument`] naming `impl` for the
     /// bf16 kernel (its inputs are rounded from `f64`).
     pub fn varlen_forward_f32(
         &self,
-        (q, k, v): (ArrayView3<f32>, ArrayView3<f32>, ArrayView3<f32>),
+        x: &ScannedF32<'_>,
         p: &Varlen<'_>,
     ) -> Result<AttentionOutput32> {
         self.check_f32()?;
-        check_in_place(self, [&q, &k, &v], p, None)?;
-        varlen_attention_general(q, k, v, p)
+        check_in_place(self, x, p)?;
+        let (q, k, v) = x.qkv();
+        varlen_forward_checked((&q, &k, &v), p)
     }
 
     /// The backward of [`TiledAttention::varlen_forward_f32`]: `fwd` its
-    /// result, `grad_output: [n_q, h, d]`; gradients as `varlen_backward`,
-    /// in `f32`.
+    /// result, `x` with the `grad_output: [n_q, h, d]`; gradients as
+    /// `varlen_backward`, in `f32`.
     ///
     /// # Errors
-    /// As `varlen_backward` and [`TiledAttention::varlen_forward_f32`].
+    /// As `varlen_backward` and [`TiledAttention::varlen_forward_f32`];
+    /// [`Error::InvalidArgument`] naming `grad_output` when `x` has none.
     pub fn varlen_backward_f32(
         &self,
-        (q, k, v): (ArrayView3<f32>, ArrayView3<f32>, ArrayView3<f32>),
+        x: &ScannedF32<'_>,
         p: &Varlen<'_>,
         fwd: &AttentionOutput32,
-        grad_output: ArrayView3<f32>,
     ) -> Result<AttentionGrads32> {
         self.check_f32()?;
-        check_in_place(self, [&q, &k, &v], p, Some(&grad_output))?;
-        varlen_attention_general_backward(q, k, v, p, fwd, grad_output)
+        let go = check_in_place_backward(self, x, p, fwd)?;
+        let (q, k, v) = x.qkv();
+        varlen_backward_checked((&q, &k, &v), p, fwd, &go)
     }
 
     fn check_f32(&self) -> Result<()> {

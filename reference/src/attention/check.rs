@@ -155,20 +155,33 @@ pub fn check_scores<T: Copy + Into<f64>>(
     k: &ArrayView3<T>,
     scale: f64,
 ) -> Result<()> {
+    check_score_bound(q.dim().2, [finite_amax(q), finite_amax(k)], scale)
+}
+
+/// The largest magnitude of the finite elements of `t` (0 if none): what
+/// [`check_scores`] and [`check_grad_values`] bound.
+fn finite_amax<T: Copy + Into<f64>>(t: &ArrayView3<T>) -> f64 {
+    t.iter()
+        .map(|&x| x.into())
+        .filter(|x: &f64| x.is_finite())
+        .fold(0.0f64, |m, x| m.max(x.abs()))
+}
+
+/// [`check_scores`] given `d` and the largest magnitudes `[max|q|,
+/// max|k|]` of finite inputs (a kernel that has read them already, as
+/// `packshard_optimized::attention::finite_amax` does, passes them here
+/// rather than reading the tensors again).
+///
+/// # Errors
+/// As [`check_scores`].
+pub fn check_score_bound(d: usize, [amax_q, amax_k]: [f64; 2], scale: f64) -> Result<()> {
     if !scale.is_finite() {
         return Err(Error::invalid(
             "scale",
             format!("must be finite, found {scale}"),
         ));
     }
-    let amax = |t: &ArrayView3<T>| {
-        t.iter()
-            .map(|&x| x.into())
-            .filter(|x: &f64| x.is_finite())
-            .fold(0.0f64, |m, x| m.max(x.abs()))
-    };
-    let d = q.dim().2 as f64;
-    let dot = d * amax(q) * amax(k);
+    let dot = d as f64 * amax_q * amax_k;
     if dot > MAX_SCORE {
         return Err(Error::invalid(
             "q",
@@ -199,14 +212,16 @@ pub fn check_grad_values<G: Copy + Into<f64>, V: Copy + Into<f64>>(
     grad_output: &ArrayView3<G>,
     v: &ArrayView3<V>,
 ) -> Result<()> {
-    fn amax<T: Copy + Into<f64>>(t: &ArrayView3<T>) -> f64 {
-        t.iter()
-            .map(|&x| x.into())
-            .filter(|x: &f64| x.is_finite())
-            .fold(0.0f64, |m, x| m.max(x.abs()))
-    }
-    let d = v.dim().2 as f64;
-    let dot = d * amax(grad_output) * amax(v);
+    check_grad_bound(v.dim().2, [finite_amax(grad_output), finite_amax(v)])
+}
+
+/// [`check_grad_values`] given `d` and the largest magnitudes
+/// `[max|grad_output|, max|v|]` of finite inputs (as [`check_score_bound`]).
+///
+/// # Errors
+/// As [`check_grad_values`].
+pub fn check_grad_bound(d: usize, [amax_go, amax_v]: [f64; 2]) -> Result<()> {
+    let dot = d as f64 * amax_go * amax_v;
     if dot > MAX_SCORE {
         return Err(Error::invalid(
             "grad_output",

@@ -49,10 +49,10 @@ pub use backward::{
     varlen_attention_general_backward,
 };
 pub use check::{
-    check_cu_seqlens, check_cu_seqlens_named, check_grad_shapes, check_grad_values, check_layout,
-    check_layout_work, check_mask_shape, check_mask_shape2, check_masked_work,
-    check_qkv_same_shapes, check_qkv_shapes, check_scores, check_varlen, check_varlen_options,
-    check_varlen_work, MAX_ATTENTION_WORK, MAX_SCORE,
+    check_cu_seqlens, check_cu_seqlens_named, check_grad_bound, check_grad_shapes,
+    check_grad_values, check_layout, check_layout_work, check_mask_shape, check_mask_shape2,
+    check_masked_work, check_qkv_same_shapes, check_qkv_shapes, check_score_bound, check_scores,
+    check_varlen, check_varlen_options, check_varlen_work, MAX_ATTENTION_WORK, MAX_SCORE,
 };
 use check::{check_grad, check_qkv};
 pub use options::Window;

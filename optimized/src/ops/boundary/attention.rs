@@ -24,9 +24,9 @@
 use half::bf16;
 use ndarray::{Array2, Array3, ArrayView3};
 use packshard_reference::attention::{
-    check_grad_shapes, check_grad_values, check_mask_shape2, check_masked_work, check_qkv_shapes,
-    check_scores, check_varlen, check_varlen_options, check_varlen_work, AttentionGrads,
-    AttentionOutput, MAX_ATTENTION_WORK,
+    check_grad_bound, check_grad_shapes, check_grad_values, check_mask_shape2, check_masked_work,
+    check_qkv_shapes, check_score_bound, check_scores, check_varlen, check_varlen_options,
+    check_varlen_work, AttentionGrads, AttentionOutput, MAX_ATTENTION_WORK,
 };
 use packshard_reference::ops::{AttentionSupport, Grad, Masked, Precision, Qkv, Varlen};
 use packshard_reference::{Error, Result};
@@ -35,7 +35,7 @@ use packshard_reference::{Error, Result};
 use packshard_reference::ops::AttentionOp;
 
 use crate::attention::mask::SegmentMask;
-use crate::attention::{check_finite, AttentionGrads32, AttentionOutput32, Element};
+use crate::attention::{check_finite, finite_amax, AttentionGrads32, AttentionOutput32, Element};
 use crate::convert::{to_bf16, to_f32, to_f64};
 
 /// `q, k, v` in f32: `[n_q, h, d]`, `[n_k, h_kv, d]`, `[n_k, h_kv, d]`.
@@ -393,27 +393,116 @@ fn checked(x: &Qkv<'_>, p: Problem32<'_>, s: &KernelSupport) -> Result<Inputs> {
     Ok(x_in)
 }
 
+/// `f32` `q: [n_q, h, d]`, `k, v: [n_k, h_kv, d]` and a backward's
+/// `grad_output: [n_q, h, d]`, read in place, with their values checked
+/// once: every element finite, and the largest magnitudes that the score
+/// bounds need ([`crate::attention::finite_amax`], one pass per tensor split
+/// over the threads). What the in-place entry points
+/// ([`crate::ops::TiledAttention::varlen_forward_f32`] and
+/// `varlen_backward_f32`) take, so that a forward and its backward read each
+/// tensor once for the checks, not once per call and check (issue 37).
+#[derive(Clone, Copy)]
+pub struct ScannedF32<'a> {
+    q: ArrayView3<'a, f32>,
+    k: ArrayView3<'a, f32>,
+    v: ArrayView3<'a, f32>,
+    grad_output: Option<ArrayView3<'a, f32>>,
+    /// `max |x|` of `q`, `k`, `v`, `grad_output` (0 without one).
+    amax: [f32; 4],
+}
+
+impl<'a> ScannedF32<'a> {
+    /// Checks the values of `q`, `k`, `v`, then `grad_output`, in that
+    /// order (the reference's and `packshard eval`'s); shapes are checked
+    /// by the calls that use them.
+    ///
+    /// # Errors
+    /// [`Error::NonFiniteInput`] naming the first tensor with a non-finite
+    /// element and that element's flat (row-major) index.
+    pub fn new(
+        q: ArrayView3<'a, f32>,
+        k: ArrayView3<'a, f32>,
+        v: ArrayView3<'a, f32>,
+        grad_output: Option<ArrayView3<'a, f32>>,
+    ) -> Result<Self> {
+        let amax = [
+            finite_amax("q", &q)?,
+            finite_amax("k", &k)?,
+            finite_amax("v", &v)?,
+            grad_output
+                .as_ref()
+                .map_or(Ok(0.0), |g| finite_amax("grad_output", g))?,
+        ];
+        Ok(ScannedF32 {
+            q,
+            k,
+            v,
+            grad_output,
+            amax,
+        })
+    }
+
+    /// `q`, `k`, `v`.
+    pub fn qkv(
+        &self,
+    ) -> (
+        ArrayView3<'a, f32>,
+        ArrayView3<'a, f32>,
+        ArrayView3<'a, f32>,
+    ) {
+        (self.q, self.k, self.v)
+    }
+
+    /// `grad_output`, if one was checked.
+    pub fn grad_output(&self) -> Option<ArrayView3<'a, f32>> {
+        self.grad_output
+    }
+}
+
 /// The checks of [`varlen_forward`] but the work bound, on f32 inputs read in
-/// place (no rounding): shapes, finite values, the offsets and options, the
-/// kernel's support, the scores; for a backward (`grad_output`), its values
-/// against `v`.
+/// place (no rounding), their values already checked (`x`): shapes, the
+/// offsets and options, the kernel's support, the scores' bound.
 ///
 /// # Errors
 /// As [`varlen_forward`].
 pub fn check_in_place<K: AttentionMath + ?Sized>(
     kernel: &K,
-    [q, k, v]: [&ArrayView3<f32>; 3],
+    x: &ScannedF32<'_>,
     p: &Varlen<'_>,
-    grad_output: Option<&ArrayView3<f32>>,
 ) -> Result<()> {
+    let (q, k, v) = x.qkv();
     check_qkv_shapes(q.shape(), k.shape(), v.shape())?;
-    for (name, t) in [("q", q), ("k", k), ("v", v)] {
-        check_finite(name, t)?;
-    }
     let ((n_q, h, d), (n_k, h_kv, _)) = (q.dim(), k.dim());
     Problem32::Varlen(p).check([n_q, n_k, h, h_kv, d], &kernel.support())?;
-    check_scores(q, k, p.scale)?;
-    grad_output.map_or(Ok(()), |go| check_grad_values(go, v))
+    let [aq, ak, ..] = x.amax;
+    check_score_bound(d, [f64::from(aq), f64::from(ak)], p.scale)
+}
+
+/// [`check_in_place`] for a backward: also `grad_output` (which `x` must
+/// carry) and the saved forward `fwd`: their shapes, then `grad_output`'s
+/// values against `v` ([`check_grad_bound`]).
+///
+/// # Errors
+/// As [`check_in_place`]; [`Error::InvalidArgument`] naming `grad_output`
+/// when `x` has none; [`Error::ShapeMismatch`] for `grad_output` or the
+/// forward's `output` and `lse`.
+pub fn check_in_place_backward<'a, K: AttentionMath + ?Sized>(
+    kernel: &K,
+    x: &ScannedF32<'a>,
+    p: &Varlen<'_>,
+    fwd: &AttentionOutput32,
+) -> Result<ArrayView3<'a, f32>> {
+    check_in_place(kernel, x, p)?;
+    let go = x.grad_output.ok_or_else(|| {
+        Error::invalid(
+            "grad_output",
+            "a backward needs grad_output: none was checked",
+        )
+    })?;
+    check_grad_shapes(go.shape(), fwd.output.shape(), fwd.lse.shape(), x.q.dim())?;
+    let [_, _, av, ag] = x.amax;
+    check_grad_bound(x.v.dim().2, [f64::from(ag), f64::from(av)])?;
+    Ok(go)
 }
 
 fn check_work(x: &Qkv<'_>, p: Problem32<'_>, s: &KernelSupport) -> Result<()> {

@@ -1,0 +1,172 @@
+//! The value checks of the attention inputs, one pass over each tensor.
+//!
+//! Every entry point refuses a non-finite `q`, `k`, `v` (and `grad_output`)
+//! naming the first flat index, and the boundary bounds the scores by
+//! `d max|q| max|k|` (`packshard_reference::attention::check_score_bound`).
+//! Both read every element once here, in one pass split over the threads
+//! (issue 37: through the Python package, a 16,000-token forward read `q`,
+//! `k` and `v` three times for finiteness and `q` and `k` once more for
+//! the bound, in f64 on one thread, about a third of its time).
+
+use ndarray::ArrayView3;
+use packshard_reference::{Error, Result};
+use pulp::{Simd, WithSimd};
+use rayon::prelude::*;
+
+use super::Element;
+
+/// Elements per parallel piece of [`finite_amax`]: 256 KiB of `f32`, small
+/// enough to balance two threads on one head's tensor, large enough that
+/// the split costs nothing next to the pass.
+const PIECE: usize = 1 << 16;
+
+/// `max |x|` over `x` and whether every element is finite, one lane-wise
+/// pass: `z = fma(x, 0, z)` stays 0 unless some `x` is infinite or NaN (then
+/// `z` is NaN from then on), and the maximum of `|x|` is exact (no rounding
+/// in `abs` or `max`).
+struct Piece<'a>(&'a [f32]);
+
+impl WithSimd for Piece<'_> {
+    type Output = (bool, f32);
+    #[inline(always)]
+    fn with_simd<S: Simd>(self, simd: S) -> (bool, f32) {
+        let (head, tail) = S::as_simd_f32s(self.0);
+        let zero = simd.splat_f32s(0.0);
+        let (mut z, mut m) = (zero, zero);
+        for &x in head {
+            z = simd.mul_add_f32s(x, zero, z);
+            m = simd.max_f32s(m, simd.abs_f32s(x));
+        }
+        let (mut zt, mut mt) = (simd.reduce_sum_f32s(z), simd.reduce_max_f32s(m));
+        for &x in tail {
+            zt += x * 0.0;
+            mt = mt.max(x.abs());
+        }
+        (zt == 0.0, mt)
+    }
+}
+
+/// `max |x|` over the elements of `x` (0 when empty), after refusing a
+/// non-finite one: one pass, split over rayon's threads, lane-wise where `x`
+/// is `f32` in standard layout.
+///
+/// # Errors
+/// [`Error::NonFiniteInput`] naming `field` and the first non-finite
+/// element's flat (row-major) index, as [`check_finite`].
+pub fn finite_amax<T: Element>(field: &str, x: &ArrayView3<T>) -> Result<f32> {
+    let pieces = match (x.as_slice(), x.as_slice().and_then(|s| T::as_f32(s))) {
+        (_, Some(flat)) => {
+            let arch = pulp::Arch::new();
+            flat.par_chunks(PIECE)
+                .map(|p| arch.dispatch(Piece(p)))
+                .reduce(|| (true, 0.0), |a, b| (a.0 && b.0, a.1.max(b.1)))
+        }
+        (Some(flat), None) => flat
+            .par_chunks(PIECE)
+            .map(|p| {
+                p.iter().fold((true, 0.0f32), |(ok, m), v| {
+                    let v = v.to_f32();
+                    (ok & v.is_finite(), m.max(v.abs()))
+                })
+            })
+            .reduce(|| (true, 0.0), |a, b| (a.0 && b.0, a.1.max(b.1))),
+        (None, _) => x.iter().fold((true, 0.0f32), |(ok, m), v| {
+            let v = v.to_f32();
+            (ok & v.is_finite(), m.max(v.abs()))
+        }),
+    };
+    match pieces {
+        (true, m) => Ok(m),
+        (false, _) => Err(first_non_finite(field, x)),
+    }
+}
+
+/// Checks that every element is finite ([`finite_amax`] without the
+/// maximum).
+///
+/// # Errors
+/// [`Error::NonFiniteInput`] naming `field` with the flat index.
+pub fn check_finite<T: Element>(field: &str, x: &ArrayView3<T>) -> Result<()> {
+    finite_amax(field, x).map(|_| ())
+}
+
+/// The error for the first non-finite element of `x` in row-major order
+/// (`x` has one: [`finite_amax`] found it).
+fn first_non_finite<T: Element>(field: &str, x: &ArrayView3<T>) -> Error {
+    let found = x.iter().enumerate().find(|(_, v)| !v.to_f32().is_finite());
+    let (index, v) = found.expect("a tensor that is not all finite has a non-finite value");
+    Error::NonFiniteInput {
+        field: field.into(),
+        index,
+        value: v.to_f32() as f64,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use half::bf16;
+    use ndarray::Array3;
+
+    /// The pass reads every element of every piece: a bad value anywhere in
+    /// a tensor of several pieces and a tail past the last whole vector (the
+    /// first, a middle one, the last) is found and named by its flat index
+    /// (the first of two), in standard and permuted layouts, f32 and bf16.
+    #[test]
+    fn every_element_is_checked_and_the_first_bad_one_named() {
+        let (n, h, d) = (PIECE / 24 + 37, 3, 8); // 2 pieces, the last ending in 8 past its vectors
+        let len = n * h * d;
+        let base = Array3::from_shape_fn((n, h, d), |(i, a, c)| {
+            ((i * 7 + a * 3 + c) % 23) as f32 * 0.25 - 2.5
+        });
+        let m = base.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        assert_eq!(finite_amax("q", &base.view()).unwrap(), m);
+        for at in [0, PIECE - 1, PIECE, len / 2, len - 5, len - 1] {
+            for bad in [f32::INFINITY, f32::NEG_INFINITY, f32::NAN] {
+                let mut x = base.clone();
+                x.as_slice_mut().unwrap()[at] = bad;
+                if at > 0 {
+                    x.as_slice_mut().unwrap()[len - 1] = f32::NAN;
+                }
+                for e in [
+                    finite_amax("k", &x.view()).unwrap_err(),
+                    finite_amax("k", &x.mapv(bf16::from_f32).view()).unwrap_err(),
+                ] {
+                    match e {
+                        Error::NonFiniteInput { field, index, .. } => {
+                            assert_eq!((field.as_str(), index), ("k", at), "at {at}, {bad}")
+                        }
+                        other => panic!("{other}"),
+                    }
+                }
+                // A permuted view is scanned in its logical order.
+                let t = x.view().reversed_axes();
+                let logical = t.iter().position(|v| !v.is_finite()).unwrap();
+                match finite_amax("v", &t).unwrap_err() {
+                    Error::NonFiniteInput { index, .. } => assert_eq!(index, logical),
+                    other => panic!("{other}"),
+                }
+            }
+        }
+    }
+
+    /// The maximum is exact and its sign ignored wherever it sits (a piece's
+    /// vectors, its tail, the bf16 path), and 0 for an empty tensor.
+    #[test]
+    fn the_maximum_magnitude_is_exact_wherever_it_sits() {
+        let (n, h, d) = (PIECE / 7 + 5, 1, 7); // 2 pieces, the last 2 vectors and 1
+        let len = n * h * d;
+        for at in [3, PIECE + 17, len - 1] {
+            let mut x = Array3::from_elem((n, h, d), 0.5f32);
+            x.as_slice_mut().unwrap()[at] = -3.0e30;
+            assert_eq!(finite_amax("q", &x.view()).unwrap(), 3.0e30);
+            let b = x.mapv(bf16::from_f32);
+            assert_eq!(
+                finite_amax("q", &b.view()).unwrap(),
+                bf16::from_f32(3.0e30).to_f32()
+            );
+        }
+        let empty = Array3::<f32>::zeros((0, 2, 8));
+        assert_eq!(finite_amax("q", &empty.view()).unwrap(), 0.0);
+    }
+}
