@@ -65,6 +65,23 @@ impl<'a> Disjoint<'a> {
         }
     }
 
+    /// Row `i` of the rows `at` ([`Disjoint::rows_mut`] for one row).
+    ///
+    /// # Panics
+    /// A row past `at` or past the end of the output.
+    ///
+    /// # Safety
+    /// As [`Disjoint::rows_mut`]: no other call touches the row meanwhile.
+    #[allow(clippy::mut_from_ref)] // exclusive by the contract
+    pub(super) unsafe fn row_mut(&self, at: Rows, i: usize) -> &mut [f32] {
+        let (heads, d) = (self.heads, self.d);
+        assert!(at.head < heads && i < at.len && (at.start + i + 1) * heads * d <= self.len);
+        let start = ((at.start + i) * heads + at.head) * d;
+        // SAFETY: `start + d <= len` (asserted above), and by the contract
+        // nobody else reads or writes these `d` elements now.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(start), d) }
+    }
+
     /// The elements per head of an output `[heads, per]` (`lse: [h, n]`).
     pub(super) fn len_per(&self, heads: usize) -> usize {
         self.len / heads.max(1)

@@ -2,7 +2,7 @@
 //! tiles of [`super`].
 //!
 //! Where the time goes, and what this file does about it (issue 37):
-//! - the two tile products (`S^T = K Q^T`, `O^T += V^T P^T`) are most of the
+//! - the two tile products (`S^T = K Q^T`, `O += P V`) are most of the
 //!   work, at the rate of [`mm_acc`] alone: only the queries and keys that
 //!   exist are multiplied (a block's queries rounded up to whole vectors, a
 //!   tile's keys to those some query of the block may see, [`tile_keys`],
@@ -15,8 +15,11 @@
 //!   into the product's store ([`mm_scaled`]), and the accumulator rescaled
 //!   only when a maximum grows by more than [`LAZY`] (the untransposed
 //!   tile's per-row softmax took a fifth of the time);
-//! - `K` and `V` are gathered as rows (`V` read transposed by
-//!   [`crate::simd::mm_acc_at`]), `Q` transposed once per item.
+//! - `K` and `V` are gathered as rows, `Q` transposed once per item, and
+//!   the accumulator kept untransposed (`O: [queries, d]`, the product
+//!   reading `P^T` transposed, [`crate::simd::mm_acc_at`]), so that each
+//!   output row is written with whole vectors (transposing `O^T` back one
+//!   element at a time took 6 % of the forward; issue 37).
 //!
 //! Every output element is accumulated over the same terms in the same order
 //! whichever form (varlen or dense) the item comes from (the terms left out
@@ -40,7 +43,8 @@ pub(super) struct Scratch {
     vh: Vec<f32>,
     /// The transposed score tile `S^T`, then `P^T`: `[BLOCK_K, BLOCK_Q]`.
     s: Vec<f32>,
-    /// The transposed accumulator `O^T: [dp, BLOCK_Q]`.
+    /// The accumulator `O: [BLOCK_Q, dp]` (a query per row, so that the
+    /// output rows are written with whole vectors, not transposed back).
     acc: Vec<f32>,
 }
 
@@ -71,7 +75,7 @@ const LAZY: f32 = 8.0;
 /// end `o = acc / l`, `lse = m + ln l`.
 ///
 /// The tiles are transposed (keys down, queries across the SIMD lanes): `S^T
-/// = K Q^T`, `O^T += V^T P^T`, so that each query's maximum, sum and
+/// = K Q^T`, `O += P V` (`P` read from `P^T`), so that each query's maximum, sum and
 /// rescaling are lane-wise operations over the tile's rows, with no
 /// horizontal reduction and no branch per query (issue 37: the per-row
 /// softmax of the untransposed tile was a fifth of the forward's time).
@@ -98,7 +102,7 @@ pub(super) unsafe fn forward_item<S: Simd, T: Element>(
     s.clear();
     s.resize(BLOCK_K * BLOCK_Q, 0.0);
     acc.clear();
-    acc.resize(dp * BLOCK_Q, 0.0);
+    acc.resize(BLOCK_Q * dp, 0.0);
     // SAFETY: the item's own rows and span (the function's contract).
     let lse = unsafe { lse_all.span_mut(it.head * lse_all.len_per(h) + it.q_start, len) };
     let mut b = Block {
@@ -136,37 +140,23 @@ pub(super) unsafe fn forward_item<S: Simd, T: Element>(
             for g in (0..qcols).step_by(lanes) {
                 softmax_lanes(simd, (s, acc), (&mut b, &bk), (g, k0, kn, dp), prep);
             }
-            // O^T += V^T P^T over the keys some query may see.
-            mm_acc_at(
-                simd,
-                dp,
-                qcols,
-                kn,
-                &vh[k0 * dp..],
-                dp,
-                s,
-                BLOCK_Q,
-                acc,
-                BLOCK_Q,
-            );
+            // O += P V over the keys some query may see (P read from
+            // the transposed tile P^T).
+            mm_acc_at(simd, qcols, dp, kn, s, BLOCK_Q, &vh[k0 * dp..], dp, acc, dp);
         }
         let out_block = Rows {
             start: it.q_start + q0,
             len: rows,
             head: it.head,
         };
-        // SAFETY: the item's own rows (the function's contract).
-        unsafe {
-            out_rows.rows_mut(out_block, |r, o| {
-                if b.l[r] == 0.0 {
-                    return; // no allowed key: output 0, lse -inf (P8)
-                }
-                let inv = 1.0 / b.l[r];
-                for (c, o) in o.iter_mut().enumerate() {
-                    *o = acc[c * BLOCK_Q + r] * inv;
-                }
-                lse[q0 + r] = b.m[r] + b.l[r].ln();
-            });
+        for r in 0..rows {
+            if b.l[r] == 0.0 {
+                continue; // no allowed key: output 0, lse -inf (P8)
+            }
+            // SAFETY: the item's own row (the function's contract).
+            let o = unsafe { out_rows.row_mut(out_block, r) };
+            scaled_row(simd, &acc[r * dp..][..o.len()], 1.0 / b.l[r], o);
+            lse[q0 + r] = b.m[r] + b.l[r].ln();
         }
     }
 }
@@ -221,13 +211,37 @@ fn softmax_lanes<S: Simd>(
             simd::exp(simd, simd.sub_f32s(m_old, shift)),
         );
         l = simd.mul_f32s(l, corr);
-        for c in 0..dp {
-            let a = &mut S::as_mut_simd_f32s(&mut acc[c * BLOCK_Q + g..][..lanes]).0[0];
-            *a = simd.mul_f32s(*a, corr);
+        let mut by = [1.0f32; BLOCK_Q];
+        S::as_mut_simd_f32s(&mut by[..lanes]).0[0] = corr;
+        for (r, &c) in by[..lanes].iter().enumerate() {
+            if c != 1.0 {
+                let row = &mut acc[(g + r) * dp..][..dp];
+                let (v, _) = S::as_mut_simd_f32s(row);
+                let c = simd.splat_f32s(c);
+                for a in v {
+                    *a = simd.mul_f32s(*a, c);
+                }
+            }
         }
         S::as_mut_simd_f32s(&mut b.m[g..g + lanes]).0[0] = m_new;
     }
     S::as_mut_simd_f32s(&mut b.l[g..g + lanes]).0[0] = simd.add_f32s(l, sum);
+}
+
+/// `o = a * by`, lane-wise (`a` and `o` of one length; its tail past the
+/// last whole vector one element at a time): an output row from its
+/// accumulator row and `1 / l`.
+#[inline(always)]
+fn scaled_row<S: Simd>(simd: S, a: &[f32], by: f32, o: &mut [f32]) {
+    let (av, at) = S::as_simd_f32s(a);
+    let (ov, ot) = S::as_mut_simd_f32s(o);
+    let byv = simd.splat_f32s(by);
+    for (o, &a) in ov.iter_mut().zip(av) {
+        *o = simd.mul_f32s(a, byv);
+    }
+    for (o, &a) in ot.iter_mut().zip(at) {
+        *o = a * by;
+    }
 }
 
 /// The (query, key) scores the forward of `it` computes: over the key tiles
