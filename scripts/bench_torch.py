@@ -1,6 +1,6 @@
 """packshard's f32 varlen attention against PyTorch's CPU scaled_dot_product_attention.
 
-    python scripts/bench_torch.py [--docs 64,16] [--threads 2] [--reps 5] [--seed 0]
+    python scripts/bench_torch.py [--docs 64,16] [--threads 2] [--reps 5] [--seed 0] [--settle 0.25]
 
 Run by scripts/bench_torch.sh (which makes the venv and builds the package in
 release mode); not part of CI. One process, one run: for each size (documents
@@ -20,7 +20,12 @@ and each of forward / forward+backward, plain / causal:
 The three are checked against each other first (max |difference| of the
 outputs printed; over 1e-4 stops the run), then timed interleaved (torch,
 package, kernel, torch, ...) after one warm-up each, so that load from other
-processes hits all alike; the table prints medians of --reps and the ratios
+processes hits all alike, each after --settle seconds idle (default 0.25):
+after a call both libraries' worker threads spin before they sleep
+(libgomp's, which torch's CPU wheel uses, and rayon's), and back to back
+they take a core from the next side's timed call (issue 37, 2 cores: our
+plain forward measured 0.171 s right after torch's, 0.129 s with torch's
+threads passive). The table prints medians of --reps and the ratios
 torch / package and torch / kernel (over 1: packshard is faster).
 """
 
@@ -31,7 +36,12 @@ import statistics
 import sys
 import time
 
-import numpy as np
+# numpy's OpenBLAS starts a worker thread per core at import, and they spin
+# between calls: nothing here calls BLAS through numpy, so keep them off the
+# two cores both sides are timed on (set before numpy is imported).
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import numpy as np  # noqa: E402
 
 
 def lengths_from_histogram(path, docs, seed):
@@ -52,6 +62,8 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--heads", type=int, default=12)
     ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--settle", type=float, default=0.25,
+                    help="seconds idle before each timed call (0: back to back)")
     data = os.environ.get("PACKSHARD_DATA", "/work/shared/data")
     ap.add_argument("--histogram", default=os.path.join(data, "wikipedia_512_histogram.csv"))
     a = ap.parse_args()
@@ -116,12 +128,15 @@ def main():
                 tfn(), package(grad), _native.time_attention_f32(q, k, v, cu, causal, kernel_go, 1)
                 tt, tp, tk_ = [], [], []
                 for _ in range(a.reps):
+                    time.sleep(a.settle)
                     t = time.perf_counter()
                     tfn()
                     tt.append(time.perf_counter() - t)
+                    time.sleep(a.settle)
                     t = time.perf_counter()
                     package(grad)
                     tp.append(time.perf_counter() - t)
+                    time.sleep(a.settle)
                     tk_ += _native.time_attention_f32(q, k, v, cu, causal, kernel_go, 1)
                 mt, mp, mk = (statistics.median(x) for x in (tt, tp, tk_))
                 row = (f"{docs:>5} {n:>7} {name:>8} {'causal' if causal else 'plain':>7} "

@@ -87,7 +87,7 @@ pub type Fields32 = Vec<(&'static str, ndarray::ArrayD<f32>)>;
 /// # Errors
 /// As [`attention`]; `invalid_argument` on `impl` for any other kernel.
 pub fn attention_f32(imp: &str, a: &AttentionArgs<'_, f32>) -> Result<Fields32, EvalError> {
-    use packshard_optimized::ops::boundary::ScannedF32;
+    use packshard_optimized::ops::boundary::InPlaceF32;
     use packshard_optimized::ops::TiledAttention;
     if imp != F32_NATIVE {
         return Err(EvalError::invalid(
@@ -95,7 +95,7 @@ pub fn attention_f32(imp: &str, a: &AttentionArgs<'_, f32>) -> Result<Fields32, 
             format!("{imp}: only {F32_NATIVE} runs on f32 arrays in place"),
         ));
     }
-    let x = ScannedF32::new(a.q, a.k, a.v, a.grad_output)?;
+    let x = InPlaceF32::new(a.q, a.k, a.v, a.grad_output);
     let p = a.problem();
     let op = TiledAttention::F32;
     let fwd = op.varlen_forward_f32(&x, &p)?;

@@ -109,6 +109,9 @@ struct Inputs<'a, 'p, T> {
 /// delta) scale` (times the cap's chain factor), `dQ += dS K`
 /// ([`crate::simd::mm_acc_at`] reading `dS^T`), `dK += dS^T Q`: no tile is
 /// transposed.
+///
+/// Returns the largest [`magnitude_bits`] of the item's rows of `q` and
+/// `dO` (as read by the gathers).
 #[inline(always)]
 fn backward_item<S: Simd, T: Element>(
     simd: S,
@@ -116,16 +119,18 @@ fn backward_item<S: Simd, T: Element>(
     it: &Item,
     sc: &mut Scratch,
     dq_out: &Disjoint,
-) {
+) -> [u32; 2] {
     let pb = x.pb;
     let lanes = S::F32_LANES;
     let (h, d, len, k_len) = (pb.h, pb.d, it.q_len, it.k_len);
     let dp = round_up(d.max(1), mm_col_multiple::<S>());
     let lp = round_up(len, BLOCK_Q);
     let queries = it.queries();
-    gather_into(&mut sc.qh, pb.q, (h, d), queries, (lp, dp));
+    let seen = [
+        gather_into(&mut sc.qh, pb.q, (h, d), queries, (lp, dp)),
+        gather_into(&mut sc.doh, x.dout, (h, d), queries, (lp, dp)),
+    ];
     gather_t_into(&mut sc.qt, pb.q, (h, d), queries, (lp, dp));
-    gather_into(&mut sc.doh, x.dout, (h, d), queries, (lp, dp));
     gather_t_into(&mut sc.dot, x.dout, (h, d), queries, (lp, dp));
     gather_into(&mut sc.oh, x.out, (h, d), queries, (lp, dp));
     let n = x.lse.len() / h;
@@ -292,6 +297,7 @@ fn backward_item<S: Simd, T: Element>(
             row.copy_from_slice(&dq[i * dp..i * dp + d]);
         });
     }
+    seen
 }
 
 /// One unit: a segment's key head with the query heads of its group (in
@@ -304,9 +310,11 @@ struct Unit<'a, 'b, 'p, 'm, T> {
 }
 
 impl<T: Element> WithSimd for Unit<'_, '_, '_, '_, T> {
-    type Output = ();
+    /// The largest [`magnitude_bits`] of the unit's rows of `q`, `k`, `v`,
+    /// `dO`.
+    type Output = [u32; 4];
     #[inline(always)]
-    fn with_simd<S: Simd>(self, simd: S) {
+    fn with_simd<S: Simd>(self, simd: S) -> [u32; 4] {
         let Unit { x, items, sc, outs } = self;
         let first = &items[0];
         let (h_kv, d, k_len) = (x.pb.h_kv, x.pb.d, first.k_len);
@@ -314,12 +322,14 @@ impl<T: Element> WithSimd for Unit<'_, '_, '_, '_, T> {
         let lpk = round_up(k_len, BLOCK_K);
         let keys = first.keys();
         {
-            gather_into(&mut sc.kh, x.pb.k, (h_kv, d), keys, (lpk, dp));
-            gather_into(&mut sc.vh, x.pb.v, (h_kv, d), keys, (lpk, dp));
+            let bk = gather_into(&mut sc.kh, x.pb.k, (h_kv, d), keys, (lpk, dp));
+            let bv = gather_into(&mut sc.vh, x.pb.v, (h_kv, d), keys, (lpk, dp));
             zeroed(&mut sc.dk, k_len * d);
             zeroed(&mut sc.dv, k_len * d);
+            let mut seen = [0, bk, bv, 0];
             for it in items {
-                backward_item(simd, x, it, sc, &outs.dq);
+                let [bq, bo] = backward_item(simd, x, it, sc, &outs.dq);
+                seen = max_bits(seen, [bq, 0, 0, bo]);
             }
             // Copied (units that overlap, only ever a planted fault's, add
             // to what the earlier ones wrote). A fresh output is read only
@@ -340,20 +350,22 @@ impl<T: Element> WithSimd for Unit<'_, '_, '_, '_, T> {
                     });
                 }
             }
+            seen
         }
     }
 }
 
 /// Runs every unit's backward in parallel, each writing its own rows of the
 /// gradients (the key gradients summed over the query heads of a group, in
-/// head order).
+/// head order). Returns the largest [`magnitude_bits`] the units read of
+/// `q`, `k`, `v`, `dO`.
 pub(super) fn run_backward<T: Element>(
     pb: &Problem<T>,
     (n, n_k): (usize, usize),
     items: &[Item],
     fwd: &AttentionOutput32,
     dout: &[f32],
-) -> AttentionGrads32 {
+) -> (AttentionGrads32, [u32; 4]) {
     let (h, h_kv, d) = (pb.h, pb.h_kv, pb.d);
     let arch = simd::arch();
     let fo = fwd.output.as_standard_layout();
@@ -412,14 +424,15 @@ pub(super) fn run_backward<T: Element>(
             })
         })
     };
-    if disjoint {
-        units.par_iter().for_each(run);
+    let seen = if disjoint {
+        units.par_iter().map(run).reduce(|| [0; 4], max_bits)
     } else {
-        units.iter().for_each(run);
-    }
-    AttentionGrads32 {
+        units.iter().map(run).fold([0; 4], max_bits)
+    };
+    let grads = AttentionGrads32 {
         grad_q,
         grad_k,
         grad_v,
-    }
+    };
+    (grads, seen)
 }

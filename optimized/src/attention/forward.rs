@@ -80,6 +80,9 @@ const LAZY: f32 = 8.0;
 /// horizontal reduction and no branch per query (issue 37: the per-row
 /// softmax of the untransposed tile was a fifth of the forward's time).
 ///
+/// Returns the largest [`magnitude_bits`] of the item's rows of `q`, `k`,
+/// `v` (as read by the gathers).
+///
 /// # Safety
 /// No other call writes the item's (query rows, head) of `out` or its span
 /// of `lse` meanwhile (`run_forward`: one call per item, items disjoint).
@@ -90,14 +93,16 @@ pub(super) unsafe fn forward_item<S: Simd, T: Element>(
     it: &Item,
     sc: &mut Scratch,
     (out_rows, lse_all): (&Disjoint, &Disjoint),
-) {
+) -> [u32; 3] {
     let (h, h_kv, d, len) = (pb.h, pb.h_kv, pb.d, it.q_len);
     let lanes = S::F32_LANES;
     let dp = round_up(d.max(1), mm_col_multiple::<S>());
     let (lpq, lpk) = (round_up(len, BLOCK_Q), round_up(it.k_len, BLOCK_K));
-    gather_t_into(&mut sc.qt, pb.q, (h, d), it.queries(), (lpq, dp));
-    gather_into(&mut sc.kh, pb.k, (h_kv, d), it.keys(), (lpk, dp));
-    gather_into(&mut sc.vh, pb.v, (h_kv, d), it.keys(), (lpk, dp));
+    let seen = [
+        gather_t_into(&mut sc.qt, pb.q, (h, d), it.queries(), (lpq, dp)),
+        gather_into(&mut sc.kh, pb.k, (h_kv, d), it.keys(), (lpk, dp)),
+        gather_into(&mut sc.vh, pb.v, (h_kv, d), it.keys(), (lpk, dp)),
+    ];
     let Scratch { qt, kh, vh, s, acc } = sc;
     s.clear();
     s.resize(BLOCK_K * BLOCK_Q, 0.0);
@@ -159,6 +164,7 @@ pub(super) unsafe fn forward_item<S: Simd, T: Element>(
             lse[q0 + r] = b.m[r] + b.l[r].ln();
         }
     }
+    seen
 }
 
 /// The online softmax of one vector of queries (lanes `g..g + lanes` of the

@@ -314,31 +314,103 @@ fn prefetch_row<T>(x: &[T], (h, d): (usize, usize), at: Rows, i: usize) {
     }
 }
 
-const AHEAD: usize = 4;
+/// How many rows ahead the gathers prefetch: 8 and 16 were alike, 4
+/// slower (issue 37, the 16,267-token forward: 0.1319-0.1342 s, 0.1331-0.1364
+/// s; none 0.138 s).
+const AHEAD: usize = 16;
 
 fn round_up(x: usize, to: usize) -> usize {
     x.div_ceil(to) * to
 }
 
+/// The bits of `|x|` (the sign cleared): their maximum over a tensor is the
+/// bits of its largest magnitude, and at least [`NON_FINITE_BITS`] when
+/// some element is infinite or NaN. What the gathers see of their rows
+/// ([`Seen`]), at the cost of an integer maximum per element read.
+#[inline(always)]
+fn magnitude_bits(x: f32) -> u32 {
+    x.to_bits() & 0x7fff_ffff
+}
+
+/// `f32::INFINITY`'s bits: a [`magnitude_bits`] at or over it is a
+/// non-finite value.
+const NON_FINITE_BITS: u32 = 0x7f80_0000;
+
+/// What the gathers of one call read of `q`, `k`, `v` (and, in a backward,
+/// `grad_output`): the largest [`magnitude_bits`] of each, and whether they
+/// read every element of each (every row of every head belongs to some
+/// item; segments without queries or keys, and keys past `seqused_k`, are
+/// read by none). The in-place f32 path's value checks, made by the pass
+/// that reads the values anyway (issue 37: a separate pass over `q`, `k`,
+/// `v` cost 6 % of the forward).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct Seen {
+    pub(crate) bits: [u32; 4],
+    pub(crate) every_element: bool,
+}
+
+impl Seen {
+    /// `max |x|` of `q`, `k`, `v`, `grad_output` (0 where not read) when
+    /// every element was read and each is finite; `None` otherwise (then
+    /// only a full pass can say which value is bad, or whether one is).
+    pub(crate) fn amax(&self) -> Option<[f32; 4]> {
+        (self.every_element && self.bits.iter().all(|&b| b < NON_FINITE_BITS))
+            .then(|| self.bits.map(f32::from_bits))
+    }
+
+    fn of(
+        bits: [u32; 4],
+        items: &[Item],
+        (n_q, n_k): (usize, usize),
+        (h, h_kv): (usize, usize),
+    ) -> Self {
+        // Items own disjoint (query rows, head) pairs; a group's query
+        // heads share its key rows, counted once (its first head's item).
+        let group = h / h_kv.max(1);
+        let q_rows: usize = items.iter().map(|it| it.q_len).sum();
+        let k_rows: usize = items
+            .iter()
+            .filter(|it| it.head % group.max(1) == 0)
+            .map(|it| it.k_len)
+            .sum();
+        Seen {
+            bits,
+            every_element: q_rows == n_q * h && k_rows == n_k * h_kv,
+        }
+    }
+}
+
+fn max_bits<const N: usize>(a: [u32; N], b: [u32; N]) -> [u32; N] {
+    std::array::from_fn(|i| a[i].max(b[i]))
+}
+
 /// `out: [rows, dp]` (resized; its capacity kept, so a reused buffer
 /// allocates nothing): the tile of the rows `at` of `x: [n, h, d]`,
-/// zero-padded.
+/// zero-padded. Returns the largest [`magnitude_bits`] of the rows read.
+#[inline(always)]
 fn gather_into<T: Element>(
     out: &mut Vec<f32>,
     x: &[T],
     (h, d): (usize, usize),
     at: Rows,
     (rows, dp): (usize, usize),
-) {
-    out.clear();
+) -> u32 {
+    // Every element is written below: the real rows' values and padding,
+    // the padding rows' zeros (no clearing pass first).
     out.resize(rows * dp, 0.0);
+    let mut seen = 0;
     for i in 0..at.len {
         prefetch_row(x, (h, d), at, i + AHEAD);
         let src = &x[((at.start + i) * h + at.head) * d..][..d];
-        for (o, &s) in out[i * dp..i * dp + d].iter_mut().zip(src) {
+        let row = &mut out[i * dp..(i + 1) * dp];
+        for (o, &s) in row.iter_mut().zip(src) {
             *o = s.to_f32();
+            seen = seen.max(magnitude_bits(*o));
         }
+        row[d..].fill(0.0);
     }
+    out[at.len * dp..].fill(0.0);
+    seen
 }
 
 /// The transpose of [`gather_into`] in panels of [`BLOCK_Q`] rows, into
@@ -346,25 +418,45 @@ fn gather_into<T: Element>(
 /// the transpose `[dp, BLOCK_Q]` of the rows `t * BLOCK_Q..(t + 1) *
 /// BLOCK_Q` (`rows` a multiple of [`BLOCK_Q`]): the `Q^T` and `dO^T` of a
 /// query block, the transposed tiles' `B` operands (`S^T = K Q^T`, `dP^T = V
-/// dO^T`), one contiguous 16 KiB block at `d` = 64.
+/// dO^T`), one contiguous 16 KiB block at `d` = 64. Returns the largest
+/// [`magnitude_bits`] of the rows read.
+#[inline(always)]
 fn gather_t_into<T: Element>(
     out: &mut Vec<f32>,
     x: &[T],
     (h, d): (usize, usize),
     at: Rows,
     (rows, dp): (usize, usize),
-) {
+) -> u32 {
     debug_assert!(rows.is_multiple_of(BLOCK_Q));
-    out.clear();
+    // Every element is written below (no clearing pass first): the real
+    // rows' values, their padding columns `d..dp`, and the padding rows'
+    // lanes of the last panel and the panels past it.
     out.resize(dp * rows, 0.0);
+    let mut seen = 0;
     for i in 0..at.len {
         prefetch_row(x, (h, d), at, i + AHEAD);
         let src = &x[((at.start + i) * h + at.head) * d..][..d];
+        seen = src
+            .iter()
+            .fold(seen, |m, s| m.max(magnitude_bits(s.to_f32())));
         let panel = &mut out[(i / BLOCK_Q) * dp * BLOCK_Q..][..dp * BLOCK_Q];
         for (c, &s) in src.iter().enumerate() {
             panel[c * BLOCK_Q + i % BLOCK_Q] = s.to_f32();
         }
     }
+    let panels = at.len.div_ceil(BLOCK_Q);
+    for (t, panel) in out.chunks_exact_mut(dp * BLOCK_Q).enumerate() {
+        let real = if t < panels {
+            (at.len - t * BLOCK_Q).min(BLOCK_Q)
+        } else {
+            0
+        };
+        for (c, lanes) in panel.chunks_exact_mut(BLOCK_Q).enumerate() {
+            lanes[if c < d { real } else { 0 }..].fill(0.0);
+        }
+    }
+    seen
 }
 
 struct Forward<'a, 'p, 'm, T> {
@@ -375,9 +467,9 @@ struct Forward<'a, 'p, 'm, T> {
 }
 
 impl<T: Element> WithSimd for Forward<'_, '_, '_, T> {
-    type Output = ();
+    type Output = [u32; 3];
     #[inline(always)]
-    fn with_simd<S: Simd>(self, simd: S) {
+    fn with_simd<S: Simd>(self, simd: S) -> [u32; 3] {
         // SAFETY: one call per item, and items own disjoint rows
         // (`run_forward`).
         unsafe { forward_item(simd, self.pb, self.it, self.sc, self.outs) }
@@ -409,7 +501,13 @@ use tile::tile_keys;
 /// output and its span of `lse` (items own disjoint (query rows, head)
 /// pairs: one item per (segment, head), segments disjoint token ranges,
 /// checked by the callers).
-fn run_forward<T: Element>(pb: &Problem<T>, n: usize, items: &[Item]) -> AttentionOutput32 {
+///
+/// Returns the largest [`magnitude_bits`] the items read of `q`, `k`, `v`.
+fn run_forward<T: Element>(
+    pb: &Problem<T>,
+    n: usize,
+    items: &[Item],
+) -> (AttentionOutput32, [u32; 3]) {
     let (h, d) = (pb.h, pb.d);
     let arch = simd::arch();
     let mut output = Array3::zeros((n, h, d));
@@ -421,17 +519,20 @@ fn run_forward<T: Element>(pb: &Problem<T>, n: usize, items: &[Item]) -> Attenti
     // The thread's buffers are borrowed outside the dispatch, so that the
     // kernel is compiled inside pulp's target-feature context (a closure
     // between the two is compiled without them: 50 times slower).
-    items.par_iter().for_each(|it| {
-        forward::SCRATCH.with_borrow_mut(|sc| {
-            arch.dispatch(Forward {
-                pb,
-                it,
-                sc,
-                outs: (&out, &lse_all),
+    let seen = items
+        .par_iter()
+        .map(|it| {
+            forward::SCRATCH.with_borrow_mut(|sc| {
+                arch.dispatch(Forward {
+                    pb,
+                    it,
+                    sc,
+                    outs: (&out, &lse_all),
+                })
             })
         })
-    });
-    AttentionOutput32 { output, lse }
+        .reduce(|| [0; 3], max_bits);
+    (AttentionOutput32 { output, lse }, seen)
 }
 
 fn standard<'a, T: Element>(x: &'a ArrayView3<'a, T>) -> CowArray<'a, T, Ix3> {
@@ -515,7 +616,7 @@ fn forward<T: Element>(
     scale: f32,
     items: &[Item],
 ) -> AttentionOutput32 {
-    with_problem(qkv, scale, |pb, n| run_forward(pb, n, items))
+    with_problem(qkv, scale, |pb, n| run_forward(pb, n, items)).0
 }
 
 /// The backward over `items`, inputs checked.
@@ -532,45 +633,55 @@ fn backward<T: Element>(
     with_problem(qkv, scale, |pb, n| {
         run_backward(pb, (n, n_k), items, fwd, go)
     })
+    .0
 }
 
-/// [`varlen_attention_general`] on `f32` inputs whose shapes and values the
-/// caller has checked (`crate::ops::boundary::check_in_place`, after
-/// `ScannedF32::new`): only the offsets and options are checked here, no
-/// tensor is read for its checks again.
+/// [`varlen_attention_general`] on `f32` inputs whose shapes the caller
+/// has checked (`crate::ops::boundary::check_in_place`): the offsets and
+/// options are checked here, and the values are not read for their checks
+/// before the work but seen by the gathers that read them anyway: the
+/// caller checks [`Seen`] (the largest magnitudes of `q`, `k`, `v`, and
+/// whether every element was read; non-finite values give an output that
+/// must be discarded).
 ///
 /// # Errors
 /// As [`varlen_attention_general`]'s for `cu_seqlens` and the options.
-pub(crate) fn varlen_forward_checked(
+pub(crate) fn varlen_forward_seen(
     (q, k, v): (&ArrayView3<f32>, &ArrayView3<f32>, &ArrayView3<f32>),
     p: &Varlen<'_>,
-) -> Result<AttentionOutput32> {
-    check_options(p, (q.dim().0, k.dim().0), (q.dim().1, k.dim().1))?;
-    let items = segment_items(p, (q.dim().1, k.dim().1));
-    Ok(forward((q, k, v), p.scale as f32, &items))
+) -> Result<(AttentionOutput32, Seen)> {
+    let (n, h) = (q.dim(), k.dim());
+    check_options(p, (n.0, h.0), (n.1, h.1))?;
+    let items = segment_items(p, (n.1, h.1));
+    let (out, [bq, bk, bv]) = with_problem((q, k, v), p.scale as f32, |pb, n_q| {
+        run_forward(pb, n_q, &items)
+    });
+    let seen = Seen::of([bq, bk, bv, 0], &items, (n.0, h.0), (n.1, h.1));
+    Ok((out, seen))
 }
 
-/// [`varlen_attention_general_backward`] on inputs checked as
-/// [`varlen_forward_checked`]'s, `fwd` and `grad_output` too
-/// (`crate::ops::boundary::check_in_place_backward`).
+/// [`varlen_attention_general_backward`] as [`varlen_forward_seen`] is the
+/// forward: shapes checked by the caller (`fwd` and `grad_output` too,
+/// `crate::ops::boundary::check_in_place_backward`), the values of `q`,
+/// `k`, `v` and `grad_output` seen by the gathers ([`Seen`]).
 ///
 /// # Errors
-/// As [`varlen_forward_checked`].
-pub(crate) fn varlen_backward_checked(
+/// As [`varlen_forward_seen`].
+pub(crate) fn varlen_backward_seen(
     (q, k, v): (&ArrayView3<f32>, &ArrayView3<f32>, &ArrayView3<f32>),
     p: &Varlen<'_>,
     fwd: &AttentionOutput32,
     grad_output: &ArrayView3<f32>,
-) -> Result<AttentionGrads32> {
-    check_options(p, (q.dim().0, k.dim().0), (q.dim().1, k.dim().1))?;
-    let items = segment_items(p, (q.dim().1, k.dim().1));
-    Ok(backward(
-        (q, k, v),
-        p.scale as f32,
-        &items,
-        fwd,
-        grad_output,
-    ))
+) -> Result<(AttentionGrads32, Seen)> {
+    let (n, h) = (q.dim(), k.dim());
+    check_options(p, (n.0, h.0), (n.1, h.1))?;
+    let items = segment_items(p, (n.1, h.1));
+    let go = grad_output.as_standard_layout();
+    let go = go.as_slice().expect("standard layout");
+    let (grads, bits) = with_problem((q, k, v), p.scale as f32, |pb, n_q| {
+        run_backward(pb, (n_q, h.0), &items, fwd, go)
+    });
+    Ok((grads, Seen::of(bits, &items, (n.0, h.0), (n.1, h.1))))
 }
 
 /// What the tiled kernel implements ([`AttentionSupport::ALL`]: causal,

@@ -169,4 +169,55 @@ mod tests {
         let empty = Array3::<f32>::zeros((0, 2, 8));
         assert_eq!(finite_amax("q", &empty.view()).unwrap(), 0.0);
     }
+
+    /// The forward's and the backward's gathers see every element of `q`,
+    /// `k`, `v` (and `grad_output`) where the items cover them, with the
+    /// largest magnitude the full pass finds (GQA: a key head read by each
+    /// query head of its group, counted once), and say so; where they do not
+    /// (`seqused_k` below a segment's keys, a segment without keys), `Seen`
+    /// says so and gives no maximum.
+    #[test]
+    fn the_kernels_reads_see_every_element_or_say_they_did_not() {
+        use super::super::{varlen_backward_seen, varlen_forward_seen, NON_FINITE_BITS};
+        use packshard_reference::ops::Varlen;
+        let (n, d) = (70, 8);
+        let t = |h: usize, o: usize| {
+            Array3::from_shape_fn((n, h, d), |(i, a, c)| {
+                ((i * 13 + a * 5 + c * 3 + o) % 29) as f32 * 0.125 - 1.75
+            })
+        };
+        let cu = [0, 3, 3, 70];
+        for (h, h_kv) in [(2, 2), (4, 2), (4, 1)] {
+            let (q, k, v, go) = (t(h, 0), t(h_kv, 1), t(h_kv, 2), t(h, 3));
+            let mut k = k;
+            k[[60, h_kv - 1, 7]] = -9.5; // the largest |k|, in the last key head
+            let want = [&q, &k, &v, &go].map(|x| finite_amax("x", &x.view()).unwrap());
+            let p = Varlen::new(&cu, true, 0.3);
+            let x = (&q.view(), &k.view(), &v.view());
+            let (fwd, seen) = varlen_forward_seen(x, &p).unwrap();
+            assert_eq!(
+                seen.amax(),
+                Some([want[0], want[1], want[2], 0.0]),
+                "h {h} h_kv {h_kv}"
+            );
+            let (_, seen) = varlen_backward_seen(x, &p, &fwd, &go.view()).unwrap();
+            assert_eq!(seen.amax(), Some(want), "h {h} h_kv {h_kv}");
+            // A non-finite value is seen as one.
+            let mut bad = v.clone();
+            bad[[40, 0, 2]] = f32::NAN;
+            let (_, seen) = varlen_forward_seen((&q.view(), &k.view(), &bad.view()), &p).unwrap();
+            assert!(seen.every_element && seen.bits[2] >= NON_FINITE_BITS && seen.amax().is_none());
+            // Keys past seqused_k are not read: no maximum claimed.
+            let used = [3, 0, 60];
+            let p = Varlen {
+                seqused_k: Some(&used),
+                ..Varlen::new(&cu, false, 0.3)
+            };
+            let (_, seen) = varlen_forward_seen(x, &p).unwrap();
+            assert!(
+                !seen.every_element && seen.amax().is_none(),
+                "h {h} h_kv {h_kv}"
+            );
+        }
+    }
 }

@@ -8,13 +8,13 @@ use packshard_reference::ops::{AttentionSupport, Masked, Precision, Varlen};
 use packshard_reference::{Error, Result};
 
 use super::boundary::{
-    check_in_place, check_in_place_backward, AttentionMath, FullRows, Inputs, KernelSupport,
-    Problem32, ScannedF32,
+    backward_in_place, forward_in_place, AttentionMath, FullRows, InPlaceF32, Inputs,
+    KernelSupport, Problem32,
 };
 use crate::attention::{
     dense_masked_attention_backward_with, dense_masked_attention_with, varlen_attention_general,
-    varlen_attention_general_backward, varlen_backward_checked, varlen_forward_checked,
-    AttentionGrads32, AttentionOutput32, ScoreOptions, TILED_SUPPORT,
+    varlen_attention_general_backward, varlen_backward_seen, varlen_forward_seen, AttentionGrads32,
+    AttentionOutput32, ScoreOptions, TILED_SUPPORT,
 };
 use packshard_reference::attention::options::visible_keys;
 
@@ -105,21 +105,22 @@ impl TiledAttention {
     /// (no rounding, no widening): what [`packshard_reference::ops::AttentionOp::varlen_forward`]
     /// computes for the same values given in `f64`, bit for bit, in the
     /// kernel's own precision. Shapes and `p` as there; the same checks, in
-    /// the same order, but the work bound: the values' checks are
-    /// [`ScannedF32::new`]'s, made once for a forward and its backward.
+    /// the same order, but the work bound (the values seen by the kernel's
+    /// own reads, [`InPlaceF32`]).
     ///
     /// # Errors
     /// As `varlen_forward`; [`Error::InvalidArgument`] naming `impl` for the
     /// bf16 kernel (its inputs are rounded from `f64`).
     pub fn varlen_forward_f32(
         &self,
-        x: &ScannedF32<'_>,
+        x: &InPlaceF32<'_>,
         p: &Varlen<'_>,
     ) -> Result<AttentionOutput32> {
         self.check_f32()?;
-        check_in_place(self, x, p)?;
-        let (q, k, v) = x.qkv();
-        varlen_forward_checked((&q, &k, &v), p)
+        forward_in_place(self, x, p, || {
+            let (q, k, v) = x.qkv();
+            varlen_forward_seen((&q, &k, &v), p)
+        })
     }
 
     /// The backward of [`TiledAttention::varlen_forward_f32`]: `fwd` its
@@ -131,14 +132,15 @@ impl TiledAttention {
     /// [`Error::InvalidArgument`] naming `grad_output` when `x` has none.
     pub fn varlen_backward_f32(
         &self,
-        x: &ScannedF32<'_>,
+        x: &InPlaceF32<'_>,
         p: &Varlen<'_>,
         fwd: &AttentionOutput32,
     ) -> Result<AttentionGrads32> {
         self.check_f32()?;
-        let go = check_in_place_backward(self, x, p, fwd)?;
-        let (q, k, v) = x.qkv();
-        varlen_backward_checked((&q, &k, &v), p, fwd, &go)
+        backward_in_place(self, x, p, fwd, |go| {
+            let (q, k, v) = x.qkv();
+            varlen_backward_seen((&q, &k, &v), p, fwd, &go)
+        })
     }
 
     fn check_f32(&self) -> Result<()> {

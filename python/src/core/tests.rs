@@ -269,11 +269,13 @@ fn loss_judged_scales_each_token_by_its_grad_output() {
     }
 }
 
-/// The in-place f32 path reads each tensor once for its value checks
-/// (`ScannedF32`, issue 37) and still refuses what the f64 path refuses,
+/// The in-place f32 path checks values through its kernel's own reads
+/// (`InPlaceF32`, issue 37) and still refuses what the f64 path refuses,
 /// with the same error: a non-finite value in each tensor (q before k
 /// before v before grad_output when several are bad), the scores' bound,
-/// the backward's bound, and wrong shapes of k and grad_output.
+/// the backward's bound, wrong shapes, and the order of these against the
+/// offsets' and options' checks; also where the kernel reads only part of
+/// the keys (seqused_k), so that a bad value there is found by a full pass.
 #[test]
 fn the_in_place_f32_path_refuses_what_the_f64_path_refuses() {
     let (n, h, d) = (9, 2, 4);
@@ -282,58 +284,104 @@ fn the_in_place_f32_path_refuses_what_the_f64_path_refuses() {
             ((i * 5 + a * 3 + c + o) % 7) as f32 * 0.5 - 1.5
         })
     };
-    type Edit = fn(&mut [Array3<f32>; 4]);
-    let cases: [(&str, Edit); 9] = [
-        ("NaN in k", |t| t[1][[4, 1, 2]] = f32::NAN),
-        ("inf in v", |t| t[2][[8, 1, 3]] = f32::INFINITY),
-        ("-inf in grad_output", |t| {
-            t[3][[0, 0, 1]] = f32::NEG_INFINITY
+    struct Case {
+        t: [Array3<f32>; 4],
+        cu: Vec<usize>,
+        options: AttnOptions,
+    }
+    type Edit = fn(&mut Case);
+    let over: Edit = |c| {
+        c.t[0][[3, 0, 0]] = 1e16;
+        c.t[1][[5, 1, 1]] = -1e15;
+    };
+    let cases: [(&str, Edit); 14] = [
+        ("NaN in k", |c| c.t[1][[4, 1, 2]] = f32::NAN),
+        ("inf in v", |c| c.t[2][[8, 1, 3]] = f32::INFINITY),
+        ("-inf in grad_output", |c| {
+            c.t[3][[0, 0, 1]] = f32::NEG_INFINITY
         }),
-        ("NaN in v and q", |t| {
-            t[2][[1, 0, 0]] = f32::NAN;
-            t[0][[6, 1, 0]] = f32::NAN;
+        ("NaN in v and q", |c| {
+            c.t[2][[1, 0, 0]] = f32::NAN;
+            c.t[0][[6, 1, 0]] = f32::NAN;
         }),
-        ("NaN in grad_output and k", |t| {
-            t[3][[1, 0, 0]] = f32::NAN;
-            t[1][[2, 0, 0]] = f32::NAN;
+        ("NaN in grad_output and k", |c| {
+            c.t[3][[1, 0, 0]] = f32::NAN;
+            c.t[1][[2, 0, 0]] = f32::NAN;
         }),
-        ("q . k over the bound", |t| {
-            t[0][[3, 0, 0]] = 1e16;
-            t[1][[5, 1, 1]] = -1e15;
+        ("q . k over the bound", over),
+        ("grad_output . v over the bound", |c| {
+            c.t[3][[2, 1, 0]] = 1e16;
+            c.t[2][[7, 0, 3]] = 1e15;
         }),
-        ("grad_output . v over the bound", |t| {
-            t[3][[2, 1, 0]] = 1e16;
-            t[2][[7, 0, 3]] = 1e15;
+        ("k of another shape", |c| c.t[1] = Array3::zeros((9, 2, 5))),
+        ("grad_output of another shape", |c| {
+            c.t[3] = Array3::zeros((8, 2, 4))
         }),
-        ("k of another shape", |t| t[1] = Array3::zeros((9, 2, 5))),
-        ("grad_output of another shape", |t| {
-            t[3] = Array3::zeros((8, 2, 4))
+        ("grad_output of another shape, q . k over the bound", |c| {
+            c.t[3] = Array3::zeros((8, 2, 4));
+            c.t[0][[3, 0, 0]] = 1e16;
+            c.t[1][[5, 1, 1]] = -1e15;
         }),
+        ("cu_seqlens past n, NaN in grad_output", |c| {
+            c.cu = vec![0, 4, 10];
+            c.t[3][[1, 0, 0]] = f32::NAN;
+        }),
+        ("seqused_k over its segment, q . k over the bound", |c| {
+            c.options.seqused_k = Some(vec![5, 5]);
+            c.t[0][[3, 0, 0]] = 1e16;
+            c.t[1][[5, 1, 1]] = -1e15;
+        }),
+        (
+            "NaN in a key past seqused_k (never read by the kernel)",
+            |c| {
+                c.options.seqused_k = Some(vec![4, 2]);
+                c.t[1][[8, 1, 0]] = f32::NAN;
+            },
+        ),
+        (
+            "the first segment's keys past seqused_k over the bound",
+            |c| {
+                c.options.seqused_k = Some(vec![2, 5]);
+                c.t[0][[0, 0, 0]] = 1e16;
+                c.t[1][[3, 1, 1]] = -1e15;
+            },
+        ),
     ];
     for (what, edit) in cases {
-        let mut t = [x(0), x(1), x(2), x(3)];
-        edit(&mut t);
-        let [q, k, v, go] = &t;
-        let wide: Vec<Array3<f64>> = t.iter().map(|a| a.mapv(f64::from)).collect();
-        fn args<'a, T>(x: [&'a Array3<T>; 4]) -> AttentionArgs<'a, T> {
-            AttentionArgs {
-                q: x[0].view(),
-                k: x[1].view(),
-                v: x[2].view(),
-                cu_seqlens: vec![0, 4, 9],
-                cu_seqlens_k: None,
-                causal: true,
-                scale: None,
-                grad_output: Some(x[3].view()),
-                options: Default::default(),
-            }
-        }
-        let got = attention_f32(F32_NATIVE, &args([q, k, v, go]))
+        let mut c = Case {
+            t: [x(0), x(1), x(2), x(3)],
+            cu: vec![0, 4, 9],
+            options: Default::default(),
+        };
+        edit(&mut c);
+        let wide: Vec<Array3<f64>> = c.t.iter().map(|a| a.mapv(f64::from)).collect();
+        let [q, k, v, go] = &c.t;
+        let narrow_args = AttentionArgs {
+            q: q.view(),
+            k: k.view(),
+            v: v.view(),
+            cu_seqlens: c.cu.clone(),
+            cu_seqlens_k: None,
+            causal: true,
+            scale: None,
+            grad_output: Some(go.view()),
+            options: c.options.clone(),
+        };
+        let wide_args = AttentionArgs {
+            q: wide[0].view(),
+            k: wide[1].view(),
+            v: wide[2].view(),
+            cu_seqlens: c.cu.clone(),
+            cu_seqlens_k: None,
+            causal: true,
+            scale: None,
+            grad_output: Some(wide[3].view()),
+            options: c.options.clone(),
+        };
+        let got = attention_f32(F32_NATIVE, &narrow_args)
             .map(|_| ())
             .unwrap_err();
-        let want = attention(F32_NATIVE, &args([&wide[0], &wide[1], &wide[2], &wide[3]]))
-            .map(|_| ())
-            .unwrap_err();
+        let want = attention(F32_NATIVE, &wide_args).map(|_| ()).unwrap_err();
         assert_eq!(
             (got.kind, &got.message),
             (want.kind, &want.message),

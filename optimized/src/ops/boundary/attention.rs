@@ -35,7 +35,9 @@ use packshard_reference::{Error, Result};
 use packshard_reference::ops::AttentionOp;
 
 use crate::attention::mask::SegmentMask;
-use crate::attention::{check_finite, finite_amax, AttentionGrads32, AttentionOutput32, Element};
+use crate::attention::{
+    check_finite, finite_amax, AttentionGrads32, AttentionOutput32, Element, Seen,
+};
 use crate::convert::{to_bf16, to_f32, to_f64};
 
 /// `q, k, v` in f32: `[n_q, h, d]`, `[n_k, h_kv, d]`, `[n_k, h_kv, d]`.
@@ -394,52 +396,37 @@ fn checked(x: &Qkv<'_>, p: Problem32<'_>, s: &KernelSupport) -> Result<Inputs> {
 }
 
 /// `f32` `q: [n_q, h, d]`, `k, v: [n_k, h_kv, d]` and a backward's
-/// `grad_output: [n_q, h, d]`, read in place, with their values checked
-/// once: every element finite, and the largest magnitudes that the score
-/// bounds need ([`crate::attention::finite_amax`], one pass per tensor split
-/// over the threads). What the in-place entry points
+/// `grad_output: [n_q, h, d]`, read in place by the in-place entry points
 /// ([`crate::ops::TiledAttention::varlen_forward_f32`] and
-/// `varlen_backward_f32`) take, so that a forward and its backward read each
-/// tensor once for the checks, not once per call and check (issue 37).
+/// `varlen_backward_f32`), which check their values as the reference does
+/// (non-finite values refused first, in the order `q`, `k`, `v`,
+/// `grad_output`; then the score bounds) without a pass of their own: the
+/// kernel's gathers see every value they read (issue 37: a separate pass
+/// over the tensors cost 6 % of the forward), and only where they did not
+/// read every element, or something is refused, does [`InPlaceF32::scan`]
+/// read the tensors again to say which error comes first.
 #[derive(Clone, Copy)]
-pub struct ScannedF32<'a> {
+pub struct InPlaceF32<'a> {
     q: ArrayView3<'a, f32>,
     k: ArrayView3<'a, f32>,
     v: ArrayView3<'a, f32>,
     grad_output: Option<ArrayView3<'a, f32>>,
-    /// `max |x|` of `q`, `k`, `v`, `grad_output` (0 without one).
-    amax: [f32; 4],
 }
 
-impl<'a> ScannedF32<'a> {
-    /// Checks the values of `q`, `k`, `v`, then `grad_output`, in that
-    /// order (the reference's and `packshard eval`'s); shapes are checked
-    /// by the calls that use them.
-    ///
-    /// # Errors
-    /// [`Error::NonFiniteInput`] naming the first tensor with a non-finite
-    /// element and that element's flat (row-major) index.
+impl<'a> InPlaceF32<'a> {
+    /// The tensors; nothing is read or checked yet.
     pub fn new(
         q: ArrayView3<'a, f32>,
         k: ArrayView3<'a, f32>,
         v: ArrayView3<'a, f32>,
         grad_output: Option<ArrayView3<'a, f32>>,
-    ) -> Result<Self> {
-        let amax = [
-            finite_amax("q", &q)?,
-            finite_amax("k", &k)?,
-            finite_amax("v", &v)?,
-            grad_output
-                .as_ref()
-                .map_or(Ok(0.0), |g| finite_amax("grad_output", g))?,
-        ];
-        Ok(ScannedF32 {
+    ) -> Self {
+        InPlaceF32 {
             q,
             k,
             v,
             grad_output,
-            amax,
-        })
+        }
     }
 
     /// `q`, `k`, `v`.
@@ -453,56 +440,120 @@ impl<'a> ScannedF32<'a> {
         (self.q, self.k, self.v)
     }
 
-    /// `grad_output`, if one was checked.
+    /// `grad_output`, if given.
     pub fn grad_output(&self) -> Option<ArrayView3<'a, f32>> {
         self.grad_output
     }
+
+    /// The values' checks in one pass per tensor ([`finite_amax`]): `max
+    /// |x|` of `q`, `k`, `v`, `grad_output` (0 without one).
+    ///
+    /// # Errors
+    /// [`Error::NonFiniteInput`] naming the first tensor (in the order `q`,
+    /// `k`, `v`, `grad_output`) with a non-finite element and that
+    /// element's flat (row-major) index.
+    pub fn scan(&self) -> Result<[f32; 4]> {
+        Ok([
+            finite_amax("q", &self.q)?,
+            finite_amax("k", &self.k)?,
+            finite_amax("v", &self.v)?,
+            self.grad_output
+                .as_ref()
+                .map_or(Ok(0.0), |g| finite_amax("grad_output", g))?,
+        ])
+    }
+
+    /// The error to report when a later check refused `e`: a non-finite
+    /// value comes first (the reference checks values before shapes,
+    /// offsets and bounds).
+    fn first_error(&self, e: Error) -> Error {
+        self.scan().err().unwrap_or(e)
+    }
+
+    /// The largest magnitudes, from what the kernel's gathers saw when they
+    /// read every element and all were finite, else from [`Self::scan`].
+    fn amax(&self, seen: Seen) -> Result<[f32; 4]> {
+        seen.amax().map_or_else(|| self.scan(), Ok)
+    }
 }
 
-/// The checks of [`varlen_forward`] but the work bound, on f32 inputs read in
-/// place (no rounding), their values already checked (`x`): shapes, the
-/// offsets and options, the kernel's support, the scores' bound.
-///
-/// # Errors
-/// As [`varlen_forward`].
-pub fn check_in_place<K: AttentionMath + ?Sized>(
+/// The checks of [`varlen_forward`] but the work bound and the values
+/// ([`InPlaceF32`]), on f32 inputs read in place (no rounding): shapes, the
+/// offsets and options, the kernel's support.
+fn check_in_place<K: AttentionMath + ?Sized>(
     kernel: &K,
-    x: &ScannedF32<'_>,
+    x: &InPlaceF32<'_>,
     p: &Varlen<'_>,
 ) -> Result<()> {
     let (q, k, v) = x.qkv();
     check_qkv_shapes(q.shape(), k.shape(), v.shape())?;
     let ((n_q, h, d), (n_k, h_kv, _)) = (q.dim(), k.dim());
-    Problem32::Varlen(p).check([n_q, n_k, h, h_kv, d], &kernel.support())?;
-    let [aq, ak, ..] = x.amax;
-    check_score_bound(d, [f64::from(aq), f64::from(ak)], p.scale)
+    Problem32::Varlen(p).check([n_q, n_k, h, h_kv, d], &kernel.support())
 }
 
-/// [`check_in_place`] for a backward: also `grad_output` (which `x` must
-/// carry) and the saved forward `fwd`: their shapes, then `grad_output`'s
-/// values against `v` ([`check_grad_bound`]).
+/// The forward of an f32 kernel on inputs read in place, with
+/// [`varlen_forward`]'s checks but the work bound, in its order: `run`
+/// (the kernel) gives the output and what its gathers saw of the values.
 ///
 /// # Errors
-/// As [`check_in_place`]; [`Error::InvalidArgument`] naming `grad_output`
-/// when `x` has none; [`Error::ShapeMismatch`] for `grad_output` or the
-/// forward's `output` and `lse`.
-pub fn check_in_place_backward<'a, K: AttentionMath + ?Sized>(
+/// As [`varlen_forward`].
+pub(crate) fn forward_in_place<K: AttentionMath + ?Sized>(
     kernel: &K,
-    x: &ScannedF32<'a>,
+    x: &InPlaceF32<'_>,
+    p: &Varlen<'_>,
+    run: impl FnOnce() -> Result<(AttentionOutput32, Seen)>,
+) -> Result<AttentionOutput32> {
+    let checked = || {
+        check_in_place(kernel, x, p)?;
+        let (out, seen) = run()?;
+        let [aq, ak, ..] = x.amax(seen)?;
+        check_score_bound(x.q.dim().2, [f64::from(aq), f64::from(ak)], p.scale)?;
+        Ok(out)
+    };
+    checked().map_err(|e| x.first_error(e))
+}
+
+/// [`forward_in_place`] for a backward: also `grad_output` (which `x` must
+/// carry) and the saved forward `fwd`: their shapes (after the score bound,
+/// as the reference checks them), then `grad_output`'s values against `v`
+/// ([`check_grad_bound`]). `run` gets the checked `grad_output`.
+///
+/// # Errors
+/// As [`varlen_backward`]; [`Error::InvalidArgument`] naming
+/// `grad_output` when `x` has none.
+pub(crate) fn backward_in_place<'a, K: AttentionMath + ?Sized>(
+    kernel: &K,
+    x: &InPlaceF32<'a>,
     p: &Varlen<'_>,
     fwd: &AttentionOutput32,
-) -> Result<ArrayView3<'a, f32>> {
-    check_in_place(kernel, x, p)?;
-    let go = x.grad_output.ok_or_else(|| {
-        Error::invalid(
-            "grad_output",
-            "a backward needs grad_output: none was checked",
-        )
-    })?;
-    check_grad_shapes(go.shape(), fwd.output.shape(), fwd.lse.shape(), x.q.dim())?;
-    let [_, _, av, ag] = x.amax;
-    check_grad_bound(x.v.dim().2, [f64::from(ag), f64::from(av)])?;
-    Ok(go)
+    run: impl FnOnce(ArrayView3<'a, f32>) -> Result<(AttentionGrads32, Seen)>,
+) -> Result<AttentionGrads32> {
+    let d = x.q.dim().2;
+    let scores =
+        |[aq, ak, ..]: [f32; 4]| check_score_bound(d, [f64::from(aq), f64::from(ak)], p.scale);
+    let checked = || {
+        check_in_place(kernel, x, p)?;
+        let go = x.grad_output.ok_or_else(|| {
+            Error::invalid(
+                "grad_output",
+                "a backward needs grad_output: none was given",
+            )
+        })?;
+        if let Err(e) =
+            check_grad_shapes(go.shape(), fwd.output.shape(), fwd.lse.shape(), x.q.dim())
+        {
+            // The reference bounds the scores before it reads the saved
+            // forward and grad_output.
+            scores(x.scan()?)?;
+            return Err(e);
+        }
+        let (grads, seen) = run(go)?;
+        let a = x.amax(seen)?;
+        scores(a)?;
+        check_grad_bound(d, [f64::from(a[3]), f64::from(a[2])])?;
+        Ok(grads)
+    };
+    checked().map_err(|e| x.first_error(e))
 }
 
 fn check_work(x: &Qkv<'_>, p: Problem32<'_>, s: &KernelSupport) -> Result<()> {
