@@ -55,6 +55,9 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    // Large temporaries are reused from call to call, not mapped afresh
+    // (optimized::alloc::keep_freed_memory: measured in docs/BENCHMARKS.md).
+    packshard::optimized::alloc::keep_freed_memory();
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(e)

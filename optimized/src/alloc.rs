@@ -91,6 +91,42 @@ pub fn peak_since<T>(f: impl FnOnce() -> T) -> (T, Option<usize>) {
     (out, is_counting().then_some(peak))
 }
 
+/// The largest block [`keep_freed_memory`] has glibc serve from its heap
+/// (1 GiB: the BERT-base layer's largest temporary at 128 sequences, the
+/// `[34,434 x 3,072]` feed-forward activation, is 423 MB).
+pub const KEPT_BLOCK: usize = 1 << 30;
+
+/// Has glibc's malloc keep what the process frees for its next
+/// allocations, instead of handing it back to the kernel: blocks up to
+/// [`KEPT_BLOCK`] come from the heap rather than from a mapping of their own
+/// (`M_MMAP_THRESHOLD`; glibc's default maps everything over 32 MiB afresh
+/// and unmaps it at `free`), and the heap is never trimmed
+/// (`M_TRIM_THRESHOLD` -1). A process that allocates the same large
+/// temporaries call after call (a layer's activations) then reuses them
+/// instead of paying, every call, the kernel's page faults, page clearing
+/// and the cross-core TLB flushes of each unmap (issue 37: the BERT-base
+/// layer's forward and backward at 128 sequences, 7.97 s -> 6.79 s on 2
+/// cores). The price: the process keeps its peak heap until it exits.
+///
+/// A binary's choice, made once at its start (`packshard` makes it; the
+/// library and the Python package do not, since it changes the whole
+/// process). Returns whether glibc took both settings (`false` on other
+/// systems: nothing changes).
+pub fn keep_freed_memory() -> bool {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        let threshold = i32::try_from(KEPT_BLOCK).unwrap_or(i32::MAX);
+        // SAFETY: mallopt only sets malloc's parameters; called before any
+        // thread of the binary allocates concurrently (at start).
+        unsafe {
+            libc::mallopt(libc::M_MMAP_THRESHOLD, threshold) == 1
+                && libc::mallopt(libc::M_TRIM_THRESHOLD, -1) == 1
+        }
+    }
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    false
+}
+
 /// Asks the kernel to back the 2 MiB-aligned part of a fresh buffer with
 /// transparent huge pages (`madvise(MADV_HUGEPAGE)`, Linux), before its
 /// first write: an output of tens of MiB (attention's `[n, h, d]`) is

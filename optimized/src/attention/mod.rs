@@ -646,8 +646,8 @@ fn backward<T: Element>(
 ///
 /// # Errors
 /// As [`varlen_attention_general`]'s for `cu_seqlens` and the options.
-pub(crate) fn varlen_forward_seen(
-    (q, k, v): (&ArrayView3<f32>, &ArrayView3<f32>, &ArrayView3<f32>),
+pub(crate) fn varlen_forward_seen<T: Element>(
+    (q, k, v): (&ArrayView3<T>, &ArrayView3<T>, &ArrayView3<T>),
     p: &Varlen<'_>,
 ) -> Result<(AttentionOutput32, Seen)> {
     let (n, h) = (q.dim(), k.dim());
@@ -667,8 +667,8 @@ pub(crate) fn varlen_forward_seen(
 ///
 /// # Errors
 /// As [`varlen_forward_seen`].
-pub(crate) fn varlen_backward_seen(
-    (q, k, v): (&ArrayView3<f32>, &ArrayView3<f32>, &ArrayView3<f32>),
+pub(crate) fn varlen_backward_seen<T: Element>(
+    (q, k, v): (&ArrayView3<T>, &ArrayView3<T>, &ArrayView3<T>),
     p: &Varlen<'_>,
     fwd: &AttentionOutput32,
     grad_output: &ArrayView3<f32>,
@@ -742,13 +742,44 @@ pub fn varlen_attention_general<T: Element>(
     v: ArrayView3<T>,
     p: &Varlen<'_>,
 ) -> Result<AttentionOutput32> {
-    check_inputs(&q, &k, &v)?;
-    check_options(p, (q.dim().0, k.dim().0), (q.dim().1, k.dim().1))?;
-    let items = segment_items(p, (q.dim().1, k.dim().1));
-    Ok(forward((&q, &k, &v), p.scale as f32, &items))
+    check_qkv_shapes(q.shape(), k.shape(), v.shape())?;
+    // The values are checked between the shapes and the offsets, by the
+    // kernel's own reads ([`Seen`]); a separate pass only where those did
+    // not read every element, or an offset is refused (a bad value is
+    // named first).
+    let values = || values_finite([("q", &q), ("k", &k), ("v", &v)], None);
+    let (out, seen) =
+        varlen_forward_seen((&q, &k, &v), p).map_err(|e| values().err().unwrap_or(e))?;
+    if seen.amax().is_none() {
+        values()?;
+    }
+    Ok(out)
+}
+
+/// Checks that every element of `x` (then `grad_output`) is finite, in
+/// order ([`check_finite`]).
+fn values_finite<T: Element>(
+    x: [(&str, &ArrayView3<T>); 3],
+    grad_output: Option<&ArrayView3<f32>>,
+) -> Result<()> {
+    for (name, t) in x {
+        check_finite(name, t)?;
+    }
+    grad_output.map_or(Ok(()), |g| check_finite("grad_output", g))
 }
 
 fn check_backward<T: Element>(
+    q: &ArrayView3<T>,
+    k: &ArrayView3<T>,
+    v: &ArrayView3<T>,
+    fwd: &AttentionOutput32,
+    grad_output: &ArrayView3<f32>,
+) -> Result<()> {
+    check_backward_shapes(q, k, v, fwd, grad_output)?;
+    values_finite([("q", q), ("k", k), ("v", v)], Some(grad_output))
+}
+
+fn check_backward_shapes<T: Element>(
     q: &ArrayView3<T>,
     k: &ArrayView3<T>,
     v: &ArrayView3<T>,
@@ -761,11 +792,7 @@ fn check_backward<T: Element>(
         fwd.output.shape(),
         fwd.lse.shape(),
         q.dim(),
-    )?;
-    check_finite("q", q)?;
-    check_finite("k", k)?;
-    check_finite("v", v)?;
-    check_finite("grad_output", grad_output)
+    )
 }
 
 /// Backward of [`varlen_attention`]: `fwd` its result, `grad_output: [n_tok,
@@ -805,16 +832,15 @@ pub fn varlen_attention_general_backward<T: Element>(
     fwd: &AttentionOutput32,
     grad_output: ArrayView3<f32>,
 ) -> Result<AttentionGrads32> {
-    check_backward(&q, &k, &v, fwd, &grad_output)?;
-    check_options(p, (q.dim().0, k.dim().0), (q.dim().1, k.dim().1))?;
-    let items = segment_items(p, (q.dim().1, k.dim().1));
-    Ok(backward(
-        (&q, &k, &v),
-        p.scale as f32,
-        &items,
-        fwd,
-        &grad_output,
-    ))
+    check_backward_shapes(&q, &k, &v, fwd, &grad_output)?;
+    // As the forward: the values seen by the kernel's reads ([`Seen`]).
+    let values = || values_finite([("q", &q), ("k", &k), ("v", &v)], Some(&grad_output));
+    let (grads, seen) = varlen_backward_seen((&q, &k, &v), p, fwd, &grad_output)
+        .map_err(|e| values().err().unwrap_or(e))?;
+    if seen.amax().is_none() {
+        values()?;
+    }
+    Ok(grads)
 }
 
 /// The work of a varlen problem in the unit of the benchmark: the
