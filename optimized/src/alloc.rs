@@ -105,8 +105,11 @@ pub const KEPT_BLOCK: usize = 1 << 30;
 /// temporaries call after call (a layer's activations) then reuses them
 /// instead of paying, every call, the kernel's page faults, page clearing
 /// and the cross-core TLB flushes of each unmap (issue 37: the BERT-base
-/// layer's forward and backward at 128 sequences, 7.97 s -> 6.79 s on 2
-/// cores). The price: the process keeps its peak heap until it exits.
+/// layer's forward and backward at 128 sequences, 7.97 s -> 6.93 s on 2
+/// cores). The price: the process keeps its peak heap until it exits. It
+/// holds for the main thread's allocations (glibc's main arena; its other
+/// arenas map blocks over 64 MiB themselves), where the binary allocates
+/// its layers' and kernels' outputs (`tests/kept_memory.rs`).
 ///
 /// A binary's choice, made once at its start (`packshard` makes it; the
 /// library and the Python package do not, since it changes the whole
