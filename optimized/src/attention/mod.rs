@@ -637,7 +637,7 @@ fn backward<T: Element>(
 }
 
 /// [`varlen_attention_general`] on `f32` inputs whose shapes the caller
-/// has checked (`crate::ops::boundary::check_in_place`): the offsets and
+/// has checked (`crate::ops::boundary::forward_in_place`, [`varlen_attention_general`]): the offsets and
 /// options are checked here, and the values are not read for their checks
 /// before the work but seen by the gathers that read them anyway: the
 /// caller checks [`Seen`] (the largest magnitudes of `q`, `k`, `v`, and
@@ -662,7 +662,7 @@ pub(crate) fn varlen_forward_seen<T: Element>(
 
 /// [`varlen_attention_general_backward`] as [`varlen_forward_seen`] is the
 /// forward: shapes checked by the caller (`fwd` and `grad_output` too,
-/// `crate::ops::boundary::check_in_place_backward`), the values of `q`,
+/// `crate::ops::boundary::backward_in_place`), the values of `q`,
 /// `k`, `v` and `grad_output` seen by the gathers ([`Seen`]).
 ///
 /// # Errors
