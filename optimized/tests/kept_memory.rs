@@ -39,11 +39,17 @@ fn a_freed_large_block_is_reused_without_page_faults() {
     // faults (transparent huge pages are advice-only here; with them on
     // for every mapping this control would fail and say so).
     let fresh = faults_of_one_block();
-    assert!(fresh > (BYTES / 4096 / 2) as i64, "{fresh} faults for a fresh block");
+    assert!(
+        fresh > (BYTES / 4096 / 2) as i64,
+        "{fresh} faults for a fresh block"
+    );
     assert!(keep_freed_memory());
     faults_of_one_block(); // the heap grows to hold it once
     let reused = faults_of_one_block();
     // A few for the harness's own small allocations; the block itself none
     // (65,536 pages).
-    assert!(reused < 256, "{reused} faults for a reused block (fresh: {fresh})");
+    assert!(
+        reused < 256,
+        "{reused} faults for a reused block (fresh: {fresh})"
+    );
 }

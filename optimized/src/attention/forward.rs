@@ -146,8 +146,11 @@ pub(super) unsafe fn forward_item<S: Simd, T: Element>(
                 softmax_lanes(simd, (s, acc), (&mut b, &bk), (g, k0, kn, dp), prep);
             }
             // O += P V over the keys some query may see (P read from
-            // the transposed tile P^T).
-            mm_acc_at(simd, qcols, dp, kn, s, BLOCK_Q, &vh[k0 * dp..], dp, acc, dp);
+            // the transposed tile P^T), on whole blocks of 4 query rows
+            // (the product's; more than `qcols` only without SIMD, where
+            // the extra rows are padding queries, never written out).
+            let prows = round_up(qcols, 4);
+            mm_acc_at(simd, prows, dp, kn, s, BLOCK_Q, &vh[k0 * dp..], dp, acc, dp);
         }
         let out_block = Rows {
             start: it.q_start + q0,

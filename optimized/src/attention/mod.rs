@@ -314,9 +314,10 @@ fn prefetch_row<T>(x: &[T], (h, d): (usize, usize), at: Rows, i: usize) {
     }
 }
 
-/// How many rows ahead the gathers prefetch: 8 and 16 were alike, 4
-/// slower (issue 37, the 16,267-token forward: 0.1319-0.1342 s, 0.1331-0.1364
-/// s; none 0.138 s).
+/// How many rows ahead the gathers prefetch (issue 37, the 16,267-token
+/// forward, three runs each: 8 rows 0.1319-0.1353 s, 16 rows 0.1309-0.1342
+/// s, 4 rows 0.1331-0.1364 s; without prefetching 0.138 s: within this
+/// machine's noise of each other, all ahead of none).
 const AHEAD: usize = 16;
 
 fn round_up(x: usize, to: usize) -> usize {
@@ -340,9 +341,9 @@ const NON_FINITE_BITS: u32 = 0x7f80_0000;
 /// `grad_output`): the largest [`magnitude_bits`] of each, and whether they
 /// read every element of each (every row of every head belongs to some
 /// item; segments without queries or keys, and keys past `seqused_k`, are
-/// read by none). The in-place f32 path's value checks, made by the pass
-/// that reads the values anyway (issue 37: a separate pass over `q`, `k`,
-/// `v` cost 6 % of the forward).
+/// read by none). The varlen kernels' value checks (f32 and bf16, in place
+/// or through the boundary), made by the pass that reads the values anyway
+/// (issue 37: a separate pass over `q`, `k`, `v` cost 6 % of the forward).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(crate) struct Seen {
     pub(crate) bits: [u32; 4],
@@ -636,8 +637,9 @@ fn backward<T: Element>(
     .0
 }
 
-/// [`varlen_attention_general`] on `f32` inputs whose shapes the caller
-/// has checked (`crate::ops::boundary::forward_in_place`, [`varlen_attention_general`]): the offsets and
+/// [`varlen_attention_general`] on inputs (`f32` or `bf16`) whose shapes the
+/// caller has checked (`crate::ops::boundary::forward_in_place`,
+/// [`varlen_attention_general`]): the offsets and
 /// options are checked here, and the values are not read for their checks
 /// before the work but seen by the gathers that read them anyway: the
 /// caller checks [`Seen`] (the largest magnitudes of `q`, `k`, `v`, and

@@ -1,12 +1,16 @@
-//! The value checks of the attention inputs, one pass over each tensor.
+//! The value checks of the attention inputs as a pass of their own, one
+//! pass over each tensor.
 //!
 //! Every entry point refuses a non-finite `q`, `k`, `v` (and `grad_output`)
 //! naming the first flat index, and the boundary bounds the scores by
 //! `d max|q| max|k|` (`packshard_reference::attention::check_score_bound`).
-//! Both read every element once here, in one pass split over the threads
-//! (issue 37: through the Python package, a 16,000-token forward read `q`,
-//! `k` and `v` three times for finiteness and `q` and `k` once more for
-//! the bound, in f64 on one thread, about a third of its time).
+//! [`finite_amax`] finds both in one pass split over the threads (issue 37:
+//! through the Python package, a 16,000-token forward read `q`, `k` and `v`
+//! three times for finiteness and `q` and `k` once more for the bound, in
+//! f64 on one thread, about a third of its time). The varlen kernels need
+//! it only as a fallback: their gathers see the values they read
+//! ([`super::Seen`]), and this pass runs where those did not read every
+//! element or some check refused the call.
 
 use ndarray::ArrayView3;
 use packshard_reference::{Error, Result};
@@ -219,5 +223,42 @@ mod tests {
                 "h {h} h_kv {h_kv}"
             );
         }
+    }
+
+    /// Where the kernel reads only part of the keys (`seqused_k`), a bad
+    /// value in a key it never reads is still refused by the kernels'
+    /// entry points, forward and backward, f32 and bf16, named as the full
+    /// pass names it (the fallback of `Seen`).
+    #[test]
+    fn a_bad_value_the_kernel_never_reads_is_still_refused() {
+        use super::super::{varlen_attention_general, varlen_attention_general_backward};
+        use packshard_reference::ops::Varlen;
+        let t = |o: usize| {
+            Array3::from_shape_fn((10, 2, 4), |(i, a, c)| {
+                ((i + a * 3 + c * 5 + o) % 9) as f32 * 0.25 - 1.0
+            })
+        };
+        let (q, mut k, v) = (t(0), t(1), t(2));
+        let cu = [0, 4, 10];
+        let used = [4, 3];
+        let p = Varlen {
+            seqused_k: Some(&used),
+            ..Varlen::new(&cu, true, 0.5)
+        };
+        let fwd = varlen_attention_general(q.view(), k.view(), v.view(), &p).unwrap();
+        k[[8, 1, 2]] = f32::INFINITY; // key 4 of segment 1: past its 3 used keys
+        let want = (String::from("k"), (8 * 2 + 1) * 4 + 2);
+        let named = |e: Error| match e {
+            Error::NonFiniteInput { field, index, .. } => (field, index),
+            other => panic!("{other}"),
+        };
+        let e = varlen_attention_general(q.view(), k.view(), v.view(), &p).unwrap_err();
+        assert_eq!(named(e), want);
+        let e = varlen_attention_general_backward(q.view(), k.view(), v.view(), &p, &fwd, q.view())
+            .unwrap_err();
+        assert_eq!(named(e), want);
+        let b = |x: &Array3<f32>| x.mapv(bf16::from_f32);
+        let e = varlen_attention_general(b(&q).view(), b(&k).view(), b(&v).view(), &p).unwrap_err();
+        assert_eq!(named(e), want);
     }
 }

@@ -74,8 +74,9 @@ pub fn mm_scaled<S: Simd>(
 
 /// [`mm_acc`] with `A` stored transposed: `C[m, n] += A^T[m, k] B[k, n]`
 /// for `a: [k, m]` row-major with leading dimension `lda` (`A^T[i, p] =
-/// a[p * lda + i]`), the same order of terms. The attention forward's `O^T
-/// += V^T P^T` reads `V: [keys, d]` this way, in place.
+/// a[p * lda + i]`), the same order of terms. The attention forward's `O +=
+/// P V` reads `P` from the transposed tile `P^T: [keys, queries]` this
+/// way, in place.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 pub fn mm_acc_at<S: Simd>(

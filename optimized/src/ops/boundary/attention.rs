@@ -515,7 +515,9 @@ pub(crate) fn forward_in_place<K: AttentionMath + ?Sized>(
 
 /// [`forward_in_place`] for a backward: also `grad_output` (which `x` must
 /// carry) and the saved forward `fwd`: their shapes (after the score bound,
-/// as the reference checks them), then `grad_output`'s values against `v`
+/// as this boundary's f64 path, [`varlen_backward`], checks them: `checked`
+/// then `saved`; `packshard_reference`'s own backward checks the shapes
+/// first), then `grad_output`'s values against `v`
 /// ([`check_grad_bound`]). `run` gets the checked `grad_output`.
 ///
 /// # Errors
@@ -542,8 +544,8 @@ pub(crate) fn backward_in_place<'a, K: AttentionMath + ?Sized>(
         if let Err(e) =
             check_grad_shapes(go.shape(), fwd.output.shape(), fwd.lse.shape(), x.q.dim())
         {
-            // The reference bounds the scores before it reads the saved
-            // forward and grad_output.
+            // The f64 path of this boundary bounds the scores before it
+            // reads the saved forward and grad_output.
             scores(x.scan()?)?;
             return Err(e);
         }
@@ -854,5 +856,52 @@ mod tests {
         assert_eq!(refused(many.check(n + 1, 1, 1)).as_deref(), Some("q:"));
         // The heads and the head dim count: the same row at 2 heads is over.
         assert_eq!(refused(many.check(n, 2, 1)).as_deref(), Some("q:"));
+    }
+
+    /// A backward called in place with a `grad_output` of the wrong shape
+    /// and scores over their bound gets the error this boundary's f64 path
+    /// gives (the score bound first), not the shape's: the one order the
+    /// in-place forward never reaches (it refuses the scores itself).
+    #[test]
+    fn the_in_place_backward_orders_its_refusals_as_the_f64_path() {
+        use crate::attention::varlen_attention_general;
+        use crate::ops::TiledAttention;
+        use packshard_reference::ops::AttentionOp;
+        let x = |o: usize| {
+            Array3::from_shape_fn((6, 2, 4), |(i, a, c)| {
+                ((i * 3 + a * 5 + c + o) % 7) as f32 - 3.0
+            })
+        };
+        let cu = [0, 2, 6];
+        let p = Varlen::new(&cu, false, 0.5);
+        let (q, k, v) = (x(0), x(1), x(2));
+        let fwd = varlen_attention_general(q.view(), k.view(), v.view(), &p).unwrap();
+        let mut q_over = q.clone();
+        q_over[[1, 0, 0]] = 1e16;
+        let mut k_over = k.clone();
+        k_over[[4, 1, 3]] = 1e15;
+        let bad_go = Array3::<f32>::zeros((5, 2, 4));
+        for (what, qx, kx, go) in [
+            ("both", &q_over, &k_over, &bad_go),
+            ("the shape only", &q, &k, &bad_go),
+        ] {
+            let xin = InPlaceF32::new(qx.view(), kx.view(), v.view(), Some(go.view()));
+            let got = TiledAttention::F32
+                .varlen_backward_f32(&xin, &p, &fwd)
+                .unwrap_err();
+            let wide = [qx, kx, &v, go].map(|t| t.mapv(f64::from));
+            let fwd64 = AttentionOutput {
+                output: fwd.output.mapv(f64::from),
+                lse: fwd.lse.mapv(f64::from),
+            };
+            let want = TiledAttention::F32
+                .varlen_backward(
+                    Qkv::new(wide[0].view(), wide[1].view(), wide[2].view()),
+                    &p,
+                    Grad::new(&fwd64, wide[3].view()),
+                )
+                .unwrap_err();
+            assert_eq!(got.to_string(), want.to_string(), "{what}");
+        }
     }
 }
