@@ -110,7 +110,7 @@ struct Inputs<'a, 'p, T> {
 /// ([`crate::simd::mm_acc_at`] reading `dS^T`), `dK += dS^T Q`: no tile is
 /// transposed.
 ///
-/// Returns the largest [`magnitude_bits`] of the item's rows of `q` and
+/// Returns the largest [`magnitude_bits`](super::scan::magnitude_bits) of the item's rows of `q` and
 /// `dO` (as read by the gathers).
 #[inline(always)]
 fn backward_item<S: Simd, T: Element>(
@@ -310,7 +310,7 @@ struct Unit<'a, 'b, 'p, 'm, T> {
 }
 
 impl<T: Element> WithSimd for Unit<'_, '_, '_, '_, T> {
-    /// The largest [`magnitude_bits`] of the unit's rows of `q`, `k`, `v`,
+    /// The largest [`magnitude_bits`](super::scan::magnitude_bits) of the unit's rows of `q`, `k`, `v`,
     /// `dO`.
     type Output = [u32; 4];
     #[inline(always)]
@@ -357,7 +357,7 @@ impl<T: Element> WithSimd for Unit<'_, '_, '_, '_, T> {
 
 /// Runs every unit's backward in parallel, each writing its own rows of the
 /// gradients (the key gradients summed over the query heads of a group, in
-/// head order). Returns the largest [`magnitude_bits`] the units read of
+/// head order). Returns the largest [`magnitude_bits`](super::scan::magnitude_bits) the units read of
 /// `q`, `k`, `v`, `dO`.
 pub(super) fn run_backward<T: Element>(
     pb: &Problem<T>,

@@ -80,7 +80,7 @@ const LAZY: f32 = 8.0;
 /// horizontal reduction and no branch per query (issue 37: the per-row
 /// softmax of the untransposed tile was a fifth of the forward's time).
 ///
-/// Returns the largest [`magnitude_bits`] of the item's rows of `q`, `k`,
+/// Returns the largest [`magnitude_bits`](super::scan::magnitude_bits) of the item's rows of `q`, `k`,
 /// `v` (as read by the gathers).
 ///
 /// # Safety

@@ -296,168 +296,8 @@ struct Problem<'a, T> {
     scale: f32,
 }
 
-/// Asks for the row `i` of `at` in `x` ahead of its use (a hint: no
-/// effect on values, none past the rows).
-#[inline(always)]
-fn prefetch_row<T>(x: &[T], (h, d): (usize, usize), at: Rows, i: usize) {
-    if i < at.len {
-        let row = &x[((at.start + i) * h + at.head) * d..][..d];
-        let bytes = std::mem::size_of_val(row);
-        #[cfg(target_arch = "x86_64")]
-        for off in (0..bytes).step_by(64) {
-            // SAFETY: a prefetch never faults; the address is within `row`.
-            unsafe {
-                use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-                _mm_prefetch::<_MM_HINT_T0>(row.as_ptr().cast::<i8>().add(off));
-            }
-        }
-    }
-}
-
-/// How many rows ahead the gathers prefetch (issue 37, the 16,267-token
-/// forward, three runs each: 8 rows 0.1319-0.1353 s, 16 rows 0.1309-0.1342
-/// s, 4 rows 0.1331-0.1364 s; without prefetching 0.138 s: within this
-/// machine's noise of each other, all ahead of none).
-const AHEAD: usize = 16;
-
 fn round_up(x: usize, to: usize) -> usize {
     x.div_ceil(to) * to
-}
-
-/// The bits of `|x|` (the sign cleared): their maximum over a tensor is the
-/// bits of its largest magnitude, and at least [`NON_FINITE_BITS`] when
-/// some element is infinite or NaN. What the gathers see of their rows
-/// ([`Seen`]), at the cost of an integer maximum per element read.
-#[inline(always)]
-fn magnitude_bits(x: f32) -> u32 {
-    x.to_bits() & 0x7fff_ffff
-}
-
-/// `f32::INFINITY`'s bits: a [`magnitude_bits`] at or over it is a
-/// non-finite value.
-const NON_FINITE_BITS: u32 = 0x7f80_0000;
-
-/// What the gathers of one call read of `q`, `k`, `v` (and, in a backward,
-/// `grad_output`): the largest [`magnitude_bits`] of each, and whether they
-/// read every element of each (every row of every head belongs to some
-/// item; segments without queries or keys, and keys past `seqused_k`, are
-/// read by none). The varlen kernels' value checks (f32 and bf16, in place
-/// or through the boundary), made by the pass that reads the values anyway
-/// (issue 37: a separate pass over `q`, `k`, `v` cost 6 % of the forward).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub(crate) struct Seen {
-    pub(crate) bits: [u32; 4],
-    pub(crate) every_element: bool,
-}
-
-impl Seen {
-    /// `max |x|` of `q`, `k`, `v`, `grad_output` (0 where not read) when
-    /// every element was read and each is finite; `None` otherwise (then
-    /// only a full pass can say which value is bad, or whether one is).
-    pub(crate) fn amax(&self) -> Option<[f32; 4]> {
-        (self.every_element && self.bits.iter().all(|&b| b < NON_FINITE_BITS))
-            .then(|| self.bits.map(f32::from_bits))
-    }
-
-    fn of(
-        bits: [u32; 4],
-        items: &[Item],
-        (n_q, n_k): (usize, usize),
-        (h, h_kv): (usize, usize),
-    ) -> Self {
-        // Items own disjoint (query rows, head) pairs; a group's query
-        // heads share its key rows, counted once (its first head's item).
-        let group = h / h_kv.max(1);
-        let q_rows: usize = items.iter().map(|it| it.q_len).sum();
-        let k_rows: usize = items
-            .iter()
-            .filter(|it| it.head % group.max(1) == 0)
-            .map(|it| it.k_len)
-            .sum();
-        Seen {
-            bits,
-            every_element: q_rows == n_q * h && k_rows == n_k * h_kv,
-        }
-    }
-}
-
-fn max_bits<const N: usize>(a: [u32; N], b: [u32; N]) -> [u32; N] {
-    std::array::from_fn(|i| a[i].max(b[i]))
-}
-
-/// `out: [rows, dp]` (resized; its capacity kept, so a reused buffer
-/// allocates nothing): the tile of the rows `at` of `x: [n, h, d]`,
-/// zero-padded. Returns the largest [`magnitude_bits`] of the rows read.
-#[inline(always)]
-fn gather_into<T: Element>(
-    out: &mut Vec<f32>,
-    x: &[T],
-    (h, d): (usize, usize),
-    at: Rows,
-    (rows, dp): (usize, usize),
-) -> u32 {
-    // Every element is written below: the real rows' values and padding,
-    // the padding rows' zeros (no clearing pass first).
-    out.resize(rows * dp, 0.0);
-    let mut seen = 0;
-    for i in 0..at.len {
-        prefetch_row(x, (h, d), at, i + AHEAD);
-        let src = &x[((at.start + i) * h + at.head) * d..][..d];
-        let row = &mut out[i * dp..(i + 1) * dp];
-        for (o, &s) in row.iter_mut().zip(src) {
-            *o = s.to_f32();
-            seen = seen.max(magnitude_bits(*o));
-        }
-        row[d..].fill(0.0);
-    }
-    out[at.len * dp..].fill(0.0);
-    seen
-}
-
-/// The transpose of [`gather_into`] in panels of [`BLOCK_Q`] rows, into
-/// `out` (as [`gather_into`]): `[rows / BLOCK_Q, dp, BLOCK_Q]`, panel `t`
-/// the transpose `[dp, BLOCK_Q]` of the rows `t * BLOCK_Q..(t + 1) *
-/// BLOCK_Q` (`rows` a multiple of [`BLOCK_Q`]): the `Q^T` and `dO^T` of a
-/// query block, the transposed tiles' `B` operands (`S^T = K Q^T`, `dP^T = V
-/// dO^T`), one contiguous 16 KiB block at `d` = 64. Returns the largest
-/// [`magnitude_bits`] of the rows read.
-#[inline(always)]
-fn gather_t_into<T: Element>(
-    out: &mut Vec<f32>,
-    x: &[T],
-    (h, d): (usize, usize),
-    at: Rows,
-    (rows, dp): (usize, usize),
-) -> u32 {
-    debug_assert!(rows.is_multiple_of(BLOCK_Q));
-    // Every element is written below (no clearing pass first): the real
-    // rows' values, their padding columns `d..dp`, and the padding rows'
-    // lanes of the last panel and the panels past it.
-    out.resize(dp * rows, 0.0);
-    let mut seen = 0;
-    for i in 0..at.len {
-        prefetch_row(x, (h, d), at, i + AHEAD);
-        let src = &x[((at.start + i) * h + at.head) * d..][..d];
-        seen = src
-            .iter()
-            .fold(seen, |m, s| m.max(magnitude_bits(s.to_f32())));
-        let panel = &mut out[(i / BLOCK_Q) * dp * BLOCK_Q..][..dp * BLOCK_Q];
-        for (c, &s) in src.iter().enumerate() {
-            panel[c * BLOCK_Q + i % BLOCK_Q] = s.to_f32();
-        }
-    }
-    let panels = at.len.div_ceil(BLOCK_Q);
-    for (t, panel) in out.chunks_exact_mut(dp * BLOCK_Q).enumerate() {
-        let real = if t < panels {
-            (at.len - t * BLOCK_Q).min(BLOCK_Q)
-        } else {
-            0
-        };
-        for (c, lanes) in panel.chunks_exact_mut(BLOCK_Q).enumerate() {
-            lanes[if c < d { real } else { 0 }..].fill(0.0);
-        }
-    }
-    seen
 }
 
 struct Forward<'a, 'p, 'm, T> {
@@ -481,7 +321,11 @@ mod backward;
 mod dense;
 mod disjoint;
 mod forward;
+mod gather;
 mod scan;
+use gather::{gather_into, gather_t_into};
+use scan::max_bits;
+pub(crate) use scan::Seen;
 pub use scan::{check_finite, finite_amax};
 pub mod mask;
 #[cfg(test)]
@@ -503,7 +347,7 @@ use tile::tile_keys;
 /// pairs: one item per (segment, head), segments disjoint token ranges,
 /// checked by the callers).
 ///
-/// Returns the largest [`magnitude_bits`] the items read of `q`, `k`, `v`.
+/// Returns the largest [`magnitude_bits`](scan::magnitude_bits) the items read of `q`, `k`, `v`.
 fn run_forward<T: Element>(
     pb: &Problem<T>,
     n: usize,
@@ -542,9 +386,7 @@ fn standard<'a, T: Element>(x: &'a ArrayView3<'a, T>) -> CowArray<'a, T, Ix3> {
 
 fn check_inputs<T: Element>(q: &ArrayView3<T>, k: &ArrayView3<T>, v: &ArrayView3<T>) -> Result<()> {
     check_qkv_shapes(q.shape(), k.shape(), v.shape())?;
-    check_finite("q", q)?;
-    check_finite("k", k)?;
-    check_finite("v", v)
+    values_finite([("q", q), ("k", k), ("v", v)], None)
 }
 
 /// The items of a varlen problem: one per (segment with queries and used

@@ -17,7 +17,7 @@ use packshard_reference::{Error, Result};
 use pulp::{Simd, WithSimd};
 use rayon::prelude::*;
 
-use super::Element;
+use super::{Element, Item};
 
 /// Elements per parallel piece of [`finite_amax`]: 256 KiB of `f32`, small
 /// enough to balance two threads on one head's tensor, large enough that
@@ -106,6 +106,67 @@ fn first_non_finite<T: Element>(field: &str, x: &ArrayView3<T>) -> Error {
     }
 }
 
+/// The bits of `|x|` (the sign cleared): their maximum over a tensor is the
+/// bits of its largest magnitude, and at least [`NON_FINITE_BITS`] when
+/// some element is infinite or NaN. What the gathers see of their rows
+/// ([`Seen`]), at the cost of an integer maximum per element read.
+#[inline(always)]
+pub(super) fn magnitude_bits(x: f32) -> u32 {
+    x.to_bits() & 0x7fff_ffff
+}
+
+/// `f32::INFINITY`'s bits: a [`magnitude_bits`] at or over it is a
+/// non-finite value.
+pub(super) const NON_FINITE_BITS: u32 = 0x7f80_0000;
+
+/// What the gathers of one call read of `q`, `k`, `v` (and, in a backward,
+/// `grad_output`): the largest [`magnitude_bits`] of each, and whether they
+/// read every element of each (every row of every head belongs to some
+/// item; segments without queries or keys, and keys past `seqused_k`, are
+/// read by none). The varlen kernels' value checks (f32 and bf16, in place
+/// or through the boundary), made by the pass that reads the values anyway
+/// (issue 37: a separate pass over `q`, `k`, `v` cost 6 % of the forward).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct Seen {
+    pub(crate) bits: [u32; 4],
+    pub(crate) every_element: bool,
+}
+
+impl Seen {
+    /// `max |x|` of `q`, `k`, `v`, `grad_output` (0 where not read) when
+    /// every element was read and each is finite; `None` otherwise (then
+    /// only a full pass can say which value is bad, or whether one is).
+    pub(crate) fn amax(&self) -> Option<[f32; 4]> {
+        (self.every_element && self.bits.iter().all(|&b| b < NON_FINITE_BITS))
+            .then(|| self.bits.map(f32::from_bits))
+    }
+
+    pub(super) fn of(
+        bits: [u32; 4],
+        items: &[Item],
+        (n_q, n_k): (usize, usize),
+        (h, h_kv): (usize, usize),
+    ) -> Self {
+        // Items own disjoint (query rows, head) pairs; a group's query
+        // heads share its key rows, counted once (its first head's item).
+        let group = h / h_kv.max(1);
+        let q_rows: usize = items.iter().map(|it| it.q_len).sum();
+        let k_rows: usize = items
+            .iter()
+            .filter(|it| it.head % group.max(1) == 0)
+            .map(|it| it.k_len)
+            .sum();
+        Seen {
+            bits,
+            every_element: q_rows == n_q * h && k_rows == n_k * h_kv,
+        }
+    }
+}
+
+pub(super) fn max_bits<const N: usize>(a: [u32; N], b: [u32; N]) -> [u32; N] {
+    std::array::from_fn(|i| a[i].max(b[i]))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -182,7 +243,7 @@ mod tests {
     /// says so and gives no maximum.
     #[test]
     fn the_kernels_reads_see_every_element_or_say_they_did_not() {
-        use super::super::{varlen_backward_seen, varlen_forward_seen, NON_FINITE_BITS};
+        use super::super::{varlen_backward_seen, varlen_forward_seen};
         use packshard_reference::ops::Varlen;
         let (n, d) = (70, 8);
         let t = |h: usize, o: usize| {

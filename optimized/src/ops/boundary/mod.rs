@@ -17,10 +17,12 @@
 //! Every item of both is re-exported here (`ops::boundary::<item>`).
 
 pub mod attention;
+pub mod in_place;
 pub mod layer;
 pub mod losses;
 
 pub use attention::*;
+pub use in_place::*;
 pub use layer::*;
 pub use losses::*;
 
