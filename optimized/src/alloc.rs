@@ -130,6 +130,166 @@ pub fn keep_freed_memory() -> bool {
     false
 }
 
+/// The smallest block [`KeptBlocks`] keeps (bytes): below it glibc's heap
+/// already serves a freed block again (its mapping threshold rises to 32
+/// MiB after such frees), and small blocks are not worth a lock.
+pub const KEPT_MIN: usize = 4 << 20;
+
+/// How many freed blocks [`KeptBlocks`] holds at most.
+pub const KEPT_SLOTS: usize = 8;
+
+/// The bytes [`KeptBlocks`] holds at most unless `PACKSHARD_KEPT_BYTES`
+/// says otherwise: a BERT-base attention forward and backward over 16,384
+/// tokens frees about 260 MiB of outputs and gradients per call.
+pub const KEPT_BYTES_DEFAULT: usize = 512 << 20;
+
+/// A global allocator that keeps up to [`KEPT_SLOTS`] freed blocks of at
+/// least [`KEPT_MIN`] bytes (together at most `PACKSHARD_KEPT_BYTES`, read
+/// once, default [`KEPT_BYTES_DEFAULT`]; `0` keeps nothing) and hands one
+/// back when a block of exactly its size and alignment is asked for again;
+/// everything else goes straight to the system allocator.
+///
+/// For a library inside someone else's process (the Python extension
+/// installs it), where [`keep_freed_memory`]'s process-wide `mallopt` is
+/// not ours to set: the same outputs asked for call after call (an attention
+/// forward's `[n, h, d]`, 50 MiB at a batch's size) are otherwise mapped
+/// afresh by glibc every call, and each of their pages faulted and cleared
+/// by the kernel on first write (issue 37, one core: a forward 0.244 s with
+/// fresh outputs against 0.224 s with kept ones). A block handed out again
+/// by `alloc_zeroed` is cleared here; a fresh one comes cleared from the
+/// kernel. The price: up to the limit stays allocated after the arrays are
+/// gone (`tests/kept_blocks.rs`).
+#[derive(Debug, Default, Clone, Copy)]
+pub struct KeptBlocks;
+
+/// The blocks [`KeptBlocks`] holds: `(address, size, alignment)`, size 0
+/// for an empty slot. A `Mutex` allocates nothing (a futex on Linux).
+static KEPT: std::sync::Mutex<[(usize, usize, usize); KEPT_SLOTS]> =
+    std::sync::Mutex::new([(0, 0, 0); KEPT_SLOTS]);
+
+/// `PACKSHARD_KEPT_BYTES`, read on the first large free (usize::MAX: not
+/// read yet).
+static KEPT_LIMIT: AtomicUsize = AtomicUsize::new(usize::MAX);
+
+fn kept_limit() -> usize {
+    let limit = KEPT_LIMIT.load(Ordering::Relaxed);
+    if limit != usize::MAX {
+        return limit;
+    }
+    // Reading the environment allocates: only from `dealloc`, outside the
+    // lock, and a nested large free reads it again (the same answer).
+    let limit = std::env::var("PACKSHARD_KEPT_BYTES")
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .unwrap_or(KEPT_BYTES_DEFAULT)
+        .min(usize::MAX - 1);
+    KEPT_LIMIT.store(limit, Ordering::Relaxed);
+    limit
+}
+
+impl KeptBlocks {
+    /// A kept block of exactly `layout`, taken out of its slot.
+    fn take(layout: Layout) -> Option<*mut u8> {
+        if layout.size() < KEPT_MIN {
+            return None;
+        }
+        let mut slots = KEPT.lock().unwrap_or_else(|e| e.into_inner());
+        let slot = slots
+            .iter_mut()
+            .find(|s| s.1 == layout.size() && s.2 == layout.align())?;
+        let ptr = slot.0 as *mut u8;
+        *slot = (0, 0, 0);
+        Some(ptr)
+    }
+
+    /// Whether the freed `ptr` of `layout` went into a slot (false: the
+    /// caller frees it).
+    fn keep(ptr: *mut u8, layout: Layout) -> bool {
+        if layout.size() < KEPT_MIN {
+            return false;
+        }
+        let limit = kept_limit();
+        let mut slots = KEPT.lock().unwrap_or_else(|e| e.into_inner());
+        let held: usize = slots.iter().map(|s| s.1).sum();
+        if held + layout.size() > limit {
+            return false;
+        }
+        match slots.iter_mut().find(|s| s.1 == 0) {
+            Some(slot) => {
+                *slot = (ptr as usize, layout.size(), layout.align());
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// The bytes held now (freed blocks kept for reuse).
+    pub fn held_bytes() -> usize {
+        let slots = KEPT.lock().unwrap_or_else(|e| e.into_inner());
+        slots.iter().map(|s| s.1).sum()
+    }
+
+    /// Hands every kept block back to the system allocator; returns the
+    /// bytes released.
+    pub fn release() -> usize {
+        let taken = {
+            let mut slots = KEPT.lock().unwrap_or_else(|e| e.into_inner());
+            std::mem::replace(&mut *slots, [(0, 0, 0); KEPT_SLOTS])
+        };
+        let mut bytes = 0;
+        for (ptr, size, align) in taken {
+            if size > 0 {
+                // SAFETY: the block came from `System` with this layout
+                // (kept by `dealloc`, never handed out since).
+                unsafe {
+                    System.dealloc(
+                        ptr as *mut u8,
+                        Layout::from_size_align_unchecked(size, align),
+                    )
+                };
+                bytes += size;
+            }
+        }
+        bytes
+    }
+}
+
+// SAFETY: every block comes from `System` and goes back to it (kept blocks
+// are handed out only for their exact layout, or released).
+unsafe impl GlobalAlloc for KeptBlocks {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        match Self::take(layout) {
+            Some(ptr) => ptr,
+            // SAFETY: the caller's contract, passed on.
+            None => unsafe { System.alloc(layout) },
+        }
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        match Self::take(layout) {
+            Some(ptr) => {
+                // SAFETY: the block is `layout.size()` bytes, ours now.
+                unsafe { ptr.write_bytes(0, layout.size()) };
+                ptr
+            }
+            // SAFETY: the caller's contract, passed on.
+            None => unsafe { System.alloc_zeroed(layout) },
+        }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        if !Self::keep(ptr, layout) {
+            // SAFETY: the caller's contract, passed on.
+            unsafe { System.dealloc(ptr, layout) };
+        }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        // SAFETY: `ptr` came from `System` (fresh or kept), with `layout`.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
 /// Asks the kernel to back the 2 MiB-aligned part of a fresh buffer with
 /// transparent huge pages (`madvise(MADV_HUGEPAGE)`, Linux), before its
 /// first write: an output of tens of MiB (attention's `[n, h, d]`) is

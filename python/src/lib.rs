@@ -12,6 +12,16 @@
 //! Shape legend as in `packshard-reference`: `n_tok` tokens, `b` segments,
 //! `h` heads, `d` head dim, `n` rows, `v` vocabulary, `p` shards.
 
+/// The extension keeps the large blocks it frees for its next call of the
+/// same shape ([`packshard_optimized::alloc::KeptBlocks`]: at most 8 blocks,
+/// `PACKSHARD_KEPT_BYTES`, default 512 MiB): numpy arrays the package
+/// returns own Rust memory, so an attention output freed by Python comes
+/// back for the next call without the kernel's page faults and clearing
+/// (issue 37). Only under `python`: `cargo test` keeps the system allocator.
+#[cfg(feature = "python")]
+#[global_allocator]
+static ALLOC: packshard_optimized::alloc::KeptBlocks = packshard_optimized::alloc::KeptBlocks;
+
 pub mod cases;
 pub mod collator;
 pub mod core;

@@ -1,0 +1,95 @@
+//! `KeptBlocks` keeps freed large blocks for the next request of the same
+//! layout: such a block costs no page faults the second time, comes back
+//! zeroed from `alloc_zeroed`, and the limit (`PACKSHARD_KEPT_BYTES`), the
+//! size floor and `release` hold. Its own binary without libtest's harness
+//! (`harness = false`): a global allocator is the whole process's, and the
+//! limit is read once, at the first large free.
+
+use packshard_optimized::alloc::{KeptBlocks, KEPT_MIN};
+
+#[global_allocator]
+static ALLOC: KeptBlocks = KeptBlocks;
+
+const BYTES: usize = 64 << 20;
+
+fn main() {
+    // Set before the first large free (read once then): room for one block
+    // of BYTES, not two.
+    // SAFETY: no other thread exists yet.
+    unsafe { std::env::set_var("PACKSHARD_KEPT_BYTES", (BYTES + BYTES / 2).to_string()) };
+    a_freed_block_is_handed_back_zeroed_without_page_faults();
+    the_limit_the_floor_and_release_hold();
+    println!("kept_blocks: ok");
+}
+
+#[cfg(target_os = "linux")]
+fn minor_faults() -> i64 {
+    // SAFETY: getrusage writes the struct it is given.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    assert_eq!(unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) }, 0);
+    u.ru_minflt
+}
+
+#[cfg(not(target_os = "linux"))]
+fn minor_faults() -> i64 {
+    0
+}
+
+/// A zeroed block of `BYTES`, every page written (1s), its address, and the
+/// page faults that took.
+fn touched_block() -> (Vec<u8>, usize, i64) {
+    let before = minor_faults();
+    let mut v = vec![0u8; BYTES];
+    assert!(
+        v.iter().step_by(4093).all(|&x| x == 0),
+        "a block came back dirty"
+    );
+    for page in v.chunks_mut(4096) {
+        page[0] = 1;
+    }
+    let at = v.as_ptr() as usize;
+    (std::hint::black_box(v), at, minor_faults() - before)
+}
+
+fn a_freed_block_is_handed_back_zeroed_without_page_faults() {
+    let (v, first_at, fresh) = touched_block();
+    // Control: a fresh block faults its pages (at least one per 2 MiB even
+    // with huge pages; 16,384 with 4 KiB pages).
+    if cfg!(target_os = "linux") {
+        assert!(
+            fresh >= (BYTES >> 21) as i64,
+            "{fresh} faults for a fresh block"
+        );
+    }
+    drop(v);
+    assert_eq!(KeptBlocks::held_bytes(), BYTES);
+    // Asked for again: the same block, written with 1s before, now zeroed
+    // (checked in touched_block), and no fault for its pages.
+    let (v, again_at, reused) = touched_block();
+    assert_eq!(again_at, first_at);
+    assert_eq!(KeptBlocks::held_bytes(), 0);
+    assert!(
+        reused < 16,
+        "{reused} faults for a kept block (fresh: {fresh})"
+    );
+    drop(v);
+}
+
+fn the_limit_the_floor_and_release_hold() {
+    KeptBlocks::release();
+    // Two blocks freed: the limit (1.5 x BYTES) holds one.
+    let (a, b) = (vec![1u8; BYTES], vec![2u8; BYTES]);
+    drop(a);
+    drop(b);
+    assert_eq!(KeptBlocks::held_bytes(), BYTES);
+    // Another size is not served from the kept block.
+    let other = vec![3u8; BYTES + 4096];
+    assert_eq!(KeptBlocks::held_bytes(), BYTES);
+    drop(other); // over the limit with the kept one: freed
+    assert_eq!(KeptBlocks::held_bytes(), BYTES);
+    // Below the floor: never kept.
+    drop(vec![4u8; KEPT_MIN - 1]);
+    assert_eq!(KeptBlocks::held_bytes(), BYTES);
+    assert_eq!(KeptBlocks::release(), BYTES);
+    assert_eq!(KeptBlocks::held_bytes(), 0);
+}
