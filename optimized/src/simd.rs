@@ -105,6 +105,10 @@ pub fn exp<S: Simd>(simd: S, x: S::f32s) -> S::f32s {
     p = simd.mul_add_f32s(p, r, simd.splat_f32s(5e-1));
     let r2 = simd.mul_f32s(r, r);
     let y = simd.mul_add_f32s(p, r2, simd.add_f32s(r, simd.splat_f32s(1.0)));
+    #[cfg(target_arch = "x86_64")]
+    if let Some(y) = scaled_v4(simd, y, n, too_small) {
+        return y;
+    }
     // 2^n from the integer in t's low bits: ((n + 127) << 23) as f32 bits.
     let n_bits = simd.sub_u32s(
         simd.transmute_u32s_f32s(t),
@@ -116,6 +120,40 @@ pub fn exp<S: Simd>(simd: S, x: S::f32s) -> S::f32s {
     );
     let y = simd.mul_f32s(y, simd.transmute_f32s_u32s(e));
     simd.select_f32s(too_small, simd.splat_f32s(0.0), y)
+}
+
+/// With AVX-512 (`S` is pulp's `V4`), [`exp`]'s last step in one
+/// instruction: `y 2^n`, 0 where `zero`, by `vscalefps` (with a zeroing
+/// mask) in place of building `2^n` from exponent bits and multiplying
+/// (four instructions of about twenty; the attention forward's softmax is
+/// mostly `exp`, issue 37). The same bits: both multiply `y` by the same
+/// power of two, exactly or correctly rounded where the result is
+/// subnormal. `None` for other `S`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn scaled_v4<S: Simd>(simd: S, y: S::f32s, n: S::f32s, zero: S::m32s) -> Option<S::f32s> {
+    use core::any::TypeId;
+    use core::arch::x86_64::{__m512, __mmask16};
+    use core::mem::{size_of, transmute_copy};
+    if TypeId::of::<S>() != TypeId::of::<pulp::x86::V4>()
+        || size_of::<S::f32s>() != size_of::<__m512>()
+        || size_of::<S::m32s>() != size_of::<__mmask16>()
+    {
+        return None;
+    }
+    // SAFETY: `S` is `V4` (its f32 vector is `__m512`'s 64 bytes, its mask
+    // `__mmask16`'s 2: checked above), so each copy reads a value of the
+    // same size and layout as it writes.
+    unsafe {
+        let v4: pulp::x86::V4 = transmute_copy(&simd);
+        let keep = !transmute_copy::<S::m32s, __mmask16>(&zero);
+        let (y, n) = (
+            transmute_copy::<S::f32s, __m512>(&y),
+            transmute_copy::<S::f32s, __m512>(&n),
+        );
+        let r = v4.avx512f._mm512_maskz_scalef_ps(keep, y, n);
+        Some(transmute_copy::<__m512, S::f32s>(&r))
+    }
 }
 
 /// `erf(x)` lane-wise: XLA's `ErfImpl32` rational approximation on `x`
@@ -482,6 +520,49 @@ mod tests {
         let mut one = [0.0f32; 3];
         exp_slice(&mut one);
         assert_eq!(one, [1.0; 3]);
+    }
+
+    /// [`exp`] gives the same bits whichever instruction set runs it: with
+    /// AVX-512 its last step is `vscalefps` ([`scaled_v4`]), elsewhere a
+    /// multiply by `2^n` built from exponent bits; pulp's scalar `Simd` runs
+    /// the latter here, one lane at a time, on the same `x`.
+    #[test]
+    fn exp_has_the_same_bits_on_every_instruction_set() {
+        let mut xs: Vec<f32> = (0..400_001)
+            .map(|i| -90.0 + 180.0 * i as f32 / 400_000.0)
+            .collect();
+        // Around the cut at -87, 2^n's smallest normal and the top.
+        xs.extend([-87.0, -86.999_99, -87.000_01, -86.5, -0.0, 0.0, 88.0, 87.9]);
+        xs.extend([f32::NEG_INFINITY, -1e30, 1e-40, -1e-40]);
+        let mut dispatched = xs.clone();
+        exp_slice(&mut dispatched);
+        struct Scalar<'a>(&'a mut [f32]);
+        impl WithSimd for Scalar<'_> {
+            type Output = ();
+            #[inline(always)]
+            fn with_simd<S: Simd>(self, simd: S) {
+                for x in self.0.iter_mut() {
+                    let mut v = [*x; 16];
+                    let (h, _) = S::as_mut_simd_f32s(&mut v[..S::F32_LANES]);
+                    h[0] = exp(simd, h[0]);
+                    *x = v[0];
+                }
+            }
+        }
+        let mut scalar = xs.clone();
+        pulp::Scalar::new().vectorize(Scalar(&mut scalar));
+        let differ: Vec<(f32, f32, f32)> = xs
+            .iter()
+            .zip(dispatched.iter().zip(&scalar))
+            .filter(|(_, (a, b))| a.to_bits() != b.to_bits())
+            .map(|(&x, (&a, &b))| (x, a, b))
+            .take(5)
+            .collect();
+        assert!(
+            differ.is_empty(),
+            "(x, {}, scalar): {differ:?}",
+            arch_name()
+        );
     }
 
     #[test]
