@@ -298,16 +298,22 @@ unsafe impl GlobalAlloc for KeptBlocks {
 /// Advice only: on other systems, with huge pages off, or where the kernel
 /// declines, nothing changes (the result of the call is ignored).
 pub fn huge_pages(buf: &mut [f32]) {
+    advise_huge(buf.as_mut_ptr() as usize, std::mem::size_of_val(buf));
+}
+
+/// [`huge_pages`] of the `bytes` at address `start` (a block this process
+/// owns, initialised or not: the advice reads and writes nothing).
+fn advise_huge(start: usize, bytes: usize) {
     #[cfg(target_os = "linux")]
     {
         const HUGE: usize = 2 << 20;
-        let start = buf.as_mut_ptr() as usize;
-        let end = start + std::mem::size_of_val(buf);
+        let end = start + bytes;
         let first = start.next_multiple_of(HUGE);
         let last = end / HUGE * HUGE;
         if last > first {
-            // SAFETY: the range lies inside `buf` (whole pages within it);
-            // MADV_HUGEPAGE changes no contents, only how pages are backed.
+            // SAFETY: the range lies inside the caller's block (whole pages
+            // within it); MADV_HUGEPAGE changes no contents, only how pages
+            // are backed.
             unsafe {
                 libc::madvise(
                     first as *mut libc::c_void,
@@ -318,12 +324,42 @@ pub fn huge_pages(buf: &mut [f32]) {
         }
     }
     #[cfg(not(target_os = "linux"))]
-    let _ = buf;
+    let _ = (start, bytes);
+}
+
+/// A zeroed `f32` array of `shape` for a kernel's output, cleared by all of
+/// rayon's threads: the block is asked for uninitialised (a block kept by
+/// [`KeptBlocks`] comes back without the allocator's one-thread clearing),
+/// advised onto huge pages ([`huge_pages`]) before its first write, and its
+/// chunks zeroed in parallel, so that a fresh mapping's page faults are
+/// taken on every core too (issue 37: an attention forward's 50 MiB output,
+/// its backward's three gradients).
+pub fn zeros_parallel<D: ndarray::Dimension>(shape: D) -> ndarray::Array<f32, D> {
+    use rayon::prelude::*;
+    let mut a = ndarray::Array::<f32, D>::uninit(shape);
+    let flat = a.as_slice_mut().expect("a fresh array is contiguous");
+    advise_huge(flat.as_ptr() as usize, std::mem::size_of_val(flat));
+    flat.par_chunks_mut(1 << 16).for_each(|chunk| {
+        for x in chunk {
+            x.write(0.0);
+        }
+    });
+    // SAFETY: every element was written (zero) just above.
+    unsafe { a.assume_init() }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::huge_pages;
+    use super::{huge_pages, zeros_parallel};
+
+    #[test]
+    fn zeros_parallel_is_all_zeros_whatever_the_shape() {
+        for shape in [(0, 3, 4), (1, 1, 1), (3, 5, 7), (1 << 10, 12, 64)] {
+            let z = zeros_parallel(ndarray::Ix3(shape.0, shape.1, shape.2));
+            assert_eq!(z.dim(), shape);
+            assert!(z.iter().all(|&x| x.to_bits() == 0), "{shape:?}");
+        }
+    }
 
     /// The advice changes no value: written before and after it (the
     /// kernel's `MADV_DONTNEED` would zero them), on buffers with no whole

@@ -19,6 +19,7 @@ fn main() {
     unsafe { std::env::set_var("PACKSHARD_KEPT_BYTES", (BYTES + BYTES / 2).to_string()) };
     a_freed_block_is_handed_back_zeroed_without_page_faults();
     the_limit_the_floor_and_release_hold();
+    zeros_parallel_clears_a_dirty_kept_block();
     println!("kept_blocks: ok");
 }
 
@@ -91,5 +92,26 @@ fn the_limit_the_floor_and_release_hold() {
     drop(vec![4u8; KEPT_MIN - 1]);
     assert_eq!(KeptBlocks::held_bytes(), BYTES);
     assert_eq!(KeptBlocks::release(), BYTES);
+    assert_eq!(KeptBlocks::held_bytes(), 0);
+}
+
+/// `zeros_parallel` asks for its block uninitialised (so a kept block comes
+/// back without the allocator's clearing) and clears it itself: a block
+/// freed full of 1s comes back as the array, every element 0.
+fn zeros_parallel_clears_a_dirty_kept_block() {
+    use packshard_optimized::alloc::zeros_parallel;
+    KeptBlocks::release();
+    let n = BYTES / 4;
+    let dirty = vec![1.0f32; n];
+    let at = dirty.as_ptr() as usize;
+    drop(dirty);
+    assert_eq!(KeptBlocks::held_bytes(), BYTES);
+    let z = zeros_parallel(ndarray::Ix3(n / 64 / 4, 4, 64));
+    assert_eq!(
+        z.as_ptr() as usize,
+        at,
+        "the kept block was not the one reused"
+    );
+    assert!(z.iter().all(|&x| x.to_bits() == 0), "a nonzero element");
     assert_eq!(KeptBlocks::held_bytes(), 0);
 }

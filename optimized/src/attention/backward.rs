@@ -376,13 +376,11 @@ pub(super) fn run_backward<T: Element>(
         lse: fl.as_slice().expect("standard layout"),
         dout,
     };
-    let mut grad_q = Array3::zeros((n, h, d));
-    let mut grad_k = Array3::zeros((n_k, h_kv, d));
-    let mut grad_v = Array3::zeros((n_k, h_kv, d));
-    // Tens of MiB each at a batch's size: faulted in 2 MiB at a time.
-    for g in [&mut grad_q, &mut grad_k, &mut grad_v] {
-        crate::alloc::huge_pages(g.as_slice_mut().expect("fresh array"));
-    }
+    // Tens of MiB each at a batch's size: cleared on every thread, faulted
+    // in 2 MiB at a time.
+    let mut grad_q = crate::alloc::zeros_parallel(Ix3(n, h, d));
+    let mut grad_k = crate::alloc::zeros_parallel(Ix3(n_k, h_kv, d));
+    let mut grad_v = crate::alloc::zeros_parallel(Ix3(n_k, h_kv, d));
     // The units: runs of items with the same segment and key head (the
     // items list a segment's query heads in order, so a group's heads are
     // adjacent). Units own disjoint rows: a query row of one (segment,

@@ -355,10 +355,10 @@ fn run_forward<T: Element>(
 ) -> (AttentionOutput32, [u32; 3]) {
     let (h, d) = (pb.h, pb.d);
     let arch = simd::arch();
-    let mut output = Array3::zeros((n, h, d));
+    // Tens of MiB at a batch's size: cleared on every thread, faulted in
+    // 2 MiB at a time.
+    let mut output = crate::alloc::zeros_parallel(Ix3(n, h, d));
     let mut lse = Array2::from_elem((h, n), f32::NEG_INFINITY);
-    // Tens of MiB at a batch's size: faulted in 2 MiB at a time.
-    crate::alloc::huge_pages(output.as_slice_mut().expect("fresh array"));
     let out = Disjoint::new(output.as_slice_mut().expect("fresh array"), (h, d));
     let lse_all = Disjoint::new(lse.as_slice_mut().expect("fresh array"), (1, 1));
     // The thread's buffers are borrowed outside the dispatch, so that the
