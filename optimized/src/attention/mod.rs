@@ -55,7 +55,7 @@
 use std::ops::Range;
 
 use half::bf16;
-use ndarray::{Array2, Array3, ArrayView2, ArrayView3, CowArray, Ix3};
+use ndarray::{Array2, ArrayView2, ArrayView3, CowArray, Ix3};
 use packshard_reference::attention::options::visible_keys;
 use packshard_reference::attention::{
     check_grad_shapes, check_mask_shape, check_qkv_shapes, check_varlen, check_varlen_options,
