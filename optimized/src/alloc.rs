@@ -145,9 +145,10 @@ pub const KEPT_BYTES_DEFAULT: usize = 512 << 20;
 
 /// A global allocator that keeps up to [`KEPT_SLOTS`] freed blocks of at
 /// least [`KEPT_MIN`] bytes (together at most `PACKSHARD_KEPT_BYTES`, read
-/// once, default [`KEPT_BYTES_DEFAULT`]; `0` keeps nothing) and hands one
-/// back when a block of exactly its size and alignment is asked for again;
-/// everything else goes straight to the system allocator.
+/// once, default [`KEPT_BYTES_DEFAULT`]; `0` keeps nothing), freeing the
+/// oldest to make room for the newest, and hands one back when a block of
+/// exactly its size and alignment is asked for again; everything else goes
+/// straight to the system allocator.
 ///
 /// For a library inside someone else's process (the Python extension
 /// installs it), where [`keep_freed_memory`]'s process-wide `mallopt` is
@@ -162,10 +163,27 @@ pub const KEPT_BYTES_DEFAULT: usize = 512 << 20;
 #[derive(Debug, Default, Clone, Copy)]
 pub struct KeptBlocks;
 
-/// The blocks [`KeptBlocks`] holds: `(address, size, alignment)`, size 0
-/// for an empty slot. A `Mutex` allocates nothing (a futex on Linux).
-static KEPT: std::sync::Mutex<[(usize, usize, usize); KEPT_SLOTS]> =
-    std::sync::Mutex::new([(0, 0, 0); KEPT_SLOTS]);
+/// One block [`KeptBlocks`] holds (`size` 0: an empty slot), `stamp` the
+/// order of its free (the oldest goes first when room is needed).
+#[derive(Clone, Copy)]
+struct Slot {
+    addr: usize,
+    size: usize,
+    align: usize,
+    stamp: u64,
+}
+
+const EMPTY: Slot = Slot {
+    addr: 0,
+    size: 0,
+    align: 0,
+    stamp: 0,
+};
+
+/// The blocks [`KeptBlocks`] holds, and the last stamp given. A `Mutex`
+/// allocates nothing (a futex on Linux).
+static KEPT: std::sync::Mutex<([Slot; KEPT_SLOTS], u64)> =
+    std::sync::Mutex::new(([EMPTY; KEPT_SLOTS], 0));
 
 /// `PACKSHARD_KEPT_BYTES`, read on the first large free (usize::MAX: not
 /// read yet).
@@ -193,64 +211,98 @@ impl KeptBlocks {
         if layout.size() < KEPT_MIN {
             return None;
         }
-        let mut slots = KEPT.lock().unwrap_or_else(|e| e.into_inner());
-        let slot = slots
+        let mut kept = KEPT.lock().unwrap_or_else(|e| e.into_inner());
+        // The newest of that layout (the likeliest still in the cache).
+        let slot = kept
+            .0
             .iter_mut()
-            .find(|s| s.1 == layout.size() && s.2 == layout.align())?;
-        let ptr = slot.0 as *mut u8;
-        *slot = (0, 0, 0);
+            .filter(|s| s.size == layout.size() && s.align == layout.align())
+            .max_by_key(|s| s.stamp)?;
+        let ptr = slot.addr as *mut u8;
+        *slot = EMPTY;
         Some(ptr)
     }
 
     /// Whether the freed `ptr` of `layout` went into a slot (false: the
-    /// caller frees it).
+    /// caller frees it). Room is made by freeing the oldest kept blocks: a
+    /// process whose shapes change (a benchmark's second size, a last batch)
+    /// keeps the blocks of its current shape, not of its first.
     fn keep(ptr: *mut u8, layout: Layout) -> bool {
+        // The floor first: reading the limit frees small strings.
         if layout.size() < KEPT_MIN {
             return false;
         }
         let limit = kept_limit();
-        let mut slots = KEPT.lock().unwrap_or_else(|e| e.into_inner());
-        let held: usize = slots.iter().map(|s| s.1).sum();
-        if held + layout.size() > limit {
+        if layout.size() > limit {
             return false;
         }
-        match slots.iter_mut().find(|s| s.1 == 0) {
-            Some(slot) => {
-                *slot = (ptr as usize, layout.size(), layout.align());
-                true
+        let mut evicted = [EMPTY; KEPT_SLOTS];
+        {
+            let mut kept = KEPT.lock().unwrap_or_else(|e| e.into_inner());
+            let (slots, stamp) = &mut *kept;
+            for out in evicted.iter_mut() {
+                let held: usize = slots.iter().map(|s| s.size).sum();
+                let full = slots.iter().all(|s| s.size > 0);
+                if !full && held + layout.size() <= limit {
+                    break;
+                }
+                let Some(oldest) = slots
+                    .iter_mut()
+                    .filter(|s| s.size > 0)
+                    .min_by_key(|s| s.stamp)
+                else {
+                    break;
+                };
+                *out = std::mem::replace(oldest, EMPTY);
             }
-            None => false,
+            *stamp += 1;
+            let slot = slots
+                .iter_mut()
+                .find(|s| s.size == 0)
+                .expect("a slot was emptied above");
+            *slot = Slot {
+                addr: ptr as usize,
+                size: layout.size(),
+                align: layout.align(),
+                stamp: *stamp,
+            };
         }
+        Self::free(&evicted);
+        true
+    }
+
+    /// Hands `blocks` (taken out of their slots) back to the system
+    /// allocator; returns their bytes.
+    fn free(blocks: &[Slot]) -> usize {
+        let mut bytes = 0;
+        for b in blocks.iter().filter(|b| b.size > 0) {
+            // SAFETY: the block came from `System` with this layout (kept by
+            // `dealloc`, never handed out since, now out of its slot).
+            unsafe {
+                System.dealloc(
+                    b.addr as *mut u8,
+                    Layout::from_size_align_unchecked(b.size, b.align),
+                )
+            };
+            bytes += b.size;
+        }
+        bytes
     }
 
     /// The bytes held now (freed blocks kept for reuse).
     pub fn held_bytes() -> usize {
-        let slots = KEPT.lock().unwrap_or_else(|e| e.into_inner());
-        slots.iter().map(|s| s.1).sum()
+        let kept = KEPT.lock().unwrap_or_else(|e| e.into_inner());
+        kept.0.iter().map(|s| s.size).sum()
     }
 
     /// Hands every kept block back to the system allocator; returns the
     /// bytes released.
     pub fn release() -> usize {
         let taken = {
-            let mut slots = KEPT.lock().unwrap_or_else(|e| e.into_inner());
-            std::mem::replace(&mut *slots, [(0, 0, 0); KEPT_SLOTS])
+            let mut kept = KEPT.lock().unwrap_or_else(|e| e.into_inner());
+            std::mem::replace(&mut kept.0, [EMPTY; KEPT_SLOTS])
         };
-        let mut bytes = 0;
-        for (ptr, size, align) in taken {
-            if size > 0 {
-                // SAFETY: the block came from `System` with this layout
-                // (kept by `dealloc`, never handed out since).
-                unsafe {
-                    System.dealloc(
-                        ptr as *mut u8,
-                        Layout::from_size_align_unchecked(size, align),
-                    )
-                };
-                bytes += size;
-            }
-        }
-        bytes
+        Self::free(&taken)
     }
 }
 

@@ -1,7 +1,8 @@
 //! `KeptBlocks` keeps freed large blocks for the next request of the same
 //! layout: such a block costs no page faults the second time, comes back
-//! zeroed from `alloc_zeroed`, and the limit (`PACKSHARD_KEPT_BYTES`), the
-//! size floor and `release` hold. Its own binary without libtest's harness
+//! zeroed from `alloc_zeroed`, and the limit (`PACKSHARD_KEPT_BYTES`, the
+//! oldest blocks making room for the newest), the slots, the size floor and
+//! `release` hold. Its own binary without libtest's harness
 //! (`harness = false`): a global allocator is the whole process's, and the
 //! limit is read once, at the first large free.
 
@@ -77,22 +78,41 @@ fn a_freed_block_is_handed_back_zeroed_without_page_faults() {
 }
 
 fn the_limit_the_floor_and_release_hold() {
+    use packshard_optimized::alloc::KEPT_SLOTS;
     KeptBlocks::release();
-    // Two blocks freed: the limit (1.5 x BYTES) holds one.
+    // Two blocks freed: the limit (1.5 x BYTES) holds one, the newer.
     let (a, b) = (vec![1u8; BYTES], vec![2u8; BYTES]);
+    let b_at = b.as_ptr() as usize;
     drop(a);
     drop(b);
     assert_eq!(KeptBlocks::held_bytes(), BYTES);
-    // Another size is not served from the kept block.
+    // Another size is not served from the kept block; freed, it takes the
+    // older block's room (the newest blocks are kept, not the first ones).
     let other = vec![3u8; BYTES + 4096];
     assert_eq!(KeptBlocks::held_bytes(), BYTES);
-    drop(other); // over the limit with the kept one: freed
+    drop(other);
+    assert_eq!(KeptBlocks::held_bytes(), BYTES + 4096);
+    let again = vec![4u8; BYTES];
+    assert_ne!(
+        again.as_ptr() as usize,
+        b_at,
+        "an evicted block was handed out"
+    );
+    drop(again); // evicts `other` in turn
     assert_eq!(KeptBlocks::held_bytes(), BYTES);
-    // Below the floor: never kept.
-    drop(vec![4u8; KEPT_MIN - 1]);
+    // Over the limit alone, or below the floor: never kept.
+    drop(vec![5u8; 2 * BYTES]);
+    drop(vec![6u8; KEPT_MIN - 1]);
     assert_eq!(KeptBlocks::held_bytes(), BYTES);
     assert_eq!(KeptBlocks::release(), BYTES);
     assert_eq!(KeptBlocks::held_bytes(), 0);
+    // More blocks than slots: the oldest go.
+    let small: Vec<Vec<u8>> = (0..KEPT_SLOTS + 2)
+        .map(|i| vec![i as u8; KEPT_MIN])
+        .collect();
+    drop(small);
+    assert_eq!(KeptBlocks::held_bytes(), KEPT_SLOTS * KEPT_MIN);
+    assert_eq!(KeptBlocks::release(), KEPT_SLOTS * KEPT_MIN);
 }
 
 /// `zeros_parallel` asks for its block uninitialised (so a kept block comes
