@@ -87,11 +87,26 @@ const EXP_HIGH: f32 = 88.0;
 /// exponent bits; 0 for `x < -87` (including `-inf`). `x` must not be NaN.
 #[inline(always)]
 pub fn exp<S: Simd>(simd: S, x: S::f32s) -> S::f32s {
-    let too_small = simd.less_than_f32s(x, simd.splat_f32s(EXP_LOW));
-    let xc = simd.min_f32s(
-        simd.max_f32s(x, simd.splat_f32s(EXP_LOW)),
-        simd.splat_f32s(EXP_HIGH),
-    );
+    exp_with::<S, true>(simd, x)
+}
+
+/// [`exp`] for `x <= 88` (not checked): the same bits there without the
+/// clamp at 88 (one instruction of about twenty). For a softmax's shifted
+/// scores, which its maximum bounds: the attention forward's are at most
+/// its lazy-rescaling margin, 8.
+#[inline(always)]
+pub fn exp_at_most_88<S: Simd>(simd: S, x: S::f32s) -> S::f32s {
+    exp_with::<S, false>(simd, x)
+}
+
+/// [`exp`], clamping `x` at 88 where `HIGH`.
+#[inline(always)]
+fn exp_with<S: Simd, const HIGH: bool>(simd: S, x: S::f32s) -> S::f32s {
+    let low = simd.splat_f32s(EXP_LOW);
+    let mut xc = simd.max_f32s(x, low);
+    if HIGH {
+        xc = simd.min_f32s(xc, simd.splat_f32s(EXP_HIGH));
+    }
     let magic = simd.splat_f32s(ROUND_MAGIC);
     let t = simd.mul_add_f32s(xc, simd.splat_f32s(LOG2E), magic);
     let n = simd.sub_f32s(t, magic);
@@ -106,9 +121,10 @@ pub fn exp<S: Simd>(simd: S, x: S::f32s) -> S::f32s {
     let r2 = simd.mul_f32s(r, r);
     let y = simd.mul_add_f32s(p, r2, simd.add_f32s(r, simd.splat_f32s(1.0)));
     #[cfg(target_arch = "x86_64")]
-    if let Some(y) = scaled_v4(simd, y, n, too_small) {
+    if let Some(y) = scaled_v4(simd, y, n, simd.greater_than_or_equal_f32s(x, low)) {
         return y;
     }
+    let too_small = simd.less_than_f32s(x, low);
     // 2^n from the integer in t's low bits: ((n + 127) << 23) as f32 bits.
     let n_bits = simd.sub_u32s(
         simd.transmute_u32s_f32s(t),
@@ -123,7 +139,7 @@ pub fn exp<S: Simd>(simd: S, x: S::f32s) -> S::f32s {
 }
 
 /// With AVX-512 (`S` is pulp's `V4`), [`exp`]'s last step in one
-/// instruction: `y 2^n`, 0 where `zero`, by `vscalefps` (with a zeroing
+/// instruction: `y 2^n` where `keep`, 0 elsewhere, by `vscalefps` (with a zeroing
 /// mask) in place of building `2^n` from exponent bits and multiplying
 /// (four instructions of about twenty; the attention forward's softmax is
 /// mostly `exp`, issue 37). The same bits: both multiply `y` by the same
@@ -131,7 +147,7 @@ pub fn exp<S: Simd>(simd: S, x: S::f32s) -> S::f32s {
 /// subnormal. `None` for other `S`.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-fn scaled_v4<S: Simd>(simd: S, y: S::f32s, n: S::f32s, zero: S::m32s) -> Option<S::f32s> {
+fn scaled_v4<S: Simd>(simd: S, y: S::f32s, n: S::f32s, keep: S::m32s) -> Option<S::f32s> {
     use core::any::TypeId;
     use core::arch::x86_64::{__m512, __mmask16};
     use core::mem::{size_of, transmute_copy};
@@ -146,7 +162,7 @@ fn scaled_v4<S: Simd>(simd: S, y: S::f32s, n: S::f32s, zero: S::m32s) -> Option<
     // same size and layout as it writes.
     unsafe {
         let v4: pulp::x86::V4 = transmute_copy(&simd);
-        let keep = !transmute_copy::<S::m32s, __mmask16>(&zero);
+        let keep = transmute_copy::<S::m32s, __mmask16>(&keep);
         let (y, n) = (
             transmute_copy::<S::f32s, __m512>(&y),
             transmute_copy::<S::f32s, __m512>(&n),
@@ -551,6 +567,35 @@ mod tests {
         }
         let mut scalar = xs.clone();
         pulp::Scalar::new().vectorize(Scalar(&mut scalar));
+        // exp_at_most_88 (no clamp at 88), dispatched, on the x <= 88.
+        struct AtMost88<'a>(&'a mut [f32]);
+        impl WithSimd for AtMost88<'_> {
+            type Output = ();
+            #[inline(always)]
+            fn with_simd<S: Simd>(self, simd: S) {
+                let (head, tail) = S::as_mut_simd_f32s(self.0);
+                for x in head {
+                    *x = exp_at_most_88(simd, *x);
+                }
+                for x in tail {
+                    let mut v = [*x; 16];
+                    let (h, _) = S::as_mut_simd_f32s(&mut v[..S::F32_LANES]);
+                    h[0] = exp_at_most_88(simd, h[0]);
+                    *x = v[0];
+                }
+            }
+        }
+        let at: Vec<usize> = (0..xs.len()).filter(|&i| xs[i] <= 88.0).collect();
+        let mut capped: Vec<f32> = at.iter().map(|&i| xs[i]).collect();
+        arch().dispatch(AtMost88(&mut capped));
+        for (&i, y) in at.iter().zip(&capped) {
+            assert_eq!(
+                y.to_bits(),
+                scalar[i].to_bits(),
+                "exp_at_most_88({})",
+                xs[i]
+            );
+        }
         let differ: Vec<(f32, f32, f32)> = xs
             .iter()
             .zip(dispatched.iter().zip(&scalar))

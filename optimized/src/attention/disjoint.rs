@@ -82,6 +82,31 @@ impl<'a> Disjoint<'a> {
         unsafe { std::slice::from_raw_parts_mut(self.ptr.add(start), d) }
     }
 
+    /// Asks for the rows `at` in the cache ahead of their writes: a hint,
+    /// no effect on any value, nothing past the output. A query block's
+    /// output rows lie `heads * d` floats apart, a stride the hardware
+    /// prefetchers do not follow (issue 37, one core, 16,267 tokens: the
+    /// forward 0.203 s, 0.200 s with the rows asked for at the block's
+    /// start, 0.190 s writing no output at all).
+    pub(super) fn prefetch_rows(&self, at: Rows) {
+        let (heads, d) = (self.heads, self.d);
+        for i in 0..at.len {
+            let start = ((at.start + i) * heads + at.head) * d;
+            if start + d > self.len {
+                return;
+            }
+            #[cfg(target_arch = "x86_64")]
+            for off in (0..d).step_by(16) {
+                // SAFETY: a prefetch never faults, and the address is within
+                // the output (`start + off < len`); nothing is read or written.
+                unsafe {
+                    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+                    _mm_prefetch::<_MM_HINT_T0>(self.ptr.add(start + off).cast::<i8>());
+                }
+            }
+        }
+    }
+
     /// The elements per head of an output `[heads, per]` (`lse: [h, n]`).
     pub(super) fn len_per(&self, heads: usize) -> usize {
         self.len / heads.max(1)

@@ -122,6 +122,11 @@ pub(super) unsafe fn forward_item<S: Simd, T: Element>(
         acc.fill(0.0);
         b.m.fill(f32::NEG_INFINITY);
         b.l.fill(0.0);
+        out_rows.prefetch_rows(Rows {
+            start: it.q_start + q0,
+            len: rows,
+            head: it.head,
+        });
         let bk = BlockKeys::new(it, q0, rows);
         // Only the key tiles some query of the block may see (causality
         // and the sliding window skip the others).
@@ -209,7 +214,7 @@ fn softmax_lanes<S: Simd>(
     let mut sum = simd.splat_f32s(0.0);
     for j in 0..kn {
         let x = &mut S::as_mut_simd_f32s(&mut s[j * BLOCK_Q + g..][..lanes]).0[0];
-        *x = simd::exp(simd, simd.sub_f32s(*x, shift));
+        *x = simd::exp_at_most_88(simd, simd.sub_f32s(*x, shift));
         sum = simd.add_f32s(sum, *x);
     }
     let mut l = lanes_at::<S>(&b.l, g);
