@@ -145,7 +145,9 @@ pub const KEPT_BYTES_DEFAULT: usize = 512 << 20;
 
 /// A global allocator that keeps up to [`KEPT_SLOTS`] freed blocks of at
 /// least [`KEPT_MIN`] bytes (together at most `PACKSHARD_KEPT_BYTES`, read
-/// once, default [`KEPT_BYTES_DEFAULT`]; `0` keeps nothing), freeing the
+/// once, bytes or `KiB`/`MiB`/`GiB` as `PACKSHARD_MEMORY_BUDGET`, default
+/// [`KEPT_BYTES_DEFAULT`]; `0`, or a value that is not a byte count, keeps
+/// nothing), freeing the
 /// oldest to make room for the newest, and hands one back when a block of
 /// exactly its size and alignment is asked for again; everything else goes
 /// straight to the system allocator.
@@ -195,11 +197,11 @@ fn kept_limit() -> usize {
         return limit;
     }
     // Reading the environment allocates: only from `dealloc`, outside the
-    // lock, and a nested large free reads it again (the same answer).
-    let limit = std::env::var("PACKSHARD_KEPT_BYTES")
-        .ok()
-        .and_then(|v| v.trim().parse::<usize>().ok())
-        .unwrap_or(KEPT_BYTES_DEFAULT)
+    // lock, and a nested large free reads it again (the same answer). A
+    // value that is not a byte count keeps nothing (the Python package
+    // refuses to import with it, naming the variable).
+    let limit = packshard_reference::limits::kept_bytes(KEPT_BYTES_DEFAULT as u64)
+        .map_or(0, |b| usize::try_from(b).unwrap_or(usize::MAX))
         .min(usize::MAX - 1);
     KEPT_LIMIT.store(limit, Ordering::Relaxed);
     limit

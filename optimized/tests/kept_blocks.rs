@@ -21,6 +21,7 @@ fn main() {
     a_freed_block_is_handed_back_zeroed_without_page_faults();
     the_limit_the_floor_and_release_hold();
     zeros_parallel_clears_a_dirty_kept_block();
+    the_limit_is_read_as_the_memory_budget_is();
     println!("kept_blocks: ok");
 }
 
@@ -134,4 +135,38 @@ fn zeros_parallel_clears_a_dirty_kept_block() {
     );
     assert!(z.iter().all(|&x| x.to_bits() == 0), "a nonzero element");
     assert_eq!(KeptBlocks::held_bytes(), 0);
+}
+
+/// `PACKSHARD_KEPT_BYTES` takes what `PACKSHARD_MEMORY_BUDGET` takes, and a
+/// value that is not a byte count is an error naming the variable (the
+/// Python package refuses to import with it). The allocator's own limit was
+/// read at the first large free above and does not change.
+fn the_limit_is_read_as_the_memory_budget_is() {
+    use packshard_reference::limits::{kept_bytes, KEPT_BYTES_ENV};
+    for (text, want) in [
+        ("512MiB", Some(512u64 << 20)),
+        (" 7 ", Some(7)),
+        ("0", Some(0)),
+    ] {
+        // SAFETY: this binary runs one thread.
+        unsafe { std::env::set_var(KEPT_BYTES_ENV, text) };
+        assert_eq!(kept_bytes(1).ok(), want, "{text:?}");
+    }
+    for text in ["1.5GiB", "-1", "lots", ""] {
+        // SAFETY: as above.
+        unsafe { std::env::set_var(KEPT_BYTES_ENV, text) };
+        let e = kept_bytes(1).expect_err(text).to_string();
+        assert!(e.contains(KEPT_BYTES_ENV), "{text:?}: {e}");
+    }
+    // SAFETY: as above.
+    unsafe { std::env::remove_var(KEPT_BYTES_ENV) };
+    assert_eq!(kept_bytes(3).ok(), Some(3));
+    let (a, b) = (vec![1u8; BYTES], vec![2u8; BYTES]);
+    drop((a, b));
+    assert_eq!(
+        KeptBlocks::held_bytes(),
+        BYTES,
+        "the limit read at the start holds"
+    );
+    KeptBlocks::release();
 }

@@ -674,6 +674,10 @@ fn registry_list(py: Python<'_>) -> PyResult<Py<PyAny>> {
 /// The native module.
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    // The extension's allocator reads PACKSHARD_KEPT_BYTES and cannot fail:
+    // a value that is not a byte count is refused here, at import.
+    packshard_reference::limits::kept_bytes(0)
+        .map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))?;
     m.add("PackshardError", m.py().get_type::<PackshardError>())?;
     m.add_function(wrap_pyfunction!(attention, m)?)?;
     m.add_function(wrap_pyfunction!(attention_f32, m)?)?;

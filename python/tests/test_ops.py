@@ -245,3 +245,19 @@ def test_a_per_token_grad_output_scales_each_row():
     with pytest.raises(PackshardError) as e:
         packshard.cross_entropy(z, t, reduction="none", grad_output=g)
     assert e.value.field == "grad_output", e.value.message
+
+
+def test_a_kept_bytes_value_that_is_not_a_byte_count_stops_the_import():
+    """PACKSHARD_KEPT_BYTES (the extension's kept freed blocks) takes what
+    PACKSHARD_MEMORY_BUDGET takes; anything else is refused at import, naming
+    the variable, not silently ignored."""
+
+    def run(value):
+        env = dict(os.environ, PACKSHARD_KEPT_BYTES=value)
+        return subprocess.run([sys.executable, "-c", "import packshard"], env=env,
+                              capture_output=True, text=True, timeout=120)
+
+    bad = run("1.5GiB")
+    assert bad.returncode != 0
+    assert "PACKSHARD_KEPT_BYTES" in bad.stderr
+    assert run("256MiB").returncode == 0

@@ -38,6 +38,32 @@ pub fn memory_budget() -> Result<u64> {
     }
 }
 
+/// The environment variable that sets how many freed bytes the Python
+/// extension keeps for reuse (`packshard_optimized::alloc::KeptBlocks`):
+/// bytes as [`MEMORY_BUDGET_ENV`]'s, `0` keeps nothing.
+pub const KEPT_BYTES_ENV: &str = "PACKSHARD_KEPT_BYTES";
+
+/// [`KEPT_BYTES_ENV`] if set, else `default`.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] naming `PACKSHARD_KEPT_BYTES` when the
+/// variable is set but is not a byte count (the Python package refuses to
+/// import; the allocator, which cannot fail, then keeps nothing).
+pub fn kept_bytes(default: u64) -> Result<u64> {
+    match std::env::var(KEPT_BYTES_ENV) {
+        Ok(text) => parse_bytes(&text).ok_or_else(|| {
+            Error::invalid(
+                KEPT_BYTES_ENV,
+                format!(
+                    "{:?} is not a byte count (e.g. 536870912 or 512MiB)",
+                    crate::error::brief(&text)
+                ),
+            )
+        }),
+        Err(_) => Ok(default),
+    }
+}
+
 /// Parses `123`, `64KiB`, `512MiB` or `4GiB`.
 fn parse_bytes(text: &str) -> Option<u64> {
     let t = text.trim();
