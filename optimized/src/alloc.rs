@@ -4,6 +4,12 @@
 //!
 //! A binary installs [`CountingAlloc`] as its `#[global_allocator]`;
 //! without it every count reads 0 and [`peak_since`] reports `None`.
+//!
+//! And how the kernels' large outputs get their memory (issue 37): a binary
+//! may keep what the process frees ([`keep_freed_memory`]); a library in
+//! someone else's process keeps its own freed blocks instead ([`KeptBlocks`],
+//! the Python extension's allocator); outputs are cleared on every thread
+//! ([`zeros_parallel`]) and advised onto huge pages ([`huge_pages`]).
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};

@@ -12,8 +12,9 @@ pub fn mm_col_multiple<S: Simd>() -> usize {
 
 /// `C[m, n] += A[m, k] B[k, n]`, all row-major with leading dimensions
 /// `lda`, `ldb`, `ldc`. `m` must be a multiple of 4 and `n` of the vector
-/// width (callers pad their tiles with zeros); register blocks as
-/// [`mm_block`] says.
+/// width (callers pad their tiles with zeros). Register blocks: with
+/// AVX-512, 8 rows by 2 vectors (the last rows 4, the last columns one
+/// vector); narrower vectors 2 rows by 4 vectors.
 ///
 /// # Panics
 /// If `A` or `B` is shorter than its leading dimension and shape say (the
@@ -42,7 +43,7 @@ pub fn mm_acc<S: Simd>(
 /// `C[m, n] = alpha (A[m, k] B[k, n])`, shapes and leading dimensions as
 /// [`mm_acc`] (`C`'s previous values are not read): each product summed
 /// from 0 in [`mm_acc`]'s order, then multiplied by `alpha`, the bits of
-/// zeroing `C`, [`mm_acc`] and [`scale`]. The attention forward's scaled
+/// zeroing `C`, [`mm_acc`] and [`scale`](crate::simd::scale). The attention forward's scaled
 /// scores `S^T = scale K Q^T`.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]

@@ -31,7 +31,7 @@
 //!   (no recomputation).
 //! - [`linear_cross_entropy_tiled`]: tiles of tokens x vocabulary, one
 //!   `[tokens, vocab]` tile buffer; pass 1 the row statistics, pass 2 the
-//!   gradients from recomputed logits (four products, [`tiled`]).
+//!   gradients from recomputed logits (four products, `tiled`).
 //! - [`linear_cross_entropy_tiled_filtered`]: the tiled kernel with Cut
 //!   Cross-Entropy's gradient filtering (a tile of `dL/dz` below a threshold
 //!   off the targets skips its two products), reporting a bound on the error

@@ -1,7 +1,7 @@
 //! The in-place f32 entry points' checks: `q`, `k`, `v` (and
 //! `grad_output`) read where they lie, no rounding, with the checks of
 //! [`varlen_forward`] / [`varlen_backward`] in their order, the values
-//! checked by the kernel's own reads ([`Seen`]).
+//! checked by the kernel's own reads (`Seen`).
 
 use ndarray::ArrayView3;
 use packshard_reference::attention::{
