@@ -203,9 +203,11 @@ fn kept_limit() -> usize {
         return limit;
     }
     // Reading the environment allocates: only from `dealloc`, outside the
-    // lock, and a nested large free reads it again (the same answer). A
-    // value that is not a byte count keeps nothing (the Python package
+    // lock. Until it is read the limit is 0, so that a large free inside the
+    // read (a value of megabytes) keeps nothing instead of reading it again.
+    // A value that is not a byte count keeps nothing (the Python package
     // refuses to import with it, naming the variable).
+    KEPT_LIMIT.store(0, Ordering::Relaxed);
     let limit = packshard_reference::limits::kept_bytes(KEPT_BYTES_DEFAULT as u64)
         .map_or(0, |b| usize::try_from(b).unwrap_or(usize::MAX))
         .min(usize::MAX - 1);

@@ -13,8 +13,9 @@
 //! - [`erf`]: the rational approximation of XLA's `ErfImpl32` / Eigen's
 //!   `generic_fast_erf_float` (odd degree-13 numerator, even degree-8
 //!   denominator on `[-4, 4]`), within a few ulp of `erff` (checked in the tests).
-//! - [`mm_acc`]: `C += A B` on row-major tiles with register blocking (4 or 2
-//!   rows x 4 vectors), the inner product of the attention tiles.
+//! - [`mm_acc`]: `C += A B` on row-major tiles with register blocking (8 rows
+//!   x 2 vectors with AVX-512, 2 rows x 4 vectors narrower), the inner product
+//!   of the attention tiles.
 //!
 //! Each output element of [`mm_acc`] is accumulated over the inner dimension
 //! in increasing order with one fused multiply-add per term, whatever the
@@ -83,8 +84,9 @@ const EXP_LOW: f32 = -87.0;
 const EXP_HIGH: f32 = 88.0;
 
 /// `exp(x)` lane-wise: `x` clamped to `[-87, 88]`, `n = round(x / ln 2)`,
-/// `r = x - n ln 2`, Cephes' polynomial for `e^r`, scaled by `2^n` through the
-/// exponent bits; 0 for `x < -87` (including `-inf`). `x` must not be NaN.
+/// `r = x - n ln 2`, Cephes' polynomial for `e^r`, scaled by `2^n` (through
+/// the exponent bits, or `vscalefps` with AVX-512: the same bits); 0 for `x <
+/// -87` (including `-inf`). `x` must not be NaN.
 #[inline(always)]
 pub fn exp<S: Simd>(simd: S, x: S::f32s) -> S::f32s {
     exp_with::<S, true>(simd, x)
@@ -141,7 +143,7 @@ fn exp_with<S: Simd, const HIGH: bool>(simd: S, x: S::f32s) -> S::f32s {
 /// With AVX-512 (`S` is pulp's `V4`), [`exp`]'s last step in one
 /// instruction: `y 2^n` where `keep`, 0 elsewhere, by `vscalefps` (with a zeroing
 /// mask) in place of building `2^n` from exponent bits and multiplying
-/// (four instructions of about twenty; the attention forward's softmax is
+/// (four instructions of about twenty replaced by one; the attention forward's softmax is
 /// mostly `exp`, issue 37). The same bits: both multiply `y` by the same
 /// power of two, exactly or correctly rounded where the result is
 /// subnormal. `None` for other `S`.

@@ -17,8 +17,9 @@ pub fn mm_col_multiple<S: Simd>() -> usize {
 /// vector); narrower vectors 2 rows by 4 vectors.
 ///
 /// # Panics
-/// If `A` or `B` is shorter than its leading dimension and shape say (the
-/// products read them unchecked after one check per block).
+/// If `m` is not a multiple of 4 or `n` of the vector width, or `A` or `B`
+/// is shorter than its leading dimension and shape say (the products read
+/// them unchecked after one overflow-checked test per block).
 ///
 /// Each `C[i, j]` gets `A[i, p] B[p, j]` added for `p = 0, 1, ..., k - 1` in
 /// that order, one fused multiply-add each.
@@ -36,7 +37,7 @@ pub fn mm_acc<S: Simd>(
     c: &mut [f32],
     ldc: usize,
 ) {
-    debug_assert!(m.is_multiple_of(4) && n.is_multiple_of(S::F32_LANES));
+    assert!(m.is_multiple_of(4) && n.is_multiple_of(S::F32_LANES));
     mm_block::<S, false>(simd, (m, n, k), (a, lda), (b, ldb), (c, ldc), None);
 }
 
@@ -55,7 +56,7 @@ pub fn mm_scaled<S: Simd>(
     (c, ldc): (&mut [f32], usize),
     alpha: f32,
 ) {
-    debug_assert!(m.is_multiple_of(4) && n.is_multiple_of(S::F32_LANES));
+    assert!(m.is_multiple_of(4) && n.is_multiple_of(S::F32_LANES));
     mm_block::<S, false>(simd, (m, n, k), (a, lda), (b, ldb), (c, ldc), Some(alpha));
 }
 
@@ -78,7 +79,7 @@ pub fn mm_acc_at<S: Simd>(
     c: &mut [f32],
     ldc: usize,
 ) {
-    debug_assert!(m.is_multiple_of(4) && n.is_multiple_of(S::F32_LANES));
+    assert!(m.is_multiple_of(4) && n.is_multiple_of(S::F32_LANES));
     mm_block::<S, true>(simd, (m, n, k), (a, lda), (b, ldb), (c, ldc), None);
 }
 
@@ -124,6 +125,7 @@ fn mm_block<S: Simd, const AT: bool>(
     match (n - full) / S::F32_LANES {
         0 => {}
         1 => mm_narrow::<S, 4, 2, 1, AT>(simd, mn, rest, cc, set),
+        2 => mm_narrow::<S, 4, 2, 2, AT>(simd, mn, rest, cc, set),
         _ => mm_narrow::<S, 2, 2, 3, AT>(simd, mn, rest, cc, set),
     }
 }
@@ -198,14 +200,25 @@ fn mm_tile<S: Simd, const MR: usize, const NV: usize, const AT: bool>(
     }
     // The loop reads unchecked (index checks and their registers were half
     // its instructions once inlined into the attention forward, issue 37):
-    // its last index into `A` and into `B` checked here once.
+    // its last index into `A` and into `B` checked here once, without
+    // overflow (every other index it reads is smaller).
     if k > 0 {
         let a_last = if AT {
-            (k - 1) * lda + i0 + MR - 1
+            (k - 1)
+                .checked_mul(lda)
+                .and_then(|x| x.checked_add(i0 + MR - 1))
         } else {
-            (i0 + MR - 1) * lda + k - 1
+            (i0 + MR - 1)
+                .checked_mul(lda)
+                .and_then(|x| x.checked_add(k - 1))
         };
-        assert!(a_last < a.len() && (k - 1) * ldb + j0 + width <= b.len());
+        let b_end = (k - 1)
+            .checked_mul(ldb)
+            .and_then(|x| x.checked_add(j0 + width));
+        assert!(
+            a_last.is_some_and(|i| i < a.len()) && b_end.is_some_and(|e| e <= b.len()),
+            "a product's operands are shorter than their shape and leading dimensions say"
+        );
     }
     let (ap, bp) = (a.as_ptr(), b.as_ptr());
     for p in 0..k {
@@ -330,18 +343,74 @@ mod tests {
                     .collect();
                 // `mm_acc_at` reads A^T: a `[k, m]` array.
                 let at: Vec<f32> = (0..k * m).map(|idx| a[(idx % m) * k + idx / m]).collect();
+                // This CPU's widest instruction set, then AVX2 (where it
+                // runs) and pulp's scalar one: every register block and
+                // leftover-column path, each held to the same sums.
+                let a_in = if kind == Kind::TransposedA { &at } else { &a };
+                let mut runs: Vec<(&str, Vec<f32>)> = Vec::new();
                 let mut c = c0.clone();
                 arch().dispatch(Op {
                     kind,
                     m,
                     n,
                     k,
-                    a: if kind == Kind::TransposedA { &at } else { &a },
+                    a: a_in,
                     b: &b,
                     c: &mut c,
                 });
-                assert_eq!(c, want, "{kind:?} m {m} n {n} k {k}");
+                runs.push(("dispatched", c));
+                #[cfg(target_arch = "x86_64")]
+                if let Some(v3) = pulp::x86::V3::try_new() {
+                    let mut c = c0.clone();
+                    Simd::vectorize(
+                        v3,
+                        Op {
+                            kind,
+                            m,
+                            n,
+                            k,
+                            a: a_in,
+                            b: &b,
+                            c: &mut c,
+                        },
+                    );
+                    runs.push(("avx2", c));
+                }
+                let mut c = c0.clone();
+                pulp::Scalar::new().vectorize(Op {
+                    kind,
+                    m,
+                    n,
+                    k,
+                    a: a_in,
+                    b: &b,
+                    c: &mut c,
+                });
+                runs.push(("scalar", c));
+                for (isa, c) in runs {
+                    assert_eq!(c, want, "{isa}: {kind:?} m {m} n {n} k {k}");
+                }
             }
         }
+    }
+
+    /// A leading dimension whose last index overflows `usize` is refused
+    /// (the bound is checked without wrapping; wrapped, 2^62 rows apart
+    /// would pass as a small index and the loop read far outside `a`).
+    #[test]
+    #[should_panic(expected = "shorter than their shape")]
+    fn a_leading_dimension_that_overflows_is_refused() {
+        struct Huge<'a>(&'a [f32], &'a [f32], &'a mut [f32]);
+        impl WithSimd for Huge<'_> {
+            type Output = ();
+            #[inline(always)]
+            fn with_simd<S: Simd>(self, simd: S) {
+                let n = S::F32_LANES;
+                mm_acc_at(simd, 4, n, 5, self.0, 1 << 62, self.1, n, self.2, n);
+            }
+        }
+        let (a, b) = (vec![1.0f32; 8], vec![1.0f32; 5 * lanes()]);
+        let mut c = vec![0.0f32; 4 * lanes()];
+        arch().dispatch(Huge(&a, &b, &mut c));
     }
 }
