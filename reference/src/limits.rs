@@ -24,17 +24,28 @@ pub const DEFAULT_MEMORY_BUDGET: u64 = 4 << 30;
 /// [`Error::InvalidArgument`] naming `PACKSHARD_MEMORY_BUDGET` when the
 /// variable is set but is not a byte count.
 pub fn memory_budget() -> Result<u64> {
-    match std::env::var(MEMORY_BUDGET_ENV) {
+    bytes_from_env(
+        MEMORY_BUDGET_ENV,
+        DEFAULT_MEMORY_BUDGET,
+        "4294967296 or 4GiB",
+    )
+}
+
+/// The byte count in the environment variable `name` ([`parse_bytes`]), or
+/// `default` when it is unset; an error naming `name` (with `example` of
+/// what it takes) when it is set but is not a byte count.
+fn bytes_from_env(name: &str, default: u64, example: &str) -> Result<u64> {
+    match std::env::var(name) {
         Ok(text) => parse_bytes(&text).ok_or_else(|| {
             Error::invalid(
-                MEMORY_BUDGET_ENV,
+                name,
                 format!(
-                    "{:?} is not a byte count (e.g. 4294967296 or 4GiB)",
+                    "{:?} is not a byte count (e.g. {example})",
                     crate::error::brief(&text)
                 ),
             )
         }),
-        Err(_) => Ok(DEFAULT_MEMORY_BUDGET),
+        Err(_) => Ok(default),
     }
 }
 
@@ -50,18 +61,7 @@ pub const KEPT_BYTES_ENV: &str = "PACKSHARD_KEPT_BYTES";
 /// variable is set but is not a byte count (the Python package refuses to
 /// import; the allocator, which cannot fail, then keeps nothing).
 pub fn kept_bytes(default: u64) -> Result<u64> {
-    match std::env::var(KEPT_BYTES_ENV) {
-        Ok(text) => parse_bytes(&text).ok_or_else(|| {
-            Error::invalid(
-                KEPT_BYTES_ENV,
-                format!(
-                    "{:?} is not a byte count (e.g. 536870912 or 512MiB)",
-                    crate::error::brief(&text)
-                ),
-            )
-        }),
-        Err(_) => Ok(default),
-    }
+    bytes_from_env(KEPT_BYTES_ENV, default, "536870912 or 512MiB")
 }
 
 /// Parses `123`, `64KiB`, `512MiB` or `4GiB`.

@@ -11,7 +11,7 @@ use super::{Element, Rows, BLOCK_Q};
 #[inline(always)]
 fn prefetch_row<T>(x: &[T], (h, d): (usize, usize), at: Rows, i: usize) {
     if i < at.len {
-        let row = &x[((at.start + i) * h + at.head) * d..][..d];
+        let row = source_row(x, (h, d), at, i);
         let bytes = std::mem::size_of_val(row);
         #[cfg(target_arch = "x86_64")]
         for off in (0..bytes).step_by(64) {
@@ -22,6 +22,13 @@ fn prefetch_row<T>(x: &[T], (h, d): (usize, usize), at: Rows, i: usize) {
             }
         }
     }
+}
+
+/// Row `i` of the rows `at` of `x: [n, h, d]` (token `at.start + i`, head
+/// `at.head`): `d` elements.
+#[inline(always)]
+fn source_row<T>(x: &[T], (h, d): (usize, usize), at: Rows, i: usize) -> &[T] {
+    &x[((at.start + i) * h + at.head) * d..][..d]
 }
 
 /// How many rows ahead the gathers prefetch (issue 37, the 16,267-token
@@ -47,7 +54,7 @@ pub(super) fn gather_into<T: Element>(
     let mut seen = 0;
     for i in 0..at.len {
         prefetch_row(x, (h, d), at, i + AHEAD);
-        let src = &x[((at.start + i) * h + at.head) * d..][..d];
+        let src = source_row(x, (h, d), at, i);
         let row = &mut out[i * dp..(i + 1) * dp];
         for (o, &s) in row.iter_mut().zip(src) {
             *o = s.to_f32();
@@ -82,7 +89,7 @@ pub(super) fn gather_t_into<T: Element>(
     let mut seen = 0;
     for i in 0..at.len {
         prefetch_row(x, (h, d), at, i + AHEAD);
-        let src = &x[((at.start + i) * h + at.head) * d..][..d];
+        let src = source_row(x, (h, d), at, i);
         seen = src
             .iter()
             .fold(seen, |m, s| m.max(magnitude_bits(s.to_f32())));
